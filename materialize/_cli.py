@@ -1,0 +1,134 @@
+"""The ``omicsio-materialize`` command (also ``python -m materialize``).
+
+    omicsio-materialize cells.parquet out/ --genes gene_metadata.parquet --obs cell_type,drug,batch
+    omicsio-materialize 'atlas/dataset=*/**/*.parquet' out/ --where "tissue = 'lung'"
+    omicsio-materialize cells.vortex out/
+    omicsio-materialize --query "SELECT * FROM 'cells.parquet' WHERE n_genes > 500" out/
+    omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
+    omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
+    omicsio-materialize verify out/
+    omicsio-materialize synth corpus/ --cells 200000      (a synthetic corpus to try it on)
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from omicsio_jax import OmicsIOError
+from omicsio_jax._manifest import read_manifest, verify_dataset
+
+from ._materialize import DEFAULT_COMPRESSION, DEFAULT_GROUP_SIZE, DEFAULT_SHARD_CELLS, materialize
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="omicsio-materialize",
+        description="Convert list-column single-cell tables (parquet, vortex, a DuckDB query) or an "
+        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `synth DIR`.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
+    )
+    p.add_argument("paths", nargs="+", metavar="INPUT OUT",
+                   help="input (file, directory, glob, .vortex or .h5ad) and output directory; "
+                   "with --query the input is optional (if given it is the view `cells`)")
+    p.add_argument("--where", help="SQL predicate: materialize only the matching cells")
+    p.add_argument("--query", help="a DuckDB SELECT producing the rna_cells columns")
+    p.add_argument("--genes", help="gene table (parquet) with gene_token_id; default: gene_metadata.parquet "
+                   "beside the input, else the token ids seen in the data")
+    p.add_argument("--obs", help="comma-separated obs columns to keep (default: every scalar column)")
+    p.add_argument("--panel", help="text file with one gene per line (Ensembl id, name or token id): "
+                   "dense layout, rows pre-scattered to the panel's columns")
+    p.add_argument("--layer", help="h5ad: read this layer instead of X")
+    p.add_argument("--raw", action="store_true", help="h5ad: read raw/X and raw/var")
+    p.add_argument("--cell-id", default="cell_id", help="cell id column of table inputs (default: cell_id)")
+    p.add_argument("--allow-negative", action="store_true", help="accept negative expression values")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output dataset")
+    p.add_argument("--shard-cells", type=int, default=DEFAULT_SHARD_CELLS, help="cells per shard (power of two)")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                   help="ArrayRecord group size in cells (power of two; see benchmarks/README.md)")
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="ArrayRecord compression, e.g. zstd:1, snappy")
+    p.add_argument("--batch-cells", type=int, default=8192, help="cells read per batch")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _verify(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="omicsio-materialize verify", description="Recheck sizes and checksums.")
+    p.add_argument("dataset")
+    args = p.parse_args(argv)
+    manifest = read_manifest(args.dataset)
+    problems = verify_dataset(args.dataset)
+    if problems:
+        for problem in problems:
+            print(f"omicsio-materialize verify: {args.dataset}: {problem}", file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: OK ({manifest.num_cells:,} cells, {len(manifest.shards)} shard(s), "
+          f"fingerprint {manifest.fingerprint[:16]})")
+    return 0
+
+
+def _materialize(argv: list[str]) -> int:
+    p = _parser()
+    args = p.parse_intermixed_args(argv)
+    if args.query is not None and len(args.paths) == 1:
+        source, out = None, args.paths[0]
+    elif len(args.paths) == 2:
+        source, out = args.paths
+    else:
+        p.error("give INPUT and OUT (or OUT alone with --query)")
+    result = materialize(
+        source, out, where=args.where, query=args.query, genes=args.genes,
+        obs=None if args.obs is None else [c.strip() for c in args.obs.split(",") if c.strip()],
+        panel=args.panel, layer=args.layer, use_raw=args.raw, cell_id=args.cell_id,
+        allow_negative=args.allow_negative, overwrite=args.overwrite, shard_cells=args.shard_cells,
+        group_size=args.group_size, compression=args.compression, batch_cells=args.batch_cells,
+        progress=not args.no_progress,
+    )
+    print(result.summary())
+    return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code. User mistakes print one line, not a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _is_main_thread() else None
+    try:
+        if argv[:1] == ["verify"]:
+            return _verify(argv[1:])
+        if argv[:1] == ["synth"]:
+            from ._synthetic import main as synth_main
+
+            return synth_main(argv[1:])
+        return _materialize(argv)
+    except OmicsIOError as e:
+        print(f"omicsio-materialize: error: {e}", file=sys.stderr)
+        return 2
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
+        print("omicsio-materialize: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """True for Ctrl-C / SIGTERM, also when it surfaced inside a numba call as a SystemError."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,202 @@
+"""AnnData ``.h5ad`` input, read in row chunks with h5py so memory stays bounded.
+
+The matrix is ``X``, a named layer or ``raw/X`` (CSR, CSC or dense); the gene table comes from
+``var`` (``raw/var`` with ``use_raw``). Obs columns are sliced per chunk straight from their
+AnnData encodings (categorical, string-array, numeric, nullable-*). Row indices of an AnnData
+CSR matrix need not be sorted: they are sorted per row here (the list-column schema requires
+ascending gene ids); duplicates stay an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numba as nb
+import numpy as np
+import pyarrow as pa
+
+from omicsio_jax import DataValidationError
+
+from ._source import Batch, Source, gene_table_from_arrow
+
+
+@nb.njit(nogil=True, cache=True)
+def _sort_rows(indptr, indices, data):
+    for i in range(indptr.shape[0] - 1):
+        lo, hi = indptr[i], indptr[i + 1]
+        for j in range(lo + 1, hi):
+            if indices[j] < indices[j - 1]:
+                order = np.argsort(indices[lo:hi], kind="mergesort")
+                indices[lo:hi] = indices[lo:hi][order]
+                data[lo:hi] = data[lo:hi][order]
+                break
+
+
+def _encoding(node) -> str:
+    value = node.attrs.get("encoding-type", "array" if isinstance(node, h5py.Dataset) else "dict")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _strings(dataset: h5py.Dataset, lo: int, hi: int) -> list[str]:
+    return list(dataset.asstr()[lo:hi])
+
+
+class _ObsColumn:
+    """Slices one AnnData obs column into Arrow arrays."""
+
+    def __init__(self, node):
+        self.node, self.kind = node, _encoding(node)
+        if self.kind == "categorical":
+            self.categories = pa.array(_strings(node["categories"], 0, len(node["categories"])), pa.string())
+            self.type = pa.dictionary(pa.int32(), pa.string())
+        elif self.kind in ("string-array", "nullable-string-array"):
+            self.type = pa.string()
+        elif self.kind in ("array", "nullable-integer", "nullable-boolean") or self.kind == "nullable-float":
+            values = node if isinstance(node, h5py.Dataset) else node["values"]
+            self.type = None if values.ndim != 1 else pa.from_numpy_dtype(values.dtype)
+        else:
+            self.type = None
+
+    def read(self, lo: int, hi: int) -> pa.Array:
+        node = self.node
+        if self.kind == "categorical":
+            codes = node["codes"][lo:hi].astype(np.int32)
+            return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
+        if self.kind == "string-array":
+            return pa.array(_strings(node, lo, hi), pa.string())
+        if self.kind == "array":
+            return pa.array(node[lo:hi])
+        mask = node["mask"][lo:hi].astype(bool)
+        values = node["values"]
+        if self.kind == "nullable-string-array":
+            return pa.array(_strings(values, lo, hi), pa.string(), mask=mask)
+        return pa.array(values[lo:hi], mask=mask)
+
+
+class H5adSource(Source):
+    """Cells of an AnnData file, ``batch_cells`` rows at a time."""
+
+    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False, batch_cells: int = 8192):
+        self.path, self.label, self._batch_cells = path, str(path), batch_cells
+        try:
+            self._file = h5py.File(path, "r")
+            self._matrix = self._pick_matrix(layer, use_raw)
+            var = self._file["raw/var" if use_raw else "var"]
+            obs = self._file["obs"]
+            self.num_cells, num_vars = self._shape()
+            self.genes = self._gene_table(var, num_vars)
+            index_name = obs.attrs["_index"]
+            self._cell_ids = obs[index_name.decode() if isinstance(index_name, bytes) else index_name]
+            self._obs = {name: _ObsColumn(obs[name]) for name in obs.attrs.get("column-order", [])}
+        except (OSError, KeyError) as e:
+            msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
+            raise DataValidationError(msg) from e
+        self.obs_columns = {name: col.type for name, col in self._obs.items() if col.type is not None}
+        self.description = {"kind": "h5ad", "input": str(path), "matrix": self._matrix.name, "genes": "var"}
+
+    def _pick_matrix(self, layer: str | None, use_raw: bool):
+        if layer is not None and use_raw:
+            msg = "choose either a layer or raw, not both"
+            raise DataValidationError(msg)
+        if layer is not None:
+            layers = self._file.get("layers", {})
+            if layer not in layers:
+                msg = f"{self.path} has no layer {layer!r}; layers: {', '.join(layers) or '(none)'}"
+                raise DataValidationError(msg)
+            return layers[layer]
+        if use_raw:
+            if "raw" not in self._file:
+                msg = f"{self.path} has no .raw"
+                raise DataValidationError(msg)
+            return self._file["raw/X"]
+        return self._file["X"]
+
+    def _shape(self) -> tuple[int, int]:
+        m = self._matrix
+        if isinstance(m, h5py.Dataset):
+            return int(m.shape[0]), int(m.shape[1])
+        self._sparse = _encoding(m)
+        if self._sparse not in ("csr_matrix", "csc_matrix"):
+            msg = f"{self.path}: matrix {m.name} has unsupported encoding {self._sparse!r}"
+            raise DataValidationError(msg)
+        shape = m.attrs["shape"]
+        return int(shape[0]), int(shape[1])
+
+    def _gene_table(self, var, num_vars: int) -> pa.Table:
+        columns = {}
+        for name in var.attrs.get("column-order", []):
+            col = _ObsColumn(var[name])
+            if col.type is not None:
+                array = col.read(0, num_vars)
+                columns[name] = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
+        index_name = var.attrs["_index"]
+        index = pa.array(_strings(var[index_name.decode() if isinstance(index_name, bytes) else index_name], 0, num_vars))
+        tokens = columns.pop("gene_token_id", None)
+        if tokens is not None:
+            values = tokens.to_numpy(zero_copy_only=False)
+            if not (np.issubdtype(values.dtype, np.integer) and np.all(np.diff(values) > 0)):
+                columns["var_gene_token_id"], tokens = tokens, None
+        self._token_of_col = None if tokens is None else tokens.to_numpy(zero_copy_only=False).astype(np.int64)
+        table = {"gene_token_id": tokens if tokens is not None else pa.array(np.arange(num_vars, dtype=np.int64))}
+        if "ensembl_id" not in columns:
+            table["ensembl_id"] = columns.pop("gene_ids", index)
+        if "gene_name" not in columns:
+            table["gene_name"] = index
+        table.update(columns)
+        return gene_table_from_arrow(pa.table(table), f"var of {self.path}")
+
+    def _read_csr(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        m = self._matrix
+        if isinstance(m, h5py.Dataset):
+            dense = m[lo:hi]
+            rows, cols = np.nonzero(dense)
+            indptr = np.zeros(hi - lo + 1, dtype=np.int64)
+            np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
+            return indptr, cols.astype(np.int64), dense[rows, cols]
+        if self._sparse == "csr_matrix":
+            indptr = m["indptr"][lo : hi + 1].astype(np.int64)
+            a, b = int(indptr[0]), int(indptr[-1])
+            indices, data = m["indices"][a:b].astype(np.int64), m["data"][a:b]
+            indptr -= a
+            _sort_rows(indptr, indices, data)
+            return indptr, indices, data
+        return self._read_csc_rows(lo, hi)
+
+    def _read_csc_rows(self, lo: int, hi: int, col_chunk: int = 4096):
+        """Rows [lo, hi) of a CSC matrix: one pass over the columns per chunk of rows."""
+        m = self._matrix
+        indptr_all = m["indptr"]
+        rows_parts, cols_parts, vals_parts = [], [], []
+        num_cols = len(indptr_all) - 1
+        for c0 in range(0, num_cols, col_chunk):
+            c1 = min(num_cols, c0 + col_chunk)
+            ptr = indptr_all[c0 : c1 + 1].astype(np.int64)
+            rows = m["indices"][ptr[0] : ptr[-1]].astype(np.int64)
+            keep = (rows >= lo) & (rows < hi)
+            cols = np.repeat(np.arange(c0, c1, dtype=np.int64), np.diff(ptr))
+            rows_parts.append(rows[keep] - lo)
+            cols_parts.append(cols[keep])
+            vals_parts.append(m["data"][ptr[0] : ptr[-1]][keep])
+        rows, cols, vals = (np.concatenate(p) for p in (rows_parts, cols_parts, vals_parts))
+        order = np.lexsort((cols, rows))
+        indptr = np.zeros(hi - lo + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
+        return indptr, cols[order], vals[order]
+
+    def batches(self, obs: list[str]) -> Iterator[Batch]:
+        for lo in range(0, self.num_cells, self._batch_cells):
+            hi = min(self.num_cells, lo + self._batch_cells)
+            try:
+                indptr, cols, values = self._read_csr(lo, hi)
+                cell_ids = pa.array(_strings(self._cell_ids, lo, hi), pa.string())
+                obs_arrays = {name: self._obs[name].read(lo, hi) for name in obs}
+            except OSError as e:
+                msg = f"cannot read rows {lo}..{hi - 1} of {self.path}: {e} (truncated or corrupted file?)"
+                raise DataValidationError(msg) from e
+            tokens = cols if self._token_of_col is None else self._token_of_col[cols]
+            yield Batch(indptr, tokens, values, cell_ids, obs_arrays, self._locator(lo, cell_ids))
+
+    def _locator(self, lo: int, cell_ids: pa.Array):
+        return lambda i: f"row {lo + i} (cell_id {cell_ids[i].as_py()}) of {self.path}"

@@ -1,0 +1,288 @@
+"""`materialize`: any supported input → a validated, block-aligned ArrayRecord dataset."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import concurrent.futures
+import dataclasses
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax import _codec
+from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
+
+from ._panel import Panel, read_panel
+from ._shards import ShardWriter, atomic_output_dir, writer_options
+from ._sidecars import CellIdWriter, make_obs_writer
+from ._source import Source
+from ._validate import GeneIndex, encode_batch
+
+DEFAULT_SHARD_CELLS = 1 << 16
+DEFAULT_GROUP_SIZE = 16
+DEFAULT_COMPRESSION = "zstd:1"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaterializeResult:
+    """What was written, with the figures of the summary line."""
+
+    path: Path
+    manifest: Manifest
+    seconds: float
+
+    @property
+    def cells_per_second(self) -> float:
+        return self.manifest.num_cells / self.seconds if self.seconds > 0 else float("inf")
+
+    def summary(self) -> str:
+        m = self.manifest
+        size = sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files)
+        return (
+            f"materialized {m.num_cells:,} cells × {m.num_genes:,} genes ({m.layout}), {m.nnz:,} nonzeros, "
+            f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s), {self.seconds:.1f} s "
+            f"({self.cells_per_second:,.0f} cells/s) → {self.path}"
+        )
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_layout(shard_cells: int, group_size: int) -> None:
+    if not _is_power_of_two(shard_cells):
+        msg = f"shard_cells must be a power of two (so blocks never straddle shards), got {shard_cells:,}"
+        raise OmicsIOError(msg)
+    if not _is_power_of_two(group_size) or group_size > shard_cells:
+        msg = f"group_size must be a power of two ≤ shard_cells ({shard_cells:,}), got {group_size:,}"
+        raise OmicsIOError(msg)
+
+
+def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
+    """Read the next batches in a background thread (DuckDB / h5py / Arrow release the GIL)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # handed to the consumer, re-raised there
+            q.put(e)
+
+    thread = threading.Thread(target=produce, name="materialize-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+class _WriteBehind:
+    """Runs ``write(*args)`` calls in one background thread, at most ``depth`` pending.
+
+    ArrayRecord compresses while holding the GIL; numba kernels (nogil) and DuckDB/h5py reads
+    of the next batch carry on meanwhile on the other core.
+    """
+
+    def __init__(self, write, depth: int = 2):
+        self._write, self._depth = write, depth
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="materialize-writer")
+        self._pending: collections.deque = collections.deque()
+
+    def submit(self, *args) -> None:
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._write, *args))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def __enter__(self) -> _WriteBehind:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def open_source(
+    source: str | Path | None,
+    *,
+    where: str | None = None,
+    query: str | None = None,
+    genes: str | Path | None = None,
+    layer: str | None = None,
+    use_raw: bool = False,
+    cell_id: str = "cell_id",
+    batch_cells: int = 8192,
+) -> Source:
+    """Open any supported input: ``.h5ad`` files go to the AnnData reader, the rest to DuckDB."""
+    if source is not None and str(source).endswith(".h5ad"):
+        if where or query:
+            msg = "--where/--query apply to list-column tables; for .h5ad, subset the AnnData first"
+            raise OmicsIOError(msg)
+        from ._h5ad import H5adSource
+
+        return H5adSource(Path(source), layer=layer, use_raw=use_raw, batch_cells=batch_cells)
+    if layer or use_raw:
+        msg = "--layer/--raw apply to .h5ad inputs only"
+        raise OmicsIOError(msg)
+    if source is None and query is None:
+        msg = "give an input path/glob, or a DuckDB --query"
+        raise OmicsIOError(msg)
+    from ._tables import TableSource
+
+    return TableSource(None if source is None else str(source), where=where, query=query,
+                       genes=None if genes is None else str(genes), cell_id_column=cell_id,
+                       batch_cells=batch_cells)
+
+
+def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
+    if obs is None:
+        return list(src.obs_columns)
+    unknown = [name for name in obs if name not in src.obs_columns]
+    if unknown:
+        msg = (
+            f"obs column(s) {', '.join(unknown)} not found (or not scalar) in {src.label}; "
+            f"available: {', '.join(src.obs_columns) or '(none)'}"
+        )
+        raise DataValidationError(msg)
+    return list(obs)
+
+
+def materialize(
+    source: str | Path | None,
+    out: str | Path,
+    *,
+    where: str | None = None,
+    query: str | None = None,
+    genes: str | Path | None = None,
+    obs: Sequence[str] | None = None,
+    panel: str | Path | Sequence[str] | None = None,
+    layer: str | None = None,
+    use_raw: bool = False,
+    cell_id: str = "cell_id",
+    allow_negative: bool = False,
+    overwrite: bool = False,
+    shard_cells: int = DEFAULT_SHARD_CELLS,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    compression: str = DEFAULT_COMPRESSION,
+    batch_cells: int = 8192,
+    progress: bool = True,
+) -> MaterializeResult:
+    """Convert list-column tables, a DuckDB query or an ``.h5ad`` into a dataset directory.
+
+    >>> materialize("cells.parquet", "out/", obs=["cell_type", "drug"])      # doctest: +SKIP
+    >>> materialize("atlas/**/*.parquet", "lung/", where="tissue = 'lung'")  # doctest: +SKIP
+    >>> materialize("pbmc.h5ad", "pbmc/", layer="counts")                    # doctest: +SKIP
+
+    Either the whole dataset appears at ``out`` or nothing does. Raises `DataValidationError`
+    naming the file, row and cell_id of the first cell that breaks the schema.
+    """
+    start = time.perf_counter()
+    _check_layout(shard_cells, group_size)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
+        raise OmicsIOError(msg)
+    src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
+                      cell_id=cell_id, batch_cells=batch_cells)
+    gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
+                                       f"{src.description.get('genes') or 'token ids seen in the data'}: "
+                                       f"{src.genes.num_rows:,} genes")
+    chosen_panel = None if panel is None else read_panel(panel, src.genes)
+    obs_names = _choose_obs(src, obs)
+    options = writer_options(group_size, compression)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as cleanup:
+        (tmp / "obs").mkdir()
+        shards = ShardWriter(tmp, shard_cells=shard_cells, options=options)
+        cleanup.callback(shards.abort)
+        obs_writers = [make_obs_writer(tmp / "obs", name, src.obs_columns[name]) for name in obs_names]
+        for writer in obs_writers:
+            cleanup.callback(writer.close)
+        cell_ids = CellIdWriter(tmp)
+        cleanup.callback(cell_ids.close)
+        nnz = 0
+        with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress,
+                  desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar, _WriteBehind(shards.write) as write_behind:
+            for batch in _prefetch(src.batches(obs_names)):
+                buf, starts, batch_nnz = encode_batch(batch.indptr, batch.tokens, batch.values, gene_index,
+                                                      allow_negative=allow_negative, locate=batch.locate,
+                                                      panel=chosen_panel)
+                nnz += batch_nnz
+                write_behind.submit(buf, starts)
+                for writer in obs_writers:
+                    writer.append(batch.obs[writer.name])
+                cell_ids.append(batch.cell_ids)
+                bar.update(batch.num_cells)
+            write_behind.drain()
+        shard_entries = shards.close()
+        num_cells = sum(s.num_cells for s in shard_entries)
+        cell_ids.finish()
+        obs_entries = []
+        for writer in obs_writers:
+            dtype = writer.finish()
+            obs_entries.append(ObsEntry(writer.name, writer.kind, dtype, writer.num_categories))
+        features = src.genes if chosen_panel is None else chosen_panel.features
+        pq.write_table(features, tmp / "features.parquet", compression="zstd")
+        relpaths = ["features.parquet", CellIdWriter.path]
+        relpaths += [p for writer in obs_writers for p in writer.files()]
+        files = tuple(file_entry(tmp, p) for p in relpaths)
+        manifest = Manifest(
+            num_cells=num_cells,
+            num_genes=features.num_rows,
+            nnz=nnz,
+            layout="sparse" if chosen_panel is None else "dense",
+            codec=_codec_description(chosen_panel),
+            array_record={"group_size": group_size, "compression": compression, "writer_options": options},
+            shard_cells=shard_cells,
+            shards=tuple(shard_entries),
+            files=files,
+            obs=tuple(obs_entries),
+            source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
+            created_by=f"omicsio_jax {_version()}",
+        ).with_fingerprint()
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json())
+    return MaterializeResult(out, manifest, time.perf_counter() - start)
+
+
+def _codec_description(panel: Panel | None) -> dict:
+    return {
+        "name": "omicsio-cell",
+        "version": _codec.CODEC_VERSION,
+        "records": "one per cell",
+        "indices": "dense row" if panel is not None else "per record: u16 gaps if every gap ≤ 65535, else u32",
+        "values": "per record: narrowest lossless of u8/u16/u32 (integer counts) or f32",
+        "dense_width": None if panel is None else panel.features.num_rows,
+    }
+
+
+def _version() -> str:
+    import omicsio_jax
+
+    return omicsio_jax.__version__
+

@@ -1,0 +1,88 @@
+"""Gene panels for the dense layout: rows pre-scattered to the panel's columns."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+import pyarrow as pa
+
+from omicsio_jax import DataValidationError
+
+# A panel entry may name a gene by any of these gene-table columns.
+_KEY_COLUMNS = ("ensembl_id", "gene_name", "gene_token_id")
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _scatter_panel(indptr, tokens, values, token_to_col, col_to_panel, out):
+    for i in nb.prange(indptr.shape[0] - 1):
+        for j in range(indptr[i], indptr[i + 1]):
+            p = col_to_panel[token_to_col[tokens[j]]]
+            if p >= 0:
+                out[i, p] = values[j]
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """``col_to_panel[c]`` is the panel position of gene column ``c`` (-1 = not in the panel)."""
+
+    features: pa.Table
+    col_to_panel: np.ndarray
+
+    def scatter(self, indptr: np.ndarray, tokens: np.ndarray, values: np.ndarray,
+                token_to_col: np.ndarray) -> np.ndarray:
+        """Dense ``(num_cells, panel size)`` float32 rows from validated CSR rows of gene tokens."""
+        out = np.zeros((len(indptr) - 1, self.features.num_rows), dtype=np.float32)
+        _scatter_panel(indptr, tokens, values, token_to_col, self.col_to_panel, out)
+        return out
+
+
+def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
+    """Resolve a panel (a text file with one gene per line, or a list) against the gene table.
+
+    Each entry may be an Ensembl id, a gene name or a gene_token_id; the panel keeps its order.
+    """
+    if isinstance(panel, (str, Path)):
+        path = Path(panel)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            msg = f"cannot read panel file {path}: {e.strerror}"
+            raise DataValidationError(msg) from e
+        entries = [line.split("#")[0].strip() for line in lines]
+        entries = [e for e in entries if e]
+        label = str(path)
+    else:
+        entries, label = [str(e) for e in panel], "the panel"
+    if not entries:
+        msg = f"{label} lists no genes"
+        raise DataValidationError(msg)
+    lookup: dict[str, int] = {}
+    for key in _KEY_COLUMNS:
+        if key in genes.column_names:
+            for col, value in enumerate(genes.column(key).to_pylist()):
+                lookup.setdefault(str(value), col)
+    cols, unknown, seen = [], [], set()
+    for entry in entries:
+        col = lookup.get(entry)
+        if col is None:
+            unknown.append(entry)
+        elif col in seen:
+            msg = f"{label} names gene {entry!r} twice (or under two names)"
+            raise DataValidationError(msg)
+        else:
+            seen.add(col)
+            cols.append(col)
+    if unknown:
+        shown = ", ".join(repr(u) for u in unknown[:5]) + (" …" if len(unknown) > 5 else "")
+        msg = (
+            f"{len(unknown)} gene(s) of {label} are not in the gene table: {shown} "
+            f"(entries are matched against {', '.join(k for k in _KEY_COLUMNS if k in genes.column_names)})"
+        )
+        raise DataValidationError(msg)
+    col_to_panel = np.full(genes.num_rows, -1, dtype=np.int32)
+    col_to_panel[cols] = np.arange(len(cols), dtype=np.int32)
+    return Panel(genes.take(pa.array(cols)), col_to_panel)

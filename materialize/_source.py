@@ -1,0 +1,97 @@
+"""What every input kind hands to the writer: a gene table and a stream of cell batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from omicsio_jax import DataValidationError
+
+CATEGORICAL = "categorical"
+NUMERIC = "numeric"
+
+
+@dataclasses.dataclass
+class Batch:
+    """Consecutive cells as raw CSR (gene tokens, not yet validated) plus ids and obs."""
+
+    indptr: np.ndarray
+    tokens: np.ndarray
+    values: np.ndarray
+    cell_ids: pa.Array
+    obs: dict[str, pa.Array]
+    locate: Callable[[int], str]
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.indptr) - 1
+
+    @classmethod
+    def from_arrow(cls, gene_ptr: np.ndarray, genes: pa.Array, value_ptr: np.ndarray, values: pa.Array,
+                   cell_ids: pa.Array, obs: dict[str, pa.Array], locate: Callable[[int], str]) -> Batch:
+        """Check the parallel lists line up and hold no nulls, then expose them as numpy."""
+        if not np.array_equal(gene_ptr, value_ptr):
+            i = int(np.flatnonzero(np.diff(gene_ptr) != np.diff(value_ptr))[0])
+            msg = (
+                f"unequal list lengths in {locate(i)}: gene_token_id has {gene_ptr[i + 1] - gene_ptr[i]} "
+                f"entries, gene_expression has {value_ptr[i + 1] - value_ptr[i]}"
+            )
+            raise DataValidationError(msg)
+        for name, flat in (("gene_token_id", genes), ("gene_expression", values)):
+            if flat.null_count:
+                j = int(np.flatnonzero(pc.is_null(flat).to_numpy(zero_copy_only=False))[0])
+                i = int(np.searchsorted(gene_ptr, j, side="right") - 1)
+                msg = f"null element inside the {name} list in {locate(i)}"
+                raise DataValidationError(msg)
+        return cls(gene_ptr, genes.to_numpy(), values.to_numpy(), cell_ids, obs, locate)
+
+
+class Source:
+    """An input: ``genes`` (gene table), ``num_cells``, ``obs_columns`` (name → Arrow type) and `batches`."""
+
+    description: dict[str, Any]
+    label: str
+    genes: pa.Table
+    num_cells: int
+    obs_columns: dict[str, pa.DataType]
+
+    def batches(self, obs: list[str]) -> Iterator[Batch]:
+        raise NotImplementedError
+
+
+def obs_kind(dtype: pa.DataType) -> str | None:
+    """``"categorical"`` for strings/dictionaries/bools, ``"numeric"`` for numbers, None otherwise."""
+    if pa.types.is_dictionary(dtype) or pa.types.is_boolean(dtype):
+        return CATEGORICAL
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype):
+        return CATEGORICAL
+    if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
+        return NUMERIC
+    return None
+
+
+def obs_columns_of(schema: pa.Schema, *, exclude: set[str]) -> dict[str, pa.DataType]:
+    """The scalar columns of a schema usable as obs sidecars, with their Arrow type."""
+    return {f.name: f.type for f in schema if f.name not in exclude and obs_kind(f.type) is not None}
+
+
+def gene_table_from_arrow(table: pa.Table, label: str) -> pa.Table:
+    """Check a gene table and sort it by gene_token_id (column order of the dataset)."""
+    if "gene_token_id" not in table.column_names:
+        msg = f"gene table {label} has no gene_token_id column (it has {', '.join(table.column_names)})"
+        raise DataValidationError(msg)
+    tokens = table.column("gene_token_id")
+    if not pa.types.is_integer(tokens.type):
+        msg = f"gene_token_id of gene table {label} must be integers, got {tokens.type}"
+        raise DataValidationError(msg)
+    if tokens.null_count:
+        msg = f"gene table {label} has null gene_token_id values"
+        raise DataValidationError(msg)
+    table = table.sort_by("gene_token_id")
+    index = table.column_names.index("gene_token_id")
+    return table.set_column(index, "gene_token_id", pc.cast(table.column("gene_token_id"), pa.int64()))

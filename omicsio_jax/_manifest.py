@@ -1,0 +1,189 @@
+"""The manifest: what a materialized dataset directory holds, with sizes and checksums.
+
+A dataset directory looks like::
+
+    out/
+      manifest.json             written last: its presence marks the dataset complete
+      shard-00000.arrayrecord   one record per cell (see _codec), shard_cells cells per shard
+      shard-00001.arrayrecord
+      features.parquet          the gene table, one row per column of the data, in column order
+      cell_ids.parquet          one string per cell, in row order
+      obs/<name>.codes.npy      categorical obs: int32 codes (-1 = missing) ...
+      obs/<name>.categories.json  ... and their categories
+      obs/<name>.npy            numeric obs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ._errors import DatasetFormatError
+
+FORMAT_NAME = "omicsio_jax.dataset"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LAYOUTS = ("sparse", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A file of the dataset with its size and SHA-256."""
+
+    path: str
+    num_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEntry:
+    """One ArrayRecord shard: cells ``[first_cell, first_cell + num_cells)``."""
+
+    path: str
+    first_cell: int
+    num_cells: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ObsEntry:
+    """One obs sidecar column: ``kind`` is ``"categorical"`` or ``"numeric"``."""
+
+    name: str
+    kind: str
+    dtype: str
+    num_categories: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything known about a dataset directory; serialised as ``manifest.json``."""
+
+    num_cells: int
+    num_genes: int
+    nnz: int
+    layout: str
+    codec: dict[str, Any]
+    array_record: dict[str, Any]
+    shard_cells: int
+    shards: tuple[ShardEntry, ...]
+    files: tuple[FileEntry, ...]
+    obs: tuple[ObsEntry, ...]
+    source: dict[str, Any]
+    created_by: str
+    fingerprint: str = ""
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def with_fingerprint(self) -> Manifest:
+        """Return a copy whose ``fingerprint`` is computed from the content description."""
+        return dataclasses.replace(self, fingerprint=compute_fingerprint(self))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        fields = dict(raw)
+        fields["shards"] = tuple(ShardEntry(**s) for s in raw["shards"])
+        fields["files"] = tuple(FileEntry(**f) for f in raw["files"])
+        fields["obs"] = tuple(ObsEntry(**o) for o in raw["obs"])
+        return cls(**fields)
+
+
+def compute_fingerprint(manifest: Manifest) -> str:
+    """SHA-256 over the content description: shape, layout, codec and every file checksum.
+
+    The source description and the creating version are left out, so the same data written
+    from parquet or from h5ad gets the same fingerprint.
+    """
+    content = {
+        "format_version": manifest.format_version,
+        "num_cells": manifest.num_cells,
+        "num_genes": manifest.num_genes,
+        "nnz": manifest.nnz,
+        "layout": manifest.layout,
+        "codec": manifest.codec,
+        "shard_cells": manifest.shard_cells,
+        "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
+        "files": sorted((f.path, f.sha256) for f in manifest.files),
+    }
+    blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], *, chunk_bytes: int = 8 << 20) -> str:
+    """SHA-256 of a file, read in chunks (constant memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(root: Path, relpath: str) -> FileEntry:
+    full = root / relpath
+    return FileEntry(relpath, full.stat().st_size, sha256_file(full))
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and check ``<path>/manifest.json``; raise `DatasetFormatError` with a fix if absent or foreign."""
+    root = Path(path)
+    if not root.is_dir():
+        msg = f"{str(root)!r} is not a directory: pass the output directory of `omicsio-materialize`"
+        raise DatasetFormatError(msg)
+    mpath = root / MANIFEST_NAME
+    if not mpath.exists():
+        msg = (
+            f"{str(root)!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its "
+            "materialization did not finish (re-run `omicsio-materialize ... --overwrite`)"
+        )
+        raise DatasetFormatError(msg)
+    try:
+        raw = json.loads(mpath.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        msg = f"cannot parse {mpath}: {e}"
+        raise DatasetFormatError(msg) from e
+    if raw.get("format") != FORMAT_NAME:
+        msg = f"{mpath} is not an omicsio_jax manifest (format={raw.get('format')!r})"
+        raise DatasetFormatError(msg)
+    if raw.get("format_version") != FORMAT_VERSION:
+        msg = (
+            f"{mpath} has format_version {raw.get('format_version')}, this omicsio_jax reads "
+            f"version {FORMAT_VERSION}: re-materialize the dataset or install a matching omicsio_jax"
+        )
+        raise DatasetFormatError(msg)
+    try:
+        return Manifest.from_dict(raw)
+    except (KeyError, TypeError) as e:
+        msg = f"{mpath} is malformed: {e}"
+        raise DatasetFormatError(msg) from e
+
+
+def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
+    """Recheck sizes and SHA-256 of every file in the manifest; return a list of problems (empty if sound)."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    problems = []
+    entries = [(s.path, s.num_bytes, s.sha256) for s in manifest.shards]
+    entries += [(f.path, f.num_bytes, f.sha256) for f in manifest.files]
+    for relpath, num_bytes, sha in entries:
+        full = root / relpath
+        if not full.exists():
+            problems.append(f"{relpath}: missing")
+            continue
+        size = full.stat().st_size
+        if size != num_bytes:
+            problems.append(f"{relpath}: {size} bytes, manifest says {num_bytes}")
+            continue
+        actual = sha256_file(full)
+        if actual != sha:
+            problems.append(f"{relpath}: sha256 {actual[:16]}…, manifest says {sha[:16]}…")
+    if compute_fingerprint(manifest) != manifest.fingerprint:
+        problems.append("manifest.json: fingerprint does not match its content")
+    return problems

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11+) and install omicsio_jax with the given extras, e.g. `scripts/setup.sh test`.
+# Idempotent: re-running only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+extras="${1:-}"
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e "$spec"

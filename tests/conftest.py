@@ -1,0 +1,53 @@
+"""Shared fixtures: small synthetic corpora and datasets, made once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from materialize import make_synthetic_corpus, materialize
+
+
+def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference CSR straight from a list-column table (pyarrow + numpy, no omicsio code)."""
+    genes = table.column("gene_token_id").combine_chunks()
+    values = table.column("gene_expression").combine_chunks()
+    lengths = np.array([0 if v is None else len(v) for v in genes.to_pylist()], dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    flat_genes = np.concatenate([np.asarray(v or [], dtype=np.int64) for v in genes.to_pylist()] or [[]])
+    flat_values = np.concatenate([np.asarray(v or [], dtype=np.float32) for v in values.to_pylist()] or [[]])
+    return indptr, flat_genes.astype(np.int32), flat_values.astype(np.float32)
+
+
+def assert_csr_equal(actual, expected) -> None:
+    for a, e, name in zip(actual, expected, ("indptr", "indices", "values"), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+        if name == "values":  # bit-exact, not just numerically equal
+            np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32),
+                                          np.asarray(e, np.float32).view(np.uint32))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """3,000 cells × 2,000 genes, as parquet + gene table + h5ad (same cells)."""
+    return make_synthetic_corpus(tmp_path_factory.mktemp("corpus"), num_cells=3000, num_genes=2000,
+                                 seed=7, mean_nnz=150, progress=False)
+
+
+@pytest.fixture(scope="session")
+def corpus_table(corpus) -> pa.Table:
+    return pq.read_table(corpus.cells_parquet)
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(corpus, tmp_path_factory):
+    """The corpus materialized with small shards (1,024 cells) so several shards are exercised."""
+    out = tmp_path_factory.mktemp("ds") / "out"
+    materialize(corpus.cells_parquet, out, shard_cells=1024, progress=False)
+    return out

@@ -1,0 +1,57 @@
+"""Arrow list columns → CSR: sliced arrays, chunked arrays, null lists, every list flavour."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from omicsio_jax._arrow import list_to_csr
+
+ROWS = [[1, 2], None, [3], [], [4, 5, 6]]
+
+
+def _reference(rows):
+    lengths = [0 if r is None else len(r) for r in rows]
+    return np.concatenate([[0], np.cumsum(lengths)]), [v for r in rows if r for v in r]
+
+
+@pytest.mark.parametrize("list_type", [pa.list_(pa.int32()), pa.large_list(pa.int32()),
+                                       pa.list_view(pa.int32()), pa.large_list_view(pa.int32())])
+def test_every_list_flavour(list_type):
+    indptr, values = list_to_csr(pa.array(ROWS, list_type))
+    ref_ptr, ref_values = _reference(ROWS)
+    np.testing.assert_array_equal(indptr, ref_ptr)
+    assert values.to_pylist() == ref_values
+
+
+@pytest.mark.parametrize("start,stop", [(1, 5), (2, 4), (3, 3), (0, 1)])
+def test_sliced_array_offsets_do_not_start_at_zero(start, stop):
+    arr = pa.array(ROWS, pa.list_(pa.int32())).slice(start, stop - start)
+    assert stop == start or arr.offsets[0].as_py() == sum(len(r or []) for r in ROWS[:start])
+    indptr, values = list_to_csr(arr)
+    ref_ptr, ref_values = _reference(ROWS[start:stop])
+    np.testing.assert_array_equal(indptr, ref_ptr)
+    assert values.to_pylist() == ref_values
+
+
+def test_chunked_array_accumulates_per_chunk_offsets():
+    chunks = [pa.array(ROWS[:2], pa.list_(pa.int32())), pa.array(ROWS[2:], pa.list_(pa.int32())).slice(1)]
+    indptr, values = list_to_csr(pa.chunked_array(chunks))
+    ref_ptr, ref_values = _reference(ROWS[:2] + ROWS[3:])
+    np.testing.assert_array_equal(indptr, ref_ptr)
+    assert values.to_pylist() == ref_values
+
+
+def test_null_list_covering_a_non_empty_range_is_an_empty_row():
+    # The Arrow spec allows a null slot to span child values; they must not leak into the row.
+    offsets = pa.array([0, 2, 5, 6], pa.int32())
+    arr = pa.ListArray.from_arrays(offsets, pa.array(range(6), pa.int32()), mask=pa.array([False, True, False]))
+    indptr, values = list_to_csr(arr)
+    np.testing.assert_array_equal(indptr, [0, 2, 2, 3])
+    assert values.to_pylist() == [0, 1, 5]
+
+
+def test_not_a_list_column():
+    with pytest.raises(TypeError, match="expected a list column"):
+        list_to_csr(pa.array([1, 2]))

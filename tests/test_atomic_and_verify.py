@@ -1,0 +1,167 @@
+"""Nothing half-written, ever; `verify` catches corruption; the console script works for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from materialize import materialize
+from materialize import _shards
+from materialize._cli import main
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
+
+
+def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
+    calls = []
+    real_write = _shards.ShardWriter.write
+
+    def write_then_interrupt(self, buf, starts):
+        real_write(self, buf, starts)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_shards.ShardWriter, "write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        materialize(corpus.cells_parquet, tmp_path / "out", batch_cells=500, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, out, progress=False)
+    before = oj.open_dataset(out).fingerprint
+
+    def boom(self, buf, starts):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(_shards.ShardWriter, "write", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
+    assert oj.open_dataset(out).fingerprint == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress"]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 2
+    assert "not empty and not a materialized dataset" in capsys.readouterr().err
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_overwrite_replaces_a_dataset(corpus, tmp_path):
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, out, where="batch = 'plate_00'", progress=False)
+    small = oj.open_dataset(out).num_cells
+    materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
+    assert oj.open_dataset(out).num_cells > small
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "materialize", str(corpus.h5ad), str(out), "--batch-cells", "64", "--no-progress",
+           "--shard-cells", "256"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(".out.partial") and any((p).glob("shard-*"))
+                                             for p in tmp_path.iterdir()):
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists()
+    with pytest.raises(oj.DatasetFormatError, match="no manifest.json"):
+        for partial in tmp_path.iterdir():
+            oj.open_dataset(partial)
+        raise oj.DatasetFormatError(f"{tmp_path}: no manifest.json in any leftover")
+    if sig != signal.SIGKILL:  # a catchable signal cleans up completely
+        assert _leftovers(tmp_path) == [], err.decode()
+        assert b"interrupted; nothing was written" in err
+
+
+def test_verify_catches_a_flipped_byte(dataset_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    assert main(["verify", str(copy)]) == 0
+    assert "OK (3,000 cells, 3 shard(s)" in capsys.readouterr().out
+    shard = copy / "shard-00001.arrayrecord"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert main(["verify", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "shard-00001.arrayrecord: sha256" in err and "manifest says" in err
+
+
+def test_verify_catches_sidecar_damage_and_missing_files(dataset_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    codes = copy / "obs" / "drug.codes.npy"
+    codes.write_bytes(codes.read_bytes()[:-4])
+    (copy / "cell_ids.parquet").unlink()
+    assert main(["verify", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "obs/drug.codes.npy:" in err and "bytes, manifest says" in err
+    assert "cell_ids.parquet: missing" in err
+
+
+def test_open_dataset_refuses_non_datasets(tmp_path):
+    with pytest.raises(oj.DatasetFormatError, match="is not a directory"):
+        oj.open_dataset(tmp_path / "nope")
+    with pytest.raises(oj.DatasetFormatError, match="has no manifest.json"):
+        oj.open_dataset(tmp_path)
+
+
+def test_console_script_end_to_end(corpus, tmp_path):
+    script = shutil.which("omicsio-materialize", path=os.path.dirname(sys.executable))
+    assert script is not None, "the console script is not installed (pip install -e .)"
+    out = tmp_path / "out"
+    run = subprocess.run([script, str(corpus.cells_parquet), str(out), "--obs", "cell_type,drug,batch"],
+                         capture_output=True, text=True, check=True)
+    assert "materialized 3,000 cells × 2,000 genes (sparse)" in run.stdout
+    assert "cells/s" in run.stdout
+    assert "materialize" in run.stderr  # the progress bar
+    ds = oj.open_dataset(out)
+    assert set(ds.obs) == {"cell_type", "drug", "batch"}
+    verify = subprocess.run([script, "verify", str(out)], capture_output=True, text=True)
+    assert verify.returncode == 0 and "OK" in verify.stdout
+    bad = subprocess.run([script, str(tmp_path / "missing.parquet"), str(tmp_path / "o2")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_read_csr_order_duplicates_and_errors(dataset_dir, corpus_table):
+    ds = oj.open_dataset(dataset_dir)
+    rows = [2999, 5, 5, 1023, 1024, 0]
+    indptr, indices, values = ds.read_csr(rows)
+    genes = corpus_table.column("gene_token_id").to_pylist()
+    expr = corpus_table.column("gene_expression").to_pylist()
+    for i, row in enumerate(rows):
+        np.testing.assert_array_equal(indices[indptr[i] : indptr[i + 1]], genes[row])
+        np.testing.assert_array_equal(values[indptr[i] : indptr[i + 1]], np.float32(expr[row]))
+    assert ds.read_csr([])[0].tolist() == [0]
+    with pytest.raises(IndexError, match="row 3000 is out of range for a dataset of 3,000 cells"):
+        ds.read_csr([1, 3000])
+    with pytest.raises(IndexError, match="row -1"):
+        ds.read_csr([-1])
+    with pytest.raises(TypeError, match="rows must be integers"):
+        ds.read_csr([0.5])
+    assert "num_cells=3,000" in repr(ds)

@@ -1,0 +1,165 @@
+"""Bad input: one readable line naming file, row, cell_id and invariant; non-zero exit; no output."""
+
+from __future__ import annotations
+
+import re
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from materialize._cli import main
+
+GOOD = [[0, 3, 7], [1, 2], [4], [5, 6, 8, 9]]
+
+
+def _cells(genes, values, *, gene_type=pa.int32(), value_type=pa.float32()):
+    n = len(genes)
+    return pa.table({
+        "cell_id": [f"cell{i:03d}" for i in range(n)],
+        "gene_token_id": pa.array(genes, pa.list_(gene_type)),
+        "gene_expression": pa.array(values, pa.list_(value_type)),
+        "drug": ["a"] * n,
+    })
+
+
+def _values_like(genes, fill=1.0):
+    return [[fill] * len(g) for g in genes]
+
+
+@pytest.fixture
+def write(tmp_path):
+    pq.write_table(pa.table({"gene_token_id": pa.array(range(10), pa.int32()),
+                             "gene_name": [f"G{i}" for i in range(10)]}), tmp_path / "genes.parquet")
+
+    def _write(table, name="cells.parquet"):
+        path = tmp_path / name
+        pq.write_table(table, path)
+        return path
+
+    return _write
+
+
+def _run_bad(capsys, tmp_path, *args) -> str:
+    out = tmp_path / "out"
+    code = main([*map(str, args), str(out), "--genes", str(tmp_path / "genes.parquet"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial")]
+    return err
+
+
+@pytest.mark.parametrize(
+    "row_genes,row_values,pattern",
+    [
+        ([4, 2], [1.0, 1.0], r"gene_token_id not sorted in row 2 \(cell_id cell002\) of .*cells.parquet: 2 after 4"),
+        ([4, 4], [1.0, 1.0], r"duplicate gene_token_id in row 2 \(cell_id cell002\) of .*cells.parquet: 4 appears twice"),
+        ([4, 12], [1.0, 1.0], r"gene_token_id 12 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table"),
+        ([4], [1.0, 2.0], r"unequal list lengths in row 2 \(cell_id cell002\) of .*cells.parquet: gene_token_id has 1 entries, gene_expression has 2"),
+        ([4, 5], [1.0, float("nan")], r"gene_expression is nan \(not finite\) in row 2 \(cell_id cell002\) of .*cells.parquet at gene_token_id 5"),
+        ([4, 5], [float("inf"), 1.0], r"gene_expression is inf \(not finite\) in row 2 \(cell_id cell002\)"),
+        ([4, 5], [-1.5, 1.0], r"negative gene_expression -1.5 in row 2 \(cell_id cell002\) .*--allow-negative"),
+    ],
+)
+def test_each_broken_invariant(write, capsys, tmp_path, row_genes, row_values, pattern):
+    genes, values = list(GOOD), _values_like(GOOD)
+    genes[2], values[2] = row_genes, row_values
+    path = write(_cells(genes, values))
+    err = _run_bad(capsys, tmp_path, path)
+    assert re.search(pattern, err), err
+
+
+def test_negative_values_allowed_with_flag(write, tmp_path, capsys):
+    genes, values = list(GOOD), _values_like(GOOD)
+    values[1] = [-0.5, 2.0]
+    path = write(_cells(genes, values))
+    code = main([str(path), str(tmp_path / "out"), "--genes", str(tmp_path / "genes.parquet"),
+                 "--allow-negative", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_int64_out_of_int32_range_and_float64_overflow(write, capsys, tmp_path):
+    genes, values = list(GOOD), _values_like(GOOD)
+    genes[3] = [5, 2**40]
+    values[3] = [1.0, 1.0]
+    path = write(_cells(genes, values, gene_type=pa.int64()))
+    assert "gene_token_id 1099511627776 in row 3 (cell_id cell003)" in _run_bad(capsys, tmp_path, path)
+    genes, values = list(GOOD), _values_like(GOOD)
+    values[1] = [1.0, 1e300]
+    path = write(_cells(genes, values, value_type=pa.float64()), "wide.parquet")
+    assert "1e+300 in row 1 (cell_id cell001) of" in _run_bad(capsys, tmp_path, path)
+
+
+def test_error_names_the_row_within_its_file(write, capsys, tmp_path):
+    (tmp_path / "many").mkdir()
+    good = _cells(GOOD, _values_like(GOOD))
+    pq.write_table(good, tmp_path / "many" / "a.parquet")
+    genes = list(GOOD)
+    genes[1] = [3, 1]
+    pq.write_table(_cells(genes, _values_like(genes)), tmp_path / "many" / "b.parquet")
+    err = _run_bad(capsys, tmp_path, tmp_path / "many")
+    assert "in row 1 (cell_id cell001) of" in err and "b.parquet" in err
+
+
+def test_null_element_inside_a_list(write, capsys, tmp_path):
+    genes = pa.array([[0, 1], [2, None]], pa.list_(pa.int32()))
+    table = pa.table({"cell_id": ["x", "y"], "gene_token_id": genes,
+                      "gene_expression": pa.array([[1.0, 1.0], [1.0, 1.0]], pa.list_(pa.float32()))})
+    err = _run_bad(capsys, tmp_path, write(table))
+    assert "null element inside the gene_token_id list in row 1 (cell_id y)" in err
+
+
+def test_missing_required_columns(write, capsys, tmp_path):
+    table = _cells(GOOD, _values_like(GOOD)).drop_columns(["gene_expression"])
+    err = _run_bad(capsys, tmp_path, write(table))
+    assert "is missing required column(s) gene_expression" in err
+    table = _cells(GOOD, _values_like(GOOD)).rename_columns(["id", "gene_token_id", "gene_expression", "drug"])
+    err = _run_bad(capsys, tmp_path, write(table, "noid.parquet"))
+    assert "missing required column(s) cell_id" in err and "--cell-id" in err
+
+
+def test_unknown_obs_column(write, capsys, tmp_path):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    err = _run_bad(capsys, tmp_path, path, "--obs", "drug,plate")
+    assert "obs column(s) plate not found" in err and "available: drug" in err
+
+
+def test_unreadable_and_truncated_files(write, capsys, tmp_path):
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"this is not parquet at all" * 10)
+    assert "cannot read" in _run_bad(capsys, tmp_path, garbage)
+    path = write(_cells(GOOD * 50, _values_like(GOOD * 50)))
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert "cannot read" in _run_bad(capsys, tmp_path, truncated)
+    assert "no input files found" in _run_bad(capsys, tmp_path, tmp_path / "nope.parquet")
+
+
+def test_truncated_h5ad(corpus, capsys, tmp_path):
+    data = corpus.h5ad.read_bytes()
+    truncated = tmp_path / "truncated.h5ad"
+    truncated.write_bytes(data[: len(data) // 2])
+    err = _run_bad(capsys, tmp_path, truncated)
+    assert "truncated.h5ad" in err and "cannot read" in err
+
+
+def test_bad_layout_parameters(write, capsys, tmp_path):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    assert "shard_cells must be a power of two" in _run_bad(capsys, tmp_path, path, "--shard-cells", "1000")
+    assert "group_size must be a power of two" in _run_bad(capsys, tmp_path, path, "--group-size", "24")
+
+
+def test_panel_with_unknown_genes(write, capsys, tmp_path):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    (tmp_path / "panel.txt").write_text("G1\nG2\nNOPE\n")
+    err = _run_bad(capsys, tmp_path, path, "--panel", tmp_path / "panel.txt")
+    assert "1 gene(s) of" in err and "'NOPE'" in err
+
+
+def test_valid_file_passes_for_reference(write, tmp_path):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    assert main([str(path), str(tmp_path / "out"), "--genes", str(tmp_path / "genes.parquet"), "--no-progress"]) == 0
+    assert np.load(tmp_path / "out" / "obs" / "drug.codes.npy").tolist() == [0, 0, 0, 0]

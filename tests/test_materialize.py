@@ -1,0 +1,214 @@
+"""Every input kind materializes to exactly the same cells, obs, features and ids."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import vortex
+
+import omicsio_jax as oj
+from conftest import assert_csr_equal, table_csr
+from materialize import materialize
+
+
+def _all_rows(ds):
+    return ds.read_csr(np.arange(ds.num_cells))
+
+
+def test_parquet_round_trip_is_exact(dataset_dir, corpus_table):
+    ds = oj.open_dataset(dataset_dir)
+    assert ds.num_cells == corpus_table.num_rows
+    assert ds.num_genes == 2000
+    assert_csr_equal(_all_rows(ds), table_csr(corpus_table))
+    assert ds.cell_ids.tolist() == corpus_table.column("cell_id").to_pylist()
+    assert ds.manifest.nnz == sum(len(x) for x in corpus_table.column("gene_token_id").to_pylist())
+
+
+def test_obs_sidecars_hold_codes_and_sorted_categories(dataset_dir, corpus_table):
+    ds = oj.open_dataset(dataset_dir)
+    assert {"cell_type", "drug", "batch", "dataset", "tissue", "organism", "n_genes", "total_counts"} <= set(ds.obs)
+    drug = ds.obs["drug"]
+    assert isinstance(drug, oj.Categorical)
+    assert list(drug.categories) == sorted(set(corpus_table.column("drug").to_pylist()))
+    assert drug.codes.dtype == np.int32
+    assert drug.labels().tolist() == corpus_table.column("drug").to_pylist()
+    np.testing.assert_array_equal(ds.obs["n_genes"], corpus_table.column("n_genes").to_numpy())
+    np.testing.assert_array_equal(ds.obs["total_counts"], corpus_table.column("total_counts").to_numpy())
+
+
+def test_features_and_manifest(dataset_dir, corpus):
+    ds = oj.open_dataset(dataset_dir)
+    genes = pq.read_table(corpus.genes_parquet).to_pandas()
+    assert ds.features["ensembl_id"].tolist() == genes["ensembl_id"].tolist()
+    m = ds.manifest
+    assert m.layout == "sparse" and m.shard_cells == 1024
+    assert [s.first_cell for s in m.shards] == [0, 1024, 2048]
+    assert [s.num_cells for s in m.shards] == [1024, 1024, 952]
+    assert m.array_record["group_size"] == 16
+    assert len(m.fingerprint) == 64
+    raw = json.loads((dataset_dir / "manifest.json").read_text())
+    assert raw["format_version"] == 1 and raw["source"]["kind"] == "table"
+
+
+def test_h5ad_round_trip_gives_identical_shards(corpus, dataset_dir, tmp_path):
+    out = tmp_path / "from_h5ad"
+    materialize(corpus.h5ad, out, shard_cells=1024, progress=False)
+    from_h5ad, from_parquet = oj.open_dataset(out), oj.open_dataset(dataset_dir)
+    assert_csr_equal(_all_rows(from_h5ad), _all_rows(from_parquet))
+    # the same cells encode to the same bytes, whatever the input format
+    assert [s.sha256 for s in from_h5ad.manifest.shards] == [s.sha256 for s in from_parquet.manifest.shards]
+    assert from_h5ad.cell_ids.tolist() == from_parquet.cell_ids.tolist()
+    assert from_h5ad.obs["drug"].labels().tolist() == from_parquet.obs["drug"].labels().tolist()
+    assert from_h5ad.features["gene_token_id"].tolist() == list(range(2000))
+
+
+@pytest.mark.parametrize("fmt", ["csc", "dense"])
+def test_h5ad_csc_and_dense_matrices(corpus_table, tmp_path, fmt):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    small = corpus_table.slice(0, 300)
+    indptr, indices, values = table_csr(small)
+    matrix = sp.csr_matrix((values, indices, indptr), shape=(300, 2000))
+    obs = small.select(["cell_id", "drug"]).to_pandas().set_index("cell_id")
+    obs["drug"] = obs["drug"].astype("category")
+    adata = ad.AnnData(X=matrix.tocsc() if fmt == "csc" else matrix.toarray(), obs=obs)
+    adata.layers["counts"] = adata.X.copy()
+    adata.write_h5ad(tmp_path / "x.h5ad")
+    out = tmp_path / "out"
+    materialize(tmp_path / "x.h5ad", out, layer="counts", obs=["drug"], progress=False, batch_cells=128)
+    ds = oj.open_dataset(out)
+    assert_csr_equal(_all_rows(ds), (indptr, indices, values))
+    assert ds.obs["drug"].labels().tolist() == small.column("drug").to_pylist()
+
+
+def test_h5ad_unsorted_csr_indices_are_sorted(tmp_path):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    matrix = sp.csr_matrix((np.array([5.0, 1.0, 2.0], np.float32), np.array([3, 0, 2]), np.array([0, 3])),
+                           shape=(1, 4))
+    assert not matrix.has_sorted_indices
+    ad.AnnData(X=matrix).write_h5ad(tmp_path / "u.h5ad")
+    materialize(tmp_path / "u.h5ad", tmp_path / "out", progress=False)
+    assert_csr_equal(oj.open_dataset(tmp_path / "out").read_csr([0]), ([0, 3], [0, 2, 3], [1.0, 2.0, 5.0]))
+
+
+def test_vortex_round_trip(corpus, corpus_table, tmp_path):
+    path = tmp_path / "cells.vortex"
+    vortex.io.write(corpus_table.slice(0, 500), str(path))
+    out = tmp_path / "out"
+    materialize(path, out, genes=corpus.genes_parquet, progress=False)
+    ds = oj.open_dataset(out)
+    assert_csr_equal(_all_rows(ds), table_csr(corpus_table.slice(0, 500)))
+    assert ds.num_genes == 2000 and ds.obs["drug"].labels().tolist() == corpus_table.column("drug").to_pylist()[:500]
+
+
+def test_where_and_query_select_the_same_subset(corpus, corpus_table, tmp_path):
+    keep = pc.equal(corpus_table.column("batch"), "plate_01")
+    expected = corpus_table.filter(keep)
+    materialize(corpus.cells_parquet, tmp_path / "w", where="batch = 'plate_01'", progress=False)
+    sql = f"SELECT * FROM read_parquet('{corpus.cells_parquet}') WHERE batch = 'plate_01'"
+    materialize(None, tmp_path / "q", query=sql, genes=corpus.genes_parquet, progress=False)
+    for out in ("w", "q"):
+        ds = oj.open_dataset(tmp_path / out)
+        assert_csr_equal(_all_rows(ds), table_csr(expected))
+        assert ds.cell_ids.tolist() == expected.column("cell_id").to_pylist()
+        assert ds.num_genes == 2000
+
+
+def test_query_over_the_cells_view(corpus, corpus_table, tmp_path):
+    sql = "SELECT cell_id, gene_token_id, gene_expression, drug FROM cells WHERE n_genes > 150"
+    materialize(corpus.cells_parquet, tmp_path / "q", query=sql, progress=False)
+    ds = oj.open_dataset(tmp_path / "q")
+    expected = corpus_table.filter(pc.greater(corpus_table.column("n_genes"), 150))
+    assert_csr_equal(_all_rows(ds), table_csr(expected))
+    assert set(ds.obs) == {"drug"}
+
+
+def test_int64_float64_large_list_inputs_are_converted(corpus_table, corpus, tmp_path):
+    small = corpus_table.slice(0, 200)
+    wide = small.set_column(1, "gene_token_id", small.column("gene_token_id").cast(pa.large_list(pa.int64())))
+    wide = wide.set_column(2, "gene_expression", wide.column("gene_expression").cast(pa.large_list(pa.float64())))
+    pq.write_table(wide, tmp_path / "wide.parquet")
+    materialize(tmp_path / "wide.parquet", tmp_path / "out", genes=corpus.genes_parquet, progress=False)
+    assert_csr_equal(_all_rows(oj.open_dataset(tmp_path / "out")), table_csr(small))
+
+
+def test_hive_partitions_glob_and_directory(corpus, corpus_table, tmp_path):
+    root = tmp_path / "atlas"
+    con = duckdb.connect()
+    con.register("t", corpus_table)
+    con.execute(f"COPY (SELECT * EXCLUDE (tissue, dataset), 'lung' AS tissue, 'ds' || (batch = 'plate_00')::INT "
+                f"AS dataset FROM t) TO '{root}' (FORMAT parquet, PARTITION_BY (dataset, tissue))")
+    pq.write_table(pq.read_table(corpus.genes_parquet), root / "gene_metadata.parquet")
+    materialize(str(root / "dataset=*" / "**" / "*.parquet"), tmp_path / "glob", progress=False)
+    materialize(root, tmp_path / "dir", where="dataset = 'ds1'", progress=False)
+    by_glob, by_dir = oj.open_dataset(tmp_path / "glob"), oj.open_dataset(tmp_path / "dir")
+    assert by_glob.num_cells == corpus_table.num_rows and by_glob.num_genes == 2000  # found gene_metadata.parquet
+    assert set(by_glob.obs["dataset"].categories) == {"ds0", "ds1"}
+    assert set(by_dir.obs["dataset"].categories) == {"ds1"}
+    # every cell keeps its exact row, whatever the file order
+    order = np.argsort(by_glob.cell_ids)
+    ref_order = np.argsort(corpus_table.column("cell_id").to_numpy(zero_copy_only=False))
+    got = by_glob.read_csr(order)
+    assert_csr_equal(got, table_csr(corpus_table.take(pa.array(ref_order))))
+
+
+def test_null_lists_mean_no_expressed_genes(tmp_path):
+    table = pa.table({
+        "cell_id": ["a", "b", "c"],
+        "gene_token_id": pa.array([[0, 2], None, [1]], pa.list_(pa.int32())),
+        "gene_expression": pa.array([[1.0, 2.0], None, [3.0]], pa.list_(pa.float32())),
+    })
+    pq.write_table(table, tmp_path / "t.parquet")
+    materialize(tmp_path / "t.parquet", tmp_path / "out", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.num_genes == 3  # no gene table: the token ids seen in the data
+    assert_csr_equal(_all_rows(ds), ([0, 2, 2, 3], [0, 2, 1], [1.0, 2.0, 3.0]))
+
+
+def test_non_contiguous_gene_tokens_map_to_columns(tmp_path):
+    genes = pa.table({"gene_token_id": pa.array([30, 10, 20], pa.int32()), "gene_name": ["C", "A", "B"]})
+    cells = pa.table({"cell_id": ["x"], "gene_token_id": pa.array([[10, 30]], pa.list_(pa.int32())),
+                      "gene_expression": pa.array([[1.0, 2.0]], pa.list_(pa.float32()))})
+    pq.write_table(genes, tmp_path / "g.parquet")
+    pq.write_table(cells, tmp_path / "c.parquet")
+    materialize(tmp_path / "c.parquet", tmp_path / "out", genes=tmp_path / "g.parquet", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["gene_name"].tolist() == ["A", "B", "C"]
+    assert_csr_equal(ds.read_csr([0]), ([0, 2], [0, 2], [1.0, 2.0]))
+
+
+def test_dense_panel_layout(corpus, corpus_table, tmp_path):
+    genes = pq.read_table(corpus.genes_parquet)
+    panel = [genes.column("ensembl_id")[7].as_py(), genes.column("gene_name")[3].as_py(), "1500", "0"]
+    (tmp_path / "panel.txt").write_text("# my panel\n" + "\n".join(panel) + "\n")
+    materialize(corpus.cells_parquet, tmp_path / "out", panel=tmp_path / "panel.txt", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.layout == "dense" and ds.num_genes == 4
+    assert ds.features["gene_token_id"].tolist() == [7, 3, 1500, 0]
+    indptr, indices, values = table_csr(corpus_table)
+    dense = np.zeros((corpus_table.num_rows, 2000), np.float32)
+    dense[np.repeat(np.arange(corpus_table.num_rows), np.diff(indptr)), indices] = values
+    expected = dense[:, [7, 3, 1500, 0]]
+    got_ptr, got_idx, got_val = _all_rows(ds)
+    rebuilt = np.zeros_like(expected)
+    rebuilt[np.repeat(np.arange(len(got_ptr) - 1), np.diff(got_ptr)), got_idx] = got_val
+    np.testing.assert_array_equal(rebuilt, expected)
+
+
+def test_constant_memory_batches_shard_boundaries_are_powers_of_two(corpus, tmp_path):
+    result = materialize(corpus.cells_parquet, tmp_path / "out", shard_cells=512, group_size=32,
+                         batch_cells=300, progress=False)
+    shards = result.manifest.shards
+    assert all(s.first_cell % 512 == 0 for s in shards)
+    assert all(s.num_cells == 512 for s in shards[:-1])
+    assert result.manifest.array_record["writer_options"] == "group_size:32,zstd:1"
+    assert "cells/s" in result.summary()
