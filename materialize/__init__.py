@@ -1,6 +1,31 @@
-"""materialize: the offline command that turns single-cell tables into omicsio_jax datasets."""
+"""materialize: the offline command that turns single-cell tables into omicsio_jax datasets.
 
-from ._materialize import MaterializeResult as MaterializeResult
-from ._materialize import materialize as materialize
-from ._synthetic import SyntheticCorpus as SyntheticCorpus
-from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
+Public names are imported on first use, so ``python -m materialize._shards`` (the shard writer
+process) starts without loading DuckDB, AnnData or pandas.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._materialize import MaterializeResult as MaterializeResult
+    from ._materialize import materialize as materialize
+    from ._synthetic import SyntheticCorpus as SyntheticCorpus
+    from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
+
+_PUBLIC = {
+    "MaterializeResult": "._materialize",
+    "materialize": "._materialize",
+    "SyntheticCorpus": "._synthetic",
+    "make_synthetic_corpus": "._synthetic",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    msg = f"module 'materialize' has no attribute {name!r}"
+    raise AttributeError(msg)

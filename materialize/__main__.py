@@ -2,4 +2,5 @@ import sys
 
 from ._cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the shard writer process (spawn) imports this module too
+    sys.exit(main())

@@ -139,6 +139,8 @@ class H5adSource(Source):
             if not (np.issubdtype(values.dtype, np.integer) and np.all(np.diff(values) > 0)):
                 columns["var_gene_token_id"], tokens = tokens, None
         self._token_of_col = None if tokens is None else tokens.to_numpy(zero_copy_only=False).astype(np.int64)
+        if self._token_of_col is not None and np.array_equal(self._token_of_col, np.arange(num_vars)):
+            self._token_of_col = None  # tokens are the column positions: no per-nonzero mapping
         table = {"gene_token_id": tokens if tokens is not None else pa.array(np.arange(num_vars, dtype=np.int64))}
         if "ensembl_id" not in columns:
             table["ensembl_id"] = columns.pop("gene_ids", index)
@@ -158,7 +160,7 @@ class H5adSource(Source):
         if self._sparse == "csr_matrix":
             indptr = m["indptr"][lo : hi + 1].astype(np.int64)
             a, b = int(indptr[0]), int(indptr[-1])
-            indices, data = m["indices"][a:b].astype(np.int64), m["data"][a:b]
+            indices, data = m["indices"][a:b].astype(np.int32, copy=False), m["data"][a:b]
             indptr -= a
             _sort_rows(indptr, indices, data)
             return indptr, indices, data

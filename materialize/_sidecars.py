@@ -149,7 +149,8 @@ class CellIdWriter:
     path = "cell_ids.parquet"
 
     def __init__(self, root: Path):
-        self._writer = pq.ParquetWriter(root / self.path, pa.schema([("cell_id", pa.string())]), compression="zstd")
+        schema = pa.schema([("cell_id", pa.string())])
+        self._writer = pq.ParquetWriter(root / self.path, schema, compression="zstd", use_dictionary=False)
 
     def append(self, cell_ids: pa.Array) -> None:
         self._writer.write_table(pa.table({"cell_id": cell_ids}))

@@ -80,8 +80,11 @@ def _radix_sort(keys: np.ndarray, tmp: np.ndarray, n: int, bits: int) -> np.ndar
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _sample_cells(targets, pool_offsets, pool, value_bits, out_offsets, cdf, guide, shift, rank_to_gene,
-                  inv_mean, marker_ranks, cell_rows, marker_draws, cell_scale, genes, values):
+def _sample_cells(targets: np.ndarray, pool_offsets: np.ndarray, pool: np.ndarray, value_bits: np.ndarray,
+                  out_offsets: np.ndarray, cdf: np.ndarray, guide: np.ndarray, shift: int,
+                  rank_to_gene: np.ndarray, inv_mean: np.ndarray, marker_ranks: np.ndarray,
+                  cell_rows: np.ndarray, marker_draws: np.ndarray, cell_scale: np.ndarray,
+                  genes: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Draw sorted unique gene ids and geometric counts for a batch of cells.
 
     Cell ``i`` gets up to ``targets[i]`` entries of ``genes``/``values`` from
@@ -185,7 +188,7 @@ class _Model:
         for p in range(num_plates):
             lo, hi, last = starts[p], starts[p + 1], p == num_plates - 1
             for key, n_labels in (("drug", n_drugs), ("cell_type", n_types)):
-                size = n_labels if last else rng.integers(-(-2 * n_labels // 5), max(2, n_labels))
+                size = n_labels if last else rng.integers(int(np.ceil(0.4 * n_labels)), max(2, n_labels))
                 subset = np.sort(rng.choice(n_labels, size, replace=False))
                 self.codes[key][lo:hi] = rng.choice(subset, hi - lo)
                 if last:  # every label at least once on the evaluation plate
@@ -259,8 +262,9 @@ def _cell_ids(start: int, n: int) -> pa.StringArray:
 
 
 def _write_chunk(writer: pq.ParquetWriter | None, h5: h5py.File | None, model: _Model, start: int,
-                 offsets: np.ndarray, genes: np.ndarray, values: np.ndarray, row_group_size: int) -> None:
-    """Append one chunk of cells to the parquet writer and/or the h5ad ``X``."""
+                 offsets: np.ndarray, genes: np.ndarray, values: np.ndarray, totals: np.ndarray,
+                 row_group_size: int) -> None:
+    """Append one chunk of cells (CSR rows from ``start``) to the parquet writer and/or h5ad ``X``."""
     n = offsets.size - 1
     if writer is not None:
         list_offsets = pa.array(offsets.astype(np.int32))
@@ -270,7 +274,7 @@ def _write_chunk(writer: pq.ParquetWriter | None, h5: h5py.File | None, model: _
         for key, (names, codes) in model.obs_codes(slice(start, start + n)).items():
             columns[key] = pa.array(names, pa.string()).take(pa.array(codes.astype(np.int32)))
         columns["n_genes"] = pa.array(np.diff(offsets).astype(np.int32))
-        columns["total_counts"] = pa.array(np.add.reduceat(values, offsets[:-1]))
+        columns["total_counts"] = pa.array(totals)
         writer.write_table(pa.Table.from_pydict(columns, schema=_SCHEMA), row_group_size=row_group_size)
     if h5 is not None:
         x = h5["X"]
@@ -367,7 +371,7 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(_write_chunk, writer, h5, model, start, offsets, genes, values,
-                                      row_group_size)
+                                      totals[start:start + n], row_group_size)
                 bar.update(n)
             if pending is not None:
                 pending.result()
@@ -386,13 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: generate a corpus and print one summary line."""
     parser = argparse.ArgumentParser(description="Write a synthetic Tahoe-like single-cell corpus.")
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--cells", type=int, default=20_000)
-    parser.add_argument("--genes", type=int, default=62_710)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plates", type=int, default=None)
-    parser.add_argument("--no-h5ad", action="store_true")
-    parser.add_argument("--no-parquet", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
+    for flag, default in (("--cells", 20_000), ("--genes", 62_710), ("--seed", 0), ("--plates", None)):
+        parser.add_argument(flag, type=int, default=default)
+    for flag in ("--no-h5ad", "--no-parquet", "--no-progress"):
+        parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     corpus = make_synthetic_corpus(args.out_dir, num_cells=args.cells, num_genes=args.genes, seed=args.seed,

@@ -212,3 +212,26 @@ def test_constant_memory_batches_shard_boundaries_are_powers_of_two(corpus, tmp_
     assert all(s.num_cells == 512 for s in shards[:-1])
     assert result.manifest.array_record["writer_options"] == "group_size:32,zstd:1"
     assert "cells/s" in result.summary()
+
+
+def test_h5ad_raw_matrix_and_var(corpus_table, tmp_path):
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    small = corpus_table.slice(0, 50)
+    indptr, indices, values = table_csr(small)
+    counts = sp.csr_matrix((values, indices, indptr), shape=(50, 2000))
+    var = pd.DataFrame(index=[f"ENSG{i:011d}" for i in range(2000)])
+    var["gene_symbols"] = [f"SYM{i}" for i in range(2000)]
+    adata = ad.AnnData(X=counts, var=var)
+    adata.raw = adata
+    panel_var = var.iloc[:10].copy()
+    adata = ad.AnnData(X=np.log1p(counts[:, :10].toarray()), var=panel_var, raw=adata.raw)  # X is a processed subset
+    adata.write_h5ad(tmp_path / "r.h5ad")
+    materialize(tmp_path / "r.h5ad", tmp_path / "out", use_raw=True, progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.num_genes == 2000
+    assert ds.features["ensembl_id"].tolist()[:2] == ["ENSG00000000000", "ENSG00000000001"]
+    assert ds.features["gene_symbols"].tolist()[1] == "SYM1"
+    assert_csr_equal(_all_rows(ds), (indptr, indices, values))

@@ -1,0 +1,115 @@
+"""ArrayRecord group size × compression on realistic single-cell records.
+
+Encodes cells of the synthetic corpus with the omicsio record codec, writes them with each
+writer option, and measures write speed, bytes per cell, and read+decode speed for the two access
+patterns that matter: blocks of 16 consecutive cells (the loader's default block) and single
+random cells (block_size=1, true random sampling). Reads are warm (page cache).
+
+    python benchmarks/bench_format.py --cells 40000 --out benchmarks/results/format.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from omicsio_jax import _codec
+from omicsio_jax._arrow import list_to_csr
+
+HERE = Path(__file__).parent
+GROUP_SIZES = (1, 4, 16, 64)
+COMPRESSIONS = ("zstd:3", "zstd:1", "zstd:-1", "zstd:-5", "snappy", "uncompressed")
+
+
+def load_records(parquet: Path, num_cells: int) -> list[bytes]:
+    """The first ``num_cells`` cells of the corpus as encoded records."""
+    table = pq.read_table(parquet, columns=["gene_token_id", "gene_expression"]).slice(0, num_cells)
+    indptr, genes = list_to_csr(table.column("gene_token_id"))
+    _, values = list_to_csr(table.column("gene_expression"))
+    buf, starts = _codec.encode_csr(indptr, genes.to_numpy(), values.to_numpy())
+    data = buf.tobytes()
+    return [data[starts[i] : starts[i + 1]] for i in range(len(starts) - 1)]
+
+
+def measure(records: list[bytes], path: str, group_size: int, compression: str, seed: int) -> dict:
+    options = f"group_size:{group_size},{compression}"
+    start = time.perf_counter()
+    writer = ArrayRecordWriter(path, options)
+    for record in records:
+        writer.write(record)
+    writer.close()
+    write_s = time.perf_counter() - start
+    n = len(records)
+    rng = np.random.default_rng(seed)
+    reader = ArrayRecordReader(path, "readahead_buffer_size:256K,max_parallelism:0")
+    blocks = rng.permutation(n // 16)[:2000]
+    start = time.perf_counter()
+    for b in blocks:
+        got = reader.read(int(b) * 16, int(b) * 16 + 16)
+        _codec.decode_csr(*_codec.join_records(got))
+    block_s = time.perf_counter() - start
+    cells = rng.integers(0, n, size=min(n, 4000))
+    start = time.perf_counter()
+    for c in cells:
+        got = reader.read(int(c), int(c) + 1)
+        _codec.decode_csr(*_codec.join_records(got))
+    single_s = time.perf_counter() - start
+    reader.close()
+    return {
+        "group_size": group_size,
+        "compression": compression,
+        "bytes_per_cell": os.path.getsize(path) / n,
+        "write_cells_per_s": n / write_s,
+        "read_block16_cells_per_s": len(blocks) * 16 / block_s,
+        "read_single_cells_per_s": len(cells) / single_s,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpus", default=str(HERE / "data" / "corpus_200k"), help="made with `omicsio-materialize synth`")
+    p.add_argument("--cells", type=int, default=40_000)
+    p.add_argument("--group-sizes", type=int, nargs="+", default=list(GROUP_SIZES))
+    p.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS))
+    p.add_argument("--out", default=str(HERE / "results" / "format.json"))
+    args = p.parse_args()
+    records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
+    raw = sum(len(r) for r in records) / len(records)
+    # warm up the numba kernels
+    _codec.decode_csr(*_codec.join_records(records[:16]))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for group_size in args.group_sizes:
+            for compression in args.compressions:
+                row = measure(records, f"{tmp}/x.ar", group_size, compression, seed=0)
+                rows.append(row)
+                print(
+                    f"gs {group_size:3d} {compression:13s} {row['bytes_per_cell']:8.0f} B/cell  "
+                    f"write {row['write_cells_per_s']:9,.0f}/s  block16 {row['read_block16_cells_per_s']:9,.0f}/s  "
+                    f"single {row['read_single_cells_per_s']:8,.0f}/s",
+                    flush=True,
+                )
+    result = {
+        "benchmark": "bench_format",
+        "command": f"python benchmarks/bench_format.py --cells {args.cells} --group-sizes "
+                   f"{' '.join(map(str, args.group_sizes))} --compressions {' '.join(args.compressions)}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "cells": args.cells,
+        "raw_record_bytes_per_cell": raw,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Materialize throughput, peak memory and bytes per cell on the synthetic corpus.
+
+For each corpus size and input format, runs `materialize` in a fresh process (so peak RSS is the
+run's own) several times and reports the median cells/s, peak RSS and the dataset's bytes per
+cell next to the h5ad and parquet files of the same cells. Corpora are generated on first use
+into benchmarks/data/ (git-ignored).
+
+    python benchmarks/bench_materialize.py --sizes 50000 200000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+_CHILD = """
+import json, resource, sys, time
+from materialize import materialize
+start = time.perf_counter()
+result = materialize(sys.argv[1], sys.argv[2], progress=False)
+seconds = time.perf_counter() - start
+m = result.manifest
+print(json.dumps({"seconds": seconds, "num_cells": m.num_cells, "nnz": m.nnz,
+                  "dataset_bytes": sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def corpus_dir(num_cells: int) -> Path:
+    path = HERE / "data" / f"corpus_{num_cells // 1000}k"
+    if not (path / "cells.h5ad").exists():
+        from materialize import make_synthetic_corpus
+
+        print(f"generating {num_cells:,}-cell corpus in {path} ...", flush=True)
+        make_synthetic_corpus(path, num_cells=num_cells, seed=0, progress=True)
+    return path
+
+
+def run_once(source: Path, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(out)], capture_output=True, text=True,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results" / "materialize.json"))
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(dir=HERE / "data" if (HERE / "data").exists() else None) as tmp:
+        for size in args.sizes:
+            corpus = corpus_dir(size)
+            for fmt, name in (("parquet", "cells.parquet"), ("h5ad", "cells.h5ad")):
+                runs = [run_once(corpus / name, Path(tmp) / "out") for _ in range(args.repeats)]
+                first = runs[0]
+                row = {
+                    "num_cells": first["num_cells"],
+                    "input": fmt,
+                    "cells_per_s_median": statistics.median(r["num_cells"] / r["seconds"] for r in runs),
+                    "cells_per_s_runs": [round(r["num_cells"] / r["seconds"]) for r in runs],
+                    "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in runs) / 2**20,
+                    "nnz": first["nnz"],
+                    "dataset_bytes_per_cell": first["dataset_bytes"] / first["num_cells"],
+                    "h5ad_bytes_per_cell": (corpus / "cells.h5ad").stat().st_size / first["num_cells"],
+                    "parquet_bytes_per_cell": (corpus / "cells.parquet").stat().st_size / first["num_cells"],
+                }
+                rows.append(row)
+                print(f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s_median']:9,.0f} cells/s (median of "
+                      f"{args.repeats}: {row['cells_per_s_runs']}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB, "
+                      f"{row['dataset_bytes_per_cell']:,.0f} B/cell (h5ad {row['h5ad_bytes_per_cell']:,.0f}, "
+                      f"parquet {row['parquet_bytes_per_cell']:,.0f})", flush=True)
+    result = {
+        "benchmark": "bench_materialize",
+        "command": f"python benchmarks/bench_materialize.py --sizes {' '.join(map(str, args.sizes))} "
+                   f"--repeats {args.repeats}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
