@@ -131,6 +131,26 @@ class Dataset:
                 out[entry.name] = np.load(f"{base}.npy", mmap_mode="r")
         return out
 
+    def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
+        """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``).
+
+        >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
+        >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
+        """
+        if column not in self.obs:
+            msg = f"obs column {column!r} not in {self.path}; available: {', '.join(self.obs)}"
+            raise KeyError(msg)
+        data = self.obs[column]
+        if isinstance(data, Categorical):
+            unknown = [v for v in values if v not in data.categories]
+            if unknown:
+                msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
+                raise KeyError(msg)
+            keep = np.isin(data.codes, [data.categories.index(v) for v in values])
+        else:
+            keep = np.isin(np.asarray(data), np.asarray(values))
+        return np.flatnonzero(~keep if invert else keep)
+
     def _reader(self, shard_index: int) -> ArrayRecordReader:
         with self._lock:
             reader = self._readers.get(shard_index)

@@ -1,0 +1,85 @@
+"""Reading a fetch: one sorted batched read, one decode pass, one in-memory shuffle."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
+
+from . import _codec
+from ._dataset import Dataset, _runs
+from ._errors import DatasetFormatError
+from ._sampling import Fetch
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchedCells:
+    """The cells of a fetch as CSR, rows in the order they will be served (shuffled)."""
+
+    fetch: Fetch
+    rows: np.ndarray  # global row of each cell, in serving order
+    indptr: np.ndarray
+    indices: np.ndarray
+    values: np.ndarray
+
+
+class FetchReader:
+    """Reads fetches from a dataset; safe to call from several threads at once.
+
+    Each thread keeps its own ArrayRecord readers (a reader is not shared across threads);
+    each run of consecutive rows is one ``read(begin, end)`` range read.
+    """
+
+    def __init__(self, dataset: Dataset, *, reader_options: str | None = None):
+        self.dataset = dataset
+        self._options = reader_options or dataset._reader_options
+        self._local = threading.local()
+
+    def _reader(self, shard: int) -> ArrayRecordReader:
+        readers = getattr(self._local, "readers", None)
+        if readers is None:
+            readers = self._local.readers = {}
+        reader = readers.get(shard)
+        if reader is None:
+            path = str(self.dataset.path / self.dataset.manifest.shards[shard].path)
+            reader = readers[shard] = ArrayRecordReader(path, self._options)
+        return reader
+
+    def read_sorted(self, rows: np.ndarray) -> list[bytes]:
+        """Records of ascending unique ``rows``: one range read per run of consecutive rows."""
+        shard_cells = self.dataset.manifest.shard_cells
+        records: list[bytes] = []
+        for begin, end in _runs(rows):
+            while begin < end:  # a run may cross a shard boundary
+                shard = begin // shard_cells
+                stop = min(end, (shard + 1) * shard_cells)
+                first = shard * shard_cells
+                records.extend(self._reader(shard).read(begin - first, stop - first))
+                begin = stop
+        return records
+
+    def __call__(self, fetch: Fetch) -> FetchedCells:
+        order = np.argsort(fetch.rows, kind="stable")
+        sorted_rows = fetch.rows[order]
+        records = self.read_sorted(sorted_rows)
+        if not records:
+            empty = np.zeros(0, np.int64)
+            return FetchedCells(fetch, empty, np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
+        n = len(order)
+        # serving position i holds the cell at position[i] of the epoch order (rows may repeat)
+        if fetch.shuffle_key is None:
+            position = np.arange(n)
+        else:
+            position = np.random.default_rng(list(fetch.shuffle_key)).permutation(n)
+        read_index = np.empty(n, dtype=np.int64)
+        read_index[order] = np.arange(n)
+        # put the records in serving order before decoding: no second pass over the values
+        buf, starts = _codec.join_records([records[i] for i in read_index[position].tolist()])
+        try:
+            indptr, indices, values = _codec.decode_csr(buf, starts)
+        except ValueError as e:
+            msg = f"{self.dataset.path}: {e}; run `omicsio-materialize verify {self.dataset.path}`"
+            raise DatasetFormatError(msg) from e
+        return FetchedCells(fetch, fetch.rows[position], indptr, indices, values)

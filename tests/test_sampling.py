@@ -1,0 +1,132 @@
+"""Sampling plans: exactly-once coverage, disjoint equal host shares, determinism, weighted draws."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omicsio_jax import OmicsIOError
+from omicsio_jax._sampling import SamplingPlan, class_weights
+
+
+def _epoch_batches(plan: SamplingPlan, epoch: int, host: int) -> list[np.ndarray]:
+    """The rows of each minibatch a host serves in an epoch (in serving order, padding dropped)."""
+    out = []
+    order = plan.epoch_order(epoch)
+    for j in range(plan.fetches_per_epoch):
+        fetch = plan.fetch(epoch, j, host, order=order)
+        rows = fetch.rows
+        if fetch.shuffle_key is not None:
+            rows = rows[np.random.default_rng(list(fetch.shuffle_key)).permutation(len(rows))]
+        b = plan.local_batch
+        out.extend(rows[k * b : (k + 1) * b] for k in range(fetch.num_batches))
+    return out
+
+
+@st.composite
+def plans(draw):
+    hosts = draw(st.sampled_from([1, 2, 4]))
+    return SamplingPlan(
+        rows=np.arange(draw(st.integers(1, 700)), dtype=np.int64),
+        batch_size=hosts * draw(st.sampled_from([1, 3, 4, 8])),
+        block_size=draw(st.sampled_from([1, 2, 4, 16, 64])),
+        fetch_factor=draw(st.sampled_from([1, 2, 5, 8])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        sampling=draw(st.sampled_from(["block", "stream", "stream_buffer"])),
+        num_hosts=hosts,
+        drop_remainder=draw(st.booleans()),
+    )
+
+
+@given(plans())
+@settings(max_examples=300, deadline=None)
+def test_every_cell_once_per_epoch_disjoint_hosts_equal_steps(plan):
+    per_host = [_epoch_batches(plan, epoch=3, host=h) for h in range(plan.num_hosts)]
+    assert {len(batches) for batches in per_host} == {plan.steps_per_epoch}  # same number of steps
+    assert all(len(b) == plan.local_batch for batches in per_host for b in batches if plan.drop_remainder)
+    served = np.concatenate([np.concatenate(b) if b else np.zeros(0, np.int64) for b in per_host])
+    assert len(np.unique(served)) == len(served)  # nothing twice, hosts disjoint
+    missing = len(plan.rows) - len(served)
+    if plan.drop_remainder:
+        assert 0 <= missing < plan.batch_size + plan.num_hosts
+    else:
+        assert missing == 0
+
+
+@given(plans(), st.integers(0, 5))
+@settings(max_examples=100, deadline=None)
+def test_same_seed_same_order_other_seed_other_order(plan, epoch):
+    again = SamplingPlan(**{**plan.__dict__})
+    assert np.array_equal(plan.epoch_order(epoch), again.epoch_order(epoch))
+    n_blocks = -(-len(plan.rows) // plan.block_size)
+    if plan.sampling == "block" and n_blocks > 5:
+        other = SamplingPlan(**{**plan.__dict__, "seed": plan.seed + 1})
+        assert not np.array_equal(plan.epoch_order(epoch), other.epoch_order(epoch))
+        assert not np.array_equal(plan.epoch_order(epoch), plan.epoch_order(epoch + 1))
+
+
+def test_seed_and_epoch_are_not_added():
+    # (seed s, epoch 1) must not equal (seed s+1, epoch 0), the classic seed+epoch collision
+    a = SamplingPlan(np.arange(1000), 10, 4, 2, seed=5)
+    b = SamplingPlan(np.arange(1000), 10, 4, 2, seed=6)
+    assert not np.array_equal(a.epoch_order(1), b.epoch_order(0))
+
+
+def test_blocks_stay_contiguous_and_stream_keeps_file_order():
+    plan = SamplingPlan(np.arange(64), 8, 4, 2, seed=0)
+    order = plan.epoch_order(0).reshape(-1, 4)
+    assert (np.diff(order, axis=1) == 1).all() and (order[:, 0] % 4 == 0).all()
+    stream = SamplingPlan(np.arange(64), 8, 4, 2, seed=0, sampling="stream")
+    assert np.array_equal(np.concatenate(_epoch_batches(stream, 0, 0)), np.arange(64))
+    buffered = SamplingPlan(np.arange(64), 8, 4, 2, seed=0, sampling="stream_buffer")
+    batches = _epoch_batches(buffered, 0, 0)
+    first_fetch = np.concatenate(batches[:2])
+    assert sorted(first_fetch) == list(range(16)) and not np.array_equal(first_fetch, np.arange(16))
+
+
+def test_subset_rows_only():
+    rows = np.array([3, 4, 5, 6, 40, 41, 42, 43, 90, 91])
+    plan = SamplingPlan(rows, 2, 2, 1, seed=1, drop_remainder=False)
+    served = np.concatenate(_epoch_batches(plan, 0, 0))
+    assert sorted(served) == sorted(rows)
+
+
+def test_weighted_blocks_follow_their_weight():
+    n, b = 4000, 8
+    weights = np.ones(n)
+    weights[:1000] = 9.0  # the first quarter carries 3/4 of the weight
+    plan = SamplingPlan(np.arange(n), 40, b, 4, seed=0, sampling="weighted", weights=weights)
+    order = plan.epoch_order(0)
+    assert len(order) == n and (np.diff(order.reshape(-1, b), axis=1) == 1).all()
+    share = np.mean(order < 1000)
+    assert 0.70 < share < 0.80
+    assert np.array_equal(order, plan.epoch_order(0))  # deterministic
+
+
+def test_class_balanced_weights():
+    codes = np.array([0, 0, 0, 1, -1, 2, 2])
+    weights = class_weights(codes)
+    np.testing.assert_allclose(weights, [1 / 3, 1 / 3, 1 / 3, 1, 0, 1 / 2, 1 / 2])
+    labels = np.repeat([0, 1, 2], [9000, 900, 100])
+    plan = SamplingPlan(np.arange(len(labels)), 100, 1, 4, seed=2, sampling="class_balanced",
+                        weights=class_weights(labels))
+    counts = np.bincount(labels[plan.epoch_order(0)], minlength=3) / len(labels)
+    assert np.all(np.abs(counts - 1 / 3) < 0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sampling": "random"}, "sampling must be one of"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 10, "num_hosts": 4}, "divisible by the number of hosts"),
+        ({"sampling": "weighted"}, "needs one weight per cell"),
+        ({"sampling": "weighted", "weights": -np.ones(10)}, "non-negative"),
+    ],
+)
+def test_bad_plans(kwargs, match):
+    base = {"rows": np.arange(10), "batch_size": 4, "block_size": 2, "fetch_factor": 2, "seed": 0}
+    with pytest.raises(OmicsIOError, match=match):
+        SamplingPlan(**{**base, **kwargs})
