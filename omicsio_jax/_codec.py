@@ -285,33 +285,44 @@ def _stored_nnz(u8, u32, f32, starts):
     return nnz
 
 
+@nb.njit(inline="always")
+def _decode_one(u8, u32, f32, start, indices, values, out):
+    """Decode the record at byte ``start`` into ``indices``/``values`` from position ``out``."""
+    ic, vc = u8[start + 1], u8[start + 2]
+    count = np.int64(u32[start // 4 + 1])
+    pos = start + HEADER_BYTES
+    if ic == INDEX_DENSE:
+        for k in range(count):
+            v = _read_value(u8, u32, f32, pos, k, vc, count)
+            if v != 0:
+                indices[out] = k
+                values[out] = v
+                out += 1
+        return
+    col = 0
+    for k in range(count):
+        if ic == INDEX_DELTA_U16:
+            col += np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8)
+        else:
+            col = np.int64(u32[pos // 4 + k])
+        indices[out + k] = col
+    vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
+    for k in range(count):
+        values[out + k] = _read_value(u8, u32, f32, vpos, k, vc, count)
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_into_csr(u8, u32, f32, starts, indptr, indices, values):
-    n = starts.shape[0]
-    for i in nb.prange(n):
-        start = starts[i]
-        ic, vc = u8[start + 1], u8[start + 2]
-        count = np.int64(u32[start // 4 + 1])
-        pos = start + HEADER_BYTES
-        out = indptr[i]
-        if ic == INDEX_DENSE:
-            for k in range(count):
-                v = _read_value(u8, u32, f32, pos, k, vc, count)
-                if v != 0:
-                    indices[out] = k
-                    values[out] = v
-                    out += 1
-            continue
-        col = 0
-        for k in range(count):
-            if ic == INDEX_DELTA_U16:
-                col += np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8)
-            else:
-                col = np.int64(u32[pos // 4 + k])
-            indices[out + k] = col
-        vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
-        for k in range(count):
-            values[out + k] = _read_value(u8, u32, f32, vpos, k, vc, count)
+    for i in nb.prange(starts.shape[0]):
+        _decode_one(u8, u32, f32, starts[i], indices, values, indptr[i])
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _decode_into_slabs(u8, u32, f32, starts, nnz, positions, rows_per_slab, row_ids, indices, values):
+    for i in nb.prange(starts.shape[0]):
+        begin = positions[i]
+        _decode_one(u8, u32, f32, starts[i], indices, values, begin)
+        row_ids[begin : begin + nnz[i]] = i % rows_per_slab
 
 
 def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -398,3 +409,38 @@ def encode_dense_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     buf = np.empty(starts[-1], dtype=np.uint8)
     encode_dense(rows, value_codes, starts[:-1], *views(buf))
     return buf, starts
+
+
+def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slabs: int, capacity: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode records straight into fixed-shape padded sparse slabs, one per device.
+
+    Rows are split into ``num_slabs`` equal groups (``num_rows`` may exceed the number of records:
+    the missing rows are empty). Returns ``(row_ids, indices, values)`` of shape
+    ``(num_slabs, capacity)``; entries past a slab's nonzeros are 0 (row 0, column 0, value 0).
+    Raises ValueError when a slab holds more than ``capacity`` nonzeros.
+    """
+    n = len(starts) - 1
+    rows_per_slab = num_rows // num_slabs
+    row_ids = np.zeros((num_slabs, capacity), np.int32)
+    indices = np.zeros((num_slabs, capacity), np.int32)
+    values = np.zeros((num_slabs, capacity), np.float32)
+    if n == 0:
+        return row_ids, indices, values
+    bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
+    if bad >= 0:
+        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
+        raise ValueError(msg)
+    u8, u32, f32 = views(buf)
+    nnz = np.zeros(num_rows, np.int64)
+    nnz[:n] = _stored_nnz(u8, u32, f32, starts[:-1])
+    per_slab = nnz.reshape(num_slabs, rows_per_slab)
+    totals = per_slab.sum(axis=1)
+    if totals.max() > capacity:
+        msg = (f"a batch slab has {int(totals.max()):,} nonzeros but nnz_capacity is {capacity:,}: "
+               f"pass nnz_capacity >= {int(totals.max()):,} to make_loader")
+        raise ValueError(msg)
+    positions = (np.cumsum(per_slab, axis=1) - per_slab + np.arange(num_slabs)[:, None] * capacity).reshape(-1)
+    _decode_into_slabs(u8, u32, f32, starts[:-1], nnz, positions, rows_per_slab,
+                       row_ids.reshape(-1), indices.reshape(-1), values.reshape(-1))
+    return row_ids, indices, values

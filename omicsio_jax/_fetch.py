@@ -16,13 +16,28 @@ from ._sampling import Fetch
 
 @dataclasses.dataclass(frozen=True)
 class FetchedCells:
-    """The cells of a fetch as CSR, rows in the order they will be served (shuffled)."""
+    """The records of a fetch joined into one buffer, in the order they will be served (shuffled).
+
+    Records stay encoded (≈3 bytes per nonzero instead of 8 decoded) until their minibatch is
+    densified: a fetch of 64 × 1,024 cells holds ~0.3 GB instead of ~0.8 GB. Record ``i`` is
+    ``buf[starts[i]:starts[i + 1]]``.
+    """
 
     fetch: Fetch
     rows: np.ndarray  # global row of each cell, in serving order
-    indptr: np.ndarray
-    indices: np.ndarray
-    values: np.ndarray
+    buf: np.ndarray
+    starts: np.ndarray
+
+
+def decode_records(dataset_path, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR of the records ``buf[starts[i]:starts[i+1]]``; a malformed record means a corrupted dataset."""
+    if len(starts) < 2:
+        return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+    try:
+        return _codec.decode_csr(buf, starts)
+    except ValueError as e:
+        msg = f"{dataset_path}: {e}; run `omicsio-materialize verify {dataset_path}`"
+        raise DatasetFormatError(msg) from e
 
 
 class FetchReader:
@@ -64,9 +79,6 @@ class FetchReader:
         order = np.argsort(fetch.rows, kind="stable")
         sorted_rows = fetch.rows[order]
         records = self.read_sorted(sorted_rows)
-        if not records:
-            empty = np.zeros(0, np.int64)
-            return FetchedCells(fetch, empty, np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
         n = len(order)
         # serving position i holds the cell at position[i] of the epoch order (rows may repeat)
         if fetch.shuffle_key is None:
@@ -75,11 +87,5 @@ class FetchReader:
             position = np.random.default_rng(list(fetch.shuffle_key)).permutation(n)
         read_index = np.empty(n, dtype=np.int64)
         read_index[order] = np.arange(n)
-        # put the records in serving order before decoding: no second pass over the values
         buf, starts = _codec.join_records([records[i] for i in read_index[position].tolist()])
-        try:
-            indptr, indices, values = _codec.decode_csr(buf, starts)
-        except ValueError as e:
-            msg = f"{self.dataset.path}: {e}; run `omicsio-materialize verify {self.dataset.path}`"
-            raise DatasetFormatError(msg) from e
-        return FetchedCells(fetch, fetch.rows[position], indptr, indices, values)
+        return FetchedCells(fetch, fetch.rows[position], buf, starts)

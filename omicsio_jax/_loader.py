@@ -6,20 +6,22 @@ import dataclasses
 import functools
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from . import _scatter
+from . import _codec, _scatter
 from ._dataset import Categorical, Dataset
 from ._errors import OmicsIOError, StateMismatchError
-from ._fetch import FetchReader
+from ._fetch import FetchReader, decode_records
 from ._pipeline import MiniBatch, build_pipeline
 from ._sampling import SamplingPlan, class_weights
 
 OUTPUTS = ("dense", "csr")
+_ALIGN = 64
 STATE_VERSION = 1
 
 
@@ -135,24 +137,30 @@ class Loader:
             else:
                 obs[name] = np.where(mb.mask, column[rows], np.nan).astype(np.float32)
         if self.output == "csr":
-            x = self._pad_per_shard(mb)
-        elif self.gene_to_col is None:
-            x = _scatter.scatter_dense(mb.indptr, mb.indices, mb.values, self.num_features,
+            try:
+                x = _codec.decode_slabs(mb.buf, mb.starts, num_rows=len(mb.mask),
+                                        num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity)
+            except ValueError as e:
+                raise OmicsIOError(f"{self.dataset.path}: {e}") from e
+            return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
+        indptr, indices, values = decode_records(self.dataset.path, mb.buf, mb.starts)
+        if len(indptr) - 1 < len(mb.mask):  # padding rows are empty
+            indptr = np.concatenate([indptr, np.full(len(mb.mask) + 1 - len(indptr), indptr[-1])])
+        if self.gene_to_col is None:
+            x = _scatter.scatter_dense(indptr, indices, values, self.num_features, out=self._new_rows(len(mb.mask)),
                                        normalize=self.normalize, target_sum=self.target_sum)
         else:
-            x = _scatter.scatter_panel(mb.indptr, mb.indices, mb.values, self.gene_to_col,
+            x = _scatter.scatter_panel(indptr, indices, values, self.gene_to_col, out=self._new_rows(len(mb.mask)),
                                        normalize=self.normalize, target_sum=self.target_sum)
         return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
 
-    def _pad_per_shard(self, mb: MiniBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        shards = max(self._local_shards, 1)
-        per = len(mb.mask) // shards
-        parts = []
-        for s in range(shards):
-            lo, hi = mb.indptr[s * per], mb.indptr[(s + 1) * per]
-            indptr = mb.indptr[s * per : (s + 1) * per + 1] - lo
-            parts.append(_scatter.pad_csr(indptr, mb.indices[lo:hi], mb.values[lo:hi], capacity=self.nnz_capacity)[:3])
-        return tuple(np.stack(a) for a in zip(*parts, strict=True))
+    def _new_rows(self, num_rows: int) -> np.ndarray:
+        """A fresh ``(num_rows, features)`` float32 buffer, 64-byte aligned: XLA on CPU then adopts it
+        as the device buffer instead of copying it (measured: 19 ms instead of 98 ms per 257 MB)."""
+        nbytes = num_rows * self.num_features * 4
+        raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        offset = -raw.ctypes.data % _ALIGN
+        return raw[offset : offset + nbytes].view(np.float32).reshape(num_rows, self.num_features)
 
     def as_grain_dataset(self):
         """The host-side stream (numpy `HostBatch`es) as a Grain `IterDataset`, before device placement."""
@@ -162,13 +170,13 @@ class Loader:
 
     # ----- device side -----------------------------------------------------------------------
     def _place(self, hb: HostBatch) -> Batch:
+        # make_array_from_process_local_data is right single- and multi-host, and on CPU it
+        # adopts the host buffer instead of copying it (jax.device_put copies: 90 ms per dense
+        # 1,024-cell batch here). Without a mesh, the batch goes to the default device.
         if self.mesh is None:
-            put = jax.device_put
-            x = SparseBatch(*map(put, hb.x)) if self.output == "csr" else put(hb.x)
-            return Batch(x, {k: put(v) for k, v in hb.obs.items()}, put(hb.index), put(hb.mask))
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        else:
+            sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.data_axis))
 
         def glob(a: np.ndarray):
             shape = (a.shape[0] * self.plan.num_hosts, *a.shape[1:])
@@ -187,7 +195,17 @@ class Loader:
         from grain.experimental import ThreadPrefetchIterDataset
 
         stream = self.as_grain_dataset().map(self._place)
-        return iter(ThreadPrefetchIterDataset(stream, prefetch_buffer_size=2))
+        iterator = iter(ThreadPrefetchIterDataset(stream, prefetch_buffer_size=2))
+        # Stop the prefetch threads when the loader goes away or, at the latest, before the
+        # interpreter shuts down: a thread still inside a numba or ArrayRecord call then aborts it.
+        self._finalizer = weakref.finalize(self, iterator.close)
+        return iterator
+
+    def close(self) -> None:
+        """Stop the background threads (also done automatically when the loader is collected)."""
+        if self._iterator is not None:
+            self._finalizer()
+            self._iterator = None
 
     def __iter__(self) -> Iterator[Batch]:
         if self._iterator is None:

@@ -1,10 +1,10 @@
 """The Grain pipeline of the loader: one dataset element per fetch, flat-mapped into minibatches.
 
     MapDataset.range(fetches)            global fetch index i → (epoch, fetch) = divmod(i, per epoch)
-      .map(read_fetch)                   sorted batched read + one decode pass + in-memory shuffle
+      .map(read_fetch)                   sorted batched read (range reads) + in-memory shuffle
       .to_iter_dataset(ReadOptions)      fetches read ahead by a few threads (order preserved)
-    FlatMapIterDataset(split)            ≤ fetch_factor minibatches per fetch (CSR slices, no copy)
-      .map(densify)                      numba scatter → numpy host batch
+    FlatMapIterDataset(split)            ≤ fetch_factor minibatches per fetch (record lists)
+      .map(densify)                      one numba decode pass + numba scatter → numpy host batch
 
 Every element is a pure function of its index, so Grain's iterator state ({"next_index": ...}
 plus the position inside the fetch) restores the stream bit-exactly, with any number of threads.
@@ -27,11 +27,11 @@ from ._sampling import SamplingPlan
 
 @dataclasses.dataclass(frozen=True)
 class MiniBatch:
-    """One host's minibatch before densifying: CSR rows, their global rows and the padding mask."""
+    """One host's minibatch before decoding: its records (``buf[starts[i]:starts[i+1]]``), global
+    rows and the padding mask."""
 
-    indptr: np.ndarray
-    indices: np.ndarray
-    values: np.ndarray
+    buf: np.ndarray
+    starts: np.ndarray
     rows: np.ndarray  # global rows, -1 for padding
     mask: np.ndarray  # True for real cells
     epoch: int
@@ -67,15 +67,12 @@ class _SplitFetch(FlatMapTransform):
         out, b = [], self.local_batch
         for k in range(cells.fetch.num_batches):
             lo, hi = k * b, min((k + 1) * b, len(cells.rows))
-            indptr = cells.indptr[lo : hi + 1] - cells.indptr[lo]
             rows = cells.rows[lo:hi]
             mask = np.ones(b, dtype=bool)
             if hi - lo < b:  # the padded last batch of a tail
-                indptr = np.concatenate([indptr, np.full(b - (hi - lo), indptr[-1])])
                 rows = np.concatenate([rows, np.full(b - (hi - lo), -1, dtype=rows.dtype)])
                 mask[hi - lo :] = False
-            span = slice(cells.indptr[lo], cells.indptr[hi])
-            out.append(MiniBatch(indptr, cells.indices[span], cells.values[span], rows, mask, cells.fetch.epoch))
+            out.append(MiniBatch(cells.buf, cells.starts[lo : hi + 1], rows, mask, cells.fetch.epoch))
         return out
 
 

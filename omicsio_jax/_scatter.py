@@ -100,14 +100,23 @@ def _pad_kernel(indptr, indices, values, row_ids, out_indices, out_values):
             out_values[j - base] = values[j]
 
 
+def _describe(arr: object) -> str:
+    return f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+
+
+def _check_1d(name: str, arr: object, dtype: type, length: int | None = None) -> None:
+    if (not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1
+            or length not in (None, arr.shape[0])):
+        want = f"a {'1-D' if length is None else f'({length},)'} {np.dtype(dtype)} array"
+        msg = f"{name} must be {want}, got {_describe(arr)}: pass np.asarray({name}, np.{np.dtype(dtype)})"
+        raise TypeError(msg)
+
+
 def _check_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray) -> int:
     """Validate a CSR batch and return its number of rows."""
-    for name, arr, dtype in (("indptr", indptr, np.int64), ("indices", indices, np.int32),
-                             ("values", values, np.float32)):
-        if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
-            got = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
-            msg = f"{name} must be a 1-D {np.dtype(dtype)} array, got {got}: pass np.ascontiguousarray({name}, dtype=np.{np.dtype(dtype)})"
-            raise TypeError(msg)
+    _check_1d("indptr", indptr, np.int64)
+    _check_1d("indices", indices, np.int32)
+    _check_1d("values", values, np.float32)
     if len(indptr) == 0:
         msg = "indptr is empty: a batch of n rows needs n + 1 offsets (np.zeros(1, np.int64) for 0 rows)"
         raise ValueError(msg)
@@ -134,12 +143,9 @@ def _check_out(out: np.ndarray | None, n: int, width: int | None) -> np.ndarray:
     if out is None:
         return np.empty((n, width), dtype=np.float32)
     if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != n
-            or (width is not None and out.shape[1] != width)):
-        got = f"{out.dtype} array of shape {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
-        msg = f"out must be a float32 array of shape ({n}, {'width' if width is None else width}), got {got}"
-        raise ValueError(msg)
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        msg = "out must be C-contiguous and writeable: allocate it with np.empty((n, width), np.float32)"
+            or width not in (None, out.shape[1]) or not (out.flags.c_contiguous and out.flags.writeable)):
+        shape = f"({n}, {'panel_size' if width is None else width})"
+        msg = f"out must be a writeable C-contiguous float32 array of shape {shape}, got {_describe(out)}"
         raise ValueError(msg)
     return out
 
@@ -184,9 +190,7 @@ def scatter_panel(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, g
     """
     n = _check_csr(indptr, indices, values)
     mode = _mode_code(normalize, target_sum)
-    if not isinstance(gene_to_col, np.ndarray) or gene_to_col.dtype != np.int32 or gene_to_col.ndim != 1:
-        msg = "gene_to_col must be a 1-D int32 array: build it with make_gene_to_col(num_genes, panel_columns)"
-        raise TypeError(msg)
+    _check_1d("gene_to_col", gene_to_col, np.int32)
     top = int(gene_to_col.max()) if len(gene_to_col) else -1
     out = _check_out(out, n, None if out is not None else top + 1)
     if top >= out.shape[1] or (len(gene_to_col) and gene_to_col.min() < -1):
@@ -199,8 +203,11 @@ def scatter_panel(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, g
 
 def make_gene_to_col(num_genes: int, panel_columns: Sequence[int] | np.ndarray) -> np.ndarray:
     """The int32 ``gene_to_col`` map of `scatter_panel`: gene ``panel_columns[k]`` goes to column ``k``."""
-    cols = np.asarray(panel_columns, dtype=np.int64).reshape(-1)
-    if cols.size and ((cols < 0).any() or (cols >= num_genes).any()):
+    cols = np.asarray(panel_columns).reshape(-1)
+    if cols.size and cols.dtype.kind not in "iu":
+        msg = f"panel_columns must hold integer column indices, got dtype {cols.dtype}"
+        raise TypeError(msg)
+    if cols.size and (cols.min() < 0 or cols.max() >= num_genes):
         msg = f"panel_columns must lie in [0, {num_genes}), got values {cols.min()} .. {cols.max()}"
         raise ValueError(msg)
     uniq, counts = np.unique(cols, return_counts=True)
@@ -208,7 +215,7 @@ def make_gene_to_col(num_genes: int, panel_columns: Sequence[int] | np.ndarray) 
         msg = f"panel_columns repeats genes {uniq[counts > 1][:10].tolist()}: each gene may appear once"
         raise ValueError(msg)
     gene_to_col = np.full(num_genes, -1, dtype=np.int32)
-    gene_to_col[cols] = np.arange(len(cols), dtype=np.int32)
+    gene_to_col[cols.astype(np.int64)] = np.arange(len(cols), dtype=np.int32)
     return gene_to_col
 
 
@@ -223,15 +230,14 @@ def pad_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, *, capa
     """
     _check_csr(indptr, indices, values)
     nnz = int(indptr[-1] - indptr[0])
-    if nnz > capacity:
-        msg = f"the batch has nnz={nnz} nonzeros but the capacity is {capacity}: raise nnz_capacity to at least {nnz}"
+    if not isinstance(capacity, int | np.integer) or nnz > capacity:
+        msg = f"the batch has nnz={nnz} nonzeros but the capacity is {capacity!r}: "
+        msg += f"raise nnz_capacity to {nnz}+"
         raise ValueError(msg)
-    if out is None:
-        out = (np.empty(capacity, np.int32), np.empty(capacity, np.int32), np.empty(capacity, np.float32))
-    for arr, dtype in zip(out, (np.int32, np.int32, np.float32), strict=True):
-        if arr.dtype != dtype or arr.shape != (capacity,) or not arr.flags.c_contiguous:
-            msg = f"out arrays must be contiguous (int32, int32, float32) of shape ({capacity},), got {arr.dtype} {arr.shape}"
-            raise ValueError(msg)
+    dtypes = (np.int32, np.int32, np.float32)
+    out = tuple(np.empty(capacity, d) for d in dtypes) if out is None else tuple(out)
+    for name, arr, dtype in zip(("out[0]", "out[1]", "out[2]"), out, dtypes, strict=True):
+        _check_1d(name, arr, dtype, int(capacity))
     _pad_kernel(indptr, indices, values, *out)
     for arr in out:
         arr[nnz:] = 0

@@ -78,7 +78,7 @@ def test_scatter_dense_adds_repeated_columns(batch):
     np.testing.assert_allclose(got, ref_dense(indptr, indices, values, num_genes), rtol=1e-6, atol=0)
 
 
-@given(csr_batches(widths=(7, 300), min_float=2**-10))  # float32 cannot hold totals near 1e-38 / 1e4 well
+@given(csr_batches(widths=(7, 300)))
 @settings(max_examples=50, deadline=None)
 def test_normalize_log1p_is_scanpy_normalize_total_then_log1p(batch):
     """The fused float32 transform agrees with normalize_total + log1p done in float64."""
@@ -90,12 +90,14 @@ def test_normalize_log1p_is_scanpy_normalize_total_then_log1p(batch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@given(csr_batches(), st.sampled_from(["none", "some", "all"]), st.sampled_from(MODES), st.booleans(), st.data())
+@given(csr_batches(), st.sampled_from(["none", "some", "all"]), st.sampled_from(MODES), st.booleans(),
+       st.data())
 @settings(max_examples=50, deadline=None)
 def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse, data):
     indptr, indices, values, num_genes = batch
     if which == "all":
-        panel = data.draw(st.permutations(range(num_genes))) if num_genes < 1000 else np.arange(num_genes)[::-1]
+        big = num_genes > 1000
+        panel = np.arange(num_genes)[::-1] if big else data.draw(st.permutations(range(num_genes)))
     else:
         size = 0 if which == "none" else data.draw(st.integers(1, min(num_genes, 50)))
         panel = data.draw(st.lists(st.integers(0, num_genes - 1), min_size=size, max_size=size, unique=True))
@@ -124,7 +126,7 @@ def test_pad_csr_round_trip(batch, slack, reuse):
     capacity = nnz + slack
     out = None
     if reuse:
-        out = (np.full(capacity, 7, np.int32), np.full(capacity, 7, np.int32), np.full(capacity, 7, np.float32))
+        out = tuple(np.full(capacity, 7, dtype) for dtype in (np.int32, np.int32, np.float32))
     row_ids, cols, vals, got_nnz = _scatter.pad_csr(indptr, indices, values, capacity=capacity, out=out)
     assert got_nnz == nnz
     assert (row_ids.dtype, cols.dtype, vals.dtype) == (np.int32, np.int32, np.float32)
@@ -138,10 +140,11 @@ def test_pad_csr_round_trip(batch, slack, reuse):
 def test_pad_csr_overflow_and_slices():
     indptr = np.array([0, 3, 5], np.int64)
     indices, values = np.arange(5, dtype=np.int32), np.arange(1, 6, dtype=np.float32)
-    with pytest.raises(ValueError, match=r"nnz=5 .* capacity is 4: raise nnz_capacity to at least 5"):
+    with pytest.raises(ValueError, match=r"nnz=5 .* capacity is 4: raise nnz_capacity to 5\+"):
         _scatter.pad_csr(indptr, indices, values, capacity=4)
     row_ids, cols, vals, nnz = _scatter.pad_csr(indptr[1:], indices, values, capacity=3)  # a slice of a CSR
-    assert nnz == 2 and row_ids.tolist() == [0, 0, 0] and cols.tolist() == [3, 4, 0] and vals.tolist() == [4, 5, 0]
+    assert nnz == 2 and row_ids.tolist() == [0, 0, 0]
+    assert cols.tolist() == [3, 4, 0] and vals.tolist() == [4, 5, 0]
 
 
 @given(csr_batches(widths=(1, 7, 300, 70_000), max_rows=8), st.sampled_from(MODES))
@@ -153,13 +156,15 @@ def test_densify_on_device_matches_numpy(batch, normalize):
                                                 normalize=normalize))
     expected = np.zeros((8, num_genes), np.float32)
     expected[: len(indptr) - 1] = ref_dense(indptr, indices, values, num_genes, normalize)
-    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=0)  # float32 totals on device
+    # float32 totals on device; XLA on CPU flushes subnormal results to zero
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-30)
 
 
 def test_densify_on_device_edges():
     empty = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.float32)
     for normalize in MODES:
-        assert _scatter.densify_on_device(*empty, num_rows=0, num_genes=5, normalize=normalize).shape == (0, 5)
+        got = _scatter.densify_on_device(*empty, num_rows=0, num_genes=5, normalize=normalize)
+        assert got.shape == (0, 5)
         got = _scatter.densify_on_device(*empty, num_rows=3, num_genes=5, normalize=normalize)
         assert got.dtype == np.float32 and not np.asarray(got).any()
     with pytest.raises(ValueError, match="normalize='log2'"):
@@ -169,22 +174,25 @@ def test_densify_on_device_edges():
 def test_zero_rows_and_zero_nnz():
     indptr0, no_idx, no_val = np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
     for normalize in MODES:
-        assert _scatter.scatter_dense(indptr0, no_idx, no_val, 70_000, normalize=normalize).shape == (0, 70_000)
+        got = _scatter.scatter_dense(indptr0, no_idx, no_val, 70_000, normalize=normalize)
+        assert got.shape == (0, 70_000)
         empty_rows = np.zeros(4, np.int64)
         got = _scatter.scatter_dense(empty_rows, no_idx, no_val, 6, out=dirty((3, 6)), normalize=normalize)
         assert not got.any()
-        got = _scatter.scatter_panel(empty_rows, no_idx, no_val, np.full(6, -1, np.int32), normalize=normalize)
+        no_panel = np.full(6, -1, np.int32)
+        got = _scatter.scatter_panel(empty_rows, no_idx, no_val, no_panel, normalize=normalize)
         assert got.shape == (3, 0)
     assert _scatter.pad_csr(indptr0, no_idx, no_val, capacity=0)[3] == 0
 
 
 def test_bad_input_is_reported():
-    indptr, indices, values = np.array([0, 1, 2], np.int64), np.array([1, 9], np.int32), np.ones(2, np.float32)
+    indptr, indices = np.array([0, 1, 2], np.int64), np.array([1, 9], np.int32)
+    values = np.ones(2, np.float32)
     with pytest.raises(ValueError, match=r"indices\[1\] = 9 \(row 1\) is outside \[0, 5\)"):
         _scatter.scatter_dense(indptr, indices, values, 5)
     with pytest.raises(ValueError, match=r"indices\[1\] = 9 \(row 1\) is outside \[0, 5\)"):
         _scatter.scatter_panel(indptr, indices, values, _scatter.make_gene_to_col(5, [1]))
-    with pytest.raises(TypeError, match=r"indices must be a 1-D int32 array, got int64"):
+    with pytest.raises(TypeError, match=r"indices must be a 1-D int32 array, got int64 array"):
         _scatter.scatter_dense(indptr, indices.astype(np.int64), values, 10)
     with pytest.raises(ValueError, match="non-decreasing"):
         _scatter.scatter_dense(np.array([0, 2, 1], np.int64), indices, values, 10)
@@ -195,4 +203,5 @@ def test_bad_input_is_reported():
     with pytest.raises(ValueError, match=r"target_sum=0 must be a positive"):
         _scatter.scatter_panel(indptr, indices, values, np.zeros(10, np.int32), target_sum=0)
     with pytest.raises(ValueError, match=r"gene_to_col must hold -1 or columns in \[0, 1\)"):
-        _scatter.scatter_panel(indptr, indices, values, np.array([0, 1] * 5, np.int32), out=np.zeros((2, 1), np.float32))
+        _scatter.scatter_panel(indptr, indices, values, np.array([0, 1] * 5, np.int32),
+                               out=np.zeros((2, 1), np.float32))

@@ -1,0 +1,177 @@
+"""Loader throughput against the peers, in one run, on the same 200k-cell corpus.
+
+Every configuration runs in a fresh process (so its peak RSS is its own): omicsio_jax's loader
+(dense, csr, gene panel, true random), scDataset on the h5ad of the same cells, and Grain's stock
+ArrayRecordDataSource + IndexSampler path on the same shards. Warm page cache first; then a cold
+pass (page cache of the files dropped before the run) next to the files' sequential-read limit;
+then a block_size × fetch_factor grid of throughput and plate-label entropy with a PNG plot.
+
+    scripts/setup-bench.sh     # torch (CPU) + scDataset + matplotlib
+    .venv/bin/python benchmarks/bench_loader.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+DATA = HERE / "data"
+
+
+def _our_loader(dataset: str, *, batch_size: int, block_size: int, fetch_factor: int, output: str = "dense",
+                genes: int | None = None, num_batches: int, warmup: int, seed: int = 0) -> dict:
+    import jax
+
+    import omicsio_jax as oj
+
+    ds = oj.open_dataset(dataset)
+    panel = None if genes is None else list(range(genes))
+    loader = oj.make_loader(ds, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor,
+                            seed=seed, num_epochs=None, output=output, genes=panel, obs=("batch",))
+    it = iter(loader)
+    for _ in range(warmup):
+        jax.block_until_ready(next(it).x)
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        batch = next(it)
+        jax.block_until_ready(batch.x)
+    seconds = time.perf_counter() - start
+    shape = list(batch.x.shape) if output != "csr" else [batch_size, "csr"]
+    return {"cells_per_s": num_batches * batch_size / seconds, "batches": num_batches, "seconds": seconds,
+            "shape": shape}
+
+
+def _child(spec: dict) -> dict:
+    """Run one configuration (in the child process) and return its result with peak RSS."""
+    import resource
+
+    sys.path.insert(0, str(HERE))
+    if spec.get("cold"):
+        from _peers import drop_page_cache
+
+        spec["cache_dropped"] = drop_page_cache(spec["cold"])
+    kind, kw = spec["kind"], spec["kwargs"]
+    if kind == "ours":
+        out = _our_loader(**kw)
+    elif kind == "scdataset":
+        from _peers import bench_scdataset
+
+        out = bench_scdataset(**kw)
+    else:
+        from _peers import bench_grain_stock
+
+        out = bench_grain_stock(**kw)
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {**spec, **out}
+
+
+def run(spec: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {**spec, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ensure_data(corpus: Path) -> tuple[Path, Path, Path]:
+    """The corpus, its materialized dataset, and a dense-layout dataset of a 2,000-gene panel."""
+    if not (corpus / "cells.h5ad").exists():
+        from materialize import make_synthetic_corpus
+
+        make_synthetic_corpus(corpus, num_cells=200_000, seed=0, progress=True)
+    sparse, panel = DATA / "ds_200k", DATA / "ds_200k_panel2000"
+    from materialize import materialize
+
+    if not (sparse / "manifest.json").exists():
+        materialize(corpus / "cells.parquet", sparse, overwrite=True)
+    if not (panel / "manifest.json").exists():
+        import pyarrow.parquet as pq
+
+        genes = pq.read_table(corpus / "gene_metadata.parquet", columns=["gene_name"]).column(0).to_pylist()
+        materialize(corpus / "cells.parquet", panel, panel=genes[:2000], overwrite=True)
+    return corpus, sparse, panel
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--corpus", default=str(DATA / "corpus_200k"))
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child))))
+        return
+    corpus, sparse, panel = ensure_data(Path(args.corpus))
+    h5ad, ds, ds_panel = str(corpus / "cells.h5ad"), str(sparse), str(panel)
+    shards = [str(p) for p in sorted(Path(ds).glob("shard-*.arrayrecord"))]
+    rows = []
+
+    def add(label: str, spec: dict) -> None:
+        result = run({"label": label, **spec})
+        rows.append(result)
+        shown = f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB" \
+            if "error" not in result else f"ERROR {result['error']}"
+        print(f"{label:58s} {shown}", flush=True)
+
+    warm_batches = {64: 1500, 1024: 100}
+    for bs in (64, 1024):
+        common = {"batch_size": bs, "block_size": 16, "fetch_factor": 64}
+        add(f"omicsio dense  b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
+            "dataset": ds, **common, "num_batches": warm_batches[bs], "warmup": 64}})
+        add(f"omicsio csr    b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
+            "dataset": ds, **common, "output": "csr", "num_batches": 3 * warm_batches[bs], "warmup": 64}})
+        add(f"omicsio panel2000 (dense layout) b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
+            "dataset": ds_panel, **common, "num_batches": 3 * warm_batches[bs], "warmup": 64}})
+        add(f"omicsio panel2000 (from sparse) b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
+            "dataset": ds, **common, "genes": 2000, "num_batches": 3 * warm_batches[bs], "warmup": 64}})
+        add(f"omicsio true random b{bs} (block1 fetch1)", {"kind": "ours", "kwargs": {
+            "dataset": ds, "batch_size": bs, "block_size": 1, "fetch_factor": 1,
+            "num_batches": max(20, 12_800 // bs), "warmup": 4}})
+        if not args.skip_peers:
+            add(f"scDataset dense b{bs} block16 fetch64", {"kind": "scdataset", "kwargs": {
+                "h5ad_path": h5ad, **common, "num_batches": max(64, warm_batches[bs] // 4), "seed": 0}})
+            add(f"scDataset true random b{bs}", {"kind": "scdataset", "kwargs": {
+                "h5ad_path": h5ad, "batch_size": bs, "block_size": 1, "fetch_factor": 1,
+                "num_batches": max(20, 6_400 // bs), "seed": 0}})
+            add(f"Grain stock ArrayRecord random b{bs}", {"kind": "grain", "kwargs": {
+                "dataset_dir": ds, "batch_size": bs, "num_batches": max(20, 6_400 // bs), "seed": 0}})
+
+    # cold page cache: files dropped from the cache right before each run
+    sys.path.insert(0, str(HERE))
+    from _peers import drop_page_cache, sequential_read_limit
+
+    cold = {"shards_sequential_bytes_per_s": sequential_read_limit(shards),
+            "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
+            "cache_drop_works": drop_page_cache(shards)}
+    print(f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
+          f"h5ad {cold['h5ad_sequential_bytes_per_s'] / 1e6:,.0f} MB/s", flush=True)
+    add("COLD omicsio dense b1024 block16 fetch64", {"kind": "ours", "cold": shards, "kwargs": {
+        "dataset": ds, "batch_size": 1024, "block_size": 16, "fetch_factor": 64, "num_batches": 150, "warmup": 0}})
+    add("COLD omicsio csr   b1024 block16 fetch64", {"kind": "ours", "cold": shards, "kwargs": {
+        "dataset": ds, "batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr",
+        "num_batches": 150, "warmup": 0}})
+    if not args.skip_peers:
+        add("COLD scDataset dense b64 block16 fetch64", {"kind": "scdataset", "cold": [h5ad], "kwargs": {
+            "h5ad_path": h5ad, "batch_size": 64, "block_size": 16, "fetch_factor": 64, "num_batches": 640,
+            "warmup": 0, "seed": 0}})
+    dataset_bytes = sum(os.path.getsize(s) for s in shards)
+    cold["dataset_bytes_per_cell"] = dataset_bytes / 200_000
+    cold["shards_sequential_cells_per_s"] = cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
+
+    result = {"benchmark": "bench_loader", "command": "python benchmarks/bench_loader.py",
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows, "cold": cold}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
