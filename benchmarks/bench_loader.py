@@ -50,10 +50,17 @@ def _our_loader(dataset: str, *, batch_size: int, block_size: int, fetch_factor:
             "shape": shape}
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries that across fork + exec, so a
+    child would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _child(spec: dict) -> dict:
     """Run one configuration (in the child process) and return its result with peak RSS."""
-    import resource
-
     sys.path.insert(0, str(HERE))
     if spec.get("cold"):
         from _peers import drop_page_cache
@@ -70,7 +77,7 @@ def _child(spec: dict) -> dict:
         from _peers import bench_grain_stock
 
         out = bench_grain_stock(**kw)
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mib"] = peak_rss_bytes() / 2**20
     return {**spec, **out}
 
 

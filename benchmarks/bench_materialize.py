@@ -24,7 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
+from pathlib import Path
 from materialize import materialize
 start = time.perf_counter()
 result = materialize(sys.argv[1], sys.argv[2], progress=False)
@@ -32,7 +33,8 @@ seconds = time.perf_counter() - start
 m = result.manifest
 print(json.dumps({"seconds": seconds, "num_cells": m.num_cells, "nnz": m.nnz,
                   "dataset_bytes": sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files),
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+                                         if l.startswith("VmHWM:"))}))  # not ru_maxrss: it survives fork + exec
 """
 
 

@@ -325,6 +325,32 @@ def _decode_into_slabs(u8, u32, f32, starts, nnz, positions, rows_per_slab, row_
         row_ids[begin : begin + nnz[i]] = i % rows_per_slab
 
 
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _decode_into_rows(u8, u32, f32, starts, out):
+    n, width = out.shape
+    for i in nb.prange(n):
+        out[i, :] = 0.0
+        if i >= starts.shape[0]:
+            continue  # padding rows stay empty
+        start = starts[i]
+        ic, vc = u8[start + 1], u8[start + 2]
+        count = np.int64(u32[start // 4 + 1])
+        pos = start + HEADER_BYTES
+        if ic == INDEX_DENSE:
+            for k in range(min(count, width)):
+                out[i, k] = _read_value(u8, u32, f32, pos, k, vc, count)
+            continue
+        vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
+        col = 0
+        for k in range(count):
+            if ic == INDEX_DELTA_U16:
+                col += np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8)
+            else:
+                col = np.int64(u32[pos // 4 + k])
+            if col < width:
+                out[i, col] = _read_value(u8, u32, f32, vpos, k, vc, count)
+
+
 def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The uint8/uint32/float32 views of a 4-aligned record buffer."""
     return buf, buf.view(np.uint32), buf.view(np.float32)
@@ -444,3 +470,17 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
     _decode_into_slabs(u8, u32, f32, starts[:-1], nnz, positions, rows_per_slab,
                        row_ids.reshape(-1), indices.reshape(-1), values.reshape(-1))
     return row_ids, indices, values
+
+
+def decode_rows(buf: np.ndarray, starts: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Decode records straight into dense rows ``out`` (n ≥ records; extra rows are zeroed).
+
+    One pass, no CSR in between: the fast path for dense output without normalization, and for
+    datasets of the dense (gene panel) layout.
+    """
+    bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
+    if bad >= 0:
+        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
+        raise ValueError(msg)
+    _decode_into_rows(*views(buf), starts[:-1], out)
+    return out

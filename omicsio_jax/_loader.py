@@ -110,7 +110,6 @@ class Loader:
         self._local_shards = self._num_shards // plan.num_hosts
         self.nnz_capacity = nnz_capacity or self._default_capacity()
         self._iterator = None
-        self._consumed_state = None
 
     # ----- host side -------------------------------------------------------------------------
     def _codes(self, name: str) -> np.ndarray:
@@ -141,7 +140,15 @@ class Loader:
                 x = _codec.decode_slabs(mb.buf, mb.starts, num_rows=len(mb.mask),
                                         num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity)
             except ValueError as e:
-                raise OmicsIOError(f"{self.dataset.path}: {e}") from e
+                msg = f"{self.dataset.path}: {e}"
+                raise OmicsIOError(msg) from e
+            return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
+        if self.gene_to_col is None and self.normalize is None:  # one pass: records → rows
+            try:
+                x = _codec.decode_rows(mb.buf, mb.starts, self._new_rows(len(mb.mask)))
+            except ValueError as e:
+                msg = f"{self.dataset.path}: {e}; run `omicsio-materialize verify {self.dataset.path}`"
+                raise OmicsIOError(msg) from e
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
         indptr, indices, values = decode_records(self.dataset.path, mb.buf, mb.starts)
         if len(indptr) - 1 < len(mb.mask):  # padding rows are empty

@@ -151,3 +151,26 @@ def test_encoding_is_deterministic_padding_included():
     second, _ = _codec.encode_csr(indptr, tokens, values)
     assert first.tobytes() == second.tobytes()
     assert first[8 + 2 : 8 + 4].tolist() == [0, 0]  # index padding of row 0
+
+
+def test_decode_rows_and_slabs_match_csr():
+    rng = np.random.default_rng(0)
+    dense = (rng.geometric(0.4, (10, 300)) * (rng.random((10, 300)) < 0.2)).astype(np.float32)
+    dense[3] = 0  # an empty row
+    indptr = np.concatenate([[0], np.cumsum((dense != 0).sum(1))]).astype(np.int64)
+    rows, cols = np.nonzero(dense)
+    buf, starts = _codec.encode_csr(indptr, cols.astype(np.int32), dense[rows, cols])
+    out = np.full((12, 300), 7.0, np.float32)  # dirty, and two padding rows
+    _codec.decode_rows(buf, starts, out)
+    np.testing.assert_array_equal(out[:10], dense)
+    assert not out[10:].any()
+    row_ids, idx, val = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400)
+    rebuilt = np.zeros((12, 300), np.float32)
+    for s in range(3):
+        np.add.at(rebuilt, (s * 4 + row_ids[s], idx[s]), val[s])
+    np.testing.assert_array_equal(rebuilt[:10], dense)
+    dense_buf, dense_starts = _codec.encode_dense_rows(dense[:, :40])
+    narrow = np.zeros((10, 40), np.float32)
+    np.testing.assert_array_equal(_codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])
+    with pytest.raises(ValueError, match="pass nnz_capacity >= "):
+        _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5)

@@ -1,0 +1,252 @@
+"""The training application: predicate parser, metrics, sharded vs single-device steps, checkpoint
+refusal, bit-identical replay after a SIGKILL, and the command line (in-process and console script)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+import train
+from materialize import materialize
+from train._cli import main, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = "batch = 'plate_00'"  # the test corpus has plates plate_00 (held out here) and plate_01
+
+
+@pytest.fixture(scope="module")
+def ds(dataset_dir):
+    return oj.open_dataset(dataset_dir)
+
+
+def _args(dataset_dir, *extra: str) -> list[str]:
+    return [str(dataset_dir), "--label", "drug", "--model", "mlp", "--hidden", "32", "--batch-size", "64",
+            "--block-size", "16", "--fetch-factor", "4", "--eval-where", EVAL, "--quiet", *extra]
+
+
+def _config(dataset_dir, **kw) -> train.TrainConfig:
+    base = {"label": "drug", "model": "mlp", "hidden": 32, "batch_size": 64, "block_size": 16,
+            "fetch_factor": 4, "eval_where": EVAL, "quiet": True}
+    return train.TrainConfig(str(dataset_dir), **{**base, **kw})
+
+
+def _leaves(model) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+# ----- predicate parser ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "expected"), [
+    ("batch = 'plate_13'", train.Predicate("batch", ("plate_13",))),
+    ("batch=='plate_13'", train.Predicate("batch", ("plate_13",))),
+    ("batch != 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
+    ("batch <> 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
+    ("batch IN ('plate_12','plate_13')", train.Predicate("batch", ("plate_12", "plate_13"))),
+    ("  drug not in ( 'DMSO_TF' , 'a''b' ) ", train.Predicate("drug", ("DMSO_TF", "a'b"), invert=True)),
+    ('"cell type" = \'T cell\'', train.Predicate("cell type", ("T cell",))),
+    ("n_genes IN (1, 2.5, -3e2)", train.Predicate("n_genes", (1.0, 2.5, -300.0))),
+])
+def test_predicates_parse(text, expected):
+    assert train.parse_predicate(text) == expected
+    assert train.parse_predicate(str(expected)) == expected  # str() gives a parseable predicate
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("batch = plate_13", r"expected a quoted value or a number, got 'plate_13' at position 8"),
+    ("batch = 'plate_13", r"""unexpected "'plate_13" at position 8"""),
+    ("batch IN 'a'", r"expected '\(', got \"'a'\" at position 9"),
+    ("batch IN ('a' 'b')", r"expected ',' or '\)', got \"'b'\" at position 14"),
+    ("batch IN ('a',)", r"expected a quoted value or a number, got '\)'"),
+    ("batch = 'a' OR batch = 'b'", r"expected the end of the predicate, got 'OR' at position 12"),
+    ("batch LIKE 'a%'", r"expected =, !=, IN or NOT IN, got 'LIKE'"),
+    ("batch NOT 'a'", r"expected IN, got \"'a'\""),
+    ("", r"expected a column name, got the end"),
+    ("batch; rm -rf /", r"unexpected '; rm -rf /' at position 5"),
+])
+def test_bad_predicates_say_where_and_show_the_forms(text, match):
+    with pytest.raises(train.PredicateError, match=match) as info:
+        train.parse_predicate(text)
+    assert "batch IN ('plate_12', 'plate_13')" in str(info.value)  # the fix, by example
+
+
+def test_predicate_rows_are_rows_where(ds):
+    np.testing.assert_array_equal(train.parse_predicate(EVAL).rows(ds), ds.rows_where("batch", ["plate_00"]))
+    np.testing.assert_array_equal(train.parse_predicate("batch != 'plate_00'").rows(ds),
+                                  ds.rows_where("batch", ["plate_00"], invert=True))
+    with pytest.raises(train.PredicateError, match=r"\['plate_99'\] not among the categories of 'batch'"):
+        train.parse_predicate("batch = 'plate_99'").rows(ds)
+    with pytest.raises(train.PredicateError, match=r"obs column 'plate' not in"):
+        train.parse_predicate("plate = 'plate_00'").rows(ds)
+    with pytest.raises(train.PredicateError, match=r"matches no cell"):
+        train.parse_predicate("batch NOT IN ('plate_00', 'plate_01')").rows(ds)
+
+
+# ----- metrics ------------------------------------------------------------------------------------
+def test_macro_f1_and_accuracy_by_hand():
+    # class 0: TP 1, FP 0, FN 1 -> 2/3; class 1: TP 1, FP 2, FN 0 -> 1/2; class 2: TP 0 -> 0
+    y_true, y_pred = np.array([0, 0, 1, 2]), np.array([0, 1, 1, 1])
+    assert train.macro_f1(y_true, y_pred) == pytest.approx((2 / 3 + 1 / 2 + 0) / 3)
+    assert train.accuracy(y_true, y_pred) == 0.5
+    # a class only predicted counts (F1 0); a class in neither does not
+    assert train.macro_f1(np.array([5, 5]), np.array([5, 7])) == pytest.approx((2 / 3 + 0) / 2)
+    assert train.macro_f1(np.array([3, 1, 2]), np.array([3, 1, 2])) == 1.0
+    assert np.isnan(train.macro_f1(np.array([], int), np.array([], int)))
+    with pytest.raises(ValueError, match="same length"):
+        train.macro_f1(np.array([1, 2]), np.array([1]))
+
+
+# ----- sharding -----------------------------------------------------------------------------------
+def test_eight_devices_match_one_device_and_both_normalize_paths_agree(dataset_dir):
+    assert jax.device_count() == 8, "tests run with 8 fake CPU devices (see conftest.py)"
+    kw = {"steps": 12, "dropout": 0.2, "seed": 5}
+    one = train.fit(_config(dataset_dir, num_devices=1, normalize_on_device=True, **kw))
+    eight = train.fit(_config(dataset_dir, num_devices=8, normalize_on_device=True, **kw))
+    fused = train.fit(_config(dataset_dir, num_devices=8, **kw))
+    losses = [np.array([r["loss"] for r in run.history]) for run in (one, eight, fused)]
+    assert len(losses[0]) == 12 and np.all(np.isfinite(losses[0]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses[2], losses[0], rtol=1e-4)  # loader's fused normalize vs on device
+    for a, b in zip(_leaves(eight.model), _leaves(one.model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    leaf = jax.tree.leaves(eqx.filter(eight.model, eqx.is_array))[0]
+    assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
+    held_out = oj.open_dataset(dataset_dir).rows_where("batch", ["plate_00"])
+    assert one.eval.num_cells == eight.eval.num_cells == len(held_out)
+    assert one.eval.accuracy == pytest.approx(eight.eval.accuracy, abs=2 / one.eval.num_cells)
+
+
+# ----- checkpoints ----------------------------------------------------------------------------------
+def test_mismatched_resumes_are_refused(dataset_dir, corpus, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    train.fit(_config(dataset_dir, steps=4, checkpoint_dir=str(ckpt)))
+    (ckpt / ".step-000009.tmp-1").mkdir()  # a partial checkpoint left by a kill: never the latest
+    assert train.latest_checkpoint(ckpt).step == 4
+    with pytest.raises(train.CheckpointMismatchError, match=r"(?m)^  seed: in checkpoint 0, now 1$"):
+        train.fit(_config(dataset_dir, steps=4, seed=1, checkpoint_dir=str(ckpt), resume=True))
+    assert not (ckpt / ".step-000009.tmp-1").exists()
+    with pytest.raises(train.CheckpointMismatchError, match=r"lr: in checkpoint 0.001, now 0.01"):
+        train.fit(_config(dataset_dir, steps=4, lr=0.01, checkpoint_dir=str(ckpt), resume=True))
+    with pytest.raises(train.TrainError, match=r"holds checkpoints \(latest: step-000004\); pass --resume"):
+        train.fit(_config(dataset_dir, steps=4, checkpoint_dir=str(ckpt)))
+
+    other = tmp_path / "other"
+    materialize(corpus.cells_parquet, other, where="cell_type != 'cell_line_00'", progress=False)
+    with pytest.raises(train.CheckpointMismatchError,
+                       match=r"cannot resume from .*step-000004: it was written by another run[^\n]*\n"
+                             r"(.*\n)*  dataset: in checkpoint '[0-9a-f]{16}', now '[0-9a-f]{16}'"):
+        train.fit(_config(other, steps=4, checkpoint_dir=str(ckpt), resume=True))
+
+    capsys.readouterr()
+    argv = _args(dataset_dir, "--steps", "4", "--seed", "1", "--checkpoint-dir", str(ckpt), "--resume")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"omicsio-train: error: cannot resume from {ckpt / 'step-000004'}: it was written by another run "
+        "(use the same dataset and options, or a fresh --checkpoint-dir):",
+        "  seed: in checkpoint 0, now 1",
+    ]
+    # an identical resume of a finished run trains nothing and keeps the checkpoint
+    done = train.fit(_config(dataset_dir, steps=4, checkpoint_dir=str(ckpt), resume=True))
+    assert (done.start_step, done.history, done.checkpoint) == (4, [], ckpt / "step-000004")
+
+
+def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
+    # 2 epochs of 31 steps; checkpoints every 5 steps; killed at step 23 (3 steps past step-000020)
+    args = _args(dataset_dir, "--dropout", "0.2", "--epochs", "2", "--seed", "3", "--checkpoint-every", "5")
+    reference = train.fit(parse_config([*args, "--checkpoint-dir", str(tmp_path / "ref")]))
+    total = reference.num_steps
+    assert total == 62 and [p.name for _, p in train.list_checkpoints(tmp_path / "ref")] == [
+        "step-000055", "step-000060", "step-000062"]  # keep=3, and one at the end
+
+    ckpt, marker = tmp_path / "killed", tmp_path / "stalled"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), "23", *args,
+               "--checkpoint-dir", str(ckpt)]
+    worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and (ckpt / "step-000020").exists()):
+            assert worker.poll() is None, worker.stderr.read()
+            assert time.monotonic() < deadline, "the worker did not reach step 23"
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        worker.stderr.close()
+    assert worker.returncode == -signal.SIGKILL
+    assert train.latest_checkpoint(ckpt).step == 20
+    assert [r["step"] for r in train.read_metrics(ckpt / "metrics.jsonl")][-1] == 23  # to be truncated
+
+    # the resume: a real run of the console script
+    script = Path(sys.executable).with_name("omicsio-train")
+    run = subprocess.run([str(script), *args, "--checkpoint-dir", str(ckpt), "--resume"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""  # --quiet
+
+    final = f"step-{total:06d}/state.eqx"
+    assert (ckpt / final).read_bytes() == (tmp_path / "ref" / final).read_bytes()
+    history = [(r["step"], r["loss"]) for r in train.read_metrics(ckpt / "metrics.jsonl")]
+    assert history == [(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / "ref" / "metrics.jsonl")]
+    assert [s for s, _ in history] == list(range(1, total + 1))
+    meta = json.loads((ckpt / f"step-{total:06d}" / "meta.json").read_text())
+    assert meta["step"] == total and meta["dataset_fingerprint"] == oj.open_dataset(dataset_dir).fingerprint
+    assert meta["config"]["seed"] == 3 and "resume" not in meta["config"]
+
+
+# ----- command line ---------------------------------------------------------------------------------
+def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    argv = _args(dataset_dir, "--steps", "6", "--metrics", str(metrics), "--log-every", "2",
+                 "--model", "linear")
+    argv.remove("--quiet")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step      6/6" in out and "cells/s" in out and "data wait" in out
+    assert "eval (batch = 'plate_00'): accuracy" in out and "macro-F1" in out
+    records = train.read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert set(records[0]) == {"step", "epoch", "loss", "cells_per_s", "data_wait_s"}
+
+    # --eval-rows gives the same split as the equivalent --eval-where
+    rows = tmp_path / "held_out.npy"
+    np.save(rows, ds.rows_where("batch", ["plate_00"]))
+    by_where = train.fit(dataclasses.replace(parse_config(argv), metrics=None, quiet=True))
+    by_rows = train.fit(dataclasses.replace(by_where_config := parse_config(argv), metrics=None, quiet=True,
+                                            eval_where=None, eval_rows=str(rows)))
+    assert by_where_config.eval_where == EVAL
+    assert [r["loss"] for r in by_rows.history] == [r["loss"] for r in by_where.history]
+    assert by_rows.eval == by_where.eval
+
+    capsys.readouterr()
+    mistakes = {
+        "missing dataset": ([str(tmp_path / "nope"), "--label", "drug"], r"is not a directory"),
+        "unknown label": ([str(dataset_dir), "--label", "disease"],
+                          r"--label 'disease' must be a categorical obs"),
+        "numeric label": ([str(dataset_dir), "--label", "n_genes"], r"\(numeric\); categorical columns: "),
+        "bad predicate": ([str(dataset_dir), "--label", "drug", "--eval-where", "batch = plate_00"],
+                          r"expected a quoted value or a number"),
+        "bad rows file": ([str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "x.npy")],
+                          r"cannot read --eval-rows"),
+        "bad batch": ([str(dataset_dir), "--label", "drug", "--batch-size", "60"],
+                      r"divisible by the 8 devices"),
+    }
+    for name, (argv, match) in mistakes.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith("omicsio-train: error: "), (name, err)
+        assert re.search(match, err), (name, err)
+    assert main([str(dataset_dir), "--label", "drug", "--resume"]) == 2  # argparse: needs --checkpoint-dir
+    assert "--resume needs --checkpoint-dir" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""Checkpoints: one directory per step, published atomically, the last ``keep`` kept.
+
+    ckpt/step-000200/state.eqx    model + optimizer state (`equinox.tree_serialise_leaves`)
+    ckpt/step-000200/meta.json    step, PRNG key data, seed, loader state, config, dataset fingerprint
+
+A checkpoint is written into a hidden sibling (``.step-000200.tmp-<pid>``), fsynced, and renamed
+into place, so a kill leaves at most a hidden partial directory; the latest checkpoint is found
+by scanning the step directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+
+from ._errors import CheckpointMismatchError
+
+STATE_FILE = "state.eqx"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint: its directory, step and metadata."""
+
+    path: Path
+    step: int
+    meta: dict
+
+    def load(self, like: Any) -> Any:
+        """The saved pytree, shaped like ``like`` (same structure, shapes and dtypes)."""
+        return eqx.tree_deserialise_leaves(self.path / STATE_FILE, like)
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"step-{step:06d}"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Published checkpoints ``(step, path)`` in ``directory``, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.fullmatch(entry.name)
+        if m and (entry / META_FILE).is_file() and (entry / STATE_FILE).is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
+    """The checkpoint with the highest step, or None."""
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    step, path = found[-1]
+    return Checkpoint(path, step, json.loads((path / META_FILE).read_text()))
+
+
+def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, meta: dict, *,
+                    keep: int = 3) -> Path:
+    """Write ``tree`` and ``meta`` as the checkpoint of ``step``, atomically; keep the last ``keep``."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(root, step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    eqx.tree_serialise_leaves(tmp / STATE_FILE, tree)
+    meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    for name in (STATE_FILE, META_FILE):
+        _fsync(tmp / name)
+    _fsync(tmp)
+    if final.exists():  # the same step written again: swap, never leaving no checkpoint visible
+        old = root / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(root)
+    for _, path in list_checkpoints(root)[: -max(keep, 1)]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def remove_partials(directory: str | os.PathLike[str]) -> None:
+    """Delete hidden partial checkpoints left by killed runs."""
+    root = Path(directory)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.is_dir() and entry.name.startswith(".step-"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def check_compatible(checkpoint: Checkpoint, now: dict) -> None:
+    """Refuse to resume ``checkpoint`` if its recorded identity differs from ``now``'s: raises
+    `CheckpointMismatchError` listing, one line per key, the value in the checkpoint and now."""
+    saved = checkpoint.meta.get("identity", {})
+    diffs = [f"  {k}: in checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diffs:
+        msg = (f"cannot resume from {checkpoint.path}: it was written by another run (use the same dataset "
+               "and options, or a fresh --checkpoint-dir):\n" + "\n".join(diffs))
+        raise CheckpointMismatchError(msg)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,86 @@
+"""`TrainConfig`: every option of a training run, and which of them a checkpoint must match."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._errors import TrainError
+from ._model import MODELS
+
+SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
+# Not saved in a checkpoint's config: how this invocation runs, not what it trains.
+_NOT_SAVED = ("resume", "checkpoint_dir", "log_every", "quiet")
+# Saved but free to change on resume: they do not change the batches or the updates.
+_FREE_ON_RESUME = ("dataset", "num_devices", "num_threads", "prefetch", "checkpoint_every", "keep", "metrics",
+                   "eval_batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. ``dataset`` is a directory written by ``omicsio-materialize``; ``label`` a
+    categorical obs column. ``steps`` (if set) replaces ``epochs × steps_per_epoch``. The held-out
+    set is ``eval_where`` (a predicate, e.g. ``"batch = 'plate_13'"``) or ``eval_rows`` (a ``.npy``
+    of global rows); training uses the other cells. ``num_devices`` (default: all) sets the mesh."""
+
+    dataset: str
+    label: str
+    model: str = "mlp"
+    hidden: int = 256
+    dropout: float = 0.0
+    lr: float = 1e-3
+    batch_size: int = 1024
+    block_size: int = 16
+    fetch_factor: int = 64
+    sampling: str = "block"
+    epochs: int = 1
+    steps: int | None = None
+    seed: int = 0
+    normalize_on_device: bool = False
+    eval_where: str | None = None
+    eval_rows: str | None = None
+    eval_batch_size: int | None = None
+    num_devices: int | None = None
+    num_threads: int = 2
+    prefetch: int = 2
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    metrics: str | None = None
+    log_every: int = 50
+    quiet: bool = False
+
+    def validate(self) -> None:
+        """Raise `TrainError` naming the first bad option and its valid range."""
+        if self.model not in MODELS:
+            msg = f"model must be one of {', '.join(MODELS)}; got {self.model!r}"
+            raise TrainError(msg)
+        if self.sampling not in SAMPLINGS:
+            msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"
+            raise TrainError(msg)
+        positive = ("batch_size", "block_size", "fetch_factor", "epochs", "hidden", "keep", "log_every",
+                    "num_threads", "prefetch")
+        for name in positive + ("steps", "eval_batch_size", "num_devices"):
+            value = getattr(self, name)
+            if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
+                msg = f"{name} must be a positive integer, got {value!r}"
+                raise TrainError(msg)
+        if self.checkpoint_every < 0:
+            msg = f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
+            raise TrainError(msg)
+        if not self.lr > 0:
+            msg = f"lr must be positive, got {self.lr!r}"
+            raise TrainError(msg)
+        if self.eval_where is not None and self.eval_rows is not None:
+            msg = "give either eval_where or eval_rows, not both"
+            raise TrainError(msg)
+
+    def saved(self) -> dict:
+        """The options recorded in a checkpoint (all but resume, checkpoint dir and progress)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_SAVED}
+
+    def identity(self, *, fingerprint: str, train_rows: str) -> dict:
+        """What a resumed run must share with the checkpoint: the options that decide batches and
+        updates, the dataset fingerprint and a digest of the training rows."""
+        same = {k: v for k, v in self.saved().items() if k not in _FREE_ON_RESUME}
+        return {"dataset": fingerprint[:16], "train_rows": train_rows, **same}

@@ -1,0 +1,228 @@
+"""`fit`: the training loop — loader, jitted steps, JSONL metrics, checkpoints, resume, evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+import omicsio_jax as oj
+
+from . import _checkpoint as ckpt
+from ._config import TrainConfig
+from ._errors import TrainError
+from ._metrics import EvalResult, MetricsLog
+from ._model import make_model
+from ._predicate import parse_predicate
+from ._step import evaluate, make_train_step, replicate
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What `fit` did: final model, the step records of this process, evaluation and timings.
+
+    ``step_time_s`` is the median wall time of a step (data wait included, the first step with its
+    compilation left out); ``data_wait_fraction`` the share of that time spent waiting for batches.
+    """
+
+    model: eqx.Module
+    num_steps: int
+    start_step: int
+    history: list[dict]
+    eval: EvalResult | None
+    checkpoint: Path | None
+    metrics_path: Path | None
+    step_time_s: float
+    data_wait_fraction: float
+
+
+def make_data_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
+    """A 1-D mesh with axis ``data`` over the first ``num_devices`` devices (default: all)."""
+    devices = jax.devices()
+    n = len(devices) if num_devices is None else num_devices
+    if not 1 <= n <= len(devices):
+        msg = f"num_devices must be in 1..{len(devices)} (the devices JAX sees), got {n}"
+        raise TrainError(msg)
+    return jax.sharding.Mesh(np.array(devices[:n]), ("data",))
+
+
+def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(training rows, held-out rows), or (None, None) without a held-out set."""
+    if config.eval_where is not None:
+        held_out = parse_predicate(config.eval_where).rows(ds)
+    elif config.eval_rows is not None:
+        try:
+            held_out = np.unique(np.load(config.eval_rows, allow_pickle=False))
+        except (OSError, ValueError) as e:
+            msg = f"cannot read --eval-rows {config.eval_rows}: {e}"
+            raise TrainError(msg) from e
+        if held_out.dtype.kind not in "iu" or held_out.ndim != 1 or held_out.size == 0 \
+                or held_out[0] < 0 or held_out[-1] >= ds.num_cells:
+            msg = (f"--eval-rows {config.eval_rows} must hold a non-empty 1-D integer array of rows in "
+                   f"0..{ds.num_cells - 1}; got dtype {held_out.dtype}, shape {held_out.shape}")
+            raise TrainError(msg)
+    else:
+        return None, None
+    train = np.setdiff1d(np.arange(ds.num_cells), held_out)
+    if train.size == 0:
+        msg = "the held-out set holds every cell: nothing is left to train on"
+        raise TrainError(msg)
+    return train, held_out
+
+
+def _label_classes(ds: oj.Dataset, label: str) -> tuple[str, ...]:
+    column = ds.obs.get(label)
+    if not isinstance(column, oj.Categorical):
+        kind = "missing" if column is None else "numeric"
+        choices = ", ".join(k for k, v in ds.obs.items() if isinstance(v, oj.Categorical))
+        msg = (f"--label {label!r} must be a categorical obs column of {ds.path} ({kind}); "
+               f"categorical columns: {choices}")
+        raise TrainError(msg)
+    return column.categories
+
+
+def _digest(rows: np.ndarray | None) -> str | None:
+    return None if rows is None else hashlib.sha256(np.asarray(rows, np.int64).tobytes()).hexdigest()[:16]
+
+
+def _restorable(config: TrainConfig, identity: dict) -> ckpt.Checkpoint | None:
+    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
+    directory = config.checkpoint_dir
+    if directory is None:
+        return None
+    ckpt.remove_partials(directory)
+    latest = ckpt.latest_checkpoint(directory)
+    if latest is not None and not config.resume:
+        msg = (f"{directory} already holds checkpoints (latest: {latest.path.name}); pass --resume to "
+               "continue that run, or choose an empty --checkpoint-dir")
+        raise TrainError(msg)
+    if latest is not None:
+        ckpt.check_compatible(latest, identity)
+    return latest
+
+
+def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) -> FitResult:
+    """Train ``config.model`` on ``config.dataset`` to predict ``config.label``; resume from the latest
+    checkpoint with ``config.resume``. ``callback(record)`` runs after every step (and its checkpoint).
+
+    A run resumed after a kill ends with bit-identical parameters and the same loss history as an
+    uninterrupted one (on the same devices): batches come from the loader's saved state, dropout keys
+    are ``fold_in(key, step)``, and model and optimizer state are restored exactly.
+    """
+    config.validate()
+    say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
+    ds = oj.open_dataset(config.dataset)
+    classes = _label_classes(ds, config.label)
+    train_rows, eval_rows = _split_rows(config, ds)
+    mesh = make_data_mesh(config.num_devices)
+    identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows))
+    restored = _restorable(config, identity)
+    directory = config.checkpoint_dir
+    init_key, key = jax.random.split(jax.random.key(config.seed))
+    model = make_model(config.model, num_features=ds.num_genes, num_classes=len(classes),
+                       hidden=config.hidden, dropout=config.dropout, key=init_key)
+    optimizer = optax.adam(config.lr)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    start = 0
+    if restored is not None:
+        model, opt_state = restored.load((model, opt_state))
+        key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
+        start = restored.step
+    model, opt_state = replicate((model, opt_state), mesh)
+    normalize = None if config.normalize_on_device else "normalize_log1p"
+    loader = oj.make_loader(
+        ds, batch_size=config.batch_size, block_size=config.block_size, fetch_factor=config.fetch_factor,
+        seed=config.seed, num_epochs=None if config.steps else config.epochs, sampling=config.sampling,
+        balance_by=config.label if config.sampling == "class_balanced" else None, rows=train_rows,
+        obs=(config.label,), normalize=normalize, mesh=mesh, num_threads=config.num_threads,
+        prefetch=config.prefetch)
+    per_epoch = loader.steps_per_epoch
+    total = config.steps or config.epochs * per_epoch
+    if restored is not None:
+        try:
+            loader.set_state(restored.meta["loader_state"])
+        except BaseException:
+            loader.close()
+            raise
+        say(f"resumed from {restored.path} at step {start}/{total}")
+    elif config.resume:
+        say(f"no checkpoint in {directory}: starting at step 0")
+
+    metrics_path = Path(config.metrics) if config.metrics else None
+    if metrics_path is None and directory is not None:
+        metrics_path = Path(directory) / "metrics.jsonl"
+    log: MetricsLog | None = None
+    train_step = make_train_step(optimizer, normalize_on_device=config.normalize_on_device)
+    history: list[dict] = []
+    timings: list[tuple[float, float]] = []  # (step wall time, data wait) of each step run here
+    last_saved = restored.path if restored is not None else None
+
+    def save(step: int) -> Path:
+        if log is not None:
+            log.sync()
+        meta = {"epoch": (step - 1) // per_epoch, "seed": config.seed,
+                "key_data": jax.random.key_data(key).tolist(), "loader_state": loader.get_state(),
+                "config": config.saved(), "identity": identity,
+                "dataset_fingerprint": ds.fingerprint, "label": config.label, "classes": list(classes)}
+        return ckpt.save_checkpoint(directory, step, (model, opt_state), meta, keep=config.keep)
+
+    say(f"training {config.model} on {ds.num_cells if train_rows is None else len(train_rows):,} cells × "
+        f"{ds.num_genes:,} genes, {len(classes)} classes of {config.label!r}; {total} steps "
+        f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)")
+    try:
+        if metrics_path is not None:
+            log = MetricsLog(metrics_path, resume_after=start if restored else None)
+        batches = iter(loader)
+        for step in range(start + 1, total + 1):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            t1 = time.perf_counter()
+            model, opt_state, loss = train_step(model, opt_state, batch.x, batch.obs[config.label],
+                                                batch.mask, key, np.asarray(step, np.uint32))
+            loss = float(loss)
+            elapsed = time.perf_counter() - t0
+            record = {"step": step, "epoch": (step - 1) // per_epoch, "loss": loss,
+                      "cells_per_s": round(config.batch_size / elapsed, 1), "data_wait_s": round(t1 - t0, 6)}
+            history.append(record)
+            timings.append((elapsed, t1 - t0))
+            if log is not None:
+                log.write(record)
+            if step == start + 1 or step % config.log_every == 0 or step == total:
+                say(f"step {step:>6}/{total}  epoch {record['epoch']}  loss {loss:.4f}  "
+                    f"{record['cells_per_s']:>10,.0f} cells/s  data wait {1e3 * (t1 - t0):7.2f} ms "
+                    f"({100 * (t1 - t0) / elapsed:3.0f}%)")
+            if directory is not None and (step == total or (config.checkpoint_every
+                                                            and step % config.checkpoint_every == 0)):
+                last_saved = save(step)
+            if callback is not None:
+                callback(record)
+        if directory is not None and restored is not None and start >= total:
+            say(f"{restored.path} is already at the last step ({total})")
+    finally:
+        loader.close()
+        if log is not None:
+            log.close()
+
+    result = None
+    if eval_rows is not None:
+        eval_loader = oj.make_loader(
+            ds, batch_size=config.eval_batch_size or config.batch_size, rows=eval_rows, sampling="stream",
+            drop_remainder=False, num_epochs=1, obs=(config.label,), normalize=normalize, mesh=mesh,
+            fetch_factor=config.fetch_factor, num_threads=config.num_threads, prefetch=config.prefetch)
+        try:
+            result = evaluate(model, eval_loader, config.label,
+                              normalize_on_device=config.normalize_on_device)
+        finally:
+            eval_loader.close()
+        where = config.eval_where or config.eval_rows
+        say(f"eval ({where}): {result.summary()}")
+    timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
+    step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
+    return FitResult(model, total, start, history, result, last_saved, metrics_path, step_s, wait)
