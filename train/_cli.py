@@ -25,43 +25,49 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Train a cell classifier (Equinox + optax) on a materialized dataset, with "
         "deterministic checkpoint/resume, JSONL metrics and held-out accuracy / macro-F1.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="Resuming refuses a checkpoint written with another dataset or other training options.")
     p.add_argument("dataset", help="dataset directory written by omicsio-materialize")
     p.add_argument("--label", required=True, help="categorical obs column to predict")
     g = p.add_argument_group("model and optimizer")
-    g.add_argument("--model", choices=MODELS, default=d.model)
-    g.add_argument("--hidden", type=int, default=d.hidden, help="hidden units of the mlp")
-    g.add_argument("--dropout", type=float, default=d.dropout, help="dropout after the mlp's hidden layer")
-    g.add_argument("--lr", type=float, default=d.lr, help="adam learning rate")
+    g.add_argument("--model", choices=MODELS, default=d.model, help="default: %(default)s")
+    g.add_argument("--hidden", type=int, default=d.hidden,
+                   help="hidden units of the mlp (default: %(default)s)")
+    g.add_argument("--dropout", type=float, default=d.dropout,
+                   help="dropout after the hidden layer (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=d.lr, help="adam learning rate (default: %(default)s)")
     g.add_argument("--normalize-on-device", action="store_true",
-                   help="log1p(x / x.sum(1) * 1e4) in the jitted step instead of the loader's fused "
-                   "normalize")
+                   help="log1p(x / x.sum(1) * 1e4) in the jitted step, not fused in the loader")
     g = p.add_argument_group("batches")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor)
-    g.add_argument("--sampling", choices=SAMPLINGS, default=d.sampling)
-    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch size (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
+    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
+    g.add_argument("--sampling", choices=SAMPLINGS, default=d.sampling, help="default: %(default)s")
+    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
     g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     g.add_argument("--devices", dest="num_devices", type=int, default=None,
                    help="devices of the data mesh (default: all)")
-    g.add_argument("--num-threads", type=int, default=d.num_threads, help="loader read threads")
-    g.add_argument("--prefetch", type=int, default=d.prefetch, help="fetches read ahead")
-    g = p.add_argument_group("held-out evaluation").add_mutually_exclusive_group()
-    g.add_argument("--eval-where",
+    g.add_argument("--num-threads", type=int, default=d.num_threads,
+                   help="loader read threads (default: %(default)s)")
+    g.add_argument("--prefetch", type=int, default=d.prefetch,
+                   help="fetches read ahead (default: %(default)s)")
+    g = p.add_argument_group("held-out evaluation")
+    g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
+    g = g.add_mutually_exclusive_group()
+    g.add_argument("--eval-where", metavar="PREDICATE",
                    help="held-out cells: col = 'v', col != 'v', col IN ('a', 'b') or col NOT IN (...)")
-    g.add_argument("--eval-rows", help=".npy file of held-out global rows")
-    p.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
+    g.add_argument("--eval-rows", metavar="FILE.npy", help="held-out global rows")
     g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--checkpoint-dir", help="write checkpoints (and metrics.jsonl) here")
-    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                   help="steps between checkpoints; 0: only at the end")
-    g.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir")
-    g.add_argument("--metrics", help="JSONL metrics file (default: CHECKPOINT_DIR/metrics.jsonl)")
-    g.add_argument("--log-every", type=int, default=d.log_every, help="print progress every N steps")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints (and metrics.jsonl) here")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="steps between checkpoints (default: only at the end)")
+    g.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept (default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
+    g.add_argument("--metrics", metavar="FILE.jsonl",
+                   help="one JSON line per step (default: DIR/metrics.jsonl)")
+    g.add_argument("--log-every", type=int, default=d.log_every, metavar="N",
+                   help="print progress every N steps (default: %(default)s)")
     g.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
 
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; continue with --resume from the latest checkpoint", file=sys.stderr)
         return 130
-    if not config.quiet:
-        print(f"done: {result.num_steps} steps; median step {1e3 * result.step_time_s:.1f} ms, "
+    if not config.quiet and result.history:
+        print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
               f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")
     return 0
