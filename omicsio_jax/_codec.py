@@ -286,6 +286,14 @@ def _stored_nnz(u8, u32, f32, starts):
 
 
 @nb.njit(inline="always")
+def _next_column(u8, u32, pos, k, count, ic, col):
+    """Column of entry ``k`` of a sparse record whose indices start at byte ``pos`` (``col``: entry k-1's)."""
+    if ic == INDEX_DELTA_U16:  # gap k: low byte in the first plane, high byte in the second
+        return col + (np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8))
+    return np.int64(u32[pos // 4 + k])
+
+
+@nb.njit(inline="always")
 def _decode_one(u8, u32, f32, start, indices, values, out):
     """Decode the record at byte ``start`` into ``indices``/``values`` from position ``out``."""
     ic, vc = u8[start + 1], u8[start + 2]
@@ -299,12 +307,9 @@ def _decode_one(u8, u32, f32, start, indices, values, out):
                 values[out] = v
                 out += 1
         return
-    col = 0
+    col = np.int64(0)
     for k in range(count):
-        if ic == INDEX_DELTA_U16:
-            col += np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8)
-        else:
-            col = np.int64(u32[pos // 4 + k])
+        col = _next_column(u8, u32, pos, k, count, ic, col)
         indices[out + k] = col
     vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
     for k in range(count):
@@ -341,12 +346,9 @@ def _decode_into_rows(u8, u32, f32, starts, out):
                 out[i, k] = _read_value(u8, u32, f32, pos, k, vc, count)
             continue
         vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
-        col = 0
+        col = np.int64(0)
         for k in range(count):
-            if ic == INDEX_DELTA_U16:
-                col += np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8)
-            else:
-                col = np.int64(u32[pos // 4 + k])
+            col = _next_column(u8, u32, pos, k, count, ic, col)
             if col < width:
                 out[i, col] = _read_value(u8, u32, f32, vpos, k, vc, count)
 

@@ -7,7 +7,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numba as nb
@@ -63,6 +63,18 @@ def _runs(sorted_rows: np.ndarray) -> list[tuple[int, int]]:
     begins = sorted_rows[np.concatenate(([0], breaks))]
     ends = sorted_rows[np.concatenate((breaks - 1, [len(sorted_rows) - 1]))] + 1
     return list(zip(begins.tolist(), ends.tolist(), strict=True))
+
+
+def read_range(reader: Callable[[int], ArrayRecordReader], shard_cells: int, begin: int, end: int) -> list[bytes]:
+    """Records of cells ``[begin, end)`` with one ``read(begin, end)`` per shard touched."""
+    out: list[bytes] = []
+    while begin < end:
+        shard = begin // shard_cells
+        stop = min(end, (shard + 1) * shard_cells)
+        first = shard * shard_cells
+        out.extend(reader(shard).read(begin - first, stop - first))
+        begin = stop
+    return out
 
 
 class Dataset:
@@ -180,15 +192,7 @@ class Dataset:
 
     def read_records(self, begin: int, end: int) -> list[bytes]:
         """Raw records of cells ``[begin, end)``: one range read per shard touched."""
-        out: list[bytes] = []
-        shard_cells = self.manifest.shard_cells
-        while begin < end:
-            shard = begin // shard_cells
-            stop = min(end, (shard + 1) * shard_cells)
-            first = shard * shard_cells
-            out.extend(self._reader(shard).read(begin - first, stop - first))
-            begin = stop
-        return out
+        return read_range(self._reader, self.manifest.shard_cells, begin, end)
 
     def read_csr(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact rows as CSR ``(indptr int64, indices int32, values float32)``, in the order asked.

@@ -9,7 +9,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from . import _codec
-from ._dataset import Dataset, _runs
+from ._dataset import Dataset, _runs, read_range
 from ._errors import DatasetFormatError
 from ._sampling import Fetch
 
@@ -67,12 +67,7 @@ class FetchReader:
         shard_cells = self.dataset.manifest.shard_cells
         records: list[bytes] = []
         for begin, end in _runs(rows):
-            while begin < end:  # a run may cross a shard boundary
-                shard = begin // shard_cells
-                stop = min(end, (shard + 1) * shard_cells)
-                first = shard * shard_cells
-                records.extend(self._reader(shard).read(begin - first, stop - first))
-                begin = stop
+            records.extend(read_range(self._reader, shard_cells, begin, end))
         return records
 
     def __call__(self, fetch: Fetch) -> FetchedCells:
