@@ -107,13 +107,13 @@ def batch_label_entropy(labels, rows, *, batch_size: int, block_size: int, fetch
             "mean_distinct_labels": float(distinct.mean()), "num_batches": len(batches)}
 
 
-def run_strategy(args: argparse.Namespace, label: str, name: str, *, steps: int | None = None) -> dict:
+def run_strategy(args: argparse.Namespace, dataset: str, label: str, name: str, *, steps: int | None = None) -> dict:
     """One `fit` of the MLP with strategy ``name``; returns its metrics."""
     from train import TrainConfig, fit
 
     sampling, block, fetch = strategy_settings(name, args)
     config = TrainConfig(
-        dataset=args.dataset, label=label, model="mlp", hidden=args.hidden, lr=args.lr, batch_size=args.batch_size,
+        dataset=str(dataset), label=label, model="mlp", hidden=args.hidden, lr=args.lr, batch_size=args.batch_size,
         block_size=block, fetch_factor=fetch, sampling=sampling, epochs=1, steps=steps, seed=args.seed,
         eval_where=None if steps else f"batch = '{args.eval_plate}'",
         eval_rows=None, eval_batch_size=args.eval_batch_size, num_devices=args.devices, num_threads=args.num_threads,
@@ -140,13 +140,31 @@ def run_strategy(args: argparse.Namespace, label: str, name: str, *, steps: int 
     return out
 
 
-def synthetic_part(args: argparse.Namespace) -> dict:
+def low_signal_corpus(args: argparse.Namespace) -> Path:
+    """The same plates and labels with ``--low-signal-nnz`` expressed genes per cell (default corpus:
+    1,500), i.e. ~3% of that many marker draws per label instead of ~45: a task that does not saturate.
+    Generated (parquet only) and materialized into ``benchmarks/data/`` on first use."""
+    from materialize import make_synthetic_corpus, materialize
+
+    m = args.low_signal_nnz
+    ds_dir = DATA / f"ds_200k_nnz{m}"
+    if (ds_dir / "manifest.json").exists():
+        return ds_dir
+    corpus_dir = DATA / f"corpus_200k_nnz{m}"
+    print(f"generating {corpus_dir} (mean_nnz {m}) and materializing {ds_dir} ...", flush=True)
+    corpus = make_synthetic_corpus(corpus_dir, num_cells=200_000, seed=0, mean_nnz=float(m), write_h5ad=False)
+    materialize(corpus.cells_parquet, ds_dir, genes=corpus.genes_parquet, obs=["cell_type", "drug", "batch"],
+                overwrite=True, progress=False)
+    return ds_dir
+
+
+def synthetic_part(args: argparse.Namespace, dataset: str | Path, corpus: str) -> dict:
     import omicsio_jax as oj
 
-    ds = oj.open_dataset(args.dataset)
+    ds = oj.open_dataset(dataset)
     plates = ds.obs["batch"]
     train_rows = ds.rows_where("batch", [args.eval_plate], invert=True)
-    info = {"dataset": str(args.dataset), "num_cells": ds.num_cells, "num_genes": ds.num_genes,
+    info = {"corpus": corpus, "dataset": str(dataset), "num_cells": ds.num_cells, "mean_nnz": ds.manifest.nnz / ds.num_cells, "num_genes": ds.num_genes,
             "eval_plate": args.eval_plate, "train_cells": len(train_rows),
             "eval_cells": ds.num_cells - len(train_rows), "num_plates": len(plates.categories)}
     runs = []
@@ -157,11 +175,11 @@ def synthetic_part(args: argparse.Namespace) -> dict:
             sampling, block, fetch = strategy_settings(name, args)
             ent = batch_label_entropy(labels, train_rows, batch_size=args.batch_size, block_size=block,
                                       fetch_factor=fetch, seed=args.seed, sampling=sampling)
-            print(f"[{label} / {name}] training ...", flush=True)
-            row = run_strategy(args, label, name)
-            row["batch_entropy"] = ent
+            print(f"[{corpus} / {label} / {name}] training ...", flush=True)
+            row = run_strategy(args, dataset, label, name)
+            row["corpus"], row["batch_entropy"] = corpus, ent
             runs.append(row)
-            print(f"[{label} / {name}] acc {row['accuracy']:.4f}  macro-F1 {row['macro_f1']:.4f}  "
+            print(f"[{corpus} / {label} / {name}] acc {row['accuracy']:.4f}  macro-F1 {row['macro_f1']:.4f}  "
                   f"{row['cells_per_s']:,.0f} cells/s  data wait {100 * row['data_wait_fraction']:.1f}%  "
                   f"batch entropy {ent['mean_bits']:.2f} bits  ({row['wall_s']:.0f} s)", flush=True)
             with open(args.partial, "a") as f:  # survives an interrupted run
@@ -177,7 +195,7 @@ def estimate(args: argparse.Namespace) -> None:
     train_cells = len(ds.rows_where("batch", [args.eval_plate], invert=True))
     per_epoch = train_cells // args.batch_size
     for name in args.strategies:
-        row = run_strategy(args, args.labels[0], name, steps=args.estimate_steps)
+        row = run_strategy(args, args.dataset, args.labels[0], name, steps=args.estimate_steps)
         print(f"{name:>14}: first step {row['first_step_s']:.1f} s, median step {1e3 * row['median_step_s']:.0f} ms "
               f"({row['cells_per_s_median_step']:,.0f} cells/s), data wait {100 * row['data_wait_fraction']:.0f}% "
               f"→ ~{per_epoch * row['median_step_s'] / 60:.1f} min/epoch ({per_epoch} steps)", flush=True)
@@ -323,12 +341,13 @@ def markdown(result: dict) -> str:
     lines = ["# Training benchmark (`bench_train.py`)", "",
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}; JAX {result['versions']['jax']} "
              f"({result['devices']} CPU device(s)); total wall time {result['wall_s'] / 60:.1f} min.", ""]
-    syn = result.get("synthetic")
-    if syn:
-        s, c = syn["setup"], result["config"]
+    c = result["config"]
+    for part in result.get("synthetic") or []:
+        s = part["setup"]
         lines += [
-            "## Sampling strategy vs. held-out accuracy (synthetic plate-structured corpus)", "",
-            f"{s['num_cells']:,} cells × {s['num_genes']:,} genes, {s['num_plates']} contiguous plates; "
+            f"## Sampling strategy vs. held-out accuracy: synthetic corpus, {s['corpus']}", "",
+            f"`{Path(s['dataset']).name}`: {s['num_cells']:,} cells × {s['num_genes']:,} genes, "
+            f"{s['mean_nnz']:,.0f} nonzeros per cell, {s['num_plates']} contiguous plates; "
             f"trained on the {s['train_cells']:,} cells of every plate but `{s['eval_plate']}`, evaluated on the "
             f"{s['eval_cells']:,} cells of `{s['eval_plate']}` (every label present). One epoch each; MLP "
             f"(hidden {c['hidden']}), adam lr {c['lr']}, batch {c['batch_size']}, seed {c['seed']}, "
@@ -336,8 +355,8 @@ def markdown(result: dict) -> str:
             "cells/s: training throughput after the first (compiling) step, every wait included; data wait: share "
             "of step time spent waiting for the next batch; batch entropy: mean label entropy of the "
             "training minibatches (population entropy of the training cells in brackets).", ""]
-        for label in result["config"]["labels"]:
-            runs = [r for r in syn["runs"] if r["label"] == label]
+        for label in c["labels"]:
+            runs = [r for r in part["runs"] if r["label"] == label]
             if not runs:
                 continue
             lines += [f"### label `{label}` ({s.get(f'num_classes_{label}', '?')} classes)", "",
@@ -393,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pbmc-epochs", type=int, nargs="+", default=[5, 20, 50])
     p.add_argument("--pbmc-batch-size", type=int, default=64)
     p.add_argument("--pbmc-test-size", type=float, default=0.3)
+    p.add_argument("--low-signal-nnz", type=int, default=60,
+                   help="also run the strategies on a copy of the corpus (same plates and labels) with this many "
+                        "expressed genes per cell, so ~3%% as many marker draws (0: skip; the minimum is 50)")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--skip-pbmc", action="store_true")
     p.add_argument("--estimate-steps", type=int, default=0,
@@ -420,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.partial).unlink(missing_ok=True)
     if not args.skip_synthetic:
-        result["synthetic"] = synthetic_part(args)
+        result["synthetic"] = [synthetic_part(args, args.dataset, "default")]
+        if args.low_signal_nnz:
+            low = low_signal_corpus(args)
+            result["synthetic"].append(synthetic_part(args, low, f"low-signal (mean_nnz {args.low_signal_nnz})"))
     if not args.skip_pbmc:
         with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
             result["pbmc"] = pbmc_part(args, Path(tmp))
