@@ -8,7 +8,6 @@ record batches in bounded memory, in file order.
 from __future__ import annotations
 
 import glob
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
