@@ -450,11 +450,8 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
     """
     n = len(starts) - 1
     rows_per_slab = num_rows // num_slabs
-    row_ids = np.zeros((num_slabs, capacity), np.int32)
-    indices = np.zeros((num_slabs, capacity), np.int32)
-    values = np.zeros((num_slabs, capacity), np.float32)
     if n == 0:
-        return row_ids, indices, values
+        return tuple(np.zeros((num_slabs, capacity), dtype) for dtype in (np.int32, np.int32, np.float32))
     bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
     if bad >= 0:
         msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
@@ -468,6 +465,14 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
         msg = (f"a batch slab has {int(totals.max()):,} nonzeros but nnz_capacity is {capacity:,}: "
                f"pass nnz_capacity >= {int(totals.max()):,} to make_loader")
         raise ValueError(msg)
+    # every slab's entries fill it from the start: only the padding after them needs zeroing
+    row_ids = np.empty((num_slabs, capacity), np.int32)
+    indices = np.empty((num_slabs, capacity), np.int32)
+    values = np.empty((num_slabs, capacity), np.float32)
+    for slab, total in enumerate(totals.tolist()):
+        row_ids[slab, total:] = 0
+        indices[slab, total:] = 0
+        values[slab, total:] = 0
     positions = (np.cumsum(per_slab, axis=1) - per_slab + np.arange(num_slabs)[:, None] * capacity).reshape(-1)
     _decode_into_slabs(u8, u32, f32, starts[:-1], nnz, positions, rows_per_slab,
                        row_ids.reshape(-1), indices.reshape(-1), values.reshape(-1))
