@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numba as nb
@@ -63,6 +64,24 @@ def _runs(sorted_rows: np.ndarray) -> list[tuple[int, int]]:
     begins = sorted_rows[np.concatenate(([0], breaks))]
     ends = sorted_rows[np.concatenate((breaks - 1, [len(sorted_rows) - 1]))] + 1
     return list(zip(begins.tolist(), ends.tolist(), strict=True))
+
+
+@contextlib.contextmanager
+def corruption_reported(dataset_path) -> Iterator[None]:
+    """Report the codec's ValueError for a malformed record as a corrupted dataset, with the fix."""
+    try:
+        yield
+    except ValueError as e:
+        msg = f"{dataset_path}: {e}; run `omicsio-materialize verify {dataset_path}`"
+        raise DatasetFormatError(msg) from e
+
+
+def decode_records(dataset_path, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR of the records ``buf[starts[i]:starts[i+1]]``; a malformed record means a corrupted dataset."""
+    if len(starts) < 2:
+        return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+    with corruption_reported(dataset_path):
+        return _codec.decode_csr(buf, starts)
 
 
 def read_range(reader: Callable[[int], ArrayRecordReader], shard_cells: int, begin: int, end: int) -> list[bytes]:
@@ -207,12 +226,7 @@ class Dataset:
             records.extend(self.read_records(begin, end))
         if not records:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-        buf, starts = _codec.join_records(records)
-        try:
-            indptr, indices, values = _codec.decode_csr(buf, starts)
-        except ValueError as e:
-            msg = f"{self.path}: {e}; run `omicsio-materialize verify {self.path}`"
-            raise DatasetFormatError(msg) from e
+        indptr, indices, values = decode_records(self.path, *_codec.join_records(records))
         if len(unique) == len(rows) and np.array_equal(unique, rows):
             return indptr, indices, values
         return _take_rows(indptr, indices, values, inverse.astype(np.int64))

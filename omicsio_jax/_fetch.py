@@ -10,7 +10,6 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from . import _codec
 from ._dataset import Dataset, _runs, read_range
-from ._errors import DatasetFormatError
 from ._sampling import Fetch
 
 
@@ -27,17 +26,6 @@ class FetchedCells:
     rows: np.ndarray  # global row of each cell, in serving order
     buf: np.ndarray
     starts: np.ndarray
-
-
-def decode_records(dataset_path, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CSR of the records ``buf[starts[i]:starts[i+1]]``; a malformed record means a corrupted dataset."""
-    if len(starts) < 2:
-        return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-    try:
-        return _codec.decode_csr(buf, starts)
-    except ValueError as e:
-        msg = f"{dataset_path}: {e}; run `omicsio-materialize verify {dataset_path}`"
-        raise DatasetFormatError(msg) from e
 
 
 class FetchReader:

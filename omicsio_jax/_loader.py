@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from . import _codec, _scatter
-from ._dataset import Categorical, Dataset
+from ._dataset import Categorical, Dataset, corruption_reported, decode_records
 from ._errors import OmicsIOError, StateMismatchError
-from ._fetch import FetchReader, decode_records
+from ._fetch import FetchReader
 from ._pipeline import MiniBatch, build_pipeline
 from ._sampling import SamplingPlan, class_weights
 
@@ -144,11 +144,8 @@ class Loader:
                 raise OmicsIOError(msg) from e
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
         if self.gene_to_col is None and self.normalize is None:  # one pass: records → rows
-            try:
+            with corruption_reported(self.dataset.path):
                 x = _codec.decode_rows(mb.buf, mb.starts, self._new_rows(len(mb.mask)))
-            except ValueError as e:
-                msg = f"{self.dataset.path}: {e}; run `omicsio-materialize verify {self.dataset.path}`"
-                raise OmicsIOError(msg) from e
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
         indptr, indices, values = decode_records(self.dataset.path, mb.buf, mb.starts)
         if len(indptr) - 1 < len(mb.mask):  # padding rows are empty
