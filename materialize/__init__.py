@@ -10,12 +10,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._index import build_gene_index as build_gene_index
     from ._materialize import MaterializeResult as MaterializeResult
     from ._materialize import materialize as materialize
     from ._synthetic import SyntheticCorpus as SyntheticCorpus
     from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
 
 _PUBLIC = {
+    "build_gene_index": "._index",
     "MaterializeResult": "._materialize",
     "materialize": "._materialize",
     "SyntheticCorpus": "._synthetic",

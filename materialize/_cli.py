@@ -7,6 +7,7 @@
     omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
     omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
     omicsio-materialize verify out/
+    omicsio-materialize index 'atlas/**/*.parquet' atlas_index/   (inverted gene -> cells index)
     omicsio-materialize synth corpus/ --cells 200000      (a synthetic corpus to try it on)
 """
 
@@ -26,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omicsio-materialize",
         description="Convert list-column single-cell tables (parquet, vortex, a DuckDB query) or an "
-        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `synth DIR`.",
+        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `index INPUT OUT`, `synth DIR`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
     )
@@ -69,6 +70,29 @@ def _verify(argv: list[str]) -> int:
     return 0
 
 
+def _index(argv: list[str]) -> int:
+    from ._index import build_gene_index
+
+    p = argparse.ArgumentParser(
+        prog="omicsio-materialize index",
+        description="Build the inverted index gene_cell_index (gene_token_id, dataset, cell_rowids) of a "
+        "list-column table, for gene-centric queries (omicsio_jax.open_table(INPUT, index=OUT)).")
+    p.add_argument("input", help="parquet file, directory, glob or hive folder, or vortex files")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--genes", help="gene table (default: gene_metadata.parquet beside the input)")
+    p.add_argument("--memory-mib", type=int, default=512, help="postings held in RAM before spilling (MiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing index")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    from omicsio_jax._query import CellTable
+
+    info = build_gene_index(CellTable(args.input, genes=args.genes), args.out, overwrite=args.overwrite,
+                            memory_budget=args.memory_mib << 20, progress=not args.no_progress)
+    print(f"{args.out}: {info['rows']:,} (gene, dataset) rows, {info['postings']:,} postings over "
+          f"{info['num_cells']:,} cells in {info['seconds']} s")
+    return 0
+
+
 def _materialize(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_intermixed_args(argv)
@@ -101,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["verify"]:
             return _verify(argv[1:])
+        if argv[:1] == ["index"]:
+            return _index(argv[1:])
         if argv[:1] == ["synth"]:
             from ._synthetic import main as synth_main
 

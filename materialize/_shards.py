@@ -80,7 +80,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
+def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NAME) -> Iterator[Path]:
     """Yield a hidden temporary sibling of ``out``; on success it replaces ``out`` by rename.
 
     On any exception (Ctrl-C included) the temporary directory is removed and an existing
@@ -91,8 +91,8 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
     if out.exists() and not overwrite:
         msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
         raise OmicsIOError(msg)
-    if out.exists() and not (out / MANIFEST_NAME).exists() and any(out.iterdir()):
-        msg = f"refusing to overwrite {str(out)!r}: it is not empty and not a materialized dataset"
+    if out.exists() and not (out / manifest).exists() and any(out.iterdir()):
+        msg = f"refusing to overwrite {str(out)!r}: it is not empty and has no {manifest}"
         raise OmicsIOError(msg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
@@ -103,8 +103,8 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
             if os.path.isfile(tmp / name):
                 with open(tmp / name, "rb") as f:
                     os.fsync(f.fileno())
-        if not (tmp / MANIFEST_NAME).exists():
-            msg = "internal error: the dataset was finished without a manifest"
+        if not (tmp / manifest).exists():
+            msg = f"internal error: the output was finished without {manifest}"
             raise OmicsIOError(msg)
         if out.exists():
             old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"

@@ -7,7 +7,6 @@ record batches in bounded memory, in file order.
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,33 +16,17 @@ import pyarrow as pa
 
 from omicsio_jax import DataValidationError
 from omicsio_jax._arrow import is_list_type, list_to_csr
+from omicsio_jax._tables import (
+    FILENAME_COLUMN,
+    GENE_COLUMN,
+    VALUE_COLUMN,
+    create_cells_view,
+    expand_files,
+    find_gene_table,
+    sql_str,
+)
 
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
-
-FILENAME_COLUMN = "filename"
-GENE_TABLE_NAME = "gene_metadata.parquet"  # found beside the input when --genes is not given
-GENE_COLUMN = "gene_token_id"
-VALUE_COLUMN = "gene_expression"
-
-
-def _sql_str(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _expand(spec: str) -> list[Path]:
-    """Files named by a path, a directory (searched recursively) or a glob, sorted."""
-    path = Path(spec)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME)
-    elif any(ch in spec for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-    else:
-        files = [path] if path.exists() else []
-    if not files:
-        msg = f"no input files found for {spec!r} (expected a .parquet/.vortex file, a directory or a glob)"
-        raise DataValidationError(msg)
-    return files
 
 
 class TableSource(Source):
@@ -61,13 +44,14 @@ class TableSource(Source):
     ):
         self._con = duckdb.connect()
         self._con.execute("SET preserve_insertion_order = true")
+        self._con.execute("SET enable_progress_bar = false")
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
         if spec is not None:
-            self.files = _expand(spec)
-            self._register_cells(spec)
+            self.files = expand_files(spec)
+            create_cells_view(self._con, self.files, label=spec, filename=True)
         sql = "SELECT * FROM cells" if query is None else query
         if where:
             sql = f"SELECT * FROM ({sql}) WHERE {where}"
@@ -83,33 +67,6 @@ class TableSource(Source):
         self.obs_columns = obs_columns_of(schema, exclude={cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN})
         self.genes = self._gene_table(genes)
         self.num_cells = self._count()
-
-    def _register_cells(self, spec: str) -> None:
-        vortex = [f for f in self.files if f.suffix == ".vortex"]
-        if vortex and len(vortex) != len(self.files):
-            msg = f"{spec!r} mixes .vortex and other files; materialize them separately"
-            raise DataValidationError(msg)
-        if vortex:
-            import vortex as vx
-
-            arms = []
-            for i, path in enumerate(self.files):
-                try:
-                    self._con.register(f"_vortex_{i}", vx.open(str(path)).to_dataset())
-                except Exception as e:  # vortex raises plain Exceptions for unreadable files
-                    msg = f"cannot read {path}: {e}"
-                    raise DataValidationError(msg) from e
-                arms.append(f"SELECT *, {_sql_str(str(path))} AS {FILENAME_COLUMN} FROM _vortex_{i}")
-            self._con.execute("CREATE VIEW cells AS " + " UNION ALL BY NAME ".join(arms))
-            return
-        names = ", ".join(_sql_str(str(f)) for f in self.files)
-        try:
-            self._con.execute(
-                f"CREATE VIEW cells AS SELECT * FROM read_parquet([{names}], filename = true, "
-                "hive_partitioning = true, union_by_name = true)"
-            )
-        except duckdb.Error as e:
-            raise DataValidationError(self._explain(e)) from e
 
     def _explain(self, e: duckdb.Error) -> str:
         text = str(e).strip().splitlines()[0]
@@ -131,17 +88,11 @@ class TableSource(Source):
 
     def _gene_table(self, genes: str | None) -> pa.Table:
         if genes is None and self.files:
-            roots = {f.parent for f in self.files}
-            while len(roots) > 1:
-                roots = {r.parent for r in roots}
-            for root in [roots.pop(), *[p for p in Path(self.files[0]).parents]]:
-                candidate = root / GENE_TABLE_NAME
-                if candidate.exists():
-                    genes = str(candidate)
-                    break
+            found = find_gene_table(self.files)
+            genes = None if found is None else str(found)
         if genes is not None:
             try:
-                table = self._con.sql(f"SELECT * FROM {_sql_str(genes)}").to_arrow_table()
+                table = self._con.sql(f"SELECT * FROM {sql_str(genes)}").to_arrow_table()
             except duckdb.Error as e:
                 msg = f"cannot read gene table {genes}: {str(e).splitlines()[0]}"
                 raise DataValidationError(msg) from e

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["OMICSIO_JAX_CACHE"] = tempfile.mkdtemp(prefix="omicsio-jax-cache-")  # the gene-table cache
 
 import numpy as np
 import pyarrow as pa

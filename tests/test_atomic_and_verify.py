@@ -61,7 +61,7 @@ def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
     assert main([str(corpus.cells_parquet), str(out), "--no-progress"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 2
-    assert "not empty and not a materialized dataset" in capsys.readouterr().err
+    assert "not empty and has no manifest.json" in capsys.readouterr().err
     assert (out / "precious.txt").read_text() == "keep me"
 
 

@@ -1,0 +1,248 @@
+"""`make_stream_loader`: a DuckDB query straight to sharded jax.Arrays, without materializing.
+
+query → Arrow record batches (stage 4) → CSR views → optional shuffle window → numba scatter
+(full transcriptome or gene panel, optional fused normalize + log1p) → 64-byte aligned host rows
+→ ``make_array_from_process_local_data`` with ``NamedSharding``. A background thread runs the
+query and the scatter while the consumer computes. For inference and quick experiments; for
+training on more than a few passes, materialize and use `make_loader` (block sampling, replay).
+
+The shuffle window: consecutive windows of ``shuffle_buffer`` cells (rounded up to whole
+batches) are each permuted with ``default_rng([seed, epoch, window])`` and served. A cell
+moves at most one window from its place, so a window should span several plates of the table
+to mix them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import _scatter
+from ._background import Background
+from ._dataset import _take_rows
+from ._errors import OmicsIOError
+from ._loader import Batch, HostBatch, aligned_empty, place_batch
+from ._query import CellTable
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class ObsSpec:
+    """How an obs column becomes an array: categorical (int32 codes into ``categories``, -1 =
+    missing) or numeric (float32, NaN = missing)."""
+
+    name: str
+    categories: tuple | None
+
+    def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        if self.categories is None:
+            return pc.fill_null(pc.cast(column, pa.float32()), np.nan).to_numpy(zero_copy_only=False)
+        codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
+        return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)
+
+
+def obs_specs(table: CellTable, names: Sequence[str]) -> list[ObsSpec]:
+    """Categories of each named obs column from the whole table (stable codes across queries)."""
+    specs = []
+    for name in names:
+        table._columns([name])
+        dtype = table.schema.field(name).type
+        numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+        specs.append(ObsSpec(name, None if numeric else tuple(table.categories(name))))
+    return specs
+
+
+@dataclasses.dataclass
+class _Window:
+    indptr: np.ndarray
+    indices: np.ndarray
+    values: np.ndarray
+    rowids: np.ndarray
+    obs: dict[str, np.ndarray]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rowids)
+
+    def split(self, n: int) -> tuple[_Window, _Window]:
+        """The first ``n`` rows and the rest, as views."""
+        return (_Window(self.indptr[: n + 1], self.indices, self.values, self.rowids[:n],
+                        {k: v[:n] for k, v in self.obs.items()}),
+                _Window(self.indptr[n:], self.indices, self.values, self.rowids[n:],
+                        {k: v[n:] for k, v in self.obs.items()}))
+
+    @staticmethod
+    def concat(parts: list[_Window]) -> _Window:
+        if len(parts) == 1:
+            return parts[0]
+        lengths = np.concatenate([np.diff(p.indptr) for p in parts])
+        indptr = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        return _Window(indptr,
+                       np.concatenate([p.indices[p.indptr[0] : p.indptr[-1]] for p in parts]),
+                       np.concatenate([p.values[p.indptr[0] : p.indptr[-1]] for p in parts]),
+                       np.concatenate([p.rowids for p in parts]),
+                       {k: np.concatenate([p.obs[k] for p in parts]) for k in parts[0].obs})
+
+
+class StreamLoader:
+    """Batches of a query's cells as sharded jax.Arrays. Build with `make_stream_loader`.
+
+    ``for batch in loader`` runs one pass (epoch 0); ``loader.epoch(e)`` runs pass ``e`` with
+    its own shuffle. Each `Batch` has ``x`` (``(batch_size, features)`` float32), ``obs``,
+    ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
+    """
+
+    def __init__(self, table: CellTable, *, batch_size: int, gene_to_col: np.ndarray | None, num_features: int,
+                 where: str | None, rowids: np.ndarray | None, obs: list[ObsSpec], normalize: str | None,
+                 target_sum: float, shuffle_buffer: int, seed: int, mesh, data_axis: str, drop_remainder: bool,
+                 batch_rows: int, prefetch: int):
+        self.table, self.batch_size, self.gene_to_col, self.num_features = table, batch_size, gene_to_col, num_features
+        self.where, self.rowids, self.obs_specs = where, rowids, obs
+        self.normalize, self.target_sum = normalize, target_sum
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
+        self.batch_rows, self.prefetch = batch_rows, prefetch
+        # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
+        self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.epoch(0)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """One pass over the query's cells, shuffled (when ``shuffle_buffer`` > 0) for ``epoch``."""
+        host_batches = Background(lambda: self._host_batches(epoch), depth=self.prefetch)
+        try:
+            for hb in host_batches:
+                yield place_batch(hb, self.mesh, self.data_axis, 1)
+        finally:
+            host_batches.close()
+
+    # ----- host side -------------------------------------------------------------------------
+    def _windows(self) -> Iterator[_Window]:
+        for b in self.table.stream_csr([s.name for s in self.obs_specs], where=self.where, rowids=self.rowids,
+                                       batch_rows=self.batch_rows):
+            if len(b.rowids) and b.rowids.max() > _INT32_MAX:
+                msg = f"cell_rowid {int(b.rowids.max())} does not fit the int32 batch index"
+                raise OmicsIOError(msg)
+            yield _Window(b.indptr, b.indices, b.values, b.rowids,
+                          {s.name: s.encode(b.columns[s.name]) for s in self.obs_specs})
+
+    def _window_stream(self) -> Iterator[_Window]:
+        """Windows of exactly ``window_rows`` consecutive rows (the last one shorter)."""
+        pending: list[_Window] = []
+        held = 0
+        for part in self._windows():
+            pending.append(part)
+            held += part.num_rows
+            while held >= self.window_rows:
+                head, tail = _Window.concat(pending).split(self.window_rows)
+                yield head
+                pending, held = ([tail] if tail.num_rows else []), tail.num_rows
+        if held:
+            yield _Window.concat(pending)
+
+    def _host_batches(self, epoch: int) -> Iterator[HostBatch]:
+        for number, window in enumerate(self._window_stream()):
+            order = self._order(window.num_rows, epoch, number)
+            full = (window.num_rows // self.batch_size) * self.batch_size
+            yield from self._serve(window, order[:full])
+            if full < window.num_rows and not self.drop_remainder:  # only the last window
+                yield self._batch(window, order[full:])
+
+    def _order(self, n: int, epoch: int, window: int) -> np.ndarray:
+        if self.shuffle_buffer <= 0:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch, window]).permutation(n)
+
+    def _serve(self, window: _Window, order: np.ndarray) -> Iterator[HostBatch]:
+        for start in range(0, len(order), self.batch_size):
+            yield self._batch(window, order[start : start + self.batch_size])
+
+    def _batch(self, window: _Window, order: np.ndarray) -> HostBatch:
+        n, b = len(order), self.batch_size
+        if self.shuffle_buffer <= 0 and (n == 0 or order[-1] - order[0] == n - 1):  # contiguous: no copy
+            indptr = window.indptr[order[0] : order[0] + n + 1] if n else window.indptr[:1]
+            indices, values = window.indices, window.values
+        else:
+            indptr, indices, values = _take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
+        if n < b:  # padding rows are empty
+            indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
+        out = aligned_empty((b, self.num_features))
+        if self.gene_to_col is None:
+            _scatter.scatter_dense(indptr, indices, values, self.num_features, out=out,
+                                   normalize=self.normalize, target_sum=self.target_sum)
+        else:
+            _scatter.scatter_panel(indptr, indices, values, self.gene_to_col, out=out,
+                                   normalize=self.normalize, target_sum=self.target_sum)
+        mask = np.arange(b) < n
+        index = np.full(b, -1, np.int32)
+        index[:n] = window.rowids[order]
+        obs = {}
+        for s in self.obs_specs:
+            column = np.full(b, -1 if s.categories is not None else np.nan,
+                             np.int32 if s.categories is not None else np.float32)
+            column[:n] = window.obs[s.name][order]
+            obs[s.name] = column
+        return HostBatch(out, obs, index, mask)
+
+
+def make_stream_loader(
+    table: CellTable,
+    *,
+    batch_size: int,
+    genes: Sequence[str | int] | None = None,
+    where: str | None = None,
+    rowids: Sequence[int] | np.ndarray | None = None,
+    obs: Sequence[str] = (),
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    mesh=None,
+    data_axis: str = "data",
+    drop_remainder: bool = False,
+    batch_rows: int = 8192,
+    prefetch: int = 2,
+) -> StreamLoader:
+    """Stream a query's cells to the devices as dense batches (full transcriptome or a panel).
+
+    >>> table = oj.open_table("atlas/")                                         # doctest: +SKIP
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                  # doctest: +SKIP
+    >>> loader = oj.make_stream_loader(table, batch_size=1024, where="tissue = 'lung'",
+    ...                                genes=panel, obs=("cell_type",), mesh=mesh)  # doctest: +SKIP
+    >>> for batch in loader: ...        # batch.x: (1024, len(panel)) float32, sharded P("data")
+
+    Rows come in table order unless ``shuffle_buffer`` > 0 (see the module docstring). The last
+    partial batch is padded (``mask`` False) unless ``drop_remainder``. Single-host: every
+    process would read the whole query.
+    """
+    import jax
+
+    if jax.process_count() > 1:
+        msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
+        raise OmicsIOError(msg)
+    if batch_size <= 0:
+        msg = f"batch_size must be positive, got {batch_size}"
+        raise OmicsIOError(msg)
+    if mesh is not None and batch_size % mesh.shape[data_axis]:
+        msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
+        raise OmicsIOError(msg)
+    _scatter._mode_code(normalize, target_sum)
+    if genes is None:
+        gene_to_col, width = None, table.genes.num_tokens
+    else:
+        tokens = table.genes.resolve(genes)
+        gene_to_col = _scatter.make_gene_to_col(max(table.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
+        width = len(tokens)
+    rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
+    return StreamLoader(table, batch_size=batch_size, gene_to_col=gene_to_col, num_features=width, where=where,
+                        rowids=rows, obs=obs_specs(table, obs), normalize=normalize, target_sum=target_sum,
+                        shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh, data_axis=data_axis,
+                        drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
+

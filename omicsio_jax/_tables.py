@@ -1,0 +1,120 @@
+"""List-column cell tables (parquet file / directory / glob / hive partitions, vortex) as a DuckDB view.
+
+Shared by `materialize` (which streams the view into shards) and the query API (which adds a
+stable ``cell_rowid``). Files are always taken in sorted path order, so row ``r`` of the view is
+the same cell for every reader: with no ``--where``/``--query``, ``cell_rowid`` equals the
+row of the materialized dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import duckdb
+
+from ._errors import DataValidationError
+
+FILENAME_COLUMN = "filename"
+ROWID_COLUMN = "cell_rowid"
+GENE_TABLE_NAME = "gene_metadata.parquet"  # found beside the input when no gene table is given
+GENE_COLUMN = "gene_token_id"
+VALUE_COLUMN = "gene_expression"
+CELL_ID_COLUMN = "cell_id"
+
+
+def sql_str(text: str) -> str:
+    """A SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def sql_ident(name: str) -> str:
+    """A SQL identifier (quoted)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def expand_files(spec: str) -> list[Path]:
+    """Files named by a path, a directory (searched recursively) or a glob, sorted."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME)
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    else:
+        files = [path] if path.exists() else []
+    if not files:
+        msg = f"no input files found for {spec!r} (expected a .parquet/.vortex file, a directory or a glob)"
+        raise DataValidationError(msg)
+    return files
+
+
+def find_gene_table(files: list[Path]) -> Path | None:
+    """``gene_metadata.parquet`` in the inputs' common folder or one of its parents."""
+    roots = {f.parent for f in files}
+    while len(roots) > 1:
+        roots = {r.parent for r in roots}
+    for root in [roots.pop(), *Path(files[0]).parents]:
+        candidate = root / GENE_TABLE_NAME
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _row_counts(files: list[Path]) -> list[int]:
+    if files[0].suffix == ".vortex":
+        import vortex as vx
+
+        return [len(vx.open(str(f))) for f in files]
+    import pyarrow.parquet as pq
+
+    return [pq.read_metadata(f).num_rows for f in files]
+
+
+def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, label: str, filename: bool = False,
+                      rowid: bool = False, name: str = "cells") -> None:
+    """Create view ``name`` over ``files``: hive partition columns included, union by column name.
+
+    ``filename`` adds the source file of each row; ``rowid`` adds ``cell_rowid``, the row's
+    position in the concatenation of the files in sorted order (from each file's row count, so
+    it stays right under any filter).
+    """
+    vortex = [f for f in files if f.suffix == ".vortex"]
+    if vortex and len(vortex) != len(files):
+        msg = f"{label!r} mixes .vortex and other files; use them separately"
+        raise DataValidationError(msg)
+    try:
+        counts = _row_counts(files) if rowid else []
+    except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
+        msg = f"cannot read {label}: {e}"
+        raise DataValidationError(msg) from e
+    bases = [sum(counts[:i]) for i in range(len(counts))]
+    if vortex:
+        import vortex as vx
+
+        arms = []
+        for i, path in enumerate(files):
+            try:
+                con.register(f"_{name}_vortex_{i}", vx.open(str(path)).to_dataset())
+            except Exception as e:  # vortex raises plain Exceptions for unreadable files
+                msg = f"cannot read {path}: {e}"
+                raise DataValidationError(msg) from e
+            extra = f", {sql_str(str(path))} AS {FILENAME_COLUMN}" if filename else ""
+            if rowid:  # a window with no ORDER BY streams and keeps the scan order
+                extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
+            arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
+        return
+    names = ", ".join(sql_str(str(f)) for f in files)
+    source = (f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
+              "union_by_name = true)")
+    hidden = ["file_row_number"] + ([] if filename else [FILENAME_COLUMN])
+    select = f"* EXCLUDE ({', '.join(hidden)})"
+    if rowid:
+        cases = " ".join(f"WHEN {sql_str(str(f))} THEN {b}" for f, b in zip(files, bases, strict=True))
+        select += f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
+    try:
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {source}")
+    except duckdb.Error as e:
+        msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
+        raise DataValidationError(msg) from e

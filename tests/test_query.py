@@ -1,0 +1,280 @@
+"""DuckDB queries over list-column tables: each stage against pyarrow/numpy on the same files,
+hive partitions, vortex, the inverted index against the scan, and gene resolution."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import vortex
+
+import omicsio_jax as oj
+from materialize import build_gene_index
+from materialize import _index as index_module
+from materialize._cli import main as cli
+from tests.conftest import assert_csr_equal, table_csr
+
+
+@pytest.fixture(scope="module")
+def table(corpus):
+    return oj.open_table(corpus.cells_parquet)
+
+
+@pytest.fixture(scope="module")
+def hive_dir(corpus_table, corpus, tmp_path_factory):
+    """The corpus split into dataset=/tissue= folders (two parquet files in one partition)."""
+    root = tmp_path_factory.mktemp("hive") / "atlas"
+    t = corpus_table.drop_columns(["dataset", "tissue"])
+    dataset = pc.if_else(pc.less(pa.array(np.arange(len(t))), 1500), "ds_a", "ds_b")
+    tissue = corpus_table.column("tissue")
+    for d in ("ds_a", "ds_b"):
+        for tis in sorted(set(tissue.to_pylist())):
+            keep = pc.and_(pc.equal(dataset, d), pc.equal(tissue, tis))
+            part = t.filter(keep)
+            if part.num_rows == 0:
+                continue
+            folder = root / f"dataset={d}" / f"tissue={tis}"
+            folder.mkdir(parents=True)
+            half = part.num_rows // 2
+            pq.write_table(part.slice(0, half), folder / "part-0.parquet")
+            pq.write_table(part.slice(half), folder / "part-1.parquet")
+    (root / "gene_metadata.parquet").write_bytes(corpus.genes_parquet.read_bytes())
+    return root
+
+
+def hive_reference(root) -> pa.Table:
+    """The hive table in cell_rowid order, read with pyarrow (files sorted by path)."""
+    parts = []
+    for f in sorted(p for p in root.rglob("*.parquet") if p.name != "gene_metadata.parquet"):
+        t = pq.read_table(f)
+        keys = dict(kv.split("=") for kv in f.parent.relative_to(root).parts)
+        t = t.append_column("dataset", pa.array([keys["dataset"]] * t.num_rows))
+        parts.append(t.append_column("tissue", pa.array([keys["tissue"]] * t.num_rows)))
+    return pa.concat_tables(parts)
+
+
+def expressing(ref: pa.Table, tokens, mode="any") -> np.ndarray:
+    lists = ref.column("gene_token_id").to_pylist()
+    test = any if mode == "any" else all
+    return np.array([i for i, genes in enumerate(lists) if test(t in set(genes) for t in tokens)], np.int64)
+
+
+def panel_reference(ref: pa.Table, rows, tokens) -> np.ndarray:
+    genes, values = ref.column("gene_token_id").to_pylist(), ref.column("gene_expression").to_pylist()
+    out = np.zeros((len(rows), len(tokens)), np.float32)
+    for i, r in enumerate(rows):
+        lookup = dict(zip(genes[r], values[r], strict=True))
+        out[i] = [lookup.get(int(t), 0.0) for t in tokens]
+    return out
+
+
+# ----- stage 1 ---------------------------------------------------------------------------------
+def test_stage1_metadata_and_select_match_pyarrow(table, corpus_table):
+    meta = table.metadata(["cell_id", "tissue", "n_genes"])
+    assert meta.column_names == ["cell_rowid", "cell_id", "tissue", "n_genes"]
+    np.testing.assert_array_equal(meta.column("cell_rowid").to_numpy(), np.arange(corpus_table.num_rows))
+    assert meta.column("cell_id").to_pylist() == corpus_table.column("cell_id").to_pylist()
+    rows = table.select("tissue = 'lung' AND n_genes > 150")
+    tis = np.array(corpus_table.column("tissue").to_pylist())
+    ng = corpus_table.column("n_genes").to_numpy()
+    np.testing.assert_array_equal(rows, np.flatnonzero((tis == "lung") & (ng > 150)))
+    sub = table.metadata(["cell_id"], rowids=rows[::-1][:7])  # any order in, row order out
+    assert sub.column("cell_rowid").to_pylist() == sorted(rows[:][::-1][:7].tolist())
+    assert table.categories("tissue") == sorted(set(tis.tolist()))
+
+
+def test_stage1_hive_partitions_prune_and_keep_rowids(hive_dir):
+    t = oj.open_table(hive_dir)
+    ref = hive_reference(hive_dir)
+    assert t.num_cells == ref.num_rows and {"dataset", "tissue"} <= set(t.scalar_columns)
+    meta = t.metadata(["cell_id", "dataset", "tissue"])
+    assert meta.column("cell_id").to_pylist() == ref.column("cell_id").to_pylist()
+    rows = t.select("dataset = 'ds_b' AND tissue = 'lung'")
+    expect = np.flatnonzero((np.array(ref.column("dataset").to_pylist()) == "ds_b")
+                            & (np.array(ref.column("tissue").to_pylist()) == "lung"))
+    np.testing.assert_array_equal(rows, expect)
+    # pruning: the plan reads only the files of the matching partition
+    plan = "\n".join(r[1] for r in t.con.execute(
+        "EXPLAIN ANALYZE SELECT count(*) FROM cells WHERE dataset = 'ds_b' AND tissue = 'lung'").fetchall())
+    num_files = len(list(hive_dir.rglob("part-*.parquet")))
+    assert f"Scanning Files: 2/{num_files}" in plan and "Total Files Read: 2" in plan
+
+
+# ----- stage 2 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
+    tokens = [3, 40, 41]
+    names = table.genes.names(tokens)
+    np.testing.assert_array_equal(table.cells_expressing(names, mode=mode), expressing(corpus_table, tokens, mode))
+    lung = table.select("tissue = 'lung'")
+    got = table.cells_expressing(tokens, mode=mode, rowids=lung)
+    np.testing.assert_array_equal(got, np.intersect1d(lung, expressing(corpus_table, tokens, mode)))
+    np.testing.assert_array_equal(table.cells_expressing(tokens, mode=mode, where="tissue = 'lung'"), got)
+
+
+def test_stage2_reads_no_expression_values(table):
+    plan = "\n".join(r[1] for r in table.con.execute(
+        "EXPLAIN SELECT cell_rowid FROM cells WHERE list_has_any(gene_token_id, [3]::INTEGER[])").fetchall())
+    assert "gene_token_id" in plan and "gene_expression" not in plan
+
+
+# ----- stage 3 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["sql", "scatter"])
+def test_stage3_panel_matches_numpy(table, corpus_table, method):
+    tokens = [0, 3, 17, 1999, 500]
+    rows = np.array([5, 2999, 0, 1234, 17])
+    res = table.panel(table.genes.names(tokens), rowids=rows, method=method)
+    np.testing.assert_array_equal(res.rowids, np.sort(rows))
+    np.testing.assert_array_equal(res.x, panel_reference(corpus_table, np.sort(rows), tokens))
+    np.testing.assert_array_equal(res.token_ids, tokens)
+    lung = table.panel(tokens, where="tissue = 'lung'", method=method)
+    np.testing.assert_array_equal(lung.rowids, table.select("tissue = 'lung'"))
+    np.testing.assert_array_equal(lung.x, panel_reference(corpus_table, lung.rowids, tokens))
+
+
+def test_stage3_auto_switches_to_scatter_for_big_panels(table, corpus_table):
+    tokens = list(range(0, 2000, 20))  # 100 genes > SQL_PANEL_MAX
+    res = table.panel(tokens, where="cell_rowid < 50")
+    np.testing.assert_array_equal(res.x, panel_reference(corpus_table, np.arange(50), tokens))
+
+
+# ----- stage 4 ---------------------------------------------------------------------------------
+def test_stage4_stream_csr_is_exact_and_bounded(table, corpus_table):
+    parts = list(table.stream_csr(["cell_id"], batch_rows=700))
+    assert all(p.num_rows <= 700 for p in parts) and len(parts) >= 5
+    rows = np.concatenate([p.rowids for p in parts])
+    np.testing.assert_array_equal(rows, np.arange(corpus_table.num_rows))
+    lengths = np.concatenate([np.diff(p.indptr) for p in parts])
+    got = (np.concatenate([[0], np.cumsum(lengths)]), np.concatenate([p.indices for p in parts]),
+           np.concatenate([p.values for p in parts]))
+    assert_csr_equal(got, table_csr(corpus_table))
+    ids = pa.concat_arrays([p.columns["cell_id"] for p in parts]).to_pylist()
+    assert ids == corpus_table.column("cell_id").to_pylist()
+
+
+def test_stage4_selected_rows(table, corpus_table):
+    rows = np.array([2500, 3, 4, 5, 999])
+    parts = list(table.stream_csr(rowids=rows, batch_rows=2))
+    np.testing.assert_array_equal(np.concatenate([p.rowids for p in parts]), np.sort(rows))
+    sub = corpus_table.take(np.sort(rows))
+    lengths = np.concatenate([np.diff(p.indptr) for p in parts])
+    got = (np.concatenate([[0], np.cumsum(lengths)]), np.concatenate([p.indices for p in parts]),
+           np.concatenate([p.values for p in parts]))
+    assert_csr_equal(got, table_csr(sub))
+
+
+def test_arrow_csr_handles_sliced_and_chunked_batches(corpus_table):
+    sliced = corpus_table.slice(1000, 300)
+    assert_csr_equal(oj.arrow_csr(sliced), table_csr(sliced))
+    chunked = pa.concat_tables([corpus_table.slice(0, 10), corpus_table.slice(10, 15), corpus_table.slice(25, 5)])
+    assert chunked.column("gene_token_id").num_chunks == 3
+    assert_csr_equal(oj.arrow_csr(chunked), table_csr(corpus_table.slice(0, 30)))
+    rb = corpus_table.slice(40, 20).to_batches()[0]
+    indptr, indices, values = oj.arrow_csr(rb)
+    assert indptr[0] == 0 and np.shares_memory(values, rb.column("gene_expression").values.to_numpy())
+
+
+def test_rowid_is_the_materialized_dataset_row(table, dataset_dir):
+    ds = oj.open_dataset(dataset_dir)
+    rows = table.cells_expressing([17])[:40]
+    part = next(table.stream_csr(rowids=rows, batch_rows=64))
+    assert_csr_equal((part.indptr, part.indices, part.values), ds.read_csr(rows))
+
+
+def test_vortex_table_gives_the_same_answers(corpus_table, corpus, tmp_path):
+    for i, (start, n) in enumerate([(0, 1000), (1000, 2000)]):
+        vortex.io.write(corpus_table.slice(start, n), str(tmp_path / f"cells-{i}.vortex"))
+    t = oj.open_table(tmp_path, genes=corpus.genes_parquet)
+    assert t.num_cells == corpus_table.num_rows
+    np.testing.assert_array_equal(t.cells_expressing([3, 40]), expressing(corpus_table, [3, 40]))
+    res = t.panel([0, 3, 17], rowids=[1, 1500, 2999])
+    np.testing.assert_array_equal(res.x, panel_reference(corpus_table, [1, 1500, 2999], [0, 3, 17]))
+    parts = list(t.stream_csr(batch_rows=1024))
+    np.testing.assert_array_equal(np.concatenate([p.rowids for p in parts]), np.arange(corpus_table.num_rows))
+
+
+# ----- inverted index --------------------------------------------------------------------------
+def test_index_equals_scan_with_spilled_runs(hive_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(index_module, "ROW_GROUP_POSTINGS", 5000)  # many row groups
+    t = oj.open_table(hive_dir)
+    info = build_gene_index(t, tmp_path / "idx", memory_budget=200_000, progress=False)  # many runs
+    assert info["datasets"] == ["ds_a", "ds_b"]
+    idx = pq.read_table(tmp_path / "idx" / "gene_cell_index.parquet")
+    assert idx.schema.equals(pa.schema([("gene_token_id", pa.int32()), ("dataset", pa.string()),
+                                        ("cell_rowids", pa.list_(pa.int64()))]))
+    assert pq.read_metadata(tmp_path / "idx" / "gene_cell_index.parquet").num_row_groups > 10
+    genes = idx.column("gene_token_id").to_numpy()
+    assert np.all(np.diff(genes) >= 0)
+    for ids in idx.column("cell_rowids").to_pylist()[::97]:
+        assert ids == sorted(ids) and len(ids) == len(set(ids))
+    assert info["postings"] == sum(len(x) for x in idx.column("cell_rowids").to_pylist())
+    t.attach_index(tmp_path / "idx")
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        tokens = rng.choice(2000, size=rng.integers(1, 4), replace=False).tolist()
+        for mode in ("any", "all"):
+            np.testing.assert_array_equal(t.cells_expressing(tokens, mode=mode, use_index=True),
+                                          t.cells_expressing(tokens, mode=mode, use_index=False))
+    np.testing.assert_array_equal(t.cells_expressing([5], where="tissue = 'lung'", use_index=True),
+                                  t.cells_expressing([5], where="tissue = 'lung'", use_index=False))
+    by_dataset = t.sql("SELECT dataset, len(cell_rowids) AS n FROM gene_cell_index WHERE gene_token_id = 5 ORDER BY 1")
+    scan = t.sql("SELECT dataset, count(*) AS n FROM cells WHERE list_contains(gene_token_id, 5) GROUP BY 1 ORDER BY 1")
+    assert by_dataset.to_pylist() == scan.to_pylist()
+
+
+def test_index_command_and_stale_index_refused(corpus, tmp_path, capsys):
+    src = tmp_path / "cells.parquet"
+    src.write_bytes(corpus.cells_parquet.read_bytes())
+    assert cli(["index", str(src), str(tmp_path / "idx"), "--genes", str(corpus.genes_parquet), "--no-progress"]) == 0
+    assert "postings" in capsys.readouterr().out
+    info = json.loads((tmp_path / "idx" / "index.json").read_text())
+    assert info["num_cells"] == 3000 and info["datasets"] == ["synthetic"]
+    assert cli(["index", str(src), str(tmp_path / "idx"), "--no-progress"]) == 2  # exists, no --overwrite
+    t = oj.open_table(src, genes=corpus.genes_parquet, index=tmp_path / "idx")
+    assert t.cells_expressing([7]).tolist() == t.cells_expressing([7], use_index=False).tolist()
+    pq.write_table(pq.read_table(src).slice(0, 100), src)  # the table changed under the index
+    with pytest.raises(oj.OmicsIOError, match="rebuild it with `omicsio-materialize index"):
+        oj.open_table(src, genes=corpus.genes_parquet, index=tmp_path / "idx")
+    with pytest.raises(oj.OmicsIOError, match="no index is attached"):
+        oj.open_table(src, genes=corpus.genes_parquet).cells_expressing([1], use_index=True)
+
+
+# ----- genes -----------------------------------------------------------------------------------
+def test_gene_resolution_by_name_ensembl_and_token(table):
+    g = table.genes
+    row = g.table.slice(42, 1).to_pylist()[0]
+    ens = row["ensembl_id"]
+    assert g.resolve([row["gene_name"], ens, ens.lower() + ".7", 42]).tolist() == [42, 42, 42, 42]
+    with pytest.raises(oj.UnknownGeneError, match=r"'GENE4Z'.*did you mean GENE4") as e:
+        g.resolve(["GENE4Z", "GENE5"])
+    assert "1 gene(s) not resolved" in str(e.value)
+    with pytest.raises(oj.UnknownGeneError, match="token id 99999"):
+        g.resolve([99999])
+    with pytest.raises(oj.UnknownGeneError):
+        table.cells_expressing(["NOT_A_GENE"])
+
+
+def test_ambiguous_gene_names_must_be_disambiguated():
+    genes = oj.GeneTable(pa.table({"gene_token_id": [0, 1, 2], "ensembl_id": ["ENSG1", "ENSG2", "ENSG3"],
+                                   "gene_name": ["A", "B", "B"]}))
+    assert genes.resolve(["A", "ENSG3"]).tolist() == [0, 2]
+    with pytest.raises(oj.UnknownGeneError, match="'B' names 2 genes"):
+        genes.resolve(["B"])
+
+
+def test_gene_table_is_cached_locally_and_refreshed_when_it_changes(corpus, tmp_path):
+    src = tmp_path / "genes.parquet"
+    src.write_bytes(corpus.genes_parquet.read_bytes())
+    cache = tmp_path / "cache"
+    first = oj.GeneTable.load(src, cache_dir=cache)
+    entries = list((cache / "genes").glob("*.parquet"))
+    assert len(entries) == 1 and pq.read_table(entries[0]).num_rows == len(first)
+    pq.write_table(pq.read_table(entries[0]).slice(0, 3), entries[0])  # mark the cached copy
+    assert len(oj.GeneTable.load(src, cache_dir=cache)) == 3  # served from the cache
+    assert len(oj.GeneTable.load(src, cache_dir=cache, refresh=True)) == len(first)
+    pq.write_table(pq.read_table(corpus.genes_parquet).slice(0, 10), src)  # the source changed
+    assert len(oj.GeneTable.load(src, cache_dir=cache)) == 10

@@ -1,0 +1,231 @@
+"""Streaming from queries and the in-memory panel loaders: exact batches, coverage, shuffling,
+sharding on 8 fake CPU devices, and bit-exact replay of the in-memory loaders."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from materialize import materialize
+from omicsio_jax import _memory
+from tests.conftest import table_csr
+
+PANEL = [0, 3, 17, 40, 41, 500, 1999, 1234]
+
+
+@pytest.fixture(scope="module")
+def table(corpus):
+    return oj.open_table(corpus.cells_parquet)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_table):
+    """Every cell's full dense row (3,000 × 2,000), from pyarrow + numpy only."""
+    indptr, indices, values = table_csr(corpus_table)
+    dense = np.zeros((len(indptr) - 1, 2000), np.float32)
+    rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+    dense[rows, indices] = values
+    return dense
+
+
+def host(a) -> np.ndarray:
+    return np.asarray(a)
+
+
+def assert_data_sharded(arr, mesh) -> None:
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    assert arr.sharding.is_equivalent_to(want, arr.ndim)
+
+
+# ----- streaming from a query ------------------------------------------------------------------
+def test_stream_loader_full_rows_in_table_order(table, reference, mesh):
+    loader = oj.make_stream_loader(table, batch_size=256, where="tissue = 'lung'", obs=("cell_type", "n_genes"),
+                                   mesh=mesh, batch_rows=300)
+    batches = list(loader)
+    rows = table.select("tissue = 'lung'")
+    assert len(batches) == -(-len(rows) // 256)
+    for b in batches:
+        assert b.x.shape == (256, 2000) and b.x.dtype == np.float32
+        assert_data_sharded(b.x, mesh)
+    index = np.concatenate([host(b.index)[host(b.mask)] for b in batches])
+    np.testing.assert_array_equal(index, rows)  # table order, each cell once
+    x = np.concatenate([host(b.x)[host(b.mask)] for b in batches])
+    np.testing.assert_array_equal(x, reference[rows])
+    last = batches[-1]
+    assert not host(last.x)[~host(last.mask)].any() and (host(last.index)[~host(last.mask)] == -1).all()
+    meta = table.metadata(["cell_type", "n_genes"], rowids=rows)
+    cats = table.categories("cell_type")
+    codes = np.concatenate([host(b.obs["cell_type"])[host(b.mask)] for b in batches])
+    assert [cats[c] for c in codes] == meta.column("cell_type").to_pylist()
+    n_genes = np.concatenate([host(b.obs["n_genes"])[host(b.mask)] for b in batches])
+    np.testing.assert_array_equal(n_genes, meta.column("n_genes").to_numpy().astype(np.float32))
+
+
+def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh):
+    kw = dict(batch_size=128, genes=table.genes.names(PANEL), shuffle_buffer=1000, seed=3, mesh=mesh,
+              drop_remainder=True, normalize="log1p")
+    loader = oj.make_stream_loader(table, **kw)
+    epoch0 = [(host(b.index), host(b.x)) for b in loader.epoch(0)]
+    assert len(epoch0) == 3000 // 128
+    index = np.concatenate([i for i, _ in epoch0])
+    assert len(np.unique(index)) == len(index) == 128 * (3000 // 128)
+    assert not np.array_equal(index, np.sort(index))  # shuffled ...
+    first_window = index[: 7 * 128]                       # ... but only within a window of ~1,000 rows
+    assert first_window.max() < 1000 + 128
+    x = np.concatenate([x for _, x in epoch0])
+    np.testing.assert_array_equal(x, np.log1p(reference[index][:, PANEL]))
+    again = [host(b.index) for b in oj.make_stream_loader(table, **kw).epoch(0)]
+    np.testing.assert_array_equal(np.concatenate(again), index)  # same seed, same order
+    other = np.concatenate([host(b.index) for b in loader.epoch(1)])
+    assert not np.array_equal(other, index)
+
+
+def test_stream_loader_refuses_bad_arguments(table, mesh):
+    with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
+        oj.make_stream_loader(table, batch_size=100, mesh=mesh)
+    with pytest.raises(oj.UnknownGeneError):
+        oj.make_stream_loader(table, batch_size=8, genes=["NOPE"])
+
+
+# ----- loading a panel into RAM ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def panel_dataset(corpus, tmp_path_factory):
+    """The corpus materialized in the dense layout of PANEL."""
+    root = tmp_path_factory.mktemp("panelds")
+    (root / "panel.txt").write_text("\n".join(map(str, PANEL)) + "\n")
+    materialize(corpus.cells_parquet, root / "out", panel=root / "panel.txt", shard_cells=1024, progress=False)
+    return oj.open_dataset(root / "out")
+
+
+def test_load_panel_from_table_dense_dataset_and_sparse_dataset_agree(table, panel_dataset, dataset_dir, reference):
+    names = table.genes.names(PANEL)
+    from_table = oj.load_panel(table, names, obs=("cell_type",), progress=False)
+    from_dense = oj.load_panel(panel_dataset, obs=("cell_type",), progress=False)
+    from_sparse = oj.load_panel(oj.open_dataset(dataset_dir), names, obs=("cell_type",), progress=False)
+    for p in (from_table, from_dense, from_sparse):
+        np.testing.assert_array_equal(p.x, reference[:, PANEL])
+        np.testing.assert_array_equal(p.rowids, np.arange(3000))
+        assert p.x.ctypes.data % 64 == 0 and list(p.genes) == names
+    cats = from_table.categories["cell_type"]
+    assert [cats[c] for c in from_table.obs["cell_type"]] == \
+        [from_dense.categories["cell_type"][c] for c in from_dense.obs["cell_type"]]
+    lung = oj.load_panel(table, PANEL, where="tissue = 'lung'", normalize="log1p", progress=False)
+    np.testing.assert_array_equal(lung.rowids, table.select("tissue = 'lung'"))
+    np.testing.assert_array_equal(lung.x, np.log1p(reference[lung.rowids][:, PANEL]))
+    assert len({from_table.fingerprint, from_dense.fingerprint, lung.fingerprint}) == 3
+    with pytest.raises(oj.OmicsIOError, match="needs genes="):
+        oj.load_panel(table)
+
+
+# ----- in-memory loaders -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def panel(panel_dataset):
+    return oj.load_panel(panel_dataset, obs=("cell_type",), progress=False)
+
+
+def collect(loader, n):
+    out = []
+    for _ in range(n):
+        b = next(loader)
+        out.append((host(b.x), host(b.index), host(b.mask), host(b.obs["cell_type"])))
+    return out
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_memory_loader_batches_are_the_panel_rows(panel, mesh, placement):
+    loader = oj.make_memory_loader(panel, batch_size=256, seed=1, num_epochs=2, placement=placement, mesh=mesh)
+    per_epoch = loader.steps_per_epoch
+    batches = list(loader)
+    assert len(batches) == 2 * per_epoch
+    for b in batches:
+        assert_data_sharded(b.x, mesh)
+        assert b.x.shape == (256, len(PANEL))
+        rows = host(b.index)
+        np.testing.assert_array_equal(host(b.x), panel.x[rows])
+        np.testing.assert_array_equal(host(b.obs["cell_type"]), panel.obs["cell_type"][rows])
+    for e in range(2):
+        seen = np.concatenate([host(b.index) for b in batches[e * per_epoch : (e + 1) * per_epoch]])
+        assert len(np.unique(seen)) == len(seen)  # each cell at most once per epoch
+        assert len(seen) >= 3000 - 256 - 8
+    first = [host(b.index) for b in batches[:per_epoch]]
+    second = [host(b.index) for b in batches[per_epoch:]]
+    assert not np.array_equal(np.concatenate(first), np.concatenate(second))  # a new order each epoch
+
+
+def test_host_loader_covers_every_cell_with_padding(panel, mesh):
+    loader = oj.make_memory_loader(panel, batch_size=512, seed=0, placement="host", mesh=mesh, drop_remainder=False)
+    batches = list(loader)
+    assert len(batches) == -(-3000 // 512)
+    seen = np.concatenate([host(b.index)[host(b.mask)] for b in batches])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(3000))
+    last = batches[-1]
+    assert host(last.mask).sum() == 3000 % 512 and not host(last.x)[~host(last.mask)].any()
+
+
+def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
+    def stream(h):
+        loader = oj.make_memory_loader(panel, batch_size=256, seed=4, placement="host", process_index=h,
+                                       process_count=2)
+        return [b.index for b in loader._host_batches(0, 0)]
+
+    a, b = stream(0), stream(1)
+    single = [hb.index for hb in oj.make_memory_loader(panel, batch_size=256, seed=4)._host_batches(0, 0)]
+    assert len(a) == len(b) == len(single)
+    for x, y, z in zip(a, b, single, strict=True):
+        np.testing.assert_array_equal(np.concatenate([x, y]), z)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_memory_loader_replays_bit_exactly(panel, mesh, placement):
+    kw = dict(batch_size=256, seed=7, num_epochs=None, placement=placement, mesh=mesh)
+    loader = oj.make_memory_loader(panel, **kw)
+    steps = loader.steps_per_epoch
+    states, batches = [], []
+    for _ in range(3 * steps + 2):
+        states.append(json.loads(json.dumps(loader.get_state())))
+        batches.append(collect(loader, 1)[0])
+    assert len(json.dumps(states[0])) < 1024
+    for k in (0, 1, steps - 1, steps, 2 * steps + 1, 3 * steps):
+        fresh = oj.make_memory_loader(panel, **kw)
+        fresh.set_state(states[k])
+        for got, want in zip(collect(fresh, 2), batches[k : k + 2], strict=True):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    loader.set_state(states[1])  # rewinding a running loader (prefetch thread live) works too
+    np.testing.assert_array_equal(collect(loader, 1)[0][1], batches[1][1])
+    loader.close()
+
+
+def test_memory_loader_refuses_state_from_another_config(panel, mesh):
+    state = oj.make_memory_loader(panel, batch_size=256, seed=7, mesh=mesh).get_state()
+    other = oj.make_memory_loader(panel, batch_size=256, seed=8, mesh=mesh)
+    with pytest.raises(oj.StateMismatchError, match=r"seed: in checkpoint 7, in loader 8"):
+        other.set_state(state)
+
+
+def test_device_draw_stays_on_each_device(panel, mesh):
+    loader = oj.make_memory_loader(panel, batch_size=256, seed=0, placement="device", mesh=mesh)
+    next(loader)
+    hlo = _memory._draw.lower(loader._arrays, loader._perm, 0, rows=loader._rows_local).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+        assert collective not in hlo
+    x = loader._arrays["x"]
+    assert x.shape[0] == 8 and [s.data.shape for s in x.addressable_shards][0] == (1, x.shape[1], len(PANEL))
+
+
+def test_memory_loader_argument_errors(panel, mesh):
+    with pytest.raises(oj.OmicsIOError, match="multiple of the 1 host"):
+        oj.make_memory_loader(panel, batch_size=100, mesh=mesh)
+    with pytest.raises(oj.OmicsIOError, match="always drops the remainder"):
+        oj.make_memory_loader(panel, batch_size=256, placement="device", drop_remainder=False)
+    with pytest.raises(oj.OmicsIOError, match="placement must be"):
+        oj.make_memory_loader(panel, batch_size=256, placement="gpu")
