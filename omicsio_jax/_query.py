@@ -45,6 +45,7 @@ from ._tables import (
 )
 
 SQL_PANEL_MAX = 64  # above this many genes, stage 3 streams rows through the numba panel scatter
+_CHAIN_MAX = 32  # up to this many genes, stage 2 tests presence with one list_contains per gene
 _counter = itertools.count()
 
 
@@ -228,8 +229,13 @@ class CellTable:
             if rowids is not None:
                 hits = np.intersect1d(hits, np.asarray(rowids, dtype=np.int64))
             return hits if where is None else self.select(where, rowids=hits)
-        literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
-        test = f"list_has_{mode}({GENE_COLUMN}, {literal})"
+        if len(tokens) <= _CHAIN_MAX:  # list_contains chains are ~10x faster than list_has_any/all
+            test = (" OR " if mode == "any" else " AND ").join(
+                f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()) or "false"
+            test = f"({test})"
+        else:
+            literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
+            test = f"list_has_{mode}({GENE_COLUMN}, {literal})"
         clause = self._filter(where, rowids)
         clause = (clause + " AND " if clause else " WHERE ") + test
         table = self.sql(f"SELECT {ROWID_COLUMN} FROM cells{clause} ORDER BY {ROWID_COLUMN}")

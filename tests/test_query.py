@@ -118,8 +118,14 @@ def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
 
 def test_stage2_reads_no_expression_values(table):
     plan = "\n".join(r[1] for r in table.con.execute(
-        "EXPLAIN SELECT cell_rowid FROM cells WHERE list_has_any(gene_token_id, [3]::INTEGER[])").fetchall())
+        "EXPLAIN SELECT cell_rowid FROM cells WHERE list_contains(gene_token_id, 3)").fetchall())
     assert "gene_token_id" in plan and "gene_expression" not in plan
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_stage2_many_genes_use_list_has(table, corpus_table, mode):
+    tokens = list(range(0, 400, 10))  # 40 genes: past the list_contains chain
+    np.testing.assert_array_equal(table.cells_expressing(tokens, mode=mode), expressing(corpus_table, tokens, mode))
 
 
 # ----- stage 3 ---------------------------------------------------------------------------------

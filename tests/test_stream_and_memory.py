@@ -184,9 +184,9 @@ def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
         np.testing.assert_array_equal(np.concatenate([x, y]), z)
 
 
-@pytest.mark.parametrize("placement", ["host", "device"])
-def test_memory_loader_replays_bit_exactly(panel, mesh, placement):
-    kw = dict(batch_size=256, seed=7, num_epochs=None, placement=placement, mesh=mesh)
+@pytest.mark.parametrize(("placement", "prefetch"), [("host", 0), ("host", 2), ("device", 0)])
+def test_memory_loader_replays_bit_exactly(panel, mesh, placement, prefetch):
+    kw = dict(batch_size=256, seed=7, num_epochs=None, placement=placement, mesh=mesh, prefetch=prefetch)
     loader = oj.make_memory_loader(panel, **kw)
     steps = loader.steps_per_epoch
     states, batches = [], []
