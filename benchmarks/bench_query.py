@@ -130,7 +130,7 @@ def bench_index(table, index_dir: Path, repeats: int) -> dict:
     size = (index_dir / "gene_cell_index.parquet").stat().st_size
     table.attach_index(index_dir)
     freq = table.sql("SELECT gene_token_id, sum(len(cell_rowids)) AS n FROM gene_cell_index GROUP BY 1 ORDER BY 2")
-    tokens, counts = freq.column(0).to_numpy(), freq.column(1).to_numpy()
+    tokens = freq.column(0).to_numpy()  # by ascending number of cells
     picks = {"rare": int(tokens[len(tokens) // 10]), "middling": int(tokens[len(tokens) // 2]),
              "common": int(tokens[-1])}
     lookups = {}

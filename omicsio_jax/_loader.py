@@ -103,6 +103,19 @@ def place_batch(hb: HostBatch, mesh, data_axis: str, num_hosts: int) -> Batch:
     return Batch(x, {k: glob(v) for k, v in hb.obs.items()}, glob(hb.index), glob(hb.mask))
 
 
+def check_state(state: dict, version: int, config: dict) -> None:
+    """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
+    if state.get("version") != version:
+        msg = f"loader state version {state.get('version')!r} is not {version}"
+        raise StateMismatchError(msg)
+    theirs = state["config"]
+    diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
+             for k in sorted(set(config) | set(theirs)) if config.get(k) != theirs.get(k)]
+    if diffs:
+        msg = "loader state does not match this loader:\n" + "\n".join(diffs)
+        raise StateMismatchError(msg)
+
+
 def _gene_to_col(ds: Dataset, genes: Sequence[str | int]) -> np.ndarray:
     """Map a panel (names, Ensembl ids or column numbers) to ``gene_to_col`` for `scatter_panel`."""
     features = ds.features
@@ -258,15 +271,7 @@ class Loader:
 
     def set_state(self, state: dict) -> None:
         """Resume from `get_state` output; refuses state from another dataset or config."""
-        if state.get("version") != STATE_VERSION:
-            msg = f"loader state version {state.get('version')!r} is not {STATE_VERSION}"
-            raise StateMismatchError(msg)
-        mine, theirs = self.config(), state["config"]
-        diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {mine.get(k)!r}"
-                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-        if diffs:
-            msg = "loader state does not match this loader:\n" + "\n".join(diffs)
-            raise StateMismatchError(msg)
+        check_state(state, STATE_VERSION, self.config())
         if self._iterator is None:
             self._iterator = self._make_iterator()
         self._iterator.set_state(json.loads(json.dumps(state["grain"])))

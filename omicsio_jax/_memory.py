@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 from . import _codec, _scatter
 from ._background import Background
 from ._dataset import Categorical, Dataset, _runs, corruption_reported, decode_records
-from ._errors import OmicsIOError, StateMismatchError
-from ._loader import Batch, HostBatch, _gene_to_col, aligned_empty, data_sharding, place_batch
+from ._errors import OmicsIOError
+from ._loader import Batch, HostBatch, _gene_to_col, aligned_empty, check_state, data_sharding, place_batch
 from ._query import CellTable
 
 STATE_VERSION = 1
@@ -244,15 +244,7 @@ class MemoryLoader:
 
     def set_state(self, state: dict) -> None:
         """Resume at ``state``; refuses state from another panel or config, showing both values."""
-        if state.get("version") != STATE_VERSION:
-            msg = f"loader state version {state.get('version')!r} is not {STATE_VERSION}"
-            raise StateMismatchError(msg)
-        mine, theirs = self.config(), state["config"]
-        diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {mine.get(k)!r}"
-                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-        if diffs:
-            msg = "loader state does not match this loader:\n" + "\n".join(diffs)
-            raise StateMismatchError(msg)
+        check_state(state, STATE_VERSION, self.config())
         self.close()
         self._epoch, self._step = int(state["epoch"]), int(state["step"])
 
