@@ -181,9 +181,10 @@ class Loader:
                 obs[name] = np.where(mb.mask, column[rows], -1).astype(np.int32)
             else:
                 obs[name] = np.where(mb.mask, column[rows], np.nan).astype(np.float32)
+        buf, starts = mb.joined()
         if self.output == "csr":
             try:
-                x = _codec.decode_slabs(mb.buf, mb.starts, num_rows=len(mb.mask),
+                x = _codec.decode_slabs(buf, starts, num_rows=len(mb.mask),
                                         num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity)
             except ValueError as e:
                 msg = f"{self.dataset.path}: {e}"
@@ -191,9 +192,9 @@ class Loader:
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
         if self.gene_to_col is None and self.normalize is None:  # one pass: records → rows
             with corruption_reported(self.dataset.path):
-                x = _codec.decode_rows(mb.buf, mb.starts, self._new_rows(len(mb.mask)))
+                x = _codec.decode_rows(buf, starts, self._new_rows(len(mb.mask)))
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
-        indptr, indices, values = decode_records(self.dataset.path, mb.buf, mb.starts)
+        indptr, indices, values = decode_records(self.dataset.path, buf, starts)
         if len(indptr) - 1 < len(mb.mask):  # padding rows are empty
             indptr = np.concatenate([indptr, np.full(len(mb.mask) + 1 - len(indptr), indptr[-1])])
         if self.gene_to_col is None:

@@ -21,20 +21,23 @@ import grain
 import numpy as np
 from grain.experimental import FlatMapIterDataset, FlatMapTransform
 
+from . import _codec
 from ._fetch import FetchedCells, FetchReader
 from ._sampling import SamplingPlan
 
 
 @dataclasses.dataclass(frozen=True)
 class MiniBatch:
-    """One host's minibatch before decoding: its records (``buf[starts[i]:starts[i+1]]``), global
-    rows and the padding mask."""
+    """One host's minibatch before decoding: its records, global rows and the padding mask."""
 
-    buf: np.ndarray
-    starts: np.ndarray
+    records: list[bytes]
     rows: np.ndarray  # global rows, -1 for padding
     mask: np.ndarray  # True for real cells
     epoch: int
+
+    def joined(self) -> tuple[np.ndarray, np.ndarray]:
+        """The records in one buffer: ``(buf, starts)`` with record ``i`` at ``buf[starts[i]:starts[i+1]]``."""
+        return _codec.join_records(self.records)
 
 
 class _EpochOrders:
@@ -72,7 +75,7 @@ class _SplitFetch(FlatMapTransform):
             if hi - lo < b:  # the padded last batch of a tail
                 rows = np.concatenate([rows, np.full(b - (hi - lo), -1, dtype=rows.dtype)])
                 mask[hi - lo :] = False
-            out.append(MiniBatch(cells.buf, cells.starts[lo : hi + 1], rows, mask, cells.fetch.epoch))
+            out.append(MiniBatch(cells.records[lo:hi], rows, mask, cells.fetch.epoch))
         return out
 
 
