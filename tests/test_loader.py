@@ -141,6 +141,26 @@ def test_thread_count_does_not_change_the_order(ds):
     assert all(np.array_equal(a, b) for a, b in zip(one, four, strict=True))
 
 
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_decode_threads_do_not_change_the_batches(ds, output, monkeypatch):
+    import numba
+
+    from omicsio_jax import _loader as loader_module
+
+    before = numba.get_num_threads()
+    runs = [[(np.asarray(b.index), jax.tree.map(np.asarray, b.x)) for b in _loader(ds, output=output, decode_threads=k)]
+            for k in (1, 2, None)]
+    for other in runs[1:]:
+        for (i0, x0), (i1, x1) in zip(runs[0], other, strict=True):
+            np.testing.assert_array_equal(i0, i1)
+            jax.tree.map(np.testing.assert_array_equal, x0, x1)
+    assert numba.get_num_threads() == before  # set per pipeline thread only
+    assert _loader(ds, output="csr").decode_threads == 1
+    assert _loader(ds, output="dense").decode_threads == 1  # 2,000 genes: narrow rows
+    monkeypatch.setattr(loader_module, "_WIDE_ROW_BYTES", 2000 * 4)
+    assert _loader(ds, output="dense").decode_threads == numba.config.NUMBA_NUM_THREADS
+
+
 def test_other_seed_other_order_same_seed_same_order(ds):
     a = np.concatenate([np.asarray(b.index) for b in _loader(ds, seed=3)])
     b = np.concatenate([np.asarray(b.index) for b in _loader(ds, seed=3)])
