@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-cells", type=int, default=DEFAULT_SHARD_CELLS, help="cells per shard (power of two)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help="ArrayRecord group size in cells (power of two; see benchmarks/README.md)")
-    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="ArrayRecord compression, e.g. zstd:1, snappy")
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="ArrayRecord compression (default zstd:-1; zstd:1 is 17%% smaller and decompresses slower, "
+                   "uncompressed is 2x larger and faster)")
     p.add_argument("--batch-cells", type=int, default=8192, help="cells read per batch")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -210,7 +210,7 @@ def test_constant_memory_batches_shard_boundaries_are_powers_of_two(corpus, tmp_
     shards = result.manifest.shards
     assert all(s.first_cell % 512 == 0 for s in shards)
     assert all(s.num_cells == 512 for s in shards[:-1])
-    assert result.manifest.array_record["writer_options"] == "group_size:32,zstd:1"
+    assert result.manifest.array_record["writer_options"] == "group_size:32,zstd:-1"
     assert "cells/s" in result.summary()
 
 
