@@ -35,8 +35,21 @@ for batch in loader:
         "index_sum": int(total(batch.index)),  # a cross-process reduction over the global batch
         "x_sum": float(total(batch.x)),
     })
+# the in-memory panel loaders: every process holds the panel, the batch spans both
+panel = oj.load_panel(ds, list(range(50)), progress=False)
+memory = {}
+for placement in ("host", "device"):
+    mem = oj.make_memory_loader(panel, batch_size=32, seed=3, num_epochs=1, placement=placement, mesh=mesh)
+    memory[placement] = []
+    for batch in mem:
+        shards = sorted(batch.index.addressable_shards, key=lambda s: s.index[0].start)
+        memory[placement].append({
+            "local": np.concatenate([np.asarray(s.data) for s in shards]).tolist(),
+            "index_sum": int(total(batch.index)),
+            "x_sum": float(total(batch.x)),
+        })
 with open(out, "w") as f:
     json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
                "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-               "steps_per_epoch": loader.steps_per_epoch, "steps": steps}, f)
+               "steps_per_epoch": loader.steps_per_epoch, "steps": steps, "memory": memory}, f)
 jax.distributed.shutdown()

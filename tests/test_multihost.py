@@ -72,3 +72,23 @@ def test_hosts_reshuffle_every_epoch_and_follow_the_plan(two_hosts, dataset_dir)
     fetch = plan.fetch(0, 0, 1)
     expected = fetch.rows[np.random.default_rng(list(fetch.shuffle_key)).permutation(len(fetch.rows))][:16]
     assert two_hosts[1]["steps"][0]["local"] == expected.tolist()
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_memory_loaders_span_both_processes(two_hosts, dataset_dir, placement):
+    ds = oj.open_dataset(dataset_dir)
+    panel = oj.load_panel(ds, list(range(50)), progress=False)
+    a, b = (host["memory"][placement] for host in two_hosts)
+    assert len(a) == len(b) == panel.num_cells // 32
+    served = []
+    for sa, sb in zip(a, b, strict=True):
+        rows = np.array(sa["local"] + sb["local"])
+        assert len(sa["local"]) == len(sb["local"]) == 16 and not set(sa["local"]) & set(sb["local"])
+        assert sa["index_sum"] == sb["index_sum"] == rows.sum()  # the global batch holds both shares
+        assert sa["x_sum"] == sb["x_sum"] == pytest.approx(float(panel.x[rows].sum()), rel=1e-5)
+        served.extend(rows.tolist())
+    assert len(set(served)) == len(served)  # each cell at most once in the epoch
+    if placement == "host":  # the global batches are those of a single process, split in two
+        single = oj.make_memory_loader(panel, batch_size=32, seed=3, process_index=0, process_count=1)
+        expected = [hb.index for hb in single._host_batches(0, 0)]
+        assert [sa["local"] + sb["local"] for sa, sb in zip(a, b, strict=True)] == [e.tolist() for e in expected]
