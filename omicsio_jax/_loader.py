@@ -30,9 +30,10 @@ STATE_VERSION = 1
 class SparseBatch(NamedTuple):
     """Fixed-shape padded sparse rows, one slab per device: arrays of shape (num_shards, capacity).
 
-    Entry ``j`` of slab ``s`` is ``values[s, j]`` at row ``row_ids[s, j]`` (within the shard's
-    ``batch_size / num_shards`` rows) and column ``indices[s, j]``; padding entries add 0 at
-    (0, 0). `Loader.densify` turns it into the dense batch on the devices.
+    Entry ``j`` of slab ``s`` is ``values[s, j]`` (float32) at row ``row_ids[s, j]`` (within the
+    shard's ``batch_size / num_shards`` rows; int16, int32 past 32,767 rows) and column ``indices[s, j]`` (uint16 for up
+    to 65,536 genes, else int32); padding entries add 0 at (0, 0). `Loader.densify` turns it into
+    the dense batch on the devices.
     """
 
     row_ids: Any
@@ -201,7 +202,7 @@ class Loader:
         buf, starts = mb.joined()
         if self.output == "csr":
             try:
-                x = _codec.decode_slabs(buf, starts, num_rows=len(mb.mask),
+                x = _codec.decode_slabs(buf, starts, num_rows=len(mb.mask), num_columns=self.dataset.num_genes,
                                         num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity)
             except ValueError as e:
                 msg = f"{self.dataset.path}: {e}"
@@ -341,6 +342,9 @@ def make_loader(
     """
     if output not in OUTPUTS:
         msg = f"output must be one of {', '.join(OUTPUTS)}; got {output!r}"
+        raise OmicsIOError(msg)
+    if output == "csr" and genes is not None:
+        msg = "output='csr' carries every gene of the dataset; for a gene panel use output='dense' with genes=..."
         raise OmicsIOError(msg)
     if normalize not in (None, "log1p", "normalize_log1p"):
         msg = f"normalize must be None, 'log1p' or 'normalize_log1p'; got {normalize!r}"

@@ -164,11 +164,15 @@ def test_decode_rows_and_slabs_match_csr():
     _codec.decode_rows(buf, starts, out)
     np.testing.assert_array_equal(out[:10], dense)
     assert not out[10:].any()
-    row_ids, idx, val = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400)
+    row_ids, idx, val = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300)
     rebuilt = np.zeros((12, 300), np.float32)
     for s in range(3):
         np.add.at(rebuilt, (s * 4 + row_ids[s], idx[s]), val[s])
     np.testing.assert_array_equal(rebuilt[:10], dense)
+    assert (row_ids.dtype, idx.dtype) == (np.int16, np.uint16)  # the narrowest that hold them
+    wide = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=70_000)
+    assert wide[1].dtype == np.int32
+    np.testing.assert_array_equal(wide[1], idx)
     dense_buf, dense_starts = _codec.encode_dense_rows(dense[:, :40])
     narrow = np.zeros((10, 40), np.float32)
     np.testing.assert_array_equal(_codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])

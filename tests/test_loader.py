@@ -201,6 +201,7 @@ def test_subset_and_class_balanced(ds):
         ({"obs": ("nope",)}, oj.OmicsIOError, "obs column 'nope' not in"),
         ({"batch_size": 4000}, oj.OmicsIOError, "make no batch of 4000"),
         ({"genes": ["NOT_A_GENE"]}, oj.OmicsIOError, "panel gene"),
+        ({"output": "csr", "genes": [1, 2]}, oj.OmicsIOError, "carries every gene"),
         ({"sampling": "class_balanced"}, oj.OmicsIOError, "needs balance_by"),
         ({"rows": [5, 3000]}, IndexError, "rows must lie in"),
     ],
