@@ -91,6 +91,32 @@ def run(spec: dict) -> dict:
 COMPACT = DATA / "ds_200k_zstd1"  # the same cells with --compression zstd:1: 17% smaller, slower to decompress
 
 
+def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
+    """Run every configuration ``rounds`` times, round-robin (so a slow spell of the shared machine
+    hits all of them), and keep each one's median cells/s, every run's figure and the peak RSS."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in plan}
+    for r in range(rounds):
+        for label, spec in plan:
+            result = run({"label": label, **spec})
+            runs[label].append(result)
+            shown = f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB" \
+                if "error" not in result else f"ERROR {result['error']}"
+            print(f"[round {r + 1}/{rounds}] {label:58s} {shown}", flush=True)
+    rows = []
+    for label, results in runs.items():
+        ok = [x for x in results if "error" not in x]
+        if not ok:
+            rows.append(results[-1])
+            continue
+        speeds = [x["cells_per_s"] for x in ok]
+        row = {**ok[0], "cells_per_s": float(np.median(speeds)), "cells_per_s_runs": speeds,
+               "peak_rss_mib": max(x["peak_rss_mib"] for x in ok)}
+        rows.append(row)
+        print(f"median of {len(ok)}: {label:52s} {row['cells_per_s']:>10,.0f} cells/s "
+              f"(runs {', '.join(f'{v:,.0f}' for v in speeds)})", flush=True)
+    return rows
+
+
 def ensure_data(corpus: Path) -> tuple[Path, Path, Path]:
     """The corpus, its materialized dataset (default compression zstd:-1, and zstd:1), and a
     dense-layout dataset of a 2,000-gene panel."""
@@ -128,6 +154,8 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k"))
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every configuration this many times, round-robin, and report the median")
     p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     args = p.parse_args()
     if args.child:
@@ -136,15 +164,10 @@ def main() -> None:
     corpus, sparse, panel = ensure_data(Path(args.corpus))
     h5ad, ds, ds_panel = str(corpus / "cells.h5ad"), str(sparse), str(panel)
     shards = [str(p) for p in sorted(Path(ds).glob("shard-*.arrayrecord"))]
-    rows = []
+    plan: list[tuple[str, dict]] = []
 
     def add(label: str, spec: dict) -> None:
-        result = run({"label": label, **spec})
-        rows.append(result)
-        shown = f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB" \
-            if "error" not in result else f"ERROR {result['error']}"
-        print(f"{label:58s} {shown}", flush=True)
-
+        plan.append((label, spec))
     warm_batches = {64: 1500, 1024: 100}
     for bs in (64, 1024):
         common = {"batch_size": bs, "block_size": 16, "fetch_factor": 64}
@@ -172,6 +195,9 @@ def main() -> None:
             add(f"Grain stock ArrayRecord random b{bs}", {"kind": "grain", "kwargs": {
                 "dataset_dir": ds, "batch_size": bs, "num_batches": max(20, 6_400 // bs), "seed": 0}})
 
+    rows = run_rounds(plan, args.rounds)
+    plan = []
+
     # cold page cache: files dropped from the cache right before each run
     sys.path.insert(0, str(HERE))
     from _peers import drop_page_cache, sequential_read_limit
@@ -194,11 +220,13 @@ def main() -> None:
         add("COLD scDataset dense b64 block16 fetch64", {"kind": "scdataset", "cold": [h5ad], "kwargs": {
             "h5ad_path": h5ad, "batch_size": 64, "block_size": 16, "fetch_factor": 64, "num_batches": 640,
             "warmup": 0, "seed": 0}})
+    rows += run_rounds(plan, args.rounds)
     dataset_bytes = sum(os.path.getsize(s) for s in shards)
     cold["dataset_bytes_per_cell"] = dataset_bytes / 200_000
     cold["shards_sequential_cells_per_s"] = cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
 
-    result = {"benchmark": "bench_loader", "command": "python benchmarks/bench_loader.py",
+    result = {"benchmark": "bench_loader", "command": f"python benchmarks/bench_loader.py --rounds {args.rounds}",
+              "rounds": args.rounds,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows, "cold": cold}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
