@@ -109,6 +109,9 @@ def bench_stages(table, hive, repeats: int) -> dict:
     sel = rows[:1000]
     t, res = timed(lambda: table.panel(panel10, rowids=sel, method="sql"), repeats)
     out["stage3_sql_10_genes_1000_cells"] = {"seconds": t, "cells": len(res.rowids)}
+    spread = np.sort(np.random.default_rng(0).choice(table.num_cells, 1000, replace=False))
+    t, res = timed(lambda: table.panel(panel10, rowids=spread, method="sql"), repeats)
+    out["stage3_sql_10_genes_1000_spread_cells"] = {"seconds": t, "cells": len(res.rowids)}
     t, res = timed(lambda: table.panel(panel10, rowids=rows, method="sql"), repeats)
     out["stage3_sql_10_genes_lung_cells"] = {"seconds": t, "cells": len(res.rowids)}
     t, res = timed(lambda: table.panel(panel10, rowids=rows, method="scatter"), repeats)

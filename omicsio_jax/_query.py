@@ -41,6 +41,7 @@ from ._tables import (
     create_cells_view,
     expand_files,
     find_gene_table,
+    rowid_pruning,
     sql_ident,
 )
 
@@ -122,7 +123,8 @@ class CellTable:
         self.con.execute("SET enable_progress_bar = false")
         if threads is not None:
             self.con.execute(f"SET threads = {int(threads)}")
-        create_cells_view(self.con, self.files, label=self.spec, rowid=True)
+        self._bases = create_cells_view(self.con, self.files, label=self.spec, rowid=True)
+        self._prunable = self.files[0].suffix != ".vortex"
         self.schema = self.con.sql("SELECT * FROM cells LIMIT 0").to_arrow_table().schema
         for name in (GENE_COLUMN, VALUE_COLUMN):
             if name not in self.schema.names or not is_list_type(self.schema.field(name).type):
@@ -162,16 +164,22 @@ class CellTable:
             msg = f"query over {self.spec} failed: {str(e).strip().splitlines()[0]}"
             raise OmicsIOError(msg) from e
 
-    def _filter(self, where: str | None, rowids: Sequence[int] | np.ndarray | None) -> str:
-        """A WHERE clause; ``rowids`` become a semi-join against a registered Arrow table."""
-        clauses = []
-        if where:
-            clauses.append(f"({where})")
+    def _from(self, where: str | None, rowids: Sequence[int] | np.ndarray | None, *extra: str) -> str:
+        """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
+        against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
+        lets DuckDB read only the row groups holding them."""
+        clauses = [f"({where})"] if where else []
+        source = "cells"
         if rowids is not None:
+            ids = np.unique(np.asarray(rowids, dtype=np.int64))
             name = f"_rowids_{next(_counter)}"
-            self.con.register(name, pa.table({ROWID_COLUMN: np.asarray(rowids, dtype=np.int64)}))
+            self.con.register(name, pa.table({ROWID_COLUMN: ids}))
             clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
-        return (" WHERE " + " AND ".join(clauses)) if clauses else ""
+            if self._prunable:
+                source = "cells_all"
+                clauses.append(rowid_pruning(self.files, self._bases, ids))
+        clauses.extend(extra)
+        return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
 
     def _columns(self, columns: Sequence[str]) -> list[str]:
         unknown = [c for c in columns if c not in self.schema.names]
@@ -186,20 +194,19 @@ class CellTable:
         """Scalar columns (default: all) of the matching cells, with ``cell_rowid``, in row order."""
         cols = self._columns(self.scalar_columns if columns is None else columns)
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols if c != ROWID_COLUMN)])
-        return self.sql(f"SELECT {select} FROM cells{self._filter(where, rowids)} ORDER BY {ROWID_COLUMN}")
+        return self.sql(f"SELECT {select}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
 
     def select(self, where: str | None = None, *, rowids: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Sorted ``cell_rowid`` of the cells matching a predicate over scalar columns."""
-        table = self.sql(f"SELECT {ROWID_COLUMN} FROM cells{self._filter(where, rowids)} ORDER BY {ROWID_COLUMN}")
+        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
 
     def categories(self, column: str, *, where: str | None = None) -> list:
         """Sorted distinct non-null values of a scalar column."""
         self._columns([column])
         col = sql_ident(column)
-        clause = self._filter(where, None)
-        clause = (clause + " AND " if clause else " WHERE ") + f"{col} IS NOT NULL"
-        return self.sql(f"SELECT DISTINCT {col} FROM cells{clause} ORDER BY 1").column(0).to_pylist()
+        return self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1"
+                        ).column(0).to_pylist()
 
     # ----- stage 2 ---------------------------------------------------------------------------
     def cells_expressing(self, genes: Sequence[str | int] | str | int, *, mode: str = "any",
@@ -236,9 +243,7 @@ class CellTable:
         else:
             literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
             test = f"list_has_{mode}({GENE_COLUMN}, {literal})"
-        clause = self._filter(where, rowids)
-        clause = (clause + " AND " if clause else " WHERE ") + test
-        table = self.sql(f"SELECT {ROWID_COLUMN} FROM cells{clause} ORDER BY {ROWID_COLUMN}")
+        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids, test)} ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
 
     # ----- stage 3 ---------------------------------------------------------------------------
@@ -263,7 +268,7 @@ class CellTable:
             literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
             expr = (f"list_transform({literal}, lambda g: coalesce("
                     f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]")
-            table = self.sql(f"SELECT {ROWID_COLUMN}, {expr} AS x FROM cells{self._filter(where, rowids)} "
+            table = self.sql(f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} "
                              f"ORDER BY {ROWID_COLUMN}")
             x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False)
             x = np.ascontiguousarray(x, dtype=np.float32).reshape(table.num_rows, len(tokens))
@@ -288,7 +293,7 @@ class CellTable:
         cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
         cols = self._columns([c for c in cols if c != ROWID_COLUMN])
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
-        query = f"SELECT {select} FROM cells{self._filter(where, rowids)}"
+        query = f"SELECT {select}{self._from(where, rowids)}"
         if rowids is not None:  # a semi-join may reorder rows
             query += f" ORDER BY {ROWID_COLUMN}"
         try:

@@ -12,6 +12,7 @@ import glob
 from pathlib import Path
 
 import duckdb
+import numpy as np
 
 from ._errors import DataValidationError
 
@@ -72,12 +73,14 @@ def _row_counts(files: list[Path]) -> list[int]:
 
 
 def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, label: str, filename: bool = False,
-                      rowid: bool = False, name: str = "cells") -> None:
+                      rowid: bool = False, name: str = "cells") -> list[int]:
     """Create view ``name`` over ``files``: hive partition columns included, union by column name.
 
     ``filename`` adds the source file of each row; ``rowid`` adds ``cell_rowid``, the row's
     position in the concatenation of the files in sorted order (from each file's row count, so
-    it stays right under any filter).
+    it stays right under any filter), and returns the first ``cell_rowid`` of each file. For
+    parquet, ``rowid`` also creates ``<name>_all``: the same rows with ``filename`` and
+    ``file_row_number``, on which DuckDB skips row groups (see `rowid_pruning`).
     """
     vortex = [f for f in files if f.suffix == ".vortex"]
     if vortex and len(vortex) != len(files):
@@ -104,7 +107,9 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
                 extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
             arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
         con.execute(f"CREATE OR REPLACE VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
-        return
+        if rowid:
+            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT * FROM {name}")
+        return bases
     names = ", ".join(sql_str(str(f)) for f in files)
     source = (f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
               "union_by_name = true)")
@@ -115,6 +120,32 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
         select += f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
     try:
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {source}")
+        if rowid:
+            keep = select.replace(f"* EXCLUDE ({', '.join(hidden)})", "*")
+            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT {keep} FROM {source}")
     except duckdb.Error as e:
         msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
         raise DataValidationError(msg) from e
+    return bases
+
+
+def rowid_pruning(files: list[Path], bases: list[int], rowids: np.ndarray, *, gap: int = 8192,
+                  max_spans: int = 64) -> str:
+    """A predicate on ``filename`` / ``file_row_number`` that DuckDB pushes into the parquet scan,
+    covering sorted unique ``rowids``: files without any are skipped, and within a file only the
+    row groups of a few spans of rows (split where ids are more than ``gap`` apart) are read."""
+    ends = [*bases[1:], np.iinfo(np.int64).max]
+    arms = []
+    for path, lo, hi in zip(files, bases, ends, strict=True):
+        local = rowids[(rowids >= lo) & (rowids < hi)] - lo
+        if len(local) == 0:
+            continue
+        cuts = np.flatnonzero(np.diff(local) > gap) + 1
+        if len(cuts) >= max_spans:
+            cuts = cuts[:0]  # too scattered: one span
+        starts = local[np.concatenate(([0], cuts))]
+        stops = local[np.concatenate((cuts - 1, [len(local) - 1]))]
+        spans = " OR ".join(f"file_row_number BETWEEN {a} AND {b}" for a, b in zip(starts.tolist(), stops.tolist(),
+                                                                                 strict=True))
+        arms.append(f"({FILENAME_COLUMN} = {sql_str(str(path))} AND ({spans}))")
+    return "(" + (" OR ".join(arms) or "false") + ")"

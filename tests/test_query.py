@@ -104,6 +104,18 @@ def test_stage1_hive_partitions_prune_and_keep_rowids(hive_dir):
     assert f"Scanning Files: 2/{num_files}" in plan and "Total Files Read: 2" in plan
 
 
+def test_rowids_prune_files_and_row_groups(hive_dir):
+    t = oj.open_table(hive_dir)
+    ref = hive_reference(hive_dir)
+    first = sorted(p for p in hive_dir.rglob("part-*.parquet"))[3]
+    lo = sum(pq.read_metadata(f).num_rows for f in sorted(hive_dir.rglob("part-*.parquet"))[:3])
+    rows = np.array([lo + 1, lo + 2, lo + 5])
+    plan = "\n".join(r[1] for r in t.con.execute("EXPLAIN ANALYZE SELECT count(*)" + t._from(None, rows)).fetchall())
+    assert "Total Files Read: 1" in plan and first.name in plan
+    got = t.metadata(["cell_id"], rowids=rows)
+    assert got.column("cell_id").to_pylist() == ref.column("cell_id").take(rows).to_pylist()
+
+
 # ----- stage 2 ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["any", "all"])
 def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
