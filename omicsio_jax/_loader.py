@@ -184,8 +184,10 @@ class Loader:
         return int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
 
     def _densify(self, mb: MiniBatch) -> HostBatch:
+        if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
+            return self._densify_with(mb)
         previous = numba.get_num_threads()  # thread-local in numba: only this pipeline thread
-        numba.set_num_threads(min(self.decode_threads, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(self.decode_threads)
         try:
             return self._densify_with(mb)
         finally:

@@ -318,7 +318,7 @@ class MemoryLoader:
         rows_local = self.batch_size // devices
         self._device_steps = int(self._valid.min()) // rows_local
         self._devices, self._rows_local, self._length = devices, rows_local, max(int(self._valid.max()), 1)
-        sharding = self._sharding()
+        sharding = data_sharding(self.mesh, self.data_axis)
 
         def put(column: np.ndarray, fill) -> jax.Array:
             def shard(index) -> np.ndarray:
@@ -338,17 +338,12 @@ class MemoryLoader:
         self._mask = jax.make_array_from_callback(ones.shape, data_sharding(self.mesh, self.data_axis),
                                                   lambda index: ones[index])
 
-    def _sharding(self):
-        if self.mesh is None:
-            return data_sharding(None)
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.data_axis))
-
     def _device_batch(self, epoch: int, step: int) -> Batch:
         if self._perm_epoch != epoch:
             perms = np.zeros((self._devices, self._length), np.int32)
             for d in range(self._devices):
                 perms[d, : self._valid[d]] = np.random.default_rng([self.seed, epoch, d]).permutation(self._valid[d])
-            self._perm = jax.make_array_from_callback(perms.shape, self._sharding(), lambda index: perms[index])
+            self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis), lambda index: perms[index])
             self._perm_epoch = epoch
         out = _draw(self._arrays, self._perm, step, rows=self._rows_local)
         return Batch(out["x"], out["obs"], out["index"], self._mask)
