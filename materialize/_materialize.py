@@ -6,9 +6,7 @@ import collections
 import contextlib
 import concurrent.futures
 import dataclasses
-import queue
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,6 +16,7 @@ from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax import _codec
+from omicsio_jax._background import Background
 from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
 
 from ._panel import Panel, read_panel
@@ -68,35 +67,11 @@ def _check_layout(shard_cells: int, group_size: int) -> None:
 
 def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
     """Read the next batches in a background thread (DuckDB / h5py / Arrow release the GIL)."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for item in batches:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(done)
-        except BaseException as e:  # handed to the consumer, re-raised there
-            q.put(e)
-
-    thread = threading.Thread(target=produce, name="materialize-reader", daemon=True)
-    thread.start()
+    reader = Background(lambda: batches, depth, name="materialize-reader")
     try:
-        while (item := q.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        yield from reader
     finally:
-        stop.set()
-        thread.join(timeout=10)
+        reader.close()
 
 
 class _WriteBehind:

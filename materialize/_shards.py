@@ -13,7 +13,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, sha256_file
+from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, fsync_path, sha256_file
 
 
 def writer_options(group_size: int, compression: str) -> str:
@@ -71,14 +71,6 @@ class ShardWriter:
             self._writer = None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NAME) -> Iterator[Path]:
     """Yield a hidden temporary sibling of ``out``; on success it replaces ``out`` by rename.
@@ -101,8 +93,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
         yield tmp
         for name in os.listdir(tmp):
             if os.path.isfile(tmp / name):
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
+                fsync_path(tmp / name)
         if not (tmp / manifest).exists():
             msg = f"internal error: the output was finished without {manifest}"
             raise OmicsIOError(msg)
@@ -113,7 +104,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
             shutil.rmtree(old)
         else:
             tmp.rename(out)
-        _fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -117,6 +117,15 @@ def compute_fingerprint(manifest: Manifest) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def fsync_path(path) -> None:
+    """Flush a file's or a directory's data and metadata to disk (a directory: its entries)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str | os.PathLike[str], *, chunk_bytes: int = 8 << 20) -> str:
     """SHA-256 of a file, read in chunks (constant memory)."""
     digest = hashlib.sha256()

@@ -20,6 +20,8 @@ from typing import Any
 
 import equinox as eqx
 
+from omicsio_jax._manifest import fsync_path
+
 from ._errors import CheckpointMismatchError
 
 STATE_FILE = "state.eqx"
@@ -81,8 +83,8 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, met
     meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     for name in (STATE_FILE, META_FILE):
-        _fsync(tmp / name)
-    _fsync(tmp)
+        fsync_path(tmp / name)
+    fsync_path(tmp)
     if final.exists():  # the same step written again: swap, never leaving no checkpoint visible
         old = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
@@ -90,7 +92,7 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, met
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     for _, path in list_checkpoints(root)[: -max(keep, 1)]:
         shutil.rmtree(path, ignore_errors=True)
     return final
@@ -117,9 +119,3 @@ def check_compatible(checkpoint: Checkpoint, now: dict) -> None:
         raise CheckpointMismatchError(msg)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
