@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import concurrent.futures
 import dataclasses
 import sys
 import time
@@ -20,7 +18,7 @@ from omicsio_jax._background import Background
 from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
 
 from ._panel import Panel, read_panel
-from ._shards import ShardWriter, atomic_output_dir, writer_options
+from ._shards import atomic_output_dir, make_shard_writer, writer_options
 from ._sidecars import CellIdWriter, make_obs_writer
 from ._source import Source
 from ._validate import GeneIndex, encode_batch
@@ -72,37 +70,6 @@ def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
         yield from reader
     finally:
         reader.close()
-
-
-class _WriteBehind:
-    """Runs ``write(*args)`` calls in one background thread, at most ``depth`` pending.
-
-    ArrayRecord compresses while holding the GIL; the numba kernels (nogil) encoding the next
-    batch and DuckDB's reader threads carry on meanwhile. (A separate writer process was
-    measured too: the pipe copy cost more than the GIL hand-offs it saved.)
-    """
-
-    def __init__(self, write, depth: int = 2):
-        self._write, self._depth = write, depth
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="materialize-writer")
-        self._pending: collections.deque = collections.deque()
-
-    def submit(self, *args) -> None:
-        while len(self._pending) >= self._depth:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._write, *args))
-
-    def drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def __enter__(self) -> _WriteBehind:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for future in self._pending:
-            future.cancel()
-        self._pool.shutdown(wait=True)
 
 
 def open_source(
@@ -195,7 +162,7 @@ def materialize(
     options = writer_options(group_size, compression)
     with atomic_output_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as cleanup:
         (tmp / "obs").mkdir()
-        shards = ShardWriter(tmp, shard_cells=shard_cells, options=options)
+        shards = make_shard_writer(tmp, shard_cells=shard_cells, options=options)
         cleanup.callback(shards.abort)
         obs_writers = [make_obs_writer(tmp / "obs", name, src.obs_columns[name]) for name in obs_names]
         for writer in obs_writers:
@@ -204,18 +171,17 @@ def materialize(
         cleanup.callback(cell_ids.close)
         nnz = 0
         with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress,
-                  desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar, _WriteBehind(shards.write) as write_behind:
+                  desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar:
             for batch in _prefetch(src.batches(obs_names)):
                 buf, starts, batch_nnz = encode_batch(batch.indptr, batch.tokens, batch.values, gene_index,
                                                       allow_negative=allow_negative, locate=batch.locate,
                                                       panel=chosen_panel)
                 nnz += batch_nnz
-                write_behind.submit(buf, starts)
+                shards.write(buf, starts)
                 for writer in obs_writers:
                     writer.append(batch.obs[writer.name])
                 cell_ids.append(batch.cell_ids)
                 bar.update(batch.num_cells)
-            write_behind.drain()
         shard_entries = shards.close()
         num_cells = sum(s.num_cells for s in shard_entries)
         cell_ids.finish()

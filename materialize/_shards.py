@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import secrets
 import shutil
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, fsync_path, sha256_file
+from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, fsync_path
+
+from ._shardfiles import ShardFiles
 
 
 def writer_options(group_size: int, compression: str) -> str:
@@ -22,53 +29,145 @@ def writer_options(group_size: int, compression: str) -> str:
 
 
 class ShardWriter:
-    """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each."""
+    """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each,
+    in this process (see `ShardWriterProcess` for the faster child-process writer)."""
 
     def __init__(self, root: Path, *, shard_cells: int, options: str):
-        self.root, self.shard_cells, self.options = root, shard_cells, options
-        self.shards: list[ShardEntry] = []
-        self.num_bytes = 0
-        self._writer: ArrayRecordWriter | None = None
-        self._in_shard = 0
-        self._first_cell = 0
-
-    def _open_next(self) -> None:
-        name = f"shard-{len(self.shards):05d}.arrayrecord"
-        self._writer = ArrayRecordWriter(str(self.root / name), self.options)
-        self._name = name
-
-    def _close_current(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.close()
-        path = self.root / self._name
-        size = path.stat().st_size
-        self.shards.append(ShardEntry(self._name, self._first_cell, self._in_shard, size, sha256_file(path)))
-        self.num_bytes += size
-        self._first_cell += self._in_shard
-        self._writer, self._in_shard = None, 0
+        self._files = ShardFiles(root, shard_cells, options)
 
     def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
         """Append the records ``buf[starts[i]:starts[i+1]]`` in order."""
-        data = buf.tobytes()
-        bounds = starts.tolist()
-        for i in range(len(bounds) - 1):
-            if self._writer is None:
-                self._open_next()
-            self._writer.write(data[bounds[i] : bounds[i + 1]])
-            self._in_shard += 1
-            if self._in_shard == self.shard_cells:
-                self._close_current()
+        self._files.write(buf, starts.tolist())
 
     def close(self) -> list[ShardEntry]:
-        self._close_current()
-        return self.shards
+        return [ShardEntry(*shard) for shard in self._files.close()]
 
     def abort(self) -> None:
-        """Release the open shard file after a failure (the directory is removed anyway)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._files.abort()
+
+
+class _Slot:
+    """A shared-memory buffer (an anonymous memfd) mapped here and in the writer process."""
+
+    def __init__(self, index: int, size: int):
+        self.index, self.size = index, size
+        self.fd = os.memfd_create(f"omicsio-slot-{index}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.array
+        self.map.close()
+        os.close(self.fd)
+
+
+class ShardWriterProcess:
+    """`ShardWriter` run in a child process, fed through ``depth`` shared-memory slots.
+
+    `write` copies the batch into a free slot and returns; the child compresses and writes it
+    (holding its own GIL, not ours). Errors in the child are raised here, at the next call.
+    """
+
+    def __init__(self, root: Path, *, shard_cells: int, options: str, depth: int = 3):
+        parent, child = socket.socketpair()
+        script = Path(__file__).with_name("_shardfiles.py")
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-P", str(script), str(child.fileno())],
+                                          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                          start_new_session=True)  # Ctrl-C reaches only the parent
+        finally:
+            child.close()
+        self._conn = Connection(parent.detach())
+        self._slots: list[_Slot | None] = []
+        self._free: list[int] = []
+        self._in_flight = 0
+        self._depth = depth
+        self._send("open", str(root), shard_cells, options)
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(os, "memfd_create")
+
+    def _send(self, *message) -> None:
+        try:
+            self._conn.send(message)
+        except OSError:
+            self._raise_child_error()
+
+    def _receive(self, expected: str):
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            message = ("error", f"the shard writer process exited with code {self._proc.wait()}")
+        if message[0] == "error":
+            msg = f"writing shards failed: {message[1]}"
+            raise OmicsIOError(msg)
+        assert message[0] == expected, message
+        return message[1]
+
+    def _raise_child_error(self):
+        self._receive("error")
+
+    def _slot_for(self, nbytes: int) -> _Slot:
+        if not self._free and len(self._slots) < self._depth:
+            self._slots.append(None)
+            self._free.append(len(self._slots) - 1)
+        while not self._free:
+            self._free.append(self._receive("done"))
+            self._in_flight -= 1
+        k = self._free.pop()
+        slot = self._slots[k]
+        if slot is None or slot.size < nbytes:
+            if slot is not None:
+                slot.close()
+            slot = self._slots[k] = _Slot(k, max(nbytes + nbytes // 4, mmap.PAGESIZE))
+            self._send("slot", k, slot.size)
+            send_handle(self._conn, slot.fd, self._proc.pid)
+        return slot
+
+    def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
+        """Hand the records ``buf[starts[i]:starts[i+1]]`` to the writer process."""
+        if len(starts) < 2:
+            return
+        slot = self._slot_for(buf.nbytes)
+        slot.array[: buf.nbytes] = buf.view(np.uint8).reshape(-1)
+        self._send("write", slot.index, np.ascontiguousarray(starts, dtype=np.int64).tobytes())
+        self._in_flight += 1
+
+    def close(self) -> list[ShardEntry]:
+        while self._in_flight:
+            self._free.append(self._receive("done"))
+            self._in_flight -= 1
+        self._send("close")
+        shards = [ShardEntry(*shard) for shard in self._receive("closed")]
+        self._shutdown()
+        return shards
+
+    def abort(self) -> None:
+        """Stop the child (it closes its open shard); the directory is removed by the caller."""
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._conn.closed:
+            return
+        self._conn.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        for slot in self._slots:
+            if slot is not None:
+                slot.close()
+        self._slots.clear()
+
+
+def make_shard_writer(root: Path, *, shard_cells: int, options: str) -> ShardWriter | ShardWriterProcess:
+    """The child-process writer where shared memory is available (Linux), else the in-process one."""
+    if ShardWriterProcess.available():
+        return ShardWriterProcess(root, shard_cells=shard_cells, options=options)
+    return ShardWriter(root, shard_cells=shard_cells, options=options)
 
 
 @contextlib.contextmanager

@@ -23,20 +23,30 @@ def _leftovers(parent):
 
 
 def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
-    calls = []
-    real_write = _shards.ShardWriter.write
+    writers = []
+    real_write = _shards.ShardWriterProcess.write
 
     def write_then_interrupt(self, buf, starts):
         real_write(self, buf, starts)
-        calls.append(1)
-        if len(calls) == 2:
+        writers.append(self)
+        if len(writers) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(_shards.ShardWriter, "write", write_then_interrupt)
+    monkeypatch.setattr(_shards.ShardWriterProcess, "write", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         materialize(corpus.cells_parquet, tmp_path / "out", batch_cells=500, progress=False)
     assert not (tmp_path / "out").exists()
     assert _leftovers(tmp_path) == []
+    assert writers[0]._proc.poll() is not None  # the writer process was stopped, not left behind
+
+
+def test_in_process_writer_writes_the_same_bytes(corpus, tmp_path, monkeypatch):
+    """Without memfd (not Linux) the shards are written in-process: byte-identical output."""
+    child = materialize(corpus.cells_parquet, tmp_path / "child", batch_cells=700, shard_cells=1024, progress=False).manifest
+    monkeypatch.setattr(_shards.ShardWriterProcess, "available", staticmethod(lambda: False))
+    inline = materialize(corpus.cells_parquet, tmp_path / "inline", batch_cells=700, shard_cells=1024, progress=False).manifest
+    assert len(child.shards) == 3
+    assert child.shards == inline.shards and child.fingerprint == inline.fingerprint
 
 
 def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
@@ -47,7 +57,7 @@ def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
     def boom(self, buf, starts):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(_shards.ShardWriter, "write", boom)
+    monkeypatch.setattr(_shards.ShardWriterProcess, "write", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
     assert oj.open_dataset(out).fingerprint == before
