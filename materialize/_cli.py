@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ArrayRecord group size in cells (power of two; see benchmarks/README.md)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="ArrayRecord compression (default zstd:-1; zstd:1 is 17%% smaller and decompresses slower, "
                    "uncompressed is 2x larger and faster)")
-    p.add_argument("--batch-cells", type=int, default=8192, help="cells read per batch")
+    p.add_argument("--batch-cells", type=int, default=None,
+                   help="cells read per batch (default: 2,048 from .h5ad, 8,192 from tables)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

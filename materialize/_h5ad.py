@@ -84,7 +84,7 @@ class _ObsColumn:
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
-    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False, batch_cells: int = 8192):
+    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False, batch_cells: int = 2048):
         self.path, self.label, self._batch_cells = path, str(path), batch_cells
         try:
             self._file = h5py.File(path, "r")

@@ -32,6 +32,8 @@ class ShardWriter:
     """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each,
     in this process (see `ShardWriterProcess` for the faster child-process writer)."""
 
+    peak_rss_bytes = None  # no separate process
+
     def __init__(self, root: Path, *, shard_cells: int, options: str):
         self._files = ShardFiles(root, shard_cells, options)
 
@@ -83,6 +85,7 @@ class ShardWriterProcess:
         self._free: list[int] = []
         self._in_flight = 0
         self._depth = depth
+        self.peak_rss_bytes: int | None = None  # the child's VmHWM, known after `close`
         self._send("open", str(root), shard_cells, options)
 
     @staticmethod
@@ -140,7 +143,8 @@ class ShardWriterProcess:
             self._free.append(self._receive("done"))
             self._in_flight -= 1
         self._send("close")
-        shards = [ShardEntry(*shard) for shard in self._receive("closed")]
+        shards, self.peak_rss_bytes = self._receive("closed")
+        shards = [ShardEntry(*shard) for shard in shards]
         self._shutdown()
         return shards
 
