@@ -38,7 +38,7 @@ from . import _codec, _scatter
 from ._background import Background
 from ._dataset import Categorical, Dataset, _runs, corruption_reported, decode_records
 from ._errors import OmicsIOError
-from ._loader import Batch, HostBatch, _gene_to_col, aligned_empty, check_state, data_sharding, place_batch
+from ._loader import Batch, HostBatch, RowBuffers, _gene_to_col, aligned_empty, check_state, data_sharding, place_batch
 from ._query import CellTable
 
 STATE_VERSION = 1
@@ -225,6 +225,7 @@ class MemoryLoader:
         self._epoch, self._step = 0, 0
         self._stream = None
         self._perm_cache: tuple[int | None, np.ndarray | None] = (None, None)
+        self._buffers = RowBuffers()
         if placement == "device":
             self._place_on_devices()
         n = panel.num_cells
@@ -295,7 +296,7 @@ class MemoryLoader:
 
     def _host_batch(self, rows: np.ndarray) -> HostBatch:
         n, b = len(rows), self.local_batch
-        x = aligned_empty((b, self.panel.x.shape[1]))
+        x = self._buffers.empty((b, self.panel.x.shape[1]))
         _gather_rows(self.panel.x, rows, x[:n])
         if n < b:
             x[n:] = 0

@@ -25,7 +25,7 @@ from . import _scatter
 from ._background import Background
 from ._dataset import _take_rows
 from ._errors import OmicsIOError
-from ._loader import Batch, HostBatch, aligned_empty, place_batch
+from ._loader import Batch, HostBatch, RowBuffers, place_batch
 from ._query import CellTable
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -110,6 +110,7 @@ class StreamLoader:
         self.batch_rows, self.prefetch = batch_rows, prefetch
         # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
         self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
+        self._buffers = RowBuffers()
 
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch(0)
@@ -173,7 +174,7 @@ class StreamLoader:
             indptr, indices, values = _take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
         if n < b:  # padding rows are empty
             indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
-        out = aligned_empty((b, self.num_features))
+        out = self._buffers.empty((b, self.num_features))
         if self.gene_to_col is None:
             _scatter.scatter_dense(indptr, indices, values, self.num_features, out=out,
                                    normalize=self.normalize, target_sum=self.target_sum)

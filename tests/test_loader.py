@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import jax
@@ -47,6 +48,53 @@ def test_dense_batches_hold_exactly_their_cells_sharded_on_8_devices(ds, mesh):
         np.testing.assert_array_equal(np.asarray(batch.obs["drug"]), drug[index])
         np.testing.assert_array_equal(np.asarray(batch.obs["n_genes"]), ds.obs["n_genes"][index])
         assert np.asarray(batch.mask).all()
+
+
+def test_recycled_buffers_never_change_a_batch_still_held(ds, mesh):
+    """Dense buffers are reused, but only once no jax.Array, host batch or view refers to them."""
+    loader = _loader(ds, mesh=mesh, num_epochs=1)
+    held = [(np.asarray(b.index), b.x) for b in loader]  # every batch kept alive as a jax.Array
+    for index, x in held:
+        np.testing.assert_array_equal(np.asarray(x), _dense_rows(ds, index))
+    del held
+    recycled = _loader(ds, num_epochs=1, seed=1)  # now keep only the latest batch: buffers are reused
+    addresses = []
+    for batch in recycled:
+        x = np.asarray(batch.x)  # on CPU, a view of the adopted host buffer
+        np.testing.assert_array_equal(x, _dense_rows(ds, np.asarray(batch.index)))
+        addresses.append(x.ctypes.data)
+        del x
+    assert len(set(addresses)) < len(addresses) // 2
+
+
+def test_row_buffers_come_back_only_when_unreferenced():
+    from omicsio_jax._loader import RowBuffers
+
+    pool = RowBuffers(keep=2)
+    a = pool.empty((4, 16))
+    a[:] = 1
+    address = a.ctypes.data
+    assert address % 64 == 0 and a.flags.writeable and a.flags.c_contiguous
+    view = a[1:3]  # a view keeps the buffer out of the pool
+    del a
+    assert pool.num_free() == 0
+    b = pool.empty((4, 16))
+    assert b.ctypes.data != address
+    del view
+    assert pool.num_free() == 1
+    c = pool.empty((4, 16))
+    assert c.ctypes.data == address and pool.num_free() == 0
+    c[:] = 7
+    adopted = jax.make_array_from_process_local_data(jax.sharding.SingleDeviceSharding(jax.devices()[0]), c)
+    del c  # XLA may keep using this memory (on CPU it adopts aligned buffers): not free yet
+    assert pool.num_free() == 0
+    d = pool.empty((4, 16))
+    d[:] = -1
+    np.testing.assert_array_equal(np.asarray(adopted), 7)
+    extra = pool.empty((4, 16))  # a third buffer: beyond `keep`, not pooled
+    del adopted, b, d, extra
+    gc.collect()  # assert_array_equal left the jax.Array in a reference cycle
+    assert pool.num_free() == 2
 
 
 def test_one_epoch_serves_every_cell_once(ds):
