@@ -448,7 +448,7 @@ def slab_dtypes(rows_per_slab: int, num_columns: int) -> tuple[np.dtype, np.dtyp
 
 
 def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slabs: int, capacity: int,
-                 num_columns: int = 1 << 31) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 num_columns: int = 1 << 31, empty=np.empty) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode records straight into fixed-shape padded sparse slabs, one per device.
 
     Rows are split into ``num_slabs`` equal groups (``num_rows`` may exceed the number of records:
@@ -456,7 +456,7 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
     ``(num_slabs, capacity)``; entries past a slab's nonzeros are 0 (row 0, column 0, value 0).
     Row ids and columns take the narrowest dtype that holds them (`slab_dtypes`, given the number
     of columns): a third less to write and to move than int32. Raises ValueError when a slab
-    holds more than ``capacity`` nonzeros.
+    holds more than ``capacity`` nonzeros. ``empty(shape, dtype)`` allocates the outputs.
     """
     n = len(starts) - 1
     rows_per_slab = num_rows // num_slabs
@@ -477,9 +477,9 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
                f"pass nnz_capacity >= {int(totals.max()):,} to make_loader")
         raise ValueError(msg)
     # every slab's entries fill it from the start: only the padding after them needs zeroing
-    row_ids = np.empty((num_slabs, capacity), row_dtype)
-    indices = np.empty((num_slabs, capacity), index_dtype)
-    values = np.empty((num_slabs, capacity), np.float32)
+    row_ids = empty((num_slabs, capacity), row_dtype)
+    indices = empty((num_slabs, capacity), index_dtype)
+    values = empty((num_slabs, capacity), np.float32)
     for slab, total in enumerate(totals.tolist()):
         row_ids[slab, total:] = 0
         indices[slab, total:] = 0

@@ -249,7 +249,8 @@ class Loader:
         if self.output == "csr":
             try:
                 x = _codec.decode_slabs(buf, starts, num_rows=len(mb.mask), num_columns=self.dataset.num_genes,
-                                        num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity)
+                                        num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity,
+                                        empty=self._buffers.empty)
             except ValueError as e:
                 msg = f"{self.dataset.path}: {e}"
                 raise OmicsIOError(msg) from e
