@@ -17,7 +17,7 @@ import numba
 import numpy as np
 
 from . import _codec, _scatter
-from ._dataset import Categorical, Dataset, corruption_reported, decode_records
+from ._dataset import Categorical, Dataset, corruption_reported
 from ._errors import OmicsIOError, StateMismatchError
 from ._fetch import FetchReader
 from ._pipeline import MiniBatch, build_pipeline
@@ -255,19 +255,9 @@ class Loader:
                 msg = f"{self.dataset.path}: {e}"
                 raise OmicsIOError(msg) from e
             return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
-        if self.gene_to_col is None and self.normalize is None:  # one pass: records → rows
-            with corruption_reported(self.dataset.path):
-                x = _codec.decode_rows(buf, starts, self._new_rows(len(mb.mask)))
-            return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
-        indptr, indices, values = decode_records(self.dataset.path, buf, starts)
-        if len(indptr) - 1 < len(mb.mask):  # padding rows are empty
-            indptr = np.concatenate([indptr, np.full(len(mb.mask) + 1 - len(indptr), indptr[-1])])
-        if self.gene_to_col is None:
-            x = _scatter.scatter_dense(indptr, indices, values, self.num_features, out=self._new_rows(len(mb.mask)),
-                                       normalize=self.normalize, target_sum=self.target_sum)
-        else:
-            x = _scatter.scatter_panel(indptr, indices, values, self.gene_to_col, out=self._new_rows(len(mb.mask)),
-                                       normalize=self.normalize, target_sum=self.target_sum)
+        with corruption_reported(self.dataset.path):  # one pass: records → (panel) rows, padding zeroed
+            x = _scatter.decode_scatter(buf, starts, self._new_rows(len(mb.mask)), gene_to_col=self.gene_to_col,
+                                        normalize=self.normalize, target_sum=self.target_sum)
         return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
 
     def _new_rows(self, num_rows: int) -> np.ndarray:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from . import _codec, _scatter
 from ._background import Background
-from ._dataset import Categorical, Dataset, _runs, corruption_reported, decode_records
+from ._dataset import Categorical, Dataset, _runs, corruption_reported
 from ._errors import OmicsIOError
 from ._loader import Batch, HostBatch, RowBuffers, _gene_to_col, aligned_empty, check_state, data_sharding, place_batch
 from ._query import CellTable
@@ -132,17 +132,9 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
                 hi = min(lo + _READ_CELLS, end)
                 buf, starts = _codec.join_records(ds.read_records(lo, hi))
                 out = x[pos : pos + hi - lo]
-                if gene_to_col is None and normalize is None:
-                    with corruption_reported(ds.path):
-                        _codec.decode_rows(buf, starts, out)
-                else:
-                    indptr, indices, values = decode_records(ds.path, buf, starts)
-                    if gene_to_col is None:
-                        _scatter.scatter_dense(indptr, indices, values, width, out=out, normalize=normalize,
-                                               target_sum=target_sum)
-                    else:
-                        _scatter.scatter_panel(indptr, indices, values, gene_to_col, out=out, normalize=normalize,
-                                               target_sum=target_sum)
+                with corruption_reported(ds.path):
+                    _scatter.decode_scatter(buf, starts, out, gene_to_col=gene_to_col, normalize=normalize,
+                                            target_sum=target_sum)
                 pos += hi - lo
                 bar.update(hi - lo)
     obs_arrays, categories = {}, {}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omicsio_jax import _scatter
+from omicsio_jax import _codec, _scatter
 
 MODES = [None, "log1p", "normalize_log1p"]
 
@@ -107,6 +107,45 @@ def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse,
     expected = ref_dense(indptr, indices, values, num_genes, normalize)[:, np.asarray(panel, np.int64)]
     assert got.shape == expected.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
+@given(csr_batches(widths=(1, 7, 300, 70_000)), st.sampled_from(MODES), st.sampled_from(["full", "panel"]),
+       st.booleans(), st.integers(0, 3), st.data())
+@settings(max_examples=60, deadline=None)
+def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, dense_layout, padding, data):
+    """The loader's one-pass records → rows equals decoding to CSR and scattering, bit for bit."""
+    indptr, indices, values, num_genes = batch
+    if dense_layout:  # records of a dense-layout (gene panel) dataset
+        if num_genes > 1000:
+            return
+        buf, starts = _codec.encode_dense_rows(ref_dense(indptr, indices, values, num_genes))
+    else:
+        buf, starts = _codec.encode_csr(indptr, indices, values)
+    gene_to_col = None
+    if columns == "panel":
+        size = data.draw(st.integers(0, min(num_genes, 40)))
+        panel = data.draw(st.lists(st.integers(0, num_genes - 1), min_size=size, max_size=size, unique=True))
+        gene_to_col = _scatter.make_gene_to_col(num_genes, panel)
+    width = num_genes if gene_to_col is None else len(panel)
+    rows = len(indptr) - 1 + padding
+    got = _scatter.decode_scatter(buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize)
+    ptr, idx, val = _codec.decode_csr(buf, starts)
+    ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
+    if gene_to_col is None:
+        expected = _scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)
+    else:
+        expected = _scatter.scatter_panel(ptr, idx, val, gene_to_col, out=np.empty((rows, width), np.float32),
+                                          normalize=normalize)
+    np.testing.assert_array_equal(got, expected)
+    assert not got[len(indptr) - 1 :].any()
+
+
+def test_decode_scatter_refuses_a_malformed_record():
+    buf, starts = _codec.encode_csr(np.array([0, 2], np.int64), np.array([1, 3], np.int32),
+                                    np.array([1.0, 2.0], np.float32))
+    buf[1] = 9  # an unknown index code
+    with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
+        _scatter.decode_scatter(buf, starts, np.empty((1, 5), np.float32), normalize="log1p")
 
 
 def test_make_gene_to_col():
