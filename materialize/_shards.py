@@ -90,7 +90,8 @@ class ShardWriterProcess:
 
     @staticmethod
     def available() -> bool:
-        return hasattr(os, "memfd_create")
+        """Shared memory by memfd (Linux) and a Python executable to start the child with."""
+        return hasattr(os, "memfd_create") and bool(sys.executable)
 
     def _send(self, *message) -> None:
         try:

@@ -18,6 +18,20 @@ from materialize import _shards
 from materialize._cli import main
 
 
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _running(pid):
+    """True while ``pid`` exists and is not a zombie (an exited child its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _leftovers(parent):
     return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
 
@@ -94,10 +108,16 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     while time.time() < deadline and not any(p.name.startswith(".out.partial") and any((p).glob("shard-*"))
                                              for p in tmp_path.iterdir()):
         time.sleep(0.01)
+    children = _children(proc.pid)  # the shard writer process
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert not out.exists()
+    assert children, "materialize should run its shard writer in a child process"
+    deadline = time.time() + 30  # the writer sees its parent's socket close and exits, even after SIGKILL
+    while time.time() < deadline and any(map(_running, children)):
+        time.sleep(0.05)
+    assert not any(map(_running, children)), "the shard writer outlived its parent"
     with pytest.raises(oj.DatasetFormatError, match="no manifest.json"):
         for partial in tmp_path.iterdir():
             oj.open_dataset(partial)
