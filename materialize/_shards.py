@@ -96,10 +96,12 @@ class ShardWriterProcess:
     def _send(self, *message) -> None:
         try:
             self._conn.send(message)
-        except OSError:
-            self._raise_child_error()
+        except OSError:  # the child has gone: raise what it reported (replies may be queued before it)
+            while True:
+                self._receive(None)
 
-    def _receive(self, expected: str):
+    def _receive(self, expected: str | None):
+        """The child's next reply (of kind ``expected`` unless None); its error or exit raises."""
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
@@ -107,11 +109,10 @@ class ShardWriterProcess:
         if message[0] == "error":
             msg = f"writing shards failed: {message[1]}"
             raise OmicsIOError(msg)
-        assert message[0] == expected, message
+        if expected is not None and message[0] != expected:
+            msg = f"internal error: the shard writer replied {message[0]!r}, expected {expected!r}"
+            raise OmicsIOError(msg)
         return message[1]
-
-    def _raise_child_error(self):
-        self._receive("error")
 
     def _slot_for(self, nbytes: int) -> _Slot:
         if not self._free and len(self._slots) < self._depth:
