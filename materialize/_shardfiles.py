@@ -117,8 +117,8 @@ def serve(fd: int) -> None:
                 conn.send(("closed", (files.close(), _peak_rss_bytes())))
                 files = None
                 return
-    except EOFError:
-        return
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent has gone (it aborted, or died): stop quietly
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         detail = "".join(traceback.format_exception_only(e)).strip()
         try:

@@ -59,8 +59,11 @@ class _Slot:
         self.array = np.frombuffer(self.map, dtype=np.uint8)
 
     def close(self) -> None:
-        del self.array
-        self.map.close()
+        self.array = None
+        try:
+            self.map.close()
+        except BufferError:  # a view still lives (say, in a traceback): unmapped when it goes
+            pass
         os.close(self.fd)
 
 
