@@ -358,6 +358,19 @@ def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return buf, buf.view(np.uint32), buf.view(np.float32)
 
 
+def checked_views(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`views` of a batch of records, after checking every record's header and length.
+
+    Raises ValueError naming the first malformed record (the decoders never read past a record).
+    """
+    u8, u32, f32 = views(buf)
+    bad = check_records(u8, u32, starts[:-1], starts[1:])
+    if bad >= 0:
+        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
+        raise ValueError(msg)
+    return u8, u32, f32
+
+
 def join_records(records: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate records into one aligned buffer; return ``(buffer, starts)`` (starts has n+1 entries)."""
     lengths = np.fromiter((len(r) for r in records), dtype=np.int64, count=len(records))
@@ -375,11 +388,7 @@ def decode_csr(buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndar
     ``starts`` has one entry per record plus the end of the buffer; dense records come back as
     their nonzero entries.
     """
-    bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
-    if bad >= 0:
-        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
-        raise ValueError(msg)
-    u8, u32, f32 = views(buf)
+    u8, u32, f32 = checked_views(buf, starts)
     nnz = _stored_nnz(u8, u32, f32, starts[:-1])
     indptr = np.zeros(len(nnz) + 1, dtype=np.int64)
     np.cumsum(nnz, out=indptr[1:])
@@ -463,11 +472,7 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
     row_dtype, index_dtype = slab_dtypes(rows_per_slab, num_columns)
     if n == 0:
         return tuple(np.zeros((num_slabs, capacity), dtype) for dtype in (row_dtype, index_dtype, np.float32))
-    bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
-    if bad >= 0:
-        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
-        raise ValueError(msg)
-    u8, u32, f32 = views(buf)
+    u8, u32, f32 = checked_views(buf, starts)
     nnz = np.zeros(num_rows, np.int64)
     nnz[:n] = _stored_nnz(u8, u32, f32, starts[:-1])
     per_slab = nnz.reshape(num_slabs, rows_per_slab)
@@ -496,9 +501,5 @@ def decode_rows(buf: np.ndarray, starts: np.ndarray, out: np.ndarray) -> np.ndar
     One pass, no CSR in between: the fast path for dense output without normalization, and for
     datasets of the dense (gene panel) layout.
     """
-    bad = check_records(buf, buf.view(np.uint32), starts[:-1], starts[1:])
-    if bad >= 0:
-        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
-        raise ValueError(msg)
-    _decode_into_rows(*views(buf), starts[:-1], out)
+    _decode_into_rows(*checked_views(buf, starts), starts[:-1], out)
     return out

@@ -225,11 +225,7 @@ def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene
     if gene_to_col is None and normalize is None:
         return _codec.decode_rows(buf, starts, out)
     mode = _mode_code(normalize, target_sum)
-    u8, u32, f32 = _codec.views(buf)
-    bad = _codec.check_records(u8, u32, starts[:-1], starts[1:])
-    if bad >= 0:
-        msg = f"record {bad} of the batch is malformed (bad header or length): the shard is corrupted"
-        raise ValueError(msg)
+    u8, u32, f32 = _codec.checked_views(buf, starts)
     mapped = gene_to_col is not None
     table = gene_to_col if mapped else np.zeros(0, np.int32)
     _decode_scatter_kernel(u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out)
