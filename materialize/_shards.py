@@ -85,8 +85,7 @@ class ShardWriterProcess:
             child.close()
         self._conn = Connection(parent.detach())
         self._slots: list[_Slot | None] = []
-        self._free: list[int] = []
-        self._in_flight = 0
+        self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
         self._depth = depth
         self.peak_rss_bytes: int | None = None  # the child's VmHWM, known after `close`
         self._send("open", str(root), shard_cells, options)
@@ -121,9 +120,8 @@ class ShardWriterProcess:
         if not self._free and len(self._slots) < self._depth:
             self._slots.append(None)
             self._free.append(len(self._slots) - 1)
-        while not self._free:
+        if not self._free:
             self._free.append(self._receive("done"))
-            self._in_flight -= 1
         k = self._free.pop()
         slot = self._slots[k]
         if slot is None or slot.size < nbytes:
@@ -141,12 +139,10 @@ class ShardWriterProcess:
         slot = self._slot_for(buf.nbytes)
         slot.array[: buf.nbytes] = buf.view(np.uint8).reshape(-1)
         self._send("write", slot.index, np.ascontiguousarray(starts, dtype=np.int64).tobytes())
-        self._in_flight += 1
 
     def close(self) -> list[ShardEntry]:
-        while self._in_flight:
+        while len(self._free) < len(self._slots):
             self._free.append(self._receive("done"))
-            self._in_flight -= 1
         self._send("close")
         shards, self.peak_rss_bytes = self._receive("closed")
         shards = [ShardEntry(*shard) for shard in shards]
