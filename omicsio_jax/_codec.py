@@ -42,12 +42,15 @@ VALUE_U8 = 1
 VALUE_U16 = 2
 VALUE_U32 = 3
 
-_VALUE_WIDTH = np.array([4, 1, 2, 4], dtype=np.int64)
-_INDEX_WIDTH = np.array([0, 2, 4], dtype=np.int64)
+VALUE_WIDTH = np.array([4, 1, 2, 4], dtype=np.int64)
+INDEX_WIDTH = np.array([0, 2, 4], dtype=np.int64)
+
+# A cell with no values: what a loader decodes for a padding row.
+EMPTY_RECORD = bytes([CODEC_VERSION, INDEX_U32, VALUE_F32, 0, 0, 0, 0, 0])
 
 
 @nb.njit(inline="always")
-def _pad4(nbytes):
+def pad4(nbytes):
     return (nbytes + 3) & ~3
 
 
@@ -151,7 +154,7 @@ def plan_sparse(indptr, tokens, values, token_to_col, allow_negative):
         index_codes[i] = ic
         value_codes[i] = vc
         nnz = hi - lo
-        nbytes[i] = HEADER_BYTES + _pad4(nnz * _INDEX_WIDTH[ic]) + _pad4(nnz * _VALUE_WIDTH[vc])
+        nbytes[i] = HEADER_BYTES + pad4(nnz * INDEX_WIDTH[ic]) + pad4(nnz * VALUE_WIDTH[vc])
     return index_codes, value_codes, nbytes, problems, where
 
 
@@ -164,7 +167,7 @@ def plan_dense(rows):
     for i in nb.prange(n):
         vc = _value_code(rows[i], 0, width)
         value_codes[i] = vc
-        nbytes[i] = HEADER_BYTES + _pad4(width * _VALUE_WIDTH[vc])
+        nbytes[i] = HEADER_BYTES + pad4(width * VALUE_WIDTH[vc])
     return value_codes, nbytes
 
 
@@ -215,12 +218,12 @@ def encode_sparse(indptr, tokens, values, token_to_col, index_codes, value_codes
                 prev = col
             else:
                 u32[pos // 4 + (j - lo)] = np.uint32(col)
-        for b in range(pos + nnz * _INDEX_WIDTH[ic], pos + _pad4(nnz * _INDEX_WIDTH[ic])):
+        for b in range(pos + nnz * INDEX_WIDTH[ic], pos + pad4(nnz * INDEX_WIDTH[ic])):
             u8[b] = 0
-        pos += _pad4(nnz * _INDEX_WIDTH[ic])
+        pos += pad4(nnz * INDEX_WIDTH[ic])
         _write_values(u8, u32, f32, pos, values, lo, hi, vc)
-        end = pos + _pad4(nnz * _VALUE_WIDTH[vc])
-        for b in range(pos + nnz * _VALUE_WIDTH[vc], end):
+        end = pos + pad4(nnz * VALUE_WIDTH[vc])
+        for b in range(pos + nnz * VALUE_WIDTH[vc], end):
             u8[b] = 0
 
 
@@ -234,13 +237,13 @@ def encode_dense(rows, value_codes, starts, u8, u32, f32):
         _write_header(u8, u32, start, INDEX_DENSE, vc, width)
         pos = start + HEADER_BYTES
         _write_values(u8, u32, f32, pos, rows[i], 0, width, vc)
-        end = pos + _pad4(width * _VALUE_WIDTH[vc])
-        for b in range(pos + width * _VALUE_WIDTH[vc], end):
+        end = pos + pad4(width * VALUE_WIDTH[vc])
+        for b in range(pos + width * VALUE_WIDTH[vc], end):
             u8[b] = 0
 
 
 @nb.njit(inline="always")
-def _read_value(u8, u32, f32, pos, k, vc, n):
+def read_value(u8, u32, f32, pos, k, vc, n):
     if vc == VALUE_U8:
         return np.float32(u8[pos + k])
     if vc == VALUE_U16:
@@ -260,7 +263,7 @@ def check_records(u8, u32, starts, ends):
         ic, vc, n = u8[start + 1], u8[start + 2], np.int64(u32[start // 4 + 1])
         if ic > INDEX_U32 or vc > VALUE_U32:
             return i
-        if end - start != HEADER_BYTES + _pad4(n * _INDEX_WIDTH[ic]) + _pad4(n * _VALUE_WIDTH[vc]):
+        if end - start != HEADER_BYTES + pad4(n * INDEX_WIDTH[ic]) + pad4(n * VALUE_WIDTH[vc]):
             return i
     return -1
 
@@ -278,7 +281,7 @@ def _stored_nnz(u8, u32, f32, starts):
             pos = start + HEADER_BYTES
             nonzero = 0
             for k in range(count):
-                if _read_value(u8, u32, f32, pos, k, vc, count) != 0:
+                if read_value(u8, u32, f32, pos, k, vc, count) != 0:
                     nonzero += 1
             count = nonzero
         nnz[i] = count
@@ -286,7 +289,7 @@ def _stored_nnz(u8, u32, f32, starts):
 
 
 @nb.njit(inline="always")
-def _next_column(u8, u32, pos, k, count, ic, col):
+def next_column(u8, u32, pos, k, count, ic, col):
     """Column of entry ``k`` of a sparse record whose indices start at byte ``pos`` (``col``: entry k-1's)."""
     if ic == INDEX_DELTA_U16:  # gap k: low byte in the first plane, high byte in the second
         return col + (np.int64(u8[pos + k]) | (np.int64(u8[pos + count + k]) << 8))
@@ -301,7 +304,7 @@ def _decode_one(u8, u32, f32, start, indices, values, out):
     pos = start + HEADER_BYTES
     if ic == INDEX_DENSE:
         for k in range(count):
-            v = _read_value(u8, u32, f32, pos, k, vc, count)
+            v = read_value(u8, u32, f32, pos, k, vc, count)
             if v != 0:
                 indices[out] = k
                 values[out] = v
@@ -309,11 +312,11 @@ def _decode_one(u8, u32, f32, start, indices, values, out):
         return
     col = np.int64(0)
     for k in range(count):
-        col = _next_column(u8, u32, pos, k, count, ic, col)
+        col = next_column(u8, u32, pos, k, count, ic, col)
         indices[out + k] = col
-    vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
+    vpos = pos + pad4(count * INDEX_WIDTH[ic])
     for k in range(count):
-        values[out + k] = _read_value(u8, u32, f32, vpos, k, vc, count)
+        values[out + k] = read_value(u8, u32, f32, vpos, k, vc, count)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -343,14 +346,14 @@ def _decode_into_rows(u8, u32, f32, starts, out):
         pos = start + HEADER_BYTES
         if ic == INDEX_DENSE:
             for k in range(min(count, width)):
-                out[i, k] = _read_value(u8, u32, f32, pos, k, vc, count)
+                out[i, k] = read_value(u8, u32, f32, pos, k, vc, count)
             continue
-        vpos = pos + _pad4(count * _INDEX_WIDTH[ic])
+        vpos = pos + pad4(count * INDEX_WIDTH[ic])
         col = np.int64(0)
         for k in range(count):
-            col = _next_column(u8, u32, pos, k, count, ic, col)
+            col = next_column(u8, u32, pos, k, count, ic, col)
             if col < width:
-                out[i, col] = _read_value(u8, u32, f32, vpos, k, vc, count)
+                out[i, col] = read_value(u8, u32, f32, vpos, k, vc, count)
 
 
 def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from . import _codec
-from ._errors import DatasetFormatError
+from ._errors import DatasetFormatError, OmicsIOError
 from ._manifest import Manifest, read_manifest
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
@@ -41,7 +41,7 @@ class Categorical:
 
 
 @nb.njit(nogil=True, cache=True)
-def _take_rows(indptr, indices, values, order):
+def take_rows(indptr, indices, values, order):
     counts = np.empty(order.shape[0], np.int64)
     for i in range(order.shape[0]):
         counts[i] = indptr[order[i] + 1] - indptr[order[i]]
@@ -56,7 +56,7 @@ def _take_rows(indptr, indices, values, order):
     return out_ptr, out_idx, out_val
 
 
-def _runs(sorted_rows: np.ndarray) -> list[tuple[int, int]]:
+def runs(sorted_rows: np.ndarray) -> list[tuple[int, int]]:
     """Split sorted unique ints into maximal ``[begin, end)`` runs of consecutive values."""
     if len(sorted_rows) == 0:
         return []
@@ -102,7 +102,7 @@ class Dataset:
     def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS):
         self.path = Path(path)
         self.manifest: Manifest = read_manifest(self.path)
-        self._reader_options = reader_options
+        self.reader_options = reader_options
         self._readers: dict[int, ArrayRecordReader] = {}
         self._lock = threading.Lock()
         for shard in self.manifest.shards:
@@ -187,11 +187,38 @@ class Dataset:
             reader = self._readers.get(shard_index)
             if reader is None:
                 path = str(self.path / self.manifest.shards[shard_index].path)
-                reader = ArrayRecordReader(path, self._reader_options)
+                reader = ArrayRecordReader(path, self.reader_options)
                 self._readers[shard_index] = reader
             return reader
 
-    def _check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
+        """Columns of ``genes`` (names, Ensembl ids or column numbers), in the order given.
+
+        >>> ds.gene_columns(["CD3E", "ENSG00000167286", 17])       # doctest: +SKIP
+        """
+        features = self.features
+        lookup: dict[str, int] = {}
+        for key in ("ensembl_id", "gene_name"):
+            if key in features:
+                for col, value in enumerate(features[key].astype(str)):
+                    lookup.setdefault(value, col)
+        cols, unknown = [], []
+        for g in genes:
+            if isinstance(g, (int, np.integer)):
+                if not 0 <= int(g) < self.num_genes:
+                    unknown.append(str(g))
+                cols.append(int(g))
+            elif str(g) in lookup:
+                cols.append(lookup[str(g)])
+            else:
+                unknown.append(str(g))
+        if unknown:
+            msg = f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"
+            raise OmicsIOError(msg)
+        return np.asarray(cols, dtype=np.int64)
+
+    def check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``rows`` as an int64 array, checked to be a 1-D sequence of valid row numbers."""
         arr = np.asarray(rows)
         if arr.ndim != 1:
             msg = f"rows must be a 1-D sequence of ints, got an array of shape {arr.shape}"
@@ -219,17 +246,17 @@ class Dataset:
         Rows may repeat and come in any order; consecutive rows are read with one range read.
         For ``layout="dense"`` the columns index the panel and only nonzero entries are returned.
         """
-        rows = self._check_rows(rows)
+        rows = self.check_rows(rows)
         unique, inverse = np.unique(rows, return_inverse=True)
         records: list[bytes] = []
-        for begin, end in _runs(unique):
+        for begin, end in runs(unique):
             records.extend(self.read_records(begin, end))
         if not records:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
         indptr, indices, values = decode_records(self.path, *_codec.join_records(records))
         if len(unique) == len(rows) and np.array_equal(unique, rows):
             return indptr, indices, values
-        return _take_rows(indptr, indices, values, inverse.astype(np.int64))
+        return take_rows(indptr, indices, values, inverse.astype(np.int64))
 
     def close(self) -> None:
         with self._lock:

@@ -1,35 +1,30 @@
-"""Reading a fetch: one sorted batched read, one decode pass, one in-memory shuffle."""
+"""Reading cells: one sorted batched read per segment, each segment read once, a few ahead.
+
+`FetchReader` reads the records of any list of rows (in serving order) with one ArrayRecord
+range read per run of consecutive rows. `SegmentCache` makes sure each segment (a fetch, see
+`_schedule`) is read once per process however many threads ask for its minibatches, and reads
+the next ones ahead on its own threads while the current one is decoded.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import threading
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
-from ._dataset import Dataset, _runs, read_range
-from ._sampling import Fetch
+from ._codec import EMPTY_RECORD
+from ._dataset import Dataset, read_range, runs
 
-
-@dataclasses.dataclass(frozen=True)
-class FetchedCells:
-    """The records of a fetch in the order they will be served (shuffled).
-
-    Records stay encoded (≈3 bytes per nonzero instead of 8 decoded) until their minibatch is
-    densified: a fetch of 64 × 1,024 cells holds ~0.13 GB instead of ~0.8 GB. They stay separate
-    `bytes` too: each minibatch joins its own ~2 MB, which the allocator recycles and the decode
-    then finds in cache, where joining the whole fetch at once took a fresh 128 MB mapping per
-    fetch (its page faults alone cost 40 ms).
-    """
-
-    fetch: Fetch
-    rows: np.ndarray  # global row of each cell, in serving order
-    records: list[bytes]
+T = TypeVar("T")
 
 
 class FetchReader:
-    """Reads fetches from a dataset; safe to call from several threads at once.
+    """Reads records of a dataset; safe to call from several threads at once.
 
     Each thread keeps its own ArrayRecord readers (a reader is not shared across threads);
     each run of consecutive rows is one ``read(begin, end)`` range read.
@@ -37,7 +32,7 @@ class FetchReader:
 
     def __init__(self, dataset: Dataset, *, reader_options: str | None = None):
         self.dataset = dataset
-        self._options = reader_options or dataset._reader_options
+        self._options = reader_options or dataset.reader_options
         self._local = threading.local()
 
     def _reader(self, shard: int) -> ArrayRecordReader:
@@ -51,23 +46,128 @@ class FetchReader:
         return reader
 
     def read_sorted(self, rows: np.ndarray) -> list[bytes]:
-        """Records of ascending unique ``rows``: one range read per run of consecutive rows."""
+        """Records of ascending ``rows``: one range read per run of consecutive rows."""
         shard_cells = self.dataset.manifest.shard_cells
         records: list[bytes] = []
-        for begin, end in _runs(rows):
+        for begin, end in runs(rows):
             records.extend(read_range(self._reader, shard_cells, begin, end))
         return records
 
-    def __call__(self, fetch: Fetch) -> FetchedCells:
-        order = np.argsort(fetch.rows, kind="stable")
-        sorted_rows = fetch.rows[order]
-        records = self.read_sorted(sorted_rows)
-        n = len(order)
-        # serving position i holds the cell at position[i] of the epoch order (rows may repeat)
-        if fetch.shuffle_key is None:
-            position = np.arange(n)
+    def __call__(self, rows: np.ndarray) -> list[bytes]:
+        """Records of ``rows`` in the order given (rows may repeat; -1 gives `EMPTY_RECORD`, padding)."""
+        real = np.flatnonzero(rows >= 0)
+        order = real[np.argsort(rows[real], kind="stable")]
+        records = [EMPTY_RECORD] * len(rows)
+        for i, record in zip(order.tolist(), self.read_sorted(rows[order]), strict=True):
+            records[i] = record
+        return records
+
+
+class _Entry:
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
+class SegmentCache(Generic[T]):
+    """``get(key)`` returns ``load(key)``, computed once; the keys after it (``following``) are loaded
+    meanwhile on ``threads`` background threads, as many as ``weight`` (default 1 per key) adds up
+    to ``ahead``: a short segment (an epoch's tail) does not count as a whole one. The ``keep`` most
+    recently asked keys stay.
+
+    A key asked for now jumps the queue ahead of read-ahead work. Errors are raised by the `get`
+    that asks for the key, not by the read-ahead. `close` stops the threads (also done when the
+    cache is collected).
+    """
+
+    def __init__(self, load: Callable[[Hashable], T], following: Callable[[Hashable], Hashable | None], *,
+                 ahead: float = 2, threads: int = 2, keep: int = 4, weight: Callable[[Hashable], float] | None = None):
+        self._load, self._following, self._ahead, self._keep = load, following, ahead, max(keep, int(ahead) + 3)
+        self._weight = weight or (lambda key: 1.0)
+        self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
+        self._queue: collections.deque[Hashable] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = [False]
+        self._threads = [threading.Thread(target=SegmentCache._work, args=(weakref.ref(self), self._cond, self._stop),
+                                          daemon=True, name="omicsio-jax-read") for _ in range(max(threads, 1))]
+        for t in self._threads:
+            t.start()
+        self._finalizer = weakref.finalize(self, SegmentCache._shutdown, self._cond, self._stop, self._threads)
+
+    def get(self, key: Hashable) -> T:
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._add(key, urgent=True)
+            self._entries.move_to_end(key)
+            nxt, covered = key, 0.0
+            while covered < self._ahead:
+                nxt = self._following(nxt)
+                if nxt is None:
+                    break
+                covered += self._weight(nxt)
+                if nxt not in self._entries:
+                    self._add(nxt, urgent=False)
+            self._evict()
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        return entry.value
+
+    def _add(self, key: Hashable, *, urgent: bool) -> _Entry:
+        entry = self._entries[key] = _Entry()
+        if urgent:
+            self._queue.appendleft(key)
         else:
-            position = np.random.default_rng(list(fetch.shuffle_key)).permutation(n)
-        read_index = np.empty(n, dtype=np.int64)
-        read_index[order] = np.arange(n)
-        return FetchedCells(fetch, fetch.rows[position], [records[i] for i in read_index[position].tolist()])
+            self._queue.append(key)
+        self._cond.notify()
+        return entry
+
+    def _evict(self) -> None:
+        while len(self._entries) > self._keep:
+            oldest = next(iter(self._entries))
+            if not self._entries[oldest].done.is_set():
+                break
+            del self._entries[oldest]
+
+    @staticmethod
+    def _work(ref: weakref.ref, cond: threading.Condition, stop: list[bool]) -> None:
+        while True:
+            with cond:
+                while not stop[0]:
+                    cache = ref()
+                    if cache is None:
+                        return
+                    if cache._queue:
+                        key = cache._queue.popleft()
+                        entry = cache._entries.get(key)
+                        load = cache._load
+                        break
+                    del cache
+                    cond.wait(timeout=0.5)
+                else:
+                    return
+            del cache
+            if entry is None:  # evicted before it was read
+                continue
+            try:
+                entry.value = load(key)
+            except BaseException as e:  # handed to the `get` that wants it
+                entry.error = e
+            entry.done.set()
+            del entry, load
+
+    @staticmethod
+    def _shutdown(cond: threading.Condition, stop: list[bool], threads: list[threading.Thread]) -> None:
+        with cond:
+            stop[0] = True
+            cond.notify_all()
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+
+    def close(self) -> None:
+        self._finalizer()

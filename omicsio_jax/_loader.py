@@ -1,342 +1,223 @@
-"""`make_loader`: training batches from a materialized dataset, as sharded jax.Arrays."""
+"""`make_loader`: training batches from a materialized dataset, as sharded jax.Arrays.
+
+The loader is a `grain.DatasetIterator`: the steps from its position are a Grain
+``MapDataset.range(...).map(batch at step).to_iter_dataset(ReadOptions)`` decoded and placed on
+``num_threads`` threads, while `MinibatchReader` reads the segments ahead. Its state is global
+(epoch, step, the anchor of the epoch, see `_schedule`) plus this process's coverage tally, so
+``grain.checkpoint.CheckpointSave/Restore`` and Orbax's ``save_checkpointables`` work unchanged,
+and a restore with another number of processes continues the epoch exactly.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
-import json
+import asyncio
 import sys
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
 
+import grain
 import jax
-import numba
 import numpy as np
 
-from . import _codec, _scatter
-from ._dataset import Categorical, Dataset, corruption_reported
+from ._batch import Batch, HostBatch, SparseBatch, local_shards, place_batch
+from ._coverage import Coverage, Tally
+from ._dataset import Dataset
 from ._errors import OmicsIOError, StateMismatchError
-from ._fetch import FetchReader
-from ._pipeline import MiniBatch, build_pipeline
-from ._sampling import SamplingPlan, class_weights
+from ._minibatch import DiskSpec, MinibatchReader, obs_column
+from ._outputs import CSR, Output, resolve_output
+from ._schedule import Anchor, Schedule
+from ._state import check_state, read_loader_states
 
-OUTPUTS = ("dense", "csr")
-_ALIGN = 64
-_WIDE_ROW_BYTES = 64 * 1024
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
-class SparseBatch(NamedTuple):
-    """Fixed-shape padded sparse rows, one slab per device: arrays of shape (num_shards, capacity).
-
-    Entry ``j`` of slab ``s`` is ``values[s, j]`` (float32) at row ``row_ids[s, j]`` (within the
-    shard's ``batch_size / num_shards`` rows; int16, int32 past 32,767 rows) and column ``indices[s, j]`` (uint16 for up
-    to 65,536 genes, else int32); padding entries add 0 at (0, 0). `Loader.densify` turns it into
-    the dense batch on the devices.
-    """
-
-    row_ids: Any
-    indices: Any
-    values: Any
+def _stop(iterator, reader) -> None:
+    if iterator is not None:
+        iterator.close()
+    if reader is not None:
+        reader.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A global training batch: ``x`` (dense ``(batch, genes)`` or `SparseBatch`), obs labels,
-    the global row of every cell (``index``, -1 for padding) and ``mask`` (False for padding)."""
+class Loader(grain.DatasetIterator):
+    """Iterator of `Batch`es; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
 
-    x: Any
-    obs: dict[str, Any]
-    index: Any
-    mask: Any
+    def __init__(self, ds: Dataset, spec: DiskSpec, *, host: int, mesh, data_axis: str, num_threads: int,
+                 prefetch: int, decode_threads: int | None = None):
+        super().__init__()
+        self._iterator = self._reader = self._finalizer = None  # before anything can raise: __del__ closes
+        self.dataset, self.spec, self.host, self.num_epochs = ds, spec, host, spec.num_epochs
+        self.plan = spec.plan(ds)
+        self.output: Output = spec.bound_output(ds, self.plan)
+        for name in spec.obs:
+            obs_column(ds, name)
+        self.mesh, self.data_axis, self.num_threads, self.prefetch = mesh, data_axis, num_threads, prefetch
+        self._decode_threads = decode_threads
+        self._config = spec.config(ds, self.plan, self.output)
+        self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
+    # ----- the stream --------------------------------------------------------------------------
+    def _new_reader(self, schedule: Schedule) -> MinibatchReader:
+        return MinibatchReader(self.dataset, schedule, self.output, self.spec.obs, num_epochs=self.num_epochs,
+                               prefetch=self.prefetch, decode_threads=self._decode_threads,
+                               keep_buffers=self._buffer_size + self.num_threads + 4)
 
-@dataclasses.dataclass(frozen=True)
-class HostBatch:
-    """This host's share of a batch as numpy arrays (what the Grain pipeline yields)."""
+    @property
+    def decode_threads(self) -> int:
+        """Numba threads that decode one batch (default 1: ``num_threads`` batches decode at once)."""
+        return self._decode_threads or 1
 
-    x: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
-    obs: dict[str, np.ndarray]
-    index: np.ndarray
-    mask: np.ndarray
+    @property
+    def _buffer_size(self) -> int:
+        return max(self.num_threads, 1) + 1
 
+    def _host_stream(self, schedule: Schedule, reader: MinibatchReader, start: tuple[int, int]):
+        """The host batches from ``start`` to the end (endless without ``num_epochs``) as a Grain dataset."""
+        total = sys.maxsize
+        if self.num_epochs is not None:
+            epoch, step = start
+            total = max(schedule.steps_in_epoch(epoch) - step, 0) if epoch < self.num_epochs else 0
+            total += max(self.num_epochs - epoch - 1, 0) * self.plan.steps_per_epoch
+        return grain.MapDataset.range(total).map(lambda i: reader(*schedule.position(start, i)))
 
-@functools.partial(jax.jit, static_argnames=("rows_per_shard", "num_genes", "normalize", "target_sum"))
-def _densify_sharded(row_ids, indices, values, *, rows_per_shard, num_genes, normalize, target_sum):
-    """Densify each shard's slab where it lives (vmap over the sharded leading axis), then flatten."""
+    def _start(self, epoch: int, step: int, anchor: Anchor, served: Tally) -> None:
+        """Stand at ``(epoch, step)`` of a run that took over at ``anchor``, having served ``served``."""
+        self._halt()
+        self._schedule = Schedule(self.plan, self.host, anchor)
+        if step >= self._schedule.steps_in_epoch(epoch):
+            epoch, step, served = epoch + 1, 0, Tally()
+        self._epoch, self._step, self._served = epoch, step, served
 
-    def one(r, i, v):
-        return _scatter.densify_on_device(r, i, v, num_rows=rows_per_shard, num_genes=num_genes,
-                                          normalize=normalize, target_sum=target_sum)
+    def _ensure_iterator(self) -> None:
+        if self._iterator is not None:
+            return
+        reader = self._reader = self._new_reader(self._schedule)
+        mesh, axis = self.mesh, self.data_axis
 
-    return jax.vmap(one)(row_ids, indices, values).reshape(-1, num_genes)
+        def place(hb: HostBatch) -> tuple[Batch, Tally]:
+            return place_batch(hb, mesh, axis), Tally.of(hb.index)
 
+        stream = self._host_stream(self._schedule, reader, (self._epoch, self._step)).map(place)
+        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self._buffer_size)
+        self._iterator = iter(stream.to_iter_dataset(options))
+        # Stop the threads when the loader goes away or, at the latest, before the interpreter
+        # shuts down: a thread still inside a numba or ArrayRecord call then aborts it.
+        self._finalizer = weakref.finalize(self, _stop, self._iterator, reader)
 
-def aligned_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data is 64-byte aligned: XLA on CPU then adopts it
-    as the device buffer instead of copying it (measured: 19 ms instead of 98 ms per 257 MB)."""
-    dtype = np.dtype(dtype)
-    return _aligned_view(np.empty(_nbytes(shape, dtype) + _ALIGN, dtype=np.uint8), shape, dtype)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return int(np.prod(shape)) * dtype.itemsize
-
-
-def _aligned_view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The 64-byte-aligned ``(shape, dtype)`` array inside ``raw`` (uint8, ``_ALIGN`` bytes of slack)."""
-    offset = -raw.ctypes.data % _ALIGN
-    return raw[offset : offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
-
-
-class RowBuffers:
-    """Aligned output buffers, reused once nothing refers to them any more.
-
-    A batch's buffer may be adopted by XLA (on CPU) and live on inside a jax.Array, so a buffer is
-    only handed out again when its reference count says that no array, view or jax.Array holds it
-    (every numpy view of a buffer refers to it directly; XLA holds the array it adopted). A fresh
-    257 MB buffer costs ~80 ms of page faults here, more than decoding 1,024 cells into it (~10
-    ms); a reused one costs nothing. At most ``keep`` buffers of each size are kept.
-    """
-
-    def __init__(self, keep: int = 6):
-        self._pools: dict[int, list[np.ndarray]] = {}
-        self._keep = keep
-        self._lock = threading.Lock()
-        # The reference count of a buffer that only the pool holds, measured the way `empty` and
-        # `num_free` take it (in a generator over a list): the list, the loop variable, the arguments.
-        self._baseline = max(self._refs(r) for r in [np.empty(1)])
-
-    @staticmethod
-    def _refs(raw: np.ndarray) -> int:
-        return sys.getrefcount(raw)
-
-    def empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-        """Like `aligned_empty`, reusing a buffer of this size that nothing refers to."""
-        dtype = np.dtype(dtype)
-        nbytes = _nbytes(shape, dtype)
-        with self._lock:
-            pool = self._pools.setdefault(nbytes, [])
-            raw = next((r for r in pool if self._refs(r) <= self._baseline), None)
-            if raw is None:
-                raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-                if len(pool) < self._keep:
-                    pool.append(raw)
-        return _aligned_view(raw, shape, dtype)
-
-    def num_free(self) -> int:
-        with self._lock:
-            return sum(self._refs(r) <= self._baseline for pool in self._pools.values() for r in pool)
-
-
-def data_sharding(mesh, data_axis: str = "data") -> jax.sharding.Sharding:
-    """``NamedSharding(mesh, P(data_axis))``, or the first local device when there is no mesh."""
-    if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axis))
-
-
-def place_batch(hb: HostBatch, mesh, data_axis: str, num_hosts: int) -> Batch:
-    """This host's `HostBatch` → the global `Batch` of jax.Arrays sharded along ``data_axis``.
-
-    make_array_from_process_local_data is right single- and multi-host, and on CPU it adopts
-    an aligned host buffer instead of copying it (jax.device_put copies: 90 ms per dense
-    1,024-cell batch here). Without a mesh, the batch goes to the default device.
-    """
-    sharding = data_sharding(mesh, data_axis)
-
-    def glob(a: np.ndarray):
-        return jax.make_array_from_process_local_data(sharding, a, (a.shape[0] * num_hosts, *a.shape[1:]))
-
-    x = SparseBatch(*map(glob, hb.x)) if isinstance(hb.x, tuple) else glob(hb.x)
-    return Batch(x, {k: glob(v) for k, v in hb.obs.items()}, glob(hb.index), glob(hb.mask))
-
-
-def check_state(state: dict, version: int, config: dict) -> None:
-    """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
-    if state.get("version") != version:
-        msg = f"loader state version {state.get('version')!r} is not {version}"
-        raise StateMismatchError(msg)
-    theirs = state["config"]
-    diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
-             for k in sorted(set(config) | set(theirs)) if config.get(k) != theirs.get(k)]
-    if diffs:
-        msg = "loader state does not match this loader:\n" + "\n".join(diffs)
-        raise StateMismatchError(msg)
-
-
-def _gene_to_col(ds: Dataset, genes: Sequence[str | int]) -> np.ndarray:
-    """Map a panel (names, Ensembl ids or column numbers) to ``gene_to_col`` for `scatter_panel`."""
-    features = ds.features
-    lookup: dict[str, int] = {}
-    for key in ("ensembl_id", "gene_name"):
-        if key in features:
-            for col, value in enumerate(features[key].astype(str)):
-                lookup.setdefault(value, col)
-    cols, unknown = [], []
-    for g in genes:
-        if isinstance(g, (int, np.integer)):
-            if not 0 <= int(g) < ds.num_genes:
-                unknown.append(str(g))
-            cols.append(int(g))
-        elif str(g) in lookup:
-            cols.append(lookup[str(g)])
-        else:
-            unknown.append(str(g))
-    if unknown:
-        msg = f"{len(unknown)} panel gene(s) not in {ds.path}/features.parquet: {', '.join(unknown[:5])}"
-        raise OmicsIOError(msg)
-    return _scatter.make_gene_to_col(ds.num_genes, cols)
-
-
-class Loader:
-    """Iterable of `Batch`; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
-
-    def __init__(self, ds: Dataset, plan: SamplingPlan, *, host: int, num_epochs: int | None, obs: Sequence[str],
-                 output: str, gene_to_col: np.ndarray | None, normalize: str | None, target_sum: float,
-                 mesh, data_axis: str, num_threads: int, prefetch: int, nnz_capacity: int | None,
-                 decode_threads: int | None = None):
-        self.dataset, self.plan, self.host, self.num_epochs = ds, plan, host, num_epochs
-        self.obs_names, self.output, self.normalize, self.target_sum = tuple(obs), output, normalize, target_sum
-        self.gene_to_col, self.mesh, self.data_axis = gene_to_col, mesh, data_axis
-        self.num_threads, self.prefetch = num_threads, prefetch
-        self.num_features = ds.num_genes if gene_to_col is None else int(gene_to_col.max()) + 1
-        self._obs = {name: self._codes(name) for name in self.obs_names}
-        self._num_shards = 1 if mesh is None else mesh.shape[data_axis]
-        self._local_shards = self._num_shards // plan.num_hosts
-        self.nnz_capacity = nnz_capacity or self._default_capacity()
-        # Read threads and prefetch already overlap batches, so a numba kernel per batch runs on one
-        # thread unless it writes full-transcriptome rows (memory-bound: two threads help there).
-        # Measured on 2 cores, batch 1,024: csr 144k vs 111k cells/s, dense-layout panel 296k vs
-        # 259k with one thread; full dense rows 53k with two vs 45k with one.
-        wide = output == "dense" and self.num_features * 4 >= _WIDE_ROW_BYTES
-        self.decode_threads = decode_threads or (numba.config.NUMBA_NUM_THREADS if wide else 1)
-        self._buffers = RowBuffers()
-        self._iterator = None
-
-    # ----- host side -------------------------------------------------------------------------
-    def _codes(self, name: str) -> np.ndarray:
-        if name not in self.dataset.obs:
-            msg = f"obs column {name!r} not in {self.dataset.path}; available: {', '.join(self.dataset.obs)}"
-            raise OmicsIOError(msg)
-        column = self.dataset.obs[name]
-        return column.codes if isinstance(column, Categorical) else column
-
-    def _default_capacity(self) -> int:
-        # The mean plus 6 standard deviations of a sum of `rows` cells whose nonzero counts have a
-        # coefficient of variation ≤ 1 (single-cell data: ~0.5): a batch overflows practically never.
-        m = self.dataset.manifest
-        mean = max(m.nnz / max(m.num_cells, 1), 1.0)
-        rows = self.plan.local_batch // max(self._local_shards, 1)
-        return int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
-
-    def _densify(self, mb: MiniBatch) -> HostBatch:
-        if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
-            return self._densify_with(mb)
-        previous = numba.get_num_threads()  # thread-local in numba: only this pipeline thread
-        numba.set_num_threads(self.decode_threads)
-        try:
-            return self._densify_with(mb)
-        finally:
-            numba.set_num_threads(previous)
-
-    def _densify_with(self, mb: MiniBatch) -> HostBatch:
-        rows = np.where(mb.mask, mb.rows, 0)
-        obs = {}
-        for name, column in self._obs.items():  # categorical codes: -1 on padding; numerics: NaN
-            if column.dtype.kind in "iu":
-                obs[name] = np.where(mb.mask, column[rows], -1).astype(np.int32)
-            else:
-                obs[name] = np.where(mb.mask, column[rows], np.nan).astype(np.float32)
-        buf, starts = mb.joined()
-        if self.output == "csr":
-            try:
-                x = _codec.decode_slabs(buf, starts, num_rows=len(mb.mask), num_columns=self.dataset.num_genes,
-                                        num_slabs=max(self._local_shards, 1), capacity=self.nnz_capacity,
-                                        empty=self._buffers.empty)
-            except ValueError as e:
-                msg = f"{self.dataset.path}: {e}"
-                raise OmicsIOError(msg) from e
-            return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
-        with corruption_reported(self.dataset.path):  # one pass: records → (panel) rows, padding zeroed
-            x = _scatter.decode_scatter(buf, starts, self._new_rows(len(mb.mask)), gene_to_col=self.gene_to_col,
-                                        normalize=self.normalize, target_sum=self.target_sum)
-        return HostBatch(x, obs, mb.rows.astype(np.int32), mb.mask)
-
-    def _new_rows(self, num_rows: int) -> np.ndarray:
-        return self._buffers.empty((num_rows, self.num_features))
-
-    def as_grain_dataset(self):
-        """The host-side stream (numpy `HostBatch`es) as a Grain `IterDataset`, before device placement."""
-        reader = FetchReader(self.dataset)
-        return build_pipeline(self.plan, reader, host=self.host, num_epochs=self.num_epochs, densify=self._densify,
-                              num_threads=self.num_threads, prefetch_fetches=self.prefetch)
-
-    # ----- device side -----------------------------------------------------------------------
-    def _place(self, hb: HostBatch) -> Batch:
-        return place_batch(hb, self.mesh, self.data_axis, self.plan.num_hosts)
-
-    def densify(self, x: SparseBatch):
-        """Dense ``(batch_size, genes)`` float32 from a `SparseBatch`, computed on the devices (jitted)."""
-        return _densify_sharded(x.row_ids, x.indices, x.values, rows_per_shard=self.plan.batch_size // self._num_shards,
-                                num_genes=self.num_features, normalize=self.normalize, target_sum=self.target_sum)
-
-    # ----- iteration and state ---------------------------------------------------------------
-    def _make_iterator(self):
-        from grain.experimental import ThreadPrefetchIterDataset
-
-        stream = self.as_grain_dataset().map(self._place)
-        iterator = iter(ThreadPrefetchIterDataset(stream, prefetch_buffer_size=2))
-        # Stop the prefetch threads when the loader goes away or, at the latest, before the
-        # interpreter shuts down: a thread still inside a numba or ArrayRecord call then aborts it.
-        self._finalizer = weakref.finalize(self, iterator.close)
-        return iterator
+    def _halt(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._iterator = self._reader = self._finalizer = None
 
     def close(self) -> None:
-        """Stop the background threads (also done automatically when the loader is collected)."""
-        if self._iterator is not None:
-            self._finalizer()
-            self._iterator = None
+        """Stop the background threads (also done when the loader is collected); idempotent."""
+        self._halt()
+        super().close()
 
-    def __iter__(self) -> Iterator[Batch]:
-        if self._iterator is None:
-            self._iterator = self._make_iterator()
-        return self
+    def start_prefetch(self) -> None:
+        """Start reading and decoding now (e.g. while the model is restored)."""
+        self._assert_not_closed()
+        self._ensure_iterator()
 
     def __next__(self) -> Batch:
-        if self._iterator is None:
-            self._iterator = self._make_iterator()
-        return next(self._iterator)
+        self._assert_not_closed()
+        if self.num_epochs is not None and self._epoch >= self.num_epochs:
+            raise StopIteration
+        self._ensure_iterator()
+        batch, tally = next(self._iterator)
+        self._served = self._served + tally
+        self._step += 1
+        if self._step >= self._schedule.steps_in_epoch(self._epoch):
+            self.coverage().check(f"make_loader on {self.dataset.path} (process {self.host})")
+            self._epoch, self._step, self._served = self._epoch + 1, 0, Tally()
+        return batch
 
+    def as_grain_dataset(self) -> grain.IterDataset:
+        """The host-side stream from the beginning (numpy `HostBatch`es) as a Grain `IterDataset`,
+        before device placement: compose transforms on it and checkpoint it with Grain's own state."""
+        schedule = Schedule(self.plan, self.host)
+        reader = self._new_reader(schedule)
+        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self._buffer_size)
+        return self._host_stream(schedule, reader, (0, 0)).to_iter_dataset(options)
+
+    # ----- device side -------------------------------------------------------------------------
+    def densify(self, x: SparseBatch) -> jax.Array:
+        """Dense ``(batch_size, genes)`` float32 from a `SparseBatch`, computed on the devices (jitted)."""
+        if not isinstance(self.output, CSR):
+            msg = f"densify needs output='csr'; this loader's output is {self.output.kind!r}"
+            raise OmicsIOError(msg)
+        return self.output.densify(x)
+
+    # ----- state and audit ---------------------------------------------------------------------
     @property
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch
 
     def config(self) -> dict:
-        """What decides the batches: dataset fingerprint and every sampling/output knob."""
-        return {
-            "dataset": self.dataset.fingerprint[:16], **self.plan.describe(), "host": self.host,
-            "num_epochs": self.num_epochs, "obs": list(self.obs_names), "output": self.output,
-            "panel": None if self.gene_to_col is None else hashlib.sha256(self.gene_to_col.tobytes()).hexdigest()[:16],
-            "normalize": self.normalize, "target_sum": self.target_sum,
-            "nnz_capacity": self.nnz_capacity if self.output == "csr" else None,
-        }
+        """What decides the batches: dataset fingerprint, every sampling and output knob."""
+        return dict(self._config)
+
+    def coverage(self) -> Coverage:
+        """This process's served and planned cells of the current epoch (see `Coverage`)."""
+        return Coverage(self._epoch, self._served, self._schedule.planned(self._epoch))
 
     def get_state(self) -> dict:
-        """Small JSON-able state: where the stream stands (Grain's iterator state) and the config."""
-        if self._iterator is None:
-            self._iterator = self._make_iterator()
-        return {"version": STATE_VERSION, "config": self.config(), "grain": self._iterator.get_state()}
+        """Small JSON: where the stream stands (global), and what this process served this epoch."""
+        a = self._schedule.anchor
+        anchor = [a.step, a.hosts] if a.epoch == self._epoch else [0, self.plan.num_hosts]
+        return {"version": STATE_VERSION, "config": self._config, "epoch": self._epoch, "step": self._step,
+                "anchor": anchor, "process": [self.host, self.plan.num_hosts], "served": self._served.to_json()}
 
-    def set_state(self, state: dict) -> None:
-        """Resume from `get_state` output; refuses state from another dataset or config."""
-        check_state(state, STATE_VERSION, self.config())
-        if self._iterator is None:
-            self._iterator = self._make_iterator()
-        self._iterator.set_state(json.loads(json.dumps(state["grain"])))
+    def set_state(self, state: dict | Sequence[dict]) -> None:
+        """Resume from `get_state` output: this process's own state, or every process's (a list, as
+        `read_loader_states` returns it), which also restores onto another number of processes.
+
+        Refuses a state from another dataset or config, one line per difference.
+        """
+        states = [state] if isinstance(state, dict) else list(state)
+        if not states:
+            msg = "set_state needs a state (or the list of every process's states), got an empty list"
+            raise StateMismatchError(msg)
+        for s in states:
+            check_state(s, STATE_VERSION, self._config)
+        count = states[0]["process"][1]
+        hosts = self.plan.num_hosts
+        if len(states) == 1 and count == hosts:
+            mine = states[0]
+            if mine["process"][0] != self.host:
+                msg = (f"this is the state of process {mine['process'][0]}, and this loader is process {self.host}: "
+                       "restore each process's own state (Grain's CheckpointRestore does), or pass every "
+                       "process's (oj.read_loader_states(directory))")
+                raise StateMismatchError(msg)
+        elif len(states) != count or sorted(s["process"][0] for s in states) != list(range(count)):
+            msg = (f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
+                   "states to set_state (oj.read_loader_states(directory) reads them)")
+            raise StateMismatchError(msg)
+        positions = {(s["epoch"], s["step"], tuple(s["anchor"])) for s in states}
+        if len(positions) > 1:
+            msg = f"the processes' states stand at different positions {sorted(positions)}: not one checkpoint"
+            raise StateMismatchError(msg)
+        epoch, step, (anchor_step, anchor_hosts) = positions.pop()
+        if count == hosts:
+            own = next(s for s in states if s["process"][0] == self.host)
+            self._start(epoch, step, Anchor(epoch, anchor_step, anchor_hosts), Tally.from_json(own["served"]))
+            return
+        # Elastic: the remainder of the round is served as the saving processes would have served it,
+        # split over this run's processes; process 0 carries what they served so far.
+        old = Schedule(self.plan.with_hosts(count), 0, Anchor(epoch, anchor_step, anchor_hosts))
+        served = Tally()
+        if self.host == 0:
+            for s in states:
+                served = served + Tally.from_json(s["served"])
+        self._start(epoch, step, Anchor(epoch, step, old.round_hosts(epoch, step)), served)
+
+    async def load(self, directory):
+        """Orbax v1 (``ocp.load_checkpointables``): read every process's state, so another number of
+        processes than the checkpoint's restores too. Returns the coroutine Orbax awaits."""
+
+        async def restore() -> None:
+            self.set_state(await asyncio.to_thread(read_loader_states, directory))
+
+        return restore()
 
 
 def make_loader(
@@ -352,7 +233,7 @@ def make_loader(
     balance_by: str | None = None,
     rows: np.ndarray | Sequence[int] | None = None,
     obs: Sequence[str] = (),
-    output: str = "dense",
+    output: str | Output = "dense",
     genes: Sequence[str | int] | None = None,
     normalize: str | None = None,
     target_sum: float = 1e4,
@@ -374,50 +255,26 @@ def make_loader(
     >>> for batch in loader: ...        # batch.x: (1024, num_genes) float32, sharded P("data")
 
     ``batch_size`` is the global batch; each of the ``process_count`` hosts serves
-    ``batch_size / process_count`` rows. ``genes`` selects a panel (names, Ensembl ids or
-    column numbers). ``normalize`` is None, ``"log1p"`` or ``"normalize_log1p"`` (scanpy's
-    normalize_total + log1p, fused into the scatter). ``rows`` restricts sampling to a subset
-    (e.g. ``ds.rows_where("batch", ["plate_13"], invert=True)``); ``sampling`` is one of
-    ``block``, ``stream``, ``stream_buffer``, ``weighted`` (needs ``weights``, one per cell of
-    ``rows``) or ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads``
-    threads read fetches ahead; ``decode_threads`` numba threads decode each batch (default: 1,
-    or all of them for full-transcriptome dense rows, where two threads write faster than one).
+    ``batch_size / process_count`` rows. ``output`` is ``"dense"``, ``"csr"`` or an output kind
+    (``oj.Dense(...)``, ``oj.Panel(genes, ...)``, ``oj.CSR(...)``); with the shorthands, ``genes``
+    selects a panel (names, Ensembl ids or column numbers), ``normalize`` is None, ``"log1p"`` or
+    ``"normalize_log1p"`` (scanpy's normalize_total + log1p, fused into the decoding) and
+    ``nnz_capacity`` sizes the csr slabs. ``rows`` restricts sampling to a subset (e.g.
+    ``ds.rows_where("batch", ["plate_13"], invert=True)``); ``sampling`` is one of ``block``,
+    ``stream``, ``stream_buffer``, ``weighted`` (needs ``weights``, one per cell of ``rows``) or
+    ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads`` threads decode and
+    place batches ahead of the consumer (raise it on many-core hosts), ``prefetch`` fetches are
+    read ahead on as many threads; ``decode_threads`` numba threads decode each batch (default 1).
     """
-    if output not in OUTPUTS:
-        msg = f"output must be one of {', '.join(OUTPUTS)}; got {output!r}"
-        raise OmicsIOError(msg)
-    if output == "csr" and genes is not None:
-        msg = "output='csr' carries every gene of the dataset; for a gene panel use output='dense' with genes=..."
-        raise OmicsIOError(msg)
-    if normalize not in (None, "log1p", "normalize_log1p"):
-        msg = f"normalize must be None, 'log1p' or 'normalize_log1p'; got {normalize!r}"
-        raise OmicsIOError(msg)
+    out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity)
     host = jax.process_index() if process_index is None else process_index
     hosts = jax.process_count() if process_count is None else process_count
-    rows_arr = np.arange(ds.num_cells, dtype=np.int64) if rows is None else np.unique(np.asarray(rows, np.int64))
-    if len(rows_arr) and (rows_arr[0] < 0 or rows_arr[-1] >= ds.num_cells):
-        msg = f"rows must lie in 0..{ds.num_cells - 1}"
-        raise IndexError(msg)
-    if sampling == "class_balanced":
-        if balance_by is None:
-            msg = "sampling='class_balanced' needs balance_by=<categorical obs column>"
-            raise OmicsIOError(msg)
-        column = ds.obs[balance_by]
-        weights = class_weights(np.asarray(column.codes if isinstance(column, Categorical) else column)[rows_arr])
-    elif weights is not None:
-        weights = np.asarray(weights, dtype=np.float64)
-    plan = SamplingPlan(rows_arr, batch_size, block_size, fetch_factor, seed, sampling, hosts, drop_remainder, weights)
-    if plan.steps_per_epoch == 0:
-        msg = (f"{len(rows_arr)} cells make no batch of {batch_size} (per host: {plan.local_batch}); "
-               "lower batch_size or pass drop_remainder=False")
+    if mesh is not None and batch_size % mesh.shape[data_axis]:
+        msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
         raise OmicsIOError(msg)
-    if mesh is not None:
-        shards = mesh.shape[data_axis]
-        if batch_size % shards:
-            msg = f"batch_size {batch_size} must be divisible by the {shards} devices of mesh axis {data_axis!r}"
-            raise OmicsIOError(msg)
-    gene_to_col = None if genes is None else _gene_to_col(ds, genes)
-    return Loader(ds, plan, host=host, num_epochs=num_epochs, obs=obs, output=output, gene_to_col=gene_to_col,
-                  normalize=normalize, target_sum=target_sum, mesh=mesh, data_axis=data_axis,
-                  num_threads=num_threads, prefetch=prefetch, nnz_capacity=nnz_capacity,
+    spec = DiskSpec(batch_size, out, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
+                    num_epochs=num_epochs, sampling=sampling, weights=weights, balance_by=balance_by,
+                    rows=None if rows is None else np.asarray(rows, np.int64), obs=tuple(obs),
+                    drop_remainder=drop_remainder, num_hosts=hosts, num_slabs=local_shards(mesh, data_axis))
+    return Loader(ds, spec, host=host, mesh=mesh, data_axis=data_axis, num_threads=num_threads, prefetch=prefetch,
                   decode_threads=decode_threads)

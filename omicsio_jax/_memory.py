@@ -1,13 +1,10 @@
-"""The focused-gene regime: a ~2k-gene panel of every cell held densely in RAM, or on the devices.
-
-`load_panel` fills an ``(cells, genes)`` float32 array from a materialized dataset (a dense
-panel dataset decodes straight into it) or from a query (`CellTable`, streamed through the
-numba panel scatter). `make_memory_loader` then serves batches:
+"""`make_memory_loader`: batches from an `InMemoryPanel`, on the host or already on the devices.
 
 - ``placement="host"``: each epoch is a permutation ``default_rng([seed, epoch])`` of the
-  cells; a batch is a parallel numba row gather into a 64-byte aligned buffer that
-  ``make_array_from_process_local_data`` adopts without a copy. Multi-host: every host holds
-  the panel and serves its slice of each global batch.
+  cells, and global batch ``s`` is its slice ``[s·B, (s+1)·B)`` whatever the number of hosts;
+  host ``h`` gathers its ``h``-th share with a parallel numba row copy into a 64-byte aligned
+  buffer that ``make_array_from_process_local_data`` adopts without a copy. A restore onto
+  another number of hosts therefore continues the epoch exactly.
 - ``placement="device"``: the panel is placed once on the devices, sharded along cells with
   ``NamedSharding(mesh, P(axis))`` (cells dealt to devices by the permutation
   ``default_rng([seed, PLACEMENT_STREAM])``); each epoch every device permutes its own cells
@@ -16,173 +13,32 @@ numba panel scatter). `make_memory_loader` then serves batches:
   cross-device traffic. Cells left over when a device's share is not a multiple of its batch
   slice sit out that epoch (a different few each epoch).
 
-Both replay exactly: the state is ``(epoch, step)`` plus a fingerprint of data and config.
+Both are `grain.DatasetIterator`s that replay exactly from ``(epoch, step)`` plus a fingerprint
+of data and config, and audit their coverage (on the devices for ``placement="device"``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
-import json
-import os
 from collections.abc import Iterator, Sequence
 
+import grain
 import jax
 import jax.numpy as jnp
 import numba as nb
 import numpy as np
-from tqdm.auto import tqdm
 
-from . import _codec, _scatter
 from ._background import Background
-from ._dataset import Categorical, Dataset, _runs, corruption_reported
-from ._errors import OmicsIOError
-from ._loader import Batch, HostBatch, RowBuffers, _gene_to_col, aligned_empty, check_state, data_sharding, place_batch
-from ._query import CellTable
+from ._batch import Batch, HostBatch, data_sharding, place_batch
+from ._buffers import RowBuffers
+from ._coverage import Coverage, Tally, device_tally, tally_from_device
+from ._errors import OmicsIOError, StateMismatchError
+from ._panel import InMemoryPanel
+from ._state import check_state
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 PLACEMENT_STREAM = 0x5EED  # the rng stream that deals cells to devices (placement="device")
 PLACEMENTS = ("host", "device")
-_READ_CELLS = 1 << 14
-
-
-@dataclasses.dataclass(frozen=True)
-class InMemoryPanel:
-    """Dense ``x`` (cells × genes, float32, 64-byte aligned) with obs, provenance and a fingerprint.
-
-    ``rowids[i]`` is cell ``i``'s row in its source (dataset row or table ``cell_rowid``);
-    ``obs[name]`` holds int32 codes into ``categories[name]`` (-1 = missing) or float32 numbers
-    (``categories[name]`` None).
-    """
-
-    x: np.ndarray
-    obs: dict[str, np.ndarray]
-    categories: dict[str, tuple | None]
-    rowids: np.ndarray
-    genes: tuple[str, ...]
-    fingerprint: str
-
-    @property
-    def num_cells(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.x.nbytes
-
-
-def _fingerprint(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _check_memory(num_cells: int, width: int) -> None:
-    need = num_cells * width * 4
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > 0.8 * total:
-        msg = (f"a dense {num_cells:,} × {width:,} float32 panel needs {need / 2**30:.1f} GiB, more than 80% of "
-               f"this machine's {total / 2**30:.1f} GiB: choose a smaller panel (genes=...) or fewer cells, "
-               "or stream with make_loader / make_stream_loader")
-        raise OmicsIOError(msg)
-
-
-def load_panel(source: Dataset | CellTable, genes: Sequence[str | int] | None = None, *,
-               rows: Sequence[int] | np.ndarray | None = None, where: str | None = None,
-               obs: Sequence[str] = (), normalize: str | None = None, target_sum: float = 1e4,
-               progress: bool = True) -> InMemoryPanel:
-    """Load a gene panel of every selected cell densely into host RAM.
-
-    ``source`` is a materialized `Dataset` (``rows`` selects dataset rows; ``genes=None`` keeps
-    every column, the natural choice for a dense panel dataset) or a `CellTable` (``where``
-    and/or ``rows`` as ``cell_rowid``s select cells; ``genes`` is required). ``normalize`` as
-    in `make_loader` (the row total of a sparse source covers every gene, as in scanpy).
-    """
-    _scatter._mode_code(normalize, target_sum)
-    if isinstance(source, CellTable):
-        if genes is None:
-            msg = "load_panel from a table needs genes=[...]: a full-transcriptome table does not fit in RAM densely"
-            raise OmicsIOError(msg)
-        return _from_table(source, genes, rows, where, obs, normalize, target_sum, progress)
-    if where is not None:
-        msg = "where= selects cells of a CellTable; for a Dataset pass rows=ds.rows_where(...)"
-        raise OmicsIOError(msg)
-    return _from_dataset(source, genes, rows, obs, normalize, target_sum, progress)
-
-
-def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress) -> InMemoryPanel:
-    ids = np.arange(ds.num_cells, dtype=np.int64) if rows is None else np.unique(ds._check_rows(rows))
-    gene_to_col = None if genes is None else _gene_to_col(ds, genes)
-    width = ds.num_genes if gene_to_col is None else int(gene_to_col.max()) + 1
-    _check_memory(len(ids), width)
-    x = aligned_empty((len(ids), width))
-    names = ds.features
-    column = next((c for c in ("gene_name", "ensembl_id") if c in names), None)
-    labels = [str(v) for v in (names[column] if column else range(ds.num_genes))]
-    panel_genes = tuple(labels)
-    if gene_to_col is not None:
-        cols = np.flatnonzero(gene_to_col >= 0)
-        panel_genes = tuple(labels[c] for c in cols[np.argsort(gene_to_col[cols])])
-    pos = 0
-    with tqdm(total=len(ids), unit="cells", desc="load panel", disable=not progress, unit_scale=True) as bar:
-        for begin, end in _runs(ids):
-            for lo in range(begin, end, _READ_CELLS):
-                hi = min(lo + _READ_CELLS, end)
-                buf, starts = _codec.join_records(ds.read_records(lo, hi))
-                out = x[pos : pos + hi - lo]
-                with corruption_reported(ds.path):
-                    _scatter.decode_scatter(buf, starts, out, gene_to_col=gene_to_col, normalize=normalize,
-                                            target_sum=target_sum)
-                pos += hi - lo
-                bar.update(hi - lo)
-    obs_arrays, categories = {}, {}
-    for name in obs:
-        if name not in ds.obs:
-            msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
-            raise OmicsIOError(msg)
-        col = ds.obs[name]
-        if isinstance(col, Categorical):
-            obs_arrays[name], categories[name] = col.codes[ids].astype(np.int32), tuple(col.categories)
-        else:
-            obs_arrays[name], categories[name] = np.asarray(col)[ids].astype(np.float32), None
-    fp = _fingerprint("dataset", ds.fingerprint, hashlib.sha256(ids.tobytes()).hexdigest(),
-                      None if gene_to_col is None else hashlib.sha256(gene_to_col.tobytes()).hexdigest(),
-                      normalize, target_sum, list(obs))
-    return InMemoryPanel(x, obs_arrays, categories, ids, panel_genes, fp)
-
-
-def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum, progress) -> InMemoryPanel:
-    from ._stream import obs_specs
-
-    tokens = table.genes.resolve(genes)
-    gene_to_col = _scatter.make_gene_to_col(max(table.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
-    selected = table.select(where, rowids=rows)
-    _check_memory(len(selected), len(tokens))
-    x = aligned_empty((len(selected), len(tokens)))
-    specs = obs_specs(table, obs)
-    obs_arrays = {s.name: np.empty(len(selected), np.int32 if s.categories is not None else np.float32)
-                  for s in specs}
-    rowids = np.empty(len(selected), np.int64)
-    pos = 0
-    with tqdm(total=len(selected), unit="cells", desc="load panel", disable=not progress, unit_scale=True) as bar:
-        for b in table.stream_csr([s.name for s in specs], where=where, rowids=rows):
-            n = b.num_rows
-            _scatter.scatter_panel(b.indptr, b.indices, b.values, gene_to_col, out=x[pos : pos + n],
-                                   normalize=normalize, target_sum=target_sum)
-            rowids[pos : pos + n] = b.rowids
-            for s in specs:
-                obs_arrays[s.name][pos : pos + n] = s.encode(b.columns[s.name])
-            pos += n
-            bar.update(n)
-    if pos != len(selected):
-        msg = f"{table.spec} changed while loading: expected {len(selected)} cells, read {pos}"
-        raise OmicsIOError(msg)
-    fp = _fingerprint("table", table.fingerprint(), where, hashlib.sha256(rowids.tobytes()).hexdigest(),
-                      tokens.tolist(), normalize, target_sum, [s.name for s in specs])
-    return InMemoryPanel(x, obs_arrays, {s.name: s.categories for s in specs}, rowids,
-                         tuple(table.genes.names(tokens)), fp)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -204,72 +60,143 @@ def _draw(arrays, perm, step, *, rows):
     return jax.tree.map(take, arrays)
 
 
-class MemoryLoader:
+@functools.partial(jax.jit, static_argnames=("devices",), donate_argnums=0)
+def _count_on_devices(acc, index, mask, *, devices):
+    """``acc`` (devices, 3) uint32 plus each device's tally of its slice of the batch, where it lives."""
+    per_device = jax.vmap(lambda i, m: jnp.stack(device_tally(i, m)))
+    return acc + per_device(index.reshape(devices, -1), mask.reshape(devices, -1))
+
+
+class MemoryLoader(grain.DatasetIterator):
     """Batches from an `InMemoryPanel`; `get_state`/`set_state` resume exactly. Use `make_memory_loader`."""
 
     def __init__(self, panel: InMemoryPanel, *, batch_size: int, seed: int, num_epochs: int | None,
                  placement: str, mesh, data_axis: str, drop_remainder: bool, host: int, hosts: int,
                  prefetch: int):
+        super().__init__()
+        self._stream = None
         self.panel, self.batch_size, self.seed, self.num_epochs = panel, batch_size, seed, num_epochs
         self.placement, self.mesh, self.data_axis, self.drop_remainder = placement, mesh, data_axis, drop_remainder
         self.host, self.hosts, self.prefetch = host, hosts, prefetch
         self.local_batch = batch_size // hosts
-        self._epoch, self._step = 0, 0
-        self._stream = None
+        self._epoch, self._step, self._anchor, self._served = 0, 0, 0, Tally()
         self._perm_cache: tuple[int | None, np.ndarray | None] = (None, None)
-        self._buffers = RowBuffers()
+        self._buffers = RowBuffers(keep=prefetch + 4)
         if placement == "device":
             self._place_on_devices()
         n = panel.num_cells
         self.steps_per_epoch = self._device_steps if placement == "device" else (
             n // batch_size if drop_remainder else -(-n // batch_size))
 
-    # ----- state -----------------------------------------------------------------------------
+    # ----- state -------------------------------------------------------------------------------
     def config(self) -> dict:
+        """What decides the batches. Host placement serves the same global batches on any number of
+        hosts, so a restore may change it; device placement deals cells to the devices."""
         return {"panel": self.panel.fingerprint[:16], "batch_size": self.batch_size, "seed": self.seed,
                 "num_epochs": self.num_epochs, "placement": self.placement, "drop_remainder": self.drop_remainder,
-                "hosts": self.hosts, "host": self.host,
-                "devices": None if self.mesh is None else int(self.mesh.shape[self.data_axis])}
+                "devices": None if self.placement == "host" else self._devices,
+                "hosts": None if self.placement == "host" else self.hosts}
 
     def get_state(self) -> dict:
-        """``{"version", "config", "epoch", "step"}``: the next batch to serve (< 1 KB of JSON)."""
-        return {"version": STATE_VERSION, "config": self.config(), "epoch": self._epoch, "step": self._step}
+        """``{"version", "config", "epoch", "step", ...}``: the next batch to serve (< 1 KB of JSON)."""
+        return {"version": STATE_VERSION, "config": self.config(), "epoch": self._epoch, "step": self._step,
+                "anchor": self._anchor, "process": [self.host, self.hosts], "served": self.coverage().served.to_json()}
 
-    def set_state(self, state: dict) -> None:
-        """Resume at ``state``; refuses state from another panel or config, showing both values."""
-        check_state(state, STATE_VERSION, self.config())
-        self.close()
-        self._epoch, self._step = int(state["epoch"]), int(state["step"])
+    def set_state(self, state: dict | Sequence[dict]) -> None:
+        """Resume at ``state`` (or every process's states, for another number of hosts); refuses a
+        state of another panel or config, one line per difference."""
+        states = [state] if isinstance(state, dict) else list(state)
+        for s in states:
+            check_state(s, STATE_VERSION, self.config())
+        if len({(s["epoch"], s["step"]) for s in states}) != 1:
+            msg = "the processes' states stand at different steps: not one checkpoint"
+            raise StateMismatchError(msg)
+        count = states[0]["process"][1]
+        self._stop_stream()
+        self._epoch, self._step = int(states[0]["epoch"]), int(states[0]["step"])
+        if count == self.hosts:
+            own = next((s for s in states if s["process"][0] == self.host), None)
+            if own is None:
+                msg = f"no state of process {self.host} among {[s['process'] for s in states]}"
+                raise StateMismatchError(msg)
+            self._anchor, served = int(own["anchor"]), Tally.from_json(own["served"])
+        elif len(states) == count:  # host placement only (the config refuses device placement)
+            self._anchor = self._step
+            served = Tally()
+            if self.host == 0:  # process 0 carries what every process served before
+                for s in states:
+                    served = served + Tally.from_json(s["served"])
+        else:
+            msg = (f"the checkpoint was written by {count} processes and this run has {self.hosts}: pass all "
+                   f"{count} states (oj.read_loader_states(directory))")
+            raise StateMismatchError(msg)
+        self._set_served(served)
 
-    # ----- iteration -------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Batch]:
-        return self
+    def coverage(self) -> Coverage:
+        """This process's served and planned cells of the current epoch (see `Coverage`)."""
+        served = self._served
+        if self.placement == "device":
+            local = sum((np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
+                        np.zeros(3, np.uint64)).reshape(-1)
+            served = self._served + tally_from_device(*local.tolist())
+        return Coverage(self._epoch, served, self._planned(self._epoch))
 
+    def _set_served(self, served: Tally) -> None:
+        self._served = served
+        if self.placement == "device":
+            zeros = np.zeros((self._devices, 3), np.uint32)
+            self._acc = jax.make_array_from_callback(zeros.shape, data_sharding(self.mesh, self.data_axis),
+                                                     lambda index: zeros[index])
+
+    def _planned(self, epoch: int) -> Tally:
+        if self.placement == "device":
+            rows = np.concatenate([self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
+                                   for d in self._local_devices])
+            return Tally.of(self.panel.rowids[rows])
+        perm = self._permutation(epoch)
+        b, B = self.local_batch, self.batch_size
+        start = self._anchor if epoch == self._epoch else 0
+        total = Tally.of(self.panel.rowids[perm[: start * B]]) if (start and self.host == 0) else Tally()
+        for step in range(start, self.steps_per_epoch):
+            total = total + Tally.of(self.panel.rowids[perm[step * B + self.host * b : step * B + (self.host + 1) * b]])
+        return total
+
+    # ----- iteration ---------------------------------------------------------------------------
     def __next__(self) -> Batch:
+        self._assert_not_closed()
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
         if self.placement == "device":
             batch = self._device_batch(self._epoch, self._step)
-        elif self.prefetch <= 0:  # gather in the caller's thread
-            batch = place_batch(self._host_batch(self._rows(self._epoch, self._step)), self.mesh, self.data_axis,
-                                self.hosts)
+            self._acc = _count_on_devices(self._acc, batch.index, batch.mask, devices=self._devices)
         else:
-            if self._stream is None:
-                start = (self._epoch, self._step)
-                self._stream = Background(lambda: self._host_batches(*start), depth=self.prefetch)
-            batch = place_batch(next(self._stream), self.mesh, self.data_axis, self.hosts)
+            if self.prefetch <= 0:  # gather in the caller's thread
+                hb = self._host_batch(self._rows(self._epoch, self._step))
+            else:
+                if self._stream is None:
+                    start = (self._epoch, self._step)
+                    self._stream = Background(lambda: self._host_batches(*start), depth=self.prefetch)
+                hb = next(self._stream)
+            self._served = self._served + Tally.of(hb.index)
+            batch = place_batch(hb, self.mesh, self.data_axis)
         self._step += 1
         if self._step >= self.steps_per_epoch:
-            self._epoch, self._step = self._epoch + 1, 0
+            self.coverage().check(f"make_memory_loader (process {self.host})")
+            self._epoch, self._step, self._anchor = self._epoch + 1, 0, 0
+            self._set_served(Tally())
         return batch
 
-    def close(self) -> None:
-        """Stop the prefetch thread (restarted on the next batch)."""
+    def _stop_stream(self) -> None:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
 
-    # ----- host placement --------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the prefetch thread; idempotent."""
+        self._stop_stream()
+        super().close()
+
+    # ----- host placement ----------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_cache[0] != epoch:
             self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.panel.num_cells))
@@ -301,17 +228,19 @@ class MemoryLoader:
         index[:n] = self.panel.rowids[rows]
         return HostBatch(x, obs, index, np.arange(b) < n)
 
-    # ----- device placement ------------------------------------------------------------------
+    # ----- device placement --------------------------------------------------------------------
     def _place_on_devices(self) -> None:
         n = self.panel.num_cells
         devices = 1 if self.mesh is None else int(self.mesh.shape[self.data_axis])
         deal = np.random.default_rng([self.seed, PLACEMENT_STREAM]).permutation(n)
-        parts = np.array_split(deal, devices)
+        self._parts = parts = np.array_split(deal, devices)
         self._valid = np.array([len(p) for p in parts])
         rows_local = self.batch_size // devices
         self._device_steps = int(self._valid.min()) // rows_local
         self._devices, self._rows_local, self._length = devices, rows_local, max(int(self._valid.max()), 1)
         sharding = data_sharding(self.mesh, self.data_axis)
+        self._local_devices = sorted({index[0].start or 0
+                                      for index in sharding.addressable_devices_indices_map((devices,)).values()})
 
         def put(column: np.ndarray, fill) -> jax.Array:
             def shard(index) -> np.ndarray:
@@ -328,15 +257,20 @@ class MemoryLoader:
                         "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()}}
         self._perm_epoch, self._perm = None, None
         ones = np.ones(self.batch_size, bool)
-        self._mask = jax.make_array_from_callback(ones.shape, data_sharding(self.mesh, self.data_axis),
-                                                  lambda index: ones[index])
+        self._mask = jax.make_array_from_callback(ones.shape, sharding, lambda index: ones[index])
+        self._set_served(Tally())
+
+    def _device_rows(self, epoch: int, device: int) -> np.ndarray:
+        """Panel rows device ``device`` draws in ``epoch``, in order."""
+        return self._parts[device][np.random.default_rng([self.seed, epoch, device]).permutation(self._valid[device])]
 
     def _device_batch(self, epoch: int, step: int) -> Batch:
         if self._perm_epoch != epoch:
             perms = np.zeros((self._devices, self._length), np.int32)
             for d in range(self._devices):
                 perms[d, : self._valid[d]] = np.random.default_rng([self.seed, epoch, d]).permutation(self._valid[d])
-            self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis), lambda index: perms[index])
+            self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis),
+                                                      lambda index: perms[index])
             self._perm_epoch = epoch
         out = _draw(self._arrays, self._perm, step, rows=self._rows_local)
         return Batch(out["x"], out["obs"], out["index"], self._mask)

@@ -181,7 +181,7 @@ class CellTable:
         clauses.extend(extra)
         return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
 
-    def _columns(self, columns: Sequence[str]) -> list[str]:
+    def require_columns(self, columns: Sequence[str]) -> list[str]:
         unknown = [c for c in columns if c not in self.schema.names]
         if unknown:
             msg = f"column(s) {', '.join(unknown)} not in {self.spec}; it has {', '.join(self.schema.names)}"
@@ -192,7 +192,7 @@ class CellTable:
     def metadata(self, columns: Sequence[str] | None = None, *, where: str | None = None,
                  rowids: Sequence[int] | np.ndarray | None = None) -> pa.Table:
         """Scalar columns (default: all) of the matching cells, with ``cell_rowid``, in row order."""
-        cols = self._columns(self.scalar_columns if columns is None else columns)
+        cols = self.require_columns(self.scalar_columns if columns is None else columns)
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols if c != ROWID_COLUMN)])
         return self.sql(f"SELECT {select}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
 
@@ -203,7 +203,7 @@ class CellTable:
 
     def categories(self, column: str, *, where: str | None = None) -> list:
         """Sorted distinct non-null values of a scalar column."""
-        self._columns([column])
+        self.require_columns([column])
         col = sql_ident(column)
         return self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1"
                         ).column(0).to_pylist()
@@ -291,7 +291,7 @@ class CellTable:
         """Record batches of at most ``batch_rows`` rows in row order (``cell_rowid`` first), in
         bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``)."""
         cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
-        cols = self._columns([c for c in cols if c != ROWID_COLUMN])
+        cols = self.require_columns([c for c in cols if c != ROWID_COLUMN])
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
         query = f"SELECT {select}{self._from(where, rowids)}"
         if rowids is not None:  # a semi-join may reorder rows

@@ -168,8 +168,23 @@ class SamplingPlan:
         key = (self.seed, _FETCH_STREAM, epoch, self.full_rounds * hosts + host) if shuffle else None
         return Fetch(epoch, index, part, key, self.tail_batches, not self.drop_remainder)
 
+    def serving_rows(self, fetch: Fetch) -> np.ndarray:
+        """The cells of ``fetch`` in the order they are served, exactly ``num_batches × local_batch``
+        of them: shuffled by its key, cut to whole batches, -1 for the padding of a padded tail."""
+        rows = fetch.rows
+        if fetch.shuffle_key is not None:
+            rows = rows[np.random.default_rng(list(fetch.shuffle_key)).permutation(len(rows))]
+        n = fetch.num_batches * self.local_batch
+        if len(rows) >= n:
+            return rows[:n]
+        return np.concatenate([rows, np.full(n - len(rows), -1, rows.dtype)])
+
+    def with_hosts(self, num_hosts: int) -> SamplingPlan:
+        """The same plan dealt to ``num_hosts`` hosts (the epoch orders are the same)."""
+        return dataclasses.replace(self, num_hosts=num_hosts)
+
     def describe(self) -> dict:
-        """The plan as JSON-able config (rows and weights by checksum)."""
+        """The plan as JSON-able config (rows and weights by checksum); not the number of hosts."""
         import hashlib
 
         def digest(a: np.ndarray | None) -> str | None:
@@ -177,8 +192,7 @@ class SamplingPlan:
 
         return {
             "sampling": self.sampling, "batch_size": self.batch_size, "block_size": self.block_size,
-            "fetch_factor": self.fetch_factor, "seed": self.seed, "num_hosts": self.num_hosts,
-            "drop_remainder": self.drop_remainder, "num_rows": len(self.rows), "rows": digest(self.rows),
+            "fetch_factor": self.fetch_factor, "seed": self.seed, "drop_remainder": self.drop_remainder, "num_rows": len(self.rows), "rows": digest(self.rows),
             "weights": digest(self.weights),
         }
 

@@ -106,24 +106,24 @@ def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, targ
         ic, vc = u8[start + 1], u8[start + 2]
         count = np.int64(u32[start // 4 + 1])
         pos = start + _codec.HEADER_BYTES
-        vpos = pos if ic == _codec.INDEX_DENSE else pos + _codec._pad4(count * _codec._INDEX_WIDTH[ic])
+        vpos = pos if ic == _codec.INDEX_DENSE else pos + _codec.pad4(count * _codec.INDEX_WIDTH[ic])
         total = np.float32(1.0)
         if mode == _NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `_row_total`
             acc = 0.0
             for k in range(count):
-                acc += _codec._read_value(u8, u32, f32, vpos, k, vc, count)
+                acc += _codec.read_value(u8, u32, f32, vpos, k, vc, count)
             total = np.float32(np.inf) if acc == 0 else np.float32(acc)
         col = np.int64(0)
         for k in range(count):
             if ic == _codec.INDEX_DENSE:
                 col = k
             else:
-                col = _codec._next_column(u8, u32, pos, k, count, ic, col)
+                col = _codec.next_column(u8, u32, pos, k, count, ic, col)
             c = col
             if mapped:
                 c = gene_to_col[col] if col < num_map else -1
             if c >= 0 and c < width:
-                out[i, c] += _transform(_codec._read_value(u8, u32, f32, vpos, k, vc, count), mode, total, target_sum)
+                out[i, c] += _transform(_codec.read_value(u8, u32, f32, vpos, k, vc, count), mode, total, target_sum)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -165,7 +165,7 @@ def _check_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray) -> i
     return len(indptr) - 1
 
 
-def _mode_code(normalize: str | None, target_sum: float) -> int:
+def normalize_mode(normalize: str | None, target_sum: float) -> int:
     if normalize is not None and normalize not in NORMALIZE_MODES:
         msg = f"normalize={normalize!r} is not supported: use one of {NORMALIZE_MODES}"
         raise ValueError(msg)
@@ -204,7 +204,7 @@ def scatter_dense(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, n
     lies outside ``[0, num_genes)``.
     """
     n = _check_csr(indptr, indices, values)
-    mode = _mode_code(normalize, target_sum)
+    mode = normalize_mode(normalize, target_sum)
     if not isinstance(num_genes, int | np.integer) or num_genes < 0:
         msg = f"num_genes must be a non-negative integer, got {num_genes!r}"
         raise ValueError(msg)
@@ -224,7 +224,7 @@ def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene
     """
     if gene_to_col is None and normalize is None:
         return _codec.decode_rows(buf, starts, out)
-    mode = _mode_code(normalize, target_sum)
+    mode = normalize_mode(normalize, target_sum)
     u8, u32, f32 = _codec.checked_views(buf, starts)
     mapped = gene_to_col is not None
     table = gene_to_col if mapped else np.zeros(0, np.int32)
@@ -243,7 +243,7 @@ def scatter_panel(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, g
     before subsetting.
     """
     n = _check_csr(indptr, indices, values)
-    mode = _mode_code(normalize, target_sum)
+    mode = normalize_mode(normalize, target_sum)
     _check_1d("gene_to_col", gene_to_col, np.int32)
     top = int(gene_to_col.max()) if len(gene_to_col) else -1
     out = _check_out(out, n, None if out is not None else top + 1)
@@ -306,7 +306,7 @@ def densify_on_device(row_ids: jax.Array, indices: jax.Array, values: jax.Array,
     ``normalize``/``target_sum`` as in the module docstring; row totals via ``segment_sum`` in
     float32. Padding entries (value 0) add nothing.
     """
-    mode = _mode_code(normalize, target_sum)
+    mode = normalize_mode(normalize, target_sum)
     values = jnp.asarray(values, jnp.float32)
     dense = jnp.zeros((num_rows, num_genes), jnp.float32)
     if num_rows == 0 or num_genes == 0:

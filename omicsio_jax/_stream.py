@@ -10,23 +10,35 @@ The shuffle window: consecutive windows of ``shuffle_buffer`` cells (rounded up 
 batches) are each permuted with ``default_rng([seed, epoch, window])`` and served. A cell
 moves at most one window from its place, so a window should span several plates of the table
 to mix them.
+
+Each pass is a `grain.DatasetIterator` (`StreamIterator`): its state is ``(epoch, batches
+served)``; a restore runs the query again and skips the windows already served without
+decoding them. At the end of a pass the cells served are checked against the query's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 
+import grain
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import _scatter
 from ._background import Background
-from ._dataset import _take_rows
+from ._batch import Batch, HostBatch, place_batch
+from ._buffers import RowBuffers
+from ._coverage import Coverage, Tally
+from ._dataset import take_rows
 from ._errors import OmicsIOError
-from ._loader import Batch, HostBatch, RowBuffers, place_batch
+from ._outputs import Output, OutputContext, resolve_output
 from ._query import CellTable
+from ._state import check_state
+
+STATE_VERSION = 1
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -50,7 +62,7 @@ def obs_specs(table: CellTable, names: Sequence[str]) -> list[ObsSpec]:
     """Categories of each named obs column from the whole table (stable codes across queries)."""
     specs = []
     for name in names:
-        table._columns([name])
+        table.require_columns([name])
         dtype = table.schema.field(name).type
         numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
         specs.append(ObsSpec(name, None if numeric else tuple(table.categories(name))))
@@ -98,13 +110,11 @@ class StreamLoader:
     ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
     """
 
-    def __init__(self, table: CellTable, *, batch_size: int, gene_to_col: np.ndarray | None, num_features: int,
-                 where: str | None, rowids: np.ndarray | None, obs: list[ObsSpec], normalize: str | None,
-                 target_sum: float, shuffle_buffer: int, seed: int, mesh, data_axis: str, drop_remainder: bool,
-                 batch_rows: int, prefetch: int):
-        self.table, self.batch_size, self.gene_to_col, self.num_features = table, batch_size, gene_to_col, num_features
+    def __init__(self, table: CellTable, *, batch_size: int, output: Output, where: str | None,
+                 rowids: np.ndarray | None, obs: list[ObsSpec], shuffle_buffer: int, seed: int, mesh, data_axis: str,
+                 drop_remainder: bool, batch_rows: int, prefetch: int):
+        self.table, self.batch_size, self.output = table, batch_size, output
         self.where, self.rowids, self.obs_specs = where, rowids, obs
-        self.normalize, self.target_sum = normalize, target_sum
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
         self.batch_rows, self.prefetch = batch_rows, prefetch
@@ -112,17 +122,32 @@ class StreamLoader:
         self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
         self._buffers = RowBuffers()
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> StreamIterator:
         return self.epoch(0)
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
+    def epoch(self, epoch: int) -> StreamIterator:
         """One pass over the query's cells, shuffled (when ``shuffle_buffer`` > 0) for ``epoch``."""
-        host_batches = Background(lambda: self._host_batches(epoch), depth=self.prefetch)
-        try:
-            for hb in host_batches:
-                yield place_batch(hb, self.mesh, self.data_axis, 1)
-        finally:
-            host_batches.close()
+        return StreamIterator(self, epoch)
+
+    def config(self) -> dict:
+        """What decides the batches: the table's files, the query, the output and the shuffle."""
+        def digest(value) -> str:
+            return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+        return {"table": digest(self.table.fingerprint()), "where": self.where,
+                "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
+                "obs": [s.name for s in self.obs_specs], **self.output.config(), "batch_size": self.batch_size,
+                "shuffle_buffer": self.shuffle_buffer, "seed": self.seed, "drop_remainder": self.drop_remainder}
+
+    def planned(self, epoch: int) -> Tally:
+        """The cells a pass serves: the query's, less the last window's partial batch if dropped."""
+        rows = self.table.select(self.where, rowids=self.rowids)  # the stream's order: ascending cell_rowid
+        full = len(rows) // self.window_rows * self.window_rows
+        last = rows[full:]
+        if self.drop_remainder and len(last) % self.batch_size:
+            kept = len(last) // self.batch_size * self.batch_size
+            last = last[self._order(len(last), epoch, full // self.window_rows)[:kept]]
+        return Tally.of(rows[:full]) + Tally.of(last)
 
     # ----- host side -------------------------------------------------------------------------
     def _windows(self) -> Iterator[_Window]:
@@ -148,13 +173,19 @@ class StreamLoader:
         if held:
             yield _Window.concat(pending)
 
-    def _host_batches(self, epoch: int) -> Iterator[HostBatch]:
+    def _host_batches(self, epoch: int, skip: int = 0) -> Iterator[HostBatch]:
+        """The pass's host batches after the first ``skip`` (whole windows skipped undecoded)."""
+        per_window = self.window_rows // self.batch_size
         for number, window in enumerate(self._window_stream()):
+            if skip >= per_window and window.num_rows == self.window_rows:
+                skip -= per_window
+                continue
             order = self._order(window.num_rows, epoch, number)
             full = (window.num_rows // self.batch_size) * self.batch_size
-            yield from self._serve(window, order[:full])
-            if full < window.num_rows and not self.drop_remainder:  # only the last window
-                yield self._batch(window, order[full:])
+            yield from self._serve(window, order[skip * self.batch_size : full])
+            if full < window.num_rows and not self.drop_remainder and skip <= full // self.batch_size:
+                yield self._batch(window, order[full:])  # only the last window has a remainder
+            skip = 0
 
     def _order(self, n: int, epoch: int, window: int) -> np.ndarray:
         if self.shuffle_buffer <= 0:
@@ -171,16 +202,10 @@ class StreamLoader:
             indptr = window.indptr[order[0] : order[0] + n + 1] if n else window.indptr[:1]
             indices, values = window.indices, window.values
         else:
-            indptr, indices, values = _take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
+            indptr, indices, values = take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
         if n < b:  # padding rows are empty
             indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
-        out = self._buffers.empty((b, self.num_features))
-        if self.gene_to_col is None:
-            _scatter.scatter_dense(indptr, indices, values, self.num_features, out=out,
-                                   normalize=self.normalize, target_sum=self.target_sum)
-        else:
-            _scatter.scatter_panel(indptr, indices, values, self.gene_to_col, out=out,
-                                   normalize=self.normalize, target_sum=self.target_sum)
+        out = self.output.from_csr(indptr, indices, values, self._buffers.empty)
         mask = np.arange(b) < n
         index = np.full(b, -1, np.int32)
         index[:n] = window.rowids[order]
@@ -193,6 +218,58 @@ class StreamLoader:
         return HostBatch(out, obs, index, mask)
 
 
+class StreamIterator(grain.DatasetIterator):
+    """One pass of a `StreamLoader` (epoch ``epoch``): `Batch`es, with Grain's state protocol."""
+
+    def __init__(self, loader: StreamLoader, epoch: int):
+        super().__init__()
+        self._stream = None
+        self.loader, self._epoch, self._step, self._served = loader, epoch, 0, Tally()
+        self._done = False
+
+    def __next__(self) -> Batch:
+        self._assert_not_closed()
+        if self._done:
+            raise StopIteration
+        if self._stream is None:
+            start = (self._epoch, self._step)
+            self._stream = Background(lambda: self.loader._host_batches(*start), depth=self.loader.prefetch)
+        try:
+            hb = next(self._stream)
+        except StopIteration:
+            self._done = True
+            self.coverage().check(f"make_stream_loader on {self.loader.table.spec}")
+            raise
+        self._served = self._served + Tally.of(hb.index)
+        self._step += 1
+        return place_batch(hb, self.loader.mesh, self.loader.data_axis)
+
+    def coverage(self) -> Coverage:
+        """The cells served so far in this pass, and the query's (one extra query over the scalar columns)."""
+        return Coverage(self._epoch, self._served, self.loader.planned(self._epoch))
+
+    def get_state(self) -> dict:
+        return {"version": STATE_VERSION, "config": self.loader.config(), "epoch": self._epoch, "step": self._step,
+                "served": self._served.to_json()}
+
+    def set_state(self, state: dict) -> None:
+        """Resume ``state``: the query runs again and the batches already served are skipped (whole
+        windows without decoding them); refuses a state of another query or config."""
+        check_state(state, STATE_VERSION, self.loader.config())
+        self._stop()
+        self._epoch, self._step, self._done = int(state["epoch"]), int(state["step"]), False
+        self._served = Tally.from_json(state["served"])
+
+    def _stop(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        self._stop()
+        super().close()
+
+
 def make_stream_loader(
     table: CellTable,
     *,
@@ -201,6 +278,7 @@ def make_stream_loader(
     where: str | None = None,
     rowids: Sequence[int] | np.ndarray | None = None,
     obs: Sequence[str] = (),
+    output: str | Output = "dense",
     normalize: str | None = None,
     target_sum: float = 1e4,
     shuffle_buffer: int = 0,
@@ -234,16 +312,10 @@ def make_stream_loader(
     if mesh is not None and batch_size % mesh.shape[data_axis]:
         msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
         raise OmicsIOError(msg)
-    _scatter._mode_code(normalize, target_sum)
-    if genes is None:
-        gene_to_col, width = None, table.genes.num_tokens
-    else:
-        tokens = table.genes.resolve(genes)
-        gene_to_col = _scatter.make_gene_to_col(max(table.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
-        width = len(tokens)
+    out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum)
+    out = out.bind(OutputContext.of_table(table, rows=batch_size))
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
-    return StreamLoader(table, batch_size=batch_size, gene_to_col=gene_to_col, num_features=width, where=where,
-                        rowids=rows, obs=obs_specs(table, obs), normalize=normalize, target_sum=target_sum,
-                        shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh, data_axis=data_axis,
-                        drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
+    return StreamLoader(table, batch_size=batch_size, output=out, where=where, rowids=rows,
+                        obs=obs_specs(table, obs), shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh,
+                        data_axis=data_axis, drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
 

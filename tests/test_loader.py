@@ -68,7 +68,7 @@ def test_recycled_buffers_never_change_a_batch_still_held(ds, mesh):
 
 
 def test_row_buffers_come_back_only_when_unreferenced():
-    from omicsio_jax._loader import RowBuffers
+    from omicsio_jax._buffers import RowBuffers
 
     pool = RowBuffers(keep=2)
     a = pool.empty((4, 16))
@@ -190,10 +190,8 @@ def test_thread_count_does_not_change_the_order(ds):
 
 
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_decode_threads_do_not_change_the_batches(ds, output, monkeypatch):
+def test_decode_threads_do_not_change_the_batches(ds, output):
     import numba
-
-    from omicsio_jax import _loader as loader_module
 
     before = numba.get_num_threads()
     runs = [[(np.asarray(b.index), jax.tree.map(np.asarray, b.x)) for b in _loader(ds, output=output, decode_threads=k)]
@@ -202,11 +200,8 @@ def test_decode_threads_do_not_change_the_batches(ds, output, monkeypatch):
         for (i0, x0), (i1, x1) in zip(runs[0], other, strict=True):
             np.testing.assert_array_equal(i0, i1)
             jax.tree.map(np.testing.assert_array_equal, x0, x1)
-    assert numba.get_num_threads() == before  # set per pipeline thread only
-    assert _loader(ds, output="csr").decode_threads == 1
-    assert _loader(ds, output="dense").decode_threads == 1  # 2,000 genes: narrow rows
-    monkeypatch.setattr(loader_module, "_WIDE_ROW_BYTES", 2000 * 4)
-    assert _loader(ds, output="dense").decode_threads == numba.config.NUMBA_NUM_THREADS
+    assert numba.get_num_threads() == before  # set per decoding thread only
+    assert _loader(ds, output="csr").decode_threads == _loader(ds, output="dense").decode_threads == 1
 
 
 def test_other_seed_other_order_same_seed_same_order(ds):

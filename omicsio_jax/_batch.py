@@ -1,0 +1,91 @@
+"""Batch types shared by every loader, and their placement on the devices.
+
+A loader builds a `HostBatch` (this host's rows as numpy arrays) and `place_batch` turns it
+into a `Batch` of global jax.Arrays sharded along the mesh's data axis. Both are registered
+pytrees, so ``jax.tree.map`` works on them and Grain moves a `HostBatch` out of a worker
+process through shared memory, array by array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+
+class SparseBatch(NamedTuple):
+    """Fixed-shape padded sparse rows, one slab per device: arrays of shape (num_shards, capacity).
+
+    Entry ``j`` of slab ``s`` is ``values[s, j]`` (float32) at row ``row_ids[s, j]`` (within the
+    shard's ``batch_size / num_shards`` rows; int16, int32 past 32,767 rows) and column
+    ``indices[s, j]`` (uint16 for up to 65,536 genes, else int32); padding entries add 0 at
+    (0, 0). `Loader.densify` turns it into the dense batch on the devices.
+    """
+
+    row_ids: Any
+    indices: Any
+    values: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A global training batch: ``x`` (dense ``(batch, genes)``, `SparseBatch`, or what the output
+    kind makes), obs labels, the global row of every cell (``index``, -1 for padding) and ``mask``
+    (False for padding)."""
+
+    x: Any
+    obs: dict[str, Any]
+    index: Any
+    mask: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """This host's share of a batch as numpy arrays (what `GrainSource` records and the Grain
+    pipelines yield); every array's leading axis is split over this host's devices."""
+
+    x: Any
+    obs: dict[str, np.ndarray]
+    index: np.ndarray
+    mask: np.ndarray
+
+
+for _cls in (Batch, HostBatch):
+    jax.tree_util.register_dataclass(_cls, data_fields=["x", "obs", "index", "mask"], meta_fields=[])
+
+
+def data_sharding(mesh, data_axis: str = "data") -> jax.sharding.Sharding:
+    """``NamedSharding(mesh, P(data_axis))``, or the first local device when there is no mesh."""
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axis))
+
+
+def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data") -> Batch | dict:
+    """This host's batch (a `HostBatch` or a dict of numpy arrays) → global jax.Arrays sharded on ``data_axis``.
+
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))              # doctest: +SKIP
+    >>> for host_batch in grain_loader:                                     # doctest: +SKIP
+    ...     batch = oj.place_batch(host_batch, mesh)     # batch.x: (global batch, genes), P("data")
+
+    Every array is split along its leading axis over this host's devices of ``data_axis``; the
+    global leading size is the sum over hosts (``jax.make_array_from_process_local_data``, right
+    single- and multi-host). On CPU, 64-byte aligned host buffers are adopted without a copy
+    (``jax.device_put`` copies: 90 ms per dense 1,024-cell batch here). Without a mesh, the batch
+    goes to the first local device.
+    """
+    sharding = data_sharding(mesh, data_axis)
+    placed = jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), host_batch)
+    return Batch(placed.x, placed.obs, placed.index, placed.mask) if isinstance(placed, HostBatch) else placed
+
+
+def local_shards(mesh, data_axis: str = "data") -> int:
+    """How many slices of a host's batch its devices hold along ``data_axis`` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axis = list(mesh.axis_names).index(data_axis)
+    local = {d.id for d in mesh.local_devices}
+    coords = {idx[axis] for idx, d in np.ndenumerate(mesh.devices) if d.id in local}
+    return len(coords)

@@ -1,0 +1,68 @@
+"""Host buffers for batches: 64-byte aligned (XLA on CPU adopts them) and recycled once unreferenced."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+_ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data is 64-byte aligned: XLA on CPU then adopts it
+    as the device buffer instead of copying it (measured: 19 ms instead of 98 ms per 257 MB)."""
+    dtype = np.dtype(dtype)
+    return _aligned_view(np.empty(_nbytes(shape, dtype) + _ALIGN, dtype=np.uint8), shape, dtype)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape)) * dtype.itemsize
+
+
+def _aligned_view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The 64-byte-aligned ``(shape, dtype)`` array inside ``raw`` (uint8, ``_ALIGN`` bytes of slack)."""
+    offset = -raw.ctypes.data % _ALIGN
+    return raw[offset : offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
+
+
+class RowBuffers:
+    """Aligned output buffers, reused once nothing refers to them any more.
+
+    A batch's buffer may be adopted by XLA (on CPU) and live on inside a jax.Array, so a buffer is
+    only handed out again when its reference count says that no array, view or jax.Array holds it
+    (every numpy view of a buffer refers to it directly; XLA holds the array it adopted). A fresh
+    257 MB buffer costs ~80 ms of page faults here, more than decoding 1,024 cells into it (~10
+    ms); a reused one costs nothing. At most ``keep`` buffers of each size are kept: a loader
+    sizes it to the batches it can have in flight.
+    """
+
+    def __init__(self, keep: int = 6):
+        self._pools: dict[int, list[np.ndarray]] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
+        # The reference count of a buffer that only the pool holds, measured the way `empty` and
+        # `num_free` take it (in a generator over a list): the list, the loop variable, the arguments.
+        self._baseline = max(self._refs(r) for r in [np.empty(1)])
+
+    @staticmethod
+    def _refs(raw: np.ndarray) -> int:
+        return sys.getrefcount(raw)
+
+    def empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """Like `aligned_empty`, reusing a buffer of this size that nothing refers to."""
+        dtype = np.dtype(dtype)
+        nbytes = _nbytes(shape, dtype)
+        with self._lock:
+            pool = self._pools.setdefault(nbytes, [])
+            raw = next((r for r in pool if self._refs(r) <= self._baseline), None)
+            if raw is None:
+                raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+                if len(pool) < self._keep:
+                    pool.append(raw)
+        return _aligned_view(raw, shape, dtype)
+
+    def num_free(self) -> int:
+        with self._lock:
+            return sum(self._refs(r) <= self._baseline for pool in self._pools.values() for r in pool)

@@ -1,0 +1,37 @@
+"""Output kinds (one module each) behind the interface in `base`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._errors import OmicsIOError
+from .base import Output, OutputContext
+from .csr import CSR
+from .dense import Dense
+from .panel import Panel
+
+__all__ = ["CSR", "Dense", "Output", "OutputContext", "Panel", "resolve_output"]
+
+
+def resolve_output(output: str | Output, *, genes: Sequence[str | int] | None = None, normalize: str | None = None,
+                   target_sum: float = 1e4, nnz_capacity: int | None = None) -> Output:
+    """The `Output` of a loader's ``output=`` argument: an `Output`, or the shorthands ``"dense"``
+    (`Dense`, or `Panel` with ``genes``) and ``"csr"`` (`CSR`) configured by the other arguments."""
+    if isinstance(output, Output):
+        given = {k: v for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
+                 if v is not None}
+        if given:
+            msg = f"pass {', '.join(given)} to the output itself, e.g. {type(output).__name__}(..., {next(iter(given))}=...)"
+            raise OmicsIOError(msg)
+        return output
+    if output == "dense":
+        if genes is not None:
+            return Panel(genes, normalize=normalize, target_sum=target_sum)
+        return Dense(normalize=normalize, target_sum=target_sum)
+    if output == "csr":
+        if genes is not None:
+            msg = "output='csr' carries every gene of the dataset; for a gene panel use output='dense' with genes=..."
+            raise OmicsIOError(msg)
+        return CSR(nnz_capacity=nnz_capacity, normalize=normalize, target_sum=target_sum)
+    msg = f"output must be one of 'dense', 'csr' or an oj.Output such as oj.Panel(genes); got {output!r}"
+    raise OmicsIOError(msg)

@@ -1,0 +1,173 @@
+"""GrainSource and make_grain_loader: Grain's DataLoader serves exactly make_loader's batches."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+
+
+@pytest.fixture(scope="module")
+def ds(dataset_dir):
+    return oj.open_dataset(dataset_dir)
+
+
+SAMPLINGS = {
+    "block": {},
+    "stream": {"sampling": "stream", "drop_remainder": False},
+    "weighted": {"sampling": "weighted", "weights": np.linspace(0.1, 2.0, 3000)},
+    "class_balanced": {"sampling": "class_balanced", "balance_by": "drug"},
+}
+BASE = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 3, "obs": ("drug",)}
+
+
+def _indices(batches, steps: int) -> list[np.ndarray]:
+    out = []
+    for _, b in zip(range(steps), batches, strict=False):
+        out.append(np.asarray(b.index).copy())
+    return out
+
+
+def _assert_same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("num_epochs", [2, None], ids=["finite", "endless"])
+def test_grain_loader_serves_the_loaders_batches(ds, sampling, num_epochs):
+    kw = {**BASE, **SAMPLINGS[sampling], "num_epochs": num_epochs}
+    steps = 100 if num_epochs is None else 10**6  # endless: past two epochs
+    expected = _indices(oj.make_loader(ds, **kw), steps)
+    _assert_same(_indices(oj.make_grain_loader(ds, **kw), steps), expected)
+
+
+def test_grain_loader_with_two_worker_processes_serves_the_same_batches(ds):
+    for sampling, num_epochs in (("block", 1), ("weighted", None), ("class_balanced", 1), ("stream", None)):
+        kw = {**BASE, **SAMPLINGS[sampling], "num_epochs": num_epochs}
+        steps = 70 if num_epochs is None else 10**6
+        expected = _indices(oj.make_loader(ds, **kw), steps)
+        loader = oj.make_grain_loader(ds, **kw, worker_count=2)
+        _assert_same(_indices(loader, steps), expected)
+
+
+def test_records_are_host_batches_of_every_output_and_place_on_the_mesh(ds):
+    mesh = jax.make_mesh((8,), ("data",))
+    for output, extra in (("dense", {}), ("csr", {}), ("dense", {"genes": [5, 0, 77]})):
+        kw = {**BASE, "output": output, **extra}
+        src = oj.GrainSource(ds, **kw, mesh=mesh, num_epochs=1)
+        record = src[0]
+        assert isinstance(record, oj.HostBatch) and record.index.shape == (64,)
+        batch = oj.place_batch(record, mesh)
+        assert batch.index.sharding.spec == jax.sharding.PartitionSpec("data")
+        reference = next(iter(oj.make_loader(ds, **kw, mesh=mesh)))
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), batch, reference)
+    assert len(src) == src.steps_per_epoch == 3000 // 64
+
+
+def test_source_pickles_as_path_and_config_and_its_repr_is_the_config(ds):
+    src = oj.GrainSource(ds, **BASE, num_epochs=None)
+    first = src[5]
+    clone = pickle.loads(pickle.dumps(src))
+    assert clone._local is None  # readers are reopened in the new process
+    np.testing.assert_array_equal(clone[5].index, first.index)
+    config = json.loads(repr(src)[len("GrainSource("):-1])
+    assert config["dataset"] == ds.fingerprint[:16] and config["seed"] == 3 and config["num_hosts"] == 1
+    assert len(src) % src.steps_per_epoch == 0 and len(src) > 10**15  # endless
+    with pytest.raises(IndexError, match="out of range"):
+        oj.GrainSource(ds, **BASE)[10**6]
+
+
+def test_dataloader_checkpoint_resumes_exactly_and_refuses_another_config(ds):
+    loader = oj.make_grain_loader(ds, **BASE, num_epochs=2)
+    it = iter(loader)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    rest = _indices(it, 10**6)
+    again = iter(oj.make_grain_loader(ds, **BASE, num_epochs=2))
+    again.set_state(state)
+    _assert_same(_indices(again, 10**6), rest)
+    other = iter(oj.make_grain_loader(ds, **{**BASE, "seed": 4}, num_epochs=2))
+    with pytest.raises(ValueError, match="DataSource in checkpoint does not match"):
+        other.set_state(state)
+    two_workers = iter(oj.make_grain_loader(ds, **BASE, num_epochs=2, worker_count=2))
+    with pytest.raises(ValueError, match="Worker count in checkpoint does not match"):
+        two_workers.set_state(state)
+
+
+def test_user_map_operations_pass_through(ds):
+    class Total(grain.transforms.Map):
+        def map(self, batch):
+            return {"index": batch.index, "total": batch.x.sum(axis=1)}
+
+    for workers in (0, 2):
+        out = next(iter(oj.make_grain_loader(ds, **BASE, operations=[Total()], worker_count=workers)))
+        reference = next(iter(oj.make_loader(ds, **BASE)))
+        np.testing.assert_array_equal(out["index"], np.asarray(reference.index))
+        np.testing.assert_allclose(out["total"], np.asarray(reference.x).sum(axis=1), rtol=1e-6)
+
+
+def test_planned_coverage_matches_what_the_dataloader_serves(ds):
+    src = oj.GrainSource(ds, **BASE, num_epochs=1)
+    served = oj.Tally()
+    for batch in grain.DataLoader(data_source=src, sampler=src.sampler(), read_options=src.read_options()):
+        served = served + oj.Tally.of(batch.index)
+    assert served == src.planned(0)
+
+
+def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
+    class Filter(grain.transforms.Filter):
+        def filter(self, batch):
+            return True
+
+    with pytest.raises(oj.OmicsIOError, match="not a grain.transforms.Map or RandomMap"):
+        oj.make_grain_loader(ds, **BASE, operations=[Filter()])
+
+    lock = threading.Lock()
+
+    class Locked(grain.transforms.Map):
+        def map(self, batch):
+            with lock:
+                return batch
+
+    with pytest.raises(oj.OmicsIOError, match=r"cannot be sent to worker processes \(TypeError: cannot pickle"):
+        oj.make_grain_loader(ds, **BASE, operations=[Locked()], worker_count=2)
+    with pytest.raises(oj.OmicsIOError, match="made for 1 process"):
+        oj.GrainSource(ds, **BASE).sampler(process_index=0, process_count=2)
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import omicsio_jax as oj
+        loader = oj.make_grain_loader({str(dataset_dir)!r}, batch_size=64, worker_count=2)
+        print(next(iter(loader)).index[:3])
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("omicsio_jax._errors.OmicsIOError: ") and "line 3: worker processes re-run this script" in last
+    assert 'if __name__ == "__main__":' in last
+
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(textwrap.dedent(f"""
+        import omicsio_jax as oj
+
+        if __name__ == "__main__":
+            loader = oj.make_grain_loader({str(dataset_dir)!r}, batch_size=64, worker_count=2, seed=3)
+            print(next(iter(loader)).index[:3].tolist())
+    """))
+    run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]  # the absl-flags workaround applied (grain#1355)
+    first = next(iter(oj.make_loader(ds, batch_size=64, seed=3)))
+    assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
