@@ -53,6 +53,7 @@ class Loader(grain.DatasetIterator):
         self.mesh, self.data_axis, self.num_threads, self.prefetch = mesh, data_axis, num_threads, prefetch
         self._decode_threads = decode_threads
         self._config = spec.config(ds, self.plan, self.output)
+        self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     # ----- the stream --------------------------------------------------------------------------
@@ -127,7 +128,8 @@ class Loader(grain.DatasetIterator):
         self._served = self._served + tally
         self._step += 1
         if self._step >= self._schedule.steps_in_epoch(self._epoch):
-            self.coverage().check(f"make_loader on {self.dataset.path} (process {self.host})")
+            self._finished = self.coverage()
+            self._finished.check(f"make_loader on {self.dataset.path} (process {self.host})")
             self._epoch, self._step, self._served = self._epoch + 1, 0, Tally()
         return batch
 
@@ -156,8 +158,14 @@ class Loader(grain.DatasetIterator):
         """What decides the batches: dataset fingerprint, every sampling and output knob."""
         return dict(self._config)
 
-    def coverage(self) -> Coverage:
-        """This process's served and planned cells of the current epoch (see `Coverage`)."""
+    def coverage(self, epoch: int | None = None) -> Coverage:
+        """This process's served and planned cells of the current epoch, or of ``epoch`` if it is the
+        one that just ended (see `Coverage`)."""
+        if epoch is not None and epoch != self._epoch:
+            if self._finished is None or self._finished.epoch != epoch:
+                msg = f"coverage of epoch {epoch} is not kept: the loader is in epoch {self._epoch}"
+                raise OmicsIOError(msg)
+            return self._finished
         return Coverage(self._epoch, self._served, self._schedule.planned(self._epoch))
 
     def get_state(self) -> dict:

@@ -206,6 +206,50 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
     assert meta["config"]["seed"] == 3 and "resume" not in meta["config"]
 
 
+def _kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published: Path) -> None:
+    """Run ``omicsio-train args`` in a worker that stalls after step ``stall_at``; SIGKILL it there
+    once the checkpoint ``published`` exists."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), str(stall_at), *args,
+               "--checkpoint-dir", str(ckpt)]
+    worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (marker.exists() and published.exists()):
+            assert worker.poll() is None, worker.stderr.read()
+            assert time.monotonic() < deadline, f"the worker did not reach step {stall_at}"
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        worker.stderr.close()
+    assert worker.returncode == -signal.SIGKILL
+
+
+def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp_path):
+    pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
+    args = _args(dataset_dir, "--dropout", "0.2", "--epochs", "1", "--seed", "5", "--checkpoint-every", "10",
+                 "--checkpoint-format", "orbax")
+    reference = train.fit(parse_config([*args, "--checkpoint-dir", str(tmp_path / "ref")]))
+    ckpt = tmp_path / "killed"
+    _kill_at(args, ckpt, tmp_path / "stalled", 13, ckpt / "10")
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [10]
+    assert sorted(p.name for p in (ckpt / "10").iterdir() if not p.name.startswith("_")) == [
+        "commit_success.txt", "data", "meta", "state"]
+    data_state = json.loads((ckpt / "10" / "data" / "process_0-of-1.json").read_text())
+    assert data_state["step"] == 10 and len(json.dumps(data_state)) < 1024
+    resumed = train.fit(parse_config([*args, "--checkpoint-dir", str(ckpt), "--resume"]))
+    assert resumed.start_step == 10 and resumed.num_steps == reference.num_steps == 31
+    for a, b in zip(_leaves(resumed.model), _leaves(reference.model), strict=True):
+        np.testing.assert_array_equal(a, b)  # bit-identical parameters
+    history = [(r["step"], r["loss"]) for r in train.read_metrics(ckpt / "metrics.jsonl")]
+    assert history == [(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / "ref" / "metrics.jsonl")]
+    last = train.read_metrics(ckpt / "metrics.jsonl")[-1]
+    assert last["coverage"]["complete"] and last["coverage"]["served_cells"] == last["coverage"]["planned_cells"]
+    meta = json.loads((ckpt / "31" / "meta" / "metadata").read_text())
+    assert meta["step"] == 31 and meta["coverage"]["epoch"] == 1
+
+
 # ----- command line ---------------------------------------------------------------------------------
 def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"

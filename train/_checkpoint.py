@@ -1,11 +1,12 @@
-"""Checkpoints: one directory per step, published atomically, the last ``keep`` kept.
+"""Checkpoints in the dependency-free Equinox format: one directory per step, published atomically.
 
     ckpt/step-000200/state.eqx    model + optimizer state (`equinox.tree_serialise_leaves`)
     ckpt/step-000200/meta.json    step, PRNG key data, seed, loader state, config, dataset fingerprint
 
 A checkpoint is written into a hidden sibling (``.step-000200.tmp-<pid>``), fsynced, and renamed
 into place, so a kill leaves at most a hidden partial directory; the latest checkpoint is found
-by scanning the step directories.
+by scanning the step directories; the last ``keep`` are kept. `EquinoxCheckpoints` is this
+format behind the interface `fit` uses (`train._orbax.OrbaxCheckpoints` is the other).
 """
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ class Checkpoint:
     def load(self, like: Any) -> Any:
         """The saved pytree, shaped like ``like`` (same structure, shapes and dtypes)."""
         return eqx.tree_deserialise_leaves(self.path / STATE_FILE, like)
+
+    def restore_loader(self, loader) -> None:
+        """Set ``loader`` to the state saved with this checkpoint."""
+        loader.set_state(self.meta["loader_state"])
+
+
+class EquinoxCheckpoints:
+    """The checkpoints of one run in ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3):
+        self.directory, self.keep = Path(directory), keep
+        remove_partials(self.directory)
+
+    def latest(self) -> Checkpoint | None:
+        return latest_checkpoint(self.directory)
+
+    def save(self, step: int, tree: Any, meta: dict, loader) -> Path:
+        """Write ``tree`` with ``meta`` and the loader's state as the checkpoint of ``step``."""
+        return save_checkpoint(self.directory, step, tree, {**meta, "loader_state": loader.get_state()},
+                               keep=self.keep)
+
+    def close(self) -> None:
+        """Nothing is written in the background in this format."""
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:

@@ -4,6 +4,7 @@
         --sampling block --epochs 1 --seed 0 --eval-where "batch = 'plate_13'" \\
         --checkpoint-dir ckpt/ --checkpoint-every 200
     omicsio-train out/ ... --checkpoint-dir ckpt/ --resume     # continues exactly where it stopped
+    omicsio-train out/ ... --checkpoint-dir ckpt/ --checkpoint-format orbax   # Orbax CheckpointManager
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 import omicsio_jax as oj
 
-from ._config import SAMPLINGS, TrainConfig
+from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig
 from ._loop import fit
 from ._model import MODELS
 
@@ -60,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-rows", metavar="FILE.npy", help="held-out global rows")
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints (and metrics.jsonl) here")
+    g.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=d.checkpoint_format,
+                   help="equinox: one directory per step, no extra dependency; orbax: an Orbax CheckpointManager "
+                        "(model + optimizer, Grain data state and metadata per step, saved asynchronously; "
+                        "needs omicsio_jax[orbax]) (default: %(default)s)")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
                    help="steps between checkpoints (default: only at the end)")
     g.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept (default: %(default)s)")

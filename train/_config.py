@@ -9,7 +9,8 @@ from ._model import MODELS
 
 SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
 # Not saved in a checkpoint's config: how this invocation runs, not what it trains.
-_NOT_SAVED = ("resume", "checkpoint_dir", "log_every", "quiet")
+_NOT_SAVED = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet")
+CHECKPOINT_FORMATS = ("equinox", "orbax")
 # Saved but free to change on resume: they do not change the batches or the updates.
 _FREE_ON_RESUME = ("dataset", "num_devices", "num_threads", "prefetch", "checkpoint_every", "keep", "metrics",
                    "eval_batch_size")
@@ -43,6 +44,7 @@ class TrainConfig:
     num_threads: int = 2
     prefetch: int = 2
     checkpoint_dir: str | None = None
+    checkpoint_format: str = "equinox"
     checkpoint_every: int = 0
     keep: int = 3
     resume: bool = False
@@ -54,6 +56,9 @@ class TrainConfig:
         """Raise `TrainError` naming the first bad option and its valid range."""
         if self.model not in MODELS:
             msg = f"model must be one of {', '.join(MODELS)}; got {self.model!r}"
+            raise TrainError(msg)
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            msg = f"checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}; got {self.checkpoint_format!r}"
             raise TrainError(msg)
         if self.sampling not in SAMPLINGS:
             msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"

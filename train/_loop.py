@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -92,16 +93,23 @@ def _digest(rows: np.ndarray | None) -> str | None:
     return None if rows is None else hashlib.sha256(np.asarray(rows, np.int64).tobytes()).hexdigest()[:16]
 
 
-def _restorable(config: TrainConfig, identity: dict) -> ckpt.Checkpoint | None:
-    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
-    directory = config.checkpoint_dir
-    if directory is None:
+def open_checkpoints(config: TrainConfig):
+    """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a directory."""
+    if config.checkpoint_dir is None:
         return None
-    ckpt.remove_partials(directory)
-    latest = ckpt.latest_checkpoint(directory)
+    if config.checkpoint_format == "orbax":
+        from ._orbax import OrbaxCheckpoints
+
+        return OrbaxCheckpoints(config.checkpoint_dir, keep=config.keep)
+    return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep)
+
+
+def _restorable(config: TrainConfig, store, identity: dict):
+    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
+    latest = None if store is None else store.latest()
     if latest is not None and not config.resume:
-        msg = (f"{directory} already holds checkpoints (latest: {latest.path.name}); pass --resume to "
-               "continue that run, or choose an empty --checkpoint-dir")
+        msg = (f"{config.checkpoint_dir} already holds checkpoints (latest: {latest.path.name}); pass --resume "
+               "to continue that run, or choose an empty --checkpoint-dir")
         raise TrainError(msg)
     if latest is not None:
         ckpt.check_compatible(latest, identity)
@@ -123,62 +131,63 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     train_rows, eval_rows = _split_rows(config, ds)
     mesh = make_data_mesh(config.num_devices)
     identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows))
-    restored = _restorable(config, identity)
-    directory = config.checkpoint_dir
-    init_key, key = jax.random.split(jax.random.key(config.seed))
-    model = make_model(config.model, num_features=ds.num_genes, num_classes=len(classes),
-                       hidden=config.hidden, dropout=config.dropout, key=init_key)
-    optimizer = optax.adam(config.lr)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    start = 0
-    if restored is not None:
-        model, opt_state = restored.load((model, opt_state))
-        key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
-        start = restored.step
-    model, opt_state = replicate((model, opt_state), mesh)
-    normalize = None if config.normalize_on_device else "normalize_log1p"
-    loader = oj.make_loader(
-        ds, batch_size=config.batch_size, block_size=config.block_size, fetch_factor=config.fetch_factor,
-        seed=config.seed, num_epochs=None if config.steps else config.epochs, sampling=config.sampling,
-        balance_by=config.label if config.sampling == "class_balanced" else None, rows=train_rows,
-        obs=(config.label,), normalize=normalize, mesh=mesh, num_threads=config.num_threads,
-        prefetch=config.prefetch)
-    per_epoch = loader.steps_per_epoch
-    total = config.steps or config.epochs * per_epoch
-    if restored is not None:
-        try:
-            loader.set_state(restored.meta["loader_state"])
-        except BaseException:
-            loader.close()
-            raise
-        say(f"resumed from {restored.path} at step {start}/{total}")
-    elif config.resume:
-        say(f"no checkpoint in {directory}: starting at step 0")
+    store = open_checkpoints(config)
+    with contextlib.ExitStack() as cleanup:  # closes the metrics log, the loader, then the store
+        if store is not None:
+            cleanup.callback(store.close)
+        restored = _restorable(config, store, identity)
+        directory = config.checkpoint_dir
+        init_key, key = jax.random.split(jax.random.key(config.seed))
+        model = make_model(config.model, num_features=ds.num_genes, num_classes=len(classes),
+                           hidden=config.hidden, dropout=config.dropout, key=init_key)
+        optimizer = optax.adam(config.lr)
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+        start = 0
+        if restored is not None:
+            model, opt_state = restored.load((model, opt_state))
+            key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
+            start = restored.step
+        model, opt_state = replicate((model, opt_state), mesh)
+        normalize = None if config.normalize_on_device else "normalize_log1p"
+        loader = oj.make_loader(
+            ds, batch_size=config.batch_size, block_size=config.block_size, fetch_factor=config.fetch_factor,
+            seed=config.seed, num_epochs=None if config.steps else config.epochs, sampling=config.sampling,
+            balance_by=config.label if config.sampling == "class_balanced" else None, rows=train_rows,
+            obs=(config.label,), normalize=normalize, mesh=mesh, num_threads=config.num_threads,
+            prefetch=config.prefetch)
+        cleanup.callback(loader.close)
+        per_epoch = loader.steps_per_epoch
+        total = config.steps or config.epochs * per_epoch
+        if restored is not None:
+            restored.restore_loader(loader)
+            say(f"resumed from {restored.path} at step {start}/{total}")
+        elif config.resume:
+            say(f"no checkpoint in {directory}: starting at step 0")
 
-    metrics_path = Path(config.metrics) if config.metrics else None
-    if metrics_path is None and directory is not None:
-        metrics_path = Path(directory) / "metrics.jsonl"
-    log: MetricsLog | None = None
-    train_step = make_train_step(optimizer, normalize_on_device=config.normalize_on_device)
-    history: list[dict] = []
-    timings: list[tuple[float, float]] = []  # (step wall time, data wait) of each step run here
-    last_saved = restored.path if restored is not None else None
-
-    def save(step: int) -> Path:
-        if log is not None:
-            log.sync()
-        meta = {"epoch": (step - 1) // per_epoch, "seed": config.seed,
-                "key_data": jax.random.key_data(key).tolist(), "loader_state": loader.get_state(),
-                "config": config.saved(), "identity": identity,
-                "dataset_fingerprint": ds.fingerprint, "label": config.label, "classes": list(classes)}
-        return ckpt.save_checkpoint(directory, step, (model, opt_state), meta, keep=config.keep)
-
-    say(f"training {config.model} on {ds.num_cells if train_rows is None else len(train_rows):,} cells × "
-        f"{ds.num_genes:,} genes, {len(classes)} classes of {config.label!r}; {total} steps "
-        f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)")
-    try:
+        metrics_path = Path(config.metrics) if config.metrics else None
+        if metrics_path is None and directory is not None:
+            metrics_path = Path(directory) / "metrics.jsonl"
+        log: MetricsLog | None = None
         if metrics_path is not None:
             log = MetricsLog(metrics_path, resume_after=start if restored else None)
+            cleanup.callback(log.close)
+        train_step = make_train_step(optimizer, normalize_on_device=config.normalize_on_device)
+        history: list[dict] = []
+        timings: list[tuple[float, float]] = []  # (step wall time, data wait) of each step run here
+        last_saved = restored.path if restored is not None else None
+
+        def save(step: int) -> Path:
+            if log is not None:
+                log.sync()
+            meta = {"epoch": (step - 1) // per_epoch, "seed": config.seed,
+                    "key_data": jax.random.key_data(key).tolist(), "coverage": loader.coverage().to_dict(),
+                    "config": config.saved(), "identity": identity,
+                    "dataset_fingerprint": ds.fingerprint, "label": config.label, "classes": list(classes)}
+            return store.save(step, (model, opt_state), meta, loader)
+
+        say(f"training {config.model} on {ds.num_cells if train_rows is None else len(train_rows):,} cells × "
+            f"{ds.num_genes:,} genes, {len(classes)} classes of {config.label!r}; {total} steps "
+            f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)")
         batches = iter(loader)
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
@@ -190,6 +199,8 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
             elapsed = time.perf_counter() - t0
             record = {"step": step, "epoch": (step - 1) // per_epoch, "loss": loss,
                       "cells_per_s": round(config.batch_size / elapsed, 1), "data_wait_s": round(t1 - t0, 6)}
+            if step % per_epoch == 0:  # the loader audited the epoch that just ended
+                record["coverage"] = loader.coverage(record["epoch"]).to_dict()
             history.append(record)
             timings.append((elapsed, t1 - t0))
             if log is not None:
@@ -205,10 +216,6 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
                 callback(record)
         if directory is not None and restored is not None and start >= total:
             say(f"{restored.path} is already at the last step ({total})")
-    finally:
-        loader.close()
-        if log is not None:
-            log.close()
 
     result = None
     if eval_rows is not None:
