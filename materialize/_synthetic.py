@@ -23,11 +23,6 @@ import pyarrow.parquet as pq
 from numba import njit, prange
 from tqdm import tqdm
 
-try:  # anndata >= 0.11
-    from anndata.io import write_elem
-except ImportError:  # pragma: no cover - older anndata
-    from anndata.experimental import write_elem
-
 CHUNK_CELLS = 8192
 _SUB_BATCH = 2048  # cells per kernel call; bounds the random pool to ~30 MB
 _SETUP_STREAM = 2**32 - 1  # rng stream of the global structure (never a chunk index)
@@ -300,6 +295,11 @@ def _open_h5ad(path: Path, num_cells: int, num_genes: int) -> h5py.File:
 
 def _finish_h5ad(f: h5py.File, model: _Model, n_genes: np.ndarray, totals: np.ndarray) -> None:
     """Write ``obs``, ``var`` and the empty elements anndata expects."""
+    try:  # imported here: anndata takes ~1 s to import and only the h5ad needs it
+        from anndata.io import write_elem
+    except ImportError:  # pragma: no cover - older anndata
+        from anndata.experimental import write_elem
+
     obs = pd.DataFrame({key: pd.Categorical.from_codes(codes, categories=names)
                         for key, (names, codes) in model.obs_codes(slice(None)).items()},
                        index=pd.Index([f"c{i:09d}" for i in range(model.num_cells)], name="cell_id"))
