@@ -32,6 +32,7 @@ from ._manifest import Manifest as Manifest
 from ._memory import MemoryLoader as MemoryLoader
 from ._memory import make_memory_loader as make_memory_loader
 from ._panel import InMemoryPanel as InMemoryPanel
+from ._prefetch import prefetch_to_device as prefetch_to_device
 from ._panel import load_panel as load_panel
 from ._manifest import verify_dataset as verify_dataset
 from ._query import CellTable as CellTable

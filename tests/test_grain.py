@@ -171,3 +171,23 @@ def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]  # the absl-flags workaround applied (grain#1355)
     first = next(iter(oj.make_loader(ds, batch_size=64, seed=3)))
     assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
+
+
+def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):
+    mesh = jax.make_mesh((8,), ("data",))
+    expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1), 10**6)
+    for workers in (0, 2):
+        batches = oj.prefetch_to_device(iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)),
+                                        mesh, buffer_size=3)
+        assert isinstance(batches, grain.DatasetIterator)
+        head = _indices(batches, 12)
+        state = json.loads(json.dumps(batches.get_state()))  # the state after the 12th batch, not the 15th
+        first = next(batches)
+        assert first.x.sharding.spec == jax.sharding.PartitionSpec("data")
+        again = oj.prefetch_to_device(iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)),
+                                      mesh)
+        again.set_state(state)
+        _assert_same(head + [np.asarray(first.index)] + _indices(batches, 10**6), expected)
+        _assert_same(_indices(again, 10**6), expected[12:])
+        batches.close()
+        again.close()
