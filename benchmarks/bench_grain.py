@@ -3,7 +3,7 @@
 Every configuration runs in a fresh process, all of them round-robin ``--rounds`` times (medians
 reported): make_loader, make_grain_loader with 0 worker processes (threads only) and with each
 ``--workers`` count, for dense and csr batches of 1,024 cells. Both deliver the same thing: the
-batch's jax.Arrays on the default device (``oj.prefetch_to_device`` places Grain's numpy batches, on 2 threads). Then the
+batch's jax.Arrays on the default device (Grain's numpy batches placed by ``oj.prefetch_to_device`` on ``--place-threads`` threads, or in the loop with ``oj.place_batch``). Then the
 checkpoint side: state size, Orbax ``CheckpointManager`` save and restore times, and the time to
 the first batch after a restore.
 
@@ -56,7 +56,10 @@ def _child(spec: dict) -> dict:
         return out
     threads = spec["threads"] if spec["workers"] == 0 else spec["worker_threads"]
     loader = oj.make_grain_loader(ds, **kw, num_threads=threads, worker_count=spec["workers"])
-    batches = oj.prefetch_to_device(iter(loader))  # placed on 2 threads, 2 batches ahead
+    place = spec["place_threads"]
+    if not place:  # placed in the loop's thread
+        return _consume(iter(loader), warmup=32, num_batches=n, batch_size=spec["batch_size"], place=oj.place_batch)
+    batches = oj.prefetch_to_device(iter(loader), buffer_size=place, threads=place)
     return _consume(batches, warmup=32, num_batches=n, batch_size=spec["batch_size"], place=lambda b: b)
 
 
@@ -122,6 +125,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="worker_count values besides 0")
     p.add_argument("--threads", type=int, default=2,
                    help="decoding threads (num_threads) of make_loader and of the 0-worker DataLoader")
+    p.add_argument("--place-threads", type=int, default=2,
+                   help="threads (and batches ahead) of oj.prefetch_to_device for the DataLoader's batches; "
+                        "0: oj.place_batch in the loop's thread")
     p.add_argument("--worker-threads", type=int, default=None,
                    help="decoding threads in each worker process (default: --threads)")
     p.add_argument("--out", default=str(HERE / "results" / "grain.json"))
@@ -133,7 +139,7 @@ def main() -> None:
     plan = []
     for output in ("dense", "csr"):
         base = {"dataset": dataset, "batch_size": 1024, "output": output, "threads": args.threads,
-                "worker_threads": args.worker_threads or args.threads}
+                "worker_threads": args.worker_threads or args.threads, "place_threads": args.place_threads}
         plan.append((f"make_loader            {output} b1024", {**base, "kind": "make_loader"}))
         for w in [0, *args.workers]:
             plan.append((f"make_grain_loader W={w:<2} {output} b1024", {**base, "kind": "grain", "workers": w}))
@@ -164,7 +170,7 @@ def main() -> None:
                                        f"import json, bench_grain; print(json.dumps(bench_grain._checkpoint_costs({dataset!r})))"],
                                       capture_output=True, text=True, env=env, check=True).stdout.strip().splitlines()[-1])
     result = {"benchmark": "bench_grain", "rounds": args.rounds, "threads": args.threads,
-              "worker_threads": args.worker_threads or args.threads,
+              "worker_threads": args.worker_threads or args.threads, "place_threads": args.place_threads,
               "command": "python benchmarks/bench_grain.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows, "checkpoint": costs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ from ._dataset import Categorical, Dataset, runs
 from ._errors import OmicsIOError
 from ._outputs import OutputContext, resolve_output
 from ._query import CellTable
-from ._stream import obs_specs
 
 _READ_CELLS = 1 << 14
 
@@ -133,7 +132,7 @@ def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum
     selected = table.select(where, rowids=rows)
     _check_memory(len(selected), len(tokens))
     x = aligned_empty((len(selected), len(tokens)))
-    specs = obs_specs(table, obs)
+    specs = table.obs_specs(obs)
     obs_arrays = {s.name: np.empty(len(selected), np.int32 if s.categories is not None else np.float32)
                   for s in specs}
     rowids = np.empty(len(selected), np.int64)

@@ -28,6 +28,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ._arrow import is_list_type, list_to_csr
 from ._errors import DataValidationError, OmicsIOError
@@ -98,6 +99,21 @@ def arrow_csr(batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, np.ndarray,
             raise DataValidationError(msg)
         indices = indices.astype(np.int32)
     return gene_ptr, indices, values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObsSpec:
+    """How an obs column becomes an array: categorical (int32 codes into ``categories``, -1 =
+    missing) or numeric (float32, NaN = missing)."""
+
+    name: str
+    categories: tuple | None
+
+    def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        if self.categories is None:
+            return pc.fill_null(pc.cast(column, pa.float32()), np.nan).to_numpy(zero_copy_only=False)
+        codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
+        return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)
 
 
 class CellTable:
@@ -180,6 +196,17 @@ class CellTable:
                 clauses.append(rowid_pruning(self.files, self._bases, ids))
         clauses.extend(extra)
         return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+
+    def obs_specs(self, names: Sequence[str]) -> list[ObsSpec]:
+        """How each named obs column becomes an array, categories taken from the whole table (so
+        codes are stable across queries)."""
+        specs = []
+        for name in names:
+            self.require_columns([name])
+            dtype = self.schema.field(name).type
+            numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+            specs.append(ObsSpec(name, None if numeric else tuple(self.categories(name))))
+        return specs
 
     def require_columns(self, columns: Sequence[str]) -> list[str]:
         unknown = [c for c in columns if c not in self.schema.names]

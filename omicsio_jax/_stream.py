@@ -26,7 +26,6 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ._background import Background
 from ._batch import Batch, HostBatch, place_batch
@@ -35,38 +34,12 @@ from ._coverage import Coverage, Tally
 from ._dataset import take_rows
 from ._errors import OmicsIOError
 from ._outputs import Output, OutputContext, resolve_output
-from ._query import CellTable
+from ._query import CellTable, ObsSpec
 from ._state import check_state
 
 STATE_VERSION = 1
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-@dataclasses.dataclass(frozen=True)
-class ObsSpec:
-    """How an obs column becomes an array: categorical (int32 codes into ``categories``, -1 =
-    missing) or numeric (float32, NaN = missing)."""
-
-    name: str
-    categories: tuple | None
-
-    def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-        if self.categories is None:
-            return pc.fill_null(pc.cast(column, pa.float32()), np.nan).to_numpy(zero_copy_only=False)
-        codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
-        return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)
-
-
-def obs_specs(table: CellTable, names: Sequence[str]) -> list[ObsSpec]:
-    """Categories of each named obs column from the whole table (stable codes across queries)."""
-    specs = []
-    for name in names:
-        table.require_columns([name])
-        dtype = table.schema.field(name).type
-        numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
-        specs.append(ObsSpec(name, None if numeric else tuple(table.categories(name))))
-    return specs
 
 
 @dataclasses.dataclass
@@ -316,6 +289,6 @@ def make_stream_loader(
     out = out.bind(OutputContext.of_table(table, rows=batch_size))
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
     return StreamLoader(table, batch_size=batch_size, output=out, where=where, rowids=rows,
-                        obs=obs_specs(table, obs), shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh,
+                        obs=table.obs_specs(obs), shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh,
                         data_axis=data_axis, drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
 
