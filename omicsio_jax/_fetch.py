@@ -87,6 +87,7 @@ class SegmentCache(Generic[T]):
                  ahead: float = 2, threads: int = 2, keep: int = 4, weight: Callable[[Hashable], float] | None = None):
         self._load, self._following, self._ahead, self._keep = load, following, ahead, max(keep, int(ahead) + 3)
         self._weight = weight or (lambda key: 1.0)
+        self._newest: Hashable | None = None
         self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._queue: collections.deque[Hashable] = collections.deque()
         self._cond = threading.Condition()
@@ -102,20 +103,25 @@ class SegmentCache(Generic[T]):
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._add(key, urgent=True)
-            self._entries.move_to_end(key)
-            nxt, covered = key, 0.0
-            while covered < self._ahead:
-                nxt = self._following(nxt)
-                if nxt is None:
-                    break
-                covered += self._weight(nxt)
-                if nxt not in self._entries:
-                    self._add(nxt, urgent=False)
-            self._evict()
+            if key != self._newest:  # the first ask for this key: move the read-ahead window on
+                self._newest = key
+                self._read_ahead(key)
         entry.done.wait()
         if entry.error is not None:
             raise entry.error
         return entry.value
+
+    def _read_ahead(self, key: Hashable) -> None:
+        self._entries.move_to_end(key)
+        nxt, covered = key, 0.0
+        while covered < self._ahead:
+            nxt = self._following(nxt)
+            if nxt is None:
+                break
+            covered += self._weight(nxt)
+            if nxt not in self._entries:
+                self._add(nxt, urgent=False)
+        self._evict()
 
     def _add(self, key: Hashable, *, urgent: bool) -> _Entry:
         entry = self._entries[key] = _Entry()

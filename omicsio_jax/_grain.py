@@ -23,12 +23,12 @@ import grain
 import jax
 import numpy as np
 
-from ._batch import HostBatch, local_shards
+from ._batch import HostBatch
 from ._coverage import Tally
 from ._dataset import Dataset, open_dataset
 from ._errors import OmicsIOError
 from ._minibatch import DiskSpec, MinibatchReader, obs_column
-from ._outputs import Output, resolve_output
+from ._outputs import Output
 from ._schedule import Schedule
 
 
@@ -58,13 +58,12 @@ class GrainSource(grain.sources.RandomAccessDataSource):
                  drop_remainder: bool = True, mesh=None, data_axis: str = "data", process_count: int | None = None,
                  prefetch: int = 2, decode_threads: int | None = None):
         ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
-        out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum,
-                             nnz_capacity=nnz_capacity)
         hosts = jax.process_count() if process_count is None else process_count
-        self.spec = DiskSpec(batch_size, out, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
-                             num_epochs=num_epochs, sampling=sampling, weights=weights, balance_by=balance_by,
-                             rows=None if rows is None else np.asarray(rows, np.int64), obs=tuple(obs),
-                             drop_remainder=drop_remainder, num_hosts=hosts, num_slabs=local_shards(mesh, data_axis))
+        self.spec = DiskSpec.of(output=output, genes=genes, normalize=normalize, target_sum=target_sum,
+                                nnz_capacity=nnz_capacity, rows=rows, obs=obs, mesh=mesh, data_axis=data_axis,
+                                num_hosts=hosts, batch_size=batch_size, block_size=block_size,
+                                fetch_factor=fetch_factor, seed=seed, num_epochs=num_epochs, sampling=sampling,
+                                weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
         plan = self.spec.plan(ds)
         bound = self.spec.bound_output(ds, plan)
         for name in self.spec.obs:

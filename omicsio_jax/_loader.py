@@ -19,12 +19,12 @@ import grain
 import jax
 import numpy as np
 
-from ._batch import Batch, HostBatch, SparseBatch, local_shards, place_batch
+from ._batch import Batch, HostBatch, SparseBatch, place_batch
 from ._coverage import Coverage, Tally
 from ._dataset import Dataset
 from ._errors import OmicsIOError, StateMismatchError
 from ._minibatch import DiskSpec, MinibatchReader, obs_column
-from ._outputs import CSR, Output, resolve_output
+from ._outputs import CSR, Output
 from ._schedule import Anchor, Schedule
 from ._state import check_state, read_loader_states
 
@@ -274,15 +274,15 @@ def make_loader(
     place batches ahead of the consumer (raise it on many-core hosts), ``prefetch`` fetches are
     read ahead on as many threads; ``decode_threads`` numba threads decode each batch (default 1).
     """
-    out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity)
     host = jax.process_index() if process_index is None else process_index
     hosts = jax.process_count() if process_count is None else process_count
     if mesh is not None and batch_size % mesh.shape[data_axis]:
         msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
         raise OmicsIOError(msg)
-    spec = DiskSpec(batch_size, out, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
-                    num_epochs=num_epochs, sampling=sampling, weights=weights, balance_by=balance_by,
-                    rows=None if rows is None else np.asarray(rows, np.int64), obs=tuple(obs),
-                    drop_remainder=drop_remainder, num_hosts=hosts, num_slabs=local_shards(mesh, data_axis))
+    spec = DiskSpec.of(output=output, genes=genes, normalize=normalize, target_sum=target_sum,
+                       nnz_capacity=nnz_capacity, rows=rows, obs=obs, mesh=mesh, data_axis=data_axis, num_hosts=hosts,
+                       batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
+                       num_epochs=num_epochs, sampling=sampling, weights=weights, balance_by=balance_by,
+                       drop_remainder=drop_remainder)
     return Loader(ds, spec, host=host, mesh=mesh, data_axis=data_axis, num_threads=num_threads, prefetch=prefetch,
                   decode_threads=decode_threads)

@@ -15,12 +15,12 @@ import numba
 import numpy as np
 
 from . import _codec
-from ._batch import HostBatch
+from ._batch import HostBatch, local_shards
 from ._buffers import RowBuffers
 from ._dataset import Categorical, Dataset
 from ._errors import OmicsIOError
 from ._fetch import FetchReader, SegmentCache
-from ._outputs import Output, OutputContext
+from ._outputs import Output, OutputContext, resolve_output
 from ._sampling import SamplingPlan, class_weights
 from ._schedule import Schedule, Segment
 
@@ -43,6 +43,15 @@ class DiskSpec:
     drop_remainder: bool = True
     num_hosts: int = 1
     num_slabs: int = 1
+
+    @staticmethod
+    def of(*, output: str | Output, genes: Sequence[str | int] | None, normalize: str | None, target_sum: float,
+           nnz_capacity: int | None, rows, obs: Sequence[str], mesh, data_axis: str, num_hosts: int,
+           **knobs) -> DiskSpec:
+        """The spec of `make_loader`'s / `GrainSource`'s arguments (``knobs``: the sampling ones)."""
+        out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity)
+        return DiskSpec(output=out, rows=None if rows is None else np.asarray(rows, np.int64), obs=tuple(obs),
+                        num_hosts=num_hosts, num_slabs=local_shards(mesh, data_axis), **knobs)
 
     def plan(self, ds: Dataset) -> SamplingPlan:
         """The sampling plan over ``ds`` (raises for a bad knob, naming it and the fix)."""
