@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="worker_count values besides 0")
     p.add_argument("--threads", type=int, default=2,
                    help="decoding threads (num_threads) of make_loader and of the 0-worker DataLoader")
-    p.add_argument("--place-threads", type=int, default=2,
+    p.add_argument("--place-threads", type=int, default=0,
                    help="threads (and batches ahead) of oj.prefetch_to_device for the DataLoader's batches; "
                         "0: oj.place_batch in the loop's thread")
     p.add_argument("--worker-threads", type=int, default=None,

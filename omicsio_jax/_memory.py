@@ -47,24 +47,20 @@ def _gather_rows(x, rows, out):
         out[i, :] = x[rows[i], :]
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _draw(arrays, perm, step, *, rows):
+@functools.partial(jax.jit, static_argnames=("rows",), donate_argnums=3)
+def _draw(arrays, perm, step, acc, *, rows):
     """Each device gathers ``rows`` of its own cells: ``arrays`` leaves are (devices, L, ...) and
-    ``perm`` is (devices, L), both sharded on axis 0; results are flattened to (devices × rows, ...)."""
+    ``perm`` is (devices, L), both sharded on axis 0; results are flattened to (devices × rows, ...).
+    ``acc`` (devices, 3) uint32 gets each device's coverage tally of the rows it drew, in the same call."""
     idx = jax.lax.dynamic_slice_in_dim(perm, step * rows, rows, axis=1)
 
     def take(a):
-        picked = jax.vmap(lambda local, i: jnp.take(local, i, axis=0, mode="clip"))(a, idx)  # in bounds
-        return picked.reshape(-1, *a.shape[2:])
+        return jax.vmap(lambda local, i: jnp.take(local, i, axis=0, mode="clip"))(a, idx)  # in bounds
 
-    return jax.tree.map(take, arrays)
-
-
-@functools.partial(jax.jit, static_argnames=("devices",), donate_argnums=0)
-def _count_on_devices(acc, index, mask, *, devices):
-    """``acc`` (devices, 3) uint32 plus each device's tally of its slice of the batch, where it lives."""
-    per_device = jax.vmap(lambda i, m: jnp.stack(device_tally(i, m)))
-    return acc + per_device(index.reshape(devices, -1), mask.reshape(devices, -1))
+    picked = jax.tree.map(take, arrays)
+    index = picked["index"]
+    acc = acc + jax.vmap(lambda i: jnp.stack(device_tally(i, i >= 0)))(index)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked), acc
 
 
 class MemoryLoader(grain.DatasetIterator):
@@ -168,7 +164,6 @@ class MemoryLoader(grain.DatasetIterator):
             raise StopIteration
         if self.placement == "device":
             batch = self._device_batch(self._epoch, self._step)
-            self._acc = _count_on_devices(self._acc, batch.index, batch.mask, devices=self._devices)
         else:
             if self.prefetch <= 0:  # gather in the caller's thread
                 hb = self._host_batch(self._rows(self._epoch, self._step))
@@ -272,7 +267,7 @@ class MemoryLoader(grain.DatasetIterator):
             self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis),
                                                       lambda index: perms[index])
             self._perm_epoch = epoch
-        out = _draw(self._arrays, self._perm, step, rows=self._rows_local)
+        out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
         return Batch(out["x"], out["obs"], out["index"], self._mask)
 
 

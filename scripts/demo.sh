@@ -24,6 +24,13 @@ print(f"cells 3, 0, 17: {np.diff(indptr).tolist()} nonzeros; drugs {drug.labels(
 h5 = oj.open_dataset("demo/dataset_h5ad")
 same = all(np.array_equal(a, b) for a, b in zip(h5.read_csr(range(100)), ds.read_csr(range(100))))
 print(f"h5ad and parquet inputs give identical cells: {same}")
+
+# Grain's DataLoader over the dataset serves make_loader's batches; every epoch is audited
+kw = dict(batch_size=256, fetch_factor=16, seed=0, num_epochs=1, obs=("drug",))
+loader = oj.make_loader(ds, **kw)
+grain_loader = oj.make_grain_loader(ds, **kw)
+equal = all(np.array_equal(np.asarray(a.index), b.index) for a, b in zip(loader, grain_loader, strict=True))
+print(f"grain.DataLoader batches equal make_loader's: {equal}; epoch audit: {loader.coverage(0).to_dict()}")
 PY
 omicsio-materialize index demo/corpus/cells.parquet demo/index --overwrite --no-progress
 python - <<'PY'
