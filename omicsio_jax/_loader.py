@@ -69,7 +69,7 @@ class Loader(grain.DatasetIterator):
 
     @property
     def _buffer_size(self) -> int:
-        return max(self.num_threads, 1) + 1
+        return max(self.num_threads, 1)
 
     def _host_stream(self, schedule: Schedule, reader: MinibatchReader, start: tuple[int, int]):
         """The host batches from ``start`` to the end (endless without ``num_epochs``) as a Grain dataset."""

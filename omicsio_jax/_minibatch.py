@@ -115,7 +115,7 @@ class MinibatchReader:
         self._read = FetchReader(ds)
         full = schedule.plan.fetch_factor
         self._segments = SegmentCache(self._load, self._following, ahead=prefetch, threads=prefetch,
-                                      keep=prefetch + 4, weight=lambda seg: seg.num_steps / full)
+                                      keep=prefetch + 3, weight=lambda seg: seg.num_steps / full)
 
     def _load(self, seg: Segment) -> tuple[np.ndarray, list[bytes]]:
         rows = self.schedule.rows(seg)
