@@ -170,26 +170,13 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
     assert total == 62 and [p.name for _, p in train.list_checkpoints(tmp_path / "ref")] == [
         "step-000055", "step-000060", "step-000062"]  # keep=3, and one at the end
 
-    ckpt, marker = tmp_path / "killed", tmp_path / "stalled"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), "23", *args,
-               "--checkpoint-dir", str(ckpt)]
-    worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (marker.exists() and (ckpt / "step-000020").exists()):
-            assert worker.poll() is None, worker.stderr.read()
-            assert time.monotonic() < deadline, "the worker did not reach step 23"
-            time.sleep(0.05)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
-        worker.stderr.close()
-    assert worker.returncode == -signal.SIGKILL
+    ckpt = tmp_path / "killed"
+    _kill_at(args, ckpt, tmp_path / "stalled", 23, ckpt / "step-000020")
     assert train.latest_checkpoint(ckpt).step == 20
     assert [r["step"] for r in train.read_metrics(ckpt / "metrics.jsonl")][-1] == 23  # to be truncated
 
     # the resume: a real run of the console script
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     script = Path(sys.executable).with_name("omicsio-train")
     run = subprocess.run([str(script), *args, "--checkpoint-dir", str(ckpt), "--resume"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
