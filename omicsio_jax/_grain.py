@@ -27,7 +27,7 @@ from ._batch import HostBatch
 from ._coverage import Tally
 from ._dataset import Dataset, open_dataset
 from ._errors import OmicsIOError
-from ._minibatch import DiskSpec, MinibatchReader, obs_column
+from ._minibatch import DiskSpec, MinibatchReader
 from ._outputs import Output
 from ._schedule import Schedule
 
@@ -64,10 +64,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
                                 num_hosts=hosts, batch_size=batch_size, block_size=block_size,
                                 fetch_factor=fetch_factor, seed=seed, num_epochs=num_epochs, sampling=sampling,
                                 weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
-        plan = self.spec.plan(ds)
-        bound = self.spec.bound_output(ds, plan)
-        for name in self.spec.obs:
-            obs_column(ds, name)
+        plan, bound = self.spec.resolve(ds)
         self.path, self.reader_options = str(ds.path), ds.reader_options
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
         self.prefetch, self.decode_threads = prefetch, decode_threads
@@ -108,8 +105,8 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         with self._lock:
             if self._local is None:  # first use in this process: reopen the dataset
                 ds = open_dataset(self.path, reader_options=self.reader_options)
-                plan = self.spec.plan(ds)
-                self._local = {"ds": ds, "plan": plan, "output": self.spec.bound_output(ds, plan), "readers": {}}
+                plan, output = self.spec.resolve(ds)
+                self._local = {"ds": ds, "plan": plan, "output": output, "readers": {}}
             local = self._local
             reader = local["readers"].get(host)
             if reader is None:

@@ -23,7 +23,7 @@ from ._batch import Batch, HostBatch, SparseBatch, place_batch
 from ._coverage import Coverage, Tally
 from ._dataset import Dataset
 from ._errors import OmicsIOError, StateMismatchError
-from ._minibatch import DiskSpec, MinibatchReader, obs_column
+from ._minibatch import DiskSpec, MinibatchReader
 from ._outputs import CSR, Output
 from ._schedule import Anchor, Schedule
 from ._state import check_state, read_loader_states
@@ -46,10 +46,7 @@ class Loader(grain.DatasetIterator):
         super().__init__()
         self._iterator = self._reader = self._finalizer = None  # before anything can raise: __del__ closes
         self.dataset, self.spec, self.host, self.num_epochs = ds, spec, host, spec.num_epochs
-        self.plan = spec.plan(ds)
-        self.output: Output = spec.bound_output(ds, self.plan)
-        for name in spec.obs:
-            obs_column(ds, name)
+        self.plan, self.output = spec.resolve(ds)
         self.mesh, self.data_axis, self.num_threads, self.prefetch = mesh, data_axis, num_threads, prefetch
         self._decode_threads = decode_threads
         self._config = spec.config(ds, self.plan, self.output)

@@ -255,15 +255,19 @@ class MemoryLoader(grain.DatasetIterator):
         self._mask = jax.make_array_from_callback(ones.shape, sharding, lambda index: ones[index])
         self._set_served(Tally())
 
+    def _device_order(self, epoch: int, device: int) -> np.ndarray:
+        """The order in which device ``device`` draws its own cells in ``epoch`` (positions in its share)."""
+        return np.random.default_rng([self.seed, epoch, device]).permutation(self._valid[device])
+
     def _device_rows(self, epoch: int, device: int) -> np.ndarray:
         """Panel rows device ``device`` draws in ``epoch``, in order."""
-        return self._parts[device][np.random.default_rng([self.seed, epoch, device]).permutation(self._valid[device])]
+        return self._parts[device][self._device_order(epoch, device)]
 
     def _device_batch(self, epoch: int, step: int) -> Batch:
         if self._perm_epoch != epoch:
             perms = np.zeros((self._devices, self._length), np.int32)
             for d in range(self._devices):
-                perms[d, : self._valid[d]] = np.random.default_rng([self.seed, epoch, d]).permutation(self._valid[d])
+                perms[d, : self._valid[d]] = self._device_order(epoch, d)
             self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis),
                                                       lambda index: perms[index])
             self._perm_epoch = epoch

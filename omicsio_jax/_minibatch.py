@@ -75,8 +75,13 @@ class DiskSpec:
             raise OmicsIOError(msg)
         return plan
 
-    def bound_output(self, ds: Dataset, plan: SamplingPlan) -> Output:
-        return self.output.bind(OutputContext.of_dataset(ds, rows=plan.local_batch, num_slabs=self.num_slabs))
+    def resolve(self, ds: Dataset) -> tuple[SamplingPlan, Output]:
+        """The sampling plan and the output bound to ``ds``, after checking every obs column exists
+        (raises for a bad knob, naming it and the fix)."""
+        plan = self.plan(ds)
+        for name in self.obs:
+            obs_column(ds, name)
+        return plan, self.output.bind(OutputContext.of_dataset(ds, rows=plan.local_batch, num_slabs=self.num_slabs))
 
     def config(self, ds: Dataset, plan: SamplingPlan, output: Output) -> dict:
         """What decides the cells and values of every batch (compared on restore): not the number of
