@@ -7,6 +7,7 @@
     omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
     omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
     omicsio-materialize verify out/
+    omicsio-materialize stats out/                        (add corpus statistics to an older dataset)
     omicsio-materialize index 'atlas/**/*.parquet' atlas_index/   (inverted gene -> cells index)
     omicsio-materialize synth corpus/ --cells 200000      (a synthetic corpus to try it on)
 """
@@ -27,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omicsio-materialize",
         description="Convert list-column single-cell tables (parquet, vortex, a DuckDB query) or an "
-        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `index INPUT OUT`, `synth DIR`.",
+        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `stats OUT`, `index INPUT OUT`, `synth DIR`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
     )
@@ -95,6 +96,21 @@ def _index(argv: list[str]) -> int:
     return 0
 
 
+def _stats(argv: list[str]) -> int:
+    from ._stats import add_stats
+
+    p = argparse.ArgumentParser(
+        prog="omicsio-materialize stats",
+        description="Compute the corpus statistics (gene_stats.parquet, obs n_counts / n_genes) of a dataset "
+        "materialized before they existed, from its shards; the fingerprint stays the same.")
+    p.add_argument("dataset")
+    p.add_argument("--force", action="store_true", help="recompute statistics the dataset already has")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    print(add_stats(args.dataset, force=args.force, progress=not args.no_progress))
+    return 0
+
+
 def _materialize(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_intermixed_args(argv)
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(argv[1:])
         if argv[:1] == ["index"]:
             return _index(argv[1:])
+        if argv[:1] == ["stats"]:
+            return _stats(argv[1:])
         if argv[:1] == ["synth"]:
             from ._synthetic import main as synth_main
 

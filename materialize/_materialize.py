@@ -9,12 +9,13 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax import _codec
+from omicsio_jax import DataValidationError, OmicsIOError, _codec
 from omicsio_jax._background import Background
+from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
 from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
 
 from ._panel import Panel, read_panel
@@ -105,9 +106,12 @@ def open_source(
                        batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
 
 
+CELL_STATS = ("n_counts", "n_genes")  # obs sidecars computed from the cells
+
+
 def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     if obs is None:
-        return list(src.obs_columns)
+        return [name for name in src.obs_columns if name not in CELL_STATS]
     unknown = [name for name in obs if name not in src.obs_columns]
     if unknown:
         msg = (
@@ -115,7 +119,11 @@ def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
             f"available: {', '.join(src.obs_columns) or '(none)'}"
         )
         raise DataValidationError(msg)
-    return list(obs)
+    shadowed = [name for name in obs if name in CELL_STATS]
+    if shadowed:
+        print(f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
+              f"{', '.join(CELL_STATS)} are computed from its cells", file=sys.stderr)
+    return [name for name in obs if name not in CELL_STATS]
 
 
 def materialize(
@@ -170,6 +178,12 @@ def materialize(
             cleanup.callback(writer.close)
         cell_ids = CellIdWriter(tmp)
         cleanup.callback(cell_ids.close)
+        num_columns = gene_index.num_genes if chosen_panel is None else chosen_panel.features.num_rows
+        stats = StatsAccumulator(num_columns, shard_cells)
+        stat_writers = [make_obs_writer(tmp / "obs", "n_counts", pa.float64()),
+                        make_obs_writer(tmp / "obs", "n_genes", pa.int32())]
+        for writer in stat_writers:
+            cleanup.callback(writer.close)
         nnz = 0
         with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress,
                   desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -179,6 +193,8 @@ def materialize(
                                                       panel=chosen_panel)
                 nnz += batch_nnz
                 shards.write(buf, starts)
+                for writer, column in zip(stat_writers, stats.add(buf, starts), strict=True):
+                    writer.append(pa.array(column))
                 for writer in obs_writers:
                     writer.append(batch.obs[writer.name])
                 cell_ids.append(batch.cell_ids)
@@ -187,13 +203,14 @@ def materialize(
         num_cells = sum(s.num_cells for s in shard_entries)
         cell_ids.finish()
         obs_entries = []
-        for writer in obs_writers:
+        stats.finish().write(tmp / STATS_NAME)
+        for writer in [*obs_writers, *stat_writers]:
             dtype = writer.finish()
             obs_entries.append(ObsEntry(writer.name, writer.kind, dtype, writer.num_categories))
         features = src.genes if chosen_panel is None else chosen_panel.features
         pq.write_table(features, tmp / "features.parquet", compression="zstd")
-        relpaths = ["features.parquet", CellIdWriter.path]
-        relpaths += [p for writer in obs_writers for p in writer.files()]
+        relpaths = ["features.parquet", CellIdWriter.path, STATS_NAME]
+        relpaths += [p for writer in [*obs_writers, *stat_writers] for p in writer.files()]
         files = tuple(file_entry(tmp, p) for p in relpaths)
         manifest = Manifest(
             num_cells=num_cells,

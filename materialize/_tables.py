@@ -3,6 +3,31 @@
 Every table input becomes a DuckDB relation named ``cells``; ``--where`` filters it and
 ``--query`` may select from it (or from any file DuckDB can read). Rows stream out as Arrow
 record batches in bounded memory, in file order.
+
+Two layouts are read, told apart by their columns:
+
+- **internal**: ``gene_token_id`` list<int>, ``gene_expression`` list<float>, ``cell_id``, plus
+  scalar obs columns.
+- **Tahoe-100M as published** (``tahoebio/Tahoe-100M`` on Hugging Face, ``data/*.parquet``): chosen
+  when the input (or ``--query``'s result) has list columns ``genes`` and ``expressions`` and
+  neither ``gene_token_id`` nor ``gene_expression``. ``genes`` list<int64> holds token ids
+  (gene index + 3; 0, 1, 2 are ``<pad>``, ``<cls>``, ``<eoc>``), ``expressions`` list<float32>
+  the raw counts, and every row starts with the CLS pair (gene 1, expression -2.0). The reader
+  checks that pair in every row (a row without it is a `DataValidationError` naming file, row
+  and cell), strips it in SQL (``genes[2:]`` → ``gene_token_id``, ``expressions[2:]`` →
+  ``gene_expression``) and takes ``BARCODE_SUB_LIB_ID`` as the cell id unless the input has a
+  ``cell_id`` column (or ``--cell-id`` names another). The other scalar columns (``drug``,
+  ``sample``, ``cell_line_id``, ``moa-fine``, ``canonical_smiles``, ``pubchem_cid``, ``plate``)
+  are obs columns as usual; ``--where`` sees the published columns, before the CLS pair is
+  stripped. The gene table is Tahoe's ``metadata/gene_metadata.parquet`` (``token_id``,
+  ``ensembl_id``, ``gene_symbol``), found beside the input as usual or in a ``metadata/``
+  folder next to one of the input's parent folders; it is read as ``token_id`` →
+  ``gene_token_id``, ``gene_symbol`` → ``gene_name``, ``ensembl_id`` kept, so dataset column
+  ``g`` is Tahoe token ``g + 3`` when the table is complete; a gene table holding tokens 0-2 is
+  refused (a 0-based index would shift every column). Without a gene table the columns are the
+  tokens 3..max seen (the specials are not genes), so ``g ↔ g + 3`` holds as well. Pass the
+  ``data/`` folder or a glob, not the repository root: a directory is searched recursively and
+  would take in the other ``metadata/*.parquet`` tables.
 """
 
 from __future__ import annotations
@@ -13,22 +38,90 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
 from omicsio_jax._arrow import is_list_type, list_to_csr
 from omicsio_jax._tables import (
+    CELL_ID_COLUMN,
     FILENAME_COLUMN,
     GENE_COLUMN,
+    GENE_TABLE_NAME,
     VALUE_COLUMN,
     create_cells_view,
     expand_files,
     find_gene_table,
+    sql_ident,
     sql_str,
 )
 
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
 
 DEFAULT_BATCH_CELLS = 8192  # DuckDB's list decoding prefers large batches (31.8k cells/s vs 30.4k at 2,048)
+
+INTERNAL_LAYOUT = "internal"
+TAHOE_LAYOUT = "tahoe-100m"
+TAHOE_GENES, TAHOE_VALUES, TAHOE_CELL_ID = "genes", "expressions", "BARCODE_SUB_LIB_ID"
+TAHOE_CLS_TOKEN, TAHOE_CLS_VALUE = 1, -2.0
+TAHOE_NUM_SPECIALS = 3  # <pad>, <cls>, <eoc>: gene g of the vocabulary is token g + 3
+_FIRST_GENE, _FIRST_VALUE = "__tahoe_first_gene", "__tahoe_first_expression"  # the CLS pair, checked per row
+
+
+def detect_layout(schema: pa.Schema) -> str:
+    """``"tahoe-100m"`` for list columns ``genes`` + ``expressions`` without the internal list columns."""
+    names = set(schema.names)
+    if GENE_COLUMN in names or VALUE_COLUMN in names:
+        return INTERNAL_LAYOUT
+    if all(n in names and is_list_type(schema.field(n).type) for n in (TAHOE_GENES, TAHOE_VALUES)):
+        return TAHOE_LAYOUT
+    return INTERNAL_LAYOUT
+
+
+def tahoe_sql(sql: str) -> str:
+    """Tahoe rows in the internal layout: lists without their first pair, which comes along to be checked."""
+    genes, values = sql_ident(TAHOE_GENES), sql_ident(TAHOE_VALUES)
+    return (f"SELECT * EXCLUDE ({genes}, {values}), "
+            f"{genes}[2:] AS {GENE_COLUMN}, {values}[2:] AS {VALUE_COLUMN}, "
+            f"{genes}[1] AS {_FIRST_GENE}, {values}[1] AS {_FIRST_VALUE} FROM ({sql})")
+
+
+def tahoe_gene_table(table: pa.Table) -> pa.Table:
+    """Tahoe's gene metadata (``token_id``, ``gene_symbol``, ``ensembl_id``) under our column names."""
+    if "token_id" not in table.column_names or "gene_token_id" in table.column_names:
+        return table
+    renames = {"token_id": "gene_token_id"}
+    if "gene_name" not in table.column_names:
+        renames["gene_symbol"] = "gene_name"
+    return table.rename_columns([renames.get(n, n) for n in table.column_names])
+
+
+def check_no_special_tokens(table: pa.Table, label: str) -> None:
+    """A Tahoe gene table holding token 0, 1 or 2 is 0-based (or not Tahoe's): columns would shift."""
+    tokens = table.column(GENE_COLUMN).to_numpy()
+    if len(tokens) and tokens.min() < TAHOE_NUM_SPECIALS:
+        msg = (
+            f"gene table {label} maps token {int(tokens.min())} to a gene, but Tahoe-100M's genes lists "
+            "reserve 0, 1, 2 for <pad>, <cls>, <eoc> (gene index + 3); give the table whose token_id values "
+            "are the ids in genes (Tahoe's metadata/gene_metadata.parquet), or add 3 to a 0-based index"
+        )
+        raise DataValidationError(msg)
+
+
+def find_tahoe_gene_table(files: list[Path]) -> Path | None:
+    """``gene_metadata.parquet`` as usual, else in ``metadata/`` beside the inputs' folder or a parent
+    (the published tree: ``data/train-*.parquet`` next to ``metadata/gene_metadata.parquet``)."""
+    found = find_gene_table(files)
+    if found is not None:
+        return found
+    roots = {f.parent for f in files}
+    while len(roots) > 1:
+        roots = {r.parent for r in roots}
+    root = roots.pop()
+    for folder in [root, *root.parents]:
+        candidate = folder / "metadata" / GENE_TABLE_NAME
+        if candidate.exists():
+            return candidate
+    return None
 
 
 class TableSource(Source):
@@ -55,32 +148,46 @@ class TableSource(Source):
             self.files = expand_files(spec)
             create_cells_view(self._con, self.files, label=spec, filename=True)
         sql = "SELECT * FROM cells" if query is None else query
+        published = self._schema_of(sql)
+        self.layout = detect_layout(published)
         if where:
             sql = f"SELECT * FROM ({sql}) WHERE {where}"
+        if self.layout == TAHOE_LAYOUT:
+            sql = tahoe_sql(sql)
         self._sql = sql
         self.description = {"kind": "table", "input": spec, "files": [str(f) for f in self.files],
-                            "where": where, "query": query}
-        try:
-            schema = self._con.sql(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table().schema
-        except duckdb.Error as e:
-            raise DataValidationError(self._explain(e)) from e
-        self._check_schema(schema)
+                            "where": where, "query": query, "layout": self.layout}
+        schema = self._schema_of(sql)
+        names = set(schema.names)
+        if self.layout == TAHOE_LAYOUT and cell_id_column == CELL_ID_COLUMN and CELL_ID_COLUMN not in names \
+                and TAHOE_CELL_ID in names:
+            self._cell_id_column = TAHOE_CELL_ID
+        self.description["cell_id_column"] = self._cell_id_column
+        self._check_schema(schema, published)
         self.schema = schema
-        self.obs_columns = obs_columns_of(schema, exclude={cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN})
+        hidden = {self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN, _FIRST_GENE, _FIRST_VALUE}
+        self.obs_columns = obs_columns_of(schema, exclude=hidden)
         self.genes = self._gene_table(genes)
         self.num_cells = self._count()
+
+    def _schema_of(self, sql: str) -> pa.Schema:
+        try:
+            return self._con.sql(f"SELECT * FROM ({sql}) LIMIT 0").to_arrow_table().schema
+        except duckdb.Error as e:
+            raise DataValidationError(self._explain(e)) from e
 
     def _explain(self, e: duckdb.Error) -> str:
         text = str(e).strip().splitlines()[0]
         return f"cannot read {self.label}: {text}"
 
-    def _check_schema(self, schema: pa.Schema) -> None:
+    def _check_schema(self, schema: pa.Schema, published: pa.Schema) -> None:
         missing = [c for c in (self._cell_id_column, GENE_COLUMN, VALUE_COLUMN) if c not in schema.names]
         if missing:
+            tahoe = f"; Tahoe-100M's is {TAHOE_CELL_ID}" if self.layout == TAHOE_LAYOUT else ""
             msg = (
                 f"{self.label} is missing required column(s) {', '.join(missing)}; it has "
-                f"{', '.join(n for n in schema.names if n != FILENAME_COLUMN)} "
-                "(use --cell-id to name another cell id column)"
+                f"{', '.join(n for n in published.names if n != FILENAME_COLUMN)} "
+                f"(use --cell-id to name another cell id column{tahoe})"
             )
             raise DataValidationError(msg)
         for name in (GENE_COLUMN, VALUE_COLUMN):
@@ -90,7 +197,7 @@ class TableSource(Source):
 
     def _gene_table(self, genes: str | None) -> pa.Table:
         if genes is None and self.files:
-            found = find_gene_table(self.files)
+            found = (find_tahoe_gene_table if self.layout == TAHOE_LAYOUT else find_gene_table)(self.files)
             genes = None if found is None else str(found)
         if genes is not None:
             try:
@@ -99,13 +206,20 @@ class TableSource(Source):
                 msg = f"cannot read gene table {genes}: {str(e).splitlines()[0]}"
                 raise DataValidationError(msg) from e
             self.description["genes"] = genes
-            return gene_table_from_arrow(table, genes)
-        # No gene table: the columns are the token ids 0..max seen.
+            table = gene_table_from_arrow(tahoe_gene_table(table), genes)
+            if self.layout == TAHOE_LAYOUT:
+                check_no_special_tokens(table, genes)
+            return table
+        # No gene table: the columns are the token ids 0..max seen (Tahoe: 3..max, the specials are no genes).
         sql = f"SELECT max(list_max({GENE_COLUMN})) FROM ({self._sql})"
-        top = self._con.execute(sql).fetchall()[0][0]
-        num_genes = 0 if top is None else int(top) + 1
+        try:
+            top = self._con.execute(sql).fetchall()[0][0]
+        except duckdb.Error as e:
+            raise DataValidationError(self._explain(e)) from e
+        first = TAHOE_NUM_SPECIALS if self.layout == TAHOE_LAYOUT else 0
         self.description["genes"] = None
-        return pa.table({GENE_COLUMN: pa.array(np.arange(num_genes, dtype=np.int32))})
+        tokens = np.arange(first, 0 if top is None else max(first, int(top) + 1), dtype=np.int32)
+        return pa.table({GENE_COLUMN: pa.array(tokens)})
 
     def _count(self) -> int:
         try:
@@ -115,6 +229,8 @@ class TableSource(Source):
 
     def batches(self, obs: list[str]) -> Iterator[Batch]:
         columns = [self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, *obs]
+        if self.layout == TAHOE_LAYOUT:
+            columns += [_FIRST_GENE, _FIRST_VALUE]
         has_file = FILENAME_COLUMN in self.schema.names
         if has_file:
             columns.append(FILENAME_COLUMN)
@@ -142,12 +258,36 @@ class TableSource(Source):
         cell_ids = cell_ids.cast(pa.string()) if not pa.types.is_string(cell_ids.type) else cell_ids
         locate = _Locator(self.label, first_row, cell_ids, rb.column(FILENAME_COLUMN) if rows_per_file is not None else None,
                           rows_per_file)
+        if self.layout == TAHOE_LAYOUT:
+            check_cls_pairs(rb.column(_FIRST_GENE), rb.column(_FIRST_VALUE), locate, self._cell_id_column)
         gene_ptr, genes = list_to_csr(rb.column(GENE_COLUMN))
         value_ptr, values = list_to_csr(rb.column(VALUE_COLUMN))
         batch = Batch.from_arrow(gene_ptr, genes, value_ptr, values, cell_ids,
                                  {name: rb.column(name) for name in obs}, locate)
         locate.advance()
         return batch
+
+
+def check_cls_pairs(first_gene: pa.Array, first_value: pa.Array, locate, cell_id_column: str) -> None:
+    """Every Tahoe row starts with (gene 1, expression -2.0): name the first row that does not."""
+    ok = pc.and_(pc.equal(first_gene, TAHOE_CLS_TOKEN), pc.equal(first_value, TAHOE_CLS_VALUE))
+    ok = pc.fill_null(ok, False).to_numpy(zero_copy_only=False)
+    if ok.all():
+        return
+    i = int(np.flatnonzero(~ok)[0])
+    if first_gene[i].is_valid and first_value[i].is_valid:
+        found = f"starts with (gene {first_gene[i].as_py()}, expression {first_value[i].as_py()})"
+    else:
+        found = "has empty or null genes/expressions lists"
+    cell_id = "" if cell_id_column == CELL_ID_COLUMN else f"--cell-id {cell_id_column} "
+    msg = (
+        f"{locate(i)} {found} instead of Tahoe-100M's CLS pair (gene {TAHOE_CLS_TOKEN}, expression "
+        f"{TAHOE_CLS_VALUE}), which every row of a genes/expressions table must start with; restore the "
+        f"pair, or, for lists without it, read them as the internal layout: {cell_id}--query "
+        "\"SELECT * EXCLUDE (genes, expressions), genes AS gene_token_id, expressions AS gene_expression "
+        "FROM cells\""
+    )
+    raise DataValidationError(msg)
 
 
 class _Locator:

@@ -23,9 +23,15 @@ from ._loader import Loader as Loader
 from ._loader import make_loader as make_loader
 from ._outputs import CSR as CSR
 from ._outputs import Dense as Dense
+from ._outputs import GeneformerTokens as GeneformerTokens
+from ._outputs import ScGPTTokens as ScGPTTokens
 from ._outputs import Output as Output
 from ._outputs import Panel as Panel
 from ._state import read_loader_states as read_loader_states
+from ._tokens import tokenize as tokenize
+from ._vocab import Vocabulary as Vocabulary
+from ._vocab import default_vocabulary as default_vocabulary
+from ._genestats import GeneStats as GeneStats
 from ._genes import GeneTable as GeneTable
 from ._genes import UnknownGeneError as UnknownGeneError
 from ._manifest import Manifest as Manifest

@@ -297,19 +297,21 @@ def next_column(u8, u32, pos, k, count, ic, col):
 
 
 @nb.njit(inline="always")
-def _decode_one(u8, u32, f32, start, indices, values, out):
-    """Decode the record at byte ``start`` into ``indices``/``values`` from position ``out``."""
+def decode_one(u8, u32, f32, start, indices, values, out):
+    """Decode the record at byte ``start`` into ``indices``/``values`` from position ``out``;
+    return the number of entries written (a dense record writes its nonzeros)."""
     ic, vc = u8[start + 1], u8[start + 2]
     count = np.int64(u32[start // 4 + 1])
     pos = start + HEADER_BYTES
     if ic == INDEX_DENSE:
+        written = 0
         for k in range(count):
             v = read_value(u8, u32, f32, pos, k, vc, count)
             if v != 0:
-                indices[out] = k
-                values[out] = v
-                out += 1
-        return
+                indices[out + written] = k
+                values[out + written] = v
+                written += 1
+        return written
     col = np.int64(0)
     for k in range(count):
         col = next_column(u8, u32, pos, k, count, ic, col)
@@ -317,19 +319,20 @@ def _decode_one(u8, u32, f32, start, indices, values, out):
     vpos = pos + pad4(count * INDEX_WIDTH[ic])
     for k in range(count):
         values[out + k] = read_value(u8, u32, f32, vpos, k, vc, count)
+    return count
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_into_csr(u8, u32, f32, starts, indptr, indices, values):
     for i in nb.prange(starts.shape[0]):
-        _decode_one(u8, u32, f32, starts[i], indices, values, indptr[i])
+        decode_one(u8, u32, f32, starts[i], indices, values, indptr[i])
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_into_slabs(u8, u32, f32, starts, nnz, positions, rows_per_slab, row_ids, indices, values):
     for i in nb.prange(starts.shape[0]):
         begin = positions[i]
-        _decode_one(u8, u32, f32, starts[i], indices, values, begin)
+        decode_one(u8, u32, f32, starts[i], indices, values, begin)
         row_ids[begin : begin + nnz[i]] = i % rows_per_slab
 
 

@@ -96,8 +96,14 @@ class Manifest:
         return cls(**fields)
 
 
+# Statistics derived from the cells (written at materialize or added later by `omicsio-materialize
+# stats`): not part of the fingerprint, so adding them to an older dataset keeps its identity.
+DERIVED_FILES = ("gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy")
+
+
 def compute_fingerprint(manifest: Manifest) -> str:
-    """SHA-256 over the content description: shape, layout, codec and every file checksum.
+    """SHA-256 over the content description: shape, layout, codec and every file checksum but
+    the `DERIVED_FILES`.
 
     The source description and the creating version are left out, so the same data written
     from parquet or from h5ad gets the same fingerprint.
@@ -111,7 +117,7 @@ def compute_fingerprint(manifest: Manifest) -> str:
         "codec": manifest.codec,
         "shard_cells": manifest.shard_cells,
         "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
-        "files": sorted((f.path, f.sha256) for f in manifest.files),
+        "files": sorted((f.path, f.sha256) for f in manifest.files if f.path not in DERIVED_FILES),
     }
     blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()

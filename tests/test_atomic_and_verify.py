@@ -170,7 +170,7 @@ def test_console_script_end_to_end(corpus, tmp_path):
     assert "cells/s" in run.stdout
     assert "materialize" in run.stderr  # the progress bar
     ds = oj.open_dataset(out)
-    assert set(ds.obs) == {"cell_type", "drug", "batch"}
+    assert set(ds.obs) == {"cell_type", "drug", "batch", "n_counts", "n_genes"}  # + the computed cell stats
     verify = subprocess.run([script, "verify", str(out)], capture_output=True, text=True)
     assert verify.returncode == 0 and "OK" in verify.stdout
     bad = subprocess.run([script, str(tmp_path / "missing.parquet"), str(tmp_path / "o2")], capture_output=True,

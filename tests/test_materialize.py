@@ -129,7 +129,7 @@ def test_query_over_the_cells_view(corpus, corpus_table, tmp_path):
     ds = oj.open_dataset(tmp_path / "q")
     expected = corpus_table.filter(pc.greater(corpus_table.column("n_genes"), 150))
     assert_csr_equal(_all_rows(ds), table_csr(expected))
-    assert set(ds.obs) == {"drug"}
+    assert set(ds.obs) == {"drug", "n_counts", "n_genes"}
 
 
 def test_int64_float64_large_list_inputs_are_converted(corpus_table, corpus, tmp_path):

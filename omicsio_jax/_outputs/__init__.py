@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._errors import OmicsIOError
-from .base import Output, OutputContext
+from .base import Output, OutputContext, RowKeys
 from .csr import CSR
 from .dense import Dense
+from .geneformer import GeneformerTokens
 from .panel import Panel
+from .scgpt import ScGPTTokens
 
-__all__ = ["CSR", "Dense", "Output", "OutputContext", "Panel", "resolve_output"]
+__all__ = ["CSR", "Dense", "GeneformerTokens", "Output", "OutputContext", "Panel", "RowKeys", "ScGPTTokens",
+           "resolve_output"]
 
 
 def resolve_output(output: str | Output, *, genes: Sequence[str | int] | None = None, normalize: str | None = None,
@@ -33,5 +36,6 @@ def resolve_output(output: str | Output, *, genes: Sequence[str | int] | None = 
             msg = "output='csr' carries every gene of the dataset; for a gene panel use output='dense' with genes=..."
             raise OmicsIOError(msg)
         return CSR(nnz_capacity=nnz_capacity, normalize=normalize, target_sum=target_sum)
-    msg = f"output must be one of 'dense', 'csr' or an oj.Output such as oj.Panel(genes); got {output!r}"
+    msg = (f"output must be one of 'dense', 'csr' or an oj.Output such as oj.Panel(genes) or "
+           f"oj.GeneformerTokens(); got {output!r}")
     raise OmicsIOError(msg)

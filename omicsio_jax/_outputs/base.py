@@ -3,7 +3,8 @@
 An output kind is a small frozen dataclass holding the user's choices (``oj.Dense()``,
 ``oj.Panel(genes)``, ``oj.CSR()``, ...). A loader binds it to its rows (`OutputContext`: the
 column space, how to resolve gene names, the batch geometry) and then calls ``from_records``
-once per host batch with the batch's encoded records, or ``from_csr`` with CSR rows (the query
+once per host batch with the batch's encoded records (and `RowKeys`: the global rows, epoch and
+seed that kinds with random choices draw from), or ``from_csr`` with CSR rows (the query
 stream). Every array of the result has the host batch's rows (or its per-device slabs) on its
 leading axis, so one placement rule (`place_batch`) serves every kind. Adding a kind is one
 module here plus its export.
@@ -25,6 +26,16 @@ Empty = Callable[[tuple[int, ...], Any], np.ndarray]  # allocates an uninitializ
 
 
 @dataclasses.dataclass(frozen=True)
+class RowKeys:
+    """Who the rows of a host batch are: global ``rows`` (-1: padding), the ``epoch`` and the loader's
+    ``seed``. Kinds that draw random choices (token masks) key them on these, never on positions."""
+
+    rows: np.ndarray
+    epoch: int = 0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class OutputContext:
     """What an output is bound to.
 
@@ -32,7 +43,8 @@ class OutputContext:
     ``gene_columns``: maps gene names / Ensembl ids / column numbers to columns (raising
     `OmicsIOError` for unknown ones); ``rows``: rows of one host batch, split into ``num_slabs``
     equal slices over this host's devices; ``mean_nnz``: nonzeros per cell, for capacities;
-    ``source``: the dataset or table, for messages.
+    ``source``: the dataset or table, for messages; ``dataset``: the `Dataset` itself when the
+    rows are its records (kinds that need its gene table or statistics read them from it).
     """
 
     source: str
@@ -41,13 +53,14 @@ class OutputContext:
     rows: int = 1
     num_slabs: int = 1
     mean_nnz: float = 1.0
+    dataset: Any = None
 
     @staticmethod
     def of_dataset(ds, *, rows: int = 1, num_slabs: int = 1) -> OutputContext:
         """The context of a materialized `Dataset`'s records."""
         m = ds.manifest
         return OutputContext(str(ds.path), ds.num_genes, ds.gene_columns, rows, num_slabs,
-                             m.nnz / max(m.num_cells, 1))
+                             m.nnz / max(m.num_cells, 1), ds)
 
     @staticmethod
     def of_table(table, *, rows: int = 1) -> OutputContext:
@@ -69,7 +82,7 @@ class Output(abc.ABC):
         """JSON of everything that decides ``x``, compared on restore (``"output"`` names the kind)."""
 
     @abc.abstractmethod
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty) -> Any:
+    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None) -> Any:
         """``x`` of the records ``buf[starts[i]:starts[i+1]]``, one per row of the host batch."""
 
     def from_csr(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, empty: Empty) -> Any:

@@ -11,7 +11,7 @@ import numpy as np
 from .. import _codec, _scatter
 from .._batch import SparseBatch
 from .._errors import OmicsIOError
-from .base import Empty, Output, OutputContext, check_normalize
+from .base import Empty, Output, OutputContext, RowKeys, check_normalize
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_shard", "num_genes", "normalize", "target_sum"))
@@ -63,7 +63,8 @@ class CSR(Output):
         return {"output": self.kind, "panel": None, "normalize": self.normalize, "target_sum": self.target_sum,
                 "nnz_capacity": self.nnz_capacity}
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty) -> SparseBatch:
+    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
+                     keys: RowKeys | None = None) -> SparseBatch:
         try:
             return SparseBatch(*_codec.decode_slabs(buf, starts, num_rows=len(starts) - 1, num_slabs=self.num_slabs,
                                                     capacity=self.nnz_capacity, num_columns=self.num_columns,

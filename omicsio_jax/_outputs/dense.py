@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import _scatter
 from .._dataset import corruption_reported
-from .base import Empty, Output, OutputContext, check_normalize
+from .base import Empty, Output, OutputContext, RowKeys, check_normalize
+
 
 @dataclasses.dataclass(frozen=True)
 class Dense(Output):
@@ -31,7 +32,8 @@ class Dense(Output):
     def config(self) -> dict:
         return {"output": self.kind, "panel": None, "normalize": self.normalize, "target_sum": self.target_sum}
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty) -> np.ndarray:
+    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
+                     keys: RowKeys | None = None) -> np.ndarray:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
         with corruption_reported(self.source):
             return _scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)

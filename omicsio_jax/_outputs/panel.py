@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import _scatter
 from .._dataset import corruption_reported
-from .base import Empty, Output, OutputContext, check_normalize
+from .base import Empty, Output, OutputContext, RowKeys, check_normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Panel(Output):
         digest = hashlib.sha256(self.gene_to_col.tobytes()).hexdigest()[:16]
         return {"output": self.kind, "panel": digest, "normalize": self.normalize, "target_sum": self.target_sum}
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty) -> np.ndarray:
+    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
+                     keys: RowKeys | None = None) -> np.ndarray:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
         with corruption_reported(self.source):
             return _scatter.decode_scatter(buf, starts, out, gene_to_col=self.gene_to_col, normalize=self.normalize,

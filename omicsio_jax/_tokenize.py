@@ -1,0 +1,341 @@
+"""Token batches for single-cell foundation models, computed from the encoded records by numba.
+
+Two algorithms, exactly as ``TOKENS.md`` (the project's reference, from the published code) states
+them; one pass per cell from its record (decode → keep → order → write), no dense intermediate:
+
+- **Geneformer** (rank-value encoding): keep the genes with a token and a known median, rank them
+  by ``count · (1 / median)`` (float32, descending; ties by ascending gene column), take the top
+  ``L − 2`` (``L`` without special tokens), write ``[CLS] … [EOS]`` then PAD; MLM as Hugging
+  Face's collator (15%: 80% MASK, 10% a random gene token, 10% unchanged).
+- **scGPT** (binned values): bin every kept nonzero of the cell on its own quantile edges
+  (``np.quantile`` linear, ``n_bins − 1`` edges) — ``"tahoe"`` deterministic, ``"scgpt"`` ties
+  spread by a uniform draw — then sample ``L − 1`` of them without replacement when there are
+  more, CLS first; mask Bernoulli(p) or exactly ``floor(m·p)`` positions.
+
+Every random draw is ``uniform(cell_key(seed, epoch, row), stream, i)``: splitmix64 of a counter,
+so a cell's tokens depend only on ``(seed, epoch, global row)``, never on its batch or worker.
+`uniforms` is the same function in numpy, for references and tests.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from . import _codec
+
+PAD, CLS, EOC = 0, 1, 2  # Tahoe-100M's special tokens (EOC doubles as Geneformer V2's EOS)
+IGNORE_INDEX = -100  # labels at positions that are not predicted (Hugging Face's convention)
+PAD_VALUE = -2.0  # scGPT's value at CLS and padding positions
+MASK_VALUE = -1.0  # scGPT's input value at masked positions
+
+# random streams (the counter's high bits): one per kind of choice
+STREAM_SUBSAMPLE, STREAM_TIES, STREAM_MASK, STREAM_MASK_KIND, STREAM_RANDOM_TOKEN = 1, 2, 3, 4, 5
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+@nb.njit(inline="always")
+def _mix(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+@nb.njit(inline="always")
+def cell_key(seed, epoch, row):
+    """The key of one cell's draws: splitmix64 chained over ``seed``, ``epoch`` and ``row``."""
+    golden = np.uint64(_GOLDEN)
+    z = _mix(np.uint64(seed) + golden)
+    z = _mix(z ^ (np.uint64(epoch) + golden))
+    return _mix(z ^ (np.uint64(row) + golden))
+
+
+@nb.njit(inline="always")
+def uniform(key, stream, i):
+    """Draw ``i`` of ``stream`` for the cell ``key``: a float64 in [0, 1) with 53 random bits."""
+    counter = (np.uint64(stream) << np.uint64(40)) + np.uint64(i) + np.uint64(1)
+    return np.float64(_mix(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+def _mix_py(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniforms(seed: int, epoch: int, row: int, stream: int, count: int) -> np.ndarray:
+    """Draws ``0..count-1`` of ``stream`` for one cell, in plain Python integers (a reference)."""
+    seed, epoch, row, stream, count = int(seed), int(epoch), int(row), int(stream), int(count)
+    g = _GOLDEN
+    z = _mix_py((seed + g) & _MASK64)
+    z = _mix_py(z ^ ((epoch + g) & _MASK64))
+    key = _mix_py(z ^ ((row + g) & _MASK64))
+    out = np.empty(count, np.float64)
+    for i in range(count):
+        counter = ((stream << 40) + i + 1) & _MASK64
+        out[i] = (_mix_py((key + counter * g) & _MASK64) >> 11) * (1.0 / 9007199254740992.0)
+    return out
+
+
+@nb.njit(inline="always")
+def _radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
+    """Stable LSD radix sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``; 3 passes of
+    11 bits, a pass skipped when every key has the same digit (small integer counts skip one)."""
+    hist[:, :] = 0
+    for i in range(n):
+        k = keys[i]
+        hist[0, k & np.uint32(2047)] += 1
+        hist[1, (k >> np.uint32(11)) & np.uint32(2047)] += 1
+        hist[2, k >> np.uint32(22)] += 1
+    src_k, src_v, dst_k, dst_v = keys, vals, tmp_keys, tmp_vals
+    swapped = False
+    for p in range(3):
+        h = hist[p]
+        if n == 0 or h[(keys[0] >> np.uint32(11 * p)) & np.uint32(2047)] == n:
+            continue
+        total = 0
+        for d in range(2048):
+            c = h[d]
+            h[d] = total
+            total += c
+        shift = np.uint32(11 * p)
+        for i in range(n):
+            k = src_k[i]
+            d = (k >> shift) & np.uint32(2047)
+            j = h[d]
+            h[d] = j + 1
+            dst_k[j] = k
+            dst_v[j] = src_v[i]
+        src_k, dst_k = dst_k, src_k
+        src_v, dst_v = dst_v, src_v
+        swapped = not swapped
+    if swapped:
+        keys[:n] = src_k[:n]
+        vals[:n] = src_v[:n]
+
+
+@nb.njit(inline="always")
+def _order_bits(v):
+    """uint32 whose unsigned order is the float32 order of ``v`` (negatives included)."""
+    b = np.uint32(np.float32(v).view(np.uint32))
+    if b & np.uint32(0x80000000):
+        return ~b
+    return b | np.uint32(0x80000000)
+
+
+@nb.njit(inline="always")
+def _max_count(u32, starts):
+    m = 0
+    for i in range(starts.shape[0]):
+        m = max(m, np.int64(u32[starts[i] // 4 + 1]))
+    return m
+
+
+@nb.njit(inline="always")
+def _sum_duplicates(cols, vals, count, canon, slot):
+    """Entries of columns sharing an Ensembl id summed into the first such column (``canon``), in
+    ascending column order again; ``slot`` (one -1 per column) is left as it was found."""
+    n = 0
+    for j in range(count):
+        c = canon[cols[j]]
+        s = slot[c]
+        if s >= 0:
+            vals[s] += vals[j]
+        else:
+            slot[c] = n
+            cols[n] = c
+            vals[n] = vals[j]
+            n += 1
+    for j in range(n):
+        slot[cols[j]] = -1
+    for j in range(1, n):  # insertion sort: only entries moved to a smaller column are out of place
+        c, v = cols[j], vals[j]
+        k = j - 1
+        while k >= 0 and cols[k] > c:
+            cols[k + 1] = cols[k]
+            vals[k + 1] = vals[k]
+            k -= 1
+        cols[k + 1] = c
+        vals[k + 1] = v
+    return n
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, inv_median,
+                      gene_tokens, special, mask_prob, pad_id, cls_id, eos_id, mask_id, input_ids, attention_mask,
+                      labels, length):
+    n_rows, L = input_ids.shape
+    width = max(_max_count(u32, starts), 1)
+    for t in nb.prange(threads):
+        cols = np.empty(width, np.int32)
+        vals = np.empty(width, np.float32)
+        keys = np.empty(width, np.uint32)
+        kept_cols = np.empty(width, np.int32)
+        tmp_keys = np.empty(width, np.uint32)
+        tmp_cols = np.empty(width, np.int32)
+        hist = np.empty((3, 2048), np.int64)
+        slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
+        for i in range(t, n_rows, threads):
+            input_ids[i, :] = pad_id
+            attention_mask[i, :] = False
+            labels[i, :] = IGNORE_INDEX
+            length[i] = 0
+            if rows[i] < 0:
+                continue  # a padding row of the batch: all PAD, nothing attended
+            count = _codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
+            if has_dups:
+                count = _sum_duplicates(cols, vals, count, canon, slot)
+            kept = 0
+            for j in range(count):
+                g = cols[j]
+                im = inv_median[g]
+                v = vals[j]
+                if tok[g] >= 0 and im > 0 and v > 0:
+                    keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
+                    kept_cols[kept] = g
+                    kept += 1
+            _radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
+            first = 1 if special else 0
+            k = min(kept, L - 2 * first)
+            if special:
+                input_ids[i, 0] = cls_id
+            for r in range(k):
+                input_ids[i, first + r] = tok[kept_cols[r]]
+            if special:
+                input_ids[i, first + k] = eos_id
+            attention_mask[i, : k + 2 * first] = True
+            length[i] = k
+            key = cell_key(seed, epoch, rows[i])
+            for p in range(first, first + k):
+                if uniform(key, STREAM_MASK, p) < mask_prob:
+                    labels[i, p] = input_ids[i, p]
+                    u = uniform(key, STREAM_MASK_KIND, p)
+                    if u < 0.8:
+                        input_ids[i, p] = mask_id
+                    elif u < 0.9:
+                        pick = min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
+                                   gene_tokens.shape[0] - 1)
+                        input_ids[i, p] = gene_tokens[pick]
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, quantiles,
+                 spread_ties, mask_prob, exact_mask, pad_id, cls_id, gene_ids, values, masked_values, mask, pad_mask):
+    n_rows, L = gene_ids.shape
+    n_edges = quantiles.shape[0]
+    width = max(_max_count(u32, starts), 1)
+    for t in nb.prange(threads):
+        cols = np.empty(width, np.int32)
+        vals = np.empty(width, np.float32)
+        kept_cols = np.empty(width, np.int32)
+        kept_vals = np.empty(width, np.float32)
+        bins = np.empty(width, np.float32)
+        keys = np.empty(width, np.uint32)
+        order = np.empty(width, np.int32)
+        tmp_keys = np.empty(width, np.uint32)
+        tmp_order = np.empty(width, np.int32)
+        pick = np.empty(width, np.int32)
+        hist = np.empty((3, 2048), np.int64)
+        edges = np.empty(n_edges, np.float64)
+        slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
+        for i in range(t, n_rows, threads):
+            gene_ids[i, :] = pad_id
+            values[i, :] = PAD_VALUE
+            masked_values[i, :] = PAD_VALUE
+            mask[i, :] = False
+            pad_mask[i, :] = True
+            if rows[i] < 0:
+                continue  # a padding row of the batch: all PAD
+            gene_ids[i, 0] = cls_id
+            pad_mask[i, 0] = False
+            count = _codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
+            if has_dups:
+                count = _sum_duplicates(cols, vals, count, canon, slot)
+            n = 0
+            for j in range(count):
+                g = cols[j]
+                if tok[g] >= 0 and vals[j] != 0:
+                    kept_cols[n] = g
+                    kept_vals[n] = vals[j]
+                    keys[n] = _order_bits(vals[j])
+                    order[n] = n
+                    n += 1
+            if n == 0:
+                continue
+            # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
+            _radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
+            for e in range(n_edges):
+                virtual = (n - 1) * quantiles[e]
+                if virtual >= n - 1:
+                    edges[e] = kept_vals[order[n - 1]]
+                    continue
+                lo = np.int64(np.floor(virtual))
+                gamma = virtual - lo
+                a = kept_vals[order[lo]]
+                b = kept_vals[order[lo + 1]]
+                diff = b - a  # float32, as numpy subtracts the two float32 neighbours
+                if gamma >= 0.5:
+                    edges[e] = b - diff * (1.0 - gamma)
+                else:
+                    edges[e] = a + diff * gamma
+            key = cell_key(seed, epoch, rows[i])
+            for j in range(n):
+                v = np.float64(kept_vals[j])
+                below = 0  # edges < v   (= digitize(v, edges, right=True) = searchsorted left)
+                upto = 0  # edges <= v  (= digitize(v, edges) = searchsorted right)
+                lo_, hi_ = 0, n_edges
+                while lo_ < hi_:
+                    mid = (lo_ + hi_) >> 1
+                    if edges[mid] < v:
+                        lo_ = mid + 1
+                    else:
+                        hi_ = mid
+                below = lo_
+                hi_ = n_edges
+                while lo_ < hi_:
+                    mid = (lo_ + hi_) >> 1
+                    if edges[mid] <= v:
+                        lo_ = mid + 1
+                    else:
+                        hi_ = mid
+                upto = lo_
+                if spread_ties:
+                    u = uniform(key, STREAM_TIES, j)
+                    bins[j] = np.float32(np.ceil(u * (below - upto) + upto))
+                else:
+                    bins[j] = np.float32(below + 1)
+            m = n
+            if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
+                m = L - 1
+                for j in range(n):
+                    pick[j] = j
+                for j in range(m):
+                    r = j + min(np.int64(uniform(key, STREAM_SUBSAMPLE, j) * (n - j)), n - j - 1)
+                    pick[j], pick[r] = pick[r], pick[j]
+            else:
+                for j in range(n):
+                    pick[j] = j
+            for p in range(m):
+                j = pick[p]
+                gene_ids[i, 1 + p] = tok[kept_cols[j]]
+                values[i, 1 + p] = bins[j]
+                masked_values[i, 1 + p] = bins[j]
+                pad_mask[i, 1 + p] = False
+            if exact_mask:
+                c = np.int64(np.floor(m * mask_prob))
+                for p in range(m):
+                    pick[p] = p + 1
+                for p in range(c):
+                    r = p + min(np.int64(uniform(key, STREAM_MASK, p) * (m - p)), m - p - 1)
+                    pick[p], pick[r] = pick[r], pick[p]
+                    mask[i, pick[p]] = True
+                    masked_values[i, pick[p]] = MASK_VALUE
+            else:
+                for p in range(1, m + 1):
+                    if uniform(key, STREAM_MASK, p) < mask_prob:
+                        mask[i, p] = True
+                        masked_values[i, p] = MASK_VALUE

@@ -1,0 +1,117 @@
+"""Corpus statistics: computed at materialize, exact against numpy, mergeable, added to older datasets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from materialize import materialize
+from materialize._cli import main as materialize_main
+from omicsio_jax._genestats import MEDIAN_RELATIVE_ERROR, GeneStats
+
+
+@pytest.fixture(scope="module")
+def ds(dataset_dir):
+    return oj.open_dataset(dataset_dir)
+
+
+@pytest.fixture(scope="module")
+def dense(ds):
+    """The dataset's counts as a dense float64 matrix (3,000 × 2,000), read back through read_csr."""
+    indptr, cols, vals = ds.read_csr(np.arange(ds.num_cells))
+    x = np.zeros((ds.num_cells, ds.num_genes))
+    x[np.repeat(np.arange(ds.num_cells), np.diff(indptr)), cols] = vals
+    return x
+
+
+def test_per_cell_and_per_gene_moments(ds, dense):
+    n_counts = dense.sum(1)
+    np.testing.assert_array_equal(ds.obs["n_counts"], n_counts)
+    np.testing.assert_array_equal(ds.obs["n_genes"], (dense != 0).sum(1))
+    stats = ds.gene_stats
+    assert len(stats) == ds.num_genes
+    np.testing.assert_array_equal(stats["n_cells"], (dense != 0).sum(0))
+    norm = dense / n_counts[:, None] * 1e4
+    for name, want in [("sum", dense.sum(0)), ("sum_sq", (dense**2).sum(0)), ("norm_sum", norm.sum(0)),
+                       ("norm_sum_sq", (norm**2).sum(0)), ("log_sum", np.log1p(norm).sum(0)),
+                       ("log_sum_sq", (np.log1p(norm) ** 2).sum(0))]:
+        np.testing.assert_allclose(stats[name], want, rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(stats["norm_var"], norm.var(0, ddof=1), rtol=1e-9)
+
+
+def test_histogram_medians_within_the_documented_bound(ds, dense):
+    assert MEDIAN_RELATIVE_ERROR < 0.01
+    norm = dense / dense.sum(1, keepdims=True) * 1e4
+    medians = ds.gene_stats["median"].to_numpy()
+    checked = 0
+    for g in range(ds.num_genes):
+        nz = norm[:, g][norm[:, g] > 0]
+        if len(nz) == 0:
+            assert np.isnan(medians[g])
+            continue
+        exact = np.median(nz)
+        assert abs(medians[g] - exact) <= MEDIAN_RELATIVE_ERROR * exact, g
+        checked += 1
+    assert checked > 1500
+
+
+def test_statistics_merge_across_parts(corpus, ds, tmp_path):
+    """Two halves of the cells, materialized apart and merged, give the whole's statistics."""
+    import duckdb
+
+    con = duckdb.connect()
+    for name, where in (("a", "< 1500"), ("b", ">= 1500")):
+        con.execute(f"COPY (SELECT * FROM '{corpus.cells_parquet}' WHERE cast(substr(cell_id, 6) AS INT) {where}) "
+                    f"TO '{tmp_path / name}.parquet'")
+        materialize(tmp_path / f"{name}.parquet", tmp_path / name, genes=corpus.genes_parquet, shard_cells=512,
+                    progress=False)
+    parts = [GeneStats.read(tmp_path / name / "gene_stats.parquet") for name in "ab"]
+    whole = GeneStats.read(ds.path / "gene_stats.parquet")
+    merged = parts[0].merge(parts[1])
+    assert merged.num_cells == whole.num_cells == 3000
+    np.testing.assert_array_equal(merged.n_cells, whole.n_cells)
+    np.testing.assert_array_equal(merged.dense_hist(), whole.dense_hist())
+    np.testing.assert_allclose(merged.sums, whole.sums, rtol=1e-12)
+    np.testing.assert_array_equal(merged.medians(), whole.medians())
+
+
+def test_stats_command_adds_statistics_to_an_older_dataset(ds, tmp_path, capsys):
+    old = tmp_path / "old"
+    shutil.copytree(ds.path, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    derived = {"gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy"}
+    manifest["files"] = [f for f in manifest["files"] if f["path"] not in derived]
+    manifest["obs"] = [o for o in manifest["obs"] if o["name"] not in ("n_counts", "n_genes")]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for path in derived:
+        (old / path).unlink()
+    with pytest.raises(oj.OmicsIOError, match="omicsio-materialize stats"):
+        _ = oj.open_dataset(old).gene_stats
+    assert materialize_main(["stats", str(old), "--no-progress"]) == 0
+    assert "statistics of 3,000 cells" in capsys.readouterr().out
+    for path in derived:  # byte-identical to what materialize wrote
+        assert (old / path).read_bytes() == (ds.path / path).read_bytes(), path
+    again = oj.open_dataset(old)
+    assert again.fingerprint == ds.fingerprint
+    assert oj.verify_dataset(old) == []
+    assert materialize_main(["stats", str(old), "--no-progress"]) == 0
+    assert "already has statistics" in capsys.readouterr().out
+
+
+def test_highly_variable_genes_match_scanpy(ds, dense):
+    import anndata as ad
+    import scanpy as sc
+
+    adata = ad.AnnData(dense.copy())
+    sc.pp.normalize_total(adata, target_sum=1e4)
+    sc.pp.log1p(adata)
+    sc.pp.highly_variable_genes(adata, n_top_genes=300, flavor="seurat")
+    want = np.flatnonzero(adata.var["highly_variable"].to_numpy())
+    got = ds.highly_variable_genes(300)
+    assert len(np.intersect1d(got, want)) >= 0.99 * len(want), (len(got), len(want))
+    with pytest.raises(oj.OmicsIOError, match="n must lie in 1..2,000"):
+        ds.highly_variable_genes(0)

@@ -1,0 +1,352 @@
+"""Geneformer and scGPT token batches against a plain-numpy implementation of TOKENS.md.
+
+The reference below is written from TOKENS.md alone (numpy's own quantile / digitize / lexsort,
+Python loops): the numba kernels must match it element for element. Its random draws come from
+`uniforms`, the pure-Python twin of the kernels' counter-based generator.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import omicsio_jax as oj
+from materialize import materialize
+from omicsio_jax._outputs import OutputContext
+from omicsio_jax._tokenize import (
+    STREAM_MASK,
+    STREAM_MASK_KIND,
+    STREAM_RANDOM_TOKEN,
+    STREAM_SUBSAMPLE,
+    STREAM_TIES,
+    uniforms,
+)
+
+NUM_GENES = 300
+
+
+# ----------------------------------------------------------------------------- the reference
+def _vocab_arrays(ds, vocab: dict | None):
+    """tok, canon, specials of a vocabulary, computed independently of omicsio_jax._vocab."""
+    n = ds.num_genes
+    if vocab is None:
+        return np.arange(3, n + 3), np.arange(n), (0, 1, 2, n + 3)
+    ens = [e.split(".")[0].upper() for e in ds.features["ensembl_id"]]
+    genes = {k.split(".")[0].upper(): v for k, v in vocab.items() if not k.startswith("<")}
+    tok = np.array([genes.get(e, -1) for e in ens])
+    first: dict[str, int] = {}
+    canon = np.arange(n)
+    for c, e in enumerate(ens):
+        if tok[c] >= 0:
+            canon[c] = first.setdefault(e, c)
+    mask = vocab.get("<mask>", max(vocab.values()) + 1)
+    return tok, canon, (vocab.get("<pad>", 0), vocab.get("<cls>", 1), vocab.get("<eos>", 2), mask)
+
+
+def _cell(ds, row, canon):
+    indptr, cols, vals = ds.read_csr([row])
+    sums: dict[int, np.float32] = {}
+    for c, v in zip(cols.tolist(), vals, strict=True):  # columns ascending: float32 sums in column order
+        k = int(canon[c])
+        sums[k] = np.float32(sums[k] + v) if k in sums else np.float32(v)
+    order = sorted(sums)
+    return np.array(order, np.int64), np.array([sums[c] for c in order], np.float32)
+
+
+def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=None):
+    tok, canon, (pad, cls, eos, mask) = _vocab_arrays(ds, vocab)
+    inv = np.zeros(ds.num_genes, np.float32)
+    med = ds.gene_stats["median"].to_numpy() if medians is None else medians
+    ok = np.isfinite(med) & (med > 0)
+    inv[ok] = (1.0 / med[ok]).astype(np.float32)
+    gene_tokens = np.unique(tok[tok >= 0])
+    n = len(rows)
+    ids = np.full((n, L), pad, np.int32)
+    att = np.zeros((n, L), bool)
+    labels = np.full((n, L), -100, np.int32)
+    length = np.zeros(n, np.int32)
+    for i, row in enumerate(rows):
+        if row < 0:
+            continue
+        cols, vals = _cell(ds, row, canon)
+        keep = (tok[cols] >= 0) & (inv[cols] > 0) & (vals > 0)
+        cols, key = cols[keep], vals[keep] * inv[cols[keep]]
+        assert key.dtype == np.float32
+        order = np.lexsort((cols, -key))
+        s = 1 if special else 0
+        k = min(len(cols), L - 2 * s)
+        seq = ([cls] if special else []) + tok[cols[order[:k]]].tolist() + ([eos] if special else [])
+        ids[i, : len(seq)] = seq
+        att[i, : len(seq)] = True
+        length[i] = k
+        u_sel, u_kind, u_tok = (uniforms(seed, epoch, row, s_, L) for s_ in (STREAM_MASK, STREAM_MASK_KIND,
+                                                                            STREAM_RANDOM_TOKEN))
+        for pos in range(s, s + k):
+            if u_sel[pos] < p:
+                labels[i, pos] = ids[i, pos]
+                if u_kind[pos] < 0.8:
+                    ids[i, pos] = mask
+                elif u_kind[pos] < 0.9:
+                    ids[i, pos] = gene_tokens[min(int(u_tok[pos] * len(gene_tokens)), len(gene_tokens) - 1)]
+    return {"input_ids": ids, "attention_mask": att, "labels": labels, "length": length}
+
+
+def ref_scgpt(ds, rows, *, L, n_bins, binning, p, mask_mode, seed, epoch, vocab=None, genes=None):
+    tok, canon, (pad, cls, _, _) = _vocab_arrays(ds, vocab)
+    if genes is not None:
+        tok = np.where(np.isin(np.arange(ds.num_genes), genes), tok, -1)
+    n = len(rows)
+    gene_ids = np.full((n, L), pad, np.int32)
+    values = np.full((n, L), -2, np.float32)
+    pad_mask = np.ones((n, L), bool)
+    mask = np.zeros((n, L), bool)
+    for i, row in enumerate(rows):
+        if row < 0:
+            continue
+        gene_ids[i, 0], pad_mask[i, 0] = cls, False
+        cols, vals = _cell(ds, row, canon)
+        keep = (tok[cols] >= 0) & (vals != 0)
+        cols, v = cols[keep], vals[keep]
+        m = len(v)
+        if m == 0:
+            continue
+        edges = np.quantile(v, np.linspace(0, 1, n_bins - 1))
+        if binning == "tahoe":
+            bins = np.searchsorted(edges, v, side="left") + 1
+        else:
+            left, right = np.digitize(v, edges), np.digitize(v, edges, right=True)
+            bins = np.ceil(uniforms(seed, epoch, row, STREAM_TIES, m) * (right - left) + left)
+        order = np.arange(m)
+        if m > L - 1:
+            u = uniforms(seed, epoch, row, STREAM_SUBSAMPLE, L - 1)
+            for j in range(L - 1):
+                r = j + min(int(u[j] * (m - j)), m - j - 1)
+                order[j], order[r] = order[r], order[j]
+            order, m = order[: L - 1], L - 1
+        gene_ids[i, 1 : m + 1] = tok[cols[order]]
+        values[i, 1 : m + 1] = bins[order]
+        pad_mask[i, 1 : m + 1] = False
+        if mask_mode == "exact":
+            c = int(np.floor(m * p))
+            positions = np.arange(1, m + 1)
+            u = uniforms(seed, epoch, row, STREAM_MASK, c)
+            for j in range(c):
+                r = j + min(int(u[j] * (m - j)), m - j - 1)
+                positions[j], positions[r] = positions[r], positions[j]
+            mask[i, positions[:c]] = True
+        else:
+            mask[i, 1 : m + 1] = uniforms(seed, epoch, row, STREAM_MASK, m + 1)[1:] < p
+    masked = np.where(mask, np.float32(-1), values)
+    return {"gene_ids": gene_ids, "values": values, "masked_values": masked, "mask": mask, "pad_mask": pad_mask}
+
+
+def assert_tokens_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# ----------------------------------------------------------------------------- the data
+@pytest.fixture(scope="module")
+def token_ds(tmp_path_factory):
+    """300 genes (two pairs sharing an Ensembl id), cells with 0, 1, few and many genes and tied counts."""
+    root = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(11)
+    ens = [f"ENSG{g:011d}.{1 + g % 3}" for g in range(NUM_GENES)]
+    ens[11] = "ENSG00000000010.7"  # same gene as column 10 once the version is dropped
+    ens[201] = "ENSG00000000200.9"
+    pq.write_table(pa.table({"gene_token_id": np.arange(NUM_GENES, dtype=np.int64) * 2 + 5,
+                             "ensembl_id": ens, "gene_name": [f"G{g}" for g in range(NUM_GENES)]}),
+                   root / "gene_metadata.parquet")
+    sizes = np.concatenate([[0, 1, 2, 0], rng.integers(3, 280, size=396)])
+    genes, values = [], []
+    for n in sizes:
+        cols = np.sort(rng.choice(NUM_GENES, size=n, replace=False))
+        genes.append((cols * 2 + 5).tolist())
+        values.append(rng.geometric(0.45, size=n).astype(np.float32).tolist())  # many ties
+    table = pa.table({"cell_id": [f"c{i}" for i in range(len(sizes))],
+                      "gene_token_id": pa.array(genes, pa.list_(pa.int64())),
+                      "gene_expression": pa.array(values, pa.list_(pa.float32())),
+                      "label": [f"t{i % 3}" for i in range(len(sizes))]})
+    pq.write_table(table, root / "cells.parquet")
+    materialize(root / "cells.parquet", root / "ds", shard_cells=128, progress=False)
+    return oj.open_dataset(root / "ds")
+
+
+@pytest.fixture(scope="module")
+def vocab_file(token_ds, tmp_path_factory):
+    """A user vocabulary (Geneformer's layout: <pad> 0, <mask> 1, <cls> 2, <eos> 3) missing 30 genes."""
+    ens = [e.split(".")[0] for e in token_ds.features["ensembl_id"]]
+    vocab = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3}
+    for k, e in enumerate(dict.fromkeys(ens)):
+        if k % 10 != 3:
+            vocab[e] = 1000 + 7 * k
+    path = tmp_path_factory.mktemp("vocab") / "token_dictionary.pkl"
+    path.write_bytes(pickle.dumps(vocab))
+    return path, vocab
+
+
+ROWS = np.array([0, 1, 2, 3, -1, *range(4, 120), 399, 250, 4])
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("L", [8, 64, 400])
+@pytest.mark.parametrize("special", [True, False])
+def test_geneformer_matches_reference(token_ds, L, special):
+    out = oj.GeneformerTokens(max_len=L, special_tokens=special, mask_prob=0.15)
+    got = oj.tokenize(token_ds, ROWS, out, seed=3, epoch=2)
+    assert_tokens_equal(got, ref_geneformer(token_ds, ROWS, L=L, special=special, p=0.15, seed=3, epoch=2))
+    assert got["length"][ROWS.tolist().index(0)] == 0 and got["length"][ROWS.tolist().index(-1)] == 0
+    assert got["attention_mask"][ROWS.tolist().index(0)].sum() == (2 if special else 0)  # empty: CLS, EOS only
+
+
+def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
+    path, vocab = vocab_file
+    medians = token_ds.gene_stats["median"].to_numpy().copy()
+    ens = [e.split(".")[0] for e in token_ds.features["ensembl_id"]]
+    medians[::7] = np.nan  # genes without a published median are skipped
+    given = {e: float(m) for e, m in zip(ens, medians, strict=True) if np.isfinite(m)}
+    (tmp_path / "medians.json").write_text(json.dumps(given))
+    per_column = np.array([given.get(e, np.nan) for e in ens])
+    out = oj.GeneformerTokens(max_len=96, vocab=path, medians=tmp_path / "medians.json")
+    got = oj.tokenize(token_ds, ROWS, out, seed=1)
+    assert_tokens_equal(got, ref_geneformer(token_ds, ROWS, L=96, special=True, p=0.15, seed=1, epoch=0,
+                                            vocab=vocab, medians=per_column))
+    assert got["input_ids"][5, 0] == 2 and 1 in got["input_ids"]  # Geneformer's <cls> and <mask>
+    bound = out.bind(OutputContext.of_dataset(token_ds))
+    assert bound.vocabulary.report.summed == 2 and bound.vocabulary.report.missing > 0
+
+
+@pytest.mark.parametrize("binning", ["scgpt", "tahoe"])
+@pytest.mark.parametrize("mask_mode", ["bernoulli", "exact"])
+@pytest.mark.parametrize("L", [6, 101, 400])
+def test_scgpt_matches_reference(token_ds, binning, mask_mode, L):
+    p = 0.4 if mask_mode == "bernoulli" else 0.5
+    out = oj.ScGPTTokens(max_len=L, n_bins=51, binning=binning, mask_prob=p, mask_mode=mask_mode)
+    got = oj.tokenize(token_ds, ROWS, out, seed=5, epoch=1)
+    assert_tokens_equal(got, ref_scgpt(token_ds, ROWS, L=L, n_bins=51, binning=binning, p=p, mask_mode=mask_mode,
+                                       seed=5, epoch=1))
+    real = got["values"][~got["pad_mask"]]
+    assert real[0] == -2 and set(np.unique(real[real > 0])) <= set(range(1, 51))
+
+
+def test_scgpt_user_vocab_and_gene_subset(token_ds, vocab_file):
+    path, vocab = vocab_file
+    genes = list(range(0, NUM_GENES, 2))
+    out = oj.ScGPTTokens(max_len=80, n_bins=11, vocab=path, genes=genes)
+    got = oj.tokenize(token_ds, ROWS, out, seed=9)
+    assert_tokens_equal(got, ref_scgpt(token_ds, ROWS, L=80, n_bins=11, binning="scgpt", p=0.15,
+                                       mask_mode="bernoulli", seed=9, epoch=0, vocab=vocab, genes=genes))
+
+
+def test_masking_rates(token_ds):
+    rows = np.arange(token_ds.num_cells)
+    gf = [oj.tokenize(token_ds, rows, oj.GeneformerTokens(max_len=300), epoch=e) for e in range(3)]
+    sel = np.concatenate([(x["labels"] != -100)[x["attention_mask"]] for x in gf])
+    real = np.concatenate([x["attention_mask"].sum(1) - 2 * (x["length"] >= 0) for x in gf]).sum()
+    assert real >= 100_000
+    assert abs(sel.sum() / real - 0.15) < 0.005
+    masked = np.concatenate([x["input_ids"][x["labels"] != -100] for x in gf])
+    assert abs(np.mean(masked == token_ds.num_genes + 3) - 0.8) < 0.02  # 80% of the selected → MASK
+    sc = [oj.tokenize(token_ds, rows, oj.ScGPTTokens(max_len=300, mask_prob=0.15), epoch=e) for e in range(3)]
+    positions = sum(int((~x["pad_mask"][:, 1:]).sum()) for x in sc)
+    assert positions >= 100_000
+    assert abs(sum(int(x["mask"].sum()) for x in sc) / positions - 0.15) < 0.005
+
+
+def test_tokens_depend_on_seed_epoch_and_row_only(token_ds):
+    out = oj.GeneformerTokens(max_len=64)
+    a = oj.tokenize(token_ds, [7, 8, 9], out, seed=0, epoch=0)
+    b = oj.tokenize(token_ds, [9, 100, 7], out, seed=0, epoch=0)
+    np.testing.assert_array_equal(a["input_ids"][0], b["input_ids"][2])
+    c = oj.tokenize(token_ds, [7], out, seed=0, epoch=1)
+    assert not np.array_equal(a["labels"][0], c["labels"][0])
+
+
+# ----------------------------------------------------------------------------- in the loaders
+@pytest.mark.parametrize("output", [oj.GeneformerTokens(max_len=64), oj.ScGPTTokens(max_len=48)])
+def test_loader_batches_equal_tokenize(token_ds, output):
+    loader = oj.make_loader(token_ds, batch_size=32, output=output, block_size=4, fetch_factor=4, seed=4, num_epochs=2,
+                            drop_remainder=False)
+    seen = 0
+    for step, batch in enumerate(loader):
+        epoch = step // loader.plan.steps_per_epoch
+        rows = np.asarray(batch.index)
+        want = oj.tokenize(token_ds, rows, output, seed=4, epoch=epoch)
+        assert_tokens_equal({k: np.asarray(v) for k, v in batch.x.items()}, want)
+        seen += 1
+    assert seen == 2 * loader.plan.steps_per_epoch
+    source = oj.GrainSource(token_ds, batch_size=32, output=output, block_size=4, fetch_factor=4, seed=4)
+    record = source[1]
+    assert_tokens_equal(record.x, oj.tokenize(token_ds, record.index, output, seed=4, epoch=0))
+
+
+def test_tokens_are_sharded_like_every_output(token_ds):
+    import jax
+
+    mesh = jax.make_mesh((4,), ("data",))
+    loader = oj.make_loader(token_ds, batch_size=32, output=oj.ScGPTTokens(max_len=40), mesh=mesh, block_size=4,
+                            fetch_factor=4)
+    batch = next(iter(loader))
+    assert batch.x["gene_ids"].shape == (32, 40)
+    assert batch.x["gene_ids"].sharding.spec == jax.sharding.PartitionSpec("data")
+    assert len(batch.x["values"].addressable_shards) == 4
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_token_arguments(token_ds, tmp_path):
+    with pytest.raises(oj.OmicsIOError, match="no room for a gene token beside CLS and EOS"):
+        oj.GeneformerTokens(max_len=2)
+    with pytest.raises(oj.OmicsIOError, match="beside CLS"):
+        oj.ScGPTTokens(max_len=1)
+    with pytest.raises(oj.OmicsIOError, match="binning"):
+        oj.ScGPTTokens(binning="quantile")
+    dup = tmp_path / "dup.tsv"
+    dup.write_text("ensembl_id\ttoken_id\nENSG00000000001\t5\nENSG00000000002\t5\n")
+    with pytest.raises(oj.OmicsIOError, match=r"dup.tsv: token id 5 is given to both"):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(vocab=dup))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"ENSMUSG00000000001": 4}))
+    with pytest.raises(oj.OmicsIOError, match=r"other.json shares no gene"):
+        oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=other))
+    with pytest.raises(oj.OmicsIOError, match=r"medians in .*other.json cover none"):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=other))
+
+
+def test_pickles_are_never_executed(token_ds, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps({"ENSG00000000001": Exploit()}))
+    with pytest.raises(oj.OmicsIOError, match=r"evil.pkl: refused to unpickle posix.system"):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(vocab=evil))
+    assert not marker.exists()
+    listed = tmp_path / "list.pkl"
+    listed.write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(oj.OmicsIOError, match=r"list.pkl: holds list, not a dict"):
+        oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=listed))
+
+
+def test_dataset_without_statistics_names_the_command(token_ds, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(token_ds.path, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["files"] = [f for f in manifest["files"] if f["path"] != "gene_stats.parquet"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(oj.OmicsIOError, match=r"omicsio-materialize stats .*old"):
+        oj.tokenize(old, [4], oj.GeneformerTokens())
+    oj.tokenize(old, [4], oj.ScGPTTokens())  # scGPT needs no corpus statistics
