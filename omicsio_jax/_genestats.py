@@ -36,13 +36,28 @@ MEDIAN_RELATIVE_ERROR = 2.0 ** (1.0 / (2 * BINS_PER_OCTAVE)) - 1.0
 _SUMS = ("sum", "sum_sq", "norm_sum", "norm_sum_sq", "log_sum", "log_sum_sq")
 
 
+_TABLE = 64  # integer counts up to this use per-cell tables of log1p and histogram bins
+
+
+@nb.njit(inline="always")
+def _bin(x):
+    b = np.int64(np.floor((np.log2(x) - LOW_EXPONENT) * BINS_PER_OCTAVE))
+    return min(max(b, 0), NUM_BINS - 1)
+
+
 @nb.njit(nogil=True, cache=True)
-def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, n_cells, sums, hist):
+def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, acc, codes):
+    """Per cell: ``n_counts``, ``n_genes``; per gene: ``acc[g]`` += (sum, sum_sq, norm_sum, norm_sum_sq,
+    log_sum, log_sum_sq, n_cells); histogram increments as ``g << 11 | bin`` into ``codes`` (returns
+    how many). One row of ``acc`` per gene keeps a nonzero's seven updates in one cache line."""
     width = 1
     for i in range(starts.shape[0]):
         width = max(width, np.int64(u32[starts[i] // 4 + 1]))
     cols = np.empty(width, np.int32)
     vals = np.empty(width, np.float32)
+    log_table = np.empty(_TABLE + 1)
+    bin_table = np.empty(_TABLE + 1, np.int64)
+    m = 0
     for i in range(starts.shape[0]):
         count = _codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         total = 0.0
@@ -54,23 +69,50 @@ def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, n_cells, su
         n_counts[i] = total
         n_genes[i] = nonzero
         scale = target_sum / total if total > 0 else 0.0
+        if scale > 0:
+            for c in range(1, _TABLE + 1):
+                log_table[c] = np.log1p(c * scale)
+                bin_table[c] = _bin(c * scale)
         for j in range(count):
             g = cols[j]
             v = np.float64(vals[j])
             if v == 0:
                 continue
-            n_cells[g] += 1
-            sums[0, g] += v
-            sums[1, g] += v * v
+            acc[g, 6] += 1.0
+            acc[g, 0] += v
+            acc[g, 1] += v * v
             if scale > 0 and v > 0:
                 x = v * scale
-                lx = np.log1p(x)
-                sums[2, g] += x
-                sums[3, g] += x * x
-                sums[4, g] += lx
-                sums[5, g] += lx * lx
-                b = np.int64(np.floor((np.log2(x) - LOW_EXPONENT) * BINS_PER_OCTAVE))
-                hist[min(max(b, 0), NUM_BINS - 1), g] += 1
+                c = np.int64(v)
+                if c == v and c <= _TABLE:
+                    lx, b = log_table[c], bin_table[c]
+                else:
+                    lx, b = np.log1p(x), _bin(x)
+                acc[g, 2] += x
+                acc[g, 3] += x * x
+                acc[g, 4] += lx
+                acc[g, 5] += lx * lx
+                codes[m] = (np.uint32(g) << np.uint32(11)) | np.uint32(b)
+                m += 1
+    return m
+
+
+@nb.njit(nogil=True, cache=True)
+def _apply_hist(codes, m, tmp, hist):
+    """``hist[g, bin] += 1`` for each code, grouped by blocks of 64 genes first so the increments of a
+    block land in 280 KiB of the table instead of all over it (3× faster than in arrival order)."""
+    blocks = (hist.shape[0] >> 6) + 1
+    starts = np.zeros(blocks + 1, np.int64)
+    for i in range(m):
+        starts[(codes[i] >> np.uint32(17)) + 1] += 1
+    for k in range(blocks):
+        starts[k + 1] += starts[k]
+    for i in range(m):
+        block = codes[i] >> np.uint32(17)
+        tmp[starts[block]] = codes[i]
+        starts[block] += 1
+    for i in range(m):
+        hist[tmp[i] >> np.uint32(11), tmp[i] & np.uint32(2047)] += 1
 
 
 @dataclasses.dataclass
@@ -93,21 +135,20 @@ class GeneStats:
         return len(self.n_cells)
 
     def dense_hist(self) -> np.ndarray:
-        """The histograms as ``(bins, genes)`` int64."""
-        out = np.zeros((NUM_BINS, self.num_genes), np.int64)
+        """The histograms as ``(genes, bins)`` int64."""
+        out = np.zeros((self.num_genes, NUM_BINS), np.int64)
         genes = np.repeat(np.arange(self.num_genes), np.diff(self.hist_ptr))
-        out[self.hist_bins, genes] = self.hist_counts
+        out[genes, self.hist_bins] = self.hist_counts
         return out
 
     @classmethod
     def from_dense(cls, num_cells: int, n_cells: np.ndarray, sums: np.ndarray, hist: np.ndarray) -> GeneStats:
-        bins, genes = np.nonzero(hist)
-        order = np.argsort(genes, kind="stable")  # per gene, bins stay ascending
-        bins, genes = bins[order], genes[order]
-        ptr = np.zeros(hist.shape[1] + 1, np.int64)
-        np.cumsum(np.bincount(genes, minlength=hist.shape[1]), out=ptr[1:])
+        """From ``(genes, bins)`` histograms."""
+        genes, bins = np.nonzero(hist)  # row-major: per gene, bins ascending
+        ptr = np.zeros(hist.shape[0] + 1, np.int64)
+        np.cumsum(np.bincount(genes, minlength=hist.shape[0]), out=ptr[1:])
         return cls(int(num_cells), n_cells.astype(np.int64), sums.astype(np.float64), ptr,
-                   bins.astype(np.uint16), hist[bins, genes].astype(np.int64))
+                   bins.astype(np.uint16), hist[genes, bins].astype(np.int64))
 
     def merge(self, other: GeneStats) -> GeneStats:
         """The statistics of both sets of cells (same gene columns): counts and histograms add, sums add."""
@@ -189,10 +230,10 @@ class StatsAccumulator:
     def __init__(self, num_genes: int, shard_cells: int):
         self.shard_cells = shard_cells
         self.rows = 0
-        self.n_cells = np.zeros(num_genes, np.int64)
-        self.hist = np.zeros((NUM_BINS, num_genes), np.uint32)
-        self.total = np.zeros((len(_SUMS), num_genes), np.float64)
+        self.hist = np.zeros((num_genes, NUM_BINS), np.uint32)
+        self.total = np.zeros((num_genes, 8), np.float64)  # the 6 sums, n_cells, padding (one cache line)
         self.partial = np.zeros_like(self.total)
+        self._codes = self._tmp = np.empty(0, np.uint32)
 
     def add(self, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add the records of the next rows; return their ``n_counts`` (float64) and ``n_genes`` (int32)."""
@@ -200,12 +241,16 @@ class StatsAccumulator:
         n = len(starts) - 1
         n_counts = np.empty(n, np.float64)
         n_genes = np.empty(n, np.int32)
+        need = int(u32[starts[:-1] // 4 + 1].sum()) if n else 0  # entries per record header: ≥ the nonzeros
+        if len(self._codes) < need:
+            self._codes, self._tmp = np.empty(need, np.uint32), np.empty(need, np.uint32)
         done = 0
         while done < n:
             room = self.shard_cells - self.rows % self.shard_cells
             take = min(room, n - done)
-            _accumulate(u8, u32, f32, starts[done : done + take], TARGET_SUM, n_counts[done : done + take],
-                        n_genes[done : done + take], self.n_cells, self.partial, self.hist)
+            m = _accumulate(u8, u32, f32, starts[done : done + take], TARGET_SUM, n_counts[done : done + take],
+                            n_genes[done : done + take], self.partial, self._codes)
+            _apply_hist(self._codes, m, self._tmp, self.hist)
             done += take
             self.rows += take
             if self.rows % self.shard_cells == 0:
@@ -219,7 +264,7 @@ class StatsAccumulator:
     def finish(self) -> GeneStats:
         if self.rows % self.shard_cells:
             self._end_shard()
-        return GeneStats.from_dense(self.rows, self.n_cells, self.total, self.hist)
+        return GeneStats.from_dense(self.rows, self.total[:, 6], self.total[:, :6].T, self.hist)
 
 
 def read_gene_stats(dataset) -> GeneStats:
