@@ -29,6 +29,8 @@ IGNORE_INDEX = -100  # labels at positions that are not predicted (Hugging Face'
 PAD_VALUE = -2.0  # scGPT's value at CLS and padding positions
 MASK_VALUE = -1.0  # scGPT's input value at masked positions
 
+SMALL_COUNT = 255  # scGPT: cells whose kept values are all integers up to this are tallied, not sorted
+
 # random streams (the counter's high bits): one per kind of choice
 STREAM_SUBSAMPLE, STREAM_TIES, STREAM_MASK, STREAM_MASK_KIND, STREAM_RANDOM_TOKEN = 1, 2, 3, 4, 5
 
@@ -59,6 +61,16 @@ def uniform(key, stream, i):
     """Draw ``i`` of ``stream`` for the cell ``key``: a float64 in [0, 1) with 53 random bits."""
     counter = (np.uint64(stream) << np.uint64(40)) + np.uint64(i) + np.uint64(1)
     return np.float64(_mix(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@nb.njit(inline="always")
+def next_selected(key, draw, pos, log_keep):
+    """The next position after ``pos`` selected with probability p (``log_keep = log1p(-p)``), by
+    skipping a Geometric(p) number of positions with draw ``draw`` of `STREAM_MASK`: the same law as
+    one Bernoulli(p) per position, with ~p·n draws instead of n."""
+    u = uniform(key, STREAM_MASK, draw)
+    gap = np.log(max(u, 1.0 / 9007199254740992.0)) / log_keep
+    return pos + 1 + np.int64(min(gap, 4.0e18))
 
 
 def _mix_py(z: int) -> int:
@@ -170,6 +182,7 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
                       labels, length):
     n_rows, L = input_ids.shape
     width = max(_max_count(u32, starts), 1)
+    log_keep = np.log1p(-mask_prob)
     for t in nb.prange(threads):
         cols = np.empty(width, np.int32)
         vals = np.empty(width, np.float32)
@@ -177,7 +190,7 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
         kept_cols = np.empty(width, np.int32)
         tmp_keys = np.empty(width, np.uint32)
         tmp_cols = np.empty(width, np.int32)
-        hist = np.empty((3, 2048), np.int64)
+        hist = np.empty((3, 2048), np.int32)
         slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
         for i in range(t, n_rows, threads):
             input_ids[i, :] = pad_id
@@ -209,17 +222,42 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
                 input_ids[i, first + k] = eos_id
             attention_mask[i, : k + 2 * first] = True
             length[i] = k
+            if mask_prob <= 0:
+                continue
             key = cell_key(seed, epoch, rows[i])
-            for p in range(first, first + k):
-                if uniform(key, STREAM_MASK, p) < mask_prob:
-                    labels[i, p] = input_ids[i, p]
-                    u = uniform(key, STREAM_MASK_KIND, p)
-                    if u < 0.8:
-                        input_ids[i, p] = mask_id
-                    elif u < 0.9:
-                        pick = min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
-                                   gene_tokens.shape[0] - 1)
-                        input_ids[i, p] = gene_tokens[pick]
+            p, draw = next_selected(key, 0, first - 1, log_keep), 1
+            while p < first + k:
+                labels[i, p] = input_ids[i, p]
+                u = uniform(key, STREAM_MASK_KIND, p)
+                if u < 0.8:
+                    input_ids[i, p] = mask_id
+                elif u < 0.9:
+                    pick = min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
+                               gene_tokens.shape[0] - 1)
+                    input_ids[i, p] = gene_tokens[pick]
+                p, draw = next_selected(key, draw, p, log_keep), draw + 1
+
+
+@nb.njit(inline="always")
+def _interval(edges, v):
+    """(edges < v, edges <= v) counted by binary search: ``digitize(v, edges, right=True)`` and
+    ``digitize(v, edges)`` for increasing edges."""
+    lo, hi = 0, edges.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if edges[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    below = lo
+    hi = edges.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if edges[mid] <= v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return below, lo
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -227,6 +265,7 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                  spread_ties, mask_prob, exact_mask, pad_id, cls_id, gene_ids, values, masked_values, mask, pad_mask):
     n_rows, L = gene_ids.shape
     n_edges = quantiles.shape[0]
+    log_keep = np.log1p(-mask_prob) if mask_prob < 1 else -np.inf
     width = max(_max_count(u32, starts), 1)
     for t in nb.prange(threads):
         cols = np.empty(width, np.int32)
@@ -239,8 +278,11 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
         tmp_keys = np.empty(width, np.uint32)
         tmp_order = np.empty(width, np.int32)
         pick = np.empty(width, np.int32)
-        hist = np.empty((3, 2048), np.int64)
+        hist = np.empty((3, 2048), np.int32)
         edges = np.empty(n_edges, np.float64)
+        tally = np.empty(SMALL_COUNT + 1, np.int32)
+        below_of = np.empty(SMALL_COUNT + 1, np.int64)
+        upto_of = np.empty(SMALL_COUNT + 1, np.int64)
         slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
         for i in range(t, n_rows, threads):
             gene_ids[i, :] = pad_id
@@ -256,58 +298,71 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
             if has_dups:
                 count = _sum_duplicates(cols, vals, count, canon, slot)
             n = 0
+            small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
             for j in range(count):
                 g = cols[j]
-                if tok[g] >= 0 and vals[j] != 0:
+                v = vals[j]
+                if tok[g] >= 0 and v != 0:
                     kept_cols[n] = g
-                    kept_vals[n] = vals[j]
-                    keys[n] = _order_bits(vals[j])
-                    order[n] = n
+                    kept_vals[n] = v
+                    c = np.int64(v)
+                    small = small and c == v and 1 <= c <= SMALL_COUNT
                     n += 1
             if n == 0:
                 continue
             # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
-            _radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
+            if small:
+                tally[:] = 0
+                for j in range(n):
+                    tally[np.int64(kept_vals[j])] += 1
+                ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
+            else:
+                for j in range(n):
+                    keys[j] = _order_bits(kept_vals[j])
+                    order[j] = j
+                _radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
             for e in range(n_edges):
                 virtual = (n - 1) * quantiles[e]
-                if virtual >= n - 1:
-                    edges[e] = kept_vals[order[n - 1]]
+                top = virtual >= n - 1
+                lo = n - 1 if top else np.int64(np.floor(virtual))
+                hi = lo if top else lo + 1
+                if small:
+                    while cum_a <= lo:
+                        ca += 1
+                        cum_a += tally[ca]
+                    while cum_b <= hi:
+                        cb += 1
+                        cum_b += tally[cb]
+                    a, b = np.float32(ca), np.float32(cb)
+                else:
+                    a, b = kept_vals[order[lo]], kept_vals[order[hi]]
+                if top:
+                    edges[e] = a
                     continue
-                lo = np.int64(np.floor(virtual))
                 gamma = virtual - lo
-                a = kept_vals[order[lo]]
-                b = kept_vals[order[lo + 1]]
                 diff = b - a  # float32, as numpy subtracts the two float32 neighbours
                 if gamma >= 0.5:
                     edges[e] = b - diff * (1.0 - gamma)
                 else:
                     edges[e] = a + diff * gamma
             key = cell_key(seed, epoch, rows[i])
+            if small:  # the bin interval of each distinct count, once
+                for c in range(1, SMALL_COUNT + 1):
+                    if tally[c]:
+                        below_of[c], upto_of[c] = _interval(edges, np.float64(c))
             for j in range(n):
-                v = np.float64(kept_vals[j])
-                below = 0  # edges < v   (= digitize(v, edges, right=True) = searchsorted left)
-                upto = 0  # edges <= v  (= digitize(v, edges) = searchsorted right)
-                lo_, hi_ = 0, n_edges
-                while lo_ < hi_:
-                    mid = (lo_ + hi_) >> 1
-                    if edges[mid] < v:
-                        lo_ = mid + 1
-                    else:
-                        hi_ = mid
-                below = lo_
-                hi_ = n_edges
-                while lo_ < hi_:
-                    mid = (lo_ + hi_) >> 1
-                    if edges[mid] <= v:
-                        lo_ = mid + 1
-                    else:
-                        hi_ = mid
-                upto = lo_
-                if spread_ties:
+                if small:
+                    c = np.int64(kept_vals[j])
+                    below, upto = below_of[c], upto_of[c]
+                else:
+                    below, upto = _interval(edges, np.float64(kept_vals[j]))
+                if not spread_ties:
+                    bins[j] = np.float32(below + 1)
+                elif below == upto:
+                    bins[j] = np.float32(upto)  # ceil(u·0 + l) = l: no draw needed
+                else:
                     u = uniform(key, STREAM_TIES, j)
                     bins[j] = np.float32(np.ceil(u * (below - upto) + upto))
-                else:
-                    bins[j] = np.float32(below + 1)
             m = n
             if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
                 m = L - 1
@@ -334,8 +389,9 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                     pick[p], pick[r] = pick[r], pick[p]
                     mask[i, pick[p]] = True
                     masked_values[i, pick[p]] = MASK_VALUE
-            else:
-                for p in range(1, m + 1):
-                    if uniform(key, STREAM_MASK, p) < mask_prob:
-                        mask[i, p] = True
-                        masked_values[i, p] = MASK_VALUE
+            elif mask_prob > 0:
+                p, draw = next_selected(key, 0, 0, log_keep), 1
+                while p <= m:
+                    mask[i, p] = True
+                    masked_values[i, p] = MASK_VALUE
+                    p, draw = next_selected(key, draw, p, log_keep), draw + 1

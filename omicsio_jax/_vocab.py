@@ -13,6 +13,7 @@ refuses everything else (a pickle can otherwise run arbitrary code).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import pickle
@@ -138,11 +139,11 @@ class Vocabulary:
     source: str
     report: VocabReport
 
-    @property
+    @functools.cached_property
     def has_duplicates(self) -> bool:
         return bool(np.any(self.canon != np.arange(len(self.canon))))
 
-    @property
+    @functools.cached_property
     def gene_tokens(self) -> np.ndarray:
         return np.unique(self.tok[self.tok >= 0]).astype(np.int32)
 

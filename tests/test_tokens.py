@@ -8,6 +8,7 @@ Python loops): the numba kernels must match it element for element. Its random d
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import numpy as np
@@ -58,6 +59,21 @@ def _cell(ds, row, canon):
     return np.array(order, np.int64), np.array([sums[c] for c in order], np.float32)
 
 
+def bernoulli_positions(seed, epoch, row, p, first, end) -> list[int]:
+    """Positions in [first, end) each selected with probability p, as gaps of Geometric(p) failures
+    (``floor(log(u) / log1p(-p))``) drawn from the mask stream: TOKENS.md's Bernoulli masking."""
+    if p <= 0:
+        return []
+    u = uniforms(seed, epoch, row, STREAM_MASK, max(end - first, 0) + 1)  # at most one draw per position, + 1
+    out, pos = [], first - 1
+    for draw in range(len(u)):
+        pos += 1 + int(min(math.log(max(u[draw], 2.0**-53)) / math.log1p(-p), 4.0e18))
+        if pos >= end:
+            break
+        out.append(pos)
+    return out
+
+
 def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=None):
     tok, canon, (pad, cls, eos, mask) = _vocab_arrays(ds, vocab)
     inv = np.zeros(ds.num_genes, np.float32)
@@ -84,15 +100,13 @@ def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=
         ids[i, : len(seq)] = seq
         att[i, : len(seq)] = True
         length[i] = k
-        u_sel, u_kind, u_tok = (uniforms(seed, epoch, row, s_, L) for s_ in (STREAM_MASK, STREAM_MASK_KIND,
-                                                                            STREAM_RANDOM_TOKEN))
-        for pos in range(s, s + k):
-            if u_sel[pos] < p:
-                labels[i, pos] = ids[i, pos]
-                if u_kind[pos] < 0.8:
-                    ids[i, pos] = mask
-                elif u_kind[pos] < 0.9:
-                    ids[i, pos] = gene_tokens[min(int(u_tok[pos] * len(gene_tokens)), len(gene_tokens) - 1)]
+        u_kind, u_tok = (uniforms(seed, epoch, row, s_, L) for s_ in (STREAM_MASK_KIND, STREAM_RANDOM_TOKEN))
+        for pos in bernoulli_positions(seed, epoch, row, p, s, s + k):
+            labels[i, pos] = ids[i, pos]
+            if u_kind[pos] < 0.8:
+                ids[i, pos] = mask
+            elif u_kind[pos] < 0.9:
+                ids[i, pos] = gene_tokens[min(int(u_tok[pos] * len(gene_tokens)), len(gene_tokens) - 1)]
     return {"input_ids": ids, "attention_mask": att, "labels": labels, "length": length}
 
 
@@ -140,7 +154,7 @@ def ref_scgpt(ds, rows, *, L, n_bins, binning, p, mask_mode, seed, epoch, vocab=
                 positions[j], positions[r] = positions[r], positions[j]
             mask[i, positions[:c]] = True
         else:
-            mask[i, 1 : m + 1] = uniforms(seed, epoch, row, STREAM_MASK, m + 1)[1:] < p
+            mask[i, bernoulli_positions(seed, epoch, row, p, 1, m + 1)] = True
     masked = np.where(mask, np.float32(-1), values)
     return {"gene_ids": gene_ids, "values": values, "masked_values": masked, "mask": mask, "pad_mask": pad_mask}
 
