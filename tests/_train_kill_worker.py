@@ -1,8 +1,9 @@
-"""A training run that stalls at a chosen step, for the kill-and-resume test.
+"""A training run that stalls at a chosen step, for the kill-and-resume tests.
 
     python tests/_train_kill_worker.py MARKER STALL_AT <omicsio-train arguments>
+    python tests/_train_kill_worker.py MARKER STALL_AT pretrain <omicsio-train pretrain arguments>
 
-Runs `train.fit` on the parsed command line; after step STALL_AT (and its checkpoint, if one is
+Runs `train.fit` (or `train.pretrain`) on the parsed command line; after step STALL_AT (and its checkpoint, if one is
 due) it writes MARKER and sleeps, so the test can SIGKILL it at exactly that step.
 """
 
@@ -13,7 +14,8 @@ import time
 from pathlib import Path
 
 from train import fit
-from train._cli import parse_config
+from train._cli import parse_config, parse_pretrain_config
+from train._pretrain import pretrain
 
 
 def main() -> None:
@@ -24,7 +26,10 @@ def main() -> None:
             marker.write_text(str(stall_at))
             time.sleep(600)
 
-    fit(parse_config(argv), callback=stall)
+    if argv[:1] == ["pretrain"]:
+        pretrain(parse_pretrain_config(argv[1:]), callback=stall)
+    else:
+        fit(parse_config(argv), callback=stall)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,20 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["OMICSIO_JAX_CACHE"] = tempfile.mkdtemp(prefix="omicsio-jax-cache-")  # the gene-table cache
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from materialize import make_synthetic_corpus, materialize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -25,6 +33,26 @@ def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     flat_genes = np.concatenate([np.asarray(v or [], dtype=np.int64) for v in genes.to_pylist()] or [[]])
     flat_values = np.concatenate([np.asarray(v or [], dtype=np.float32) for v in values.to_pylist()] or [[]])
     return indptr, flat_genes.astype(np.int32), flat_values.astype(np.float32)
+
+
+def kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published: Path) -> None:
+    """Run ``omicsio-train args`` in a worker that stalls after step ``stall_at``; SIGKILL it there
+    once the checkpoint ``published`` exists."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), str(stall_at), *args,
+               "--checkpoint-dir", str(ckpt)]
+    worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (marker.exists() and published.exists()):
+            assert worker.poll() is None, worker.stderr.read()
+            assert time.monotonic() < deadline, f"the worker did not reach step {stall_at}"
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        worker.stderr.close()
+    assert worker.returncode == -signal.SIGKILL
 
 
 def assert_csr_equal(actual, expected) -> None:

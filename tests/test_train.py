@@ -7,16 +7,15 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from conftest import kill_at
 
 import omicsio_jax as oj
 import train
@@ -171,7 +170,7 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
         "step-000055", "step-000060", "step-000062"]  # keep=3, and one at the end
 
     ckpt = tmp_path / "killed"
-    _kill_at(args, ckpt, tmp_path / "stalled", 23, ckpt / "step-000020")
+    kill_at(args, ckpt, tmp_path / "stalled", 23, ckpt / "step-000020")
     assert train.latest_checkpoint(ckpt).step == 20
     assert [r["step"] for r in train.read_metrics(ckpt / "metrics.jsonl")][-1] == 23  # to be truncated
 
@@ -193,33 +192,13 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
     assert meta["config"]["seed"] == 3 and "resume" not in meta["config"]
 
 
-def _kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published: Path) -> None:
-    """Run ``omicsio-train args`` in a worker that stalls after step ``stall_at``; SIGKILL it there
-    once the checkpoint ``published`` exists."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), str(stall_at), *args,
-               "--checkpoint-dir", str(ckpt)]
-    worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not (marker.exists() and published.exists()):
-            assert worker.poll() is None, worker.stderr.read()
-            assert time.monotonic() < deadline, f"the worker did not reach step {stall_at}"
-            time.sleep(0.05)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
-        worker.stderr.close()
-    assert worker.returncode == -signal.SIGKILL
-
-
 def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp_path):
     pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
     args = _args(dataset_dir, "--dropout", "0.2", "--epochs", "1", "--seed", "5", "--checkpoint-every", "10",
                  "--checkpoint-format", "orbax")
     reference = train.fit(parse_config([*args, "--checkpoint-dir", str(tmp_path / "ref")]))
     ckpt = tmp_path / "killed"
-    _kill_at(args, ckpt, tmp_path / "stalled", 13, ckpt / "10")
+    kill_at(args, ckpt, tmp_path / "stalled", 13, ckpt / "10")
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [10]
     assert sorted(p.name for p in (ckpt / "10").iterdir() if not p.name.startswith("_")) == [
         "commit_success.txt", "data", "meta", "state"]

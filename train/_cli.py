@@ -5,6 +5,8 @@
         --checkpoint-dir ckpt/ --checkpoint-every 200
     omicsio-train out/ ... --checkpoint-dir ckpt/ --resume     # continues exactly where it stopped
     omicsio-train out/ ... --checkpoint-dir ckpt/ --checkpoint-format orbax   # Orbax CheckpointManager
+    omicsio-train pretrain out/ --tokens geneformer --preset geneformer-v1 --checkpoint-dir pt/
+    omicsio-train embed out/ --checkpoint-dir pt/ --out embeddings.npy
 """
 
 from __future__ import annotations
@@ -85,9 +87,118 @@ def parse_config(argv: list[str]) -> TrainConfig:
     return TrainConfig(**vars(args))
 
 
+def _pretrain_parser() -> argparse.ArgumentParser:
+    from ._pretrain import PretrainConfig
+    from ._transformer import KINDS, PRESETS
+
+    d = PretrainConfig("")
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} pretrain", description="Pretrain a Geneformer- or scGPT-style transformer (Equinox + optax) "
+        "on exact token batches of a materialized dataset, with deterministic checkpoint/resume.")
+    p.add_argument("dataset", help="dataset directory written by omicsio-materialize")
+    g = p.add_argument_group("tokens")
+    g.add_argument("--tokens", choices=KINDS, default=d.tokens, help="default: %(default)s")
+    g.add_argument("--max-len", type=int, default=None, help="tokens per cell (default: 2048 geneformer, 1201 scgpt)")
+    g.add_argument("--mask-prob", type=float, default=None, help="MLM masking rate (default: 0.15)")
+    g.add_argument("--vocab", help="vocabulary keyed on Ensembl id (TSV, JSON, parquet or Geneformer pickle)")
+    g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
+    g.add_argument("--binning", choices=("scgpt", "tahoe"), default=d.binning, help="scgpt only (default: %(default)s)")
+    g.add_argument("--mask-mode", choices=("bernoulli", "exact"), default=d.mask_mode,
+                   help="scgpt only (default: %(default)s)")
+    g.add_argument("--n-bins", type=int, default=d.n_bins, help="scgpt only (default: %(default)s)")
+    g = p.add_argument_group("model and optimizer")
+    g.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default: %(default)s")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="default: %(default)s")
+    g.add_argument("--schedule", choices=("cosine", "linear"), default=d.schedule, help="default: %(default)s")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
+    g.add_argument("--clip-norm", type=float, default=d.clip_norm, help="default: %(default)s")
+    g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=d.compute_dtype,
+                   help="matmul inputs (default: %(default)s)")
+    g.add_argument("--peak-tflops", type=float, default=None, help="device peak, to report MFU (e.g. 989 for an H100)")
+    g = p.add_argument_group("batches")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
+    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
+    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
+    g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
+    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    g.add_argument("--devices", dest="num_devices", type=int, default=None, help="devices of the data mesh")
+    g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
+    g.add_argument("--prefetch", type=int, default=d.prefetch, help="default: %(default)s")
+    g = p.add_argument_group("evaluation, checkpoints and logging")
+    g.add_argument("--probe-label", help="after training: linear probe of this categorical obs column on CLS "
+                   "embeddings, pretrained vs random initialization")
+    g.add_argument("--probe-cells", type=int, default=d.probe_cells, help="default: %(default)s")
+    g.add_argument("--checkpoint-dir", metavar="DIR")
+    g.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=d.checkpoint_format,
+                   help="default: %(default)s")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N")
+    g.add_argument("--keep", type=int, default=d.keep)
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
+    g.add_argument("--metrics", metavar="FILE.jsonl", help="default: DIR/metrics.jsonl")
+    g.add_argument("--log-every", type=int, default=d.log_every, metavar="N")
+    g.add_argument("--quiet", action="store_true")
+    return p
+
+
+def parse_pretrain_config(argv: list[str]):
+    """The `PretrainConfig` of an ``omicsio-train pretrain`` command line."""
+    from ._pretrain import PretrainConfig
+
+    p = _pretrain_parser()
+    args = p.parse_args(argv)
+    if args.resume and args.checkpoint_dir is None:
+        p.error("--resume needs --checkpoint-dir")
+    return PretrainConfig(**vars(args))
+
+
+def _pretrain(argv: list[str]) -> int:
+    from ._pretrain import pretrain
+
+    config = parse_pretrain_config(argv)
+    result = pretrain(config)
+    if not config.quiet and result.history:
+        print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
+              f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")
+    return 0
+
+
+def _embed(argv: list[str]) -> int:
+    import numpy as np
+
+    from ._pretrain import embed, load_pretrained
+
+    p = argparse.ArgumentParser(prog=f"{PROG} embed", description="Write one CLS embedding per cell "
+                                "(row order, aligned with the dataset's cell ids) from a pretraining checkpoint.")
+    p.add_argument("dataset")
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="an omicsio-train pretrain directory")
+    p.add_argument("--out", required=True, metavar="FILE.npy", help="float32 (cells, width)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
+    args = p.parse_args(argv)
+    model, config, meta = load_pretrained(args.checkpoint_dir)
+    ds = oj.open_dataset(args.dataset)
+    emb = embed(model, ds, config, batch_size=args.batch_size)
+    np.save(args.out, emb)
+    print(f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({config.tokens} {config.preset}, "
+          f"step {meta['step']}), rows aligned with {ds.path}/cell_ids.parquet")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. User mistakes print ``omicsio-train: error: ...``, status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["pretrain"], ["embed"]):
+        try:
+            return (_pretrain if argv[0] == "pretrain" else _embed)(argv[1:])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 2
+        except oj.OmicsIOError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted; continue with --resume from the latest checkpoint", file=sys.stderr)
+            return 130
     try:
         config = parse_config(argv)
     except SystemExit as e:  # argparse: usage error (2) or --help (0)

@@ -104,7 +104,7 @@ def open_checkpoints(config: TrainConfig):
     return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep)
 
 
-def _restorable(config: TrainConfig, store, identity: dict):
+def restorable(config: TrainConfig, store, identity: dict):
     """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
     latest = None if store is None else store.latest()
     if latest is not None and not config.resume:
@@ -135,7 +135,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     with contextlib.ExitStack() as cleanup:  # closes the metrics log, the loader, then the store
         if store is not None:
             cleanup.callback(store.close)
-        restored = _restorable(config, store, identity)
+        restored = restorable(config, store, identity)
         directory = config.checkpoint_dir
         init_key, key = jax.random.split(jax.random.key(config.seed))
         model = make_model(config.model, num_features=ds.num_genes, num_classes=len(classes),
