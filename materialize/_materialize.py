@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -184,6 +186,9 @@ def materialize(
                         make_obs_writer(tmp / "obs", "n_genes", pa.int32())]
         for writer in stat_writers:
             cleanup.callback(writer.close)
+        # statistics on their own thread (numba releases the GIL), in batch order, beside encoding
+        statistics = cleanup.enter_context(ThreadPoolExecutor(1, thread_name_prefix="materialize-stats"))
+        pending: collections.deque = collections.deque()
         nnz = 0
         with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress,
                   desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -193,12 +198,15 @@ def materialize(
                                                       panel=chosen_panel)
                 nnz += batch_nnz
                 shards.write(buf, starts)
-                for writer, column in zip(stat_writers, stats.add(buf, starts), strict=True):
-                    writer.append(pa.array(column))
+                pending.append(statistics.submit(_add_stats, stats, stat_writers, buf, starts))
+                while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
+                    pending.popleft().result()  # raises what the statistics thread raised
                 for writer in obs_writers:
                     writer.append(batch.obs[writer.name])
                 cell_ids.append(batch.cell_ids)
                 bar.update(batch.num_cells)
+        for future in pending:
+            future.result()
         shard_entries = shards.close()
         num_cells = sum(s.num_cells for s in shard_entries)
         cell_ids.finish()
@@ -228,6 +236,11 @@ def materialize(
         ).with_fingerprint()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
     return MaterializeResult(out, manifest, time.perf_counter() - start, shards.peak_rss_bytes)
+
+
+def _add_stats(stats: StatsAccumulator, writers, buf, starts) -> None:
+    for writer, column in zip(writers, stats.add(buf, starts), strict=True):
+        writer.append(pa.array(column))
 
 
 def _codec_description(panel: Panel | None) -> dict:

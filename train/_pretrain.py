@@ -117,7 +117,11 @@ class PretrainConfig:
 
 @dataclasses.dataclass
 class PretrainResult:
+    """What `pretrain` did: the final model, its vocabulary size, the step records of this process,
+    the probe (with ``probe_label``), the median step time and the share of it spent waiting for data."""
+
     model: eqx.Module
+    vocab_size: int
     num_steps: int
     start_step: int
     history: list[dict]
@@ -242,7 +246,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             ", ".join(f"{k} {v:.4f}" for k, v in probe["accuracy"].items()) + f" on {probe['test_cells']:,} held-out cells")
     timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
     step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
-    return PretrainResult(model, total, start, history, last_saved, probe, step_s, wait)
+    return PretrainResult(model, vocab_size, total, start, history, last_saved, probe, step_s, wait)
 
 
 def embed(model: eqx.Module, ds: oj.Dataset, config: PretrainConfig, rows: np.ndarray | None = None, *,
