@@ -1,7 +1,8 @@
 """Materialize throughput, peak memory and bytes per cell on the synthetic corpus.
 
-For each corpus size and input format, runs `materialize` in a fresh process (so peak RSS is the
-run's own; the shard writer process reports its own) several times and reports the median cells/s, peak RSS and the dataset's bytes per
+For each corpus size and input format, runs `materialize` with its defaults (a worker per usable
+core) in a fresh process several times and reports the median cells/s, the peak RSS of the main
+process and of its largest child (a worker process, or a shard writer) and the dataset's bytes per
 cell next to the h5ad and parquet files of the same cells. Corpora are generated on first use
 into benchmarks/data/ (git-ignored).
 
@@ -24,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 _CHILD = """
-import json, sys, time
+import json, resource, sys, time
 from pathlib import Path
 from materialize import materialize
 start = time.perf_counter()
@@ -33,7 +34,8 @@ seconds = time.perf_counter() - start
 m = result.manifest
 print(json.dumps({"seconds": seconds, "num_cells": m.num_cells, "nnz": m.nnz,
                   "dataset_bytes": sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files),
-                  "writer_peak_rss_bytes": result.writer_peak_rss_bytes or 0,
+                  "workers": result.workers,
+                  "child_peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                   "peak_rss_bytes": next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
                                          if l.startswith("VmHWM:"))}))  # not ru_maxrss: it survives fork + exec
 """
@@ -75,7 +77,8 @@ def main() -> None:
                     "cells_per_s_median": statistics.median(r["num_cells"] / r["seconds"] for r in runs),
                     "cells_per_s_runs": [round(r["num_cells"] / r["seconds"]) for r in runs],
                     "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in runs) / 2**20,
-                    "writer_peak_rss_mib_max": max(r["writer_peak_rss_bytes"] for r in runs) / 2**20,
+                    "child_peak_rss_mib_max": max(r["child_peak_rss_bytes"] for r in runs) / 2**20,
+                    "workers": first["workers"],
                     "nnz": first["nnz"],
                     "dataset_bytes_per_cell": first["dataset_bytes"] / first["num_cells"],
                     "h5ad_bytes_per_cell": (corpus / "cells.h5ad").stat().st_size / first["num_cells"],
@@ -84,7 +87,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s_median']:9,.0f} cells/s (median of "
                       f"{args.repeats}: {row['cells_per_s_runs']}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB "
-                      f"+ writer {row['writer_peak_rss_mib_max']:4,.0f} MiB, "
+                      f"+ largest child {row['child_peak_rss_mib_max']:4,.0f} MiB, {row['workers']} worker(s), "
                       f"{row['dataset_bytes_per_cell']:,.0f} B/cell (h5ad {row['h5ad_bytes_per_cell']:,.0f}, "
                       f"parquet {row['parquet_bytes_per_cell']:,.0f})", flush=True)
     result = {

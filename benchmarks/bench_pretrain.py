@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probe-cells", type=int, default=4000)
+    p.add_argument("--marker-fraction", type=float, nargs=3, default=None, metavar=("DRUG", "CELL_TYPE", "PLATE"),
+                   help="the corpus's share of draws from marker sets (make_synthetic_corpus; default its default)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -42,9 +44,14 @@ def main() -> None:
     from materialize import make_synthetic_corpus, materialize
     from train._pretrain import PretrainConfig, build_model, logistic_probe, pretrain
 
-    corpus, dataset = DATA / "corpus_probe", DATA / "ds_probe"
+    from materialize._synthetic import MARKER_FRACTION
+
+    fraction = tuple(args.marker_fraction or MARKER_FRACTION)
+    suffix = "" if fraction == MARKER_FRACTION else "_" + "_".join(f"{f:g}" for f in fraction)
+    corpus, dataset = DATA / f"corpus_probe{suffix}", DATA / f"ds_probe{suffix}"
     if not (dataset / "manifest.json").exists():
-        c = make_synthetic_corpus(corpus, num_cells=20_000, num_genes=2000, mean_nnz=150, seed=7, write_h5ad=False)
+        c = make_synthetic_corpus(corpus, num_cells=20_000, num_genes=2000, mean_nnz=150, seed=7, write_h5ad=False,
+                                  marker_fraction=fraction)
         materialize(c.cells_parquet, dataset, overwrite=True, progress=False)
     config = PretrainConfig(str(dataset), tokens=args.tokens, max_len=args.max_len, batch_size=args.batch_size,
                             steps=args.steps, warmup_steps=args.steps // 10, lr=args.lr, block_size=16,
@@ -72,15 +79,21 @@ def main() -> None:
             index.append(np.asarray(batch.index)[keep])
         emb = np.concatenate(chunks)[np.argsort(np.concatenate(index))]
         mean_pool[name] = logistic_probe(emb[fit], codes[rows[fit]], emb[test], codes[rows[test]])
+    # how visible the label is in the cells themselves: the same probe on log1p of their raw counts
+    indptr, indices, values = ds.read_csr(rows)
+    expression = np.zeros((len(rows), ds.num_genes), np.float32)
+    expression[np.repeat(np.arange(len(rows)), np.diff(indptr)), indices] = np.log1p(values)
+    raw_probe = logistic_probe(expression[fit], codes[rows[fit]], expression[test], codes[rows[test]])
     out = {"benchmark": "bench_pretrain", "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "tokens": args.tokens, "steps": args.steps,
-           "max_len": args.max_len, "batch_size": args.batch_size, "lr": args.lr, "seconds": seconds,
+           "max_len": args.max_len, "batch_size": args.batch_size, "lr": args.lr, "marker_fraction": fraction,
+           "seconds": seconds,
            "first_loss": result.history[0]["loss"], "last_loss": result.history[-1]["loss"],
            "median_step_s": result.step_time_s, "data_wait_fraction": result.data_wait_fraction,
-           "probe_cls": result.probe["accuracy"], "probe_mean_pool": mean_pool,
+           "probe_cls": result.probe["accuracy"], "probe_mean_pool": mean_pool, "probe_log1p_expression": raw_probe,
            "probe_cells": {"fit": len(fit), "test": len(test)}, "chance": 1 / len(np.unique(codes[rows]))}
     print(json.dumps(out, indent=1))
-    Path(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}.json").write_text(json.dumps(out, indent=1) + "\n")
+    Path(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}{suffix}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     omicsio-materialize cells.parquet out/ --genes gene_metadata.parquet --obs cell_type,drug,batch
     omicsio-materialize 'atlas/dataset=*/**/*.parquet' out/ --where "tissue = 'lung'"
+    omicsio-materialize 'atlas/**/*.parquet' out/ --workers 16          (a local process pool)
+    omicsio-materialize 'atlas/**/*.parquet' /shared/out/ --dask-scheduler tcp://10.0.0.5:8786
+    omicsio-materialize s3://bucket/atlas/ s3://bucket/datasets/atlas/  (object storage, both sides)
     omicsio-materialize cells.vortex out/
     omicsio-materialize --query "SELECT * FROM 'cells.parquet' WHERE n_genes > 500" out/
     omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
@@ -54,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
                    "uncompressed is 2x larger and faster)")
     p.add_argument("--batch-cells", type=int, default=None,
                    help="cells read per batch (default: 2,048 from .h5ad, 8,192 from tables)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="local worker processes, one shard-aligned partition at a time each (default: the usable "
+                   "cores; 1 runs in this process)")
+    p.add_argument("--dask-scheduler", metavar="ADDR", help="run the partitions on this Dask scheduler "
+                   "(tcp://host:port; needs omicsio_jax[distributed] and the output on storage every worker reaches)")
+    p.add_argument("--dask-scheduler-file", metavar="FILE", help="the same, from a `dask scheduler --scheduler-file`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -126,6 +135,7 @@ def _materialize(argv: list[str]) -> int:
         panel=args.panel, layer=args.layer, use_raw=args.raw, cell_id=args.cell_id,
         allow_negative=args.allow_negative, overwrite=args.overwrite, shard_cells=args.shard_cells,
         group_size=args.group_size, compression=args.compression, batch_cells=args.batch_cells,
+        workers=args.workers, dask_scheduler=args.dask_scheduler, dask_scheduler_file=args.dask_scheduler_file,
         progress=not args.no_progress,
     )
     print(result.summary())

@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
+from omicsio_jax._store import is_remote
 
+from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, gene_table_from_arrow
 
 # h5py reads each batch into fresh arrays; at 2,048 cells they are small enough for the allocator
@@ -91,21 +93,41 @@ class H5adSource(Source):
     def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False,
                  batch_cells: int = DEFAULT_BATCH_CELLS):
         self.path, self.label, self._batch_cells = path, str(path), batch_cells
+        self._layer, self._use_raw = layer, use_raw
+        self._open()
         try:
-            self._file = h5py.File(path, "r")
-            self._matrix = self._pick_matrix(layer, use_raw)
             var = self._file["raw/var" if use_raw else "var"]
-            obs = self._file["obs"]
             self.num_cells, num_vars = self._shape()
             self.genes = self._gene_table(var, num_vars)
-            index_name = obs.attrs["_index"]
-            self._cell_ids = obs[index_name.decode() if isinstance(index_name, bytes) else index_name]
-            self._obs = {name: _ObsColumn(obs[name]) for name in obs.attrs.get("column-order", [])}
         except (OSError, KeyError) as e:
             msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e
         self.obs_columns = {name: col.type for name, col in self._obs.items() if col.type is not None}
         self.description = {"kind": "h5ad", "input": str(path), "matrix": self._matrix.name, "genes": "var"}
+
+    def _open(self) -> None:
+        try:
+            # an s3:// object is read through fsspec in 8 MiB ranges (h5py reads any file-like object)
+            self._file = h5py.File(self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r")
+            self._matrix = self._pick_matrix(self._layer, self._use_raw)
+            obs = self._file["obs"]
+            index_name = obs.attrs["_index"]
+            self._cell_ids = obs[index_name.decode() if isinstance(index_name, bytes) else index_name]
+            self._obs = {name: _ObsColumn(obs[name]) for name in obs.attrs.get("column-order", [])}
+        except (OSError, KeyError) as e:
+            msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
+            raise DataValidationError(msg) from e
+
+    def __getstate__(self) -> dict:
+        """Pickled for partition workers without the open file (each worker opens its own)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_matrix", "_cell_ids", "_obs")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._file = None
+
+    def plan(self, shard_cells: int) -> list[Partition]:
+        return whole_partitions(self.num_cells, shard_cells)
 
     def _pick_matrix(self, layer: str | None, use_raw: bool):
         if layer is not None and use_raw:
@@ -198,9 +220,12 @@ class H5adSource(Source):
         np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
         return indptr, cols[order], vals[order]
 
-    def batches(self, obs: list[str]) -> Iterator[Batch]:
-        for lo in range(0, self.num_cells, self._batch_cells):
-            hi = min(self.num_cells, lo + self._batch_cells)
+    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+        if self._file is None:
+            self._open()
+        first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
+        for lo in range(first, end, self._batch_cells):
+            hi = min(end, lo + self._batch_cells)
             try:
                 indptr, cols, values = self._read_csr(lo, hi)
                 cell_ids = pa.array(_strings(self._cell_ids, lo, hi), pa.string())

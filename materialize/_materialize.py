@@ -1,30 +1,38 @@
-"""`materialize`: any supported input → a validated, block-aligned ArrayRecord dataset."""
+"""`materialize`: any supported input → a validated, block-aligned ArrayRecord dataset.
+
+The input is planned into shard-aligned partitions (`_plan`); each is written by `write_partition`
+— here, on a pool of local worker processes (``workers``, default: the usable cores) or on a Dask
+cluster — and `finalize` joins them, manifest last. The output is byte-identical whatever runs the
+partitions. A local output appears whole or not at all (written in a hidden sibling, renamed into
+place); an ``s3://`` output is complete only once its ``manifest.json`` is uploaded, last.
+"""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
+import json
+import secrets
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError, OmicsIOError, _codec
-from omicsio_jax._background import Background
-from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
+from omicsio_jax._manifest import MANIFEST_NAME, Manifest
+from omicsio_jax._objectfs import as_input_path
+from omicsio_jax._store import is_remote, open_store
 
+from ._finalize import finalize
 from ._panel import Panel, read_panel
-from ._shards import atomic_output_dir, make_shard_writer, writer_options
-from ._sidecars import CellIdWriter, make_obs_writer
+from ._partition import N_COUNTS, N_GENES, PARTS_DIR, Job
+from ._pool import run_in_process, run_on_dask, run_on_pool, usable_cores
+from ._shards import atomic_output_dir, writer_options
 from ._source import Source
-from ._validate import GeneIndex, encode_batch
+from ._validate import GeneIndex
 
 DEFAULT_SHARD_CELLS = 1 << 16
 DEFAULT_GROUP_SIZE = 16
@@ -35,10 +43,12 @@ DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads 13-18% faster
 class MaterializeResult:
     """What was written, with the figures of the summary line."""
 
-    path: Path
+    path: Path | str
     manifest: Manifest
     seconds: float
-    writer_peak_rss_bytes: int | None = None  # the shard writer process's VmHWM (Linux)
+    partitions: int = 1
+    workers: int = 1
+    redone: tuple[int, ...] = ()  # partitions written again after their worker died
 
     @property
     def cells_per_second(self) -> float:
@@ -50,7 +60,7 @@ class MaterializeResult:
         return (
             f"materialized {m.num_cells:,} cells × {m.num_genes:,} genes ({m.layout}), {m.nnz:,} nonzeros, "
             f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s), {self.seconds:.1f} s "
-            f"({self.cells_per_second:,.0f} cells/s) → {self.path}"
+            f"({self.cells_per_second:,.0f} cells/s, {self.workers} worker(s)) → {self.path}"
         )
 
 
@@ -65,15 +75,6 @@ def _check_layout(shard_cells: int, group_size: int) -> None:
     if not _is_power_of_two(group_size) or group_size > shard_cells:
         msg = f"group_size must be a power of two ≤ shard_cells ({shard_cells:,}), got {group_size:,}"
         raise OmicsIOError(msg)
-
-
-def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
-    """Read the next batches in a background thread (DuckDB / h5py / Arrow release the GIL)."""
-    reader = Background(lambda: batches, depth, name="materialize-reader")
-    try:
-        yield from reader
-    finally:
-        reader.close()
 
 
 def open_source(
@@ -94,7 +95,8 @@ def open_source(
             raise OmicsIOError(msg)
         from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
 
-        return H5adSource(Path(source), layer=layer, use_raw=use_raw, batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
+        return H5adSource(as_input_path(str(source)), layer=layer, use_raw=use_raw,
+                          batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)
@@ -108,7 +110,7 @@ def open_source(
                        batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
 
 
-CELL_STATS = ("n_counts", "n_genes")  # obs sidecars computed from the cells
+CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
 
 
 def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
@@ -146,23 +148,30 @@ def materialize(
     group_size: int = DEFAULT_GROUP_SIZE,
     compression: str = DEFAULT_COMPRESSION,
     batch_cells: int | None = None,
+    workers: int | None = None,
+    dask_scheduler: str | None = None,
+    dask_scheduler_file: str | None = None,
     progress: bool = True,
 ) -> MaterializeResult:
-    """Convert list-column tables, a DuckDB query or an ``.h5ad`` into a dataset directory.
+    """Convert list-column tables, a DuckDB query or an ``.h5ad`` into a dataset directory (or ``s3://`` prefix).
 
     >>> materialize("cells.parquet", "out/", obs=["cell_type", "drug"])      # doctest: +SKIP
     >>> materialize("atlas/**/*.parquet", "lung/", where="tissue = 'lung'")  # doctest: +SKIP
     >>> materialize("pbmc.h5ad", "pbmc/", layer="counts")                    # doctest: +SKIP
+    >>> materialize("s3://atlas/cells/", "s3://datasets/atlas/", workers=16)  # doctest: +SKIP
 
-    Either the whole dataset appears at ``out`` or nothing does. Raises `DataValidationError`
-    naming the file, row and cell_id of the first cell that breaks the schema.
+    Partitions run on ``workers`` local processes (default: the usable cores; 1 runs them here),
+    or on the Dask cluster at ``dask_scheduler`` / ``dask_scheduler_file``. Either the whole dataset
+    appears at ``out`` or nothing does. Raises `DataValidationError` naming the file, row and
+    cell_id of the first cell that breaks the schema.
     """
     start = time.perf_counter()
     _check_layout(shard_cells, group_size)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
+    if workers is not None and workers < 1:
+        msg = f"workers must be >= 1, got {workers}"
         raise OmicsIOError(msg)
+    store = open_store(out)
+    _check_output(store, overwrite)
     src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
                       cell_id=cell_id, batch_cells=batch_cells)
     gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
@@ -170,77 +179,83 @@ def materialize(
                                        f"{src.genes.num_rows:,} genes")
     chosen_panel = None if panel is None else read_panel(panel, src.genes)
     obs_names = _choose_obs(src, obs)
+    partitions = src.plan(shard_cells)
+    dask = dask_scheduler is not None or dask_scheduler_file is not None
+    num_workers = 1 if dask else min(workers or usable_cores(), max(len(partitions), 1))
     options = writer_options(group_size, compression)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as cleanup:
-        (tmp / "obs").mkdir()
-        shards = make_shard_writer(tmp, shard_cells=shard_cells, options=options)
-        cleanup.callback(shards.abort)
-        obs_writers = [make_obs_writer(tmp / "obs", name, src.obs_columns[name]) for name in obs_names]
-        for writer in obs_writers:
-            cleanup.callback(writer.close)
-        cell_ids = CellIdWriter(tmp)
-        cleanup.callback(cell_ids.close)
-        num_columns = gene_index.num_genes if chosen_panel is None else chosen_panel.features.num_rows
-        stats = StatsAccumulator(num_columns, shard_cells)
-        stat_writers = [make_obs_writer(tmp / "obs", "n_counts", pa.float64()),
-                        make_obs_writer(tmp / "obs", "n_genes", pa.int32())]
-        for writer in stat_writers:
-            cleanup.callback(writer.close)
-        # statistics on their own thread (numba releases the GIL), in batch order, beside encoding
-        statistics = cleanup.enter_context(ThreadPoolExecutor(1, thread_name_prefix="materialize-stats"))
-        pending: collections.deque = collections.deque()
-        nnz = 0
-        with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress,
-                  desc="materialize", file=sys.stderr, dynamic_ncols=True) as bar:
-            for batch in _prefetch(src.batches(obs_names)):
-                buf, starts, batch_nnz = encode_batch(batch.indptr, batch.tokens, batch.values, gene_index,
-                                                      allow_negative=allow_negative, locate=batch.locate,
-                                                      panel=chosen_panel)
-                nnz += batch_nnz
-                shards.write(buf, starts)
-                pending.append(statistics.submit(_add_stats, stats, stat_writers, buf, starts))
-                while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
-                    pending.popleft().result()  # raises what the statistics thread raised
-                for writer in obs_writers:
-                    writer.append(batch.obs[writer.name])
-                cell_ids.append(batch.cell_ids)
-                bar.update(batch.num_cells)
-        for future in pending:
-            future.result()
-        shard_entries = shards.close()
-        num_cells = sum(s.num_cells for s in shard_entries)
-        cell_ids.finish()
-        obs_entries = []
-        stats.finish().write(tmp / STATS_NAME)
-        for writer in [*obs_writers, *stat_writers]:
-            dtype = writer.finish()
-            obs_entries.append(ObsEntry(writer.name, writer.kind, dtype, writer.num_categories))
+    with _staging(store, overwrite) as staging:
+        threads = max(1, usable_cores() // num_workers) if num_workers > 1 else None
+        job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
+                  secrets.token_hex(8), threads)
+        with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc="materialize",
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            if dask:
+                report = run_on_dask(job, partitions, bar.update, address=dask_scheduler,
+                                     scheduler_file=dask_scheduler_file)
+            elif num_workers > 1:
+                report = run_on_pool(job, partitions, bar.update, workers=num_workers)
+            else:
+                report = run_in_process(job, partitions, bar.update)
         features = src.genes if chosen_panel is None else chosen_panel.features
-        pq.write_table(features, tmp / "features.parquet", compression="zstd")
-        relpaths = ["features.parquet", CellIdWriter.path, STATS_NAME]
-        relpaths += [p for writer in [*obs_writers, *stat_writers] for p in writer.files()]
-        files = tuple(file_entry(tmp, p) for p in relpaths)
-        manifest = Manifest(
-            num_cells=num_cells,
-            num_genes=features.num_rows,
-            nnz=nnz,
-            layout="sparse" if chosen_panel is None else "dense",
-            codec=_codec_description(chosen_panel),
+        manifest = finalize(
+            job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
             array_record={"group_size": group_size, "compression": compression, "writer_options": options},
-            shard_cells=shard_cells,
-            shards=tuple(shard_entries),
-            files=files,
-            obs=tuple(obs_entries),
             source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
-            created_by=f"omicsio_jax {_version()}",
-        ).with_fingerprint()
-        (tmp / MANIFEST_NAME).write_text(manifest.to_json())
-    return MaterializeResult(out, manifest, time.perf_counter() - start, shards.peak_rss_bytes)
+            created_by=f"omicsio_jax {_version()}")
+    return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
+                             len(partitions), report.workers, tuple(report.redone))
 
 
-def _add_stats(stats: StatsAccumulator, writers, buf, starts) -> None:
-    for writer, column in zip(writers, stats.add(buf, starts), strict=True):
-        writer.append(pa.array(column))
+def _check_output(store, overwrite: bool) -> None:
+    """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset."""
+    if store.local_root is not None:
+        out = store.local_root
+        if out.exists() and not overwrite:
+            msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
+            raise OmicsIOError(msg)
+        return
+    objects = store.list()
+    if not objects:
+        return
+    if not any(key == MANIFEST_NAME for key, _ in objects):
+        msg = (f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
+               "choose an empty prefix (or delete these objects)")
+        if not overwrite or any(not _ours(key) for key, _ in objects):
+            raise OmicsIOError(msg)
+    elif not overwrite:
+        msg = f"output {store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it"
+        raise OmicsIOError(msg)
+
+
+def _ours(key: str) -> bool:
+    """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
+    top = key.split("/", 1)[0]
+    return top in (PARTS_DIR, "obs", "chunks", MANIFEST_NAME, "features.parquet", "cell_ids.parquet",
+                   "gene_stats.parquet") or (top.startswith("shard-") and top.endswith(".arrayrecord"))
+
+
+@contextlib.contextmanager
+def _staging(store, overwrite: bool) -> Iterator[str]:
+    """Where the partitions and the finished files go: a hidden sibling directory renamed into place,
+    or the ``s3://`` prefix itself (its old manifest removed first, so an overwritten dataset never
+    looks complete before the new one is)."""
+    if store.local_root is not None:
+        with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
+            yield str(tmp)
+            shutil.rmtree(tmp / PARTS_DIR, ignore_errors=True)
+        return
+    before = {key for key, _ in store.list()}
+    if MANIFEST_NAME in before:
+        store.delete([MANIFEST_NAME])
+    try:
+        yield store.url
+    except BaseException:
+        with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
+            store.delete([k for k, _ in store.list() if _ours(k) and k != MANIFEST_NAME])
+        raise
+    manifest = Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME)))
+    keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
+    store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
 
 
 def _codec_description(panel: Panel | None) -> dict:
@@ -258,4 +273,3 @@ def _version() -> str:
     import omicsio_jax
 
     return omicsio_jax.__version__
-

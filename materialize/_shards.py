@@ -34,8 +34,9 @@ class ShardWriter:
 
     peak_rss_bytes = None  # no separate process
 
-    def __init__(self, root: Path, *, shard_cells: int, options: str):
-        self._files = ShardFiles(root, shard_cells, options)
+    def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
+                 index_dir: str | None = None):
+        self._files = ShardFiles(root, shard_cells, options, first_shard, index_dir)
 
     def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
         """Append the records ``buf[starts[i]:starts[i+1]]`` in order."""
@@ -74,7 +75,8 @@ class ShardWriterProcess:
     (holding its own GIL, not ours). Errors in the child are raised here, at the next call.
     """
 
-    def __init__(self, root: Path, *, shard_cells: int, options: str, depth: int = 3):
+    def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
+                 index_dir: str | None = None, depth: int = 3):
         parent, child = socket.socketpair()
         script = Path(__file__).with_name("_shardfiles.py")
         try:
@@ -88,7 +90,7 @@ class ShardWriterProcess:
         self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
         self._depth = depth
         self.peak_rss_bytes: int | None = None  # the child's VmHWM, known after `close`
-        self._send("open", str(root), shard_cells, options)
+        self._send("open", str(root), shard_cells, options, first_shard, index_dir)
 
     @staticmethod
     def available() -> bool:
@@ -168,11 +170,14 @@ class ShardWriterProcess:
         self._slots.clear()
 
 
-def make_shard_writer(root: Path, *, shard_cells: int, options: str) -> ShardWriter | ShardWriterProcess:
-    """The child-process writer where shared memory is available (Linux), else the in-process one."""
+def make_shard_writer(root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
+                      index_dir: str | None = None) -> ShardWriter | ShardWriterProcess:
+    """The child-process writer where shared memory is available (Linux), else the in-process one.
+    Shards are numbered from ``first_shard``; ``index_dir`` receives their chunk indexes."""
+    kwargs = dict(shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir)
     if ShardWriterProcess.available():
-        return ShardWriterProcess(root, shard_cells=shard_cells, options=options)
-    return ShardWriter(root, shard_cells=shard_cells, options=options)
+        return ShardWriterProcess(root, **kwargs)
+    return ShardWriter(root, **kwargs)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
 
+from ._plan import Partition
+
 CATEGORICAL = "categorical"
 NUMERIC = "numeric"
 
@@ -52,7 +54,9 @@ class Batch:
 
 
 class Source:
-    """An input: ``genes`` (gene table), ``num_cells``, ``obs_columns`` (name → Arrow type) and `batches`."""
+    """An input: ``genes`` (gene table), ``num_cells``, ``obs_columns`` (name → Arrow type), its
+    partitions (`plan`) and the cells of one of them (`batches`). A source pickles without its open
+    files or connections, to be read by partition workers in other processes."""
 
     description: dict[str, Any]
     label: str
@@ -60,7 +64,12 @@ class Source:
     num_cells: int
     obs_columns: dict[str, pa.DataType]
 
-    def batches(self, obs: list[str]) -> Iterator[Batch]:
+    def plan(self, shard_cells: int) -> list[Partition]:
+        raise NotImplementedError
+
+    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+        """Cells of ``part`` (all cells for None), in order, in batches; ``threads`` bounds the
+        reader's own threads (DuckDB's)."""
         raise NotImplementedError
 
 

@@ -42,8 +42,11 @@ import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
 from omicsio_jax._arrow import is_list_type, list_to_csr
+from omicsio_jax._objectfs import register_s3
+from omicsio_jax._store import is_remote
 from omicsio_jax._tables import (
     CELL_ID_COLUMN,
+    FILE_ROW_COLUMN,
     FILENAME_COLUMN,
     GENE_COLUMN,
     GENE_TABLE_NAME,
@@ -51,10 +54,12 @@ from omicsio_jax._tables import (
     create_cells_view,
     expand_files,
     find_gene_table,
+    row_counts,
     sql_ident,
     sql_str,
 )
 
+from ._plan import Partition, partitions_from_boundaries, partitions_from_counts
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
 
 DEFAULT_BATCH_CELLS = 8192  # DuckDB's list decoding prefers large batches (31.8k cells/s vs 30.4k at 2,048)
@@ -114,7 +119,7 @@ def find_tahoe_gene_table(files: list[Path]) -> Path | None:
     if found is not None:
         return found
     roots = {f.parent for f in files}
-    while len(roots) > 1:
+    while len(roots) > 1 and {r.parent for r in roots} != roots:
         roots = {r.parent for r in roots}
     root = roots.pop()
     for folder in [root, *root.parents]:
@@ -137,16 +142,16 @@ class TableSource(Source):
         cell_id_column: str = "cell_id",
         batch_cells: int = DEFAULT_BATCH_CELLS,
     ):
-        self._con = duckdb.connect()
-        self._con.execute("SET preserve_insertion_order = true")
-        self._con.execute("SET enable_progress_bar = false")
+        self._remote = (spec is not None and is_remote(spec)) or (query is not None and "s3://" in query)
+        self._con = _connect(remote=self._remote)
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
+        self._where, self._query = where, query
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
         if spec is not None:
             self.files = expand_files(spec)
-            create_cells_view(self._con, self.files, label=spec, filename=True)
+            create_cells_view(self._con, self.files, label=spec, filename=True, file_rows=True)
         sql = "SELECT * FROM cells" if query is None else query
         published = self._schema_of(sql)
         self.layout = detect_layout(published)
@@ -165,7 +170,8 @@ class TableSource(Source):
         self.description["cell_id_column"] = self._cell_id_column
         self._check_schema(schema, published)
         self.schema = schema
-        hidden = {self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN, _FIRST_GENE, _FIRST_VALUE}
+        hidden = {self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN, FILE_ROW_COLUMN, _FIRST_GENE,
+                  _FIRST_VALUE}
         self.obs_columns = obs_columns_of(schema, exclude=hidden)
         self.genes = self._gene_table(genes)
         self.num_cells = self._count()
@@ -186,7 +192,7 @@ class TableSource(Source):
             tahoe = f"; Tahoe-100M's is {TAHOE_CELL_ID}" if self.layout == TAHOE_LAYOUT else ""
             msg = (
                 f"{self.label} is missing required column(s) {', '.join(missing)}; it has "
-                f"{', '.join(n for n in published.names if n != FILENAME_COLUMN)} "
+                f"{', '.join(n for n in published.names if n not in (FILENAME_COLUMN, FILE_ROW_COLUMN))} "
                 f"(use --cell-id to name another cell id column{tahoe})"
             )
             raise DataValidationError(msg)
@@ -200,8 +206,10 @@ class TableSource(Source):
             found = (find_tahoe_gene_table if self.layout == TAHOE_LAYOUT else find_gene_table)(self.files)
             genes = None if found is None else str(found)
         if genes is not None:
+            if is_remote(genes):
+                register_s3(self._con)
             try:
-                table = self._con.sql(f"SELECT * FROM {sql_str(genes)}").to_arrow_table()
+                table = self._con.sql(f"SELECT * FROM {sql_str(str(genes))}").to_arrow_table()
             except duckdb.Error as e:
                 msg = f"cannot read gene table {genes}: {str(e).splitlines()[0]}"
                 raise DataValidationError(msg) from e
@@ -227,20 +235,71 @@ class TableSource(Source):
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
 
-    def batches(self, obs: list[str]) -> Iterator[Batch]:
+    def __getstate__(self) -> dict:
+        """Pickled for partition workers without the DuckDB connection (each worker opens its own)."""
+        return {**self.__dict__, "_con": None}
+
+    def plan(self, shard_cells: int) -> list[Partition]:
+        """The partitions of this input: by the files' row counts, or (with ``--where``) by the rows
+        that pass the filter, found in one pass over the filter's columns; a ``--query`` is one."""
+        if self._query is not None or not self.files:
+            return [Partition(0, 0, self.num_cells)]  # one partition, however many shards
+        if self._where is None:
+            return partitions_from_counts(self._row_counts(), shard_cells)
+        index = {str(f): i for i, f in enumerate(self.files)}
+        sql = (f"SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN} FROM (SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN}, "
+               f"row_number() OVER () - 1 AS n FROM cells WHERE {self._where}) WHERE n % {int(shard_cells)} = 0")
+        try:
+            rows = self._con.execute(sql).fetchall()
+        except duckdb.Error as e:
+            raise DataValidationError(self._explain(e)) from e
+        boundaries = [(index[name], int(row)) for name, row in rows]
+        return partitions_from_boundaries(self.num_cells, shard_cells, boundaries, len(self.files))
+
+    def _row_counts(self) -> list[int]:
+        try:
+            return row_counts(self.files)
+        except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
+            msg = f"cannot read {self.label}: {e}"
+            raise DataValidationError(msg) from e
+
+    def _partition_sql(self, part: Partition | None, threads: int | None) -> tuple[duckdb.DuckDBPyConnection, str]:
+        """A connection and the SELECT of ``part``'s rows (all rows for None or an unsplit input)."""
+        if part is None or part.spans is None:
+            if self._con is None:  # unpickled in a worker: the whole input (a --query)
+                self._con = _connect(threads, remote=self._remote)
+                if self.files:
+                    create_cells_view(self._con, self.files, label=self.label, filename=True, file_rows=True)
+            return self._con, self._sql
+        con = _connect(threads, remote=self._remote)
+        files = [self.files[f] for f, _, _ in part.spans]
+        create_cells_view(con, files, label=self.label, filename=True, file_rows=True,
+                          spans={i: (lo, hi) for i, (_, lo, hi) in enumerate(part.spans)})
+        arms = []
+        for path, (_, lo, hi) in zip(files, part.spans, strict=True):
+            rows = f"{FILE_ROW_COLUMN} >= {lo}" + ("" if hi is None else f" AND {FILE_ROW_COLUMN} < {hi}")
+            arms.append(f"({FILENAME_COLUMN} = {sql_str(str(path))} AND {rows})")
+        sql = f"SELECT * FROM cells WHERE {' OR '.join(arms)}"
+        if self._where:
+            sql = f"SELECT * FROM ({sql}) WHERE {self._where}"
+        if self.layout == TAHOE_LAYOUT:
+            sql = tahoe_sql(sql)
+        return con, sql
+
+    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+        con, sql = self._partition_sql(part, threads)
         columns = [self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, *obs]
         if self.layout == TAHOE_LAYOUT:
             columns += [_FIRST_GENE, _FIRST_VALUE]
-        has_file = FILENAME_COLUMN in self.schema.names
-        if has_file:
-            columns.append(FILENAME_COLUMN)
+        located = FILENAME_COLUMN in self.schema.names and FILE_ROW_COLUMN in self.schema.names
+        if located:
+            columns += [FILENAME_COLUMN, FILE_ROW_COLUMN]
         select = ", ".join(f'"{c}"' for c in columns)
+        first_row = 0 if part is None else part.first_cell
         try:
-            reader = self._con.sql(f"SELECT {select} FROM ({self._sql})").to_arrow_reader(self._batch_cells)
-            rows_per_file: dict[str, int] = {}
-            first_row = 0
+            reader = con.sql(f"SELECT {select} FROM ({sql})").to_arrow_reader(self._batch_cells)
             for record_batch in reader:
-                yield self._to_batch(record_batch, obs, first_row, rows_per_file if has_file else None)
+                yield self._to_batch(record_batch, obs, first_row, located)
                 first_row += record_batch.num_rows
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
@@ -248,24 +307,38 @@ class TableSource(Source):
             msg = f"cannot read {self.label}: {e}"
             raise DataValidationError(msg) from e
 
-    def _to_batch(self, rb: pa.RecordBatch, obs: list[str], first_row: int,
-                  rows_per_file: dict[str, int] | None) -> Batch:
+    def _to_batch(self, rb: pa.RecordBatch, obs: list[str], first_row: int, located: bool) -> Batch:
         cell_ids = rb.column(self._cell_id_column)
         if cell_ids.null_count:
             i = int(np.flatnonzero(cell_ids.is_null().to_numpy(zero_copy_only=False))[0])
-            msg = f"cell id column {self._cell_id_column} is null in row {first_row + i} of {self.label}"
+            msg = f"cell id column {self._cell_id_column} is null in {_where(self.label, first_row, i, rb, located)}"
             raise DataValidationError(msg)
         cell_ids = cell_ids.cast(pa.string()) if not pa.types.is_string(cell_ids.type) else cell_ids
-        locate = _Locator(self.label, first_row, cell_ids, rb.column(FILENAME_COLUMN) if rows_per_file is not None else None,
-                          rows_per_file)
+        locate = _Locator(self.label, first_row, cell_ids, rb, located)
         if self.layout == TAHOE_LAYOUT:
             check_cls_pairs(rb.column(_FIRST_GENE), rb.column(_FIRST_VALUE), locate, self._cell_id_column)
         gene_ptr, genes = list_to_csr(rb.column(GENE_COLUMN))
         value_ptr, values = list_to_csr(rb.column(VALUE_COLUMN))
-        batch = Batch.from_arrow(gene_ptr, genes, value_ptr, values, cell_ids,
-                                 {name: rb.column(name) for name in obs}, locate)
-        locate.advance()
-        return batch
+        return Batch.from_arrow(gene_ptr, genes, value_ptr, values, cell_ids,
+                                {name: rb.column(name) for name in obs}, locate)
+
+
+def _connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    con.execute("SET enable_progress_bar = false")
+    if threads is not None:
+        con.execute(f"SET threads = {int(threads)}")
+    if remote:
+        register_s3(con)
+    return con
+
+
+def _where(label: str, first_row: int, i: int, rb: pa.RecordBatch, located: bool) -> str:
+    """"row R of FILE" (R counted within the file) when the batch carries its rows' files."""
+    if located:
+        return f"row {rb.column(FILE_ROW_COLUMN)[i].as_py()} of {rb.column(FILENAME_COLUMN)[i].as_py()}"
+    return f"row {first_row + i} of {label}"
 
 
 def check_cls_pairs(first_gene: pa.Array, first_value: pa.Array, locate, cell_id_column: str) -> None:
@@ -291,24 +364,12 @@ def check_cls_pairs(first_gene: pa.Array, first_value: pa.Array, locate, cell_id
 
 
 class _Locator:
-    """Describes a batch row as "<file>: row R (cell_id X)" with R counted within its file."""
+    """Describes a batch row as "row R (cell_id X) of FILE", R counted within its file."""
 
-    def __init__(self, label, first_row, cell_ids, filenames, rows_per_file):
-        self.label, self.first_row, self.cell_ids = label, first_row, cell_ids
-        self.filenames = None if filenames is None else filenames.to_numpy(zero_copy_only=False)
-        self.rows_per_file = rows_per_file
-        self.base = dict(rows_per_file) if rows_per_file is not None else None
+    def __init__(self, label: str, first_row: int, cell_ids: pa.Array, rb: pa.RecordBatch, located: bool):
+        self.label, self.first_row, self.cell_ids, self.rb, self.located = label, first_row, cell_ids, rb, located
 
     def __call__(self, i: int) -> str:
-        cell = self.cell_ids[i].as_py()
-        if self.filenames is None:
-            return f"row {self.first_row + i} (cell_id {cell}) of {self.label}"
-        name = self.filenames[i]
-        row = self.base.get(name, 0) + int(np.count_nonzero(self.filenames[:i] == name))
-        return f"row {row} (cell_id {cell}) of {name}"
-
-    def advance(self) -> None:
-        if self.filenames is not None:
-            names, counts = np.unique(self.filenames, return_counts=True)
-            for name, count in zip(names.tolist(), counts.tolist(), strict=True):
-                self.rows_per_file[name] = self.rows_per_file.get(name, 0) + count
+        where = _where(self.label, self.first_row, i, self.rb, self.located)
+        row, _, of = where.partition(" of ")
+        return f"{row} (cell_id {self.cell_ids[i].as_py()}) of {of}"

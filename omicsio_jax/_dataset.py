@@ -1,4 +1,4 @@
-"""`open_dataset` and `Dataset`: read a materialized dataset directory."""
+"""`open_dataset` and `Dataset`: read a materialized dataset, from a directory or object storage."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import dataclasses
 import functools
 import json
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numba as nb
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordReader
 
 from . import _codec
+from ._cache import IOStats
 from ._errors import DatasetFormatError, OmicsIOError
 from ._manifest import Manifest, read_manifest
+from ._records import ShardReaders, read_runs
+from ._store import is_remote
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
 # large one wastes I/O on scattered reads: 256 KiB covers a block of cells.
@@ -84,31 +85,105 @@ def decode_records(dataset_path, buf: np.ndarray, starts: np.ndarray) -> tuple[n
         return _codec.decode_csr(buf, starts)
 
 
-def read_range(reader: Callable[[int], ArrayRecordReader], shard_cells: int, begin: int, end: int) -> list[bytes]:
-    """Records of cells ``[begin, end)`` with one ``read(begin, end)`` per shard touched."""
-    out: list[bytes] = []
-    while begin < end:
-        shard = begin // shard_cells
-        stop = min(end, (shard + 1) * shard_cells)
-        first = shard * shard_cells
-        out.extend(reader(shard).read(begin - first, stop - first))
-        begin = stop
-    return out
+class _ObsColumns(Mapping):
+    """A dataset's obs columns by name, each loaded on first access (a remote one's downloaded then)."""
+
+    def __init__(self, dataset: Dataset):
+        self._dataset, self._entries = dataset, {e.name: e for e in dataset.manifest.obs}
+        self._loaded: dict[str, Categorical | np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> Categorical | np.ndarray:
+        column = self._loaded.get(name)
+        if column is None:
+            entry, path = self._entries[name], self._dataset.local_path
+            if entry.kind == "categorical":
+                codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
+                column = Categorical(codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text())))
+            else:
+                column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
+            column = self._loaded.setdefault(name, column)
+        return column
+
+    def __contains__(self, name: object) -> bool:  # without loading it
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"obs({', '.join(self._entries)})"
 
 
 class Dataset:
-    """A materialized dataset: manifest, ArrayRecord shards and sidecars. Use `open_dataset`."""
+    """A materialized dataset: manifest, ArrayRecord shards and sidecars. Use `open_dataset`.
 
-    def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS):
-        self.path = Path(path)
-        self.manifest: Manifest = read_manifest(self.path)
+    ``path`` is the directory (a `Path`), or for a dataset on object storage its URL (a str);
+    `local_path` gives the local file of any of its files.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None):
         self.reader_options = reader_options
-        self._readers: dict[int, ArrayRecordReader] = {}
-        self._lock = threading.Lock()
-        for shard in self.manifest.shards:
-            if not (self.path / shard.path).exists():
-                msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
-                raise DatasetFormatError(msg)
+        self._remote = None
+        if is_remote(path):
+            from ._remote import RemoteDataset
+
+            self.path: Path | str = str(path).rstrip("/")
+            self.manifest: Manifest = read_manifest(self.path)
+            self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes)
+        else:
+            self.path = Path(path)
+            self.manifest = read_manifest(self.path)
+            for shard in self.manifest.shards:
+                if not (self.path / shard.path).exists():
+                    msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
+                    raise DatasetFormatError(msg)
+        self._readers = ShardReaders(self, reader_options)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the dataset lives on object storage (read through a local cache)."""
+        return self._remote is not None
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """The local cache of a remote dataset (None for a local one)."""
+        return None if self._remote is None else self._remote.root
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """The budget for a remote dataset's cached data chunks (None for a local one)."""
+        return None if self._remote is None else self._remote.cache_bytes
+
+    def local_path(self, relpath: str) -> Path:
+        """The local file of the dataset's file ``relpath`` (``"features.parquet"``, ``"obs/drug.codes.npy"``).
+
+        For a remote dataset a file of the manifest's ``files`` is downloaded into the cache on
+        first use and checked against its size and SHA-256; a shard's is its sparse local mirror,
+        which holds the chunks that reads have fetched (see `prepared`).
+        """
+        if self._remote is None:
+            return self.path / relpath
+        return self._remote.local_path(relpath)
+
+    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None):
+        """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read from
+        `local_path` of their shards: for a remote dataset their chunks are fetched (all pieces'
+        together) and kept until it ends; nothing to do for a local one."""
+        if self._remote is None:
+            return contextlib.nullcontext()
+        return self._remote.mirrors.prepared(pieces, refetch=refetch)
+
+    def io_stats(self) -> IOStats:
+        """What this dataset fetched from object storage since it was opened (zeros for a local one).
+
+        >>> s = ds.io_stats()                                        # doctest: +SKIP
+        >>> s.num_gets, s.bytes_fetched / s.bytes_needed, s.chunk_hits  # doctest: +SKIP
+        """
+        return IOStats() if self._remote is None else self._remote.io_stats()
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -139,7 +214,7 @@ class Dataset:
         """The gene table (a pandas DataFrame), one row per column, in column order."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.path / "features.parquet").to_pandas()
+        return pq.read_table(self.local_path("features.parquet")).to_pandas()
 
     @functools.cached_property
     def gene_stats(self):
@@ -169,21 +244,13 @@ class Dataset:
         """Cell ids in row order (numpy object array of str)."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.path / "cell_ids.parquet").column(0).to_numpy(zero_copy_only=False)
+        return pq.read_table(self.local_path("cell_ids.parquet")).column(0).to_numpy(zero_copy_only=False)
 
     @functools.cached_property
     def obs(self) -> Mapping[str, Categorical | np.ndarray]:
-        """Obs sidecars by name: `Categorical` (codes + categories) or a numeric array (memory-mapped)."""
-        out: dict[str, Categorical | np.ndarray] = {}
-        for entry in self.manifest.obs:
-            base = self.path / "obs" / entry.name
-            if entry.kind == "categorical":
-                codes = np.load(f"{base}.codes.npy", mmap_mode="r")
-                categories = tuple(json.loads(Path(f"{base}.categories.json").read_text()))
-                out[entry.name] = Categorical(codes, categories)
-            else:
-                out[entry.name] = np.load(f"{base}.npy", mmap_mode="r")
-        return out
+        """Obs sidecars by name: `Categorical` (codes + categories) or a numeric array (memory-mapped),
+        each read on first access (for a remote dataset: downloaded then)."""
+        return _ObsColumns(self)
 
     def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
         """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``).
@@ -204,15 +271,6 @@ class Dataset:
         else:
             keep = np.isin(np.asarray(data), np.asarray(values))
         return np.flatnonzero(~keep if invert else keep)
-
-    def _reader(self, shard_index: int) -> ArrayRecordReader:
-        with self._lock:
-            reader = self._readers.get(shard_index)
-            if reader is None:
-                path = str(self.path / self.manifest.shards[shard_index].path)
-                reader = ArrayRecordReader(path, self.reader_options)
-                self._readers[shard_index] = reader
-            return reader
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
         """Columns of ``genes`` (names, Ensembl ids or column numbers), in the order given.
@@ -261,7 +319,7 @@ class Dataset:
 
     def read_records(self, begin: int, end: int) -> list[bytes]:
         """Raw records of cells ``[begin, end)``: one range read per shard touched."""
-        return read_range(self._reader, self.manifest.shard_cells, begin, end)
+        return read_runs(self, self._readers, [(begin, end)])
 
     def read_csr(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact rows as CSR ``(indptr int64, indices int32, values float32)``, in the order asked.
@@ -271,9 +329,7 @@ class Dataset:
         """
         rows = self.check_rows(rows)
         unique, inverse = np.unique(rows, return_inverse=True)
-        records: list[bytes] = []
-        for begin, end in runs(unique):
-            records.extend(self.read_records(begin, end))
+        records = read_runs(self, self._readers, runs(unique))  # a remote dataset: one fetch for all
         if not records:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
         indptr, indices, values = decode_records(self.path, *_codec.join_records(records))
@@ -282,10 +338,9 @@ class Dataset:
         return take_rows(indptr, indices, values, inverse.astype(np.int64))
 
     def close(self) -> None:
-        with self._lock:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
+        self._readers.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> Dataset:
         return self
@@ -294,11 +349,24 @@ class Dataset:
         self.close()
 
 
-def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS) -> Dataset:
-    """Open a dataset directory written by ``omicsio-materialize``.
+def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None) -> Dataset:
+    """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
+    it was uploaded to (the same files under the prefix).
+
+    A dataset on object storage reads like a local one. Its small files are downloaded on first
+    use (checked against the manifest) and its shards read through sparse local copies that hold
+    only the chunks reads need, fetched with concurrent range GETs, under ``cache_dir`` (default
+    ``$OMICSIO_JAX_CACHE/datasets/<fingerprint>``, ``~/.cache/omicsio_jax`` without the variable),
+    which later runs reuse. The fetched chunks are kept within ``cache_bytes`` (default:
+    min(32 GiB, half the free space of the cache's filesystem)), least recently used shards
+    dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
+    ``cache_bytes`` are ignored for a local directory, which is read in place.
 
     >>> ds = open_dataset("out/")                       # doctest: +SKIP
     >>> ds.num_cells, ds.num_genes, ds.obs["drug"].categories[:3]   # doctest: +SKIP
     >>> indptr, indices, values = ds.read_csr([5, 0, 17])           # doctest: +SKIP
+    >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
     """
-    return Dataset(path, reader_options=reader_options)
+    return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes)

@@ -1,9 +1,11 @@
 """Reading cells: one sorted batched read per segment, each segment read once, a few ahead.
 
 `FetchReader` reads the records of any list of rows (in serving order) with one ArrayRecord
-range read per run of consecutive rows. `SegmentCache` makes sure each segment (a fetch, see
-`_schedule`) is read once per process however many threads ask for its minibatches, and reads
-the next ones ahead on its own threads while the current one is decoded.
+range read per run of consecutive rows (for a dataset on object storage, the chunks of all runs
+are fetched first, together: see `_records.read_runs`). `SegmentCache` makes sure each segment
+(a fetch, see `_schedule`) is read once per process however many threads ask for its
+minibatches, and reads the next ones ahead on its own threads while the current one is decoded
+(for a remote dataset, that read-ahead is the prefetch of the next fetches' chunks).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordReader
 
 from ._codec import EMPTY_RECORD
-from ._dataset import Dataset, read_range, runs
+from ._dataset import Dataset, runs
+from ._records import ShardReaders, read_runs
 
 T = TypeVar("T")
 
@@ -32,26 +34,11 @@ class FetchReader:
 
     def __init__(self, dataset: Dataset, *, reader_options: str | None = None):
         self.dataset = dataset
-        self._options = reader_options or dataset.reader_options
-        self._local = threading.local()
-
-    def _reader(self, shard: int) -> ArrayRecordReader:
-        readers = getattr(self._local, "readers", None)
-        if readers is None:
-            readers = self._local.readers = {}
-        reader = readers.get(shard)
-        if reader is None:
-            path = str(self.dataset.path / self.dataset.manifest.shards[shard].path)
-            reader = readers[shard] = ArrayRecordReader(path, self._options)
-        return reader
+        self._readers = ShardReaders(dataset, reader_options or dataset.reader_options, per_thread=True)
 
     def read_sorted(self, rows: np.ndarray) -> list[bytes]:
         """Records of ascending ``rows``: one range read per run of consecutive rows."""
-        shard_cells = self.dataset.manifest.shard_cells
-        records: list[bytes] = []
-        for begin, end in runs(rows):
-            records.extend(read_range(self._reader, shard_cells, begin, end))
-        return records
+        return read_runs(self.dataset, self._readers, runs(rows))
 
     def __call__(self, rows: np.ndarray) -> list[bytes]:
         """Records of ``rows`` in the order given (rows may repeat; -1 gives `EMPTY_RECORD`, padding)."""

@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ._errors import OmicsIOError
+from ._objectfs import register_s3
+from ._store import is_remote, open_store
 from ._tables import GENE_COLUMN, sql_str
 
 _ENSEMBL_VERSION = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
@@ -39,7 +41,12 @@ def default_cache_dir() -> Path:
 
 
 def _stamp(spec: str) -> dict:
-    """What identifies the gene table's version: path, and size + mtime for a local file."""
+    """What identifies the gene table's version: path, and size + mtime for a local file (size +
+    ETag for an ``s3://`` object)."""
+    if is_remote(spec):
+        parent, _, key = spec.rpartition("/")
+        info = open_store(parent).head(key)
+        return {"path": spec} if info is None else {"path": spec, "size": info.size, "etag": info.etag}
     path = Path(spec)
     if path.exists():
         st = path.stat()
@@ -146,7 +153,10 @@ class GeneTable:
         if cached.exists() and not refresh:
             return cls(pq.read_table(cached), spec)
         try:
-            table = duckdb.connect().sql(f"SELECT * FROM {sql_str(spec)}").to_arrow_table()
+            con = duckdb.connect()
+            if is_remote(spec):
+                register_s3(con)
+            table = con.sql(f"SELECT * FROM {sql_str(spec)}").to_arrow_table()
         except duckdb.Error as e:
             msg = f"cannot read gene table {spec}: {str(e).strip().splitlines()[0]}"
             raise OmicsIOError(msg) from e

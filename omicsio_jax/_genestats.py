@@ -269,8 +269,9 @@ class StatsAccumulator:
 
 def read_gene_stats(dataset) -> GeneStats:
     """The `GeneStats` of a `Dataset`; a one-line error naming the fix when it has none."""
-    path = Path(dataset.path) / STATS_NAME
-    if not any(f.path == STATS_NAME for f in dataset.manifest.files) or not path.exists():
+    listed = any(f.path == STATS_NAME for f in dataset.manifest.files)
+    path = dataset.local_path(STATS_NAME) if listed else None
+    if path is None or not path.exists():
         msg = (f"{dataset.path} has no gene statistics (it was materialized before they existed); "
                f"add them with `omicsio-materialize stats {dataset.path}`")
         raise OmicsIOError(msg)

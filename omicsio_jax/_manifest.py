@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import DatasetFormatError
+from ._store import is_remote, open_store
 
 FORMAT_NAME = "omicsio_jax.dataset"
 FORMAT_VERSION = 1
@@ -97,8 +98,14 @@ class Manifest:
 
 
 # Statistics derived from the cells (written at materialize or added later by `omicsio-materialize
-# stats`): not part of the fingerprint, so adding them to an older dataset keeps its identity.
+# stats`) and the shards' chunk indexes (derived from the shards): not part of the fingerprint, so
+# adding them to an older dataset keeps its identity.
 DERIVED_FILES = ("gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy")
+DERIVED_DIRS = ("chunks/",)
+
+
+def is_derived(path: str) -> bool:
+    return path in DERIVED_FILES or path.startswith(DERIVED_DIRS)
 
 
 def compute_fingerprint(manifest: Manifest) -> str:
@@ -117,7 +124,7 @@ def compute_fingerprint(manifest: Manifest) -> str:
         "codec": manifest.codec,
         "shard_cells": manifest.shard_cells,
         "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
-        "files": sorted((f.path, f.sha256) for f in manifest.files if f.path not in DERIVED_FILES),
+        "files": sorted((f.path, f.sha256) for f in manifest.files if not is_derived(f.path)),
     }
     blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
@@ -147,7 +154,16 @@ def file_entry(root: Path, relpath: str) -> FileEntry:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and check ``<path>/manifest.json``; raise `DatasetFormatError` with a fix if absent or foreign."""
+    """Read and check ``<path>/manifest.json`` (``path`` a directory or an ``s3://`` URL); raise
+    `DatasetFormatError` with a fix if absent or foreign."""
+    if is_remote(path):
+        url = str(path).rstrip("/")
+        text = open_store(url).read_text(MANIFEST_NAME)
+        if text is None:
+            msg = (f"{url!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its upload did not "
+                   f"finish ({MANIFEST_NAME} is uploaded last); check the URL")
+            raise DatasetFormatError(msg)
+        return parse_manifest(text, f"{url}/{MANIFEST_NAME}")
     root = Path(path)
     if not root.is_dir():
         msg = f"{str(root)!r} is not a directory: pass the output directory of `omicsio-materialize`"
@@ -160,45 +176,78 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         )
         raise DatasetFormatError(msg)
     try:
-        raw = json.loads(mpath.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        text = mpath.read_text()
+    except OSError as e:
         msg = f"cannot parse {mpath}: {e}"
         raise DatasetFormatError(msg) from e
-    if raw.get("format") != FORMAT_NAME:
-        msg = f"{mpath} is not an omicsio_jax manifest (format={raw.get('format')!r})"
+    return parse_manifest(text, str(mpath))
+
+
+def parse_manifest(text: str, where: str) -> Manifest:
+    """The manifest in ``text`` (read from ``where``), checked to be one this version reads."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"cannot parse {where}: {e}"
+        raise DatasetFormatError(msg) from e
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        found = raw.get("format") if isinstance(raw, dict) else None
+        msg = f"{where} is not an omicsio_jax manifest (format={found!r})"
         raise DatasetFormatError(msg)
     if raw.get("format_version") != FORMAT_VERSION:
         msg = (
-            f"{mpath} has format_version {raw.get('format_version')}, this omicsio_jax reads "
+            f"{where} has format_version {raw.get('format_version')}, this omicsio_jax reads "
             f"version {FORMAT_VERSION}: re-materialize the dataset or install a matching omicsio_jax"
         )
         raise DatasetFormatError(msg)
     try:
         return Manifest.from_dict(raw)
     except (KeyError, TypeError) as e:
-        msg = f"{mpath} is malformed: {e}"
+        msg = f"{where} is malformed: {e}"
         raise DatasetFormatError(msg) from e
 
 
 def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
-    """Recheck sizes and SHA-256 of every file in the manifest; return a list of problems (empty if sound)."""
-    root = Path(path)
-    manifest = read_manifest(root)
-    problems = []
+    """Recheck sizes and SHA-256 of every file in the manifest (``path`` a directory or an ``s3://``
+    URL, whose objects are streamed, not stored); return a list of problems (empty if sound)."""
+    manifest = read_manifest(path)
     entries = [(s.path, s.num_bytes, s.sha256) for s in manifest.shards]
     entries += [(f.path, f.num_bytes, f.sha256) for f in manifest.files]
+    if is_remote(path):
+        store = open_store(path)
+        sizes = dict(store.list())
+
+        def sha_of(relpath: str) -> str:
+            return _sha256_object(store, relpath, sizes[relpath])
+    else:
+        root = Path(path)
+        sizes = {p: (root / p).stat().st_size for p, _, _ in entries if (root / p).exists()}
+
+        def sha_of(relpath: str) -> str:
+            return sha256_file(root / relpath)
+    problems = []
     for relpath, num_bytes, sha in entries:
-        full = root / relpath
-        if not full.exists():
+        size = sizes.get(relpath)
+        if size is None:
             problems.append(f"{relpath}: missing")
             continue
-        size = full.stat().st_size
         if size != num_bytes:
             problems.append(f"{relpath}: {size} bytes, manifest says {num_bytes}")
             continue
-        actual = sha256_file(full)
+        actual = sha_of(relpath)
         if actual != sha:
             problems.append(f"{relpath}: sha256 {actual[:16]}…, manifest says {sha[:16]}…")
     if compute_fingerprint(manifest) != manifest.fingerprint:
         problems.append("manifest.json: fingerprint does not match its content")
     return problems
+
+
+def _sha256_object(store, key: str, num_bytes: int, *, piece_bytes: int = 8 << 20, window: int = 8) -> str:
+    """SHA-256 of an object, streamed by concurrent range GETs of ``window`` pieces at a time."""
+    digest = hashlib.sha256()
+    starts = range(0, num_bytes, piece_bytes)
+    for i in range(0, len(starts), window):
+        ranges = [(b, min(b + piece_bytes, num_bytes)) for b in starts[i : i + window]]
+        for blob in store.get_ranges(key, ranges, None):
+            digest.update(blob)
+    return digest.hexdigest()

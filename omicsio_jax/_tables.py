@@ -13,10 +13,14 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 
 from ._errors import DataValidationError
+from ._objectfs import expand_objects, register_s3
+from ._store import is_remote
 
 FILENAME_COLUMN = "filename"
+FILE_ROW_COLUMN = "file_row_number"  # a row's position inside its file
 ROWID_COLUMN = "cell_rowid"
 GENE_TABLE_NAME = "gene_metadata.parquet"  # found beside the input when no gene table is given
 GENE_COLUMN = "gene_token_id"
@@ -35,9 +39,12 @@ def sql_ident(name: str) -> str:
 
 
 def expand_files(spec: str) -> list[Path]:
-    """Files named by a path, a directory (searched recursively) or a glob, sorted."""
+    """Files named by a path, a directory (searched recursively) or a glob, sorted; the same for
+    ``s3://`` keys, prefixes and globs (as `ObjectPath`)."""
     path = Path(spec)
-    if path.is_dir():
+    if is_remote(spec):
+        files = expand_objects(spec, (".parquet", ".vortex"), GENE_TABLE_NAME)
+    elif path.is_dir():
         files = sorted(p for p in path.rglob("*")
                        if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME)
     elif any(ch in spec for ch in "*?["):
@@ -53,30 +60,46 @@ def expand_files(spec: str) -> list[Path]:
 def find_gene_table(files: list[Path]) -> Path | None:
     """``gene_metadata.parquet`` in the inputs' common folder or one of its parents."""
     roots = {f.parent for f in files}
-    while len(roots) > 1:
+    while len(roots) > 1 and {r.parent for r in roots} != roots:
         roots = {r.parent for r in roots}
-    for root in [roots.pop(), *Path(files[0]).parents]:
+    for root in [roots.pop(), *files[0].parents]:
         candidate = root / GENE_TABLE_NAME
         if candidate.exists():
             return candidate
     return None
 
 
-def _row_counts(files: list[Path]) -> list[int]:
+def row_counts(files: list[Path]) -> list[int]:
+    """Rows per file, from the footers (several files at once: each is a round trip on object storage)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if files[0].suffix == ".vortex":
         import vortex as vx
 
-        return [len(vx.open(str(f))) for f in files]
-    import pyarrow.parquet as pq
+        def count(f) -> int:
+            return len(vx.open(str(f)))
+    else:
+        import pyarrow.parquet as pq
 
-    return [pq.read_metadata(f).num_rows for f in files]
+        def count(f) -> int:
+            if is_remote(f):
+                with f.open("rb") as handle:
+                    return pq.read_metadata(handle).num_rows
+            return pq.read_metadata(f).num_rows
+
+    with ThreadPoolExecutor(min(16, len(files))) as pool:
+        return list(pool.map(count, files))
 
 
 def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, label: str, filename: bool = False,
-                      rowid: bool = False, name: str = "cells") -> list[int]:
+                      rowid: bool = False, name: str = "cells", file_rows: bool = False,
+                      spans: dict[int, tuple[int, int | None]] | None = None) -> list[int]:
     """Create view ``name`` over ``files``: hive partition columns included, union by column name.
 
-    ``filename`` adds the source file of each row; ``rowid`` adds ``cell_rowid``, the row's
+    ``filename`` adds the source file of each row and ``file_rows`` its ``file_row_number``;
+    ``spans`` (vortex only) restricts file ``i`` to rows ``[lo, hi)`` (``hi`` None: to its end),
+    read by index (parquet files are restricted by a ``file_row_number`` predicate instead, which
+    DuckDB pushes into the scan). ``rowid`` adds ``cell_rowid``, the row's
     position in the concatenation of the files in sorted order (from each file's row count, so
     it stays right under any filter), and returns the first ``cell_rowid`` of each file. For
     parquet, ``rowid`` also creates ``<name>_all``: the same rows with ``filename`` and
@@ -87,23 +110,35 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
         msg = f"{label!r} mixes .vortex and other files; use them separately"
         raise DataValidationError(msg)
     try:
-        counts = _row_counts(files) if rowid else []
+        counts = row_counts(files) if rowid else []
     except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
         msg = f"cannot read {label}: {e}"
         raise DataValidationError(msg) from e
     bases = [sum(counts[:i]) for i in range(len(counts))]
+    if any(is_remote(f) for f in files):
+        register_s3(con)
     if vortex:
         import vortex as vx
 
         arms = []
         for i, path in enumerate(files):
+            lo, hi = (spans or {}).get(i, (0, None))
             try:
-                con.register(f"_{name}_vortex_{i}", vx.open(str(path)).to_dataset())
+                vf = vx.open(str(path))
+                if lo == 0 and hi is None:
+                    table = vf.to_dataset()
+                else:
+                    hi = len(vf) if hi is None else hi
+                    table = vf.to_arrow(indices=vx.array(pa.array(np.arange(lo, hi, dtype=np.uint64))))
+                con.register(f"_{name}_vortex_{i}", table)
             except Exception as e:  # vortex raises plain Exceptions for unreadable files
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
             extra = f", {sql_str(str(path))} AS {FILENAME_COLUMN}" if filename else ""
-            if rowid:  # a window with no ORDER BY streams and keeps the scan order
+            # a window with no ORDER BY streams and keeps the scan order
+            if file_rows:
+                extra += f", CAST({lo} + row_number() OVER () - 1 AS BIGINT) AS {FILE_ROW_COLUMN}"
+            if rowid:
                 extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
             arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
         con.execute(f"CREATE OR REPLACE VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
@@ -113,16 +148,16 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
     names = ", ".join(sql_str(str(f)) for f in files)
     source = (f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
               "union_by_name = true)")
-    hidden = ["file_row_number"] + ([] if filename else [FILENAME_COLUMN])
-    select = f"* EXCLUDE ({', '.join(hidden)})"
+    hidden = ([] if file_rows else [FILE_ROW_COLUMN]) + ([] if filename else [FILENAME_COLUMN])
+    columns = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
+    extra = ""
     if rowid:
         cases = " ".join(f"WHEN {sql_str(str(f))} THEN {b}" for f, b in zip(files, bases, strict=True))
-        select += f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
+        extra = f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
     try:
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {source}")
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {columns}{extra} FROM {source}")
         if rowid:
-            keep = select.replace(f"* EXCLUDE ({', '.join(hidden)})", "*")
-            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT {keep} FROM {source}")
+            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT *{extra} FROM {source}")
     except duckdb.Error as e:
         msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
         raise DataValidationError(msg) from e

@@ -81,3 +81,74 @@ def dataset_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "out"
     materialize(corpus.cells_parquet, out, shard_cells=1024, progress=False)
     return out
+
+
+class S3Server:
+    """moto's S3 API server on 127.0.0.1, with one empty bucket per test (`url` builds s3:// URLs in it)."""
+
+    bucket = "omicsio-test"
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+
+    def reset(self) -> None:
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")).close()
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=self.bucket)
+
+    def url(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API server (moto) for the whole session; the AWS variables point every client at it."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_REGION", "AWS_PROFILE", "AWS_ALLOW_HTTP")}
+    os.environ.pop("AWS_PROFILE", None)
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    try:
+        yield S3Server(endpoint)
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3(s3_server):
+    """The S3 server with a fresh, empty bucket ``omicsio-test``."""
+    s3_server.reset()
+    return s3_server
+
+
+@pytest.fixture(scope="session")
+def dask_cluster(s3_server):
+    """A Dask LocalCluster on loopback: two worker processes of one thread each (started after the S3
+    server, so its workers inherit the AWS variables)."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      host="127.0.0.1") as cluster:
+        yield cluster

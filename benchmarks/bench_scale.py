@@ -1,0 +1,152 @@
+"""Partitioned materialize: throughput per worker and per core against the input-decode limit.
+
+Every configuration runs as a fresh process restricted to a set of cores (``sched_setaffinity``,
+inherited by its worker processes), round-robin over ``--repeats`` rounds, on the same corpus:
+
+- ``decode``: the parquet input-decode limit — DuckDB delivering the list columns (``cell_id``,
+  ``gene_token_id``, ``gene_expression``) as CSR batches exactly as materialize reads them, nothing
+  encoded, on one core; and pyarrow reading the same columns. Reported as CPU-seconds per 10^5
+  cells and cells/s per core.
+- ``materialize --workers N`` on N cores (N = 1, 2, … up to the machine's cores), each worker one
+  partition at a time; the 1 → N speedup and materialize's cells/s per core as a fraction of the
+  decode limit's.
+- ``materialize`` with its defaults on every core (what a user runs), for reference.
+
+    python benchmarks/bench_scale.py --cells 200000 --shard-cells 16384 --repeats 3
+
+Partitions are shards: with ``--shard-cells 16384`` a 200k-cell corpus has 13 of them, enough to
+keep two workers busy to the end (at the default 65,536 it would have 4, and the last holds
+3,392 cells).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+_DECODE = """
+import json, os, resource, sys, time
+os.sched_setaffinity(0, {0})
+kind, path = sys.argv[1], sys.argv[2]
+start, cpu0 = time.perf_counter(), time.process_time()
+cells = 0
+if kind == "duckdb":
+    import duckdb
+    from omicsio_jax._arrow import list_to_csr
+    con = duckdb.connect()
+    con.execute("SET threads = 1")
+    con.execute("SET preserve_insertion_order = true")
+    reader = con.sql(f"SELECT cell_id, gene_token_id, gene_expression FROM read_parquet('{path}')").to_arrow_reader(8192)
+    for rb in reader:
+        list_to_csr(rb.column(1)); list_to_csr(rb.column(2)); cells += rb.num_rows
+else:
+    import pyarrow as pa, pyarrow.parquet as pq
+    from omicsio_jax._arrow import list_to_csr
+    pa.set_cpu_count(1); pa.set_io_thread_count(1)
+    for rb in pq.ParquetFile(path).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
+                                                 use_threads=False):
+        list_to_csr(rb.column(1)); list_to_csr(rb.column(2)); cells += rb.num_rows
+print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu0, "cells": cells}))
+"""
+
+_MATERIALIZE = """
+import json, os, resource, sys, time
+cores = json.loads(sys.argv[4])
+if cores:
+    os.sched_setaffinity(0, cores)
+from materialize import materialize
+workers = None if sys.argv[3] == "default" else int(sys.argv[3])
+start = time.perf_counter()
+result = materialize(sys.argv[1], sys.argv[2], workers=workers, shard_cells=int(sys.argv[5]), progress=False)
+seconds = time.perf_counter() - start
+self_cpu = resource.getrusage(resource.RUSAGE_SELF)
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": seconds, "cells": result.manifest.num_cells, "workers": result.workers,
+                  "partitions": result.partitions,
+                  "cpu_seconds": self_cpu.ru_utime + self_cpu.ru_stime + children.ru_utime + children.ru_stime,
+                  "peak_rss_mib": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024,
+                  "largest_child_rss_mib": children.ru_maxrss / 1024}))
+"""
+
+
+def _run(code: str, *args) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from bench_materialize import corpus_dir
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", type=int, default=200_000)
+    p.add_argument("--shard-cells", type=int, default=16_384)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 1..cores)")
+    p.add_argument("--out", default=str(HERE / "results" / "scale.json"))
+    args = p.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    counts = args.workers or list(range(1, len(cores) + 1))
+    parquet = corpus_dir(args.cells) / "cells.parquet"
+    configs = [("decode", "duckdb"), ("decode", "pyarrow")] + [("workers", n) for n in counts] + [("default", 0)]
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
+        out = Path(tmp) / "out"
+        for round_ in range(args.repeats):
+            for kind, value in configs:
+                if kind == "decode":
+                    label = f"decode {value}"
+                    result = _run(_DECODE.replace("{0}", "{%d}" % cores[0]), value, parquet)
+                else:
+                    label = "materialize default" if kind == "default" else f"materialize {value} worker(s)"
+                    shutil.rmtree(out, ignore_errors=True)
+                    pinned = [] if kind == "default" else cores[:value]
+                    result = _run(_MATERIALIZE, parquet, out, "default" if kind == "default" else value,
+                                  json.dumps(pinned), args.shard_cells)
+                result["cells_per_s"] = result["cells"] / result["seconds"]
+                runs.setdefault(label, []).append(result)
+                print(f"round {round_ + 1}: {label:24s} {result['cells_per_s']:9,.0f} cells/s "
+                      f"({result['cpu_seconds']:.1f} CPU-s in {result['seconds']:.1f} s)", flush=True)
+    rows = {}
+    for label, rs in runs.items():
+        rows[label] = {
+            "cells_per_s_median": statistics.median(r["cells_per_s"] for r in rs),
+            "cells_per_s_runs": [round(r["cells_per_s"]) for r in rs],
+            "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
+            **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
+            **({"peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+                "largest_child_rss_mib": max(r["largest_child_rss_mib"] for r in rs)} if "peak_rss_mib" in rs[0] else {}),
+        }
+    one = rows["materialize 1 worker(s)"]["cells_per_s_median"]
+    decode = rows["decode duckdb"]["cells_per_s_median"]
+    summary = {f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s_median"] / one
+               for n in counts if n > 1}
+    summary["materialize per core / decode limit per core"] = one / decode
+    summary["decode limit cells/s per core (duckdb)"] = decode
+    result = {
+        "benchmark": "bench_scale",
+        "command": f"python benchmarks/bench_scale.py --cells {args.cells} --shard-cells {args.shard_cells} "
+                   f"--repeats {args.repeats}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({len(cores)} usable)",
+        "input": str(parquet.relative_to(HERE)),
+        "rows": rows,
+        "summary": summary,
+    }
+    print(json.dumps(summary, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

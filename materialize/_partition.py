@@ -1,0 +1,185 @@
+"""`write_partition`: one partition of a materialize run, written by any process that can read the
+input and reach the output — this one, a local worker process or a Dask worker.
+
+A partition's output is its shards (with their chunk indexes) at their final names, plus a small
+sidecar folder ``_parts/p-NNNNN/``: ``cells.parquet`` (cell ids, obs values, ``n_counts``,
+``n_genes``), ``gene_stats.parquet`` (the partition's corpus statistics, merged exactly by
+`_finalize`) and ``part.json``, written last, which marks the partition complete. Writing a
+partition again (a retried task) rewrites the same bytes, so a worker killed mid-partition costs
+that partition's redo and nothing else.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from omicsio_jax import OmicsIOError
+from omicsio_jax._background import Background
+from omicsio_jax._chunks import CHUNK_INDEX_DIR, chunk_index_path
+from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
+from omicsio_jax._manifest import FileEntry, ShardEntry, file_entry
+from omicsio_jax._store import open_store
+
+from ._panel import Panel
+from ._plan import Partition
+from ._shards import make_shard_writer
+from ._source import Source
+from ._validate import GeneIndex, encode_batch
+
+PARTS_DIR = "_parts"
+PART_DONE = "part.json"
+PART_CELLS = "cells.parquet"
+N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything a worker needs to write any partition of one run (pickled once per worker)."""
+
+    source: Source
+    obs: tuple[str, ...]
+    gene_index: GeneIndex
+    panel: Panel | None
+    allow_negative: bool
+    shard_cells: int
+    options: str
+    staging: str  # the run's output root: a local (hidden, partial) directory or an s3:// prefix
+    token: str  # this run's identity: sidecars of another run are never mixed in
+    threads: int | None = None  # DuckDB / numba threads per worker process (None: their defaults)
+
+    @property
+    def num_columns(self) -> int:
+        return self.gene_index.num_genes if self.panel is None else self.panel.features.num_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PartResult:
+    """What a partition wrote (the content of its ``part.json``)."""
+
+    token: str
+    index: int
+    first_cell: int
+    num_cells: int
+    nnz: int
+    shards: tuple[ShardEntry, ...]
+    files: tuple[FileEntry, ...]  # the shards' chunk indexes
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self)) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> PartResult:
+        raw = json.loads(text)
+        return cls(raw["token"], raw["index"], raw["first_cell"], raw["num_cells"], raw["nnz"],
+                   tuple(ShardEntry(**s) for s in raw["shards"]), tuple(FileEntry(**f) for f in raw["files"]))
+
+
+def part_dir(index: int) -> str:
+    return f"{PARTS_DIR}/p-{index:05d}"
+
+
+def write_partition(job: Job, part: Partition, progress: Callable[[int], None] | None = None) -> PartResult:
+    """Write ``part``'s shards and sidecars under ``job.staging``; return what ``part.json`` says.
+
+    Pure and idempotent: the same job and partition always write the same bytes. Raises
+    `DataValidationError` naming the file, row and cell of the first cell that breaks the schema.
+    """
+    store = open_store(job.staging)
+    if job.threads is not None:
+        _limit_threads(job.threads)
+    with contextlib.ExitStack() as stack:
+        local = store.local_root
+        if local is None:  # object storage: write here, then upload
+            local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="omicsio-part-")))
+        result = _write_local(job, part, local, progress)
+        if store.local_root is None:
+            names = [s.path for s in result.shards] + [f.path for f in result.files]
+            names += [f"{part_dir(part.index)}/{name}" for name in (PART_CELLS, STATS_NAME, PART_DONE)]
+            store.upload(local, names)  # part.json last: the partition is complete only then
+    return result
+
+
+def _write_local(job: Job, part: Partition, root: Path, progress) -> PartResult:
+    sidecar = root / part_dir(part.index)
+    sidecar.mkdir(parents=True, exist_ok=True)
+    for stale in (sidecar / PART_DONE, sidecar / f".{PART_DONE}.tmp"):
+        stale.unlink(missing_ok=True)
+    obs_types = {name: job.source.obs_columns[name] for name in job.obs}
+    schema = pa.schema([("cell_id", pa.string()), *obs_types.items(), (N_COUNTS, pa.float64()), (N_GENES, pa.int32())])
+    shards = make_shard_writer(root, shard_cells=job.shard_cells, options=job.options, first_shard=part.index,
+                               index_dir=CHUNK_INDEX_DIR)
+    stats = StatsAccumulator(job.num_columns, job.shard_cells)
+    cells = pq.ParquetWriter(sidecar / PART_CELLS, schema, compression="zstd")
+    nnz = 0
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shards.abort)
+        cleanup.callback(cells.close)
+        # statistics on their own thread (numba releases the GIL), in batch order, beside encoding
+        statistics = cleanup.enter_context(ThreadPoolExecutor(1, thread_name_prefix="materialize-stats"))
+        pending: collections.deque = collections.deque()
+        reader = Background(lambda: job.source.batches(list(job.obs), part, threads=job.threads), 2,
+                            name="materialize-reader")
+        cleanup.callback(reader.close)
+        for batch in reader:
+            buf, starts, batch_nnz = encode_batch(batch.indptr, batch.tokens, batch.values, job.gene_index,
+                                                  allow_negative=job.allow_negative, locate=batch.locate,
+                                                  panel=job.panel)
+            nnz += batch_nnz
+            shards.write(buf, starts)
+            columns = {"cell_id": batch.cell_ids, **{n: _cast(batch.obs[n], t) for n, t in obs_types.items()}}
+            pending.append(statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts))
+            while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
+                pending.popleft().result()  # raises what the statistics thread raised
+            if progress is not None:
+                progress(batch.num_cells)
+        for future in pending:
+            future.result()
+        cleanup.pop_all()
+    cells.close()
+    entries = tuple(shards.close())
+    num_cells = sum(s.num_cells for s in entries)
+    if num_cells != part.num_cells:
+        msg = (f"{job.source.label}: {part.describe()} read {num_cells:,} cells where the plan counted "
+               f"{part.num_cells:,}; did the input change during the run?")
+        raise OmicsIOError(msg)
+    stats.finish().write(sidecar / STATS_NAME)
+    files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
+    result = PartResult(job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files)
+    staged = sidecar / f".{PART_DONE}.tmp"
+    staged.write_text(result.to_json())
+    os.replace(staged, sidecar / PART_DONE)
+    return result
+
+
+def _add_stats(stats: StatsAccumulator, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts):
+    n_counts, n_genes = stats.add(buf, starts)
+    cells.write_table(pa.table({**columns, N_COUNTS: n_counts, N_GENES: n_genes}, schema=schema))
+
+
+def _cast(array: pa.Array, dtype: pa.DataType) -> pa.Array:
+    """An obs column as the type the plan saw (a partition's files may hold a narrower one)."""
+    return array if array.type == dtype else array.cast(dtype)
+
+
+def read_part(store, index: int) -> PartResult | None:
+    """The ``part.json`` of partition ``index`` under a store, or None if it is not complete."""
+    text = store.read_text(f"{part_dir(index)}/{PART_DONE}")
+    return None if text is None else PartResult.from_json(text)
+
+
+def _limit_threads(threads: int) -> None:
+    """Keep a worker process to its share of the cores in numba's parallel kernels."""
+    import numba
+
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))

@@ -1,0 +1,221 @@
+"""Running partitions: in this process, on a pool of local worker processes, or on a Dask cluster.
+
+Every runner calls the same `write_partition` and reports cells to one progress callback. The
+local pool starts its workers as plain child processes (``python -c ...``, each in its own
+session so Ctrl-C reaches only this process, each given the job once), not through
+``multiprocessing``, so a script that calls `materialize` needs no ``if __name__ == "__main__"``
+guard. A worker that dies (killed, out of memory) costs the partition it was writing: it is
+written again by a fresh worker, up to ``retries`` times. A `DataValidationError` or
+`OmicsIOError` in a worker is raised here with its message and stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+
+from omicsio_jax import DataValidationError, OmicsIOError
+
+from ._partition import Job, PartResult, write_partition
+from ._plan import Partition
+
+Progress = Callable[[int], None]
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass
+class RunReport:
+    """How the partitions were run: by how many workers, and which were written again."""
+
+    workers: int
+    redone: list[int] = dataclasses.field(default_factory=list)
+
+
+def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress) -> RunReport:
+    for part in partitions:
+        write_partition(job, part, progress)
+    return RunReport(1)
+
+
+# -- the local process pool -------------------------------------------------------------------------
+
+def _error_reply(e: BaseException) -> tuple:
+    kind = "data" if isinstance(e, DataValidationError) else "omicsio" if isinstance(e, OmicsIOError) else "crash"
+    text = str(e) if kind != "crash" else "".join(traceback.format_exception(e)).strip()
+    return ("error", kind, text)
+
+
+def serve(fd: int) -> None:
+    """A pool worker: ``("job", job)`` once, then ``("run", partition)`` answered by ``("progress", n)``
+    messages and ``("done", result)`` or ``("error", kind, text)``. EOF from the parent stops it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    conn = Connection(fd)
+    job = None
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "job":
+                job = pickle.loads(message[1])
+                continue
+            part = message[1]
+            try:
+                result = write_partition(job, part, lambda n: conn.send(("progress", n)))
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                return
+            except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+                conn.send(_error_reply(e))
+                continue
+            conn.send(("done", result))
+    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        return
+
+
+class _Worker:
+    def __init__(self, job_bytes: bytes):
+        parent, child = socket.socketpair()
+        code = f"import sys; from materialize._pool import serve; serve({child.fileno()})"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(),),
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send(("job", job_bytes))
+        self.part: Partition | None = None
+        self.cells = 0  # progress reported for the current partition
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+
+def run_on_pool(job: Job, partitions: Sequence[Partition], progress: Progress, *, workers: int,
+                retries: int = 2) -> RunReport:
+    """Write ``partitions`` on ``workers`` local processes; a worker that dies mid-partition is replaced
+    and its partition written again (at most ``retries`` times per partition)."""
+    job_bytes = pickle.dumps(job)
+    queue: deque[Partition] = deque(partitions)
+    attempts: dict[int, int] = {}
+    report = RunReport(workers)
+    pool = [_Worker(job_bytes) for _ in range(min(workers, len(partitions)))]
+    done = 0
+    try:
+        for worker in pool:
+            _assign(worker, queue)
+        while done < len(partitions):
+            ready = wait([w.conn for w in pool if w.part is not None])
+            for worker in [w for w in pool if w.conn in ready]:
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError):
+                    message = ("died", worker.proc.wait())
+                if message[0] == "progress":
+                    worker.cells += message[1]
+                    progress(message[1])
+                elif message[0] == "done":
+                    done += 1
+                    worker.part, worker.cells = None, 0
+                    _assign(worker, queue)
+                elif message[0] == "error":
+                    _raise(message[1], message[2], worker.part)
+                else:  # the worker died: replace it, write its partition again
+                    part = worker.part
+                    attempts[part.index] = attempts.get(part.index, 0) + 1
+                    if attempts[part.index] > retries:
+                        msg = (f"{part.describe()}: its worker died {attempts[part.index]} times (last exit code "
+                               f"{message[1]}); is the machine out of memory?")
+                        raise OmicsIOError(msg)
+                    progress(-worker.cells)
+                    report.redone.append(part.index)
+                    queue.appendleft(part)
+                    worker.stop()
+                    replacement = _Worker(job_bytes)
+                    pool[pool.index(worker)] = replacement
+                    _assign(replacement, queue)
+    finally:
+        for worker in pool:
+            worker.stop()
+    return report
+
+
+def _assign(worker: _Worker, queue: deque[Partition]) -> None:
+    if queue:
+        worker.part = queue.popleft()
+        worker.conn.send(("run", worker.part))
+
+
+def _raise(kind: str, text: str, part: Partition | None):
+    if kind == "data":
+        raise DataValidationError(text)
+    if kind == "omicsio":
+        raise OmicsIOError(text)
+    where = part.describe() if part is not None else "a partition"
+    msg = f"writing {where} failed in a worker process:\n{text}"
+    raise OmicsIOError(msg)
+
+
+# -- Dask --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TaskError:
+    """A data error found by a Dask task: returned, not raised, so Dask does not retry it."""
+
+    kind: str
+    text: str
+
+
+def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
+    try:
+        return write_partition(job, part)
+    except (DataValidationError, OmicsIOError) as e:
+        return TaskError(*_error_reply(e)[1:])
+
+
+def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *, address: str | None = None,
+                scheduler_file: str | None = None, retries: int = 3) -> RunReport:
+    """Write ``partitions`` as tasks on the Dask cluster at ``address`` (or ``scheduler_file``), with
+    ``retries``; a worker lost mid-task has its task run again elsewhere by the scheduler."""
+    try:
+        from distributed import Client, as_completed
+    except ImportError as e:
+        msg = "--dask-scheduler needs Dask: pip install 'omicsio_jax[distributed]'"
+        raise OmicsIOError(msg) from e
+    try:
+        client = Client(address, scheduler_file=scheduler_file, timeout="30s") if scheduler_file else Client(address,
+                                                                                                         timeout="30s")
+    except OSError as e:
+        msg = f"cannot reach the Dask scheduler at {address or scheduler_file}: {e}"
+        raise OmicsIOError(msg) from e
+    try:
+        shared = client.scatter(job, broadcast=True)
+        keys = [f"omicsio-materialize-{job.token}-p{p.index:05d}" for p in partitions]
+        futures = client.map(dask_task, [shared] * len(partitions), partitions, key=keys, retries=retries, pure=False)
+        by_key = {f.key: p for f, p in zip(futures, partitions, strict=True)}
+        workers = len(client.scheduler_info().get("workers", {}))
+        for future in as_completed(futures):
+            result = future.result()
+            if isinstance(result, TaskError):
+                client.cancel(futures)
+                _raise(result.kind, result.text, by_key[future.key])
+            progress(by_key[future.key].num_cells)
+        return RunReport(max(workers, 1))
+    finally:
+        client.close()

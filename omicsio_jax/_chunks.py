@@ -1,0 +1,58 @@
+"""Shard chunk indexes: which bytes of a shard a read of some of its records needs.
+
+ArrayRecord compresses records in chunks of ``group_size`` (the manifest's ``array_record``
+options) and keeps its chunk offsets in a footer that only its own reader parses. `materialize`
+therefore writes, beside each shard, ``chunks/shard-NNNNN.npy``: a ``(3 + num_chunks, 2)`` uint64
+array of ``[begin, end)`` byte ranges — the head of the file (signature), its footer chunk and its
+postscript chunk (what a reader reads when it opens the file), then every data chunk in record
+order. A reader of a shard on object storage fetches those ranges only (`ChunkIndex.ranges`) into a
+sparse local copy, which ArrayRecord's own reader then reads as if it were whole (a read that
+reaches a chunk never fetched fails on its chunk header hash; it cannot return wrong records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import PurePosixPath
+
+import numpy as np
+
+CHUNK_INDEX_DIR = "chunks"
+_OPEN_ROWS = 3  # head, footer chunk, postscript chunk
+
+
+def chunk_index_path(shard_path: str) -> str:
+    """The chunk index of a shard, relative to the dataset root: ``chunks/shard-00003.npy``."""
+    return f"{CHUNK_INDEX_DIR}/{PurePosixPath(shard_path).with_suffix('.npy').name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkIndex:
+    """The byte ranges of one shard; ``group_size`` records per data chunk."""
+
+    rows: np.ndarray  # (3 + num_chunks, 2) uint64
+    group_size: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.rows) - _OPEN_ROWS
+
+    @property
+    def opening(self) -> np.ndarray:
+        """``(3, 2)``: the ranges ArrayRecord's reader reads when it opens the file."""
+        return self.rows[:_OPEN_ROWS].astype(np.int64)
+
+    def chunks_of(self, begin: int, end: int) -> range:
+        """Data chunks holding records ``[begin, end)`` of the shard."""
+        if end <= begin:
+            return range(0)
+        return range(begin // self.group_size, (end - 1) // self.group_size + 1)
+
+    def chunk_bytes(self, chunks: np.ndarray) -> np.ndarray:
+        """``(len(chunks), 2)`` int64 byte ranges of data chunks."""
+        return self.rows[_OPEN_ROWS + np.asarray(chunks, np.int64)].astype(np.int64)
+
+    @property
+    def data_bytes(self) -> int:
+        data = self.rows[_OPEN_ROWS:]
+        return int((data[:, 1] - data[:, 0]).sum())

@@ -1,0 +1,126 @@
+"""Reading records from shards: readers checked when opened, runs of cells read in one go.
+
+`read_runs` is the one place records are read (`Dataset.read_records` / ``read_csr``, the
+loaders' `FetchReader`): for a dataset on object storage it first has the chunks of all the runs
+fetched together and pinned while they are read (`Dataset.prepared`). ArrayRecord's reader does
+not raise on a file it cannot read (``ok()`` is False), and raises a bare ``RuntimeError`` on a
+corrupted chunk; both become `DatasetFormatError` naming the dataset, the shard, the cells and
+``omicsio-materialize verify``. A remote shard's failed read is first retried once with its
+chunks fetched again (its cached copy, not the object, may be what is damaged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from array_record.python.array_record_module import ArrayRecordReader
+
+from ._errors import DatasetFormatError
+
+if TYPE_CHECKING:
+    from ._dataset import Dataset
+
+
+class _ReadFailed(Exception):
+    def __init__(self, shard: int, begin: int, end: int, reason: str):
+        super().__init__(reason)
+        self.shard, self.begin, self.end, self.reason = shard, begin, end, reason
+
+
+class ShardReaders:
+    """ArrayRecord readers of a dataset's shards, opened on first use and checked; with
+    ``per_thread`` each thread gets its own (a reader is then never shared across threads)."""
+
+    def __init__(self, dataset: Dataset, options: str, *, per_thread: bool = False):
+        self.dataset, self.options, self.per_thread = dataset, options, per_thread
+        self._local = threading.local()
+        self._shared: dict[int, ArrayRecordReader] = {}
+        self._lock = threading.Lock()
+
+    def _readers(self) -> dict[int, ArrayRecordReader]:
+        if not self.per_thread:
+            return self._shared
+        readers = getattr(self._local, "readers", None)
+        if readers is None:
+            readers = self._local.readers = {}
+        return readers
+
+    def get(self, shard: int) -> ArrayRecordReader:
+        with contextlib.nullcontext() if self.per_thread else self._lock:
+            readers = self._readers()
+            reader = readers.get(shard)
+            if reader is None:
+                path = self.dataset.local_path(self.dataset.manifest.shards[shard].path)
+                reader = ArrayRecordReader(str(path), self.options)
+                if not reader.ok():
+                    raise _ReadFailed(shard, 0, 0, f"{path} is not a readable ArrayRecord file")
+                readers[shard] = reader
+            return reader
+
+    def drop(self, shard: int) -> None:
+        with contextlib.nullcontext() if self.per_thread else self._lock:
+            reader = self._readers().pop(shard, None)
+        if reader is not None:
+            reader.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._shared.values():
+                reader.close()
+            self._shared.clear()
+
+
+def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[tuple[int, int, int]]:
+    """``(shard, begin, end)`` record ranges within shards of the global ``[begin, end)`` runs."""
+    pieces = []
+    for begin, end in row_runs:
+        while begin < end:
+            shard = begin // shard_cells
+            stop = min(end, (shard + 1) * shard_cells)
+            pieces.append((shard, begin - shard * shard_cells, stop - shard * shard_cells))
+            begin = stop
+    return pieces
+
+
+def read_runs(dataset: Dataset, readers: ShardReaders, row_runs: Sequence[tuple[int, int]]) -> list[bytes]:
+    """Records of the cells of every ``[begin, end)`` run, in order: one range read per shard touched."""
+    pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
+    refetch = None
+    while True:
+        with dataset.prepared(pieces, refetch=refetch):
+            try:
+                return _read(readers, pieces)
+            except _ReadFailed as e:
+                failed = e
+        readers.drop(failed.shard)
+        if not dataset.is_remote or refetch is not None:
+            raise _corrupted(dataset, failed) from failed.__cause__
+        refetch = failed.shard
+
+
+def _read(readers: ShardReaders, pieces: list[tuple[int, int, int]]) -> list[bytes]:
+    out: list[bytes] = []
+    for shard, begin, end in pieces:
+        reader = readers.get(shard)
+        try:
+            out.extend(reader.read(begin, end))
+        except RuntimeError as e:  # riegeli: a chunk's hash does not match, or a chunk is truncated
+            raise _ReadFailed(shard, begin, end, str(e).strip().splitlines()[0]) from e
+    return out
+
+
+def _corrupted(dataset: Dataset, failed: _ReadFailed) -> DatasetFormatError:
+    shard = dataset.manifest.shards[failed.shard]
+    if failed.end == 0:
+        where = "cannot be opened"
+    elif failed.end - failed.begin == 1:
+        where = f"cell {shard.first_cell + failed.begin} (record {failed.begin}) cannot be read"
+    else:
+        where = (f"cells {shard.first_cell + failed.begin}..{shard.first_cell + failed.end - 1} "
+                 f"(records {failed.begin}..{failed.end - 1}) cannot be read")
+    msg = (f"{dataset.path}: shard {shard.path}: {where}: {failed.reason}; "
+           f"run `omicsio-materialize verify {dataset.path}`")
+    return DatasetFormatError(msg)

@@ -1,0 +1,222 @@
+"""Partitioned materialize: byte-identical output from one process, a local pool and Dask; a worker
+killed mid-partition costs that partition only; bad data and missing sidecars stop the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import vortex
+
+import omicsio_jax as oj
+from conftest import assert_csr_equal, table_csr
+from materialize import materialize
+from materialize._cli import main
+from materialize._finalize import finalize
+from materialize._materialize import open_source
+from materialize._partition import Job, write_partition
+from materialize._shards import writer_options
+from materialize._validate import GeneIndex
+
+SHARD = 256  # 3,000 cells: 12 partitions
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _hive_files(corpus_table: pa.Table, root: Path) -> Path:
+    """The corpus split unevenly over hive folders (files of 700, 1,100, 50 and 1,150 rows)."""
+    bounds = [0, 700, 1800, 1850, 3000]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        folder = root / f"part={i}"
+        folder.mkdir(parents=True)
+        pq.write_table(corpus_table.slice(a, b - a), folder / "cells.parquet", row_group_size=128)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hive_input(corpus_table, corpus, tmp_path_factory):
+    root = _hive_files(corpus_table, tmp_path_factory.mktemp("hive"))
+    (root / "gene_metadata.parquet").write_bytes(Path(corpus.genes_parquet).read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("where", [None, "tissue IN ('lung', 'liver', 'skin') AND part <> 2"])
+def test_a_pool_writes_the_same_bytes_as_one_process(hive_input, corpus_table, tmp_path, where):
+    one = materialize(str(hive_input), tmp_path / "one", where=where, shard_cells=SHARD, workers=1, progress=False)
+    pool = materialize(str(hive_input), tmp_path / "pool", where=where, shard_cells=SHARD, workers=2, progress=False)
+    assert (one.workers, pool.workers) == (1, 2) and pool.partitions == len(pool.manifest.shards) > 2
+    assert _digests(tmp_path / "one") == _digests(tmp_path / "pool")
+    expected = corpus_table
+    if where is not None:  # the same filter, by pyarrow: part 2 holds rows 1800..1849
+        keep = pc.is_in(corpus_table.column("tissue"), pa.array(["lung", "liver", "skin"])).to_numpy(zero_copy_only=False)
+        keep[1800:1850] = False
+        expected = corpus_table.filter(pa.array(keep))
+    ds = oj.open_dataset(tmp_path / "pool")
+    assert ds.num_cells == expected.num_rows
+    assert list(ds.cell_ids) == expected.column("cell_id").to_pylist()
+    assert_csr_equal(ds.read_csr(np.arange(ds.num_cells)), table_csr(expected))
+    assert list(ds.obs["tissue"].labels()) == expected.column("tissue").to_pylist()
+
+
+def test_vortex_and_h5ad_inputs_partition_the_same_way(corpus, corpus_table, tmp_path):
+    for i, (a, b) in enumerate([(0, 1000), (1000, 2200), (2200, 3000)]):
+        vortex.io.write(corpus_table.slice(a, b - a), str(tmp_path / f"cells-{i}.vortex"))
+    kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False, obs=["drug", "batch"])
+    materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
+    materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v2", workers=2, **kw)
+    del kw["genes"]
+    materialize(corpus.h5ad, tmp_path / "h1", workers=1, **kw)
+    materialize(corpus.h5ad, tmp_path / "h2", workers=2, **kw)
+    assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
+    assert _digests(tmp_path / "h1") == _digests(tmp_path / "h2")
+    shards = [oj.open_dataset(tmp_path / name).manifest.shards for name in ("v2", "h2")]
+    assert [s.sha256 for s in shards[0]] == [s.sha256 for s in shards[1]]  # the same cells, the same shards
+
+
+def test_a_query_is_one_partition_of_many_shards(corpus, tmp_path):
+    query = f"SELECT * FROM '{corpus.cells_parquet}' WHERE n_genes > 100"
+    result = materialize(None, tmp_path / "q", query=query, shard_cells=SHARD, workers=2, progress=False)
+    assert result.partitions == 1 and result.workers == 1 and len(result.manifest.shards) > 1
+    assert oj.verify_dataset(tmp_path / "q") == []
+
+
+def _pool_worker_writing(partial_parent: Path) -> int | None:
+    """The pool worker whose shard writer (its child) has a shard of a partial output open."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(str(partial_parent)) and ".partial-" in target and target.endswith(".arrayrecord"):
+                    with open(f"/proc/{pid}/stat") as f:
+                        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                    with open(f"/proc/{parent}/cmdline", "rb") as f:
+                        if b"materialize._pool" in f.read():
+                            return parent
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return None
+
+
+def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
+    killed: list[int] = []
+
+    def kill_one():
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            pid = _pool_worker_writing(tmp_path)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    try:
+        result = materialize(corpus.cells_parquet, out, shard_cells=SHARD, workers=2, batch_cells=16, progress=False)
+    finally:
+        killer.join()
+    assert killed, "no pool worker was caught writing a shard"
+    assert len(result.redone) == 1  # that partition, and nothing else, was written again
+    assert _digests(out) == _digests(tmp_path / "ref")
+
+
+def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp_path):
+    genes = corpus_table.column("gene_token_id").to_pylist()
+    genes[2041] = list(reversed(genes[2041]))  # in partition 7 of 12
+    table = corpus_table.set_column(corpus_table.column_names.index("gene_token_id"), "gene_token_id",
+                                    pa.array(genes, pa.list_(pa.int32())))
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(oj.DataValidationError, match=r"gene_token_id not sorted in row 2041 \(cell_id c0*2041\) of"):
+        materialize(tmp_path / "bad.parquet", tmp_path / "out", shard_cells=SHARD, workers=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.parquet"]
+
+
+def test_finalize_refuses_a_missing_partition_sidecar(corpus, tmp_path):
+    src = open_source(str(corpus.cells_parquet))
+    parts = src.plan(SHARD)
+    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
+    job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path), "run1")
+    for part in parts[:3] + parts[4:]:
+        write_partition(job, part)
+    kw = dict(features=src.genes, codec={}, array_record={}, source={}, created_by="test")
+    with pytest.raises(oj.OmicsIOError, match=r"partition 3 \(cells 768..1,023\) has no sidecar at finalize"):
+        finalize(job, _store(tmp_path), parts, **kw)
+    write_partition(job, parts[3])
+    other = dataclasses.replace(job, token="run2")
+    with pytest.raises(oj.OmicsIOError, match="belongs to another materialize run"):
+        finalize(other, _store(tmp_path), parts, **kw)
+
+
+def _store(root):
+    from omicsio_jax._store import open_store
+
+    return open_store(root)
+
+
+def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, tmp_path, dask_cluster):
+    materialize(str(hive_input), tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
+    result = materialize(str(hive_input), tmp_path / "dask", shard_cells=SHARD, progress=False,
+                         dask_scheduler=dask_cluster.scheduler_address)
+    assert result.workers == 2
+    assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")
+    materialize(corpus.h5ad, tmp_path / "h1", shard_cells=SHARD, workers=1, progress=False)
+    materialize(corpus.h5ad, tmp_path / "h2", shard_cells=SHARD, progress=False,
+                dask_scheduler=dask_cluster.scheduler_address)
+    assert _digests(tmp_path / "h1") == _digests(tmp_path / "h2")
+
+
+def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
+    values = corpus_table.column("gene_expression").to_pylist()
+    values[300][0] = float("nan")
+    table = corpus_table.set_column(corpus_table.column_names.index("gene_expression"), "gene_expression",
+                                    pa.array(values, pa.list_(pa.float32())))
+    pq.write_table(table, tmp_path / "nan.parquet")
+    with pytest.raises(oj.DataValidationError, match=r"gene_expression is nan \(not finite\) in row 300"):
+        materialize(tmp_path / "nan.parquet", tmp_path / "out", shard_cells=SHARD, progress=False,
+                    dask_scheduler=dask_cluster.scheduler_address)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dask_scheduler_and_worker_commands(corpus, tmp_path):
+    """The multi-machine deployment on loopback: `dask scheduler` and `dask worker` as separate processes."""
+    dask = Path(sys.executable).with_name("dask")
+    scheduler_file = tmp_path / "scheduler.json"
+    common = ["--no-dashboard"]
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--scheduler-file",
+                               scheduler_file, *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists():
+            assert time.monotonic() < deadline, "the Dask scheduler did not start"
+            time.sleep(0.1)
+        procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", scheduler_file, "--nthreads", "1",
+                                       "--host", "127.0.0.1", *common],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        code = main([str(corpus.cells_parquet), str(tmp_path / "dask"), "--shard-cells", str(SHARD),
+                     "--dask-scheduler-file", str(scheduler_file), "--no-progress"])
+        assert code == 0
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(timeout=30)
+    materialize(corpus.cells_parquet, tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
+    assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")

@@ -1,0 +1,134 @@
+"""materialize with inputs and outputs on S3 (moto's server on 127.0.0.1): the same bytes as on local
+disk, from parquet, vortex and h5ad, on a local pool and on Dask; nothing that looks complete until
+the manifest is uploaded; one-line errors for unreachable endpoints, credentials and buckets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import vortex
+
+import omicsio_jax as oj
+from conftest import assert_csr_equal
+from materialize import materialize
+from materialize._cli import main
+from omicsio_jax._store import S3Store
+
+SHARD = 512
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """Every file's SHA-256; the manifest by its fingerprint (it also names the input, which differs)."""
+    out = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+           for p in sorted(root.rglob("*")) if p.is_file()}
+    out["manifest.json"] = json.loads((root / "manifest.json").read_text())["fingerprint"]
+    return out
+
+
+def _object_digests(s3, prefix: str) -> dict[str, str]:
+    store = S3Store(s3.url(prefix))
+    out = {key: hashlib.sha256(store.read_bytes(key)).hexdigest() for key, _ in store.list()}
+    out["manifest.json"] = json.loads(store.read_text("manifest.json"))["fingerprint"]
+    return out
+
+
+def _upload_inputs(s3, corpus, corpus_table, tmp_path) -> None:
+    """The corpus as hive-partitioned parquet, vortex files, an h5ad and a gene table under s3://…/in/."""
+    local = tmp_path / "in"
+    for i, (a, b) in enumerate([(0, 1200), (1200, 3000)]):
+        (local / "pq" / f"plate={i}").mkdir(parents=True)
+        pq.write_table(corpus_table.slice(a, b - a), local / "pq" / f"plate={i}" / "cells.parquet", row_group_size=200)
+        (local / "vx").mkdir(exist_ok=True)
+        vortex.io.write(corpus_table.slice(a, b - a), str(local / "vx" / f"cells-{i}.vortex"))
+    (local / "pq" / "gene_metadata.parquet").write_bytes(Path(corpus.genes_parquet).read_bytes())
+    (local / "cells.h5ad").write_bytes(Path(corpus.h5ad).read_bytes())
+    names = [p.relative_to(local).as_posix() for p in sorted(local.rglob("*")) if p.is_file()]
+    S3Store(s3.url("in")).upload(local, names)
+
+
+def test_s3_to_s3_is_byte_identical_to_local(s3, corpus, corpus_table, tmp_path):
+    _upload_inputs(s3, corpus, corpus_table, tmp_path)
+    kw = dict(shard_cells=SHARD, progress=False, where="tissue <> 'brain'")
+    materialize(str(tmp_path / "in" / "pq"), tmp_path / "local", workers=1, **kw)
+    result = materialize(s3.url("in/pq/"), s3.url("ds/"), workers=2, **kw)
+    assert result.workers == 2 and result.partitions > 2
+    assert _object_digests(s3, "ds") == _digests(tmp_path / "local")  # no _parts/ left, nothing else
+    # open it from S3: exact cells, the same loader batches
+    remote, local = oj.open_dataset(s3.url("ds/"), cache_dir=tmp_path / "cache"), oj.open_dataset(tmp_path / "local")
+    rows = np.random.default_rng(0).choice(local.num_cells, 300)
+    assert_csr_equal(remote.read_csr(rows), local.read_csr(rows))
+    kw = dict(batch_size=64, block_size=16, fetch_factor=4, seed=3, num_epochs=1)
+    for a, b in zip(oj.make_loader(remote, **kw), oj.make_loader(local, **kw), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+        np.testing.assert_array_equal(np.asarray(a.x), np.asarray(b.x))
+
+
+@pytest.mark.parametrize("kind", ["vortex", "h5ad"])
+def test_vortex_and_h5ad_on_s3(s3, corpus, corpus_table, tmp_path, kind):
+    _upload_inputs(s3, corpus, corpus_table, tmp_path)
+    local_input = str(tmp_path / "in" / ("vx" if kind == "vortex" else "cells.h5ad"))
+    remote_input = s3.url("in/vx/") if kind == "vortex" else s3.url("in/cells.h5ad")
+    genes = {"genes": s3.url("in/pq/gene_metadata.parquet")} if kind == "vortex" else {}
+    materialize(local_input, tmp_path / "local", shard_cells=SHARD, progress=False, workers=1,
+                **({"genes": corpus.genes_parquet} if kind == "vortex" else {}))
+    materialize(remote_input, tmp_path / "remote", shard_cells=SHARD, progress=False, workers=2, **genes)
+    assert _digests(tmp_path / "remote") == _digests(tmp_path / "local")
+
+
+def test_dask_writes_to_s3(s3, corpus, corpus_table, tmp_path, dask_cluster):
+    _upload_inputs(s3, corpus, corpus_table, tmp_path)
+    materialize(str(tmp_path / "in" / "pq" / "*" / "*.parquet"), tmp_path / "local", shard_cells=SHARD,
+                progress=False, workers=1)
+    materialize(s3.url("in/pq/*/*.parquet"), s3.url("dask"), shard_cells=SHARD, progress=False,
+                dask_scheduler=dask_cluster.scheduler_address)
+    assert _object_digests(s3, "dask") == _digests(tmp_path / "local")
+
+
+def test_s3_output_is_never_complete_before_its_manifest(s3, corpus, corpus_table, tmp_path):
+    pq.write_table(corpus_table, tmp_path / "good.parquet")
+    values = corpus_table.column("gene_expression").to_pylist()
+    values[2900][0] = -1.0  # the last partition fails after the others were uploaded
+    bad = corpus_table.set_column(corpus_table.column_names.index("gene_expression"), "gene_expression",
+                                  __import__("pyarrow").array(values))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    out = s3.url("ds")
+    materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False, workers=2)
+    with pytest.raises(oj.OmicsIOError, match="already holds a dataset; pass --overwrite"):
+        materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False)
+    with pytest.raises(oj.DataValidationError, match="negative gene_expression -1.0 in row 2900"):
+        materialize(tmp_path / "bad.parquet", out, shard_cells=SHARD, progress=False, workers=2, overwrite=True)
+    assert S3Store(out).list() == []  # the old manifest went first; what the failed run wrote was removed
+    s3.client().put_object(Bucket=s3.bucket, Key="ds/notes.txt", Body=b"mine")
+    with pytest.raises(oj.OmicsIOError, match="refusing to write into .* holds 1 object"):
+        materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False, overwrite=True)
+
+
+def test_object_storage_errors_are_one_line(s3, corpus, tmp_path, monkeypatch, capsys):
+    args = [str(corpus.cells_parquet), "--shard-cells", str(SHARD), "--no-progress"]
+    assert main([*args[:1], "s3://no-such-bucket/ds", *args[1:]]) == 2
+    assert "bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
+    assert main([s3.url("missing/*.parquet"), str(tmp_path / "out")]) == 2
+    assert "no input files found for 's3://omicsio-test/missing/*.parquet'" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert main([*args[:1], s3.url("ds"), *args[1:]]) == 2
+    assert "cannot reach the S3 endpoint http://127.0.0.1:9" in capsys.readouterr().err
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    assert main([*args[:1], s3.url("ds"), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no AWS credentials for s3://omicsio-test/ds: set AWS_ACCESS_KEY_ID" in err
+
+
+def test_open_table_over_s3_gives_the_local_answers(s3, corpus, corpus_table, tmp_path):
+    _upload_inputs(s3, corpus, corpus_table, tmp_path)
+    local, remote = oj.open_table(str(tmp_path / "in" / "pq")), oj.open_table(s3.url("in/pq/"))
+    assert remote.num_cells == local.num_cells == corpus_table.num_rows
+    assert remote.genes.table.equals(local.genes.table)
+    np.testing.assert_array_equal(remote.select("tissue = 'lung' AND plate = 1"), local.select("tissue = 'lung' AND plate = 1"))
+    np.testing.assert_array_equal(remote.cells_expressing([3, 40], mode="any"), local.cells_expressing([3, 40], mode="any"))
+    rows = [5, 1300, 2999]
+    np.testing.assert_array_equal(remote.panel([0, 3, 17], rowids=rows).x, local.panel([0, 3, 17], rowids=rows).x)
