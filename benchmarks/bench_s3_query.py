@@ -122,7 +122,9 @@ def main() -> None:
     httpfs_version = None
     if HTTPFS_PYTHON.exists():
         proc = subprocess.run([HTTPFS_PYTHON, "-c", _HTTPFS, json.dumps(QUERIES), url, str(args.repeats)],
-                              capture_output=True, text=True, check=True, env=os.environ)
+                              capture_output=True, text=True, env=os.environ)
+        if proc.returncode:
+            raise RuntimeError(f"the httpfs peer failed:\n{proc.stderr[-3000:]}")
         peer = json.loads(proc.stdout.strip().splitlines()[-1])
         results["httpfs"], httpfs_version = peer["times"], peer["duckdb"]
     server.stop()

@@ -22,7 +22,7 @@ from omicsio_jax import OmicsIOError
 from omicsio_jax._genestats import NUM_BINS, STATS_NAME, GeneStats
 from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
 
-from ._partition import N_COUNTS, N_GENES, PART_CELLS, Job, PartResult, part_dir, read_part
+from ._partition import N_COUNTS, N_GENES, PART_CELLS, PART_STATS, Job, PartResult, part_dir, read_part
 from ._plan import Partition
 from ._sidecars import CellIdWriter, make_obs_writer
 
@@ -80,17 +80,16 @@ def _finalize_in(job: Job, store, root: Path, parts: list[PartResult], features:
             sidecar = root / part_dir(done.index)
             if remote:
                 sidecar.mkdir(parents=True, exist_ok=True)
-                for name in (PART_CELLS, STATS_NAME):
+                for name in (PART_CELLS, PART_STATS):
                     store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
             table = pq.read_table(sidecar / PART_CELLS)
             cell_ids.append(table.column("cell_id").combine_chunks())
             for writer in writers:
                 writer.append(table.column(writer.name).combine_chunks())
-            stats = GeneStats.read(sidecar / STATS_NAME)
+            stats = GeneStats.load(sidecar / PART_STATS)
             n_cells += stats.n_cells
             sums += stats.sums
-            genes = np.repeat(np.arange(num_columns), np.diff(stats.hist_ptr))
-            hist[genes, stats.hist_bins] += stats.hist_counts.astype(np.uint32)
+            stats.add_to_dense(hist)
     finally:
         cell_ids.close()
         for writer in writers:

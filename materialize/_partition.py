@@ -3,7 +3,7 @@ input and reach the output — this one, a local worker process or a Dask worker
 
 A partition's output is its shards (with their chunk indexes) at their final names, plus a small
 sidecar folder ``_parts/p-NNNNN/``: ``cells.parquet`` (cell ids, obs values, ``n_counts``,
-``n_genes``), ``gene_stats.parquet`` (the partition's corpus statistics, merged exactly by
+``n_genes``), ``gene_stats.npz`` (the partition's corpus statistics, merged exactly by
 `_finalize`) and ``part.json``, written last, which marks the partition complete. Writing a
 partition again (a retried task) rewrites the same bytes, so a worker killed mid-partition costs
 that partition's redo and nothing else.
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from omicsio_jax import OmicsIOError
 from omicsio_jax._background import Background
 from omicsio_jax._chunks import CHUNK_INDEX_DIR, chunk_index_path
-from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
+from omicsio_jax._genestats import StatsAccumulator
 from omicsio_jax._manifest import FileEntry, ShardEntry, file_entry
 from omicsio_jax._store import open_store
 
@@ -40,6 +40,7 @@ from ._validate import GeneIndex, encode_batch
 PARTS_DIR = "_parts"
 PART_DONE = "part.json"
 PART_CELLS = "cells.parquet"
+PART_STATS = "gene_stats.npz"
 N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
 
 
@@ -105,7 +106,7 @@ def write_partition(job: Job, part: Partition, progress: Callable[[int], None] |
         result = _write_local(job, part, local, progress)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
-            names += [f"{part_dir(part.index)}/{name}" for name in (PART_CELLS, STATS_NAME, PART_DONE)]
+            names += [f"{part_dir(part.index)}/{name}" for name in (PART_CELLS, PART_STATS, PART_DONE)]
             store.upload(local, names)  # part.json last: the partition is complete only then
     return result
 
@@ -153,7 +154,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress) -> PartResult:
         msg = (f"{job.source.label}: {part.describe()} read {num_cells:,} cells where the plan counted "
                f"{part.num_cells:,}; did the input change during the run?")
         raise OmicsIOError(msg)
-    stats.finish().write(sidecar / STATS_NAME)
+    stats.finish().save(sidecar / PART_STATS)
     files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
     result = PartResult(job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files)
     staged = sidecar / f".{PART_DONE}.tmp"

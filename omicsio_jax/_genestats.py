@@ -115,6 +115,35 @@ def _apply_hist(codes, m, tmp, hist):
         hist[tmp[i] >> np.uint32(11), tmp[i] & np.uint32(2047)] += 1
 
 
+@nb.njit(nogil=True, cache=True)
+def _dense_to_csr(hist):
+    """Each row's nonzero bins (ascending) and counts: one pass to count, one to fill."""
+    genes, bins = hist.shape
+    ptr = np.zeros(genes + 1, np.int64)
+    for g in range(genes):
+        n = 0
+        for b in range(bins):
+            n += hist[g, b] != 0
+        ptr[g + 1] = ptr[g] + n
+    out_bins = np.empty(ptr[-1], np.uint16)
+    out_counts = np.empty(ptr[-1], np.int64)
+    for g in range(genes):
+        k = ptr[g]
+        for b in range(bins):
+            if hist[g, b] != 0:
+                out_bins[k] = b
+                out_counts[k] = hist[g, b]
+                k += 1
+    return ptr, out_bins, out_counts
+
+
+@nb.njit(nogil=True, cache=True)
+def _csr_into_dense(ptr, bins, counts, hist):
+    for g in range(ptr.shape[0] - 1):
+        for k in range(ptr[g], ptr[g + 1]):
+            hist[g, bins[k]] += counts[k]
+
+
 @dataclasses.dataclass
 class GeneStats:
     """Mergeable corpus statistics of ``num_cells`` cells over a dataset's gene columns.
@@ -144,19 +173,34 @@ class GeneStats:
     @classmethod
     def from_dense(cls, num_cells: int, n_cells: np.ndarray, sums: np.ndarray, hist: np.ndarray) -> GeneStats:
         """From ``(genes, bins)`` histograms."""
-        genes, bins = np.nonzero(hist)  # row-major: per gene, bins ascending
-        ptr = np.zeros(hist.shape[0] + 1, np.int64)
-        np.cumsum(np.bincount(genes, minlength=hist.shape[0]), out=ptr[1:])
-        return cls(int(num_cells), n_cells.astype(np.int64), sums.astype(np.float64), ptr,
-                   bins.astype(np.uint16), hist[genes, bins].astype(np.int64))
+        ptr, bins, counts = _dense_to_csr(hist)
+        return cls(int(num_cells), n_cells.astype(np.int64), sums.astype(np.float64), ptr, bins, counts)
+
+    def save(self, path: str | Path) -> None:
+        """The statistics as one uncompressed ``.npz`` (a partition's, merged at finalize; the dataset's
+        own file is `write`'s parquet)."""
+        with open(path, "wb") as f:
+            np.savez(f, num_cells=self.num_cells, n_cells=self.n_cells, sums=self.sums, hist_ptr=self.hist_ptr,
+                     hist_bins=self.hist_bins, hist_counts=self.hist_counts)
+
+    @classmethod
+    def load(cls, path: str | Path) -> GeneStats:
+        with np.load(path) as z:
+            return cls(int(z["num_cells"]), z["n_cells"], z["sums"], z["hist_ptr"], z["hist_bins"], z["hist_counts"])
+
+    def add_to_dense(self, hist: np.ndarray) -> None:
+        """``hist[gene, bin] += count`` for every histogram entry (merging into a dense accumulator)."""
+        _csr_into_dense(self.hist_ptr, self.hist_bins, self.hist_counts, hist)
 
     def merge(self, other: GeneStats) -> GeneStats:
         """The statistics of both sets of cells (same gene columns): counts and histograms add, sums add."""
         if other.num_genes != self.num_genes:
             msg = f"cannot merge statistics over {self.num_genes:,} and {other.num_genes:,} gene columns"
             raise OmicsIOError(msg)
+        hist = self.dense_hist()
+        other.add_to_dense(hist)
         return GeneStats.from_dense(self.num_cells + other.num_cells, self.n_cells + other.n_cells,
-                                    self.sums + other.sums, self.dense_hist() + other.dense_hist())
+                                    self.sums + other.sums, hist)
 
     def medians(self) -> np.ndarray:
         """Each gene's nonzero median of ``value / n_counts · 1e4`` (NaN for genes never expressed),

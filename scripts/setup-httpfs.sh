@@ -10,5 +10,5 @@ if [ ! -x .venv-httpfs/bin/python ]; then
   "$PYTHON" -m venv .venv-httpfs
   .venv-httpfs/bin/python -m pip install --quiet --upgrade pip
 fi
-.venv-httpfs/bin/python -m pip install --quiet --disable-pip-version-check duckdb==1.5.5 duckdb-extension-httpfs==1.5.5
+.venv-httpfs/bin/python -m pip install --quiet --disable-pip-version-check duckdb==1.5.5 duckdb-extension-httpfs==1.5.5 pyarrow
 .venv-httpfs/bin/python -c "import duckdb; print('setup-httpfs: duckdb', duckdb.__version__)"
