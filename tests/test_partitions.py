@@ -95,8 +95,9 @@ def test_a_query_is_one_partition_of_many_shards(corpus, tmp_path):
     assert oj.verify_dataset(tmp_path / "q") == []
 
 
-def _pool_worker_writing(partial_parent: Path) -> int | None:
-    """The pool worker whose shard writer (its child) has a shard of a partial output open."""
+def _worker_writing(partial_parent: Path, marker: bytes = b"materialize._pool") -> int | None:
+    """The worker process (its command line holding ``marker``) whose shard writer (its child) has a
+    shard of a partial output open."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -107,22 +108,20 @@ def _pool_worker_writing(partial_parent: Path) -> int | None:
                     with open(f"/proc/{pid}/stat") as f:
                         parent = int(f.read().rsplit(")", 1)[1].split()[1])
                     with open(f"/proc/{parent}/cmdline", "rb") as f:
-                        if b"materialize._pool" in f.read():
+                        if marker in f.read():
                             return parent
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
     return None
 
 
-def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
-    out = tmp_path / "out"
-    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
-    killed: list[int] = []
+def _kill_one_worker(root: Path, marker: bytes, killed: list[int]) -> threading.Thread:
+    """A thread that SIGKILLs the first worker caught writing a shard under ``root``."""
 
     def kill_one():
         deadline = time.monotonic() + 60
         while not killed and time.monotonic() < deadline:
-            pid = _pool_worker_writing(tmp_path)
+            pid = _worker_writing(root, marker)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -130,6 +129,14 @@ def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
 
     killer = threading.Thread(target=kill_one)
     killer.start()
+    return killer
+
+
+def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
+    killed: list[int] = []
+    killer = _kill_one_worker(tmp_path, b"materialize._pool", killed)
     try:
         result = materialize(corpus.cells_parquet, out, shard_cells=SHARD, workers=2, batch_cells=16, progress=False)
     finally:
@@ -137,6 +144,20 @@ def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
     assert killed, "no pool worker was caught writing a shard"
     assert len(result.redone) == 1  # that partition, and nothing else, was written again
     assert _digests(out) == _digests(tmp_path / "ref")
+
+
+def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, dask_cluster):
+    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
+    killed: list[int] = []
+    killer = _kill_one_worker(tmp_path, b"multiprocessing", killed)  # a Nanny's worker process
+    try:
+        materialize(corpus.cells_parquet, tmp_path / "out", shard_cells=SHARD, batch_cells=16, progress=False,
+                    dask_scheduler=dask_cluster.scheduler_address)
+    finally:
+        killer.join()
+    assert killed, "no Dask worker was caught writing a shard"
+    assert _digests(tmp_path / "out") == _digests(tmp_path / "ref")
+    dask_cluster.wait_for_workers(2, timeout=60)  # the Nanny restarted it
 
 
 def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp_path):
@@ -172,7 +193,7 @@ def _store(root):
     return open_store(root)
 
 
-def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, tmp_path, dask_cluster):
+def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, corpus_table, tmp_path, dask_cluster):
     materialize(str(hive_input), tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
     result = materialize(str(hive_input), tmp_path / "dask", shard_cells=SHARD, progress=False,
                          dask_scheduler=dask_cluster.scheduler_address)
@@ -182,6 +203,12 @@ def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, tmp_path, 
     materialize(corpus.h5ad, tmp_path / "h2", shard_cells=SHARD, progress=False,
                 dask_scheduler=dask_cluster.scheduler_address)
     assert _digests(tmp_path / "h1") == _digests(tmp_path / "h2")
+    for i, (a, b) in enumerate([(0, 1000), (1000, 3000)]):
+        vortex.io.write(corpus_table.slice(a, b - a), str(tmp_path / f"cells-{i}.vortex"))
+    kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False)
+    materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
+    materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v2", dask_scheduler=dask_cluster.scheduler_address, **kw)
+    assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
 
 
 def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
