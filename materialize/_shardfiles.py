@@ -148,21 +148,12 @@ class ShardFiles:
             self._writer = None
 
 
-def _peak_rss_bytes() -> int | None:
-    """This process's VmHWM (Linux), for the benchmarks' memory figures."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def serve(fd: int) -> None:
     """The child's loop: messages from the parent, one at a time, over the socket ``fd``.
 
-    ``("open", root, shard_cells, options)``; ``("slot", k, size)`` followed by the slot's file
+    ``("open", root, shard_cells, options, first_shard, index_dir)``; ``("slot", k, size)`` followed by the slot's file
     descriptor; ``("write", k, bounds)`` with the record offsets as int64 bytes, answered by
-    ``("done", k)`` once the slot may be reused; ``("close",)`` answered by ``("closed", (shards, peak_rss_bytes))``.
+    ``("done", k)`` once the slot may be reused; ``("close",)`` answered by ``("closed", shards)``.
     Any failure is answered by ``("error", text)``. The parent going away (EOF) aborts.
     """
     from multiprocessing.connection import Connection
@@ -190,7 +181,7 @@ def serve(fd: int) -> None:
                 files.write(slots[k], memoryview(bounds).cast("q"))
                 conn.send(("done", k))
             elif op == "close":
-                conn.send(("closed", (files.close(), _peak_rss_bytes())))
+                conn.send(("closed", files.close()))
                 files = None
                 return
     except (EOFError, BrokenPipeError, ConnectionResetError):

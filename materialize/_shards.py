@@ -32,8 +32,6 @@ class ShardWriter:
     """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each,
     in this process (see `ShardWriterProcess` for the faster child-process writer)."""
 
-    peak_rss_bytes = None  # no separate process
-
     def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
                  index_dir: str | None = None):
         self._files = ShardFiles(root, shard_cells, options, first_shard, index_dir)
@@ -89,7 +87,6 @@ class ShardWriterProcess:
         self._slots: list[_Slot | None] = []
         self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
         self._depth = depth
-        self.peak_rss_bytes: int | None = None  # the child's VmHWM, known after `close`
         self._send("open", str(root), shard_cells, options, first_shard, index_dir)
 
     @staticmethod
@@ -146,8 +143,7 @@ class ShardWriterProcess:
         while len(self._free) < len(self._slots):
             self._free.append(self._receive("done"))
         self._send("close")
-        shards, self.peak_rss_bytes = self._receive("closed")
-        shards = [ShardEntry(*shard) for shard in shards]
+        shards = [ShardEntry(*shard) for shard in self._receive("closed")]
         self._shutdown()
         return shards
 

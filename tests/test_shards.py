@@ -41,8 +41,6 @@ def test_records_cross_shards_and_growing_slots(tmp_path, writer_class):
         assert shard.num_bytes == (tmp_path / shard.path).stat().st_size
     assert got == expected
     assert all(isinstance(s, ShardEntry) and s.sha256 == sha256_file(tmp_path / s.path) for s in shards)
-    if writer_class is ShardWriterProcess:
-        assert 0 < writer.peak_rss_bytes < 2**30
 
 
 def test_a_failure_in_the_writer_process_is_raised_here(tmp_path):
