@@ -151,8 +151,8 @@ class ShardFiles:
 def serve(fd: int) -> None:
     """The child's loop: messages from the parent, one at a time, over the socket ``fd``.
 
-    ``("open", root, shard_cells, options, first_shard, index_dir)``; ``("slot", k, size)`` followed by the slot's file
-    descriptor; ``("write", k, bounds)`` with the record offsets as int64 bytes, answered by
+    ``("open", root, shard_cells, options, first_shard, index_dir)``; ``("slot", k, size)`` followed
+    by the slot's file descriptor; ``("write", k, bounds)`` with the record offsets as int64 bytes, answered by
     ``("done", k)`` once the slot may be reused; ``("close",)`` answered by ``("closed", shards)``.
     Any failure is answered by ``("error", text)``. The parent going away (EOF) aborts.
     """

@@ -61,7 +61,9 @@ def test_same_seed_same_order_other_seed_other_order(plan, epoch):
     again = SamplingPlan(**{**plan.__dict__})
     assert np.array_equal(plan.epoch_order(epoch), again.epoch_order(epoch))
     n_blocks = -(-len(plan.rows) // plan.block_size)
-    if plan.sampling == "block" and n_blocks > 5:
+    # two seeds give one of n_blocks! orders: with 6 blocks (720 orders) Hypothesis found a pair that
+    # agree (seeds 37702 / 37703); from 12 blocks on a coincidence has odds below 1e-8
+    if plan.sampling == "block" and n_blocks >= 12:
         other = SamplingPlan(**{**plan.__dict__, "seed": plan.seed + 1})
         assert not np.array_equal(plan.epoch_order(epoch), other.epoch_order(epoch))
         assert not np.array_equal(plan.epoch_order(epoch), plan.epoch_order(epoch + 1))
