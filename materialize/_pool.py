@@ -199,8 +199,7 @@ def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *
         msg = "--dask-scheduler needs Dask: pip install 'omicsio_jax[distributed]'"
         raise OmicsIOError(msg) from e
     try:
-        client = Client(address, scheduler_file=scheduler_file, timeout="30s") if scheduler_file else Client(address,
-                                                                                                         timeout="30s")
+        client = Client(address, scheduler_file=scheduler_file, timeout="30s")
     except OSError as e:
         msg = f"cannot reach the Dask scheduler at {address or scheduler_file}: {e}"
         raise OmicsIOError(msg) from e

@@ -156,7 +156,6 @@ class FileCache:
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
-            Path(f"{tmp}.part").unlink(missing_ok=True)  # S3Store.download's own temporary name
         write_atomic(_marker(dest), entry.sha256 + "\n")
         self.counters.add(files_downloaded=1, file_bytes=entry.num_bytes)
         return dest

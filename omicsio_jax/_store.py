@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -223,11 +224,15 @@ class S3Store:
         import obstore
 
         result = self._call(obstore.get, key)
-        tmp = Path(f"{dest}.part")
-        with open(tmp, "wb") as f:
-            for piece in result.stream(min_chunk_size=8 << 20):
-                f.write(piece)
-        os.replace(tmp, dest)
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{threading.get_ident()}.part")  # unique per thread
+        try:
+            with open(tmp, "wb") as f:
+                for piece in result.stream(min_chunk_size=8 << 20):
+                    f.write(piece)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         import obstore
