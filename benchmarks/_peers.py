@@ -141,7 +141,7 @@ def bench_grain_stock(
         raise ValueError(f"{warmup + num_batches} x {batch_size} cells exceed one epoch of {ds.num_cells:,}")
 
     def to_dense(records: Sequence[bytes]) -> np.ndarray:
-        indptr, indices, values = _codec.decode_csr(*_codec.join_records(list(records)))
+        indptr, indices, values = _codec.decode_csr(*_codec.join_records(list(records)), num_genes)
         return _densify(indptr, indices, values, num_genes)
 
     source = grain.sources.ArrayRecordDataSource(paths)

@@ -28,6 +28,7 @@ from omicsio_jax._arrow import list_to_csr
 HERE = Path(__file__).parent
 GROUP_SIZES = (1, 4, 16, 64)
 COMPRESSIONS = ("zstd:3", "zstd:1", "zstd:-1", "zstd:-5", "snappy", "uncompressed")
+NUM_COLUMNS = np.iinfo(np.int32).max  # the records' columns are the corpus's gene token ids: no bound
 
 
 def load_records(parquet: Path, num_cells: int) -> list[bytes]:
@@ -55,13 +56,13 @@ def measure(records: list[bytes], path: str, group_size: int, compression: str, 
     start = time.perf_counter()
     for b in blocks:
         got = reader.read(int(b) * 16, int(b) * 16 + 16)
-        _codec.decode_csr(*_codec.join_records(got))
+        _codec.decode_csr(*_codec.join_records(got), NUM_COLUMNS)
     block_s = time.perf_counter() - start
     cells = rng.integers(0, n, size=min(n, 4000))
     start = time.perf_counter()
     for c in cells:
         got = reader.read(int(c), int(c) + 1)
-        _codec.decode_csr(*_codec.join_records(got))
+        _codec.decode_csr(*_codec.join_records(got), NUM_COLUMNS)
     single_s = time.perf_counter() - start
     reader.close()
     return {
@@ -85,7 +86,7 @@ def main() -> None:
     records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
     raw = sum(len(r) for r in records) / len(records)
     # warm up the numba kernels
-    _codec.decode_csr(*_codec.join_records(records[:16]))
+    _codec.decode_csr(*_codec.join_records(records[:16]), NUM_COLUMNS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for group_size in args.group_sizes:

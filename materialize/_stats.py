@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
@@ -21,6 +22,7 @@ from omicsio_jax import OmicsIOError, open_dataset
 from omicsio_jax._codec import join_records
 from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
 from omicsio_jax._manifest import MANIFEST_NAME, ObsEntry, file_entry, fsync_path
+from omicsio_jax._records import records_checked
 
 from ._materialize import CELL_STATS
 from ._sidecars import make_obs_writer
@@ -50,7 +52,9 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
                 for begin in range(0, m.num_cells, _CHUNK_CELLS):
                     end = min(begin + _CHUNK_CELLS, m.num_cells)
                     buf, starts = join_records(ds.read_records(begin, end))
-                    for writer, column in zip(writers, acc.add(buf, starts), strict=True):
+                    with records_checked(ds, np.arange(begin, end)):
+                        columns = acc.add(buf, starts)
+                    for writer, column in zip(writers, columns, strict=True):
                         writer.append(pa.array(column))
                     bar.update(end - begin)
             acc.finish().write(tmp / STATS_NAME)

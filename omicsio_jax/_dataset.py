@@ -17,7 +17,7 @@ from . import _codec
 from ._cache import IOStats
 from ._errors import DatasetFormatError, OmicsIOError
 from ._manifest import Manifest, read_manifest
-from ._records import ShardReaders, read_runs
+from ._records import ShardReaders, read_runs, records_checked
 from ._store import is_remote
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
@@ -65,24 +65,6 @@ def runs(sorted_rows: np.ndarray) -> list[tuple[int, int]]:
     begins = sorted_rows[np.concatenate(([0], breaks))]
     ends = sorted_rows[np.concatenate((breaks - 1, [len(sorted_rows) - 1]))] + 1
     return list(zip(begins.tolist(), ends.tolist(), strict=True))
-
-
-@contextlib.contextmanager
-def corruption_reported(dataset_path) -> Iterator[None]:
-    """Report the codec's ValueError for a malformed record as a corrupted dataset, with the fix."""
-    try:
-        yield
-    except ValueError as e:
-        msg = f"{dataset_path}: {e}; run `omicsio-materialize verify {dataset_path}`"
-        raise DatasetFormatError(msg) from e
-
-
-def decode_records(dataset_path, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CSR of the records ``buf[starts[i]:starts[i+1]]``; a malformed record means a corrupted dataset."""
-    if len(starts) < 2:
-        return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-    with corruption_reported(dataset_path):
-        return _codec.decode_csr(buf, starts)
 
 
 class _ObsColumns(Mapping):
@@ -319,6 +301,9 @@ class Dataset:
 
     def read_records(self, begin: int, end: int) -> list[bytes]:
         """Raw records of cells ``[begin, end)``: one range read per shard touched."""
+        if not 0 <= begin <= end <= self.num_cells:
+            msg = f"cells [{begin}, {end}) are not a range within the {self.num_cells:,} cells of {self.path}"
+            raise IndexError(msg)
         return read_runs(self, self._readers, [(begin, end)])
 
     def read_csr(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -332,7 +317,8 @@ class Dataset:
         records = read_runs(self, self._readers, runs(unique))  # a remote dataset: one fetch for all
         if not records:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-        indptr, indices, values = decode_records(self.path, *_codec.join_records(records))
+        with records_checked(self, unique):
+            indptr, indices, values = _codec.decode_csr(*_codec.join_records(records), self.num_genes)
         if len(unique) == len(rows) and np.array_equal(unique, rows):
             return indptr, indices, values
         return take_rows(indptr, indices, values, inverse.astype(np.int64))

@@ -281,7 +281,7 @@ class StatsAccumulator:
 
     def add(self, buf: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add the records of the next rows; return their ``n_counts`` (float64) and ``n_genes`` (int32)."""
-        u8, u32, f32 = _codec.views(buf)
+        u8, u32, f32 = _codec.checked_views(buf, starts, self.hist.shape[0])
         n = len(starts) - 1
         n_counts = np.empty(n, np.float64)
         n_genes = np.empty(n, np.int32)

@@ -21,6 +21,7 @@ from ._dataset import Categorical, Dataset
 from ._errors import OmicsIOError
 from ._fetch import FetchReader, SegmentCache
 from ._outputs import Output, OutputContext, RowKeys, resolve_output
+from ._records import records_checked
 from ._sampling import SamplingPlan, class_weights
 from ._schedule import Schedule, Segment
 
@@ -141,15 +142,16 @@ class MinibatchReader:
         rows = rows[lo : lo + b]
         buf, starts = _codec.join_records(records[lo : lo + b])
         keys = RowKeys(rows, epoch, self.schedule.plan.seed)
-        if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
-            x = self.output.from_records(buf, starts, self._buffers.empty, keys)
-        else:
-            previous = numba.get_num_threads()  # thread-local in numba: only this thread
-            numba.set_num_threads(self.decode_threads)
-            try:
+        with records_checked(self.dataset, rows):
+            if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
                 x = self.output.from_records(buf, starts, self._buffers.empty, keys)
-            finally:
-                numba.set_num_threads(previous)
+            else:
+                previous = numba.get_num_threads()  # thread-local in numba: only this thread
+                numba.set_num_threads(self.decode_threads)
+                try:
+                    x = self.output.from_records(buf, starts, self._buffers.empty, keys)
+                finally:
+                    numba.set_num_threads(previous)
         mask = rows >= 0
         safe = np.where(mask, rows, 0)
         obs = {}

@@ -23,6 +23,7 @@ from ._dataset import Categorical, Dataset, runs
 from ._errors import OmicsIOError
 from ._outputs import OutputContext, resolve_output
 from ._query import CellTable
+from ._records import records_checked
 
 _READ_CELLS = 1 << 14
 
@@ -107,7 +108,8 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
             for lo in range(begin, end, _READ_CELLS):
                 hi = min(lo + _READ_CELLS, end)
                 buf, starts = _codec.join_records(ds.read_records(lo, hi))
-                output.from_records(buf, starts, lambda shape, dtype, at=pos: x[at : at + shape[0]])
+                with records_checked(ds, np.arange(lo, hi)):
+                    output.from_records(buf, starts, lambda shape, dtype, at=pos: x[at : at + shape[0]])
                 pos += hi - lo
                 bar.update(hi - lo)
     obs_arrays, categories = {}, {}

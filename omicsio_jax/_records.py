@@ -5,7 +5,7 @@ loaders' `FetchReader`): for a dataset on object storage it first has the chunks
 fetched together and pinned while they are read (`Dataset.prepared`). ArrayRecord's reader does
 not raise on a file it cannot read (``ok()`` is False), and raises a bare ``RuntimeError`` on a
 corrupted chunk; both become `DatasetFormatError` naming the dataset, the shard, the cells and
-``omicsio-materialize verify``. A remote shard's failed read is first retried once with its
+``omicsio-materialize verify``, as does a record the codec finds malformed (`records_checked`). A remote shard's failed read is first retried once with its
 chunks fetched again (its cached copy, not the object, may be what is damaged).
 """
 
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
+from ._codec import MalformedRecordError
 from ._errors import DatasetFormatError
 
 if TYPE_CHECKING:
@@ -110,6 +112,19 @@ def _read(readers: ShardReaders, pieces: list[tuple[int, int, int]]) -> list[byt
         except RuntimeError as e:  # riegeli: a chunk's hash does not match, or a chunk is truncated
             raise _ReadFailed(shard, begin, end, str(e).strip().splitlines()[0]) from e
     return out
+
+
+@contextlib.contextmanager
+def records_checked(dataset: Dataset, rows: np.ndarray) -> Iterator[None]:
+    """Report a malformed record among the decoded records of global ``rows`` (in batch order) as a
+    corrupted dataset naming its shard and cell (`DatasetFormatError`, with the fix)."""
+    try:
+        yield
+    except MalformedRecordError as e:
+        row = int(rows[e.index])
+        shard = row // dataset.manifest.shard_cells
+        record = row - shard * dataset.manifest.shard_cells
+        raise _corrupted(dataset, _ReadFailed(shard, record, record + 1, e.reason)) from e
 
 
 def _corrupted(dataset: Dataset, failed: _ReadFailed) -> DatasetFormatError:

@@ -220,12 +220,14 @@ def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene
 
     The same result as `decode_csr` followed by `scatter_dense` (or `scatter_panel` with
     ``gene_to_col``), without the CSR in between; rows of ``out`` past the records are zeroed.
-    Raises ValueError for a malformed record.
+    Raises `MalformedRecordError` for a malformed record (a column past ``out``'s, or past
+    ``gene_to_col``'s genes).
     """
     if gene_to_col is None and normalize is None:
         return _codec.decode_rows(buf, starts, out)
     mode = normalize_mode(normalize, target_sum)
-    u8, u32, f32 = _codec.checked_views(buf, starts)
+    num_columns = out.shape[1] if gene_to_col is None else len(gene_to_col)  # of the records
+    u8, u32, f32 = _codec.checked_views(buf, starts, num_columns)
     mapped = gene_to_col is not None
     table = gene_to_col if mapped else np.zeros(0, np.int32)
     _decode_scatter_kernel(u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out)

@@ -10,6 +10,7 @@ from . import _codec
 from ._dataset import Dataset, open_dataset
 from ._fetch import FetchReader
 from ._outputs import Output, OutputContext, RowKeys
+from ._records import records_checked
 
 
 def tokenize(ds: Dataset | str, rows: Sequence[int] | np.ndarray, output: Output, *, seed: int = 0,
@@ -30,4 +31,5 @@ def tokenize(ds: Dataset | str, rows: Sequence[int] | np.ndarray, output: Output
         ds.check_rows(real)
     bound = output.bind(OutputContext.of_dataset(ds, rows=max(len(rows), 1)))
     buf, starts = _codec.join_records(FetchReader(ds)(rows))
-    return bound.from_records(buf, starts, np.empty, RowKeys(rows, epoch, seed))
+    with records_checked(ds, rows):
+        return bound.from_records(buf, starts, np.empty, RowKeys(rows, epoch, seed))

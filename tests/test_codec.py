@@ -47,7 +47,7 @@ def test_sparse_round_trip_is_exact(batch):
     buf, starts = _codec.encode_csr(*batch)
     assert all(s % 4 == 0 for s in starts)
     records = [buf[starts[i] : starts[i + 1]].tobytes() for i in range(len(starts) - 1)]
-    assert_csr_equal(_codec.decode_csr(*_codec.join_records(records)), batch)
+    assert_csr_equal(_codec.decode_csr(*_codec.join_records(records), 200_000), batch)
 
 
 @given(st.integers(1, 9), st.integers(1, 70), st.sampled_from(["counts", "big", "float"]), st.integers(0, 2**32 - 1))
@@ -60,7 +60,7 @@ def test_dense_round_trip_is_exact(num_rows, width, kind, seed):
     elif kind == "float":
         dense *= rng.normal(size=(num_rows, width)).astype(np.float32)
     buf, starts = _codec.encode_dense_rows(dense)
-    indptr, indices, values = _codec.decode_csr(buf, starts)
+    indptr, indices, values = _codec.decode_csr(buf, starts, width)
     rows, cols = np.nonzero(dense)
     np.testing.assert_array_equal(indices, cols)
     np.testing.assert_array_equal(values, dense[rows, cols])
@@ -83,7 +83,7 @@ def test_negative_zero_is_kept_bit_exact():
     indptr = np.array([0, 2], dtype=np.int64)
     values = np.array([-0.0, 3.0], dtype=np.float32)
     buf, starts = _codec.encode_csr(indptr, np.array([1, 2], dtype=np.int32), values)
-    _, _, decoded = _codec.decode_csr(buf, starts)
+    _, _, decoded = _codec.decode_csr(buf, starts, 3)
     assert decoded.view(np.uint32).tolist() == values.view(np.uint32).tolist()
 
 
@@ -91,7 +91,7 @@ def test_empty_batch_and_empty_rows():
     indptr = np.zeros(4, dtype=np.int64)
     buf, starts = _codec.encode_csr(indptr, np.zeros(0, np.int32), np.zeros(0, np.float32))
     assert np.diff(starts).tolist() == [_codec.HEADER_BYTES] * 3
-    out = _codec.decode_csr(buf, starts)
+    out = _codec.decode_csr(buf, starts, 1)
     assert_csr_equal(out, (indptr, np.zeros(0, np.int32), np.zeros(0, np.float32)))
 
 
@@ -100,12 +100,14 @@ def test_corrupted_header_is_detected():
     buf, starts = _codec.encode_csr(indptr, np.array([1, 2, 9], np.int32), np.array([1, 2, 3], np.float32))
     bad = buf.copy()
     bad[4] ^= 0x01  # the stored length no longer matches the record size
-    with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
-        _codec.decode_csr(bad, starts)
+    with pytest.raises(_codec.MalformedRecordError, match="record 0 of the batch is malformed"):
+        _codec.decode_csr(bad, starts, 10)
     bad = buf.copy()
     bad[0] = 99  # unknown codec version
-    with pytest.raises(ValueError, match="malformed"):
-        _codec.decode_csr(bad, starts)
+    with pytest.raises(_codec.MalformedRecordError, match="unknown codec version"):
+        _codec.decode_csr(bad, starts, 10)
+    with pytest.raises(_codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"):
+        _codec.decode_csr(buf, starts, 9)  # column 9 is past a 9-column dataset
 
 
 @pytest.mark.parametrize(
@@ -137,7 +139,7 @@ def test_tokens_are_mapped_to_columns_and_float64_narrowed():
     token_to_col = np.full(31, -1, dtype=np.int32)
     token_to_col[[10, 20, 30]] = [0, 1, 2]
     buf, starts = _codec.encode_csr(indptr, tokens, np.array([1.5, 2.0, 3.0]), token_to_col=token_to_col)
-    assert_csr_equal(_codec.decode_csr(buf, starts), (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)))
+    assert_csr_equal(_codec.decode_csr(buf, starts, 3), (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)))
 
 
 def test_encoding_is_deterministic_padding_included():
@@ -176,5 +178,7 @@ def test_decode_rows_and_slabs_match_csr():
     dense_buf, dense_starts = _codec.encode_dense_rows(dense[:, :40])
     narrow = np.zeros((10, 40), np.float32)
     np.testing.assert_array_equal(_codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])
+    with pytest.raises(_codec.MalformedRecordError, match="a dense record of the wrong width"):
+        _codec.decode_rows(dense_buf, dense_starts, np.zeros((10, 39), np.float32))
     with pytest.raises(ValueError, match="pass nnz_capacity >= "):
-        _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5)
+        _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5, num_columns=300)

@@ -129,7 +129,7 @@ def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, de
     width = num_genes if gene_to_col is None else len(panel)
     rows = len(indptr) - 1 + padding
     got = _scatter.decode_scatter(buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize)
-    ptr, idx, val = _codec.decode_csr(buf, starts)
+    ptr, idx, val = _codec.decode_csr(buf, starts, num_genes)
     ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
     if gene_to_col is None:
         expected = _scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)

@@ -158,6 +158,8 @@ def _pretrain(argv: list[str]) -> int:
 
     config = parse_pretrain_config(argv)
     result = pretrain(config)
+    if result.preempted:
+        return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
         print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
               f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")
@@ -182,6 +184,15 @@ def _embed(argv: list[str]) -> int:
     np.save(args.out, emb)
     print(f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({config.tokens} {config.preset}, "
           f"step {meta['step']}), rows aligned with {ds.path}/cell_ids.parquet")
+    return 0
+
+
+def _preempted_exit(checkpoint) -> int:
+    """Exit status after a SIGTERM: 0 when the stopping step was checkpointed (the scheduler may
+    requeue the same command with --resume), 143 (killed by SIGTERM) when nothing was saved."""
+    if checkpoint is None:
+        print(f"{PROG}: stopped by SIGTERM without --checkpoint-dir: nothing was saved", file=sys.stderr)
+        return 128 + 15
     return 0
 
 
@@ -211,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; continue with --resume from the latest checkpoint", file=sys.stderr)
         return 130
+    if result.preempted:
+        return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
         print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
               f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")

@@ -22,6 +22,7 @@ from ._errors import TrainError
 from ._metrics import EvalResult, MetricsLog
 from ._model import make_model
 from ._predicate import parse_predicate
+from ._preempt import Preemption
 from ._step import evaluate, make_train_step, replicate
 
 
@@ -31,6 +32,8 @@ class FitResult:
 
     ``step_time_s`` is the median wall time of a step (data wait included, the first step with its
     compilation left out); ``data_wait_fraction`` the share of that time spent waiting for batches.
+    ``preempted``: a SIGTERM stopped the run after the last step of ``history`` (checkpointed there
+    when the run has a checkpoint directory; no evaluation).
     """
 
     model: eqx.Module
@@ -42,6 +45,7 @@ class FitResult:
     metrics_path: Path | None
     step_time_s: float
     data_wait_fraction: float
+    preempted: bool = False
 
 
 def make_data_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
@@ -133,6 +137,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows))
     store = open_checkpoints(config)
     with contextlib.ExitStack() as cleanup:  # closes the metrics log, the loader, then the store
+        preemption = cleanup.enter_context(Preemption())  # SIGTERM: stop at a step boundary, saved
         if store is not None:
             cleanup.callback(store.close)
         restored = restorable(config, store, identity)
@@ -209,16 +214,21 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
                 say(f"step {step:>6}/{total}  epoch {record['epoch']}  loss {loss:.4f}  "
                     f"{record['cells_per_s']:>10,.0f} cells/s  data wait {1e3 * (t1 - t0):7.2f} ms "
                     f"({100 * (t1 - t0) / elapsed:3.0f}%)")
-            if directory is not None and (step == total or (config.checkpoint_every
-                                                            and step % config.checkpoint_every == 0)):
+            saved = directory is not None and (step == total or (config.checkpoint_every
+                                                                 and step % config.checkpoint_every == 0))
+            if saved:
                 last_saved = save(step)
             if callback is not None:
                 callback(record)
+            if preemption.requested:
+                last_saved = preemption.stop(step, total, save=save if directory is not None else None, saved=saved,
+                                             last_saved=last_saved, say=say)
+                break
         if directory is not None and restored is not None and start >= total:
             say(f"{restored.path} is already at the last step ({total})")
 
     result = None
-    if eval_rows is not None:
+    if eval_rows is not None and not preemption.requested:
         eval_loader = oj.make_loader(
             ds, batch_size=config.eval_batch_size or config.batch_size, rows=eval_rows, sampling="stream",
             drop_remainder=False, num_epochs=1, obs=(config.label,), normalize=normalize, mesh=mesh,
@@ -232,4 +242,5 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         say(f"eval ({where}): {result.summary()}")
     timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
     step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
-    return FitResult(model, total, start, history, result, last_saved, metrics_path, step_s, wait)
+    return FitResult(model, total, start, history, result, last_saved, metrics_path, step_s, wait,
+                     preemption.requested)

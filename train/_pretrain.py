@@ -27,6 +27,7 @@ import omicsio_jax as oj
 from ._errors import TrainError
 from ._loop import make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
+from ._preempt import Preemption
 from ._step import replicate
 from ._transformer import KINDS, PRESETS, flops_per_cell, make_optimizer, make_pretrain_model, make_pretrain_step
 
@@ -118,7 +119,8 @@ class PretrainConfig:
 @dataclasses.dataclass
 class PretrainResult:
     """What `pretrain` did: the final model, its vocabulary size, the step records of this process,
-    the probe (with ``probe_label``), the median step time and the share of it spent waiting for data."""
+    the probe (with ``probe_label``), the median step time and the share of it spent waiting for data;
+    ``preempted``: a SIGTERM stopped the run after the last step of ``history`` (see `fit`)."""
 
     model: eqx.Module
     vocab_size: int
@@ -129,6 +131,7 @@ class PretrainResult:
     probe: dict | None
     step_time_s: float
     data_wait_fraction: float
+    preempted: bool = False
 
 
 def _dtype(name: str):
@@ -158,6 +161,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
     identity = config.identity(ds.fingerprint)
     store = open_checkpoints(config)
     with contextlib.ExitStack() as cleanup:
+        preemption = cleanup.enter_context(Preemption())  # SIGTERM: stop at a step boundary, saved
         if store is not None:
             cleanup.callback(store.close)
         restored = restorable(config, store, identity)
@@ -233,20 +237,26 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             if step == start + 1 or step % config.log_every == 0 or step == total:
                 say(f"step {step:>6}/{total}  loss {loss:.4f}  {record['cells_per_s']:>8,.0f} cells/s  "
                     f"{record['tokens_per_s']:>10,.0f} tokens/s  data wait {100 * (t1 - t0) / elapsed:3.0f}%")
-            if config.checkpoint_dir is not None and (step == total or (config.checkpoint_every
-                                                                        and step % config.checkpoint_every == 0)):
+            saved = config.checkpoint_dir is not None and (step == total or (
+                config.checkpoint_every and step % config.checkpoint_every == 0))
+            if saved:
                 last_saved = save(step)
             if callback is not None:
                 callback(record)
+            if preemption.requested:
+                last_saved = preemption.stop(step, total, save=save if config.checkpoint_dir is not None else None,
+                                             saved=saved, last_saved=last_saved, say=say)
+                break
     probe = None
-    if config.probe_label is not None:
+    if config.probe_label is not None and not preemption.requested:
         init_model = build_model(config, vocab_size, jax.random.split(jax.random.key(config.seed))[0])
         probe = probe_pretraining(config, ds, {"pretrained": model, "random_init": init_model}, mesh)
         say("linear probe of " + repr(config.probe_label) + ": " +
             ", ".join(f"{k} {v:.4f}" for k, v in probe["accuracy"].items()) + f" on {probe['test_cells']:,} held-out cells")
     timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
     step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
-    return PretrainResult(model, vocab_size, total, start, history, last_saved, probe, step_s, wait)
+    return PretrainResult(model, vocab_size, total, start, history, last_saved, probe, step_s, wait,
+                          preemption.requested)
 
 
 def embed(model: eqx.Module, ds: oj.Dataset, config: PretrainConfig, rows: np.ndarray | None = None, *,

@@ -69,7 +69,9 @@ class CSR(Output):
             return SparseBatch(*_codec.decode_slabs(buf, starts, num_rows=len(starts) - 1, num_slabs=self.num_slabs,
                                                     capacity=self.nnz_capacity, num_columns=self.num_columns,
                                                     empty=empty))
-        except ValueError as e:
+        except _codec.MalformedRecordError:
+            raise  # the caller, who knows the rows, names the shard and cell
+        except ValueError as e:  # too many nonzeros for the capacity
             msg = f"{self.source}: {e}"
             raise OmicsIOError(msg) from e
 

@@ -10,7 +10,6 @@ import numba
 import numpy as np
 
 from .. import _codec, _tokenize
-from .._dataset import corruption_reported
 from .._errors import OmicsIOError
 from .._genestats import read_gene_stats
 from .._vocab import Vocabulary, default_vocabulary, medians_by_column
@@ -81,13 +80,11 @@ class GeneformerTokens(Output):
         out = {"input_ids": empty((n, length), np.int32), "attention_mask": empty((n, length), np.bool_),
                "labels": empty((n, length), np.int32), "length": empty((n,), np.int32)}
         v = self.vocabulary
-        u8, u32, f32 = _codec.views(buf)
-        with corruption_reported(self.source):
-            _tokenize.geneformer_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
-                                        keys.rows.astype(np.int64), keys.seed, keys.epoch,
-                                        v.tok, v.canon, v.has_duplicates, self.inv_median, v.gene_tokens,
-                                        self.special_tokens, float(self.mask_prob), v.pad, v.cls, v.eos, v.mask,
-                                        out["input_ids"],
-                                        out["attention_mask"], out["labels"], out["length"])
+        u8, u32, f32 = _codec.checked_views(buf, starts, len(v.tok))
+        _tokenize.geneformer_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
+                                    keys.rows.astype(np.int64), keys.seed, keys.epoch,
+                                    v.tok, v.canon, v.has_duplicates, self.inv_median, v.gene_tokens,
+                                    self.special_tokens, float(self.mask_prob), v.pad, v.cls, v.eos, v.mask,
+                                    out["input_ids"], out["attention_mask"], out["labels"], out["length"])
         return out
 

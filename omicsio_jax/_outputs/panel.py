@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _scatter
-from .._dataset import corruption_reported
 from .base import Empty, Output, OutputContext, RowKeys, check_normalize
 
 
@@ -50,9 +49,8 @@ class Panel(Output):
     def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
                      keys: RowKeys | None = None) -> np.ndarray:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
-        with corruption_reported(self.source):
-            return _scatter.decode_scatter(buf, starts, out, gene_to_col=self.gene_to_col, normalize=self.normalize,
-                                           target_sum=self.target_sum)
+        return _scatter.decode_scatter(buf, starts, out, gene_to_col=self.gene_to_col, normalize=self.normalize,
+                                       target_sum=self.target_sum)
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:
         out = empty((len(indptr) - 1, self.num_columns), np.float32)

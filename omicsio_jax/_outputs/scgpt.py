@@ -11,7 +11,6 @@ import numba
 import numpy as np
 
 from .. import _codec, _tokenize
-from .._dataset import corruption_reported
 from .._errors import OmicsIOError
 from .._vocab import Vocabulary, default_vocabulary
 from .base import Empty, Output, OutputContext, RowKeys
@@ -93,12 +92,11 @@ class ScGPTTokens(Output):
                "masked_values": empty((n, length), np.float32), "mask": empty((n, length), np.bool_),
                "pad_mask": empty((n, length), np.bool_)}
         v = self.vocabulary
-        u8, u32, f32 = _codec.views(buf)
-        with corruption_reported(self.source):
-            _tokenize.scgpt_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
-                                   keys.rows.astype(np.int64), keys.seed, keys.epoch,
-                                   v.tok, v.canon, v.has_duplicates, np.linspace(0, 1, self.n_bins - 1),
-                                   self.binning == "scgpt", float(self.mask_prob), self.mask_mode == "exact",
-                                   v.pad, v.cls, out["gene_ids"], out["values"], out["masked_values"], out["mask"],
-                                   out["pad_mask"])
+        u8, u32, f32 = _codec.checked_views(buf, starts, len(v.tok))
+        _tokenize.scgpt_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
+                               keys.rows.astype(np.int64), keys.seed, keys.epoch,
+                               v.tok, v.canon, v.has_duplicates, np.linspace(0, 1, self.n_bins - 1),
+                               self.binning == "scgpt", float(self.mask_prob), self.mask_mode == "exact",
+                               v.pad, v.cls, out["gene_ids"], out["values"], out["masked_values"], out["mask"],
+                               out["pad_mask"])
         return out

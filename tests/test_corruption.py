@@ -1,0 +1,252 @@
+"""A damaged dataset never crashes, hangs or lies: mutated records fuzzed through every decoder,
+and corrupted or truncated shards read by the loaders, each a clean `DatasetFormatError`."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import omicsio_jax as oj
+from omicsio_jax import _codec, _scatter
+from omicsio_jax._outputs import OutputContext, RowKeys
+
+NUM_COLUMNS = 300
+
+
+def reference_decode(record: bytes, num_columns: int) -> tuple[list[int], list[float]] | None:
+    """The codec's format (see `_codec`'s docstring) read byte by byte in plain Python: a record's
+    (columns, values) with zeros dropped, or None when the bytes are not a record the writer makes."""
+    if len(record) < 8 or len(record) % 4:
+        return None
+    version, ic, vc, reserved, n = struct.unpack_from("<BBBBI", record)
+    if version != 1 or reserved or ic > 2 or vc > 3:
+        return None
+    iw, vw = (0, 2, 4)[ic], (4, 1, 2, 4)[vc]
+    def pad(nbytes):
+        return (nbytes + 3) & ~3
+
+    if len(record) != 8 + pad(n * iw) + pad(n * vw):
+        return None
+    body, vbase = record[8:], pad(n * iw)
+    if any(record[8 + n * iw : 8 + pad(n * iw)]) or any(body[vbase + n * vw : vbase + pad(n * vw)]):
+        return None  # nonzero padding
+    if ic == 0:
+        if n != num_columns:
+            return None
+        cols = list(range(n))
+    elif ic == 1:  # gaps as two byte planes
+        gaps = [body[k] | body[n + k] << 8 for k in range(n)]
+        cols = list(np.cumsum(gaps, dtype=np.int64)) if n else []
+    else:
+        cols = list(struct.unpack_from(f"<{n}I", body))
+    if any(b <= a for a, b in itertools.pairwise(cols)) or (cols and cols[-1] >= num_columns):
+        return None
+    if vc == 0:
+        vals = list(np.frombuffer(body, np.float32, n, vbase))
+        if not np.all(np.isfinite(vals)):
+            return None
+    elif vc == 1:
+        vals = list(body[vbase : vbase + n])
+    elif vc == 2:
+        vals = [body[vbase + k] | body[vbase + n + k] << 8 for k in range(n)]
+    else:
+        vals = list(struct.unpack_from(f"<{n}I", body, vbase))
+    vals = np.asarray(vals, np.float32)
+    keep = vals != 0 if ic == 0 else np.ones(n, bool)  # a dense record decodes to its nonzeros
+    return [int(c) for c, k in zip(cols, keep) if k], vals[keep].tolist()
+
+
+@st.composite
+def records(draw) -> list[bytes]:
+    """A few valid records of every index and value code (dense ones too)."""
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["u8", "u16", "u32", "float", "dense"]))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        if kind == "dense":
+            row = rng.geometric(0.5, NUM_COLUMNS).astype(np.float32) * (rng.random(NUM_COLUMNS) < 0.1)
+            buf, _ = _codec.encode_dense_rows(row[None])
+        else:
+            cols = np.sort(rng.choice(NUM_COLUMNS, size=draw(st.integers(0, 30)), replace=False)).astype(np.int32)
+            top = {"u8": 255, "u16": 65_535, "u32": 2**24}.get(kind, 0)
+            vals = (rng.integers(1, top + 1, len(cols)) if top else rng.normal(size=len(cols))).astype(np.float32)
+            buf, _ = _codec.encode_csr(np.array([0, len(cols)], np.int64), cols, vals)
+        out.append(buf.tobytes())
+    return out
+
+
+@st.composite
+def mutated(draw) -> tuple[list[bytes], int]:
+    """Valid records with one of them damaged: bytes flipped or set, cut short, extended, or its
+    header's count, codes or version rewritten."""
+    recs = draw(records())
+    i = draw(st.integers(0, len(recs) - 1))
+    rec = bytearray(recs[i])
+    how = draw(st.sampled_from(["flip", "set", "truncate", "extend", "count", "codes", "version"]))
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            rec[draw(st.integers(0, len(rec) - 1))] ^= 1 << draw(st.integers(0, 7))
+    elif how == "set":
+        rec[draw(st.integers(0, len(rec) - 1))] = draw(st.integers(0, 255))
+    elif how == "truncate":
+        rec = rec[: draw(st.integers(0, len(rec) - 1))]
+    elif how == "extend":
+        rec += bytes(draw(st.lists(st.integers(0, 255), min_size=1, max_size=12)))
+    elif how == "count":
+        struct.pack_into("<I", rec, 4, draw(st.one_of(st.integers(0, 64), st.integers(0, 2**32 - 1))))
+    elif how == "codes":
+        rec[1], rec[2] = draw(st.integers(0, 4)), draw(st.integers(0, 4))
+    else:
+        rec[0] = draw(st.integers(0, 255))
+    recs[i] = bytes(rec)
+    return recs, i
+
+
+def _expected(recs: list[bytes]) -> list | None:
+    decoded = [reference_decode(r, NUM_COLUMNS) for r in recs]
+    return None if any(d is None for d in decoded) else decoded
+
+
+def _as_dense(decoded: list, width: int = NUM_COLUMNS) -> np.ndarray:
+    out = np.zeros((len(decoded), width), np.float32)
+    for row, (cols, vals) in enumerate(decoded):
+        out[row, cols] = vals
+    return out
+
+
+@given(mutated())
+@settings(max_examples=400, deadline=None)
+def test_every_decoder_refuses_a_damaged_record_or_returns_exactly_what_it_says(case):
+    """Either `MalformedRecordError` naming the damaged record, or — when the damage still spells a
+    record the writer makes — exactly what the reference reading of the bytes says, in every decoder."""
+    recs, damaged = case
+    buf, starts = _codec.join_records(recs)
+    expected = _expected(recs)
+    decoders = {
+        "csr": lambda: _codec.decode_csr(buf, starts, NUM_COLUMNS),
+        "rows": lambda: _codec.decode_rows(buf, starts, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
+        "slabs": lambda: _codec.decode_slabs(buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096,
+                                             num_columns=NUM_COLUMNS),
+        "log1p": lambda: _scatter.decode_scatter(buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32),
+                                                 normalize="log1p"),
+        "panel": lambda: _scatter.decode_scatter(buf, starts, np.empty((len(recs), 3), np.float32),
+                                                 gene_to_col=_scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299])),
+    }
+    for name, decode in decoders.items():
+        if expected is None:
+            with pytest.raises(_codec.MalformedRecordError) as info:
+                decode()
+            assert info.value.index == damaged, name
+            continue
+        got = decode()
+        dense = _as_dense(expected)
+        if name == "csr":
+            indptr, indices, values = got
+            assert np.diff(indptr).tolist() == [len(c) for c, _ in expected]
+            assert indices.tolist() == [c for cols, _ in expected for c in cols]
+            np.testing.assert_array_equal(values, np.concatenate([v for _, v in expected] + [[]]).astype(np.float32))
+        elif name == "rows":
+            np.testing.assert_array_equal(got, dense)
+        elif name == "slabs":
+            rebuilt = np.zeros_like(dense)
+            np.add.at(rebuilt, (got[0][0].astype(np.int64), got[1][0].astype(np.int64)), got[2][0])
+            np.testing.assert_array_equal(rebuilt, dense)
+        elif name == "log1p":
+            with np.errstate(invalid="ignore"):  # a negative value below -1 gives NaN in both
+                np.testing.assert_allclose(got, np.log1p(dense), rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(got, dense[:, [5, 0, 299]])
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory):
+    """300 cells × 300 genes with statistics: the column space of the fuzzed records."""
+    from materialize import make_synthetic_corpus, materialize
+
+    corpus = make_synthetic_corpus(tmp_path_factory.mktemp("c300"), num_cells=300, num_genes=NUM_COLUMNS, seed=3,
+                                   mean_nnz=20, progress=False)
+    out = tmp_path_factory.mktemp("ds300") / "ds"
+    materialize(corpus.cells_parquet, out, progress=False)
+    return oj.open_dataset(out)
+
+
+@given(mutated())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_token_outputs_refuse_a_damaged_record_or_tokenize_it(small_dataset, case):
+    """The Geneformer and scGPT kernels index per-gene tables by column: a damaged record must be
+    refused before they run (an unchecked column would read past the tables)."""
+    recs, damaged = case
+    buf, starts = _codec.join_records(recs)
+    ctx = OutputContext.of_dataset(small_dataset, rows=len(recs))
+    keys = RowKeys(np.arange(len(recs), dtype=np.int64))
+    for output in (oj.GeneformerTokens(max_len=16), oj.ScGPTTokens(max_len=16)):
+        bound = output.bind(ctx)
+        if _expected(recs) is None:
+            with pytest.raises(_codec.MalformedRecordError) as info:
+                bound.from_records(buf, starts, np.empty, keys)
+            assert info.value.index == damaged
+        else:
+            out = bound.from_records(buf, starts, np.empty, keys)
+            assert all(v.shape[0] == len(recs) for v in out.values())
+
+
+def _rewrite_shard(path, damage) -> None:
+    """Rewrite a shard through ArrayRecord with ``damage(records)`` applied: the chunks' hashes are
+    right, so only the codec can tell (a writer bug, or bytes damaged before they were written)."""
+    reader = ArrayRecordReader(str(path))
+    recs = reader.read(0, reader.num_records())
+    reader.close()
+    damage(recs)
+    writer = ArrayRecordWriter(str(path), "group_size:16")
+    for r in recs:
+        writer.write(r)
+    writer.close()
+
+
+def test_a_malformed_record_in_a_shard_names_the_shard_and_cell_in_every_reader(dataset_dir, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+
+    def damage(recs):
+        rec = bytearray(recs[37])
+        rec[1] = 7  # an unknown index code
+        recs[37] = bytes(rec)
+
+    _rewrite_shard(copy / "shard-00001.arrayrecord", damage)
+    cell = 1024 + 37
+    expected = (rf"{copy}: shard shard-00001.arrayrecord: cell {cell} \(record 37\) cannot be read: "
+                r"unknown index or value code; run `omicsio-materialize verify")
+    with oj.open_dataset(copy) as ds:
+        ds.read_csr([0, 5])  # other cells read fine
+        with pytest.raises(oj.DatasetFormatError, match=expected):
+            ds.read_csr([3, cell])
+        with pytest.raises(oj.DatasetFormatError, match=expected):
+            oj.tokenize(ds, [cell, 2], oj.GeneformerTokens(max_len=32))
+        for output in ("dense", "csr"):
+            loader = oj.make_loader(ds, batch_size=ds.num_cells // 2, output=output, seed=0)
+            with pytest.raises(oj.DatasetFormatError, match=expected):
+                for _ in loader:
+                    pass
+        with pytest.raises(oj.DatasetFormatError, match=expected):
+            oj.load_panel(ds, progress=False)
+
+
+def test_a_truncated_shard_read_by_the_loader_names_the_shard(dataset_dir, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    shard = copy / "shard-00002.arrayrecord"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with oj.open_dataset(copy) as ds:
+        loader = oj.make_loader(ds, batch_size=256, output="dense", seed=0)
+        with pytest.raises(oj.DatasetFormatError, match=rf"{copy}: shard shard-00002.arrayrecord: .*"
+                                                        r"run `omicsio-materialize verify"):
+            for _ in loader:
+                pass
