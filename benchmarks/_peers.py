@@ -9,7 +9,7 @@ steady-state throughput over ``num_batches`` dense float32 numpy minibatches of 
   backed; ``block_size=1, fetch_factor=1`` is its true-random mode.
 - `bench_grain_stock`: Grain's stock ArrayRecord path (``ArrayRecordDataSource`` + shuffled
   ``IndexSampler`` + ``DataLoader``): true random, record by record.
-- annbatch is not here: every release requires Python >= 3.12 and this project runs on 3.11.
+- annbatch (Python >= 3.12) runs in its own virtualenv: `_annbatch_peer.py`, `bench_annbatch.py`.
 
 Run alone (needs ``scripts/setup-bench.sh``)::
 

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ._outputs import Panel as Panel
     from ._state import read_loader_states as read_loader_states
     from ._tokens import tokenize as tokenize
+    from ._tune import TuneResult as TuneResult
+    from ._tune import tune as tune
     from ._vocab import Vocabulary as Vocabulary
     from ._vocab import default_vocabulary as default_vocabulary
     from ._genestats import GeneStats as GeneStats
@@ -99,6 +101,8 @@ _PUBLIC = {
     "Panel": "._outputs",
     "read_loader_states": "._state",
     "tokenize": "._tokens",
+    "TuneResult": "._tune",
+    "tune": "._tune",
     "Vocabulary": "._vocab",
     "default_vocabulary": "._vocab",
     "GeneStats": "._genestats",

@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="loader read threads (default: %(default)s)")
     g.add_argument("--prefetch", type=int, default=d.prefetch,
                    help="fetches read ahead (default: %(default)s)")
+    g.add_argument("--auto-tune", type=float, nargs="?", const=60.0, default=d.auto_tune, metavar="SECONDS",
+                   help="measure a few block sizes, fetch factors and thread counts for SECONDS (default 60) with "
+                        "oj.tune and train with the fastest whose batches keep 0.98 x true random's label entropy; "
+                        "overrides --block-size, --fetch-factor and --num-threads (a resume keeps the checkpoint's)")
     g = p.add_argument_group("held-out evaluation")
     g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     g = g.add_mutually_exclusive_group()

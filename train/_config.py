@@ -9,7 +9,7 @@ from ._model import MODELS
 
 SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
 # Not saved in a checkpoint's config: how this invocation runs, not what it trains.
-_NOT_SAVED = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet")
+_NOT_SAVED = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet", "auto_tune")
 CHECKPOINT_FORMATS = ("equinox", "orbax")
 # Saved but free to change on resume: they do not change the batches or the updates.
 _FREE_ON_RESUME = ("dataset", "num_devices", "num_threads", "prefetch", "checkpoint_every", "keep", "metrics",
@@ -51,6 +51,7 @@ class TrainConfig:
     metrics: str | None = None
     log_every: int = 50
     quiet: bool = False
+    auto_tune: float = 0.0  # seconds for oj.tune to choose block_size, fetch_factor, num_threads (0: off)
 
     def validate(self) -> None:
         """Raise `TrainError` naming the first bad option and its valid range."""
@@ -72,6 +73,12 @@ class TrainConfig:
                 raise TrainError(msg)
         if self.checkpoint_every < 0:
             msg = f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
+            raise TrainError(msg)
+        if self.auto_tune < 0:
+            msg = f"auto_tune must be >= 0 seconds (0: off), got {self.auto_tune!r}"
+            raise TrainError(msg)
+        if self.auto_tune and self.sampling != "block":
+            msg = f"auto_tune chooses block sampling's settings: it needs sampling='block', not {self.sampling!r}"
             raise TrainError(msg)
         if not self.lr > 0:
             msg = f"lr must be positive, got {self.lr!r}"

@@ -1,0 +1,100 @@
+"""Time to the first batch on a dataset of 1,500 shards, and the bytes read to get there.
+
+The dataset is ``ds_s3_50k``'s three full 16,384-cell shards hard-linked 500 times under one
+manifest (`_replicate.py --link`: 1,500 shard files, 24.6M cells; the links share the page cache,
+so "cold" below drops the cache of the three real files and every chunk index first, which makes
+each distinct file's first open and reads cold). A block-sampled first fetch (batch 1,024 ×
+fetch_factor 64 in blocks of 16) touches nearly every shard, so every shard is opened before the
+first batch. Each run is a fresh process; ``first_batch_s`` counts from after the imports to the
+first batch ready (``open_dataset``, ``make_loader`` and the first fetch included); ``read_mb`` is
+the bytes the process read (``rchar``), by reader options: ArrayRecord's default footer prefetch
+(1 MiB per open) against omicsio_jax's default (64 KiB).
+
+    .venv/bin/python benchmarks/bench_first_batch.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "data" / "ds_s3_50k"
+LINKED = HERE / "data" / "ds_1500_linked"
+OPTIONS = {"ArrayRecord default footer prefetch (1 MiB)": "readahead_buffer_size:256K,max_parallelism:0",
+           "omicsio_jax default (64 KiB)": None}
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar"):
+            return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
+def _child(spec: dict) -> dict:
+    import jax
+    import numpy as np
+
+    import omicsio_jax as oj
+
+    sys.path.insert(0, str(HERE))
+    if spec["cold"]:
+        from _peers import drop_page_cache
+
+        root = Path(spec["dataset"])
+        drop_page_cache([SOURCE / f"shard-{i:05d}.arrayrecord" for i in range(3)] + sorted(root.glob("chunks/*.npy")))
+    read0, start = _rchar(), time.perf_counter()
+    kw = {} if spec["options"] is None else {"reader_options": spec["options"]}
+    ds = oj.open_dataset(spec["dataset"], **kw)
+    loader = oj.make_loader(ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"])
+    jax.block_until_ready(next(iter(loader)).x)
+    seconds = time.perf_counter() - start
+    plan = oj.SamplingPlan(np.arange(ds.num_cells), 1024, 16, 64, 0)  # the loader's: its first fetch's cells
+    touched = len(np.unique(plan.fetch(0, 0, 0).rows // ds.manifest.shard_cells))
+    out = {"first_batch_s": seconds, "read_mb": (_rchar() - read0) / 1e6, "shards": len(ds.manifest.shards),
+           "shards_touched": touched, "cells": ds.num_cells}
+    loader.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results" / "first_batch.json"))
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child))))
+        return
+    if not (LINKED / "manifest.json").exists():
+        from _replicate import replicate
+
+        replicate(SOURCE, LINKED, 500, link=True)
+    rows = []
+    for r in range(args.rounds):
+        for label, options in OPTIONS.items():
+            for output in ("dense", "csr"):
+                for cold in (True, False):
+                    spec = {"dataset": str(LINKED), "options": options, "output": output, "cold": cold}
+                    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                                          capture_output=True, text=True, check=True)
+                    got = {"reader": label, "output": output, "cache": "cold" if cold else "warm", "round": r,
+                           **json.loads(proc.stdout.strip().splitlines()[-1])}
+                    rows.append(got)
+                    print(f"[round {r + 1}] {label:44s} {output:5s} {got['cache']}: {got['first_batch_s']:6.2f} s, "
+                          f"{got['read_mb']:8,.0f} MB read, {got['shards_touched']} of {got['shards']} shards",
+                          flush=True)
+    out = {"benchmark": "bench_first_batch", "command": "python benchmarks/bench_first_batch.py",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
