@@ -65,7 +65,9 @@ class SegmentCache(Generic[T]):
     to ``ahead``: a short segment (an epoch's tail) does not count as a whole one. The ``keep`` most
     recently asked keys stay.
 
-    A key asked for now jumps the queue ahead of read-ahead work. Errors are raised by the `get`
+    A key asked for now jumps the queue ahead of read-ahead work; the very first key is read before
+    any read-ahead starts (on 2 cores a first fetch read beside the next one took twice as long).
+    Errors are raised by the `get`
     that asks for the key, not by the read-ahead. `close` stops the threads (also done when the
     cache is collected).
     """
@@ -87,10 +89,16 @@ class SegmentCache(Generic[T]):
 
     def get(self, key: Hashable) -> T:
         with self._cond:
+            cold = self._newest is None  # nothing asked yet: the first key waits for no read-ahead
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._add(key, urgent=True)
-            if key != self._newest:  # the first ask for this key: move the read-ahead window on
+            if key != self._newest and not cold:  # the first ask for this key: move the read-ahead window on
+                self._newest = key
+                self._read_ahead(key)
+        if cold:  # read the first key with the machine to itself, then start reading ahead
+            entry.done.wait()
+            with self._cond:
                 self._newest = key
                 self._read_ahead(key)
         entry.done.wait()

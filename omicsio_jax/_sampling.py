@@ -188,7 +188,8 @@ class SamplingPlan:
         import hashlib
 
         def digest(a: np.ndarray | None) -> str | None:
-            return None if a is None else hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+            # hashed through the buffer protocol: no copy (tobytes of 10^8 rows is 0.8 GB and 1.3 s)
+            return None if a is None else hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:16]
 
         return {
             "sampling": self.sampling, "batch_size": self.batch_size, "block_size": self.block_size,

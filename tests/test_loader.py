@@ -257,3 +257,32 @@ def test_bad_arguments(ds, kwargs, error, match):
 def test_batch_must_split_over_the_mesh(ds, mesh):
     with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
         _loader(ds, mesh=mesh, batch_size=60)
+
+
+def test_segment_cache_reads_the_first_key_alone_then_reads_ahead():
+    import threading
+    import time
+
+    from omicsio_jax._fetch import SegmentCache
+
+    events, lock = [], threading.Lock()
+
+    def load(key):
+        with lock:
+            events.append(("start", key))
+        time.sleep(0.05)
+        with lock:
+            events.append(("end", key))
+        return key * 10
+
+    cache = SegmentCache(load, lambda k: k + 1 if k < 5 else None, ahead=2, threads=2)
+    try:
+        assert cache.get(0) == 0
+        assert events[:2] == [("start", 0), ("end", 0)]  # nothing else was read while key 0 was
+        assert cache.get(1) == 10  # read ahead once the first key was in
+        deadline = time.monotonic() + 5
+        while ("end", 3) not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ("start", 2) in events and ("start", 3) in events  # two ahead of key 1
+    finally:
+        cache.close()
