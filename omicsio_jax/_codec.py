@@ -424,7 +424,7 @@ def _decode_into_slabs(u8, u32, f32, starts, nnz, positions, rows_per_slab, row_
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_into_rows(u8, u32, f32, starts, out):
-    n, width = out.shape
+    n = out.shape[0]
     for i in nb.prange(n):
         out[i, :] = 0.0
         if i >= starts.shape[0]:
@@ -434,15 +434,14 @@ def _decode_into_rows(u8, u32, f32, starts, out):
         count = np.int64(u32[start // 4 + 1])
         pos = start + HEADER_BYTES
         if ic == INDEX_DENSE:
-            for k in range(min(count, width)):
+            for k in range(count):  # checked: a dense record is exactly as wide as `out`
                 out[i, k] = read_value(u8, u32, f32, pos, k, vc, count)
             continue
         vpos = pos + pad4(count * INDEX_WIDTH[ic])
         col = np.int64(0)
         for k in range(count):
-            col = next_column(u8, u32, pos, k, count, ic, col)
-            if col < width:
-                out[i, col] = read_value(u8, u32, f32, vpos, k, vc, count)
+            col = next_column(u8, u32, pos, k, count, ic, col)  # checked: a column of `out`
+            out[i, col] = read_value(u8, u32, f32, vpos, k, vc, count)
 
 
 def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -66,10 +66,9 @@ class SegmentCache(Generic[T]):
     recently asked keys stay.
 
     A key asked for now jumps the queue ahead of read-ahead work; the very first key is read before
-    any read-ahead starts (on 2 cores a first fetch read beside the next one took twice as long).
-    Errors are raised by the `get`
-    that asks for the key, not by the read-ahead. `close` stops the threads (also done when the
-    cache is collected).
+    any read-ahead starts, so it does not share the cores with the next ones. Errors are raised by
+    the `get` that asks for the key, not by the read-ahead. `close` stops the threads (also done
+    when the cache is collected).
     """
 
     def __init__(self, load: Callable[[Hashable], T], following: Callable[[Hashable], Hashable | None], *,

@@ -5,8 +5,9 @@ loaders' `FetchReader`): for a dataset on object storage it first has the chunks
 fetched together and pinned while they are read (`Dataset.prepared`). ArrayRecord's reader does
 not raise on a file it cannot read (``ok()`` is False), and raises a bare ``RuntimeError`` on a
 corrupted chunk; both become `DatasetFormatError` naming the dataset, the shard, the cells and
-``omicsio-materialize verify``, as does a record the codec finds malformed (`records_checked`). A remote shard's failed read is first retried once with its
-chunks fetched again (its cached copy, not the object, may be what is damaged).
+``omicsio-materialize verify``, as does a record the codec finds malformed (`records_checked`). A
+remote shard's failed read is first retried once with its chunks fetched again (its cached copy,
+not the object, may be what is damaged).
 """
 
 from __future__ import annotations

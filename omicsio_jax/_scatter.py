@@ -97,7 +97,6 @@ def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, targ
     """Records → rows of ``out`` in one pass: columns through ``gene_to_col`` (if ``mapped``),
     values transformed as `_transform` does; rows past the records stay zero."""
     n, width = out.shape
-    num_map = gene_to_col.shape[0]
     for i in nb.prange(n):
         out[i, :] = 0.0
         if i >= starts.shape[0]:
@@ -121,7 +120,7 @@ def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, targ
                 col = _codec.next_column(u8, u32, pos, k, count, ic, col)
             c = col
             if mapped:
-                c = gene_to_col[col] if col < num_map else -1
+                c = gene_to_col[col]  # checked: col < len(gene_to_col)
             if c >= 0 and c < width:
                 out[i, c] += _transform(_codec.read_value(u8, u32, f32, vpos, k, vc, count), mode, total, target_sum)
 
