@@ -13,6 +13,7 @@ reaches a chunk never fetched fails on its chunk header hash; it cannot return w
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import PurePosixPath
 
 import numpy as np
@@ -56,3 +57,15 @@ class ChunkIndex:
     def data_bytes(self) -> int:
         data = self.rows[_OPEN_ROWS:]
         return int((data[:, 1] - data[:, 0]).sum())
+
+
+def chunks_of(pieces: Sequence[tuple[int, int, int]], group_size: int) -> dict[int, np.ndarray]:
+    """The data chunks (sorted, unique) per shard that hold the records ``(shard, begin, end)`` of ``pieces``."""
+    if not pieces:
+        return {}
+    shard, begin, end = np.asarray(pieces, np.int64).T
+    first, count = begin // group_size, (end - 1) // group_size + 1 - begin // group_size
+    offsets = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    keys = np.unique((np.repeat(shard, count) << 32) | (np.repeat(first, count) + offsets))
+    shards, starts = np.unique(keys >> 32, return_index=True)
+    return {int(s): part & 0xFFFFFFFF for s, part in zip(shards, np.split(keys, starts[1:]), strict=True)}

@@ -17,6 +17,7 @@ from . import _codec
 from ._cache import IOStats
 from ._errors import DatasetFormatError, OmicsIOError
 from ._manifest import Manifest, read_manifest
+from ._readahead import ReadAhead
 from ._records import ShardReaders, read_runs, records_checked
 from ._store import is_remote
 
@@ -110,9 +111,11 @@ class Dataset:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
-                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None):
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
+                 readahead: bool = True):
         self.reader_options = reader_options
         self._remote = None
+        self._readahead: ReadAhead | None = None
         if is_remote(path):
             from ._remote import RemoteDataset
 
@@ -126,6 +129,8 @@ class Dataset:
                 if not (self.path / shard.path).exists():
                     msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
                     raise DatasetFormatError(msg)
+            if readahead:
+                self._readahead = ReadAhead(self)
         self._readers = ShardReaders(self, reader_options)
 
     @property
@@ -157,8 +162,11 @@ class Dataset:
     def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None):
         """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read from
         `local_path` of their shards: for a remote dataset their chunks are fetched (all pieces'
-        together) and kept until it ends; nothing to do for a local one."""
+        together) and kept until it ends; for a local one their byte ranges are announced to the
+        kernel, which starts reading them all at once (`ReadAhead`)."""
         if self._remote is None:
+            if self._readahead is not None:
+                self._readahead.advise(pieces)
             return contextlib.nullcontext()
         return self._remote.mirrors.prepared(pieces, refetch=refetch)
 
@@ -339,7 +347,8 @@ class Dataset:
 
 
 def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
-                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None) -> Dataset:
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
+                 readahead: bool = True) -> Dataset:
     """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
     it was uploaded to (the same files under the prefix).
 
@@ -351,11 +360,14 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     min(32 GiB, half the free space of the cache's filesystem)), least recently used shards
     dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
-    ``cache_bytes`` are ignored for a local directory, which is read in place.
+    ``cache_bytes`` are ignored for a local directory, which is read in place; there, every read
+    first announces its exact byte ranges to the kernel (``readahead``), which reads them at the
+    disk's queue depth: what a dataset larger than RAM needs.
 
     >>> ds = open_dataset("out/")                       # doctest: +SKIP
     >>> ds.num_cells, ds.num_genes, ds.obs["drug"].categories[:3]   # doctest: +SKIP
     >>> indptr, indices, values = ds.read_csr([5, 0, 17])           # doctest: +SKIP
     >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
     """
-    return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
+    return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                   readahead=readahead)

@@ -51,19 +51,22 @@ class FetchReader:
 
 
 class _Entry:
-    __slots__ = ("done", "error", "value")
+    __slots__ = ("done", "error", "uses", "value")
 
     def __init__(self):
         self.done = threading.Event()
         self.value = None
         self.error: BaseException | None = None
+        self.uses = 0
 
 
 class SegmentCache(Generic[T]):
     """``get(key)`` returns ``load(key)``, computed once; the keys after it (``following``) are loaded
     meanwhile on ``threads`` background threads, as many as ``weight`` (default 1 per key) adds up
     to ``ahead``: a short segment (an epoch's tail) does not count as a whole one. The ``keep`` most
-    recently asked keys stay.
+    recently asked keys stay, unless `used` says a key's value has served all its uses: it is then
+    dropped at once (a reader that iterates in order holds only the segment it is on and those read
+    ahead, not the ones it left).
 
     A key asked for now jumps the queue ahead of read-ahead work; the very first key is read before
     any read-ahead starts, so it does not share the cores with the next ones. Errors are raised by
@@ -104,6 +107,16 @@ class SegmentCache(Generic[T]):
         if entry.error is not None:
             raise entry.error
         return entry.value
+
+    def used(self, key: Hashable, uses: int) -> None:
+        """One use of ``key``'s value is over; after ``uses`` of them it is dropped (asked again, it is
+        loaded again)."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is not None and entry.done.is_set():
+                entry.uses += 1
+                if entry.uses >= uses:
+                    del self._entries[key]
 
     def _read_ahead(self, key: Hashable) -> None:
         self._entries.move_to_end(key)

@@ -141,6 +141,8 @@ class MinibatchReader:
         lo = (step - seg.first_step) * b
         rows = rows[lo : lo + b]
         buf, starts = _codec.join_records(records[lo : lo + b])
+        del records
+        self._segments.used(seg, seg.num_steps)  # all its steps joined: the segment's records can go
         keys = RowKeys(rows, epoch, self.schedule.plan.seed)
         with records_checked(self.dataset, rows):
             if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cache import Counters, FileCache, write_atomic
-from ._chunks import ChunkIndex, chunk_index_path
+from ._chunks import ChunkIndex, chunk_index_path, chunks_of
 from ._errors import DatasetFormatError
 from ._manifest import Manifest
 from ._store import S3Store
@@ -66,18 +66,6 @@ class _Mirror:
         self.cached = int(self.sizes[present.astype(bool)].sum())
         self.pins = 0
         self.last_used = 0
-
-
-def chunks_of(pieces: Sequence[tuple[int, int, int]], group_size: int) -> dict[int, np.ndarray]:
-    """The data chunks (sorted, unique) per shard that hold the records ``(shard, begin, end)`` of ``pieces``."""
-    if not pieces:
-        return {}
-    shard, begin, end = np.asarray(pieces, np.int64).T
-    first, count = begin // group_size, (end - 1) // group_size + 1 - begin // group_size
-    offsets = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-    keys = np.unique((np.repeat(shard, count) << 32) | (np.repeat(first, count) + offsets))
-    shards, starts = np.unique(keys >> 32, return_index=True)
-    return {int(s): part & 0xFFFFFFFF for s, part in zip(shards, np.split(keys, starts[1:]), strict=True)}
 
 
 def plan_gets(needed: dict[int, np.ndarray], *, slack: float = READ_SLACK) -> dict[int, list[tuple[int, int]]]:

@@ -1,0 +1,282 @@
+"""The loader on a dataset larger than the machine's RAM, beside the disk's own limits, in one run.
+
+The dataset is ``ds_200k``'s three full 65,536-cell shards written out as real copies (not links:
+the page cache cannot share them) under one manifest (`_replicate.py`), enough copies to exceed
+RAM by 18%. Each configuration runs in a fresh process after the page cache of every shard and
+chunk index was dropped, for ``--seconds`` after its first two batches; the same configurations
+run warm on ``ds_200k`` itself (read once first) in the same run. Recorded per run: cells/s, the
+longest wait for one batch, the process's CPU time (cores busy), peak RSS and RSS at the start
+and end of the timed window, and the bytes the process read from the disk (``read_bytes``).
+
+The disk's limits, measured in the same run on the cold copies:
+
+- sequential: front-to-back reads of 1 MiB over 4 GiB of shards, in cells/s at the dataset's
+  bytes per cell;
+- random: ``pread``s of one 16-cell chunk (what one block of the loader reads) at random
+  chunks, with 1 and with ``--depth`` reads in flight, in reads/s and cells/s (× 16).
+
+Cold and warm runs are repeated with ``open_dataset(..., readahead=False)`` to show what announcing the
+reads to the kernel (`omicsio_jax._readahead`) changes. Results: ``results/beyond_ram.json`` and
+``results/beyond_ram.png``.
+
+    .venv/bin/python benchmarks/bench_beyond_ram.py            # ~30 min; 30 GB of disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+DATA = HERE / "data"
+SOURCE = DATA / "ds_200k"
+BIG = DATA / "ds_beyond_ram"
+CONFIGS = {  # label: make_loader kwargs
+    "dense b64": {"batch_size": 64, "block_size": 16, "fetch_factor": 64, "output": "dense"},
+    "dense b1024": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "dense"},
+    "csr b1024": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr"},
+    "true random csr b1024": {"batch_size": 1024, "block_size": 1, "fetch_factor": 64, "output": "csr"},
+}
+
+
+def _proc_io(field: str) -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/io")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _files(dataset: Path) -> list[Path]:
+    return sorted(dataset.glob("shard-*.arrayrecord")) + sorted(dataset.glob("chunks/*.npy"))
+
+
+def _child(spec: dict) -> dict:
+    import jax
+
+    import omicsio_jax as oj
+
+    sys.path.insert(0, str(HERE))
+    from _peers import drop_page_cache
+
+    dataset = Path(spec["dataset"])
+    if spec["cold"] and not drop_page_cache(_files(dataset)):
+        raise OSError("could not drop the page cache")
+    ds = oj.open_dataset(dataset, readahead=spec["readahead"])
+    loader = oj.make_loader(ds, seed=0, num_epochs=None, **CONFIGS[spec["config"]])
+    it = iter(loader)
+    for _ in range(2):
+        jax.block_until_ready(next(it).x)
+    read0, times0, rss0 = _proc_io("read_bytes"), os.times(), _status("VmRSS")
+    start = last = time.perf_counter()
+    cells, waits = 0, []
+    while last - start < spec["seconds"]:
+        batch = next(it)
+        jax.block_until_ready(batch.x)
+        now = time.perf_counter()
+        waits.append(now - last)
+        cells, last = cells + CONFIGS[spec["config"]]["batch_size"], now
+    seconds = last - start
+    times = os.times()
+    user, system = times.user - times0.user, times.system - times0.system
+    return {**spec, "cells_per_s": cells / seconds, "seconds": seconds, "batches": len(waits),
+            "max_wait_s": max(waits), "cores_busy": (user + system) / seconds, "system_share": system / (user + system),
+            "cells_per_cpu_s": cells / (user + system),
+            "read_mb": (_proc_io("read_bytes") - read0) / 1e6, "rss_start_mib": rss0 / 2**20,
+            "rss_end_mib": _status("VmRSS") / 2**20, "peak_rss_mib": _status("VmHWM") / 2**20}
+
+
+def run(spec: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=False, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        return {**spec, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ensure_big(source: Path, out: Path, ram_factor: float) -> Path:
+    """``out``: copies of ``source``'s full shards adding up to ``ram_factor`` × this machine's RAM."""
+    from omicsio_jax._manifest import read_manifest
+
+    m = read_manifest(source)
+    full = sum(s.num_bytes for s in m.shards if s.num_cells == m.shard_cells)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    copies = int(np.ceil(ram * ram_factor / full))
+    if (out / "manifest.json").exists() and read_manifest(out).source.get("copies") == copies:
+        return out
+    sys.path.insert(0, str(HERE))
+    from _replicate import replicate
+
+    print(f"writing {copies} copies of {source}'s full shards ({copies * full / 1e9:.1f} GB) to {out}", flush=True)
+    return replicate(source, out, copies)
+
+
+def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, threads: int, seconds: float) -> dict:
+    """``pread``s of whole random data chunks on ``threads`` threads (as many reads in flight) for ``seconds``."""
+    stop = time.perf_counter() + seconds
+    done: list[tuple[int, int]] = []
+
+    def reader(seed: int) -> None:
+        rng, fds, n, nbytes = random.Random(seed), {}, 0, 0
+        while time.perf_counter() < stop:
+            k = rng.randrange(len(shards))
+            begin, end = (int(v) for v in chunks[k][rng.randrange(len(chunks[k]))])
+            fd = fds.get(k) or fds.setdefault(k, os.open(shards[k], os.O_RDONLY))
+            nbytes += len(os.pread(fd, end - begin, begin))
+            n += 1
+        for fd in fds.values():
+            os.close(fd)
+        done.append((n, nbytes))  # list.append is atomic
+
+    start = time.perf_counter()
+    pool = [threading.Thread(target=reader, args=(1000 * threads + i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    reads, nbytes = (sum(v) for v in zip(*done, strict=True))
+    return {"reads_per_s": reads / elapsed, "cells_per_s": reads * group / elapsed, "kib_per_read": nbytes / reads / 1024}
+
+
+def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
+    """Sequential and random-chunk read rates of the cold shards (see the module docstring)."""
+    sys.path.insert(0, str(HERE))
+    from _peers import drop_page_cache, sequential_read_limit
+
+    from omicsio_jax._chunks import ChunkIndex, chunk_index_path
+    from omicsio_jax._manifest import read_manifest
+
+    m = read_manifest(dataset)
+    shards = [dataset / s.path for s in m.shards]
+    per_cell = sum(s.num_bytes for s in m.shards) / m.num_cells
+    some = shards[: max(1, int(np.ceil(4e9 / m.shards[0].num_bytes)))]
+    sequential = sequential_read_limit(some)
+    group = int(m.array_record["group_size"])
+    chunks = []
+    for s in m.shards:
+        index = ChunkIndex(np.load(dataset / chunk_index_path(s.path)), group)
+        chunks.append(index.chunk_bytes(np.arange(index.num_chunks)))
+    out = {"bytes_per_cell": per_cell, "sequential_MBps": sequential / 1e6, "sequential_cells_per_s": sequential / per_cell,
+           "group_size": group}
+    for threads in (1, depth):
+        drop_page_cache(shards)
+        out[f"random_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds)
+    return out
+
+
+def warm_up(dataset: Path) -> None:
+    for path in _files(dataset):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 22):
+                pass
+
+
+def plot(result: dict, path: Path) -> None:
+    """Cells/s per configuration, warm and cold (with and without read-ahead), beside the disk's limits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
+    kinds = [("warm (200k cells in RAM)", False, True, "tab:green"), ("cold, read-ahead", True, True, "tab:blue"),
+             ("cold, no read-ahead", True, False, "tab:gray")]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(kinds)
+    for k, (label, cold, ra, color) in enumerate(kinds):
+        values = [next((r.get("cells_per_s", 0) for r in result["rows"] if r["config"] == c and r["cold"] == cold
+                        and r["readahead"] == ra), 0) for c in configs]
+        ax.bar(np.arange(len(configs)) + (k - 1) * width, values, width, label=label, color=color)
+    disk = result["disk"]
+    ax.axhline(disk["random_qd16"]["cells_per_s"], color="tab:red", ls="--",
+               label=f"disk: random 16-cell chunks, 16 in flight ({disk['random_qd16']['reads_per_s']:,.0f}/s)")
+    ax.axhline(disk["random_qd1"]["cells_per_s"], color="tab:orange", ls=":",
+               label=f"disk: random 16-cell chunks, 1 in flight ({disk['random_qd1']['reads_per_s']:,.0f}/s)")
+    ax.set_xticks(np.arange(len(configs)), configs)
+    ax.set_ylabel("cells / s")
+    ax.set_title(f"{result['dataset_gb']:.1f} GB dataset ({result['cells']:,} cells) on a "
+                 f"{result['machine']['ram_gib']:.0f} GiB, {result['machine']['cpus']}-core machine "
+                 f"(sequential read: {disk['sequential_cells_per_s']:,.0f} cells/s)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=30, help="timed seconds per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--depth", type=int, default=16, help="reads in flight for the random-read ceiling")
+    p.add_argument("--ram-factor", type=float, default=1.18)
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    p.add_argument("--only", choices=("cold", "warm", "both"), default="both")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "beyond_ram.json")
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(_child(json.loads(a.child))))
+        return
+    big = ensure_big(SOURCE, BIG, a.ram_factor)
+    size = sum(f.stat().st_size for f in big.glob("shard-*.arrayrecord"))
+    limits = disk_limits(big, depth=a.depth, seconds=10)
+    print(json.dumps(limits), flush=True)
+    plan = []
+    for config in a.configs:
+        if a.only in ("warm", "both"):
+            plan += [{"config": config, "dataset": str(SOURCE), "cold": False, "readahead": ra} for ra in (True, False)]
+        if a.only in ("cold", "both"):
+            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": ra} for ra in (True, False)]
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(plan))}
+    for r in range(a.rounds):
+        for i, spec in enumerate(plan):
+            if not spec["cold"]:
+                warm_up(SOURCE)
+            res = run({**spec, "seconds": a.seconds})
+            runs[i].append(res)
+            shown = (f"{res['cells_per_s']:>9,.0f} cells/s  {res['cores_busy']:.2f} cores  max wait {res['max_wait_s']:.2f} s  "
+                     f"read {res['read_mb']:,.0f} MB  RSS {res['rss_start_mib']:,.0f}->{res['rss_end_mib']:,.0f} MiB"
+                     if "error" not in res else f"ERROR {res['error']}")
+            print(f"[{r + 1}/{a.rounds}] {spec['config']:22s} {'cold' if spec['cold'] else 'warm'} "
+                  f"readahead={spec['readahead']!s:5s} {shown}", flush=True)
+    rows = []
+    for i, spec in enumerate(plan):
+        ok = [x for x in runs[i] if "error" not in x]
+        if not ok:
+            rows.append(runs[i][-1])
+            continue
+        row = {key: float(np.median([x[key] for x in ok])) for key in
+               ("cells_per_s", "cores_busy", "system_share", "cells_per_cpu_s", "read_mb", "max_wait_s", "rss_start_mib", "rss_end_mib")}
+        rows.append({**spec, **row, "cells_per_s_runs": [x["cells_per_s"] for x in ok],
+                     "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
+                     "bytes_read_per_cell": float(np.median([x["read_mb"] * 1e6 / (x["cells_per_s"] * x["seconds"])
+                                                             for x in ok]))})
+    result = {"command": "python benchmarks/bench_beyond_ram.py " + " ".join(sys.argv[1:]),
+              "machine": {"cpus": os.cpu_count(), "ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                          "python": platform.python_version()},
+              "dataset_gb": size / 1e9, "cells": json.loads((big / "manifest.json").read_text())["num_cells"],
+              "seconds_per_run": a.seconds, "rounds": a.rounds, "disk": limits, "rows": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    plot(result, a.out.with_suffix(".png"))
+    print(json.dumps({"wrote": [str(a.out), str(a.out.with_suffix(".png"))]}))
+
+
+if __name__ == "__main__":
+    main()
