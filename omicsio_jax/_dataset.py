@@ -166,7 +166,7 @@ class Dataset:
         kernel, which starts reading them all at once (`ReadAhead`)."""
         if self._remote is None:
             if self._readahead is not None:
-                self._readahead.advise(pieces)
+                self._readahead.start(pieces)
             return contextlib.nullcontext()
         return self._remote.mirrors.prepared(pieces, refetch=refetch)
 
@@ -336,6 +336,8 @@ class Dataset:
 
     def close(self) -> None:
         self._readers.close()
+        if self._readahead is not None:
+            self._readahead.close()
         if self._remote is not None:
             self._remote.close()
 

@@ -50,6 +50,13 @@ class FetchReader:
         return records
 
 
+_CLOSED = "the loader was closed while this batch was being read"
+
+
+class CacheClosedError(RuntimeError):
+    """A `SegmentCache` was closed while (or before) a key was asked of it."""
+
+
 class _Entry:
     __slots__ = ("done", "error", "uses", "value")
 
@@ -79,6 +86,7 @@ class SegmentCache(Generic[T]):
         self._load, self._following, self._ahead, self._keep = load, following, ahead, max(keep, int(ahead) + 3)
         self._weight = weight or (lambda key: 1.0)
         self._newest: Hashable | None = None
+        self._early: dict[Hashable, int] = {}
         self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._queue: collections.deque[Hashable] = collections.deque()
         self._cond = threading.Condition()
@@ -87,10 +95,13 @@ class SegmentCache(Generic[T]):
                                           daemon=True, name="omicsio-jax-read") for _ in range(max(threads, 1))]
         for t in self._threads:
             t.start()
-        self._finalizer = weakref.finalize(self, SegmentCache._shutdown, self._cond, self._stop, self._threads)
+        self._finalizer = weakref.finalize(self, SegmentCache._shutdown, self._cond, self._stop, self._threads,
+                                           self._entries)
 
     def get(self, key: Hashable) -> T:
         with self._cond:
+            if self._stop[0]:
+                raise CacheClosedError(_CLOSED)
             cold = self._newest is None  # nothing asked yet: the first key waits for no read-ahead
             entry = self._entries.get(key)
             if entry is None:
@@ -113,10 +124,12 @@ class SegmentCache(Generic[T]):
         loaded again)."""
         with self._cond:
             entry = self._entries.get(key)
-            if entry is not None and entry.done.is_set():
-                entry.uses += 1
-                if entry.uses >= uses:
-                    del self._entries[key]
+            if entry is None:  # used before it was asked for (a batch read on its own): counted when it is
+                self._early[key] = self._early.get(key, 0) + 1
+                return
+            entry.uses += 1
+            if entry.uses >= uses and entry.done.is_set():
+                del self._entries[key]
 
     def _read_ahead(self, key: Hashable) -> None:
         self._entries.move_to_end(key)
@@ -132,6 +145,7 @@ class SegmentCache(Generic[T]):
 
     def _add(self, key: Hashable, *, urgent: bool) -> _Entry:
         entry = self._entries[key] = _Entry()
+        entry.uses = self._early.pop(key, 0)
         if urgent:
             self._queue.appendleft(key)
         else:
@@ -174,10 +188,15 @@ class SegmentCache(Generic[T]):
             del entry, load
 
     @staticmethod
-    def _shutdown(cond: threading.Condition, stop: list[bool], threads: list[threading.Thread]) -> None:
+    def _shutdown(cond: threading.Condition, stop: list[bool], threads: list[threading.Thread],
+                  entries: dict[Hashable, _Entry]) -> None:
         with cond:
             stop[0] = True
             cond.notify_all()
+            for entry in entries.values():  # a `get` still waiting (a thread of a loader closed meanwhile) wakes
+                if not entry.done.is_set():
+                    entry.error = CacheClosedError(_CLOSED)
+                    entry.done.set()
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=30)

@@ -11,6 +11,7 @@ and a restore with another number of processes continues the epoch exactly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -49,7 +50,6 @@ class Loader(grain.DatasetIterator):
         self.plan, self.output = spec.resolve(ds)
         self.mesh, self.data_axis, self.num_threads, self.prefetch = mesh, data_axis, num_threads, prefetch
         self._decode_threads = decode_threads
-        self._config = spec.config(ds, self.plan, self.output)
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
@@ -150,6 +150,10 @@ class Loader(grain.DatasetIterator):
     @property
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch
+
+    @functools.cached_property
+    def _config(self) -> dict:  # on first use (a state asked for): hashing 10^8 rows takes a while
+        return self.spec.config(self.dataset, self.plan, self.output)
 
     def config(self) -> dict:
         """What decides the batches: dataset fingerprint, every sampling and output knob."""

@@ -12,13 +12,15 @@ the process (its RSS does not grow), and a warm read pays one page-cache lookup 
 from __future__ import annotations
 
 import os
+import queue
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._chunks import ChunkIndex, chunk_index_path, chunks_of
+from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index
 
 if TYPE_CHECKING:
     from ._dataset import Dataset
@@ -42,25 +44,70 @@ class ReadAhead:
     A shard's chunk index is loaded on its first use and kept (16 bytes per chunk: one byte per
     cell at 16 cells per chunk, about what each ArrayRecord reader keeps of its footer); a shard
     is opened for each call and closed after it (the kernel keeps the pages, not the descriptor),
-    so a dataset of thousands of shards holds no descriptors. Counts what it announced
-    (``advised_bytes``).
+    so a dataset of thousands of shards holds no descriptors. `start` announces on a thread of its
+    own, `advise` in the caller's. Counts what it announced (``advised_bytes``).
     """
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
         self.group_size = int(dataset.manifest.array_record["group_size"])
-        self._indexes: dict[int, ChunkIndex] = {}
+        self._indexes: dict[int, tuple[ChunkIndex, str]] = {}
         self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
         self.advised_bytes = 0
 
-    def index(self, shard: int) -> ChunkIndex:
-        index = self._indexes.get(shard)
-        if index is None:
-            path = self.dataset.local_path(chunk_index_path(self.dataset.manifest.shards[shard].path))
-            index = ChunkIndex(np.load(path), self.group_size)  # not mmap: a mapping keeps a descriptor
-            with self._lock:
-                index = self._indexes.setdefault(shard, index)
-        return index
+    def index(self, shard: int) -> tuple[ChunkIndex, str]:
+        """The shard's chunk index and its file's path."""
+        entry = self._indexes.get(shard)
+        if entry is None:
+            relpath = self.dataset.manifest.shards[shard].path
+            index = ChunkIndex(load_chunk_index(self.dataset.local_path(chunk_index_path(relpath))), self.group_size)
+            with self._lock:  # loaded whole, not memory-mapped: a mapping keeps a descriptor open
+                entry = self._indexes.setdefault(shard, (index, str(self.dataset.local_path(relpath))))
+        return entry
+
+    def start(self, pieces: Sequence[tuple[int, int, int]]) -> None:
+        """`advise` on this object's own thread, so the read that follows starts at once: warm, it
+        waits for nothing; cold, its first reads go one by one until the announcements, which are
+        faster than the reads, overtake them."""
+        if not _HAS_FADVISE or not pieces:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=ReadAhead._work, args=(weakref.ref(self), self._queue),
+                                                daemon=True, name="omicsio-jax-readahead")
+                self._thread.start()
+        self._queue.put(list(pieces))
+
+    @staticmethod
+    def _work(ref: weakref.ref, q: queue.Queue) -> None:
+        while True:
+            try:
+                pieces = q.get(timeout=0.5)
+            except queue.Empty:
+                if ref() is None:
+                    return
+                continue
+            if pieces is None:
+                return
+            owner = ref()
+            if owner is None:
+                return
+            try:
+                owner.advise(pieces)
+            except OSError:  # only a hint: the read itself reports a missing or unreadable shard
+                pass
+            del owner
+
+    def close(self) -> None:
+        """Stop the thread (a later `start` starts another)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=10)
+            self._queue = queue.Queue()
 
     def advise(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """Start reading the chunks that hold the records ``(shard, begin, end)`` of ``pieces``."""
@@ -68,8 +115,9 @@ class ReadAhead:
             return
         advised = 0
         for shard, chunks in chunks_of(pieces, self.group_size).items():
-            spans = chunk_spans(self.index(shard), chunks)
-            fd = os.open(self.dataset.local_path(self.dataset.manifest.shards[shard].path), os.O_RDONLY)
+            index, path = self.index(shard)
+            spans = chunk_spans(index, chunks)
+            fd = os.open(path, os.O_RDONLY)
             try:
                 for begin, end in spans.tolist():
                     os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)

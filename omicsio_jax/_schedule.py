@@ -28,22 +28,22 @@ import threading
 import numpy as np
 
 from ._coverage import Tally
-from ._sampling import SamplingPlan
+from ._sampling import EpochOrder, SamplingPlan
 
 
 class EpochOrders:
-    """Caches the global order of the most recent epochs (one permutation per epoch)."""
+    """Caches the global order of the most recent epochs (one block permutation per epoch)."""
 
     def __init__(self, plan: SamplingPlan, keep: int = 2):
         self._plan, self._keep = plan, keep
-        self._orders: dict[int, np.ndarray] = {}
+        self._orders: dict[int, EpochOrder] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, epoch: int) -> np.ndarray:
+    def __call__(self, epoch: int) -> EpochOrder:
         with self._lock:
             order = self._orders.get(epoch)
             if order is None:
-                order = self._plan.epoch_order(epoch)
+                order = self._plan.order_of(epoch)
                 self._orders[epoch] = order
                 for old in sorted(self._orders)[: -self._keep]:
                     del self._orders[old]

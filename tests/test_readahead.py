@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,10 @@ def test_segment_cache_drops_a_key_once_all_its_uses_are_over():
         assert cache.get(0) is value and loads == [0]  # two of three uses: still held
         cache.used(0, 3)
         assert cache.get(0) == [0, 0, 0] and loads == [0, 0]  # all three over: dropped, read again
-        cache.used(5, 1)  # a key never asked for: nothing to drop
+        cache.used(7, 2)  # a use before the key was ever asked for (the first batch, read on its own) ...
+        cache.get(7)
+        cache.used(7, 2)  # ... counts: this second use is the last
+        assert cache.get(7) == [7, 7, 7] and loads == [0, 0, 7, 7]
     finally:
         cache.close()
 
@@ -120,3 +124,36 @@ def test_a_reader_in_step_order_holds_no_segment_it_has_left(dataset_dir, prefet
             reader.close()
     # between segments: the one left is gone; at most the read-ahead ones (prefetch) are held then
     assert max(held[1::2]) <= prefetch and max(held) <= prefetch + 1
+
+
+def test_a_get_waiting_when_the_cache_closes_raises_instead_of_hanging():
+    from omicsio_jax._fetch import CacheClosedError
+
+    release = threading.Event()
+
+    def load(key):
+        release.wait(5)
+        return key
+
+    cache = SegmentCache(load, lambda k: None, ahead=0, threads=1)
+    errors = []
+
+    def ask():
+        try:
+            cache.get(1)
+        except CacheClosedError as e:
+            errors.append(e)
+
+    waiting = threading.Thread(target=ask)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while not cache._entries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    waiting.join(timeout=5)
+    release.set()
+    closer.join(timeout=10)
+    assert not waiting.is_alive() and len(errors) == 1
+    with pytest.raises(CacheClosedError):
+        cache.get(2)

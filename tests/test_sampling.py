@@ -132,3 +132,25 @@ def test_bad_plans(kwargs, match):
     base = {"rows": np.arange(10), "batch_size": 4, "block_size": 2, "fetch_factor": 2, "seed": 0}
     with pytest.raises(OmicsIOError, match=match):
         SamplingPlan(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("sampling", ["block", "weighted", "stream"])
+def test_slices_of_an_epoch_order_are_those_of_the_whole_order(sampling):
+    """`order_of(epoch)[a:b]` makes only the cells asked for; they are the whole order's, built here
+    from the block draw itself (the last block short), for any slice."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        n, b = int(rng.integers(1, 400)), int(rng.integers(1, 20))
+        rows = np.sort(rng.choice(5000, n, replace=False))
+        weights = rng.random(n) if sampling == "weighted" else None
+        plan = SamplingPlan(rows, 4, b, 2, int(rng.integers(100)), sampling, weights=weights)
+        order = plan.order_of(3)
+        whole = rows if order.blocks is None else np.concatenate([rows[k * b : (k + 1) * b] for k in order.blocks])
+        assert len(order) == len(whole) and np.array_equal(order[:], whole)
+        assert np.array_equal(plan.epoch_order(3), whole)
+        for _ in range(6):
+            lo = int(rng.integers(0, len(whole) + 1))
+            hi = int(rng.integers(lo, len(whole) + 3))
+            assert np.array_equal(order[lo:hi], whole[lo:hi])
+    with pytest.raises(TypeError):
+        order[::2]

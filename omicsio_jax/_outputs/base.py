@@ -85,6 +85,16 @@ class Output(abc.ABC):
     def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None) -> Any:
         """``x`` of the records ``buf[starts[i]:starts[i+1]]``, one per row of the host batch."""
 
+    def warm_up(self) -> None:
+        """Run `from_records` once on empty records (padding rows), so that numba's one-time start in
+        this process (its typing context and the kernels' cached machine code: ~0.4 s) is paid now,
+        e.g. on a thread while a loader's first fetch is read, not by the first batch."""
+        from .. import _codec
+
+        rows = getattr(self, "num_slabs", 1)  # a csr batch splits into its device slabs
+        buf, starts = _codec.join_records([_codec.EMPTY_RECORD] * rows)
+        self.from_records(buf, starts, lambda shape, dtype: np.zeros(shape, dtype), RowKeys(np.full(rows, -1, np.int64)))
+
     def from_csr(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, empty: Empty) -> Any:
         """``x`` of CSR rows (one per row of the host batch): the query stream's input."""
         msg = f"output {self.kind!r} cannot be computed from a query stream; materialize the data and use make_loader"
