@@ -159,14 +159,16 @@ class Dataset:
             return self.path / relpath
         return self._remote.local_path(relpath)
 
-    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None):
+    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None,
+                 announce_first: bool = True):
         """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read from
         `local_path` of their shards: for a remote dataset their chunks are fetched (all pieces'
         together) and kept until it ends; for a local one their byte ranges are announced to the
-        kernel, which starts reading them all at once (`ReadAhead`)."""
+        kernel, which starts reading them all at once (`ReadAhead`): before the reads begin, or
+        (``announce_first=False``) on a thread of its own while they do."""
         if self._remote is None:
             if self._readahead is not None:
-                self._readahead.start(pieces)
+                (self._readahead.advise if announce_first else self._readahead.start)(pieces)
             return contextlib.nullcontext()
         return self._remote.mirrors.prepared(pieces, refetch=refetch)
 

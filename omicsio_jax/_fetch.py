@@ -36,16 +36,18 @@ class FetchReader:
         self.dataset = dataset
         self._readers = ShardReaders(dataset, reader_options or dataset.reader_options, per_thread=True)
 
-    def read_sorted(self, rows: np.ndarray) -> list[bytes]:
-        """Records of ascending ``rows``: one range read per run of consecutive rows."""
-        return read_runs(self.dataset, self._readers, runs(rows))
+    def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes]:
+        """Records of ascending ``rows``: one range read per run of consecutive rows (a local
+        dataset's byte ranges announced to the kernel first, or meanwhile: see `Dataset.prepared`)."""
+        return read_runs(self.dataset, self._readers, runs(rows), announce_first=announce_first)
 
-    def __call__(self, rows: np.ndarray) -> list[bytes]:
+    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes]:
         """Records of ``rows`` in the order given (rows may repeat; -1 gives `EMPTY_RECORD`, padding)."""
         real = np.flatnonzero(rows >= 0)
         order = real[np.argsort(rows[real], kind="stable")]
         records = [EMPTY_RECORD] * len(rows)
-        for i, record in zip(order.tolist(), self.read_sorted(rows[order]), strict=True):
+        for i, record in zip(order.tolist(), self.read_sorted(rows[order], announce_first=announce_first),
+                             strict=True):
             records[i] = record
         return records
 

@@ -166,7 +166,7 @@ class MinibatchReader:
         lo = (step - seg.first_step) * b
         if alone:  # the first batch reads only its own cells, not its whole fetch (a quarter of the chunks)
             rows = self.schedule.rows(seg)[lo : lo + b]
-            buf, starts = _codec.join_records(self._read(rows))
+            buf, starts = _codec.join_records(self._read(rows, announce_first=False))  # warm: not a moment lost
         else:
             rows, records = self._segments.get(seg)
             rows = rows[lo : lo + b]

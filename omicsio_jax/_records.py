@@ -88,12 +88,14 @@ def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[
     return pieces
 
 
-def read_runs(dataset: Dataset, readers: ShardReaders, row_runs: Sequence[tuple[int, int]]) -> list[bytes]:
-    """Records of the cells of every ``[begin, end)`` run, in order: one range read per shard touched."""
+def read_runs(dataset: Dataset, readers: ShardReaders, row_runs: Sequence[tuple[int, int]], *,
+              announce_first: bool = True) -> list[bytes]:
+    """Records of the cells of every ``[begin, end)`` run, in order: one range read per shard touched
+    (``announce_first``: see `Dataset.prepared`)."""
     pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
     refetch = None
     while True:
-        with dataset.prepared(pieces, refetch=refetch):
+        with dataset.prepared(pieces, refetch=refetch, announce_first=announce_first):
             try:
                 return _read(readers, pieces)
             except _ReadFailed as e:
