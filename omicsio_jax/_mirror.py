@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cache import Counters, FileCache, write_atomic
-from ._chunks import ChunkIndex, chunk_index_path, chunks_of
+from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index
 from ._errors import DatasetFormatError
 from ._manifest import Manifest
 from ._store import S3Store
@@ -167,7 +167,7 @@ class ShardMirrors:
             if local is None:
                 self._drop_files(shard)
                 continue
-            sizes = np.diff(_data_ranges(ChunkIndex(np.load(local), self.group_size)), axis=1)[:, 0]
+            sizes = np.diff(_data_ranges(ChunkIndex(load_chunk_index(local), self.group_size)), axis=1)[:, 0]
             bits = np.fromfile(present, np.uint8)
             if len(bits) != len(sizes):
                 self._drop_files(shard)
@@ -225,7 +225,7 @@ class ShardMirrors:
         if info.size != entry.num_bytes:
             msg = f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten; {fix}"
             raise DatasetFormatError(msg)
-        rows = np.load(self.files.path(chunk_index_path(entry.path)))
+        rows = load_chunk_index(self.files.path(chunk_index_path(entry.path)))
         index = ChunkIndex(rows, self.group_size)
         expected = -(-entry.num_cells // self.group_size)
         if rows.ndim != 2 or index.num_chunks != expected or int(rows.max(initial=0)) > entry.num_bytes:
