@@ -304,8 +304,8 @@ def markdown(result: dict) -> str:
                      f"expected minibatch entropy under true random sampling "
                      f"{ref['true_random_b64_bits']:.3f} (b64) / {ref['true_random_b1024_bits']:.3f} (b1024) bits.")
     lines.append("")
-    lines.append("First batch: omicsio from the `make_loader` call (its `open_dataset` in parentheses), which reads "
-                 "a whole fetch (fetch_factor × batch cells) before the first batch; annbatch from the "
+    lines.append("First batch: omicsio from the `make_loader` call (its `open_dataset` in parentheses), whose first "
+                 "batch reads only its own cells (its fetch is read after it); annbatch from the "
                  "`DatasetCollection` call (opening the stores included) through its first load (16,384 cells). "
                  "annbatch dense = its scipy CSR batch densified with `.toarray()` in the timed loop.")
     conv, mat, disk = result.get("annbatch_conversion"), result.get("omicsio_materialize"), result["disk_bytes"]
