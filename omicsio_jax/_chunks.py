@@ -84,3 +84,27 @@ def chunks_of(pieces: Sequence[tuple[int, int, int]], group_size: int) -> dict[i
     keys = np.unique((np.repeat(shard, count) << 32) | (np.repeat(first, count) + offsets))
     shards, starts = np.unique(keys >> 32, return_index=True)
     return {int(s): part & 0xFFFFFFFF for s, part in zip(shards, np.split(keys, starts[1:]), strict=True)}
+
+
+def merge_spans(needed: dict[int, np.ndarray], *, slack: float) -> dict[int, list[tuple[int, int]]]:
+    """Byte spans to read for sorted, disjoint byte ranges ``(k, 2)`` per shard: touching ranges
+    merge, and so do the smallest gaps while all gaps taken add up to ≤ ``slack`` × the needed bytes
+    (``slack=0``: touching ranges only)."""
+    shards = list(needed)
+    gaps = [needed[s][1:, 0] - needed[s][:-1, 1] for s in shards]
+    flat = np.concatenate([*gaps, np.zeros(0, np.int64)])
+    total = sum(int((r[:, 1] - r[:, 0]).sum()) for r in needed.values())
+    order = np.argsort(flat, kind="stable")
+    merge = np.empty(len(flat), bool)
+    merge[order] = np.cumsum(flat[order]) <= slack * total
+    out, pos = {}, 0
+    for s, g in zip(shards, gaps, strict=True):
+        r, breaks = needed[s], np.flatnonzero(~merge[pos : pos + len(g)]) + 1
+        pos += len(g)
+        if len(r) == 0:
+            out[s] = []
+            continue
+        begins = r[np.concatenate(([0], breaks)), 0].tolist()
+        ends = r[np.concatenate((breaks - 1, [len(r) - 1])), 1].tolist()
+        out[s] = list(zip(begins, ends, strict=True))
+    return out

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cache import Counters, FileCache, write_atomic
-from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index
+from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index, merge_spans
 from ._errors import DatasetFormatError
 from ._manifest import Manifest
 from ._store import S3Store
@@ -66,26 +66,6 @@ class _Mirror:
         self.cached = int(self.sizes[present.astype(bool)].sum())
         self.pins = 0
         self.last_used = 0
-
-
-def plan_gets(needed: dict[int, np.ndarray], *, slack: float = READ_SLACK) -> dict[int, list[tuple[int, int]]]:
-    """Byte spans to GET for sorted, disjoint byte ranges ``(k, 2)`` per shard: touching ranges
-    merge, and so do the smallest gaps while all gaps taken add up to ≤ ``slack`` × the needed bytes."""
-    shards = list(needed)
-    gaps = [needed[s][1:, 0] - needed[s][:-1, 1] for s in shards]
-    flat = np.concatenate([*gaps, np.zeros(0, np.int64)])
-    total = sum(int((r[:, 1] - r[:, 0]).sum()) for r in needed.values())
-    order = np.argsort(flat, kind="stable")
-    merge = np.empty(len(flat), bool)
-    merge[order] = np.cumsum(flat[order]) <= slack * total
-    out, pos = {}, 0
-    for s, g in zip(shards, gaps, strict=True):
-        r, breaks = needed[s], np.flatnonzero(~merge[pos : pos + len(g)]) + 1
-        pos += len(g)
-        begins = r[np.concatenate(([0], breaks)), 0].tolist()
-        ends = r[np.concatenate((breaks - 1, [len(r) - 1])), 1].tolist()
-        out[s] = list(zip(begins, ends, strict=True))
-    return out
 
 
 def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) -> list[tuple[int, int]]:
@@ -321,7 +301,7 @@ class ShardMirrors:
         """GET the chunks ``mine`` (coalesced, concurrently) into the mirrors, and ``refetch``'s
         opening ranges; return the chunks now written per shard (``mine`` and merged gaps')."""
         needed = {s: mirrors[s].index.chunk_bytes(take) for s, take in mine.items()}  # in file order
-        spans = plan_gets(needed) if needed else {}
+        spans = merge_spans(needed, slack=READ_SLACK) if needed else {}
         futures = [self._submit(self._get_into, mirrors[s], split_spans(sp)) for s, sp in spans.items()]
         if refetch is not None:  # the opening ranges too: the mirror's may be what is damaged
             m = mirrors[refetch]

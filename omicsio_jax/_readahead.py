@@ -18,24 +18,12 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index
+from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index, merge_spans
 
 if TYPE_CHECKING:
     from ._dataset import Dataset
 
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
-
-
-def chunk_spans(index: ChunkIndex, chunks: np.ndarray) -> np.ndarray:
-    """``(k, 2)`` byte ranges of sorted data ``chunks``, chunks that touch merged into one range."""
-    ranges = index.chunk_bytes(chunks)
-    if len(ranges) == 0:
-        return ranges
-    breaks = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 1]) + 1
-    return np.stack([ranges[np.concatenate(([0], breaks)), 0], ranges[np.concatenate((breaks - 1, [len(ranges) - 1])), 1]],
-                    axis=1)
 
 
 class ReadAhead:
@@ -113,16 +101,16 @@ class ReadAhead:
         """Start reading the chunks that hold the records ``(shard, begin, end)`` of ``pieces``."""
         if not _HAS_FADVISE or not pieces:
             return
+        needed = {shard: self.index(shard)[0].chunk_bytes(chunks)
+                  for shard, chunks in chunks_of(pieces, self.group_size).items()}
         advised = 0
-        for shard, chunks in chunks_of(pieces, self.group_size).items():
-            index, path = self.index(shard)
-            spans = chunk_spans(index, chunks)
-            fd = os.open(path, os.O_RDONLY)
+        for shard, spans in merge_spans(needed, slack=0.0).items():  # touching chunks: one range
+            fd = os.open(self.index(shard)[1], os.O_RDONLY)
             try:
-                for begin, end in spans.tolist():
+                for begin, end in spans:
                     os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+                    advised += end - begin
             finally:
                 os.close(fd)
-            advised += int((spans[:, 1] - spans[:, 0]).sum())
         with self._lock:
             self.advised_bytes += advised

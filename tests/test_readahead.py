@@ -12,19 +12,22 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from omicsio_jax._chunks import ChunkIndex, chunk_index_path
+from omicsio_jax._chunks import ChunkIndex, chunk_index_path, merge_spans
 from omicsio_jax._fetch import SegmentCache
-from omicsio_jax._readahead import chunk_spans
 
 
-def test_chunk_spans_merge_touching_chunks_only():
+def test_announced_spans_merge_touching_chunks_only():
     # head, footer, postscript, then 6 data chunks; chunk 3 is followed by a gap (another kind of chunk)
     rows = np.array([[0, 64], [900, 950], [950, 1000],
                      [64, 100], [100, 180], [180, 200], [200, 260], [300, 350], [350, 400]], np.uint64)
     index = ChunkIndex(rows, group_size=16)
-    assert chunk_spans(index, np.array([0, 1, 2, 3, 4, 5])).tolist() == [[64, 260], [300, 400]]
-    assert chunk_spans(index, np.array([0, 2, 3, 4])).tolist() == [[64, 100], [180, 260], [300, 350]]
-    assert chunk_spans(index, np.array([], np.int64)).shape == (0, 2)
+
+    def spans(chunks):
+        return [list(span) for span in merge_spans({0: index.chunk_bytes(np.array(chunks, np.int64))}, slack=0.0)[0]]
+
+    assert spans([0, 1, 2, 3, 4, 5]) == [[64, 260], [300, 400]]
+    assert spans([0, 2, 3, 4]) == [[64, 100], [180, 260], [300, 350]]
+    assert spans([]) == []
 
 
 def _fadvise_calls(monkeypatch) -> list[tuple[str, int, int, int]]:

@@ -14,7 +14,8 @@ from conftest import assert_csr_equal
 
 import omicsio_jax as oj
 from omicsio_jax._chunks import chunk_index_path
-from omicsio_jax._mirror import plan_gets, split_spans
+from omicsio_jax._chunks import merge_spans
+from omicsio_jax._mirror import split_spans
 from omicsio_jax._store import ObjectChangedError, ObjectStoreError, S3Store
 
 PREFIX = "atlas/v1/"
@@ -315,8 +316,8 @@ def test_a_corrupted_local_chunk_names_the_shard_and_cells(dataset_dir, tmp_path
         ds.read_records(32, 48)
 
 
-def test_plan_gets_merges_adjacent_chunks_and_small_gaps_only():
+def test_merge_spans_merges_adjacent_chunks_and_small_gaps_only():
     needed = {0: np.array([[0, 100], [100, 200], [205, 300], [1000, 1100]]), 3: np.array([[50, 60]])}
-    plan = plan_gets(needed, slack=0.1)  # 310 bytes needed: the 5-byte gap is taken, the 700-byte one not
+    plan = merge_spans(needed, slack=0.1)  # 310 bytes needed: the 5-byte gap is taken, the 700-byte one not
     assert plan == {0: [(0, 300), (1000, 1100)], 3: [(50, 60)]}
     assert split_spans([(0, 100)], max_bytes=30) == [(0, 30), (30, 60), (60, 90), (90, 100)]
