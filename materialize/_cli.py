@@ -8,6 +8,9 @@
     omicsio-materialize cells.vortex out/
     omicsio-materialize --query "SELECT * FROM 'cells.parquet' WHERE n_genes > 500" out/
     omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
+    omicsio-materialize velo.h5ad out/ --layers spliced,unspliced,ambiguous      (one modality per layer)
+    omicsio-materialize rna_cells/ out/ --modality atac=atac_cells/ --layers spliced=rna_layers_spliced/
+    omicsio-materialize multiome.h5mu out/                (every modality of a MuData file; rna first)
     omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
     omicsio-materialize verify out/
     omicsio-materialize stats out/                        (add corpus statistics to an older dataset)
@@ -47,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
                    "dense layout, rows pre-scattered to the panel's columns")
     p.add_argument("--layer", help="h5ad: read this layer instead of X")
     p.add_argument("--raw", action="store_true", help="h5ad: read raw/X and raw/var")
+    p.add_argument("--layers", help="further modalities over the primary's genes (splice layers): layer names of an "
+                   ".h5ad/.h5mu (spliced,unspliced), or NAME=TABLE pairs for list-column tables")
+    p.add_argument("--modality", action="append", default=[], metavar="NAME=TABLE",
+                   help="a further modality with features of its own, aligned by cell_id (repeatable): NAME=TABLE "
+                   "for list-column tables (feature table: --modality-features, else <name>_features.parquet, "
+                   "peaks.parquet or features.parquet beside the table); NAME of an .h5mu modality (default: all)")
+    p.add_argument("--modality-features", action="append", default=[], metavar="NAME=TABLE",
+                   help="the feature table of a --modality (parquet keyed by its *_token_id column)")
+    p.add_argument("--primary", default="rna", help="name of the primary modality (an .h5mu's modality read as the "
+                   "dataset's own rows; default: rna)")
+    p.add_argument("--require-all-modalities", action="store_true",
+                   help="a cell missing from a further modality is an error (default: an empty row, has_<name> False)")
     p.add_argument("--cell-id", default="cell_id", help="cell id column of table inputs (default: cell_id)")
     p.add_argument("--allow-negative", action="store_true", help="accept negative expression values")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dataset")
@@ -77,7 +92,8 @@ def _verify(argv: list[str]) -> int:
         for problem in problems:
             print(f"omicsio-materialize verify: {args.dataset}: {problem}", file=sys.stderr)
         return 1
-    print(f"{args.dataset}: OK ({manifest.num_cells:,} cells, {len(manifest.shards)} shard(s), "
+    further = f", modalities {', '.join(m.name for m in manifest.modalities)}" if manifest.modalities else ""
+    print(f"{args.dataset}: OK ({manifest.num_cells:,} cells, {len(manifest.shards)} shard(s){further}, "
           f"fingerprint {manifest.fingerprint[:16]})")
     return 0
 
@@ -129,8 +145,11 @@ def _materialize(argv: list[str]) -> int:
         source, out = args.paths
     else:
         p.error("give INPUT and OUT (or OUT alone with --query)")
+    layers, modalities = _modality_args(p, args)
     result = materialize(
         source, out, where=args.where, query=args.query, genes=args.genes,
+        layers=layers, modalities=modalities, primary=args.primary,
+        require_all_modalities=args.require_all_modalities,
         obs=None if args.obs is None else [c.strip() for c in args.obs.split(",") if c.strip()],
         panel=args.panel, layer=args.layer, use_raw=args.raw, cell_id=args.cell_id,
         allow_negative=args.allow_negative, overwrite=args.overwrite, shard_cells=args.shard_cells,
@@ -140,6 +159,37 @@ def _materialize(argv: list[str]) -> int:
     )
     print(result.summary())
     return 0
+
+
+def _pairs(p: argparse.ArgumentParser, items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            p.error(f"{flag} takes NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _modality_args(p: argparse.ArgumentParser, args) -> tuple:
+    """``--layers`` / ``--modality`` as `materialize`'s ``layers`` / ``modalities``: names, or name → table."""
+    layers = modalities = None
+    if args.layers:
+        items = [x.strip() for x in args.layers.split(",") if x.strip()]
+        layers = _pairs(p, items, "--layers") if any("=" in x for x in items) else items
+    if args.modality:
+        if any("=" in x for x in args.modality):
+            tables = _pairs(p, args.modality, "--modality")
+            features = _pairs(p, args.modality_features, "--modality-features")
+            unknown = sorted(set(features) - set(tables))
+            if unknown:
+                p.error(f"--modality-features for {', '.join(unknown)}, which no --modality names")
+            modalities = {name: (table, features[name]) if name in features else table for name, table in tables.items()}
+        else:
+            modalities = list(args.modality)
+    elif args.modality_features:
+        p.error("--modality-features needs --modality NAME=TABLE")
+    return layers, modalities
 
 
 def _raise_interrupt(signum, frame):

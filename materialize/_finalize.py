@@ -20,11 +20,21 @@ import pyarrow.parquet as pq
 
 from omicsio_jax import OmicsIOError
 from omicsio_jax._genestats import NUM_BINS, STATS_NAME, GeneStats
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ObsEntry, file_entry
+from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry, ObsEntry, file_entry
 
-from ._partition import N_COUNTS, N_GENES, PART_CELLS, PART_STATS, Job, PartResult, part_dir, read_part
+from ._partition import (
+    N_COUNTS,
+    N_GENES,
+    PART_CELLS,
+    PART_STATS,
+    PRESENT,
+    Job,
+    PartResult,
+    part_dir,
+    read_part,
+)
 from ._plan import Partition
-from ._sidecars import CellIdWriter, make_obs_writer
+from ._sidecars import CellIdWriter, NumericWriter, make_obs_writer
 
 FEATURES_NAME = "features.parquet"
 
@@ -52,23 +62,42 @@ def check_parts(job: Job, store, partitions: Sequence[Partition]) -> list[PartRe
     return parts
 
 
-def finalize(job: Job, store, partitions: Sequence[Partition], *, features: pa.Table, codec: dict,
-             array_record: dict, source: dict, created_by: str) -> Manifest:
-    """Write the dataset's sidecars and manifest from the partitions' sidecars; return the manifest."""
-    parts = check_parts(job, store, partitions)
+def _presence(store, root: Path, relpath: str) -> pa.Array:
+    """A further modality's partition sidecar's flags: which of the partition's cells have it."""
     if store.local_root is not None:
-        return _finalize_in(job, store, store.local_root, parts, features, codec, array_record, source, created_by)
+        return pq.read_table(root / relpath, columns=[PRESENT]).column(0).combine_chunks()
+    local = root / relpath
+    local.parent.mkdir(parents=True, exist_ok=True)
+    store.download(relpath, local)
+    try:
+        return pq.read_table(local, columns=[PRESENT]).column(0).combine_chunks()
+    finally:
+        local.unlink()
+
+
+def finalize(job: Job, store, partitions: Sequence[Partition], *, features: pa.Table, codec: dict,
+             array_record: dict, source: dict, created_by: str, modality: str = "rna",
+             modalities: tuple[ModalityEntry, ...] = ()) -> Manifest:
+    """Write the dataset's sidecars and manifest from the partitions' sidecars; return the manifest.
+    ``modalities``: the further modalities, written under their paths with the same partitions,
+    whose presence flags become obs ``has_<name>``."""
+    parts = check_parts(job, store, partitions)
+    args = (parts, features, codec, array_record, source, created_by, modality, modalities)
+    if store.local_root is not None:
+        return _finalize_in(job, store, store.local_root, *args)
     with tempfile.TemporaryDirectory(prefix="omicsio-finalize-") as scratch:
-        return _finalize_in(job, store, Path(scratch), parts, features, codec, array_record, source, created_by)
+        return _finalize_in(job, store, Path(scratch), *args)
 
 
 def _finalize_in(job: Job, store, root: Path, parts: list[PartResult], features: pa.Table, codec: dict,
-                 array_record: dict, source: dict, created_by: str) -> Manifest:
+                 array_record: dict, source: dict, created_by: str, modality: str,
+                 modalities: tuple[ModalityEntry, ...]) -> Manifest:
     remote = store.local_root is None
     (root / "obs").mkdir(exist_ok=True)
     obs_writers = [make_obs_writer(root / "obs", name, job.source.obs_columns[name]) for name in job.obs]
     stat_writers = [make_obs_writer(root / "obs", N_COUNTS, pa.float64()),
                     make_obs_writer(root / "obs", N_GENES, pa.int32())]
+    presence = [NumericWriter(root / "obs", f"has_{m.name}", pa.bool_()) for m in modalities]
     writers = [*obs_writers, *stat_writers]
     cell_ids = CellIdWriter(root)
     num_columns = job.num_columns
@@ -86,14 +115,17 @@ def _finalize_in(job: Job, store, root: Path, parts: list[PartResult], features:
             cell_ids.append(table.column("cell_id").combine_chunks())
             for writer in writers:
                 writer.append(table.column(writer.name).combine_chunks())
+            for entry, writer in zip(modalities, presence, strict=True):
+                writer.append(_presence(store, root, f"{entry.path}/{part_dir(done.index)}/{PART_CELLS}"))
             stats = GeneStats.load(sidecar / PART_STATS)
             n_cells += stats.n_cells
             sums += stats.sums
             stats.add_to_dense(hist)
     finally:
         cell_ids.close()
-        for writer in writers:
+        for writer in [*writers, *presence]:
             writer.close()
+    writers += presence
     num_cells = sum(p.num_cells for p in parts)
     GeneStats.from_dense(num_cells, n_cells, sums, hist).write(root / STATS_NAME)
     del hist
@@ -115,6 +147,8 @@ def _finalize_in(job: Job, store, root: Path, parts: list[PartResult], features:
         obs=tuple(obs_entries),
         source=source,
         created_by=created_by,
+        modality=modality,
+        modalities=modalities,
     ).with_fingerprint()
     if remote:
         store.upload(root, relpaths)

@@ -91,12 +91,13 @@ class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
     def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False,
-                 batch_cells: int = DEFAULT_BATCH_CELLS):
-        self.path, self.label, self._batch_cells = path, str(path), batch_cells
-        self._layer, self._use_raw = layer, use_raw
+                 batch_cells: int = DEFAULT_BATCH_CELLS, group: str = ""):
+        self.path, self._batch_cells = path, batch_cells
+        self.label = str(path) if not group else f"{path}:{group}"
+        self._layer, self._use_raw, self.group = layer, use_raw, group
         self._open()
         try:
-            var = self._file["raw/var" if use_raw else "var"]
+            var = self._root["raw/var" if use_raw else "var"]
             self.num_cells, num_vars = self._shape()
             self.genes = self._gene_table(var, num_vars)
         except (OSError, KeyError) as e:
@@ -109,8 +110,9 @@ class H5adSource(Source):
         try:
             # an s3:// object is read through fsspec in 8 MiB ranges (h5py reads any file-like object)
             self._file = h5py.File(self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r")
+            self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
-            obs = self._file["obs"]
+            obs = self._root["obs"]
             index_name = obs.attrs["_index"]
             self._cell_ids = obs[index_name.decode() if isinstance(index_name, bytes) else index_name]
             self._obs = {name: _ObsColumn(obs[name]) for name in obs.attrs.get("column-order", [])}
@@ -120,7 +122,7 @@ class H5adSource(Source):
 
     def __getstate__(self) -> dict:
         """Pickled for partition workers without the open file (each worker opens its own)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_matrix", "_cell_ids", "_obs")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_root", "_matrix", "_cell_ids", "_obs")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -134,17 +136,17 @@ class H5adSource(Source):
             msg = "choose either a layer or raw, not both"
             raise DataValidationError(msg)
         if layer is not None:
-            layers = self._file.get("layers", {})
+            layers = self._root.get("layers", {})
             if layer not in layers:
-                msg = f"{self.path} has no layer {layer!r}; layers: {', '.join(layers) or '(none)'}"
+                msg = f"{self.label} has no layer {layer!r}; layers: {', '.join(layers) or '(none)'}"
                 raise DataValidationError(msg)
             return layers[layer]
         if use_raw:
-            if "raw" not in self._file:
-                msg = f"{self.path} has no .raw"
+            if "raw" not in self._root:
+                msg = f"{self.label} has no .raw"
                 raise DataValidationError(msg)
-            return self._file["raw/X"]
-        return self._file["X"]
+            return self._root["raw/X"]
+        return self._root["X"]
 
     def _shape(self) -> tuple[int, int]:
         m = self._matrix
@@ -221,20 +223,39 @@ class H5adSource(Source):
         return indptr, cols[order], vals[order]
 
     def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
-        if self._file is None:
-            self._open()
         first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
         for lo in range(first, end, self._batch_cells):
             hi = min(end, lo + self._batch_cells)
+            indptr, tokens, values = self.read_rows(lo, hi)
+            cell_ids = self.read_cell_ids(lo, hi)
             try:
-                indptr, cols, values = self._read_csr(lo, hi)
-                cell_ids = pa.array(_strings(self._cell_ids, lo, hi), pa.string())
                 obs_arrays = {name: self._obs[name].read(lo, hi) for name in obs}
             except OSError as e:
-                msg = f"cannot read rows {lo}..{hi - 1} of {self.path}: {e} (truncated or corrupted file?)"
-                raise DataValidationError(msg) from e
-            tokens = cols if self._token_of_col is None else self._token_of_col[cols]
+                raise self._unreadable(lo, hi, e) from e
             yield Batch(indptr, tokens, values, cell_ids, obs_arrays, self._locator(lo, cell_ids))
 
+    def read_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``[lo, hi)`` as raw CSR ``(indptr, gene tokens, values)``, tokens sorted within rows."""
+        if self._file is None:
+            self._open()
+        try:
+            indptr, cols, values = self._read_csr(lo, hi)
+        except OSError as e:
+            raise self._unreadable(lo, hi, e) from e
+        return indptr, (cols if self._token_of_col is None else self._token_of_col[cols]), values
+
+    def read_cell_ids(self, lo: int, hi: int) -> pa.StringArray:
+        """The obs names of rows ``[lo, hi)``."""
+        if self._file is None:
+            self._open()
+        try:
+            return pa.array(_strings(self._cell_ids, lo, hi), pa.string())
+        except OSError as e:
+            raise self._unreadable(lo, hi, e) from e
+
+    def _unreadable(self, lo: int, hi: int, e: OSError) -> DataValidationError:
+        msg = f"cannot read rows {lo}..{hi - 1} of {self.label}: {e} (truncated or corrupted file?)"
+        return DataValidationError(msg)
+
     def _locator(self, lo: int, cell_ids: pa.Array):
-        return lambda i: f"row {lo + i} (cell_id {cell_ids[i].as_py()}) of {self.path}"
+        return lambda i: f"row {lo + i} (cell_id {cell_ids[i].as_py()}) of {self.label}"

@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import secrets
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError, OmicsIOError, _codec
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest
+from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry
 from omicsio_jax._objectfs import as_input_path
 from omicsio_jax._store import is_remote, open_store
 
 from ._finalize import finalize
+from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
 from ._panel import Panel, read_panel
-from ._partition import N_COUNTS, N_GENES, PARTS_DIR, Job
+from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
 from ._pool import run_in_process, run_on_dask, run_on_pool, usable_cores
 from ._shards import atomic_output_dir, writer_options
 from ._source import Source
@@ -57,9 +60,10 @@ class MaterializeResult:
     def summary(self) -> str:
         m = self.manifest
         size = sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files)
+        further = "".join(f"; {e.name}: {e.num_features:,} features, {e.nnz:,} nonzeros" for e in m.modalities)
         return (
             f"materialized {m.num_cells:,} cells × {m.num_genes:,} genes ({m.layout}), {m.nnz:,} nonzeros, "
-            f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s), {self.seconds:.1f} s "
+            f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s){further}, {self.seconds:.1f} s "
             f"({self.cells_per_second:,.0f} cells/s, {self.workers} worker(s)) → {self.path}"
         )
 
@@ -87,16 +91,27 @@ def open_source(
     use_raw: bool = False,
     cell_id: str = "cell_id",
     batch_cells: int | None = None,
+    primary: str = "rna",
 ) -> Source:
-    """Open any supported input: ``.h5ad`` files go to the AnnData reader, the rest to DuckDB."""
-    if source is not None and str(source).endswith(".h5ad"):
+    """Open any supported input: ``.h5ad`` files (and modality ``primary`` of an ``.h5mu``) go to the
+    AnnData reader, the rest to DuckDB."""
+    kind = input_kind(source)
+    if kind in ("h5ad", "h5mu"):
         if where or query:
-            msg = "--where/--query apply to list-column tables; for .h5ad, subset the AnnData first"
+            msg = f"--where/--query apply to list-column tables; for .{kind}, subset the data first"
             raise OmicsIOError(msg)
         from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
+        from ._modalities import h5mu_modalities
 
+        group = ""
+        if kind == "h5mu":
+            names = h5mu_modalities(as_input_path(str(source)))
+            if primary not in names:
+                msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
+                raise OmicsIOError(msg)
+            group = f"mod/{primary}"
         return H5adSource(as_input_path(str(source)), layer=layer, use_raw=use_raw,
-                          batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
+                          batch_cells=batch_cells or DEFAULT_BATCH_CELLS, group=group)
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)
@@ -152,13 +167,31 @@ def materialize(
     dask_scheduler: str | None = None,
     dask_scheduler_file: str | None = None,
     progress: bool = True,
+    layers: Sequence[str] | Mapping[str, str] | None = None,
+    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None = None,
+    primary: str = "rna",
+    require_all_modalities: bool = False,
 ) -> MaterializeResult:
-    """Convert list-column tables, a DuckDB query or an ``.h5ad`` into a dataset directory (or ``s3://`` prefix).
+    """Convert list-column tables, a DuckDB query, an ``.h5ad`` or an ``.h5mu`` into a dataset directory
+    (or ``s3://`` prefix).
 
     >>> materialize("cells.parquet", "out/", obs=["cell_type", "drug"])      # doctest: +SKIP
     >>> materialize("atlas/**/*.parquet", "lung/", where="tissue = 'lung'")  # doctest: +SKIP
     >>> materialize("pbmc.h5ad", "pbmc/", layer="counts")                    # doctest: +SKIP
     >>> materialize("s3://atlas/cells/", "s3://datasets/atlas/", workers=16)  # doctest: +SKIP
+
+    Several modalities of the same cells (see `omicsio_jax.Dataset.modality`): ``layers`` are
+    matrices over the primary's genes (splice layers: names of ``.h5ad``/``.h5mu`` layers, or
+    ``{name: table}`` for list-column tables), ``modalities`` have features of their own (``.h5mu``:
+    names of its modalities, default all; tables: ``{name: table}`` or ``{name: (table, feature
+    table)}``), aligned by ``cell_id`` with the primary, named ``primary``. A cell a further
+    modality lacks gets an empty row there and ``obs["has_<name>"] = False``, or with
+    ``require_all_modalities`` an error.
+
+    >>> materialize("rna_cells.parquet", "multiome/", modalities={"atac": "atac_cells.parquet"},   # doctest: +SKIP
+    ...             layers={"spliced": "rna_layers_spliced.parquet"})
+    >>> materialize("pbmc.h5ad", "velo/", layers=["spliced", "unspliced"])       # doctest: +SKIP
+    >>> materialize("multiome.h5mu", "multiome/")            # rna + atac          # doctest: +SKIP
 
     Partitions run on ``workers`` local processes (default: the usable cores; 1 runs them here),
     or on the Dask cluster at ``dask_scheduler`` / ``dask_scheduler_file``. Either the whole dataset
@@ -171,14 +204,19 @@ def materialize(
         msg = f"workers must be >= 1, got {workers}"
         raise OmicsIOError(msg)
     store = open_store(out)
+    inputs = modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     _check_output(store, overwrite)
     src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
-                      cell_id=cell_id, batch_cells=batch_cells)
+                      cell_id=cell_id, batch_cells=batch_cells, primary=primary)
     gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
                                        f"{src.description.get('genes') or 'token ids seen in the data'}: "
                                        f"{src.genes.num_rows:,} genes")
     chosen_panel = None if panel is None else read_panel(panel, src.genes)
     obs_names = _choose_obs(src, obs)
+    clash = [f"has_{inp.name}" for inp in inputs if f"has_{inp.name}" in obs_names]
+    if clash:
+        msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
+        raise OmicsIOError(msg)
     partitions = src.plan(shard_cells)
     dask = dask_scheduler is not None or dask_scheduler_file is not None
     num_workers = 1 if dask else min(workers or usable_cores(), max(len(partitions), 1))
@@ -187,23 +225,91 @@ def materialize(
         threads = max(1, usable_cores() // num_workers) if num_workers > 1 else None
         job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
                   secrets.token_hex(8), threads)
-        with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc="materialize",
-                  file=sys.stderr, dynamic_ncols=True) as bar:
-            if dask:
-                report = run_on_dask(job, partitions, bar.update, address=dask_scheduler,
-                                     scheduler_file=dask_scheduler_file)
-            elif num_workers > 1:
-                report = run_on_pool(job, partitions, bar.update, workers=num_workers)
-            else:
-                report = run_in_process(job, partitions, bar.update)
+
+        def run(job: Job, parts, desc: str):
+            with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc=desc,
+                      file=sys.stderr, dynamic_ncols=True) as bar:
+                if dask:
+                    return run_on_dask(job, parts, bar.update, address=dask_scheduler,
+                                       scheduler_file=dask_scheduler_file)
+                if num_workers > 1:
+                    return run_on_pool(job, parts, bar.update, workers=num_workers)
+                return run_in_process(job, parts, bar.update)
+
+        report = run(job, partitions, "materialize")
+        array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
+        created_by = f"omicsio_jax {_version()}"
+        entries = []
+        for k, inp in enumerate(inputs):
+            further = _open_modality(inp, src, job, partitions, primary=primary, require_all=require_all_modalities,
+                                     check_primary=k == 0, subset=bool(where or query))
+            entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
         features = src.genes if chosen_panel is None else chosen_panel.features
         manifest = finalize(
             job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
-            array_record={"group_size": group_size, "compression": compression, "writer_options": options},
+            array_record=array_record,
             source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
-            created_by=f"omicsio_jax {_version()}")
+            created_by=created_by, modality=primary, modalities=tuple(entries))
     return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
                              len(partitions), report.workers, tuple(report.redone))
+
+
+def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, primary: str, require_all: bool,
+                   check_primary: bool, subset: bool) -> Source:
+    """The further modality ``inp`` as a source in the primary's row order (the primary written)."""
+    if inp.table is None:  # a layer or a modality of the primary's own .h5ad / .h5mu
+        from ._h5ad import H5adSource
+
+        if inp.layer:
+            reader = H5adSource(src.path, layer=inp.name, group=src.group)
+            return H5Modality(inp.name, reader, src, None, layer=True)
+        reader = H5adSource(src.path, group=f"mod/{inp.name}")
+        rows = h5mu_alignment(src.path, primary, inp.name, require_all=require_all)
+        return H5Modality(inp.name, reader, src, rows, layer=False)
+    store = open_store(job.staging)
+    cells = [f"{job.staging}/{part_dir(p.index)}/{PART_CELLS}" for p in partitions]
+    scratch_name = f"{PARTS_DIR}/modality-{inp.name}.parquet"
+    if store.local_root is not None:
+        return TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells,
+                             primary_genes=src.genes, num_cells=src.num_cells,
+                             scratch=str(store.local_root / scratch_name), require_all=require_all,
+                             check_primary=check_primary, subset=subset)
+    with tempfile.TemporaryDirectory(prefix="omicsio-align-") as local:  # rewritten here, read from the store
+        (Path(local) / PARTS_DIR).mkdir()
+
+        def publish(path: str) -> str:
+            store.upload(Path(local), [scratch_name])
+            return f"{store.url}/{scratch_name}"
+
+        return TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells,
+                             primary_genes=src.genes, num_cells=src.num_cells, scratch=str(Path(local) / scratch_name),
+                             publish=publish, require_all=require_all, check_primary=check_primary, subset=subset)
+
+
+def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str,
+                    cell_id: str) -> ModalityEntry:
+    """Write a further modality as the dataset ``modalities/<name>`` beside the primary's; its entry."""
+    from ._validate import GeneIndex
+
+    if inp.layer:
+        index = job.gene_index
+    else:
+        tokens = further.genes.column("gene_token_id").to_numpy()
+        index = GeneIndex.from_tokens(tokens, f"the features of modality {inp.name}: {len(tokens):,}",
+                                      further.list_names)
+    path = f"modalities/{inp.name}"
+    staging = f"{job.staging}/{path}"
+    mjob = dataclasses.replace(job, source=further, obs=(), gene_index=index, panel=None, staging=staging,
+                               presence=True)
+    parts = further.plan(job.shard_cells)
+    run(mjob, parts, f"materialize {inp.name}")
+    manifest = finalize(mjob, open_store(staging), parts, features=further.features_table,
+                        codec=_codec_description(None), array_record=array_record,
+                        source={**further.description, "cell_id": cell_id}, created_by=created_by,
+                        modality=inp.name)
+    sha = hashlib.sha256(manifest.to_json().encode()).hexdigest()
+    return ModalityEntry(inp.name, path, manifest.num_genes, manifest.layout, manifest.nnz, inp.features_kind,
+                         manifest.fingerprint, sha)
 
 
 def _check_output(store, overwrite: bool) -> None:
@@ -230,7 +336,7 @@ def _check_output(store, overwrite: bool) -> None:
 def _ours(key: str) -> bool:
     """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
     top = key.split("/", 1)[0]
-    return top in (PARTS_DIR, "obs", "chunks", MANIFEST_NAME, "features.parquet", "cell_ids.parquet",
+    return top in (PARTS_DIR, "obs", "chunks", "modalities", MANIFEST_NAME, "features.parquet", "cell_ids.parquet",
                    "gene_stats.parquet") or (top.startswith("shard-") and top.endswith(".arrayrecord"))
 
 
@@ -242,7 +348,8 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
     if store.local_root is not None:
         with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
             yield str(tmp)
-            shutil.rmtree(tmp / PARTS_DIR, ignore_errors=True)
+            for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
+                shutil.rmtree(parts, ignore_errors=True)
         return
     before = {key for key, _ in store.list()}
     if MANIFEST_NAME in before:
@@ -255,6 +362,10 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
         raise
     manifest = Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME)))
     keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
+    for entry in manifest.modalities:
+        sub = Manifest.from_dict(json.loads(store.read_text(f"{entry.path}/{MANIFEST_NAME}")))
+        keep |= {f"{entry.path}/{name}" for name in (MANIFEST_NAME, *(s.path for s in sub.shards),
+                                                     *(f.path for f in sub.files))}
     store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
 
 

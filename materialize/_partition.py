@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -42,6 +43,7 @@ PART_DONE = "part.json"
 PART_CELLS = "cells.parquet"
 PART_STATS = "gene_stats.npz"
 N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
+PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Job:
     staging: str  # the run's output root: a local (hidden, partial) directory or an s3:// prefix
     token: str  # this run's identity: sidecars of another run are never mixed in
     threads: int | None = None  # DuckDB / numba threads per worker process (None: their defaults)
+    presence: bool = False  # a further modality: record which cells have it (`Batch.present`)
 
     @property
     def num_columns(self) -> int:
@@ -117,7 +120,8 @@ def _write_local(job: Job, part: Partition, root: Path, progress) -> PartResult:
     for stale in (sidecar / PART_DONE, sidecar / f".{PART_DONE}.tmp"):
         stale.unlink(missing_ok=True)
     obs_types = {name: job.source.obs_columns[name] for name in job.obs}
-    schema = pa.schema([("cell_id", pa.string()), *obs_types.items(), (N_COUNTS, pa.float64()), (N_GENES, pa.int32())])
+    schema = pa.schema([("cell_id", pa.string()), *obs_types.items(), (N_COUNTS, pa.float64()), (N_GENES, pa.int32()),
+                        *([(PRESENT, pa.bool_())] if job.presence else [])])
     shards = make_shard_writer(root, shard_cells=job.shard_cells, options=job.options, first_shard=part.index,
                                index_dir=CHUNK_INDEX_DIR)
     stats = StatsAccumulator(job.num_columns, job.shard_cells)
@@ -139,6 +143,8 @@ def _write_local(job: Job, part: Partition, root: Path, progress) -> PartResult:
             nnz += batch_nnz
             shards.write(buf, starts)
             columns = {"cell_id": batch.cell_ids, **{n: _cast(batch.obs[n], t) for n, t in obs_types.items()}}
+            if job.presence:
+                columns[PRESENT] = pa.array(np.ones(batch.num_cells, bool) if batch.present is None else batch.present)
             pending.append(statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts))
             while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
                 pending.popleft().result()  # raises what the statistics thread raised

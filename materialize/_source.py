@@ -20,7 +20,8 @@ NUMERIC = "numeric"
 
 @dataclasses.dataclass
 class Batch:
-    """Consecutive cells as raw CSR (gene tokens, not yet validated) plus ids and obs."""
+    """Consecutive cells as raw CSR (gene tokens, not yet validated) plus ids and obs; a further
+    modality's batch also says which cells have it (``present``; an absent cell's row is empty)."""
 
     indptr: np.ndarray
     tokens: np.ndarray
@@ -28,6 +29,7 @@ class Batch:
     cell_ids: pa.Array
     obs: dict[str, pa.Array]
     locate: Callable[[int], str]
+    present: np.ndarray | None = None
 
     @property
     def num_cells(self) -> int:
@@ -63,6 +65,7 @@ class Source:
     genes: pa.Table
     num_cells: int
     obs_columns: dict[str, pa.DataType]
+    list_names: tuple[str, str] = ("gene_token_id", "gene_expression")  # its token and value lists, for messages
 
     def plan(self, shard_cells: int) -> list[Partition]:
         raise NotImplementedError

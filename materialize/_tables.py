@@ -138,12 +138,19 @@ class TableSource(Source):
         *,
         where: str | None = None,
         query: str | None = None,
-        genes: str | None = None,
+        genes: str | pa.Table | None = None,
         cell_id_column: str = "cell_id",
         batch_cells: int = DEFAULT_BATCH_CELLS,
+        lists: tuple[str, str] = (GENE_COLUMN, VALUE_COLUMN),
+        find_genes: bool = True,
     ):
+        """``lists`` names the token and value list columns (read as ``gene_token_id`` /
+        ``gene_expression``); ``genes`` is the gene table's path or the table itself (sorted, as
+        `gene_table_from_arrow` makes it); without one it is
+        looked for beside the input (unless not ``find_genes``), else the tokens seen make the columns."""
+        self._lists = lists
         self._remote = (spec is not None and is_remote(spec)) or (query is not None and "s3://" in query)
-        self._con = _connect(remote=self._remote)
+        self._con = connect(remote=self._remote)
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
         self._where, self._query = where, query
@@ -157,8 +164,11 @@ class TableSource(Source):
         self.layout = detect_layout(published)
         if where:
             sql = f"SELECT * FROM ({sql}) WHERE {where}"
-        if self.layout == TAHOE_LAYOUT:
-            sql = tahoe_sql(sql)
+        absent = [n for n in self._lists if self._lists != (GENE_COLUMN, VALUE_COLUMN) and n not in published.names]
+        if absent:
+            msg = f"{self.label} has no list column(s) {', '.join(absent)}; it has {', '.join(published.names)}"
+            raise DataValidationError(msg)
+        sql = self._shaped(sql)
         self._sql = sql
         self.description = {"kind": "table", "input": spec, "files": [str(f) for f in self.files],
                             "where": where, "query": query, "layout": self.layout}
@@ -173,7 +183,7 @@ class TableSource(Source):
         hidden = {self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN, FILE_ROW_COLUMN, _FIRST_GENE,
                   _FIRST_VALUE}
         self.obs_columns = obs_columns_of(schema, exclude=hidden)
-        self.genes = self._gene_table(genes)
+        self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
 
     def _schema_of(self, sql: str) -> pa.Schema:
@@ -201,8 +211,10 @@ class TableSource(Source):
                 msg = f"column {name} of {self.label} must be a list column, got {schema.field(name).type}"
                 raise DataValidationError(msg)
 
-    def _gene_table(self, genes: str | None) -> pa.Table:
-        if genes is None and self.files:
+    def _gene_table(self, genes: str | pa.Table | None, find_genes: bool) -> pa.Table:
+        if isinstance(genes, pa.Table):
+            return genes
+        if genes is None and self.files and find_genes:
             found = (find_tahoe_gene_table if self.layout == TAHOE_LAYOUT else find_gene_table)(self.files)
             genes = None if found is None else str(found)
         if genes is not None:
@@ -267,11 +279,11 @@ class TableSource(Source):
         """A connection and the SELECT of ``part``'s rows (all rows for None or an unsplit input)."""
         if part is None or part.spans is None:
             if self._con is None:  # unpickled in a worker: the whole input (a --query)
-                self._con = _connect(threads, remote=self._remote)
+                self._con = connect(threads, remote=self._remote)
                 if self.files:
                     create_cells_view(self._con, self.files, label=self.label, filename=True, file_rows=True)
             return self._con, self._sql
-        con = _connect(threads, remote=self._remote)
+        con = connect(threads, remote=self._remote)
         files = [self.files[f] for f, _, _ in part.spans]
         create_cells_view(con, files, label=self.label, filename=True, file_rows=True,
                           spans={i: (lo, hi) for i, (_, lo, hi) in enumerate(part.spans)})
@@ -282,9 +294,18 @@ class TableSource(Source):
         sql = f"SELECT * FROM cells WHERE {' OR '.join(arms)}"
         if self._where:
             sql = f"SELECT * FROM ({sql}) WHERE {self._where}"
+        return con, self._shaped(sql)
+
+    def _shaped(self, sql: str) -> str:
+        """Rows in the internal layout: Tahoe's lists stripped of their CLS pair, or lists of other
+        names (``peak_token_id`` / ``peak_accessibility``) under the internal ones."""
         if self.layout == TAHOE_LAYOUT:
-            sql = tahoe_sql(sql)
-        return con, sql
+            return tahoe_sql(sql)
+        if self._lists == (GENE_COLUMN, VALUE_COLUMN):
+            return sql
+        tokens, values = (sql_ident(n) for n in self._lists)
+        return (f"SELECT * EXCLUDE ({tokens}, {values}), {tokens} AS {GENE_COLUMN}, {values} AS {VALUE_COLUMN} "
+                f"FROM ({sql})")
 
     def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
         con, sql = self._partition_sql(part, threads)
@@ -323,7 +344,7 @@ class TableSource(Source):
                                 {name: rb.column(name) for name in obs}, locate)
 
 
-def _connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     con.execute("SET preserve_insertion_order = true")
     con.execute("SET enable_progress_bar = false")

@@ -24,9 +24,11 @@ class GeneIndex:
     token_to_col: np.ndarray
     num_genes: int
     description: str
+    names: tuple[str, str] = ("gene_token_id", "gene_expression")  # the input's list columns, for messages
 
     @classmethod
-    def from_tokens(cls, tokens: np.ndarray, description: str) -> GeneIndex:
+    def from_tokens(cls, tokens: np.ndarray, description: str,
+                    names: tuple[str, str] = ("gene_token_id", "gene_expression")) -> GeneIndex:
         """Columns follow ascending token order, so sorted token lists stay sorted."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31):
@@ -37,7 +39,7 @@ class GeneIndex:
             raise DataValidationError(msg)
         token_to_col = np.full(int(tokens.max()) + 1 if len(tokens) else 0, -1, dtype=np.int32)
         token_to_col[np.sort(tokens)] = np.arange(len(tokens), dtype=np.int32)
-        return cls(token_to_col, len(tokens), description)
+        return cls(token_to_col, len(tokens), description, names)
 
 
 def encode_batch(
@@ -56,12 +58,12 @@ def encode_batch(
     ``panel`` the rows are scattered to the panel's columns and stored dense.
     """
     if not np.issubdtype(tokens.dtype, np.integer):
-        msg = f"gene_token_id must be a list of integers, got element type {tokens.dtype} in {locate(0)}"
+        msg = f"{genes.names[0]} must be a list of integers, got element type {tokens.dtype} in {locate(0)}"
         raise DataValidationError(msg)
     if np.issubdtype(values.dtype, np.integer) or values.dtype == np.float16:
         values = values.astype(np.float64)
     elif not np.issubdtype(values.dtype, np.floating):
-        msg = f"gene_expression must be a list of numbers, got element type {values.dtype} in {locate(0)}"
+        msg = f"{genes.names[1]} must be a list of numbers, got element type {values.dtype} in {locate(0)}"
         raise DataValidationError(msg)
     if panel is None:
         try:
@@ -82,19 +84,20 @@ def encode_batch(
 
 def _describe(e: _codec.InvalidRowError, tokens, values, genes: GeneIndex, locate) -> str:
     j, code = e.position, e.problem
+    token_name, value_name = genes.names
     token, value = int(tokens[j]), float(values[j])
     where = locate(e.row)
     if code == _codec.ROW_UNSORTED:
-        return f"gene_token_id not sorted in {where}: {token} after {int(tokens[j - 1])}"
+        return f"{token_name} not sorted in {where}: {token} after {int(tokens[j - 1])}"
     if code == _codec.ROW_DUPLICATE:
-        return f"duplicate gene_token_id in {where}: {token} appears twice"
+        return f"duplicate {token_name} in {where}: {token} appears twice"
     if code == _codec.ROW_UNKNOWN_GENE:
-        return f"gene_token_id {token} in {where} is not in the gene table ({genes.description})"
+        return f"{token_name} {token} in {where} is not in the gene table ({genes.description})"
     if code == _codec.ROW_NOT_FINITE:
-        return f"gene_expression is {value} (not finite) in {where} at gene_token_id {token}"
+        return f"{value_name} is {value} (not finite) in {where} at {token_name} {token}"
     if code == _codec.ROW_NEGATIVE:
         return (
-            f"negative gene_expression {value} in {where} at gene_token_id {token} "
+            f"negative {value_name} {value} in {where} at {token_name} {token} "
             "(pass --allow-negative / allow_negative=True for data such as scaled values)"
         )
-    return f"gene_expression {value} in {where} at gene_token_id {token} overflows float32"
+    return f"{value_name} {value} in {where} at {token_name} {token} overflows float32"

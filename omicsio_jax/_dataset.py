@@ -114,6 +114,9 @@ class Dataset:
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
                  readahead: bool = True):
         self.reader_options = reader_options
+        self._options = {"reader_options": reader_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes,
+                         "readahead": readahead}
+        self._modalities: dict[str, Dataset] = {}
         self._remote = None
         self._readahead: ReadAhead | None = None
         if is_remote(path):
@@ -184,12 +187,50 @@ class Dataset:
         m = self.manifest
         return (
             f"Dataset({str(self.path)!r}, num_cells={m.num_cells:,}, num_genes={m.num_genes:,}, "
-            f"layout={m.layout!r}, shards={len(m.shards)}, obs={list(self.obs)})"
+            f"layout={m.layout!r}, shards={len(m.shards)}, obs={list(self.obs)}"
+            + (f", modalities={list(self.modalities)})" if m.modalities else ")")
         )
 
     @property
     def num_cells(self) -> int:
         return self.manifest.num_cells
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The modalities of the cells, this dataset's own first (``("rna",)`` for a single-modality
+        dataset; ``("rna", "spliced", "unspliced", "atac")`` for a multiome one)."""
+        return (self.manifest.modality, *(m.name for m in self.manifest.modalities))
+
+    def modality(self, name: str | None = None) -> Dataset:
+        """The dataset of modality ``name``: this one for its own (or None), else the further modality's
+        dataset (opened once, with this one's options), whose row ``i`` is this one's cell ``i``.
+
+        >>> atac = ds.modality("atac")                          # doctest: +SKIP
+        >>> atac.num_genes, atac.features.columns               # doctest: +SKIP
+        (200000, Index(['peak_token_id', 'chrom', 'start', 'end', 'peak_name'], dtype='object'))
+        """
+        if name is None or name == self.manifest.modality:
+            return self
+        opened = self._modalities.get(name)
+        if opened is not None:
+            return opened
+        entry = self.manifest.modality_entry(name)
+        options = dict(self._options)
+        if options["cache_dir"] is not None:
+            options["cache_dir"] = Path(options["cache_dir"]) / entry.path
+        path = f"{self.path}/{entry.path}" if self.is_remote else self.path / entry.path
+        try:
+            sub = Dataset(path, **options)
+        except DatasetFormatError as e:
+            msg = f"{self.path}: modality {name!r} ({entry.path}) cannot be opened: {e}"
+            raise DatasetFormatError(msg) from e
+        if sub.fingerprint != entry.fingerprint or sub.num_cells != self.num_cells:
+            sub.close()
+            msg = (f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
+                   f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…); "
+                   f"run `omicsio-materialize verify {self.path}`")
+            raise DatasetFormatError(msg)
+        return self._modalities.setdefault(name, sub)
 
     @property
     def num_genes(self) -> int:
@@ -319,12 +360,19 @@ class Dataset:
             raise IndexError(msg)
         return read_runs(self, self._readers, [(begin, end)])
 
-    def read_csr(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_csr(self, rows: Sequence[int] | np.ndarray, *,
+                 modality: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact rows as CSR ``(indptr int64, indices int32, values float32)``, in the order asked.
 
         Rows may repeat and come in any order; consecutive rows are read with one range read.
         For ``layout="dense"`` the columns index the panel and only nonzero entries are returned.
+        ``modality`` reads another modality of the same cells (its columns: its own features), and
+        none of this one's bytes.
+
+        >>> indptr, peaks, counts = ds.read_csr([5, 0, 17], modality="atac")   # doctest: +SKIP
         """
+        if modality is not None and modality != self.manifest.modality:
+            return self.modality(modality).read_csr(rows)
         rows = self.check_rows(rows)
         unique, inverse = np.unique(rows, return_inverse=True)
         records = read_runs(self, self._readers, runs(unique))  # a remote dataset: one fetch for all
@@ -337,6 +385,8 @@ class Dataset:
         return take_rows(indptr, indices, values, inverse.astype(np.int64))
 
     def close(self) -> None:
+        for sub in self._modalities.values():
+            sub.close()
         self._readers.close()
         if self._readahead is not None:
             self._readahead.close()

@@ -11,6 +11,9 @@ A dataset directory looks like::
       obs/<name>.codes.npy      categorical obs: int32 codes (-1 = missing) ...
       obs/<name>.categories.json  ... and their categories
       obs/<name>.npy            numeric obs
+      modalities/<name>/        a further modality of the same cells (say ATAC, or a splice layer):
+                                a complete dataset of its own, row i the same cell as row i here
+      obs/has_<name>.npy        ... and whether each cell has it (bool)
 """
 
 from __future__ import annotations
@@ -62,6 +65,23 @@ class ObsEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModalityEntry:
+    """A further modality of the dataset's cells: a complete dataset of its own under ``path``
+    (``modalities/<name>``), whose row ``i`` is the cell of the primary's row ``i`` (an empty row where
+    the cell lacks the modality, see the primary's ``obs/has_<name>``). ``features`` is ``"primary"``
+    when its columns are the primary's genes (splice layers), else ``"own"`` (peaks, proteins)."""
+
+    name: str
+    path: str
+    num_features: int
+    layout: str
+    nnz: int
+    features: str
+    fingerprint: str
+    manifest_sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """Everything known about a dataset directory; serialised as ``manifest.json``."""
 
@@ -78,6 +98,8 @@ class Manifest:
     source: dict[str, Any]
     created_by: str
     fingerprint: str = ""
+    modality: str = "rna"  # the name of the modality the top-level shards hold
+    modalities: tuple[ModalityEntry, ...] = ()  # the further ones, aligned by row
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 
@@ -94,7 +116,16 @@ class Manifest:
         fields["shards"] = tuple(ShardEntry(**s) for s in raw["shards"])
         fields["files"] = tuple(FileEntry(**f) for f in raw["files"])
         fields["obs"] = tuple(ObsEntry(**o) for o in raw["obs"])
+        fields["modalities"] = tuple(ModalityEntry(**m) for m in raw.get("modalities", ()))
         return cls(**fields)
+
+    def modality_entry(self, name: str) -> ModalityEntry:
+        """The entry of the further modality ``name`` (KeyError naming those there are)."""
+        for entry in self.modalities:
+            if entry.name == name:
+                return entry
+        msg = f"no modality {name!r}; this dataset has {', '.join([self.modality, *(m.name for m in self.modalities)])}"
+        raise KeyError(msg)
 
 
 # Statistics derived from the cells (written at materialize or added later by `omicsio-materialize
@@ -126,6 +157,9 @@ def compute_fingerprint(manifest: Manifest) -> str:
         "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
         "files": sorted((f.path, f.sha256) for f in manifest.files if not is_derived(f.path)),
     }
+    if manifest.modalities:  # a single-modality dataset keeps the fingerprint it always had
+        content["modality"] = manifest.modality
+        content["modalities"] = [(m.name, m.path, m.features, m.fingerprint) for m in manifest.modalities]
     blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -239,7 +273,27 @@ def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
             problems.append(f"{relpath}: sha256 {actual[:16]}…, manifest says {sha[:16]}…")
     if compute_fingerprint(manifest) != manifest.fingerprint:
         problems.append("manifest.json: fingerprint does not match its content")
+    for entry in manifest.modalities:
+        problems += _verify_modality(path, entry)
     return problems
+
+
+def _verify_modality(path: str | os.PathLike[str], entry: ModalityEntry) -> list[str]:
+    """A further modality's own dataset, checked through and against its entry in the primary's manifest."""
+    sub = f"{str(path).rstrip('/')}/{entry.path}" if is_remote(path) else Path(path) / entry.path
+    manifest_path = f"{entry.path}/{MANIFEST_NAME}"
+    if is_remote(path):
+        text = open_store(str(sub)).read_text(MANIFEST_NAME)
+        if text is None:
+            return [f"{manifest_path}: missing"]
+        sha = hashlib.sha256(text.encode()).hexdigest()
+    elif not (Path(sub) / MANIFEST_NAME).exists():
+        return [f"{manifest_path}: missing"]
+    else:
+        sha = sha256_file(Path(sub) / MANIFEST_NAME)
+    if sha != entry.manifest_sha256:
+        return [f"{manifest_path}: sha256 {sha[:16]}…, manifest says {entry.manifest_sha256[:16]}…"]
+    return [f"{entry.path}/{problem}" for problem in verify_dataset(sub)]
 
 
 def _sha256_object(store, key: str, num_bytes: int, *, piece_bytes: int = 8 << 20, window: int = 8) -> str:

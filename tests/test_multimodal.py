@@ -1,0 +1,409 @@
+"""Multimodal datasets: splice layers and ATAC peaks aligned by cell, from list-column tables (in the
+primary's order or any other), .h5ad layers and .h5mu; exact round trips, presence flags, verify over
+every modality, S3, and one-line errors (naming modality, file, row and cell) that leave no output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import scipy.sparse as sp
+
+import omicsio_jax as oj
+from materialize import materialize
+from materialize._cli import main
+from omicsio_jax._manifest import verify_dataset
+
+N, GENES, PEAKS, SHARD = 700, 60, 70_000, 256  # peak ids beyond 65,535: records use u32 gaps where needed
+
+
+class Truth:
+    """Every modality of the same cells as scipy CSR over the primary's rows, plus who has ATAC."""
+
+    def __init__(self, seed: int = 0, atac_fraction: float = 0.85):
+        rng = np.random.default_rng(seed)
+        self.ids = np.array([f"cell-{i:04d}" for i in range(N)], dtype=object)
+        total = sp.random(N, GENES, density=0.2, random_state=rng, format="csr", dtype=np.float32)
+        total.data = np.ceil(total.data * 20)
+        spliced = total.copy()
+        spliced.data = rng.binomial(total.data.astype(np.int64), 0.7).astype(np.float32)
+        self.rna, self.spliced = total, _pruned(spliced)
+        self.unspliced = _pruned(total - spliced)
+        atac = sp.random(N, PEAKS, density=0.004, random_state=rng, format="csr", dtype=np.float32)
+        atac.data = np.ceil(atac.data * 3)
+        self.has_atac = rng.random(N) < atac_fraction
+        self.atac = _pruned(sp.diags(self.has_atac.astype(np.float32)) @ atac)
+        self.cell_type = rng.choice(["T", "B", "NK"], N)
+
+
+def _pruned(m) -> sp.csr_matrix:
+    m = sp.csr_matrix(m)
+    m.eliminate_zeros()
+    m.sort_indices()
+    return m
+
+
+def _lists(m: sp.csr_matrix, rows: np.ndarray, ids, tokens="gene_token_id", values="gene_expression") -> pa.Table:
+    m = m[rows]
+    toks = [m.indices[m.indptr[i]:m.indptr[i + 1]].astype(np.int32) for i in range(len(rows))]
+    vals = [m.data[m.indptr[i]:m.indptr[i + 1]].astype(np.float32) for i in range(len(rows))]
+    return pa.table({"cell_id": pa.array(list(ids[rows]), pa.string()), tokens: pa.array(toks, pa.list_(pa.int32())),
+                     values: pa.array(vals, pa.list_(pa.float32()))})
+
+
+def write_tables(truth: Truth, root: Path, *, shuffle_atac: bool) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    everyone = np.arange(N)
+    rna = _lists(truth.rna, everyone, truth.ids).append_column("cell_type", pa.array(truth.cell_type))
+    pq.write_table(rna, root / "rna_cells.parquet", row_group_size=200)
+    for name in ("spliced", "unspliced"):
+        pq.write_table(_lists(getattr(truth, name), everyone, truth.ids), root / f"rna_layers_{name}.parquet")
+    # in the primary's order: every cell, those without ATAC as empty lists; shuffled: only those with it
+    atac_rows = np.random.default_rng(7).permutation(np.flatnonzero(truth.has_atac)) if shuffle_atac else everyone
+    atac = _lists(truth.atac, atac_rows, truth.ids, "peak_token_id", "peak_accessibility")
+    pq.write_table(atac.append_column("dataset", pa.array(["multiome"] * len(atac_rows))), root / "atac_cells.parquet",
+                   row_group_size=100)
+    peaks = pa.table({"peak_token_id": pa.array(np.arange(PEAKS, dtype=np.int32)),
+                      "chrom": pa.array(["chr1"] * PEAKS), "start": pa.array(np.arange(PEAKS) * 1000),
+                      "end": pa.array(np.arange(PEAKS) * 1000 + 500)})
+    pq.write_table(peaks, root / "peaks.parquet")
+    return root
+
+
+def write_h5ad(truth: Truth, path: Path) -> Path:
+    obs = pd.DataFrame({"cell_type": pd.Categorical(truth.cell_type)}, index=list(truth.ids))
+    var = pd.DataFrame(index=[f"g{j}" for j in range(GENES)])
+    ad.AnnData(X=truth.rna, obs=obs, var=var, layers={"spliced": truth.spliced, "unspliced": truth.unspliced}
+               ).write_h5ad(path)
+    return path
+
+
+def write_h5mu(truth: Truth, path: Path) -> Path:
+    import mudata as md
+
+    md.set_options(pull_on_update=False)
+    var = pd.DataFrame(index=[f"g{j}" for j in range(GENES)])
+    rna = ad.AnnData(X=truth.rna, obs=pd.DataFrame(index=list(truth.ids)), var=var,
+                     layers={"spliced": truth.spliced, "unspliced": truth.unspliced})
+    order = np.random.default_rng(3).permutation(np.flatnonzero(truth.has_atac))  # another order than rna's
+    atac = ad.AnnData(X=truth.atac[order], obs=pd.DataFrame(index=list(truth.ids[order])),
+                      var=pd.DataFrame(index=[f"peak{j}" for j in range(PEAKS)]))
+    md.MuData({"rna": rna, "atac": atac}).write(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def truth() -> Truth:
+    return Truth()
+
+
+@pytest.fixture(scope="module")
+def inputs(truth, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("multimodal-inputs")
+    return {"aligned": write_tables(truth, root / "aligned", shuffle_atac=False),
+            "shuffled": write_tables(truth, root / "shuffled", shuffle_atac=True),
+            "h5ad": write_h5ad(truth, root / "velo.h5ad"), "h5mu": write_h5mu(truth, root / "multiome.h5mu")}
+
+
+def _materialize(inputs, kind: str, out: Path, **kwargs):
+    common = {"shard_cells": SHARD, "progress": False, "workers": 1, **kwargs}
+    if kind in ("aligned", "shuffled"):
+        root = inputs[kind]
+        return materialize(root / "rna_cells.parquet", out, modalities={"atac": str(root / "atac_cells.parquet")},
+                           layers={name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")},
+                           **common)
+    return materialize(inputs[kind], out, layers=["spliced", "unspliced"], **common)
+
+
+@pytest.fixture(scope="module")
+def datasets(inputs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("multimodal-datasets")
+    return {kind: _materialize(inputs, kind, root / kind).path for kind in ("aligned", "shuffled", "h5ad", "h5mu")}
+
+
+def _dense(csr, width: int) -> np.ndarray:
+    indptr, indices, values = csr
+    return sp.csr_matrix((values, indices, indptr), shape=(len(indptr) - 1, width)).toarray()
+
+
+@pytest.mark.parametrize("kind", ["aligned", "shuffled", "h5ad", "h5mu"])
+def test_every_modality_round_trips_exactly_over_random_rows(kind, datasets, truth):
+    ds = oj.open_dataset(datasets[kind])
+    has_atac = kind != "h5ad"
+    assert ds.modalities == ("rna", "spliced", "unspliced", *(("atac",) if has_atac else ()))
+    rows = np.random.default_rng(1).integers(0, N, 300)
+    expected = {"rna": truth.rna, "spliced": truth.spliced, "unspliced": truth.unspliced, "atac": truth.atac}
+    for name in ds.modalities:
+        width = PEAKS if name == "atac" else GENES
+        assert ds.modality(name).num_genes == width
+        got = _dense(ds.read_csr(rows, modality=name), width)
+        np.testing.assert_array_equal(got, expected[name][rows].toarray(), err_msg=name)
+        assert ds.modality(name).num_cells == N
+    assert list(ds.modality("spliced").cell_ids) == list(truth.ids)
+    assert np.asarray(ds.obs["has_spliced"]).all()
+    if kind == "aligned":  # every cell has a row in the table
+        assert np.asarray(ds.obs["has_atac"]).all()
+    elif has_atac:
+        np.testing.assert_array_equal(np.asarray(ds.obs["has_atac"]), truth.has_atac)
+        np.testing.assert_array_equal(ds.rows_where("has_atac", [True]), np.flatnonzero(truth.has_atac))
+    assert verify_dataset(datasets[kind]) == []
+    ds.close()
+
+
+def test_manifest_lists_modalities_and_tables_keep_their_feature_table(datasets):
+    manifest = json.loads((datasets["shuffled"] / "manifest.json").read_text())
+    assert manifest["modality"] == "rna"
+    entries = {m["name"]: m for m in manifest["modalities"]}
+    assert entries["spliced"]["features"] == "primary" and entries["atac"]["features"] == "own"
+    assert entries["atac"]["num_features"] == PEAKS and entries["atac"]["path"] == "modalities/atac"
+    atac = oj.open_dataset(datasets["shuffled"]).modality("atac")
+    assert list(atac.features.columns) == ["peak_token_id", "chrom", "start", "end"]
+    assert atac.manifest.source["aligned"] is False
+    assert oj.open_dataset(datasets["aligned"]).modality("atac").manifest.source["aligned"] is True
+
+
+def test_any_input_order_and_worker_count_give_the_same_dataset(inputs, datasets, tmp_path):
+    """Rows in the primary's order or shuffled, one worker or two: the same bytes, the same fingerprint."""
+    aligned, shuffled = (json.loads((datasets[k] / "manifest.json").read_text()) for k in ("aligned", "shuffled"))
+    atac = {k: oj.open_dataset(datasets[k]).modality("atac") for k in ("aligned", "shuffled")}
+    # the aligned tables have every cell, the shuffled ones skip cells without ATAC: same records anyway
+    assert [s.sha256 for s in atac["aligned"].manifest.shards] == [s.sha256 for s in atac["shuffled"].manifest.shards]
+    assert [m["fingerprint"] for m in aligned["modalities"]] == [m["fingerprint"] for m in shuffled["modalities"]]
+    two = _materialize(inputs, "shuffled", tmp_path / "two", workers=2)
+    assert two.manifest.fingerprint == shuffled["fingerprint"]
+
+
+def test_a_single_modality_dataset_has_one_modality_and_its_old_fingerprint(dataset_dir):
+    ds = oj.open_dataset(dataset_dir)
+    assert ds.modalities == ("rna",) and ds.modality("rna") is ds and ds.modality() is ds
+    with pytest.raises(KeyError, match="no modality 'atac'; this dataset has rna"):
+        ds.modality("atac")
+    raw = json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    raw.pop("modality"), raw.pop("modalities")  # a manifest written before modalities existed
+    from omicsio_jax._manifest import Manifest, compute_fingerprint
+
+    assert compute_fingerprint(Manifest.from_dict(raw)) == ds.fingerprint
+
+
+def test_verify_finds_damage_in_any_modality(datasets, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(datasets["shuffled"], copy)
+    shard = copy / "modalities" / "atac" / "shard-00001.arrayrecord"
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    assert [p.split(":")[0] for p in verify_dataset(copy)] == ["modalities/atac/shard-00001.arrayrecord"]
+    sub = copy / "modalities" / "spliced" / "manifest.json"
+    sub.write_text(sub.read_text().replace('"created_by"', '"created_by" ', 1))
+    problems = verify_dataset(copy)
+    assert any(p.startswith("modalities/spliced/manifest.json: sha256") for p in problems)
+    with pytest.raises(oj.DatasetFormatError, match="run `omicsio-materialize verify"):
+        oj.open_dataset(copy).modality("atac").read_csr(np.arange(SHARD, 2 * SHARD))
+
+
+def test_the_cli_takes_layers_modalities_and_their_feature_tables(inputs, truth, tmp_path, capsys):
+    root = inputs["shuffled"]
+    shutil.copy(root / "peaks.parquet", tmp_path / "atac_peaks.parquet")
+    out = tmp_path / "cli"
+    code = main([str(root / "rna_cells.parquet"), str(out), "--modality", f"atac={root / 'atac_cells.parquet'}",
+                 "--modality-features", f"atac={tmp_path / 'atac_peaks.parquet'}",
+                 "--layers", f"spliced={root / 'rna_layers_spliced.parquet'}", "--shard-cells", str(SHARD),
+                 "--workers", "1", "--no-progress"])
+    assert code == 0
+    assert "atac: 70,000 features" in capsys.readouterr().out
+    ds = oj.open_dataset(out)
+    assert ds.modalities == ("rna", "spliced", "atac")
+    assert ds.modality("atac").manifest.source["features"] == str(tmp_path / "atac_peaks.parquet")
+    assert main(["verify", str(out)]) == 0
+    assert "modalities spliced, atac" in capsys.readouterr().out
+    h5mu = tmp_path / "mu"
+    assert main([str(inputs["h5mu"]), str(h5mu), "--modality", "atac", "--shard-cells", str(SHARD), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert oj.open_dataset(h5mu).modalities == ("rna", "atac")
+
+
+# -- bad input: one line naming modality, file, row and cell_id; nothing written -----------------------------
+
+def _refused(out: Path, match: str, run) -> None:
+    with pytest.raises(oj.DataValidationError, match=match) as info:
+        run()
+    assert "\n" not in str(info.value)
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def _edit_table(path: Path, edit) -> None:
+    table = pq.read_table(path)
+    pq.write_table(edit(table), path)
+
+
+def _appended(t: pa.Table, row: int, token: int) -> pa.Table:
+    """``t`` with ``token`` (count 1) appended to the lists of ``row`` (columns 1 and 2: tokens, values)."""
+    tokens, values = t.column(1).to_pylist(), t.column(2).to_pylist()
+    tokens[row], values[row] = [*tokens[row], token], [*values[row], 1.0]
+    t = t.set_column(1, t.column_names[1], pa.array(tokens, pa.list_(pa.int32())))
+    return t.set_column(2, t.column_names[2], pa.array(values, pa.list_(pa.float32())))
+
+
+def _bad_tables(inputs, tmp_path: Path) -> Path:
+    root = tmp_path / "bad"
+    shutil.copytree(inputs["shuffled"], root)
+    return root
+
+
+def _tables_run(root: Path, out: Path, **kwargs):
+    layers = {"spliced": str(root / "rna_layers_spliced.parquet")}
+    return lambda: materialize(root / "rna_cells.parquet", out, modalities={"atac": str(root / "atac_cells.parquet")},
+                               layers=layers, shard_cells=SHARD, progress=False, workers=1, **kwargs)
+
+
+def test_a_secondary_cell_absent_from_the_primary_is_refused(inputs, tmp_path):
+    root = _bad_tables(inputs, tmp_path)
+    _edit_table(root / "atac_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
+        ["stranger" if i == 5 else c for i, c in enumerate(t.column("cell_id").to_pylist())])))
+    out = tmp_path / "out"
+    _refused(out, r"modality atac: cell_id stranger in row 5 of .*atac_cells.parquet is not a cell of the primary",
+             _tables_run(root, out))
+
+
+def test_duplicate_cell_ids_are_refused_in_any_modality(inputs, tmp_path):
+    root = _bad_tables(inputs, tmp_path)
+    ids = pq.read_table(root / "atac_cells.parquet").column("cell_id").to_pylist()
+    _edit_table(root / "atac_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
+        [ids[2] if i == 9 else c for i, c in enumerate(ids)])))
+    out = tmp_path / "out"
+    _refused(out, rf"modality atac: duplicate cell_id {ids[2]} in row 9 of .*atac_cells.parquet \(also row 2 of",
+             _tables_run(root, out))
+    root2 = _bad_tables(inputs, tmp_path / "p")
+    _edit_table(root2 / "rna_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
+        ["cell-0003" if i == 11 else c for i, c in enumerate(t.column("cell_id").to_pylist())])))
+    _refused(out, r"duplicate cell_id cell-0003 in the primary modality rna \(rows 3 and 11 of .*rna_cells.parquet\)",
+             _tables_run(root2, out))
+
+
+@pytest.mark.parametrize("order", ["aligned", "shuffled"])
+def test_unsorted_or_unknown_feature_ids_name_the_modality_file_row_and_cell(order, inputs, tmp_path):
+    root = tmp_path / "bad"
+    shutil.copytree(inputs[order], root)
+
+    table = pq.read_table(root / "atac_cells.parquet")
+    row = next(i for i, peaks in enumerate(table.column("peak_token_id").to_pylist()) if len(peaks) > 1)
+    cell = table.column("cell_id")[row].as_py()
+
+    def unsort(t: pa.Table) -> pa.Table:
+        peaks = t.column("peak_token_id").to_pylist()
+        peaks[row] = list(reversed(peaks[row]))
+        return t.set_column(1, "peak_token_id", pa.array(peaks, pa.list_(pa.int32())))
+
+    _edit_table(root / "atac_cells.parquet", unsort)
+    out = tmp_path / "out"
+    _refused(out, rf"peak_token_id not sorted in modality atac: row {row} \(cell_id {cell}\) of .*atac_cells.parquet",
+             _tables_run(root, out))
+
+    shutil.copy(inputs[order] / "atac_cells.parquet", root / "atac_cells.parquet")
+    _edit_table(root / "atac_cells.parquet", lambda t: _appended(t, 6, PEAKS + 5))
+    cell = pq.read_table(root / "atac_cells.parquet").column("cell_id")[6].as_py()
+    _refused(out, rf"peak_token_id {PEAKS + 5} in modality atac: row 6 \(cell_id {cell}\) of .*atac_cells.parquet "
+             r"is not in the gene table \(the features of modality atac", _tables_run(root, out))
+
+
+def test_a_layer_outside_the_primary_gene_space_is_refused(inputs, tmp_path):
+    root = _bad_tables(inputs, tmp_path)
+
+    _edit_table(root / "rna_layers_spliced.parquet", lambda t: _appended(t, 3, GENES + 1))
+    out = tmp_path / "out"
+    _refused(out, r"gene_token_id 61 in modality spliced: row 3 \(cell_id cell-0003\) of .*rna_layers_spliced.parquet "
+             "is not in the gene table", _tables_run(root, out))
+
+
+def test_require_all_modalities_refuses_a_missing_cell(inputs, tmp_path, truth):
+    out = tmp_path / "out"
+    first_missing = int(np.flatnonzero(~truth.has_atac)[0])
+    _refused(out, rf"modality atac: cell_id cell-{first_missing:04d} \(row {first_missing} of the primary .*\) has no "
+             "row in", _tables_run(inputs["shuffled"], out, require_all_modalities=True))
+
+
+def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path):
+    bad = tmp_path / "bad.h5mu"
+    shutil.copy(inputs["h5mu"], bad)
+    with h5py.File(bad, "r+") as f:
+        obsmap = f["obsmap/atac"][:]
+        taken = obsmap[obsmap > 0]
+        obsmap[np.flatnonzero(obsmap > 0)[1]] = taken[0]  # two cells claim the same ATAC row
+        f["obsmap/atac"][:] = obsmap
+    out = tmp_path / "out"
+    _refused(out, r"bad.h5mu: obsmap maps a row of rna or atac to several cells",
+             lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1))
+    bad = tmp_path / "bad2.h5mu"
+    shutil.copy(inputs["h5mu"], bad)
+    with h5py.File(bad, "r+") as f:
+        del f["obsmap"]
+        index = f["mod/atac/obs"].attrs["_index"]
+        names = f["mod/atac/obs"][index].asstr()[:]
+        names[1] = names[0]
+        del f["mod/atac/obs"][index]
+        f["mod/atac/obs"].create_dataset(index, data=names.astype(object), dtype=h5py.string_dtype())
+    _refused(out, r"bad2.h5mu: modality atac has duplicate obs name .* and the file has no obsmap",
+             lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1))
+
+
+def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(oj.OmicsIOError, match="an .h5ad holds one modality"):
+        materialize(inputs["h5ad"], out, modalities={"atac": "x.parquet"}, progress=False)
+    with pytest.raises(oj.OmicsIOError, match="layers maps each layer's name to its table"):
+        materialize(inputs["aligned"] / "rna_cells.parquet", out, layers=["spliced"], progress=False)
+    with pytest.raises(oj.OmicsIOError, match="modality 'rna' is given twice"):
+        materialize(inputs["h5mu"], out, modalities=["rna", "rna"], layers=["rna"], progress=False)
+    with pytest.raises(oj.OmicsIOError, match="has no modality 'prot'"):
+        materialize(inputs["h5mu"], out, primary="prot", progress=False)
+    assert not out.exists()
+
+
+# -- object storage ----------------------------------------------------------------------------------------
+
+def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, truth, s3, tmp_path):
+    url = s3.url("multiome/")
+    result = _materialize(inputs, "shuffled", url)
+    local = json.loads((datasets["shuffled"] / "manifest.json").read_text())
+    assert result.manifest.fingerprint == local["fingerprint"]
+    assert verify_dataset(url) == []
+    ds = oj.open_dataset(url, cache_dir=tmp_path / "cache")
+    rows = np.arange(100, 200)
+    np.testing.assert_array_equal(_dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[rows].toarray())
+    assert ds.modality("atac").io_stats().bytes_fetched > 0 and ds.io_stats().bytes_fetched == 0
+    rna_only = oj.open_dataset(url, cache_dir=tmp_path / "cache2")
+    rna_only.read_csr(rows)
+    assert rna_only.io_stats().bytes_fetched > 0
+    assert rna_only.modality("atac").io_stats().bytes_fetched == 0  # reading rna fetched no byte of atac
+
+
+def test_a_ducklake_catalog_is_refused_with_the_duckdb_version_that_could_read_it(tmp_path):
+    import duckdb
+
+    with pytest.raises(oj.OmicsIOError, match=rf"duckdb-extension-ducklake\) for DuckDB 1.5.5 .* this DuckDB is "
+                       rf"{duckdb.__version__}"):
+        materialize("ducklake:catalog.ducklake", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_selected_primary_keeps_the_selected_cells_of_every_modality(inputs, truth, tmp_path):
+    """With --where the primary is a selection: the other tables' cells outside it are left out, not refused."""
+    root = inputs["shuffled"]
+    out = materialize(root / "rna_cells.parquet", tmp_path / "t_cells", where="cell_type = 'T'",
+                      modalities={"atac": str(root / "atac_cells.parquet")}, shard_cells=SHARD, progress=False,
+                      workers=1).path
+    chosen = np.flatnonzero(truth.cell_type == "T")
+    ds = oj.open_dataset(out)
+    assert ds.num_cells == len(chosen) and list(ds.modality("atac").cell_ids) == list(truth.ids[chosen])
+    rows = np.arange(len(chosen))
+    np.testing.assert_array_equal(_dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[chosen].toarray())
+    np.testing.assert_array_equal(np.asarray(ds.obs["has_atac"]), truth.has_atac[chosen])
