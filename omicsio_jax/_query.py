@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import duckdb
@@ -126,12 +126,18 @@ class CellTable:
     >>> for batch in table.stream_csr(rowids=cd3): ...                          # stage 4: CSR
 
     ``con`` is the DuckDB connection: ``cells`` is the table (with ``cell_rowid``),
-    ``gene_metadata`` the gene table and, when an index is attached, ``gene_cell_index``.
+    ``gene_metadata`` the gene table, when an index is attached ``gene_cell_index``, and each
+    further modality's table a view of its name (``modalities={"atac": "atac_cells/"}``), to join
+    on ``cell_id``:
+
+    >>> table = oj.open_table("rna_cells/", modalities={"atac": "atac_cells/"})   # doctest: +SKIP
+    >>> table.sql("SELECT c.cell_id, len(a.peak_token_id) AS peaks FROM cells c "
+    ...           "JOIN atac a USING (cell_id) WHERE c.drug = 'DMSO'")           # doctest: +SKIP
     """
 
     def __init__(self, spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
                  index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None):
         self.spec = str(spec)
         self.files = expand_files(self.spec)
         self.con = duckdb.connect()
@@ -156,6 +162,13 @@ class CellTable:
             top = self.con.execute(f"SELECT max(list_max({GENE_COLUMN})) FROM cells").fetchall()[0][0]
             self.genes = GeneTable.from_token_ids(0 if top is None else int(top) + 1)
         self.con.register("gene_metadata", self.genes.table)
+        self.modalities: dict[str, str] = {}
+        for name, table in (modalities or {}).items():
+            if not name.isidentifier() or name in ("cells", "cells_all", "gene_metadata", "gene_cell_index"):
+                msg = f"modality view name {name!r}: use a SQL identifier other than cells, gene_metadata, gene_cell_index"
+                raise OmicsIOError(msg)
+            create_cells_view(self.con, expand_files(str(table)), label=str(table), name=name)
+            self.modalities[name] = str(table)
         self.index_path: Path | None = None
         if index is not None:
             self.attach_index(index)
@@ -361,8 +374,9 @@ class CellTable:
 
 def open_table(spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
                index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-               threads: int | None = None) -> CellTable:
+               threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None) -> CellTable:
     """Open list-column cell tables for queries: a parquet file, directory, glob or hive-partitioned
     folder, or vortex files. ``genes`` is the gene table (default: ``gene_metadata.parquet``
-    beside the files), cached locally in ``cache_dir``; ``index`` attaches a gene index."""
-    return CellTable(spec, genes=genes, index=index, cache_dir=cache_dir, threads=threads)
+    beside the files), cached locally in ``cache_dir``; ``index`` attaches a gene index;
+    ``modalities`` maps view names to the tables of further modalities of the same cells."""
+    return CellTable(spec, genes=genes, index=index, cache_dir=cache_dir, threads=threads, modalities=modalities)

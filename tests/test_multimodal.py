@@ -407,3 +407,18 @@ def test_a_selected_primary_keeps_the_selected_cells_of_every_modality(inputs, t
     rows = np.arange(len(chosen))
     np.testing.assert_array_equal(_dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[chosen].toarray())
     np.testing.assert_array_equal(np.asarray(ds.obs["has_atac"]), truth.has_atac[chosen])
+
+
+def test_open_table_exposes_each_modality_table_as_a_view(inputs, truth):
+    root = inputs["shuffled"]
+    table = oj.open_table(root / "rna_cells.parquet", modalities={"atac": root / "atac_cells.parquet",
+                                                                   "spliced": root / "rna_layers_spliced.parquet"})
+    assert table.modalities == {"atac": str(root / "atac_cells.parquet"),
+                                "spliced": str(root / "rna_layers_spliced.parquet")}
+    joined = table.sql("SELECT c.cell_rowid, len(a.peak_token_id) AS peaks FROM cells c JOIN atac a USING (cell_id) "
+                       "ORDER BY c.cell_rowid")
+    rows = np.flatnonzero(truth.has_atac)
+    np.testing.assert_array_equal(joined.column("cell_rowid").to_numpy(), rows)
+    np.testing.assert_array_equal(joined.column("peaks").to_numpy(), np.diff(truth.atac.indptr)[rows])
+    with pytest.raises(oj.OmicsIOError, match="modality view name 'cells'"):
+        oj.open_table(root / "rna_cells.parquet", modalities={"cells": root / "atac_cells.parquet"})
