@@ -159,6 +159,23 @@ def bench_grain_stock(
     )
 
 
+def proc_io(field: str) -> int:
+    """A counter of this process's I/O from ``/proc/self/io``: ``rchar`` (bytes read by system calls,
+    page cache or not), ``read_bytes`` (bytes the storage delivered)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/io")
+
+
+def proc_status(field: str) -> int:
+    """A memory figure of this process from ``/proc/self/status`` in bytes: ``VmRSS``, ``VmHWM`` (peak RSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def drop_page_cache(paths: Iterable[str | os.PathLike[str]]) -> bool:
     """Evict the files' pages from the page cache; True if every file was evicted.
 

@@ -49,20 +49,6 @@ CONFIGS = {  # label: make_loader kwargs
 }
 
 
-def _proc_io(field: str) -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/io")
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _files(dataset: Path) -> list[Path]:
     return sorted(dataset.glob("shard-*.arrayrecord")) + sorted(dataset.glob("chunks/*.npy"))
 
@@ -73,7 +59,7 @@ def _child(spec: dict) -> dict:
     import omicsio_jax as oj
 
     sys.path.insert(0, str(HERE))
-    from _peers import drop_page_cache
+    from _peers import drop_page_cache, proc_io, proc_status
 
     dataset = Path(spec["dataset"])
     if spec["cold"] and not drop_page_cache(_files(dataset)):
@@ -83,7 +69,7 @@ def _child(spec: dict) -> dict:
     it = iter(loader)
     for _ in range(2):
         jax.block_until_ready(next(it).x)
-    read0, times0, rss0 = _proc_io("read_bytes"), os.times(), _status("VmRSS")
+    read0, times0, rss0 = proc_io("read_bytes"), os.times(), proc_status("VmRSS")
     start = last = time.perf_counter()
     cells, waits = 0, []
     while last - start < spec["seconds"]:
@@ -98,8 +84,8 @@ def _child(spec: dict) -> dict:
     return {**spec, "cells_per_s": cells / seconds, "seconds": seconds, "batches": len(waits),
             "max_wait_s": max(waits), "cores_busy": (user + system) / seconds, "system_share": system / (user + system),
             "cells_per_cpu_s": cells / (user + system),
-            "read_mb": (_proc_io("read_bytes") - read0) / 1e6, "rss_start_mib": rss0 / 2**20,
-            "rss_end_mib": _status("VmRSS") / 2**20, "peak_rss_mib": _status("VmHWM") / 2**20}
+            "read_mb": (proc_io("read_bytes") - read0) / 1e6, "rss_start_mib": rss0 / 2**20,
+            "rss_end_mib": proc_status("VmRSS") / 2**20, "peak_rss_mib": proc_status("VmHWM") / 2**20}
 
 
 def run(spec: dict) -> dict:

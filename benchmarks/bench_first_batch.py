@@ -32,13 +32,6 @@ OPTIONS = {"ArrayRecord default footer prefetch (1 MiB)": "readahead_buffer_size
            "omicsio_jax default (64 KiB)": None}
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar"):
-            return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")
-
-
 def _child(spec: dict) -> dict:
     import jax
     import numpy as np
@@ -50,12 +43,14 @@ def _child(spec: dict) -> dict:
 
     lazy_imports = time.perf_counter() - start
     sys.path.insert(0, str(HERE))
+    from _peers import proc_io
+
     if spec["cold"]:
         from _peers import drop_page_cache
 
         root = Path(spec["dataset"])
         drop_page_cache([SOURCE / f"shard-{i:05d}.arrayrecord" for i in range(3)] + sorted(root.glob("chunks/*.npy")))
-    read0, start = _rchar(), time.perf_counter()
+    read0, start = proc_io("rchar"), time.perf_counter()
     kw = {} if spec["options"] is None else {"reader_options": spec["options"]}
     ds = oj.open_dataset(spec["dataset"], **kw)
     loader = oj.make_loader(ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"])
@@ -63,7 +58,7 @@ def _child(spec: dict) -> dict:
     seconds = time.perf_counter() - start
     plan = oj.SamplingPlan(np.arange(ds.num_cells), 1024, 16, 64, 0)  # the loader's: its first fetch's cells
     touched = len(np.unique(plan.fetch(0, 0, 0).rows // ds.manifest.shard_cells))
-    out = {"first_batch_s": seconds, "lazy_imports_s": lazy_imports, "read_mb": (_rchar() - read0) / 1e6, "shards": len(ds.manifest.shards),
+    out = {"first_batch_s": seconds, "lazy_imports_s": lazy_imports, "read_mb": (proc_io("rchar") - read0) / 1e6, "shards": len(ds.manifest.shards),
            "shards_touched": touched, "cells": ds.num_cells}
     loader.close()
     return out

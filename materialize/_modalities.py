@@ -59,6 +59,7 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _PRESENT, _SOURCE_FILE, _SOURCE_ROW = "__present", "__source_file", "__source_row"  # scratch table columns
 _FEATURE_TABLES = ("{name}_features.parquet", "peaks.parquet", "features.parquet")
 _GAP_ROWS = 64  # .h5mu rows closer than this are read in one range
+ALIGN_MEMORY = "2GB"  # DuckDB's memory while it puts a modality's table in the primary's order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +310,7 @@ class TableModality(Source):
         tokens, values = (sql_ident(n) for n in self.lists)
         folder = Path(scratch).parent
         con.execute(f"SET temp_directory = {sql_str(str(folder / '.duckdb-spill'))}")
+        con.execute(f"SET memory_limit = '{ALIGN_MEMORY}'")  # beyond it the join and sort spill: RSS stays flat
         sql = (f"SELECT p.{cid} AS {cid}, "
                f"coalesce(m.{tokens}, []) AS {GENE_COLUMN}, coalesce(m.{values}, []) AS {VALUE_COLUMN}, "
                f"m.{cid} IS NOT NULL AS {_PRESENT}, m.{FILENAME_COLUMN} AS {_SOURCE_FILE}, "

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._outputs import CSR as CSR
     from ._outputs import Dense as Dense
     from ._outputs import GeneformerTokens as GeneformerTokens
+    from ._outputs import Modalities as Modalities
     from ._outputs import ScGPTTokens as ScGPTTokens
     from ._outputs import Output as Output
     from ._outputs import Panel as Panel
@@ -96,6 +97,7 @@ _PUBLIC = {
     "CSR": "._outputs",
     "Dense": "._outputs",
     "GeneformerTokens": "._outputs",
+    "Modalities": "._outputs",
     "ScGPTTokens": "._outputs",
     "Output": "._outputs",
     "Panel": "._outputs",

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ._codec import EMPTY_RECORD
+from ._codec import EMPTY_RECORD, join_records
 from ._dataset import Dataset, runs
 from ._records import ShardReaders, read_runs
 
@@ -50,6 +50,28 @@ class FetchReader:
                              strict=True):
             records[i] = record
         return records
+
+
+class OutputRecords:
+    """Reads the records an output decodes: the dataset's own, or for an output per modality
+    (`Modalities`) those of each modality it names, of the same rows, and no other."""
+
+    def __init__(self, dataset: Dataset, modalities: tuple[str | None, ...]):
+        self.single = modalities == (None,)
+        self._readers = {name: FetchReader(dataset.modality(name)) for name in modalities}
+
+    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes] | dict[str, list[bytes]]:
+        """Records of ``rows`` (see `FetchReader`): a list, or a dict of lists by modality."""
+        if self.single:
+            return self._readers[None](rows, announce_first=announce_first)
+        return {name: read(rows, announce_first=announce_first) for name, read in self._readers.items()}
+
+    def join(self, records, lo: int, hi: int):
+        """``(buf, starts)`` of records ``[lo, hi)`` (`_codec.join_records`), or dicts of them by modality."""
+        if self.single:
+            return join_records(records[lo:hi])
+        joined = {name: join_records(recs[lo:hi]) for name, recs in records.items()}
+        return {n: j[0] for n, j in joined.items()}, {n: j[1] for n, j in joined.items()}
 
 
 _CLOSED = "the loader was closed while this batch was being read"

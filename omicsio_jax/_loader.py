@@ -25,7 +25,7 @@ from ._coverage import Coverage, Tally
 from ._dataset import Dataset
 from ._errors import OmicsIOError, StateMismatchError
 from ._minibatch import DiskSpec, MinibatchReader
-from ._outputs import CSR, Output
+from ._outputs import CSR, Modalities, Output
 from ._schedule import Anchor, Schedule
 from ._state import check_state, read_loader_states
 
@@ -139,8 +139,14 @@ class Loader(grain.DatasetIterator):
         return self._host_stream(schedule, reader, (0, 0)).to_iter_dataset(options)
 
     # ----- device side -------------------------------------------------------------------------
-    def densify(self, x: SparseBatch) -> jax.Array:
-        """Dense ``(batch_size, genes)`` float32 from a `SparseBatch`, computed on the devices (jitted)."""
+    def densify(self, x: SparseBatch, modality: str | None = None) -> jax.Array:
+        """Dense ``(batch_size, genes)`` float32 from a `SparseBatch`, computed on the devices (jitted);
+        with an output per modality, of ``modality``'s (``loader.densify(batch.x["atac"], "atac")``)."""
+        if isinstance(self.output, Modalities):
+            if modality is None:
+                msg = f"this loader has an output per modality: name the one to densify ({', '.join(self.output.modalities)})"
+                raise OmicsIOError(msg)
+            return self.output.densify(x, modality)
         if not isinstance(self.output, CSR):
             msg = f"densify needs output='csr'; this loader's output is {self.output.kind!r}"
             raise OmicsIOError(msg)

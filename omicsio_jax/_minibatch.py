@@ -15,12 +15,11 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from . import _codec
 from ._batch import HostBatch, local_shards
 from ._buffers import RowBuffers
 from ._dataset import Categorical, Dataset
 from ._errors import OmicsIOError
-from ._fetch import FetchReader, SegmentCache
+from ._fetch import OutputRecords, SegmentCache
 from ._outputs import Output, OutputContext, RowKeys, resolve_output
 from ._records import records_checked
 from ._sampling import SamplingPlan, class_weights
@@ -131,14 +130,14 @@ class MinibatchReader:
         self.decode_threads = decode_threads or 1
         self._buffers = RowBuffers(keep=keep_buffers)
         self._lock, self._first, self._first_served = threading.Lock(), True, threading.Event()
-        self._read = FetchReader(ds)
+        self._read = OutputRecords(ds, output.modalities)  # a Modalities output: each of its modalities
         full = schedule.plan.fetch_factor
         self._segments = SegmentCache(self._load, self._following, ahead=prefetch, threads=prefetch,
                                       keep=prefetch + 3, weight=lambda seg: seg.num_steps / full)
         # numba's start-up in this process (~0.4 s of Python) overlaps the first fetch's read
         threading.Thread(target=_warm_up, args=(output,), daemon=True, name="omicsio-jax-warm-up").start()
 
-    def _load(self, seg: Segment) -> tuple[np.ndarray, list[bytes]]:
+    def _load(self, seg: Segment) -> tuple[np.ndarray, list[bytes] | dict[str, list[bytes]]]:
         rows = self.schedule.rows(seg)
         return rows, self._read(rows)
 
@@ -166,11 +165,11 @@ class MinibatchReader:
         lo = (step - seg.first_step) * b
         if alone:  # the first batch reads only its own cells, not its whole fetch (a quarter of the chunks)
             rows = self.schedule.rows(seg)[lo : lo + b]
-            buf, starts = _codec.join_records(self._read(rows, announce_first=False))  # warm: not a moment lost
+            buf, starts = self._read.join(self._read(rows, announce_first=False), 0, len(rows))  # warm: not a moment lost
         else:
             rows, records = self._segments.get(seg)
             rows = rows[lo : lo + b]
-            buf, starts = _codec.join_records(records[lo : lo + b])
+            buf, starts = self._read.join(records, lo, lo + b)
             del records
         self._segments.used(seg, seg.num_steps)  # all its steps joined: the segment's records can go
         keys = RowKeys(rows, epoch, self.schedule.plan.seed)

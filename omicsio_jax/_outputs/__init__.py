@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .._errors import OmicsIOError
 from .base import Output, OutputContext, RowKeys
 from .csr import CSR
 from .dense import Dense
 from .geneformer import GeneformerTokens
+from .modalities import Modalities
 from .panel import Panel
 from .scgpt import ScGPTTokens
 
-__all__ = ["CSR", "Dense", "GeneformerTokens", "Output", "OutputContext", "Panel", "RowKeys", "ScGPTTokens",
-           "resolve_output"]
+__all__ = ["CSR", "Dense", "GeneformerTokens", "Modalities", "Output", "OutputContext", "Panel", "RowKeys",
+           "ScGPTTokens", "resolve_output"]
 
 
-def resolve_output(output: str | Output, *, genes: Sequence[str | int] | None = None, normalize: str | None = None,
-                   target_sum: float = 1e4, nnz_capacity: int | None = None) -> Output:
-    """The `Output` of a loader's ``output=`` argument: an `Output`, or the shorthands ``"dense"``
-    (`Dense`, or `Panel` with ``genes``) and ``"csr"`` (`CSR`) configured by the other arguments."""
+def resolve_output(output: str | Output | Mapping[str, str | Output], *, genes: Sequence[str | int] | None = None,
+                   normalize: str | None = None, target_sum: float = 1e4, nnz_capacity: int | None = None) -> Output:
+    """The `Output` of a loader's ``output=`` argument: an `Output`, the shorthands ``"dense"``
+    (`Dense`, or `Panel` with ``genes``) and ``"csr"`` (`CSR`) configured by the other arguments, or
+    a dict ``{modality: output}`` (`Modalities`; each modality's knobs go in its own output)."""
+    if isinstance(output, Mapping):
+        given = {k: v for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
+                 if v is not None}
+        if given:
+            msg = (f"with an output per modality, pass {', '.join(given)} to each modality's output, e.g. "
+                   "output={'rna': oj.Panel(genes, normalize='log1p'), 'atac': oj.CSR(nnz_capacity=...)}")
+            raise OmicsIOError(msg)
+        return Modalities(output)
     if isinstance(output, Output):
         given = {k: v for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
                  if v is not None}

@@ -73,6 +73,12 @@ class Output(abc.ABC):
 
     kind: str = ""
 
+    @property
+    def modalities(self) -> tuple[str | None, ...]:
+        """The modalities whose records `from_records` takes: ``(None,)``, the dataset's own, for
+        every kind but `Modalities` (which takes a dict of each named modality's records)."""
+        return (None,)
+
     def bind(self, ctx: OutputContext) -> Output:
         """A copy resolved against ``ctx`` (gene columns, capacities); the unbound spec is unchanged."""
         return self
