@@ -5,6 +5,8 @@ Cells are generated in chunks of ``CHUNK_CELLS`` from
 and ``cells.h5ad``; only O(cells) label codes stay in memory. Gene ids follow a
 Zipf-like popularity law and are drawn by a numba kernel that only consumes
 numpy random numbers, so the output is a pure function of the arguments.
+With ``multimodal=True`` the corpus also gets splice layers of the RNA and an ATAC
+modality (see `materialize._synthetic_multimodal`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -50,6 +52,12 @@ class SyntheticCorpus:
     num_cells: int
     num_genes: int
     nnz: int
+    layers: dict[str, Path] | None = field(default=None, hash=False)  # splice layer name -> parquet
+    atac_parquet: Path | None = None
+    peaks_parquet: Path | None = None
+    h5mu: Path | None = None
+    num_peaks: int = 0
+    atac_nnz: int = 0
 
 
 @njit(cache=True)
@@ -250,13 +258,19 @@ class _Model:
         return np.concatenate([[0], np.cumsum(counts)]), genes, values
 
 
-def _cell_ids(start: int, n: int) -> pa.StringArray:
-    """Vectorised ``f"c{row:09d}"`` for rows ``start .. start + n - 1``."""
+def _cell_ids_at(rows: np.ndarray) -> pa.StringArray:
+    """Vectorised ``f"c{row:09d}"`` for each of ``rows``."""
+    n = rows.size
     chars = np.empty((n, 10), np.uint8)
     chars[:, 0] = ord("c")
-    chars[:, 1:] = np.arange(start, start + n)[:, None] // 10 ** np.arange(8, -1, -1) % 10 + ord("0")
+    chars[:, 1:] = rows.astype(np.int64)[:, None] // 10 ** np.arange(8, -1, -1) % 10 + ord("0")
     offsets = np.arange(0, 10 * (n + 1), 10, dtype=np.int32)
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars))
+
+
+def _cell_ids(start: int, n: int) -> pa.StringArray:
+    """Vectorised ``f"c{row:09d}"`` for rows ``start .. start + n - 1``."""
+    return _cell_ids_at(np.arange(start, start + n))
 
 
 def _write_chunk(writer: pq.ParquetWriter | None, h5: h5py.File | None, model: _Model, start: int,
@@ -275,50 +289,72 @@ def _write_chunk(writer: pq.ParquetWriter | None, h5: h5py.File | None, model: _
         columns["total_counts"] = pa.array(totals)
         writer.write_table(pa.Table.from_pydict(columns, schema=_SCHEMA), row_group_size=row_group_size)
     if h5 is not None:
-        x = h5["X"]
-        old = x["data"].shape[0]
-        for name, arr in (("data", values), ("indices", genes)):
-            x[name].resize((old + arr.size,))
-            x[name][old:] = arr
-        x["indptr"][start + 1:start + n + 1] = offsets[1:] + old
+        _append_csr(h5["X"], start, offsets, genes, values)
+
+
+def _create_csr(parent: h5py.Group, name: str, shape: tuple[int, int]) -> h5py.Group:
+    """An empty, growable CSR matrix ``parent[name]`` in anndata's on-disk format."""
+    x = parent.create_group(name)
+    x.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": list(shape)})
+    x.create_dataset("data", (0,), maxshape=(None,), dtype=np.float32, chunks=(1 << 18,))
+    x.create_dataset("indices", (0,), maxshape=(None,), dtype=np.int32, chunks=(1 << 18,))
+    x.create_dataset("indptr", data=np.zeros(shape[0] + 1, np.int64))
+    return x
+
+
+def _append_csr(x: h5py.Group, start: int, offsets: np.ndarray, indices: np.ndarray, data: np.ndarray) -> None:
+    """Append CSR rows ``start ..`` (``offsets`` from 0) to a matrix made by `_create_csr`."""
+    n = offsets.size - 1
+    old = x["data"].shape[0]
+    for name, arr in (("data", data), ("indices", indices)):
+        x[name].resize((old + arr.size,))
+        x[name][old:] = arr
+    x["indptr"][start + 1:start + n + 1] = offsets[1:] + old
 
 
 def _open_h5ad(path: Path, num_cells: int, num_genes: int) -> h5py.File:
     """Create an h5ad file with anndata's root attributes and an empty, growable CSR ``X``."""
     f = h5py.File(path, "w")
     f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-    x = f.create_group("X")
-    x.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0",
-                    "shape": [num_cells, num_genes]})
-    x.create_dataset("data", (0,), maxshape=(None,), dtype=np.float32, chunks=(1 << 18,))
-    x.create_dataset("indices", (0,), maxshape=(None,), dtype=np.int32, chunks=(1 << 18,))
-    x.create_dataset("indptr", data=np.zeros(num_cells + 1, np.int64))
+    _create_csr(f, "X", (num_cells, num_genes))
     return f
 
 
+def _obs_frame(model: _Model, n_genes: np.ndarray, totals: np.ndarray) -> pd.DataFrame:
+    """The cells' obs (categorical labels, ``n_genes``, ``total_counts``), indexed by cell id."""
+    obs = pd.DataFrame({key: pd.Categorical.from_codes(codes, categories=names)
+                        for key, (names, codes) in model.obs_codes(slice(None)).items()},
+                       index=pd.Index([f"c{i:09d}" for i in range(model.num_cells)], name="cell_id"))
+    obs["n_genes"], obs["total_counts"] = n_genes, totals
+    return obs
+
+
+def _var_frame(model: _Model) -> pd.DataFrame:
+    """The genes' var, indexed by Ensembl id."""
+    return model.genes.set_index("ensembl_id").astype({"chromosome": "category", "gene_type": "category"})
+
+
 def _finish_h5ad(f: h5py.File, model: _Model, n_genes: np.ndarray, totals: np.ndarray) -> None:
-    """Write ``obs``, ``var`` and the empty elements anndata expects."""
+    """Write ``obs``, ``var`` and the empty elements anndata expects (``layers`` unless written)."""
     try:  # imported here: anndata takes ~1 s to import and only the h5ad needs it
         from anndata.io import write_elem
     except ImportError:  # pragma: no cover - older anndata
         from anndata.experimental import write_elem
 
-    obs = pd.DataFrame({key: pd.Categorical.from_codes(codes, categories=names)
-                        for key, (names, codes) in model.obs_codes(slice(None)).items()},
-                       index=pd.Index([f"c{i:09d}" for i in range(model.num_cells)], name="cell_id"))
-    obs["n_genes"], obs["total_counts"] = n_genes, totals
-    var = model.genes.set_index("ensembl_id").astype({"chromosome": "category", "gene_type": "category"})
-    write_elem(f, "obs", obs)
-    write_elem(f, "var", var)
+    write_elem(f, "obs", _obs_frame(model, n_genes, totals))
+    write_elem(f, "var", _var_frame(model))
     for key in ("obsm", "varm", "obsp", "varp", "layers", "uns"):
-        write_elem(f, key, {})
+        if key not in f:
+            write_elem(f, key, {})
 
 
 def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int = 62_710, seed: int = 0,
                           num_plates: int | None = None, mean_nnz: float = 1500.0,
                           marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
                           write_parquet: bool = True, write_h5ad: bool = True,
-                          row_group_size: int = 8192, progress: bool = False) -> SyntheticCorpus:
+                          row_group_size: int = 8192, progress: bool = False, multimodal: bool = False,
+                          num_peaks: int = 200_000, atac_mean_nnz: float = 3000.0, atac_fraction: float = 0.9,
+                          atac_shuffle: bool = True, write_h5mu: bool = False) -> SyntheticCorpus:
     """Write a synthetic Tahoe-like corpus to ``out_dir``.
 
     Parameters
@@ -342,26 +378,63 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
         data differ in hundreds of genes — ``(0.03, 0.2, 0.015)`` is closer to that.
     write_parquet, write_h5ad
         Whether to write ``cells.parquet`` / ``cells.h5ad``; ``gene_metadata.parquet``
-        is always written.
+        is always written. With ``multimodal``, ``write_parquet`` also covers the layer and
+        ATAC tables and ``write_h5ad`` the layers of ``cells.h5ad``.
     row_group_size
-        Parquet row-group size in cells.
+        Parquet row-group size in cells (ATAC: at most 4,096, its generation chunk).
     progress
         Show a tqdm progress bar in cells.
+    multimodal
+        Also write the further modalities of the cells, one table per modality keyed by
+        ``cell_id`` (see `materialize._synthetic_multimodal`):
+        ``rna_layers_{spliced,unspliced,ambiguous}.parquet`` (the RNA counts split
+        ~75/20/5%: non-negative integers summing exactly to ``cells.parquet``, same rows and
+        order, nonzeros only) and ``layers/*`` of ``cells.h5ad``; ``peaks.parquet`` (the
+        peak table) and ``atac_cells.parquet`` (``cell_id``, ``peak_token_id``,
+        ``peak_accessibility``, ``dataset``).
+    num_peaks
+        Peaks of the ATAC modality (at most 1,000,000), spread over GRCh38, 300–1000 bp wide.
+    atac_mean_nnz
+        Mean accessible peaks per cell (log-normal, clipped to ``[200, num_peaks // 10]``);
+        peak popularity is Zipf-like, a tenth of the draws come from the cell type's own
+        peaks, and values are small counts (80% 1, 15% 2, then 3 and 4).
+    atac_fraction
+        Share of the cells with ATAC (a seeded draw per cell).
+    atac_shuffle
+        Write the ATAC rows in a seeded random order (else in the RNA order); a cell's ATAC
+        does not depend on it.
+    write_h5mu
+        Also write ``cells.h5mu`` (MuData: ``rna`` with the layers, ``atac`` in the ATAC
+        order); needs ``multimodal`` and the ``mudata`` package (imported only then), and
+        holds every nonzero in memory, so it is for small corpora.
 
     Returns
     -------
     SyntheticCorpus
         Paths of the written files and the corpus size.
     """
+    if write_h5mu and not multimodal:
+        raise ValueError("write_h5mu needs multimodal=True")
     model = _Model(num_cells, num_genes, seed, num_plates, mean_nnz, marker_fraction)
+    mm = None
+    if multimodal:  # imported here: that module imports this one
+        from . import _synthetic_multimodal as mm
+        atac = mm.AtacModel(model, num_peaks, atac_mean_nnz, atac_fraction, atac_shuffle)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     genes_path = out / "gene_metadata.parquet"
     pq.write_table(pa.Table.from_pandas(model.genes, preserve_index=False), genes_path, compression="zstd")
     cells_path = out / "cells.parquet" if write_parquet else None
     h5ad_path = out / "cells.h5ad" if write_h5ad else None
-    writer = h5 = None
+    writer = h5 = further = None
     n_genes, totals = np.empty(num_cells, np.int32), np.empty(num_cells, np.float32)
+
+    def write(index: int, start: int, offsets: np.ndarray, genes: np.ndarray, values: np.ndarray) -> None:
+        _write_chunk(writer, h5, model, start, offsets, genes, values, totals[start:start + offsets.size - 1],
+                     row_group_size)
+        if further is not None:
+            further.rna_chunk(index, start, offsets, genes, values)
+
     try:
         if cells_path:  # encodings chosen for write speed: sorted ids delta-encode well
             strings = [f.name for f in _SCHEMA if f.type == pa.string()]
@@ -370,6 +443,9 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
                                       write_statistics=flat, column_encoding={
                                           _NESTED[0]: "DELTA_BINARY_PACKED", _NESTED[1]: "BYTE_STREAM_SPLIT"})
         h5 = _open_h5ad(h5ad_path, num_cells, num_genes) if h5ad_path else None
+        if mm is not None:
+            further = mm.MultimodalWriter(model, atac, out, write_parquet=write_parquet, h5ad=h5,
+                                          write_h5mu=write_h5mu, row_group_size=row_group_size)
         with ThreadPoolExecutor(1) as pool, tqdm(total=num_cells, unit="cell", disable=not progress) as bar:
             pending: Future | None = None  # writing chunk i overlaps generating chunk i + 1
             for index, start in enumerate(range(0, num_cells, CHUNK_CELLS)):
@@ -379,20 +455,29 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
                 totals[start:start + n] = np.add.reduceat(values, offsets[:-1])
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(_write_chunk, writer, h5, model, start, offsets, genes, values,
-                                      totals[start:start + n], row_group_size)
+                pending = pool.submit(write, index, start, offsets, genes, values)
                 bar.update(n)
             if pending is not None:
                 pending.result()
         if h5 is not None:
             _finish_h5ad(h5, model, n_genes, totals)
+        if further is not None:
+            further.write_atac(progress)
+            further.finish(_obs_frame(model, n_genes, totals), _var_frame(model))
     finally:
         if writer is not None:
             writer.close()
         if h5 is not None:
             h5.close()
+        if further is not None:
+            further.close()
     nnz = int(n_genes.sum(dtype=np.int64))
-    return SyntheticCorpus(cells_path, genes_path, h5ad_path, num_cells, num_genes, nnz)
+    if further is None:
+        return SyntheticCorpus(cells_path, genes_path, h5ad_path, num_cells, num_genes, nnz)
+    return SyntheticCorpus(cells_path, genes_path, h5ad_path, num_cells, num_genes, nnz,
+                           layers=further.layer_paths, atac_parquet=further.atac_path,
+                           peaks_parquet=further.peaks_path, h5mu=further.h5mu_path, num_peaks=num_peaks,
+                           atac_nnz=further.atac_nnz)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,15 +486,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     for flag, default in (("--cells", 20_000), ("--genes", 62_710), ("--seed", 0), ("--plates", None)):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--peaks", type=int, default=200_000, help="ATAC peaks (with --multimodal)")
     for flag in ("--no-h5ad", "--no-parquet", "--no-progress"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="also write splice layers and an ATAC modality")
+    parser.add_argument("--h5mu", action="store_true", help="also write cells.h5mu (needs --multimodal)")
     args = parser.parse_args(argv)
+    if args.h5mu and not args.multimodal:
+        parser.error("--h5mu needs --multimodal")
     t0 = time.perf_counter()
     corpus = make_synthetic_corpus(args.out_dir, num_cells=args.cells, num_genes=args.genes, seed=args.seed,
                                    num_plates=args.plates, write_parquet=not args.no_parquet,
-                                   write_h5ad=not args.no_h5ad, progress=not args.no_progress)
-    files = [p.name for p in (corpus.cells_parquet, corpus.genes_parquet, corpus.h5ad) if p is not None]
-    print(f"cells={corpus.num_cells} genes={corpus.num_genes} nnz={corpus.nnz} "
+                                   write_h5ad=not args.no_h5ad, progress=not args.no_progress,
+                                   multimodal=args.multimodal, num_peaks=args.peaks, write_h5mu=args.h5mu)
+    paths = [corpus.cells_parquet, corpus.genes_parquet, corpus.h5ad, *(corpus.layers or {}).values(),
+             corpus.atac_parquet, corpus.peaks_parquet, corpus.h5mu]
+    files = [p.name for p in paths if p is not None]
+    atac = f" peaks={corpus.num_peaks} atac_nnz={corpus.atac_nnz}" if args.multimodal else ""
+    print(f"cells={corpus.num_cells} genes={corpus.num_genes} nnz={corpus.nnz}{atac} "
           f"files={','.join(files)} seconds={time.perf_counter() - t0:.2f}")
     return 0
 
