@@ -156,7 +156,8 @@ class SegmentCache(Generic[T]):
                 del self._entries[key]
 
     def _read_ahead(self, key: Hashable) -> None:
-        self._entries.move_to_end(key)
+        if key in self._entries:  # (a first key may be used up and dropped before its first asker gets here)
+            self._entries.move_to_end(key)
         nxt, covered = key, 0.0
         while covered < self._ahead:
             nxt = self._following(nxt)

@@ -169,3 +169,26 @@ def test_a_get_waiting_when_the_cache_closes_raises_instead_of_hanging():
     assert not waiting.is_alive() and len(errors) == 1
     with pytest.raises(CacheClosedError):
         cache.get(2)
+
+
+def test_a_first_key_used_up_before_its_other_asker_wakes_is_no_error():
+    """Regression: two threads asking for the very first key both wait for it; the first to wake used it
+    up (one use) and it was dropped, and the other then raised KeyError moving it in the cache."""
+    for _ in range(20):
+        cache = SegmentCache(lambda key: (time.sleep(0.001), key)[1], lambda key: None, ahead=1, threads=1)
+        errors: list[BaseException] = []
+
+        def ask(cache=cache, errors=errors) -> None:
+            try:
+                assert cache.get(0) == 0
+                cache.used(0, 1)
+            except BaseException as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(e)
+
+        askers = [threading.Thread(target=ask) for _ in range(3)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        cache.close()
+        assert errors == []
