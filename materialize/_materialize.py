@@ -240,10 +240,12 @@ def materialize(
         array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
         created_by = f"omicsio_jax {_version()}"
         entries = []
-        for k, inp in enumerate(inputs):
-            further = _open_modality(inp, src, job, partitions, primary=primary, require_all=require_all_modalities,
-                                     check_primary=k == 0, subset=bool(where or query))
-            entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
+        with _scratch(staging) as scratch:
+            for k, inp in enumerate(inputs):
+                further = _open_modality(inp, src, job, partitions, primary=primary,
+                                         require_all=require_all_modalities, check_primary=k == 0,
+                                         subset=bool(where or query), scratch=scratch)
+                entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
         features = src.genes if chosen_panel is None else chosen_panel.features
         manifest = finalize(
             job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
@@ -255,8 +257,9 @@ def materialize(
 
 
 def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, primary: str, require_all: bool,
-                   check_primary: bool, subset: bool) -> Source:
-    """The further modality ``inp`` as a source in the primary's row order (the primary written)."""
+                   check_primary: bool, subset: bool, scratch: str) -> Source:
+    """The further modality ``inp`` as a source in the primary's row order (the primary written);
+    ``scratch``: a local folder for a table that must be put in that order."""
     if inp.table is None:  # a layer or a modality of the primary's own .h5ad / .h5mu
         from ._h5ad import H5adSource
 
@@ -268,22 +271,13 @@ def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, pri
         return H5Modality(inp.name, reader, src, rows, layer=False)
     store = open_store(job.staging)
     cells = [f"{job.staging}/{part_dir(p.index)}/{PART_CELLS}" for p in partitions]
-    scratch_name = f"{PARTS_DIR}/modality-{inp.name}.parquet"
-    if store.local_root is not None:
-        return TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells,
-                             primary_genes=src.genes, num_cells=src.num_cells,
-                             scratch=str(store.local_root / scratch_name), require_all=require_all,
-                             check_primary=check_primary, subset=subset)
-    with tempfile.TemporaryDirectory(prefix="omicsio-align-") as local:  # rewritten here, read from the store
-        (Path(local) / PARTS_DIR).mkdir()
-
-        def publish(path: str) -> str:
-            store.upload(Path(local), [scratch_name])
-            return f"{store.url}/{scratch_name}"
-
-        return TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells,
-                             primary_genes=src.genes, num_cells=src.num_cells, scratch=str(Path(local) / scratch_name),
-                             publish=publish, require_all=require_all, check_primary=check_primary, subset=subset)
+    spill = Path(scratch) / f"align-{inp.name}"
+    further = TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells, primary_genes=src.genes,
+                            num_cells=src.num_cells, shard_cells=job.shard_cells, spill=spill,
+                            require_all=require_all, check_primary=check_primary, subset=subset)
+    if store.local_root is None:  # workers elsewhere read the spilled partitions from the output's store
+        further.publish(f"{job.staging}/{PARTS_DIR}/align-{inp.name}")
+    return further
 
 
 def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str,
@@ -310,6 +304,20 @@ def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_re
     sha = hashlib.sha256(manifest.to_json().encode()).hexdigest()
     return ModalityEntry(inp.name, path, manifest.num_genes, manifest.layout, manifest.nnz, inp.features_kind,
                          manifest.fingerprint, sha)
+
+
+@contextlib.contextmanager
+def _scratch(staging: str) -> Iterator[str]:
+    """A local folder for intermediate files: in the staging directory (removed with the partitions'
+    sidecars), or a temporary one when the output is on object storage."""
+    store = open_store(staging)
+    if store.local_root is not None:
+        folder = store.local_root / PARTS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        yield str(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="omicsio-scratch-") as folder:
+        yield folder
 
 
 def _check_output(store, overwrite: bool) -> None:

@@ -11,9 +11,9 @@ empty row; ``require_all`` makes absence an error). Its inputs:
 - **list-column tables**, one per modality, joined on ``cell_id`` with the primary's cells (read
   back from the primary's written partitions, so any primary input works). A table whose rows
   are already the primary's cells in order (the usual case: tables written together) is read as
-  it is, in partitions, in parallel. Any other is first rewritten in the primary's order by
-  DuckDB (an out-of-core join and sort into a scratch parquet beside the partitions), then read
-  the same way. Splice layers (``layers=``) use the primary's gene table; other modalities have
+  it is, in partitions, in parallel. Any other is first spilled by partition in one streaming
+  pass (`_reorder`: DuckDB joins only the cell ids; the lists go to a memory-mapped Arrow file
+  per partition), and each partition's writer takes its rows in order from its file. Splice layers (``layers=``) use the primary's gene table; other modalities have
   their own feature table (given, or ``<name>_features.parquet`` / ``peaks.parquet`` /
   ``features.parquet`` beside the table), keyed by the table's token column (``peak_token_id``).
 - **.h5ad layers** (``layers=["spliced", ...]``): ``layers/<name>`` of the file, aligned by construction.
@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import duckdb
 import h5py
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax._arrow import is_list_type
+from omicsio_jax._arrow import is_list_type, list_to_csr
 from omicsio_jax._dataset import take_rows
+from omicsio_jax._objectfs import as_input_path
+from omicsio_jax._store import is_remote
 from omicsio_jax._tables import (
     CELL_ID_COLUMN,
     FILE_ROW_COLUMN,
@@ -51,15 +54,14 @@ from omicsio_jax._tables import (
 from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
 from ._h5ad import H5adSource
 from ._plan import Partition, whole_partitions
+from ._reorder import Spill, spill_by_partition
 from ._source import Batch, Source, gene_table_from_arrow
 from ._tables import DEFAULT_BATCH_CELLS, TableSource, connect
 
 LAYER, OWN = "primary", "own"  # a modality's columns: the primary's genes, or its own features
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
-_PRESENT, _SOURCE_FILE, _SOURCE_ROW = "__present", "__source_file", "__source_row"  # scratch table columns
 _FEATURE_TABLES = ("{name}_features.parquet", "peaks.parquet", "features.parquet")
 _GAP_ROWS = 64  # .h5mu rows closer than this are read in one range
-ALIGN_MEMORY = "2GB"  # DuckDB's memory while it puts a modality's table in the primary's order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,14 +206,12 @@ class TableModality(Source):
     """A further modality from a list-column table, in the primary's row order (see the module doc)."""
 
     def __init__(self, inp: ModalityInput, *, primary: str, primary_label: str, primary_cells: list[str],
-                 primary_genes: pa.Table, num_cells: int, scratch: str, require_all: bool,
-                 check_primary: bool = True, batch_cells: int = DEFAULT_BATCH_CELLS,
-                 publish: Callable[[str], str] | None = None, subset: bool = False):
+                 primary_genes: pa.Table, num_cells: int, shard_cells: int, spill: Path, require_all: bool,
+                 check_primary: bool = True, batch_cells: int = DEFAULT_BATCH_CELLS, subset: bool = False):
         """``primary_cells``: the primary's written partition sidecars, in order (their ``cell_id``);
-        ``subset``: the primary is a selection (``--where``/``--query``), so cells of the table
-        outside it are left out rather than refused;
-        ``scratch``: where a table not in the primary's order is rewritten (a local parquet path),
-        then read from ``publish(scratch)`` (default: there)."""
+        ``spill``: a local folder for the table's rows by partition, when they are not in the
+        primary's order (see `_reorder`); ``subset``: the primary is a selection
+        (``--where``/``--query``), so cells of the table outside it are left out, not refused."""
         self.name, self.layer = inp.name, inp.layer
         self.label = f"modality {inp.name} ({inp.table})"
         self._primary, self._primary_label = primary, primary_label
@@ -238,15 +238,14 @@ class TableModality(Source):
         con.execute(f"CREATE VIEW primary_cells AS SELECT {CELL_ID_COLUMN}, row_number() OVER () - 1 AS __row "
                     f"FROM read_parquet([{names}])")
         self.present, self.aligned = self._align(con, inp, check_primary)
-        table = inp.table
+        self._reader = TableSource(inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.lists)
+        self._primary_cells, self._batch_cells, self._shard_cells = primary_cells, batch_cells, shard_cells
+        self._spill: Spill | None = None
         if not self.aligned:
-            self._rewrite(con, scratch)
-            table = scratch if publish is None else publish(scratch)
-        self._reader = TableSource(table, genes=genes, find_genes=False, batch_cells=batch_cells,
-                                   lists=self.lists if self.aligned else (GENE_COLUMN, VALUE_COLUMN))
-        if self._reader.num_cells != num_cells:
-            msg = f"internal error: {self.label} reads {self._reader.num_cells:,} rows for {num_cells:,} cells"
-            raise RuntimeError(msg)
+            spill.mkdir(parents=True, exist_ok=True)
+            spill_by_partition(con, self.lists, num_rows=self._reader.num_cells, shard_cells=shard_cells,
+                               folder=spill, label=self.label)
+            self._spill = Spill(spill)
         self.genes = self._reader.genes
         self.features_table = self._features_table(features)
         self.description = {"kind": "table", "modality": inp.name, "input": inp.table, "features": features,
@@ -304,24 +303,6 @@ class TableModality(Source):
             raise DataValidationError(msg) from e
         return present, not differ
 
-    def _rewrite(self, con: duckdb.DuckDBPyConnection, scratch: str) -> None:
-        """The table in the primary's row order, absent cells as empty rows, where each row came from."""
-        cid = sql_ident(CELL_ID_COLUMN)
-        tokens, values = (sql_ident(n) for n in self.lists)
-        folder = Path(scratch).parent
-        con.execute(f"SET temp_directory = {sql_str(str(folder / '.duckdb-spill'))}")
-        con.execute(f"SET memory_limit = '{ALIGN_MEMORY}'")  # beyond it the join and sort spill: RSS stays flat
-        sql = (f"SELECT p.{cid} AS {cid}, "
-               f"coalesce(m.{tokens}, []) AS {GENE_COLUMN}, coalesce(m.{values}, []) AS {VALUE_COLUMN}, "
-               f"m.{cid} IS NOT NULL AS {_PRESENT}, m.{FILENAME_COLUMN} AS {_SOURCE_FILE}, "
-               f"m.{FILE_ROW_COLUMN} AS {_SOURCE_ROW} "
-               f"FROM primary_cells p LEFT JOIN modality m USING ({cid}) ORDER BY p.__row")
-        try:
-            con.execute(f"COPY ({sql}) TO {sql_str(scratch)} (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 8192)")
-        except duckdb.Error as e:
-            msg = f"cannot align {self.label} with the primary's cells: {str(e).strip().splitlines()[0]}"
-            raise DataValidationError(msg) from e
-
     def _features_table(self, features: str | None) -> pa.Table:
         """The feature table written with the modality: the primary's genes, the one given (its own
         column names), or the tokens seen."""
@@ -330,19 +311,62 @@ class TableModality(Source):
         return self._reader.genes.rename_columns(
             [self.lists[0] if n == GENE_COLUMN else n for n in self._reader.genes.column_names])
 
+    def publish(self, url: str) -> None:
+        """Make the spilled partitions readable by workers on other machines (under ``url``)."""
+        if self._spill is not None:
+            self._spill.publish(url)
+
     def plan(self, shard_cells: int) -> list[Partition]:
-        return self._reader.plan(shard_cells)
+        return self._reader.plan(shard_cells) if self.aligned else whole_partitions(self.num_cells, shard_cells)
 
     def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
-        extra = [] if self.aligned else [_PRESENT, _SOURCE_FILE, _SOURCE_ROW]
-        for batch in self._reader.batches(extra, part, threads=threads):
-            if self.aligned:
-                locate = _prefixed(self.name, batch.locate)
-                present = None
-            else:
-                present = batch.obs[_PRESENT].to_numpy(zero_copy_only=False)
-                locate = _SourceLocator(self.name, batch.cell_ids, batch.obs[_SOURCE_FILE], batch.obs[_SOURCE_ROW])
-            yield dataclasses.replace(batch, obs={}, locate=locate, present=present)
+        if self.aligned:
+            for batch in self._reader.batches([], part, threads=threads):
+                yield dataclasses.replace(batch, locate=_prefixed(self.name, batch.locate))
+            return
+        for p in [part] if part is not None else self.plan(self._shard_cells):
+            yield from self._spilled_batches(p)
+
+    def _spilled_batches(self, part: Partition) -> Iterator[Batch]:
+        """Partition ``part`` from its spill file: its cells in the primary's order, absent ones empty."""
+        ids = _read_cell_ids(self._primary_cells[part.index])
+        tokens_column, values_column = self.lists
+        for table, rows, order in self._spill.partition(part.index):
+            for lo in range(part.first_cell, part.end_cell, self._batch_cells):
+                hi = min(part.end_cell, lo + self._batch_cells)
+                i, j = np.searchsorted(rows, [lo, hi])
+                positions = rows[i:j] - lo
+                present = np.zeros(hi - lo, bool)
+                present[positions] = True
+                cell_ids = ids.slice(lo - part.first_cell, hi - lo)
+                if j == i:
+                    empty = np.zeros(hi - lo + 1, np.int64)
+                    yield Batch(empty, np.zeros(0, np.int32), np.zeros(0, np.float32), cell_ids, {},
+                                lambda k, ids=cell_ids: f"modality {self.name}: cell_id {ids[k].as_py()}", present)
+                    continue
+                sub = table.take(pa.array(order[i:j]))
+                token_ptr, tokens = list_to_csr(sub.column(tokens_column).combine_chunks())
+                value_ptr, values = list_to_csr(sub.column(values_column).combine_chunks())
+                locate = _SourceLocator(self.name, cell_ids, positions, sub.column(FILENAME_COLUMN),
+                                        sub.column(FILE_ROW_COLUMN))
+                batch = Batch.from_arrow(_spread(token_ptr, positions, hi - lo), tokens,
+                                         _spread(value_ptr, positions, hi - lo), values, cell_ids, {}, locate)
+                yield dataclasses.replace(batch, present=present)
+
+
+def _spread(indptr: np.ndarray, positions: np.ndarray, num_rows: int) -> np.ndarray:
+    """The CSR pointers of ``num_rows`` rows whose rows ``positions`` (ascending) are those of
+    ``indptr``, the others empty."""
+    counts = np.zeros(num_rows, np.int64)
+    counts[positions] = np.diff(indptr)
+    out = np.zeros(num_rows + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _read_cell_ids(path: str) -> pa.Array:
+    source = as_input_path(path).open("rb") if is_remote(path) else path
+    return pq.read_table(source, columns=[CELL_ID_COLUMN]).column(0).combine_chunks()
 
 
 def _check_same_genes(inp: ModalityInput, features: pa.Table, primary_genes: pa.Table, primary: str) -> None:
@@ -362,14 +386,15 @@ def _prefixed(name: str, locate):
 
 
 class _SourceLocator:
-    """Names a rewritten row by the file and row it came from."""
+    """Names a batch row (at ``positions[k]``: the k-th spilled row) by the file and row it came from."""
 
-    def __init__(self, name: str, cell_ids: pa.Array, files: pa.Array, rows: pa.Array):
-        self.name, self.cell_ids, self.files, self.rows = name, cell_ids, files, rows
+    def __init__(self, name: str, cell_ids: pa.Array, positions: np.ndarray, files, rows):
+        self.name, self.cell_ids, self.positions, self.files, self.rows = name, cell_ids, positions, files, rows
 
     def __call__(self, i: int) -> str:
-        return (f"modality {self.name}: row {self.rows[i].as_py()} (cell_id {self.cell_ids[i].as_py()}) "
-                f"of {self.files[i].as_py()}")
+        k = int(np.searchsorted(self.positions, i))
+        return (f"modality {self.name}: row {self.rows[k].as_py()} (cell_id {self.cell_ids[i].as_py()}) "
+                f"of {self.files[k].as_py()}")
 
 
 # -- .h5ad layers and .h5mu modalities -------------------------------------------------------------------
