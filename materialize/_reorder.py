@@ -29,6 +29,7 @@ from omicsio_jax._tables import CELL_ID_COLUMN, FILE_ROW_COLUMN, FILENAME_COLUMN
 
 ROW = "__row"  # a spilled row's primary row
 _READ_ROWS = 8192
+JOIN_MEMORY = "1GB"
 
 
 def spill_name(partition: int) -> str:
@@ -48,6 +49,7 @@ def spill_by_partition(con: duckdb.DuckDBPyConnection, lists: tuple[str, str], *
     of view ``primary_cells`` to ``folder/p-NNNNN.arrow`` by the partition of that cell, with its
     primary row (``__row``); return how many were written."""
     cid = sql_ident(CELL_ID_COLUMN)
+    con.execute(f"SET memory_limit = '{JOIN_MEMORY}'")  # the join of cell ids spills beyond it
     targets = np.lib.format.open_memmap(folder / "targets.npy", mode="w+", dtype=np.int64, shape=(num_rows,))
     targets[:] = -1
     try:

@@ -309,13 +309,15 @@ class Dataset:
         return np.flatnonzero(~keep if invert else keep)
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
-        """Columns of ``genes`` (names, Ensembl ids or column numbers), in the order given.
+        """Columns of ``genes`` (names, Ensembl ids or column numbers; for a peak modality, peak names),
+        in the order given.
 
         >>> ds.gene_columns(["CD3E", "ENSG00000167286", 17])       # doctest: +SKIP
+        >>> ds.modality("atac").gene_columns(["chr1:10010-10460"])  # doctest: +SKIP
         """
         features = self.features
         lookup: dict[str, int] = {}
-        for key in ("ensembl_id", "gene_name"):
+        for key in ("ensembl_id", "gene_name", "peak_name"):
             if key in features:
                 for col, value in enumerate(features[key].astype(str)):
                     lookup.setdefault(value, col)

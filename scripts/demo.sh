@@ -32,6 +32,32 @@ grain_loader = oj.make_grain_loader(ds, **kw)
 equal = all(np.array_equal(np.asarray(a.index), b.index) for a, b in zip(loader, grain_loader, strict=True))
 print(f"grain.DataLoader batches equal make_loader's: {equal}; epoch audit: {loader.coverage(0).to_dict()}")
 PY
+# several modalities of the same cells: RNA, its splice layers and ATAC (in another order, some cells
+# without it), aligned by cell_id; one loader gives every modality of the same cells
+omicsio-materialize synth demo/multiome --cells 4000 --peaks 50000 --multimodal --no-h5ad --no-progress --seed 0
+omicsio-materialize demo/multiome/cells.parquet demo/multiome_dataset --overwrite --no-progress --obs cell_type \
+    --layers spliced=demo/multiome/rna_layers_spliced.parquet,unspliced=demo/multiome/rna_layers_unspliced.parquet \
+    --modality atac=demo/multiome/atac_cells.parquet
+omicsio-materialize verify demo/multiome_dataset
+python - <<'PY'
+import numpy as np
+import omicsio_jax as oj
+
+ds = oj.open_dataset("demo/multiome_dataset")
+print(f"modalities {ds.modalities}; {int(np.sum(ds.obs['has_atac']))} of {ds.num_cells} cells have ATAC "
+      f"over {ds.modality('atac').num_genes:,} peaks")
+loader = oj.make_loader(ds, batch_size=256, seed=0, num_epochs=1,
+                        output={"rna": "dense", "spliced": "csr", "unspliced": "csr", "atac": "csr"})
+batch = next(iter(loader))
+rows = np.asarray(batch.index)
+indptr, peaks, counts = ds.read_csr(rows, modality="atac")
+atac = np.asarray(loader.densify(batch.x["atac"], "atac"))
+want = np.zeros_like(atac)
+for i in range(len(rows)):
+    want[i, peaks[indptr[i]:indptr[i + 1]]] = counts[indptr[i]:indptr[i + 1]]
+print(f"one batch of every modality: rna {batch.x['rna'].shape}, atac {atac.shape}; "
+      f"atac equals read_csr of the same cells: {bool(np.array_equal(atac, want))}")
+PY
 omicsio-materialize index demo/corpus/cells.parquet demo/index --overwrite --no-progress
 python - <<'PY'
 import omicsio_jax as oj

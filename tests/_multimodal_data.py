@@ -64,7 +64,8 @@ def write_tables(truth: Truth, root: Path, *, shuffle_atac: bool) -> Path:
                    row_group_size=100)
     peaks = pa.table({"peak_token_id": pa.array(np.arange(PEAKS, dtype=np.int32)),
                       "chrom": pa.array(["chr1"] * PEAKS), "start": pa.array(np.arange(PEAKS) * 1000),
-                      "end": pa.array(np.arange(PEAKS) * 1000 + 500)})
+                      "end": pa.array(np.arange(PEAKS) * 1000 + 500),
+                      "peak_name": pa.array([f"chr1:{i * 1000}-{i * 1000 + 500}" for i in range(PEAKS)])})
     pq.write_table(peaks, root / "peaks.parquet")
     return root
 

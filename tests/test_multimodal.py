@@ -87,7 +87,7 @@ def test_manifest_lists_modalities_and_tables_keep_their_feature_table(datasets)
     assert entries["spliced"]["features"] == "primary" and entries["atac"]["features"] == "own"
     assert entries["atac"]["num_features"] == PEAKS and entries["atac"]["path"] == "modalities/atac"
     atac = oj.open_dataset(datasets["shuffled"]).modality("atac")
-    assert list(atac.features.columns) == ["peak_token_id", "chrom", "start", "end"]
+    assert list(atac.features.columns) == ["peak_token_id", "chrom", "start", "end", "peak_name"]
     assert atac.manifest.source["aligned"] is False
     assert oj.open_dataset(datasets["aligned"]).modality("atac").manifest.source["aligned"] is True
 

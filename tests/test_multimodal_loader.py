@@ -74,6 +74,15 @@ def test_every_modality_of_every_batch_is_exactly_the_cells_of_its_index(ds, tru
     assert loader.config()["modalities"]["atac"]["output"] == "csr"
 
 
+def test_a_peak_panel_by_peak_names_gives_those_peaks(ds, truth):
+    peaks = [66_000, 12, 40_001]
+    names = [f"chr1:{p * 1000}-{p * 1000 + 500}" for p in peaks]
+    loader = oj.make_loader(ds, **KNOBS, num_epochs=1, output={"atac": oj.Panel(names), "rna": "csr"})
+    for batch in loader:
+        rows = np.asarray(batch.index)
+        np.testing.assert_array_equal(np.asarray(batch.x["atac"]), truth.atac[rows][:, peaks].toarray())
+
+
 def test_a_restored_loader_serves_the_same_batches(ds, mesh):
     loader = oj.make_loader(ds, **KNOBS, num_epochs=2, output=OUTPUT, mesh=mesh)
     it = iter(loader)
