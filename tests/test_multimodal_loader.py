@@ -154,6 +154,8 @@ def test_mistakes_in_an_output_per_modality_are_one_line_errors(ds):
         oj.make_loader(ds, batch_size=64, output={"rna": "dense", "prot": "csr"})
     with pytest.raises(oj.OmicsIOError, match="pass normalize to each modality's output"):
         oj.make_loader(ds, batch_size=64, output={"rna": "dense"}, normalize="log1p")
+    with pytest.raises(oj.OmicsIOError, match="scgpt tokens need a gene-space modality .* 'atac' has features of its own"):
+        oj.make_loader(ds, batch_size=64, output={"atac": oj.ScGPTTokens()})
     with pytest.raises(oj.OmicsIOError, match="modality 'atac': output must be 'dense', 'csr' or an oj.Output"):
         oj.make_loader(ds, batch_size=64, output={"atac": "sparse"})
     loader = oj.make_loader(ds, batch_size=64, output={"rna": "dense", "atac": "csr"})

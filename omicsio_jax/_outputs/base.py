@@ -72,6 +72,7 @@ class Output(abc.ABC):
     """One output kind. Subclasses are frozen dataclasses; see the module docstring."""
 
     kind: str = ""
+    needs_genes: bool = False  # its columns must be genes (token kinds), not a modality's own features
 
     @property
     def modalities(self) -> tuple[str | None, ...]:

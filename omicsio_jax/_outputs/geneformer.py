@@ -42,6 +42,7 @@ class GeneformerTokens(Output):
     source: str = ""
 
     kind = "geneformer"
+    needs_genes = True  # tokens are genes: a gene-space modality only
 
     def __post_init__(self) -> None:
         specials = 2 if self.special_tokens else 0

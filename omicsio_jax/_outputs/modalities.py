@@ -82,6 +82,11 @@ class Modalities(Output):
                 msg = f"{ctx.source} has no modality {name!r}; it has {', '.join(ctx.dataset.modalities)}"
                 raise OmicsIOError(msg)
             sub = datasets[name] = ctx.dataset.modality(name)
+            if output.needs_genes and name != ctx.dataset.modalities[0] and \
+                    ctx.dataset.manifest.modality_entry(name).features != "primary":
+                msg = (f"{output.kind} tokens need a gene-space modality (the primary or a layer of its genes); "
+                       f"{name!r} has features of its own")
+                raise OmicsIOError(msg)
             bound.append((name, output.bind(OutputContext.of_dataset(sub, rows=ctx.rows, num_slabs=ctx.num_slabs))))
         return dataclasses.replace(self, outputs=tuple(bound), datasets=datasets)
 

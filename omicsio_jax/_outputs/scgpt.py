@@ -47,6 +47,7 @@ class ScGPTTokens(Output):
     source: str = ""
 
     kind = "scgpt"
+    needs_genes = True  # tokens are genes: a gene-space modality only
 
     def __post_init__(self) -> None:
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
