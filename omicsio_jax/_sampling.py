@@ -25,6 +25,7 @@ Randomness comes from ``np.random.default_rng([seed, stream, epoch, ...])`` with
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -50,6 +51,41 @@ class Fetch:
     shuffle_key: tuple[int, ...] | None
     num_batches: int
     padded: bool
+
+
+class AllRows:
+    """The rows ``0..n-1`` of a dataset, as a plan over every cell samples from them, without holding
+    them (``np.arange(10**8)`` is 0.8 GB): indexed like that array (a slice, positions, one position)."""
+
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return np.arange(*key.indices(self.n), dtype=np.int64)
+        positions = np.asarray(key)
+        if positions.ndim == 0:
+            i = int(positions)
+            if not -self.n <= i < self.n:
+                msg = f"position {i} out of range for {self.n} rows"
+                raise IndexError(msg)
+            return np.int64(i % self.n)
+        return positions.astype(np.int64, copy=True)  # position p is row p
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.arange(self.n, dtype=dtype or np.int64)
+
+    def digest(self) -> str:
+        """The digest `SamplingPlan.describe` takes of ``np.arange(n)``, computed in pieces."""
+        h = hashlib.sha256()
+        for first in range(0, self.n, 1 << 23):
+            h.update(np.arange(first, min(self.n, first + (1 << 23)), dtype=np.int64).data)
+        return h.hexdigest()[:16]
 
 
 class EpochOrder:
@@ -97,7 +133,7 @@ class EpochOrder:
 class SamplingPlan:
     """Everything that decides the order of cells: the config half of the replay contract."""
 
-    rows: np.ndarray  # the cells sampled from (global rows, ascending)
+    rows: np.ndarray | AllRows  # the cells sampled from (global rows, ascending)
     batch_size: int  # global batch size
     block_size: int
     fetch_factor: int
@@ -227,9 +263,9 @@ class SamplingPlan:
 
     def describe(self) -> dict:
         """The plan as JSON-able config (rows and weights by checksum); not the number of hosts."""
-        import hashlib
-
-        def digest(a: np.ndarray | None) -> str | None:
+        def digest(a: np.ndarray | AllRows | None) -> str | None:
+            if isinstance(a, AllRows):
+                return a.digest()
             # hashed through the buffer protocol: no copy (tobytes of 10^8 rows is 0.8 GB and 1.3 s)
             return None if a is None else hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:16]
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._sampling import SamplingPlan, class_weights
+from omicsio_jax._sampling import AllRows, SamplingPlan, class_weights
 
 
 def _epoch_batches(plan: SamplingPlan, epoch: int, host: int) -> list[np.ndarray]:
@@ -58,7 +58,7 @@ def test_every_cell_once_per_epoch_disjoint_hosts_equal_steps(plan):
 @given(plans(), st.integers(0, 5))
 @settings(max_examples=100, deadline=None)
 def test_same_seed_same_order_other_seed_other_order(plan, epoch):
-    again = SamplingPlan(**{**plan.__dict__})
+    again = SamplingPlan(**plan.__dict__)
     assert np.array_equal(plan.epoch_order(epoch), again.epoch_order(epoch))
     n_blocks = -(-len(plan.rows) // plan.block_size)
     # two seeds give one of n_blocks! orders: with 6 blocks (720 orders) Hypothesis found a pair that
@@ -154,3 +154,25 @@ def test_slices_of_an_epoch_order_are_those_of_the_whole_order(sampling):
             assert np.array_equal(order[lo:hi], whole[lo:hi])
     with pytest.raises(TypeError):
         order[::2]
+
+
+def test_a_plan_over_every_cell_holds_no_row_array_and_samples_as_one_over_arange():
+    """`AllRows` (what a loader over every cell samples from) stands for np.arange(n) without its 8 bytes
+    per cell: the same slices, positions, checksum, and so the same epoch orders, fetches and config."""
+    n = 10_007
+    every, arange = AllRows(n), np.arange(n, dtype=np.int64)
+    assert len(every) == n and every[5] == 5 and every[-1] == n - 1
+    np.testing.assert_array_equal(every[100:250], arange[100:250])
+    picks = np.array([7, 0, 10_006, 7])
+    np.testing.assert_array_equal(every[picks], arange[picks])
+    with pytest.raises(IndexError):
+        every[n]
+    for sampling in ("block", "stream", "weighted"):
+        kw = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 3, "sampling": sampling, "num_hosts": 2,
+              "weights": np.linspace(0.5, 2, n) if sampling == "weighted" else None}
+        lazy, eager = SamplingPlan(every, **kw), SamplingPlan(arange, **kw)
+        assert lazy.describe() == eager.describe()
+        np.testing.assert_array_equal(lazy.epoch_order(1), eager.epoch_order(1))
+        for index in (0, lazy.fetches_per_epoch - 1):
+            np.testing.assert_array_equal(lazy.serving_rows(lazy.fetch(1, index, 1)),
+                                          eager.serving_rows(eager.fetch(1, index, 1)))
