@@ -120,6 +120,11 @@ class H5adSource(Source):
             msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e
 
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
     def __getstate__(self) -> dict:
         """Pickled for partition workers without the open file (each worker opens its own)."""
         return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_root", "_matrix", "_cell_ids", "_obs")}

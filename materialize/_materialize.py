@@ -208,52 +208,58 @@ def materialize(
     _check_output(store, overwrite)
     src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
                       cell_id=cell_id, batch_cells=batch_cells, primary=primary)
-    gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
-                                       f"{src.description.get('genes') or 'token ids seen in the data'}: "
-                                       f"{src.genes.num_rows:,} genes")
-    chosen_panel = None if panel is None else read_panel(panel, src.genes)
-    obs_names = _choose_obs(src, obs)
-    clash = [f"has_{inp.name}" for inp in inputs if f"has_{inp.name}" in obs_names]
-    if clash:
-        msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
-        raise OmicsIOError(msg)
-    partitions = src.plan(shard_cells)
-    dask = dask_scheduler is not None or dask_scheduler_file is not None
-    num_workers = 1 if dask else min(workers or usable_cores(), max(len(partitions), 1))
-    options = writer_options(group_size, compression)
-    with _staging(store, overwrite) as staging:
-        threads = max(1, usable_cores() // num_workers) if num_workers > 1 else None
-        job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
-                  secrets.token_hex(8), threads)
+    try:
+        gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
+                                           f"{src.description.get('genes') or 'token ids seen in the data'}: "
+                                           f"{src.genes.num_rows:,} genes")
+        chosen_panel = None if panel is None else read_panel(panel, src.genes)
+        obs_names = _choose_obs(src, obs)
+        clash = [f"has_{inp.name}" for inp in inputs if f"has_{inp.name}" in obs_names]
+        if clash:
+            msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
+            raise OmicsIOError(msg)
+        partitions = src.plan(shard_cells)
+        dask = dask_scheduler is not None or dask_scheduler_file is not None
+        num_workers = 1 if dask else min(workers or usable_cores(), max(len(partitions), 1))
+        options = writer_options(group_size, compression)
+        with _staging(store, overwrite) as staging:
+            threads = max(1, usable_cores() // num_workers) if num_workers > 1 else None
+            job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
+                      secrets.token_hex(8), threads)
 
-        def run(job: Job, parts, desc: str):
-            with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc=desc,
-                      file=sys.stderr, dynamic_ncols=True) as bar:
-                if dask:
-                    return run_on_dask(job, parts, bar.update, address=dask_scheduler,
-                                       scheduler_file=dask_scheduler_file)
-                if num_workers > 1:
-                    return run_on_pool(job, parts, bar.update, workers=num_workers)
-                return run_in_process(job, parts, bar.update)
+            def run(job: Job, parts, desc: str):
+                with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc=desc,
+                          file=sys.stderr, dynamic_ncols=True) as bar:
+                    if dask:
+                        return run_on_dask(job, parts, bar.update, address=dask_scheduler,
+                                           scheduler_file=dask_scheduler_file)
+                    if num_workers > 1:
+                        return run_on_pool(job, parts, bar.update, workers=num_workers)
+                    return run_in_process(job, parts, bar.update)
 
-        report = run(job, partitions, "materialize")
-        array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
-        created_by = f"omicsio_jax {_version()}"
-        entries = []
-        with _scratch(staging) as scratch:
-            for k, inp in enumerate(inputs):
-                further = _open_modality(inp, src, job, partitions, primary=primary,
-                                         require_all=require_all_modalities, check_primary=k == 0,
-                                         subset=bool(where or query), scratch=scratch)
-                entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
-        features = src.genes if chosen_panel is None else chosen_panel.features
-        manifest = finalize(
-            job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
-            array_record=array_record,
-            source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
-            created_by=created_by, modality=primary, modalities=tuple(entries))
-    return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
-                             len(partitions), report.workers, tuple(report.redone))
+            report = run(job, partitions, "materialize")
+            array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
+            created_by = f"omicsio_jax {_version()}"
+            entries = []
+            with _scratch(staging) as scratch:
+                for k, inp in enumerate(inputs):
+                    further = _open_modality(inp, src, job, partitions, primary=primary,
+                                             require_all=require_all_modalities, check_primary=k == 0,
+                                             subset=bool(where or query), scratch=scratch)
+                    try:
+                        entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
+                    finally:
+                        further.close()
+            features = src.genes if chosen_panel is None else chosen_panel.features
+            manifest = finalize(
+                job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
+                array_record=array_record,
+                source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
+                created_by=created_by, modality=primary, modalities=tuple(entries))
+        return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
+                                 len(partitions), report.workers, tuple(report.redone))
+    finally:
+        src.close()  # an .h5ad/.h5mu stays open otherwise until collected
 
 
 def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, primary: str, require_all: bool,

@@ -504,6 +504,9 @@ class H5Modality(Source):
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
 
+    def close(self) -> None:
+        self._reader.close()
+
     def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
         first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
         step = DEFAULT_H5_BATCH_CELLS

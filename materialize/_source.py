@@ -75,6 +75,9 @@ class Source:
         reader's own threads (DuckDB's)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release open files (a pickled copy in a worker opens its own)."""
+
 
 def obs_kind(dtype: pa.DataType) -> str | None:
     """``"categorical"`` for strings/dictionaries/bools, ``"numeric"`` for numbers, None otherwise."""

@@ -292,6 +292,49 @@ def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs
 
 # -- object storage ----------------------------------------------------------------------------------------
 
+def test_dask_workers_write_a_multimodal_dataset_to_s3(inputs, datasets, s3, dask_cluster):
+    """Partitions of every modality (the shuffled ATAC from its spill, published under the output's
+    prefix) on Dask workers: the same dataset as one local process writes."""
+    local = json.loads((datasets["shuffled"] / "manifest.json").read_text())
+    result = _materialize(inputs, "shuffled", s3.url("dask/"), workers=None,
+                          dask_scheduler=dask_cluster.scheduler_address)
+    assert result.manifest.fingerprint == local["fingerprint"]
+    assert verify_dataset(s3.url("dask/")) == []
+    from omicsio_jax._store import S3Store
+
+    assert not [k for k, _ in S3Store(s3.url("dask/")).list() if k.startswith("_parts")]  # spill removed
+
+
+def test_a_spilled_partition_is_read_from_the_output_store_where_its_folder_is_absent(truth, s3, tmp_path):
+    """What a Dask worker on another machine does: no local spill folder, so it fetches the partition's
+    file from where the run published it."""
+    import duckdb
+
+    from materialize._reorder import Spill, spill_by_partition
+
+    root = write_tables(truth, tmp_path / "in", shuffle_atac=True)
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    con.execute(f"CREATE VIEW modality AS SELECT * FROM read_parquet('{root / 'atac_cells.parquet'}', "
+                "filename = true, file_row_number = true)")
+    con.execute(f"CREATE VIEW primary_cells AS SELECT cell_id, row_number() OVER () - 1 AS __row "
+                f"FROM read_parquet('{root / 'rna_cells.parquet'}')")
+    folder = tmp_path / "spill"
+    folder.mkdir()
+    written = spill_by_partition(con, ("peak_token_id", "peak_accessibility"), num_rows=int(truth.has_atac.sum()),
+                                 shard_cells=SHARD, folder=folder, label="atac")
+    assert written == truth.has_atac.sum()
+    spill = Spill(folder)
+    spill.publish(s3.url("spill/"))
+    here = [(t.to_pydict(), r.copy(), o.copy()) for t, r, o in spill.partition(1)][0]
+    folder.rename(tmp_path / "elsewhere")
+    there = [(t.to_pydict(), r.copy(), o.copy()) for t, r, o in spill.partition(1)][0]
+    assert here[0] == there[0]
+    np.testing.assert_array_equal(here[1], there[1])
+    rows = here[1]
+    assert ((rows >= SHARD) & (rows < 2 * SHARD)).all() and len(rows) == truth.has_atac[SHARD:2 * SHARD].sum()
+
+
 def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, truth, s3, tmp_path):
     url = s3.url("multiome/")
     result = _materialize(inputs, "shuffled", url)
