@@ -101,11 +101,12 @@ def test_overwrite_replaces_a_dataset(corpus, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig):
     out = tmp_path / "out"
-    # 94 partitions of 32 cells, each with its own shard writer process: seconds of work left after the
-    # first shard appears (with 12 partitions of 256 the run could finish before the signal, under load)
-    cmd = [sys.executable, "-m", "materialize", str(corpus.h5ad), str(out), "--batch-cells", "32", "--no-progress",
-           "--shard-cells", "32"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    cmd = [sys.executable, "-m", "materialize", str(corpus.h5ad), str(out), "--batch-cells", "64", "--no-progress",
+           "--shard-cells", "256"]
+    # Ctrl-C's default action in the child, whatever this process inherited: a test run started in the
+    # background of a non-interactive shell ignores SIGINT, and so would the child (it then ran to the end)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.name.startswith(".out.partial") and any((p).glob("shard-*"))
                                              for p in tmp_path.iterdir()):
