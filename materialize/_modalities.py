@@ -225,25 +225,25 @@ class TableModality(Source):
         if CELL_ID_COLUMN not in schema.names:
             msg = f"{self.label} has no {CELL_ID_COLUMN} column to align its cells by; it has {', '.join(schema.names)}"
             raise DataValidationError(msg)
-        self.lists = self.list_names = _list_columns(schema, self.label)
+        self.list_names = _list_columns(schema, self.label)
         features = _find_features(inp, files)
         if inp.layer:
             genes: pa.Table | None = primary_genes
             if inp.features is not None:
-                _check_same_genes(inp, _read_features(inp.features, self.lists[0]), primary_genes, primary)
+                _check_same_genes(inp, _read_features(inp.features, self.list_names[0]), primary_genes, primary)
         else:
-            genes = None if features is None else _read_features(features, self.lists[0])
+            genes = None if features is None else _read_features(features, self.list_names[0])
         self._require_all, self._subset = require_all, subset
         names = ", ".join(sql_str(p) for p in primary_cells)
         con.execute(f"CREATE VIEW primary_cells AS SELECT {CELL_ID_COLUMN}, row_number() OVER () - 1 AS __row "
                     f"FROM read_parquet([{names}])")
         self.present, self.aligned = self._align(con, inp, check_primary)
-        self._reader = TableSource(inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.lists)
+        self._reader = TableSource(inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.list_names)
         self._primary_cells, self._batch_cells, self._shard_cells = primary_cells, batch_cells, shard_cells
         self._spill: Spill | None = None
         if not self.aligned:
             spill.mkdir(parents=True, exist_ok=True)
-            spill_by_partition(con, self.lists, num_rows=self._reader.num_cells, shard_cells=shard_cells,
+            spill_by_partition(con, self.list_names, num_rows=self._reader.num_cells, shard_cells=shard_cells,
                                folder=spill, label=self.label)
             self._spill = Spill(spill)
         self.genes = self._reader.genes
@@ -309,7 +309,7 @@ class TableModality(Source):
         if self.layer or features is None:
             return self.genes
         return self._reader.genes.rename_columns(
-            [self.lists[0] if n == GENE_COLUMN else n for n in self._reader.genes.column_names])
+            [self.list_names[0] if n == GENE_COLUMN else n for n in self._reader.genes.column_names])
 
     def publish(self, url: str) -> None:
         """Make the spilled partitions readable by workers on other machines (under ``url``)."""
@@ -330,7 +330,7 @@ class TableModality(Source):
     def _spilled_batches(self, part: Partition) -> Iterator[Batch]:
         """Partition ``part`` from its spill file: its cells in the primary's order, absent ones empty."""
         ids = _read_cell_ids(self._primary_cells[part.index])
-        tokens_column, values_column = self.lists
+        tokens_column, values_column = self.list_names
         for table, rows, order in self._spill.partition(part.index):
             for lo in range(part.first_cell, part.end_cell, self._batch_cells):
                 hi = min(part.end_cell, lo + self._batch_cells)
