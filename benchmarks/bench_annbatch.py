@@ -8,8 +8,9 @@ conversion holds the whole corpus in RAM, ~10 GB at 200k cells), run in ``.venv-
 times round-robin (a slow spell of the shared machine hits all of them), medians reported:
 
 - omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, block_size 16, fetch_factor 64,
-  its defaults otherwise (``num_threads=2``), and the same two with ``num_threads=1`` (its CPU-budget
-  knob: batches decoded and placed on one thread; ``prefetch`` reads stay on their own threads);
+  its defaults otherwise (``num_threads=2``), and the same two with ``num_threads=1`` (batches decoded
+  and placed on one thread) and ``num_threads=0`` (on the consumer's thread, when asked for; in both,
+  ``prefetch`` reads stay on their own threads);
   ``obs=("batch",)``, ``num_epochs=None``, seed 0.
 - annbatch ``Loader`` at its best documented setting (the peer's defaults: ``chunk_size=512,
   preload_nchunks=32``, ``RandomSampler``, ``drop_last``, zarrs codec pipeline; see the peer's
@@ -63,6 +64,7 @@ ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
 PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
 CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
+THREADS = (2, 1, 0)  # make_loader's num_threads: its default first
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
 TIMED = {64: 1500, 1024: 300}  # timed batches (bench_loader's dense b64 / csr b1024 windows)
 WARMUP = {64: 64, 1024: 64}
@@ -257,16 +259,16 @@ def ratios(rows: list[dict]) -> dict:
     out = {}
     for output, bs in CONFIGS:
         peer = by[f"annbatch {output} b{bs}"]
-        for threads in (2, 1):
+        for threads in THREADS:
             ours = by[_our_label(output, bs, threads)]
-            tag = f"{output} b{bs}" + ("" if threads == 2 else " num_threads=1")
+            tag = f"{output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
             out[tag] = {"cells_per_s": _ratio(ours, peer, "cells_per_s"),
                         "cells_per_cpu_s": _ratio(ours, peer, "cells_per_cpu_s")}
     return out
 
 
 def _our_label(output: str, bs: int, threads: int) -> str:
-    return f"omicsio {output} b{bs}" + (" num_threads=1" if threads == 1 else "")
+    return f"omicsio {output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
 
 
 def _n(v: float | None, fmt: str = ",.0f") -> str:
@@ -280,14 +282,14 @@ def markdown(result: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {r["label"]: r for r in result["rows"]}
     for output, bs in CONFIGS:
-        for label in (_our_label(output, bs, 2), _our_label(output, bs, 1), f"annbatch {output} b{bs}"):
+        for label in (*(_our_label(output, bs, t) for t in THREADS), f"annbatch {output} b{bs}"):
             r = by.get(label)
             if r is None:
                 continue
             if "cells_per_s" not in r:
                 lines.append(f"| {label} | error: {r['errors'][-1] if r['errors'] else '?'} | | | | | | |")
                 continue
-            bold = "**" if label == _our_label(output, bs, 2) else ""
+            bold = "**" if label == _our_label(output, bs, THREADS[0]) else ""
             first = _n(r["first_batch_s"], ".2f") + (f" (+{r['open_s']:.2f} open)" if "open_s" in r else "")
             lines.append(f"| {bold}{label}{bold} | {bold}{_n(r['cells_per_s'])}{bold} | {_n(r['cells_per_cpu_s'])} "
                          f"| {_n(r['cpu_per_wall'], '.2f')} | {first} "
@@ -295,7 +297,8 @@ def markdown(result: dict) -> str:
                          f"| {r['batches']:,} |")  # fmt: skip
         for tag, q in result["ratios"].items():
             if tag.startswith(f"{output} b{bs}"):
-                lines.append(f"| *omicsio{' (num_threads=1)' if 'num_threads' in tag else ''} ÷ annbatch* "
+                variant = tag.split(" ", 2)[2] if tag.count(" ") == 2 else ""
+                lines.append(f"| *omicsio{f' ({variant})' if variant else ''} ÷ annbatch* "
                              f"| *{_n(q['cells_per_s'], '.2f')}×* | *{_n(q['cells_per_cpu_s'], '.2f')}×* | | | | | |")
     ref = result.get("entropy_reference")
     if ref:
@@ -369,7 +372,7 @@ def main() -> None:
     for output, bs in CONFIGS:
         common = {"batch_size": bs, "output": output, "num_batches": timed[bs], "warmup": warmup[bs],
                   "seed": args.seed}
-        for threads in (2, 1):
+        for threads in THREADS:
             plan.append((_our_label(output, bs, threads), {"kind": "ours", "kwargs": {
                 "dataset": str(dataset), **common, "num_threads": threads, "block_size": BLOCK_SIZE,
                 "fetch_factor": FETCH_FACTOR}}))

@@ -19,7 +19,6 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from omicsio_jax import OmicsIOError, open_dataset
-from omicsio_jax._codec import join_records
 from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
 from omicsio_jax._manifest import MANIFEST_NAME, ObsEntry, file_entry, fsync_path
 from omicsio_jax._records import records_checked
@@ -51,7 +50,7 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
                       file=sys.stderr, dynamic_ncols=True) as bar:
                 for begin in range(0, m.num_cells, _CHUNK_CELLS):
                     end = min(begin + _CHUNK_CELLS, m.num_cells)
-                    buf, starts = join_records(ds.read_records(begin, end))
+                    buf, starts = ds.read_buffer(begin, end)
                     with records_checked(ds, np.arange(begin, end)):
                         columns = acc.add(buf, starts)
                     for writer, column in zip(writers, columns, strict=True):

@@ -7,14 +7,16 @@ import dataclasses
 import functools
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numba as nb
 import numpy as np
 
-from . import _codec
+from . import _chunkread, _codec
 from ._cache import IOStats
+from ._chunks import ChunkIndex, chunk_index_path, load_chunk_index
 from ._errors import DatasetFormatError, OmicsIOError
 from ._manifest import Manifest, read_manifest
 from ._readahead import ReadAhead
@@ -112,13 +114,15 @@ class Dataset:
 
     def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True):
+                 readahead: bool = True, chunk_reader: bool = True):
         self.reader_options = reader_options
         self._options = {"reader_options": reader_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes,
-                         "readahead": readahead}
+                         "readahead": readahead, "chunk_reader": chunk_reader}
         self._modalities: dict[str, Dataset] = {}
         self._remote = None
         self._readahead: ReadAhead | None = None
+        self._chunk_indexes: dict[int, ChunkIndex] = {}
+        self._lock = threading.Lock()
         if is_remote(path):
             from ._remote import RemoteDataset
 
@@ -135,6 +139,32 @@ class Dataset:
             if readahead:
                 self._readahead = ReadAhead(self)
         self._readers = ShardReaders(self, reader_options)
+        # read straight from the chunks (`_chunkread`) where the shards allow it, else by ArrayRecord's reader
+        self.chunk_reader = _chunkread.ChunkReader(self) if chunk_reader and _chunkread.supported(self) else None
+
+    @property
+    def open_options(self) -> dict:
+        """The options this dataset was opened with (`open_dataset`'s keywords): to open it again
+        the same way, e.g. in another process, ``open_dataset(ds.path, **ds.open_options)``."""
+        options = dict(self._options)
+        if self._remote is not None:  # the cache it settled on
+            options["cache_dir"], options["cache_bytes"] = self.cache_dir, self.cache_bytes
+        return options
+
+    def chunk_index_path(self, shard: int) -> str:
+        """The chunk index of shard number ``shard``, relative to the dataset (``chunks/shard-00003.npy``)."""
+        return chunk_index_path(self.manifest.shards[shard].path)
+
+    def chunk_index(self, shard: int) -> ChunkIndex:
+        """Shard ``shard``'s chunk index (the byte ranges of its chunks), loaded on first use and kept
+        (16 bytes per chunk); for a remote dataset, downloaded then."""
+        index = self._chunk_indexes.get(shard)
+        if index is None:
+            rows = load_chunk_index(self.local_path(self.chunk_index_path(shard)))
+            index = ChunkIndex(rows, int(self.manifest.array_record["group_size"]))
+            with self._lock:
+                index = self._chunk_indexes.setdefault(shard, index)
+        return index
 
     @property
     def is_remote(self) -> bool:
@@ -356,11 +386,17 @@ class Dataset:
         return arr
 
     def read_records(self, begin: int, end: int) -> list[bytes]:
-        """Raw records of cells ``[begin, end)``: one range read per shard touched."""
+        """Raw records of cells ``[begin, end)``, one ``bytes`` each (see `read_buffer`)."""
+        buf, starts = self.read_buffer(begin, end)
+        return [buf[a:b].tobytes() for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
+
+    def read_buffer(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw records of cells ``[begin, end)`` concatenated, ``(buf uint8, starts int64)`` (record
+        ``i`` is ``buf[starts[i]:starts[i + 1]]``): what the codec's decoders take. One read per shard touched."""
         if not 0 <= begin <= end <= self.num_cells:
             msg = f"cells [{begin}, {end}) are not a range within the {self.num_cells:,} cells of {self.path}"
             raise IndexError(msg)
-        return read_runs(self, self._readers, [(begin, end)])
+        return read_runs(self, self._readers, [(begin, end)] if end > begin else [])
 
     def read_csr(self, rows: Sequence[int] | np.ndarray, *,
                  modality: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -377,11 +413,11 @@ class Dataset:
             return self.modality(modality).read_csr(rows)
         rows = self.check_rows(rows)
         unique, inverse = np.unique(rows, return_inverse=True)
-        records = read_runs(self, self._readers, runs(unique))  # a remote dataset: one fetch for all
-        if not records:
+        buf, starts = read_runs(self, self._readers, runs(unique))  # a remote dataset: one fetch for all
+        if len(starts) == 1:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
         with records_checked(self, unique):
-            indptr, indices, values = _codec.decode_csr(*_codec.join_records(records), self.num_genes)
+            indptr, indices, values = _codec.decode_csr(buf, starts, self.num_genes)
         if len(unique) == len(rows) and np.array_equal(unique, rows):
             return indptr, indices, values
         return take_rows(indptr, indices, values, inverse.astype(np.int64))
@@ -404,7 +440,7 @@ class Dataset:
 
 def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True) -> Dataset:
+                 readahead: bool = True, chunk_reader: bool = True) -> Dataset:
     """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
     it was uploaded to (the same files under the prefix).
 
@@ -418,7 +454,11 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
     ``cache_bytes`` are ignored for a local directory, which is read in place; there, every read
     first announces its exact byte ranges to the kernel (``readahead``), which reads them at the
-    disk's queue depth: what a dataset larger than RAM needs.
+    disk's queue depth: what a dataset larger than RAM needs. Records are read straight from the
+    shards' chunks (``chunk_reader``: checked against riegeli's hashes and decompressed by one
+    numba kernel per read, into one buffer, with no Python object per record) wherever the shards
+    are zstd-compressed or uncompressed; ``chunk_reader=False`` (or other shards) reads them with
+    ArrayRecord's own reader (``reader_options``).
 
     >>> ds = open_dataset("out/")                       # doctest: +SKIP
     >>> ds.num_cells, ds.num_genes, ds.obs["drug"].categories[:3]   # doctest: +SKIP
@@ -426,4 +466,4 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
     """
     return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                   readahead=readahead)
+                   readahead=readahead, chunk_reader=chunk_reader)

@@ -1,8 +1,9 @@
 """Reading cells: one sorted batched read per segment, each segment read once, a few ahead.
 
-`FetchReader` reads the records of any list of rows (in serving order) with one ArrayRecord
-range read per run of consecutive rows (for a dataset on object storage, the chunks of all runs
-are fetched first, together: see `_records.read_runs`). `SegmentCache` makes sure each segment
+`FetchReader` reads the records of any list of rows (in serving order): the distinct rows sorted,
+one read per run of consecutive rows (for a dataset on object storage, the chunks of all runs are
+fetched first, together: see `_records.read_runs`), kept as one buffer (`Fetched`), from which
+each minibatch's records are gathered in serving order. `SegmentCache` makes sure each segment
 (a fetch, see `_schedule`) is read once per process however many threads ask for its
 minibatches, and reads the next ones ahead on its own threads while the current one is decoded
 (for a remote dataset, that read-ahead is the prefetch of the next fetches' chunks).
@@ -11,45 +12,87 @@ minibatches, and reads the next ones ahead on its own threads while the current 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+import numba as nb
 import numpy as np
 
-from ._codec import EMPTY_RECORD, join_records
+from ._chunkread import copy_bytes
+from ._codec import EMPTY_RECORD
 from ._dataset import Dataset, runs
 from ._records import ShardReaders, read_runs
 
 T = TypeVar("T")
+_EMPTY = np.frombuffer(EMPTY_RECORD, np.uint8)
+
+
+@nb.njit(nogil=True, cache=True)
+def _gather(buf, starts, positions, empty):
+    """Records ``positions[i]`` of ``(buf, starts)`` (-1: ``empty``) concatenated: ``(buf, starts)``."""
+    n = positions.shape[0]
+    out_starts = np.empty(n + 1, np.int64)
+    out_starts[0] = 0
+    for i in range(n):
+        p = positions[i]
+        size = empty.shape[0] if p < 0 else starts[p + 1] - starts[p]
+        out_starts[i + 1] = out_starts[i] + size
+    out = np.empty(out_starts[n], np.uint8)
+    for i in range(n):
+        p = positions[i]
+        if p < 0:
+            copy_bytes(out, out_starts[i], empty, 0, empty.shape[0])
+        else:
+            copy_bytes(out, out_starts[i], buf, starts[p], starts[p + 1] - starts[p])
+    return out, out_starts
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """The records of a list of rows: those of its distinct rows, ascending, in one buffer (``buf``,
+    ``starts``), and for each row of the list its record (``positions``, -1 for padding)."""
+
+    buf: np.ndarray
+    starts: np.ndarray
+    positions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def take(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(buf, starts)`` of the records of rows ``[lo, hi)`` of the list, in its order (padding
+        rows get `EMPTY_RECORD`): what the decoders take."""
+        return _gather(self.buf, self.starts, self.positions[lo:hi], _EMPTY)
 
 
 class FetchReader:
     """Reads records of a dataset; safe to call from several threads at once.
 
-    Each thread keeps its own ArrayRecord readers (a reader is not shared across threads);
-    each run of consecutive rows is one ``read(begin, end)`` range read.
+    Records are read by the dataset's `ChunkReader` where it has one; otherwise each thread keeps
+    its own ArrayRecord readers (a reader is not shared across threads). Each run of consecutive
+    rows is one read.
     """
 
     def __init__(self, dataset: Dataset, *, reader_options: str | None = None):
         self.dataset = dataset
         self._readers = ShardReaders(dataset, reader_options or dataset.reader_options, per_thread=True)
 
-    def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes]:
-        """Records of ascending ``rows``: one range read per run of consecutive rows (a local
+    def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``(buf, starts)`` of ascending ``rows``: one read per run of consecutive rows (a local
         dataset's byte ranges announced to the kernel first, or meanwhile: see `Dataset.prepared`)."""
         return read_runs(self.dataset, self._readers, runs(rows), announce_first=announce_first)
 
-    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes]:
-        """Records of ``rows`` in the order given (rows may repeat; -1 gives `EMPTY_RECORD`, padding)."""
-        real = np.flatnonzero(rows >= 0)
-        order = real[np.argsort(rows[real], kind="stable")]
-        records = [EMPTY_RECORD] * len(rows)
-        for i, record in zip(order.tolist(), self.read_sorted(rows[order], announce_first=announce_first),
-                             strict=True):
-            records[i] = record
-        return records
+    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> Fetched:
+        """The records of ``rows`` (in any order; rows may repeat; -1 is padding), each distinct row read once."""
+        real = rows >= 0
+        unique, inverse = np.unique(rows[real], return_inverse=True)
+        buf, starts = self.read_sorted(unique, announce_first=announce_first)
+        positions = np.full(len(rows), -1, np.int64)
+        positions[real] = inverse
+        return Fetched(buf, starts, positions)
 
 
 class OutputRecords:
@@ -60,17 +103,17 @@ class OutputRecords:
         self.single = modalities == (None,)
         self._readers = {name: FetchReader(dataset.modality(name)) for name in modalities}
 
-    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> list[bytes] | dict[str, list[bytes]]:
-        """Records of ``rows`` (see `FetchReader`): a list, or a dict of lists by modality."""
+    def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> Fetched | dict[str, Fetched]:
+        """Records of ``rows`` (see `FetchReader`): a `Fetched`, or a dict of them by modality."""
         if self.single:
             return self._readers[None](rows, announce_first=announce_first)
         return {name: read(rows, announce_first=announce_first) for name, read in self._readers.items()}
 
     def join(self, records, lo: int, hi: int):
-        """``(buf, starts)`` of records ``[lo, hi)`` (`_codec.join_records`), or dicts of them by modality."""
+        """``(buf, starts)`` of the records of rows ``[lo, hi)`` (`Fetched.take`), or dicts of them by modality."""
         if self.single:
-            return join_records(records[lo:hi])
-        joined = {name: join_records(recs[lo:hi]) for name, recs in records.items()}
+            return records.take(lo, hi)
+        joined = {name: recs.take(lo, hi) for name, recs in records.items()}
         return {n: j[0] for n, j in joined.items()}, {n: j[1] for n, j in joined.items()}
 
 

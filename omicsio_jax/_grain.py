@@ -65,8 +65,8 @@ class GrainSource(grain.sources.RandomAccessDataSource):
                                 fetch_factor=fetch_factor, seed=seed, num_epochs=num_epochs, sampling=sampling,
                                 weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
         plan, bound = self.spec.resolve(ds)
-        self.path, self.reader_options = str(ds.path), ds.reader_options
-        self.cache_dir, self.cache_bytes = ds.cache_dir, ds.cache_bytes  # a remote dataset's, for the workers
+        self.path, self.open_options = str(ds.path), ds.open_options  # how workers open it again
+        self.cache_dir, self.cache_bytes = ds.cache_dir, ds.cache_bytes
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
         self.prefetch, self.decode_threads = prefetch, decode_threads
         layout = {"num_hosts": hosts, "num_slabs": self.spec.num_slabs,
@@ -105,8 +105,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     def _reader(self, host: int) -> MinibatchReader:
         with self._lock:
             if self._local is None:  # first use in this process: reopen the dataset
-                ds = open_dataset(self.path, reader_options=self.reader_options, cache_dir=self.cache_dir,
-                                  cache_bytes=self.cache_bytes)
+                ds = open_dataset(self.path, **self.open_options)
                 plan, output = self.spec.resolve(ds)
                 self._local = {"ds": ds, "plan": plan, "output": output, "readers": {}}
             local = self._local

@@ -278,8 +278,12 @@ def make_loader(
     ``ds.rows_where("batch", ["plate_13"], invert=True)``); ``sampling`` is one of ``block``,
     ``stream``, ``stream_buffer``, ``weighted`` (needs ``weights``, one per cell of ``rows``) or
     ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads`` threads decode and
-    place batches ahead of the consumer (raise it on many-core hosts), ``prefetch`` fetches are
-    read ahead on as many threads; ``decode_threads`` numba threads decode each batch (default 1).
+    place batches ahead of the consumer (raise it on many-core hosts); ``num_threads=0`` decodes
+    each batch on the consumer's thread when it is asked for, which on a few cores is the fastest
+    for small or dense batches (a batch's buffer stays in cache and no thread hands it over:
+    measured on 2 cores, dense batch 64 at 1.4× the default's cells/s). ``prefetch`` fetches are
+    read ahead on as many threads either way; ``decode_threads`` numba threads decode each batch
+    (default 1).
     """
     host = jax.process_index() if process_index is None else process_index
     hosts = jax.process_count() if process_count is None else process_count

@@ -19,7 +19,7 @@ from ._batch import HostBatch, local_shards
 from ._buffers import RowBuffers
 from ._dataset import Categorical, Dataset
 from ._errors import OmicsIOError
-from ._fetch import OutputRecords, SegmentCache
+from ._fetch import Fetched, OutputRecords, SegmentCache
 from ._outputs import Output, OutputContext, RowKeys, resolve_output
 from ._records import records_checked
 from ._sampling import AllRows, SamplingPlan, class_weights
@@ -139,7 +139,7 @@ class MinibatchReader:
         # numba's start-up in this process (~0.4 s of Python) overlaps the first fetch's read
         threading.Thread(target=_warm_up, args=(output,), daemon=True, name="omicsio-jax-warm-up").start()
 
-    def _load(self, seg: Segment) -> tuple[np.ndarray, list[bytes] | dict[str, list[bytes]]]:
+    def _load(self, seg: Segment) -> tuple[np.ndarray, Fetched | dict[str, Fetched]]:
         rows = self.schedule.rows(seg)
         return rows, self._read(rows)
 

@@ -107,7 +107,7 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
         for begin, end in runs(ids):
             for lo in range(begin, end, _READ_CELLS):
                 hi = min(lo + _READ_CELLS, end)
-                buf, starts = _codec.join_records(ds.read_records(lo, hi))
+                buf, starts = ds.read_buffer(lo, hi)
                 with records_checked(ds, np.arange(lo, hi)):
                     output.from_records(buf, starts, lambda shape, dtype, at=pos: x[at : at + shape[0]])
                 pos += hi - lo

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._chunks import ChunkIndex, chunk_index_path, chunks_of, load_chunk_index, merge_spans
+from ._chunks import ChunkIndex, chunks_of, merge_spans
 
 if TYPE_CHECKING:
     from ._dataset import Dataset
@@ -39,21 +39,14 @@ class ReadAhead:
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
         self.group_size = int(dataset.manifest.array_record["group_size"])
-        self._indexes: dict[int, tuple[ChunkIndex, str]] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.advised_bytes = 0
 
     def index(self, shard: int) -> tuple[ChunkIndex, str]:
-        """The shard's chunk index and its file's path."""
-        entry = self._indexes.get(shard)
-        if entry is None:
-            relpath = self.dataset.manifest.shards[shard].path
-            index = ChunkIndex(load_chunk_index(self.dataset.local_path(chunk_index_path(relpath))), self.group_size)
-            with self._lock:  # loaded whole, not memory-mapped: a mapping keeps a descriptor open
-                entry = self._indexes.setdefault(shard, (index, str(self.dataset.local_path(relpath))))
-        return entry
+        """The shard's chunk index (`Dataset.chunk_index`) and its file's path."""
+        return self.dataset.chunk_index(shard), str(self.dataset.local_path(self.dataset.manifest.shards[shard].path))
 
     def start(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """`advise` on this object's own thread, so the read that follows starts at once: warm, it
@@ -105,7 +98,10 @@ class ReadAhead:
                   for shard, chunks in chunks_of(pieces, self.group_size).items()}
         advised = 0
         for shard, spans in merge_spans(needed, slack=0.0).items():  # touching chunks: one range
-            fd = os.open(self.index(shard)[1], os.O_RDONLY)
+            try:
+                fd = os.open(self.index(shard)[1], os.O_RDONLY)
+            except OSError:  # only a hint: the read itself reports a missing or unreadable shard
+                continue
             try:
                 for begin, end in spans:
                     os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)

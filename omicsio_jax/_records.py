@@ -1,13 +1,16 @@
-"""Reading records from shards: readers checked when opened, runs of cells read in one go.
+"""Reading records from shards: runs of cells read in one go, into one buffer.
 
 `read_runs` is the one place records are read (`Dataset.read_records` / ``read_csr``, the
 loaders' `FetchReader`): for a dataset on object storage it first has the chunks of all the runs
-fetched together and pinned while they are read (`Dataset.prepared`). ArrayRecord's reader does
-not raise on a file it cannot read (``ok()`` is False), and raises a bare ``RuntimeError`` on a
-corrupted chunk; both become `DatasetFormatError` naming the dataset, the shard, the cells and
-``omicsio-materialize verify``, as does a record the codec finds malformed (`records_checked`). A
-remote shard's failed read is first retried once with its chunks fetched again (its cached copy,
-not the object, may be what is damaged).
+fetched together and pinned while they are read (`Dataset.prepared`). The records come back as
+``(buf, starts)``, concatenated, what the decoders take: read by `_chunkread.ChunkReader` from
+the shards' chunks where the dataset allows it (`Dataset.chunk_reader`), else by ArrayRecord's
+reader (`ShardReaders`) and joined. A chunk that cannot be read (`ReadFailed`: a hash, a short
+file; ArrayRecord's reader, which does not raise on a file it cannot open — ``ok()`` is False —
+raises a bare ``RuntimeError`` on a corrupted chunk) becomes a `DatasetFormatError` naming the
+dataset, the shard, the cells and ``omicsio-materialize verify``, as does a record the codec finds
+malformed (`records_checked`). A remote shard's failed read is first retried once with its chunks
+fetched again (its cached copy, not the object, may be what is damaged).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
-from ._codec import MalformedRecordError
+from ._codec import MalformedRecordError, join_records
 from ._errors import DatasetFormatError
 
 if TYPE_CHECKING:
     from ._dataset import Dataset
 
 
-class _ReadFailed(Exception):
+class ReadFailed(Exception):
+    """Records ``[begin, end)`` of shard ``shard`` cannot be read, for ``reason``."""
+
     def __init__(self, shard: int, begin: int, end: int, reason: str):
         super().__init__(reason)
         self.shard, self.begin, self.end, self.reason = shard, begin, end, reason
@@ -59,7 +64,7 @@ class ShardReaders:
                 path = self.dataset.local_path(self.dataset.manifest.shards[shard].path)
                 reader = ArrayRecordReader(str(path), self.options)
                 if not reader.ok():
-                    raise _ReadFailed(shard, 0, 0, f"{path} is not a readable ArrayRecord file")
+                    raise ReadFailed(shard, 0, 0, f"{path} is not a readable ArrayRecord file")
                 readers[shard] = reader
             return reader
 
@@ -89,16 +94,18 @@ def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[
 
 
 def read_runs(dataset: Dataset, readers: ShardReaders, row_runs: Sequence[tuple[int, int]], *,
-              announce_first: bool = True) -> list[bytes]:
-    """Records of the cells of every ``[begin, end)`` run, in order: one range read per shard touched
+              announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(buf, starts)`` of the records of the cells of every ``[begin, end)`` run, in order
     (``announce_first``: see `Dataset.prepared`)."""
     pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
     refetch = None
     while True:
         with dataset.prepared(pieces, refetch=refetch, announce_first=announce_first):
             try:
-                return _read(readers, pieces)
-            except _ReadFailed as e:
+                if dataset.chunk_reader is not None:
+                    return dataset.chunk_reader.read(pieces)
+                return join_records(_read(readers, pieces))
+            except ReadFailed as e:
                 failed = e
         readers.drop(failed.shard)
         if not dataset.is_remote or refetch is not None:
@@ -113,7 +120,7 @@ def _read(readers: ShardReaders, pieces: list[tuple[int, int, int]]) -> list[byt
         try:
             out.extend(reader.read(begin, end))
         except RuntimeError as e:  # riegeli: a chunk's hash does not match, or a chunk is truncated
-            raise _ReadFailed(shard, begin, end, str(e).strip().splitlines()[0]) from e
+            raise ReadFailed(shard, begin, end, str(e).strip().splitlines()[0]) from e
     return out
 
 
@@ -127,10 +134,10 @@ def records_checked(dataset: Dataset, rows: np.ndarray) -> Iterator[None]:
         row = int(rows[e.index])
         shard = row // dataset.manifest.shard_cells
         record = row - shard * dataset.manifest.shard_cells
-        raise _corrupted(dataset, _ReadFailed(shard, record, record + 1, e.reason)) from e
+        raise _corrupted(dataset, ReadFailed(shard, record, record + 1, e.reason)) from e
 
 
-def _corrupted(dataset: Dataset, failed: _ReadFailed) -> DatasetFormatError:
+def _corrupted(dataset: Dataset, failed: ReadFailed) -> DatasetFormatError:
     shard = dataset.manifest.shards[failed.shard]
     if failed.end == 0:
         where = "cannot be opened"

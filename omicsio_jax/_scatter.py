@@ -92,37 +92,47 @@ def _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, target_sum
     return bad
 
 
+@nb.njit(inline="always")
+def _add_entry(row, col, v, gene_to_col, mapped, mode, total, target_sum):
+    # entry (col, v) of a record into `row`: through `gene_to_col` if `mapped` (-1: not a column)
+    c = col
+    if mapped:
+        c = gene_to_col[col]  # checked: col < len(gene_to_col)
+    if c >= 0 and c < row.shape[0]:
+        row[c] += _transform(v, mode, total, target_sum)
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, target_sum, out):
     """Records → rows of ``out`` in one pass: columns through ``gene_to_col`` (if ``mapped``),
     values transformed as `_transform` does; rows past the records stay zero."""
-    n, width = out.shape
+    n = out.shape[0]
     for i in nb.prange(n):
         out[i, :] = 0.0
         if i >= starts.shape[0]:
             continue
-        start = starts[i]
-        ic, vc = u8[start + 1], u8[start + 2]
-        count = np.int64(u32[start // 4 + 1])
-        pos = start + _codec.HEADER_BYTES
-        vpos = pos if ic == _codec.INDEX_DENSE else pos + _codec.pad4(count * _codec.INDEX_WIDTH[ic])
+        fields = _codec.record_fields(u8, u32, f32, starts[i])
+        row = out[i]
         total = np.float32(1.0)
         if mode == _NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `_row_total`
             acc = 0.0
-            for k in range(count):
-                acc += _codec.read_value(u8, u32, f32, vpos, k, vc, count)
+            for k in range(fields.n):
+                acc += _codec.value_at(fields, k)
             total = np.float32(np.inf) if acc == 0 else np.float32(acc)
-        col = np.int64(0)
-        for k in range(count):
-            if ic == _codec.INDEX_DENSE:
-                col = k
-            else:
-                col = _codec.next_column(u8, u32, pos, k, count, ic, col)
-            c = col
-            if mapped:
-                c = gene_to_col[col]  # checked: col < len(gene_to_col)
-            if c >= 0 and c < width:
-                out[i, c] += _transform(_codec.read_value(u8, u32, f32, vpos, k, vc, count), mode, total, target_sum)
+        # one loop per index code, as in `_codec._decode_into_rows` (measured faster than one
+        # loop that branches on it)
+        if fields.index_code == _codec.INDEX_DENSE:
+            for k in range(fields.n):
+                _add_entry(row, k, _codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+        elif fields.index_code == _codec.INDEX_DELTA_U16:
+            col = np.int64(0)
+            for k in range(fields.n):
+                col += _codec.gap_at(fields, k)
+                _add_entry(row, col, _codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+        else:
+            for k in range(fields.n):
+                col = np.int64(fields.columns[k])
+                _add_entry(row, col, _codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)

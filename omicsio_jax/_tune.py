@@ -62,7 +62,8 @@ class TuneResult:
             chosen = (r["block_size"], r["fetch_factor"], r.get("num_threads")) == (
                 self.block_size, self.fetch_factor, self.num_threads)
             speed = f"{r['cells_per_s']:>10,.0f} {r['cells_per_cpu_s']:>11,.0f}" if "cells_per_s" in r else ""
-            lines.append(f"{r['block_size']:>6} {r['fetch_factor']:>6} {r.get('num_threads') or '':>7} "
+            threads = r.get("num_threads")
+            lines.append(f"{r['block_size']:>6} {r['fetch_factor']:>6} {'' if threads is None else threads:>7} "
                          f"{r['entropy_ratio']:>14.4f} {speed}{'  <- chosen' if chosen else ''}")
         return "\n".join(lines)
 
@@ -126,7 +127,8 @@ def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.
     >>> loader = oj.make_loader(ds, batch_size=1024, **result.loader_kwargs(), seed=0)   # doctest: +SKIP
 
     ``seconds`` is shared among the timed settings (each gets at least its first batch plus four);
-    ``num_threads`` defaults to 1, 2 and (on bigger machines) the usable cores up to 8; ``rows``
+    ``num_threads`` defaults to 0 (batches decoded on the consumer's thread), 1, 2 and (on bigger
+    machines) the usable cores up to 8; ``rows``
     restricts sampling as in `make_loader`; other keyword arguments (``output``, ``genes``,
     ``normalize``, ``mesh``, ...) go to `make_loader` unchanged, so the measure is of the loader you
     will run. See the module docstring for how entropy and speed are measured.
@@ -141,7 +143,7 @@ def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.
         raise OmicsIOError(msg)
     if num_threads is None:
         cores = len(os.sched_getaffinity(0))
-        num_threads = sorted({1, 2, min(cores, 8)})
+        num_threads = sorted({0, 1, 2, min(cores, 8)})
     reference = random_entropy(labels, rows, batch_size, entropy_batches, seed)
     table: list[dict] = []
     for fetch in fetch_factors:

@@ -4,6 +4,7 @@ and corrupted or truncated shards read by the loaders, each a clean `DatasetForm
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import struct
 
@@ -14,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import omicsio_jax as oj
+from materialize._shardfiles import chunk_ranges
 from omicsio_jax import _codec, _scatter
+from omicsio_jax._chunks import chunk_index_path
 from omicsio_jax._outputs import OutputContext, RowKeys
 
 NUM_COLUMNS = 300
@@ -198,16 +201,18 @@ def test_token_outputs_refuse_a_damaged_record_or_tokenize_it(small_dataset, cas
 
 
 def _rewrite_shard(path, damage) -> None:
-    """Rewrite a shard through ArrayRecord with ``damage(records)`` applied: the chunks' hashes are
-    right, so only the codec can tell (a writer bug, or bytes damaged before they were written)."""
+    """Rewrite a shard through ArrayRecord (the dataset's writer options, its chunk index made anew)
+    with ``damage(records)`` applied: the chunks' hashes are right, so only the codec can tell (a
+    writer bug, or bytes damaged before they were written)."""
     reader = ArrayRecordReader(str(path))
     recs = reader.read(0, reader.num_records())
     reader.close()
     damage(recs)
-    writer = ArrayRecordWriter(str(path), "group_size:16")
+    writer = ArrayRecordWriter(str(path), json.loads((path.parent / "manifest.json").read_text())["array_record"]["writer_options"])
     for r in recs:
         writer.write(r)
     writer.close()
+    np.save(path.parent / chunk_index_path(path.name), chunk_ranges(path, len(recs)))
 
 
 def test_a_malformed_record_in_a_shard_names_the_shard_and_cell_in_every_reader(dataset_dir, tmp_path):

@@ -127,8 +127,9 @@ def test_concurrent_fetches_are_exact_and_never_fetch_a_chunk_twice(url, local, 
         reader = FetchReader(ds)
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(reader.read_sorted, row_sets))
-        for rows, records in zip(row_sets, got, strict=True):
-            assert records == FetchReader(local).read_sorted(rows)
+        for rows, (buf, starts) in zip(row_sets, got, strict=True):
+            want_buf, want_starts = FetchReader(local).read_sorted(rows)
+            assert np.array_equal(buf, want_buf) and np.array_equal(starts, want_starts)
         unique_chunks = len(np.unique(np.concatenate(row_sets) // 16))  # shards hold whole chunks (1024 = 64 × 16)
         assert ds.io_stats().chunk_misses <= unique_chunks  # (fewer: chunks of merged gaps count as hits)
 
@@ -177,8 +178,9 @@ def test_a_corrupted_chunk_on_s3_is_reported_and_verify_finds_it(url, dataset_di
     path = _flip_in_chunk(dataset_dir, s3)
     with _open(url, tmp_path) as ds:
         ds.read_csr(np.arange(1024, 1024 + 80))  # chunks 0..4: sound
-        with pytest.raises(oj.DatasetFormatError, match=rf"shard {path}: cell 1110 \(record 86\) cannot be read: .*"
-                                                        r"run `omicsio-materialize verify s3://"):
+        # the chunk holding cell 1110 (record 86 of the shard) fails its data hash
+        with pytest.raises(oj.DatasetFormatError, match=rf"shard {path}: cells 1104\.\.1119 \(records 80\.\.95\) cannot "
+                                                        r"be read: chunk data hash mismatch; run `omicsio-materialize verify s3://"):
             ds.read_csr([1110])
         with pytest.raises(oj.DatasetFormatError, match="omicsio-materialize verify"):
             _batches(ds)
@@ -229,10 +231,13 @@ def test_a_damaged_opening_range_is_fetched_again(url, local, tmp_path):
         ds.read_csr([3])
     mirror = tmp_path / "cache" / local.manifest.shards[0].path
     footer = np.load(tmp_path / "cache" / chunk_index_path(mirror.name))[1]
-    with open(mirror, "r+b") as f:  # the reader cannot open it any more
+    with open(mirror, "r+b") as f:  # ArrayRecord's reader cannot open it any more
         f.seek(int(footer[0]))
         f.write(b"\0" * int(footer[1] - footer[0]))
-    with _open(url, tmp_path) as ds:
+    with _open(url, tmp_path) as ds:  # the chunk reader never reads the footer
+        assert_csr_equal(ds.read_csr([3, 700]), local.read_csr([3, 700]))
+        assert ds.io_stats().opening_gets == 0
+    with _open(url, tmp_path, chunk_reader=False) as ds:
         assert_csr_equal(ds.read_csr([3, 700]), local.read_csr([3, 700]))
         assert ds.io_stats().opening_gets == 3
 
@@ -295,10 +300,15 @@ def test_an_unreadable_local_shard_names_the_file(dataset_dir, tmp_path):
     with oj.open_dataset(copy) as ds:
         ds.read_csr([0])
         with pytest.raises(oj.DatasetFormatError, match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
-                                                        r"not a readable ArrayRecord file; run `omicsio-materialize"):
+                                                        r"has 5,000 bytes, the manifest lists [0-9,]+; run `omicsio-materialize"):
             ds.read_csr([1500])
         with pytest.raises(oj.DatasetFormatError, match=r"shard-00001.arrayrecord: cannot be opened"):
             _batches(ds)
+    with oj.open_dataset(copy, chunk_reader=False) as ds:  # ArrayRecord's reader: the file does not open
+        ds.read_csr([0])
+        with pytest.raises(oj.DatasetFormatError, match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
+                                                        r"not a readable ArrayRecord file; run `omicsio-materialize"):
+            ds.read_csr([1500])
 
 
 def test_a_corrupted_local_chunk_names_the_shard_and_cells(dataset_dir, tmp_path):
