@@ -8,9 +8,9 @@ conversion holds the whole corpus in RAM, ~10 GB at 200k cells), run in ``.venv-
 times round-robin (a slow spell of the shared machine hits all of them), medians reported:
 
 - omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, block_size 16, fetch_factor 64,
-  its defaults otherwise (``num_threads=2``), and the same two with ``num_threads=1`` (batches decoded
-  and placed on one thread) and ``num_threads=0`` (on the consumer's thread, when asked for; in both,
-  ``prefetch`` reads stay on their own threads);
+  its defaults otherwise (``num_threads=1``: batches decoded and placed on one thread), and the same
+  two with ``num_threads=0`` (on the consumer's thread, when asked for) and ``num_threads=2`` (the
+  default before session 10); ``prefetch`` reads stay on their own threads in every case;
   ``obs=("batch",)``, ``num_epochs=None``, seed 0.
 - annbatch ``Loader`` at its best documented setting (the peer's defaults: ``chunk_size=512,
   preload_nchunks=32``, ``RandomSampler``, ``drop_last``, zarrs codec pipeline; see the peer's
@@ -64,7 +64,7 @@ ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
 PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
 CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
-THREADS = (2, 1, 0)  # make_loader's num_threads: its default first
+THREADS = (1, 0, 2)  # make_loader's num_threads: its default first
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
 TIMED = {64: 1500, 1024: 300}  # timed batches (bench_loader's dense b64 / csr b1024 windows)
 WARMUP = {64: 64, 1024: 64}

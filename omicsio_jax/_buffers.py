@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 
@@ -18,7 +19,7 @@ def aligned_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return int(np.prod(shape)) * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize  # (np.prod: 4% of the GIL's time at dense batch 64)
 
 
 def _aligned_view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

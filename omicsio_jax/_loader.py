@@ -255,7 +255,7 @@ def make_loader(
     mesh=None,
     data_axis: str = "data",
     drop_remainder: bool = True,
-    num_threads: int = 2,
+    num_threads: int = 1,
     prefetch: int = 2,
     nnz_capacity: int | None = None,
     decode_threads: int | None = None,
@@ -278,12 +278,12 @@ def make_loader(
     ``ds.rows_where("batch", ["plate_13"], invert=True)``); ``sampling`` is one of ``block``,
     ``stream``, ``stream_buffer``, ``weighted`` (needs ``weights``, one per cell of ``rows``) or
     ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads`` threads decode and
-    place batches ahead of the consumer (raise it on many-core hosts); ``num_threads=0`` decodes
-    each batch on the consumer's thread when it is asked for, which on a few cores is the fastest
-    for small or dense batches (a batch's buffer stays in cache and no thread hands it over:
-    measured on 2 cores, dense batch 64 at 1.4× the default's cells/s). ``prefetch`` fetches are
-    read ahead on as many threads either way; ``decode_threads`` numba threads decode each batch
-    (default 1).
+    place batches ahead of the consumer: one decodes 100k-400k cells/s (2-core figures in
+    benchmarks/README.md), far more than a training step eats, and more contend for the cores
+    and the GIL (2 threads ran 0.80-0.85× of 1 on 2 cores); ``num_threads=0`` decodes each batch
+    on the consumer's thread when it is asked for (1.05-1.1× of 1 here: no hand-off, the batch
+    buffer stays in cache). ``prefetch`` fetches are read ahead on as many threads either way;
+    ``decode_threads`` numba threads decode each batch (default 1).
     """
     host = jax.process_index() if process_index is None else process_index
     hosts = jax.process_count() if process_count is None else process_count

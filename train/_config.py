@@ -41,7 +41,7 @@ class TrainConfig:
     eval_rows: str | None = None
     eval_batch_size: int | None = None
     num_devices: int | None = None
-    num_threads: int = 2
+    num_threads: int = 1
     prefetch: int = 2
     checkpoint_dir: str | None = None
     checkpoint_format: str = "equinox"

@@ -69,7 +69,7 @@ class PretrainConfig:
     compute_dtype: str = "float32"
     seed: int = 0
     num_devices: int | None = None
-    num_threads: int = 2
+    num_threads: int = 1
     prefetch: int = 2
     checkpoint_dir: str | None = None
     checkpoint_format: str = "equinox"
