@@ -15,8 +15,10 @@ The disk's limits, measured in the same run on the cold copies:
 - random: ``pread``s of one 16-cell chunk (what one block of the loader reads) at random
   chunks, with 1 and with ``--depth`` reads in flight, in reads/s and cells/s (× 16).
 
-Cold and warm runs are repeated with ``open_dataset(..., readahead=False)`` to show what announcing the
-reads to the kernel (`omicsio_jax._readahead`) changes. Results: ``results/beyond_ram.json`` and
+Cold runs are repeated with ``open_dataset(..., readahead=False)`` to show what announcing the reads
+to the kernel (`omicsio_jax._readahead`) changes, and cold and warm ones with
+``open_dataset(..., chunk_reader=False)`` (records read by ArrayRecord's own reader, as before session
+10, instead of `omicsio_jax._chunkread`). Results: ``results/beyond_ram.json`` and
 ``results/beyond_ram.png``.
 
     .venv/bin/python benchmarks/bench_beyond_ram.py            # ~30 min; 30 GB of disk
@@ -64,7 +66,7 @@ def _child(spec: dict) -> dict:
     dataset = Path(spec["dataset"])
     if spec["cold"] and not drop_page_cache(_files(dataset)):
         raise OSError("could not drop the page cache")
-    ds = oj.open_dataset(dataset, readahead=spec["readahead"])
+    ds = oj.open_dataset(dataset, readahead=spec["readahead"], chunk_reader=spec["chunk_reader"])
     loader = oj.make_loader(ds, seed=0, num_epochs=None, **CONFIGS[spec["config"]])
     it = iter(loader)
     for _ in range(2):
@@ -182,14 +184,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
-    kinds = [("warm (200k cells in RAM)", False, True, "tab:green"), ("cold, read-ahead", True, True, "tab:blue"),
-             ("cold, no read-ahead", True, False, "tab:gray")]
+    kinds = [("warm (200k cells in RAM)", False, True, True, "tab:green"),
+             ("cold, read-ahead", True, True, True, "tab:blue"),
+             ("cold, no read-ahead", True, False, True, "tab:gray"),
+             ("cold, ArrayRecord's reader", True, True, False, "tab:purple")]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(kinds)
-    for k, (label, cold, ra, color) in enumerate(kinds):
+    for k, (label, cold, ra, chunks, color) in enumerate(kinds):
         values = [next((r.get("cells_per_s", 0) for r in result["rows"] if r["config"] == c and r["cold"] == cold
-                        and r["readahead"] == ra), 0) for c in configs]
-        ax.bar(np.arange(len(configs)) + (k - 1) * width, values, width, label=label, color=color)
+                        and r["readahead"] == ra and r.get("chunk_reader", True) == chunks), 0) for c in configs]
+        ax.bar(np.arange(len(configs)) + (k - 1.5) * width, values, width, label=label, color=color)
     disk = result["disk"]
     ax.axhline(disk["random_qd16"]["cells_per_s"], color="tab:red", ls="--",
                label=f"disk: random 16-cell chunks, 16 in flight ({disk['random_qd16']['reads_per_s']:,.0f}/s)")
@@ -226,9 +230,11 @@ def main() -> None:
     plan = []
     for config in a.configs:
         if a.only in ("warm", "both"):
-            plan += [{"config": config, "dataset": str(SOURCE), "cold": False, "readahead": ra} for ra in (True, False)]
+            plan += [{"config": config, "dataset": str(SOURCE), "cold": False, "readahead": True, "chunk_reader": cr}
+                     for cr in (True, False)]
         if a.only in ("cold", "both"):
-            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": ra} for ra in (True, False)]
+            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": ra, "chunk_reader": cr}
+                     for ra, cr in ((True, True), (False, True), (True, False))]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(plan))}
     for r in range(a.rounds):
         for i, spec in enumerate(plan):
@@ -240,7 +246,7 @@ def main() -> None:
                      f"read {res['read_mb']:,.0f} MB  RSS {res['rss_start_mib']:,.0f}->{res['rss_end_mib']:,.0f} MiB"
                      if "error" not in res else f"ERROR {res['error']}")
             print(f"[{r + 1}/{a.rounds}] {spec['config']:22s} {'cold' if spec['cold'] else 'warm'} "
-                  f"readahead={spec['readahead']!s:5s} {shown}", flush=True)
+                  f"readahead={spec['readahead']!s:5s} chunk_reader={spec['chunk_reader']!s:5s} {shown}", flush=True)
     rows = []
     for i, spec in enumerate(plan):
         ok = [x for x in runs[i] if "error" not in x]

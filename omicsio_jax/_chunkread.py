@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numba as nb
@@ -253,10 +253,13 @@ class ChunkReader:
             buf = self._local.buf = np.empty(max(size, _GROUP_BYTES + (1 << 20)), np.uint8)
         return buf[:size]
 
-    def read(self, pieces: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, pieces: Sequence[tuple[int, int, int]], *,
+             allocate: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of the records ``(shard, begin, end)`` of ``pieces``, in order (``buf``
-        uint8, 4-aligned; ``starts`` int64, one more than the records). Raises `ReadFailed` naming
-        the shard and records of the first chunk that cannot be read."""
+        uint8, 4-aligned; ``starts`` int64, one more than the records). ``allocate(size)`` gives
+        ``buf``'s memory (default: a new array). Raises `ReadFailed` naming the shard and records
+        of the first chunk that cannot be read."""
+        allocate = allocate or _new_bytes
         if not pieces:
             return np.zeros(0, np.uint8), np.zeros(1, np.int64)
         plan = _Plan.of(self, pieces)
@@ -278,7 +281,7 @@ class ChunkReader:
             need = used + int(decoded.sum())
             if need > len(out):  # sized once from the first group's ratio; grown (doubling) if it was short
                 size = max(need, 2 * len(out), plan.capacity(need - used, group))
-                grown = np.empty(size, np.uint8)
+                grown = allocate(size)
                 grown[:used] = out[:used]
                 out = grown
             used, problem, k = _decode(raw, base, begins, ends, expected, decoded, data, plan.first[group],
@@ -352,6 +355,10 @@ class _Plan:
         return decoded + int(later * decoded / max(here, 1) * 1.05) + (1 << 16)
 
 
+def _new_bytes(size: int) -> np.ndarray:
+    return np.empty(size, np.uint8)
+
+
 def _pread(fd: int, ranges: np.ndarray, buffer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The file bytes of ``ranges`` (sorted ``(k, 2)``), touching ones read with one ``pread``, into
     ``buffer(size)`` (default: a new array): ``(bytes, offset of each range in them, the ranges'
@@ -360,7 +367,7 @@ def _pread(fd: int, ranges: np.ndarray, buffer=None) -> tuple[np.ndarray, np.nda
     sizes = ranges[:, 1] - ranges[:, 0]
     base = np.zeros(len(ranges), np.int64)
     np.cumsum(sizes[:-1], out=base[1:])
-    raw = (buffer or (lambda size: np.empty(size, np.uint8)))(int(sizes.sum()))
+    raw = (buffer or _new_bytes)(int(sizes.sum()))
     ends = ranges[:, 1].copy()
     breaks = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 1]) + 1
     for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(ranges)])).tolist(),

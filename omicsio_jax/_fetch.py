@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 import numba as nb
 import numpy as np
 
+from ._buffers import RowBuffers
 from ._chunkread import copy_bytes
 from ._codec import EMPTY_RECORD
 from ._dataset import Dataset, runs
@@ -76,14 +77,16 @@ class FetchReader:
     rows is one read.
     """
 
-    def __init__(self, dataset: Dataset, *, reader_options: str | None = None):
+    def __init__(self, dataset: Dataset, *, reader_options: str | None = None, keep_buffers: int = 6):
         self.dataset = dataset
         self._readers = ShardReaders(dataset, reader_options or dataset.reader_options, per_thread=True)
+        self._buffers = RowBuffers(keep=keep_buffers)  # fetches' memory, reused once a fetch is let go
 
     def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of ascending ``rows``: one read per run of consecutive rows (a local
         dataset's byte ranges announced to the kernel first, or meanwhile: see `Dataset.prepared`)."""
-        return read_runs(self.dataset, self._readers, runs(rows), announce_first=announce_first)
+        return read_runs(self.dataset, self._readers, runs(rows), announce_first=announce_first,
+                         allocate=self._buffers.at_least)
 
     def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> Fetched:
         """The records of ``rows`` (in any order; rows may repeat; -1 is padding), each distinct row read once."""

@@ -94,16 +94,16 @@ def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[
 
 
 def read_runs(dataset: Dataset, readers: ShardReaders, row_runs: Sequence[tuple[int, int]], *,
-              announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
+              announce_first: bool = True, allocate=None) -> tuple[np.ndarray, np.ndarray]:
     """``(buf, starts)`` of the records of the cells of every ``[begin, end)`` run, in order
-    (``announce_first``: see `Dataset.prepared`)."""
+    (``announce_first``: see `Dataset.prepared`; ``allocate``: see `ChunkReader.read`)."""
     pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
     refetch = None
     while True:
         with dataset.prepared(pieces, refetch=refetch, announce_first=announce_first):
             try:
                 if dataset.chunk_reader is not None:
-                    return dataset.chunk_reader.read(pieces)
+                    return dataset.chunk_reader.read(pieces, allocate=allocate)
                 return join_records(_read(readers, pieces))
             except ReadFailed as e:
                 failed = e
