@@ -8,8 +8,11 @@ fetch_factor 64 in blocks of 16) touches nearly every shard, so every shard is o
 first batch. Each run is a fresh process; ``first_batch_s`` counts from after the imports (those
 ``import omicsio_jax`` defers to first use, numba, Grain and Orbax, included and timed apart as
 ``lazy_imports_s``) to the first batch ready (``open_dataset``, ``make_loader`` and the first fetch included); ``read_mb`` is
-the bytes the process read (``rchar``), by reader options: ArrayRecord's default footer prefetch
-(1 MiB per open) against omicsio_jax's default (64 KiB).
+the bytes the process read (``rchar``), by reader: omicsio_jax's chunk reader (the default since
+session 10: no shard is opened as an ArrayRecord file, the chunks a read needs are read from the
+chunk indexes' byte ranges) against ArrayRecord's own reader (``chunk_reader=False``, with
+omicsio_jax's 64 KiB footer prefetch per open; ArrayRecord's default of 1 MiB read 774 MB here in
+session 8).
 
     .venv/bin/python benchmarks/bench_first_batch.py
 """
@@ -28,8 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCE = HERE / "data" / "ds_s3_50k"
 LINKED = HERE / "data" / "ds_1500_linked"
-OPTIONS = {"ArrayRecord default footer prefetch (1 MiB)": "readahead_buffer_size:256K,max_parallelism:0",
-           "omicsio_jax default (64 KiB)": None}
+READERS = {"chunk reader (default)": {}, "ArrayRecord's reader (64 KiB footer prefetch)": {"chunk_reader": False}}
 
 
 def _child(spec: dict) -> dict:
@@ -51,8 +53,7 @@ def _child(spec: dict) -> dict:
         root = Path(spec["dataset"])
         drop_page_cache([SOURCE / f"shard-{i:05d}.arrayrecord" for i in range(3)] + sorted(root.glob("chunks/*.npy")))
     read0, start = proc_io("rchar"), time.perf_counter()
-    kw = {} if spec["options"] is None else {"reader_options": spec["options"]}
-    ds = oj.open_dataset(spec["dataset"], **kw)
+    ds = oj.open_dataset(spec["dataset"], **spec["open"])
     loader = oj.make_loader(ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"])
     jax.block_until_ready(next(iter(loader)).x)
     seconds = time.perf_counter() - start
@@ -75,14 +76,16 @@ def main() -> None:
         return
     if not (LINKED / "manifest.json").exists():
         from _replicate import replicate
+        from bench_s3 import ensure_dataset
 
+        ensure_dataset(50_000, 16_384)  # SOURCE
         replicate(SOURCE, LINKED, 500, link=True)
     rows = []
     for r in range(args.rounds):
-        for label, options in OPTIONS.items():
+        for label, open_options in READERS.items():
             for output in ("dense", "csr"):
                 for cold in (True, False):
-                    spec = {"dataset": str(LINKED), "options": options, "output": output, "cold": cold}
+                    spec = {"dataset": str(LINKED), "open": open_options, "output": output, "cold": cold}
                     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                                           capture_output=True, text=True, check=True)
                     got = {"reader": label, "output": output, "cache": "cold" if cold else "warm", "round": r,
