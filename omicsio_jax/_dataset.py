@@ -128,7 +128,8 @@ class Dataset:
 
             self.path: Path | str = str(path).rstrip("/")
             self.manifest: Manifest = read_manifest(self.path)
-            self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes)
+            self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                                         opening=not (chunk_reader and _chunkread.supported(self)))
         else:
             self.path = Path(path)
             self.manifest = read_manifest(self.path)

@@ -2,7 +2,9 @@
 
 ArrayRecord's reader reads local files only. Each shard a read uses gets a mirror in the cache
 root: a file of the shard's size holding its opening ranges (head, footer and postscript chunks,
-what the reader reads when it opens a file) and the data chunks reads have needed, fetched with
+what ArrayRecord's reader reads when it opens a file; not fetched for a dataset read by
+`_chunkread`, which never reads them, until a read that needs them fails and fetches them again)
+and the data chunks reads have needed, fetched with
 range GETs (``If-Match``: the ETag seen when this process first used the shard) and written at
 their offsets. The stock reader then reads the mirror as if it were whole: a read that reaches a
 chunk never fetched fails on the chunk's header hash, it cannot return wrong records.
@@ -85,8 +87,9 @@ class ShardMirrors:
     """The sparse mirrors of a remote dataset's shards under ``root``, within ``cache_bytes``."""
 
     def __init__(self, store: S3Store, manifest: Manifest, root: Path, files: FileCache, counters: Counters, *,
-                 cache_bytes: int, threads: int = 16):
+                 cache_bytes: int, threads: int = 16, opening: bool = True):
         self.store, self.manifest, self.root, self.files, self.counters = store, manifest, root, files, counters
+        self.opening = opening  # fetch each shard's opening ranges (ArrayRecord's reader reads them; the chunk reader not)
         self.cache_bytes, self.group_size = cache_bytes, int(manifest.array_record["group_size"])
         self._lock = threading.Condition()
         self._live: dict[int, _Mirror] = {}
@@ -221,7 +224,7 @@ class ShardMirrors:
                      and present_path.stat().st_size == index.num_chunks)
         except OSError:
             reuse = False
-        opening = [(int(b), int(e)) for b, e in index.opening]
+        opening = [(int(b), int(e)) for b, e in index.opening] if self.opening else []
         if reuse:
             fd = os.open(path, os.O_RDWR)
             blobs = [os.pread(fd, e - b, b) for b, e in opening]
@@ -303,9 +306,9 @@ class ShardMirrors:
         needed = {s: mirrors[s].index.chunk_bytes(take) for s, take in mine.items()}  # in file order
         spans = merge_spans(needed, slack=READ_SLACK) if needed else {}
         futures = [self._submit(self._get_into, mirrors[s], split_spans(sp)) for s, sp in spans.items()]
-        if refetch is not None:  # the opening ranges too: the mirror's may be what is damaged
+        if refetch is not None:  # the opening ranges too: the mirror's may be damaged (or never fetched)
             m = mirrors[refetch]
-            opening = [(b, b + len(blob)) for b, blob in m.opening]
+            opening = [(int(b), int(e)) for b, e in m.index.opening]
             futures.append(self._submit(self._get_opening, m.key, m.fd, opening, m.etag))
         for f in futures:
             f.result()
