@@ -80,7 +80,8 @@ class RowBuffers:
             else:
                 raw = np.empty(need + need // 8, dtype=np.uint8)
                 if len(self._spans) >= self._keep and free:
-                    self._spans.remove(min(free, key=len))
+                    smallest = min(free, key=len)  # (by identity: `list.remove` would compare arrays)
+                    self._spans = [r for r in self._spans if r is not smallest]
                 if len(self._spans) < self._keep:
                     self._spans.append(raw)
             del free, fits

@@ -97,6 +97,26 @@ def test_row_buffers_come_back_only_when_unreferenced():
     assert pool.num_free() == 2
 
 
+def test_byte_buffers_of_any_size_come_back_smallest_first():
+    from omicsio_jax._buffers import RowBuffers
+
+    pool = RowBuffers(keep=2)
+    large, small = pool.at_least(5000), pool.at_least(1000)
+    assert len(small) == 1000 and small.ctypes.data % 64 == 0 and len(large) == 5000
+    addresses = large.ctypes.data, small.ctypes.data
+    del small, large
+    again = pool.at_least(900)  # the smallest free one that fits
+    assert again.ctypes.data == addresses[1]
+    other = pool.at_least(4000)  # the other one, still free
+    assert other.ctypes.data == addresses[0]
+    del again
+    bigger = pool.at_least(9000)  # none fits: a new one, kept in place of the free smaller one
+    kept = bigger.ctypes.data
+    assert kept not in addresses
+    del other, bigger
+    assert pool.at_least(8000).ctypes.data == kept  # it came back
+
+
 def test_one_epoch_serves_every_cell_once(ds):
     loader = _loader(ds, num_epochs=1)
     served = np.concatenate([np.asarray(b.index) for b in loader])
