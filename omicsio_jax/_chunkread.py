@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _zstd
-from ._highway import RIEGELI_KEY, highway64
+from ._highway import RIEGELI_KEY, highway64, load_u64
 from ._records import ReadFailed
 
 if TYPE_CHECKING:
@@ -110,14 +110,6 @@ def _logical_copy(raw, base, begin, end, dst, n):
 
 
 @nb.njit(inline="always")
-def _u64(b, p):
-    value = np.uint64(0)
-    for k in range(8):
-        value |= np.uint64(b[p + k]) << np.uint64(8 * k)
-    return value
-
-
-@nb.njit(inline="always")
 def _varint(b, p, end):
     """``(value, position after it)`` of the LEB128 varint at ``b[p]``; position -1 if malformed."""
     value, shift = np.uint64(0), np.uint64(0)
@@ -141,15 +133,15 @@ def _headers(raw, base, begin, end, expected):
     for k in range(n):
         if not _logical_copy(raw, base[k], begin[k], end[k], header, _CHUNK_HEADER):
             return decoded, data, _TRUNCATED, k
-        if highway64(header, 8, 32, RIEGELI_KEY) != _u64(header, 0):
+        if highway64(header, 8, 32, RIEGELI_KEY) != load_u64(header, 0):
             return decoded, data, _HEADER_HASH, k
-        kind_and_count = _u64(header, 24)
+        kind_and_count = load_u64(header, 24)
         if kind_and_count & np.uint64(0xFF) != _SIMPLE_CHUNK:
             return decoded, data, _NOT_RECORDS, k
         if np.int64(kind_and_count >> np.uint64(8)) != expected[k]:
             return decoded, data, _RECORD_COUNT, k
-        data[k] = np.int64(_u64(header, 8))
-        decoded[k] = np.int64(_u64(header, 32))
+        data[k] = np.int64(load_u64(header, 8))
+        decoded[k] = np.int64(load_u64(header, 32))
         if data[k] < 1 or data[k] > end[k] - begin[k]:
             return decoded, data, _TRUNCATED, k
     return decoded, data, CHUNK_OK, -1
@@ -189,7 +181,7 @@ def _decode(raw, base, begin, end, expected, decoded, data, first, stop, out, ou
             if not _logical_copy(raw, base[k], begin[k], end[k], scratch, length):
                 return out_pos, _TRUNCATED, k
             chunk = scratch[:length]
-        if highway64(chunk, _CHUNK_HEADER, data[k], RIEGELI_KEY) != _u64(chunk, 16):
+        if highway64(chunk, _CHUNK_HEADER, data[k], RIEGELI_KEY) != load_u64(chunk, 16):
             return out_pos, _DATA_HASH, k
         compression = chunk[_CHUNK_HEADER]
         if compression != _NO_COMPRESSION and compression != _ZSTD:

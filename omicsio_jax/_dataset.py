@@ -128,8 +128,9 @@ class Dataset:
 
             self.path: Path | str = str(path).rstrip("/")
             self.manifest: Manifest = read_manifest(self.path)
+            chunk_reader = chunk_reader and _chunkread.supported(self)
             self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                                         opening=not (chunk_reader and _chunkread.supported(self)))
+                                         opening=not chunk_reader)  # the chunk reader reads no footer
         else:
             self.path = Path(path)
             self.manifest = read_manifest(self.path)
@@ -139,9 +140,10 @@ class Dataset:
                     raise DatasetFormatError(msg)
             if readahead:
                 self._readahead = ReadAhead(self)
+            chunk_reader = chunk_reader and _chunkread.supported(self)
         self._readers = ShardReaders(self, reader_options)
         # read straight from the chunks (`_chunkread`) where the shards allow it, else by ArrayRecord's reader
-        self.chunk_reader = _chunkread.ChunkReader(self) if chunk_reader and _chunkread.supported(self) else None
+        self.chunk_reader = _chunkread.ChunkReader(self) if chunk_reader else None
 
     @property
     def open_options(self) -> dict:

@@ -28,8 +28,8 @@ _LOW32 = 0xFFFFFFFF
 
 
 @nb.njit(inline="always")
-def _load64(b, p):
-    # little-endian; LLVM folds the eight byte loads into one
+def load_u64(b, p):
+    """The little-endian uint64 at byte ``p`` of ``b`` (LLVM folds the eight byte loads into one)."""
     return (u64(b[p]) | (u64(b[p + 1]) << u64(8)) | (u64(b[p + 2]) << u64(16)) | (u64(b[p + 3]) << u64(24))
             | (u64(b[p + 4]) << u64(32)) | (u64(b[p + 5]) << u64(40)) | (u64(b[p + 6]) << u64(48))
             | (u64(b[p + 7]) << u64(56)))
@@ -187,7 +187,7 @@ def highway64(data, start, size, key):
             packet[16] = data[p + words]
             packet[17] = data[p + words + (tail >> 1)]
             packet[18] = data[p + words + tail - 1]
-        s = _update(s, _load64(packet, 0), _load64(packet, 8), _load64(packet, 16), _load64(packet, 24))
+        s = _update(s, load_u64(packet, 0), load_u64(packet, 8), load_u64(packet, 16), load_u64(packet, 24))
     for _ in range(4):
         s = _update(s, _rot32(s[2]), _rot32(s[3]), _rot32(s[0]), _rot32(s[1]))
     return s[0] + s[4] + s[8] + s[12]
