@@ -60,9 +60,6 @@ class Fetched:
     starts: np.ndarray
     positions: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self.positions)
-
     def take(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of the records of rows ``[lo, hi)`` of the list, in its order (padding
         rows get `EMPTY_RECORD`): what the decoders take."""

@@ -30,6 +30,7 @@ from ._errors import OmicsIOError
 from ._minibatch import DiskSpec, MinibatchReader
 from ._outputs import Output
 from ._schedule import Schedule
+from ._store import is_remote
 
 
 class GrainSource(grain.sources.RandomAccessDataSource):
@@ -66,7 +67,6 @@ class GrainSource(grain.sources.RandomAccessDataSource):
                                 weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
         plan, bound = self.spec.resolve(ds)
         self.path, self.open_options = str(ds.path), ds.open_options  # how workers open it again
-        self.cache_dir, self.cache_bytes = ds.cache_dir, ds.cache_bytes
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
         self.prefetch, self.decode_threads = prefetch, decode_threads
         layout = {"num_hosts": hosts, "num_slabs": self.spec.num_slabs,
@@ -86,6 +86,15 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    @property
+    def cache_dir(self):
+        """A remote dataset's local cache, which workers reopen it on (None for a local dataset)."""
+        return self.open_options["cache_dir"] if is_remote(self.path) else None
+
+    @property
+    def cache_bytes(self) -> int | None:
+        return self.open_options["cache_bytes"] if is_remote(self.path) else None
 
     def __repr__(self) -> str:
         return f"GrainSource({json.dumps(self._config, sort_keys=True)})"
