@@ -13,13 +13,15 @@ The disk's limits, measured in the same run on the cold copies:
 - sequential: front-to-back reads of 1 MiB over 4 GiB of shards, in cells/s at the dataset's
   bytes per cell;
 - random: ``pread``s of one 16-cell chunk (what one block of the loader reads) at random
-  chunks, with 1 and with ``--depth`` reads in flight, in reads/s and cells/s (× 16).
+  chunks, with 1 and with ``--depth`` reads in flight (threads), in reads/s and cells/s (× 16);
+  and the same with ``O_DIRECT`` (4 KiB-aligned, bypassing the page cache) at ``--depth`` and
+  4 × ``--depth`` reads in flight. The ceiling is the best of them.
 
-Cold runs are repeated with ``open_dataset(..., readahead=False)`` to show what announcing the reads
-to the kernel (`omicsio_jax._readahead`) changes, and cold and warm ones with
-``open_dataset(..., chunk_reader=False)`` (records read by ArrayRecord's own reader, as before session
-10, instead of `omicsio_jax._chunkread`). Results: ``results/beyond_ram.json`` and
-``results/beyond_ram.png``.
+The dataset is larger than RAM, so `open_dataset` reads it with ``O_DIRECT`` (`omicsio_jax._directio`)
+by default. Cold runs are repeated with ``direct_io=False`` (buffered reads, each announced to the
+kernel first: `omicsio_jax._readahead`) and with ``chunk_reader=False`` as well (records read by
+ArrayRecord's own reader, as before session 10, instead of `omicsio_jax._chunkread`); warm runs
+with and without the chunk reader. Results: ``results/beyond_ram.json`` and ``results/beyond_ram.png``.
 
     .venv/bin/python benchmarks/bench_beyond_ram.py            # ~30 min; 30 GB of disk
 """
@@ -66,7 +68,9 @@ def _child(spec: dict) -> dict:
     dataset = Path(spec["dataset"])
     if spec["cold"] and not drop_page_cache(_files(dataset)):
         raise OSError("could not drop the page cache")
-    ds = oj.open_dataset(dataset, readahead=spec["readahead"], chunk_reader=spec["chunk_reader"])
+    ds = oj.open_dataset(dataset, readahead=spec["readahead"], chunk_reader=spec["chunk_reader"],
+                         direct_io=spec.get("direct_io"))
+    spec = {**spec, "direct_io": ds.chunk_reader is not None and ds.chunk_reader.direct}
     loader = oj.make_loader(ds, seed=0, num_epochs=None, **CONFIGS[spec["config"]])
     it = iter(loader)
     for _ in range(2):
@@ -115,18 +119,25 @@ def ensure_big(source: Path, out: Path, ram_factor: float) -> Path:
     return replicate(source, out, copies)
 
 
-def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, threads: int, seconds: float) -> dict:
-    """``pread``s of whole random data chunks on ``threads`` threads (as many reads in flight) for ``seconds``."""
+def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, threads: int, seconds: float,
+                  direct: bool = False) -> dict:
+    """``pread``s of whole random data chunks on ``threads`` threads (as many reads in flight) for
+    ``seconds``; ``direct``: with ``O_DIRECT``, each chunk widened to 4 KiB boundaries."""
     stop = time.perf_counter() + seconds
     done: list[tuple[int, int]] = []
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 
     def reader(seed: int) -> None:
         rng, fds, n, nbytes = random.Random(seed), {}, 0, 0
+        raw = np.empty(1 << 21, np.uint8)
+        buf = raw[-raw.ctypes.data % 4096 :][: 1 << 20]
         while time.perf_counter() < stop:
             k = rng.randrange(len(shards))
             begin, end = (int(v) for v in chunks[k][rng.randrange(len(chunks[k]))])
-            fd = fds.get(k) or fds.setdefault(k, os.open(shards[k], os.O_RDONLY))
-            nbytes += len(os.pread(fd, end - begin, begin))
+            if direct:
+                begin, end = begin // 4096 * 4096, -(-end // 4096) * 4096
+            fd = fds.get(k) or fds.setdefault(k, os.open(shards[k], flags))
+            nbytes += os.preadv(fd, [memoryview(buf[: end - begin])], begin)
             n += 1
         for fd in fds.values():
             os.close(fd)
@@ -166,6 +177,10 @@ def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
     for threads in (1, depth):
         drop_page_cache(shards)
         out[f"random_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds)
+    for threads in (depth, 4 * depth):
+        out[f"random_direct_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds,
+                                                          direct=True)
+    out["random_ceiling_cells_per_s"] = max(v["cells_per_s"] for k, v in out.items() if k.startswith("random_"))
     return out
 
 
@@ -184,19 +199,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
-    kinds = [("warm (200k cells in RAM)", False, True, True, "tab:green"),
-             ("cold, read-ahead", True, True, True, "tab:blue"),
-             ("cold, no read-ahead", True, False, True, "tab:gray"),
-             ("cold, ArrayRecord's reader", True, True, False, "tab:purple")]
+    kinds = [("warm (200k cells in RAM)", False, True, False, "tab:green"),
+             ("cold, O_DIRECT (the default beyond RAM)", True, True, True, "tab:blue"),
+             ("cold, buffered + read-ahead", True, True, False, "tab:gray"),
+             ("cold, ArrayRecord's reader", True, False, False, "tab:purple")]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(kinds)
-    for k, (label, cold, ra, chunks, color) in enumerate(kinds):
+    for k, (label, cold, chunks, direct, color) in enumerate(kinds):
         values = [next((r.get("cells_per_s", 0) for r in result["rows"] if r["config"] == c and r["cold"] == cold
-                        and r["readahead"] == ra and r.get("chunk_reader", True) == chunks), 0) for c in configs]
+                        and r.get("chunk_reader", True) == chunks and r.get("direct_io", False) == direct), 0)
+                  for c in configs]
         ax.bar(np.arange(len(configs)) + (k - 1.5) * width, values, width, label=label, color=color)
     disk = result["disk"]
-    ax.axhline(disk["random_qd16"]["cells_per_s"], color="tab:red", ls="--",
-               label=f"disk: random 16-cell chunks, 16 in flight ({disk['random_qd16']['reads_per_s']:,.0f}/s)")
+    ax.axhline(disk["random_ceiling_cells_per_s"], color="tab:red", ls="--",
+               label="disk: random 16-cell chunks, best of the depths measured")
     ax.axhline(disk["random_qd1"]["cells_per_s"], color="tab:orange", ls=":",
                label=f"disk: random 16-cell chunks, 1 in flight ({disk['random_qd1']['reads_per_s']:,.0f}/s)")
     ax.set_xticks(np.arange(len(configs)), configs)
@@ -233,8 +249,8 @@ def main() -> None:
             plan += [{"config": config, "dataset": str(SOURCE), "cold": False, "readahead": True, "chunk_reader": cr}
                      for cr in (True, False)]
         if a.only in ("cold", "both"):
-            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": ra, "chunk_reader": cr}
-                     for ra, cr in ((True, True), (False, True), (True, False))]
+            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": True, "chunk_reader": cr,
+                      "direct_io": direct} for cr, direct in ((True, None), (True, False), (False, False))]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(plan))}
     for r in range(a.rounds):
         for i, spec in enumerate(plan):
@@ -246,7 +262,7 @@ def main() -> None:
                      f"read {res['read_mb']:,.0f} MB  RSS {res['rss_start_mib']:,.0f}->{res['rss_end_mib']:,.0f} MiB"
                      if "error" not in res else f"ERROR {res['error']}")
             print(f"[{r + 1}/{a.rounds}] {spec['config']:22s} {'cold' if spec['cold'] else 'warm'} "
-                  f"readahead={spec['readahead']!s:5s} chunk_reader={spec['chunk_reader']!s:5s} {shown}", flush=True)
+                  f"chunk_reader={spec['chunk_reader']!s:5s} direct_io={res.get('direct_io')!s:5s} {shown}", flush=True)
     rows = []
     for i, spec in enumerate(plan):
         ok = [x for x in runs[i] if "error" not in x]
@@ -255,7 +271,7 @@ def main() -> None:
             continue
         row = {key: float(np.median([x[key] for x in ok])) for key in
                ("cells_per_s", "cores_busy", "system_share", "cells_per_cpu_s", "read_mb", "max_wait_s", "rss_start_mib", "rss_end_mib")}
-        rows.append({**spec, **row, "cells_per_s_runs": [x["cells_per_s"] for x in ok],
+        rows.append({**spec, "direct_io": ok[0]["direct_io"], **row, "cells_per_s_runs": [x["cells_per_s"] for x in ok],
                      "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
                      "bytes_read_per_cell": float(np.median([x["read_mb"] * 1e6 / (x["cells_per_s"] * x["seconds"])
                                                              for x in ok]))})

@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _zstd
+from . import _directio, _zstd
 from ._highway import RIEGELI_KEY, highway64, load_u64
 from ._records import ReadFailed
 
@@ -48,6 +48,7 @@ _BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
 _SIMPLE_CHUNK = 0x72  # 'r'
 _NO_COMPRESSION, _ZSTD = 0, 0x7A  # 'z'
 _GROUP_BYTES = 4 << 20  # file bytes read and decoded per kernel call (each thread keeps a buffer of this size)
+_DIRECT_GROUP_BYTES = 1 << 20  # the same, read with O_DIRECT: `_directio.AHEAD` more of them in flight
 
 CHUNK_OK = 0
 _PROBLEMS = (
@@ -231,11 +232,18 @@ class ChunkReader:
     """Reads records of ``dataset``'s shards from their chunks (see the module docstring); safe to
     call from several threads at once (each uses its own zstd context; no descriptor is kept)."""
 
-    def __init__(self, dataset: Dataset):
+    def __init__(self, dataset: Dataset, *, direct: bool = False):
         self.dataset = dataset
         self.group_size = int(dataset.manifest.array_record["group_size"])
         self._num_cells = np.array([s.num_cells for s in dataset.manifest.shards], np.int64)
         self._local = threading.local()
+        # with `direct`, file bytes are read with O_DIRECT, many groups in flight (`_directio`)
+        self._direct = _directio.DirectReads() if direct else None
+
+    @property
+    def direct(self) -> bool:
+        """Whether the shards are read with ``O_DIRECT``, bypassing the page cache."""
+        return self._direct is not None
 
     def _read_buffer(self, size: int) -> np.ndarray:
         """This thread's buffer for file bytes, at least ``size`` long: reused, as fresh pages cost a
@@ -259,13 +267,7 @@ class ChunkReader:
         out, used, record = np.empty(0, np.uint8), 0, 0
         fn = np.uint64(_zstd.decompress_address() if _zstd.available() else 0)
         dctx = np.uint64(_zstd.thread_context() if _zstd.available() else 0)
-        for shard, group in plan.groups():
-            path = self.dataset.local_path(self.dataset.manifest.shards[shard].path)
-            fd = self._open(shard, path)
-            try:
-                raw, base, ends = _pread(fd, plan.ranges[group], self._read_buffer)
-            finally:
-                os.close(fd)
+        for shard, group, (raw, base, ends) in self._file_bytes(plan):
             begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
@@ -280,26 +282,71 @@ class ChunkReader:
                                        plan.stop[group], out, used, starts[record:], fn, dctx)
             if problem:
                 raise self._failed(shard, chunk[k], problem)
+            if self._direct is not None:
+                self._direct.release(raw)
             record += int((plan.stop[group] - plan.first[group]).sum())
         starts[plan.num_records] = used
         return out[:used], starts
 
-    def _open(self, shard: int, path) -> int:
+    def _file_bytes(self, plan: _Plan):
+        """``(shard, chunks, (bytes, offset of each chunk in them, each chunk's end))`` for each group
+        of ``plan``'s chunks, in order (see `_pread`): read one group at a time into this thread's
+        buffer, or with ``O_DIRECT``, many groups in flight (`_directio.DirectReads`)."""
+        if self._direct is None:
+            for shard, group in plan.groups(_GROUP_BYTES):
+                fd = self._open(shard)
+                try:
+                    yield shard, group, _pread(fd, plan.ranges[group], self._read_buffer)
+                finally:
+                    os.close(fd)
+            return
+        groups = list(plan.groups(_DIRECT_GROUP_BYTES))
+        paths = {shard: self._checked_path(shard) for shard in np.unique(plan.shard).tolist()}
+        reads = self._direct.read_groups([(paths[shard], plan.ranges[group]) for shard, group in groups])
+        try:
+            for shard, group in groups:
+                try:
+                    got = next(reads)
+                except _directio.ReadError as e:
+                    raise self._failed(shard, plan.chunk[group[0]], 0, f"{e.filename}: {e.strerror}") from e
+                yield shard, group, got
+        finally:
+            reads.close()
+
+    def _open(self, shard: int) -> int:
         """A descriptor of the shard's file, which must have the manifest's size (a truncated or replaced
         file is reported as not openable, as ArrayRecord's reader does)."""
+        path = self.dataset.local_path(self.dataset.manifest.shards[shard].path)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise ReadFailed(shard, 0, 0, f"{path}: {e.strerror}") from e
-        size, expected = os.fstat(fd).st_size, self.dataset.manifest.shards[shard].num_bytes
-        if size != expected:
+        try:
+            self._check_size(shard, path, os.fstat(fd).st_size)
+        except ReadFailed:
             os.close(fd)
-            raise ReadFailed(shard, 0, 0, f"{path} has {size:,} bytes, the manifest lists {expected:,}")
+            raise
         return fd
 
-    def _failed(self, shard: int, chunk: int, problem: int) -> ReadFailed:
+    def _checked_path(self, shard: int):
+        """The shard's file, checked as `_open` checks it."""
+        path = self.dataset.local_path(self.dataset.manifest.shards[shard].path)
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            raise ReadFailed(shard, 0, 0, f"{path}: {e.strerror}") from e
+        self._check_size(shard, path, size)
+        return path
+
+    def _check_size(self, shard: int, path, size: int) -> None:
+        expected = self.dataset.manifest.shards[shard].num_bytes
+        if size != expected:
+            raise ReadFailed(shard, 0, 0, f"{path} has {size:,} bytes, the manifest lists {expected:,}")
+
+    def _failed(self, shard: int, chunk: int, problem: int, reason: str = "") -> ReadFailed:
         begin = int(chunk) * self.group_size
-        return ReadFailed(shard, begin, min(begin + self.group_size, int(self._num_cells[shard])), _PROBLEMS[problem])
+        return ReadFailed(shard, begin, min(begin + self.group_size, int(self._num_cells[shard])),
+                          reason or _PROBLEMS[problem])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,10 +380,10 @@ class _Plan:
     def num_records(self) -> int:
         return int((self.stop - self.first).sum())
 
-    def groups(self):
-        """``(shard, chunks)``: runs of chunks of one shard, about `_GROUP_BYTES` of file each."""
+    def groups(self, group_bytes: int):
+        """``(shard, chunks)``: runs of chunks of one shard, about ``group_bytes`` of file each."""
         sizes = self.ranges[:, 1] - self.ranges[:, 0]
-        cuts = np.flatnonzero((self.shard[1:] != self.shard[:-1]) | (np.diff(np.cumsum(sizes) // _GROUP_BYTES) != 0))
+        cuts = np.flatnonzero((self.shard[1:] != self.shard[:-1]) | (np.diff(np.cumsum(sizes) // group_bytes) != 0))
         for group in np.split(np.arange(len(self.chunk)), cuts + 1):
             yield int(self.shard[group[0]]), group
 

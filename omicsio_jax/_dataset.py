@@ -14,7 +14,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from . import _chunkread, _codec
+from . import _chunkread, _codec, _directio
 from ._cache import IOStats
 from ._chunks import ChunkIndex, chunk_index_path, load_chunk_index
 from ._errors import DatasetFormatError, OmicsIOError
@@ -114,10 +114,10 @@ class Dataset:
 
     def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True, chunk_reader: bool = True):
+                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None):
         self.reader_options = reader_options
         self._options = {"reader_options": reader_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes,
-                         "readahead": readahead, "chunk_reader": chunk_reader}
+                         "readahead": readahead, "chunk_reader": chunk_reader, "direct_io": direct_io}
         self._modalities: dict[str, Dataset] = {}
         self._remote = None
         self._readahead: ReadAhead | None = None
@@ -138,12 +138,23 @@ class Dataset:
                 if not (self.path / shard.path).exists():
                     msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
                     raise DatasetFormatError(msg)
-            if readahead:
-                self._readahead = ReadAhead(self)
             chunk_reader = chunk_reader and _chunkread.supported(self)
+            direct_io = chunk_reader and self._direct_io(direct_io)
+            if readahead and not direct_io:  # a direct read has no use for the page cache's read-ahead
+                self._readahead = ReadAhead(self)
         self._readers = ShardReaders(self, reader_options)
         # read straight from the chunks (`_chunkread`) where the shards allow it, else by ArrayRecord's reader
-        self.chunk_reader = _chunkread.ChunkReader(self) if chunk_reader else None
+        self.chunk_reader = _chunkread.ChunkReader(self, direct=bool(direct_io)) if chunk_reader else None
+
+    def _direct_io(self, wanted: bool | None) -> bool:
+        """Whether to read the shards with ``O_DIRECT`` (`_directio`): if asked, or by default if they
+        add up to more than this machine's RAM (the page cache cannot hold them); and if their file
+        system allows it."""
+        if wanted is False or not self.manifest.shards:
+            return False
+        if wanted is None and sum(s.num_bytes for s in self.manifest.shards) <= _directio.physical_memory():
+            return False
+        return _directio.supported(self.path / self.manifest.shards[0].path)
 
     @property
     def open_options(self) -> dict:
@@ -443,7 +454,7 @@ class Dataset:
 
 def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
                  cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True, chunk_reader: bool = True) -> Dataset:
+                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None) -> Dataset:
     """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
     it was uploaded to (the same files under the prefix).
 
@@ -469,4 +480,4 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
     """
     return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                   readahead=readahead, chunk_reader=chunk_reader)
+                   readahead=readahead, chunk_reader=chunk_reader, direct_io=direct_io)

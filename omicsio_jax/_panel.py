@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from . import _codec
 from ._buffers import aligned_empty
 from ._dataset import Categorical, Dataset, runs
+from ._directio import physical_memory
 from ._errors import OmicsIOError
 from ._outputs import OutputContext, resolve_output
 from ._query import CellTable
@@ -58,12 +58,8 @@ def _fingerprint(*parts) -> str:
 
 
 def _check_memory(num_cells: int, width: int) -> None:
-    need = num_cells * width * 4
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > 0.8 * total:
+    need, total = num_cells * width * 4, physical_memory()
+    if total and need > 0.8 * total:
         msg = (f"a dense {num_cells:,} × {width:,} float32 panel needs {need / 2**30:.1f} GiB, more than 80% of "
                f"this machine's {total / 2**30:.1f} GiB: choose a smaller panel (genes=...) or fewer cells, "
                "or stream with make_loader / make_stream_loader")

@@ -1,0 +1,142 @@
+"""Direct reads (O_DIRECT through Linux AIO): the same records as buffered reads, chosen for datasets
+larger than RAM, failures reported by shard and cell."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import omicsio_jax as oj
+from omicsio_jax import _directio
+
+pytestmark = pytest.mark.skipif(not _directio.supported(__file__),
+                                reason="this file system or OS has no O_DIRECT / native AIO")
+
+
+@pytest.fixture(scope="module")
+def pair(dataset_dir):
+    with oj.open_dataset(dataset_dir) as buffered, oj.open_dataset(dataset_dir, direct_io=True) as direct:
+        assert not buffered.chunk_reader.direct
+        assert direct.chunk_reader.direct
+        yield buffered, direct
+
+
+def test_direct_reads_give_the_records_buffered_reads_give(pair):
+    buffered, direct = pair
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 17, 500, buffered.num_cells):
+        rows = np.sort(rng.choice(buffered.num_cells, n, replace=False))
+        for a, b in zip(buffered.read_csr(rows), direct.read_csr(rows), strict=True):
+            np.testing.assert_array_equal(a, b)
+    last = buffered.num_cells - 1  # the end of the last shard: the aligned read runs past the file's end
+    for a, b in zip(buffered.read_buffer(last - 3, last + 1), direct.read_buffer(last - 3, last + 1), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_loader_over_direct_reads_serves_the_same_batches(pair):
+    buffered, direct = pair
+    kwargs = {"batch_size": 64, "block_size": 4, "fetch_factor": 4, "seed": 3, "output": "csr"}
+    for a, b in zip(oj.make_loader(buffered, **kwargs), oj.make_loader(direct, **kwargs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.x.indices), np.asarray(b.x.indices))
+        np.testing.assert_array_equal(np.asarray(a.x.values), np.asarray(b.x.values))
+
+
+def test_direct_reads_are_the_default_beyond_ram(dataset_dir, monkeypatch):
+    with oj.open_dataset(dataset_dir) as ds:
+        assert not ds.chunk_reader.direct  # a few MB on a machine with GBs: the page cache serves it
+        assert ds.open_options["direct_io"] is None
+    monkeypatch.setattr(_directio, "physical_memory", lambda: 1 << 20)
+    with oj.open_dataset(dataset_dir) as ds:
+        assert ds.chunk_reader.direct
+        assert ds._readahead is None  # nothing to announce to a page cache it bypasses
+    with oj.open_dataset(dataset_dir, direct_io=False) as ds:
+        assert not ds.chunk_reader.direct
+
+
+def test_without_native_aio_reads_are_buffered(dataset_dir, monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "sparc64")
+    with oj.open_dataset(dataset_dir, direct_io=True) as ds:
+        assert not ds.chunk_reader.direct
+        assert len(ds.read_csr([0, 5])[0]) == 3
+
+
+def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    with oj.open_dataset(copy, direct_io=True) as ds:
+        begin, _ = ds.chunk_index(1).chunk_bytes(np.array([3]))[0]
+        first = ds.manifest.shards[1].first_cell
+        with open(copy / ds.manifest.shards[1].path, "r+b") as f:
+            f.seek(int(begin) + 100)
+            byte = f.read(1)
+            f.seek(int(begin) + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        group = ds.chunk_reader.group_size
+        with pytest.raises(oj.DatasetFormatError, match=rf"cells {first + 3 * group}\.\.{first + 4 * group - 1} .*"
+                                                        r"hash mismatch; run `omicsio-materialize verify"):
+            ds.read_csr(np.arange(first, first + 6 * group))
+
+
+def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
+    spans = np.array([[0, 4096], [8192, 12288]])
+    with pytest.raises(_directio.ReadError, match="Input/output error") as caught:
+        _directio.DirectReads._placed(__file__, spans, spans, np.arange(2), np.array([4096, -5]),
+                                      np.zeros(8192, np.uint8))
+    assert caught.value.errno == 5 and caught.value.filename == __file__
+
+
+def test_a_short_read_inside_the_file_is_completed(tmp_path):
+    path = tmp_path / "f"
+    data = np.random.default_rng(1).integers(0, 256, 5 * 4096 + 100, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    ranges = np.array([[10, 5000], [12300, 5 * 4096 + 100]])
+    spans, which = _directio.spans_of(ranges)
+    np.testing.assert_array_equal(spans, [[0, 8192], [12288, 6 * 4096]])
+    buf = np.zeros(5 * 4096, np.uint8)
+    buf[:4096] = data[:4096]  # as if the kernel had stopped after 4 KiB of the first span
+    buf[8192 : 8192 + len(data) - 12288] = data[12288:]  # the second ends with the file
+    got = np.array([4096, len(data) - 12288])
+    base, ends = _directio.DirectReads._placed(path, ranges, spans, which, got, buf)
+    for (lo, hi), at, end in zip(ranges.tolist(), base.tolist(), ends.tolist(), strict=True):
+        assert end == hi
+        np.testing.assert_array_equal(buf[at : at + hi - lo], data[lo:hi])
+
+
+def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_buffers(pair):
+    _, direct = pair
+    path = direct.local_path(direct.manifest.shards[0].path)
+    raw = path.read_bytes()
+    ranges = direct.chunk_index(0).chunk_bytes(np.arange(32))
+    groups = [(path, ranges[i : i + 2]) for i in range(0, 32, 2)]  # 16 groups, AHEAD in flight
+    reads = _directio.DirectReads()
+    before = len(os.listdir("/proc/self/fd"))
+    out = reads.read_groups(groups)
+    buf, base, ends = next(out)  # stop early: the reads in flight are waited for, their buffers kept for reuse
+    assert bytes(buf[base[0] : base[0] + ends[0] - ranges[0, 0]]) == raw[ranges[0, 0] : ranges[0, 1]]
+    out.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    seen = set()
+    for (_, want), (buf, base, ends) in zip(groups, reads.read_groups(groups), strict=True):
+        np.testing.assert_array_equal(ends, want[:, 1])
+        for (lo, hi), at in zip(want.tolist(), base.tolist(), strict=True):
+            assert bytes(buf[at : at + hi - lo]) == raw[lo:hi]
+        seen.add(buf.ctypes.data)
+        reads.release(buf)
+    assert len(seen) <= _directio.AHEAD + 2  # 16 groups through the buffers of those in flight
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=30))
+def test_spans_cover_every_range_aligned_and_disjoint(pieces):
+    starts = np.cumsum([a for a, _ in pieces])
+    ranges = np.array([[s, s + n] for s, (_, n) in zip(starts.tolist(), pieces, strict=True)])
+    spans, which = _directio.spans_of(ranges)
+    assert (spans % _directio.ALIGN == 0).all()
+    assert (spans[1:, 0] > spans[:-1, 1]).all()  # sorted, not touching
+    assert (spans[which, 0] <= ranges[:, 0]).all() and (ranges[:, 1] <= spans[which, 1]).all()
