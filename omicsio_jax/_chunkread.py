@@ -267,11 +267,11 @@ class ChunkReader:
         out, used, record = np.empty(0, np.uint8), 0, 0
         fn = np.uint64(_zstd.decompress_address() if _zstd.available() else 0)
         dctx = np.uint64(_zstd.thread_context() if _zstd.available() else 0)
-        for shard, group, (raw, base, ends) in self._file_bytes(plan):
+        for group, (raw, base, ends) in self._file_bytes(plan):
             begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
-                raise self._failed(shard, chunk[k], problem)
+                raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
             need = used + int(decoded.sum())
             if need > len(out):  # sized once from the first group's ratio; grown (doubling) if it was short
                 size = max(need, 2 * len(out), plan.capacity(need - used, group))
@@ -281,7 +281,7 @@ class ChunkReader:
             used, problem, k = _decode(raw, base, begins, ends, expected, decoded, data, plan.first[group],
                                        plan.stop[group], out, used, starts[record:], fn, dctx)
             if problem:
-                raise self._failed(shard, chunk[k], problem)
+                raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
             if self._direct is not None:
                 self._direct.release(raw)
             record += int((plan.stop[group] - plan.first[group]).sum())
@@ -289,27 +289,31 @@ class ChunkReader:
         return out[:used], starts
 
     def _file_bytes(self, plan: _Plan):
-        """``(shard, chunks, (bytes, offset of each chunk in them, each chunk's end))`` for each group
-        of ``plan``'s chunks, in order (see `_pread`): read one group at a time into this thread's
-        buffer, or with ``O_DIRECT``, many groups in flight (`_directio.DirectReads`)."""
+        """``(chunks, (bytes, offset of each chunk in them, each chunk's end))`` for each group of
+        ``plan``'s chunks, in order (see `_pread`): read one group (of one shard) at a time into this
+        thread's buffer, or with ``O_DIRECT``, many groups in flight, a group spanning shards
+        (`_directio.DirectReads`: a fetch of 4,096 cells over 192 shards is then 10 groups, not 150)."""
         if self._direct is None:
-            for shard, group in plan.groups(_GROUP_BYTES):
-                fd = self._open(shard)
+            for group in plan.groups(_GROUP_BYTES):
+                fd = self._open(int(plan.shard[group[0]]))
                 try:
-                    yield shard, group, _pread(fd, plan.ranges[group], self._read_buffer)
+                    yield group, _pread(fd, plan.ranges[group], self._read_buffer)
                 finally:
                     os.close(fd)
             return
-        groups = list(plan.groups(_DIRECT_GROUP_BYTES))
-        paths = {shard: self._checked_path(shard) for shard in np.unique(plan.shard).tolist()}
-        reads = self._direct.read_groups([(paths[shard], plan.ranges[group]) for shard, group in groups])
+        shards, files = np.unique(plan.shard, return_inverse=True)
+        paths = [self._checked_path(shard) for shard in shards.tolist()]
+        groups = list(plan.groups(_DIRECT_GROUP_BYTES, by_shard=False))
+        reads = self._direct.read_groups(paths, [(files[group], plan.ranges[group]) for group in groups])
         try:
-            for shard, group in groups:
+            for group in groups:
                 try:
                     got = next(reads)
                 except _directio.ReadError as e:
-                    raise self._failed(shard, plan.chunk[group[0]], 0, f"{e.filename}: {e.strerror}") from e
-                yield shard, group, got
+                    shard = int(shards[[str(p) for p in paths].index(e.filename)])
+                    first = group[np.argmax(plan.shard[group] == shard)]
+                    raise self._failed(shard, plan.chunk[first], 0, f"{e.filename}: {e.strerror}") from e
+                yield group, got
         finally:
             reads.close()
 
@@ -380,12 +384,13 @@ class _Plan:
     def num_records(self) -> int:
         return int((self.stop - self.first).sum())
 
-    def groups(self, group_bytes: int):
-        """``(shard, chunks)``: runs of chunks of one shard, about ``group_bytes`` of file each."""
+    def groups(self, group_bytes: int, *, by_shard: bool = True):
+        """Indices of runs of chunks, about ``group_bytes`` of file each (and of one shard, ``by_shard``)."""
         sizes = self.ranges[:, 1] - self.ranges[:, 0]
-        cuts = np.flatnonzero((self.shard[1:] != self.shard[:-1]) | (np.diff(np.cumsum(sizes) // group_bytes) != 0))
-        for group in np.split(np.arange(len(self.chunk)), cuts + 1):
-            yield int(self.shard[group[0]]), group
+        cut = np.diff(np.cumsum(sizes) // group_bytes) != 0
+        if by_shard:
+            cut |= self.shard[1:] != self.shard[:-1]
+        yield from np.split(np.arange(len(self.chunk)), np.flatnonzero(cut) + 1)
 
     def capacity(self, decoded: int, group: np.ndarray) -> int:
         """Bytes for the records of this group and every later one, at this group's decoded bytes per file byte."""

@@ -466,9 +466,12 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     min(32 GiB, half the free space of the cache's filesystem)), least recently used shards
     dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
-    ``cache_bytes`` are ignored for a local directory, which is read in place; there, every read
-    first announces its exact byte ranges to the kernel (``readahead``), which reads them at the
-    disk's queue depth: what a dataset larger than RAM needs. Records are read straight from the
+    ``cache_bytes`` are ignored for a local directory, which is read in place. A local dataset
+    larger than this machine's RAM is read with ``O_DIRECT`` (``direct_io``; None: decide by size):
+    the disk writes into the loader's buffers, bypassing the page cache that cannot hold the
+    dataset, with many reads in flight (Linux native AIO); a file system that refuses ``O_DIRECT``
+    (tmpfs) is read buffered. A buffered read first announces its exact byte ranges to the
+    kernel (``readahead``), which reads them at the disk's queue depth. Records are read straight from the
     shards' chunks (``chunk_reader``: checked against riegeli's hashes and decompressed by one
     numba kernel per read, into one buffer, with no Python object per record) wherever the shards
     are zstd-compressed or uncompressed; ``chunk_reader=False`` (or other shards) reads them with

@@ -168,15 +168,18 @@ def supported(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def spans_of(ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(spans, span of each range)``: the sorted byte ``ranges`` (``(k, 2)``) widened to `ALIGN`
-    boundaries, those that then touch or overlap merged into one span."""
+def spans_of(ranges: np.ndarray, files: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(spans, span of each range, file of each span)``: byte ``ranges`` (``(k, 2)``, of files
+    ``files``, default all of file 0; sorted by file then offset, not overlapping) widened to
+    `ALIGN` boundaries, those of one file that then touch or overlap merged into one span."""
+    files = np.zeros(len(ranges), np.int64) if files is None else np.asarray(files, np.int64)
     lo = ranges[:, 0] // ALIGN * ALIGN
     hi = -(-ranges[:, 1] // ALIGN) * ALIGN
     new = np.ones(len(ranges), bool)
-    new[1:] = lo[1:] > np.maximum.accumulate(hi)[:-1]
+    new[1:] = (lo[1:] > hi[:-1]) | (files[1:] != files[:-1])
     starts = np.flatnonzero(new)
-    return np.stack([lo[starts], np.maximum.reduceat(hi, starts)], axis=1), np.cumsum(new) - 1
+    spans = np.stack([lo[starts], np.maximum.reduceat(hi, starts)], axis=1) if len(starts) else np.zeros((0, 2), np.int64)
+    return spans, np.cumsum(new) - 1, files[starts]
 
 
 class ReadError(OSError):
@@ -193,45 +196,53 @@ class DirectReads:
         self._keep = keep
         self._lock = threading.Lock()
 
-    def read_groups(self, groups: Sequence[tuple[Path, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """For each ``(file, ranges)`` (sorted ``(k, 2)`` byte ranges of one file), in order:
-        ``(buf, offset of each range in buf, the ranges' ends)``, an end moved back to where the
-        file ended if it ended inside the range. `release` ``buf`` once it is decoded. Raises
-        `ReadError` for a read the OS failed."""
+    def read_groups(self, paths: Sequence[Path], groups: Sequence[tuple[np.ndarray, np.ndarray]],
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """For each group ``(files, ranges)`` (byte ranges ``(k, 2)`` of ``paths[files[i]]``, sorted
+        by file then offset; a group may span files), in order: ``(buf, offset of each range in
+        buf, the ranges' ends)``, an end moved back to where its file ended if it ended inside the
+        range. `release` ``buf`` once it is decoded. Raises `ReadError` for a read the OS failed."""
         _, _, getevents, submit = _SYSCALLS[platform.machine()]
         fn, ctx = np.uint64(_syscall_address()), _thread_context()
-        cut = [spans_of(ranges) for _, ranges in groups]
+        cut = [spans_of(ranges, files) for files, ranges in groups]
         first = np.zeros(len(groups) + 1, np.int64)
-        np.cumsum([len(spans) for spans, _ in cut], out=first[1:])
-        spans = np.concatenate([c[0] for c in cut]) if cut else np.zeros((0, 2), np.int64)
-        n = len(spans)
+        np.cumsum([len(c[0]) for c in cut], out=first[1:])
+        n = int(first[-1])
+        spans = np.concatenate([c[0] for c in cut]) if n else np.zeros((0, 2), np.int64)
         iocbs, pointers = np.zeros((n, 8), np.uint64), np.zeros(n, np.uint64)
         address, fds = np.zeros(n, np.uint64), np.zeros(n, np.int64)
         got, events = np.full(n, _PENDING, np.int64), np.zeros((_EVENTS, 4), np.int64)
-        opened: dict[Path, int] = {}
+        opened: dict[int, int] = {}
         bufs: dict[int, np.ndarray] = {}
         submitted = 0  # reads [0, first[submitted]) are submitted
         try:
-            for g, (path, ranges) in enumerate(groups):
+            for g, (_, ranges) in enumerate(groups):
                 while submitted < len(groups) and (submitted <= g or (
                         submitted <= g + AHEAD and first[submitted + 1] - first[g] <= _EVENTS)):
-                    s_path, lo, hi = groups[submitted][0], first[submitted], first[submitted + 1]
-                    if s_path not in opened:
-                        opened[s_path] = os.open(s_path, os.O_RDONLY | os.O_DIRECT)
+                    lo, hi = first[submitted], first[submitted + 1]
+                    span_files = cut[submitted][2]
+                    for f in np.unique(span_files).tolist():
+                        if f not in opened:
+                            opened[f] = os.open(paths[f], os.O_RDONLY | os.O_DIRECT)
+                        fds[lo:hi][span_files == f] = opened[f]
                     sizes = spans[lo:hi, 1] - spans[lo:hi, 0]
                     buf = bufs[submitted] = self._buffer(int(sizes.sum()))
-                    address[lo:hi] = np.uint64(buf.ctypes.data) + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
-                    fds[lo:hi] = opened[s_path]
+                    address[lo + 1 : hi] = np.cumsum(sizes[:-1])
+                    address[lo:hi] += np.uint64(buf.ctypes.data)
                     done = _submit(fn, submit, ctx, iocbs, pointers, lo, hi, fds, spans, address)
                     if done < hi:
                         got[done:hi] = 0  # never submitted: nothing to wait for
-                        raise ReadError(0, "the kernel refused the asynchronous reads (io_submit)", str(s_path))
+                        raise ReadError(0, "the kernel refused the asynchronous reads (io_submit)",
+                                        str(paths[int(span_files[done - lo])]))
                     submitted += 1
                 lo, hi = first[g], first[g + 1]
                 if not _reap(fn, getevents, ctx, events, got, lo, hi):
-                    raise ReadError(0, "waiting for the asynchronous reads failed (io_getevents)", str(path))
+                    raise ReadError(0, "waiting for the asynchronous reads failed (io_getevents)",
+                                    str(paths[int(cut[g][2][0])]))
                 buf = bufs.pop(g)
-                yield buf, *self._placed(path, ranges, spans[lo:hi], cut[g][1], got[lo:hi], buf)
+                spans_g, which, span_files = cut[g]
+                yield buf, *self._placed([paths[f] for f in span_files.tolist()], ranges, spans_g, which,
+                                         got[lo:hi], buf)
         finally:  # reads still in flight write into their buffers: wait for them before any is reused
             if submitted:
                 _reap(fn, getevents, ctx, events, got, 0, first[submitted])
@@ -241,25 +252,23 @@ class DirectReads:
                 self.release(buf)
 
     @staticmethod
-    def _placed(path: Path, ranges: np.ndarray, spans: np.ndarray, which: np.ndarray, got: np.ndarray,
-                buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each range's offset in ``buf`` and its end, once every span's read is checked (a read the
-        OS failed raises; a short read the file does not explain is completed by a plain read)."""
+    def _placed(span_paths: Sequence[Path], ranges: np.ndarray, spans: np.ndarray, which: np.ndarray,
+                got: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each range's offset in ``buf`` and its end, once every span's read (of file
+        ``span_paths[i]``) is checked: a read the OS failed raises; a short read the file does not
+        explain is completed by a plain read."""
         sizes = spans[:, 1] - spans[:, 0]
         dst = np.zeros(len(spans), np.int64)
         np.cumsum(sizes[:-1], out=dst[1:])
         if (got < 0).any():
-            err = -int(got[np.argmax(got < 0)])
-            raise ReadError(err, os.strerror(err), str(path))
-        short = np.flatnonzero(got < sizes)
-        if len(short):
-            size = os.stat(path).st_size
-            with open(path, "rb", buffering=0) as f:
-                for i in short.tolist():
-                    want = min(int(spans[i, 1]), size) - int(spans[i, 0])
-                    if got[i] < want:
-                        got[i] += os.preadv(f.fileno(), [memoryview(buf[dst[i] + got[i] : dst[i] + want])],
-                                            int(spans[i, 0] + got[i]))
+            i = int(np.argmax(got < 0))
+            raise ReadError(-int(got[i]), os.strerror(-int(got[i])), str(span_paths[i]))
+        for i in np.flatnonzero(got < sizes).tolist():
+            want = min(int(spans[i, 1]), os.stat(span_paths[i]).st_size) - int(spans[i, 0])
+            if got[i] < want:
+                with open(span_paths[i], "rb", buffering=0) as f:
+                    got[i] += os.preadv(f.fileno(), [memoryview(buf[dst[i] + got[i] : dst[i] + want])],
+                                        int(spans[i, 0] + got[i]))
         base = dst[which] + ranges[:, 0] - spans[which, 0]
         return base, np.minimum(ranges[:, 1], (spans[:, 0] + got)[which])
 

@@ -86,7 +86,7 @@ def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_pa
 def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
     spans = np.array([[0, 4096], [8192, 12288]])
     with pytest.raises(_directio.ReadError, match="Input/output error") as caught:
-        _directio.DirectReads._placed(__file__, spans, spans, np.arange(2), np.array([4096, -5]),
+        _directio.DirectReads._placed([__file__, __file__], spans, spans, np.arange(2), np.array([4096, -5]),
                                       np.zeros(8192, np.uint8))
     assert caught.value.errno == 5 and caught.value.filename == __file__
 
@@ -96,13 +96,13 @@ def test_a_short_read_inside_the_file_is_completed(tmp_path):
     data = np.random.default_rng(1).integers(0, 256, 5 * 4096 + 100, dtype=np.uint8)
     path.write_bytes(data.tobytes())
     ranges = np.array([[10, 5000], [12300, 5 * 4096 + 100]])
-    spans, which = _directio.spans_of(ranges)
+    spans, which, _ = _directio.spans_of(ranges)
     np.testing.assert_array_equal(spans, [[0, 8192], [12288, 6 * 4096]])
     buf = np.zeros(5 * 4096, np.uint8)
     buf[:4096] = data[:4096]  # as if the kernel had stopped after 4 KiB of the first span
     buf[8192 : 8192 + len(data) - 12288] = data[12288:]  # the second ends with the file
     got = np.array([4096, len(data) - 12288])
-    base, ends = _directio.DirectReads._placed(path, ranges, spans, which, got, buf)
+    base, ends = _directio.DirectReads._placed([path, path], ranges, spans, which, got, buf)
     for (lo, hi), at, end in zip(ranges.tolist(), base.tolist(), ends.tolist(), strict=True):
         assert end == hi
         np.testing.assert_array_equal(buf[at : at + hi - lo], data[lo:hi])
@@ -110,33 +110,42 @@ def test_a_short_read_inside_the_file_is_completed(tmp_path):
 
 def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_buffers(pair):
     _, direct = pair
-    path = direct.local_path(direct.manifest.shards[0].path)
-    raw = path.read_bytes()
-    ranges = direct.chunk_index(0).chunk_bytes(np.arange(32))
-    groups = [(path, ranges[i : i + 2]) for i in range(0, 32, 2)]  # 16 groups, AHEAD in flight
+    paths = [direct.local_path(s.path) for s in direct.manifest.shards[:2]]
+    raws = [p.read_bytes() for p in paths]
+    ranges = [direct.chunk_index(i).chunk_bytes(np.arange(32)) for i in range(2)]
+    # 16 groups of 4 chunks, AHEAD in flight; the middle ones span both files
+    files = np.repeat([0, 1], 32)
+    both = np.concatenate(ranges)
+    groups = [(files[i : i + 4], both[i : i + 4]) for i in range(0, 64, 4)]
     reads = _directio.DirectReads()
     before = len(os.listdir("/proc/self/fd"))
-    out = reads.read_groups(groups)
+    out = reads.read_groups(paths, groups)
     buf, base, ends = next(out)  # stop early: the reads in flight are waited for, their buffers kept for reuse
-    assert bytes(buf[base[0] : base[0] + ends[0] - ranges[0, 0]]) == raw[ranges[0, 0] : ranges[0, 1]]
+    assert bytes(buf[base[0] : base[0] + ends[0] - both[0, 0]]) == raws[0][both[0, 0] : both[0, 1]]
     out.close()
     assert len(os.listdir("/proc/self/fd")) == before
     seen = set()
-    for (_, want), (buf, base, ends) in zip(groups, reads.read_groups(groups), strict=True):
+    for (f, want), (buf, base, ends) in zip(groups, reads.read_groups(paths, groups), strict=True):
         np.testing.assert_array_equal(ends, want[:, 1])
-        for (lo, hi), at in zip(want.tolist(), base.tolist(), strict=True):
-            assert bytes(buf[at : at + hi - lo]) == raw[lo:hi]
+        for file, (lo, hi), at in zip(f.tolist(), want.tolist(), base.tolist(), strict=True):
+            assert bytes(buf[at : at + hi - lo]) == raws[file][lo:hi]
         seen.add(buf.ctypes.data)
         reads.release(buf)
     assert len(seen) <= _directio.AHEAD + 2  # 16 groups through the buffers of those in flight
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=30))
 def test_spans_cover_every_range_aligned_and_disjoint(pieces):
-    starts = np.cumsum([a for a, _ in pieces])
-    ranges = np.array([[s, s + n] for s, (_, n) in zip(starts.tolist(), pieces, strict=True)])
-    spans, which = _directio.spans_of(ranges)
+    files = np.cumsum([f for f, _, _ in pieces]) // 2  # sorted file numbers, some repeated
+    ranges = np.zeros((len(pieces), 2), np.int64)
+    for i, (_, gap, n) in enumerate(pieces):
+        start = gap if i == 0 or files[i] != files[i - 1] else ranges[i - 1, 1] + gap
+        ranges[i] = start, start + n
+    spans, which, span_files = _directio.spans_of(ranges, files)
     assert (spans % _directio.ALIGN == 0).all()
-    assert (spans[1:, 0] > spans[:-1, 1]).all()  # sorted, not touching
+    same = span_files[1:] == span_files[:-1]
+    assert (spans[1:, 0][same] > spans[:-1, 1][same]).all()  # within a file: sorted, not touching
+    assert (span_files[which] == files).all()
     assert (spans[which, 0] <= ranges[:, 0]).all() and (ranges[:, 1] <= spans[which, 1]).all()
