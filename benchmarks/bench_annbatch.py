@@ -65,8 +65,10 @@ PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
 CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
 THREADS = (1, 0, 2)  # make_loader's num_threads: its default first
+# also run at annbatch's own in-memory buffer (preload_nchunks 32 × chunk_size 512 = 16,384 cells): (threads, fetch_factor)
+EXTRA = {("csr", 1024): ((1, 16), (0, 16))}
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
-TIMED = {64: 1500, 1024: 300}  # timed batches (bench_loader's dense b64 / csr b1024 windows)
+TIMED = {64: 1500, 1024: 600}  # timed batches (~1 s of dense b64; ~1.5 s of csr b1024: 9 fetches of 64 batches)
 WARMUP = {64: 64, 1024: 64}
 QUICK_TIMED, QUICK_WARMUP = {64: 300, 1024: 40}, {64: 16, 1024: 8}
 
@@ -259,16 +261,22 @@ def ratios(rows: list[dict]) -> dict:
     out = {}
     for output, bs in CONFIGS:
         peer = by[f"annbatch {output} b{bs}"]
-        for threads in THREADS:
-            ours = by[_our_label(output, bs, threads)]
-            tag = f"{output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
+        for threads, fetch in _variants(output, bs):
+            ours = by[_our_label(output, bs, threads, fetch)]
+            tag = ours["label"].removeprefix("omicsio ")
             out[tag] = {"cells_per_s": _ratio(ours, peer, "cells_per_s"),
                         "cells_per_cpu_s": _ratio(ours, peer, "cells_per_cpu_s")}
     return out
 
 
-def _our_label(output: str, bs: int, threads: int) -> str:
-    return f"omicsio {output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
+def _variants(output: str, bs: int) -> list[tuple[int, int]]:
+    """(num_threads, fetch_factor) of our runs of a configuration: the default first."""
+    return [(t, FETCH_FACTOR) for t in THREADS] + list(EXTRA.get((output, bs), ()))
+
+
+def _our_label(output: str, bs: int, threads: int, fetch: int = FETCH_FACTOR) -> str:
+    return (f"omicsio {output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
+            + ("" if fetch == FETCH_FACTOR else f" fetch_factor={fetch}"))
 
 
 def _n(v: float | None, fmt: str = ",.0f") -> str:
@@ -282,7 +290,7 @@ def markdown(result: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {r["label"]: r for r in result["rows"]}
     for output, bs in CONFIGS:
-        for label in (*(_our_label(output, bs, t) for t in THREADS), f"annbatch {output} b{bs}"):
+        for label in (*(_our_label(output, bs, *v) for v in _variants(output, bs)), f"annbatch {output} b{bs}"):
             r = by.get(label)
             if r is None:
                 continue
@@ -297,7 +305,7 @@ def markdown(result: dict) -> str:
                          f"| {r['batches']:,} |")  # fmt: skip
         for tag, q in result["ratios"].items():
             if tag.startswith(f"{output} b{bs}"):
-                variant = tag.split(" ", 2)[2] if tag.count(" ") == 2 else ""
+                variant = tag.removeprefix(f"{output} b{bs}").strip()
                 lines.append(f"| *omicsio{f' ({variant})' if variant else ''} ÷ annbatch* "
                              f"| *{_n(q['cells_per_s'], '.2f')}×* | *{_n(q['cells_per_cpu_s'], '.2f')}×* | | | | | |")
     ref = result.get("entropy_reference")
@@ -372,10 +380,10 @@ def main() -> None:
     for output, bs in CONFIGS:
         common = {"batch_size": bs, "output": output, "num_batches": timed[bs], "warmup": warmup[bs],
                   "seed": args.seed}
-        for threads in THREADS:
-            plan.append((_our_label(output, bs, threads), {"kind": "ours", "kwargs": {
+        for threads, fetch in _variants(output, bs):
+            plan.append((_our_label(output, bs, threads, fetch), {"kind": "ours", "kwargs": {
                 "dataset": str(dataset), **common, "num_threads": threads, "block_size": BLOCK_SIZE,
-                "fetch_factor": FETCH_FACTOR}}))
+                "fetch_factor": fetch}}))
         plan.append((f"annbatch {output} b{bs}", {"kind": "annbatch", "kwargs": {
             "collection": str(collection), **common}}))
     rows = run_rounds(plan, rounds)

@@ -113,7 +113,7 @@ def _reap(fn, number, ctx, events, got, first, stop):
 class _Context:
     """One thread's AIO context (destroyed with the thread's locals)."""
 
-    __slots__ = ("_destroy", "id")
+    __slots__ = ("_destroy", "id", "pid")
 
     def __init__(self):
         holder = ctypes.c_ulong(0)
@@ -122,11 +122,12 @@ class _Context:
         if libc.syscall(ctypes.c_long(setup), ctypes.c_long(_EVENTS), ctypes.byref(holder)) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"io_setup: {os.strerror(err)}")
-        self.id = holder.value
+        self.id, self.pid = holder.value, os.getpid()
         self._destroy = functools.partial(libc.syscall, ctypes.c_long(destroy), ctypes.c_ulong(self.id))
 
     def __del__(self):
-        self._destroy()
+        if self.pid == os.getpid():  # a forked child's copy is not its context (the kernel's is the parent's)
+            self._destroy()
 
 
 _local = threading.local()
@@ -134,7 +135,7 @@ _local = threading.local()
 
 def _thread_context() -> int:
     context = getattr(_local, "context", None)
-    if context is None:
+    if context is None or context.pid != os.getpid():  # none yet, or the parent's, copied by a fork
         context = _local.context = _Context()
     return context.id
 
@@ -223,7 +224,10 @@ class DirectReads:
                     span_files = cut[submitted][2]
                     for f in np.unique(span_files).tolist():
                         if f not in opened:
-                            opened[f] = os.open(paths[f], os.O_RDONLY | os.O_DIRECT)
+                            try:
+                                opened[f] = os.open(paths[f], os.O_RDONLY | os.O_DIRECT)
+                            except OSError as e:
+                                raise ReadError(e.errno, e.strerror, str(paths[f])) from e
                         fds[lo:hi][span_files == f] = opened[f]
                     sizes = spans[lo:hi, 1] - spans[lo:hi, 0]
                     buf = bufs[submitted] = self._buffer(int(sizes.sum()))

@@ -83,6 +83,19 @@ def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_pa
             ds.read_csr(np.arange(first, first + 6 * group))
 
 
+def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
+    _, direct = pair
+    expected = direct.read_csr([5, 2000])
+    parent = _directio._thread_context()  # made by that read
+    real_pid = os.getpid()
+    # a forked child (not forked here: numba's OpenMP refuses it) inherits the thread's context object,
+    # but the kernel's context belongs to the parent's address space
+    monkeypatch.setattr(os, "getpid", lambda: real_pid + 1)
+    assert _directio._thread_context() != parent
+    for a, b in zip(direct.read_csr([5, 2000]), expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
     spans = np.array([[0, 4096], [8192, 12288]])
     with pytest.raises(_directio.ReadError, match="Input/output error") as caught:
