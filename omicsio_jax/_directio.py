@@ -66,7 +66,7 @@ def _syscall(typingctx, fn, number, a, b, c, d, e):
 @nb.njit(nogil=True, cache=True)
 def _submit(fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
     """Submit reads ``[first, stop)``: span ``i`` of file ``fds[i]`` into memory at ``address[i]``;
-    False if the kernel refuses (then only some were submitted: see `_reap`'s count)."""
+    returns the first read not submitted (``stop`` when all were; less if the kernel kept refusing)."""
     for i in range(first, stop):
         w = iocbs[i]
         w[0] = np.uint64(i)  # aio_data: which read this is
