@@ -215,7 +215,8 @@ class DirectReads:
         got, events = np.full(n, _PENDING, np.int64), np.zeros((_EVENTS, 4), np.int64)
         opened: dict[int, int] = {}
         bufs: dict[int, np.ndarray] = {}
-        submitted = 0  # reads [0, first[submitted]) are submitted
+        submitted = 0  # groups [0, submitted) are submitted
+        issued = 0  # reads [0, issued) are in the kernel's hands (a group's own, if it was refused part-way)
         try:
             for g, (_, ranges) in enumerate(groups):
                 while submitted < len(groups) and (submitted <= g or (
@@ -233,11 +234,10 @@ class DirectReads:
                     buf = bufs[submitted] = self._buffer(int(sizes.sum()))
                     address[lo + 1 : hi] = np.cumsum(sizes[:-1])
                     address[lo:hi] += np.uint64(buf.ctypes.data)
-                    done = _submit(fn, submit, ctx, iocbs, pointers, lo, hi, fds, spans, address)
-                    if done < hi:
-                        got[done:hi] = 0  # never submitted: nothing to wait for
+                    issued = _submit(fn, submit, ctx, iocbs, pointers, lo, hi, fds, spans, address)
+                    if issued < hi:
                         raise ReadError(0, "the kernel refused the asynchronous reads (io_submit)",
-                                        str(paths[int(span_files[done - lo])]))
+                                        str(paths[int(span_files[issued - lo])]))
                     submitted += 1
                 lo, hi = first[g], first[g + 1]
                 if not _reap(fn, getevents, ctx, events, got, lo, hi):
@@ -247,9 +247,10 @@ class DirectReads:
                 spans_g, which, span_files = cut[g]
                 yield buf, *self._placed([paths[f] for f in span_files.tolist()], ranges, spans_g, which,
                                          got[lo:hi], buf)
-        finally:  # reads still in flight write into their buffers: wait for them before any is reused
-            if submitted:
-                _reap(fn, getevents, ctx, events, got, 0, first[submitted])
+        finally:  # reads still in flight write into their buffers (and would complete into this thread's
+            # next call): wait for every one submitted before any buffer is reused
+            if issued:
+                _reap(fn, getevents, ctx, events, got, 0, issued)
             for fd in opened.values():
                 os.close(fd)
             for buf in bufs.values():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import time
 
+import numba as nb
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -94,6 +96,32 @@ def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
     assert _directio._thread_context() != parent
     for a, b in zip(direct.read_csr([5, 2000]), expected, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@nb.njit
+def _completions_waiting(fn, number, ctx, events):
+    """How many completed reads sit in the context's ring, taken without waiting (min_nr 0)."""
+    return _directio._syscall(fn, number, np.uint64(ctx), np.uint64(0), np.uint64(events.shape[0]),
+                              np.uint64(events.ctypes.data), np.uint64(0))
+
+
+def test_reads_submitted_before_a_refusal_are_waited_for(pair, monkeypatch):
+    _, direct = pair
+    path = direct.local_path(direct.manifest.shards[0].path)
+    ranges = direct.chunk_index(0).chunk_bytes(np.arange(0, 64, 4))  # 16 separate spans
+    real = _directio._submit
+
+    def refused_part_way(fn, number, ctx, iocbs, pointers, first, stop, *rest):
+        return real(fn, number, ctx, iocbs, pointers, first, first + (stop - first) // 2, *rest)
+
+    monkeypatch.setattr(_directio, "_submit", refused_part_way)
+    with pytest.raises(_directio.ReadError, match="refused"):
+        next(_directio.DirectReads().read_groups([path], [(np.zeros(len(ranges), np.int64), ranges)]))
+    time.sleep(0.2)  # long enough for any read left in flight to complete into the ring
+    _, _, getevents, _ = _directio._SYSCALLS[platform.machine()]
+    waiting = _completions_waiting(np.uint64(_directio._syscall_address()), getevents, _directio._thread_context(),
+                                   np.zeros((64, 4), np.int64))
+    assert waiting == 0  # each was waited for: none is left to land in this thread's next read
 
 
 def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
