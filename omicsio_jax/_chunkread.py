@@ -48,7 +48,7 @@ _BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
 _SIMPLE_CHUNK = 0x72  # 'r'
 _NO_COMPRESSION, _ZSTD = 0, 0x7A  # 'z'
 _GROUP_BYTES = 4 << 20  # file bytes read and decoded per kernel call (each thread keeps a buffer of this size)
-_DIRECT_GROUP_BYTES = 1 << 20  # the same, read with O_DIRECT: `_directio.AHEAD` more of them in flight
+_DIRECT_GROUP_BYTES = 4 << 20  # the same, read with O_DIRECT: `_directio.AHEAD` more of them in flight
 
 CHUNK_OK = 0
 _PROBLEMS = (
@@ -292,7 +292,7 @@ class ChunkReader:
         """``(chunks, (bytes, offset of each chunk in them, each chunk's end))`` for each group of
         ``plan``'s chunks, in order (see `_pread`): read one group (of one shard) at a time into this
         thread's buffer, or with ``O_DIRECT``, many groups in flight, a group spanning shards
-        (`_directio.DirectReads`: a fetch of 4,096 cells over 192 shards is then 10 groups, not 150)."""
+        (`_directio.DirectReads`: a fetch of 4,096 cells over 192 shards is then 3 groups, not 150)."""
         if self._direct is None:
             for group in plan.groups(_GROUP_BYTES):
                 fd = self._open(int(plan.shard[group[0]]))

@@ -14,7 +14,10 @@ not from threads: a pool of 16 reader threads (tried first) spent a quarter of t
 waking threads and passing the GIL. Reads are submitted with Linux's native asynchronous I/O
 (``io_submit`` / ``io_getevents``, called from nogil numba kernels through libc's ``syscall``)
 on a context per thread: `DirectReads.read_groups` keeps `AHEAD` groups of reads submitted ahead
-of the one it hands out, which the caller decodes meanwhile.
+of the one it hands out, which the caller decodes meanwhile. How many reads one ``io_submit``
+carries matters more than how many are in flight: on the benchmark's disk, the loader's reads alone
+ran at ~26k/s in groups of 1 MiB (~25 reads) whatever the number ahead, and at 35-37k/s in groups
+of 4 or 8 MiB (1, 2 or 4 ahead alike; benchmarks/README.md, "Beyond RAM").
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from numba.extending import intrinsic
 from ._buffers import aligned_empty
 
 ALIGN = 4096  # the widest logical block size of common devices (512 B or 4 KiB)
-AHEAD = 4  # groups of reads submitted ahead of the one being decoded (~100 reads of 37 KiB in flight at 1 MiB groups)
+AHEAD = 2  # groups of reads submitted ahead of the one being decoded (~200 reads of 41 KiB in flight at 4 MiB groups)
 _EVENTS = 2048  # the most reads one context has in flight
 
 # Linux's AIO system calls: (io_setup, io_destroy, io_getevents, io_submit)
