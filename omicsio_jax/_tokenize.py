@@ -94,38 +94,44 @@ def uniforms(seed: int, epoch: int, row: int, stream: int, count: int) -> np.nda
 
 
 @nb.njit(inline="always")
-def _radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
-    """Stable LSD radix sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``; 3 passes of
-    11 bits, a pass skipped when every key has the same digit (small integer counts skip one)."""
-    hist[:, :] = 0
+def radix_sort(keys, vals, n, kmin, kmax, tmp_keys, tmp_vals, hist):
+    """Stable LSD radix sort of ``keys[:n]`` (uint32, ascending; all in ``[kmin, kmax]``) carrying
+    ``vals``, on ``key - kmin``: as few passes as that span needs (at most 3 of 11 bits), each
+    digit as narrow as the passes allow (a span of 26 bits: 3 passes of 512 buckets, not 2,048)."""
+    span = np.uint32(kmax - kmin) if n else np.uint32(0)
+    bits = 0
+    while bits < 32 and (span >> np.uint32(bits)) != 0:
+        bits += 1
+    if bits == 0:
+        return  # all keys equal: already in order
+    passes = (bits + 10) // 11
+    width = (bits + passes - 1) // passes
+    size = 1 << width
+    digit = np.uint32(size - 1)
+    hist[:passes, :size] = 0
     for i in range(n):
-        k = keys[i]
-        hist[0, k & np.uint32(2047)] += 1
-        hist[1, (k >> np.uint32(11)) & np.uint32(2047)] += 1
-        hist[2, k >> np.uint32(22)] += 1
+        k = keys[i] - kmin
+        for p in range(passes):
+            hist[p, (k >> np.uint32(width * p)) & digit] += 1
     src_k, src_v, dst_k, dst_v = keys, vals, tmp_keys, tmp_vals
-    swapped = False
-    for p in range(3):
+    for p in range(passes):
         h = hist[p]
-        if n == 0 or h[(keys[0] >> np.uint32(11 * p)) & np.uint32(2047)] == n:
-            continue
         total = 0
-        for d in range(2048):
+        for d in range(size):
             c = h[d]
             h[d] = total
             total += c
-        shift = np.uint32(11 * p)
+        shift = np.uint32(width * p)
         for i in range(n):
             k = src_k[i]
-            d = (k >> shift) & np.uint32(2047)
+            d = ((k - kmin) >> shift) & digit
             j = h[d]
             h[d] = j + 1
             dst_k[j] = k
             dst_v[j] = src_v[i]
         src_k, dst_k = dst_k, src_k
         src_v, dst_v = dst_v, src_v
-        swapped = not swapped
-    if swapped:
+    if passes % 2:
         keys[:n] = src_k[:n]
         vals[:n] = src_v[:n]
 
@@ -177,9 +183,10 @@ def _sum_duplicates(cols, vals, count, canon, slot):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
-def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, inv_median,
+def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, scale,
                       gene_tokens, special, mask_prob, pad_id, cls_id, eos_id, mask_id, input_ids, attention_mask,
                       labels, length):
+    """``scale[g]``: ``1 / median_g`` for a column with a token and a median, else 0 (not kept)."""
     n_rows, L = input_ids.shape
     width = max(_max_count(u32, starts), 1)
     log_keep = np.log1p(-mask_prob)
@@ -193,25 +200,27 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
         hist = np.empty((3, 2048), np.int32)
         slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
         for i in range(t, n_rows, threads):
-            input_ids[i, :] = pad_id
-            attention_mask[i, :] = False
             labels[i, :] = IGNORE_INDEX
-            length[i] = 0
-            if rows[i] < 0:
-                continue  # a padding row of the batch: all PAD, nothing attended
+            if rows[i] < 0:  # a padding row of the batch: all PAD, nothing attended
+                input_ids[i, :] = pad_id
+                attention_mask[i, :] = False
+                length[i] = 0
+                continue
             count = _codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
             if has_dups:
                 count = _sum_duplicates(cols, vals, count, canon, slot)
             kept = 0
+            kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
             for j in range(count):
                 g = cols[j]
-                im = inv_median[g]
-                v = vals[j]
-                if tok[g] >= 0 and im > 0 and v > 0:
-                    keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
+                im, v = scale[g], vals[j]
+                if im > 0 and v > 0:
+                    b = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
+                    keys[kept] = b
                     kept_cols[kept] = g
+                    kmin, kmax = min(kmin, b), max(kmax, b)
                     kept += 1
-            _radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
+            radix_sort(keys, kept_cols, kept, kmin, kmax, tmp_keys, tmp_cols, hist)
             first = 1 if special else 0
             k = min(kept, L - 2 * first)
             if special:
@@ -220,7 +229,9 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
                 input_ids[i, first + r] = tok[kept_cols[r]]
             if special:
                 input_ids[i, first + k] = eos_id
+            input_ids[i, k + 2 * first :] = pad_id
             attention_mask[i, : k + 2 * first] = True
+            attention_mask[i, k + 2 * first :] = False
             length[i] = k
             if mask_prob <= 0:
                 continue
@@ -260,6 +271,15 @@ def _interval(edges, v):
     return below, lo
 
 
+@nb.njit(inline="always")
+def _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, start, pad_id):
+    """Positions ``start:`` of row ``i`` are padding (each written once per row, not filled then overwritten)."""
+    gene_ids[i, start:] = pad_id
+    values[i, start:] = PAD_VALUE
+    masked_values[i, start:] = PAD_VALUE
+    pad_mask[i, start:] = True
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
 def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, quantiles,
                  spread_ties, mask_prob, exact_mask, pad_id, cls_id, gene_ids, values, masked_values, mask, pad_mask):
@@ -272,7 +292,6 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
         vals = np.empty(width, np.float32)
         kept_cols = np.empty(width, np.int32)
         kept_vals = np.empty(width, np.float32)
-        bins = np.empty(width, np.float32)
         keys = np.empty(width, np.uint32)
         order = np.empty(width, np.int32)
         tmp_keys = np.empty(width, np.uint32)
@@ -285,14 +304,13 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
         upto_of = np.empty(SMALL_COUNT + 1, np.int64)
         slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
         for i in range(t, n_rows, threads):
-            gene_ids[i, :] = pad_id
-            values[i, :] = PAD_VALUE
-            masked_values[i, :] = PAD_VALUE
             mask[i, :] = False
-            pad_mask[i, :] = True
             if rows[i] < 0:
-                continue  # a padding row of the batch: all PAD
+                _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 0, pad_id)  # a padding row of the batch
+                continue
             gene_ids[i, 0] = cls_id
+            values[i, 0] = PAD_VALUE
+            masked_values[i, 0] = PAD_VALUE
             pad_mask[i, 0] = False
             count = _codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
             if has_dups:
@@ -309,6 +327,7 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                     small = small and c == v and 1 <= c <= SMALL_COUNT
                     n += 1
             if n == 0:
+                _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1, pad_id)
                 continue
             # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
             if small:
@@ -317,10 +336,13 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                     tally[np.int64(kept_vals[j])] += 1
                 ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
             else:
+                kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
                 for j in range(n):
-                    keys[j] = _order_bits(kept_vals[j])
+                    b = _order_bits(kept_vals[j])
+                    keys[j] = b
                     order[j] = j
-                _radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
+                    kmin, kmax = min(kmin, b), max(kmax, b)
+                radix_sort(keys, order, n, kmin, kmax, tmp_keys, tmp_order, hist)
             for e in range(n_edges):
                 virtual = (n - 1) * quantiles[e]
                 top = virtual >= n - 1
@@ -350,19 +372,6 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                 for c in range(1, SMALL_COUNT + 1):
                     if tally[c]:
                         below_of[c], upto_of[c] = _interval(edges, np.float64(c))
-            for j in range(n):
-                if small:
-                    c = np.int64(kept_vals[j])
-                    below, upto = below_of[c], upto_of[c]
-                else:
-                    below, upto = _interval(edges, np.float64(kept_vals[j]))
-                if not spread_ties:
-                    bins[j] = np.float32(below + 1)
-                elif below == upto:
-                    bins[j] = np.float32(upto)  # ceil(u·0 + l) = l: no draw needed
-                else:
-                    u = uniform(key, STREAM_TIES, j)
-                    bins[j] = np.float32(np.ceil(u * (below - upto) + upto))
             m = n
             if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
                 m = L - 1
@@ -374,12 +383,24 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
             else:
                 for j in range(n):
                     pick[j] = j
-            for p in range(m):
+            for p in range(m):  # binned over all n values, but only the m kept are computed
                 j = pick[p]
+                if small:
+                    c = np.int64(kept_vals[j])
+                    below, upto = below_of[c], upto_of[c]
+                else:
+                    below, upto = _interval(edges, np.float64(kept_vals[j]))
+                if not spread_ties:
+                    b = np.float32(below + 1)
+                elif below == upto:
+                    b = np.float32(upto)  # ceil(u·0 + l) = l: no draw needed
+                else:
+                    b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
                 gene_ids[i, 1 + p] = tok[kept_cols[j]]
-                values[i, 1 + p] = bins[j]
-                masked_values[i, 1 + p] = bins[j]
+                values[i, 1 + p] = b
+                masked_values[i, 1 + p] = b
                 pad_mask[i, 1 + p] = False
+            _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1 + m, pad_id)
             if exact_mask:
                 c = np.int64(np.floor(m * mask_prob))
                 for p in range(m):

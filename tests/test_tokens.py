@@ -11,10 +11,13 @@ import json
 import math
 import pickle
 
+import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import omicsio_jax as oj
 from materialize import materialize
@@ -25,6 +28,7 @@ from omicsio_jax._tokenize import (
     STREAM_RANDOM_TOKEN,
     STREAM_SUBSAMPLE,
     STREAM_TIES,
+    radix_sort,
     uniforms,
 )
 
@@ -364,3 +368,25 @@ def test_dataset_without_statistics_names_the_command(token_ds, tmp_path):
     with pytest.raises(oj.OmicsIOError, match=r"omicsio-materialize stats .*old"):
         oj.tokenize(old, [4], oj.GeneformerTokens())
     oj.tokenize(old, [4], oj.ScGPTTokens())  # scGPT needs no corpus statistics
+
+
+# ----------------------------------------------------------------------------- the sort
+@numba.njit
+def _sorted_by_radix(keys):
+    n = keys.shape[0]
+    k, order = keys.copy(), np.arange(n).astype(np.int32)
+    kmin, kmax = (k.min(), k.max()) if n else (np.uint32(0), np.uint32(0))
+    radix_sort(k, order, n, kmin, kmax, np.empty(n, np.uint32), np.empty(n, np.int32), np.empty((3, 2048), np.int32))
+    return k, order
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 32), st.integers(0, 2**32 - 1), st.lists(st.integers(0, 2**32 - 1), max_size=600))
+def test_radix_sort_is_a_stable_sort_for_every_span(bits, base, draws):
+    """Keys ``base + draw mod 2^bits`` (wrapping): 0 to 32 bits of span, so 0 to 3 passes of any
+    digit width; many ties at small spans. Equal to numpy's stable argsort."""
+    keys = ((np.array(draws, np.uint64) % (1 << bits)) + base).astype(np.uint32) if draws else np.empty(0, np.uint32)
+    got_keys, order = _sorted_by_radix(keys)
+    want = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(got_keys, keys[want])

@@ -39,6 +39,7 @@ class GeneformerTokens(Output):
     medians: str | Path | None = None
     vocabulary: Vocabulary | None = dataclasses.field(default=None, compare=False, repr=False)  # set by bind
     inv_median: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    scale: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)  # 0: not kept
     source: str = ""
 
     kind = "geneformer"
@@ -66,7 +67,8 @@ class GeneformerTokens(Output):
             raise OmicsIOError(msg)
         inv = np.zeros(len(medians), np.float32)
         inv[known] = (1.0 / medians[known]).astype(np.float32)
-        return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, source=ctx.source)
+        scale = np.where(vocab.tok >= 0, inv, np.float32(0))  # a gene is kept where its scale is > 0
+        return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, scale=scale, source=ctx.source)
 
     def config(self) -> dict:
         digest = None if self.inv_median is None else hashlib.sha256(self.inv_median.tobytes()).hexdigest()[:16]
@@ -84,7 +86,7 @@ class GeneformerTokens(Output):
         u8, u32, f32 = _codec.checked_views(buf, starts, len(v.tok))
         _tokenize.geneformer_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
                                     keys.rows.astype(np.int64), keys.seed, keys.epoch,
-                                    v.tok, v.canon, v.has_duplicates, self.inv_median, v.gene_tokens,
+                                    v.tok, v.canon, v.has_duplicates, self.scale, v.gene_tokens,
                                     self.special_tokens, float(self.mask_prob), v.pad, v.cls, v.eos, v.mask,
                                     out["input_ids"], out["attention_mask"], out["labels"], out["length"])
         return out
