@@ -5,7 +5,7 @@ Python >= 3.12); this script never imports omicsio_jax::
 
     python benchmarks/_annbatch_peer.py convert INPUT.h5ad OUT.zarr [--seed 0]
     python benchmarks/_annbatch_peer.py run OUT.zarr --output dense|csr --batch-size 64 \\
-        --num-batches 200 --warmup 10 [--rounds 3] [--seed 0] [--label batch]
+        --num-batches 200 --warmup 10 [--rounds 3] [--seed 0] [--label batch] [--spawned-at T]
 
 Both print one JSON line. Every read and write goes through zarrs-python's codec pipeline
 (``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``), which annbatch's docs set
