@@ -280,12 +280,12 @@ def make_loader(
     ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads`` threads decode and
     place batches ahead of the consumer: one decodes 100k-400k cells/s (2-core figures in
     benchmarks/README.md), far more than a training step eats, and more contend for the cores
-    and the GIL (on 2 cores, 2 threads ran dense batches of 64 at 0.93× of 1, csr batches of
-    1,024 at 1.21×); ``num_threads=0`` decodes each batch on the consumer's thread when it is
-    asked for (there 1.31× and 1.46× of 1: no hand-off, the batch buffer stays in cache), at the
+    and the GIL (on 2 cores, 2 threads ran dense batches of 64 at 0.95× of 1, csr batches of
+    1,024 at 0.91×); ``num_threads=0`` decodes each batch on the consumer's thread when it is
+    asked for (there 1.34× and 1.08× of 1: no hand-off, the batch buffer stays in cache), at the
     cost of the consumer's time. ``prefetch`` fetches are read ahead on as many threads either
     way, each ``fetch_factor × batch_size`` cells held in memory (at batch 1,024, fetch 16 halved
-    peak RSS for 0.90× the cells/s of fetch 64); ``decode_threads`` numba threads decode each
+    peak RSS for 0.88× the cells/s of fetch 64); ``decode_threads`` numba threads decode each
     batch (default 1).
     """
     host = jax.process_index() if process_index is None else process_index
