@@ -94,11 +94,16 @@ def uniforms(seed: int, epoch: int, row: int, stream: int, count: int) -> np.nda
 
 
 @nb.njit(inline="always")
-def radix_sort(keys, vals, n, kmin, kmax, tmp_keys, tmp_vals, hist):
-    """Stable LSD radix sort of ``keys[:n]`` (uint32, ascending; all in ``[kmin, kmax]``) carrying
-    ``vals``, on ``key - kmin``: as few passes as that span needs (at most 3 of 11 bits), each
-    digit as narrow as the passes allow (a span of 26 bits: 3 passes of 512 buckets, not 2,048)."""
-    span = np.uint32(kmax - kmin) if n else np.uint32(0)
+def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
+    """Stable LSD radix sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``, on ``key - min``:
+    as few passes as that span needs (at most 3 of 11 bits), each digit as narrow as the passes
+    allow (a span of 26 bits: 3 passes of 512 buckets, not 2,048)."""
+    if n == 0:
+        return
+    kmin, kmax = keys[0], keys[0]
+    for i in range(1, n):
+        kmin, kmax = min(kmin, keys[i]), max(kmax, keys[i])
+    span = np.uint32(kmax - kmin)
     bits = 0
     while bits < 32 and (span >> np.uint32(bits)) != 0:
         bits += 1
@@ -210,17 +215,14 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
             if has_dups:
                 count = _sum_duplicates(cols, vals, count, canon, slot)
             kept = 0
-            kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
             for j in range(count):
                 g = cols[j]
                 im, v = scale[g], vals[j]
                 if im > 0 and v > 0:
-                    b = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
-                    keys[kept] = b
+                    keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
                     kept_cols[kept] = g
-                    kmin, kmax = min(kmin, b), max(kmax, b)
                     kept += 1
-            radix_sort(keys, kept_cols, kept, kmin, kmax, tmp_keys, tmp_cols, hist)
+            radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
             first = 1 if special else 0
             k = min(kept, L - 2 * first)
             if special:
@@ -336,13 +338,10 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                     tally[np.int64(kept_vals[j])] += 1
                 ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
             else:
-                kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
                 for j in range(n):
-                    b = _order_bits(kept_vals[j])
-                    keys[j] = b
+                    keys[j] = _order_bits(kept_vals[j])
                     order[j] = j
-                    kmin, kmax = min(kmin, b), max(kmax, b)
-                radix_sort(keys, order, n, kmin, kmax, tmp_keys, tmp_order, hist)
+                radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
             for e in range(n_edges):
                 virtual = (n - 1) * quantiles[e]
                 top = virtual >= n - 1
