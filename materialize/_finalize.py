@@ -1,17 +1,22 @@
-"""`finalize`: join the written partitions into one dataset, manifest last.
+"""Joining the written partitions into one dataset, manifest last.
 
-Checks that every planned partition left a complete sidecar (``part.json``) of this run and that
-their cell ranges are contiguous and complete; then appends each partition's cell ids and obs
-values, in order, to the dataset's sidecar writers (categorical codes are unified there: the
-categories of all partitions, sorted), merges the corpus statistics (counts and histograms add;
-float sums are added partition by partition, in order, exactly as a one-process run adds them
-shard by shard), writes the gene table, and at last the manifest.
+`Finalizer` merges partitions while the rest are still being written: the runner hands it each
+partition as it completes (`Finalizer.add`, in any order), and a thread of its own merges every
+partition whose predecessors are merged, so that after the last one only its merge and the
+dataset's own files remain. Each merge checks that the partition left a complete sidecar
+(``part.json``) of this run, covering the next cells of the plan; appends its cell ids and obs
+values to the dataset's sidecar writers (categorical codes are unified there: the categories of
+all partitions, sorted); and merges its corpus statistics (counts and histograms add; float sums
+are added partition by partition, in order, exactly as a one-process run adds them shard by
+shard). `Finalizer.finish` merges whatever was not handed to it, writes the statistics and the
+gene table, and at last the manifest.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +25,7 @@ import pyarrow.parquet as pq
 
 from omicsio_jax import OmicsIOError
 from omicsio_jax._genestats import NUM_BINS, STATS_NAME, GeneStats
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry, ObsEntry, file_entry
+from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry, ObsEntry, file_entry, fsync_path
 
 from ._partition import (
     N_COUNTS,
@@ -39,27 +44,23 @@ from ._sidecars import CellIdWriter, NumericWriter, make_obs_writer
 FEATURES_NAME = "features.parquet"
 
 
-def check_parts(job: Job, store, partitions: Sequence[Partition]) -> list[PartResult]:
-    """The ``part.json`` of every partition, read back from the output: present, of this run, and
-    covering the planned cells contiguously."""
-    parts, expected_first = [], 0
-    for part in partitions:
-        done = read_part(store, part.index)
-        where = store.describe(f"{part_dir(part.index)}/part.json")
-        if done is None:
-            msg = (f"{part.describe()} has no sidecar at finalize ({where} is missing): its worker did not "
-                   "finish; run materialize again")
-            raise OmicsIOError(msg)
-        if done.token != job.token:
-            msg = f"{where} belongs to another materialize run; run materialize again into a fresh output"
-            raise OmicsIOError(msg)
-        if (done.first_cell, done.num_cells) != (part.first_cell, part.num_cells) or done.first_cell != expected_first:
-            msg = (f"{where} covers cells {done.first_cell:,}..{done.first_cell + done.num_cells - 1:,}, the plan "
-                   f"has {part.first_cell:,}..{part.end_cell - 1:,}")
-            raise OmicsIOError(msg)
-        expected_first = done.first_cell + done.num_cells
-        parts.append(done)
-    return parts
+def check_part(job: Job, store, part: Partition, expected_first: int) -> PartResult:
+    """The ``part.json`` of ``part``, read back from the output: present, of this run, and covering
+    the planned cells from ``expected_first`` on."""
+    done = read_part(store, part.index)
+    where = store.describe(f"{part_dir(part.index)}/part.json")
+    if done is None:
+        msg = (f"{part.describe()} has no sidecar at finalize ({where} is missing): its worker did not "
+               "finish; run materialize again")
+        raise OmicsIOError(msg)
+    if done.token != job.token:
+        msg = f"{where} belongs to another materialize run; run materialize again into a fresh output"
+        raise OmicsIOError(msg)
+    if (done.first_cell, done.num_cells) != (part.first_cell, part.num_cells) or done.first_cell != expected_first:
+        msg = (f"{where} covers cells {done.first_cell:,}..{done.first_cell + done.num_cells - 1:,}, the plan "
+               f"has {part.first_cell:,}..{part.end_cell - 1:,}")
+        raise OmicsIOError(msg)
+    return done
 
 
 def _presence(store, root: Path, relpath: str) -> pa.Array:
@@ -75,84 +76,143 @@ def _presence(store, root: Path, relpath: str) -> pa.Array:
         local.unlink()
 
 
-def finalize(job: Job, store, partitions: Sequence[Partition], *, features: pa.Table, codec: dict,
-             array_record: dict, source: dict, created_by: str, modality: str = "rna",
-             modalities: tuple[ModalityEntry, ...] = ()) -> Manifest:
-    """Write the dataset's sidecars and manifest from the partitions' sidecars; return the manifest.
-    ``modalities``: the further modalities, written under their paths with the same partitions,
-    whose presence flags become obs ``has_<name>``."""
-    parts = check_parts(job, store, partitions)
-    args = (parts, features, codec, array_record, source, created_by, modality, modalities)
-    if store.local_root is not None:
-        return _finalize_in(job, store, store.local_root, *args)
-    with tempfile.TemporaryDirectory(prefix="omicsio-finalize-") as scratch:
-        return _finalize_in(job, store, Path(scratch), *args)
+def finalize(job: Job, store, partitions: Sequence[Partition], **kw) -> Manifest:
+    """Write the dataset's sidecars and manifest from the partitions' sidecars (all merged here);
+    return the manifest. ``kw``: `Finalizer.finish`'s."""
+    with Finalizer(job, store, partitions) as finalizer:
+        return finalizer.finish(**kw)
 
 
-def _finalize_in(job: Job, store, root: Path, parts: list[PartResult], features: pa.Table, codec: dict,
-                 array_record: dict, source: dict, created_by: str, modality: str,
-                 modalities: tuple[ModalityEntry, ...]) -> Manifest:
-    remote = store.local_root is None
-    (root / "obs").mkdir(exist_ok=True)
-    obs_writers = [make_obs_writer(root / "obs", name, job.source.obs_columns[name]) for name in job.obs]
-    stat_writers = [make_obs_writer(root / "obs", N_COUNTS, pa.float64()),
-                    make_obs_writer(root / "obs", N_GENES, pa.int32())]
-    presence = [NumericWriter(root / "obs", f"has_{m.name}", pa.bool_()) for m in modalities]
-    writers = [*obs_writers, *stat_writers]
-    cell_ids = CellIdWriter(root)
-    num_columns = job.num_columns
-    n_cells = np.zeros(num_columns, np.int64)
-    sums = np.zeros((6, num_columns), np.float64)
-    hist = np.zeros((num_columns, NUM_BINS), np.uint32)
-    try:
-        for done in parts:
-            sidecar = root / part_dir(done.index)
-            if remote:
-                sidecar.mkdir(parents=True, exist_ok=True)
-                for name in (PART_CELLS, PART_STATS):
-                    store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
-            table = pq.read_table(sidecar / PART_CELLS)
-            cell_ids.append(table.column("cell_id").combine_chunks())
-            for writer in writers:
-                writer.append(table.column(writer.name).combine_chunks())
-            for entry, writer in zip(modalities, presence, strict=True):
-                writer.append(_presence(store, root, f"{entry.path}/{part_dir(done.index)}/{PART_CELLS}"))
-            stats = GeneStats.load(sidecar / PART_STATS)
-            n_cells += stats.n_cells
-            sums += stats.sums
-            stats.add_to_dense(hist)
-    finally:
-        cell_ids.close()
-        for writer in [*writers, *presence]:
+class Finalizer:
+    """Merges a run's partitions as they complete, then writes the dataset's files (`finish`).
+
+    >>> with Finalizer(job, store, partitions) as finalizer:          # doctest: +SKIP
+    ...     run_on_pool(job, partitions, progress, workers=4, on_done=finalizer.add)
+    ...     manifest = finalizer.finish(features=..., codec=..., ...)
+    """
+
+    def __init__(self, job: Job, store, partitions: Sequence[Partition]):
+        self.job, self.store, self.partitions = job, store, list(partitions)
+        self._position = {p.index: k for k, p in enumerate(self.partitions)}
+        self._scratch = None
+        if store.local_root is not None:
+            self.root = store.local_root
+        else:  # object storage: sidecars are downloaded here, the dataset's own files written here
+            self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
+            self.root = Path(self._scratch.name)
+        (self.root / "obs").mkdir(parents=True, exist_ok=True)
+        self._obs = [make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs]
+        self._writers = [*self._obs, make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
+                         make_obs_writer(self.root / "obs", N_GENES, pa.int32())]
+        self._cell_ids = CellIdWriter(self.root)
+        self._n_cells = np.zeros(job.num_columns, np.int64)
+        self._sums = np.zeros((6, job.num_columns), np.float64)
+        self._hist = np.zeros((job.num_columns, NUM_BINS), np.uint32)
+        self._merged: list[PartResult] = []
+        self._completed: set[int] = set()  # positions handed to `add`, not yet queued for merging
+        self._queued = 0  # partitions (a prefix of the plan) queued for merging
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="materialize-finalize")
+        self._pending: list[Future] = []
+        self._open = True
+
+    def __enter__(self) -> Finalizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._open:
+            self._open = False
+            self._cell_ids.close()
+            for writer in self._writers:
+                writer.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def add(self, index: int) -> None:
+        """Partition ``index`` is complete: merge it (in the background) once its predecessors are."""
+        self._completed.add(self._position[index])
+        while self._queued in self._completed:
+            self._completed.discard(self._queued)
+            self._pending.append(self._thread.submit(self._merge, self.partitions[self._queued]))
+            self._queued += 1
+
+    def _merge(self, part: Partition) -> None:
+        expected_first = self._merged[-1].first_cell + self._merged[-1].num_cells if self._merged else 0
+        done = check_part(self.job, self.store, part, expected_first)
+        sidecar = self.root / part_dir(done.index)
+        if self.store.local_root is None:
+            sidecar.mkdir(parents=True, exist_ok=True)
+            for name in (PART_CELLS, PART_STATS):
+                self.store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
+        table = pq.read_table(sidecar / PART_CELLS)
+        self._cell_ids.append(table.column("cell_id").combine_chunks())
+        for writer in self._writers:
+            writer.append(table.column(writer.name).combine_chunks())
+        stats = GeneStats.load(sidecar / PART_STATS)
+        self._n_cells += stats.n_cells
+        self._sums += stats.sums
+        stats.add_to_dense(self._hist)
+        if self.store.local_root is not None:  # flushed now, while the rest are written, not all at the end
+            for shard in done.shards:
+                fsync_path(self.root / shard.path)
+        self._merged.append(done)
+
+    def finish(self, *, features: pa.Table, codec: dict, array_record: dict, source: dict, created_by: str,
+               modality: str = "rna", modalities: tuple[ModalityEntry, ...] = ()) -> Manifest:
+        """Merge the partitions not merged yet, write the dataset's sidecars and manifest; return the
+        manifest. ``modalities``: the further modalities, written under their paths with the same
+        partitions, whose presence flags become obs ``has_<name>``."""
+        for future in self._pending:
+            future.result()  # raises what a merge raised
+        for part in self.partitions[self._queued:]:
+            self._merge(part)
+        self._queued = len(self.partitions)
+        self._open = False
+        self._cell_ids.close()
+        for writer in self._writers:
             writer.close()
-    writers += presence
-    num_cells = sum(p.num_cells for p in parts)
-    GeneStats.from_dense(num_cells, n_cells, sums, hist).write(root / STATS_NAME)
-    del hist
-    cell_ids.finish()
-    obs_entries = [ObsEntry(w.name, w.kind, w.finish(), w.num_categories) for w in writers]
-    pq.write_table(features, root / FEATURES_NAME, compression="zstd")
-    relpaths = [FEATURES_NAME, CellIdWriter.path, STATS_NAME] + [p for w in writers for p in w.files()]
-    files = tuple(file_entry(root, p) for p in relpaths) + tuple(f for p in parts for f in p.files)
-    manifest = Manifest(
-        num_cells=num_cells,
-        num_genes=features.num_rows,
-        nnz=sum(p.nnz for p in parts),
-        layout="sparse" if job.panel is None else "dense",
-        codec=codec,
-        array_record=array_record,
-        shard_cells=job.shard_cells,
-        shards=tuple(s for p in parts for s in p.shards),
-        files=files,
-        obs=tuple(obs_entries),
-        source=source,
-        created_by=created_by,
-        modality=modality,
-        modalities=modalities,
-    ).with_fingerprint()
-    if remote:
-        store.upload(root, relpaths)
-    (root / MANIFEST_NAME).write_text(manifest.to_json())
-    if remote:
-        store.upload(root, [MANIFEST_NAME])  # last: the dataset is complete only now
-    return manifest
+        root, store, parts = self.root, self.store, self._merged
+        remote = store.local_root is None
+        presence = [NumericWriter(root / "obs", f"has_{m.name}", pa.bool_()) for m in modalities]
+        try:
+            for entry, writer in zip(modalities, presence, strict=True):
+                for done in parts:
+                    writer.append(_presence(store, root, f"{entry.path}/{part_dir(done.index)}/{PART_CELLS}"))
+        finally:
+            for writer in presence:
+                writer.close()
+        num_cells = sum(p.num_cells for p in parts)
+        GeneStats.from_dense(num_cells, self._n_cells, self._sums, self._hist).write(root / STATS_NAME)
+        self._hist = None
+        self._cell_ids.finish()
+        writers = [*self._writers, *presence]
+        obs_entries = [ObsEntry(w.name, w.kind, w.finish(), w.num_categories) for w in writers]
+        pq.write_table(features, root / FEATURES_NAME, compression="zstd")
+        relpaths = [FEATURES_NAME, CellIdWriter.path, STATS_NAME] + [p for w in writers for p in w.files()]
+        files = tuple(file_entry(root, p) for p in relpaths) + tuple(f for p in parts for f in p.files)
+        manifest = Manifest(
+            num_cells=num_cells,
+            num_genes=features.num_rows,
+            nnz=sum(p.nnz for p in parts),
+            layout="sparse" if self.job.panel is None else "dense",
+            codec=codec,
+            array_record=array_record,
+            shard_cells=self.job.shard_cells,
+            shards=tuple(s for p in parts for s in p.shards),
+            files=files,
+            obs=tuple(obs_entries),
+            source=source,
+            created_by=created_by,
+            modality=modality,
+            modalities=modalities,
+        ).with_fingerprint()
+        if remote:
+            store.upload(root, relpaths)
+        (root / MANIFEST_NAME).write_text(manifest.to_json())
+        if remote:
+            store.upload(root, [MANIFEST_NAME])  # last: the dataset is complete only now
+        return manifest

@@ -2,9 +2,10 @@
 
 The input is planned into shard-aligned partitions (`_plan`); each is written by `write_partition`
 — here, on a pool of local worker processes (``workers``, default: the usable cores) or on a Dask
-cluster — and `finalize` joins them, manifest last. The output is byte-identical whatever runs the
-partitions. A local output appears whole or not at all (written in a hidden sibling, renamed into
-place); an ``s3://`` output is complete only once its ``manifest.json`` is uploaded, last.
+cluster — and a `Finalizer` joins them as they complete, manifest last. The output is
+byte-identical whatever runs the partitions. A local output appears whole or not at all (written
+in a hidden sibling, renamed into place); an ``s3://`` output is complete only once its
+``manifest.json`` is uploaded, last.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry
 from omicsio_jax._objectfs import as_input_path
 from omicsio_jax._store import is_remote, open_store
 
-from ._finalize import finalize
+from ._finalize import Finalizer
 from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
 from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
-from ._pool import run_in_process, run_on_dask, run_on_pool, usable_cores
+from ._pool import Pool, run_in_process, run_on_dask, usable_cores
 from ._shards import atomic_output_dir, writer_options
 from ._source import Source
 from ._validate import GeneIndex
@@ -208,6 +209,9 @@ def materialize(
     _check_output(store, overwrite)
     src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
                       cell_id=cell_id, batch_cells=batch_cells, primary=primary)
+    dask = dask_scheduler is not None or dask_scheduler_file is not None
+    wanted = 1 if dask else workers or usable_cores()
+    pool = Pool(wanted) if wanted > 1 else None  # started now: the workers import while the input is planned
     try:
         gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
                                            f"{src.description.get('genes') or 'token ids seen in the data'}: "
@@ -219,25 +223,27 @@ def materialize(
             msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
             raise OmicsIOError(msg)
         partitions = src.plan(shard_cells)
-        dask = dask_scheduler is not None or dask_scheduler_file is not None
-        num_workers = 1 if dask else min(workers or usable_cores(), max(len(partitions), 1))
+        num_workers = min(wanted, max(len(partitions), 1))
+        if pool is not None:
+            pool.shrink(num_workers if num_workers > 1 else 0)  # none: the one partition is written here
         options = writer_options(group_size, compression)
-        with _staging(store, overwrite) as staging:
-            threads = max(1, usable_cores() // num_workers) if num_workers > 1 else None
+        with _staging(store, overwrite) as staging, contextlib.ExitStack() as stack:
+            threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
                       secrets.token_hex(8), threads)
 
-            def run(job: Job, parts, desc: str):
+            def run(job: Job, parts, desc: str, on_done=None):
                 with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc=desc,
                           file=sys.stderr, dynamic_ncols=True) as bar:
                     if dask:
                         return run_on_dask(job, parts, bar.update, address=dask_scheduler,
-                                           scheduler_file=dask_scheduler_file)
+                                           scheduler_file=dask_scheduler_file, on_done=on_done)
                     if num_workers > 1:
-                        return run_on_pool(job, parts, bar.update, workers=num_workers)
-                    return run_in_process(job, parts, bar.update)
+                        return pool.run(job, parts, bar.update, on_done=on_done)
+                    return run_in_process(job, parts, bar.update, on_done=on_done)
 
-            report = run(job, partitions, "materialize")
+            finalizer = stack.enter_context(Finalizer(job, open_store(staging), partitions))
+            report = run(job, partitions, "materialize", finalizer.add)
             array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
             created_by = f"omicsio_jax {_version()}"
             entries = []
@@ -251,14 +257,15 @@ def materialize(
                     finally:
                         further.close()
             features = src.genes if chosen_panel is None else chosen_panel.features
-            manifest = finalize(
-                job, open_store(staging), partitions, features=features, codec=_codec_description(chosen_panel),
-                array_record=array_record,
+            manifest = finalizer.finish(
+                features=features, codec=_codec_description(chosen_panel), array_record=array_record,
                 source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
                 created_by=created_by, modality=primary, modalities=tuple(entries))
         return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
                                  len(partitions), report.workers, tuple(report.redone))
     finally:
+        if pool is not None:
+            pool.close()
         src.close()  # an .h5ad/.h5mu stays open otherwise until collected
 
 
@@ -302,11 +309,11 @@ def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_re
     mjob = dataclasses.replace(job, source=further, obs=(), gene_index=index, panel=None, staging=staging,
                                presence=True)
     parts = further.plan(job.shard_cells)
-    run(mjob, parts, f"materialize {inp.name}")
-    manifest = finalize(mjob, open_store(staging), parts, features=further.features_table,
-                        codec=_codec_description(None), array_record=array_record,
-                        source={**further.description, "cell_id": cell_id}, created_by=created_by,
-                        modality=inp.name)
+    with Finalizer(mjob, open_store(staging), parts) as finalizer:
+        run(mjob, parts, f"materialize {inp.name}", finalizer.add)
+        manifest = finalizer.finish(features=further.features_table, codec=_codec_description(None),
+                                    array_record=array_record, source={**further.description, "cell_id": cell_id},
+                                    created_by=created_by, modality=inp.name)
     sha = hashlib.sha256(manifest.to_json().encode()).hexdigest()
     return ModalityEntry(inp.name, path, manifest.num_genes, manifest.layout, manifest.nnz, inp.features_kind,
                          manifest.fingerprint, sha)

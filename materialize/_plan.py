@@ -2,7 +2,7 @@
 
 Partition ``p`` holds the cells of shard ``p``: rows ``[p·shard_cells, (p+1)·shard_cells)`` of the
 input (fewer in the last one). Partitions are written independently (`_partition.write_partition`,
-on this process, a local process pool or a Dask cluster) and joined by `_finalize.finalize`;
+on this process, a local process pool or a Dask cluster) and joined by `_finalize.Finalizer`;
 since a shard's bytes depend only on its own cells, the dataset is byte-identical however the
 partitions were spread.
 

@@ -28,6 +28,7 @@ from ._partition import Job, PartResult, write_partition
 from ._plan import Partition
 
 Progress = Callable[[int], None]
+Done = Callable[[int], None]  # a partition (its index) is complete
 
 
 def usable_cores() -> int:
@@ -45,9 +46,12 @@ class RunReport:
     redone: list[int] = dataclasses.field(default_factory=list)
 
 
-def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress) -> RunReport:
+def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress, *,
+                   on_done: Done | None = None) -> RunReport:
     for part in partitions:
         write_partition(job, part, progress)
+        if on_done is not None:
+            on_done(part.index)
     return RunReport(1)
 
 
@@ -87,18 +91,25 @@ def serve(fd: int) -> None:
 
 
 class _Worker:
-    def __init__(self, job_bytes: bytes):
+    def __init__(self, core: int | None):
         parent, child = socket.socketpair()
-        code = f"import sys; from materialize._pool import serve; serve({child.fileno()})"
+        pin = "" if core is None else f"import os; os.sched_setaffinity(0, {{{core}}}); "
+        code = f"{pin}from materialize._pool import serve; serve({child.fileno()})"
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(),),
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             child.close()
         self.conn = Connection(parent.detach())
-        self.conn.send(("job", job_bytes))
+        self.core = core
+        self.job: bytes | None = None  # the (pickled) job this worker holds
         self.part: Partition | None = None
         self.cells = 0  # progress reported for the current partition
+
+    def give(self, job_bytes: bytes) -> None:
+        if self.job is not job_bytes:
+            self.conn.send(("job", job_bytes))
+            self.job = job_bytes
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -107,53 +118,107 @@ class _Worker:
         self.conn.close()
 
 
-def run_on_pool(job: Job, partitions: Sequence[Partition], progress: Progress, *, workers: int,
-                retries: int = 2) -> RunReport:
-    """Write ``partitions`` on ``workers`` local processes; a worker that dies mid-partition is replaced
-    and its partition written again (at most ``retries`` times per partition)."""
-    job_bytes = pickle.dumps(job)
-    queue: deque[Partition] = deque(partitions)
-    attempts: dict[int, int] = {}
-    report = RunReport(workers)
-    pool = [_Worker(job_bytes) for _ in range(min(workers, len(partitions)))]
-    done = 0
-    try:
-        for worker in pool:
-            _assign(worker, queue)
-        while done < len(partitions):
-            ready = wait([w.conn for w in pool if w.part is not None])
-            for worker in [w for w in pool if w.conn in ready]:
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
-                    message = ("died", worker.proc.wait())
-                if message[0] == "progress":
-                    worker.cells += message[1]
-                    progress(message[1])
-                elif message[0] == "done":
-                    done += 1
-                    worker.part, worker.cells = None, 0
-                    _assign(worker, queue)
-                elif message[0] == "error":
-                    _raise(message[1], message[2], worker.part)
-                else:  # the worker died: replace it, write its partition again
-                    part = worker.part
-                    attempts[part.index] = attempts.get(part.index, 0) + 1
-                    if attempts[part.index] > retries:
-                        msg = (f"{part.describe()}: its worker died {attempts[part.index]} times (last exit code "
-                               f"{message[1]}); is the machine out of memory?")
-                        raise OmicsIOError(msg)
-                    progress(-worker.cells)
-                    report.redone.append(part.index)
-                    queue.appendleft(part)
-                    worker.stop()
-                    replacement = _Worker(job_bytes)
-                    pool[pool.index(worker)] = replacement
-                    _assign(replacement, queue)
-    finally:
-        for worker in pool:
+class Pool:
+    """``workers`` local worker processes, started when it is made, so that their start (a Python
+    interpreter importing pyarrow, numba and this package: ~0.35 s of a core each) overlaps the
+    planning; one pool writes the primary's partitions and then every further modality's.
+
+    With one worker per usable core (the default), worker *k* is pinned to the *k*-th core: a
+    worker's threads (reading, encoding, statistics) then share one core's caches, as they do in a
+    one-process run, instead of migrating between cores (8% less CPU time here).
+
+    >>> with Pool(4) as pool:                                          # doctest: +SKIP
+    ...     pool.run(job, partitions, progress, on_done=finalizer.add)
+    """
+
+    def __init__(self, workers: int):
+        self.workers: list[_Worker] = []
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        pinned = cores if len(cores) == workers > 1 else [None] * workers
+        try:
+            for core in pinned:
+                self.workers.append(_Worker(core))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for worker in self.workers:
             worker.stop()
-    return report
+        self.workers = []
+
+    def shrink(self, workers: int) -> None:
+        """Keep at most ``workers`` of the processes (for a plan of fewer partitions than processes)."""
+        for worker in self.workers[workers:]:
+            worker.stop()
+        del self.workers[workers:]
+
+    def run(self, job: Job, partitions: Sequence[Partition], progress: Progress, *, on_done: Done | None = None,
+            retries: int = 2) -> RunReport:
+        """Write ``partitions``, calling ``on_done(index)`` as each completes. A worker that dies
+        mid-partition is replaced and its partition written again (at most ``retries`` times each);
+        on any error every worker is stopped."""
+        job_bytes = pickle.dumps(job)
+        queue: deque[Partition] = deque(partitions)
+        attempts: dict[int, int] = {}
+        pool = self.workers
+        report = RunReport(min(len(pool), len(partitions)))
+        done = 0
+        try:
+            for worker in pool[: len(partitions)]:
+                worker.give(job_bytes)
+                _assign(worker, queue)
+            while done < len(partitions):
+                ready = wait([w.conn for w in pool if w.part is not None])
+                for worker in [w for w in pool if w.conn in ready]:
+                    try:
+                        message = worker.conn.recv()
+                    except (EOFError, OSError):
+                        message = ("died", worker.proc.wait())
+                    if message[0] == "progress":
+                        worker.cells += message[1]
+                        progress(message[1])
+                    elif message[0] == "done":
+                        done += 1
+                        index = worker.part.index
+                        worker.part, worker.cells = None, 0
+                        _assign(worker, queue)  # first, so the worker goes on while this one is merged
+                        if on_done is not None:
+                            on_done(index)
+                    elif message[0] == "error":
+                        _raise(message[1], message[2], worker.part)
+                    else:  # the worker died: replace it, write its partition again
+                        part = worker.part
+                        attempts[part.index] = attempts.get(part.index, 0) + 1
+                        if attempts[part.index] > retries:
+                            msg = (f"{part.describe()}: its worker died {attempts[part.index]} times (last exit "
+                                   f"code {message[1]}); is the machine out of memory?")
+                            raise OmicsIOError(msg)
+                        progress(-worker.cells)
+                        report.redone.append(part.index)
+                        queue.appendleft(part)
+                        worker.stop()
+                        replacement = _Worker(worker.core)
+                        pool[pool.index(worker)] = replacement
+                        replacement.give(job_bytes)
+                        _assign(replacement, queue)
+        except BaseException:
+            self.close()  # workers may be mid-partition; nothing of this run is kept
+            raise
+        return report
+
+
+def run_on_pool(job: Job, partitions: Sequence[Partition], progress: Progress, *, workers: int,
+                retries: int = 2, on_done: Done | None = None) -> RunReport:
+    """Write ``partitions`` on a pool of ``workers`` fresh local processes (see `Pool.run`)."""
+    with Pool(min(workers, len(partitions))) as pool:
+        return pool.run(job, partitions, progress, on_done=on_done, retries=retries)
 
 
 def _assign(worker: _Worker, queue: deque[Partition]) -> None:
@@ -190,7 +255,7 @@ def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
 
 
 def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *, address: str | None = None,
-                scheduler_file: str | None = None, retries: int = 3) -> RunReport:
+                scheduler_file: str | None = None, retries: int = 3, on_done: Done | None = None) -> RunReport:
     """Write ``partitions`` as tasks on the Dask cluster at ``address`` (or ``scheduler_file``), with
     ``retries``; a worker lost mid-task has its task run again elsewhere by the scheduler."""
     try:
@@ -215,6 +280,8 @@ def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *
                 client.cancel(futures)
                 _raise(result.kind, result.text, by_key[future.key])
             progress(by_key[future.key].num_cells)
+            if on_done is not None:
+                on_done(by_key[future.key].index)
         return RunReport(max(workers, 1))
     finally:
         client.close()

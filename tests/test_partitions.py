@@ -187,6 +187,40 @@ def test_finalize_refuses_a_missing_partition_sidecar(corpus, tmp_path):
         finalize(other, _store(tmp_path), parts, **kw)
 
 
+def test_partitions_merged_as_they_complete_in_any_order_give_the_same_bytes(corpus, tmp_path):
+    """The runners hand each completed partition to the `Finalizer` at once (Dask and a pool complete
+    them out of order); the dataset is the one `finalize` makes from all of them at the end. A merge
+    that fails in the background is raised by ``finish``."""
+    import shutil
+
+    from materialize._finalize import Finalizer
+
+    src = open_source(str(corpus.cells_parquet))
+    parts = src.plan(SHARD)
+    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
+    a, b, c = (tmp_path / name for name in "abc")
+    job = Job(src, ("drug", "cell_type"), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(a), "run1")
+    for part in parts:
+        write_partition(job, part)
+    shutil.copytree(a, b)
+    shutil.copytree(a, c)
+    kw = dict(features=src.genes, codec={}, array_record={}, source={}, created_by="test")
+    with Finalizer(job, _store(a), parts) as finalizer:
+        for part in reversed(parts[2:]):
+            finalizer.add(part.index)  # held back: partition 0 is not merged yet
+        finalizer.add(parts[0].index)  # merged; 1 was never handed over, so finish merges 1, 2, ...
+        incremental = finalizer.finish(**kw)
+    at_end = finalize(dataclasses.replace(job, staging=str(b)), _store(b), parts, **kw)
+    assert incremental.fingerprint == at_end.fingerprint
+    assert _digests(a) == _digests(b)
+    (c / "_parts" / "p-00003" / "part.json").unlink()
+    with Finalizer(dataclasses.replace(job, staging=str(c)), _store(c), parts) as finalizer:
+        for part in parts:
+            finalizer.add(part.index)
+        with pytest.raises(oj.OmicsIOError, match=r"partition 3 \(cells 768..1,023\) has no sidecar at finalize"):
+            finalizer.finish(**kw)
+
+
 def _store(root):
     from omicsio_jax._store import open_store
 
