@@ -146,6 +146,30 @@ def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
     assert _digests(out) == _digests(tmp_path / "ref")
 
 
+def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
+    """The default pool (a worker per usable core) pins worker k to core k, so a worker's threads share
+    one core's caches; a pool of any other size leaves the workers to the scheduler."""
+    from materialize._pool import Pool
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("pinning needs two usable cores")
+
+    def affinities(pool, want):
+        deadline = time.monotonic() + 30
+        while True:  # a worker pins itself first thing after it starts
+            got = [os.sched_getaffinity(w.proc.pid) for w in pool.workers]
+            if got == want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.01)
+
+    with Pool(len(cores)) as pool:
+        assert affinities(pool, [{c} for c in cores]) == [{c} for c in cores]
+    with Pool(len(cores) + 1) as pool:
+        time.sleep(1.0)  # started, and not pinned
+        assert affinities(pool, [set(cores)] * (len(cores) + 1)) == [set(cores)] * (len(cores) + 1)
+
+
 def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, dask_cluster):
     materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
     killed: list[int] = []
