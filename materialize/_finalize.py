@@ -87,7 +87,7 @@ class Finalizer:
     """Merges a run's partitions as they complete, then writes the dataset's files (`finish`).
 
     >>> with Finalizer(job, store, partitions) as finalizer:          # doctest: +SKIP
-    ...     run_on_pool(job, partitions, progress, workers=4, on_done=finalizer.add)
+    ...     pool.run(job, partitions, progress, on_done=finalizer.add)
     ...     manifest = finalizer.finish(features=..., codec=..., ...)
     """
 
@@ -101,8 +101,8 @@ class Finalizer:
             self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
             self.root = Path(self._scratch.name)
         (self.root / "obs").mkdir(parents=True, exist_ok=True)
-        self._obs = [make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs]
-        self._writers = [*self._obs, make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
+        self._writers = [*(make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs),
+                         make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
                          make_obs_writer(self.root / "obs", N_GENES, pa.int32())]
         self._cell_ids = CellIdWriter(self.root)
         self._n_cells = np.zeros(job.num_columns, np.int64)
@@ -123,14 +123,17 @@ class Finalizer:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._close_writers()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def _close_writers(self) -> None:
         if self._open:
             self._open = False
             self._cell_ids.close()
             for writer in self._writers:
                 writer.close()
-        if self._scratch is not None:
-            self._scratch.cleanup()
-            self._scratch = None
 
     def add(self, index: int) -> None:
         """Partition ``index`` is complete: merge it (in the background) once its predecessors are."""
@@ -171,10 +174,7 @@ class Finalizer:
         for part in self.partitions[self._queued:]:
             self._merge(part)
         self._queued = len(self.partitions)
-        self._open = False
-        self._cell_ids.close()
-        for writer in self._writers:
-            writer.close()
+        self._close_writers()
         root, store, parts = self.root, self.store, self._merged
         remote = store.local_root is None
         presence = [NumericWriter(root / "obs", f"has_{m.name}", pa.bool_()) for m in modalities]
