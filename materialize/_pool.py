@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection, wait
 
 from omicsio_jax import DataValidationError, OmicsIOError
 
-from ._partition import Job, PartResult, write_partition
+from ._partition import Job, PartResult, Scratch, write_partition
 from ._plan import Partition
 
 Progress = Callable[[int], None]
@@ -48,8 +48,9 @@ class RunReport:
 
 def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress, *,
                    on_done: Done | None = None) -> RunReport:
+    scratch = Scratch()
     for part in partitions:
-        write_partition(job, part, progress)
+        write_partition(job, part, progress, scratch=scratch)
         if on_done is not None:
             on_done(part.index)
     return RunReport(1)
@@ -71,6 +72,7 @@ def serve(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     conn = Connection(fd)
     job = None
+    scratch = Scratch()  # this worker's memory, reused from one partition to the next
     try:
         while True:
             message = conn.recv()
@@ -79,7 +81,7 @@ def serve(fd: int) -> None:
                 continue
             part = message[1]
             try:
-                result = write_partition(job, part, lambda n: conn.send(("progress", n)))
+                result = write_partition(job, part, lambda n: conn.send(("progress", n)), scratch=scratch)
             except (EOFError, BrokenPipeError, ConnectionResetError):
                 return
             except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
