@@ -14,7 +14,7 @@ import asyncio
 import functools
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import grain
 import jax

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import _codec
 from ._buffers import aligned_empty
 from ._dataset import Categorical, Dataset, runs
 from ._directio import physical_memory

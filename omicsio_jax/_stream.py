@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 
 import grain
 import numpy as np
-import pyarrow as pa
 
 from ._background import Background
 from ._batch import Batch, HostBatch, place_batch
