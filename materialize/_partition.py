@@ -96,11 +96,38 @@ def part_dir(index: int) -> str:
 class Scratch:
     """What one process keeps from one partition to the next: the statistics accumulator, whose
     histogram table (genes × 1,120 bins of uint32: 281 MB at 62,710 genes) would otherwise be
-    allocated and page-faulted in anew for every partition. A partition that fails does not give
-    its accumulator back."""
+    allocated and page-faulted in anew for every partition, and the shard writer's child process
+    with its shared-memory slots (a Python start and ~100 MB of fresh slots per partition). A
+    partition that fails gives back neither. `close` stops the kept writer process."""
 
     def __init__(self):
         self._stats: StatsAccumulator | None = None
+        self._writer = None
+
+    def __enter__(self) -> Scratch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop()
+
+    def take_shard_writer(self, root: Path, **kw):
+        """A shard writer opened on ``root`` (`make_shard_writer`'s arguments): the kept one, if any."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return make_shard_writer(root, **kw)
+        writer.open(root, **kw)
+        return writer
+
+    def give_back_shard_writer(self, writer) -> None:
+        """``writer`` has finished its shards (`finish`): the next partition may open it again."""
+        if hasattr(writer, "stop"):  # a child-process writer; the in-process one keeps nothing
+            self.close()
+            self._writer = writer
 
     def take_stats(self, num_genes: int, shard_cells: int) -> StatsAccumulator:
         stats, self._stats = self._stats, None
@@ -128,7 +155,8 @@ def write_partition(job: Job, part: Partition, progress: Callable[[int], None] |
         local = store.local_root
         if local is None:  # object storage: write here, then upload
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="omicsio-part-")))
-        result = _write_local(job, part, local, progress, scratch or Scratch())
+        own = stack.enter_context(Scratch()) if scratch is None else scratch  # a lone partition's: closed here
+        result = _write_local(job, part, local, progress, own)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
             names += [f"{part_dir(part.index)}/{name}" for name in (PART_CELLS, PART_STATS, PART_DONE)]
@@ -144,8 +172,8 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     obs_types = {name: job.source.obs_columns[name] for name in job.obs}
     schema = pa.schema([("cell_id", pa.string()), *obs_types.items(), (N_COUNTS, pa.float64()), (N_GENES, pa.int32()),
                         *([(PRESENT, pa.bool_())] if job.presence else [])])
-    shards = make_shard_writer(root, shard_cells=job.shard_cells, options=job.options, first_shard=part.index,
-                               index_dir=CHUNK_INDEX_DIR)
+    shards = scratch.take_shard_writer(root, shard_cells=job.shard_cells, options=job.options,
+                                       first_shard=part.index, index_dir=CHUNK_INDEX_DIR)
     stats = scratch.take_stats(job.num_columns, job.shard_cells)
     cells = pq.ParquetWriter(sidecar / PART_CELLS, schema, compression="zstd")
     nnz = 0
@@ -176,7 +204,8 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
             future.result()
         cleanup.pop_all()
     cells.close()
-    entries = tuple(shards.close())
+    entries = tuple(shards.finish())
+    scratch.give_back_shard_writer(shards)
     num_cells = sum(s.num_cells for s in entries)
     if num_cells != part.num_cells:
         msg = (f"{job.source.label}: {part.describe()} read {num_cells:,} cells where the plan counted "

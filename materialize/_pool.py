@@ -48,11 +48,11 @@ class RunReport:
 
 def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress, *,
                    on_done: Done | None = None) -> RunReport:
-    scratch = Scratch()
-    for part in partitions:
-        write_partition(job, part, progress, scratch=scratch)
-        if on_done is not None:
-            on_done(part.index)
+    with Scratch() as scratch:
+        for part in partitions:
+            write_partition(job, part, progress, scratch=scratch)
+            if on_done is not None:
+                on_done(part.index)
     return RunReport(1)
 
 
@@ -72,7 +72,7 @@ def serve(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     conn = Connection(fd)
     job = None
-    scratch = Scratch()  # this worker's memory, reused from one partition to the next
+    scratch = Scratch()  # this worker's memory and shard writer, reused from one partition to the next
     try:
         while True:
             message = conn.recv()
@@ -90,6 +90,8 @@ def serve(fd: int) -> None:
             conn.send(("done", result))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return
+    finally:
+        scratch.close()
 
 
 class _Worker:

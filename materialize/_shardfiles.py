@@ -153,8 +153,9 @@ def serve(fd: int) -> None:
 
     ``("open", root, shard_cells, options, first_shard, index_dir)``; ``("slot", k, size)`` followed
     by the slot's file descriptor; ``("write", k, bounds)`` with the record offsets as int64 bytes, answered by
-    ``("done", k)`` once the slot may be reused; ``("close",)`` answered by ``("closed", shards)``.
-    Any failure is answered by ``("error", text)``. The parent going away (EOF) aborts.
+    ``("done", k)`` once the slot may be reused; ``("close",)`` answered by ``("closed", shards)``,
+    after which another ``open`` may follow (the slots stay mapped). Any failure is answered by
+    ``("error", text)`` and ends the child. The parent going away (EOF) aborts an open shard and ends it.
     """
     from multiprocessing.connection import Connection
     from multiprocessing.reduction import recv_handle
@@ -181,9 +182,8 @@ def serve(fd: int) -> None:
                 files.write(slots[k], memoryview(bounds).cast("q"))
                 conn.send(("done", k))
             elif op == "close":
-                conn.send(("closed", files.close()))
-                files = None
-                return
+                closed, files = files.close(), None
+                conn.send(("closed", closed))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the parent has gone (it aborted, or died): stop quietly
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it

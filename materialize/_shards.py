@@ -43,6 +43,8 @@ class ShardWriter:
     def close(self) -> list[ShardEntry]:
         return [ShardEntry(*shard) for shard in self._files.close()]
 
+    finish = close  # nothing to keep between partitions in this process
+
     def abort(self) -> None:
         self._files.abort()
 
@@ -71,6 +73,9 @@ class ShardWriterProcess:
 
     `write` copies the batch into a free slot and returns; the child compresses and writes it
     (holding its own GIL, not ours). Errors in the child are raised here, at the next call.
+    `finish` closes the shards and keeps the child and its slots for the next `open` (a worker
+    writing partition after partition spares a Python start and its slots' page faults each
+    time); `close` finishes and stops the child.
     """
 
     def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
@@ -87,7 +92,17 @@ class ShardWriterProcess:
         self._slots: list[_Slot | None] = []
         self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
         self._depth = depth
+        self.open(root, shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir)
+
+    def open(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
+             index_dir: str | None = None) -> None:
+        """Start writing shards under ``root`` (at construction, or again after `finish`)."""
         self._send("open", str(root), shard_cells, options, first_shard, index_dir)
+
+    @property
+    def pid(self) -> int:
+        """The child process's id."""
+        return self._proc.pid
 
     @staticmethod
     def available() -> bool:
@@ -139,16 +154,24 @@ class ShardWriterProcess:
         slot.array[: buf.nbytes] = buf.view(np.uint8).reshape(-1)
         self._send("write", slot.index, np.ascontiguousarray(starts, dtype=np.int64).tobytes())
 
-    def close(self) -> list[ShardEntry]:
+    def finish(self) -> list[ShardEntry]:
+        """Close the shards written since `open`; the child waits for the next `open`."""
         while len(self._free) < len(self._slots):
             self._free.append(self._receive("done"))
         self._send("close")
-        shards = [ShardEntry(*shard) for shard in self._receive("closed")]
+        return [ShardEntry(*shard) for shard in self._receive("closed")]
+
+    def close(self) -> list[ShardEntry]:
+        shards = self.finish()
         self._shutdown()
         return shards
 
     def abort(self) -> None:
         """Stop the child (it closes its open shard); the directory is removed by the caller."""
+        self._shutdown()
+
+    def stop(self) -> None:
+        """Stop a child that has nothing open (after `finish`)."""
         self._shutdown()
 
     def _shutdown(self) -> None:

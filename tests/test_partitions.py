@@ -348,11 +348,13 @@ def test_pyarrow_reading_names_the_file_and_its_row(corpus_table, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_process_reuses_its_statistics_table_across_partitions(corpus, tmp_path):
+def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partitions(corpus, tmp_path):
     """`Scratch` hands the next partition the statistics accumulator the last one emptied (its 281 MB
-    table at 62,710 genes stays mapped): every partition's files are those of a fresh accumulator,
-    and the table is all zeros between partitions. A partition that fails keeps its accumulator."""
+    table at 62,710 genes stays mapped) and the shard writer's child process: every partition's
+    files are those of a fresh accumulator and writer, the table is all zeros between partitions,
+    and one writer process serves them all. A partition that fails keeps neither."""
     from materialize._partition import Scratch
+    from materialize._shards import ShardWriterProcess
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
@@ -360,12 +362,19 @@ def test_a_process_reuses_its_statistics_table_across_partitions(corpus, tmp_pat
     job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path / "a"), "run1")
     fresh = dataclasses.replace(job, staging=str(tmp_path / "b"))
     scratch = Scratch()
+    (tmp_path / "probe").mkdir()
+    pids = set()
     for part in parts[:4]:
         write_partition(job, part, scratch=scratch)
         write_partition(fresh, part)
         stats = scratch.take_stats(job.num_columns, SHARD)
         assert stats.rows == 0 and not stats.hist.any() and not stats.total.any()
         scratch.give_back(stats)
+        writer = scratch.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
+        assert isinstance(writer, ShardWriterProcess) and writer.finish() == []
+        pids.add(writer.pid)
+        scratch.give_back_shard_writer(writer)
+    assert len(pids) == 1
     assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
     used = scratch.take_stats(job.num_columns, SHARD)
     scratch.give_back(used)
@@ -376,3 +385,11 @@ def test_a_process_reuses_its_statistics_table_across_partitions(corpus, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         write_partition(job, parts[4], interrupted, scratch=scratch)
     assert scratch.take_stats(job.num_columns, SHARD) is not used
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids.pop(), 0)  # the interrupted partition's writer was stopped, not kept
+    writer = scratch.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
+    writer.finish()
+    scratch.give_back_shard_writer(writer)
+    scratch.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(writer.pid, 0)
