@@ -79,6 +79,22 @@ def test_statistics_merge_across_parts(corpus, ds, tmp_path):
     np.testing.assert_array_equal(merged.medians(), whole.medians())
 
 
+@pytest.mark.parametrize(("top", "stored"), [(65_535, np.uint16), (65_536, np.uint32), (1 << 32, np.int64)])
+def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
+    """A partition's ``.npz`` stores histogram counts in the narrowest type that holds them, and
+    reads them back exactly."""
+    stats = GeneStats(num_cells=5, n_cells=np.array([2, 0, 1]), sums=np.arange(18, dtype=np.float64).reshape(6, 3),
+                      hist_ptr=np.array([0, 2, 2, 3]), hist_bins=np.array([3, 900, 7], np.uint16),
+                      hist_counts=np.array([1, top, 2], np.int64))
+    stats.save(tmp_path / "s.npz")
+    with np.load(tmp_path / "s.npz") as z:
+        assert z["hist_counts"].dtype == stored
+    back = GeneStats.load(tmp_path / "s.npz")
+    assert back.hist_counts.dtype == np.int64
+    np.testing.assert_array_equal(back.dense_hist(), stats.dense_hist())
+    np.testing.assert_array_equal(back.sums, stats.sums)
+
+
 def test_stats_command_adds_statistics_to_an_older_dataset(ds, tmp_path, capsys):
     old = tmp_path / "old"
     shutil.copytree(ds.path, old)
