@@ -34,7 +34,7 @@ from omicsio_jax._store import open_store
 
 from ._panel import Panel
 from ._plan import Partition
-from ._shards import make_shard_writer
+from ._shards import ShardWriterProcess, make_shard_writer
 from ._source import Source
 from ._validate import GeneIndex, encode_batch
 
@@ -102,7 +102,7 @@ class Scratch:
 
     def __init__(self):
         self._stats: StatsAccumulator | None = None
-        self._writer = None
+        self._writer: ShardWriterProcess | None = None
 
     def __enter__(self) -> Scratch:
         return self
@@ -118,14 +118,17 @@ class Scratch:
     def take_shard_writer(self, root: Path, **kw):
         """A shard writer opened on ``root`` (`make_shard_writer`'s arguments): the kept one, if any."""
         writer, self._writer = self._writer, None
-        if writer is None:
-            return make_shard_writer(root, **kw)
-        writer.open(root, **kw)
-        return writer
+        if writer is not None:
+            try:
+                writer.open(root, **kw)
+                return writer
+            except OmicsIOError:  # the kept child has gone: start another
+                writer.abort()
+        return make_shard_writer(root, **kw)
 
     def give_back_shard_writer(self, writer) -> None:
         """``writer`` has finished its shards (`finish`): the next partition may open it again."""
-        if hasattr(writer, "stop"):  # a child-process writer; the in-process one keeps nothing
+        if isinstance(writer, ShardWriterProcess):  # the in-process writer keeps nothing
             self.close()
             self._writer = writer
 
@@ -204,7 +207,11 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
             future.result()
         cleanup.pop_all()
     cells.close()
-    entries = tuple(shards.finish())
+    try:
+        entries = tuple(shards.finish())
+    except BaseException:
+        shards.abort()
+        raise
     scratch.give_back_shard_writer(shards)
     num_cells = sum(s.num_cells for s in entries)
     if num_cells != part.num_cells:

@@ -390,6 +390,11 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
     writer = scratch.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
     writer.finish()
     scratch.give_back_shard_writer(writer)
+    os.kill(writer.pid, signal.SIGKILL)  # the kept child dies between partitions: the next gets a new one
+    os.waitpid(writer.pid, 0)
+    replacement = scratch.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
+    assert replacement.pid != writer.pid and replacement.finish() == []
+    scratch.give_back_shard_writer(replacement)
     scratch.close()
     with pytest.raises(ProcessLookupError):
-        os.kill(writer.pid, 0)
+        os.kill(replacement.pid, 0)
