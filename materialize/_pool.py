@@ -17,6 +17,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -244,11 +245,29 @@ class TaskError:
     text: str
 
 
+# A Dask worker thread's `Scratch` for one run, keyed by (run token, thread id): its partitions reuse
+# the statistics table and the shard writer as a pool worker's do. `release_dask_scratch` (run on
+# every worker when the run ends) closes them; a thread starting another run closes its old ones.
+_DASK_SCRATCH: dict[tuple[str, int], Scratch] = {}
+
+
 def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
+    thread = threading.get_ident()
+    for key in [k for k in _DASK_SCRATCH if k[1] == thread and k[0] != job.token]:
+        _DASK_SCRATCH.pop(key).close()  # left by a run whose end this worker never heard of
+    scratch = _DASK_SCRATCH.setdefault((job.token, thread), Scratch())  # this thread's alone
     try:
-        return write_partition(job, part)
+        return write_partition(job, part, scratch=scratch)
     except (DataValidationError, OmicsIOError) as e:
         return TaskError(*_error_reply(e)[1:])
+
+
+def release_dask_scratch(token: str) -> int:
+    """Close this Dask worker's scratches of run ``token``; return how many there were."""
+    keys = [k for k in _DASK_SCRATCH if k[0] == token]
+    for key in keys:
+        _DASK_SCRATCH.pop(key).close()
+    return len(keys)
 
 
 def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *, address: str | None = None,
@@ -281,4 +300,8 @@ def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *
                 on_done(by_key[future.key].index)
         return RunReport(max(workers, 1))
     finally:
+        try:
+            client.run(release_dask_scratch, job.token)  # the workers' tables and writer processes
+        except Exception:  # noqa: BLE001 - a worker gone or unreachable keeps nothing worth an error
+            pass
         client.close()

@@ -26,7 +26,7 @@ from materialize import materialize
 from materialize._cli import main
 from materialize._finalize import finalize
 from materialize._materialize import open_source
-from materialize._partition import Job, write_partition
+from materialize._partition import Job, PartResult, write_partition
 from materialize._shards import writer_options
 from materialize._validate import GeneIndex
 
@@ -267,6 +267,38 @@ def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, corpus_tab
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v2", dask_scheduler=dask_cluster.scheduler_address, **kw)
     assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
+    from distributed import Client
+
+    from materialize import _pool
+
+    with Client(dask_cluster) as client:  # every run released its workers' scratches at its end
+        assert set(client.run(lambda: len(_pool._DASK_SCRATCH)).values()) == {0}
+
+
+def test_dask_tasks_of_a_thread_share_one_scratch_per_run(corpus, tmp_path):
+    """A Dask worker thread keeps one `Scratch` per run (its partitions reuse the statistics table and
+    the shard writer, as a pool worker's do); the run's end releases it, and a thread that starts
+    another run closes what an unreleased one left."""
+    from materialize._pool import _DASK_SCRATCH, dask_task, release_dask_scratch
+
+    src = open_source(str(corpus.cells_parquet))
+    parts = src.plan(SHARD)
+    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
+    job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path / "a"), "run1")
+    for part in parts[:3]:
+        assert isinstance(dask_task(job, part), PartResult)
+    assert list(_DASK_SCRATCH) == [("run1", threading.get_ident())]
+    first = _DASK_SCRATCH[("run1", threading.get_ident())]
+    (tmp_path / "probe").mkdir()
+    writer = first.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
+    writer.finish()
+    first.give_back_shard_writer(writer)
+    other = dataclasses.replace(job, token="run2", staging=str(tmp_path / "b"))
+    dask_task(other, parts[0])  # run1 never released here: closed now
+    assert list(_DASK_SCRATCH) == [("run2", threading.get_ident())]
+    with pytest.raises(ProcessLookupError):
+        os.kill(writer.pid, 0)  # run1's writer process was stopped
+    assert release_dask_scratch("run2") == 1 and not _DASK_SCRATCH
 
 
 def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
