@@ -41,13 +41,14 @@ print(json.dumps({"seconds": seconds, "num_cells": m.num_cells, "nnz": m.nnz,
 """
 
 
-def corpus_dir(num_cells: int) -> Path:
+def corpus_dir(num_cells: int, *, h5ad: bool = True) -> Path:
+    """``data/corpus_<N>k`` (seed 0), made on first use; with ``h5ad=False`` its parquet alone suffices."""
     path = HERE / "data" / f"corpus_{num_cells // 1000}k"
-    if not (path / "cells.h5ad").exists():
+    if not (path / ("cells.h5ad" if h5ad else "cells.parquet")).exists():
         from materialize import make_synthetic_corpus
 
         print(f"generating {num_cells:,}-cell corpus in {path} ...", flush=True)
-        make_synthetic_corpus(path, num_cells=num_cells, seed=0, progress=True)
+        make_synthetic_corpus(path, num_cells=num_cells, seed=0, progress=True, write_h5ad=h5ad)
     return path
 
 

@@ -87,18 +87,9 @@ def _run(code: str, *args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def corpus_parquet(num_cells: int) -> Path:
-    """The synthetic corpus's ``cells.parquet`` (``data/corpus_<N>k``, made on first use, no ``.h5ad``)."""
-    path = HERE / "data" / f"corpus_{num_cells // 1000}k"
-    if not (path / "cells.parquet").exists():
-        from materialize import make_synthetic_corpus
-
-        print(f"generating {num_cells:,}-cell corpus in {path} ...", flush=True)
-        make_synthetic_corpus(path, num_cells=num_cells, seed=0, progress=True, write_h5ad=False)
-    return path / "cells.parquet"
-
-
 def main() -> None:
+    from bench_materialize import corpus_dir
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", type=int, default=200_000)
     p.add_argument("--shard-cells", type=int, default=16_384)
@@ -108,7 +99,7 @@ def main() -> None:
     args = p.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
-    parquet = corpus_parquet(args.cells)
+    parquet = corpus_dir(args.cells, h5ad=False) / "cells.parquet"
     configs = [("decode", "duckdb"), ("decode", "pyarrow")] + [("workers", n) for n in counts] + [("default", 0)]
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:

@@ -138,7 +138,7 @@ class Scratch:
             stats = StatsAccumulator(num_genes, shard_cells)
         return stats
 
-    def give_back(self, stats: StatsAccumulator) -> None:
+    def give_back_stats(self, stats: StatsAccumulator) -> None:
         """``stats`` is empty again (`StatsAccumulator.finish` returned): the next partition may use it."""
         self._stats = stats
 
@@ -219,7 +219,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                f"{part.num_cells:,}; did the input change during the run?")
         raise OmicsIOError(msg)
     stats.finish().save(sidecar / PART_STATS)
-    scratch.give_back(stats)
+    scratch.give_back_stats(stats)
     files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
     result = PartResult(job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files)
     staged = sidecar / f".{PART_DONE}.tmp"

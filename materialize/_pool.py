@@ -251,10 +251,19 @@ class TaskError:
 _DASK_SCRATCH: dict[tuple[str, int], Scratch] = {}
 
 
+def _close_dask_scratch(keep: Callable[[str, int], bool]) -> int:
+    """Close the scratches whose (token, thread) ``keep`` refuses; return how many. The keys are
+    copied first (`list` of a dict is atomic): other threads of the worker may be adding theirs."""
+    closed = [key for key in list(_DASK_SCRATCH) if not keep(*key)]
+    for key in closed:
+        _DASK_SCRATCH.pop(key).close()
+    return len(closed)
+
+
 def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
     thread = threading.get_ident()
-    for key in [k for k in _DASK_SCRATCH if k[1] == thread and k[0] != job.token]:
-        _DASK_SCRATCH.pop(key).close()  # left by a run whose end this worker never heard of
+    # left by a run whose end this worker never heard of
+    _close_dask_scratch(lambda token, owner: owner != thread or token == job.token)
     scratch = _DASK_SCRATCH.setdefault((job.token, thread), Scratch())  # this thread's alone
     try:
         return write_partition(job, part, scratch=scratch)
@@ -264,10 +273,7 @@ def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
 
 def release_dask_scratch(token: str) -> int:
     """Close this Dask worker's scratches of run ``token``; return how many there were."""
-    keys = [k for k in _DASK_SCRATCH if k[0] == token]
-    for key in keys:
-        _DASK_SCRATCH.pop(key).close()
-    return len(keys)
+    return _close_dask_scratch(lambda run, _: run != token)
 
 
 def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *, address: str | None = None,

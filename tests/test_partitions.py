@@ -401,7 +401,7 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
         write_partition(fresh, part)
         stats = scratch.take_stats(job.num_columns, SHARD)
         assert stats.rows == 0 and not stats.hist.any() and not stats.total.any()
-        scratch.give_back(stats)
+        scratch.give_back_stats(stats)
         writer = scratch.take_shard_writer(tmp_path / "probe", shard_cells=SHARD, options=job.options)
         assert isinstance(writer, ShardWriterProcess) and writer.finish() == []
         pids.add(writer.pid)
@@ -409,7 +409,7 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
     assert len(pids) == 1
     assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
     used = scratch.take_stats(job.num_columns, SHARD)
-    scratch.give_back(used)
+    scratch.give_back_stats(used)
 
     def interrupted(cells):
         raise KeyboardInterrupt
