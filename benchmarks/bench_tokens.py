@@ -11,6 +11,8 @@ without the corpus statistics (``--baseline`` = a checkout of the code before th
     scripts/setup-slaf.sh                                    # .venv-slaf with slafdb 0.5.2
     git worktree add /tmp/before-stats 7f83aa4               # optional: materialize A/B
     .venv/bin/python benchmarks/bench_tokens.py --baseline /tmp/before-stats
+    git worktree add /tmp/before-sort 65c77aa                # optional: token kernels A/B (session 15's sort)
+    .venv/bin/python benchmarks/bench_tokens.py --threads 0 1 2 --kernel-baseline /tmp/before-sort
 """
 
 from __future__ import annotations
@@ -51,14 +53,15 @@ def _output(kind: str):
             "scgpt": oj.ScGPTTokens(max_len=1201)}[kind]
 
 
-def child_loader(kind: str, batch_size: int, rounds: int, cells: int) -> dict:
+def child_loader(kind: str, batch_size: int, rounds: int, cells: int, num_threads: int) -> dict:
     """cells/s of make_loader (median over rounds of ``cells`` cells each, after a warm-up)."""
     import jax
 
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
-    loader = oj.make_loader(ds, batch_size=batch_size, num_epochs=None, output=_output(kind))
+    loader = oj.make_loader(ds, batch_size=batch_size, num_epochs=None, output=_output(kind),
+                            num_threads=num_threads)
     it = iter(loader)
     for _ in range(max(8, 4096 // batch_size)):  # warm-up: compile, fill the read-ahead and buffer pools
         jax.block_until_ready(next(it).x)
@@ -142,13 +145,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cells", type=int, default=16384, help="cells per timed round")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--threads", type=int, nargs="+", default=[1], help="make_loader num_threads settings")
     p.add_argument("--baseline", help="a checkout of omicsio_jax before the statistics, for materialize A/B")
+    p.add_argument("--kernel-baseline", help="a checkout of omicsio_jax whose token kernels to time beside these")
     p.add_argument("--out", default=str(HERE / "results" / "tokens.json"))
     args = p.parse_args()
     if args.child:
         what, *rest = args.child
         if what == "loader":
-            result = child_loader(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+            result = child_loader(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif what == "kernels":
             result = child_kernels(int(rest[0]))
         else:
@@ -159,9 +164,11 @@ def main() -> None:
     rows = []
     for b in args.batch_sizes:
         for kind in ("csr", "geneformer", "scgpt"):
-            r = run_child(["loader", kind, str(b), str(args.rounds), str(args.cells)])
-            rows.append({"label": f"omicsio {kind} b{b}", "kind": kind, "batch_size": b, **r})
-            print(json.dumps(rows[-1]), flush=True)
+            for t in args.threads:
+                r = run_child(["loader", kind, str(b), str(args.rounds), str(args.cells), str(t)])
+                rows.append({"label": f"omicsio {kind} b{b} num_threads={t}", "kind": kind, "batch_size": b,
+                             "num_threads": t, **r})
+                print(json.dumps(rows[-1]), flush=True)
         if SLAF_PYTHON.exists():
             for tokenizer in ("geneformer", "scgpt"):
                 r = run_slaf(tokenizer, b, args.rounds, args.cells)
@@ -169,20 +176,30 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     kernels = run_child(["kernels", "4096"])
     print(json.dumps({"kernel_us_per_cell": kernels}), flush=True)
+    if args.kernel_baseline:
+        kernels_baseline = run_child(["kernels", "4096"], pythonpath=args.kernel_baseline)
+        print(json.dumps({"kernel_us_per_cell_baseline": kernels_baseline}), flush=True)
     mat = {"with_stats": run_child(["materialize", str(DATA / "tmp_mat_new")])}
     if args.baseline:
         mat["before_stats"] = run_child(["materialize", str(DATA / "tmp_mat_old")], pythonpath=args.baseline)
     print(json.dumps({"materialize": mat}), flush=True)
     ratios = {}
-    by = {(r["kind"], r["batch_size"]): r["cells_per_s"] for r in rows}
+    by = {(r["kind"], r["batch_size"], r.get("num_threads")): r["cells_per_s"] for r in rows}
+    best = {}  # (kind, batch) -> the fastest setting's cells/s
+    for (kind, b, _), v in by.items():
+        best[kind, b] = max(best.get((kind, b), 0), v)
     for b in args.batch_sizes:
         for kind in ("geneformer", "scgpt"):
-            ratios[f"{kind} b{b}: time vs csr"] = by[("csr", b)] / by[(kind, b)]
-            if (f"slaf-{kind}", b) in by:
-                ratios[f"{kind} b{b}: speed vs SLAF"] = by[(kind, b)] / by[(f"slaf-{kind}", b)]
+            for t in args.threads:
+                ratios[f"{kind} b{b} num_threads={t}: time vs csr"] = by[("csr", b, t)] / by[(kind, b, t)]
+            ratios[f"{kind} b{b} best setting: time vs csr's best"] = best["csr", b] / best[kind, b]
+            if (f"slaf-{kind}", b) in best:
+                ratios[f"{kind} b{b}: speed vs SLAF (best setting)"] = best[kind, b] / best[f"slaf-{kind}", b]
     result = {"benchmark": "bench_tokens", "command": "python benchmarks/bench_tokens.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cells": 50_000, "rows": rows,
               "kernel_us_per_cell": kernels, "materialize": mat, "ratios": ratios}
+    if args.kernel_baseline:
+        result["kernel_us_per_cell_baseline"] = kernels_baseline
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(ratios, indent=1))
 

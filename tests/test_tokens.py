@@ -28,6 +28,7 @@ from omicsio_jax._tokenize import (
     STREAM_RANDOM_TOKEN,
     STREAM_SUBSAMPLE,
     STREAM_TIES,
+    finish_by_insertion,
     radix_sort,
     uniforms,
 )
@@ -173,12 +174,13 @@ def assert_tokens_equal(got: dict, want: dict) -> None:
 # ----------------------------------------------------------------------------- the data
 @pytest.fixture(scope="module")
 def token_ds(tmp_path_factory):
-    """300 genes (two pairs sharing an Ensembl id), cells with 0, 1, few and many genes and tied counts."""
+    """300 genes (two pairs sharing an Ensembl id, far enough apart that a cell's summed entry moves
+    before columns in between), cells with 0, 1, few and many genes and tied counts."""
     root = tmp_path_factory.mktemp("tokens")
     rng = np.random.default_rng(11)
     ens = [f"ENSG{g:011d}.{1 + g % 3}" for g in range(NUM_GENES)]
-    ens[11] = "ENSG00000000010.7"  # same gene as column 10 once the version is dropped
-    ens[201] = "ENSG00000000200.9"
+    ens[25] = "ENSG00000000010.7"  # same gene as column 10 once the version is dropped
+    ens[230] = "ENSG00000000200.9"
     pq.write_table(pa.table({"gene_token_id": np.arange(NUM_GENES, dtype=np.int64) * 2 + 5,
                              "ensembl_id": ens, "gene_name": [f"G{g}" for g in range(NUM_GENES)]}),
                    root / "gene_metadata.parquet")
@@ -389,3 +391,34 @@ def test_radix_sort_is_a_stable_sort_for_every_span(bits, base, draws):
     want = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(order, want)
     np.testing.assert_array_equal(got_keys, keys[want])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4), st.integers(0, 20),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20 - 1)), max_size=600))
+def test_radix_sort_orders_keys_crowded_below_its_radix_bits(centers, window_bits, draws):
+    """Keys in narrow windows (``center + draw mod 2^window_bits``) around a few far-apart centers:
+    the radix passes leave each window's keys in their original order, and the insertion pass (or,
+    past its budget, passes on every bit) must finish the order stably."""
+    keys = np.array([(centers[c % len(centers)] + (d % (1 << window_bits))) % 2**32 for c, d in draws],
+                    np.uint32)
+    got_keys, order = _sorted_by_radix(keys)
+    want = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(got_keys, keys[want])
+
+
+def test_radix_sort_gives_up_insertion_past_its_budget_and_still_sorts():
+    """A window of 500 descending keys inside a 32-bit span: the radix passes on the top bits see one
+    bucket, insertion would move every key past all the others; the budget stops it and full passes
+    finish, stably (ties included)."""
+    keys = np.concatenate([[0, 2**32 - 1], np.repeat(np.arange(2**20 + 250, 2**20, -1), 2)]).astype(np.uint32)
+    partial, vals = keys[2:].copy(), np.arange(len(keys) - 2).astype(np.int32)
+    assert not finish_by_insertion(partial, vals, len(partial), 4 * len(partial))
+    np.testing.assert_array_equal(np.sort(vals), np.arange(len(partial)))  # stopped between two keys
+    np.testing.assert_array_equal(partial, keys[2:][vals])
+    got_keys, order = _sorted_by_radix(keys)
+    want = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(got_keys, keys[want])
+
