@@ -90,7 +90,8 @@ def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
     with np.load(tmp_path / "s.npz") as z:
         assert z["hist_counts"].dtype == stored
     back = GeneStats.load(tmp_path / "s.npz")
-    assert back.hist_counts.dtype == np.int64
+    assert back.hist_counts.dtype == stored
+    assert GeneStats.from_dense(5, stats.n_cells, stats.sums, stats.dense_hist()).hist_counts.dtype == stored
     np.testing.assert_array_equal(back.dense_hist(), stats.dense_hist())
     np.testing.assert_array_equal(back.sums, stats.sums)
 
