@@ -179,7 +179,8 @@ def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
     low = max(bits - RADIX_BITS, 0)
     _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, low, bits)
     if low and not finish_by_insertion(keys, vals, n, INSERTION_BUDGET * n):
-        _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, 0, bits)  # stable: equal keys keep their order
+        # stable: equal keys keep the order they are in
+        _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, 0, bits)
 
 
 @nb.njit(inline="always")
@@ -335,6 +336,7 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
         hist = np.empty((3, 2048), np.int32)
         edges = np.empty(n_edges, np.float64)
         tally = np.empty(SMALL_COUNT + 1, np.int32)
+        tallies = np.empty((4, SMALL_COUNT + 1), np.int32)
         below_of = np.empty(SMALL_COUNT + 1, np.int64)
         upto_of = np.empty(SMALL_COUNT + 1, np.int64)
         slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
@@ -366,9 +368,19 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
                 continue
             # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
             if small:
-                tally[:] = 0
-                for j in range(n):
-                    tally[np.int64(kept_vals[j])] += 1
+                # four tallies, summed: increments of one count (most are 1) do not wait on each other
+                tallies[:] = 0
+                quads = n >> 2
+                for q in range(quads):
+                    j = q << 2
+                    tallies[0, np.int64(kept_vals[j])] += 1
+                    tallies[1, np.int64(kept_vals[j + 1])] += 1
+                    tallies[2, np.int64(kept_vals[j + 2])] += 1
+                    tallies[3, np.int64(kept_vals[j + 3])] += 1
+                for j in range(quads << 2, n):
+                    tallies[0, np.int64(kept_vals[j])] += 1
+                for c in range(SMALL_COUNT + 1):
+                    tally[c] = tallies[0, c] + tallies[1, c] + tallies[2, c] + tallies[3, c]
                 ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
             else:
                 for j in range(n):
