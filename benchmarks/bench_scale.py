@@ -1,7 +1,8 @@
 """Partitioned materialize: throughput per worker and per core against the input-decode limit.
 
 Every configuration runs as a fresh process restricted to a set of cores (``sched_setaffinity``,
-inherited by its worker processes), round-robin over ``--repeats`` rounds, on the same corpus:
+inherited by its worker processes), round-robin over ``--repeats`` rounds (every other round in
+reverse order), on the same corpus:
 
 - ``decode``: the parquet input-decode limit — pyarrow delivering the list columns (``cell_id``,
   ``gene_token_id``, ``gene_expression``) as CSR batches, nothing encoded, on one core (how
@@ -105,7 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         out = Path(tmp) / "out"
         for round_ in range(args.repeats):
-            for kind, value in configs:
+            # every other round backwards: a run's effect on the next (page cache, memory freed by the
+            # deletion of its output) does not always fall on the same configuration
+            for kind, value in configs if round_ % 2 == 0 else configs[::-1]:
                 if kind == "decode":
                     label = f"decode {value}"
                     result = _run(_DECODE.replace("{0}", "{%d}" % cores[0]), value, parquet)

@@ -397,9 +397,9 @@ def test_radix_sort_is_a_stable_sort_for_every_span(bits, base, draws):
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4), st.integers(0, 20),
        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20 - 1)), max_size=600))
 def test_radix_sort_orders_keys_crowded_below_its_radix_bits(centers, window_bits, draws):
-    """Keys in narrow windows (``center + draw mod 2^window_bits``) around a few far-apart centers:
-    the radix passes leave each window's keys in their original order, and the insertion pass (or,
-    past its budget, passes on every bit) must finish the order stably."""
+    """Keys in narrow windows (``center + draw mod 2^window_bits``) above up to four random centers:
+    when the span is wide, the radix passes leave each window's keys in their original order, and
+    the insertion pass (or, past its budget, passes on every bit) must finish the order stably."""
     keys = np.array([(centers[c % len(centers)] + (d % (1 << window_bits))) % 2**32 for c, d in draws],
                     np.uint32)
     got_keys, order = _sorted_by_radix(keys)
