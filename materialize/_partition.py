@@ -113,7 +113,7 @@ class Scratch:
     def close(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
-            writer.stop()
+            writer.abort()  # it has nothing open: it was given back after `finish`
 
     def take_shard_writer(self, root: Path, **kw):
         """A shard writer opened on ``root`` (`make_shard_writer`'s arguments): the kept one, if any."""

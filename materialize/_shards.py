@@ -167,11 +167,8 @@ class ShardWriterProcess:
         return shards
 
     def abort(self) -> None:
-        """Stop the child (it closes its open shard); the directory is removed by the caller."""
-        self._shutdown()
-
-    def stop(self) -> None:
-        """Stop a child that has nothing open (after `finish`)."""
+        """Stop the child: it closes its open shard, if any (the directory is removed by the caller);
+        after `finish` nothing is open and this simply ends the kept child."""
         self._shutdown()
 
     def _shutdown(self) -> None:
