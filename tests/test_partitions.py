@@ -38,6 +38,13 @@ def _digests(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _job(src, staging, obs=("drug",)) -> Job:
+    """A materialize job over ``src`` writing under ``staging`` (token "run1"), as `materialize` makes one."""
+    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
+    options = writer_options(16, "zstd:-1")
+    return Job(src, tuple(obs), genes, None, False, SHARD, options, str(staging), "run1")
+
+
 def _hive_files(corpus_table: pa.Table, root: Path) -> Path:
     """The corpus split unevenly over hive folders (files of 700, 1,100, 50 and 1,150 rows)."""
     bounds = [0, 700, 1800, 1850, 3000]
@@ -198,8 +205,7 @@ def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp
 def test_finalize_refuses_a_missing_partition_sidecar(corpus, tmp_path):
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
-    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
-    job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path), "run1")
+    job = _job(src, tmp_path)
     for part in parts[:3] + parts[4:]:
         write_partition(job, part)
     kw = dict(features=src.genes, codec={}, array_record={}, source={}, created_by="test")
@@ -221,9 +227,8 @@ def test_partitions_merged_as_they_complete_in_any_order_give_the_same_bytes(cor
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
-    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
     a, b, c = (tmp_path / name for name in "abc")
-    job = Job(src, ("drug", "cell_type"), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(a), "run1")
+    job = _job(src, a, obs=("drug", "cell_type"))
     for part in parts:
         write_partition(job, part)
     shutil.copytree(a, b)
@@ -283,8 +288,7 @@ def test_dask_tasks_of_a_thread_share_one_scratch_per_run(corpus, tmp_path):
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
-    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
-    job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path / "a"), "run1")
+    job = _job(src, tmp_path / "a")
     for part in parts[:3]:
         assert isinstance(dask_task(job, part), PartResult)
     assert list(_DASK_SCRATCH) == [("run1", threading.get_ident())]
@@ -390,8 +394,7 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
-    genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
-    job = Job(src, ("drug",), genes, None, False, SHARD, writer_options(16, "zstd:-1"), str(tmp_path / "a"), "run1")
+    job = _job(src, tmp_path / "a")
     fresh = dataclasses.replace(job, staging=str(tmp_path / "b"))
     scratch = Scratch()
     (tmp_path / "probe").mkdir()
