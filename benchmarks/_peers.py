@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from omicsio_jax import _codec, open_dataset
+from omicsio_jax.format import codec
+from omicsio_jax import open_dataset
 
 CORPUS = Path(__file__).parent / "data" / "corpus_200k"
 
@@ -141,7 +142,7 @@ def bench_grain_stock(
         raise ValueError(f"{warmup + num_batches} x {batch_size} cells exceed one epoch of {ds.num_cells:,}")
 
     def to_dense(records: Sequence[bytes]) -> np.ndarray:
-        indptr, indices, values = _codec.decode_csr(*_codec.join_records(list(records)), num_genes)
+        indptr, indices, values = codec.decode_csr(*codec.join_records(list(records)), num_genes)
         return _densify(indptr, indices, values, num_genes)
 
     source = grain.sources.ArrayRecordDataSource(paths)

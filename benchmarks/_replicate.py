@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omicsio_jax._chunks import chunk_index_path
-from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, file_entry, read_manifest
+from omicsio_jax.format.chunk_index import chunk_index_path
+from omicsio_jax.format.manifest import MANIFEST_NAME, ShardEntry, file_entry, read_manifest
 
 
 def replicate(src: str | os.PathLike, out: str | os.PathLike, copies: int, *, link: bool = False) -> Path:

@@ -21,10 +21,10 @@ The disk's limits, measured in the same run on the cold copies:
   also reported as a fraction of it (``of_ceiling``, at the cells one read serves: a block of 16,
   one cell for true random; medians over rounds).
 
-The dataset is larger than RAM, so `open_dataset` reads it with ``O_DIRECT`` (`omicsio_jax._directio`)
+The dataset is larger than RAM, so `open_dataset` reads it with ``O_DIRECT`` (`omicsio_jax.storage.direct_io`)
 by default. Cold runs are repeated with ``direct_io=False`` (buffered reads, each announced to the
-kernel first: `omicsio_jax._readahead`) and with ``chunk_reader=False`` as well (records read by
-ArrayRecord's own reader, as before session 10, instead of `omicsio_jax._chunkread`); warm runs
+kernel first: `omicsio_jax.records.readahead`) and with ``chunk_reader=False`` as well (records read by
+ArrayRecord's own reader, as before session 10, instead of `omicsio_jax.records.chunk_reader`); warm runs
 with and without the chunk reader. Results: ``results/beyond_ram.json`` and ``results/beyond_ram.png``.
 
     .venv/bin/python benchmarks/bench_beyond_ram.py            # ~30 min; 30 GB of disk
@@ -114,7 +114,7 @@ def run(spec: dict) -> dict:
 
 def ensure_big(source: Path, out: Path, ram_factor: float) -> Path:
     """``out``: copies of ``source``'s full shards adding up to ``ram_factor`` × this machine's RAM."""
-    from omicsio_jax._manifest import read_manifest
+    from omicsio_jax.format.manifest import read_manifest
 
     m = read_manifest(source)
     full = sum(s.num_bytes for s in m.shards if s.num_cells == m.shard_cells)
@@ -166,8 +166,8 @@ def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, t
 
 def chunk_table(dataset: Path) -> tuple[list[Path], list[np.ndarray], int]:
     """The shard files, each shard's data chunks as (begin, end) bytes, and the cells per chunk."""
-    from omicsio_jax._chunks import ChunkIndex, chunk_index_path
-    from omicsio_jax._manifest import read_manifest
+    from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
+    from omicsio_jax.format.manifest import read_manifest
 
     m = read_manifest(dataset)
     group = int(m.array_record["group_size"])
@@ -190,7 +190,7 @@ def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
     sys.path.insert(0, str(HERE))
     from _peers import drop_page_cache, sequential_read_limit
 
-    from omicsio_jax._manifest import read_manifest
+    from omicsio_jax.format.manifest import read_manifest
 
     m = read_manifest(dataset)
     shards, chunks, group = chunk_table(dataset)

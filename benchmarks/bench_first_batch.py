@@ -41,7 +41,7 @@ def _child(spec: dict) -> dict:
     import omicsio_jax as oj
 
     start = time.perf_counter()
-    import omicsio_jax._loader  # what `import omicsio_jax` defers to first use: numba, grain, orbax
+    import omicsio_jax.loaders.disk  # what `import omicsio_jax` defers to first use: numba, grain, orbax
 
     lazy_imports = time.perf_counter() - start
     sys.path.insert(0, str(HERE))

@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow.parquet as pq
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from omicsio_jax import _codec
-from omicsio_jax._arrow import list_to_csr
+from omicsio_jax.format import codec
+from omicsio_jax.format.csr import list_to_csr
 
 HERE = Path(__file__).parent
 GROUP_SIZES = (1, 4, 16, 64)
@@ -36,7 +36,7 @@ def load_records(parquet: Path, num_cells: int) -> list[bytes]:
     table = pq.read_table(parquet, columns=["gene_token_id", "gene_expression"]).slice(0, num_cells)
     indptr, genes = list_to_csr(table.column("gene_token_id"))
     _, values = list_to_csr(table.column("gene_expression"))
-    buf, starts = _codec.encode_csr(indptr, genes.to_numpy(), values.to_numpy())
+    buf, starts = codec.encode_csr(indptr, genes.to_numpy(), values.to_numpy())
     data = buf.tobytes()
     return [data[starts[i] : starts[i + 1]] for i in range(len(starts) - 1)]
 
@@ -56,13 +56,13 @@ def measure(records: list[bytes], path: str, group_size: int, compression: str, 
     start = time.perf_counter()
     for b in blocks:
         got = reader.read(int(b) * 16, int(b) * 16 + 16)
-        _codec.decode_csr(*_codec.join_records(got), NUM_COLUMNS)
+        codec.decode_csr(*codec.join_records(got), NUM_COLUMNS)
     block_s = time.perf_counter() - start
     cells = rng.integers(0, n, size=min(n, 4000))
     start = time.perf_counter()
     for c in cells:
         got = reader.read(int(c), int(c) + 1)
-        _codec.decode_csr(*_codec.join_records(got), NUM_COLUMNS)
+        codec.decode_csr(*codec.join_records(got), NUM_COLUMNS)
     single_s = time.perf_counter() - start
     reader.close()
     return {
@@ -86,7 +86,7 @@ def main() -> None:
     records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
     raw = sum(len(r) for r in records) / len(records)
     # warm up the numba kernels
-    _codec.decode_csr(*_codec.join_records(records[:16]), NUM_COLUMNS)
+    codec.decode_csr(*codec.join_records(records[:16]), NUM_COLUMNS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for group_size in args.group_sizes:

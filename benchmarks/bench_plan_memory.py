@@ -23,7 +23,7 @@ NUM_CELLS = 10**8
 def _child(variant: str) -> dict:
     import numpy as np
 
-    from omicsio_jax._sampling import AllRows, SamplingPlan
+    from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 
     start = time.perf_counter()
     rows = AllRows(NUM_CELLS) if variant == "AllRows" else np.arange(NUM_CELLS, dtype=np.int64)

@@ -70,7 +70,7 @@ def ensure_dataset(num_cells: int, shard_cells: int) -> Path:
 def upload(dataset: Path, endpoint: str) -> str:
     import boto3
 
-    from omicsio_jax._store import S3Store
+    from omicsio_jax.storage.store import S3Store
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     url = f"s3://{BUCKET}/{dataset.name}/"

@@ -4,7 +4,7 @@ Starts moto's S3 server on 127.0.0.1, uploads a corpus's ``cells.parquet`` and t
 (medians of ``--repeats``) through:
 
 - ``obstore-fsspec`` (what omicsio_jax does): obstore as an fsspec filesystem registered in DuckDB
-  2.x (`omicsio_jax._objectfs.register_s3`), with `PositionalFile` reads;
+  2.x (`omicsio_jax.storage.input_files.register_s3`), with `PositionalFile` reads;
 - ``pyarrow-dataset``: a ``pyarrow.dataset`` on pyarrow's own ``S3FileSystem``, registered in DuckDB
   as a view (the other version-independent route);
 - ``httpfs``: DuckDB's own extension, loaded from its PyPI package file — it exists only for
@@ -99,8 +99,8 @@ def main() -> None:
     import pyarrow.dataset as pads
     import pyarrow.fs as pafs
 
-    from omicsio_jax._objectfs import register_s3
-    from omicsio_jax._store import S3Store
+    from omicsio_jax.storage.input_files import register_s3
+    from omicsio_jax.storage.store import S3Store
 
     boto3.client("s3").create_bucket(Bucket="bench")
     S3Store("s3://bench").upload(parquet.parent, [parquet.name])

@@ -83,8 +83,8 @@ def child_kernels(cells: int) -> dict:
     import numpy as np
 
     import omicsio_jax as oj
-    from omicsio_jax._codec import join_records
-    from omicsio_jax._outputs import OutputContext, RowKeys
+    from omicsio_jax.format.codec import join_records
+    from omicsio_jax.outputs.base import OutputContext, RowKeys
 
     numba.set_num_threads(1)
     ds = oj.open_dataset(DATASET)

@@ -25,7 +25,7 @@ import signal
 import sys
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._manifest import read_manifest, verify_dataset
+from omicsio_jax.format import read_manifest, verify_dataset
 
 from ._materialize import DEFAULT_COMPRESSION, DEFAULT_GROUP_SIZE, DEFAULT_SHARD_CELLS, materialize
 
@@ -112,7 +112,7 @@ def _index(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing index")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    from omicsio_jax._query import CellTable
+    from omicsio_jax import CellTable
 
     info = build_gene_index(CellTable(args.input, genes=args.genes), args.out, overwrite=args.overwrite,
                             memory_budget=args.memory_mib << 20, progress=not args.no_progress)

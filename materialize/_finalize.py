@@ -24,8 +24,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._genestats import NUM_BINS, STATS_NAME, GeneStats
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry, ObsEntry, file_entry, fsync_path
+from omicsio_jax.format import (
+    MANIFEST_NAME,
+    NUM_BINS,
+    STATS_NAME,
+    GeneStats,
+    Manifest,
+    ModalityEntry,
+    ObsEntry,
+    file_entry,
+    fsync_path,
+)
 
 from ._partition import (
     N_COUNTS,

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
-from omicsio_jax._store import is_remote
+from omicsio_jax.format import is_remote
 
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, gene_table_from_arrow

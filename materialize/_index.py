@@ -20,11 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from omicsio_jax._arrow import list_to_csr
-from omicsio_jax._errors import DataValidationError
-from omicsio_jax._index import INDEX_FILE, INDEX_FORMAT, INDEX_MANIFEST
-from omicsio_jax._query import CellTable
-from omicsio_jax._tables import GENE_COLUMN, ROWID_COLUMN
+from omicsio_jax import CellTable, DataValidationError
+from omicsio_jax.format import (
+    GENE_COLUMN,
+    INDEX_FILE,
+    INDEX_FORMAT,
+    INDEX_MANIFEST,
+    ROWID_COLUMN,
+    list_to_csr,
+)
 
 from ._shards import atomic_output_dir
 

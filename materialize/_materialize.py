@@ -24,10 +24,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from omicsio_jax import DataValidationError, OmicsIOError, _codec
-from omicsio_jax._manifest import MANIFEST_NAME, Manifest, ModalityEntry
-from omicsio_jax._objectfs import as_input_path
-from omicsio_jax._store import is_remote, open_store
+from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax.format import (
+    CODEC_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ModalityEntry,
+    as_input_path,
+    is_remote,
+    open_store,
+)
 
 from ._finalize import Finalizer
 from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
@@ -393,7 +399,7 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
 def _codec_description(panel: Panel | None) -> dict:
     return {
         "name": "omicsio-cell",
-        "version": _codec.CODEC_VERSION,
+        "version": CODEC_VERSION,
         "records": "one per cell",
         "indices": "dense row" if panel is not None else "per record: u16 gaps if every gap ≤ 65535, else u32",
         "values": "per record: narrowest lossless of u8/u16/u32 (integer counts) or f32",

@@ -2,7 +2,7 @@
 
 A multimodal dataset is the primary modality's dataset plus one complete dataset per further
 modality under ``modalities/<name>/``, whose row ``i`` is the primary's cell ``i`` (see
-`omicsio_jax._manifest`): a loader that asks for one modality reads no byte of the others, and
+`omicsio_jax.format.manifest`): a loader that asks for one modality reads no byte of the others, and
 each modality keeps the codec, chunk indexes, statistics and checks of a dataset of its own.
 The primary is written first; each further modality is then a `Source` whose batches come in the
 primary's row order, with ``present`` marking the cells that have it (an absent cell gets an
@@ -35,20 +35,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax._arrow import is_list_type, list_to_csr
-from omicsio_jax._dataset import take_rows
-from omicsio_jax._objectfs import as_input_path
-from omicsio_jax._store import is_remote
-from omicsio_jax._tables import (
+from omicsio_jax.format import (
     CELL_ID_COLUMN,
     FILE_ROW_COLUMN,
     FILENAME_COLUMN,
     GENE_COLUMN,
     VALUE_COLUMN,
+    as_input_path,
+    connect,
     create_cells_view,
     expand_files,
+    is_list_type,
+    is_remote,
+    list_to_csr,
     sql_ident,
     sql_str,
+    take_rows,
 )
 
 from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
@@ -56,7 +58,7 @@ from ._h5ad import H5adSource
 from ._plan import Partition, whole_partitions
 from ._reorder import Spill, spill_by_partition
 from ._source import Batch, Source, gene_table_from_arrow
-from ._tables import DEFAULT_BATCH_CELLS, TableSource, connect
+from ._tables import DEFAULT_BATCH_CELLS, TableSource
 
 LAYER, OWN = "primary", "own"  # a modality's columns: the primary's genes, or its own features
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")

@@ -26,11 +26,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._background import Background
-from omicsio_jax._chunks import CHUNK_INDEX_DIR, chunk_index_path
-from omicsio_jax._genestats import StatsAccumulator
-from omicsio_jax._manifest import FileEntry, ShardEntry, file_entry
-from omicsio_jax._store import open_store
+from omicsio_jax.format import (
+    CHUNK_INDEX_DIR,
+    Background,
+    FileEntry,
+    ShardEntry,
+    StatsAccumulator,
+    chunk_index_path,
+    file_entry,
+    open_store,
+)
 
 from ._panel import Panel
 from ._plan import Partition

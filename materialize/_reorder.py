@@ -24,8 +24,7 @@ import pyarrow as pa
 from pyarrow import ipc
 
 from omicsio_jax import DataValidationError
-from omicsio_jax._store import open_store
-from omicsio_jax._tables import CELL_ID_COLUMN, FILE_ROW_COLUMN, FILENAME_COLUMN, sql_ident
+from omicsio_jax.format import CELL_ID_COLUMN, FILE_ROW_COLUMN, FILENAME_COLUMN, open_store, sql_ident
 
 ROW = "__row"  # a spilled row's primary row
 _READ_ROWS = 8192

@@ -10,7 +10,7 @@ This module is that child when run as a script (``python -P _shardfiles.py FD``)
 the standard library, numpy and array_record, so the child starts in a few tens of milliseconds.
 
 Beside each shard it writes the shard's chunk index (``chunks/shard-NNNNN.npy``, see
-`omicsio_jax._chunks`): the byte range of every data chunk, found by walking the riegeli chunk
+`omicsio_jax.format.chunk_index`): the byte range of every data chunk, found by walking the riegeli chunk
 headers of the finished file, so that a reader of the shard on object storage can fetch exactly
 the chunks a read needs.
 """

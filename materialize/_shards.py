@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._manifest import MANIFEST_NAME, ShardEntry, fsync_path
+from omicsio_jax.format import MANIFEST_NAME, ShardEntry, fsync_path
 
 from ._shardfiles import ShardFiles
 

@@ -19,9 +19,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from omicsio_jax import OmicsIOError, open_dataset
-from omicsio_jax._genestats import STATS_NAME, StatsAccumulator
-from omicsio_jax._manifest import MANIFEST_NAME, ObsEntry, file_entry, fsync_path
-from omicsio_jax._records import records_checked
+from omicsio_jax.format import MANIFEST_NAME, STATS_NAME, ObsEntry, StatsAccumulator, file_entry, fsync_path
 
 from ._materialize import CELL_STATS
 from ._sidecars import make_obs_writer
@@ -51,7 +49,7 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
                 for begin in range(0, m.num_cells, _CHUNK_CELLS):
                     end = min(begin + _CHUNK_CELLS, m.num_cells)
                     buf, starts = ds.read_buffer(begin, end)
-                    with records_checked(ds, np.arange(begin, end)):
+                    with ds.records_checked(np.arange(begin, end)):
                         columns = acc.add(buf, starts)
                     for writer, column in zip(writers, columns, strict=True):
                         writer.append(pa.array(column))

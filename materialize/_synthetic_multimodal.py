@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from numba import njit, prange
 from tqdm import tqdm
 
-from ._synthetic import _SUB_BATCH, _append_csr, _cell_ids_at, _create_csr, _Model, _radix_sort
+from ._synthetic_model import SUB_BATCH, Model, append_csr, cell_ids_at, create_csr, radix_sort
 
 LAYERS = ("spliced", "unspliced", "ambiguous")
 LAYER_SHARES = (0.75, 0.20, 0.05)  # expected share of a count in each layer
@@ -120,7 +120,7 @@ def split_layers(seed: int, index: int, offsets: np.ndarray, genes: np.ndarray,
                  values: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Split RNA chunk ``index`` (CSR rows) into the CSR rows of each of ``LAYERS`` (nonzeros only).
 
-    Cells are split ``_SUB_BATCH`` at a time, each batch's binomials then molecule draws taken
+    Cells are split ``SUB_BATCH`` at a time, each batch's binomials then molecule draws taken
     from ``np.random.default_rng([seed, _LAYER_STREAM, index])``, which bounds the draws held.
     """
     rng = np.random.default_rng([seed, _LAYER_STREAM, index])
@@ -129,8 +129,8 @@ def split_layers(seed: int, index: int, offsets: np.ndarray, genes: np.ndarray,
     out_genes, out_values = np.empty((3, nnz), np.int32), np.empty((3, nnz), np.float32)  # touched as filled
     pos = np.zeros(3, np.int64)
     t1, t2 = (round(float(s) * 2.0**32) for s in np.cumsum(LAYER_SHARES[:2]))
-    for b in range(0, n, _SUB_BATCH):
-        e = min(b + _SUB_BATCH, n)
+    for b in range(0, n, SUB_BATCH):
+        e = min(b + SUB_BATCH, n)
         counts = values[offsets[b]:offsets[e]]
         large = counts > _SMALL
         big = np.empty((int(large.sum()), 2), np.int64)
@@ -211,7 +211,7 @@ def _atac_cells(cells: np.ndarray, cell_types: np.ndarray, key: np.uint64, targe
                 c += new
             for j in range(c):
                 keys[j] = rank_to_peak[keys[j]]
-            chosen = _radix_sort(keys, tmp, c, bits)
+            chosen = radix_sort(keys, tmp, c, bits)
             o, sv = out_offsets[i], _mix64(s0 ^ _VALUE_SALT)
             for j in range(c):
                 peaks[o + j] = chosen[j]
@@ -246,7 +246,7 @@ def peak_table(rng: np.random.Generator, num_peaks: int) -> pd.DataFrame:
 
 
 def _zipf_guide(n: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Inverse-CDF tables of Zipf weights ``1 / rank`` over ``n`` ranks, as `_Model` builds them."""
+    """Inverse-CDF tables of Zipf weights ``1 / rank`` over ``n`` ranks, as `Model` builds them."""
     weights = 1.0 / np.arange(1, n + 1)
     cdf = np.ceil(np.cumsum(weights) / weights.sum() * 2.0**32).astype(np.int64)
     cdf[-1] = 2**32
@@ -258,7 +258,7 @@ def _zipf_guide(n: int) -> tuple[np.ndarray, np.ndarray, int]:
 class AtacModel:
     """Peaks, their popularity and cell-type sets, which cells have ATAC and in which order."""
 
-    def __init__(self, model: _Model, num_peaks: int, mean_nnz: float, fraction: float, shuffle: bool) -> None:
+    def __init__(self, model: Model, num_peaks: int, mean_nnz: float, fraction: float, shuffle: bool) -> None:
         if not (1 <= num_peaks <= _MAX_PEAKS and mean_nnz > 0 and 0.0 <= fraction <= 1.0):
             raise ValueError(f"need 1 <= num_peaks <= {_MAX_PEAKS:,}, atac_mean_nnz > 0 and "
                              "0 <= atac_fraction <= 1")
@@ -321,7 +321,7 @@ class MultimodalWriter:
     after the RNA, then `finish` (the ``.h5mu``) and, always, `close`.
     """
 
-    def __init__(self, model: _Model, atac: AtacModel, out: Path, *, write_parquet: bool,
+    def __init__(self, model: Model, atac: AtacModel, out: Path, *, write_parquet: bool,
                  h5ad: h5py.File | None, write_h5mu: bool, row_group_size: int) -> None:
         self.model, self.atac, self.row_group_size = model, atac, row_group_size
         self.peaks_path = out / "peaks.parquet"
@@ -341,20 +341,20 @@ class MultimodalWriter:
             group = h5ad.create_group("layers")
             group.attrs.update({"encoding-type": "dict", "encoding-version": "0.1.0"})
             for name in LAYERS:
-                _create_csr(group, name, (model.num_cells, model.num_genes))
+                create_csr(group, name, (model.num_cells, model.num_genes))
 
     def rna_chunk(self, index: int, start: int, offsets: np.ndarray, genes: np.ndarray,
                   values: np.ndarray) -> None:
         """Split RNA chunk ``index`` (cells from ``start``) into layers and write them."""
         layers = split_layers(self.model.seed, index, offsets, genes, values)
-        ids = _cell_ids_at(np.arange(start, start + offsets.size - 1)) if self.writers else None
+        ids = cell_ids_at(np.arange(start, start + offsets.size - 1)) if self.writers else None
         for name, (lo, lg, lv) in zip(LAYERS, layers):
             if name in self.writers:
                 gene_lists, value_lists = _lists(lo, lg, lv)
                 table = pa.Table.from_arrays([ids, gene_lists, value_lists], schema=LAYER_SCHEMA)
                 self.writers[name].write_table(table, row_group_size=self.row_group_size)
             if self.h5ad is not None:
-                _append_csr(self.h5ad["layers"][name], start, lo, lg, lv)
+                append_csr(self.h5ad["layers"][name], start, lo, lg, lv)
         if self.parts is not None:
             self.parts["X"].append((offsets, genes, values))
             for name, layer in zip(LAYERS, layers):
@@ -365,7 +365,7 @@ class MultimodalWriter:
         if writer is not None:
             peak_lists, value_lists = _lists(offsets, peaks, values)
             dataset = pa.array(["synthetic"] * cells.size, pa.string())
-            table = pa.Table.from_arrays([_cell_ids_at(cells), peak_lists, value_lists, dataset],
+            table = pa.Table.from_arrays([cell_ids_at(cells), peak_lists, value_lists, dataset],
                                          schema=ATAC_SCHEMA)
             writer.write_table(table, row_group_size=self.row_group_size)
         if self.parts is not None:
@@ -405,7 +405,7 @@ class MultimodalWriter:
         order = self.atac.order
         atac_obs = pd.DataFrame({"dataset": pd.Categorical.from_codes(np.zeros(order.size, np.int8),
                                                                       categories=["synthetic"])},
-                                index=pd.Index(_cell_ids_at(order).to_pylist(), name="cell_id"))
+                                index=pd.Index(cell_ids_at(order).to_pylist(), name="cell_id"))
         peaks = self.atac.peaks.set_index("peak_name").astype({"chrom": "category"})
         atac = ad.AnnData(X=_stack_csr(self.atac_parts, self.atac.num_peaks), obs=atac_obs, var=peaks)
         self.atac_parts = []

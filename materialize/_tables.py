@@ -46,19 +46,21 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError
-from omicsio_jax._arrow import is_list_type, list_to_csr
-from omicsio_jax._objectfs import register_s3
-from omicsio_jax._store import is_remote
-from omicsio_jax._tables import (
+from omicsio_jax.format import (
     CELL_ID_COLUMN,
     FILE_ROW_COLUMN,
     FILENAME_COLUMN,
     GENE_COLUMN,
     GENE_TABLE_NAME,
     VALUE_COLUMN,
+    connect,
     create_cells_view,
     expand_files,
     find_gene_table,
+    is_list_type,
+    is_remote,
+    list_to_csr,
+    register_s3,
     row_counts,
     sql_ident,
     sql_str,
@@ -417,17 +419,6 @@ class TableSource(Source):
 def _same_type(stored: pa.DataType, wanted: pa.DataType) -> bool:
     """A file's column type as DuckDB reports it (a dictionary-encoded column reads as its values)."""
     return stored == wanted or (pa.types.is_dictionary(stored) and stored.value_type == wanted)
-
-
-def connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect()
-    con.execute("SET preserve_insertion_order = true")
-    con.execute("SET enable_progress_bar = false")
-    if threads is not None:
-        con.execute(f"SET threads = {int(threads)}")
-    if remote:
-        register_s3(con)
-    return con
 
 
 @dataclasses.dataclass(frozen=True)

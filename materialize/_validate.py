@@ -13,9 +13,21 @@ from collections.abc import Callable
 
 import numpy as np
 
-from omicsio_jax import DataValidationError, _codec
+from omicsio_jax import DataValidationError
+from omicsio_jax.format import (
+    ROW_DUPLICATE,
+    ROW_NEGATIVE,
+    ROW_NOT_FINITE,
+    ROW_UNKNOWN_GENE,
+    ROW_UNSORTED,
+    InvalidRowError,
+    encode_csr,
+    encode_dense_rows,
+    plan_sparse,
+)
 
 from ._panel import Panel
+
 
 @dataclasses.dataclass(frozen=True)
 class GeneIndex:
@@ -67,35 +79,35 @@ def encode_batch(
         raise DataValidationError(msg)
     if panel is None:
         try:
-            buf, starts = _codec.encode_csr(indptr, tokens, values, token_to_col=genes.token_to_col,
+            buf, starts = encode_csr(indptr, tokens, values, token_to_col=genes.token_to_col,
                                             allow_negative=allow_negative)
-        except _codec.InvalidRowError as e:
+        except InvalidRowError as e:
             raise DataValidationError(_describe(e, tokens, values, genes, locate)) from None
         return buf, starts, len(tokens)
-    *_, problems, where = _codec.plan_sparse(indptr, tokens, values, genes.token_to_col, allow_negative)
+    *_, problems, where = plan_sparse(indptr, tokens, values, genes.token_to_col, allow_negative)
     bad = np.flatnonzero(problems)
     if len(bad):
-        e = _codec.InvalidRowError(int(bad[0]), int(where[bad[0]]), int(problems[bad[0]]))
+        e = InvalidRowError(int(bad[0]), int(where[bad[0]]), int(problems[bad[0]]))
         raise DataValidationError(_describe(e, tokens, values, genes, locate))
     dense = panel.scatter(indptr, tokens, values, genes.token_to_col)
-    buf, starts = _codec.encode_dense_rows(dense)
+    buf, starts = encode_dense_rows(dense)
     return buf, starts, int(np.count_nonzero(dense))
 
 
-def _describe(e: _codec.InvalidRowError, tokens, values, genes: GeneIndex, locate) -> str:
+def _describe(e: InvalidRowError, tokens, values, genes: GeneIndex, locate) -> str:
     j, code = e.position, e.problem
     token_name, value_name = genes.names
     token, value = int(tokens[j]), float(values[j])
     where = locate(e.row)
-    if code == _codec.ROW_UNSORTED:
+    if code == ROW_UNSORTED:
         return f"{token_name} not sorted in {where}: {token} after {int(tokens[j - 1])}"
-    if code == _codec.ROW_DUPLICATE:
+    if code == ROW_DUPLICATE:
         return f"duplicate {token_name} in {where}: {token} appears twice"
-    if code == _codec.ROW_UNKNOWN_GENE:
+    if code == ROW_UNKNOWN_GENE:
         return f"{token_name} {token} in {where} is not in the gene table ({genes.description})"
-    if code == _codec.ROW_NOT_FINITE:
+    if code == ROW_NOT_FINITE:
         return f"{value_name} is {value} (not finite) in {where} at {token_name} {token}"
-    if code == _codec.ROW_NEGATIVE:
+    if code == ROW_NEGATIVE:
         return (
             f"negative {value_name} {value} in {where} at {token_name} {token} "
             "(pass --allow-negative / allow_negative=True for data such as scaled values)"

@@ -6,141 +6,130 @@ load JAX: the materialize workers and the shard-format helpers use the package w
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from omicsio_jax.core.lazy import lazy_exports
+
 if TYPE_CHECKING:
-    from ._dataset import Categorical as Categorical
-    from ._dataset import Dataset as Dataset
-    from ._dataset import open_dataset as open_dataset
-    from ._cache import IOStats as IOStats
-    from ._entropy import EntropyBounds as EntropyBounds
-    from ._entropy import entropy_bounds as entropy_bounds
-    from ._entropy import minibatch_entropy as minibatch_entropy
-    from ._errors import DatasetFormatError as DatasetFormatError
-    from ._errors import DataValidationError as DataValidationError
-    from ._errors import OmicsIOError as OmicsIOError
-    from ._errors import StateMismatchError as StateMismatchError
-    from ._store import ObjectChangedError as ObjectChangedError
-    from ._store import ObjectStoreError as ObjectStoreError
-    from ._batch import Batch as Batch
-    from ._batch import HostBatch as HostBatch
-    from ._batch import SparseBatch as SparseBatch
-    from ._batch import place_batch as place_batch
-    from ._coverage import Coverage as Coverage
-    from ._coverage import CoverageError as CoverageError
-    from ._coverage import Tally as Tally
-    from ._grain import GrainSource as GrainSource
-    from ._grain import make_grain_loader as make_grain_loader
-    from ._loader import Loader as Loader
-    from ._loader import make_loader as make_loader
-    from ._outputs import CSR as CSR
-    from ._outputs import Dense as Dense
-    from ._outputs import GeneformerTokens as GeneformerTokens
-    from ._outputs import Modalities as Modalities
-    from ._outputs import ScGPTTokens as ScGPTTokens
-    from ._outputs import Output as Output
-    from ._outputs import Panel as Panel
-    from ._state import read_loader_states as read_loader_states
-    from ._tokens import tokenize as tokenize
-    from ._tune import TuneResult as TuneResult
-    from ._tune import tune as tune
-    from ._vocab import Vocabulary as Vocabulary
-    from ._vocab import default_vocabulary as default_vocabulary
-    from ._genestats import GeneStats as GeneStats
-    from ._genes import GeneTable as GeneTable
-    from ._genes import UnknownGeneError as UnknownGeneError
-    from ._manifest import Manifest as Manifest
-    from ._memory import MemoryLoader as MemoryLoader
-    from ._memory import make_memory_loader as make_memory_loader
-    from ._panel import InMemoryPanel as InMemoryPanel
-    from ._prefetch import prefetch_to_device as prefetch_to_device
-    from ._panel import load_panel as load_panel
-    from ._manifest import verify_dataset as verify_dataset
-    from ._query import CellTable as CellTable
-    from ._query import CSRBatch as CSRBatch
-    from ._query import PanelResult as PanelResult
-    from ._query import arrow_csr as arrow_csr
-    from ._query import open_table as open_table
-    from ._sampling import SamplingPlan as SamplingPlan
-    from ._scatter import scatter_dense as scatter_dense
-    from ._scatter import scatter_panel as scatter_panel
-    from ._stream import StreamIterator as StreamIterator
-    from ._stream import StreamLoader as StreamLoader
-    from ._stream import make_stream_loader as make_stream_loader
+    from omicsio_jax.core.errors import DatasetFormatError as DatasetFormatError
+    from omicsio_jax.core.errors import DataValidationError as DataValidationError
+    from omicsio_jax.core.errors import OmicsIOError as OmicsIOError
+    from omicsio_jax.core.errors import StateMismatchError as StateMismatchError
+    from omicsio_jax.dataset.cache import IOStats as IOStats
+    from omicsio_jax.dataset.dataset import Categorical as Categorical
+    from omicsio_jax.dataset.dataset import Dataset as Dataset
+    from omicsio_jax.dataset.dataset import open_dataset as open_dataset
+    from omicsio_jax.format.gene_stats import GeneStats as GeneStats
+    from omicsio_jax.format.manifest import Manifest as Manifest
+    from omicsio_jax.format.manifest import verify_dataset as verify_dataset
+    from omicsio_jax.loaders.disk import Loader as Loader
+    from omicsio_jax.loaders.disk import make_loader as make_loader
+    from omicsio_jax.loaders.grain_source import GrainSource as GrainSource
+    from omicsio_jax.loaders.grain_source import make_grain_loader as make_grain_loader
+    from omicsio_jax.loaders.memory import MemoryLoader as MemoryLoader
+    from omicsio_jax.loaders.memory import make_memory_loader as make_memory_loader
+    from omicsio_jax.loaders.memory_panel import InMemoryPanel as InMemoryPanel
+    from omicsio_jax.loaders.memory_panel import load_panel as load_panel
+    from omicsio_jax.loaders.prefetch import prefetch_to_device as prefetch_to_device
+    from omicsio_jax.loaders.state import read_loader_states as read_loader_states
+    from omicsio_jax.loaders.stream import StreamIterator as StreamIterator
+    from omicsio_jax.loaders.stream import StreamLoader as StreamLoader
+    from omicsio_jax.loaders.stream import make_stream_loader as make_stream_loader
+    from omicsio_jax.loaders.tune import TuneResult as TuneResult
+    from omicsio_jax.loaders.tune import tune as tune
+    from omicsio_jax.outputs.base import Output as Output
+    from omicsio_jax.outputs.batch import Batch as Batch
+    from omicsio_jax.outputs.batch import HostBatch as HostBatch
+    from omicsio_jax.outputs.batch import SparseBatch as SparseBatch
+    from omicsio_jax.outputs.batch import place_batch as place_batch
+    from omicsio_jax.outputs.csr import CSR as CSR
+    from omicsio_jax.outputs.dense import Dense as Dense
+    from omicsio_jax.outputs.geneformer import GeneformerTokens as GeneformerTokens
+    from omicsio_jax.outputs.modalities import Modalities as Modalities
+    from omicsio_jax.outputs.panel import Panel as Panel
+    from omicsio_jax.outputs.scatter import scatter_dense as scatter_dense
+    from omicsio_jax.outputs.scatter import scatter_panel as scatter_panel
+    from omicsio_jax.outputs.scgpt import ScGPTTokens as ScGPTTokens
+    from omicsio_jax.outputs.tokenize import tokenize as tokenize
+    from omicsio_jax.outputs.vocabulary import Vocabulary as Vocabulary
+    from omicsio_jax.outputs.vocabulary import default_vocabulary as default_vocabulary
+    from omicsio_jax.query.cell_table import CellTable as CellTable
+    from omicsio_jax.query.cell_table import CSRBatch as CSRBatch
+    from omicsio_jax.query.cell_table import PanelResult as PanelResult
+    from omicsio_jax.query.cell_table import arrow_csr as arrow_csr
+    from omicsio_jax.query.cell_table import open_table as open_table
+    from omicsio_jax.query.gene_table import GeneTable as GeneTable
+    from omicsio_jax.query.gene_table import UnknownGeneError as UnknownGeneError
+    from omicsio_jax.sampling.coverage import Coverage as Coverage
+    from omicsio_jax.sampling.coverage import CoverageError as CoverageError
+    from omicsio_jax.sampling.coverage import Tally as Tally
+    from omicsio_jax.sampling.entropy import EntropyBounds as EntropyBounds
+    from omicsio_jax.sampling.entropy import entropy_bounds as entropy_bounds
+    from omicsio_jax.sampling.entropy import minibatch_entropy as minibatch_entropy
+    from omicsio_jax.sampling.plan import SamplingPlan as SamplingPlan
+    from omicsio_jax.storage.store import ObjectChangedError as ObjectChangedError
+    from omicsio_jax.storage.store import ObjectStoreError as ObjectStoreError
 
 _PUBLIC = {
-    "Categorical": "._dataset",
-    "Dataset": "._dataset",
-    "open_dataset": "._dataset",
-    "IOStats": "._cache",
-    "EntropyBounds": "._entropy",
-    "entropy_bounds": "._entropy",
-    "minibatch_entropy": "._entropy",
-    "DatasetFormatError": "._errors",
-    "DataValidationError": "._errors",
-    "OmicsIOError": "._errors",
-    "StateMismatchError": "._errors",
-    "ObjectChangedError": "._store",
-    "ObjectStoreError": "._store",
-    "Batch": "._batch",
-    "HostBatch": "._batch",
-    "SparseBatch": "._batch",
-    "place_batch": "._batch",
-    "Coverage": "._coverage",
-    "CoverageError": "._coverage",
-    "Tally": "._coverage",
-    "GrainSource": "._grain",
-    "make_grain_loader": "._grain",
-    "Loader": "._loader",
-    "make_loader": "._loader",
-    "CSR": "._outputs",
-    "Dense": "._outputs",
-    "GeneformerTokens": "._outputs",
-    "Modalities": "._outputs",
-    "ScGPTTokens": "._outputs",
-    "Output": "._outputs",
-    "Panel": "._outputs",
-    "read_loader_states": "._state",
-    "tokenize": "._tokens",
-    "TuneResult": "._tune",
-    "tune": "._tune",
-    "Vocabulary": "._vocab",
-    "default_vocabulary": "._vocab",
-    "GeneStats": "._genestats",
-    "GeneTable": "._genes",
-    "UnknownGeneError": "._genes",
-    "Manifest": "._manifest",
-    "MemoryLoader": "._memory",
-    "make_memory_loader": "._memory",
-    "InMemoryPanel": "._panel",
-    "prefetch_to_device": "._prefetch",
-    "load_panel": "._panel",
-    "verify_dataset": "._manifest",
-    "CellTable": "._query",
-    "CSRBatch": "._query",
-    "PanelResult": "._query",
-    "arrow_csr": "._query",
-    "open_table": "._query",
-    "SamplingPlan": "._sampling",
-    "scatter_dense": "._scatter",
-    "scatter_panel": "._scatter",
-    "StreamIterator": "._stream",
-    "StreamLoader": "._stream",
-    "make_stream_loader": "._stream",
+    "Categorical": "omicsio_jax.dataset.dataset",
+    "Dataset": "omicsio_jax.dataset.dataset",
+    "open_dataset": "omicsio_jax.dataset.dataset",
+    "IOStats": "omicsio_jax.dataset.cache",
+    "EntropyBounds": "omicsio_jax.sampling.entropy",
+    "entropy_bounds": "omicsio_jax.sampling.entropy",
+    "minibatch_entropy": "omicsio_jax.sampling.entropy",
+    "DatasetFormatError": "omicsio_jax.core.errors",
+    "DataValidationError": "omicsio_jax.core.errors",
+    "OmicsIOError": "omicsio_jax.core.errors",
+    "StateMismatchError": "omicsio_jax.core.errors",
+    "ObjectChangedError": "omicsio_jax.storage.store",
+    "ObjectStoreError": "omicsio_jax.storage.store",
+    "Batch": "omicsio_jax.outputs.batch",
+    "HostBatch": "omicsio_jax.outputs.batch",
+    "SparseBatch": "omicsio_jax.outputs.batch",
+    "place_batch": "omicsio_jax.outputs.batch",
+    "Coverage": "omicsio_jax.sampling.coverage",
+    "CoverageError": "omicsio_jax.sampling.coverage",
+    "Tally": "omicsio_jax.sampling.coverage",
+    "GrainSource": "omicsio_jax.loaders.grain_source",
+    "make_grain_loader": "omicsio_jax.loaders.grain_source",
+    "Loader": "omicsio_jax.loaders.disk",
+    "make_loader": "omicsio_jax.loaders.disk",
+    "CSR": "omicsio_jax.outputs.csr",
+    "Dense": "omicsio_jax.outputs.dense",
+    "GeneformerTokens": "omicsio_jax.outputs.geneformer",
+    "Modalities": "omicsio_jax.outputs.modalities",
+    "ScGPTTokens": "omicsio_jax.outputs.scgpt",
+    "Output": "omicsio_jax.outputs.base",
+    "Panel": "omicsio_jax.outputs.panel",
+    "read_loader_states": "omicsio_jax.loaders.state",
+    "tokenize": "omicsio_jax.outputs.tokenize",
+    "TuneResult": "omicsio_jax.loaders.tune",
+    "tune": "omicsio_jax.loaders.tune",
+    "Vocabulary": "omicsio_jax.outputs.vocabulary",
+    "default_vocabulary": "omicsio_jax.outputs.vocabulary",
+    "GeneStats": "omicsio_jax.format.gene_stats",
+    "GeneTable": "omicsio_jax.query.gene_table",
+    "UnknownGeneError": "omicsio_jax.query.gene_table",
+    "Manifest": "omicsio_jax.format.manifest",
+    "MemoryLoader": "omicsio_jax.loaders.memory",
+    "make_memory_loader": "omicsio_jax.loaders.memory",
+    "InMemoryPanel": "omicsio_jax.loaders.memory_panel",
+    "prefetch_to_device": "omicsio_jax.loaders.prefetch",
+    "load_panel": "omicsio_jax.loaders.memory_panel",
+    "verify_dataset": "omicsio_jax.format.manifest",
+    "CellTable": "omicsio_jax.query.cell_table",
+    "CSRBatch": "omicsio_jax.query.cell_table",
+    "PanelResult": "omicsio_jax.query.cell_table",
+    "arrow_csr": "omicsio_jax.query.cell_table",
+    "open_table": "omicsio_jax.query.cell_table",
+    "SamplingPlan": "omicsio_jax.sampling.plan",
+    "scatter_dense": "omicsio_jax.outputs.scatter",
+    "scatter_panel": "omicsio_jax.outputs.scatter",
+    "StreamIterator": "omicsio_jax.loaders.stream",
+    "StreamLoader": "omicsio_jax.loaders.stream",
+    "make_stream_loader": "omicsio_jax.loaders.stream",
 }
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    msg = f"module 'omicsio_jax' has no attribute {name!r}"
-    raise AttributeError(msg)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

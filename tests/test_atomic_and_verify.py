@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from materialize import materialize
-from materialize import _shards
+from materialize import _shards, materialize
 from materialize._cli import main
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq

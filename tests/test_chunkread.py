@@ -15,11 +15,11 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 import omicsio_jax as oj
 from materialize import materialize
 from materialize._shardfiles import chunk_ranges
-from omicsio_jax import _chunkread, _zstd
-from omicsio_jax._chunks import ChunkIndex, chunk_index_path
-from omicsio_jax._codec import join_records
-from omicsio_jax._fetch import FetchReader
-from omicsio_jax._highway import RIEGELI_KEY, highway64
+from omicsio_jax.dataset.batched_reads import FetchReader
+from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
+from omicsio_jax.format.codec import join_records
+from omicsio_jax.records import chunk_reader, zstd
+from omicsio_jax.records.highwayhash import RIEGELI_KEY, highway64
 
 # HighwayHash-64 of bytes 0, 1, ..., n-1 under the key 0x0706050403020100, ..., 0x1F1E1D1C1B1A1918,
 # for n = 0..64 (the published test vectors of github.com/google/highwayhash, c/highwayhash_test.c)
@@ -57,7 +57,7 @@ def test_every_chunk_of_a_shard_hashes_to_what_riegeli_stored(dataset_dir):
     ranges = np.load(dataset_dir / chunk_index_path(path.name))[3:].astype(np.int64)
     header = np.empty(40, np.uint8)
     for begin, end in ranges:
-        assert _chunkread._logical_copy(data, begin, begin, end, header, 40)
+        assert chunk_reader._logical_copy(data, begin, begin, end, header, 40)
         assert highway64(header, 8, 32, RIEGELI_KEY) == header[:8].view(np.uint64)[0]
 
 
@@ -172,7 +172,7 @@ def test_chunk_headers_split_by_block_headers_are_read(tmp_path):
     else:
         pytest.fail("no chunk header straddles a block boundary")
     shards = _Shards(tmp_path, 7, [_Shard(path.name, len(records), path.stat().st_size)])
-    reader = _chunkread.ChunkReader(shards)
+    reader = chunk_reader.ChunkReader(shards)
     buf, starts = reader.read([(0, 0, len(records))])
     assert [buf[a:b].tobytes() for a, b in zip(starts[:-1], starts[1:], strict=True)] == records
     buf, starts = reader.read([(0, 5, 9), (0, 400, 401)])
@@ -221,16 +221,16 @@ def test_a_short_read_is_reported_as_truncated(dataset_dir):
         ranges = index.chunk_bytes(np.arange(3))
         fd = ds.chunk_reader._open(0)
         try:
-            raw, base, ends = _chunkread._pread(fd, ranges)
+            raw, base, ends = chunk_reader._pread(fd, ranges)
         finally:
             os.close(fd)
         ends[1] = ranges[1, 0] + 30  # as if the file had ended inside chunk 1's header
-        _, _, problem, k = _chunkread._headers(raw, base, ranges[:, 0], ends, np.full(3, 16))
-        assert (_chunkread._PROBLEMS[problem], k) == ("the file ends inside the chunk (truncated)", 1)
+        _, _, problem, k = chunk_reader._headers(raw, base, ranges[:, 0], ends, np.full(3, 16))
+        assert (chunk_reader._PROBLEMS[problem], k) == ("the file ends inside the chunk (truncated)", 1)
 
 
 def test_without_a_zstd_library_arrayrecord_reads_them(dataset_dir, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(_zstd, "available", lambda: False)
+    monkeypatch.setattr(zstd, "available", lambda: False)
     with oj.open_dataset(dataset_dir) as ds:
         assert ds.chunk_reader is None  # zstd shards: ArrayRecord's reader
         indptr, _, _ = ds.read_csr([1, 2000])
@@ -242,4 +242,4 @@ def test_without_a_zstd_library_arrayrecord_reads_them(dataset_dir, corpus, tmp_
 
 
 def test_the_zstd_library_is_found():
-    assert _zstd.available()  # backports.zstd is a dependency below Python 3.14, compression.zstd from it
+    assert zstd.available()  # backports.zstd is a dependency below Python 3.14, compression.zstd from it

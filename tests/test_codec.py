@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_csr_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omicsio_jax import _codec
-from conftest import assert_csr_equal
+from omicsio_jax.format import codec
 
 
 @st.composite
@@ -44,10 +44,10 @@ def csr_batches(draw):
 @given(csr_batches())
 @settings(max_examples=200, deadline=None)
 def test_sparse_round_trip_is_exact(batch):
-    buf, starts = _codec.encode_csr(*batch)
+    buf, starts = codec.encode_csr(*batch)
     assert all(s % 4 == 0 for s in starts)
     records = [buf[starts[i] : starts[i + 1]].tobytes() for i in range(len(starts) - 1)]
-    assert_csr_equal(_codec.decode_csr(*_codec.join_records(records), 200_000), batch)
+    assert_csr_equal(codec.decode_csr(*codec.join_records(records), 200_000), batch)
 
 
 @given(st.integers(1, 9), st.integers(1, 70), st.sampled_from(["counts", "big", "float"]), st.integers(0, 2**32 - 1))
@@ -59,8 +59,8 @@ def test_dense_round_trip_is_exact(num_rows, width, kind, seed):
         dense *= 5000
     elif kind == "float":
         dense *= rng.normal(size=(num_rows, width)).astype(np.float32)
-    buf, starts = _codec.encode_dense_rows(dense)
-    indptr, indices, values = _codec.decode_csr(buf, starts, width)
+    buf, starts = codec.encode_dense_rows(dense)
+    indptr, indices, values = codec.decode_csr(buf, starts, width)
     rows, cols = np.nonzero(dense)
     np.testing.assert_array_equal(indices, cols)
     np.testing.assert_array_equal(values, dense[rows, cols])
@@ -72,7 +72,7 @@ def test_narrowest_lossless_codes_are_chosen():
     indices = np.array([0, 5, 1, 70_000, 3, 4, 0, 1, 2, 3], dtype=np.int32)
     values = np.array([1, 200, 1, 2, 300, 1, 70_000, 1, 0.5, 1], dtype=np.float32)
     identity = np.arange(70_001, dtype=np.int32)
-    index_codes, value_codes, nbytes, problems, _ = _codec.plan_sparse(indptr, indices, values, identity, False)
+    index_codes, value_codes, nbytes, problems, _ = codec.plan_sparse(indptr, indices, values, identity, False)
     assert problems.tolist() == [0] * 5
     assert index_codes.tolist() == [1, 2, 1, 1, 1]
     assert value_codes.tolist() == [1, 1, 2, 3, 0]
@@ -82,44 +82,44 @@ def test_narrowest_lossless_codes_are_chosen():
 def test_negative_zero_is_kept_bit_exact():
     indptr = np.array([0, 2], dtype=np.int64)
     values = np.array([-0.0, 3.0], dtype=np.float32)
-    buf, starts = _codec.encode_csr(indptr, np.array([1, 2], dtype=np.int32), values)
-    _, _, decoded = _codec.decode_csr(buf, starts, 3)
+    buf, starts = codec.encode_csr(indptr, np.array([1, 2], dtype=np.int32), values)
+    _, _, decoded = codec.decode_csr(buf, starts, 3)
     assert decoded.view(np.uint32).tolist() == values.view(np.uint32).tolist()
 
 
 def test_empty_batch_and_empty_rows():
     indptr = np.zeros(4, dtype=np.int64)
-    buf, starts = _codec.encode_csr(indptr, np.zeros(0, np.int32), np.zeros(0, np.float32))
-    assert np.diff(starts).tolist() == [_codec.HEADER_BYTES] * 3
-    out = _codec.decode_csr(buf, starts, 1)
+    buf, starts = codec.encode_csr(indptr, np.zeros(0, np.int32), np.zeros(0, np.float32))
+    assert np.diff(starts).tolist() == [codec.HEADER_BYTES] * 3
+    out = codec.decode_csr(buf, starts, 1)
     assert_csr_equal(out, (indptr, np.zeros(0, np.int32), np.zeros(0, np.float32)))
 
 
 def test_corrupted_header_is_detected():
     indptr = np.array([0, 3], dtype=np.int64)
-    buf, starts = _codec.encode_csr(indptr, np.array([1, 2, 9], np.int32), np.array([1, 2, 3], np.float32))
+    buf, starts = codec.encode_csr(indptr, np.array([1, 2, 9], np.int32), np.array([1, 2, 3], np.float32))
     bad = buf.copy()
     bad[4] ^= 0x01  # the stored length no longer matches the record size
-    with pytest.raises(_codec.MalformedRecordError, match="record 0 of the batch is malformed"):
-        _codec.decode_csr(bad, starts, 10)
+    with pytest.raises(codec.MalformedRecordError, match="record 0 of the batch is malformed"):
+        codec.decode_csr(bad, starts, 10)
     bad = buf.copy()
     bad[0] = 99  # unknown codec version
-    with pytest.raises(_codec.MalformedRecordError, match="unknown codec version"):
-        _codec.decode_csr(bad, starts, 10)
-    with pytest.raises(_codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"):
-        _codec.decode_csr(buf, starts, 9)  # column 9 is past a 9-column dataset
+    with pytest.raises(codec.MalformedRecordError, match="unknown codec version"):
+        codec.decode_csr(bad, starts, 10)
+    with pytest.raises(codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"):
+        codec.decode_csr(buf, starts, 9)  # column 9 is past a 9-column dataset
 
 
 @pytest.mark.parametrize(
     "tokens,values,problem",
     [
-        ([3, 1], [1, 1], _codec.ROW_UNSORTED),
-        ([1, 1], [1, 1], _codec.ROW_DUPLICATE),
-        ([1, 9], [1, 1], _codec.ROW_UNKNOWN_GENE),
-        ([1, 2], [np.nan, 1], _codec.ROW_NOT_FINITE),
-        ([1, 2], [1, -np.inf], _codec.ROW_NOT_FINITE),
-        ([1, 2], [1, -2], _codec.ROW_NEGATIVE),
-        ([1, 2], [1, 1e39], _codec.ROW_OVERFLOW),
+        ([3, 1], [1, 1], codec.ROW_UNSORTED),
+        ([1, 1], [1, 1], codec.ROW_DUPLICATE),
+        ([1, 9], [1, 1], codec.ROW_UNKNOWN_GENE),
+        ([1, 2], [np.nan, 1], codec.ROW_NOT_FINITE),
+        ([1, 2], [1, -np.inf], codec.ROW_NOT_FINITE),
+        ([1, 2], [1, -2], codec.ROW_NEGATIVE),
+        ([1, 2], [1, 1e39], codec.ROW_OVERFLOW),
     ],
 )
 def test_invalid_rows_are_refused_with_their_position(tokens, values, problem):
@@ -127,8 +127,8 @@ def test_invalid_rows_are_refused_with_their_position(tokens, values, problem):
     tokens = np.array([0, *tokens], dtype=np.int64)
     values = np.array([1, *values], dtype=np.float64)
     token_to_col = np.array([0, 1, 2, 3, -1, -1, -1, -1, -1, -1], dtype=np.int32)
-    with pytest.raises(_codec.InvalidRowError) as info:
-        _codec.encode_csr(indptr, tokens, values, token_to_col=token_to_col, allow_negative=False)
+    with pytest.raises(codec.InvalidRowError) as info:
+        codec.encode_csr(indptr, tokens, values, token_to_col=token_to_col, allow_negative=False)
     assert (info.value.row, info.value.problem) == (1, problem)
     assert info.value.position in (1, 2)
 
@@ -138,8 +138,8 @@ def test_tokens_are_mapped_to_columns_and_float64_narrowed():
     tokens = np.array([10, 20, 30], dtype=np.int64)
     token_to_col = np.full(31, -1, dtype=np.int32)
     token_to_col[[10, 20, 30]] = [0, 1, 2]
-    buf, starts = _codec.encode_csr(indptr, tokens, np.array([1.5, 2.0, 3.0]), token_to_col=token_to_col)
-    assert_csr_equal(_codec.decode_csr(buf, starts, 3), (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)))
+    buf, starts = codec.encode_csr(indptr, tokens, np.array([1.5, 2.0, 3.0]), token_to_col=token_to_col)
+    assert_csr_equal(codec.decode_csr(buf, starts, 3), (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)))
 
 
 def test_encoding_is_deterministic_padding_included():
@@ -148,9 +148,9 @@ def test_encoding_is_deterministic_padding_included():
     indptr = np.array([0, 1, 4], dtype=np.int64)
     tokens = np.array([5, 1, 2, 3], dtype=np.int32)
     values = np.array([7, 1, 2, 3], dtype=np.float32)
-    first, _ = _codec.encode_csr(indptr, tokens, values)
+    first, _ = codec.encode_csr(indptr, tokens, values)
     np.empty(1 << 16, np.uint8).fill(0xAB)  # dirty the allocator's free memory
-    second, _ = _codec.encode_csr(indptr, tokens, values)
+    second, _ = codec.encode_csr(indptr, tokens, values)
     assert first.tobytes() == second.tobytes()
     assert first[8 + 2 : 8 + 4].tolist() == [0, 0]  # index padding of row 0
 
@@ -161,24 +161,24 @@ def test_decode_rows_and_slabs_match_csr():
     dense[3] = 0  # an empty row
     indptr = np.concatenate([[0], np.cumsum((dense != 0).sum(1))]).astype(np.int64)
     rows, cols = np.nonzero(dense)
-    buf, starts = _codec.encode_csr(indptr, cols.astype(np.int32), dense[rows, cols])
+    buf, starts = codec.encode_csr(indptr, cols.astype(np.int32), dense[rows, cols])
     out = np.full((12, 300), 7.0, np.float32)  # dirty, and two padding rows
-    _codec.decode_rows(buf, starts, out)
+    codec.decode_rows(buf, starts, out)
     np.testing.assert_array_equal(out[:10], dense)
     assert not out[10:].any()
-    row_ids, idx, val = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300)
+    row_ids, idx, val = codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300)
     rebuilt = np.zeros((12, 300), np.float32)
     for s in range(3):
         np.add.at(rebuilt, (s * 4 + row_ids[s], idx[s]), val[s])
     np.testing.assert_array_equal(rebuilt[:10], dense)
     assert (row_ids.dtype, idx.dtype) == (np.int16, np.uint16)  # the narrowest that hold them
-    wide = _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=70_000)
+    wide = codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=70_000)
     assert wide[1].dtype == np.int32
     np.testing.assert_array_equal(wide[1], idx)
-    dense_buf, dense_starts = _codec.encode_dense_rows(dense[:, :40])
+    dense_buf, dense_starts = codec.encode_dense_rows(dense[:, :40])
     narrow = np.zeros((10, 40), np.float32)
-    np.testing.assert_array_equal(_codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])
-    with pytest.raises(_codec.MalformedRecordError, match="a dense record of the wrong width"):
-        _codec.decode_rows(dense_buf, dense_starts, np.zeros((10, 39), np.float32))
+    np.testing.assert_array_equal(codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])
+    with pytest.raises(codec.MalformedRecordError, match="a dense record of the wrong width"):
+        codec.decode_rows(dense_buf, dense_starts, np.zeros((10, 39), np.float32))
     with pytest.raises(ValueError, match="pass nnz_capacity >= "):
-        _codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5, num_columns=300)
+        codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5, num_columns=300)

@@ -16,15 +16,16 @@ from hypothesis import strategies as st
 
 import omicsio_jax as oj
 from materialize._shardfiles import chunk_ranges
-from omicsio_jax import _codec, _scatter
-from omicsio_jax._chunks import chunk_index_path
-from omicsio_jax._outputs import OutputContext, RowKeys
+from omicsio_jax.format import codec
+from omicsio_jax.format.chunk_index import chunk_index_path
+from omicsio_jax.outputs import scatter
+from omicsio_jax.outputs.base import OutputContext, RowKeys
 
 NUM_COLUMNS = 300
 
 
 def reference_decode(record: bytes, num_columns: int) -> tuple[list[int], list[float]] | None:
-    """The codec's format (see `_codec`'s docstring) read byte by byte in plain Python: a record's
+    """The codec's format (see `codec`'s docstring) read byte by byte in plain Python: a record's
     (columns, values) with zeros dropped, or None when the bytes are not a record the writer makes."""
     if len(record) < 8 or len(record) % 4:
         return None
@@ -75,12 +76,12 @@ def records(draw) -> list[bytes]:
         rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
         if kind == "dense":
             row = rng.geometric(0.5, NUM_COLUMNS).astype(np.float32) * (rng.random(NUM_COLUMNS) < 0.1)
-            buf, _ = _codec.encode_dense_rows(row[None])
+            buf, _ = codec.encode_dense_rows(row[None])
         else:
             cols = np.sort(rng.choice(NUM_COLUMNS, size=draw(st.integers(0, 30)), replace=False)).astype(np.int32)
             top = {"u8": 255, "u16": 65_535, "u32": 2**24}.get(kind, 0)
             vals = (rng.integers(1, top + 1, len(cols)) if top else rng.normal(size=len(cols))).astype(np.float32)
-            buf, _ = _codec.encode_csr(np.array([0, len(cols)], np.int64), cols, vals)
+            buf, _ = codec.encode_csr(np.array([0, len(cols)], np.int64), cols, vals)
         out.append(buf.tobytes())
     return out
 
@@ -130,21 +131,21 @@ def test_every_decoder_refuses_a_damaged_record_or_returns_exactly_what_it_says(
     """Either `MalformedRecordError` naming the damaged record, or — when the damage still spells a
     record the writer makes — exactly what the reference reading of the bytes says, in every decoder."""
     recs, damaged = case
-    buf, starts = _codec.join_records(recs)
+    buf, starts = codec.join_records(recs)
     expected = _expected(recs)
     decoders = {
-        "csr": lambda: _codec.decode_csr(buf, starts, NUM_COLUMNS),
-        "rows": lambda: _codec.decode_rows(buf, starts, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
-        "slabs": lambda: _codec.decode_slabs(buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096,
+        "csr": lambda: codec.decode_csr(buf, starts, NUM_COLUMNS),
+        "rows": lambda: codec.decode_rows(buf, starts, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
+        "slabs": lambda: codec.decode_slabs(buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096,
                                              num_columns=NUM_COLUMNS),
-        "log1p": lambda: _scatter.decode_scatter(buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32),
+        "log1p": lambda: scatter.decode_scatter(buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32),
                                                  normalize="log1p"),
-        "panel": lambda: _scatter.decode_scatter(buf, starts, np.empty((len(recs), 3), np.float32),
-                                                 gene_to_col=_scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299])),
+        "panel": lambda: scatter.decode_scatter(buf, starts, np.empty((len(recs), 3), np.float32),
+                                                 gene_to_col=scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299])),
     }
     for name, decode in decoders.items():
         if expected is None:
-            with pytest.raises(_codec.MalformedRecordError) as info:
+            with pytest.raises(codec.MalformedRecordError) as info:
                 decode()
             assert info.value.index == damaged, name
             continue
@@ -186,13 +187,13 @@ def test_token_outputs_refuse_a_damaged_record_or_tokenize_it(small_dataset, cas
     """The Geneformer and scGPT kernels index per-gene tables by column: a damaged record must be
     refused before they run (an unchecked column would read past the tables)."""
     recs, damaged = case
-    buf, starts = _codec.join_records(recs)
+    buf, starts = codec.join_records(recs)
     ctx = OutputContext.of_dataset(small_dataset, rows=len(recs))
     keys = RowKeys(np.arange(len(recs), dtype=np.int64))
     for output in (oj.GeneformerTokens(max_len=16), oj.ScGPTTokens(max_len=16)):
         bound = output.bind(ctx)
         if _expected(recs) is None:
-            with pytest.raises(_codec.MalformedRecordError) as info:
+            with pytest.raises(codec.MalformedRecordError) as info:
                 bound.from_records(buf, starts, np.empty, keys)
             assert info.value.index == damaged
         else:

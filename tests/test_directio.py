@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omicsio_jax as oj
-from omicsio_jax import _directio
+from omicsio_jax.storage import direct_io
 
-pytestmark = pytest.mark.skipif(not _directio.supported(__file__),
+pytestmark = pytest.mark.skipif(not direct_io.supported(__file__),
                                 reason="this file system or OS has no O_DIRECT / native AIO")
 
 
@@ -53,7 +53,7 @@ def test_direct_reads_are_the_default_beyond_ram(dataset_dir, monkeypatch):
     with oj.open_dataset(dataset_dir) as ds:
         assert not ds.chunk_reader.direct  # a few MB on a machine with GBs: the page cache serves it
         assert ds.open_options["direct_io"] is None
-    monkeypatch.setattr(_directio, "physical_memory", lambda: 1 << 20)
+    monkeypatch.setattr(direct_io, "physical_memory", lambda: 1 << 20)
     with oj.open_dataset(dataset_dir) as ds:
         assert ds.chunk_reader.direct
         assert ds._readahead is None  # nothing to announce to a page cache it bypasses
@@ -88,12 +88,12 @@ def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_pa
 def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
     _, direct = pair
     expected = direct.read_csr([5, 2000])
-    parent = _directio._thread_context()  # made by that read
+    parent = direct_io._thread_context()  # made by that read
     real_pid = os.getpid()
     # a forked child (not forked here: numba's OpenMP refuses it) inherits the thread's context object,
     # but the kernel's context belongs to the parent's address space
     monkeypatch.setattr(os, "getpid", lambda: real_pid + 1)
-    assert _directio._thread_context() != parent
+    assert direct_io._thread_context() != parent
     for a, b in zip(direct.read_csr([5, 2000]), expected, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -101,7 +101,7 @@ def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
 @nb.njit
 def _completions_waiting(fn, number, ctx, events):
     """How many completed reads sit in the context's ring, taken without waiting (min_nr 0)."""
-    return _directio._syscall(fn, number, np.uint64(ctx), np.uint64(0), np.uint64(events.shape[0]),
+    return direct_io._syscall(fn, number, np.uint64(ctx), np.uint64(0), np.uint64(events.shape[0]),
                               np.uint64(events.ctypes.data), np.uint64(0))
 
 
@@ -109,25 +109,25 @@ def test_reads_submitted_before_a_refusal_are_waited_for(pair, monkeypatch):
     _, direct = pair
     path = direct.local_path(direct.manifest.shards[0].path)
     ranges = direct.chunk_index(0).chunk_bytes(np.arange(0, 64, 4))  # 16 separate spans
-    real = _directio._submit
+    real = direct_io._submit
 
     def refused_part_way(fn, number, ctx, iocbs, pointers, first, stop, *rest):
         return real(fn, number, ctx, iocbs, pointers, first, first + (stop - first) // 2, *rest)
 
-    monkeypatch.setattr(_directio, "_submit", refused_part_way)
-    with pytest.raises(_directio.ReadError, match="refused"):
-        next(_directio.DirectReads().read_groups([path], [(np.zeros(len(ranges), np.int64), ranges)]))
+    monkeypatch.setattr(direct_io, "_submit", refused_part_way)
+    with pytest.raises(direct_io.ReadError, match="refused"):
+        next(direct_io.DirectReads().read_groups([path], [(np.zeros(len(ranges), np.int64), ranges)]))
     time.sleep(0.2)  # long enough for any read left in flight to complete into the ring
-    _, _, getevents, _ = _directio._SYSCALLS[platform.machine()]
-    waiting = _completions_waiting(np.uint64(_directio._syscall_address()), getevents, _directio._thread_context(),
+    _, _, getevents, _ = direct_io._SYSCALLS[platform.machine()]
+    waiting = _completions_waiting(np.uint64(direct_io._syscall_address()), getevents, direct_io._thread_context(),
                                    np.zeros((64, 4), np.int64))
     assert waiting == 0  # each was waited for: none is left to land in this thread's next read
 
 
 def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
     spans = np.array([[0, 4096], [8192, 12288]])
-    with pytest.raises(_directio.ReadError, match="Input/output error") as caught:
-        _directio.DirectReads._placed([__file__, __file__], spans, spans, np.arange(2), np.array([4096, -5]),
+    with pytest.raises(direct_io.ReadError, match="Input/output error") as caught:
+        direct_io.DirectReads._placed([__file__, __file__], spans, spans, np.arange(2), np.array([4096, -5]),
                                       np.zeros(8192, np.uint8))
     assert caught.value.errno == 5 and caught.value.filename == __file__
 
@@ -137,13 +137,13 @@ def test_a_short_read_inside_the_file_is_completed(tmp_path):
     data = np.random.default_rng(1).integers(0, 256, 5 * 4096 + 100, dtype=np.uint8)
     path.write_bytes(data.tobytes())
     ranges = np.array([[10, 5000], [12300, 5 * 4096 + 100]])
-    spans, which, _ = _directio.spans_of(ranges)
+    spans, which, _ = direct_io.spans_of(ranges)
     np.testing.assert_array_equal(spans, [[0, 8192], [12288, 6 * 4096]])
     buf = np.zeros(5 * 4096, np.uint8)
     buf[:4096] = data[:4096]  # as if the kernel had stopped after 4 KiB of the first span
     buf[8192 : 8192 + len(data) - 12288] = data[12288:]  # the second ends with the file
     got = np.array([4096, len(data) - 12288])
-    base, ends = _directio.DirectReads._placed([path, path], ranges, spans, which, got, buf)
+    base, ends = direct_io.DirectReads._placed([path, path], ranges, spans, which, got, buf)
     for (lo, hi), at, end in zip(ranges.tolist(), base.tolist(), ends.tolist(), strict=True):
         assert end == hi
         np.testing.assert_array_equal(buf[at : at + hi - lo], data[lo:hi])
@@ -158,7 +158,7 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
     files = np.repeat([0, 1], 32)
     both = np.concatenate(ranges)
     groups = [(files[i : i + 4], both[i : i + 4]) for i in range(0, 64, 4)]
-    reads = _directio.DirectReads()
+    reads = direct_io.DirectReads()
     before = len(os.listdir("/proc/self/fd"))
     out = reads.read_groups(paths, groups)
     buf, base, ends = next(out)  # stop early: the reads in flight are waited for, their buffers kept for reuse
@@ -172,7 +172,7 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
             assert bytes(buf[at : at + hi - lo]) == raws[file][lo:hi]
         seen.add(buf.ctypes.data)
         reads.release(buf)
-    assert len(seen) <= _directio.AHEAD + 2  # 16 groups through the buffers of those in flight
+    assert len(seen) <= direct_io.AHEAD + 2  # 16 groups through the buffers of those in flight
     assert len(os.listdir("/proc/self/fd")) == before
 
 
@@ -184,8 +184,8 @@ def test_spans_cover_every_range_aligned_and_disjoint(pieces):
     for i, (_, gap, n) in enumerate(pieces):
         start = gap if i == 0 or files[i] != files[i - 1] else ranges[i - 1, 1] + gap
         ranges[i] = start, start + n
-    spans, which, span_files = _directio.spans_of(ranges, files)
-    assert (spans % _directio.ALIGN == 0).all()
+    spans, which, span_files = direct_io.spans_of(ranges, files)
+    assert (spans % direct_io.ALIGN == 0).all()
     same = span_files[1:] == span_files[:-1]
     assert (spans[1:, 0][same] > spans[:-1, 1][same]).all()  # within a file: sorted, not touching
     assert (span_files[which] == files).all()

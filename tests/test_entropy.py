@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omicsio_jax._entropy import (
+from omicsio_jax.sampling.entropy import (
     EntropyBounds,
     entropy_bounds,
     entropy_report,

@@ -11,7 +11,7 @@ import pytest
 import omicsio_jax as oj
 from materialize import materialize
 from materialize._cli import main as materialize_main
-from omicsio_jax._genestats import MEDIAN_RELATIVE_ERROR, GeneStats
+from omicsio_jax.format.gene_stats import MEDIAN_RELATIVE_ERROR, GeneStats
 
 
 @pytest.fixture(scope="module")

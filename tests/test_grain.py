@@ -156,7 +156,7 @@ def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("omicsio_jax._errors.OmicsIOError: ") and "line 3: worker processes re-run this script" in last
+    assert last.startswith("omicsio_jax.core.errors.OmicsIOError: ") and "line 3: worker processes re-run this script" in last
     assert 'if __name__ == "__main__":' in last
 
     guarded = tmp_path / "guarded.py"

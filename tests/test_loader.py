@@ -68,7 +68,7 @@ def test_recycled_buffers_never_change_a_batch_still_held(ds, mesh):
 
 
 def test_row_buffers_come_back_only_when_unreferenced():
-    from omicsio_jax._buffers import RowBuffers
+    from omicsio_jax.core.buffers import RowBuffers
 
     pool = RowBuffers(keep=2)
     a = pool.empty((4, 16))
@@ -98,7 +98,7 @@ def test_row_buffers_come_back_only_when_unreferenced():
 
 
 def test_byte_buffers_of_any_size_come_back_smallest_first():
-    from omicsio_jax._buffers import RowBuffers
+    from omicsio_jax.core.buffers import RowBuffers
 
     pool = RowBuffers(keep=2)
     large, small = pool.at_least(5000), pool.at_least(1000)
@@ -283,7 +283,7 @@ def test_segment_cache_reads_the_first_key_alone_then_reads_ahead():
     import threading
     import time
 
-    from omicsio_jax._fetch import SegmentCache
+    from omicsio_jax.dataset.batched_reads import SegmentCache
 
     events, lock = [], threading.Lock()
 

@@ -11,9 +11,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
+from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
-from conftest import assert_csr_equal, table_csr
 from materialize import materialize
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from omicsio_jax._sampling import SamplingPlan
+from omicsio_jax.sampling.plan import SamplingPlan
 
 WORKER = Path(__file__).with_name("_multihost_worker.py")
 ELASTIC = Path(__file__).with_name("_elastic_worker.py")

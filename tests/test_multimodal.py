@@ -19,7 +19,7 @@ from _multimodal_data import GENES, PEAKS, SHARD, N, Truth, write_h5ad, write_h5
 import omicsio_jax as oj
 from materialize import materialize
 from materialize._cli import main
-from omicsio_jax._manifest import verify_dataset
+from omicsio_jax.format.manifest import verify_dataset
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_a_single_modality_dataset_has_one_modality_and_its_old_fingerprint(data
         ds.modality("atac")
     raw = json.loads((Path(dataset_dir) / "manifest.json").read_text())
     raw.pop("modality"), raw.pop("modalities")  # a manifest written before modalities existed
-    from omicsio_jax._manifest import Manifest, compute_fingerprint
+    from omicsio_jax.format.manifest import Manifest, compute_fingerprint
 
     assert compute_fingerprint(Manifest.from_dict(raw)) == ds.fingerprint
 
@@ -300,7 +300,7 @@ def test_dask_workers_write_a_multimodal_dataset_to_s3(inputs, datasets, s3, das
                           dask_scheduler=dask_cluster.scheduler_address)
     assert result.manifest.fingerprint == local["fingerprint"]
     assert verify_dataset(s3.url("dask/")) == []
-    from omicsio_jax._store import S3Store
+    from omicsio_jax.storage.store import S3Store
 
     assert not [k for k, _ in S3Store(s3.url("dask/")).list() if k.startswith("_parts")]  # spill removed
 

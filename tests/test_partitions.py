@@ -19,9 +19,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
+from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
-from conftest import assert_csr_equal, table_csr
 from materialize import materialize
 from materialize._cli import main
 from materialize._finalize import finalize
@@ -251,7 +251,7 @@ def test_partitions_merged_as_they_complete_in_any_order_give_the_same_bytes(cor
 
 
 def _store(root):
-    from omicsio_jax._store import open_store
+    from omicsio_jax.storage.store import open_store
 
     return open_store(root)
 

@@ -8,9 +8,9 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from conftest import kill_at
 
 import omicsio_jax as oj
-from conftest import kill_at
 from train._cli import main, parse_pretrain_config
 from train._pretrain import embed, load_pretrained, pretrain
 

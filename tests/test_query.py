@@ -13,8 +13,8 @@ import pytest
 import vortex
 
 import omicsio_jax as oj
-from materialize import build_gene_index
 from materialize import _index as index_module
+from materialize import build_gene_index
 from materialize._cli import main as cli
 from tests.conftest import assert_csr_equal, table_csr
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from omicsio_jax._chunks import ChunkIndex, chunk_index_path, merge_spans
-from omicsio_jax._fetch import SegmentCache
+from omicsio_jax.dataset.batched_reads import SegmentCache
+from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, merge_spans
 
 
 def test_announced_spans_merge_touching_chunks_only():
@@ -118,8 +118,8 @@ def test_segment_cache_drops_a_key_once_all_its_uses_are_over():
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_a_reader_in_step_order_holds_no_segment_it_has_left(dataset_dir, prefetch):
-    from omicsio_jax._minibatch import DiskSpec, MinibatchReader
-    from omicsio_jax._schedule import Schedule
+    from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
+    from omicsio_jax.sampling.schedule import Schedule
 
     with oj.open_dataset(dataset_dir) as ds:
         spec = DiskSpec.of(output="csr", genes=None, normalize=None, target_sum=1e4, nnz_capacity=None, rows=None,
@@ -139,7 +139,7 @@ def test_a_reader_in_step_order_holds_no_segment_it_has_left(dataset_dir, prefet
 
 
 def test_a_get_waiting_when_the_cache_closes_raises_instead_of_hanging():
-    from omicsio_jax._fetch import CacheClosedError
+    from omicsio_jax.dataset.batched_reads import CacheClosedError
 
     release = threading.Event()
 

@@ -13,10 +13,9 @@ import pytest
 from conftest import assert_csr_equal
 
 import omicsio_jax as oj
-from omicsio_jax._chunks import chunk_index_path
-from omicsio_jax._chunks import merge_spans
-from omicsio_jax._mirror import split_spans
-from omicsio_jax._store import ObjectChangedError, ObjectStoreError, S3Store
+from omicsio_jax.dataset.mirrors import split_spans
+from omicsio_jax.format.chunk_index import chunk_index_path, merge_spans
+from omicsio_jax.storage.store import ObjectChangedError, ObjectStoreError, S3Store
 
 PREFIX = "atlas/v1/"
 
@@ -122,7 +121,7 @@ def test_needed_bytes_are_exactly_the_chunks_of_the_rows_read(url, tmp_path):
 def test_concurrent_fetches_are_exact_and_never_fetch_a_chunk_twice(url, local, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from omicsio_jax._fetch import FetchReader
+    from omicsio_jax.dataset.batched_reads import FetchReader
 
     rng = np.random.default_rng(2)
     row_sets = [np.sort(rng.choice(local.num_cells, 400, replace=False)) for _ in range(8)]

@@ -12,12 +12,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import vortex
+from conftest import assert_csr_equal
 
 import omicsio_jax as oj
-from conftest import assert_csr_equal
 from materialize import materialize
 from materialize._cli import main
-from omicsio_jax._store import S3Store
+from omicsio_jax.storage.store import S3Store
 
 SHARD = 512
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax._sampling import AllRows, SamplingPlan, class_weights
+from omicsio_jax.sampling.plan import AllRows, SamplingPlan, class_weights
 
 
 def _epoch_batches(plan: SamplingPlan, epoch: int, host: int) -> list[np.ndarray]:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omicsio_jax import _codec, _scatter
+from omicsio_jax.format import codec
+from omicsio_jax.outputs import scatter
 
 MODES = [None, "log1p", "normalize_log1p"]
 
@@ -61,7 +62,7 @@ def dirty(shape):
 def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse):
     indptr, indices, values, num_genes = batch
     out = dirty((len(indptr) - 1, num_genes)) if reuse else None
-    got = _scatter.scatter_dense(indptr, indices, values, num_genes, out=out, normalize=normalize,
+    got = scatter.scatter_dense(indptr, indices, values, num_genes, out=out, normalize=normalize,
                                  target_sum=target_sum)
     assert got.shape == (len(indptr) - 1, num_genes) and got.dtype == np.float32
     if reuse:
@@ -74,7 +75,7 @@ def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse):
 @settings(max_examples=50, deadline=None)
 def test_scatter_dense_adds_repeated_columns(batch):
     indptr, indices, values, num_genes = batch
-    got = _scatter.scatter_dense(indptr, indices, values, num_genes, out=dirty((len(indptr) - 1, num_genes)))
+    got = scatter.scatter_dense(indptr, indices, values, num_genes, out=dirty((len(indptr) - 1, num_genes)))
     np.testing.assert_allclose(got, ref_dense(indptr, indices, values, num_genes), rtol=1e-6, atol=0)
 
 
@@ -86,7 +87,7 @@ def test_normalize_log1p_is_scanpy_normalize_total_then_log1p(batch):
     x = ref_dense(indptr, indices, values, num_genes).astype(np.float64)
     totals = x.sum(axis=1, keepdims=True)
     expected = np.log1p(np.divide(x, totals / 1e4, out=np.zeros_like(x), where=totals > 0))
-    got = _scatter.scatter_dense(indptr, indices, values, num_genes, normalize="normalize_log1p")
+    got = scatter.scatter_dense(indptr, indices, values, num_genes, normalize="normalize_log1p")
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -101,9 +102,9 @@ def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse,
     else:
         size = 0 if which == "none" else data.draw(st.integers(1, min(num_genes, 50)))
         panel = data.draw(st.lists(st.integers(0, num_genes - 1), min_size=size, max_size=size, unique=True))
-    gene_to_col = _scatter.make_gene_to_col(num_genes, panel)
+    gene_to_col = scatter.make_gene_to_col(num_genes, panel)
     out = dirty((len(indptr) - 1, len(panel))) if reuse else None
-    got = _scatter.scatter_panel(indptr, indices, values, gene_to_col, out=out, normalize=normalize)
+    got = scatter.scatter_panel(indptr, indices, values, gene_to_col, out=out, normalize=normalize)
     expected = ref_dense(indptr, indices, values, num_genes, normalize)[:, np.asarray(panel, np.int64)]
     assert got.shape == expected.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
@@ -118,43 +119,43 @@ def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, de
     if dense_layout:  # records of a dense-layout (gene panel) dataset
         if num_genes > 1000:
             return
-        buf, starts = _codec.encode_dense_rows(ref_dense(indptr, indices, values, num_genes))
+        buf, starts = codec.encode_dense_rows(ref_dense(indptr, indices, values, num_genes))
     else:
-        buf, starts = _codec.encode_csr(indptr, indices, values)
+        buf, starts = codec.encode_csr(indptr, indices, values)
     gene_to_col = None
     if columns == "panel":
         size = data.draw(st.integers(0, min(num_genes, 40)))
         panel = data.draw(st.lists(st.integers(0, num_genes - 1), min_size=size, max_size=size, unique=True))
-        gene_to_col = _scatter.make_gene_to_col(num_genes, panel)
+        gene_to_col = scatter.make_gene_to_col(num_genes, panel)
     width = num_genes if gene_to_col is None else len(panel)
     rows = len(indptr) - 1 + padding
-    got = _scatter.decode_scatter(buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize)
-    ptr, idx, val = _codec.decode_csr(buf, starts, num_genes)
+    got = scatter.decode_scatter(buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize)
+    ptr, idx, val = codec.decode_csr(buf, starts, num_genes)
     ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
     if gene_to_col is None:
-        expected = _scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)
+        expected = scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)
     else:
-        expected = _scatter.scatter_panel(ptr, idx, val, gene_to_col, out=np.empty((rows, width), np.float32),
+        expected = scatter.scatter_panel(ptr, idx, val, gene_to_col, out=np.empty((rows, width), np.float32),
                                           normalize=normalize)
     np.testing.assert_array_equal(got, expected)
     assert not got[len(indptr) - 1 :].any()
 
 
 def test_decode_scatter_refuses_a_malformed_record():
-    buf, starts = _codec.encode_csr(np.array([0, 2], np.int64), np.array([1, 3], np.int32),
+    buf, starts = codec.encode_csr(np.array([0, 2], np.int64), np.array([1, 3], np.int32),
                                     np.array([1.0, 2.0], np.float32))
     buf[1] = 9  # an unknown index code
     with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
-        _scatter.decode_scatter(buf, starts, np.empty((1, 5), np.float32), normalize="log1p")
+        scatter.decode_scatter(buf, starts, np.empty((1, 5), np.float32), normalize="log1p")
 
 
 def test_make_gene_to_col():
-    np.testing.assert_array_equal(_scatter.make_gene_to_col(5, [3, 0]), [1, -1, -1, 0, -1])
-    assert _scatter.make_gene_to_col(4, []).tolist() == [-1] * 4
+    np.testing.assert_array_equal(scatter.make_gene_to_col(5, [3, 0]), [1, -1, -1, 0, -1])
+    assert scatter.make_gene_to_col(4, []).tolist() == [-1] * 4
     with pytest.raises(ValueError, match=r"repeats genes \[2\]"):
-        _scatter.make_gene_to_col(5, [2, 1, 2])
+        scatter.make_gene_to_col(5, [2, 1, 2])
     with pytest.raises(ValueError, match=r"\[0, 5\).*0 \.\. 5"):
-        _scatter.make_gene_to_col(5, [0, 5])
+        scatter.make_gene_to_col(5, [0, 5])
 
 
 @given(csr_batches(duplicates=True), st.integers(0, 40), st.booleans())
@@ -166,7 +167,7 @@ def test_pad_csr_round_trip(batch, slack, reuse):
     out = None
     if reuse:
         out = tuple(np.full(capacity, 7, dtype) for dtype in (np.int32, np.int32, np.float32))
-    row_ids, cols, vals, got_nnz = _scatter.pad_csr(indptr, indices, values, capacity=capacity, out=out)
+    row_ids, cols, vals, got_nnz = scatter.pad_csr(indptr, indices, values, capacity=capacity, out=out)
     assert got_nnz == nnz
     assert (row_ids.dtype, cols.dtype, vals.dtype) == (np.int32, np.int32, np.float32)
     assert row_ids.shape == cols.shape == vals.shape == (capacity,)
@@ -180,8 +181,8 @@ def test_pad_csr_overflow_and_slices():
     indptr = np.array([0, 3, 5], np.int64)
     indices, values = np.arange(5, dtype=np.int32), np.arange(1, 6, dtype=np.float32)
     with pytest.raises(ValueError, match=r"nnz=5 .* capacity is 4: raise nnz_capacity to 5\+"):
-        _scatter.pad_csr(indptr, indices, values, capacity=4)
-    row_ids, cols, vals, nnz = _scatter.pad_csr(indptr[1:], indices, values, capacity=3)  # a slice of a CSR
+        scatter.pad_csr(indptr, indices, values, capacity=4)
+    row_ids, cols, vals, nnz = scatter.pad_csr(indptr[1:], indices, values, capacity=3)  # a slice of a CSR
     assert nnz == 2 and row_ids.tolist() == [0, 0, 0]
     assert cols.tolist() == [3, 4, 0] and vals.tolist() == [4, 5, 0]
 
@@ -190,8 +191,8 @@ def test_pad_csr_overflow_and_slices():
 @settings(max_examples=50, deadline=None)
 def test_densify_on_device_matches_numpy(batch, normalize):
     indptr, indices, values, num_genes = batch
-    row_ids, cols, vals, _ = _scatter.pad_csr(indptr, indices, values, capacity=256)
-    got = np.asarray(_scatter.densify_on_device(row_ids, cols, vals, num_rows=8, num_genes=num_genes,
+    row_ids, cols, vals, _ = scatter.pad_csr(indptr, indices, values, capacity=256)
+    got = np.asarray(scatter.densify_on_device(row_ids, cols, vals, num_rows=8, num_genes=num_genes,
                                                 normalize=normalize))
     expected = np.zeros((8, num_genes), np.float32)
     expected[: len(indptr) - 1] = ref_dense(indptr, indices, values, num_genes, normalize)
@@ -202,45 +203,45 @@ def test_densify_on_device_matches_numpy(batch, normalize):
 def test_densify_on_device_edges():
     empty = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.float32)
     for normalize in MODES:
-        got = _scatter.densify_on_device(*empty, num_rows=0, num_genes=5, normalize=normalize)
+        got = scatter.densify_on_device(*empty, num_rows=0, num_genes=5, normalize=normalize)
         assert got.shape == (0, 5)
-        got = _scatter.densify_on_device(*empty, num_rows=3, num_genes=5, normalize=normalize)
+        got = scatter.densify_on_device(*empty, num_rows=3, num_genes=5, normalize=normalize)
         assert got.dtype == np.float32 and not np.asarray(got).any()
     with pytest.raises(ValueError, match="normalize='log2'"):
-        _scatter.densify_on_device(*empty, num_rows=3, num_genes=5, normalize="log2")
+        scatter.densify_on_device(*empty, num_rows=3, num_genes=5, normalize="log2")
 
 
 def test_zero_rows_and_zero_nnz():
     indptr0, no_idx, no_val = np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
     for normalize in MODES:
-        got = _scatter.scatter_dense(indptr0, no_idx, no_val, 70_000, normalize=normalize)
+        got = scatter.scatter_dense(indptr0, no_idx, no_val, 70_000, normalize=normalize)
         assert got.shape == (0, 70_000)
         empty_rows = np.zeros(4, np.int64)
-        got = _scatter.scatter_dense(empty_rows, no_idx, no_val, 6, out=dirty((3, 6)), normalize=normalize)
+        got = scatter.scatter_dense(empty_rows, no_idx, no_val, 6, out=dirty((3, 6)), normalize=normalize)
         assert not got.any()
         no_panel = np.full(6, -1, np.int32)
-        got = _scatter.scatter_panel(empty_rows, no_idx, no_val, no_panel, normalize=normalize)
+        got = scatter.scatter_panel(empty_rows, no_idx, no_val, no_panel, normalize=normalize)
         assert got.shape == (3, 0)
-    assert _scatter.pad_csr(indptr0, no_idx, no_val, capacity=0)[3] == 0
+    assert scatter.pad_csr(indptr0, no_idx, no_val, capacity=0)[3] == 0
 
 
 def test_bad_input_is_reported():
     indptr, indices = np.array([0, 1, 2], np.int64), np.array([1, 9], np.int32)
     values = np.ones(2, np.float32)
     with pytest.raises(ValueError, match=r"indices\[1\] = 9 \(row 1\) is outside \[0, 5\)"):
-        _scatter.scatter_dense(indptr, indices, values, 5)
+        scatter.scatter_dense(indptr, indices, values, 5)
     with pytest.raises(ValueError, match=r"indices\[1\] = 9 \(row 1\) is outside \[0, 5\)"):
-        _scatter.scatter_panel(indptr, indices, values, _scatter.make_gene_to_col(5, [1]))
+        scatter.scatter_panel(indptr, indices, values, scatter.make_gene_to_col(5, [1]))
     with pytest.raises(TypeError, match=r"indices must be a 1-D int32 array, got int64 array"):
-        _scatter.scatter_dense(indptr, indices.astype(np.int64), values, 10)
+        scatter.scatter_dense(indptr, indices.astype(np.int64), values, 10)
     with pytest.raises(ValueError, match="non-decreasing"):
-        _scatter.scatter_dense(np.array([0, 2, 1], np.int64), indices, values, 10)
+        scatter.scatter_dense(np.array([0, 2, 1], np.int64), indices, values, 10)
     with pytest.raises(ValueError, match=r"shape \(2, 10\)"):
-        _scatter.scatter_dense(indptr, indices, values, 10, out=np.zeros((2, 9), np.float32))
+        scatter.scatter_dense(indptr, indices, values, 10, out=np.zeros((2, 9), np.float32))
     with pytest.raises(ValueError, match="normalize='log2'"):
-        _scatter.scatter_dense(indptr, indices, values, 10, normalize="log2")
+        scatter.scatter_dense(indptr, indices, values, 10, normalize="log2")
     with pytest.raises(ValueError, match=r"target_sum=0 must be a positive"):
-        _scatter.scatter_panel(indptr, indices, values, np.zeros(10, np.int32), target_sum=0)
+        scatter.scatter_panel(indptr, indices, values, np.zeros(10, np.int32), target_sum=0)
     with pytest.raises(ValueError, match=r"gene_to_col must hold -1 or columns in \[0, 1\)"):
-        _scatter.scatter_panel(indptr, indices, values, np.array([0, 1] * 5, np.int32),
+        scatter.scatter_panel(indptr, indices, values, np.array([0, 1] * 5, np.int32),
                                out=np.zeros((2, 1), np.float32))

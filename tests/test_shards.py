@@ -7,8 +7,8 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 import omicsio_jax as oj
-from omicsio_jax._manifest import ShardEntry, sha256_file
 from materialize._shards import ShardWriter, ShardWriterProcess, writer_options
+from omicsio_jax.format.manifest import ShardEntry, sha256_file
 
 OPTIONS = writer_options(4, "zstd:-1")
 

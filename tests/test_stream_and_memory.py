@@ -11,7 +11,7 @@ import pytest
 
 import omicsio_jax as oj
 from materialize import materialize
-from omicsio_jax import _memory
+from omicsio_jax.loaders import memory
 from tests.conftest import table_csr
 
 PANEL = [0, 3, 17, 40, 41, 500, 1999, 1234]
@@ -215,7 +215,7 @@ def test_memory_loader_refuses_state_from_another_config(panel, mesh):
 def test_device_draw_stays_on_each_device(panel, mesh):
     loader = oj.make_memory_loader(panel, batch_size=256, seed=0, placement="device", mesh=mesh)
     next(loader)
-    hlo = _memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local).compile().as_text()
+    hlo = memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
         assert collective not in hlo
     x = loader._arrays["x"]

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import omicsio_jax as oj
 from materialize import materialize
-from omicsio_jax._outputs import OutputContext
-from omicsio_jax._tokenize import (
+from omicsio_jax.outputs.base import OutputContext
+from omicsio_jax.outputs.token_kernels import (
     STREAM_MASK,
     STREAM_MASK_KIND,
     STREAM_RANDOM_TOKEN,
@@ -38,7 +38,7 @@ NUM_GENES = 300
 
 # ----------------------------------------------------------------------------- the reference
 def _vocab_arrays(ds, vocab: dict | None):
-    """tok, canon, specials of a vocabulary, computed independently of omicsio_jax._vocab."""
+    """tok, canon, specials of a vocabulary, computed independently of omicsio_jax.outputs.vocabulary."""
     n = ds.num_genes
     if vocab is None:
         return np.arange(3, n + 3), np.arange(n), (0, 1, 2, n + 3)

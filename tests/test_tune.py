@@ -7,8 +7,8 @@ import pytest
 
 import omicsio_jax as oj
 import train
-from omicsio_jax._sampling import SamplingPlan
-from omicsio_jax._tune import plan_entropy, random_entropy
+from omicsio_jax.loaders.tune import plan_entropy, random_entropy
+from omicsio_jax.sampling.plan import SamplingPlan
 from train._cli import parse_config
 
 

@@ -21,8 +21,6 @@ from typing import Any
 
 import equinox as eqx
 
-from omicsio_jax._manifest import fsync_path
-
 from ._errors import CheckpointMismatchError
 
 STATE_FILE = "state.eqx"
@@ -93,6 +91,16 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
     return Checkpoint(path, step, json.loads((path / META_FILE).read_text()))
 
 
+def _sync(*paths: Path) -> None:
+    """Flush files' and directories' (their entries') data and metadata to disk, in order."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, meta: dict, *,
                     keep: int = 3) -> Path:
     """Write ``tree`` and ``meta`` as the checkpoint of ``step``, atomically; keep the last ``keep``."""
@@ -106,9 +114,7 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, met
     eqx.tree_serialise_leaves(tmp / STATE_FILE, tree)
     meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-    for name in (STATE_FILE, META_FILE):
-        fsync_path(tmp / name)
-    fsync_path(tmp)
+    _sync(tmp / STATE_FILE, tmp / META_FILE, tmp)
     if final.exists():  # the same step written again: swap, never leaving no checkpoint visible
         old = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
@@ -116,7 +122,7 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, met
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    fsync_path(root)
+    _sync(root)
     for _, path in list_checkpoints(root)[: -max(keep, 1)]:
         shutil.rmtree(path, ignore_errors=True)
     return final

@@ -29,7 +29,14 @@ from ._loop import make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
 from ._preempt import Preemption
 from ._step import replicate
-from ._transformer import KINDS, PRESETS, flops_per_cell, make_optimizer, make_pretrain_model, make_pretrain_step
+from ._transformer import (
+    KINDS,
+    PRESETS,
+    flops_per_cell,
+    make_optimizer,
+    make_pretrain_model,
+    make_pretrain_step,
+)
 
 DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
 _NOT_IDENTITY = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet", "num_devices",

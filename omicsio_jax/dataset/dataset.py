@@ -1,0 +1,474 @@
+"""`open_dataset` and `Dataset`: read a materialized dataset, from a directory or object storage."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
+from omicsio_jax.dataset.cache import IOStats
+from omicsio_jax.format import codec
+from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, load_chunk_index
+from omicsio_jax.format.csr import take_rows
+from omicsio_jax.format.manifest import Manifest, read_manifest
+from omicsio_jax.records.chunk_reader import ChunkReader
+from omicsio_jax.records.chunk_reader import supported as chunks_readable
+from omicsio_jax.records.readahead import ReadAhead
+from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
+from omicsio_jax.storage import direct_io
+from omicsio_jax.storage.store import is_remote
+
+# Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
+# large one wastes I/O on scattered reads: 256 KiB covers a block of cells. Opening a reader reads
+# the shard's footer; ArrayRecord's default prefetches 1 MiB for it (1,049 KB read per open,
+# measured), where a 16,384-cell shard's footer and postscript are ~12 KB: 64 KiB makes it 116 KB
+# and 0.1 ms, which is what a first fetch that touches every shard of a big dataset pays per shard.
+DEFAULT_READER_OPTIONS = "readahead_buffer_size:256K,max_parallelism:0,footer_prefetch_bytes:65536"
+
+
+@dataclasses.dataclass(frozen=True)
+class Categorical:
+    """A categorical obs column: ``codes[i]`` indexes ``categories`` (-1 = missing)."""
+
+    codes: np.ndarray
+    categories: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def labels(self) -> np.ndarray:
+        """The labels as a numpy object array (``None`` where missing)."""
+        table = np.array([*self.categories, None], dtype=object)
+        return table[np.where(self.codes < 0, len(self.categories), self.codes)]
+
+
+class _ObsColumns(Mapping):
+    """A dataset's obs columns by name, each loaded on first access (a remote one's downloaded then)."""
+
+    def __init__(self, dataset: Dataset):
+        self._dataset, self._entries = dataset, {e.name: e for e in dataset.manifest.obs}
+        self._loaded: dict[str, Categorical | np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> Categorical | np.ndarray:
+        column = self._loaded.get(name)
+        if column is None:
+            entry, path = self._entries[name], self._dataset.local_path
+            if entry.kind == "categorical":
+                codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
+                column = Categorical(codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text())))
+            else:
+                column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
+            column = self._loaded.setdefault(name, column)
+        return column
+
+    def __contains__(self, name: object) -> bool:  # without loading it
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"obs({', '.join(self._entries)})"
+
+
+class Dataset:
+    """A materialized dataset: manifest, ArrayRecord shards and sidecars. Use `open_dataset`.
+
+    ``path`` is the directory (a `Path`), or for a dataset on object storage its URL (a str);
+    `local_path` gives the local file of any of its files.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
+                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None):
+        self.reader_options = reader_options
+        self._options = {"reader_options": reader_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes,
+                         "readahead": readahead, "chunk_reader": chunk_reader, "direct_io": direct_io}
+        self._modalities: dict[str, Dataset] = {}
+        self._remote = None
+        self._readahead: ReadAhead | None = None
+        self._chunk_indexes: dict[int, ChunkIndex] = {}
+        self._lock = threading.Lock()
+        if is_remote(path):
+            from omicsio_jax.dataset.remote import RemoteDataset
+
+            self.path: Path | str = str(path).rstrip("/")
+            self.manifest: Manifest = read_manifest(self.path)
+            chunk_reader = chunk_reader and chunks_readable(self)
+            self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                                         opening=not chunk_reader)  # the chunk reader reads no footer
+        else:
+            self.path = Path(path)
+            self.manifest = read_manifest(self.path)
+            for shard in self.manifest.shards:
+                if not (self.path / shard.path).exists():
+                    msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
+                    raise DatasetFormatError(msg)
+            chunk_reader = chunk_reader and chunks_readable(self)
+            direct_io = chunk_reader and self._direct_io(direct_io)
+            if readahead and not direct_io:  # a direct read has no use for the page cache's read-ahead
+                self._readahead = ReadAhead(self)
+        self._readers = ShardReaders(self, reader_options)
+        # read straight from the chunks (`chunk_reader`) where the shards allow it, else by ArrayRecord's reader
+        self.chunk_reader = ChunkReader(self, direct=bool(direct_io)) if chunk_reader else None
+
+    def _direct_io(self, wanted: bool | None) -> bool:
+        """Whether to read the shards with ``O_DIRECT`` (`direct_io`): if asked, or by default if they
+        add up to more than this machine's RAM (the page cache cannot hold them); and if their file
+        system allows it."""
+        if wanted is False or not self.manifest.shards:
+            return False
+        if wanted is None and sum(s.num_bytes for s in self.manifest.shards) <= direct_io.physical_memory():
+            return False
+        return direct_io.supported(self.path / self.manifest.shards[0].path)
+
+    @property
+    def open_options(self) -> dict:
+        """The options this dataset was opened with (`open_dataset`'s keywords): to open it again
+        the same way, e.g. in another process, ``open_dataset(ds.path, **ds.open_options)``."""
+        options = dict(self._options)
+        if self._remote is not None:  # the cache it settled on
+            options["cache_dir"], options["cache_bytes"] = self.cache_dir, self.cache_bytes
+        return options
+
+    def chunk_index_path(self, shard: int) -> str:
+        """The chunk index of shard number ``shard``, relative to the dataset (``chunks/shard-00003.npy``)."""
+        return chunk_index_path(self.manifest.shards[shard].path)
+
+    def chunk_index(self, shard: int) -> ChunkIndex:
+        """Shard ``shard``'s chunk index (the byte ranges of its chunks), loaded on first use and kept
+        (16 bytes per chunk); for a remote dataset, downloaded then."""
+        index = self._chunk_indexes.get(shard)
+        if index is None:
+            rows = load_chunk_index(self.local_path(self.chunk_index_path(shard)))
+            index = ChunkIndex(rows, int(self.manifest.array_record["group_size"]))
+            with self._lock:
+                index = self._chunk_indexes.setdefault(shard, index)
+        return index
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the dataset lives on object storage (read through a local cache)."""
+        return self._remote is not None
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """The local cache of a remote dataset (None for a local one)."""
+        return None if self._remote is None else self._remote.root
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """The budget for a remote dataset's cached data chunks (None for a local one)."""
+        return None if self._remote is None else self._remote.cache_bytes
+
+    def local_path(self, relpath: str) -> Path:
+        """The local file of the dataset's file ``relpath`` (``"features.parquet"``, ``"obs/drug.codes.npy"``).
+
+        For a remote dataset a file of the manifest's ``files`` is downloaded into the cache on
+        first use and checked against its size and SHA-256; a shard's is its sparse local mirror,
+        which holds the chunks that reads have fetched (see `prepared`).
+        """
+        if self._remote is None:
+            return self.path / relpath
+        return self._remote.local_path(relpath)
+
+    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None,
+                 announce_first: bool = True):
+        """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read from
+        `local_path` of their shards: for a remote dataset their chunks are fetched (all pieces'
+        together) and kept until it ends; for a local one their byte ranges are announced to the
+        kernel, which starts reading them all at once (`ReadAhead`): before the reads begin, or
+        (``announce_first=False``) on a thread of its own while they do."""
+        if self._remote is None:
+            if self._readahead is not None:
+                (self._readahead.advise if announce_first else self._readahead.start)(pieces)
+            return contextlib.nullcontext()
+        return self._remote.mirrors.prepared(pieces, refetch=refetch)
+
+    def io_stats(self) -> IOStats:
+        """What this dataset fetched from object storage since it was opened (zeros for a local one).
+
+        >>> s = ds.io_stats()                                        # doctest: +SKIP
+        >>> s.num_gets, s.bytes_fetched / s.bytes_needed, s.chunk_hits  # doctest: +SKIP
+        """
+        return IOStats() if self._remote is None else self._remote.io_stats()
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (
+            f"Dataset({str(self.path)!r}, num_cells={m.num_cells:,}, num_genes={m.num_genes:,}, "
+            f"layout={m.layout!r}, shards={len(m.shards)}, obs={list(self.obs)}"
+            + (f", modalities={list(self.modalities)})" if m.modalities else ")")
+        )
+
+    @property
+    def num_cells(self) -> int:
+        return self.manifest.num_cells
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The modalities of the cells, this dataset's own first (``("rna",)`` for a single-modality
+        dataset; ``("rna", "spliced", "unspliced", "atac")`` for a multiome one)."""
+        return (self.manifest.modality, *(m.name for m in self.manifest.modalities))
+
+    def modality(self, name: str | None = None) -> Dataset:
+        """The dataset of modality ``name``: this one for its own (or None), else the further modality's
+        dataset (opened once, with this one's options), whose row ``i`` is this one's cell ``i``.
+
+        >>> atac = ds.modality("atac")                          # doctest: +SKIP
+        >>> atac.num_genes, atac.features.columns               # doctest: +SKIP
+        (200000, Index(['peak_token_id', 'chrom', 'start', 'end', 'peak_name'], dtype='object'))
+        """
+        if name is None or name == self.manifest.modality:
+            return self
+        opened = self._modalities.get(name)
+        if opened is not None:
+            return opened
+        entry = self.manifest.modality_entry(name)
+        options = dict(self._options)
+        if options["cache_dir"] is not None:
+            options["cache_dir"] = Path(options["cache_dir"]) / entry.path
+        path = f"{self.path}/{entry.path}" if self.is_remote else self.path / entry.path
+        try:
+            sub = Dataset(path, **options)
+        except DatasetFormatError as e:
+            msg = f"{self.path}: modality {name!r} ({entry.path}) cannot be opened: {e}"
+            raise DatasetFormatError(msg) from e
+        if sub.fingerprint != entry.fingerprint or sub.num_cells != self.num_cells:
+            sub.close()
+            msg = (f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
+                   f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…); "
+                   f"run `omicsio-materialize verify {self.path}`")
+            raise DatasetFormatError(msg)
+        return self._modalities.setdefault(name, sub)
+
+    @property
+    def num_genes(self) -> int:
+        """Number of columns: genes of the full transcriptome, or of the panel for ``layout="dense"``."""
+        return self.manifest.num_genes
+
+    @property
+    def layout(self) -> str:
+        return self.manifest.layout
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    @functools.cached_property
+    def features(self):
+        """The gene table (a pandas DataFrame), one row per column, in column order."""
+        import pyarrow.parquet as pq
+
+        return pq.read_table(self.local_path("features.parquet")).to_pandas()
+
+    @functools.cached_property
+    def gene_stats(self):
+        """Corpus statistics (a pandas DataFrame, one row per gene column, in column order):
+        ``n_cells`` expressing, sums / means / variances of raw counts, of ``normalize_total(1e4)``
+        (``norm_*``) and of its ``log1p`` (``log_*``), and the nonzero ``median`` of
+        ``count / n_counts · 1e4`` (within 0.87%). Raises `OmicsIOError` naming
+        ``omicsio-materialize stats`` for a dataset made without them."""
+        from omicsio_jax.format.gene_stats import read_gene_stats
+
+        return read_gene_stats(self).frame()
+
+    def highly_variable_genes(self, n: int, *, n_bins: int = 20) -> np.ndarray:
+        """Columns (ascending) of the ``n`` most variable genes, scanpy's ``flavor="seurat"`` on the
+        normalized values, from the stored moments (no pass over the cells).
+
+        >>> hvg = ds.highly_variable_genes(2000)                   # doctest: +SKIP
+        >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(genes=hvg))  # doctest: +SKIP
+        """
+        from omicsio_jax.format.gene_stats import seurat_hvg
+
+        stats = self.gene_stats
+        return seurat_hvg(stats["norm_mean"].to_numpy(), stats["norm_var"].to_numpy(), n, n_bins)
+
+    @functools.cached_property
+    def cell_ids(self) -> np.ndarray:
+        """Cell ids in row order (numpy object array of str)."""
+        import pyarrow.parquet as pq
+
+        return pq.read_table(self.local_path("cell_ids.parquet")).column(0).to_numpy(zero_copy_only=False)
+
+    @functools.cached_property
+    def obs(self) -> Mapping[str, Categorical | np.ndarray]:
+        """Obs sidecars by name: `Categorical` (codes + categories) or a numeric array (memory-mapped),
+        each read on first access (for a remote dataset: downloaded then)."""
+        return _ObsColumns(self)
+
+    def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
+        """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``).
+
+        >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
+        >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
+        """
+        if column not in self.obs:
+            msg = f"obs column {column!r} not in {self.path}; available: {', '.join(self.obs)}"
+            raise KeyError(msg)
+        data = self.obs[column]
+        if isinstance(data, Categorical):
+            unknown = [v for v in values if v not in data.categories]
+            if unknown:
+                msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
+                raise KeyError(msg)
+            keep = np.isin(data.codes, [data.categories.index(v) for v in values])
+        else:
+            keep = np.isin(np.asarray(data), np.asarray(values))
+        return np.flatnonzero(~keep if invert else keep)
+
+    def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
+        """Columns of ``genes`` (names, Ensembl ids or column numbers; for a peak modality, peak names),
+        in the order given.
+
+        >>> ds.gene_columns(["CD3E", "ENSG00000167286", 17])       # doctest: +SKIP
+        >>> ds.modality("atac").gene_columns(["chr1:10010-10460"])  # doctest: +SKIP
+        """
+        features = self.features
+        lookup: dict[str, int] = {}
+        for key in ("ensembl_id", "gene_name", "peak_name"):
+            if key in features:
+                for col, value in enumerate(features[key].astype(str)):
+                    lookup.setdefault(value, col)
+        cols, unknown = [], []
+        for g in genes:
+            if isinstance(g, (int, np.integer)):
+                if not 0 <= int(g) < self.num_genes:
+                    unknown.append(str(g))
+                cols.append(int(g))
+            elif str(g) in lookup:
+                cols.append(lookup[str(g)])
+            else:
+                unknown.append(str(g))
+        if unknown:
+            msg = f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"
+            raise OmicsIOError(msg)
+        return np.asarray(cols, dtype=np.int64)
+
+    def check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``rows`` as an int64 array, checked to be a 1-D sequence of valid row numbers."""
+        arr = np.asarray(rows)
+        if arr.ndim != 1:
+            msg = f"rows must be a 1-D sequence of ints, got an array of shape {arr.shape}"
+            raise TypeError(msg)
+        if arr.size == 0:
+            return arr.astype(np.int64)
+        if not np.issubdtype(arr.dtype, np.integer):
+            msg = f"rows must be integers, got dtype {arr.dtype}"
+            raise TypeError(msg)
+        arr = arr.astype(np.int64, copy=False)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.num_cells:
+            bad = lo if lo < 0 else hi
+            msg = f"row {bad} is out of range for a dataset of {self.num_cells:,} cells (valid: 0..{self.num_cells - 1})"
+            raise IndexError(msg)
+        return arr
+
+    def read_records(self, begin: int, end: int) -> list[bytes]:
+        """Raw records of cells ``[begin, end)``, one ``bytes`` each (see `read_buffer`)."""
+        buf, starts = self.read_buffer(begin, end)
+        return [buf[a:b].tobytes() for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
+
+    def read_buffer(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw records of cells ``[begin, end)`` concatenated, ``(buf uint8, starts int64)`` (record
+        ``i`` is ``buf[starts[i]:starts[i + 1]]``): what the codec's decoders take. One read per shard touched."""
+        if not 0 <= begin <= end <= self.num_cells:
+            msg = f"cells [{begin}, {end}) are not a range within the {self.num_cells:,} cells of {self.path}"
+            raise IndexError(msg)
+        return read_runs(self, self._readers, [(begin, end)] if end > begin else [])
+
+    def records_checked(self, rows: np.ndarray) -> contextlib.AbstractContextManager[None]:
+        """A context that reports a malformed record among the decoded records of ``rows`` (global
+        rows, in the order decoded) as this dataset's corruption: a `DatasetFormatError` naming the
+        shard, the cell and ``omicsio-materialize verify``.
+
+        >>> buf, starts = ds.read_buffer(0, 8192)                              # doctest: +SKIP
+        >>> with ds.records_checked(np.arange(0, 8192)):                        # doctest: +SKIP
+        ...     indptr, indices, values = decode_csr(buf, starts, ds.num_genes)
+        """
+        return records_checked(self, rows)
+
+    def read_csr(self, rows: Sequence[int] | np.ndarray, *,
+                 modality: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Exact rows as CSR ``(indptr int64, indices int32, values float32)``, in the order asked.
+
+        Rows may repeat and come in any order; consecutive rows are read with one range read.
+        For ``layout="dense"`` the columns index the panel and only nonzero entries are returned.
+        ``modality`` reads another modality of the same cells (its columns: its own features), and
+        none of this one's bytes.
+
+        >>> indptr, peaks, counts = ds.read_csr([5, 0, 17], modality="atac")   # doctest: +SKIP
+        """
+        if modality is not None and modality != self.manifest.modality:
+            return self.modality(modality).read_csr(rows)
+        rows = self.check_rows(rows)
+        unique, inverse = np.unique(rows, return_inverse=True)
+        buf, starts = read_runs(self, self._readers, consecutive_runs(unique))  # a remote dataset: one fetch for all
+        if len(starts) == 1:
+            return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+        with records_checked(self, unique):
+            indptr, indices, values = codec.decode_csr(buf, starts, self.num_genes)
+        if len(unique) == len(rows) and np.array_equal(unique, rows):
+            return indptr, indices, values
+        return take_rows(indptr, indices, values, inverse.astype(np.int64))
+
+    def close(self) -> None:
+        for sub in self._modalities.values():
+            sub.close()
+        self._readers.close()
+        if self._readahead is not None:
+            self._readahead.close()
+        if self._remote is not None:
+            self._remote.close()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
+                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None) -> Dataset:
+    """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
+    it was uploaded to (the same files under the prefix).
+
+    A dataset on object storage reads like a local one. Its small files are downloaded on first
+    use (checked against the manifest) and its shards read through sparse local copies that hold
+    only the chunks reads need, fetched with concurrent range GETs, under ``cache_dir`` (default
+    ``$OMICSIO_JAX_CACHE/datasets/<fingerprint>``, ``~/.cache/omicsio_jax`` without the variable),
+    which later runs reuse. The fetched chunks are kept within ``cache_bytes`` (default:
+    min(32 GiB, half the free space of the cache's filesystem)), least recently used shards
+    dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
+    ``cache_bytes`` are ignored for a local directory, which is read in place. A local dataset
+    larger than this machine's RAM is read with ``O_DIRECT`` (``direct_io``; None: decide by size):
+    the disk writes into the loader's buffers, bypassing the page cache that cannot hold the
+    dataset, with many reads in flight (Linux native AIO); a file system that refuses ``O_DIRECT``
+    (tmpfs) is read buffered. A buffered read first announces its exact byte ranges to the
+    kernel (``readahead``), which reads them at the disk's queue depth. Records are read straight from the
+    shards' chunks (``chunk_reader``: checked against riegeli's hashes and decompressed by one
+    numba kernel per read, into one buffer, with no Python object per record) wherever the shards
+    are zstd-compressed or uncompressed; ``chunk_reader=False`` (or other shards) reads them with
+    ArrayRecord's own reader (``reader_options``).
+
+    >>> ds = open_dataset("out/")                       # doctest: +SKIP
+    >>> ds.num_cells, ds.num_genes, ds.obs["drug"].categories[:3]   # doctest: +SKIP
+    >>> indptr, indices, values = ds.read_csr([5, 0, 17])           # doctest: +SKIP
+    >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
+    """
+    return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                   readahead=readahead, chunk_reader=chunk_reader, direct_io=direct_io)

@@ -1,0 +1,365 @@
+"""Shards on object storage, read through sparse local mirrors.
+
+ArrayRecord's reader reads local files only. Each shard a read uses gets a mirror in the cache
+root: a file of the shard's size holding its opening ranges (head, footer and postscript chunks,
+what ArrayRecord's reader reads when it opens a file; not fetched for a dataset read by
+`chunk_reader`, which never reads them, until a read that needs them fails and fetches them again)
+and the data chunks reads have needed, fetched with
+range GETs (``If-Match``: the ETag seen when this process first used the shard) and written at
+their offsets. The stock reader then reads the mirror as if it were whole: a read that reaches a
+chunk never fetched fails on the chunk's header hash, it cannot return wrong records.
+
+``<mirror>.present`` (one byte per data chunk, memory-mapped) says which chunks are there; a byte
+is set only after its chunk's bytes are written and cleared before they are dropped, so a later
+process reuses the cache. ``<mirror>.etag`` ties mirror and bitmap to the object's version: a shard
+whose ETag or size changed since is fetched afresh.
+
+`ShardMirrors.prepared` fetches the missing chunks of one call (every run of a fetch) together:
+adjacent chunks and small gaps merge into one GET as long as the bytes fetched stay within 1.1 ×
+the bytes needed (the gaps' chunks are kept too), the GETs run concurrently on a thread pool, and
+concurrent calls never fetch the same chunk twice (one waits for the other's bytes). One lock
+guards the bookkeeping only; no network or file I/O but an eviction's runs under it.
+
+Data chunk bytes are kept within ``cache_bytes`` by dropping whole shards' data, least recently
+used first (the mirror is truncated to zero and back and its opening ranges written again; the
+readers open on it stay valid, as every read fetches its chunks again first). A shard being read
+is pinned and dropped only after the read, so the budget can be exceeded while reads are in
+flight, by the chunks they hold. Chunks left by an earlier process count against the budget from
+the start and are dropped first. Processes sharing a cache directory each keep their own budget;
+a read that meets a chunk another process dropped fails its hash check and is fetched again
+(`runs.read_runs` retries once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from omicsio_jax.core.errors import DatasetFormatError
+from omicsio_jax.dataset.cache import Counters, FileCache, write_atomic
+from omicsio_jax.format.chunk_index import (
+    ChunkIndex,
+    chunk_index_path,
+    chunks_of,
+    load_chunk_index,
+    merge_spans,
+)
+from omicsio_jax.format.manifest import Manifest
+from omicsio_jax.storage.store import S3Store
+
+READ_SLACK = 0.1  # a GET may cover up to 10% more bytes than its needed chunks, to save GETs
+MAX_GET_BYTES = 16 << 20  # longer ranges are split into concurrent GETs
+
+
+def _data_ranges(index: ChunkIndex) -> np.ndarray:
+    return index.chunk_bytes(np.arange(index.num_chunks))
+
+
+class _Mirror:
+    """A shard's mirror in this process: its fd, bitmaps and bookkeeping (guarded by the lock)."""
+
+    def __init__(self, key: str, size: int, index: ChunkIndex, etag: str | None, fd: int, present: np.ndarray,
+                 opening: list[tuple[int, bytes]]):
+        self.key, self.size, self.index, self.etag = key, size, index, etag
+        self.fd, self.present, self.opening = fd, present, opening
+        self.sizes = np.diff(_data_ranges(index), axis=1)[:, 0]
+        self.inflight = np.zeros(index.num_chunks, bool)
+        self.cached = int(self.sizes[present.astype(bool)].sum())
+        self.pins = 0
+        self.last_used = 0
+
+
+def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) -> list[tuple[int, int]]:
+    """``spans`` cut into GETs of at most ``max_bytes`` (fetched concurrently)."""
+    return [(b, min(b + max_bytes, end)) for begin, end in spans for b in range(begin, end, max_bytes)]
+
+
+def covered_chunks(index: ChunkIndex, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Data chunks lying wholly inside ``spans`` (the needed ones and those of the gaps merged in)."""
+    data = _data_ranges(index)
+    parts = [np.arange(np.searchsorted(data[:, 0], b, "left"), np.searchsorted(data[:, 1], e, "right"))
+             for b, e in spans]
+    return np.concatenate([*parts, np.zeros(0, np.int64)])
+
+
+class ShardMirrors:
+    """The sparse mirrors of a remote dataset's shards under ``root``, within ``cache_bytes``."""
+
+    def __init__(self, store: S3Store, manifest: Manifest, root: Path, files: FileCache, counters: Counters, *,
+                 cache_bytes: int, threads: int = 16, opening: bool = True):
+        self.store, self.manifest, self.root, self.files, self.counters = store, manifest, root, files, counters
+        self.opening = opening  # fetch each shard's opening ranges (ArrayRecord's reader reads them; the chunk reader not)
+        self.cache_bytes, self.group_size = cache_bytes, int(manifest.array_record["group_size"])
+        self._lock = threading.Condition()
+        self._live: dict[int, _Mirror] = {}
+        self._opening: dict[int, Future] = {}
+        self._tick = 0
+        self._threads, self._pool = threads, None
+        self._dormant: dict[int, tuple[float, int]] = {}  # left by an earlier process: (mtime, bytes)
+        self._scan()
+        self.cached = sum(b for _, b in self._dormant.values())  # data chunk bytes in the cache
+
+    def path(self, shard: int) -> Path:
+        return self.root / self.manifest.shards[shard].path
+
+    # ----- the interface -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None) -> Iterator[None]:
+        """Make the records of ``pieces`` ((shard, begin, end) within the shard) readable from the
+        mirrors, and keep them (pinned) until the block ends; ``refetch``: fetch that shard's chunks
+        and opening ranges again even if present (after a read of the mirror failed)."""
+        chunks = chunks_of(pieces, self.group_size)
+        mirrors = self._pin(sorted(chunks))
+        try:
+            self._fetch(mirrors, chunks, refetch)
+            yield
+        finally:
+            with self._lock:
+                for m in mirrors.values():
+                    m.pins -= 1
+                self._make_room(0)
+
+    def close(self) -> None:
+        """Close the mirrors' files and threads (a later read opens them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            for s, m in self._live.items():
+                if m.cached:
+                    self._dormant[s] = (time.time(), m.cached)
+                os.close(m.fd)
+            self._live.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _submit(self, fn, *args) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="omicsio-mirror")
+            return self._pool.submit(fn, *args)
+
+    # ----- opening a shard's mirror ------------------------------------------------------------
+    def _scan(self) -> None:
+        """Account for the chunks an earlier process left in the cache (`dormant` until used)."""
+        for shard, entry in enumerate(self.manifest.shards):
+            present = self.path(shard).with_name(self.path(shard).name + ".present")
+            if not present.exists():
+                continue
+            index_path = chunk_index_path(entry.path)
+            local = self.files.cached(index_path) if index_path in self.files else None
+            if local is None:
+                self._drop_files(shard)
+                continue
+            sizes = np.diff(_data_ranges(ChunkIndex(load_chunk_index(local), self.group_size)), axis=1)[:, 0]
+            bits = np.fromfile(present, np.uint8)
+            if len(bits) != len(sizes):
+                self._drop_files(shard)
+                continue
+            self._dormant[shard] = (present.stat().st_mtime, int(sizes[bits.astype(bool)].sum()))
+
+    def _drop_files(self, shard: int) -> None:
+        base = self.path(shard)
+        for path in (base.with_name(base.name + ".etag"), base.with_name(base.name + ".present"), base):
+            path.unlink(missing_ok=True)
+
+    def _pin(self, shards: list[int]) -> dict[int, _Mirror]:
+        with self._lock:
+            futures = {}
+            for s in shards:
+                if s not in self._live:
+                    if s not in self._opening:
+                        dormant = self._dormant.pop(s, (0.0, 0))
+                        self._opening[s] = self._submit(self._open, s, dormant)
+                    futures[s] = self._opening[s]
+        for f in futures.values():
+            f.result()
+        with self._lock:
+            self._tick += 1
+            mirrors = {s: self._live[s] for s in shards}
+            for m in mirrors.values():
+                m.pins += 1
+                m.last_used = self._tick
+            return mirrors
+
+    def _open(self, shard: int, dormant: tuple[float, int]) -> None:
+        try:
+            m = self._open_mirror(shard)
+        except BaseException:
+            with self._lock:
+                del self._opening[shard]
+                if dormant[1]:
+                    self._dormant[shard] = dormant
+            raise
+        with self._lock:
+            self._live[shard] = m
+            del self._opening[shard]
+            self.cached += m.cached - dormant[1]
+
+    def _open_mirror(self, shard: int) -> _Mirror:
+        """HEAD the shard (its size must match the manifest), load its chunk index, reuse or create
+        its mirror (writing the opening ranges)."""
+        entry, url = self.manifest.shards[shard], self.store.describe(self.manifest.shards[shard].path)
+        info = self.store.head(entry.path)
+        self.counters.add(head_requests=1)
+        fix = f"run `omicsio-materialize verify {self.store.url}`"
+        if info is None:
+            msg = f"{url} is listed in the manifest but missing; {fix}"
+            raise DatasetFormatError(msg)
+        if info.size != entry.num_bytes:
+            msg = f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten; {fix}"
+            raise DatasetFormatError(msg)
+        rows = load_chunk_index(self.files.path(chunk_index_path(entry.path)))
+        index = ChunkIndex(rows, self.group_size)
+        expected = -(-entry.num_cells // self.group_size)
+        if rows.ndim != 2 or index.num_chunks != expected or int(rows.max(initial=0)) > entry.num_bytes:
+            msg = (f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} "
+                   f"({entry.num_cells} cells in {expected} chunks, {entry.num_bytes:,} bytes); {fix}")
+            raise DatasetFormatError(msg)
+        path = self.path(shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stamp_path, present_path = path.with_name(path.name + ".etag"), path.with_name(path.name + ".present")
+        stamp = f"{info.etag} {info.size}\n"
+        try:
+            reuse = (stamp_path.read_text() == stamp and path.stat().st_size == info.size
+                     and present_path.stat().st_size == index.num_chunks)
+        except OSError:
+            reuse = False
+        opening = [(int(b), int(e)) for b, e in index.opening] if self.opening else []
+        if reuse:
+            fd = os.open(path, os.O_RDWR)
+            blobs = [os.pread(fd, e - b, b) for b, e in opening]
+        else:  # new files renamed into place: a process still using the old ones keeps them whole
+            stamp_path.unlink(missing_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+            np.zeros(index.num_chunks, np.uint8).tofile(tmp)
+            os.replace(tmp, present_path)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, info.size)
+                blobs = self._get_opening(entry.path, fd, opening, info.etag)
+                os.replace(tmp, path)
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            write_atomic(stamp_path, stamp)
+        present = (np.memmap(present_path, np.uint8, mode="r+") if index.num_chunks
+                   else np.zeros(0, np.uint8))
+        blobs = list(zip([b for b, _ in opening], blobs, strict=True))
+        return _Mirror(entry.path, info.size, index, info.etag, fd, present, blobs)
+
+    def _get_opening(self, key: str, fd: int, opening: list[tuple[int, int]], etag: str | None) -> list[bytes]:
+        blobs = self.store.get_ranges(key, opening, etag)
+        for (b, _), blob in zip(opening, blobs, strict=True):
+            os.pwrite(fd, blob, b)
+        self.counters.add(opening_gets=len(opening), opening_bytes=sum(len(x) for x in blobs))
+        return blobs
+
+    # ----- fetching chunks -----------------------------------------------------------------------
+    def _fetch(self, mirrors: dict[int, _Mirror], chunks: dict[int, np.ndarray], refetch: int | None) -> None:
+        first = True
+        while True:
+            mine: dict[int, np.ndarray] = {}
+            hits = 0
+            with self._lock:
+                for s, ids in chunks.items():
+                    m = mirrors[s]
+                    missing = ids if (first and s == refetch) else ids[m.present[ids] == 0]
+                    take = missing[~m.inflight[missing]]
+                    hits += len(ids) - len(missing)
+                    if len(take):
+                        m.inflight[take] = True
+                        mine[s] = take
+                self._make_room(sum(int(mirrors[s].sizes[t].sum()) for s, t in mine.items()))
+            if first:
+                self.counters.add(chunk_hits=hits)
+            written: dict[int, np.ndarray] = {}
+            try:
+                if mine or (first and refetch is not None):
+                    written = self._get_chunks(mirrors, mine, refetch if first else None)
+            except BaseException:
+                with self._lock:
+                    for s, take in mine.items():
+                        mirrors[s].inflight[take] = False
+                    self._lock.notify_all()
+                raise
+            with self._lock:
+                for s, ids in written.items():
+                    m = mirrors[s]
+                    fresh = ids[m.present[ids] == 0]
+                    m.present[ids] = 1  # only now: the bytes are written
+                    added = int(m.sizes[fresh].sum())
+                    m.cached += added
+                    self.cached += added
+                for s, take in mine.items():
+                    mirrors[s].inflight[take] = False
+                self._lock.notify_all()
+                self._lock.wait_for(lambda: not any(mirrors[s].inflight[ids].any() for s, ids in chunks.items()))
+                if all(mirrors[s].present[ids].all() for s, ids in chunks.items()):
+                    return
+            first = False  # another call failed to fetch some of ours: fetch them ourselves
+
+    def _get_chunks(self, mirrors: dict[int, _Mirror], mine: dict[int, np.ndarray],
+                    refetch: int | None) -> dict[int, np.ndarray]:
+        """GET the chunks ``mine`` (coalesced, concurrently) into the mirrors, and ``refetch``'s
+        opening ranges; return the chunks now written per shard (``mine`` and merged gaps')."""
+        needed = {s: mirrors[s].index.chunk_bytes(take) for s, take in mine.items()}  # in file order
+        spans = merge_spans(needed, slack=READ_SLACK) if needed else {}
+        futures = [self._submit(self._get_into, mirrors[s], split_spans(sp)) for s, sp in spans.items()]
+        if refetch is not None:  # the opening ranges too: the mirror's may be damaged (or never fetched)
+            m = mirrors[refetch]
+            opening = [(int(b), int(e)) for b, e in m.index.opening]
+            futures.append(self._submit(self._get_opening, m.key, m.fd, opening, m.etag))
+        for f in futures:
+            f.result()
+        if refetch is not None:
+            m.opening = list(zip([b for b, _ in opening], futures[-1].result(), strict=True))
+        self.counters.add(bytes_needed=sum(int((r[:, 1] - r[:, 0]).sum()) for r in needed.values()),
+                          chunk_misses=sum(len(t) for t in mine.values()))
+        return {s: covered_chunks(mirrors[s].index, sp) for s, sp in spans.items()}
+
+    def _get_into(self, m: _Mirror, ranges: list[tuple[int, int]]) -> None:
+        blobs = self.store.get_ranges(m.key, ranges, m.etag)
+        for (b, e), blob in zip(ranges, blobs, strict=True):
+            if len(blob) != e - b:
+                msg = f"{self.store.describe(m.key)}: asked for bytes {b}..{e - 1}, got {len(blob)} bytes"
+                raise DatasetFormatError(msg)
+            os.pwrite(m.fd, blob, b)
+        self.counters.add(num_gets=len(ranges), bytes_fetched=sum(len(x) for x in blobs))
+
+    # ----- staying within the budget -------------------------------------------------------------
+    def _make_room(self, incoming: int) -> None:
+        """Drop least recently used, unpinned shards' data until ``incoming`` more bytes fit (lock held)."""
+        excess = self.cached + incoming - self.cache_bytes
+        if excess <= 0:
+            return
+        candidates = [((0, mtime), s) for s, (mtime, b) in self._dormant.items() if b]
+        candidates += [((1, m.last_used), s) for s, m in self._live.items() if m.cached and not m.pins]
+        for _, s in sorted(candidates):
+            if excess <= 0:
+                break
+            excess -= self._evict_dormant(s) if s in self._dormant else self._evict(self._live[s])
+
+    def _evict(self, m: _Mirror) -> int:
+        m.present[:] = 0  # first: a chunk is never marked present without its bytes
+        os.ftruncate(m.fd, 0)
+        os.ftruncate(m.fd, m.size)
+        for b, blob in m.opening:
+            os.pwrite(m.fd, blob, b)
+        freed, m.cached = m.cached, 0
+        self.cached -= freed
+        self.counters.add(evictions=1)
+        return freed
+
+    def _evict_dormant(self, shard: int) -> int:
+        _, freed = self._dormant.pop(shard)
+        self._drop_files(shard)
+        self.cached -= freed
+        self.counters.add(evictions=1)
+        return freed

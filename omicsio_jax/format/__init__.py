@@ -1,0 +1,95 @@
+"""The on-disk format of a materialized dataset, and the writer's API: what ``materialize`` writes with.
+
+A dataset directory holds ArrayRecord shards of encoded cells (`omicsio_jax.format.codec`), their
+chunk indexes (`omicsio_jax.format.chunk_index`), the manifest that lists every file with its
+checksum (`omicsio_jax.format.manifest`), corpus statistics (`omicsio_jax.format.gene_stats`) and
+sidecars; the inputs are list-column cell tables read through DuckDB (`omicsio_jax.format.tables`,
+`omicsio_jax.format.csr`) and the inverted gene index (`omicsio_jax.format.gene_index`).
+
+The names below are this layer's public face, with the few storage helpers a writer needs beside
+them; they are imported on first use, so a shard-writer process that needs only the manifest does
+not load numba or DuckDB::
+
+    from omicsio_jax.format import MANIFEST_NAME, ShardEntry, encode_csr, fsync_path
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omicsio_jax.core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from omicsio_jax.core.producer import Background as Background
+    from omicsio_jax.format.chunk_index import CHUNK_INDEX_DIR as CHUNK_INDEX_DIR
+    from omicsio_jax.format.chunk_index import chunk_index_path as chunk_index_path
+    from omicsio_jax.format.codec import CODEC_VERSION as CODEC_VERSION
+    from omicsio_jax.format.codec import ROW_DUPLICATE as ROW_DUPLICATE
+    from omicsio_jax.format.codec import ROW_NEGATIVE as ROW_NEGATIVE
+    from omicsio_jax.format.codec import ROW_NOT_FINITE as ROW_NOT_FINITE
+    from omicsio_jax.format.codec import ROW_UNKNOWN_GENE as ROW_UNKNOWN_GENE
+    from omicsio_jax.format.codec import ROW_UNSORTED as ROW_UNSORTED
+    from omicsio_jax.format.codec import InvalidRowError as InvalidRowError
+    from omicsio_jax.format.codec import encode_csr as encode_csr
+    from omicsio_jax.format.codec import encode_dense_rows as encode_dense_rows
+    from omicsio_jax.format.codec import plan_sparse as plan_sparse
+    from omicsio_jax.format.csr import is_list_type as is_list_type
+    from omicsio_jax.format.csr import list_to_csr as list_to_csr
+    from omicsio_jax.format.csr import take_rows as take_rows
+    from omicsio_jax.format.gene_index import INDEX_FILE as INDEX_FILE
+    from omicsio_jax.format.gene_index import INDEX_FORMAT as INDEX_FORMAT
+    from omicsio_jax.format.gene_index import INDEX_MANIFEST as INDEX_MANIFEST
+    from omicsio_jax.format.gene_stats import NUM_BINS as NUM_BINS
+    from omicsio_jax.format.gene_stats import STATS_NAME as STATS_NAME
+    from omicsio_jax.format.gene_stats import GeneStats as GeneStats
+    from omicsio_jax.format.gene_stats import StatsAccumulator as StatsAccumulator
+    from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
+    from omicsio_jax.format.manifest import FileEntry as FileEntry
+    from omicsio_jax.format.manifest import Manifest as Manifest
+    from omicsio_jax.format.manifest import ModalityEntry as ModalityEntry
+    from omicsio_jax.format.manifest import ObsEntry as ObsEntry
+    from omicsio_jax.format.manifest import ShardEntry as ShardEntry
+    from omicsio_jax.format.manifest import file_entry as file_entry
+    from omicsio_jax.format.manifest import fsync_path as fsync_path
+    from omicsio_jax.format.manifest import read_manifest as read_manifest
+    from omicsio_jax.format.manifest import verify_dataset as verify_dataset
+    from omicsio_jax.format.tables import CELL_ID_COLUMN as CELL_ID_COLUMN
+    from omicsio_jax.format.tables import FILE_ROW_COLUMN as FILE_ROW_COLUMN
+    from omicsio_jax.format.tables import FILENAME_COLUMN as FILENAME_COLUMN
+    from omicsio_jax.format.tables import GENE_COLUMN as GENE_COLUMN
+    from omicsio_jax.format.tables import GENE_TABLE_NAME as GENE_TABLE_NAME
+    from omicsio_jax.format.tables import ROWID_COLUMN as ROWID_COLUMN
+    from omicsio_jax.format.tables import VALUE_COLUMN as VALUE_COLUMN
+    from omicsio_jax.format.tables import connect as connect
+    from omicsio_jax.format.tables import create_cells_view as create_cells_view
+    from omicsio_jax.format.tables import expand_files as expand_files
+    from omicsio_jax.format.tables import find_gene_table as find_gene_table
+    from omicsio_jax.format.tables import row_counts as row_counts
+    from omicsio_jax.format.tables import sql_ident as sql_ident
+    from omicsio_jax.format.tables import sql_str as sql_str
+    from omicsio_jax.storage.input_files import as_input_path as as_input_path
+    from omicsio_jax.storage.input_files import register_s3 as register_s3
+    from omicsio_jax.storage.store import is_remote as is_remote
+    from omicsio_jax.storage.store import open_store as open_store
+
+_WRITER_API = {
+    "omicsio_jax.core.producer": ("Background",),
+    "omicsio_jax.format.chunk_index": ("CHUNK_INDEX_DIR", "chunk_index_path"),
+    "omicsio_jax.format.codec": ("CODEC_VERSION", "ROW_DUPLICATE", "ROW_NEGATIVE", "ROW_NOT_FINITE",
+                                 "ROW_UNKNOWN_GENE", "ROW_UNSORTED", "InvalidRowError", "encode_csr",
+                                 "encode_dense_rows", "plan_sparse"),
+    "omicsio_jax.format.csr": ("is_list_type", "list_to_csr", "take_rows"),
+    "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
+    "omicsio_jax.format.gene_stats": ("NUM_BINS", "STATS_NAME", "GeneStats", "StatsAccumulator"),
+    "omicsio_jax.format.manifest": ("MANIFEST_NAME", "FileEntry", "Manifest", "ModalityEntry", "ObsEntry",
+                                    "ShardEntry", "file_entry", "fsync_path", "read_manifest", "verify_dataset"),
+    "omicsio_jax.format.tables": ("CELL_ID_COLUMN", "FILE_ROW_COLUMN", "FILENAME_COLUMN", "GENE_COLUMN",
+                                  "GENE_TABLE_NAME", "ROWID_COLUMN", "VALUE_COLUMN", "connect",
+                                  "create_cells_view", "expand_files", "find_gene_table", "row_counts",
+                                  "sql_ident", "sql_str"),
+    "omicsio_jax.storage.input_files": ("as_input_path", "register_s3"),
+    "omicsio_jax.storage.store": ("is_remote", "open_store"),
+}
+_EXPORTS = {name: module for module, names in _WRITER_API.items() for name in names}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

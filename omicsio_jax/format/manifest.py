@@ -1,0 +1,307 @@
+"""The manifest: what a materialized dataset directory holds, with sizes and checksums.
+
+A dataset directory looks like::
+
+    out/
+      manifest.json             written last: its presence marks the dataset complete
+      shard-00000.arrayrecord   one record per cell (see `codec`), shard_cells cells per shard
+      shard-00001.arrayrecord
+      features.parquet          the gene table, one row per column of the data, in column order
+      cell_ids.parquet          one string per cell, in row order
+      obs/<name>.codes.npy      categorical obs: int32 codes (-1 = missing) ...
+      obs/<name>.categories.json  ... and their categories
+      obs/<name>.npy            numeric obs
+      modalities/<name>/        a further modality of the same cells (say ATAC, or a splice layer):
+                                a complete dataset of its own, row i the same cell as row i here
+      obs/has_<name>.npy        ... and whether each cell has it (bool)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omicsio_jax.core.errors import DatasetFormatError
+from omicsio_jax.storage.store import is_remote, open_store
+
+FORMAT_NAME = "omicsio_jax.dataset"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LAYOUTS = ("sparse", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A file of the dataset with its size and SHA-256."""
+
+    path: str
+    num_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEntry:
+    """One ArrayRecord shard: cells ``[first_cell, first_cell + num_cells)``."""
+
+    path: str
+    first_cell: int
+    num_cells: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ObsEntry:
+    """One obs sidecar column: ``kind`` is ``"categorical"`` or ``"numeric"``."""
+
+    name: str
+    kind: str
+    dtype: str
+    num_categories: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModalityEntry:
+    """A further modality of the dataset's cells: a complete dataset of its own under ``path``
+    (``modalities/<name>``), whose row ``i`` is the cell of the primary's row ``i`` (an empty row where
+    the cell lacks the modality, see the primary's ``obs/has_<name>``). ``features`` is ``"primary"``
+    when its columns are the primary's genes (splice layers), else ``"own"`` (peaks, proteins)."""
+
+    name: str
+    path: str
+    num_features: int
+    layout: str
+    nnz: int
+    features: str
+    fingerprint: str
+    manifest_sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything known about a dataset directory; serialised as ``manifest.json``."""
+
+    num_cells: int
+    num_genes: int
+    nnz: int
+    layout: str
+    codec: dict[str, Any]
+    array_record: dict[str, Any]
+    shard_cells: int
+    shards: tuple[ShardEntry, ...]
+    files: tuple[FileEntry, ...]
+    obs: tuple[ObsEntry, ...]
+    source: dict[str, Any]
+    created_by: str
+    fingerprint: str = ""
+    modality: str = "rna"  # the name of the modality the top-level shards hold
+    modalities: tuple[ModalityEntry, ...] = ()  # the further ones, aligned by row
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def with_fingerprint(self) -> Manifest:
+        """Return a copy whose ``fingerprint`` is computed from the content description."""
+        return dataclasses.replace(self, fingerprint=compute_fingerprint(self))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        fields = dict(raw)
+        fields["shards"] = tuple(ShardEntry(**s) for s in raw["shards"])
+        fields["files"] = tuple(FileEntry(**f) for f in raw["files"])
+        fields["obs"] = tuple(ObsEntry(**o) for o in raw["obs"])
+        fields["modalities"] = tuple(ModalityEntry(**m) for m in raw.get("modalities", ()))
+        return cls(**fields)
+
+    def modality_entry(self, name: str) -> ModalityEntry:
+        """The entry of the further modality ``name`` (KeyError naming those there are)."""
+        for entry in self.modalities:
+            if entry.name == name:
+                return entry
+        msg = f"no modality {name!r}; this dataset has {', '.join([self.modality, *(m.name for m in self.modalities)])}"
+        raise KeyError(msg)
+
+
+# Statistics derived from the cells (written at materialize or added later by `omicsio-materialize
+# stats`) and the shards' chunk indexes (derived from the shards): not part of the fingerprint, so
+# adding them to an older dataset keeps its identity.
+DERIVED_FILES = ("gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy")
+DERIVED_DIRS = ("chunks/",)
+
+
+def is_derived(path: str) -> bool:
+    return path in DERIVED_FILES or path.startswith(DERIVED_DIRS)
+
+
+def compute_fingerprint(manifest: Manifest) -> str:
+    """SHA-256 over the content description: shape, layout, codec and every file checksum but
+    the `DERIVED_FILES`.
+
+    The source description and the creating version are left out, so the same data written
+    from parquet or from h5ad gets the same fingerprint.
+    """
+    content = {
+        "format_version": manifest.format_version,
+        "num_cells": manifest.num_cells,
+        "num_genes": manifest.num_genes,
+        "nnz": manifest.nnz,
+        "layout": manifest.layout,
+        "codec": manifest.codec,
+        "shard_cells": manifest.shard_cells,
+        "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
+        "files": sorted((f.path, f.sha256) for f in manifest.files if not is_derived(f.path)),
+    }
+    if manifest.modalities:  # a single-modality dataset keeps the fingerprint it always had
+        content["modality"] = manifest.modality
+        content["modalities"] = [(m.name, m.path, m.features, m.fingerprint) for m in manifest.modalities]
+    blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def fsync_path(path) -> None:
+    """Flush a file's or a directory's data and metadata to disk (a directory: its entries)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike[str], *, chunk_bytes: int = 8 << 20) -> str:
+    """SHA-256 of a file, read in chunks (constant memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(root: Path, relpath: str) -> FileEntry:
+    full = root / relpath
+    return FileEntry(relpath, full.stat().st_size, sha256_file(full))
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and check ``<path>/manifest.json`` (``path`` a directory or an ``s3://`` URL); raise
+    `DatasetFormatError` with a fix if absent or foreign."""
+    if is_remote(path):
+        url = str(path).rstrip("/")
+        text = open_store(url).read_text(MANIFEST_NAME)
+        if text is None:
+            msg = (f"{url!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its upload did not "
+                   f"finish ({MANIFEST_NAME} is uploaded last); check the URL")
+            raise DatasetFormatError(msg)
+        return parse_manifest(text, f"{url}/{MANIFEST_NAME}")
+    root = Path(path)
+    if not root.is_dir():
+        msg = f"{str(root)!r} is not a directory: pass the output directory of `omicsio-materialize`"
+        raise DatasetFormatError(msg)
+    mpath = root / MANIFEST_NAME
+    if not mpath.exists():
+        msg = (
+            f"{str(root)!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its "
+            "materialization did not finish (re-run `omicsio-materialize ... --overwrite`)"
+        )
+        raise DatasetFormatError(msg)
+    try:
+        text = mpath.read_text()
+    except OSError as e:
+        msg = f"cannot parse {mpath}: {e}"
+        raise DatasetFormatError(msg) from e
+    return parse_manifest(text, str(mpath))
+
+
+def parse_manifest(text: str, where: str) -> Manifest:
+    """The manifest in ``text`` (read from ``where``), checked to be one this version reads."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"cannot parse {where}: {e}"
+        raise DatasetFormatError(msg) from e
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        found = raw.get("format") if isinstance(raw, dict) else None
+        msg = f"{where} is not an omicsio_jax manifest (format={found!r})"
+        raise DatasetFormatError(msg)
+    if raw.get("format_version") != FORMAT_VERSION:
+        msg = (
+            f"{where} has format_version {raw.get('format_version')}, this omicsio_jax reads "
+            f"version {FORMAT_VERSION}: re-materialize the dataset or install a matching omicsio_jax"
+        )
+        raise DatasetFormatError(msg)
+    try:
+        return Manifest.from_dict(raw)
+    except (KeyError, TypeError) as e:
+        msg = f"{where} is malformed: {e}"
+        raise DatasetFormatError(msg) from e
+
+
+def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
+    """Recheck sizes and SHA-256 of every file in the manifest (``path`` a directory or an ``s3://``
+    URL, whose objects are streamed, not stored); return a list of problems (empty if sound)."""
+    manifest = read_manifest(path)
+    entries = [(s.path, s.num_bytes, s.sha256) for s in manifest.shards]
+    entries += [(f.path, f.num_bytes, f.sha256) for f in manifest.files]
+    if is_remote(path):
+        store = open_store(path)
+        sizes = dict(store.list())
+
+        def sha_of(relpath: str) -> str:
+            return _sha256_object(store, relpath, sizes[relpath])
+    else:
+        root = Path(path)
+        sizes = {p: (root / p).stat().st_size for p, _, _ in entries if (root / p).exists()}
+
+        def sha_of(relpath: str) -> str:
+            return sha256_file(root / relpath)
+    problems = []
+    for relpath, num_bytes, sha in entries:
+        size = sizes.get(relpath)
+        if size is None:
+            problems.append(f"{relpath}: missing")
+            continue
+        if size != num_bytes:
+            problems.append(f"{relpath}: {size} bytes, manifest says {num_bytes}")
+            continue
+        actual = sha_of(relpath)
+        if actual != sha:
+            problems.append(f"{relpath}: sha256 {actual[:16]}…, manifest says {sha[:16]}…")
+    if compute_fingerprint(manifest) != manifest.fingerprint:
+        problems.append("manifest.json: fingerprint does not match its content")
+    for entry in manifest.modalities:
+        problems += _verify_modality(path, entry)
+    return problems
+
+
+def _verify_modality(path: str | os.PathLike[str], entry: ModalityEntry) -> list[str]:
+    """A further modality's own dataset, checked through and against its entry in the primary's manifest."""
+    sub = f"{str(path).rstrip('/')}/{entry.path}" if is_remote(path) else Path(path) / entry.path
+    manifest_path = f"{entry.path}/{MANIFEST_NAME}"
+    if is_remote(path):
+        text = open_store(str(sub)).read_text(MANIFEST_NAME)
+        if text is None:
+            return [f"{manifest_path}: missing"]
+        sha = hashlib.sha256(text.encode()).hexdigest()
+    elif not (Path(sub) / MANIFEST_NAME).exists():
+        return [f"{manifest_path}: missing"]
+    else:
+        sha = sha256_file(Path(sub) / MANIFEST_NAME)
+    if sha != entry.manifest_sha256:
+        return [f"{manifest_path}: sha256 {sha[:16]}…, manifest says {entry.manifest_sha256[:16]}…"]
+    return [f"{entry.path}/{problem}" for problem in verify_dataset(sub)]
+
+
+def _sha256_object(store, key: str, num_bytes: int, *, piece_bytes: int = 8 << 20, window: int = 8) -> str:
+    """SHA-256 of an object, streamed by concurrent range GETs of ``window`` pieces at a time."""
+    digest = hashlib.sha256()
+    starts = range(0, num_bytes, piece_bytes)
+    for i in range(0, len(starts), window):
+        ranges = [(b, min(b + piece_bytes, num_bytes)) for b in starts[i : i + window]]
+        for blob in store.get_ranges(key, ranges, None):
+            digest.update(blob)
+    return digest.hexdigest()

@@ -1,0 +1,200 @@
+"""List-column cell tables (parquet file / directory / glob / hive partitions, vortex) as a DuckDB view.
+
+Shared by `materialize` (which streams the view into shards) and the query API (which adds a
+stable ``cell_rowid``). Files are always taken in sorted path order, so row ``r`` of the view is
+the same cell for every reader: with no ``--where``/``--query``, ``cell_rowid`` equals the
+row of the materialized dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from omicsio_jax.core.errors import DataValidationError
+from omicsio_jax.storage.input_files import expand_objects, register_s3
+from omicsio_jax.storage.store import is_remote
+
+FILENAME_COLUMN = "filename"
+FILE_ROW_COLUMN = "file_row_number"  # a row's position inside its file
+ROWID_COLUMN = "cell_rowid"
+GENE_TABLE_NAME = "gene_metadata.parquet"  # found beside the input when no gene table is given
+GENE_COLUMN = "gene_token_id"
+VALUE_COLUMN = "gene_expression"
+CELL_ID_COLUMN = "cell_id"
+
+
+def connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection as every reader of cell tables uses one (materialize, `CellTable`, the gene
+    table): rows kept in file order, no progress bar, ``threads`` threads (None: DuckDB's default),
+    and with ``remote`` ``s3://`` URLs readable (`register_s3`)."""
+    con = duckdb.connect()
+    con.execute("SET preserve_insertion_order = true")
+    con.execute("SET enable_progress_bar = false")
+    if threads is not None:
+        con.execute(f"SET threads = {int(threads)}")
+    if remote:
+        register_s3(con)
+    return con
+
+
+def sql_str(text: str) -> str:
+    """A SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def sql_ident(name: str) -> str:
+    """A SQL identifier (quoted)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def expand_files(spec: str) -> list[Path]:
+    """Files named by a path, a directory (searched recursively) or a glob, sorted; the same for
+    ``s3://`` keys, prefixes and globs (as `ObjectPath`)."""
+    path = Path(spec)
+    if is_remote(spec):
+        files = expand_objects(spec, (".parquet", ".vortex"), GENE_TABLE_NAME)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME)
+    elif any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    else:
+        files = [path] if path.exists() else []
+    if not files:
+        msg = f"no input files found for {spec!r} (expected a .parquet/.vortex file, a directory or a glob)"
+        raise DataValidationError(msg)
+    return files
+
+
+def find_gene_table(files: list[Path]) -> Path | None:
+    """``gene_metadata.parquet`` in the inputs' common folder or one of its parents."""
+    roots = {f.parent for f in files}
+    while len(roots) > 1 and {r.parent for r in roots} != roots:
+        roots = {r.parent for r in roots}
+    for root in [roots.pop(), *files[0].parents]:
+        candidate = root / GENE_TABLE_NAME
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def row_counts(files: list[Path]) -> list[int]:
+    """Rows per file, from the footers (several files at once: each is a round trip on object storage)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if files[0].suffix == ".vortex":
+        import vortex as vx
+
+        def count(f) -> int:
+            return len(vx.open(str(f)))
+    else:
+        import pyarrow.parquet as pq
+
+        def count(f) -> int:
+            if is_remote(f):
+                with f.open("rb") as handle:
+                    return pq.read_metadata(handle).num_rows
+            return pq.read_metadata(f).num_rows
+
+    with ThreadPoolExecutor(min(16, len(files))) as pool:
+        return list(pool.map(count, files))
+
+
+def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, label: str, filename: bool = False,
+                      rowid: bool = False, name: str = "cells", file_rows: bool = False,
+                      spans: dict[int, tuple[int, int | None]] | None = None) -> list[int]:
+    """Create view ``name`` over ``files``: hive partition columns included, union by column name.
+
+    ``filename`` adds the source file of each row and ``file_rows`` its ``file_row_number``;
+    ``spans`` (vortex only) restricts file ``i`` to rows ``[lo, hi)`` (``hi`` None: to its end),
+    read by index (parquet files are restricted by a ``file_row_number`` predicate instead, which
+    DuckDB pushes into the scan). ``rowid`` adds ``cell_rowid``, the row's
+    position in the concatenation of the files in sorted order (from each file's row count, so
+    it stays right under any filter), and returns the first ``cell_rowid`` of each file. For
+    parquet, ``rowid`` also creates ``<name>_all``: the same rows with ``filename`` and
+    ``file_row_number``, on which DuckDB skips row groups (see `rowid_pruning`).
+    """
+    vortex = [f for f in files if f.suffix == ".vortex"]
+    if vortex and len(vortex) != len(files):
+        msg = f"{label!r} mixes .vortex and other files; use them separately"
+        raise DataValidationError(msg)
+    try:
+        counts = row_counts(files) if rowid else []
+    except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
+        msg = f"cannot read {label}: {e}"
+        raise DataValidationError(msg) from e
+    bases = [sum(counts[:i]) for i in range(len(counts))]
+    if any(is_remote(f) for f in files):
+        register_s3(con)
+    if vortex:
+        import vortex as vx
+
+        arms = []
+        for i, path in enumerate(files):
+            lo, hi = (spans or {}).get(i, (0, None))
+            try:
+                vf = vx.open(str(path))
+                if lo == 0 and hi is None:
+                    table = vf.to_dataset()
+                else:
+                    hi = len(vf) if hi is None else hi
+                    table = vf.to_arrow(indices=vx.array(pa.array(np.arange(lo, hi, dtype=np.uint64))))
+                con.register(f"_{name}_vortex_{i}", table)
+            except Exception as e:  # vortex raises plain Exceptions for unreadable files
+                msg = f"cannot read {path}: {e}"
+                raise DataValidationError(msg) from e
+            extra = f", {sql_str(str(path))} AS {FILENAME_COLUMN}" if filename else ""
+            # a window with no ORDER BY streams and keeps the scan order
+            if file_rows:
+                extra += f", CAST({lo} + row_number() OVER () - 1 AS BIGINT) AS {FILE_ROW_COLUMN}"
+            if rowid:
+                extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
+            arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
+        if rowid:
+            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT * FROM {name}")
+        return bases
+    names = ", ".join(sql_str(str(f)) for f in files)
+    source = (f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
+              "union_by_name = true)")
+    hidden = ([] if file_rows else [FILE_ROW_COLUMN]) + ([] if filename else [FILENAME_COLUMN])
+    columns = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
+    extra = ""
+    if rowid:
+        cases = " ".join(f"WHEN {sql_str(str(f))} THEN {b}" for f, b in zip(files, bases, strict=True))
+        extra = f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
+    try:
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {columns}{extra} FROM {source}")
+        if rowid:
+            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT *{extra} FROM {source}")
+    except duckdb.Error as e:
+        msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
+        raise DataValidationError(msg) from e
+    return bases
+
+
+def rowid_pruning(files: list[Path], bases: list[int], rowids: np.ndarray, *, gap: int = 8192,
+                  max_spans: int = 64) -> str:
+    """A predicate on ``filename`` / ``file_row_number`` that DuckDB pushes into the parquet scan,
+    covering sorted unique ``rowids``: files without any are skipped, and within a file only the
+    row groups of a few spans of rows (split where ids are more than ``gap`` apart) are read."""
+    ends = [*bases[1:], np.iinfo(np.int64).max]
+    arms = []
+    for path, lo, hi in zip(files, bases, ends, strict=True):
+        local = rowids[(rowids >= lo) & (rowids < hi)] - lo
+        if len(local) == 0:
+            continue
+        cuts = np.flatnonzero(np.diff(local) > gap) + 1
+        if len(cuts) >= max_spans:
+            cuts = cuts[:0]  # too scattered: one span
+        starts = local[np.concatenate(([0], cuts))]
+        stops = local[np.concatenate((cuts - 1, [len(local) - 1]))]
+        spans = " OR ".join(f"file_row_number BETWEEN {a} AND {b}" for a, b in zip(starts.tolist(), stops.tolist(),
+                                                                                 strict=True))
+        arms.append(f"({FILENAME_COLUMN} = {sql_str(str(path))} AND ({spans}))")
+    return "(" + (" OR ".join(arms) or "false") + ")"

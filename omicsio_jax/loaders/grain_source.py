@@ -1,0 +1,231 @@
+"""`GrainSource` and `make_grain_loader`: a materialized dataset as a Grain data source.
+
+Record ``g`` of a `GrainSource` is one host minibatch, a `HostBatch` of numpy arrays: host
+``g % P``'s batch at global step ``g // P``, exactly what `make_loader` yields there. Grain calls
+``source[i]`` once per record, so a fetch-sized batched read has to live behind the records:
+each process reads a fetch once (`MinibatchReader`'s segment cache, reading the next ones ahead)
+and cuts its minibatches out of it. With ``worker_count = W > 0`` every worker reads every
+fetch it serves minibatches of (W× the reads), which pays where decoding, not reading, is the
+bottleneck, or for slow user operations.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.dataset.dataset import Dataset, open_dataset
+from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
+from omicsio_jax.outputs.base import Output
+from omicsio_jax.outputs.batch import HostBatch
+from omicsio_jax.sampling.coverage import Tally
+from omicsio_jax.sampling.schedule import Schedule
+from omicsio_jax.storage.store import is_remote
+
+
+class GrainSource(grain.sources.RandomAccessDataSource):
+    """A Grain ``RandomAccessDataSource`` of host minibatches, with the knobs of `make_loader`.
+
+    >>> src = oj.GrainSource("out/", batch_size=1024, seed=0, num_epochs=None, obs=("drug",))  # doctest: +SKIP
+    >>> loader = grain.DataLoader(data_source=src, sampler=src.sampler(), worker_count=2,
+    ...                           read_options=src.read_options())                          # doctest: +SKIP
+    >>> for host_batch in loader:
+    ...     batch = oj.place_batch(host_batch, mesh)      # sharded jax.Arrays          # doctest: +SKIP
+
+    ``len(src)`` is ``steps_per_epoch × num_epochs × process_count`` (an endless source rounds
+    ``sys.maxsize`` down to whole steps). The source holds only the dataset path and the
+    config, so it pickles into Grain's worker processes, which reopen the dataset; its
+    ``repr`` is the config with the dataset fingerprint, so Grain's DataLoader refuses a
+    checkpoint of another dataset or config. ``mesh`` only sets how many device slabs a
+    ``csr`` batch has (this host's devices along ``data_axis``).
+    """
+
+    def __init__(self, dataset: Dataset | str | os.PathLike[str], *, batch_size: int, block_size: int = 16,
+                 fetch_factor: int = 64, seed: int = 0, num_epochs: int | None = 1, sampling: str = "block",
+                 weights: np.ndarray | None = None, balance_by: str | None = None,
+                 rows: np.ndarray | Sequence[int] | None = None, obs: Sequence[str] = (),
+                 output: str | Output = "dense", genes: Sequence[str | int] | None = None,
+                 normalize: str | None = None, target_sum: float = 1e4, nnz_capacity: int | None = None,
+                 drop_remainder: bool = True, mesh=None, data_axis: str = "data", process_count: int | None = None,
+                 prefetch: int = 2, decode_threads: int | None = None):
+        ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
+        hosts = jax.process_count() if process_count is None else process_count
+        self.spec = DiskSpec.of(output=output, genes=genes, normalize=normalize, target_sum=target_sum,
+                                nnz_capacity=nnz_capacity, rows=rows, obs=obs, mesh=mesh, data_axis=data_axis,
+                                num_hosts=hosts, batch_size=batch_size, block_size=block_size,
+                                fetch_factor=fetch_factor, seed=seed, num_epochs=num_epochs, sampling=sampling,
+                                weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
+        plan, bound = self.spec.resolve(ds)
+        self.path, self.open_options = str(ds.path), ds.open_options  # how workers open it again
+        self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
+        self.prefetch, self.decode_threads = prefetch, decode_threads
+        layout = {"num_hosts": hosts, "num_slabs": self.spec.num_slabs,
+                  "nnz_capacity": getattr(bound, "nnz_capacity", None)}
+        self._config = {**self.spec.config(ds, plan, bound), **layout}
+        per_pass = self.steps_per_epoch * hosts
+        self._length = per_pass * num_epochs if num_epochs is not None else (sys.maxsize // per_pass) * per_pass
+        self._local: dict | None = None
+        self._lock = threading.Lock()
+
+    # ----- pickling: path and config only ------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_local"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def cache_dir(self):
+        """A remote dataset's local cache, which workers reopen it on (None for a local dataset)."""
+        return self.open_options["cache_dir"] if is_remote(self.path) else None
+
+    @property
+    def cache_bytes(self) -> int | None:
+        return self.open_options["cache_bytes"] if is_remote(self.path) else None
+
+    def __repr__(self) -> str:
+        return f"GrainSource({json.dumps(self._config, sort_keys=True)})"
+
+    # ----- the protocol ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, record_key: int) -> HostBatch:
+        key = int(record_key)
+        if not 0 <= key < self._length:
+            msg = f"record {record_key} out of range: the source has {self._length} records"
+            raise IndexError(msg)
+        step, host = divmod(key, self.num_hosts)
+        return self._reader(host)(*divmod(step, self.steps_per_epoch))
+
+    def _reader(self, host: int) -> MinibatchReader:
+        with self._lock:
+            if self._local is None:  # first use in this process: reopen the dataset
+                ds = open_dataset(self.path, **self.open_options)
+                plan, output = self.spec.resolve(ds)
+                self._local = {"ds": ds, "plan": plan, "output": output, "readers": {}}
+            local = self._local
+            reader = local["readers"].get(host)
+            if reader is None:
+                reader = local["readers"][host] = MinibatchReader(
+                    local["ds"], Schedule(local["plan"], host), local["output"], self.spec.obs,
+                    num_epochs=self.spec.num_epochs, prefetch=self.prefetch, decode_threads=self.decode_threads,
+                    keep_buffers=8)
+            return reader
+
+    # ----- helpers -----------------------------------------------------------------------------
+    def sampler(self, process_index: int | None = None, process_count: int | None = None) -> grain.samplers.Sampler:
+        """Grain's ``SequentialSampler`` sharded like the source: process ``h`` of ``P`` gets records
+        ``h, h + P, ...`` (default: ``jax.process_index()`` / ``jax.process_count()``)."""
+        index = jax.process_index() if process_index is None else process_index
+        count = self.num_hosts if process_count is None else process_count
+        if count != self.num_hosts or not 0 <= index < count:
+            msg = (f"process {index} of {count}: this source was made for {self.num_hosts} process(es); "
+                   f"pass process_count={count} to GrainSource")
+            raise OmicsIOError(msg)
+        shards = grain.sharding.ShardOptions(shard_index=index, shard_count=count, drop_remainder=True)
+        return grain.samplers.SequentialSampler(num_records=self._length, shard_options=shards)
+
+    def read_options(self, num_threads: int = 2, prefetch_buffer_size: int | None = None) -> grain.ReadOptions:
+        """Read options sized for minibatch records: ``num_threads`` threads decode, each a record
+        or so ahead (Grain's default buffer of 500 records would hold gigabytes of batches)."""
+        return grain.ReadOptions(num_threads=num_threads,
+                                 prefetch_buffer_size=prefetch_buffer_size or max(num_threads, 1) + 1)
+
+    def planned(self, epoch: int, process_index: int = 0) -> Tally:
+        """What process ``process_index`` serves in ``epoch`` (compare a `Tally` of its batches' ``index``)."""
+        reader = self._reader(process_index)
+        return reader.schedule.planned(epoch)
+
+
+def _under_main_guard(path: str, line: int) -> bool:
+    """Whether ``line`` of the script ``path`` lies inside ``if __name__ == "__main__":``."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: do not stand in the way
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
+                and isinstance(node.test.ops[0], ast.Eq):
+            sides = {ast.unparse(node.test.left), ast.unparse(node.test.comparators[0])}
+            if sides == {"__name__", "'__main__'"} and node.lineno <= line <= (node.end_lineno or line):
+                return True
+    return False
+
+
+def check_operations(operations: Sequence) -> None:
+    """Only one-to-one Grain operations: one record is one step's batch on every host."""
+    for op in operations:
+        if not isinstance(op, grain.transforms.Map | grain.transforms.RandomMap):
+            msg = (f"operation {op!r} is not a grain.transforms.Map or RandomMap: one record is one step's batch, "
+                   "so only one-to-one operations keep every host's steps aligned and resume exact")
+            raise OmicsIOError(msg)
+
+
+def check_worker_setup(operations: Sequence) -> None:
+    """The usual failures of Grain worker processes, turned into one-line errors that say the fix:
+    a script without ``if __name__ == "__main__":`` (spawned workers re-run it), an operation that
+    cannot be pickled. Also applies the absl-flags workaround (grain#1355) where flags are unparsed."""
+    main = sys.modules.get("__main__")
+    frame = sys._getframe(1)
+    while frame is not None and not (main is not None and frame.f_globals is vars(main)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    path = getattr(main, "__file__", None)
+    if frame is not None and path and not _under_main_guard(path, frame.f_lineno):
+        msg = (f"{path}, line {frame.f_lineno}: worker processes re-run this script from the top; build and "
+               f"iterate the loader under `if __name__ == \"__main__\":` (or pass worker_count=0)")
+        raise OmicsIOError(msg)
+    import cloudpickle
+
+    for op in operations:
+        try:
+            cloudpickle.dumps(op)
+        except Exception as e:  # noqa: BLE001 -- any pickling failure, reported as one line
+            msg = (f"operation {op!r} cannot be sent to worker processes ({type(e).__name__}: {e}); define it at "
+                   "module level, holding no lock, open file or loader (or pass worker_count=0)")
+            raise OmicsIOError(msg) from e
+    try:
+        from absl import flags
+    except ImportError:
+        return
+    if not flags.FLAGS.is_parsed():  # jax imports absl; without absl.app nothing parses them (grain#1355)
+        flags.FLAGS.mark_as_parsed()
+
+
+def make_grain_loader(dataset: Dataset | str | os.PathLike[str], *, batch_size: int, worker_count: int = 0,
+                      worker_buffer_size: int = 1, operations: Sequence = (), num_threads: int = 2,
+                      process_index: int | None = None, process_count: int | None = None,
+                      **source_options) -> grain.DataLoader:
+    """A ``grain.DataLoader`` over a `GrainSource`: the batches of `make_loader`, as numpy `HostBatch`es.
+
+    >>> loader = oj.make_grain_loader(ds, batch_size=1024, seed=0, num_epochs=None, obs=("drug",),
+    ...                               worker_count=2)                             # doctest: +SKIP
+    >>> it = iter(loader)
+    >>> batch = oj.place_batch(next(it), mesh)                                     # doctest: +SKIP
+
+    ``source_options`` are `GrainSource`'s (the knobs of `make_loader`). ``operations`` are
+    Grain ``Map`` / ``RandomMap`` transforms applied to each `HostBatch` (in the workers when
+    ``worker_count > 0``); ``num_threads`` threads decode records in each process. Checkpoint
+    the iterator with ``grain.checkpoint.CheckpointSave`` (Orbax) or its ``get_state``.
+    """
+    check_operations(operations)
+    if worker_count:
+        check_worker_setup(operations)
+    src = GrainSource(dataset, batch_size=batch_size, process_count=process_count, **source_options)
+    return grain.DataLoader(data_source=src, sampler=src.sampler(process_index, process_count),
+                            operations=list(operations), worker_count=worker_count,
+                            worker_buffer_size=worker_buffer_size, read_options=src.read_options(num_threads))

@@ -1,0 +1,324 @@
+"""`make_memory_loader`: batches from an `InMemoryPanel`, on the host or already on the devices.
+
+- ``placement="host"``: each epoch is a permutation ``default_rng([seed, epoch])`` of the
+  cells, and global batch ``s`` is its slice ``[s·B, (s+1)·B)`` whatever the number of hosts;
+  host ``h`` gathers its ``h``-th share with a parallel numba row copy into a 64-byte aligned
+  buffer that ``make_array_from_process_local_data`` adopts without a copy. A restore onto
+  another number of hosts therefore continues the epoch exactly.
+- ``placement="device"``: the panel is placed once on the devices, sharded along cells with
+  ``NamedSharding(mesh, P(axis))`` (cells dealt to devices by the permutation
+  ``default_rng([seed, PLACEMENT_STREAM])``); each epoch every device permutes its own cells
+  (``default_rng([seed, epoch, device])``, uploaded as one small int32 array per epoch) and a
+  jitted gather draws each step's rows where they live: no host-to-device copy per step and no
+  cross-device traffic. Cells left over when a device's share is not a multiple of its batch
+  slice sit out that epoch (a different few each epoch).
+
+Both are `grain.DatasetIterator`s that replay exactly from ``(epoch, step)`` plus a fingerprint
+of data and config, and audit their coverage (on the devices for ``placement="device"``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numba as nb
+import numpy as np
+
+from omicsio_jax.core.buffers import RowBuffers
+from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
+from omicsio_jax.core.producer import Background
+from omicsio_jax.loaders.memory_panel import InMemoryPanel
+from omicsio_jax.loaders.state import check_state
+from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding, place_batch
+from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
+
+STATE_VERSION = 2
+PLACEMENT_STREAM = 0x5EED  # the rng stream that deals cells to devices (placement="device")
+PLACEMENTS = ("host", "device")
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _gather_rows(x, rows, out):
+    for i in nb.prange(rows.shape[0]):
+        out[i, :] = x[rows[i], :]
+
+
+@functools.partial(jax.jit, static_argnames=("rows",), donate_argnums=3)
+def _draw(arrays, perm, step, acc, *, rows):
+    """Each device gathers ``rows`` of its own cells: ``arrays`` leaves are (devices, L, ...) and
+    ``perm`` is (devices, L), both sharded on axis 0; results are flattened to (devices × rows, ...).
+    ``acc`` (devices, 3) uint32 gets each device's coverage tally of the rows it drew, in the same call."""
+    idx = jax.lax.dynamic_slice_in_dim(perm, step * rows, rows, axis=1)
+
+    def take(a):
+        return jax.vmap(lambda local, i: jnp.take(local, i, axis=0, mode="clip"))(a, idx)  # in bounds
+
+    picked = jax.tree.map(take, arrays)
+    index = picked["index"]
+    acc = acc + jax.vmap(lambda i: jnp.stack(device_tally(i, i >= 0)))(index)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked), acc
+
+
+class MemoryLoader(grain.DatasetIterator):
+    """Batches from an `InMemoryPanel`; `get_state`/`set_state` resume exactly. Use `make_memory_loader`."""
+
+    def __init__(self, panel: InMemoryPanel, *, batch_size: int, seed: int, num_epochs: int | None,
+                 placement: str, mesh, data_axis: str, drop_remainder: bool, host: int, hosts: int,
+                 prefetch: int):
+        super().__init__()
+        self._stream = None
+        self.panel, self.batch_size, self.seed, self.num_epochs = panel, batch_size, seed, num_epochs
+        self.placement, self.mesh, self.data_axis, self.drop_remainder = placement, mesh, data_axis, drop_remainder
+        self.host, self.hosts, self.prefetch = host, hosts, prefetch
+        self.local_batch = batch_size // hosts
+        self._epoch, self._step, self._anchor, self._served = 0, 0, 0, Tally()
+        self._perm_cache: tuple[int | None, np.ndarray | None] = (None, None)
+        self._buffers = RowBuffers(keep=prefetch + 4)
+        if placement == "device":
+            self._place_on_devices()
+        n = panel.num_cells
+        self.steps_per_epoch = self._device_steps if placement == "device" else (
+            n // batch_size if drop_remainder else -(-n // batch_size))
+
+    # ----- state -------------------------------------------------------------------------------
+    def config(self) -> dict:
+        """What decides the batches. Host placement serves the same global batches on any number of
+        hosts, so a restore may change it; device placement deals cells to the devices."""
+        return {"panel": self.panel.fingerprint[:16], "batch_size": self.batch_size, "seed": self.seed,
+                "num_epochs": self.num_epochs, "placement": self.placement, "drop_remainder": self.drop_remainder,
+                "devices": None if self.placement == "host" else self._devices,
+                "hosts": None if self.placement == "host" else self.hosts}
+
+    def get_state(self) -> dict:
+        """``{"version", "config", "epoch", "step", ...}``: the next batch to serve (< 1 KB of JSON)."""
+        return {"version": STATE_VERSION, "config": self.config(), "epoch": self._epoch, "step": self._step,
+                "anchor": self._anchor, "process": [self.host, self.hosts], "served": self.coverage().served.to_json()}
+
+    def set_state(self, state: dict | Sequence[dict]) -> None:
+        """Resume at ``state`` (or every process's states, for another number of hosts); refuses a
+        state of another panel or config, one line per difference."""
+        states = [state] if isinstance(state, dict) else list(state)
+        for s in states:
+            check_state(s, STATE_VERSION, self.config())
+        if len({(s["epoch"], s["step"]) for s in states}) != 1:
+            msg = "the processes' states stand at different steps: not one checkpoint"
+            raise StateMismatchError(msg)
+        count = states[0]["process"][1]
+        self._stop_stream()
+        self._epoch, self._step = int(states[0]["epoch"]), int(states[0]["step"])
+        if count == self.hosts:
+            own = next((s for s in states if s["process"][0] == self.host), None)
+            if own is None:
+                msg = f"no state of process {self.host} among {[s['process'] for s in states]}"
+                raise StateMismatchError(msg)
+            self._anchor, served = int(own["anchor"]), Tally.from_json(own["served"])
+        elif len(states) == count:  # host placement only (the config refuses device placement)
+            self._anchor = self._step
+            served = Tally()
+            if self.host == 0:  # process 0 carries what every process served before
+                for s in states:
+                    served = served + Tally.from_json(s["served"])
+        else:
+            msg = (f"the checkpoint was written by {count} processes and this run has {self.hosts}: pass all "
+                   f"{count} states (oj.read_loader_states(directory))")
+            raise StateMismatchError(msg)
+        self._set_served(served)
+
+    def coverage(self) -> Coverage:
+        """This process's served and planned cells of the current epoch (see `Coverage`)."""
+        served = self._served
+        if self.placement == "device":
+            local = sum((np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
+                        np.zeros(3, np.uint64)).reshape(-1)
+            served = self._served + tally_from_device(*local.tolist())
+        return Coverage(self._epoch, served, self._planned(self._epoch))
+
+    def _set_served(self, served: Tally) -> None:
+        self._served = served
+        if self.placement == "device":
+            zeros = np.zeros((self._devices, 3), np.uint32)
+            self._acc = jax.make_array_from_callback(zeros.shape, data_sharding(self.mesh, self.data_axis),
+                                                     lambda index: zeros[index])
+
+    def _planned(self, epoch: int) -> Tally:
+        if self.placement == "device":
+            rows = np.concatenate([self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
+                                   for d in self._local_devices])
+            return Tally.of(self.panel.rowids[rows])
+        perm = self._permutation(epoch)
+        b, B = self.local_batch, self.batch_size
+        start = self._anchor if epoch == self._epoch else 0
+        total = Tally.of(self.panel.rowids[perm[: start * B]]) if (start and self.host == 0) else Tally()
+        for step in range(start, self.steps_per_epoch):
+            total = total + Tally.of(self.panel.rowids[perm[step * B + self.host * b : step * B + (self.host + 1) * b]])
+        return total
+
+    # ----- iteration ---------------------------------------------------------------------------
+    def __next__(self) -> Batch:
+        self._assert_not_closed()
+        if self.num_epochs is not None and self._epoch >= self.num_epochs:
+            raise StopIteration
+        if self.placement == "device":
+            batch = self._device_batch(self._epoch, self._step)
+        else:
+            if self.prefetch <= 0:  # gather in the caller's thread
+                hb = self._host_batch(self._rows(self._epoch, self._step))
+            else:
+                if self._stream is None:
+                    start = (self._epoch, self._step)
+                    self._stream = Background(lambda: self._host_batches(*start), depth=self.prefetch)
+                hb = next(self._stream)
+            self._served = self._served + Tally.of(hb.index)
+            batch = place_batch(hb, self.mesh, self.data_axis)
+        self._step += 1
+        if self._step >= self.steps_per_epoch:
+            self.coverage().check(f"make_memory_loader (process {self.host})")
+            self._epoch, self._step, self._anchor = self._epoch + 1, 0, 0
+            self._set_served(Tally())
+        return batch
+
+    def _stop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread; idempotent."""
+        self._stop_stream()
+        super().close()
+
+    # ----- host placement ----------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm_cache[0] != epoch:
+            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.panel.num_cells))
+        return self._perm_cache[1]
+
+    def _rows(self, epoch: int, step: int) -> np.ndarray:
+        """This host's cells of batch ``step`` of ``epoch``."""
+        lo = step * self.batch_size + self.host * self.local_batch
+        return self._permutation(epoch)[lo : lo + self.local_batch]
+
+    def _host_batches(self, epoch: int, step: int) -> Iterator[HostBatch]:
+        while self.num_epochs is None or epoch < self.num_epochs:
+            for s in range(step, self.steps_per_epoch):
+                yield self._host_batch(self._rows(epoch, s))
+            epoch, step = epoch + 1, 0
+
+    def _host_batch(self, rows: np.ndarray) -> HostBatch:
+        n, b = len(rows), self.local_batch
+        x = self._buffers.empty((b, self.panel.x.shape[1]))
+        _gather_rows(self.panel.x, rows, x[:n])
+        if n < b:
+            x[n:] = 0
+        obs = {}
+        for name, column in self.panel.obs.items():
+            out = np.full(b, -1 if column.dtype.kind in "iu" else np.nan, column.dtype)
+            out[:n] = column[rows]
+            obs[name] = out
+        index = np.full(b, -1, np.int32)
+        index[:n] = self.panel.rowids[rows]
+        return HostBatch(x, obs, index, np.arange(b) < n)
+
+    # ----- device placement --------------------------------------------------------------------
+    def _place_on_devices(self) -> None:
+        n = self.panel.num_cells
+        devices = 1 if self.mesh is None else int(self.mesh.shape[self.data_axis])
+        deal = np.random.default_rng([self.seed, PLACEMENT_STREAM]).permutation(n)
+        self._parts = parts = np.array_split(deal, devices)
+        self._valid = np.array([len(p) for p in parts])
+        rows_local = self.batch_size // devices
+        self._device_steps = int(self._valid.min()) // rows_local
+        self._devices, self._rows_local, self._length = devices, rows_local, max(int(self._valid.max()), 1)
+        sharding = data_sharding(self.mesh, self.data_axis)
+        self._local_devices = sorted({index[0].start or 0
+                                      for index in sharding.addressable_devices_indices_map((devices,)).values()})
+
+        def put(column: np.ndarray, fill) -> jax.Array:
+            def shard(index) -> np.ndarray:
+                d = index[0].start or 0
+                part = parts[d]
+                out = np.full((1, self._length, *column.shape[1:]), fill, column.dtype)
+                out[0, : len(part)] = column[part]
+                return out
+
+            return jax.make_array_from_callback((devices, self._length, *column.shape[1:]), sharding, shard)
+
+        self._arrays = {"x": put(self.panel.x, 0),
+                        "index": put(self.panel.rowids.astype(np.int32), -1),
+                        "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()}}
+        self._perm_epoch, self._perm = None, None
+        ones = np.ones(self.batch_size, bool)
+        self._mask = jax.make_array_from_callback(ones.shape, sharding, lambda index: ones[index])
+        self._set_served(Tally())
+
+    def _device_order(self, epoch: int, device: int) -> np.ndarray:
+        """The order in which device ``device`` draws its own cells in ``epoch`` (positions in its share)."""
+        return np.random.default_rng([self.seed, epoch, device]).permutation(self._valid[device])
+
+    def _device_rows(self, epoch: int, device: int) -> np.ndarray:
+        """Panel rows device ``device`` draws in ``epoch``, in order."""
+        return self._parts[device][self._device_order(epoch, device)]
+
+    def _device_batch(self, epoch: int, step: int) -> Batch:
+        if self._perm_epoch != epoch:
+            perms = np.zeros((self._devices, self._length), np.int32)
+            for d in range(self._devices):
+                perms[d, : self._valid[d]] = self._device_order(epoch, d)
+            self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis),
+                                                      lambda index: perms[index])
+            self._perm_epoch = epoch
+        out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
+        return Batch(out["x"], out["obs"], out["index"], self._mask)
+
+
+def make_memory_loader(
+    panel: InMemoryPanel,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    num_epochs: int | None = 1,
+    placement: str = "host",
+    mesh=None,
+    data_axis: str = "data",
+    drop_remainder: bool = True,
+    prefetch: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> MemoryLoader:
+    """Batches from a panel in memory: shuffled per epoch, placed as jax.Arrays sharded on ``data_axis``.
+
+    >>> panel = oj.load_panel(oj.open_dataset("out_panel/"), obs=("drug",))      # doctest: +SKIP
+    >>> loader = oj.make_memory_loader(panel, batch_size=1024, seed=0, num_epochs=None,
+    ...                                placement="device", mesh=mesh)               # doctest: +SKIP
+    >>> batch = next(loader); state = loader.get_state()     # loader.set_state(state) replays
+
+    ``placement="host"`` keeps the panel in host RAM and copies each batch to the devices;
+    ``"device"`` keeps the whole panel on the devices (see the module docstring). With
+    ``drop_remainder=False`` (host placement only) the last batch of an epoch is padded and
+    masked. ``prefetch`` > 0 gathers that many host batches ahead in a thread; the default 0
+    gathers in the caller's thread (a 1,024 × 2,000 batch is a ~0.5 ms copy, and JAX's async
+    dispatch already overlaps it with the previous step; on 2 CPU cores the thread costs ~20%).
+    """
+    if placement not in PLACEMENTS:
+        msg = f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
+        raise OmicsIOError(msg)
+    host = jax.process_index() if process_index is None else process_index
+    hosts = jax.process_count() if process_count is None else process_count
+    devices = 1 if mesh is None else int(mesh.shape[data_axis])
+    if batch_size <= 0 or batch_size % hosts or batch_size % devices:
+        msg = f"batch_size {batch_size} must be a positive multiple of the {hosts} host(s) and {devices} device(s)"
+        raise OmicsIOError(msg)
+    if placement == "device" and not drop_remainder:
+        msg = "placement='device' always drops the remainder (each device draws only full batches)"
+        raise OmicsIOError(msg)
+    loader = MemoryLoader(panel, batch_size=batch_size, seed=seed, num_epochs=num_epochs, placement=placement,
+                          mesh=mesh, data_axis=data_axis, drop_remainder=drop_remainder, host=host, hosts=hosts,
+                          prefetch=prefetch)
+    if loader.steps_per_epoch == 0:
+        msg = f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"
+        raise OmicsIOError(msg)
+    return loader

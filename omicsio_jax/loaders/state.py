@@ -1,0 +1,63 @@
+"""Loader state: the config check every loader applies on restore, and the per-process state files.
+
+A state is small JSON: ``{"version", "config", ...position...}``. ``config`` holds what decides
+the batches (dataset fingerprint and every sampling/output knob); restoring a state whose config
+differs is refused with one line per difference, "in checkpoint" beside "in loader".
+
+Grain's checkpoint handler and Orbax write one ``process_<i>-of-<n>.json`` per process;
+`read_loader_states` reads all of a checkpoint's files, which is what an elastic restore (another
+number of processes) needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from omicsio_jax.core.errors import StateMismatchError
+
+_PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def check_state(state: dict, version: int, config: dict) -> None:
+    """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
+    if not isinstance(state, dict) or state.get("version") != version:
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        msg = f"loader state version {got!r} is not {version}: it was written by another loader or release"
+        raise StateMismatchError(msg)
+    theirs = state["config"]
+    diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
+             for k in sorted(set(config) | set(theirs)) if config.get(k) != theirs.get(k)]
+    if diffs:
+        msg = "loader state does not match this loader:\n" + "\n".join(diffs)
+        raise StateMismatchError(msg)
+
+
+def read_loader_states(directory: str | os.PathLike[str]) -> list[dict]:
+    """Every process's loader state in a checkpoint directory, ordered by process index.
+
+    >>> states = oj.read_loader_states("ckpt/200/data")     # written with 2 processes  # doctest: +SKIP
+    >>> loader.set_state(states)         # this run has 1 (or 4): the epoch continues exactly  # doctest: +SKIP
+
+    ``directory`` holds the ``process_<i>-of-<n>.json`` files that ``grain.checkpoint.CheckpointSave``
+    or Orbax's ``save_checkpointables`` wrote. Raises `StateMismatchError` if a process's file is
+    missing or files of two different process counts are mixed.
+    """
+    root = Path(directory)
+    found: dict[int, set[int]] = {}
+    for entry in root.iterdir() if root.is_dir() else ():
+        m = _PROCESS_FILE.fullmatch(entry.name)
+        if m:
+            found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    if len(found) != 1:
+        what = "no process_<i>-of-<n>.json file" if not found else f"files of {sorted(found)} processes mixed"
+        msg = f"{root}: {what}; pass the directory a loader state was saved into"
+        raise StateMismatchError(msg)
+    (count, indices), = found.items()
+    missing = sorted(set(range(count)) - indices)
+    if missing:
+        msg = f"{root}: the states of process(es) {missing} of {count} are missing"
+        raise StateMismatchError(msg)
+    return [json.loads((root / f"process_{i}-of-{count}.json").read_text()) for i in range(count)]

@@ -1,0 +1,294 @@
+"""`make_stream_loader`: a DuckDB query straight to sharded jax.Arrays, without materializing.
+
+query → Arrow record batches (stage 4) → CSR views → optional shuffle window → numba scatter
+(full transcriptome or gene panel, optional fused normalize + log1p) → 64-byte aligned host rows
+→ ``make_array_from_process_local_data`` with ``NamedSharding``. A background thread runs the
+query and the scatter while the consumer computes. For inference and quick experiments; for
+training on more than a few passes, materialize and use `make_loader` (block sampling, replay).
+
+The shuffle window: consecutive windows of ``shuffle_buffer`` cells (rounded up to whole
+batches) are each permuted with ``default_rng([seed, epoch, window])`` and served. A cell
+moves at most one window from its place, so a window should span several plates of the table
+to mix them.
+
+Each pass is a `grain.DatasetIterator` (`StreamIterator`): its state is ``(epoch, batches
+served)``; a restore runs the query again and skips the windows already served without
+decoding them. At the end of a pass the cells served are checked against the query's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+
+import grain
+import numpy as np
+
+from omicsio_jax.core.buffers import RowBuffers
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.producer import Background
+from omicsio_jax.format.csr import take_rows
+from omicsio_jax.loaders.state import check_state
+from omicsio_jax.outputs.base import Output, OutputContext
+from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
+from omicsio_jax.outputs.resolve import resolve_output
+from omicsio_jax.query.cell_table import CellTable, ObsSpec
+from omicsio_jax.sampling.coverage import Coverage, Tally
+
+STATE_VERSION = 1
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass
+class _Window:
+    indptr: np.ndarray
+    indices: np.ndarray
+    values: np.ndarray
+    rowids: np.ndarray
+    obs: dict[str, np.ndarray]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rowids)
+
+    def split(self, n: int) -> tuple[_Window, _Window]:
+        """The first ``n`` rows and the rest, as views."""
+        return (_Window(self.indptr[: n + 1], self.indices, self.values, self.rowids[:n],
+                        {k: v[:n] for k, v in self.obs.items()}),
+                _Window(self.indptr[n:], self.indices, self.values, self.rowids[n:],
+                        {k: v[n:] for k, v in self.obs.items()}))
+
+    @staticmethod
+    def concat(parts: list[_Window]) -> _Window:
+        if len(parts) == 1:
+            return parts[0]
+        lengths = np.concatenate([np.diff(p.indptr) for p in parts])
+        indptr = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        return _Window(indptr,
+                       np.concatenate([p.indices[p.indptr[0] : p.indptr[-1]] for p in parts]),
+                       np.concatenate([p.values[p.indptr[0] : p.indptr[-1]] for p in parts]),
+                       np.concatenate([p.rowids for p in parts]),
+                       {k: np.concatenate([p.obs[k] for p in parts]) for k in parts[0].obs})
+
+
+class StreamLoader:
+    """Batches of a query's cells as sharded jax.Arrays. Build with `make_stream_loader`.
+
+    ``for batch in loader`` runs one pass (epoch 0); ``loader.epoch(e)`` runs pass ``e`` with
+    its own shuffle. Each `Batch` has ``x`` (``(batch_size, features)`` float32), ``obs``,
+    ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
+    """
+
+    def __init__(self, table: CellTable, *, batch_size: int, output: Output, where: str | None,
+                 rowids: np.ndarray | None, obs: list[ObsSpec], shuffle_buffer: int, seed: int, mesh, data_axis: str,
+                 drop_remainder: bool, batch_rows: int, prefetch: int):
+        self.table, self.batch_size, self.output = table, batch_size, output
+        self.where, self.rowids, self.obs_specs = where, rowids, obs
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
+        self.batch_rows, self.prefetch = batch_rows, prefetch
+        # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
+        self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
+        self._buffers = RowBuffers()
+
+    def __iter__(self) -> StreamIterator:
+        return self.epoch(0)
+
+    def epoch(self, epoch: int) -> StreamIterator:
+        """One pass over the query's cells, shuffled (when ``shuffle_buffer`` > 0) for ``epoch``."""
+        return StreamIterator(self, epoch)
+
+    def config(self) -> dict:
+        """What decides the batches: the table's files, the query, the output and the shuffle."""
+        def digest(value) -> str:
+            return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+        return {"table": digest(self.table.fingerprint()), "where": self.where,
+                "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
+                "obs": [s.name for s in self.obs_specs], **self.output.config(), "batch_size": self.batch_size,
+                "shuffle_buffer": self.shuffle_buffer, "seed": self.seed, "drop_remainder": self.drop_remainder}
+
+    def planned(self, epoch: int) -> Tally:
+        """The cells a pass serves: the query's, less the last window's partial batch if dropped."""
+        rows = self.table.select(self.where, rowids=self.rowids)  # the stream's order: ascending cell_rowid
+        full = len(rows) // self.window_rows * self.window_rows
+        last = rows[full:]
+        if self.drop_remainder and len(last) % self.batch_size:
+            kept = len(last) // self.batch_size * self.batch_size
+            last = last[self._order(len(last), epoch, full // self.window_rows)[:kept]]
+        return Tally.of(rows[:full]) + Tally.of(last)
+
+    # ----- host side -------------------------------------------------------------------------
+    def _windows(self) -> Iterator[_Window]:
+        for b in self.table.stream_csr([s.name for s in self.obs_specs], where=self.where, rowids=self.rowids,
+                                       batch_rows=self.batch_rows):
+            if len(b.rowids) and b.rowids.max() > _INT32_MAX:
+                msg = f"cell_rowid {int(b.rowids.max())} does not fit the int32 batch index"
+                raise OmicsIOError(msg)
+            yield _Window(b.indptr, b.indices, b.values, b.rowids,
+                          {s.name: s.encode(b.columns[s.name]) for s in self.obs_specs})
+
+    def _window_stream(self) -> Iterator[_Window]:
+        """Windows of exactly ``window_rows`` consecutive rows (the last one shorter)."""
+        pending: list[_Window] = []
+        held = 0
+        for part in self._windows():
+            pending.append(part)
+            held += part.num_rows
+            while held >= self.window_rows:
+                head, tail = _Window.concat(pending).split(self.window_rows)
+                yield head
+                pending, held = ([tail] if tail.num_rows else []), tail.num_rows
+        if held:
+            yield _Window.concat(pending)
+
+    def _host_batches(self, epoch: int, skip: int = 0) -> Iterator[HostBatch]:
+        """The pass's host batches after the first ``skip`` (whole windows skipped undecoded)."""
+        per_window = self.window_rows // self.batch_size
+        for number, window in enumerate(self._window_stream()):
+            if skip >= per_window and window.num_rows == self.window_rows:
+                skip -= per_window
+                continue
+            order = self._order(window.num_rows, epoch, number)
+            full = (window.num_rows // self.batch_size) * self.batch_size
+            yield from self._serve(window, order[skip * self.batch_size : full])
+            if full < window.num_rows and not self.drop_remainder and skip <= full // self.batch_size:
+                yield self._batch(window, order[full:])  # only the last window has a remainder
+            skip = 0
+
+    def _order(self, n: int, epoch: int, window: int) -> np.ndarray:
+        if self.shuffle_buffer <= 0:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch, window]).permutation(n)
+
+    def _serve(self, window: _Window, order: np.ndarray) -> Iterator[HostBatch]:
+        for start in range(0, len(order), self.batch_size):
+            yield self._batch(window, order[start : start + self.batch_size])
+
+    def _batch(self, window: _Window, order: np.ndarray) -> HostBatch:
+        n, b = len(order), self.batch_size
+        if self.shuffle_buffer <= 0 and (n == 0 or order[-1] - order[0] == n - 1):  # contiguous: no copy
+            indptr = window.indptr[order[0] : order[0] + n + 1] if n else window.indptr[:1]
+            indices, values = window.indices, window.values
+        else:
+            indptr, indices, values = take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
+        if n < b:  # padding rows are empty
+            indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
+        out = self.output.from_csr(indptr, indices, values, self._buffers.empty)
+        mask = np.arange(b) < n
+        index = np.full(b, -1, np.int32)
+        index[:n] = window.rowids[order]
+        obs = {}
+        for s in self.obs_specs:
+            column = np.full(b, -1 if s.categories is not None else np.nan,
+                             np.int32 if s.categories is not None else np.float32)
+            column[:n] = window.obs[s.name][order]
+            obs[s.name] = column
+        return HostBatch(out, obs, index, mask)
+
+
+class StreamIterator(grain.DatasetIterator):
+    """One pass of a `StreamLoader` (epoch ``epoch``): `Batch`es, with Grain's state protocol."""
+
+    def __init__(self, loader: StreamLoader, epoch: int):
+        super().__init__()
+        self._stream = None
+        self.loader, self._epoch, self._step, self._served = loader, epoch, 0, Tally()
+        self._done = False
+
+    def __next__(self) -> Batch:
+        self._assert_not_closed()
+        if self._done:
+            raise StopIteration
+        if self._stream is None:
+            start = (self._epoch, self._step)
+            self._stream = Background(lambda: self.loader._host_batches(*start), depth=self.loader.prefetch)
+        try:
+            hb = next(self._stream)
+        except StopIteration:
+            self._done = True
+            self.coverage().check(f"make_stream_loader on {self.loader.table.spec}")
+            raise
+        self._served = self._served + Tally.of(hb.index)
+        self._step += 1
+        return place_batch(hb, self.loader.mesh, self.loader.data_axis)
+
+    def coverage(self) -> Coverage:
+        """The cells served so far in this pass, and the query's (one extra query over the scalar columns)."""
+        return Coverage(self._epoch, self._served, self.loader.planned(self._epoch))
+
+    def get_state(self) -> dict:
+        return {"version": STATE_VERSION, "config": self.loader.config(), "epoch": self._epoch, "step": self._step,
+                "served": self._served.to_json()}
+
+    def set_state(self, state: dict) -> None:
+        """Resume ``state``: the query runs again and the batches already served are skipped (whole
+        windows without decoding them); refuses a state of another query or config."""
+        check_state(state, STATE_VERSION, self.loader.config())
+        self._stop()
+        self._epoch, self._step, self._done = int(state["epoch"]), int(state["step"]), False
+        self._served = Tally.from_json(state["served"])
+
+    def _stop(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        self._stop()
+        super().close()
+
+
+def make_stream_loader(
+    table: CellTable,
+    *,
+    batch_size: int,
+    genes: Sequence[str | int] | None = None,
+    where: str | None = None,
+    rowids: Sequence[int] | np.ndarray | None = None,
+    obs: Sequence[str] = (),
+    output: str | Output = "dense",
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    mesh=None,
+    data_axis: str = "data",
+    drop_remainder: bool = False,
+    batch_rows: int = 8192,
+    prefetch: int = 2,
+) -> StreamLoader:
+    """Stream a query's cells to the devices as dense batches (full transcriptome or a panel).
+
+    >>> table = oj.open_table("atlas/")                                         # doctest: +SKIP
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                  # doctest: +SKIP
+    >>> loader = oj.make_stream_loader(table, batch_size=1024, where="tissue = 'lung'",
+    ...                                genes=panel, obs=("cell_type",), mesh=mesh)  # doctest: +SKIP
+    >>> for batch in loader: ...        # batch.x: (1024, len(panel)) float32, sharded P("data")
+
+    Rows come in table order unless ``shuffle_buffer`` > 0 (see the module docstring). The last
+    partial batch is padded (``mask`` False) unless ``drop_remainder``. Single-host: every
+    process would read the whole query.
+    """
+    import jax
+
+    if jax.process_count() > 1:
+        msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
+        raise OmicsIOError(msg)
+    if batch_size <= 0:
+        msg = f"batch_size must be positive, got {batch_size}"
+        raise OmicsIOError(msg)
+    if mesh is not None and batch_size % mesh.shape[data_axis]:
+        msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
+        raise OmicsIOError(msg)
+    out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum)
+    out = out.bind(OutputContext.of_table(table, rows=batch_size))
+    rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
+    return StreamLoader(table, batch_size=batch_size, output=out, where=where, rowids=rows,
+                        obs=table.obs_specs(obs), shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh,
+                        data_axis=data_axis, drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
+

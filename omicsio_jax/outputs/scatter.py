@@ -1,0 +1,331 @@
+"""Scatter kernels: a minibatch of CSR rows becomes what the model eats.
+
+Inputs are CSR rows: ``indptr`` int64 (n + 1), ``indices`` int32 gene columns, ``values``
+float32. ``indptr`` may be a slice of a larger CSR (its first entry need not be 0). Columns
+repeated within a row are added; with a ``normalize`` mode the transform is applied to each
+entry before adding (the codec never writes repeated columns).
+
+``normalize`` is ``None`` (raw values), ``"log1p"`` (``log1p(v)``) or ``"normalize_log1p"``:
+scanpy's ``normalize_total(target_sum=...)`` followed by ``log1p``, fused. Per row,
+``total`` is the sum of the row's values, accumulated in float64 and rounded once to float32
+(exact for counts, order-independent otherwise), and each entry becomes
+``log1p((v / total) * float32(target_sum))``, every step in float32. In this order nothing
+overflows or turns subnormal for tiny totals (``target_sum / total`` can overflow, and XLA on
+CPU flushes a subnormal ``total / target_sum`` to zero). A row whose total is 0 stays all zero.
+`densify_on_device` sums in float32, so its totals may differ in the last bit.
+
+The numba kernels run in parallel over rows, write into a caller-provided ``out`` (reusable:
+every row is zeroed first) and allocate nothing per row.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numba as nb
+import numpy as np
+
+from omicsio_jax.format import codec
+
+NORMALIZE_MODES = (None, "log1p", "normalize_log1p")
+_RAW, _LOG1P, _NORMALIZE_LOG1P = 0, 1, 2
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@nb.njit(inline="always")
+def _row_total(values, lo, hi, mode):
+    # the row total of "normalize_log1p" (1 otherwise); +inf for a zero total, so v / total = 0
+    if mode != _NORMALIZE_LOG1P:
+        return np.float32(1.0)
+    total = 0.0
+    for j in range(lo, hi):
+        total += values[j]
+    return np.float32(np.inf) if total == 0 else np.float32(total)
+
+
+@nb.njit(inline="always")
+def _transform(v, mode, total, target_sum):
+    if mode == _RAW:
+        return v
+    if mode == _NORMALIZE_LOG1P:
+        v = np.float32(np.float32(v / total) * target_sum)
+    return np.float32(np.log1p(v))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _scatter_dense_kernel(indptr, indices, values, mode, target_sum, out):
+    n, width = out.shape
+    bad = 0
+    for i in nb.prange(n):
+        lo, hi = indptr[i], indptr[i + 1]
+        out[i, :] = 0.0
+        total = _row_total(values, lo, hi, mode)
+        for j in range(lo, hi):
+            c = indices[j]
+            ok = c >= 0 and c < width
+            if ok:
+                out[i, c] += _transform(values[j], mode, total, target_sum)
+            bad += not ok  # a per-row counter plus `bad += row_bad` trips numba's reduction pass
+    return bad
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, target_sum, out):
+    n = out.shape[0]
+    num_genes = gene_to_col.shape[0]
+    bad = 0
+    for i in nb.prange(n):
+        lo, hi = indptr[i], indptr[i + 1]
+        out[i, :] = 0.0
+        total = _row_total(values, lo, hi, mode)  # over all genes, as scanpy does
+        for j in range(lo, hi):
+            c = indices[j]
+            ok = c >= 0 and c < num_genes
+            if ok:
+                k = gene_to_col[c]
+                if k >= 0:
+                    out[i, k] += _transform(values[j], mode, total, target_sum)
+            bad += not ok
+    return bad
+
+
+@nb.njit(inline="always")
+def _add_entry(row, col, v, gene_to_col, mapped, mode, total, target_sum):
+    # entry (col, v) of a record into `row`: through `gene_to_col` if `mapped` (-1: not a column)
+    c = col
+    if mapped:
+        c = gene_to_col[col]  # checked: col < len(gene_to_col)
+    if c >= 0 and c < row.shape[0]:
+        row[c] += _transform(v, mode, total, target_sum)
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, target_sum, out):
+    """Records → rows of ``out`` in one pass: columns through ``gene_to_col`` (if ``mapped``),
+    values transformed as `_transform` does; rows past the records stay zero."""
+    n = out.shape[0]
+    for i in nb.prange(n):
+        out[i, :] = 0.0
+        if i >= starts.shape[0]:
+            continue
+        fields = codec.record_fields(u8, u32, f32, starts[i])
+        row = out[i]
+        total = np.float32(1.0)
+        if mode == _NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `_row_total`
+            acc = 0.0
+            for k in range(fields.n):
+                acc += codec.value_at(fields, k)
+            total = np.float32(np.inf) if acc == 0 else np.float32(acc)
+        # one loop per index code, as in `codec._decode_into_rows` (measured faster than one
+        # loop that branches on it)
+        if fields.index_code == codec.INDEX_DENSE:
+            for k in range(fields.n):
+                _add_entry(row, k, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+        elif fields.index_code == codec.INDEX_DELTA_U16:
+            col = np.int64(0)
+            for k in range(fields.n):
+                col += codec.gap_at(fields, k)
+                _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+        else:
+            for k in range(fields.n):
+                col = np.int64(fields.columns[k])
+                _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _pad_kernel(indptr, indices, values, row_ids, out_indices, out_values):
+    base = indptr[0]
+    for i in nb.prange(indptr.shape[0] - 1):
+        for j in range(indptr[i], indptr[i + 1]):
+            row_ids[j - base] = i
+            out_indices[j - base] = indices[j]
+            out_values[j - base] = values[j]
+
+
+def _describe(arr: object) -> str:
+    return f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+
+
+def _check_1d(name: str, arr: object, dtype: type, length: int | None = None) -> None:
+    if (not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1
+            or length not in (None, arr.shape[0])):
+        want = f"a {'1-D' if length is None else f'({length},)'} {np.dtype(dtype)} array"
+        msg = f"{name} must be {want}, got {_describe(arr)}: pass np.asarray({name}, np.{np.dtype(dtype)})"
+        raise TypeError(msg)
+
+
+def _check_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray) -> int:
+    """Validate a CSR batch and return its number of rows."""
+    _check_1d("indptr", indptr, np.int64)
+    _check_1d("indices", indices, np.int32)
+    _check_1d("values", values, np.float32)
+    if len(indptr) == 0:
+        msg = "indptr is empty: a batch of n rows needs n + 1 offsets (np.zeros(1, np.int64) for 0 rows)"
+        raise ValueError(msg)
+    if len(indices) != len(values):
+        msg = f"indices has {len(indices)} entries but values has {len(values)}: they must match"
+        raise ValueError(msg)
+    if indptr[0] < 0 or indptr[-1] > len(indices) or np.any(indptr[1:] < indptr[:-1]):
+        msg = f"indptr must be non-decreasing offsets in [0, {len(indices)}], got {indptr[0]} .. {indptr[-1]}"
+        raise ValueError(msg)
+    return len(indptr) - 1
+
+
+def normalize_mode(normalize: str | None, target_sum: float) -> int:
+    if normalize is not None and normalize not in NORMALIZE_MODES:
+        msg = f"normalize={normalize!r} is not supported: use one of {NORMALIZE_MODES}"
+        raise ValueError(msg)
+    if not isinstance(target_sum, int | float | np.number) or not 0 < float(target_sum) <= _F32_MAX:
+        msg = f"target_sum={target_sum!r} must be a positive float32-representable number, e.g. 1e4"
+        raise ValueError(msg)
+    return NORMALIZE_MODES.index(normalize)
+
+
+def _check_out(out: np.ndarray | None, n: int, width: int | None) -> np.ndarray:
+    if out is None:
+        return np.empty((n, width), dtype=np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != n
+            or width not in (None, out.shape[1]) or not (out.flags.c_contiguous and out.flags.writeable)):
+        shape = f"({n}, {'panel_size' if width is None else width})"
+        msg = f"out must be a writeable C-contiguous float32 array of shape {shape}, got {_describe(out)}"
+        raise ValueError(msg)
+    return out
+
+
+def _raise_bad_index(indptr: np.ndarray, indices: np.ndarray, limit: int) -> None:
+    seg = indices[indptr[0] : indptr[-1]]
+    j = int(np.flatnonzero((seg < 0) | (seg >= limit))[0]) + int(indptr[0])
+    row = int(np.searchsorted(indptr, j, side="right")) - 1
+    msg = (f"indices[{j}] = {indices[j]} (row {row}) is outside [0, {limit}): the batch does not match "
+           f"the gene axis (out is partly written)")
+    raise ValueError(msg)
+
+
+def scatter_dense(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, num_genes: int, *,
+                  out: np.ndarray | None = None, normalize: str | None = None,
+                  target_sum: float = 1e4) -> np.ndarray:
+    """Scatter CSR rows into a dense float32 ``(n, num_genes)`` array (``out`` if given).
+
+    See the module docstring for ``normalize`` and ``target_sum``. Raises ValueError if a column
+    lies outside ``[0, num_genes)``.
+    """
+    n = _check_csr(indptr, indices, values)
+    mode = normalize_mode(normalize, target_sum)
+    if not isinstance(num_genes, int | np.integer) or num_genes < 0:
+        msg = f"num_genes must be a non-negative integer, got {num_genes!r}"
+        raise ValueError(msg)
+    out = _check_out(out, n, int(num_genes))
+    if _scatter_dense_kernel(indptr, indices, values, mode, np.float32(target_sum), out):
+        _raise_bad_index(indptr, indices, int(num_genes))
+    return out
+
+
+def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene_to_col: np.ndarray | None = None,
+                   normalize: str | None = None, target_sum: float = 1e4) -> np.ndarray:
+    """Decode records ``buf[starts[i]:starts[i+1]]`` straight into the rows of ``out``, one pass.
+
+    The same result as `decode_csr` followed by `scatter_dense` (or `scatter_panel` with
+    ``gene_to_col``), without the CSR in between; rows of ``out`` past the records are zeroed.
+    Raises `MalformedRecordError` for a malformed record (a column past ``out``'s, or past
+    ``gene_to_col``'s genes).
+    """
+    if gene_to_col is None and normalize is None:
+        return codec.decode_rows(buf, starts, out)
+    mode = normalize_mode(normalize, target_sum)
+    num_columns = out.shape[1] if gene_to_col is None else len(gene_to_col)  # of the records
+    u8, u32, f32 = codec.checked_views(buf, starts, num_columns)
+    mapped = gene_to_col is not None
+    table = gene_to_col if mapped else np.zeros(0, np.int32)
+    _decode_scatter_kernel(u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out)
+    return out
+
+
+def scatter_panel(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, gene_to_col: np.ndarray, *,
+                  out: np.ndarray | None = None, normalize: str | None = None,
+                  target_sum: float = 1e4) -> np.ndarray:
+    """Scatter CSR rows into ``(n, panel_size)``, keeping only genes with ``gene_to_col[g] >= 0``.
+
+    ``gene_to_col`` (int32, one entry per gene, see `make_gene_to_col`) gives each gene's panel
+    column or -1; ``panel_size`` is ``gene_to_col.max() + 1`` or ``out.shape[1]``. For
+    ``"normalize_log1p"`` the row total covers all genes, not only the panel: scanpy normalizes
+    before subsetting.
+    """
+    n = _check_csr(indptr, indices, values)
+    mode = normalize_mode(normalize, target_sum)
+    _check_1d("gene_to_col", gene_to_col, np.int32)
+    top = int(gene_to_col.max()) if len(gene_to_col) else -1
+    out = _check_out(out, n, None if out is not None else top + 1)
+    if top >= out.shape[1] or (len(gene_to_col) and gene_to_col.min() < -1):
+        msg = f"gene_to_col must hold -1 or columns in [0, {out.shape[1]}), got {gene_to_col.min()} .. {top}"
+        raise ValueError(msg)
+    if _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, np.float32(target_sum), out):
+        _raise_bad_index(indptr, indices, len(gene_to_col))
+    return out
+
+
+def make_gene_to_col(num_genes: int, panel_columns: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The int32 ``gene_to_col`` map of `scatter_panel`: gene ``panel_columns[k]`` goes to column ``k``."""
+    cols = np.asarray(panel_columns).reshape(-1)
+    if cols.size and cols.dtype.kind not in "iu":
+        msg = f"panel_columns must hold integer column indices, got dtype {cols.dtype}"
+        raise TypeError(msg)
+    if cols.size and (cols.min() < 0 or cols.max() >= num_genes):
+        msg = f"panel_columns must lie in [0, {num_genes}), got values {cols.min()} .. {cols.max()}"
+        raise ValueError(msg)
+    uniq, counts = np.unique(cols, return_counts=True)
+    if (counts > 1).any():
+        msg = f"panel_columns repeats genes {uniq[counts > 1][:10].tolist()}: each gene may appear once"
+        raise ValueError(msg)
+    gene_to_col = np.full(num_genes, -1, dtype=np.int32)
+    gene_to_col[cols.astype(np.int64)] = np.arange(len(cols), dtype=np.int32)
+    return gene_to_col
+
+
+def pad_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, *, capacity: int,
+            out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Flatten CSR rows into fixed-shape COO arrays of length ``capacity`` for jit-friendly transfer.
+
+    Returns ``(row_ids int32, indices int32, values float32, nnz)``: the first ``nnz`` entries are
+    the batch's, the rest padding (row 0, column 0, value 0, which adds nothing when scattered).
+    ``out`` may hold three such arrays to reuse.
+    """
+    _check_csr(indptr, indices, values)
+    nnz = int(indptr[-1] - indptr[0])
+    if not isinstance(capacity, int | np.integer) or nnz > capacity:
+        msg = f"the batch has nnz={nnz} nonzeros but the capacity is {capacity!r}: "
+        msg += f"raise nnz_capacity to {nnz}+"
+        raise ValueError(msg)
+    dtypes = (np.int32, np.int32, np.float32)
+    out = tuple(np.empty(capacity, d) for d in dtypes) if out is None else tuple(out)
+    for name, arr, dtype in zip(("out[0]", "out[1]", "out[2]"), out, dtypes, strict=True):
+        _check_1d(name, arr, dtype, int(capacity))
+    _pad_kernel(indptr, indices, values, *out)
+    for arr in out:
+        arr[nnz:] = 0
+    return out[0], out[1], out[2], nnz
+
+
+@functools.partial(jax.jit, static_argnames=("num_rows", "num_genes", "normalize", "target_sum"))
+def densify_on_device(row_ids: jax.Array, indices: jax.Array, values: jax.Array, *, num_rows: int,
+                      num_genes: int, normalize: str | None = None, target_sum: float = 1e4) -> jax.Array:
+    """Dense ``(num_rows, num_genes)`` float32 from `pad_csr` output, built on the device (jitted).
+
+    ``normalize``/``target_sum`` as in the module docstring; row totals via ``segment_sum`` in
+    float32. Padding entries (value 0) add nothing.
+    """
+    mode = normalize_mode(normalize, target_sum)
+    values = jnp.asarray(values, jnp.float32)
+    dense = jnp.zeros((num_rows, num_genes), jnp.float32)
+    if num_rows == 0 or num_genes == 0:
+        return dense
+    if mode == _NORMALIZE_LOG1P:
+        totals = jax.ops.segment_sum(values, row_ids, num_segments=num_rows)
+        totals = jnp.where(totals == 0, jnp.inf, totals)[row_ids]  # a zero total keeps its row zero
+        values = values / totals * jnp.float32(target_sum)
+    if mode != _RAW:
+        values = jnp.log1p(values)
+    return dense.at[row_ids, indices].add(values)

@@ -1,0 +1,46 @@
+"""What the token output kinds share: their vocabulary and their checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.outputs.base import OutputContext, RowKeys
+from omicsio_jax.outputs.vocabulary import Vocabulary, user_vocabulary
+
+
+def ensembl_ids(ds, path) -> np.ndarray:
+    """The Ensembl id of every column of ``ds``, for a file (``path``) keyed on them."""
+    if "ensembl_id" not in ds.features:
+        msg = f"{path} is keyed on Ensembl ids but {ds.path}/features.parquet has no ensembl_id column"
+        raise OmicsIOError(msg)
+    return ds.features["ensembl_id"].to_numpy(dtype=object)
+
+
+def vocabulary_of(path, ds) -> Vocabulary:
+    """The user vocabulary in ``path`` bound to the dataset's Ensembl ids."""
+    return user_vocabulary(path, ensembl_ids(ds, path), dataset=str(ds.path))
+
+
+def needs_dataset(output, ctx: OutputContext):
+    if ctx.dataset is None:
+        msg = (f"{type(output).__name__} is computed from a materialized dataset's records "
+               "(make_loader, GrainSource, oj.tokenize); materialize the data first")
+        raise OmicsIOError(msg)
+    return ctx.dataset
+
+
+def needs_keys(output, keys: RowKeys | None) -> RowKeys:
+    if keys is None:
+        msg = (f"{type(output).__name__} draws per-cell random choices and needs the rows' keys; it works "
+               "through make_loader, GrainSource and oj.tokenize, not the in-memory loader")
+        raise OmicsIOError(msg)
+    return keys
+
+
+def check_mask_prob(p, *, allow_one: bool) -> None:
+    number = isinstance(p, int | float | np.floating) and not isinstance(p, bool)
+    ok = number and (0 <= p <= 1 if allow_one else 0 <= p < 1)
+    if not ok:
+        msg = f"mask_prob must lie in [0, 1{']' if allow_one else ')'}, got {p!r}"
+        raise OmicsIOError(msg)

@@ -1,0 +1,231 @@
+"""Token vocabularies: which token id each gene column of a dataset becomes.
+
+The default layout is Tahoe-100M's: ``PAD 0, CLS 1, EOC 2``, gene column ``g`` → ``g + 3``,
+``MASK`` right after the genes, embedding rows rounded up to a multiple of 64. A user vocabulary
+maps Ensembl ids to token ids (TSV, JSON, parquet, or Geneformer's pickles), so that tokens match
+an existing checkpoint: dataset genes it lacks are skipped (and counted in the report), and
+dataset columns sharing one Ensembl id are summed into one token, as Geneformer's tokenizer does.
+
+Pickles are read by a restricted unpickler that builds dicts, strings, ints and floats and
+refuses everything else (a pickle can otherwise run arbitrary code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.outputs.token_kernels import CLS, EOC, PAD
+
+SPECIAL_NAMES = {"pad": ("<pad>", "[PAD]"), "cls": ("<cls>", "[CLS]"), "eos": ("<eos>", "<eoc>", "[SEP]", "[EOS]"),
+                 "mask": ("<mask>", "[MASK]")}
+_VERSION = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
+_PICKLE_SUFFIXES = (".pkl", ".pickle")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only the built-in containers and scalars; any class or function is refused."""
+
+    def find_class(self, module: str, name: str):
+        msg = f"{module}.{name}"
+        raise pickle.UnpicklingError(msg)
+
+
+def load_plain_pickle(path: str | Path) -> dict:
+    """A pickled ``dict`` of str → int/float, read without running code from the file."""
+    path = Path(path)
+    try:
+        obj = _PlainUnpickler(io.BytesIO(path.read_bytes())).load()
+    except pickle.UnpicklingError as e:
+        msg = (f"{path}: refused to unpickle {e} (only dicts of str to int/float are read); "
+               "convert the file to JSON or TSV, or use the published Geneformer dictionary")
+        raise OmicsIOError(msg) from None
+    except Exception as e:  # noqa: BLE001 - any malformed pickle is the same one-line error
+        msg = f"{path}: not a readable pickle ({type(e).__name__}: {e}); give a TSV, JSON or parquet file instead"
+        raise OmicsIOError(msg) from None
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and type(v) in (int, float, bool)
+                                            for k, v in obj.items()):
+        msg = f"{path}: holds {type(obj).__name__}, not a dict of str to int/float; give a TSV, JSON or parquet file"
+        raise OmicsIOError(msg)
+    return obj
+
+
+def read_gene_mapping(path: str | Path, *, what: str) -> dict[str, float]:
+    """``{key: value}`` from a TSV (two columns, optional header), JSON object, parquet (first two
+    columns) or pickle; ``what`` names the values in messages (``"token id"``, ``"median"``)."""
+    path = Path(path)
+    if not path.exists():
+        msg = f"{what} file {path} does not exist"
+        raise OmicsIOError(msg)
+    suffix = path.suffix.lower()
+    if suffix in _PICKLE_SUFFIXES:
+        return load_plain_pickle(path)
+    if suffix == ".json":
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            msg = f"{path}: a JSON {what} file must be one object {{ensembl_id: {what}}}"
+            raise OmicsIOError(msg)
+        return raw
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if table.num_columns < 2:
+            msg = f"{path}: a parquet {what} file needs two columns (Ensembl id, {what})"
+            raise OmicsIOError(msg)
+        return dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
+    out: dict[str, float] = {}
+    for n, line in enumerate(path.read_text().splitlines()):
+        parts = line.rstrip("\n").split("\t")
+        if not line.strip():
+            continue
+        if len(parts) < 2:
+            msg = f"{path}:{n + 1}: expected two tab-separated columns (Ensembl id, {what})"
+            raise OmicsIOError(msg)
+        try:
+            out[parts[0]] = float(parts[1]) if what == "median" else int(parts[1])
+        except ValueError:
+            if n == 0:
+                continue  # a header
+            msg = f"{path}:{n + 1}: {parts[1]!r} is not a {what}"
+            raise OmicsIOError(msg) from None
+    return out
+
+
+def fold_ensembl(key: str) -> str:
+    """``ENSG00000141510.17`` → ``ENSG00000141510`` (upper case); other keys unchanged."""
+    match = _VERSION.match(key)
+    return match.group(1).upper() if match else key.upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabReport:
+    """How a vocabulary met a dataset: columns with a token, columns skipped, columns summed into another."""
+
+    num_columns: int
+    matched: int
+    missing: int
+    summed: int
+
+    def __str__(self) -> str:
+        return (f"{self.matched:,} of {self.num_columns:,} dataset genes have a token; {self.missing:,} skipped "
+                f"(not in the vocabulary); {self.summed:,} summed into a column with the same Ensembl id")
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """A vocabulary bound to a dataset's columns.
+
+    ``tok[g]``: token of column ``g`` (-1: skipped); ``canon[g]``: the column whose counts ``g``'s are
+    added to (``g`` itself unless it shares an Ensembl id with a smaller column); ``size``: embedding
+    rows (a multiple of 64); ``gene_tokens``: the sorted gene token ids (MLM's random replacements).
+    """
+
+    tok: np.ndarray
+    canon: np.ndarray
+    pad: int
+    cls: int
+    eos: int
+    mask: int
+    size: int
+    source: str
+    report: VocabReport
+
+    @functools.cached_property
+    def has_duplicates(self) -> bool:
+        return bool(np.any(self.canon != np.arange(len(self.canon))))
+
+    @functools.cached_property
+    def gene_tokens(self) -> np.ndarray:
+        return np.unique(self.tok[self.tok >= 0]).astype(np.int32)
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256(self.tok.tobytes() + self.canon.tobytes())
+        h.update(json.dumps([self.pad, self.cls, self.eos, self.mask, self.size]).encode())
+        return h.hexdigest()[:16]
+
+
+def round_up(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def default_vocabulary(num_columns: int) -> Vocabulary:
+    """Tahoe-100M's layout: PAD 0, CLS 1, EOC 2, column g → g + 3, MASK = num_columns + 3."""
+    tok = np.arange(3, num_columns + 3, dtype=np.int32)
+    mask = num_columns + 3
+    return Vocabulary(tok, np.arange(num_columns, dtype=np.int32), PAD, CLS, EOC, mask, round_up(mask + 1),
+                      "default (Tahoe-100M layout)", VocabReport(num_columns, num_columns, 0, 0))
+
+
+def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> Vocabulary:
+    """The vocabulary in ``path`` (Ensembl id → token id, special tokens by name) bound to the
+    dataset columns' ``ensembl_ids``."""
+    raw = read_gene_mapping(path, what="token id")
+    specials: dict[str, int] = {}
+    genes: dict[str, int] = {}
+    for key, value in raw.items():
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+            msg = f"{path}: token id of {key!r} is {value!r}; token ids must be non-negative integers"
+            raise OmicsIOError(msg)
+        role = next((r for r, names in SPECIAL_NAMES.items() if key in names), None)
+        if role is not None:
+            specials[role] = int(value)
+        else:
+            genes[fold_ensembl(str(key))] = int(value)
+    ids = list(genes.values()) + list(specials.values())
+    if len(set(ids)) != len(ids):
+        seen: dict[int, str] = {}
+        for key, value in [*genes.items(), *specials.items()]:
+            if value in seen:
+                msg = f"{path}: token id {value} is given to both {seen[value]!r} and {key!r}; token ids must be unique"
+                raise OmicsIOError(msg)
+            seen[value] = key
+    top = max(ids, default=-1)
+    pad = specials.get("pad", PAD)
+    cls = specials.get("cls", CLS)
+    eos = specials.get("eos", EOC)
+    mask = specials.get("mask", top + 1)
+    tok = np.full(len(ensembl_ids), -1, dtype=np.int32)
+    canon = np.arange(len(ensembl_ids), dtype=np.int32)
+    first: dict[str, int] = {}
+    summed = 0
+    for col, ens in enumerate(ensembl_ids):
+        if ens is None:
+            continue
+        key = fold_ensembl(str(ens))
+        if key in genes:
+            tok[col] = genes[key]
+            if key in first:
+                canon[col] = first[key]
+                summed += 1
+            else:
+                first[key] = col
+    matched = int(np.count_nonzero(tok >= 0))
+    if matched == 0:
+        msg = (f"the vocabulary {path} shares no gene with {dataset} (compared on Ensembl ids, versions ignored); "
+               "check that it is keyed on Ensembl ids")
+        raise OmicsIOError(msg)
+    report = VocabReport(len(ensembl_ids), matched, len(ensembl_ids) - matched, summed)
+    return Vocabulary(tok, canon, pad, cls, eos, mask, round_up(max(top, mask) + 1), str(path), report)
+
+
+def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> np.ndarray:
+    """Per-column medians (float64, NaN where unknown) from a file of Ensembl id → median."""
+    raw = read_gene_mapping(path, what="median")
+    by_id = {fold_ensembl(str(k)): float(v) for k, v in raw.items()}
+    out = np.array([by_id.get(fold_ensembl(str(e)), np.nan) if e is not None else np.nan for e in ensembl_ids])
+    if not np.any(np.isfinite(out) & (out > 0)):
+        msg = (f"the medians in {path} cover none of the genes of {dataset} (compared on Ensembl ids); "
+               "check that the file is keyed on Ensembl ids, or omit medians= to use the dataset's own")
+        raise OmicsIOError(msg)
+    return out

@@ -1,0 +1,1 @@
+"""Queries over list-column cell tables through DuckDB, without materializing: `CellTable`, the gene table."""

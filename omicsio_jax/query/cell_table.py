@@ -1,0 +1,379 @@
+"""Progressive-refinement queries over list-column cell tables, through DuckDB.
+
+Each stage reads only what it needs, so a question narrows the cells before touching the
+expensive columns:
+
+1. `CellTable.select` / `CellTable.metadata`: scalar columns only (projection; a ``where`` on
+   hive partition columns prunes whole files).
+2. `CellTable.cells_expressing`: gene presence via ``list_contains`` on ``gene_token_id``, never
+   reading ``gene_expression`` (or via the inverted index, see `build_gene_index`).
+3. `CellTable.panel`: a gene panel's expression for the chosen cells, by parallel list indexing
+   (``list_position`` then ``gene_expression[pos]``) for small panels, or by streaming the rows
+   through the numba panel scatter for large ones.
+4. `CellTable.stream` / `CellTable.stream_csr`: full expression rows as Arrow record batches /
+   CSR, in bounded memory.
+
+Every row carries ``cell_rowid``, its position in the files taken in sorted order: the stable
+handle the stages pass to each other (and the row of a dataset materialized from the same files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from omicsio_jax.core.errors import DataValidationError, OmicsIOError
+from omicsio_jax.format.csr import is_list_type, list_to_csr
+from omicsio_jax.format.tables import (
+    CELL_ID_COLUMN,
+    GENE_COLUMN,
+    ROWID_COLUMN,
+    VALUE_COLUMN,
+    connect,
+    create_cells_view,
+    expand_files,
+    find_gene_table,
+    rowid_pruning,
+    sql_ident,
+)
+from omicsio_jax.outputs.scatter import make_gene_to_col, scatter_panel
+from omicsio_jax.query.gene_table import GeneTable
+
+SQL_PANEL_MAX = 64  # above this many genes, stage 3 streams rows through the numba panel scatter
+_CHAIN_MAX = 32  # up to this many genes, stage 2 tests presence with one list_contains per gene
+_counter = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class CSRBatch:
+    """Rows of a stream as CSR (``indptr`` int64 from 0, ``indices`` int32 token ids, ``values``
+    float32), with each row's ``cell_rowid`` and the requested scalar columns (Arrow arrays)."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    values: np.ndarray
+    rowids: np.ndarray
+    columns: dict[str, pa.Array]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.indptr) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelResult:
+    """Stage 3: ``x[i, k]`` is the expression of ``token_ids[k]`` (``genes[k]``) in cell ``rowids[i]``."""
+
+    x: np.ndarray
+    rowids: np.ndarray
+    token_ids: np.ndarray
+    genes: list[str]
+
+
+def arrow_csr(batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(indptr, indices, values)`` of a record batch's ``gene_token_id``/``gene_expression`` columns.
+
+    Right for chunked and sliced columns (offsets accumulated per chunk); indices and values are
+    zero-copy views when the child arrays already are int32/float32 without nulls.
+    """
+    gene_ptr, genes = list_to_csr(batch.column(GENE_COLUMN))
+    value_ptr, values = list_to_csr(batch.column(VALUE_COLUMN))
+    if not np.array_equal(gene_ptr, value_ptr):
+        row = int(np.flatnonzero(np.diff(gene_ptr) != np.diff(value_ptr))[0])
+        msg = f"row {row} of the batch has {GENE_COLUMN} and {VALUE_COLUMN} of different lengths"
+        raise DataValidationError(msg)
+    if genes.null_count or values.null_count:
+        msg = f"null elements inside {GENE_COLUMN}/{VALUE_COLUMN} lists"
+        raise DataValidationError(msg)
+    indices = genes.to_numpy(zero_copy_only=False)
+    if indices.dtype != np.int32:
+        if len(indices) and (indices.min() < 0 or indices.max() > np.iinfo(np.int32).max):
+            msg = f"{GENE_COLUMN} holds values outside int32"
+            raise DataValidationError(msg)
+        indices = indices.astype(np.int32)
+    return gene_ptr, indices, values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObsSpec:
+    """How an obs column becomes an array: categorical (int32 codes into ``categories``, -1 =
+    missing) or numeric (float32, NaN = missing)."""
+
+    name: str
+    categories: tuple | None
+
+    def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        if self.categories is None:
+            return pc.fill_null(pc.cast(column, pa.float32()), np.nan).to_numpy(zero_copy_only=False)
+        codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
+        return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)
+
+
+class CellTable:
+    """A list-column cell table (parquet file/directory/glob/hive partitions, or vortex files).
+
+    >>> table = oj.open_table("atlas/")                                         # doctest: +SKIP
+    >>> lung = table.select("tissue = 'lung'")                                  # stage 1: rowids
+    >>> cd3 = table.cells_expressing(["CD3E", "CD3D"], mode="all", rowids=lung)  # stage 2
+    >>> panel = table.panel(["CD3E", "CD8A", "GZMB"], rowids=cd3)               # stage 3: dense x
+    >>> for batch in table.stream_csr(rowids=cd3): ...                          # stage 4: CSR
+
+    ``con`` is the DuckDB connection: ``cells`` is the table (with ``cell_rowid``),
+    ``gene_metadata`` the gene table, when an index is attached ``gene_cell_index``, and each
+    further modality's table a view of its name (``modalities={"atac": "atac_cells/"}``), to join
+    on ``cell_id``:
+
+    >>> table = oj.open_table("rna_cells/", modalities={"atac": "atac_cells/"})   # doctest: +SKIP
+    >>> table.sql("SELECT c.cell_id, len(a.peak_token_id) AS peaks FROM cells c "
+    ...           "JOIN atac a USING (cell_id) WHERE c.drug = 'DMSO'")           # doctest: +SKIP
+    """
+
+    def __init__(self, spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
+                 index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None):
+        self.spec = str(spec)
+        self.files = expand_files(self.spec)
+        self.con = connect(threads)
+        self._bases = create_cells_view(self.con, self.files, label=self.spec, rowid=True)
+        self._prunable = self.files[0].suffix != ".vortex"
+        self.schema = self.con.sql("SELECT * FROM cells LIMIT 0").to_arrow_table().schema
+        for name in (GENE_COLUMN, VALUE_COLUMN):
+            if name not in self.schema.names or not is_list_type(self.schema.field(name).type):
+                msg = f"{self.spec} needs list columns {GENE_COLUMN} and {VALUE_COLUMN}; it has {', '.join(self.schema.names)}"
+                raise DataValidationError(msg)
+        self.num_cells = int(self.con.execute("SELECT count(*) FROM cells").fetchall()[0][0])
+        if genes is None:
+            found = find_gene_table(self.files)
+            genes = None if found is None else str(found)
+        if genes is not None:
+            self.genes = GeneTable.load(genes, cache_dir=cache_dir)
+        else:
+            top = self.con.execute(f"SELECT max(list_max({GENE_COLUMN})) FROM cells").fetchall()[0][0]
+            self.genes = GeneTable.from_token_ids(0 if top is None else int(top) + 1)
+        self.con.register("gene_metadata", self.genes.table)
+        self.modalities: dict[str, str] = {}
+        for name, table in (modalities or {}).items():
+            if not name.isidentifier() or name in ("cells", "cells_all", "gene_metadata", "gene_cell_index"):
+                msg = f"modality view name {name!r}: use a SQL identifier other than cells, gene_metadata, gene_cell_index"
+                raise OmicsIOError(msg)
+            create_cells_view(self.con, expand_files(str(table)), label=str(table), name=name)
+            self.modalities[name] = str(table)
+        self.index_path: Path | None = None
+        if index is not None:
+            self.attach_index(index)
+
+    def __repr__(self) -> str:
+        return f"CellTable({self.spec!r}, {self.num_cells} cells, {len(self.files)} file(s), {len(self.genes)} genes)"
+
+    @property
+    def scalar_columns(self) -> list[str]:
+        """The columns stage 1 can read (everything but the list columns)."""
+        return [f.name for f in self.schema if not is_list_type(f.type) and f.name != ROWID_COLUMN]
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def sql(self, query: str) -> pa.Table:
+        """Run any SQL over ``cells`` / ``gene_metadata`` / ``gene_cell_index`` and return Arrow."""
+        return self._run(query).to_arrow_table()
+
+    def _run(self, query: str) -> duckdb.DuckDBPyRelation:
+        try:
+            return self.con.sql(query)
+        except duckdb.Error as e:
+            msg = f"query over {self.spec} failed: {str(e).strip().splitlines()[0]}"
+            raise OmicsIOError(msg) from e
+
+    def _from(self, where: str | None, rowids: Sequence[int] | np.ndarray | None, *extra: str) -> str:
+        """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
+        against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
+        lets DuckDB read only the row groups holding them."""
+        clauses = [f"({where})"] if where else []
+        source = "cells"
+        if rowids is not None:
+            ids = np.unique(np.asarray(rowids, dtype=np.int64))
+            name = f"_rowids_{next(_counter)}"
+            self.con.register(name, pa.table({ROWID_COLUMN: ids}))
+            clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
+            if self._prunable:
+                source = "cells_all"
+                clauses.append(rowid_pruning(self.files, self._bases, ids))
+        clauses.extend(extra)
+        return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+
+    def obs_specs(self, names: Sequence[str]) -> list[ObsSpec]:
+        """How each named obs column becomes an array, categories taken from the whole table (so
+        codes are stable across queries)."""
+        specs = []
+        for name in names:
+            self.require_columns([name])
+            dtype = self.schema.field(name).type
+            numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+            specs.append(ObsSpec(name, None if numeric else tuple(self.categories(name))))
+        return specs
+
+    def require_columns(self, columns: Sequence[str]) -> list[str]:
+        unknown = [c for c in columns if c not in self.schema.names]
+        if unknown:
+            msg = f"column(s) {', '.join(unknown)} not in {self.spec}; it has {', '.join(self.schema.names)}"
+            raise OmicsIOError(msg)
+        return list(columns)
+
+    # ----- stage 1 ---------------------------------------------------------------------------
+    def metadata(self, columns: Sequence[str] | None = None, *, where: str | None = None,
+                 rowids: Sequence[int] | np.ndarray | None = None) -> pa.Table:
+        """Scalar columns (default: all) of the matching cells, with ``cell_rowid``, in row order."""
+        cols = self.require_columns(self.scalar_columns if columns is None else columns)
+        select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols if c != ROWID_COLUMN)])
+        return self.sql(f"SELECT {select}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
+
+    def select(self, where: str | None = None, *, rowids: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Sorted ``cell_rowid`` of the cells matching a predicate over scalar columns."""
+        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
+        return table.column(0).to_numpy().astype(np.int64)
+
+    def categories(self, column: str, *, where: str | None = None) -> list:
+        """Sorted distinct non-null values of a scalar column."""
+        self.require_columns([column])
+        col = sql_ident(column)
+        return self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1"
+                        ).column(0).to_pylist()
+
+    # ----- stage 2 ---------------------------------------------------------------------------
+    def cells_expressing(self, genes: Sequence[str | int] | str | int, *, mode: str = "any",
+                         where: str | None = None, rowids: Sequence[int] | np.ndarray | None = None,
+                         use_index: bool | None = None) -> np.ndarray:
+        """Sorted ``cell_rowid`` of cells expressing any (or ``mode="all"``: every) given gene.
+
+        Reads only ``gene_token_id`` (plus the columns ``where`` names). With an attached index
+        (`attach_index`) and ``use_index`` not False, the lookup reads the index instead of
+        scanning the lists, then applies ``where``/``rowids`` to the hits.
+        """
+        if mode not in ("any", "all"):
+            msg = f"mode must be 'any' or 'all', got {mode!r}"
+            raise OmicsIOError(msg)
+        tokens = np.unique(self.genes.resolve(genes))
+        if use_index is None:
+            use_index = self.index_path is not None
+        if use_index:
+            from omicsio_jax.format.gene_index import lookup
+
+            if self.index_path is None:
+                msg = "use_index=True but no index is attached: build one with `omicsio-materialize index`"
+                raise OmicsIOError(msg)
+            hits = lookup(self.con, tokens, mode=mode)
+            if where is None and rowids is None:
+                return hits
+            if rowids is not None:
+                hits = np.intersect1d(hits, np.asarray(rowids, dtype=np.int64))
+            return hits if where is None else self.select(where, rowids=hits)
+        if len(tokens) <= _CHAIN_MAX:  # list_contains chains are ~10x faster than list_has_any/all
+            test = (" OR " if mode == "any" else " AND ").join(
+                f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()) or "false"
+            test = f"({test})"
+        else:
+            literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
+            test = f"list_has_{mode}({GENE_COLUMN}, {literal})"
+        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids, test)} ORDER BY {ROWID_COLUMN}")
+        return table.column(0).to_numpy().astype(np.int64)
+
+    # ----- stage 3 ---------------------------------------------------------------------------
+    def panel(self, genes: Sequence[str | int], *, where: str | None = None,
+              rowids: Sequence[int] | np.ndarray | None = None, method: str = "auto",
+              batch_rows: int = 8192) -> PanelResult:
+        """Dense ``(cells, len(genes))`` float32 expression of a gene panel (0 where not expressed).
+
+        ``method="sql"`` indexes the lists in DuckDB (one ``list_position`` per gene and cell:
+        right for a few genes); ``"scatter"`` streams the rows through the numba panel scatter
+        (one pass over each row: right for hundreds or thousands of genes); ``"auto"`` picks
+        ``sql`` up to 64 genes.
+        """
+        tokens = self.genes.resolve(genes)
+        names = self.genes.names(tokens)
+        if len(np.unique(tokens)) != len(tokens):
+            msg = "the panel names a gene twice"
+            raise OmicsIOError(msg)
+        if method == "auto":
+            method = "sql" if len(tokens) <= SQL_PANEL_MAX else "scatter"
+        if method == "sql":
+            literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
+            expr = (f"list_transform({literal}, lambda g: coalesce("
+                    f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]")
+            table = self.sql(f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} "
+                             f"ORDER BY {ROWID_COLUMN}")
+            x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            x = np.ascontiguousarray(x, dtype=np.float32).reshape(table.num_rows, len(tokens))
+            return PanelResult(x, table.column(ROWID_COLUMN).to_numpy().astype(np.int64), tokens, names)
+        if method != "scatter":
+            msg = f"method must be 'auto', 'sql' or 'scatter', got {method!r}"
+            raise OmicsIOError(msg)
+        gene_to_col = make_gene_to_col(max(self.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
+        parts, ids = [], []
+        for b in self.stream_csr(where=where, rowids=rowids, batch_rows=batch_rows):
+            parts.append(scatter_panel(b.indptr, b.indices, b.values, gene_to_col,
+                                       out=np.empty((b.num_rows, len(tokens)), np.float32)))
+            ids.append(b.rowids)
+        x = np.concatenate(parts) if parts else np.zeros((0, len(tokens)), np.float32)
+        return PanelResult(x, np.concatenate(ids) if ids else np.zeros(0, np.int64), tokens, names)
+
+    # ----- stage 4 ---------------------------------------------------------------------------
+    def stream(self, columns: Sequence[str] | None = None, *, where: str | None = None,
+               rowids: Sequence[int] | np.ndarray | None = None, batch_rows: int = 8192) -> Iterator[pa.RecordBatch]:
+        """Record batches of at most ``batch_rows`` rows in row order (``cell_rowid`` first), in
+        bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``)."""
+        cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
+        cols = self.require_columns([c for c in cols if c != ROWID_COLUMN])
+        select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
+        query = f"SELECT {select}{self._from(where, rowids)}"
+        if rowids is not None:  # a semi-join may reorder rows
+            query += f" ORDER BY {ROWID_COLUMN}"
+        try:
+            reader = self._run(query).to_arrow_reader(batch_rows)
+            for batch in reader:
+                # DuckDB yields record batches of a fixed vector multiple; re-slice to batch_rows.
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield batch.slice(start, batch_rows)
+        except duckdb.Error as e:
+            msg = f"streaming {self.spec} failed: {str(e).strip().splitlines()[0]}"
+            raise OmicsIOError(msg) from e
+
+    def stream_csr(self, columns: Sequence[str] = (), *, where: str | None = None,
+                   rowids: Sequence[int] | np.ndarray | None = None, batch_rows: int = 8192) -> Iterator[CSRBatch]:
+        """`stream` as CSR batches (see `arrow_csr`) plus the requested scalar columns."""
+        for rb in self.stream([GENE_COLUMN, VALUE_COLUMN, *columns], where=where, rowids=rowids,
+                              batch_rows=batch_rows):
+            indptr, indices, values = arrow_csr(rb)
+            rows = rb.column(ROWID_COLUMN).to_numpy().astype(np.int64)
+            yield CSRBatch(indptr, indices, values, rows, {c: rb.column(c) for c in columns})
+
+    # ----- index -----------------------------------------------------------------------------
+    def attach_index(self, path: str | os.PathLike[str]) -> None:
+        """Use a `build_gene_index` output for gene-centric queries (view ``gene_cell_index``)."""
+        from omicsio_jax.format.gene_index import open_index
+
+        open_index(self.con, Path(path), table_spec=self.spec, table_fingerprint=self.fingerprint())
+        self.index_path = Path(path)
+
+    def fingerprint(self) -> dict:
+        """What identifies the table's contents: each file's path, size and modification time."""
+        out = []
+        for f in self.files:
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        return {"files": out}
+
+
+def open_table(spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
+               index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+               threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None) -> CellTable:
+    """Open list-column cell tables for queries: a parquet file, directory, glob or hive-partitioned
+    folder, or vortex files. ``genes`` is the gene table (default: ``gene_metadata.parquet``
+    beside the files), cached locally in ``cache_dir``; ``index`` attaches a gene index;
+    ``modalities`` maps view names to the tables of further modalities of the same cells."""
+    return CellTable(spec, genes=genes, index=index, cache_dir=cache_dir, threads=threads, modalities=modalities)

@@ -1,0 +1,286 @@
+"""Sampling plans: which cells each fetch of each host reads, as pure functions of (seed, epoch, fetch).
+
+An epoch is a global *order* of cells, identical on every host:
+
+- ``block``: contiguous blocks of ``block_size`` cells in a random order (scDataset's
+  BlockShuffling); ``block_size=1`` with ``fetch_factor=1`` is true random sampling.
+- ``stream``: file order, nothing shuffled. ``stream_buffer``: file order, shuffled inside each
+  fetch (a shuffle buffer of ``fetch_factor × batch_size`` cells).
+- ``weighted``: blocks drawn with replacement, with probability proportional to the sum of
+  their cells' weights (scDataset's BlockWeightedSampling), as many blocks as the data holds.
+- ``class_balanced``: ``weighted`` with each cell weighted by 1 / (cells of its class).
+
+The order is cut into fetches of ``fetch_factor × local_batch`` cells, dealt round-robin to the
+hosts (fetch ``k`` goes to host ``k % num_hosts``, as in scDataset's Appendix B), so every host
+reads disjoint cells and takes the same number of steps. What does not fill a whole round of
+fetches (the *tail*) is split into ``num_hosts`` equal contiguous parts; with
+``drop_remainder=True`` each part yields only full batches, so fewer than
+``batch_size + num_hosts`` cells per epoch are left out (different ones every epoch, since the
+order changes); with ``drop_remainder=False`` the last batch of each part is padded and masked.
+
+Randomness comes from ``np.random.default_rng([seed, stream, epoch, ...])`` with a distinct
+``stream`` tag per use, never from sums of seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+
+SAMPLINGS = ("block", "stream", "stream_buffer", "weighted", "class_balanced")
+_ORDER_STREAM = 0
+_FETCH_STREAM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    """One fetch of one host: cells to read (in epoch order) and how to cut them into batches.
+
+    ``rows`` are global cell rows; ``shuffle_key`` seeds the in-memory shuffle (None = keep
+    order); ``num_batches`` minibatches of ``local_batch`` rows are taken from the (shuffled)
+    rows, the last one padded if ``padded``.
+    """
+
+    epoch: int
+    index: int
+    rows: np.ndarray
+    shuffle_key: tuple[int, ...] | None
+    num_batches: int
+    padded: bool
+
+
+class AllRows:
+    """The rows ``0..n-1`` of a dataset, as a plan over every cell samples from them, without holding
+    them (``np.arange(10**8)`` is 0.8 GB): indexed like that array (a slice, positions, one position)."""
+
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return np.arange(*key.indices(self.n), dtype=np.int64)
+        positions = np.asarray(key)
+        if positions.ndim == 0:
+            i = int(positions)
+            if not -self.n <= i < self.n:
+                msg = f"position {i} out of range for {self.n} rows"
+                raise IndexError(msg)
+            return np.int64(i % self.n)
+        return positions.astype(np.int64, copy=True)  # position p is row p
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.arange(self.n, dtype=dtype or np.int64)
+
+    def digest(self) -> str:
+        """The digest `SamplingPlan.describe` takes of ``np.arange(n)``, computed in pieces."""
+        h = hashlib.sha256()
+        for first in range(0, self.n, 1 << 23):
+            h.update(np.arange(first, min(self.n, first + (1 << 23)), dtype=np.int64).data)
+        return h.hexdigest()[:16]
+
+
+class EpochOrder:
+    """An epoch's order of ``rows``: the cells of ``blocks`` (block numbers, in order; a block is
+    ``block_size`` consecutive entries of ``rows``, the last one maybe shorter), or ``rows`` as they
+    are (``blocks=None``). ``order[a:b]`` makes only the cells asked for."""
+
+    def __init__(self, rows: np.ndarray, blocks: np.ndarray | None, block_size: int):
+        self.rows, self.blocks, self.block_size = rows, blocks, block_size
+        if blocks is None:
+            self._ends = None
+            self._len = len(rows)
+        else:
+            self._ends = np.cumsum(self._lengths(blocks))  # position after each chosen block
+            self._len = int(self._ends[-1]) if len(blocks) else 0
+
+    def _lengths(self, blocks: np.ndarray) -> np.ndarray:
+        starts = blocks * self.block_size
+        return np.minimum(starts + self.block_size, len(self.rows)) - starts
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        if not isinstance(span, slice) or span.step not in (None, 1):
+            msg = "an epoch order is sliced with order[a:b]"
+            raise TypeError(msg)
+        begin, end, _ = span.indices(self._len)
+        if self.blocks is None:
+            return self.rows[begin:end]
+        if end <= begin:
+            return self.rows[:0]
+        first = int(np.searchsorted(self._ends, begin, side="right"))  # the block holding position begin
+        last = int(np.searchsorted(self._ends, end - 1, side="right"))  # ... and end - 1
+        starts = self.blocks[first : last + 1] * self.block_size
+        lengths = self._lengths(self.blocks[first : last + 1])
+        # positions in rows of every cell of these blocks, in block order
+        offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+        cells = np.arange(lengths.sum()) + offsets
+        skip = begin - (int(self._ends[first]) - int(lengths[0]))
+        return self.rows[cells[skip : skip + end - begin]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingPlan:
+    """Everything that decides the order of cells: the config half of the replay contract."""
+
+    rows: np.ndarray | AllRows  # the cells sampled from (global rows, ascending)
+    batch_size: int  # global batch size
+    block_size: int
+    fetch_factor: int
+    seed: int
+    sampling: str = "block"
+    num_hosts: int = 1
+    drop_remainder: bool = True
+    weights: np.ndarray | None = None  # per entry of ``rows`` (weighted / class_balanced)
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"
+            raise OmicsIOError(msg)
+        for name in ("batch_size", "block_size", "fetch_factor", "num_hosts"):
+            if int(getattr(self, name)) < 1:
+                msg = f"{name} must be a positive integer, got {getattr(self, name)!r}"
+                raise OmicsIOError(msg)
+        if self.batch_size % self.num_hosts:
+            msg = (f"batch_size {self.batch_size} is the global batch: it must be divisible by the number of "
+                   f"hosts ({self.num_hosts}), e.g. batch_size={self.num_hosts * max(1, self.batch_size // self.num_hosts)}")
+            raise OmicsIOError(msg)
+        if len(self.rows) == 0:
+            msg = "cannot sample from an empty set of cells"
+            raise OmicsIOError(msg)
+        if self.sampling in ("weighted", "class_balanced"):
+            if self.weights is None or len(self.weights) != len(self.rows):
+                msg = f"sampling={self.sampling!r} needs one weight per cell ({len(self.rows)})"
+                raise OmicsIOError(msg)
+            if not np.all(np.isfinite(self.weights)) or np.any(self.weights < 0) or not np.any(self.weights > 0):
+                msg = "weights must be finite, non-negative and not all zero"
+                raise OmicsIOError(msg)
+
+    @property
+    def local_batch(self) -> int:
+        return self.batch_size // self.num_hosts
+
+    @property
+    def fetch_cells(self) -> int:
+        """Cells one host reads per fetch."""
+        return self.fetch_factor * self.local_batch
+
+    @property
+    def epoch_cells(self) -> int:
+        """Length of an epoch's order (for weighted sampling: as many blocks as the data holds)."""
+        n = len(self.rows)
+        if self.sampling in ("weighted", "class_balanced"):
+            return -(-n // self.block_size) * self.block_size
+        return n
+
+    @property
+    def full_rounds(self) -> int:
+        return self.epoch_cells // self.fetch_cells // self.num_hosts
+
+    @property
+    def tail_part(self) -> tuple[int, int]:
+        """(smallest, largest) tail part a host gets."""
+        tail = self.epoch_cells - self.full_rounds * self.num_hosts * self.fetch_cells
+        return tail // self.num_hosts, -(-tail // self.num_hosts)
+
+    @property
+    def tail_batches(self) -> int:
+        small, large = self.tail_part
+        if self.drop_remainder:
+            return small // self.local_batch
+        return -(-large // self.local_batch)
+
+    @property
+    def fetches_per_epoch(self) -> int:
+        """Fetches per host per epoch (the same on every host)."""
+        return self.full_rounds + (1 if self.tail_batches else 0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.full_rounds * self.fetch_factor + self.tail_batches
+
+    def order_of(self, epoch: int) -> EpochOrder:
+        """The global order of cells for ``epoch`` (identical on every host), as its blocks: slices of it
+        are made on demand, so a fetch never builds the whole epoch's order (0.8 GB at 10^8 cells)."""
+        n, b = len(self.rows), self.block_size
+        if self.sampling in ("stream", "stream_buffer"):
+            return EpochOrder(self.rows, None, b)
+        rng = np.random.default_rng([self.seed, _ORDER_STREAM, epoch])
+        num_blocks = -(-n // b)
+        if self.sampling == "block":
+            blocks = rng.permutation(num_blocks)
+        else:
+            block_weight = np.add.reduceat(self.weights.astype(np.float64), np.arange(0, n, b))
+            blocks = rng.choice(num_blocks, size=num_blocks, replace=True, p=block_weight / block_weight.sum())
+        return EpochOrder(self.rows, blocks, b)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The global order of cells (rows) for ``epoch``, whole; identical on every host."""
+        return self.order_of(epoch)[:]
+
+    def fetch(self, epoch: int, index: int, host: int, order: EpochOrder | None = None) -> Fetch:
+        """Fetch ``index`` (0 ≤ index < fetches_per_epoch) of ``host`` in ``epoch``."""
+        if not 0 <= index < self.fetches_per_epoch:
+            msg = f"fetch {index} out of range: an epoch has {self.fetches_per_epoch} fetches per host"
+            raise IndexError(msg)
+        order = self.order_of(epoch) if order is None else order
+        shuffle = self.sampling != "stream"
+        f, hosts = self.fetch_cells, self.num_hosts
+        if index < self.full_rounds:
+            k = index * hosts + host  # global fetch number: the same cells whoever reads them
+            rows = order[k * f : (k + 1) * f]
+            key = (self.seed, _FETCH_STREAM, epoch, k) if shuffle else None
+            return Fetch(epoch, index, rows, key, self.fetch_factor, False)
+        tail = order[self.full_rounds * hosts * f : self.epoch_cells]
+        part = np.array_split(tail, hosts)[host]
+        key = (self.seed, _FETCH_STREAM, epoch, self.full_rounds * hosts + host) if shuffle else None
+        return Fetch(epoch, index, part, key, self.tail_batches, not self.drop_remainder)
+
+    def serving_rows(self, fetch: Fetch) -> np.ndarray:
+        """The cells of ``fetch`` in the order they are served, exactly ``num_batches × local_batch``
+        of them: shuffled by its key, cut to whole batches, -1 for the padding of a padded tail."""
+        rows = fetch.rows
+        if fetch.shuffle_key is not None:
+            rows = rows[np.random.default_rng(list(fetch.shuffle_key)).permutation(len(rows))]
+        n = fetch.num_batches * self.local_batch
+        if len(rows) >= n:
+            return rows[:n]
+        return np.concatenate([rows, np.full(n - len(rows), -1, rows.dtype)])
+
+    def with_hosts(self, num_hosts: int) -> SamplingPlan:
+        """The same plan dealt to ``num_hosts`` hosts (the epoch orders are the same)."""
+        return dataclasses.replace(self, num_hosts=num_hosts)
+
+    def describe(self) -> dict:
+        """The plan as JSON-able config (rows and weights by checksum); not the number of hosts."""
+        def digest(a: np.ndarray | AllRows | None) -> str | None:
+            if isinstance(a, AllRows):
+                return a.digest()
+            # hashed through the buffer protocol: no copy (tobytes of 10^8 rows is 0.8 GB and 1.3 s)
+            return None if a is None else hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:16]
+
+        return {
+            "sampling": self.sampling, "batch_size": self.batch_size, "block_size": self.block_size,
+            "fetch_factor": self.fetch_factor, "seed": self.seed, "drop_remainder": self.drop_remainder, "num_rows": len(self.rows), "rows": digest(self.rows),
+            "weights": digest(self.weights),
+        }
+
+
+def class_weights(codes: np.ndarray) -> np.ndarray:
+    """Per-cell weights 1 / (cells of its class); cells with a missing label (-1) get weight 0."""
+    codes = np.asarray(codes)
+    valid = codes >= 0
+    counts = np.bincount(codes[valid]) if valid.any() else np.zeros(0, np.int64)
+    weights = np.zeros(len(codes), dtype=np.float64)
+    weights[valid] = 1.0 / counts[codes[valid]]
+    return weights

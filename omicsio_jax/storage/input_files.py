@@ -1,0 +1,170 @@
+"""Input files on S3 for the readers that take a filesystem: DuckDB, pyarrow, h5py.
+
+`s3_filesystem` is obstore behind fsspec's interface (protocol ``s3``), so DuckDB reads
+``read_parquet('s3://…')`` through it once registered (`register_s3`): no DuckDB extension to
+install, none pinning DuckDB's version (``httpfs`` is built for one DuckDB release). It is
+configured by the standard AWS variables, like `omicsio_jax.storage.store.S3Store`. `ObjectPath` is an
+``s3://`` URL with the few ``pathlib`` operations the input code uses (``suffix``, ``name``,
+``parent(s)``, ``/``, ``exists``), so local paths and object keys travel the same code.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+from datetime import timedelta
+
+from omicsio_jax.storage.store import S3_SCHEME, is_remote
+
+
+@functools.cache
+def s3_filesystem():
+    """The process's fsspec filesystem for ``s3://`` URLs (needs ``omicsio_jax[s3]``)."""
+    try:
+        from obstore.fsspec import FsspecStore
+    except ImportError as e:
+        msg = "s3:// inputs need obstore: pip install 'omicsio_jax[s3]'"
+        raise ImportError(msg) from e
+
+    class _S3(FsspecStore):
+        protocol = ("s3", "s3a")  # the base class says "abstract", and DuckDB matches URLs by it
+
+        def open(self, path, mode="rb", block_size=None, **kwargs):
+            """Unbuffered reads are `PositionalFile`s, safe for DuckDB's threads; buffered (h5py) as usual."""
+            if mode == "rb" and block_size is None:
+                url = path if str(path).startswith(S3_SCHEME) else S3_SCHEME + str(path)
+                return PositionalFile(url, self.size(url))
+            return super().open(path, mode, block_size=block_size, **kwargs)
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
+    if endpoint.startswith("http://"):
+        client["allow_http"] = True
+    return _S3("s3", client_options=client, retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=60)})
+
+
+class PositionalFile:
+    """A read-only file over an S3 object whose position is per thread: DuckDB's threads share one
+    Python file object and call ``seek`` then ``read`` on it, which a shared position would mix
+    up. Each ``read`` is one range GET."""
+
+    def __init__(self, url: str, size: int):
+        import threading
+
+
+        bucket, _, self._key = url[len(S3_SCHEME):].partition("/")
+        self._store, self.size, self.name = _bucket_store(bucket), size, url
+        self._local = threading.local()
+        self.closed = False
+
+    def _pos(self) -> int:
+        return getattr(self._local, "pos", 0)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos(), 2: self.size}[whence]
+        self._local.pos = max(0, base + offset)
+        return self._local.pos
+
+    def tell(self) -> int:
+        return self._pos()
+
+    def read(self, n: int = -1) -> bytes:
+        start = self._pos()
+        end = self.size if n is None or n < 0 else min(self.size, start + n)
+        if end <= start:
+            return b""
+        data = self._store.get_ranges(self._key, [(start, end)], None)[0]
+        self._local.pos = start + len(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> PositionalFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@functools.cache
+def _bucket_store(bucket: str):
+    from omicsio_jax.storage.store import S3Store
+
+    return S3Store(S3_SCHEME + bucket, threads=4)
+
+
+def register_s3(con) -> None:
+    """Let a DuckDB connection read ``s3://`` URLs (once per connection)."""
+    if "s3" not in con.list_filesystems():
+        con.register_filesystem(s3_filesystem())
+
+
+class ObjectPath(str):
+    """An ``s3://bucket/key`` URL with the ``pathlib`` operations the input readers use."""
+
+    @property
+    def _key(self) -> str:
+        return self[len(S3_SCHEME):].rstrip("/")
+
+    @property
+    def name(self) -> str:
+        return self._key.rsplit("/", 1)[-1]
+
+    @property
+    def suffix(self) -> str:
+        name = self.name
+        return name[name.rindex("."):] if "." in name.lstrip(".") else ""
+
+    @property
+    def parent(self) -> ObjectPath:
+        key = self._key
+        return ObjectPath(S3_SCHEME + (key.rsplit("/", 1)[0] if "/" in key else key))
+
+    @property
+    def parents(self) -> list[ObjectPath]:
+        out, path = [], self
+        while "/" in path._key:
+            path = path.parent
+            out.append(path)
+        return out
+
+    def __truediv__(self, other: str) -> ObjectPath:
+        return ObjectPath(f"{self.rstrip('/')}/{other}")
+
+    def exists(self) -> bool:
+        return s3_filesystem().exists(str(self))
+
+    def is_file(self) -> bool:
+        return s3_filesystem().isfile(str(self))
+
+    def open(self, mode: str = "rb", **kwargs):
+        return s3_filesystem().open(str(self), mode, **kwargs)
+
+
+def as_input_path(spec: str):
+    """``spec`` as an `ObjectPath` (``s3://``) or a `pathlib.Path`."""
+    from pathlib import Path
+
+    return ObjectPath(spec) if is_remote(spec) else Path(spec)
+
+
+def expand_objects(spec: str, suffixes: tuple[str, ...], exclude: str) -> list[ObjectPath]:
+    """Objects named by an ``s3://`` key, a prefix (searched recursively) or a glob, sorted."""
+    fs = s3_filesystem()
+    if any(ch in spec for ch in "*?["):
+        keys = fs.glob(spec)
+        found = [k for k in keys if not k.endswith("/")]
+    elif spec.endswith(suffixes) and fs.isfile(spec):
+        found = [spec[len(S3_SCHEME):]]
+    else:
+        found = [k for k in fs.find(spec.rstrip("/") + "/") if k.endswith(suffixes)
+                 and not fnmatch.fnmatch(k.rsplit("/", 1)[-1], exclude)]
+    return sorted(ObjectPath(S3_SCHEME + k.removeprefix(S3_SCHEME)) for k in found)

@@ -1,0 +1,267 @@
+"""Where a dataset lives: a local directory or an S3-compatible bucket, behind one small interface.
+
+``s3://bucket/prefix`` URLs go to `S3Store` (obstore: range GETs with ``If-Match``, multipart
+uploads, listing), configured by the standard AWS environment variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``; a plain ``http://`` endpoint is
+allowed). Anything else is a local directory (`LocalStore`). Failures become one-line
+`ObjectStoreError` messages that name the object and the fix; an object that changed since it was
+first seen raises `ObjectChangedError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+from omicsio_jax.core.errors import OmicsIOError
+
+S3_SCHEME = "s3://"
+_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                         "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_SKIP_SIGNATURE", "AWS_PROFILE")
+
+
+class ObjectStoreError(OmicsIOError):
+    """An object-storage request failed (unreachable endpoint, missing credentials, bucket or key)."""
+
+
+class ObjectChangedError(ObjectStoreError):
+    """An object changed (its ETag differs) while a dataset that uses it was open."""
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    return str(location).startswith(S3_SCHEME)
+
+
+def default_cache_dir() -> Path:
+    """This user's cache of omicsio_jax (gene tables, remote datasets): ``$OMICSIO_JAX_CACHE``, else
+    ``~/.cache/omicsio_jax``."""
+    return Path(os.environ.get("OMICSIO_JAX_CACHE", Path.home() / ".cache" / "omicsio_jax"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    etag: str | None
+
+
+def join(root: str, key: str) -> str:
+    return f"{root.rstrip('/')}/{key}" if key else root
+
+
+class LocalStore:
+    """A directory, seen through the store interface (``local_root`` is the directory itself)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.url = str(root)
+        self.local_root: Path | None = Path(root)
+
+    def describe(self, key: str = "") -> str:
+        return str(self.local_root / key) if key else str(self.local_root)
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return (self.local_root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def read_text(self, key: str) -> str | None:
+        data = self.read_bytes(key)
+        return None if data is None else data.decode()
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            return ObjectInfo((self.local_root / key).stat().st_size, None)
+        except FileNotFoundError:
+            return None
+
+    def upload(self, local: Path, names: Sequence[str]) -> None:
+        """Copy ``local/name`` to ``name`` for each name, in order (nothing to do when ``local`` is the root)."""
+        if Path(local).resolve() == self.local_root.resolve():
+            return
+        for name in names:
+            dest = self.local_root / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(local) / name, dest)
+
+    def download(self, key: str, dest: Path) -> None:
+        shutil.copyfile(self.local_root / key, dest)
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        base = self.local_root / prefix
+        if not base.exists():
+            return []
+        found = [p for p in base.rglob("*") if p.is_file()]
+        return sorted((p.relative_to(self.local_root).as_posix(), p.stat().st_size) for p in found)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            (self.local_root / key).unlink(missing_ok=True)
+
+
+class S3Store:
+    """An ``s3://bucket/prefix`` location; keys are relative to the prefix."""
+
+    def __init__(self, url: str, *, threads: int = 16):
+        from obstore.store import S3Store as _ObStore
+
+        if not is_remote(url):
+            msg = f"not an s3:// URL: {url!r}"
+            raise ObjectStoreError(msg)
+        bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
+        if not bucket:
+            msg = f"{url!r} names no bucket; use s3://BUCKET/PREFIX"
+            raise ObjectStoreError(msg)
+        if not any(os.environ.get(v) for v in _CREDENTIAL_VARIABLES):
+            msg = (f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                   "AWS_PROFILE, or AWS_SKIP_SIGNATURE=true for a public bucket)")
+            raise ObjectStoreError(msg)
+        self.url, self.bucket, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
+        self.local_root = None
+        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+        if self.endpoint.startswith("http://"):
+            client["allow_http"] = True
+        retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=60),
+                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
+                             "base": 2}}
+        self._store = _ObStore(bucket, prefix=self.prefix or None, client_options=client, retry_config=retry)
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "threads": self._threads}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["url"], threads=state["threads"])
+
+    def describe(self, key: str = "") -> str:
+        return join(self.url, key)
+
+    def _fail(self, e: Exception, key: str, etag: str | None = None) -> ObjectStoreError:
+        import obstore.exceptions as oe
+
+        url, text = self.describe(key), str(e)
+        if isinstance(e, oe.PreconditionError):
+            return ObjectChangedError(f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
+                                      "rewritten under this prefix; open it again")
+        if "NoSuchBucket" in text:
+            return ObjectStoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint} (for {url}): create "
+                                    "it, or check the URL and AWS_ENDPOINT_URL")
+        if isinstance(e, (FileNotFoundError, oe.NotFoundError)):
+            return ObjectStoreError(f"{url} does not exist")
+        if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or "AccessDenied" in text \
+                or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+            return ObjectStoreError(f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if "error sending request" in text or "Connection refused" in text or "dns error" in text:
+            return ObjectStoreError(f"cannot reach the S3 endpoint {self.endpoint} (for {url}): check "
+                                    "AWS_ENDPOINT_URL and the network")
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        return ObjectStoreError(f"{url}: {first}")
+
+    def _call(self, fn, key: str, *args, etag: str | None = None, **kwargs):
+        try:
+            return fn(self._store, key, *args, **kwargs)
+        except Exception as e:  # obstore raises its own exception classes
+            raise self._fail(e, key, etag) from e
+
+    def _call_or_none(self, fn, key: str):
+        """``fn(store, key)``, or None when the key does not exist (a missing bucket still raises)."""
+        import obstore.exceptions as oe
+
+        try:
+            return fn(self._store, key)
+        except (FileNotFoundError, oe.NotFoundError) as e:
+            if "NoSuchBucket" in str(e):
+                raise self._fail(e, key) from e
+            return None
+        except Exception as e:
+            raise self._fail(e, key) from e
+
+    def read_bytes(self, key: str) -> bytes | None:
+        import obstore
+
+        result = self._call_or_none(obstore.get, key)
+        return None if result is None else bytes(result.bytes())
+
+    def read_text(self, key: str) -> str | None:
+        data = self.read_bytes(key)
+        return None if data is None else data.decode()
+
+    def head(self, key: str) -> ObjectInfo | None:
+        import obstore
+
+        meta = self._call_or_none(obstore.head, key)
+        return None if meta is None else ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]], etag: str | None) -> list[bytes]:
+        """The byte ranges ``[begin, end)`` of ``key``, fetched concurrently, each with ``If-Match: etag``."""
+        import obstore
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="omicsio-s3")
+
+        def get(r: tuple[int, int]) -> bytes:
+            options = {"range": (int(r[0]), int(r[1]))}
+            if etag is not None:
+                options["if_match"] = etag
+            return bytes(self._call(obstore.get, key, options=options, etag=etag).bytes())
+
+        return list(self._pool.map(get, ranges))
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        import obstore
+
+        self._call(obstore.put, key, data)
+
+    def upload(self, local: Path, names: Sequence[str]) -> None:
+        """PUT ``local/name`` as ``name`` for each name, in order (large files in parts, concurrently)."""
+        import obstore
+
+        for name in names:
+            self._call(obstore.put, name, Path(local) / name, max_concurrency=8)
+
+    def download(self, key: str, dest: Path) -> None:
+        import obstore
+
+        result = self._call(obstore.get, key)
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{threading.get_ident()}.part")  # unique per thread
+        try:
+            with open(tmp, "wb") as f:
+                for piece in result.stream(min_chunk_size=8 << 20):
+                    f.write(piece)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        import obstore
+
+        out = []
+        try:
+            for page in obstore.list(self._store, prefix or None):
+                out += [(m["path"], int(m["size"])) for m in page]
+        except Exception as e:
+            raise self._fail(e, prefix) from e
+        return sorted(out)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        import obstore
+
+        keys = list(keys)
+        for start in range(0, len(keys), 1000):
+            try:
+                obstore.delete(self._store, keys[start : start + 1000])
+            except Exception as e:
+                raise self._fail(e, keys[start]) from e
+
+
+def open_store(location: str | os.PathLike[str]) -> LocalStore | S3Store:
+    """The store of a local directory or an ``s3://`` URL."""
+    return S3Store(str(location)) if is_remote(location) else LocalStore(location)
