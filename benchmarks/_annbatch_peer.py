@@ -384,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--label", default=None, help="obs column whose per-minibatch entropy to report")
-    bench.add_argument("--spawned-at", type=float, default=None,
-                       help="time.time() just before this process was started: first_batch_from_spawn_s")
+    bench.add_argument(
+        "--spawned-at",
+        type=float,
+        default=None,
+        help="time.time() just before this process was started: first_batch_from_spawn_s",
+    )
     bench.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
     bench.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
     args = parser.parse_args(argv)

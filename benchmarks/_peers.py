@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from omicsio_jax.format import codec
 from omicsio_jax import open_dataset
+from omicsio_jax.format import codec
 
 CORPUS = Path(__file__).parent / "data" / "corpus_200k"
 

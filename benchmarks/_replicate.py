@@ -43,7 +43,9 @@ def replicate(src: str | os.PathLike, out: str | os.PathLike, copies: int, *, li
             shutil.copyfile(src / chunk_index_path(s.path), out / chunk_index_path(name))
             shards.append(ShardEntry(name, i * m.shard_cells, m.shard_cells, s.num_bytes, s.sha256))
     ids = pq.read_table(src / "cell_ids.parquet").column(0).to_pylist()[:cells]
-    pq.write_table(pa.table({"cell_id": [f"{v}-r{c}" for c in range(copies) for v in ids]}), out / "cell_ids.parquet")
+    pq.write_table(
+        pa.table({"cell_id": [f"{v}-r{c}" for c in range(copies) for v in ids]}), out / "cell_ids.parquet"
+    )
     for f in m.files:
         if f.path.startswith("chunks/"):
             continue
@@ -55,8 +57,14 @@ def replicate(src: str | os.PathLike, out: str | os.PathLike, copies: int, *, li
         files.append(file_entry(out, f.path))
     files += [file_entry(out, chunk_index_path(s.path)) for s in shards]
     nnz = round(m.nnz * cells / m.num_cells) * copies  # an estimate: only the full shards are kept
-    manifest = dataclasses.replace(m, num_cells=cells * copies, nnz=nnz, shards=tuple(shards), files=tuple(files),
-                                   source={**m.source, "replicated_from": str(src), "copies": copies})
+    manifest = dataclasses.replace(
+        m,
+        num_cells=cells * copies,
+        nnz=nnz,
+        shards=tuple(shards),
+        files=tuple(files),
+        source={**m.source, "replicated_from": str(src), "copies": copies},
+    )
     (out / MANIFEST_NAME).write_text(manifest.with_fingerprint().to_json())
     return out
 

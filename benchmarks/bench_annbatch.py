@@ -71,7 +71,10 @@ THREADS = (1, 0, 2)  # make_loader's num_threads: its default first
 # also run at annbatch's own in-memory buffer (preload_nchunks 32 × chunk_size 512 = 16,384 cells): (threads, fetch_factor)
 EXTRA = {("csr", 1024): ((1, 16), (0, 16))}
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
-TIMED = {64: 1500, 1024: 600}  # timed batches (~1 s of dense b64; ~1.5 s of csr b1024: 9 fetches of 64 batches)
+TIMED = {
+    64: 1500,
+    1024: 600,
+}  # timed batches (~1 s of dense b64; ~1.5 s of csr b1024: 9 fetches of 64 batches)
 # batches before the timed window, both loaders: our first three fetches are read while the first batches are
 # decoded (a ~0.5 s pipeline fill at csr b1024: 157k cells/s over batches 64-191, ~410k after), annbatch's
 # first 16 loads at b1024
@@ -80,9 +83,19 @@ QUICK_TIMED, QUICK_WARMUP = {64: 300, 1024: 40}, {64: 16, 1024: 8}
 
 
 # ----- child: one omicsio_jax configuration -------------------------------------------------------
-def _our_loader(dataset: str, *, batch_size: int, output: str, num_threads: int, num_batches: int, warmup: int,
-                block_size: int = BLOCK_SIZE, fetch_factor: int = FETCH_FACTOR, seed: int = 0,
-                spawned_at: float | None = None) -> dict:
+def _our_loader(
+    dataset: str,
+    *,
+    batch_size: int,
+    output: str,
+    num_threads: int,
+    num_batches: int,
+    warmup: int,
+    block_size: int = BLOCK_SIZE,
+    fetch_factor: int = FETCH_FACTOR,
+    seed: int = 0,
+    spawned_at: float | None = None,
+) -> dict:
     """One fresh loader: first-batch latency, ``warmup`` batches (the first included), timed window."""
     import jax
 
@@ -91,8 +104,17 @@ def _our_loader(dataset: str, *, batch_size: int, output: str, num_threads: int,
     start = time.perf_counter()
     ds = oj.open_dataset(dataset)
     opened = time.perf_counter()
-    loader = oj.make_loader(ds, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
-                            num_epochs=None, output=output, obs=(LABEL,), num_threads=num_threads)
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        seed=seed,
+        num_epochs=None,
+        output=output,
+        obs=(LABEL,),
+        num_threads=num_threads,
+    )
     it = iter(loader)
     jax.block_until_ready(next(it))
     first_batch_s = time.perf_counter() - opened
@@ -109,12 +131,23 @@ def _our_loader(dataset: str, *, batch_size: int, output: str, num_threads: int,
     loader.close()
     entropy = oj.minibatch_entropy([np.asarray(x) for x in labels])  # codes; -1 (missing) ignored
     cells = num_batches * batch_size
-    return {"cells": cells, "batches": num_batches, "seconds": t1 - t0, "cpu_seconds": cpu1 - cpu0,
-            "cells_per_s": cells / (t1 - t0), "cells_per_cpu_s": cells / (cpu1 - cpu0),
-            "cpu_per_wall": (cpu1 - cpu0) / (t1 - t0), "first_batch_s": first_batch_s, "open_s": opened - start,
-            "first_batch_from_spawn_s": from_spawn_s,
-            "label_entropy_bits": float(entropy.mean()), "num_cells": ds.num_cells, "num_genes": ds.num_genes,
-            "omicsio_jax_version": oj.__version__, "jax_version": jax.__version__}
+    return {
+        "cells": cells,
+        "batches": num_batches,
+        "seconds": t1 - t0,
+        "cpu_seconds": cpu1 - cpu0,
+        "cells_per_s": cells / (t1 - t0),
+        "cells_per_cpu_s": cells / (cpu1 - cpu0),
+        "cpu_per_wall": (cpu1 - cpu0) / (t1 - t0),
+        "first_batch_s": first_batch_s,
+        "open_s": opened - start,
+        "first_batch_from_spawn_s": from_spawn_s,
+        "label_entropy_bits": float(entropy.mean()),
+        "num_cells": ds.num_cells,
+        "num_genes": ds.num_genes,
+        "omicsio_jax_version": oj.__version__,
+        "jax_version": jax.__version__,
+    }
 
 
 def _child(spec: dict) -> dict:
@@ -136,14 +169,37 @@ def run(spec: dict) -> dict:
     """One round of one configuration in a fresh process: ours via ``--child``, annbatch via its peer."""
     if spec["kind"] == "ours":
         child = {**spec, "spawned_at": time.time()}
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(child)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         return {**spec, **_last_json(proc)}
     kw = spec["kwargs"]
-    cmd = [str(ANNBATCH_PYTHON), str(PEER), "run", kw["collection"], "--output", kw["output"],
-           "--batch-size", str(kw["batch_size"]), "--num-batches", str(kw["num_batches"]),
-           "--warmup", str(kw["warmup"]), "--rounds", "1", "--seed", str(kw["seed"]), "--label", LABEL]
-    proc = subprocess.run([*cmd, "--spawned-at", repr(time.time())], capture_output=True, text=True, check=False)
+    cmd = [
+        str(ANNBATCH_PYTHON),
+        str(PEER),
+        "run",
+        kw["collection"],
+        "--output",
+        kw["output"],
+        "--batch-size",
+        str(kw["batch_size"]),
+        "--num-batches",
+        str(kw["num_batches"]),
+        "--warmup",
+        str(kw["warmup"]),
+        "--rounds",
+        "1",
+        "--seed",
+        str(kw["seed"]),
+        "--label",
+        LABEL,
+    ]
+    proc = subprocess.run(
+        [*cmd, "--spawned-at", repr(time.time())], capture_output=True, text=True, check=False
+    )
     out = _last_json(proc)
     if "error" not in out:  # the peer's figures of its single round
         out = {**out, "seconds": out["cells_runs"][0] / out["cells_per_s"], "cells": out["cells_runs"][0]}
@@ -151,8 +207,15 @@ def run(spec: dict) -> dict:
     return {**spec, **out}
 
 
-FIELDS = ("cells_per_s", "cells_per_cpu_s", "cpu_per_wall", "first_batch_s", "first_batch_from_spawn_s",
-          "label_entropy_bits", "open_s")
+FIELDS = (
+    "cells_per_s",
+    "cells_per_cpu_s",
+    "cpu_per_wall",
+    "first_batch_s",
+    "first_batch_from_spawn_s",
+    "label_entropy_bits",
+    "open_s",
+)
 
 
 def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
@@ -171,8 +234,13 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
     rows = []
     for (label, spec), results in zip(plan, runs.values(), strict=True):
         ok = [x for x in results if "error" not in x]
-        row = {"label": label, "kind": spec["kind"], **{k: v for k, v in spec["kwargs"].items()},
-               "rounds": len(results), "errors": [x["error"] for x in results if "error" in x]}
+        row = {
+            "label": label,
+            "kind": spec["kind"],
+            **{k: v for k, v in spec["kwargs"].items()},
+            "rounds": len(results),
+            "errors": [x["error"] for x in results if "error" in x],
+        }
         if ok:
             fields = [k for k in FIELDS if all(k in x for x in ok)]  # open_s: ours only
             row.update({k: statistics.median(x[k] for x in ok) for k in fields})
@@ -181,8 +249,11 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
             row["batches"] = statistics.median_low(x["batches"] for x in ok)
             row["num_cells"] = ok[0]["num_cells"]
             row["runs"] = ok
-            print(f"median of {len(ok)}: {label:34s} {row['cells_per_s']:>9,.0f} cells/s "
-                  f"(runs {', '.join(f'{v:,.0f}' for v in row['cells_per_s_runs'])})", flush=True)
+            print(
+                f"median of {len(ok)}: {label:34s} {row['cells_per_s']:>9,.0f} cells/s "
+                f"(runs {', '.join(f'{v:,.0f}' for v in row['cells_per_s_runs'])})",
+                flush=True,
+            )
         rows.append(row)
     return rows
 
@@ -214,13 +285,18 @@ def ensure_data(corpus: Path, dataset: Path, collection: Path, seed: int) -> dic
         partial = collection.with_name(collection.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         h5ad = corpus / "cells.h5ad"
-        print(f"converting {h5ad} -> {collection} with annbatch: it holds the whole corpus in RAM, with copies "
-              f"(~10 GB at 200k cells; {_mem_available() / 2**30:.1f} GiB available now) ...", flush=True)
+        print(
+            f"converting {h5ad} -> {collection} with annbatch: it holds the whole corpus in RAM, with copies "
+            f"(~10 GB at 200k cells; {_mem_available() / 2**30:.1f} GiB available now) ...",
+            flush=True,
+        )
         proc = subprocess.run([str(ANNBATCH_PYTHON), str(PEER), "convert", str(h5ad), str(partial), "--seed",
                                str(seed)], capture_output=True, text=True, check=False)  # fmt: skip
         if proc.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
-            raise SystemExit(f"annbatch conversion failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            raise SystemExit(
+                f"annbatch conversion failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+            )
         conversion = json.loads(proc.stdout.strip().splitlines()[-1])
         partial.rename(collection)
         record.write_text(json.dumps(conversion, indent=1) + "\n")
@@ -228,7 +304,9 @@ def ensure_data(corpus: Path, dataset: Path, collection: Path, seed: int) -> dic
               f"{conversion['bytes_per_cell']:,.0f} B/cell", flush=True)  # fmt: skip
     if record.exists():
         return json.loads(record.read_text())
-    print(f"note: {collection} exists but {record.name} does not: conversion figures not recorded", flush=True)
+    print(
+        f"note: {collection} exists but {record.name} does not: conversion figures not recorded", flush=True
+    )
     return None
 
 
@@ -241,11 +319,17 @@ def our_materialize(num_cells: int) -> dict | None:
     row = next((r for r in saved["rows"] if r["num_cells"] == num_cells and r["input"] == "parquet"), None)
     if row is None:
         return None
-    return {"source": "results/materialize.json", "command": saved["command"], "input": "parquet",
-            "cells_per_s": row["cells_per_s_median"], "seconds": num_cells / row["cells_per_s_median"],
-            "peak_rss_bytes": round(row["peak_rss_mib_max"] * 2**20),
-            "largest_child_peak_rss_bytes": round(row["child_peak_rss_mib_max"] * 2**20),
-            "bytes_per_cell": row["dataset_bytes_per_cell"], "workers": row["workers"]}
+    return {
+        "source": "results/materialize.json",
+        "command": saved["command"],
+        "input": "parquet",
+        "cells_per_s": row["cells_per_s_median"],
+        "seconds": num_cells / row["cells_per_s_median"],
+        "peak_rss_bytes": round(row["peak_rss_mib_max"] * 2**20),
+        "largest_child_peak_rss_bytes": round(row["child_peak_rss_mib_max"] * 2**20),
+        "bytes_per_cell": row["dataset_bytes_per_cell"],
+        "workers": row["workers"],
+    }
 
 
 def entropy_reference(dataset: Path) -> dict:
@@ -275,8 +359,10 @@ def ratios(rows: list[dict]) -> dict:
         for threads, fetch in _variants(output, bs):
             ours = by[_our_label(output, bs, threads, fetch)]
             tag = ours["label"].removeprefix("omicsio ")
-            out[tag] = {"cells_per_s": _ratio(ours, peer, "cells_per_s"),
-                        "cells_per_cpu_s": _ratio(ours, peer, "cells_per_cpu_s")}
+            out[tag] = {
+                "cells_per_s": _ratio(ours, peer, "cells_per_s"),
+                "cells_per_cpu_s": _ratio(ours, peer, "cells_per_cpu_s"),
+            }
     return out
 
 
@@ -286,8 +372,11 @@ def _variants(output: str, bs: int) -> list[tuple[int, int]]:
 
 
 def _our_label(output: str, bs: int, threads: int, fetch: int = FETCH_FACTOR) -> str:
-    return (f"omicsio {output} b{bs}" + ("" if threads == THREADS[0] else f" num_threads={threads}")
-            + ("" if fetch == FETCH_FACTOR else f" fetch_factor={fetch}"))
+    return (
+        f"omicsio {output} b{bs}"
+        + ("" if threads == THREADS[0] else f" num_threads={threads}")
+        + ("" if fetch == FETCH_FACTOR else f" fetch_factor={fetch}")
+    )
 
 
 def _n(v: float | None, fmt: str = ",.0f") -> str:
@@ -296,12 +385,19 @@ def _n(v: float | None, fmt: str = ",.0f") -> str:
 
 def markdown(result: dict) -> str:
     """The results as a Markdown table for benchmarks/README.md."""
-    lines = [("| configuration | cells/s | cells per CPU-s | cores busy | first batch (s) "
-              "| first batch from process start (s) | peak RSS (MiB) | `batch` entropy (bits) | timed batches |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| configuration | cells/s | cells per CPU-s | cores busy | first batch (s) "
+            "| first batch from process start (s) | peak RSS (MiB) | `batch` entropy (bits) | timed batches |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     by = {r["label"]: r for r in result["rows"]}
     for output, bs in CONFIGS:
-        for label in (*(_our_label(output, bs, *v) for v in _variants(output, bs)), f"annbatch {output} b{bs}"):
+        for label in (
+            *(_our_label(output, bs, *v) for v in _variants(output, bs)),
+            f"annbatch {output} b{bs}",
+        ):
             r = by.get(label)
             if r is None:
                 continue
@@ -317,47 +413,75 @@ def markdown(result: dict) -> str:
         for tag, q in result["ratios"].items():
             if tag.startswith(f"{output} b{bs}"):
                 variant = tag.removeprefix(f"{output} b{bs}").strip()
-                lines.append(f"| *omicsio{f' ({variant})' if variant else ''} ÷ annbatch* "
-                             f"| *{_n(q['cells_per_s'], '.2f')}×* | *{_n(q['cells_per_cpu_s'], '.2f')}×* | | | | | | |")
+                lines.append(
+                    f"| *omicsio{f' ({variant})' if variant else ''} ÷ annbatch* "
+                    f"| *{_n(q['cells_per_s'], '.2f')}×* | *{_n(q['cells_per_cpu_s'], '.2f')}×* | | | | | | |"
+                )
     ref = result.get("entropy_reference")
     if ref:
         lines.append("")
-        lines.append(f"`batch` ({ref['num_labels']} plates): population entropy {ref['population_bits']:.3f} bits; "
-                     f"expected minibatch entropy under true random sampling "
-                     f"{ref['true_random_b64_bits']:.3f} (b64) / {ref['true_random_b1024_bits']:.3f} (b1024) bits.")
+        lines.append(
+            f"`batch` ({ref['num_labels']} plates): population entropy {ref['population_bits']:.3f} bits; "
+            f"expected minibatch entropy under true random sampling "
+            f"{ref['true_random_b64_bits']:.3f} (b64) / {ref['true_random_b1024_bits']:.3f} (b1024) bits."
+        )
     lines.append("")
-    lines.append("First batch: omicsio from the `make_loader` call (its `open_dataset` in parentheses), whose first "
-                 "batch reads only its own cells (its fetch is read after it); annbatch from the "
-                 "`DatasetCollection` call (opening the stores included) through its first load (16,384 cells); "
-                 "from process start: from just before the process is started (interpreter, imports, open, first batch). "
-                 "annbatch dense = its scipy CSR batch densified with `.toarray()` in the timed loop.")
-    conv, mat, disk = result.get("annbatch_conversion"), result.get("omicsio_materialize"), result["disk_bytes"]
+    lines.append(
+        "First batch: omicsio from the `make_loader` call (its `open_dataset` in parentheses), whose first "
+        "batch reads only its own cells (its fetch is read after it); annbatch from the "
+        "`DatasetCollection` call (opening the stores included) through its first load (16,384 cells); "
+        "from process start: from just before the process is started (interpreter, imports, open, first batch). "
+        "annbatch dense = its scipy CSR batch densified with `.toarray()` in the timed loop."
+    )
+    conv, mat, disk = (
+        result.get("annbatch_conversion"),
+        result.get("omicsio_materialize"),
+        result["disk_bytes"],
+    )
     cells = result["num_cells"]
     lines.append("")
     if conv:
-        lines.append(f"annbatch conversion (`add_adatas`, from h5ad): {conv['seconds']:,.1f} s "
-                     f"({conv['cells_per_s']:,.0f} cells/s), peak RSS {conv['peak_rss_bytes'] / 2**30:,.2f} GiB, "
-                     f"{conv['bytes_per_cell']:,.0f} B/cell.")
+        lines.append(
+            f"annbatch conversion (`add_adatas`, from h5ad): {conv['seconds']:,.1f} s "
+            f"({conv['cells_per_s']:,.0f} cells/s), peak RSS {conv['peak_rss_bytes'] / 2**30:,.2f} GiB, "
+            f"{conv['bytes_per_cell']:,.0f} B/cell."
+        )
     if mat:
-        lines.append(f"omicsio materialize (from parquet, {mat['workers']} workers; results/materialize.json): "
-                     f"{mat['seconds']:,.1f} s ({mat['cells_per_s']:,.0f} cells/s), peak RSS "
-                     f"{mat['peak_rss_bytes'] / 2**30:,.2f} GiB + largest child "
-                     f"{mat['largest_child_peak_rss_bytes'] / 2**30:,.2f} GiB, {mat['bytes_per_cell']:,.0f} B/cell.")
-    lines.append(f"On disk: omicsio dataset {disk['omicsio_dataset'] / cells:,.0f} B/cell, annbatch collection "
-                 f"{disk['annbatch_collection'] / cells:,.0f} B/cell ({cells:,} cells).")
+        lines.append(
+            f"omicsio materialize (from parquet, {mat['workers']} workers; results/materialize.json): "
+            f"{mat['seconds']:,.1f} s ({mat['cells_per_s']:,.0f} cells/s), peak RSS "
+            f"{mat['peak_rss_bytes'] / 2**30:,.2f} GiB + largest child "
+            f"{mat['largest_child_peak_rss_bytes'] / 2**30:,.2f} GiB, {mat['bytes_per_cell']:,.0f} B/cell."
+        )
+    lines.append(
+        f"On disk: omicsio dataset {disk['omicsio_dataset'] / cells:,.0f} B/cell, annbatch collection "
+        f"{disk['annbatch_collection'] / cells:,.0f} B/cell ({cells:,} cells)."
+    )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--corpus", type=Path, default=DATA / "corpus_200k", help="holds cells.parquet and cells.h5ad")
-    p.add_argument("--dataset", type=Path, default=DATA / "ds_200k", help="our dataset (materialized if missing)")
-    p.add_argument("--collection", type=Path, default=DATA / "annbatch_200k",
-                   help="annbatch's collection (converted from the corpus's h5ad if missing)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="run every configuration this many times, round-robin, and report the median "
-                        "(default 3; 1 with --quick)")
+    p.add_argument(
+        "--corpus", type=Path, default=DATA / "corpus_200k", help="holds cells.parquet and cells.h5ad"
+    )
+    p.add_argument(
+        "--dataset", type=Path, default=DATA / "ds_200k", help="our dataset (materialized if missing)"
+    )
+    p.add_argument(
+        "--collection",
+        type=Path,
+        default=DATA / "annbatch_200k",
+        help="annbatch's collection (converted from the corpus's h5ad if missing)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="run every configuration this many times, round-robin, and report the median "
+        "(default 3; 1 with --quick)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke mode: few batches, 1 round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results" / "annbatch.json")
@@ -385,25 +509,51 @@ def main() -> None:
     num_cells = oj.open_dataset(dataset).num_cells
     corpus_cells = pq.ParquetFile(corpus / "cells.parquet").metadata.num_rows
     if corpus_cells != num_cells:
-        raise SystemExit(f"{dataset} holds {num_cells:,} cells and {corpus} {corpus_cells:,}: not the same cells; "
-                         "pass the matching --dataset")
+        raise SystemExit(
+            f"{dataset} holds {num_cells:,} cells and {corpus} {corpus_cells:,}: not the same cells; "
+            "pass the matching --dataset"
+        )
 
     plan: list[tuple[str, dict]] = []
     for output, bs in CONFIGS:
-        common = {"batch_size": bs, "output": output, "num_batches": timed[bs], "warmup": warmup[bs],
-                  "seed": args.seed}
+        common = {
+            "batch_size": bs,
+            "output": output,
+            "num_batches": timed[bs],
+            "warmup": warmup[bs],
+            "seed": args.seed,
+        }
         for threads, fetch in _variants(output, bs):
-            plan.append((_our_label(output, bs, threads, fetch), {"kind": "ours", "kwargs": {
-                "dataset": str(dataset), **common, "num_threads": threads, "block_size": BLOCK_SIZE,
-                "fetch_factor": fetch}}))
-        plan.append((f"annbatch {output} b{bs}", {"kind": "annbatch", "kwargs": {
-            "collection": str(collection), **common}}))
+            plan.append(
+                (
+                    _our_label(output, bs, threads, fetch),
+                    {
+                        "kind": "ours",
+                        "kwargs": {
+                            "dataset": str(dataset),
+                            **common,
+                            "num_threads": threads,
+                            "block_size": BLOCK_SIZE,
+                            "fetch_factor": fetch,
+                        },
+                    },
+                )
+            )
+        plan.append(
+            (
+                f"annbatch {output} b{bs}",
+                {"kind": "annbatch", "kwargs": {"collection": str(collection), **common}},
+            )
+        )
     rows = run_rounds(plan, rounds)
 
     mismatched = [r["label"] for r in rows if r.get("num_cells", num_cells) != num_cells]
     if mismatched:
-        print(f"WARNING: {', '.join(mismatched)} saw another number of cells than {num_cells:,}: "
-              "the collection is not of the same corpus", flush=True)
+        print(
+            f"WARNING: {', '.join(mismatched)} saw another number of cells than {num_cells:,}: "
+            "the collection is not of the same corpus",
+            flush=True,
+        )
     result = {
         "benchmark": "bench_annbatch",
         "command": "python benchmarks/bench_annbatch.py " + " ".join(sys.argv[1:]),

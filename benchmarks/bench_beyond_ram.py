@@ -57,8 +57,13 @@ CONFIGS = {  # label: make_loader kwargs
     "csr b1024": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr"},
     "true random csr b1024": {"batch_size": 1024, "block_size": 1, "fetch_factor": 64, "output": "csr"},
     # the fastest setting on 2 cores (bench_annbatch.py): batches decoded on the consumer's thread
-    "csr b1024 num_threads=0": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr",
-                                "num_threads": 0},
+    "csr b1024 num_threads=0": {
+        "batch_size": 1024,
+        "block_size": 16,
+        "fetch_factor": 64,
+        "output": "csr",
+        "num_threads": 0,
+    },
 }
 DEFAULT_CONFIGS = ("dense b64", "dense b1024", "csr b1024", "true random csr b1024")
 
@@ -78,8 +83,12 @@ def _child(spec: dict) -> dict:
     dataset = Path(spec["dataset"])
     if spec["cold"] and not drop_page_cache(_files(dataset)):
         raise OSError("could not drop the page cache")
-    ds = oj.open_dataset(dataset, readahead=spec["readahead"], chunk_reader=spec["chunk_reader"],
-                         direct_io=spec.get("direct_io"))
+    ds = oj.open_dataset(
+        dataset,
+        readahead=spec["readahead"],
+        chunk_reader=spec["chunk_reader"],
+        direct_io=spec.get("direct_io"),
+    )
     spec = {**spec, "direct_io": ds.chunk_reader is not None and ds.chunk_reader.direct}
     loader = oj.make_loader(ds, seed=0, num_epochs=None, **CONFIGS[spec["config"]])
     it = iter(loader)
@@ -97,18 +106,31 @@ def _child(spec: dict) -> dict:
     seconds = last - start
     times = os.times()
     user, system = times.user - times0.user, times.system - times0.system
-    return {**spec, "cells_per_s": cells / seconds, "seconds": seconds, "batches": len(waits),
-            "max_wait_s": max(waits), "cores_busy": (user + system) / seconds, "system_share": system / (user + system),
-            "cells_per_cpu_s": cells / (user + system),
-            "read_mb": (proc_io("read_bytes") - read0) / 1e6, "rss_start_mib": rss0 / 2**20,
-            "rss_end_mib": proc_status("VmRSS") / 2**20, "peak_rss_mib": proc_status("VmHWM") / 2**20}
+    return {
+        **spec,
+        "cells_per_s": cells / seconds,
+        "seconds": seconds,
+        "batches": len(waits),
+        "max_wait_s": max(waits),
+        "cores_busy": (user + system) / seconds,
+        "system_share": system / (user + system),
+        "cells_per_cpu_s": cells / (user + system),
+        "read_mb": (proc_io("read_bytes") - read0) / 1e6,
+        "rss_start_mib": rss0 / 2**20,
+        "rss_end_mib": proc_status("VmRSS") / 2**20,
+        "peak_rss_mib": proc_status("VmHWM") / 2**20,
+    }
 
 
 def run(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=False, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], check=False, capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        return {**spec, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}
+        return {
+            **spec,
+            "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode,
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -125,12 +147,22 @@ def ensure_big(source: Path, out: Path, ram_factor: float) -> Path:
     sys.path.insert(0, str(HERE))
     from _replicate import replicate
 
-    print(f"writing {copies} copies of {source}'s full shards ({copies * full / 1e9:.1f} GB) to {out}", flush=True)
+    print(
+        f"writing {copies} copies of {source}'s full shards ({copies * full / 1e9:.1f} GB) to {out}",
+        flush=True,
+    )
     return replicate(source, out, copies)
 
 
-def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, threads: int, seconds: float,
-                  direct: bool = False) -> dict:
+def _random_reads(
+    shards: list[Path],
+    chunks: list[np.ndarray],
+    group: int,
+    *,
+    threads: int,
+    seconds: float,
+    direct: bool = False,
+) -> dict:
     """``pread``s of whole random data chunks on ``threads`` threads (as many reads in flight) for
     ``seconds``; ``direct``: with ``O_DIRECT``, each chunk widened to 4 KiB boundaries."""
     stop = time.perf_counter() + seconds
@@ -161,7 +193,11 @@ def _random_reads(shards: list[Path], chunks: list[np.ndarray], group: int, *, t
         t.join()
     elapsed = time.perf_counter() - start
     reads, nbytes = (sum(v) for v in zip(*done, strict=True))
-    return {"reads_per_s": reads / elapsed, "cells_per_s": reads * group / elapsed, "kib_per_read": nbytes / reads / 1024}
+    return {
+        "reads_per_s": reads / elapsed,
+        "cells_per_s": reads * group / elapsed,
+        "kib_per_read": nbytes / reads / 1024,
+    }
 
 
 def chunk_table(dataset: Path) -> tuple[list[Path], list[np.ndarray], int]:
@@ -197,15 +233,22 @@ def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
     per_cell = sum(s.num_bytes for s in m.shards) / m.num_cells
     some = shards[: max(1, int(np.ceil(4e9 / m.shards[0].num_bytes)))]
     sequential = sequential_read_limit(some)
-    out = {"bytes_per_cell": per_cell, "sequential_MBps": sequential / 1e6, "sequential_cells_per_s": sequential / per_cell,
-           "group_size": group}
+    out = {
+        "bytes_per_cell": per_cell,
+        "sequential_MBps": sequential / 1e6,
+        "sequential_cells_per_s": sequential / per_cell,
+        "group_size": group,
+    }
     for threads in (1, depth):
         drop_page_cache(shards)
         out[f"random_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds)
     for threads in (depth, 4 * depth):
-        out[f"random_direct_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds,
-                                                          direct=True)
-    out["random_ceiling_cells_per_s"] = max(v["cells_per_s"] for k, v in out.items() if k.startswith("random_"))
+        out[f"random_direct_qd{threads}"] = _random_reads(
+            shards, chunks, group, threads=threads, seconds=seconds, direct=True
+        )
+    out["random_ceiling_cells_per_s"] = max(
+        v["cells_per_s"] for k, v in out.items() if k.startswith("random_")
+    )
     return out
 
 
@@ -224,27 +267,51 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
-    kinds = [("warm (200k cells in RAM)", False, True, False, "tab:green"),
-             ("cold, O_DIRECT (the default beyond RAM)", True, True, True, "tab:blue"),
-             ("cold, buffered + read-ahead", True, True, False, "tab:gray"),
-             ("cold, ArrayRecord's reader", True, False, False, "tab:purple")]
+    kinds = [
+        ("warm (200k cells in RAM)", False, True, False, "tab:green"),
+        ("cold, O_DIRECT (the default beyond RAM)", True, True, True, "tab:blue"),
+        ("cold, buffered + read-ahead", True, True, False, "tab:gray"),
+        ("cold, ArrayRecord's reader", True, False, False, "tab:purple"),
+    ]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(kinds)
     for k, (label, cold, chunks, direct, color) in enumerate(kinds):
-        values = [next((r.get("cells_per_s", 0) for r in result["rows"] if r["config"] == c and r["cold"] == cold
-                        and r.get("chunk_reader", True) == chunks and r.get("direct_io", False) == direct), 0)
-                  for c in configs]
+        values = [
+            next(
+                (
+                    r.get("cells_per_s", 0)
+                    for r in result["rows"]
+                    if r["config"] == c
+                    and r["cold"] == cold
+                    and r.get("chunk_reader", True) == chunks
+                    and r.get("direct_io", False) == direct
+                ),
+                0,
+            )
+            for c in configs
+        ]
         ax.bar(np.arange(len(configs)) + (k - 1.5) * width, values, width, label=label, color=color)
     disk = result["disk"]
-    ax.axhline(disk["random_ceiling_cells_per_s"], color="tab:red", ls="--",
-               label="disk: random 16-cell chunks, best of the depths measured")
-    ax.axhline(disk["random_qd1"]["cells_per_s"], color="tab:orange", ls=":",
-               label=f"disk: random 16-cell chunks, 1 in flight ({disk['random_qd1']['reads_per_s']:,.0f}/s)")
+    ax.axhline(
+        disk["random_ceiling_cells_per_s"],
+        color="tab:red",
+        ls="--",
+        label="disk: random 16-cell chunks, best of the depths measured",
+    )
+    ax.axhline(
+        disk["random_qd1"]["cells_per_s"],
+        color="tab:orange",
+        ls=":",
+        label=f"disk: random 16-cell chunks, 1 in flight ({disk['random_qd1']['reads_per_s']:,.0f}/s)",
+    )
     ax.set_xticks(np.arange(len(configs)), configs)
     ax.set_ylabel("cells / s")
-    ax.set_title(f"{result['dataset_gb']:.1f} GB dataset ({result['cells']:,} cells) on a "
-                 f"{result['machine']['ram_gib']:.0f} GiB, {result['machine']['cpus']}-core machine "
-                 f"(sequential read: {disk['sequential_cells_per_s']:,.0f} cells/s)", fontsize=9)
+    ax.set_title(
+        f"{result['dataset_gb']:.1f} GB dataset ({result['cells']:,} cells) on a "
+        f"{result['machine']['ram_gib']:.0f} GiB, {result['machine']['cpus']}-core machine "
+        f"(sequential read: {disk['sequential_cells_per_s']:,.0f} cells/s)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -256,8 +323,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30, help="timed seconds per run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--depth", type=int, default=16, help="reads in flight for the random-read ceiling")
-    p.add_argument("--ceiling-seconds", type=float, default=5,
-                   help="seconds of the direct random-read rate measured before each cold direct run")
+    p.add_argument(
+        "--ceiling-seconds",
+        type=float,
+        default=5,
+        help="seconds of the direct random-read rate measured before each cold direct run",
+    )
     p.add_argument("--ram-factor", type=float, default=1.18)
     p.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     p.add_argument("--only", choices=("cold", "warm", "both"), default="both")
@@ -274,11 +345,28 @@ def main() -> None:
     plan = []
     for config in a.configs:
         if a.only in ("warm", "both"):
-            plan += [{"config": config, "dataset": str(SOURCE), "cold": False, "readahead": True, "chunk_reader": cr}
-                     for cr in (True, False)]
+            plan += [
+                {
+                    "config": config,
+                    "dataset": str(SOURCE),
+                    "cold": False,
+                    "readahead": True,
+                    "chunk_reader": cr,
+                }
+                for cr in (True, False)
+            ]
         if a.only in ("cold", "both"):
-            plan += [{"config": config, "dataset": str(big), "cold": True, "readahead": True, "chunk_reader": cr,
-                      "direct_io": direct} for cr, direct in ((True, None), (True, False), (False, False))]
+            plan += [
+                {
+                    "config": config,
+                    "dataset": str(big),
+                    "cold": True,
+                    "readahead": True,
+                    "chunk_reader": cr,
+                    "direct_io": direct,
+                }
+                for cr, direct in ((True, None), (True, False), (False, False))
+            ]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(plan))}
     for r in range(a.rounds):
         for i, spec in enumerate(plan):
@@ -293,33 +381,72 @@ def main() -> None:
                 res["ceiling_cells_per_s"] = ceiling["reads_per_s"] * per_read
                 res["of_ceiling"] = res["cells_per_s"] / res["ceiling_cells_per_s"]
             runs[i].append(res)
-            shown = (f"{res['cells_per_s']:>9,.0f} cells/s  {res['cores_busy']:.2f} cores  max wait {res['max_wait_s']:.2f} s  "
-                     f"read {res['read_mb']:,.0f} MB  RSS {res['rss_start_mib']:,.0f}->{res['rss_end_mib']:,.0f} MiB"
-                     if "error" not in res else f"ERROR {res['error']}")
-            print(f"[{r + 1}/{a.rounds}] {spec['config']:22s} {'cold' if spec['cold'] else 'warm'} "
-                  f"chunk_reader={spec['chunk_reader']!s:5s} direct_io={res.get('direct_io')!s:5s} {shown}"
-                  + (f"  ({res['of_ceiling']:.2f} of the disk's {res['ceiling_cells_per_s']:,.0f} just before)"
-                     if "of_ceiling" in res else ""), flush=True)
+            shown = (
+                f"{res['cells_per_s']:>9,.0f} cells/s  {res['cores_busy']:.2f} cores  max wait {res['max_wait_s']:.2f} s  "
+                f"read {res['read_mb']:,.0f} MB  RSS {res['rss_start_mib']:,.0f}->{res['rss_end_mib']:,.0f} MiB"
+                if "error" not in res
+                else f"ERROR {res['error']}"
+            )
+            print(
+                f"[{r + 1}/{a.rounds}] {spec['config']:22s} {'cold' if spec['cold'] else 'warm'} "
+                f"chunk_reader={spec['chunk_reader']!s:5s} direct_io={res.get('direct_io')!s:5s} {shown}"
+                + (
+                    f"  ({res['of_ceiling']:.2f} of the disk's {res['ceiling_cells_per_s']:,.0f} just before)"
+                    if "of_ceiling" in res
+                    else ""
+                ),
+                flush=True,
+            )
     rows = []
     for i, spec in enumerate(plan):
         ok = [x for x in runs[i] if "error" not in x]
         if not ok:
             rows.append(runs[i][-1])
             continue
-        row = {key: float(np.median([x[key] for x in ok])) for key in
-               ("cells_per_s", "cores_busy", "system_share", "cells_per_cpu_s", "read_mb", "max_wait_s", "rss_start_mib", "rss_end_mib")}
+        row = {
+            key: float(np.median([x[key] for x in ok]))
+            for key in (
+                "cells_per_s",
+                "cores_busy",
+                "system_share",
+                "cells_per_cpu_s",
+                "read_mb",
+                "max_wait_s",
+                "rss_start_mib",
+                "rss_end_mib",
+            )
+        }
         if all("of_ceiling" in x for x in ok):
-            row |= {key: float(np.median([x[key] for x in ok])) for key in ("ceiling_cells_per_s", "of_ceiling")}
+            row |= {
+                key: float(np.median([x[key] for x in ok])) for key in ("ceiling_cells_per_s", "of_ceiling")
+            }
             row["of_ceiling_runs"] = [x["of_ceiling"] for x in ok]
-        rows.append({**spec, "direct_io": ok[0]["direct_io"], **row, "cells_per_s_runs": [x["cells_per_s"] for x in ok],
-                     "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
-                     "bytes_read_per_cell": float(np.median([x["read_mb"] * 1e6 / (x["cells_per_s"] * x["seconds"])
-                                                             for x in ok]))})
-    result = {"command": "python benchmarks/bench_beyond_ram.py " + " ".join(sys.argv[1:]),
-              "machine": {"cpus": os.cpu_count(), "ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-                          "python": platform.python_version()},
-              "dataset_gb": size / 1e9, "cells": json.loads((big / "manifest.json").read_text())["num_cells"],
-              "seconds_per_run": a.seconds, "rounds": a.rounds, "disk": limits, "rows": rows}
+        rows.append(
+            {
+                **spec,
+                "direct_io": ok[0]["direct_io"],
+                **row,
+                "cells_per_s_runs": [x["cells_per_s"] for x in ok],
+                "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
+                "bytes_read_per_cell": float(
+                    np.median([x["read_mb"] * 1e6 / (x["cells_per_s"] * x["seconds"]) for x in ok])
+                ),
+            }
+        )
+    result = {
+        "command": "python benchmarks/bench_beyond_ram.py " + " ".join(sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+            "python": platform.python_version(),
+        },
+        "dataset_gb": size / 1e9,
+        "cells": json.loads((big / "manifest.json").read_text())["num_cells"],
+        "seconds_per_run": a.seconds,
+        "rounds": a.rounds,
+        "disk": limits,
+        "rows": rows,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     plot(result, a.out.with_suffix(".png"))

@@ -31,7 +31,10 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCE = HERE / "data" / "ds_s3_50k"
 LINKED = HERE / "data" / "ds_1500_linked"
-READERS = {"chunk reader (default)": {}, "ArrayRecord's reader (64 KiB footer prefetch)": {"chunk_reader": False}}
+READERS = {
+    "chunk reader (default)": {},
+    "ArrayRecord's reader (64 KiB footer prefetch)": {"chunk_reader": False},
+}
 
 
 def _child(spec: dict) -> dict:
@@ -51,16 +54,26 @@ def _child(spec: dict) -> dict:
         from _peers import drop_page_cache
 
         root = Path(spec["dataset"])
-        drop_page_cache([SOURCE / f"shard-{i:05d}.arrayrecord" for i in range(3)] + sorted(root.glob("chunks/*.npy")))
+        drop_page_cache(
+            [SOURCE / f"shard-{i:05d}.arrayrecord" for i in range(3)] + sorted(root.glob("chunks/*.npy"))
+        )
     read0, start = proc_io("rchar"), time.perf_counter()
     ds = oj.open_dataset(spec["dataset"], **spec["open"])
-    loader = oj.make_loader(ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"])
+    loader = oj.make_loader(
+        ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"]
+    )
     jax.block_until_ready(next(iter(loader)).x)
     seconds = time.perf_counter() - start
     plan = oj.SamplingPlan(np.arange(ds.num_cells), 1024, 16, 64, 0)  # the loader's: its first fetch's cells
     touched = len(np.unique(plan.fetch(0, 0, 0).rows // ds.manifest.shard_cells))
-    out = {"first_batch_s": seconds, "lazy_imports_s": lazy_imports, "read_mb": (proc_io("rchar") - read0) / 1e6, "shards": len(ds.manifest.shards),
-           "shards_touched": touched, "cells": ds.num_cells}
+    out = {
+        "first_batch_s": seconds,
+        "lazy_imports_s": lazy_imports,
+        "read_mb": (proc_io("rchar") - read0) / 1e6,
+        "shards": len(ds.manifest.shards),
+        "shards_touched": touched,
+        "cells": ds.num_cells,
+    }
     loader.close()
     return out
 
@@ -86,17 +99,32 @@ def main() -> None:
             for output in ("dense", "csr"):
                 for cold in (True, False):
                     spec = {"dataset": str(LINKED), "open": open_options, "output": output, "cold": cold}
-                    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                                          capture_output=True, text=True, check=True)
-                    got = {"reader": label, "output": output, "cache": "cold" if cold else "warm", "round": r,
-                           **json.loads(proc.stdout.strip().splitlines()[-1])}
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--child", json.dumps(spec)],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
+                    got = {
+                        "reader": label,
+                        "output": output,
+                        "cache": "cold" if cold else "warm",
+                        "round": r,
+                        **json.loads(proc.stdout.strip().splitlines()[-1]),
+                    }
                     rows.append(got)
-                    print(f"[round {r + 1}] {label:44s} {output:5s} {got['cache']}: {got['first_batch_s']:6.2f} s "
-                          f"(+{got['lazy_imports_s']:.2f} s of imports), "
-                          f"{got['read_mb']:8,.0f} MB read, {got['shards_touched']} of {got['shards']} shards",
-                          flush=True)
-    out = {"benchmark": "bench_first_batch", "command": "python benchmarks/bench_first_batch.py",
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}
+                    print(
+                        f"[round {r + 1}] {label:44s} {output:5s} {got['cache']}: {got['first_batch_s']:6.2f} s "
+                        f"(+{got['lazy_imports_s']:.2f} s of imports), "
+                        f"{got['read_mb']:8,.0f} MB read, {got['shards_touched']} of {got['shards']} shards",
+                        flush=True,
+                    )
+    out = {
+        "benchmark": "bench_first_batch",
+        "command": "python benchmarks/bench_first_batch.py",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -77,7 +77,9 @@ def measure(records: list[bytes], path: str, group_size: int, compression: str, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpus", default=str(HERE / "data" / "corpus_200k"), help="made with `omicsio-materialize synth`")
+    p.add_argument(
+        "--corpus", default=str(HERE / "data" / "corpus_200k"), help="made with `omicsio-materialize synth`"
+    )
     p.add_argument("--cells", type=int, default=40_000)
     p.add_argument("--group-sizes", type=int, nargs="+", default=list(GROUP_SIZES))
     p.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS))
@@ -102,7 +104,7 @@ def main() -> None:
     result = {
         "benchmark": "bench_format",
         "command": f"python benchmarks/bench_format.py --cells {args.cells} --group-sizes "
-                   f"{' '.join(map(str, args.group_sizes))} --compressions {' '.join(args.compressions)}",
+        f"{' '.join(map(str, args.group_sizes))} --compressions {' '.join(args.compressions)}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "cells": args.cells,
         "raw_record_bytes_per_cell": raw,

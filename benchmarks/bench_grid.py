@@ -28,8 +28,15 @@ FETCHES = (1, 4, 16, 64)
 
 
 def measure(ds, *, block_size: int, fetch_factor: int, batch_size: int, num_batches: int) -> dict:
-    loader = oj.make_loader(ds, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor,
-                            seed=0, num_epochs=None, obs=("batch",))
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        seed=0,
+        num_epochs=None,
+        obs=("batch",),
+    )
     it = iter(loader)
     jax.block_until_ready(next(it).x)
     labels = []
@@ -41,8 +48,13 @@ def measure(ds, *, block_size: int, fetch_factor: int, batch_size: int, num_batc
     seconds = time.perf_counter() - start
     loader.close()
     entropy = oj.minibatch_entropy(np.stack(labels))
-    return {"block_size": block_size, "fetch_factor": fetch_factor, "cells_per_s": num_batches * batch_size / seconds,
-            "entropy_mean": float(entropy.mean()), "entropy_std": float(entropy.std())}
+    return {
+        "block_size": block_size,
+        "fetch_factor": fetch_factor,
+        "cells_per_s": num_batches * batch_size / seconds,
+        "entropy_mean": float(entropy.mean()),
+        "entropy_std": float(entropy.std()),
+    }
 
 
 def plot(rows: list[dict], bounds_random: float, path: Path) -> None:
@@ -54,8 +66,12 @@ def plot(rows: list[dict], bounds_random: float, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for f in FETCHES:
         sel = [r for r in rows if r["fetch_factor"] == f]
-        left.plot([r["block_size"] for r in sel], [r["entropy_mean"] for r in sel], "o-", label=f"fetch_factor {f}")
-        right.plot([r["block_size"] for r in sel], [r["cells_per_s"] for r in sel], "o-", label=f"fetch_factor {f}")
+        left.plot(
+            [r["block_size"] for r in sel], [r["entropy_mean"] for r in sel], "o-", label=f"fetch_factor {f}"
+        )
+        right.plot(
+            [r["block_size"] for r in sel], [r["cells_per_s"] for r in sel], "o-", label=f"fetch_factor {f}"
+        )
     random = next(r for r in rows if r["block_size"] == 1 and r["fetch_factor"] == 1)
     left.axhline(random["entropy_mean"], color="k", ls="--", lw=1, label="true random (measured)")
     left.axhline(bounds_random, color="grey", ls=":", lw=1, label="Thm 3.1 bound")
@@ -85,30 +101,55 @@ def main() -> None:
     rows = []
     for b in BLOCKS:
         for f in FETCHES:
-            row = measure(ds, block_size=b, fetch_factor=f, batch_size=args.batch_size,
-                          num_batches=max(args.cells // args.batch_size, 4 * f))
+            row = measure(
+                ds,
+                block_size=b,
+                fetch_factor=f,
+                batch_size=args.batch_size,
+                num_batches=max(args.cells // args.batch_size, 4 * f),
+            )
             if f * args.batch_size >= b:
-                bounds = oj.entropy_bounds(frequencies, batch_size=args.batch_size, block_size=b, fetch_factor=f)
+                bounds = oj.entropy_bounds(
+                    frequencies, batch_size=args.batch_size, block_size=b, fetch_factor=f
+                )
                 row.update(lower=bounds.lower, upper=bounds.upper)
                 shown = f"bounds {bounds.lower:.3f}..{bounds.upper:.3f}"
             else:  # a fetch is part of one block: the bounds do not apply (entropy ~0)
                 row.update(lower=None, upper=None)
                 shown = "fetch smaller than a block"
             rows.append(row)
-            print(f"block {b:4d} fetch {f:3d}: {row['cells_per_s']:10,.0f} cells/s  entropy "
-                  f"{row['entropy_mean']:.3f} ± {row['entropy_std']:.3f} bits ({shown})", flush=True)
+            print(
+                f"block {b:4d} fetch {f:3d}: {row['cells_per_s']:10,.0f} cells/s  entropy "
+                f"{row['entropy_mean']:.3f} ± {row['entropy_std']:.3f} bits ({shown})",
+                flush=True,
+            )
     random = next(r for r in rows if r["block_size"] == 1 and r["fetch_factor"] == 1)
     target = next(r for r in rows if r["block_size"] == 16 and r["fetch_factor"] == 64)
-    population = oj.entropy_bounds(frequencies, batch_size=args.batch_size, block_size=1, fetch_factor=1).population
-    summary = {"entropy_b16_f64_over_random": target["entropy_mean"] / random["entropy_mean"],
-               "population_entropy_bits": population, "plates": len(frequencies)}
-    print(f"entropy at block 16 / fetch 64 = {100 * summary['entropy_b16_f64_over_random']:.1f}% of true random")
-    result = {"benchmark": "bench_grid", "command": "python benchmarks/bench_grid.py",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "batch_size": args.batch_size,
-              "rows": rows, "summary": summary}
+    population = oj.entropy_bounds(
+        frequencies, batch_size=args.batch_size, block_size=1, fetch_factor=1
+    ).population
+    summary = {
+        "entropy_b16_f64_over_random": target["entropy_mean"] / random["entropy_mean"],
+        "population_entropy_bits": population,
+        "plates": len(frequencies),
+    }
+    print(
+        f"entropy at block 16 / fetch 64 = {100 * summary['entropy_b16_f64_over_random']:.1f}% of true random"
+    )
+    result = {
+        "benchmark": "bench_grid",
+        "command": "python benchmarks/bench_grid.py",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "batch_size": args.batch_size,
+        "rows": rows,
+        "summary": summary,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, oj.entropy_bounds(frequencies, batch_size=args.batch_size, block_size=1, fetch_factor=1).upper,
-         Path(args.out).with_suffix(".png"))
+    plot(
+        rows,
+        oj.entropy_bounds(frequencies, batch_size=args.batch_size, block_size=1, fetch_factor=1).upper,
+        Path(args.out).with_suffix(".png"),
+    )
 
 
 if __name__ == "__main__":

@@ -27,16 +27,35 @@ HERE = Path(__file__).parent
 DATA = HERE / "data"
 
 
-def _our_loader(dataset: str, *, batch_size: int, block_size: int, fetch_factor: int, output: str = "dense",
-                genes: int | None = None, num_batches: int, warmup: int, seed: int = 0) -> dict:
+def _our_loader(
+    dataset: str,
+    *,
+    batch_size: int,
+    block_size: int,
+    fetch_factor: int,
+    output: str = "dense",
+    genes: int | None = None,
+    num_batches: int,
+    warmup: int,
+    seed: int = 0,
+) -> dict:
     import jax
 
     import omicsio_jax as oj
 
     ds = oj.open_dataset(dataset)
     panel = None if genes is None else list(range(genes))
-    loader = oj.make_loader(ds, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor,
-                            seed=seed, num_epochs=None, output=output, genes=panel, obs=("batch",))
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        seed=seed,
+        num_epochs=None,
+        output=output,
+        genes=panel,
+        obs=("batch",),
+    )
     it = iter(loader)
     for _ in range(warmup):
         jax.block_until_ready(next(it).x)
@@ -46,8 +65,12 @@ def _our_loader(dataset: str, *, batch_size: int, block_size: int, fetch_factor:
         jax.block_until_ready(batch.x)
     seconds = time.perf_counter() - start
     shape = list(batch.x.shape) if output != "csr" else [batch_size, "csr"]
-    return {"cells_per_s": num_batches * batch_size / seconds, "batches": num_batches, "seconds": seconds,
-            "shape": shape}
+    return {
+        "cells_per_s": num_batches * batch_size / seconds,
+        "batches": num_batches,
+        "seconds": seconds,
+        "shape": shape,
+    }
 
 
 def peak_rss_bytes() -> int:
@@ -82,13 +105,20 @@ def _child(spec: dict) -> dict:
 
 
 def run(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        return {**spec, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}
+        return {
+            **spec,
+            "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode,
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-COMPACT = DATA / "ds_200k_zstd1"  # the same cells with --compression zstd:1: 17% smaller, slower to decompress
+COMPACT = (
+    DATA / "ds_200k_zstd1"
+)  # the same cells with --compression zstd:1: 17% smaller, slower to decompress
 
 
 def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
@@ -99,8 +129,11 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
         for label, spec in plan:
             result = run({"label": label, **spec})
             runs[label].append(result)
-            shown = f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB" \
-                if "error" not in result else f"ERROR {result['error']}"
+            shown = (
+                f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB"
+                if "error" not in result
+                else f"ERROR {result['error']}"
+            )
             print(f"[round {r + 1}/{rounds}] {label:58s} {shown}", flush=True)
     rows = []
     for label, results in runs.items():
@@ -109,11 +142,18 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
             rows.append(results[-1])
             continue
         speeds = [x["cells_per_s"] for x in ok]
-        row = {**ok[0], "cells_per_s": float(np.median(speeds)), "cells_per_s_runs": speeds,
-               "peak_rss_mib": max(x["peak_rss_mib"] for x in ok)}
+        row = {
+            **ok[0],
+            "cells_per_s": float(np.median(speeds)),
+            "cells_per_s_runs": speeds,
+            "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
+        }
         rows.append(row)
-        print(f"median of {len(ok)}: {label:52s} {row['cells_per_s']:>10,.0f} cells/s "
-              f"(runs {', '.join(f'{v:,.0f}' for v in speeds)})", flush=True)
+        print(
+            f"median of {len(ok)}: {label:52s} {row['cells_per_s']:>10,.0f} cells/s "
+            f"(runs {', '.join(f'{v:,.0f}' for v in speeds)})",
+            flush=True,
+        )
     return rows
 
 
@@ -154,8 +194,12 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k"))
     p.add_argument("--skip-peers", action="store_true")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="run every configuration this many times, round-robin, and report the median")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="run every configuration this many times, round-robin, and report the median",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     args = p.parse_args()
     if args.child:
@@ -168,32 +212,123 @@ def main() -> None:
 
     def add(label: str, spec: dict) -> None:
         plan.append((label, spec))
+
     warm_batches = {64: 1500, 1024: 100}
     for bs in (64, 1024):
         common = {"batch_size": bs, "block_size": 16, "fetch_factor": 64}
-        add(f"omicsio dense  b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
-            "dataset": ds, **common, "num_batches": warm_batches[bs], "warmup": 64}})
-        add(f"omicsio csr    b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
-            "dataset": ds, **common, "output": "csr", "num_batches": 3 * warm_batches[bs], "warmup": 64}})
-        add(f"omicsio dense  b{bs} block16 fetch64 (zstd:1 dataset)", {"kind": "ours", "kwargs": {
-            "dataset": str(COMPACT), **common, "num_batches": warm_batches[bs], "warmup": 64}})
-        add(f"omicsio csr    b{bs} block16 fetch64 (zstd:1 dataset)", {"kind": "ours", "kwargs": {
-            "dataset": str(COMPACT), **common, "output": "csr", "num_batches": 3 * warm_batches[bs], "warmup": 64}})
-        add(f"omicsio panel2000 (dense layout) b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
-            "dataset": ds_panel, **common, "num_batches": 3 * warm_batches[bs], "warmup": 64}})
-        add(f"omicsio panel2000 (from sparse) b{bs} block16 fetch64", {"kind": "ours", "kwargs": {
-            "dataset": ds, **common, "genes": 2000, "num_batches": 3 * warm_batches[bs], "warmup": 64}})
-        add(f"omicsio true random b{bs} (block1 fetch1)", {"kind": "ours", "kwargs": {
-            "dataset": ds, "batch_size": bs, "block_size": 1, "fetch_factor": 1,
-            "num_batches": max(20, 12_800 // bs), "warmup": 4}})
+        add(
+            f"omicsio dense  b{bs} block16 fetch64",
+            {
+                "kind": "ours",
+                "kwargs": {"dataset": ds, **common, "num_batches": warm_batches[bs], "warmup": 64},
+            },
+        )
+        add(
+            f"omicsio csr    b{bs} block16 fetch64",
+            {
+                "kind": "ours",
+                "kwargs": {
+                    "dataset": ds,
+                    **common,
+                    "output": "csr",
+                    "num_batches": 3 * warm_batches[bs],
+                    "warmup": 64,
+                },
+            },
+        )
+        add(
+            f"omicsio dense  b{bs} block16 fetch64 (zstd:1 dataset)",
+            {
+                "kind": "ours",
+                "kwargs": {"dataset": str(COMPACT), **common, "num_batches": warm_batches[bs], "warmup": 64},
+            },
+        )
+        add(
+            f"omicsio csr    b{bs} block16 fetch64 (zstd:1 dataset)",
+            {
+                "kind": "ours",
+                "kwargs": {
+                    "dataset": str(COMPACT),
+                    **common,
+                    "output": "csr",
+                    "num_batches": 3 * warm_batches[bs],
+                    "warmup": 64,
+                },
+            },
+        )
+        add(
+            f"omicsio panel2000 (dense layout) b{bs} block16 fetch64",
+            {
+                "kind": "ours",
+                "kwargs": {"dataset": ds_panel, **common, "num_batches": 3 * warm_batches[bs], "warmup": 64},
+            },
+        )
+        add(
+            f"omicsio panel2000 (from sparse) b{bs} block16 fetch64",
+            {
+                "kind": "ours",
+                "kwargs": {
+                    "dataset": ds,
+                    **common,
+                    "genes": 2000,
+                    "num_batches": 3 * warm_batches[bs],
+                    "warmup": 64,
+                },
+            },
+        )
+        add(
+            f"omicsio true random b{bs} (block1 fetch1)",
+            {
+                "kind": "ours",
+                "kwargs": {
+                    "dataset": ds,
+                    "batch_size": bs,
+                    "block_size": 1,
+                    "fetch_factor": 1,
+                    "num_batches": max(20, 12_800 // bs),
+                    "warmup": 4,
+                },
+            },
+        )
         if not args.skip_peers:
-            add(f"scDataset dense b{bs} block16 fetch64", {"kind": "scdataset", "kwargs": {
-                "h5ad_path": h5ad, **common, "num_batches": max(64, warm_batches[bs] // 4), "seed": 0}})
-            add(f"scDataset true random b{bs}", {"kind": "scdataset", "kwargs": {
-                "h5ad_path": h5ad, "batch_size": bs, "block_size": 1, "fetch_factor": 1,
-                "num_batches": max(20, 6_400 // bs), "seed": 0}})
-            add(f"Grain stock ArrayRecord random b{bs}", {"kind": "grain", "kwargs": {
-                "dataset_dir": ds, "batch_size": bs, "num_batches": max(20, 6_400 // bs), "seed": 0}})
+            add(
+                f"scDataset dense b{bs} block16 fetch64",
+                {
+                    "kind": "scdataset",
+                    "kwargs": {
+                        "h5ad_path": h5ad,
+                        **common,
+                        "num_batches": max(64, warm_batches[bs] // 4),
+                        "seed": 0,
+                    },
+                },
+            )
+            add(
+                f"scDataset true random b{bs}",
+                {
+                    "kind": "scdataset",
+                    "kwargs": {
+                        "h5ad_path": h5ad,
+                        "batch_size": bs,
+                        "block_size": 1,
+                        "fetch_factor": 1,
+                        "num_batches": max(20, 6_400 // bs),
+                        "seed": 0,
+                    },
+                },
+            )
+            add(
+                f"Grain stock ArrayRecord random b{bs}",
+                {
+                    "kind": "grain",
+                    "kwargs": {
+                        "dataset_dir": ds,
+                        "batch_size": bs,
+                        "num_batches": max(20, 6_400 // bs),
+                        "seed": 0,
+                    },
+                },
+            )
 
     rows = run_rounds(plan, args.rounds)
     plan = []
@@ -202,32 +337,95 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from _peers import drop_page_cache, sequential_read_limit
 
-    cold = {"shards_sequential_bytes_per_s": sequential_read_limit(shards),
-            "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
-            "cache_drop_works": drop_page_cache(shards)}
-    print(f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
-          f"h5ad {cold['h5ad_sequential_bytes_per_s'] / 1e6:,.0f} MB/s", flush=True)
-    add("COLD omicsio dense b1024 block16 fetch64", {"kind": "ours", "cold": shards, "kwargs": {
-        "dataset": ds, "batch_size": 1024, "block_size": 16, "fetch_factor": 64, "num_batches": 150, "warmup": 0}})
-    add("COLD omicsio csr   b1024 block16 fetch64", {"kind": "ours", "cold": shards, "kwargs": {
-        "dataset": ds, "batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr",
-        "num_batches": 150, "warmup": 0}})
-    add("COLD omicsio csr   b1024 block16 fetch64 (zstd:1 dataset)", {"kind": "ours",
-        "cold": [str(p) for p in sorted(COMPACT.glob("shard-*.arrayrecord"))], "kwargs": {
-        "dataset": str(COMPACT), "batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr",
-        "num_batches": 150, "warmup": 0}})
+    cold = {
+        "shards_sequential_bytes_per_s": sequential_read_limit(shards),
+        "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
+        "cache_drop_works": drop_page_cache(shards),
+    }
+    print(
+        f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
+        f"h5ad {cold['h5ad_sequential_bytes_per_s'] / 1e6:,.0f} MB/s",
+        flush=True,
+    )
+    add(
+        "COLD omicsio dense b1024 block16 fetch64",
+        {
+            "kind": "ours",
+            "cold": shards,
+            "kwargs": {
+                "dataset": ds,
+                "batch_size": 1024,
+                "block_size": 16,
+                "fetch_factor": 64,
+                "num_batches": 150,
+                "warmup": 0,
+            },
+        },
+    )
+    add(
+        "COLD omicsio csr   b1024 block16 fetch64",
+        {
+            "kind": "ours",
+            "cold": shards,
+            "kwargs": {
+                "dataset": ds,
+                "batch_size": 1024,
+                "block_size": 16,
+                "fetch_factor": 64,
+                "output": "csr",
+                "num_batches": 150,
+                "warmup": 0,
+            },
+        },
+    )
+    add(
+        "COLD omicsio csr   b1024 block16 fetch64 (zstd:1 dataset)",
+        {
+            "kind": "ours",
+            "cold": [str(p) for p in sorted(COMPACT.glob("shard-*.arrayrecord"))],
+            "kwargs": {
+                "dataset": str(COMPACT),
+                "batch_size": 1024,
+                "block_size": 16,
+                "fetch_factor": 64,
+                "output": "csr",
+                "num_batches": 150,
+                "warmup": 0,
+            },
+        },
+    )
     if not args.skip_peers:
-        add("COLD scDataset dense b64 block16 fetch64", {"kind": "scdataset", "cold": [h5ad], "kwargs": {
-            "h5ad_path": h5ad, "batch_size": 64, "block_size": 16, "fetch_factor": 64, "num_batches": 640,
-            "warmup": 0, "seed": 0}})
+        add(
+            "COLD scDataset dense b64 block16 fetch64",
+            {
+                "kind": "scdataset",
+                "cold": [h5ad],
+                "kwargs": {
+                    "h5ad_path": h5ad,
+                    "batch_size": 64,
+                    "block_size": 16,
+                    "fetch_factor": 64,
+                    "num_batches": 640,
+                    "warmup": 0,
+                    "seed": 0,
+                },
+            },
+        )
     rows += run_rounds(plan, args.rounds)
     dataset_bytes = sum(os.path.getsize(s) for s in shards)
     cold["dataset_bytes_per_cell"] = dataset_bytes / 200_000
-    cold["shards_sequential_cells_per_s"] = cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
+    cold["shards_sequential_cells_per_s"] = (
+        cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
+    )
 
-    result = {"benchmark": "bench_loader", "command": f"python benchmarks/bench_loader.py --rounds {args.rounds}",
-              "rounds": args.rounds,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows, "cold": cold}
+    result = {
+        "benchmark": "bench_loader",
+        "command": f"python benchmarks/bench_loader.py --rounds {args.rounds}",
+        "rounds": args.rounds,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+        "cold": cold,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
 

@@ -54,8 +54,9 @@ def corpus_dir(num_cells: int, *, h5ad: bool = True) -> Path:
 
 def run_once(source: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(out)], capture_output=True, text=True,
-                          check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(source), str(out)], capture_output=True, text=True, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -86,15 +87,18 @@ def main() -> None:
                     "parquet_bytes_per_cell": (corpus / "cells.parquet").stat().st_size / first["num_cells"],
                 }
                 rows.append(row)
-                print(f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s_median']:9,.0f} cells/s (median of "
-                      f"{args.repeats}: {row['cells_per_s_runs']}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB "
-                      f"+ largest child {row['child_peak_rss_mib_max']:4,.0f} MiB, {row['workers']} worker(s), "
-                      f"{row['dataset_bytes_per_cell']:,.0f} B/cell (h5ad {row['h5ad_bytes_per_cell']:,.0f}, "
-                      f"parquet {row['parquet_bytes_per_cell']:,.0f})", flush=True)
+                print(
+                    f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s_median']:9,.0f} cells/s (median of "
+                    f"{args.repeats}: {row['cells_per_s_runs']}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB "
+                    f"+ largest child {row['child_peak_rss_mib_max']:4,.0f} MiB, {row['workers']} worker(s), "
+                    f"{row['dataset_bytes_per_cell']:,.0f} B/cell (h5ad {row['h5ad_bytes_per_cell']:,.0f}, "
+                    f"parquet {row['parquet_bytes_per_cell']:,.0f})",
+                    flush=True,
+                )
     result = {
         "benchmark": "bench_materialize",
         "command": f"python benchmarks/bench_materialize.py --sizes {' '.join(map(str, args.sizes))} "
-                   f"--repeats {args.repeats}",
+        f"--repeats {args.repeats}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "rows": rows,
     }

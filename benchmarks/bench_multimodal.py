@@ -63,16 +63,31 @@ def _materialize_child(spec: dict) -> dict:
     root, kind = Path(spec["corpus"]), spec["kind"]
     further = {}
     if kind == "multi":
-        further = {"layers": {m: str(root / f"rna_layers_{m}.parquet") for m in MODALITIES[:3]},
-                   "modalities": {"atac": str(root / "atac_cells.parquet")}}
-    result = materialize(root / "cells.parquet", spec["out"], overwrite=True, progress=False,
-                         shard_cells=spec["shard_cells"], **further)
+        further = {
+            "layers": {m: str(root / f"rna_layers_{m}.parquet") for m in MODALITIES[:3]},
+            "modalities": {"atac": str(root / "atac_cells.parquet")},
+        }
+    result = materialize(
+        root / "cells.parquet",
+        spec["out"],
+        overwrite=True,
+        progress=False,
+        shard_cells=spec["shard_cells"],
+        **further,
+    )
     main_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     m = result.manifest
-    return {**spec, "seconds": result.seconds, "cells_per_s": result.cells_per_second, "workers": result.workers,
-            "peak_rss_mib": max(main_rss, children_rss), "main_peak_rss_mib": main_rss,
-            "worker_peak_rss_mib": children_rss, "nnz": {"rna": m.nnz, **{e.name: e.nnz for e in m.modalities}}}
+    return {
+        **spec,
+        "seconds": result.seconds,
+        "cells_per_s": result.cells_per_second,
+        "workers": result.workers,
+        "peak_rss_mib": max(main_rss, children_rss),
+        "main_peak_rss_mib": main_rss,
+        "worker_peak_rss_mib": children_rss,
+        "nnz": {"rna": m.nnz, **{e.name: e.nnz for e in m.modalities}},
+    }
 
 
 def _loader_child(spec: dict) -> dict:
@@ -87,8 +102,9 @@ def _loader_child(spec: dict) -> dict:
 
     ds = oj.open_dataset(spec["dataset"])
     batch = 1024
-    loader = oj.make_loader(ds, batch_size=batch, block_size=16, fetch_factor=64, seed=0, num_epochs=None,
-                            output=spec["output"])
+    loader = oj.make_loader(
+        ds, batch_size=batch, block_size=16, fetch_factor=64, seed=0, num_epochs=None, output=spec["output"]
+    )
     it = iter(loader)
     for _ in range(2):
         jax.block_until_ready(next(it).x)
@@ -100,13 +116,21 @@ def _loader_child(spec: dict) -> dict:
         cells, last = cells + batch, time.perf_counter()
     times = os.times()
     cpu = times.user - times0.user + times.system - times0.system
-    return {**spec, "cells_per_s": cells / (last - start), "cells_per_cpu_s": cells / cpu,
-            "read_per_cell_kb": (proc_io("rchar") - read0) / cells / 1e3}
+    return {
+        **spec,
+        "cells_per_s": cells / (last - start),
+        "cells_per_cpu_s": cells / cpu,
+        "read_per_cell_kb": (proc_io("rchar") - read0) / cells / 1e3,
+    }
 
 
 def _run(kind: str, spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, f"--{kind}-child", json.dumps(spec)], check=False,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, f"--{kind}-child", json.dumps(spec)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} child failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -116,15 +140,21 @@ def _shard_kb_per_cell(dataset: Path) -> dict:
     import omicsio_jax as oj
 
     ds = oj.open_dataset(dataset)
-    return {name: sum(s.num_bytes for s in ds.modality(name).manifest.shards) / ds.num_cells / 1e3
-            for name in ds.modalities}
+    return {
+        name: sum(s.num_bytes for s in ds.modality(name).manifest.shards) / ds.num_cells / 1e3
+        for name in ds.modalities
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="40000,160000", help="corpus sizes (cells) to materialize")
-    p.add_argument("--shard-cells", type=int, default=16384,
-                   help="cells per shard (= per partition): small enough that both sizes fill their partitions")
+    p.add_argument(
+        "--shard-cells",
+        type=int,
+        default=16384,
+        help="cells per shard (= per partition): small enough that both sizes fill their partitions",
+    )
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=HERE / "results" / "multimodal.json")
@@ -143,36 +173,75 @@ def main() -> None:
         root = corpus(size)
         for kind in ("rna", "multi"):
             out = DATA / f"ds_multimodal_{size // 1000}k_{kind}"
-            result = _run("materialize", {"corpus": str(root), "kind": kind, "out": str(out), "cells": size,
-                                          "shard_cells": args.shard_cells})
-            print(f"materialize {size:>7,} cells {kind:>5}: {result['cells_per_s']:8,.0f} cells/s, peak RSS main "
-                  f"{result['main_peak_rss_mib']:6,.0f} MiB, workers {result['worker_peak_rss_mib']:6,.0f} MiB, "
-                  f"{result['seconds']:.0f} s", flush=True)
+            result = _run(
+                "materialize",
+                {
+                    "corpus": str(root),
+                    "kind": kind,
+                    "out": str(out),
+                    "cells": size,
+                    "shard_cells": args.shard_cells,
+                },
+            )
+            print(
+                f"materialize {size:>7,} cells {kind:>5}: {result['cells_per_s']:8,.0f} cells/s, peak RSS main "
+                f"{result['main_peak_rss_mib']:6,.0f} MiB, workers {result['worker_peak_rss_mib']:6,.0f} MiB, "
+                f"{result['seconds']:.0f} s",
+                flush=True,
+            )
             runs.append(result)
     biggest = sizes[-1] // 1000
     datasets = {kind: DATA / f"ds_multimodal_{biggest}k_{kind}" for kind in ("rna", "multi")}
     loads = []
     for r in range(args.rounds):
         for label, (kind, output) in LOADERS.items():
-            result = _run("loader", {"label": label, "dataset": str(datasets[kind]), "output": output,
-                                     "seconds": args.seconds, "round": r})
-            print(f"round {r} {label:>20}: {result['cells_per_s']:8,.0f} cells/s, "
-                  f"{result['read_per_cell_kb']:6.2f} kB read per cell", flush=True)
+            result = _run(
+                "loader",
+                {
+                    "label": label,
+                    "dataset": str(datasets[kind]),
+                    "output": output,
+                    "seconds": args.seconds,
+                    "round": r,
+                },
+            )
+            print(
+                f"round {r} {label:>20}: {result['cells_per_s']:8,.0f} cells/s, "
+                f"{result['read_per_cell_kb']:6.2f} kB read per cell",
+                flush=True,
+            )
             loads.append(result)
     summary = {}
     for label in LOADERS:
         mine = [x for x in loads if x["label"] == label]
-        summary[label] = {key: statistics.median(x[key] for x in mine)
-                          for key in ("cells_per_s", "cells_per_cpu_s", "read_per_cell_kb")}
-    ratio = statistics.median(a["cells_per_s"] / b["cells_per_s"] for a, b in zip(
-        [x for x in loads if x["label"] == "rna of multimodal"], [x for x in loads if x["label"] == "rna alone"],
-        strict=True))
-    result = {"command": "benchmarks/bench_multimodal.py " + " ".join(sys.argv[1:]), "machine": platform.node(),
-              "cores": len(__import__("os").sched_getaffinity(0)), "materialize": runs, "loaders": loads,
-              "summary": summary, "rna_of_multimodal_over_rna_alone": ratio,
-              "shard_kb_per_cell": _shard_kb_per_cell(datasets["multi"])}
+        summary[label] = {
+            key: statistics.median(x[key] for x in mine)
+            for key in ("cells_per_s", "cells_per_cpu_s", "read_per_cell_kb")
+        }
+    ratio = statistics.median(
+        a["cells_per_s"] / b["cells_per_s"]
+        for a, b in zip(
+            [x for x in loads if x["label"] == "rna of multimodal"],
+            [x for x in loads if x["label"] == "rna alone"],
+            strict=True,
+        )
+    )
+    result = {
+        "command": "benchmarks/bench_multimodal.py " + " ".join(sys.argv[1:]),
+        "machine": platform.node(),
+        "cores": len(__import__("os").sched_getaffinity(0)),
+        "materialize": runs,
+        "loaders": loads,
+        "summary": summary,
+        "rna_of_multimodal_over_rna_alone": ratio,
+        "shard_kb_per_cell": _shard_kb_per_cell(datasets["multi"]),
+    }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"summary": summary, "ratio": ratio, "shard_kb_per_cell": result["shard_kb_per_cell"]}, indent=1))
+    print(
+        json.dumps(
+            {"summary": summary, "ratio": ratio, "shard_kb_per_cell": result["shard_kb_per_cell"]}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

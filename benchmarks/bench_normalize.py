@@ -31,19 +31,39 @@ def main() -> None:
     rows = []
     for repeat in range(args.repeats):
         for on_device in (False, True):
-            config = TrainConfig(args.dataset, "cell_type", model="mlp", batch_size=args.batch_size, block_size=16,
-                                 fetch_factor=64, steps=args.steps, seed=0, num_devices=1,
-                                 normalize_on_device=on_device, quiet=True)
+            config = TrainConfig(
+                args.dataset,
+                "cell_type",
+                model="mlp",
+                batch_size=args.batch_size,
+                block_size=16,
+                fetch_factor=64,
+                steps=args.steps,
+                seed=0,
+                num_devices=1,
+                normalize_on_device=on_device,
+                quiet=True,
+            )
             result = fit(config)
-            row = {"normalize": "on device (jitted step)" if on_device else "fused in the loader (numba)",
-                   "repeat": repeat, "median_step_ms": 1e3 * result.step_time_s,
-                   "data_wait_fraction": result.data_wait_fraction,
-                   "final_loss": result.history[-1]["loss"]}
+            row = {
+                "normalize": "on device (jitted step)" if on_device else "fused in the loader (numba)",
+                "repeat": repeat,
+                "median_step_ms": 1e3 * result.step_time_s,
+                "data_wait_fraction": result.data_wait_fraction,
+                "final_loss": result.history[-1]["loss"],
+            }
             rows.append(row)
-            print(f"{row['normalize']:32s} median step {row['median_step_ms']:7.1f} ms, "
-                  f"data wait {100 * row['data_wait_fraction']:4.1f}%, final loss {row['final_loss']:.4f}", flush=True)
-    result = {"benchmark": "bench_normalize", "command": f"python benchmarks/bench_normalize.py --steps {args.steps}",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}
+            print(
+                f"{row['normalize']:32s} median step {row['median_step_ms']:7.1f} ms, "
+                f"data wait {100 * row['data_wait_fraction']:4.1f}%, final loss {row['final_loss']:.4f}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "bench_normalize",
+        "command": f"python benchmarks/bench_normalize.py --steps {args.steps}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -30,8 +30,12 @@ def _child(variant: str) -> dict:
     plan = SamplingPlan(rows, 1024, 16, 64, 0)
     plan.serving_rows(plan.fetch(0, 0, 0))
     digest = plan.describe()["rows"]
-    return {"variant": variant, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "seconds": time.perf_counter() - start, "rows_digest": digest}
+    return {
+        "variant": variant,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": time.perf_counter() - start,
+        "rows_digest": digest,
+    }
 
 
 def main() -> None:
@@ -40,13 +44,22 @@ def main() -> None:
         return
     results = []
     for variant in ("np.arange", "AllRows"):
-        out = subprocess.run([sys.executable, __file__, "--child", variant], check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", variant], check=True, capture_output=True, text=True
+        )
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"{variant:>9}: peak RSS {results[-1]['peak_rss_mib']:,.0f} MiB, {results[-1]['seconds']:.2f} s")
+        print(
+            f"{variant:>9}: peak RSS {results[-1]['peak_rss_mib']:,.0f} MiB, {results[-1]['seconds']:.2f} s"
+        )
     assert results[0]["rows_digest"] == results[1]["rows_digest"], "the config digest must not change"
     path = Path(__file__).parent / "results" / "plan_memory.json"
-    path.write_text(json.dumps({"command": "benchmarks/bench_plan_memory.py", "num_cells": NUM_CELLS,
-                                "results": results}, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {"command": "benchmarks/bench_plan_memory.py", "num_cells": NUM_CELLS, "results": results},
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

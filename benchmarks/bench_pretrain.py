@@ -31,8 +31,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probe-cells", type=int, default=4000)
-    p.add_argument("--marker-fraction", type=float, nargs=3, default=None, metavar=("DRUG", "CELL_TYPE", "PLATE"),
-                   help="the corpus's share of draws from marker sets (make_synthetic_corpus; default its default)")
+    p.add_argument(
+        "--marker-fraction",
+        type=float,
+        nargs=3,
+        default=None,
+        metavar=("DRUG", "CELL_TYPE", "PLATE"),
+        help="the corpus's share of draws from marker sets (make_synthetic_corpus; default its default)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -42,26 +48,47 @@ def main() -> None:
 
     import omicsio_jax as oj
     from materialize import make_synthetic_corpus, materialize
-    from train._pretrain import PretrainConfig, build_model, logistic_probe, pretrain
-
     from materialize._synthetic import MARKER_FRACTION
+    from train._pretrain import PretrainConfig, build_model, logistic_probe, pretrain
 
     fraction = tuple(args.marker_fraction or MARKER_FRACTION)
     suffix = "" if fraction == MARKER_FRACTION else "_" + "_".join(f"{f:g}" for f in fraction)
     corpus, dataset = DATA / f"corpus_probe{suffix}", DATA / f"ds_probe{suffix}"
     if not (dataset / "manifest.json").exists():
-        c = make_synthetic_corpus(corpus, num_cells=20_000, num_genes=2000, mean_nnz=150, seed=7, write_h5ad=False,
-                                  marker_fraction=fraction)
+        c = make_synthetic_corpus(
+            corpus,
+            num_cells=20_000,
+            num_genes=2000,
+            mean_nnz=150,
+            seed=7,
+            write_h5ad=False,
+            marker_fraction=fraction,
+        )
         materialize(c.cells_parquet, dataset, overwrite=True, progress=False)
-    config = PretrainConfig(str(dataset), tokens=args.tokens, max_len=args.max_len, batch_size=args.batch_size,
-                            steps=args.steps, warmup_steps=args.steps // 10, lr=args.lr, block_size=16,
-                            fetch_factor=16, probe_label="cell_type", probe_cells=args.probe_cells, quiet=True)
+    config = PretrainConfig(
+        str(dataset),
+        tokens=args.tokens,
+        max_len=args.max_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup_steps=args.steps // 10,
+        lr=args.lr,
+        block_size=16,
+        fetch_factor=16,
+        probe_label="cell_type",
+        probe_cells=args.probe_cells,
+        quiet=True,
+    )
     start = time.perf_counter()
     result = pretrain(config)
     seconds = time.perf_counter() - start
     ds = oj.open_dataset(dataset)
-    models = {"pretrained": result.model,
-              "random_init": build_model(config, result.vocab_size, jax.random.split(jax.random.key(config.seed))[0])}
+    models = {
+        "pretrained": result.model,
+        "random_init": build_model(
+            config, result.vocab_size, jax.random.split(jax.random.key(config.seed))[0]
+        ),
+    }
     codes = np.asarray(ds.obs["cell_type"].codes)
     rng = np.random.default_rng([config.seed, 0x9B0BE])  # the cells and split the command's probe uses
     rows = np.sort(rng.choice(np.flatnonzero(codes >= 0), size=args.probe_cells, replace=False))
@@ -69,8 +96,15 @@ def main() -> None:
     fit, test = split[: len(rows) // 2], split[len(rows) // 2 :]
     mean_pool = {}
     for name, model in models.items():
-        loader = oj.make_loader(ds, batch_size=256, rows=rows, sampling="stream", drop_remainder=False,
-                                num_epochs=1, output=config.output(masked=False))
+        loader = oj.make_loader(
+            ds,
+            batch_size=256,
+            rows=rows,
+            sampling="stream",
+            drop_remainder=False,
+            num_epochs=1,
+            output=config.output(masked=False),
+        )
         inference = eqx.nn.inference_mode(model)
         chunks, index = [], []
         for batch in loader:
@@ -84,16 +118,31 @@ def main() -> None:
     expression = np.zeros((len(rows), ds.num_genes), np.float32)
     expression[np.repeat(np.arange(len(rows)), np.diff(indptr)), indices] = np.log1p(values)
     raw_probe = logistic_probe(expression[fit], codes[rows[fit]], expression[test], codes[rows[test]])
-    out = {"benchmark": "bench_pretrain", "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "tokens": args.tokens, "steps": args.steps,
-           "max_len": args.max_len, "batch_size": args.batch_size, "lr": args.lr, "marker_fraction": fraction,
-           "seconds": seconds,
-           "first_loss": result.history[0]["loss"], "last_loss": result.history[-1]["loss"],
-           "median_step_s": result.step_time_s, "data_wait_fraction": result.data_wait_fraction,
-           "probe_cls": result.probe["accuracy"], "probe_mean_pool": mean_pool, "probe_log1p_expression": raw_probe,
-           "probe_cells": {"fit": len(fit), "test": len(test)}, "chance": 1 / len(np.unique(codes[rows]))}
+    out = {
+        "benchmark": "bench_pretrain",
+        "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "tokens": args.tokens,
+        "steps": args.steps,
+        "max_len": args.max_len,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "marker_fraction": fraction,
+        "seconds": seconds,
+        "first_loss": result.history[0]["loss"],
+        "last_loss": result.history[-1]["loss"],
+        "median_step_s": result.step_time_s,
+        "data_wait_fraction": result.data_wait_fraction,
+        "probe_cls": result.probe["accuracy"],
+        "probe_mean_pool": mean_pool,
+        "probe_log1p_expression": raw_probe,
+        "probe_cells": {"fit": len(fit), "test": len(test)},
+        "chance": 1 / len(np.unique(codes[rows])),
+    }
     print(json.dumps(out, indent=1))
-    Path(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}{suffix}.json").write_text(json.dumps(out, indent=1) + "\n")
+    Path(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}{suffix}.json").write_text(
+        json.dumps(out, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ def make_hive(corpus: Path, out: Path) -> Path:
     for plate in plates:
         folder = tmp / f"dataset={plate}"
         folder.mkdir(parents=True)
-        con.execute(f"COPY (SELECT * EXCLUDE (dataset) FROM '{corpus}' WHERE batch = '{plate}') "
-                    f"TO '{folder / 'part.parquet'}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 8192)")
+        con.execute(
+            f"COPY (SELECT * EXCLUDE (dataset) FROM '{corpus}' WHERE batch = '{plate}') "
+            f"TO '{folder / 'part.parquet'}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 8192)"
+        )
     shutil.copy(corpus.parent / "gene_metadata.parquet", tmp / "gene_metadata.parquet")
     tmp.rename(out)
     return out
@@ -84,9 +86,14 @@ def bench_stages(table, hive, repeats: int) -> dict:
 
     rss_before = peak_rss_bytes()  # stage 4 first, so the peak RSS after it is its own
     t, (n, nnz) = timed(stream_all, repeats)
-    out["stage4_stream_csr_all_cells"] = {"seconds": t, "cells": n, "cells_per_s": n / t, "nnz": nnz,
-                                          "peak_rss_mib_before": rss_before / 2**20,
-                                          "peak_rss_mib_after": peak_rss_bytes() / 2**20}
+    out["stage4_stream_csr_all_cells"] = {
+        "seconds": t,
+        "cells": n,
+        "cells_per_s": n / t,
+        "nnz": nnz,
+        "peak_rss_mib_before": rss_before / 2**20,
+        "peak_rss_mib_after": peak_rss_bytes() / 2**20,
+    }
     t, rows = timed(lambda: table.select("tissue = 'lung'"), repeats)
     out["stage1_select_where_tissue"] = {"seconds": t, "cells": len(rows)}
     t, meta = timed(lambda: table.metadata(["cell_id", "cell_type", "drug"], rowids=rows), repeats)
@@ -102,7 +109,9 @@ def bench_stages(table, hive, repeats: int) -> dict:
     many = list(range(0, 4000, 100))  # 40 genes: list_has_any
     t, hits_many = timed(lambda: table.cells_expressing(many, mode="any", use_index=False), repeats)
     out["stage2_list_has_any_40_genes_all_cells"] = {"seconds": t, "cells": len(hits_many)}
-    t, hits_lung = timed(lambda: table.cells_expressing(genes, mode="all", rowids=rows, use_index=False), repeats)
+    t, hits_lung = timed(
+        lambda: table.cells_expressing(genes, mode="all", rowids=rows, use_index=False), repeats
+    )
     out["stage2_list_contains_2_genes_lung_cells"] = {"seconds": t, "cells": len(hits_lung)}
 
     panel10 = table.genes.names(list(range(0, 1000, 100)))
@@ -132,26 +141,45 @@ def bench_index(table, index_dir: Path, repeats: int) -> dict:
     build = time.perf_counter() - start
     size = (index_dir / "gene_cell_index.parquet").stat().st_size
     table.attach_index(index_dir)
-    freq = table.sql("SELECT gene_token_id, sum(len(cell_rowids)) AS n FROM gene_cell_index GROUP BY 1 ORDER BY 2")
+    freq = table.sql(
+        "SELECT gene_token_id, sum(len(cell_rowids)) AS n FROM gene_cell_index GROUP BY 1 ORDER BY 2"
+    )
     tokens = freq.column(0).to_numpy()  # by ascending number of cells
-    picks = {"rare": int(tokens[len(tokens) // 10]), "middling": int(tokens[len(tokens) // 2]),
-             "common": int(tokens[-1])}
+    picks = {
+        "rare": int(tokens[len(tokens) // 10]),
+        "middling": int(tokens[len(tokens) // 2]),
+        "common": int(tokens[-1]),
+    }
     lookups = {}
     for label, token in picks.items():
         t_scan, a = timed(lambda token=token: table.cells_expressing([token], use_index=False), repeats)
         t_index, b = timed(lambda token=token: table.cells_expressing([token], use_index=True), repeats)
         assert np.array_equal(a, b)
-        lookups[label] = {"gene_token_id": token, "cells": len(a), "scan_s": t_scan, "index_s": t_index,
-                          "speedup": t_scan / t_index}
+        lookups[label] = {
+            "gene_token_id": token,
+            "cells": len(a),
+            "scan_s": t_scan,
+            "index_s": t_index,
+            "speedup": t_scan / t_index,
+        }
     two = [picks["middling"], picks["common"]]
     t_scan, a = timed(lambda: table.cells_expressing(two, mode="all", use_index=False), repeats)
     t_index, b = timed(lambda: table.cells_expressing(two, mode="all", use_index=True), repeats)
     assert np.array_equal(a, b)
-    lookups["middling_and_common_all"] = {"cells": len(a), "scan_s": t_scan, "index_s": t_index,
-                                          "speedup": t_scan / t_index}
-    return {"build_seconds": build, "index_bytes": size, "postings": info["postings"],
-            "bytes_per_posting": size / info["postings"], "parquet_bytes": sum(f.stat().st_size for f in table.files),
-            "lookups": lookups}
+    lookups["middling_and_common_all"] = {
+        "cells": len(a),
+        "scan_s": t_scan,
+        "index_s": t_index,
+        "speedup": t_scan / t_index,
+    }
+    return {
+        "build_seconds": build,
+        "index_bytes": size,
+        "postings": info["postings"],
+        "bytes_per_posting": size / info["postings"],
+        "parquet_bytes": sum(f.stat().st_size for f in table.files),
+        "lookups": lookups,
+    }
 
 
 def bench_loaders(table, panel_dataset: Path, repeats: int, num_batches: int) -> dict:
@@ -175,14 +203,17 @@ def bench_loaders(table, panel_dataset: Path, repeats: int, num_batches: int) ->
             if hasattr(it, "close"):
                 it.close()
             return n * batch_size / seconds
+
         return statistics.median(run() for _ in range(repeats))
 
     ds = oj.open_dataset(panel_dataset)
     panel = [str(g) for g in ds.features["gene_name"]]  # the dataset's 2,000 most detected genes
     out["stream_dense_full_transcriptome_b1024"] = throughput(
-        lambda: oj.make_stream_loader(table, batch_size=1024, shuffle_buffer=16384), 1024, 60)
+        lambda: oj.make_stream_loader(table, batch_size=1024, shuffle_buffer=16384), 1024, 60
+    )
     out["stream_panel_2000_b1024"] = throughput(
-        lambda: oj.make_stream_loader(table, batch_size=1024, genes=panel, shuffle_buffer=16384), 1024, 150)
+        lambda: oj.make_stream_loader(table, batch_size=1024, genes=panel, shuffle_buffer=16384), 1024, 150
+    )
 
     start = time.perf_counter()
     data = oj.load_panel(ds, obs=("batch",), progress=False)
@@ -197,12 +228,19 @@ def bench_loaders(table, panel_dataset: Path, repeats: int, num_batches: int) ->
     for batch_size in (1024, 4096):
         for prefetch in (0, 2):
             out[f"memory_host_b{batch_size}_prefetch{prefetch}"] = throughput(
-                lambda b=batch_size, p=prefetch: oj.make_memory_loader(data, batch_size=b, num_epochs=None,
-                                                                        prefetch=p),
-                batch_size, num_batches)
+                lambda b=batch_size, p=prefetch: oj.make_memory_loader(
+                    data, batch_size=b, num_epochs=None, prefetch=p
+                ),
+                batch_size,
+                num_batches,
+            )
         out[f"memory_device_b{batch_size}"] = throughput(
-            lambda b=batch_size: oj.make_memory_loader(data, batch_size=b, num_epochs=None, placement="device"),
-            batch_size, num_batches)
+            lambda b=batch_size: oj.make_memory_loader(
+                data, batch_size=b, num_epochs=None, placement="device"
+            ),
+            batch_size,
+            num_batches,
+        )
     return out
 
 
@@ -221,15 +259,21 @@ def main() -> None:
     hive_dir = make_hive(corpus, DATA / "hive_200k")
     table = oj.open_table(corpus)
     hive = oj.open_table(hive_dir)
-    results = {"machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
-               "corpus": str(corpus), "cells": table.num_cells, "genes": len(table.genes),
-               "command": "benchmarks/bench_query.py " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                                  for k, v in vars(args).items() if k != "out")}
+    results = {
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "corpus": str(corpus),
+        "cells": table.num_cells,
+        "genes": len(table.genes),
+        "command": "benchmarks/bench_query.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+    }
     results["stages"] = bench_stages(table, hive, args.repeats)
     print(json.dumps(results["stages"], indent=1))
     results["index"] = bench_index(table, DATA / "index_200k", args.repeats)
     print(json.dumps(results["index"], indent=1))
-    results["loaders_cells_per_s"] = bench_loaders(table, Path(args.panel_dataset), args.repeats, args.batches)
+    results["loaders_cells_per_s"] = bench_loaders(
+        table, Path(args.panel_dataset), args.repeats, args.batches
+    )
     print(json.dumps(results["loaders_cells_per_s"], indent=1))
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

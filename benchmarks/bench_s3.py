@@ -48,11 +48,18 @@ server.stop()
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     """moto's S3 server in a child process; the AWS variables of this process point at it."""
-    proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     endpoint = f"http://127.0.0.1:{int(proc.stdout.readline())}"
     os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+        AWS_ALLOW_HTTP="true",
+    )
     return proc, endpoint
 
 
@@ -94,8 +101,7 @@ def epoch(ds, *, output: str = "csr", num_epochs: int = 1, **knobs) -> dict:
         jax.block_until_ready(batch.x)
         cells += 1024
     seconds = time.perf_counter() - start
-    return {"cells": cells, "seconds": seconds, "cells_per_s": cells / seconds,
-            "steps": cells // 1024}
+    return {"cells": cells, "seconds": seconds, "cells_per_s": cells / seconds, "steps": cells // 1024}
 
 
 def cold(url: str, cache: Path, **knobs) -> dict:
@@ -107,15 +113,30 @@ def cold(url: str, cache: Path, **knobs) -> dict:
         s = ds.io_stats()
         data_bytes = sum(sh.num_bytes for sh in ds.manifest.shards) - s.opening_bytes
     fetches = -(-run["steps"] // knobs["fetch_factor"])
-    row = {**knobs, **run, "fetches": fetches, "num_gets": s.num_gets, "gets_per_fetch": s.num_gets / fetches,
-           "bytes_fetched": s.bytes_fetched, "bytes_needed": s.bytes_needed,
-           "fetched_over_needed": s.bytes_fetched / s.bytes_needed, "needed_over_dataset": s.bytes_needed / data_bytes,
-           "opening_gets": s.opening_gets, "opening_bytes": s.opening_bytes, "files_downloaded": s.files_downloaded,
-           "file_bytes": s.file_bytes, "chunk_hits": s.chunk_hits, "chunk_misses": s.chunk_misses}
-    print(f"cold  block {knobs['block_size']:>2} fetch {knobs['fetch_factor']:>2}: {run['cells_per_s']:>9,.0f} cells/s, "
-          f"fetched/needed {row['fetched_over_needed']:.4f}, {s.num_gets} GETs in {fetches} fetch(es) "
-          f"({row['gets_per_fetch']:.1f}/fetch), needed {row['needed_over_dataset']:.1%} of the data, "
-          f"opening {s.opening_gets} GETs / {s.opening_bytes:,} B", flush=True)
+    row = {
+        **knobs,
+        **run,
+        "fetches": fetches,
+        "num_gets": s.num_gets,
+        "gets_per_fetch": s.num_gets / fetches,
+        "bytes_fetched": s.bytes_fetched,
+        "bytes_needed": s.bytes_needed,
+        "fetched_over_needed": s.bytes_fetched / s.bytes_needed,
+        "needed_over_dataset": s.bytes_needed / data_bytes,
+        "opening_gets": s.opening_gets,
+        "opening_bytes": s.opening_bytes,
+        "files_downloaded": s.files_downloaded,
+        "file_bytes": s.file_bytes,
+        "chunk_hits": s.chunk_hits,
+        "chunk_misses": s.chunk_misses,
+    }
+    print(
+        f"cold  block {knobs['block_size']:>2} fetch {knobs['fetch_factor']:>2}: {run['cells_per_s']:>9,.0f} cells/s, "
+        f"fetched/needed {row['fetched_over_needed']:.4f}, {s.num_gets} GETs in {fetches} fetch(es) "
+        f"({row['gets_per_fetch']:.1f}/fetch), needed {row['needed_over_dataset']:.1%} of the data, "
+        f"opening {s.opening_gets} GETs / {s.opening_bytes:,} B",
+        flush=True,
+    )
     return row
 
 
@@ -132,20 +153,35 @@ def warm(url: str, local: Path, cache: Path, *, rounds: int, output: str) -> dic
         for r in range(rounds):
             for name, ds in (("local", lds), ("s3", rds)):
                 speeds[name].append(epoch(ds, **knobs)["cells_per_s"])
-            print(f"[round {r + 1}/{rounds}] warm {output:5s} local {speeds['local'][-1]:>9,.0f}  "
-                  f"s3 {speeds['s3'][-1]:>9,.0f} cells/s", flush=True)
+            print(
+                f"[round {r + 1}/{rounds}] warm {output:5s} local {speeds['local'][-1]:>9,.0f}  "
+                f"s3 {speeds['s3'][-1]:>9,.0f} cells/s",
+                flush=True,
+            )
         assert rds.io_stats().num_gets == gets, "a warm epoch made GETs"
     med = {k: float(np.median(v)) for k, v in speeds.items()}
-    print(f"warm {output}: median local {med['local']:,.0f}, s3 {med['s3']:,.0f} cells/s, "
-          f"ratio {med['s3'] / med['local']:.3f}", flush=True)
-    return {"output": output, **knobs, "local_cells_per_s": med["local"], "s3_cells_per_s": med["s3"],
-            "ratio": med["s3"] / med["local"], "local_runs": speeds["local"], "s3_runs": speeds["s3"],
-            "gets_during_rounds": 0}
+    print(
+        f"warm {output}: median local {med['local']:,.0f}, s3 {med['s3']:,.0f} cells/s, "
+        f"ratio {med['s3'] / med['local']:.3f}",
+        flush=True,
+    )
+    return {
+        "output": output,
+        **knobs,
+        "local_cells_per_s": med["local"],
+        "s3_cells_per_s": med["s3"],
+        "ratio": med["s3"] / med["local"],
+        "local_runs": speeds["local"],
+        "s3_runs": speeds["s3"],
+        "gets_during_rounds": 0,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", help="a materialized dataset directory (default: a synthetic one, made if absent)")
+    p.add_argument(
+        "--dataset", help="a materialized dataset directory (default: a synthetic one, made if absent)"
+    )
     p.add_argument("--cells", type=int, default=50_000, help="cells of the synthetic corpus")
     p.add_argument("--shard-cells", type=int, default=16_384, help="shard size of the synthetic dataset")
     p.add_argument("--rounds", type=int, default=3, help="alternated warm rounds per output")
@@ -159,19 +195,33 @@ def main() -> None:
             block = cold(url, Path(tmp) / "block", block_size=16, fetch_factor=64)
             block8 = cold(url, Path(tmp) / "block8", block_size=16, fetch_factor=8)  # more, smaller fetches
             rand = cold(url, Path(tmp) / "random", block_size=1, fetch_factor=1)
-            warm_rows = [warm(url, dataset, Path(tmp) / "block", rounds=args.rounds, output=o)
-                         for o in ("csr", "dense")]
+            warm_rows = [
+                warm(url, dataset, Path(tmp) / "block", rounds=args.rounds, output=o)
+                for o in ("csr", "dense")
+            ]
     finally:
         moto.stdin.close()
         moto.wait(timeout=30)
     manifest = json.loads((dataset / "manifest.json").read_text())
-    result = {"benchmark": "bench_s3", "command": " ".join(["python", "benchmarks/bench_s3.py", *sys.argv[1:]]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "server": "moto ThreadedMotoServer in a child process on 127.0.0.1",
-              "dataset": {"path": str(dataset), "num_cells": manifest["num_cells"], "shards": len(manifest["shards"]),
-                          "shard_cells": manifest["shard_cells"], "group_size": manifest["array_record"]["group_size"],
-                          "shard_bytes": sum(s["num_bytes"] for s in manifest["shards"])},
-              "batch_size": 1024, "cold_block": block, "cold_block_fetch8": block8, "cold_random": rand, "warm": warm_rows}
+    result = {
+        "benchmark": "bench_s3",
+        "command": " ".join(["python", "benchmarks/bench_s3.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "server": "moto ThreadedMotoServer in a child process on 127.0.0.1",
+        "dataset": {
+            "path": str(dataset),
+            "num_cells": manifest["num_cells"],
+            "shards": len(manifest["shards"]),
+            "shard_cells": manifest["shard_cells"],
+            "group_size": manifest["array_record"]["group_size"],
+            "shard_bytes": sum(s["num_bytes"] for s in manifest["shards"]),
+        },
+        "batch_size": 1024,
+        "cold_block": block,
+        "cold_block_fetch8": block8,
+        "cold_random": rand,
+        "warm": warm_rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -59,7 +59,8 @@ def _time(con, name: str, sql: str, repeats: int) -> list[float]:
     return times
 
 
-_HTTPFS = """
+_HTTPFS = (
+    """
 import glob, json, os, statistics, sys, time
 import duckdb
 ext = glob.glob(os.path.join(os.path.dirname(__import__("duckdb_extension_httpfs").__file__), "extensions", "**",
@@ -70,10 +71,13 @@ endpoint = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
 con.execute(f"CREATE SECRET (TYPE s3, KEY_ID 'testing', SECRET 'testing', REGION 'us-east-1', ENDPOINT '{endpoint}', "
             "URL_STYLE 'path', USE_SSL false)")
 queries, url, repeats = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-""" + inspect.getsource(_time) + """
+"""
+    + inspect.getsource(_time)
+    + """
 out = {name: _time(con, name, sql.format(src=f"read_parquet('{url}')"), repeats) for name, sql in queries.items()}
 print(json.dumps({"duckdb": duckdb.__version__, "times": out}))
 """
+)
 
 
 def main() -> None:
@@ -92,8 +96,13 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="testing",
-                      AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+        AWS_ALLOW_HTTP="true",
+    )
     import boto3
     import duckdb
     import pyarrow.dataset as pads
@@ -108,37 +117,57 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {}
 
     con = duckdb.connect()
-    results["local"] = {n: _time(con, n, q.format(src=f"read_parquet('{parquet}')"), args.repeats)
-                        for n, q in QUERIES.items()}
+    results["local"] = {
+        n: _time(con, n, q.format(src=f"read_parquet('{parquet}')"), args.repeats) for n, q in QUERIES.items()
+    }
     con = duckdb.connect()
     register_s3(con)
-    results["obstore-fsspec"] = {n: _time(con, n, q.format(src=f"read_parquet('{url}')"), args.repeats)
-                                 for n, q in QUERIES.items()}
-    s3fs = pafs.S3FileSystem(endpoint_override=os.environ["AWS_ENDPOINT_URL"], scheme="http", access_key="testing",
-                             secret_key="testing", region="us-east-1")
+    results["obstore-fsspec"] = {
+        n: _time(con, n, q.format(src=f"read_parquet('{url}')"), args.repeats) for n, q in QUERIES.items()
+    }
+    s3fs = pafs.S3FileSystem(
+        endpoint_override=os.environ["AWS_ENDPOINT_URL"],
+        scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+    )
     con = duckdb.connect()
     con.register("cells_ds", pads.dataset(f"bench/{parquet.name}", filesystem=s3fs, format="parquet"))
-    results["pyarrow-dataset"] = {n: _time(con, n, q.format(src="cells_ds"), args.repeats) for n, q in QUERIES.items()}
+    results["pyarrow-dataset"] = {
+        n: _time(con, n, q.format(src="cells_ds"), args.repeats) for n, q in QUERIES.items()
+    }
     httpfs_version = None
     if HTTPFS_PYTHON.exists():
-        proc = subprocess.run([HTTPFS_PYTHON, "-c", _HTTPFS, json.dumps(QUERIES), url, str(args.repeats)],
-                              capture_output=True, text=True, env=os.environ)
+        proc = subprocess.run(
+            [HTTPFS_PYTHON, "-c", _HTTPFS, json.dumps(QUERIES), url, str(args.repeats)],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+        )
         if proc.returncode:
             raise RuntimeError(f"the httpfs peer failed:\n{proc.stderr[-3000:]}")
         peer = json.loads(proc.stdout.strip().splitlines()[-1])
         results["httpfs"], httpfs_version = peer["times"], peer["duckdb"]
     server.stop()
 
-    rows = {route: {name: statistics.median(ts) for name, ts in by_query.items()} for route, by_query in results.items()}
+    rows = {
+        route: {name: statistics.median(ts) for name, ts in by_query.items()}
+        for route, by_query in results.items()
+    }
     for route, by_query in rows.items():
         print(f"{route:16s} " + "  ".join(f"{n} {s:7.2f} s" for n, s in by_query.items()), flush=True)
     out = {
         "benchmark": "bench_s3_query",
         "command": f"python benchmarks/bench_s3_query.py --cells {args.cells} --repeats {args.repeats}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores; moto S3 server on 127.0.0.1",
-        "input": str(parquet.relative_to(HERE)), "input_bytes": parquet.stat().st_size,
-        "duckdb": duckdb.__version__, "httpfs_duckdb": httpfs_version, "queries": QUERIES,
-        "median_seconds": rows, "runs": results,
+        "input": str(parquet.relative_to(HERE)),
+        "input_bytes": parquet.stat().st_size,
+        "duckdb": duckdb.__version__,
+        "httpfs_duckdb": httpfs_version,
+        "queries": QUERIES,
+        "median_seconds": rows,
+        "runs": results,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

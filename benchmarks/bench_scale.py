@@ -101,7 +101,9 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
     parquet = corpus_dir(args.cells, h5ad=False) / "cells.parquet"
-    configs = [("decode", "duckdb"), ("decode", "pyarrow")] + [("workers", n) for n in counts] + [("default", 0)]
+    configs = (
+        [("decode", "duckdb"), ("decode", "pyarrow")] + [("workers", n) for n in counts] + [("default", 0)]
+    )
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         out = Path(tmp) / "out"
@@ -111,17 +113,26 @@ def main() -> None:
             for kind, value in configs if round_ % 2 == 0 else configs[::-1]:
                 if kind == "decode":
                     label = f"decode {value}"
-                    result = _run(_DECODE.replace("{0}", "{%d}" % cores[0]), value, parquet)
+                    result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet)
                 else:
                     label = "materialize default" if kind == "default" else f"materialize {value} worker(s)"
                     shutil.rmtree(out, ignore_errors=True)
                     pinned = [] if kind == "default" else cores[:value]
-                    result = _run(_MATERIALIZE, parquet, out, "default" if kind == "default" else value,
-                                  json.dumps(pinned), args.shard_cells)
+                    result = _run(
+                        _MATERIALIZE,
+                        parquet,
+                        out,
+                        "default" if kind == "default" else value,
+                        json.dumps(pinned),
+                        args.shard_cells,
+                    )
                 result["cells_per_s"] = result["cells"] / result["seconds"]
                 runs.setdefault(label, []).append(result)
-                print(f"round {round_ + 1}: {label:24s} {result['cells_per_s']:9,.0f} cells/s "
-                      f"({result['cpu_seconds']:.1f} CPU-s in {result['seconds']:.1f} s)", flush=True)
+                print(
+                    f"round {round_ + 1}: {label:24s} {result['cells_per_s']:9,.0f} cells/s "
+                    f"({result['cpu_seconds']:.1f} CPU-s in {result['seconds']:.1f} s)",
+                    flush=True,
+                )
     rows = {}
     for label, rs in runs.items():
         rows[label] = {
@@ -129,12 +140,21 @@ def main() -> None:
             "cells_per_s_runs": [round(r["cells_per_s"]) for r in rs],
             "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
             **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
-            **({"peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
-                "largest_child_rss_mib": max(r["largest_child_rss_mib"] for r in rs)} if "peak_rss_mib" in rs[0] else {}),
+            **(
+                {
+                    "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+                    "largest_child_rss_mib": max(r["largest_child_rss_mib"] for r in rs),
+                }
+                if "peak_rss_mib" in rs[0]
+                else {}
+            ),
         }
     one = rows["materialize 1 worker(s)"]["cells_per_s_median"]
-    summary = {f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s_median"] / one
-               for n in counts if n > 1}
+    summary = {
+        f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s_median"] / one
+        for n in counts
+        if n > 1
+    }
     for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
         decode = rows[f"decode {reader}"]["cells_per_s_median"]
         summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
@@ -142,8 +162,11 @@ def main() -> None:
     result = {
         "benchmark": "bench_scale",
         "command": f"python benchmarks/bench_scale.py --cells {args.cells} --shard-cells {args.shard_cells} "
-                   f"--repeats {args.repeats}" + (f" --workers {' '.join(map(str, args.workers))}" if args.workers else "")
-                   + (f" --out {os.path.relpath(args.out)}" if Path(args.out) != HERE / "results" / "scale.json" else ""),
+        f"--repeats {args.repeats}"
+        + (f" --workers {' '.join(map(str, args.workers))}" if args.workers else "")
+        + (
+            f" --out {os.path.relpath(args.out)}" if Path(args.out) != HERE / "results" / "scale.json" else ""
+        ),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores ({len(cores)} usable)",
         "input": str(parquet.relative_to(HERE)),
         "rows": rows,

@@ -43,14 +43,19 @@ def ensure_data() -> None:
     if not (DATASET / "manifest.json").exists():
         materialize(CORPUS / "cells.parquet", DATASET, overwrite=True)
     if SLAF_PYTHON.exists() and not SLAF.exists():
-        subprocess.run([SLAF_PYTHON, HERE / "_slaf_peer.py", "convert", CORPUS / "cells.h5ad", SLAF], check=True)
+        subprocess.run(
+            [SLAF_PYTHON, HERE / "_slaf_peer.py", "convert", CORPUS / "cells.h5ad", SLAF], check=True
+        )
 
 
 def _output(kind: str):
     import omicsio_jax as oj
 
-    return {"csr": "csr", "geneformer": oj.GeneformerTokens(max_len=2048),
-            "scgpt": oj.ScGPTTokens(max_len=1201)}[kind]
+    return {
+        "csr": "csr",
+        "geneformer": oj.GeneformerTokens(max_len=2048),
+        "scgpt": oj.ScGPTTokens(max_len=1201),
+    }[kind]
 
 
 def child_loader(kind: str, batch_size: int, rounds: int, cells: int, num_threads: int) -> dict:
@@ -60,8 +65,9 @@ def child_loader(kind: str, batch_size: int, rounds: int, cells: int, num_thread
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
-    loader = oj.make_loader(ds, batch_size=batch_size, num_epochs=None, output=_output(kind),
-                            num_threads=num_threads)
+    loader = oj.make_loader(
+        ds, batch_size=batch_size, num_epochs=None, output=_output(kind), num_threads=num_threads
+    )
     it = iter(loader)
     for _ in range(max(8, 4096 // batch_size)):  # warm-up: compile, fill the read-ahead and buffer pools
         jax.block_until_ready(next(it).x)
@@ -73,7 +79,11 @@ def child_loader(kind: str, batch_size: int, rounds: int, cells: int, num_thread
             jax.block_until_ready(next(it).x)
         runs.append(steps * batch_size / (time.perf_counter() - start))
     loader.close()
-    return {"cells_per_s": statistics.median(runs), "cells_per_s_runs": runs, "cells_per_round": steps * batch_size}
+    return {
+        "cells_per_s": statistics.median(runs),
+        "cells_per_s_runs": runs,
+        "cells_per_round": steps * batch_size,
+    }
 
 
 def child_kernels(cells: int) -> dict:
@@ -121,8 +131,9 @@ def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -130,10 +141,28 @@ def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
 
 def run_slaf(tokenizer: str, batch_size: int, rounds: int, cells: int) -> dict:
     max_len = 2048 if tokenizer == "geneformer" else 1201
-    proc = subprocess.run([SLAF_PYTHON, HERE / "_slaf_peer.py", "run", SLAF, "--tokenizer", tokenizer,
-                           "--batch-size", str(batch_size), "--max-len", str(max_len), "--num-batches",
-                           str(max(1, cells // batch_size)), "--warmup", "5", "--rounds", str(rounds)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            SLAF_PYTHON,
+            HERE / "_slaf_peer.py",
+            "run",
+            SLAF,
+            "--tokenizer",
+            tokenizer,
+            "--batch-size",
+            str(batch_size),
+            "--max-len",
+            str(max_len),
+            "--num-batches",
+            str(max(1, cells // batch_size)),
+            "--warmup",
+            "5",
+            "--rounds",
+            str(rounds),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -147,7 +176,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     p.add_argument("--threads", type=int, nargs="+", default=[1], help="make_loader num_threads settings")
     p.add_argument("--baseline", help="a checkout of omicsio_jax before the statistics, for materialize A/B")
-    p.add_argument("--kernel-baseline", help="a checkout of omicsio_jax whose token kernels to time beside these")
+    p.add_argument(
+        "--kernel-baseline", help="a checkout of omicsio_jax whose token kernels to time beside these"
+    )
     p.add_argument("--out", default=str(HERE / "results" / "tokens.json"))
     args = p.parse_args()
     if args.child:
@@ -166,13 +197,22 @@ def main() -> None:
         for kind in ("csr", "geneformer", "scgpt"):
             for t in args.threads:
                 r = run_child(["loader", kind, str(b), str(args.rounds), str(args.cells), str(t)])
-                rows.append({"label": f"omicsio {kind} b{b} num_threads={t}", "kind": kind, "batch_size": b,
-                             "num_threads": t, **r})
+                rows.append(
+                    {
+                        "label": f"omicsio {kind} b{b} num_threads={t}",
+                        "kind": kind,
+                        "batch_size": b,
+                        "num_threads": t,
+                        **r,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
         if SLAF_PYTHON.exists():
             for tokenizer in ("geneformer", "scgpt"):
                 r = run_slaf(tokenizer, b, args.rounds, args.cells)
-                rows.append({"label": f"slaf {tokenizer} b{b}", "kind": f"slaf-{tokenizer}", "batch_size": b, **r})
+                rows.append(
+                    {"label": f"slaf {tokenizer} b{b}", "kind": f"slaf-{tokenizer}", "batch_size": b, **r}
+                )
                 print(json.dumps(rows[-1]), flush=True)
     kernels = run_child(["kernels", "4096"])
     print(json.dumps({"kernel_us_per_cell": kernels}), flush=True)
@@ -195,9 +235,16 @@ def main() -> None:
             ratios[f"{kind} b{b} best setting: time vs csr's best"] = best["csr", b] / best[kind, b]
             if (f"slaf-{kind}", b) in best:
                 ratios[f"{kind} b{b}: speed vs SLAF (best setting)"] = best[kind, b] / best[f"slaf-{kind}", b]
-    result = {"benchmark": "bench_tokens", "command": "python benchmarks/bench_tokens.py " + " ".join(sys.argv[1:]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cells": 50_000, "rows": rows,
-              "kernel_us_per_cell": kernels, "materialize": mat, "ratios": ratios}
+    result = {
+        "benchmark": "bench_tokens",
+        "command": "python benchmarks/bench_tokens.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "cells": 50_000,
+        "rows": rows,
+        "kernel_us_per_cell": kernels,
+        "materialize": mat,
+        "ratios": ratios,
+    }
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -32,9 +32,15 @@ def _child(spec: dict) -> dict:
     import omicsio_jax as oj
 
     ds = oj.open_dataset(spec["dataset"])
-    loader = oj.make_loader(ds, batch_size=spec["batch_size"], block_size=spec["block_size"],
-                            fetch_factor=spec["fetch_factor"], num_threads=spec["num_threads"], seed=0,
-                            num_epochs=None)
+    loader = oj.make_loader(
+        ds,
+        batch_size=spec["batch_size"],
+        block_size=spec["block_size"],
+        fetch_factor=spec["fetch_factor"],
+        num_threads=spec["num_threads"],
+        seed=0,
+        num_epochs=None,
+    )
     it = iter(loader)
     jax.block_until_ready(next(it).x)
     cells, start, cpu = 0, time.perf_counter(), time.process_time()
@@ -71,30 +77,60 @@ def main() -> None:
     for r in range(args.rounds):
         for row in timed:
             key = (row["block_size"], row["fetch_factor"], row["num_threads"])
-            spec = {"dataset": args.dataset, "batch_size": args.batch_size, "seconds": args.verify_seconds,
-                    "block_size": key[0], "fetch_factor": key[1], "num_threads": key[2]}
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                  text=True, check=True)
+            spec = {
+                "dataset": args.dataset,
+                "batch_size": args.batch_size,
+                "seconds": args.verify_seconds,
+                "block_size": key[0],
+                "fetch_factor": key[1],
+                "num_threads": key[2],
+            }
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.setdefault(key, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"[round {r + 1}/{args.rounds}] block {key[0]:>5} fetch {key[1]:>4} threads {key[2]}: "
-                  f"{runs[key][-1]['cells_per_s']:>9,.0f} cells/s", flush=True)
+            print(
+                f"[round {r + 1}/{args.rounds}] block {key[0]:>5} fetch {key[1]:>4} threads {key[2]}: "
+                f"{runs[key][-1]['cells_per_s']:>9,.0f} cells/s",
+                flush=True,
+            )
     for row in timed:
         got = runs[(row["block_size"], row["fetch_factor"], row["num_threads"])]
         row["verify_cells_per_s"] = float(np.median([g["cells_per_s"] for g in got]))
         row["verify_cells_per_s_runs"] = [g["cells_per_s"] for g in got]
         row["verify_cells_per_cpu_s"] = float(np.median([g["cells_per_cpu_s"] for g in got]))
     best = max(timed, key=lambda r: r["verify_cells_per_s"])
-    chosen = next(r for r in timed if (r["block_size"], r["fetch_factor"], r["num_threads"]) == (
-        result.block_size, result.fetch_factor, result.num_threads))
+    chosen = next(
+        r
+        for r in timed
+        if (r["block_size"], r["fetch_factor"], r["num_threads"])
+        == (result.block_size, result.fetch_factor, result.num_threads)
+    )
     ratio = chosen["verify_cells_per_s"] / best["verify_cells_per_s"]
-    print(f"chosen {result.loader_kwargs()}: {chosen['verify_cells_per_s']:,.0f} cells/s, "
-          f"{ratio:.3f} × the best of the grid ({best['block_size']}/{best['fetch_factor']}/{best['num_threads']}: "
-          f"{best['verify_cells_per_s']:,.0f}); entropy {result.entropy_ratio:.4f} × true random", flush=True)
-    out = {"benchmark": "bench_tune", "command": " ".join(["python benchmarks/bench_tune.py", *sys.argv[1:]]),
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "batch_size": args.batch_size,
-           "tune_seconds": args.seconds, "tune_wall_s": tune_s, "verify_seconds": args.verify_seconds,
-           "rounds": args.rounds, "chosen": result.loader_kwargs(), "chosen_entropy_ratio": result.entropy_ratio,
-           "entropy_target": result.entropy_target, "chosen_over_best": ratio, "table": list(result.table)}
+    print(
+        f"chosen {result.loader_kwargs()}: {chosen['verify_cells_per_s']:,.0f} cells/s, "
+        f"{ratio:.3f} × the best of the grid ({best['block_size']}/{best['fetch_factor']}/{best['num_threads']}: "
+        f"{best['verify_cells_per_s']:,.0f}); entropy {result.entropy_ratio:.4f} × true random",
+        flush=True,
+    )
+    out = {
+        "benchmark": "bench_tune",
+        "command": " ".join(["python benchmarks/bench_tune.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "batch_size": args.batch_size,
+        "tune_seconds": args.seconds,
+        "tune_wall_s": tune_s,
+        "verify_seconds": args.verify_seconds,
+        "rounds": args.rounds,
+        "chosen": result.loader_kwargs(),
+        "chosen_entropy_ratio": result.entropy_ratio,
+        "entropy_target": result.entropy_target,
+        "chosen_over_best": ratio,
+        "table": list(result.table),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -1,21 +1,21 @@
 """The ``omicsio-materialize`` command (also ``python -m materialize``).
 
-    omicsio-materialize cells.parquet out/ --genes gene_metadata.parquet --obs cell_type,drug,batch
-    omicsio-materialize 'atlas/dataset=*/**/*.parquet' out/ --where "tissue = 'lung'"
-    omicsio-materialize 'atlas/**/*.parquet' out/ --workers 16          (a local process pool)
-    omicsio-materialize 'atlas/**/*.parquet' /shared/out/ --dask-scheduler tcp://10.0.0.5:8786
-    omicsio-materialize s3://bucket/atlas/ s3://bucket/datasets/atlas/  (object storage, both sides)
-    omicsio-materialize cells.vortex out/
-    omicsio-materialize --query "SELECT * FROM 'cells.parquet' WHERE n_genes > 500" out/
-    omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
-    omicsio-materialize velo.h5ad out/ --layers spliced,unspliced,ambiguous      (one modality per layer)
-    omicsio-materialize rna_cells/ out/ --modality atac=atac_cells/ --layers spliced=rna_layers_spliced/
-    omicsio-materialize multiome.h5mu out/                (every modality of a MuData file; rna first)
-    omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
-    omicsio-materialize verify out/
-    omicsio-materialize stats out/                        (add corpus statistics to an older dataset)
-    omicsio-materialize index 'atlas/**/*.parquet' atlas_index/   (inverted gene -> cells index)
-    omicsio-materialize synth corpus/ --cells 200000      (a synthetic corpus to try it on)
+omicsio-materialize cells.parquet out/ --genes gene_metadata.parquet --obs cell_type,drug,batch
+omicsio-materialize 'atlas/dataset=*/**/*.parquet' out/ --where "tissue = 'lung'"
+omicsio-materialize 'atlas/**/*.parquet' out/ --workers 16          (a local process pool)
+omicsio-materialize 'atlas/**/*.parquet' /shared/out/ --dask-scheduler tcp://10.0.0.5:8786
+omicsio-materialize s3://bucket/atlas/ s3://bucket/datasets/atlas/  (object storage, both sides)
+omicsio-materialize cells.vortex out/
+omicsio-materialize --query "SELECT * FROM 'cells.parquet' WHERE n_genes > 500" out/
+omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
+omicsio-materialize velo.h5ad out/ --layers spliced,unspliced,ambiguous      (one modality per layer)
+omicsio-materialize rna_cells/ out/ --modality atac=atac_cells/ --layers spliced=rna_layers_spliced/
+omicsio-materialize multiome.h5mu out/                (every modality of a MuData file; rna first)
+omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
+omicsio-materialize verify out/
+omicsio-materialize stats out/                        (add corpus statistics to an older dataset)
+omicsio-materialize index 'atlas/**/*.parquet' atlas_index/   (inverted gene -> cells index)
+omicsio-materialize synth corpus/ --cells 200000      (a synthetic corpus to try it on)
 """
 
 from __future__ import annotations
@@ -38,46 +38,100 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
     )
-    p.add_argument("paths", nargs="+", metavar="INPUT OUT",
-                   help="input (file, directory, glob, .vortex or .h5ad) and output directory; "
-                   "with --query the input is optional (if given it is the view `cells`)")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="INPUT OUT",
+        help="input (file, directory, glob, .vortex or .h5ad) and output directory; "
+        "with --query the input is optional (if given it is the view `cells`)",
+    )
     p.add_argument("--where", help="SQL predicate: materialize only the matching cells")
     p.add_argument("--query", help="a DuckDB SELECT producing the rna_cells columns")
-    p.add_argument("--genes", help="gene table (parquet) with gene_token_id; default: gene_metadata.parquet "
-                   "beside the input, else the token ids seen in the data")
+    p.add_argument(
+        "--genes",
+        help="gene table (parquet) with gene_token_id; default: gene_metadata.parquet "
+        "beside the input, else the token ids seen in the data",
+    )
     p.add_argument("--obs", help="comma-separated obs columns to keep (default: every scalar column)")
-    p.add_argument("--panel", help="text file with one gene per line (Ensembl id, name or token id): "
-                   "dense layout, rows pre-scattered to the panel's columns")
+    p.add_argument(
+        "--panel",
+        help="text file with one gene per line (Ensembl id, name or token id): "
+        "dense layout, rows pre-scattered to the panel's columns",
+    )
     p.add_argument("--layer", help="h5ad: read this layer instead of X")
     p.add_argument("--raw", action="store_true", help="h5ad: read raw/X and raw/var")
-    p.add_argument("--layers", help="further modalities over the primary's genes (splice layers): layer names of an "
-                   ".h5ad/.h5mu (spliced,unspliced), or NAME=TABLE pairs for list-column tables")
-    p.add_argument("--modality", action="append", default=[], metavar="NAME=TABLE",
-                   help="a further modality with features of its own, aligned by cell_id (repeatable): NAME=TABLE "
-                   "for list-column tables (feature table: --modality-features, else <name>_features.parquet, "
-                   "peaks.parquet or features.parquet beside the table); NAME of an .h5mu modality (default: all)")
-    p.add_argument("--modality-features", action="append", default=[], metavar="NAME=TABLE",
-                   help="the feature table of a --modality (parquet keyed by its *_token_id column)")
-    p.add_argument("--primary", default="rna", help="name of the primary modality (an .h5mu's modality read as the "
-                   "dataset's own rows; default: rna)")
-    p.add_argument("--require-all-modalities", action="store_true",
-                   help="a cell missing from a further modality is an error (default: an empty row, has_<name> False)")
+    p.add_argument(
+        "--layers",
+        help="further modalities over the primary's genes (splice layers): layer names of an "
+        ".h5ad/.h5mu (spliced,unspliced), or NAME=TABLE pairs for list-column tables",
+    )
+    p.add_argument(
+        "--modality",
+        action="append",
+        default=[],
+        metavar="NAME=TABLE",
+        help="a further modality with features of its own, aligned by cell_id (repeatable): NAME=TABLE "
+        "for list-column tables (feature table: --modality-features, else <name>_features.parquet, "
+        "peaks.parquet or features.parquet beside the table); NAME of an .h5mu modality (default: all)",
+    )
+    p.add_argument(
+        "--modality-features",
+        action="append",
+        default=[],
+        metavar="NAME=TABLE",
+        help="the feature table of a --modality (parquet keyed by its *_token_id column)",
+    )
+    p.add_argument(
+        "--primary",
+        default="rna",
+        help="name of the primary modality (an .h5mu's modality read as the "
+        "dataset's own rows; default: rna)",
+    )
+    p.add_argument(
+        "--require-all-modalities",
+        action="store_true",
+        help="a cell missing from a further modality is an error (default: an empty row, has_<name> False)",
+    )
     p.add_argument("--cell-id", default="cell_id", help="cell id column of table inputs (default: cell_id)")
     p.add_argument("--allow-negative", action="store_true", help="accept negative expression values")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dataset")
-    p.add_argument("--shard-cells", type=int, default=DEFAULT_SHARD_CELLS, help="cells per shard (power of two)")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                   help="ArrayRecord group size in cells (power of two; see benchmarks/README.md)")
-    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="ArrayRecord compression (default zstd:-1; zstd:1 is 17%% smaller and decompresses slower, "
-                   "uncompressed is 2x larger and faster)")
-    p.add_argument("--batch-cells", type=int, default=None,
-                   help="cells read per batch (default: 2,048 from .h5ad, 8,192 from tables)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="local worker processes, one shard-aligned partition at a time each (default: the usable "
-                   "cores; 1 runs in this process)")
-    p.add_argument("--dask-scheduler", metavar="ADDR", help="run the partitions on this Dask scheduler "
-                   "(tcp://host:port; needs omicsio_jax[distributed] and the output on storage every worker reaches)")
-    p.add_argument("--dask-scheduler-file", metavar="FILE", help="the same, from a `dask scheduler --scheduler-file`")
+    p.add_argument(
+        "--shard-cells", type=int, default=DEFAULT_SHARD_CELLS, help="cells per shard (power of two)"
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="ArrayRecord group size in cells (power of two; see benchmarks/README.md)",
+    )
+    p.add_argument(
+        "--compression",
+        default=DEFAULT_COMPRESSION,
+        help="ArrayRecord compression (default zstd:-1; zstd:1 is 17%% smaller and decompresses slower, "
+        "uncompressed is 2x larger and faster)",
+    )
+    p.add_argument(
+        "--batch-cells",
+        type=int,
+        default=None,
+        help="cells read per batch (default: 2,048 from .h5ad, 8,192 from tables)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="local worker processes, one shard-aligned partition at a time each (default: the usable "
+        "cores; 1 runs in this process)",
+    )
+    p.add_argument(
+        "--dask-scheduler",
+        metavar="ADDR",
+        help="run the partitions on this Dask scheduler "
+        "(tcp://host:port; needs omicsio_jax[distributed] and the output on storage every worker reaches)",
+    )
+    p.add_argument(
+        "--dask-scheduler-file", metavar="FILE", help="the same, from a `dask scheduler --scheduler-file`"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -93,8 +147,10 @@ def _verify(argv: list[str]) -> int:
             print(f"omicsio-materialize verify: {args.dataset}: {problem}", file=sys.stderr)
         return 1
     further = f", modalities {', '.join(m.name for m in manifest.modalities)}" if manifest.modalities else ""
-    print(f"{args.dataset}: OK ({manifest.num_cells:,} cells, {len(manifest.shards)} shard(s){further}, "
-          f"fingerprint {manifest.fingerprint[:16]})")
+    print(
+        f"{args.dataset}: OK ({manifest.num_cells:,} cells, {len(manifest.shards)} shard(s){further}, "
+        f"fingerprint {manifest.fingerprint[:16]})"
+    )
     return 0
 
 
@@ -104,7 +160,8 @@ def _index(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="omicsio-materialize index",
         description="Build the inverted index gene_cell_index (gene_token_id, dataset, cell_rowids) of a "
-        "list-column table, for gene-centric queries (omicsio_jax.open_table(INPUT, index=OUT)).")
+        "list-column table, for gene-centric queries (omicsio_jax.open_table(INPUT, index=OUT)).",
+    )
     p.add_argument("input", help="parquet file, directory, glob or hive folder, or vortex files")
     p.add_argument("out", help="output directory")
     p.add_argument("--genes", help="gene table (default: gene_metadata.parquet beside the input)")
@@ -114,10 +171,17 @@ def _index(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from omicsio_jax import CellTable
 
-    info = build_gene_index(CellTable(args.input, genes=args.genes), args.out, overwrite=args.overwrite,
-                            memory_budget=args.memory_mib << 20, progress=not args.no_progress)
-    print(f"{args.out}: {info['rows']:,} (gene, dataset) rows, {info['postings']:,} postings over "
-          f"{info['num_cells']:,} cells in {info['seconds']} s")
+    info = build_gene_index(
+        CellTable(args.input, genes=args.genes),
+        args.out,
+        overwrite=args.overwrite,
+        memory_budget=args.memory_mib << 20,
+        progress=not args.no_progress,
+    )
+    print(
+        f"{args.out}: {info['rows']:,} (gene, dataset) rows, {info['postings']:,} postings over "
+        f"{info['num_cells']:,} cells in {info['seconds']} s"
+    )
     return 0
 
 
@@ -127,7 +191,8 @@ def _stats(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="omicsio-materialize stats",
         description="Compute the corpus statistics (gene_stats.parquet, obs n_counts / n_genes) of a dataset "
-        "materialized before they existed, from its shards; the fingerprint stays the same.")
+        "materialized before they existed, from its shards; the fingerprint stays the same.",
+    )
     p.add_argument("dataset")
     p.add_argument("--force", action="store_true", help="recompute statistics the dataset already has")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -147,14 +212,29 @@ def _materialize(argv: list[str]) -> int:
         p.error("give INPUT and OUT (or OUT alone with --query)")
     layers, modalities = _modality_args(p, args)
     result = materialize(
-        source, out, where=args.where, query=args.query, genes=args.genes,
-        layers=layers, modalities=modalities, primary=args.primary,
+        source,
+        out,
+        where=args.where,
+        query=args.query,
+        genes=args.genes,
+        layers=layers,
+        modalities=modalities,
+        primary=args.primary,
         require_all_modalities=args.require_all_modalities,
         obs=None if args.obs is None else [c.strip() for c in args.obs.split(",") if c.strip()],
-        panel=args.panel, layer=args.layer, use_raw=args.raw, cell_id=args.cell_id,
-        allow_negative=args.allow_negative, overwrite=args.overwrite, shard_cells=args.shard_cells,
-        group_size=args.group_size, compression=args.compression, batch_cells=args.batch_cells,
-        workers=args.workers, dask_scheduler=args.dask_scheduler, dask_scheduler_file=args.dask_scheduler_file,
+        panel=args.panel,
+        layer=args.layer,
+        use_raw=args.raw,
+        cell_id=args.cell_id,
+        allow_negative=args.allow_negative,
+        overwrite=args.overwrite,
+        shard_cells=args.shard_cells,
+        group_size=args.group_size,
+        compression=args.compression,
+        batch_cells=args.batch_cells,
+        workers=args.workers,
+        dask_scheduler=args.dask_scheduler,
+        dask_scheduler_file=args.dask_scheduler_file,
         progress=not args.no_progress,
     )
     print(result.summary())
@@ -184,7 +264,9 @@ def _modality_args(p: argparse.ArgumentParser, args) -> tuple:
             unknown = sorted(set(features) - set(tables))
             if unknown:
                 p.error(f"--modality-features for {', '.join(unknown)}, which no --modality names")
-            modalities = {name: (table, features[name]) if name in features else table for name, table in tables.items()}
+            modalities = {
+                name: (table, features[name]) if name in features else table for name, table in tables.items()
+            }
         else:
             modalities = list(args.modality)
     elif args.modality_features:

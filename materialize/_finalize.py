@@ -59,15 +59,22 @@ def check_part(job: Job, store, part: Partition, expected_first: int) -> PartRes
     done = read_part(store, part.index)
     where = store.describe(f"{part_dir(part.index)}/part.json")
     if done is None:
-        msg = (f"{part.describe()} has no sidecar at finalize ({where} is missing): its worker did not "
-               "finish; run materialize again")
+        msg = (
+            f"{part.describe()} has no sidecar at finalize ({where} is missing): its worker did not "
+            "finish; run materialize again"
+        )
         raise OmicsIOError(msg)
     if done.token != job.token:
         msg = f"{where} belongs to another materialize run; run materialize again into a fresh output"
         raise OmicsIOError(msg)
-    if (done.first_cell, done.num_cells) != (part.first_cell, part.num_cells) or done.first_cell != expected_first:
-        msg = (f"{where} covers cells {done.first_cell:,}..{done.first_cell + done.num_cells - 1:,}, the plan "
-               f"has {part.first_cell:,}..{part.end_cell - 1:,}")
+    if (done.first_cell, done.num_cells) != (
+        part.first_cell,
+        part.num_cells,
+    ) or done.first_cell != expected_first:
+        msg = (
+            f"{where} covers cells {done.first_cell:,}..{done.first_cell + done.num_cells - 1:,}, the plan "
+            f"has {part.first_cell:,}..{part.end_cell - 1:,}"
+        )
         raise OmicsIOError(msg)
     return done
 
@@ -110,9 +117,11 @@ class Finalizer:
             self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
             self.root = Path(self._scratch.name)
         (self.root / "obs").mkdir(parents=True, exist_ok=True)
-        self._writers = [*(make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs),
-                         make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
-                         make_obs_writer(self.root / "obs", N_GENES, pa.int32())]
+        self._writers = [
+            *(make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs),
+            make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
+            make_obs_writer(self.root / "obs", N_GENES, pa.int32()),
+        ]
         self._cell_ids = CellIdWriter(self.root)
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
@@ -173,14 +182,23 @@ class Finalizer:
                 fsync_path(self.root / shard.path)
         self._merged.append(done)
 
-    def finish(self, *, features: pa.Table, codec: dict, array_record: dict, source: dict, created_by: str,
-               modality: str = "rna", modalities: tuple[ModalityEntry, ...] = ()) -> Manifest:
+    def finish(
+        self,
+        *,
+        features: pa.Table,
+        codec: dict,
+        array_record: dict,
+        source: dict,
+        created_by: str,
+        modality: str = "rna",
+        modalities: tuple[ModalityEntry, ...] = (),
+    ) -> Manifest:
         """Merge the partitions not merged yet, write the dataset's sidecars and manifest; return the
         manifest. ``modalities``: the further modalities, written under their paths with the same
         partitions, whose presence flags become obs ``has_<name>``."""
         for future in self._pending:
             future.result()  # raises what a merge raised
-        for part in self.partitions[self._queued:]:
+        for part in self.partitions[self._queued :]:
             self._merge(part)
         self._queued = len(self.partitions)
         self._close_writers()

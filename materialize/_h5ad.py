@@ -90,8 +90,15 @@ class _ObsColumn:
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
-    def __init__(self, path: Path, *, layer: str | None = None, use_raw: bool = False,
-                 batch_cells: int = DEFAULT_BATCH_CELLS, group: str = ""):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        layer: str | None = None,
+        use_raw: bool = False,
+        batch_cells: int = DEFAULT_BATCH_CELLS,
+        group: str = "",
+    ):
         self.path, self._batch_cells = path, batch_cells
         self.label = str(path) if not group else f"{path}:{group}"
         self._layer, self._use_raw, self.group = layer, use_raw, group
@@ -109,7 +116,9 @@ class H5adSource(Source):
     def _open(self) -> None:
         try:
             # an s3:// object is read through fsspec in 8 MiB ranges (h5py reads any file-like object)
-            self._file = h5py.File(self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r")
+            self._file = h5py.File(
+                self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r"
+            )
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
             obs = self._root["obs"]
@@ -127,7 +136,11 @@ class H5adSource(Source):
 
     def __getstate__(self) -> dict:
         """Pickled for partition workers without the open file (each worker opens its own)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_root", "_matrix", "_cell_ids", "_obs")}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_file", "_root", "_matrix", "_cell_ids", "_obs")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -172,16 +185,22 @@ class H5adSource(Source):
                 array = col.read(0, num_vars)
                 columns[name] = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
         index_name = var.attrs["_index"]
-        index = pa.array(_strings(var[index_name.decode() if isinstance(index_name, bytes) else index_name], 0, num_vars))
+        index = pa.array(
+            _strings(var[index_name.decode() if isinstance(index_name, bytes) else index_name], 0, num_vars)
+        )
         tokens = columns.pop("gene_token_id", None)
         if tokens is not None:
             values = tokens.to_numpy(zero_copy_only=False)
             if not (np.issubdtype(values.dtype, np.integer) and np.all(np.diff(values) > 0)):
                 columns["var_gene_token_id"], tokens = tokens, None
-        self._token_of_col = None if tokens is None else tokens.to_numpy(zero_copy_only=False).astype(np.int64)
+        self._token_of_col = (
+            None if tokens is None else tokens.to_numpy(zero_copy_only=False).astype(np.int64)
+        )
         if self._token_of_col is not None and np.array_equal(self._token_of_col, np.arange(num_vars)):
             self._token_of_col = None  # tokens are the column positions: no per-nonzero mapping
-        table = {"gene_token_id": tokens if tokens is not None else pa.array(np.arange(num_vars, dtype=np.int64))}
+        table = {
+            "gene_token_id": tokens if tokens is not None else pa.array(np.arange(num_vars, dtype=np.int64))
+        }
         if "ensembl_id" not in columns:
             table["ensembl_id"] = columns.pop("gene_ids", index)
         if "gene_name" not in columns:
@@ -227,7 +246,9 @@ class H5adSource(Source):
         np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
         return indptr, cols[order], vals[order]
 
-    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
         first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
         for lo in range(first, end, self._batch_cells):
             hi = min(end, lo + self._batch_cells)

@@ -77,7 +77,9 @@ class _Runs:
         self.paths: list[tuple[Path, Path, Path]] = []
         self.totals = np.zeros(num_keys, np.int64)
 
-    def spill(self, batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], num_datasets: int) -> None:
+    def spill(
+        self, batches: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], num_datasets: int
+    ) -> None:
         counts = np.zeros(self.num_keys, np.int64)
         for indptr, genes, dcodes, _ in batches:
             _count_keys(indptr, genes, dcodes, num_datasets, counts)
@@ -109,8 +111,15 @@ class _Runs:
         return out
 
 
-def build_gene_index(source: str | CellTable, out: str | Path, *, overwrite: bool = False,
-                     memory_budget: int = 512 << 20, batch_rows: int = 8192, progress: bool = True) -> dict:
+def build_gene_index(
+    source: str | CellTable,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    memory_budget: int = 512 << 20,
+    batch_rows: int = 8192,
+    progress: bool = True,
+) -> dict:
     """Write ``out/gene_cell_index.parquet`` and ``out/index.json`` for a list-column table.
 
     ``source`` is anything `omicsio_jax.open_table` opens (or an open `CellTable`). The
@@ -122,9 +131,14 @@ def build_gene_index(source: str | CellTable, out: str | Path, *, overwrite: boo
     table = source if isinstance(source, CellTable) else CellTable(source)
     start = time.perf_counter()
     has_dataset = DATASET_COLUMN in table.scalar_columns
-    datasets = table.categories(DATASET_COLUMN) if has_dataset else [Path(table.spec.rstrip("/")).stem or "cells"]
+    datasets = (
+        table.categories(DATASET_COLUMN) if has_dataset else [Path(table.spec.rstrip("/")).stem or "cells"]
+    )
     datasets = [str(d) for d in datasets]
-    if has_dataset and table.sql(f"SELECT count(*) FROM cells WHERE {DATASET_COLUMN} IS NULL").column(0)[0].as_py():
+    if (
+        has_dataset
+        and table.sql(f"SELECT count(*) FROM cells WHERE {DATASET_COLUMN} IS NULL").column(0)[0].as_py()
+    ):
         msg = f"{table.spec}: some cells have a null {DATASET_COLUMN}; the index needs one per cell"
         raise DataValidationError(msg)
     num_datasets = len(datasets)
@@ -133,8 +147,10 @@ def build_gene_index(source: str | CellTable, out: str | Path, *, overwrite: boo
     id_dtype = np.uint32 if table.num_cells < (1 << 32) else np.int64
     budget_postings = max(memory_budget // (np.dtype(id_dtype).itemsize * 3), 1)  # ids + batch lists + sort
     columns = [GENE_COLUMN, *([DATASET_COLUMN] if has_dataset else [])]
-    with tempfile.TemporaryDirectory(prefix="omicsio-index-") as scratch, \
-            atomic_output_dir(Path(out), overwrite=overwrite, manifest=INDEX_MANIFEST) as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="omicsio-index-") as scratch,
+        atomic_output_dir(Path(out), overwrite=overwrite, manifest=INDEX_MANIFEST) as tmp,
+    ):
         runs = _Runs(Path(scratch), max(num_tokens, 1) * num_datasets, id_dtype)
         pending, held, nnz = [], 0, 0
         bar = tqdm(total=table.num_cells, unit="cells", desc="index", disable=not progress, unit_scale=True)
@@ -142,13 +158,17 @@ def build_gene_index(source: str | CellTable, out: str | Path, *, overwrite: boo
             indptr, genes = list_to_csr(rb.column(GENE_COLUMN))
             genes = genes.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
             if len(genes) and (genes.min() < 0 or genes.max() >= num_tokens):
-                msg = (f"{table.spec}: gene_token_id {int(genes.max() if genes.max() >= num_tokens else genes.min())}"
-                       f" is outside the gene table (0..{num_tokens - 1})")
+                msg = (
+                    f"{table.spec}: gene_token_id {int(genes.max() if genes.max() >= num_tokens else genes.min())}"
+                    f" is outside the gene table (0..{num_tokens - 1})"
+                )
                 raise DataValidationError(msg)
             if has_dataset:
                 enc = rb.column(DATASET_COLUMN).cast(pa.string()).dictionary_encode()
                 lut = np.array([code_of[v] for v in enc.dictionary.to_pylist()], np.int32)
-                dcodes = lut[enc.indices.to_numpy(zero_copy_only=False)] if len(lut) else np.zeros(0, np.int32)
+                dcodes = (
+                    lut[enc.indices.to_numpy(zero_copy_only=False)] if len(lut) else np.zeros(0, np.int32)
+                )
             else:
                 dcodes = np.zeros(rb.num_rows, np.int32)
             rowids = rb.column(ROWID_COLUMN).to_numpy().astype(np.int64)
@@ -163,21 +183,36 @@ def build_gene_index(source: str | CellTable, out: str | Path, *, overwrite: boo
             runs.spill(pending, num_datasets)
         bar.close()
         _write_index(tmp / INDEX_FILE, runs, datasets, num_datasets, progress)
-        info = {"format": INDEX_FORMAT, "table": table.fingerprint(), "num_cells": table.num_cells,
-                "num_genes": num_tokens, "datasets": datasets, "postings": int(nnz),
-                "rows": int(np.count_nonzero(runs.totals)), "seconds": round(time.perf_counter() - start, 2)}
+        info = {
+            "format": INDEX_FORMAT,
+            "table": table.fingerprint(),
+            "num_cells": table.num_cells,
+            "num_genes": num_tokens,
+            "datasets": datasets,
+            "postings": int(nnz),
+            "rows": int(np.count_nonzero(runs.totals)),
+            "seconds": round(time.perf_counter() - start, 2),
+        }
         (tmp / INDEX_MANIFEST).write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
 def _write_index(path: Path, runs: _Runs, datasets: list[str], num_datasets: int, progress: bool) -> None:
     opened = [tuple(np.load(p, mmap_mode="r") for p in paths) for paths in runs.paths]
-    schema = pa.schema([("gene_token_id", pa.int32()), ("dataset", pa.string()),
-                        ("cell_rowids", pa.list_(pa.int64()))])
+    schema = pa.schema(
+        [("gene_token_id", pa.int32()), ("dataset", pa.string()), ("cell_rowids", pa.list_(pa.int64()))]
+    )
     dataset_names = pa.array(datasets, pa.string())
-    writer = pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"],
-                              column_encoding={"gene_token_id": "DELTA_BINARY_PACKED",
-                                               "cell_rowids.list.element": "DELTA_BINARY_PACKED"})
+    writer = pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        use_dictionary=["dataset"],
+        column_encoding={
+            "gene_token_id": "DELTA_BINARY_PACKED",
+            "cell_rowids.list.element": "DELTA_BINARY_PACKED",
+        },
+    )
     try:
         for lo, hi in tqdm(runs.ranges(), desc="write index", disable=not progress, unit="groups"):
             counts = runs.totals[lo:hi]
@@ -192,11 +227,16 @@ def _write_index(path: Path, runs: _Runs, datasets: list[str], num_datasets: int
                 _merge_range(run_keys, run_ptr, run_ids, lo, hi, cursor, ids)
             offsets = np.concatenate([ptr[keys], ptr[-1:]]).astype(np.int32)
             absolute = keys + lo
-            rows = pa.table({
-                "gene_token_id": pa.array((absolute // num_datasets).astype(np.int32)),
-                "dataset": dataset_names.take(pa.array((absolute % num_datasets).astype(np.int32))),
-                "cell_rowids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int64))),
-            }, schema=schema)
+            rows = pa.table(
+                {
+                    "gene_token_id": pa.array((absolute // num_datasets).astype(np.int32)),
+                    "dataset": dataset_names.take(pa.array((absolute % num_datasets).astype(np.int32))),
+                    "cell_rowids": pa.ListArray.from_arrays(
+                        pa.array(offsets), pa.array(ids.astype(np.int64))
+                    ),
+                },
+                schema=schema,
+            )
             writer.write_table(rows, row_group_size=len(keys))
     finally:
         writer.close()

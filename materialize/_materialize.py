@@ -67,7 +67,9 @@ class MaterializeResult:
     def summary(self) -> str:
         m = self.manifest
         size = sum(s.num_bytes for s in m.shards) + sum(f.num_bytes for f in m.files)
-        further = "".join(f"; {e.name}: {e.num_features:,} features, {e.nnz:,} nonzeros" for e in m.modalities)
+        further = "".join(
+            f"; {e.name}: {e.num_features:,} features, {e.nnz:,} nonzeros" for e in m.modalities
+        )
         return (
             f"materialized {m.num_cells:,} cells × {m.num_genes:,} genes ({m.layout}), {m.nnz:,} nonzeros, "
             f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s){further}, {self.seconds:.1f} s "
@@ -117,8 +119,13 @@ def open_source(
                 msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
                 raise OmicsIOError(msg)
             group = f"mod/{primary}"
-        return H5adSource(as_input_path(str(source)), layer=layer, use_raw=use_raw,
-                          batch_cells=batch_cells or DEFAULT_BATCH_CELLS, group=group)
+        return H5adSource(
+            as_input_path(str(source)),
+            layer=layer,
+            use_raw=use_raw,
+            batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+            group=group,
+        )
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)
@@ -127,9 +134,14 @@ def open_source(
         raise OmicsIOError(msg)
     from ._tables import DEFAULT_BATCH_CELLS, TableSource
 
-    return TableSource(None if source is None else str(source), where=where, query=query,
-                       genes=None if genes is None else str(genes), cell_id_column=cell_id,
-                       batch_cells=batch_cells or DEFAULT_BATCH_CELLS)
+    return TableSource(
+        None if source is None else str(source),
+        where=where,
+        query=query,
+        genes=None if genes is None else str(genes),
+        cell_id_column=cell_id,
+        batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+    )
 
 
 CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
@@ -147,8 +159,11 @@ def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
         raise DataValidationError(msg)
     shadowed = [name for name in obs if name in CELL_STATS]
     if shadowed:
-        print(f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
-              f"{', '.join(CELL_STATS)} are computed from its cells", file=sys.stderr)
+        print(
+            f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
+            f"{', '.join(CELL_STATS)} are computed from its cells",
+            file=sys.stderr,
+        )
     return [name for name in obs if name not in CELL_STATS]
 
 
@@ -213,15 +228,25 @@ def materialize(
     store = open_store(out)
     inputs = modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     _check_output(store, overwrite)
-    src = open_source(source, where=where, query=query, genes=genes, layer=layer, use_raw=use_raw,
-                      cell_id=cell_id, batch_cells=batch_cells, primary=primary)
+    src = open_source(
+        source,
+        where=where,
+        query=query,
+        genes=genes,
+        layer=layer,
+        use_raw=use_raw,
+        cell_id=cell_id,
+        batch_cells=batch_cells,
+        primary=primary,
+    )
     dask = dask_scheduler is not None or dask_scheduler_file is not None
     wanted = 1 if dask else workers or usable_cores()
     pool = Pool(wanted) if wanted > 1 else None  # started now: the workers import while the input is planned
     try:
-        gene_index = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(),
-                                           f"{src.description.get('genes') or 'token ids seen in the data'}: "
-                                           f"{src.genes.num_rows:,} genes")
+        gene_index = GeneIndex.from_tokens(
+            src.genes.column("gene_token_id").to_numpy(),
+            f"{src.description.get('genes') or 'token ids seen in the data'}: {src.genes.num_rows:,} genes",
+        )
         chosen_panel = None if panel is None else read_panel(panel, src.genes)
         obs_names = _choose_obs(src, obs)
         clash = [f"has_{inp.name}" for inp in inputs if f"has_{inp.name}" in obs_names]
@@ -235,15 +260,38 @@ def materialize(
         options = writer_options(group_size, compression)
         with _staging(store, overwrite) as staging, contextlib.ExitStack() as stack:
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
-            job = Job(src, tuple(obs_names), gene_index, chosen_panel, allow_negative, shard_cells, options, staging,
-                      secrets.token_hex(8), threads)
+            job = Job(
+                src,
+                tuple(obs_names),
+                gene_index,
+                chosen_panel,
+                allow_negative,
+                shard_cells,
+                options,
+                staging,
+                secrets.token_hex(8),
+                threads,
+            )
 
             def run(job: Job, parts, desc: str, on_done=None):
-                with tqdm(total=src.num_cells, unit="cells", unit_scale=True, disable=not progress, desc=desc,
-                          file=sys.stderr, dynamic_ncols=True) as bar:
+                with tqdm(
+                    total=src.num_cells,
+                    unit="cells",
+                    unit_scale=True,
+                    disable=not progress,
+                    desc=desc,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                ) as bar:
                     if dask:
-                        return run_on_dask(job, parts, bar.update, address=dask_scheduler,
-                                           scheduler_file=dask_scheduler_file, on_done=on_done)
+                        return run_on_dask(
+                            job,
+                            parts,
+                            bar.update,
+                            address=dask_scheduler,
+                            scheduler_file=dask_scheduler_file,
+                            on_done=on_done,
+                        )
                     if num_workers > 1:
                         return pool.run(job, parts, bar.update, on_done=on_done)
                     return run_in_process(job, parts, bar.update, on_done=on_done)
@@ -255,28 +303,59 @@ def materialize(
             entries = []
             with _scratch(staging) as scratch:
                 for k, inp in enumerate(inputs):
-                    further = _open_modality(inp, src, job, partitions, primary=primary,
-                                             require_all=require_all_modalities, check_primary=k == 0,
-                                             subset=bool(where or query), scratch=scratch)
+                    further = _open_modality(
+                        inp,
+                        src,
+                        job,
+                        partitions,
+                        primary=primary,
+                        require_all=require_all_modalities,
+                        check_primary=k == 0,
+                        subset=bool(where or query),
+                        scratch=scratch,
+                    )
                     try:
-                        entries.append(_write_modality(inp, further, job, run, array_record, created_by, cell_id))
+                        entries.append(
+                            _write_modality(inp, further, job, run, array_record, created_by, cell_id)
+                        )
                     finally:
                         further.close()
             features = src.genes if chosen_panel is None else chosen_panel.features
             manifest = finalizer.finish(
-                features=features, codec=_codec_description(chosen_panel), array_record=array_record,
+                features=features,
+                codec=_codec_description(chosen_panel),
+                array_record=array_record,
                 source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
-                created_by=created_by, modality=primary, modalities=tuple(entries))
-        return MaterializeResult(out if is_remote(out) else Path(out), manifest, time.perf_counter() - start,
-                                 len(partitions), report.workers, tuple(report.redone))
+                created_by=created_by,
+                modality=primary,
+                modalities=tuple(entries),
+            )
+        return MaterializeResult(
+            out if is_remote(out) else Path(out),
+            manifest,
+            time.perf_counter() - start,
+            len(partitions),
+            report.workers,
+            tuple(report.redone),
+        )
     finally:
         if pool is not None:
             pool.close()
         src.close()  # an .h5ad/.h5mu stays open otherwise until collected
 
 
-def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, primary: str, require_all: bool,
-                   check_primary: bool, subset: bool, scratch: str) -> Source:
+def _open_modality(
+    inp: ModalityInput,
+    src: Source,
+    job: Job,
+    partitions,
+    *,
+    primary: str,
+    require_all: bool,
+    check_primary: bool,
+    subset: bool,
+    scratch: str,
+) -> Source:
     """The further modality ``inp`` as a source in the primary's row order (the primary written);
     ``scratch``: a local folder for a table that must be put in that order."""
     if inp.table is None:  # a layer or a modality of the primary's own .h5ad / .h5mu
@@ -291,16 +370,27 @@ def _open_modality(inp: ModalityInput, src: Source, job: Job, partitions, *, pri
     store = open_store(job.staging)
     cells = [f"{job.staging}/{part_dir(p.index)}/{PART_CELLS}" for p in partitions]
     spill = Path(scratch) / f"align-{inp.name}"
-    further = TableModality(inp, primary=primary, primary_label=src.label, primary_cells=cells, primary_genes=src.genes,
-                            num_cells=src.num_cells, shard_cells=job.shard_cells, spill=spill,
-                            require_all=require_all, check_primary=check_primary, subset=subset)
+    further = TableModality(
+        inp,
+        primary=primary,
+        primary_label=src.label,
+        primary_cells=cells,
+        primary_genes=src.genes,
+        num_cells=src.num_cells,
+        shard_cells=job.shard_cells,
+        spill=spill,
+        require_all=require_all,
+        check_primary=check_primary,
+        subset=subset,
+    )
     if store.local_root is None:  # workers elsewhere read the spilled partitions from the output's store
         further.publish(f"{job.staging}/{PARTS_DIR}/align-{inp.name}")
     return further
 
 
-def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str,
-                    cell_id: str) -> ModalityEntry:
+def _write_modality(
+    inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str, cell_id: str
+) -> ModalityEntry:
     """Write a further modality as the dataset ``modalities/<name>`` beside the primary's; its entry."""
     from ._validate import GeneIndex
 
@@ -308,21 +398,36 @@ def _write_modality(inp: ModalityInput, further: Source, job: Job, run, array_re
         index = job.gene_index
     else:
         tokens = further.genes.column("gene_token_id").to_numpy()
-        index = GeneIndex.from_tokens(tokens, f"the features of modality {inp.name}: {len(tokens):,}",
-                                      further.list_names)
+        index = GeneIndex.from_tokens(
+            tokens, f"the features of modality {inp.name}: {len(tokens):,}", further.list_names
+        )
     path = f"modalities/{inp.name}"
     staging = f"{job.staging}/{path}"
-    mjob = dataclasses.replace(job, source=further, obs=(), gene_index=index, panel=None, staging=staging,
-                               presence=True)
+    mjob = dataclasses.replace(
+        job, source=further, obs=(), gene_index=index, panel=None, staging=staging, presence=True
+    )
     parts = further.plan(job.shard_cells)
     with Finalizer(mjob, open_store(staging), parts) as finalizer:
         run(mjob, parts, f"materialize {inp.name}", finalizer.add)
-        manifest = finalizer.finish(features=further.features_table, codec=_codec_description(None),
-                                    array_record=array_record, source={**further.description, "cell_id": cell_id},
-                                    created_by=created_by, modality=inp.name)
+        manifest = finalizer.finish(
+            features=further.features_table,
+            codec=_codec_description(None),
+            array_record=array_record,
+            source={**further.description, "cell_id": cell_id},
+            created_by=created_by,
+            modality=inp.name,
+        )
     sha = hashlib.sha256(manifest.to_json().encode()).hexdigest()
-    return ModalityEntry(inp.name, path, manifest.num_genes, manifest.layout, manifest.nnz, inp.features_kind,
-                         manifest.fingerprint, sha)
+    return ModalityEntry(
+        inp.name,
+        path,
+        manifest.num_genes,
+        manifest.layout,
+        manifest.nnz,
+        inp.features_kind,
+        manifest.fingerprint,
+        sha,
+    )
 
 
 @contextlib.contextmanager
@@ -351,8 +456,10 @@ def _check_output(store, overwrite: bool) -> None:
     if not objects:
         return
     if not any(key == MANIFEST_NAME for key, _ in objects):
-        msg = (f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
-               "choose an empty prefix (or delete these objects)")
+        msg = (
+            f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
+            "choose an empty prefix (or delete these objects)"
+        )
         if not overwrite or any(not _ours(key) for key, _ in objects):
             raise OmicsIOError(msg)
     elif not overwrite:
@@ -363,8 +470,16 @@ def _check_output(store, overwrite: bool) -> None:
 def _ours(key: str) -> bool:
     """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
     top = key.split("/", 1)[0]
-    return top in (PARTS_DIR, "obs", "chunks", "modalities", MANIFEST_NAME, "features.parquet", "cell_ids.parquet",
-                   "gene_stats.parquet") or (top.startswith("shard-") and top.endswith(".arrayrecord"))
+    return top in (
+        PARTS_DIR,
+        "obs",
+        "chunks",
+        "modalities",
+        MANIFEST_NAME,
+        "features.parquet",
+        "cell_ids.parquet",
+        "gene_stats.parquet",
+    ) or (top.startswith("shard-") and top.endswith(".arrayrecord"))
 
 
 @contextlib.contextmanager
@@ -391,8 +506,10 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
     keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
     for entry in manifest.modalities:
         sub = Manifest.from_dict(json.loads(store.read_text(f"{entry.path}/{MANIFEST_NAME}")))
-        keep |= {f"{entry.path}/{name}" for name in (MANIFEST_NAME, *(s.path for s in sub.shards),
-                                                     *(f.path for f in sub.files))}
+        keep |= {
+            f"{entry.path}/{name}"
+            for name in (MANIFEST_NAME, *(s.path for s in sub.shards), *(f.path for f in sub.files))
+        }
     store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
 
 
@@ -401,7 +518,9 @@ def _codec_description(panel: Panel | None) -> dict:
         "name": "omicsio-cell",
         "version": CODEC_VERSION,
         "records": "one per cell",
-        "indices": "dense row" if panel is not None else "per record: u16 gaps if every gap ≤ 65535, else u32",
+        "indices": "dense row"
+        if panel is not None
+        else "per record: u16 gaps if every gap ≤ 65535, else u32",
         "values": "per record: narrowest lossless of u8/u16/u32 (integer counts) or f32",
         "dense_width": None if panel is None else panel.features.num_rows,
     }

@@ -83,9 +83,13 @@ class ModalityInput:
         return LAYER if self.layer else OWN
 
 
-def modality_inputs(source, *, layers: Sequence[str] | Mapping[str, str] | None,
-                    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None,
-                    primary: str) -> list[ModalityInput]:
+def modality_inputs(
+    source,
+    *,
+    layers: Sequence[str] | Mapping[str, str] | None,
+    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None,
+    primary: str,
+) -> list[ModalityInput]:
     """The further modalities asked for, checked against the input's kind.
 
     ``.h5ad``: ``layers`` names layers of the file. ``.h5mu``: ``layers`` names layers of the
@@ -148,16 +152,19 @@ def check_ducklake() -> None:
     """DuckLake catalogs are read through DuckDB's ducklake extension, loaded from its PyPI package
     (never INSTALLed at run time); PyPI builds it only up to DuckDB 1.5.5."""
     if duckdb.__version__ != DUCKLAKE_DUCKDB:
-        msg = (f"a ducklake: input needs DuckDB's ducklake extension, which PyPI ships (duckdb-extension-ducklake) "
-               f"for DuckDB {DUCKLAKE_DUCKDB} at the newest; this DuckDB is {duckdb.__version__}, which cannot load it. "
-               f"Export each modality's table to parquet (in DuckDB {DUCKLAKE_DUCKDB}: COPY lake.atac_cells TO "
-               "'atac_cells.parquet') and materialize those")
+        msg = (
+            f"a ducklake: input needs DuckDB's ducklake extension, which PyPI ships (duckdb-extension-ducklake) "
+            f"for DuckDB {DUCKLAKE_DUCKDB} at the newest; this DuckDB is {duckdb.__version__}, which cannot load it. "
+            f"Export each modality's table to parquet (in DuckDB {DUCKLAKE_DUCKDB}: COPY lake.atac_cells TO "
+            "'atac_cells.parquet') and materialize those"
+        )
         raise OmicsIOError(msg)
     msg = f"ducklake: inputs are not read by this version of omicsio_jax (DuckDB {duckdb.__version__})"
     raise OmicsIOError(msg)
 
 
 # -- list-column tables -------------------------------------------------------------------------------
+
 
 def _list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
     """The token and value list columns of a modality table: ``gene_token_id`` / ``gene_expression``,
@@ -168,9 +175,11 @@ def _list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
     tokens = [n for n in lists if n.endswith("_token_id")]
     values = [n for n in lists if n not in tokens]
     if len(tokens) != 1 or len(values) != 1:
-        msg = (f"{label}: a modality table needs one <feature>_token_id list column and one value list column "
-               f"(gene_token_id / gene_expression, peak_token_id / peak_accessibility); it has list columns "
-               f"{', '.join(lists) or '(none)'}")
+        msg = (
+            f"{label}: a modality table needs one <feature>_token_id list column and one value list column "
+            f"(gene_token_id / gene_expression, peak_token_id / peak_accessibility); it has list columns "
+            f"{', '.join(lists) or '(none)'}"
+        )
         raise DataValidationError(msg)
     return tokens[0], values[0]
 
@@ -207,9 +216,22 @@ def _read_features(path: str, token_column: str) -> pa.Table:
 class TableModality(Source):
     """A further modality from a list-column table, in the primary's row order (see the module doc)."""
 
-    def __init__(self, inp: ModalityInput, *, primary: str, primary_label: str, primary_cells: list[str],
-                 primary_genes: pa.Table, num_cells: int, shard_cells: int, spill: Path, require_all: bool,
-                 check_primary: bool = True, batch_cells: int = DEFAULT_BATCH_CELLS, subset: bool = False):
+    def __init__(
+        self,
+        inp: ModalityInput,
+        *,
+        primary: str,
+        primary_label: str,
+        primary_cells: list[str],
+        primary_genes: pa.Table,
+        num_cells: int,
+        shard_cells: int,
+        spill: Path,
+        require_all: bool,
+        check_primary: bool = True,
+        batch_cells: int = DEFAULT_BATCH_CELLS,
+        subset: bool = False,
+    ):
         """``primary_cells``: the primary's written partition sidecars, in order (their ``cell_id``);
         ``spill``: a local folder for the table's rows by partition, when they are not in the
         primary's order (see `_reorder`); ``subset``: the primary is a selection
@@ -220,7 +242,9 @@ class TableModality(Source):
         self.num_cells = num_cells
         self.obs_columns = {}
         files = expand_files(inp.table)
-        remote = any(not isinstance(f, Path) for f in files) or any(p.startswith("s3://") for p in primary_cells)
+        remote = any(not isinstance(f, Path) for f in files) or any(
+            p.startswith("s3://") for p in primary_cells
+        )
         con = connect(remote=remote)
         create_cells_view(con, files, label=inp.table, filename=True, file_rows=True, name="modality")
         schema = con.sql("SELECT * FROM modality LIMIT 0").to_arrow_table().schema
@@ -232,74 +256,118 @@ class TableModality(Source):
         if inp.layer:
             genes: pa.Table | None = primary_genes
             if inp.features is not None:
-                _check_same_genes(inp, _read_features(inp.features, self.list_names[0]), primary_genes, primary)
+                _check_same_genes(
+                    inp, _read_features(inp.features, self.list_names[0]), primary_genes, primary
+                )
         else:
             genes = None if features is None else _read_features(features, self.list_names[0])
         self._require_all, self._subset = require_all, subset
         names = ", ".join(sql_str(p) for p in primary_cells)
-        con.execute(f"CREATE VIEW primary_cells AS SELECT {CELL_ID_COLUMN}, row_number() OVER () - 1 AS __row "
-                    f"FROM read_parquet([{names}])")
+        con.execute(
+            f"CREATE VIEW primary_cells AS SELECT {CELL_ID_COLUMN}, row_number() OVER () - 1 AS __row "
+            f"FROM read_parquet([{names}])"
+        )
         self.present, self.aligned = self._align(con, inp, check_primary)
-        self._reader = TableSource(inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.list_names)
+        self._reader = TableSource(
+            inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.list_names
+        )
         self._primary_cells, self._batch_cells, self._shard_cells = primary_cells, batch_cells, shard_cells
         self._spill: Spill | None = None
         if not self.aligned:
             spill.mkdir(parents=True, exist_ok=True)
-            spill_by_partition(con, self.list_names, num_rows=self._reader.num_cells, shard_cells=shard_cells,
-                               folder=spill, label=self.label)
+            spill_by_partition(
+                con,
+                self.list_names,
+                num_rows=self._reader.num_cells,
+                shard_cells=shard_cells,
+                folder=spill,
+                label=self.label,
+            )
             self._spill = Spill(spill)
         self.genes = self._reader.genes
         self.features_table = self._features_table(features)
-        self.description = {"kind": "table", "modality": inp.name, "input": inp.table, "features": features,
-                            "files": [str(f) for f in files], "aligned": self.aligned,
-                            "present": int(self.present)}
+        self.description = {
+            "kind": "table",
+            "modality": inp.name,
+            "input": inp.table,
+            "features": features,
+            "files": [str(f) for f in files],
+            "aligned": self.aligned,
+            "present": int(self.present),
+        }
 
-    def _align(self, con: duckdb.DuckDBPyConnection, inp: ModalityInput, check_primary: bool) -> tuple[int, bool]:
+    def _align(
+        self, con: duckdb.DuckDBPyConnection, inp: ModalityInput, check_primary: bool
+    ) -> tuple[int, bool]:
         """Check the cells can be aligned; return how many cells have the modality and whether the
         table's rows are already the primary's cells in order."""
         cid, where = sql_ident(CELL_ID_COLUMN), f"{FILENAME_COLUMN}, {FILE_ROW_COLUMN}"
         try:
             if check_primary:
-                dup = con.sql(f"SELECT {cid}, min(__row), max(__row) FROM primary_cells GROUP BY {cid} "
-                              "HAVING count(*) > 1 ORDER BY 2 LIMIT 1").fetchall()
+                dup = con.sql(
+                    f"SELECT {cid}, min(__row), max(__row) FROM primary_cells GROUP BY {cid} "
+                    "HAVING count(*) > 1 ORDER BY 2 LIMIT 1"
+                ).fetchall()
                 if dup:
                     cell, a, b = dup[0]
-                    msg = (f"duplicate cell_id {cell} in the primary modality {self._primary} (rows {a} and {b} of "
-                           f"{self._primary_label}): modalities are aligned by cell_id, which must be unique")
+                    msg = (
+                        f"duplicate cell_id {cell} in the primary modality {self._primary} (rows {a} and {b} of "
+                        f"{self._primary_label}): modalities are aligned by cell_id, which must be unique"
+                    )
                     raise DataValidationError(msg)
             dup = con.sql(f"SELECT {cid} FROM modality GROUP BY {cid} HAVING count(*) > 1 LIMIT 1").fetchall()
             if dup:
-                rows = con.execute(f"SELECT {where} FROM modality WHERE {cid} = ? ORDER BY {where} LIMIT 2",
-                                   [dup[0][0]]).fetchall()
-                msg = (f"modality {inp.name}: duplicate cell_id {dup[0][0]} in row {rows[1][1]} of {rows[1][0]} "
-                       f"(also row {rows[0][1]} of {rows[0][0]})")
+                rows = con.execute(
+                    f"SELECT {where} FROM modality WHERE {cid} = ? ORDER BY {where} LIMIT 2", [dup[0][0]]
+                ).fetchall()
+                msg = (
+                    f"modality {inp.name}: duplicate cell_id {dup[0][0]} in row {rows[1][1]} of {rows[1][0]} "
+                    f"(also row {rows[0][1]} of {rows[0][0]})"
+                )
                 raise DataValidationError(msg)
-            null = con.sql(f"SELECT {where} FROM modality WHERE {cid} IS NULL ORDER BY {where} LIMIT 1").fetchall()
+            null = con.sql(
+                f"SELECT {where} FROM modality WHERE {cid} IS NULL ORDER BY {where} LIMIT 1"
+            ).fetchall()
             if null:
                 msg = f"modality {inp.name}: null cell_id in row {null[0][1]} of {null[0][0]}"
                 raise DataValidationError(msg)
-            stray = [] if self._subset else con.sql(
-                f"SELECT {cid}, {where} FROM modality ANTI JOIN primary_cells USING ({cid}) "
-                f"ORDER BY {where} LIMIT 1").fetchall()
+            stray = (
+                []
+                if self._subset
+                else con.sql(
+                    f"SELECT {cid}, {where} FROM modality ANTI JOIN primary_cells USING ({cid}) "
+                    f"ORDER BY {where} LIMIT 1"
+                ).fetchall()
+            )
             if stray:
                 cell, file, row = stray[0]
-                msg = (f"modality {inp.name}: cell_id {cell} in row {row} of {file} is not a cell of the primary "
-                       f"modality {self._primary} ({self._primary_label}); a further modality's cells must be the "
-                       "primary's")
+                msg = (
+                    f"modality {inp.name}: cell_id {cell} in row {row} of {file} is not a cell of the primary "
+                    f"modality {self._primary} ({self._primary_label}); a further modality's cells must be the "
+                    "primary's"
+                )
                 raise DataValidationError(msg)
-            present = con.sql(f"SELECT count(*) FROM modality SEMI JOIN primary_cells USING ({cid})").fetchall()[0][0]
+            present = con.sql(
+                f"SELECT count(*) FROM modality SEMI JOIN primary_cells USING ({cid})"
+            ).fetchall()[0][0]
             total = con.sql("SELECT count(*) FROM modality").fetchall()[0][0]
             if present < self.num_cells and self._require_all:
-                cell, row = con.sql(f"SELECT {cid}, __row FROM primary_cells ANTI JOIN modality USING ({cid}) "
-                                    "ORDER BY __row LIMIT 1").fetchall()[0]
-                msg = (f"modality {inp.name}: cell_id {cell} (row {row} of the primary {self._primary_label}) has no "
-                       f"row in {inp.table} ({self.num_cells - present:,} cells lack it); without "
-                       "--require-all-modalities they get empty rows and has_" + inp.name + " = False")
+                cell, row = con.sql(
+                    f"SELECT {cid}, __row FROM primary_cells ANTI JOIN modality USING ({cid}) "
+                    "ORDER BY __row LIMIT 1"
+                ).fetchall()[0]
+                msg = (
+                    f"modality {inp.name}: cell_id {cell} (row {row} of the primary {self._primary_label}) has no "
+                    f"row in {inp.table} ({self.num_cells - present:,} cells lack it); without "
+                    "--require-all-modalities they get empty rows and has_" + inp.name + " = False"
+                )
                 raise DataValidationError(msg)
             if present < self.num_cells or total > present:
                 return present, False
-            differ = con.sql(f"SELECT 1 FROM (SELECT {cid} AS a FROM primary_cells) POSITIONAL JOIN "
-                             f"(SELECT {cid} AS b FROM modality) WHERE a IS DISTINCT FROM b LIMIT 1").fetchall()
+            differ = con.sql(
+                f"SELECT 1 FROM (SELECT {cid} AS a FROM primary_cells) POSITIONAL JOIN "
+                f"(SELECT {cid} AS b FROM modality) WHERE a IS DISTINCT FROM b LIMIT 1"
+            ).fetchall()
         except duckdb.Error as e:
             msg = f"cannot read {self.label}: {str(e).strip().splitlines()[0]}"
             raise DataValidationError(msg) from e
@@ -311,7 +379,8 @@ class TableModality(Source):
         if self.layer or features is None:
             return self.genes
         return self._reader.genes.rename_columns(
-            [self.list_names[0] if n == GENE_COLUMN else n for n in self._reader.genes.column_names])
+            [self.list_names[0] if n == GENE_COLUMN else n for n in self._reader.genes.column_names]
+        )
 
     def publish(self, url: str) -> None:
         """Make the spilled partitions readable by workers on other machines (under ``url``)."""
@@ -319,9 +388,13 @@ class TableModality(Source):
             self._spill.publish(url)
 
     def plan(self, shard_cells: int) -> list[Partition]:
-        return self._reader.plan(shard_cells) if self.aligned else whole_partitions(self.num_cells, shard_cells)
+        return (
+            self._reader.plan(shard_cells) if self.aligned else whole_partitions(self.num_cells, shard_cells)
+        )
 
-    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
         if self.aligned:
             for batch in self._reader.batches([], part, threads=threads):
                 yield dataclasses.replace(batch, locate=_prefixed(self.name, batch.locate))
@@ -343,16 +416,31 @@ class TableModality(Source):
                 cell_ids = ids.slice(lo - part.first_cell, hi - lo)
                 if j == i:
                     empty = np.zeros(hi - lo + 1, np.int64)
-                    yield Batch(empty, np.zeros(0, np.int32), np.zeros(0, np.float32), cell_ids, {},
-                                lambda k, ids=cell_ids: f"modality {self.name}: cell_id {ids[k].as_py()}", present)
+                    yield Batch(
+                        empty,
+                        np.zeros(0, np.int32),
+                        np.zeros(0, np.float32),
+                        cell_ids,
+                        {},
+                        lambda k, ids=cell_ids: f"modality {self.name}: cell_id {ids[k].as_py()}",
+                        present,
+                    )
                     continue
                 sub = table.take(pa.array(order[i:j]))
                 token_ptr, tokens = list_to_csr(sub.column(tokens_column).combine_chunks())
                 value_ptr, values = list_to_csr(sub.column(values_column).combine_chunks())
-                locate = _SourceLocator(self.name, cell_ids, positions, sub.column(FILENAME_COLUMN),
-                                        sub.column(FILE_ROW_COLUMN))
-                batch = Batch.from_arrow(_spread(token_ptr, positions, hi - lo), tokens,
-                                         _spread(value_ptr, positions, hi - lo), values, cell_ids, {}, locate)
+                locate = _SourceLocator(
+                    self.name, cell_ids, positions, sub.column(FILENAME_COLUMN), sub.column(FILE_ROW_COLUMN)
+                )
+                batch = Batch.from_arrow(
+                    _spread(token_ptr, positions, hi - lo),
+                    tokens,
+                    _spread(value_ptr, positions, hi - lo),
+                    values,
+                    cell_ids,
+                    {},
+                    locate,
+                )
                 yield dataclasses.replace(batch, present=present)
 
 
@@ -376,10 +464,15 @@ def _check_same_genes(inp: ModalityInput, features: pa.Table, primary_genes: pa.
     ours = primary_genes.column(GENE_COLUMN).to_numpy()
     if not np.array_equal(np.sort(tokens), np.sort(ours)):
         extra = np.setdiff1d(tokens, ours)
-        detail = (f"gene_token_id {int(extra[0])} is not among the primary's genes" if len(extra)
-                  else f"it has {len(tokens):,} genes, the primary {len(ours):,}")
-        msg = (f"layer {inp.name}: its gene table {inp.features} differs from the gene space of the primary modality "
-               f"{primary} ({detail}); a layer shares the primary's genes")
+        detail = (
+            f"gene_token_id {int(extra[0])} is not among the primary's genes"
+            if len(extra)
+            else f"it has {len(tokens):,} genes, the primary {len(ours):,}"
+        )
+        msg = (
+            f"layer {inp.name}: its gene table {inp.features} differs from the gene space of the primary modality "
+            f"{primary} ({detail}); a layer shares the primary's genes"
+        )
         raise DataValidationError(msg)
 
 
@@ -391,15 +484,24 @@ class _SourceLocator:
     """Names a batch row (at ``positions[k]``: the k-th spilled row) by the file and row it came from."""
 
     def __init__(self, name: str, cell_ids: pa.Array, positions: np.ndarray, files, rows):
-        self.name, self.cell_ids, self.positions, self.files, self.rows = name, cell_ids, positions, files, rows
+        self.name, self.cell_ids, self.positions, self.files, self.rows = (
+            name,
+            cell_ids,
+            positions,
+            files,
+            rows,
+        )
 
     def __call__(self, i: int) -> str:
         k = int(np.searchsorted(self.positions, i))
-        return (f"modality {self.name}: row {self.rows[k].as_py()} (cell_id {self.cell_ids[i].as_py()}) "
-                f"of {self.files[k].as_py()}")
+        return (
+            f"modality {self.name}: row {self.rows[k].as_py()} (cell_id {self.cell_ids[i].as_py()}) "
+            f"of {self.files[k].as_py()}"
+        )
 
 
 # -- .h5ad layers and .h5mu modalities -------------------------------------------------------------------
+
 
 def h5mu_modalities(path) -> list[str]:
     """The modality names of an ``.h5mu`` file (``mod/<name>``), in the file's ``mod-order``."""
@@ -436,8 +538,10 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
                 ids = _strings(f["obs"][_index_name(f["obs"])]) if len(stray) else None
                 rows = np.full(n_p, -1, np.int64)
                 held = p_map >= 0
-                if np.bincount(p_map[held], minlength=n_p).max(initial=0) > 1 or \
-                        np.bincount(m_map[m_map >= 0], minlength=n_m).max(initial=0) > 1:
+                if (
+                    np.bincount(p_map[held], minlength=n_p).max(initial=0) > 1
+                    or np.bincount(m_map[m_map >= 0], minlength=n_m).max(initial=0) > 1
+                ):
                     msg = f"{label}: obsmap maps a row of {primary} or {name} to several cells: they cannot be aligned"
                     raise DataValidationError(msg)
                 rows[p_map[held]] = m_map[held]
@@ -448,9 +552,11 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
                     uniq, counts = np.unique(ids_, return_counts=True)
                     if (counts > 1).any():
                         dup = uniq[counts > 1][0]
-                        msg = (f"{label}: modality {mod} has duplicate obs name {dup} (rows "
-                               f"{', '.join(map(str, np.flatnonzero(ids_ == dup)[:2]))}) and the file has no obsmap: "
-                               "its modalities cannot be aligned")
+                        msg = (
+                            f"{label}: modality {mod} has duplicate obs name {dup} (rows "
+                            f"{', '.join(map(str, np.flatnonzero(ids_ == dup)[:2]))}) and the file has no obsmap: "
+                            "its modalities cannot be aligned"
+                        )
                         raise DataValidationError(msg)
                 lookup = {cell: i for i, cell in enumerate(m_ids)}
                 rows = np.array([lookup.get(cell, -1) for cell in p_ids], np.int64)
@@ -460,16 +566,20 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
                 ids = m_ids
             if len(stray):
                 cell = ids[stray[0]]
-                msg = (f"modality {name}: cell_id {cell} of {label} has no {primary} (the primary modality); a further "
-                       "modality's cells must be the primary's")
+                msg = (
+                    f"modality {name}: cell_id {cell} of {label} has no {primary} (the primary modality); a further "
+                    "modality's cells must be the primary's"
+                )
                 raise DataValidationError(msg)
     except (OSError, KeyError) as e:
         msg = f"cannot read {label}: {e} (is it a complete MuData .h5mu file?)"
         raise DataValidationError(msg) from e
     if require_all and (rows < 0).any():
         i = int(np.flatnonzero(rows < 0)[0])
-        msg = (f"modality {name}: row {i} of the primary modality {primary} in {label} has no {name} "
-               f"({int((rows < 0).sum()):,} cells lack it); without --require-all-modalities they get empty rows")
+        msg = (
+            f"modality {name}: row {i} of the primary modality {primary} in {label} has no {name} "
+            f"({int((rows < 0).sum()):,} cells lack it); without --require-all-modalities they get empty rows"
+        )
         raise DataValidationError(msg)
     return None if np.array_equal(rows, np.arange(len(rows))) else rows
 
@@ -488,8 +598,9 @@ class H5Modality(Source):
     """A further modality from the primary's own file: an ``.h5ad``/``.h5mu`` layer, or another
     ``.h5mu`` modality (``reader``) whose row ``rows[i]`` is the primary's cell ``i`` (None: row ``i``)."""
 
-    def __init__(self, name: str, reader: H5adSource, primary: H5adSource, rows: np.ndarray | None, *,
-                 layer: bool):
+    def __init__(
+        self, name: str, reader: H5adSource, primary: H5adSource, rows: np.ndarray | None, *, layer: bool
+    ):
         self.name, self.layer, self._reader, self._primary, self._rows = name, layer, reader, primary, rows
         self.label = f"modality {name} ({reader.label})"
         self.num_cells = primary.num_cells
@@ -501,7 +612,12 @@ class H5Modality(Source):
         self.obs_columns = {}
         self.present = self.num_cells if rows is None else int((rows >= 0).sum())
         self.aligned = rows is None
-        self.description = {**reader.description, "modality": name, "aligned": self.aligned, "present": self.present}
+        self.description = {
+            **reader.description,
+            "modality": name,
+            "aligned": self.aligned,
+            "present": self.present,
+        }
 
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
@@ -509,7 +625,9 @@ class H5Modality(Source):
     def close(self) -> None:
         self._reader.close()
 
-    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
         first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
         step = DEFAULT_H5_BATCH_CELLS
         for lo in range(first, end, step):
@@ -522,8 +640,15 @@ class H5Modality(Source):
                 rows = self._rows[lo:hi]
                 present = rows >= 0
                 indptr, tokens, values = self._gather(rows)
-            yield Batch(indptr, tokens, values, cell_ids, {}, _RowLocator(self.name, self._reader.label, rows, cell_ids),
-                        present)
+            yield Batch(
+                indptr,
+                tokens,
+                values,
+                cell_ids,
+                {},
+                _RowLocator(self.name, self._reader.label, rows, cell_ids),
+                present,
+            )
 
     def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The modality's ``rows`` (-1: an empty row) as one CSR, read in ranges of nearby rows."""

@@ -32,8 +32,9 @@ class Panel:
     features: pa.Table
     col_to_panel: np.ndarray
 
-    def scatter(self, indptr: np.ndarray, tokens: np.ndarray, values: np.ndarray,
-                token_to_col: np.ndarray) -> np.ndarray:
+    def scatter(
+        self, indptr: np.ndarray, tokens: np.ndarray, values: np.ndarray, token_to_col: np.ndarray
+    ) -> np.ndarray:
         """Dense ``(num_cells, panel size)`` float32 rows from validated CSR rows of gene tokens."""
         out = np.zeros((len(indptr) - 1, self.features.num_rows), dtype=np.float32)
         _scatter_panel(indptr, tokens, values, token_to_col, self.col_to_panel, out)

@@ -90,8 +90,15 @@ class PartResult:
     @classmethod
     def from_json(cls, text: str) -> PartResult:
         raw = json.loads(text)
-        return cls(raw["token"], raw["index"], raw["first_cell"], raw["num_cells"], raw["nnz"],
-                   tuple(ShardEntry(**s) for s in raw["shards"]), tuple(FileEntry(**f) for f in raw["files"]))
+        return cls(
+            raw["token"],
+            raw["index"],
+            raw["first_cell"],
+            raw["num_cells"],
+            raw["nnz"],
+            tuple(ShardEntry(**s) for s in raw["shards"]),
+            tuple(FileEntry(**f) for f in raw["files"]),
+        )
 
 
 def part_dir(index: int) -> str:
@@ -148,8 +155,13 @@ class Scratch:
         self._stats = stats
 
 
-def write_partition(job: Job, part: Partition, progress: Callable[[int], None] | None = None, *,
-                    scratch: Scratch | None = None) -> PartResult:
+def write_partition(
+    job: Job,
+    part: Partition,
+    progress: Callable[[int], None] | None = None,
+    *,
+    scratch: Scratch | None = None,
+) -> PartResult:
     """Write ``part``'s shards and sidecars under ``job.staging``; return what ``part.json`` says.
     ``scratch``: memory to reuse, for a process that writes several partitions.
 
@@ -163,7 +175,9 @@ def write_partition(job: Job, part: Partition, progress: Callable[[int], None] |
         local = store.local_root
         if local is None:  # object storage: write here, then upload
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="omicsio-part-")))
-        own = stack.enter_context(Scratch()) if scratch is None else scratch  # a lone partition's: closed here
+        own = (
+            stack.enter_context(Scratch()) if scratch is None else scratch
+        )  # a lone partition's: closed here
         result = _write_local(job, part, local, progress, own)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
@@ -178,10 +192,22 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     for stale in (sidecar / PART_DONE, sidecar / f".{PART_DONE}.tmp"):
         stale.unlink(missing_ok=True)
     obs_types = {name: job.source.obs_columns[name] for name in job.obs}
-    schema = pa.schema([("cell_id", pa.string()), *obs_types.items(), (N_COUNTS, pa.float64()), (N_GENES, pa.int32()),
-                        *([(PRESENT, pa.bool_())] if job.presence else [])])
-    shards = scratch.take_shard_writer(root, shard_cells=job.shard_cells, options=job.options,
-                                       first_shard=part.index, index_dir=CHUNK_INDEX_DIR)
+    schema = pa.schema(
+        [
+            ("cell_id", pa.string()),
+            *obs_types.items(),
+            (N_COUNTS, pa.float64()),
+            (N_GENES, pa.int32()),
+            *([(PRESENT, pa.bool_())] if job.presence else []),
+        ]
+    )
+    shards = scratch.take_shard_writer(
+        root,
+        shard_cells=job.shard_cells,
+        options=job.options,
+        first_shard=part.index,
+        index_dir=CHUNK_INDEX_DIR,
+    )
     stats = scratch.take_stats(job.num_columns, job.shard_cells)
     cells = pq.ParquetWriter(sidecar / PART_CELLS, schema, compression="zstd")
     nnz = 0
@@ -191,18 +217,27 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
         # statistics on their own thread (numba releases the GIL), in batch order, beside encoding
         statistics = cleanup.enter_context(ThreadPoolExecutor(1, thread_name_prefix="materialize-stats"))
         pending: collections.deque = collections.deque()
-        reader = Background(lambda: job.source.batches(list(job.obs), part, threads=job.threads), 2,
-                            name="materialize-reader")
+        reader = Background(
+            lambda: job.source.batches(list(job.obs), part, threads=job.threads), 2, name="materialize-reader"
+        )
         cleanup.callback(reader.close)
         for batch in reader:
-            buf, starts, batch_nnz = encode_batch(batch.indptr, batch.tokens, batch.values, job.gene_index,
-                                                  allow_negative=job.allow_negative, locate=batch.locate,
-                                                  panel=job.panel)
+            buf, starts, batch_nnz = encode_batch(
+                batch.indptr,
+                batch.tokens,
+                batch.values,
+                job.gene_index,
+                allow_negative=job.allow_negative,
+                locate=batch.locate,
+                panel=job.panel,
+            )
             nnz += batch_nnz
             shards.write(buf, starts)
             columns = {"cell_id": batch.cell_ids, **{n: _cast(batch.obs[n], t) for n, t in obs_types.items()}}
             if job.presence:
-                columns[PRESENT] = pa.array(np.ones(batch.num_cells, bool) if batch.present is None else batch.present)
+                columns[PRESENT] = pa.array(
+                    np.ones(batch.num_cells, bool) if batch.present is None else batch.present
+                )
             pending.append(statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts))
             while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
                 pending.popleft().result()  # raises what the statistics thread raised
@@ -220,8 +255,10 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     scratch.give_back_shard_writer(shards)
     num_cells = sum(s.num_cells for s in entries)
     if num_cells != part.num_cells:
-        msg = (f"{job.source.label}: {part.describe()} read {num_cells:,} cells where the plan counted "
-               f"{part.num_cells:,}; did the input change during the run?")
+        msg = (
+            f"{job.source.label}: {part.describe()} read {num_cells:,} cells where the plan counted "
+            f"{part.num_cells:,}; did the input change during the run?"
+        )
         raise OmicsIOError(msg)
     stats.finish().save(sidecar / PART_STATS)
     scratch.give_back_stats(stats)
@@ -233,7 +270,9 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     return result
 
 
-def _add_stats(stats: StatsAccumulator, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts):
+def _add_stats(
+    stats: StatsAccumulator, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts
+):
     n_counts, n_genes = stats.add(buf, starts)
     cells.write_table(pa.table({**columns, N_COUNTS: n_counts, N_GENES: n_genes}, schema=schema))
 

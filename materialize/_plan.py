@@ -56,7 +56,7 @@ def partitions_from_counts(row_counts: Sequence[int], shard_cells: int) -> list[
     out = []
     for index, (first, n) in enumerate(cell_ranges(bases[-1], shard_cells)):
         end, spans = first + n, []
-        for f, count in enumerate(row_counts):
+        for f in range(len(row_counts)):
             lo, hi = max(first, bases[f]), min(end, bases[f + 1])
             if lo < hi:
                 spans.append((f, lo - bases[f], None if hi == bases[f + 1] else hi - bases[f]))
@@ -64,8 +64,9 @@ def partitions_from_counts(row_counts: Sequence[int], shard_cells: int) -> list[
     return out
 
 
-def partitions_from_boundaries(num_cells: int, shard_cells: int, boundaries: Sequence[tuple[int, int]],
-                               num_files: int) -> list[Partition]:
+def partitions_from_boundaries(
+    num_cells: int, shard_cells: int, boundaries: Sequence[tuple[int, int]], num_files: int
+) -> list[Partition]:
     """Partitions of a filtered input: ``boundaries[k]`` is ``(file index, file row)`` of the first
     cell of partition ``k`` (the ``k·shard_cells``-th row passing the filter, in scan order). A
     partition spans from its boundary to the next one; rows between that fail the filter are

@@ -47,8 +47,9 @@ class RunReport:
     redone: list[int] = dataclasses.field(default_factory=list)
 
 
-def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress, *,
-                   on_done: Done | None = None) -> RunReport:
+def run_in_process(
+    job: Job, partitions: Sequence[Partition], progress: Progress, *, on_done: Done | None = None
+) -> RunReport:
     with Scratch() as scratch:
         for part in partitions:
             write_partition(job, part, progress, scratch=scratch)
@@ -59,8 +60,15 @@ def run_in_process(job: Job, partitions: Sequence[Partition], progress: Progress
 
 # -- the local process pool -------------------------------------------------------------------------
 
+
 def _error_reply(e: BaseException) -> tuple:
-    kind = "data" if isinstance(e, DataValidationError) else "omicsio" if isinstance(e, OmicsIOError) else "crash"
+    kind = (
+        "data"
+        if isinstance(e, DataValidationError)
+        else "omicsio"
+        if isinstance(e, OmicsIOError)
+        else "crash"
+    )
     text = str(e) if kind != "crash" else "".join(traceback.format_exception(e)).strip()
     return ("error", kind, text)
 
@@ -101,8 +109,12 @@ class _Worker:
         pin = "" if core is None else f"import os; os.sched_setaffinity(0, {{{core}}}); "
         code = f"{pin}from materialize._pool import serve; serve({child.fileno()})"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(),),
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             child.close()
         self.conn = Connection(parent.detach())
@@ -164,8 +176,15 @@ class Pool:
             worker.stop()
         del self.workers[workers:]
 
-    def run(self, job: Job, partitions: Sequence[Partition], progress: Progress, *, on_done: Done | None = None,
-            retries: int = 2) -> RunReport:
+    def run(
+        self,
+        job: Job,
+        partitions: Sequence[Partition],
+        progress: Progress,
+        *,
+        on_done: Done | None = None,
+        retries: int = 2,
+    ) -> RunReport:
         """Write ``partitions``, calling ``on_done(index)`` as each completes. A worker that dies
         mid-partition is replaced and its partition written again (at most ``retries`` times each);
         on any error every worker is stopped."""
@@ -202,8 +221,10 @@ class Pool:
                         part = worker.part
                         attempts[part.index] = attempts.get(part.index, 0) + 1
                         if attempts[part.index] > retries:
-                            msg = (f"{part.describe()}: its worker died {attempts[part.index]} times (last exit "
-                                   f"code {message[1]}); is the machine out of memory?")
+                            msg = (
+                                f"{part.describe()}: its worker died {attempts[part.index]} times (last exit "
+                                f"code {message[1]}); is the machine out of memory?"
+                            )
                             raise OmicsIOError(msg)
                         progress(-worker.cells)
                         report.redone.append(part.index)
@@ -236,6 +257,7 @@ def _raise(kind: str, text: str, part: Partition | None):
 
 
 # -- Dask --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskError:
@@ -276,8 +298,16 @@ def release_dask_scratch(token: str) -> int:
     return _close_dask_scratch(lambda run, _: run != token)
 
 
-def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *, address: str | None = None,
-                scheduler_file: str | None = None, retries: int = 3, on_done: Done | None = None) -> RunReport:
+def run_on_dask(
+    job: Job,
+    partitions: Sequence[Partition],
+    progress: Progress,
+    *,
+    address: str | None = None,
+    scheduler_file: str | None = None,
+    retries: int = 3,
+    on_done: Done | None = None,
+) -> RunReport:
     """Write ``partitions`` as tasks on the Dask cluster at ``address`` (or ``scheduler_file``), with
     ``retries``; a worker lost mid-task has its task run again elsewhere by the scheduler."""
     try:
@@ -293,7 +323,9 @@ def run_on_dask(job: Job, partitions: Sequence[Partition], progress: Progress, *
     try:
         shared = client.scatter(job, broadcast=True)
         keys = [f"omicsio-materialize-{job.token}-p{p.index:05d}" for p in partitions]
-        futures = client.map(dask_task, [shared] * len(partitions), partitions, key=keys, retries=retries, pure=False)
+        futures = client.map(
+            dask_task, [shared] * len(partitions), partitions, key=keys, retries=retries, pure=False
+        )
         by_key = {f.key: p for f, p in zip(futures, partitions, strict=True)}
         workers = len(client.scheduler_info().get("workers", {}))
         for future in as_completed(futures):

@@ -42,8 +42,15 @@ def _raise_open_files_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
-def spill_by_partition(con: duckdb.DuckDBPyConnection, lists: tuple[str, str], *, num_rows: int,
-                       shard_cells: int, folder: Path, label: str) -> int:
+def spill_by_partition(
+    con: duckdb.DuckDBPyConnection,
+    lists: tuple[str, str],
+    *,
+    num_rows: int,
+    shard_cells: int,
+    folder: Path,
+    label: str,
+) -> int:
     """Write the rows of view ``modality`` (``cell_id``, the ``lists``, file and row) whose cell is one
     of view ``primary_cells`` to ``folder/p-NNNNN.arrow`` by the partition of that cell, with its
     primary row (``__row``); return how many were written."""
@@ -52,8 +59,10 @@ def spill_by_partition(con: duckdb.DuckDBPyConnection, lists: tuple[str, str], *
     targets = np.lib.format.open_memmap(folder / "targets.npy", mode="w+", dtype=np.int64, shape=(num_rows,))
     targets[:] = -1
     try:
-        joined = con.sql(f"SELECT m.__mrow, p.__row FROM (SELECT {cid}, row_number() OVER () - 1 AS __mrow "
-                         f"FROM modality) m JOIN primary_cells p USING ({cid})")
+        joined = con.sql(
+            f"SELECT m.__mrow, p.__row FROM (SELECT {cid}, row_number() OVER () - 1 AS __mrow "
+            f"FROM modality) m JOIN primary_cells p USING ({cid})"
+        )
         for rb in joined.to_arrow_reader(1 << 20):
             targets[rb.column(0).to_numpy()] = rb.column(1).to_numpy()
         columns = ", ".join(sql_ident(c) for c in (CELL_ID_COLUMN, *lists, FILENAME_COLUMN, FILE_ROW_COLUMN))

@@ -73,7 +73,9 @@ def chunk_ranges(path: str | os.PathLike[str], num_records: int) -> np.ndarray:
     try:
         size, pos, chunks = os.fstat(fd).st_size, 0, []
         while pos < size:
-            _, data_size, _, type_and_records, _ = struct.unpack("<QQQQQ", _read_logical(fd, pos, _CHUNK_HEADER))
+            _, data_size, _, type_and_records, _ = struct.unpack(
+                "<QQQQQ", _read_logical(fd, pos, _CHUNK_HEADER)
+            )
             num = type_and_records >> 8
             end = _chunk_end(pos, data_size, num)
             chunks.append((pos, end, type_and_records & 0xFF, num))
@@ -87,7 +89,7 @@ def chunk_ranges(path: str | os.PathLike[str], num_records: int) -> np.ndarray:
             break
         data.append(chunk)
         seen += chunk[3]
-    footer = records[len(data):]
+    footer = records[len(data) :]
     if seen != num_records or len(footer) != 2 or not data:
         msg = f"{path}: unexpected ArrayRecord layout ({seen} records in {len(data)} data chunks, {len(footer)} after)"
         raise OSError(msg)
@@ -100,8 +102,14 @@ class ShardFiles:
     numbered from ``first_shard``; with ``index_dir`` each finished shard's `chunk_ranges` go to
     ``<index_dir>/shard-NNNNN.npy``."""
 
-    def __init__(self, root: str | os.PathLike[str], shard_cells: int, options: str, first_shard: int = 0,
-                 index_dir: str | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        shard_cells: int,
+        options: str,
+        first_shard: int = 0,
+        index_dir: str | None = None,
+    ):
         self.root, self.shard_cells, self.options = Path(root), shard_cells, options
         self.first_shard, self.index_dir = first_shard, index_dir
         self.shards: list[ShardTuple] = []

@@ -32,8 +32,15 @@ class ShardWriter:
     """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each,
     in this process (see `ShardWriterProcess` for the faster child-process writer)."""
 
-    def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
-                 index_dir: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        shard_cells: int,
+        options: str,
+        first_shard: int = 0,
+        index_dir: str | None = None,
+    ):
         self._files = ShardFiles(root, shard_cells, options, first_shard, index_dir)
 
     def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
@@ -78,24 +85,44 @@ class ShardWriterProcess:
     time); `close` finishes and stops the child.
     """
 
-    def __init__(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
-                 index_dir: str | None = None, depth: int = 3):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        shard_cells: int,
+        options: str,
+        first_shard: int = 0,
+        index_dir: str | None = None,
+        depth: int = 3,
+    ):
         parent, child = socket.socketpair()
         script = Path(__file__).with_name("_shardfiles.py")
         try:
-            self._proc = subprocess.Popen([sys.executable, "-P", str(script), str(child.fileno())],
-                                          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                          start_new_session=True)  # Ctrl-C reaches only the parent
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", str(script), str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # Ctrl-C reaches only the parent
         finally:
             child.close()
         self._conn = Connection(parent.detach())
         self._slots: list[_Slot | None] = []
         self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
         self._depth = depth
-        self.open(root, shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir)
+        self.open(
+            root, shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir
+        )
 
-    def open(self, root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
-             index_dir: str | None = None) -> None:
+    def open(
+        self,
+        root: Path,
+        *,
+        shard_cells: int,
+        options: str,
+        first_shard: int = 0,
+        index_dir: str | None = None,
+    ) -> None:
         """Start writing shards under ``root`` (at construction, or again after `finish`)."""
         self._send("open", str(root), shard_cells, options, first_shard, index_dir)
 
@@ -186,8 +213,9 @@ class ShardWriterProcess:
         self._slots.clear()
 
 
-def make_shard_writer(root: Path, *, shard_cells: int, options: str, first_shard: int = 0,
-                      index_dir: str | None = None) -> ShardWriter | ShardWriterProcess:
+def make_shard_writer(
+    root: Path, *, shard_cells: int, options: str, first_shard: int = 0, index_dir: str | None = None
+) -> ShardWriter | ShardWriterProcess:
     """The child-process writer where shared memory is available (Linux), else the in-process one.
     Shards are numbered from ``first_shard``; ``index_dir`` receives their chunk indexes."""
     kwargs = dict(shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir)

@@ -23,7 +23,11 @@ def _write_npy(dest: Path, raw: Path, raw_dtype, out_dtype, num_rows: int, conve
     """Stream a raw file into an ``.npy`` file; ``convert(chunk, first_row)`` maps each chunk."""
     raw_dtype, out_dtype = np.dtype(raw_dtype), np.dtype(out_dtype)
     with open(raw, "rb") as src, open(dest, "wb") as dst:
-        header = {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (num_rows,)}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(out_dtype),
+            "fortran_order": False,
+            "shape": (num_rows,),
+        }
         np.lib.format.write_array_header_1_0(dst, header)
         first_row = 0
         while chunk := src.read(_CHUNK * raw_dtype.itemsize):
@@ -57,7 +61,9 @@ class CategoricalWriter:
                 self.append(chunk)
             return
         labels = [str(v) for v in array.dictionary.to_pylist()]
-        lookup = np.array([self._codes.setdefault(v, len(self._codes)) for v in labels] + [-1], dtype=np.int32)
+        lookup = np.array(
+            [self._codes.setdefault(v, len(self._codes)) for v in labels] + [-1], dtype=np.int32
+        )
         indices = pc.fill_null(array.indices, len(labels)).to_numpy(zero_copy_only=False)
         self._file.write(lookup[indices].tobytes())
         self.num_rows += len(array)
@@ -104,7 +110,9 @@ class NumericWriter:
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
         if array.null_count:
             if self._is_int:
-                self._missing.append(self.num_rows + np.flatnonzero(pc.is_null(array).to_numpy(zero_copy_only=False)))
+                self._missing.append(
+                    self.num_rows + np.flatnonzero(pc.is_null(array).to_numpy(zero_copy_only=False))
+                )
                 array = pc.fill_null(array, 0)
             else:
                 array = pc.fill_null(array, float("nan"))

@@ -36,8 +36,16 @@ class Batch:
         return len(self.indptr) - 1
 
     @classmethod
-    def from_arrow(cls, gene_ptr: np.ndarray, genes: pa.Array, value_ptr: np.ndarray, values: pa.Array,
-                   cell_ids: pa.Array, obs: dict[str, pa.Array], locate: Callable[[int], str]) -> Batch:
+    def from_arrow(
+        cls,
+        gene_ptr: np.ndarray,
+        genes: pa.Array,
+        value_ptr: np.ndarray,
+        values: pa.Array,
+        cell_ids: pa.Array,
+        obs: dict[str, pa.Array],
+        locate: Callable[[int], str],
+    ) -> Batch:
         """Check the parallel lists line up and hold no nulls, then expose them as numpy."""
         if not np.array_equal(gene_ptr, value_ptr):
             i = int(np.flatnonzero(np.diff(gene_ptr) != np.diff(value_ptr))[0])
@@ -65,12 +73,17 @@ class Source:
     genes: pa.Table
     num_cells: int
     obs_columns: dict[str, pa.DataType]
-    list_names: tuple[str, str] = ("gene_token_id", "gene_expression")  # its token and value lists, for messages
+    list_names: tuple[str, str] = (
+        "gene_token_id",
+        "gene_expression",
+    )  # its token and value lists, for messages
 
     def plan(self, shard_cells: int) -> list[Partition]:
         raise NotImplementedError
 
-    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
         """Cells of ``part`` (all cells for None), in order, in batches; ``threads`` bounds the
         reader's own threads (DuckDB's)."""
         raise NotImplementedError

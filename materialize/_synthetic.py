@@ -27,12 +27,21 @@ from tqdm import tqdm
 from ._synthetic_model import CHUNK_CELLS, MARKER_FRACTION, Model, append_csr, cell_ids, create_csr
 
 _NESTED = ["gene_token_id.list.element", "gene_expression.list.element"]
-_SCHEMA = pa.schema([
-    ("cell_id", pa.string()), ("gene_token_id", pa.list_(pa.int32())),
-    ("gene_expression", pa.list_(pa.float32())), ("cell_type", pa.string()), ("drug", pa.string()),
-    ("batch", pa.string()), ("dataset", pa.string()), ("tissue", pa.string()),
-    ("organism", pa.string()), ("n_genes", pa.int32()), ("total_counts", pa.float32()),
-])
+_SCHEMA = pa.schema(
+    [
+        ("cell_id", pa.string()),
+        ("gene_token_id", pa.list_(pa.int32())),
+        ("gene_expression", pa.list_(pa.float32())),
+        ("cell_type", pa.string()),
+        ("drug", pa.string()),
+        ("batch", pa.string()),
+        ("dataset", pa.string()),
+        ("tissue", pa.string()),
+        ("organism", pa.string()),
+        ("n_genes", pa.int32()),
+        ("total_counts", pa.float32()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,26 @@ class SyntheticCorpus:
     atac_nnz: int = 0
 
 
-def _write_chunk(writer: pq.ParquetWriter | None, h5: h5py.File | None, model: Model, start: int,
-                 offsets: np.ndarray, genes: np.ndarray, values: np.ndarray, totals: np.ndarray,
-                 row_group_size: int) -> None:
+def _write_chunk(
+    writer: pq.ParquetWriter | None,
+    h5: h5py.File | None,
+    model: Model,
+    start: int,
+    offsets: np.ndarray,
+    genes: np.ndarray,
+    values: np.ndarray,
+    totals: np.ndarray,
+    row_group_size: int,
+) -> None:
     """Append one chunk of cells (CSR rows from ``start``) to the parquet writer and/or h5ad ``X``."""
     n = offsets.size - 1
     if writer is not None:
         list_offsets = pa.array(offsets.astype(np.int32))
-        columns = {"cell_id": cell_ids(start, n),
-                   "gene_token_id": pa.ListArray.from_arrays(list_offsets, pa.array(genes)),
-                   "gene_expression": pa.ListArray.from_arrays(list_offsets, pa.array(values))}
+        columns = {
+            "cell_id": cell_ids(start, n),
+            "gene_token_id": pa.ListArray.from_arrays(list_offsets, pa.array(genes)),
+            "gene_expression": pa.ListArray.from_arrays(list_offsets, pa.array(values)),
+        }
         for key, (names, codes) in model.obs_codes(slice(start, start + n)).items():
             columns[key] = pa.array(names, pa.string()).take(pa.array(codes.astype(np.int32)))
         columns["n_genes"] = pa.array(np.diff(offsets).astype(np.int32))
@@ -82,9 +101,13 @@ def _open_h5ad(path: Path, num_cells: int, num_genes: int) -> h5py.File:
 
 def _obs_frame(model: Model, n_genes: np.ndarray, totals: np.ndarray) -> pd.DataFrame:
     """The cells' obs (categorical labels, ``n_genes``, ``total_counts``), indexed by cell id."""
-    obs = pd.DataFrame({key: pd.Categorical.from_codes(codes, categories=names)
-                        for key, (names, codes) in model.obs_codes(slice(None)).items()},
-                       index=pd.Index([f"c{i:09d}" for i in range(model.num_cells)], name="cell_id"))
+    obs = pd.DataFrame(
+        {
+            key: pd.Categorical.from_codes(codes, categories=names)
+            for key, (names, codes) in model.obs_codes(slice(None)).items()
+        },
+        index=pd.Index([f"c{i:09d}" for i in range(model.num_cells)], name="cell_id"),
+    )
     obs["n_genes"], obs["total_counts"] = n_genes, totals
     return obs
 
@@ -108,13 +131,26 @@ def _finish_h5ad(f: h5py.File, model: Model, n_genes: np.ndarray, totals: np.nda
             write_elem(f, key, {})
 
 
-def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int = 62_710, seed: int = 0,
-                          num_plates: int | None = None, mean_nnz: float = 1500.0,
-                          marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
-                          write_parquet: bool = True, write_h5ad: bool = True,
-                          row_group_size: int = 8192, progress: bool = False, multimodal: bool = False,
-                          num_peaks: int = 200_000, atac_mean_nnz: float = 3000.0, atac_fraction: float = 0.9,
-                          atac_shuffle: bool = True, write_h5mu: bool = False) -> SyntheticCorpus:
+def make_synthetic_corpus(
+    out_dir: str | Path,
+    *,
+    num_cells: int,
+    num_genes: int = 62_710,
+    seed: int = 0,
+    num_plates: int | None = None,
+    mean_nnz: float = 1500.0,
+    marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
+    write_parquet: bool = True,
+    write_h5ad: bool = True,
+    row_group_size: int = 8192,
+    progress: bool = False,
+    multimodal: bool = False,
+    num_peaks: int = 200_000,
+    atac_mean_nnz: float = 3000.0,
+    atac_fraction: float = 0.9,
+    atac_shuffle: bool = True,
+    write_h5mu: bool = False,
+) -> SyntheticCorpus:
     """Write a synthetic Tahoe-like corpus to ``out_dir``.
 
     Parameters
@@ -179,6 +215,7 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
     mm = None
     if multimodal:
         from . import _synthetic_multimodal as mm
+
         atac = mm.AtacModel(model, num_peaks, atac_mean_nnz, atac_fraction, atac_shuffle)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,8 +227,17 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
     n_genes, totals = np.empty(num_cells, np.int32), np.empty(num_cells, np.float32)
 
     def write(index: int, start: int, offsets: np.ndarray, genes: np.ndarray, values: np.ndarray) -> None:
-        _write_chunk(writer, h5, model, start, offsets, genes, values, totals[start:start + offsets.size - 1],
-                     row_group_size)
+        _write_chunk(
+            writer,
+            h5,
+            model,
+            start,
+            offsets,
+            genes,
+            values,
+            totals[start : start + offsets.size - 1],
+            row_group_size,
+        )
         if further is not None:
             further.rna_chunk(index, start, offsets, genes, values)
 
@@ -199,20 +245,32 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
         if cells_path:  # encodings chosen for write speed: sorted ids delta-encode well
             strings = [f.name for f in _SCHEMA if f.type == pa.string()]
             flat = [f.name for f in _SCHEMA if not pa.types.is_list(f.type)]
-            writer = pq.ParquetWriter(cells_path, _SCHEMA, compression="zstd", use_dictionary=strings,
-                                      write_statistics=flat, column_encoding={
-                                          _NESTED[0]: "DELTA_BINARY_PACKED", _NESTED[1]: "BYTE_STREAM_SPLIT"})
+            writer = pq.ParquetWriter(
+                cells_path,
+                _SCHEMA,
+                compression="zstd",
+                use_dictionary=strings,
+                write_statistics=flat,
+                column_encoding={_NESTED[0]: "DELTA_BINARY_PACKED", _NESTED[1]: "BYTE_STREAM_SPLIT"},
+            )
         h5 = _open_h5ad(h5ad_path, num_cells, num_genes) if h5ad_path else None
         if mm is not None:
-            further = mm.MultimodalWriter(model, atac, out, write_parquet=write_parquet, h5ad=h5,
-                                          write_h5mu=write_h5mu, row_group_size=row_group_size)
+            further = mm.MultimodalWriter(
+                model,
+                atac,
+                out,
+                write_parquet=write_parquet,
+                h5ad=h5,
+                write_h5mu=write_h5mu,
+                row_group_size=row_group_size,
+            )
         with ThreadPoolExecutor(1) as pool, tqdm(total=num_cells, unit="cell", disable=not progress) as bar:
             pending: Future | None = None  # writing chunk i overlaps generating chunk i + 1
             for index, start in enumerate(range(0, num_cells, CHUNK_CELLS)):
                 offsets, genes, values = model.chunk(index)
                 n = offsets.size - 1
-                n_genes[start:start + n] = np.diff(offsets)
-                totals[start:start + n] = np.add.reduceat(values, offsets[:-1])
+                n_genes[start : start + n] = np.diff(offsets)
+                totals[start : start + n] = np.add.reduceat(values, offsets[:-1])
                 if pending is not None:
                     pending.result()
                 pending = pool.submit(write, index, start, offsets, genes, values)
@@ -234,10 +292,20 @@ def make_synthetic_corpus(out_dir: str | Path, *, num_cells: int, num_genes: int
     nnz = int(n_genes.sum(dtype=np.int64))
     if further is None:
         return SyntheticCorpus(cells_path, genes_path, h5ad_path, num_cells, num_genes, nnz)
-    return SyntheticCorpus(cells_path, genes_path, h5ad_path, num_cells, num_genes, nnz,
-                           layers=further.layer_paths, atac_parquet=further.atac_path,
-                           peaks_parquet=further.peaks_path, h5mu=further.h5mu_path, num_peaks=num_peaks,
-                           atac_nnz=further.atac_nnz)
+    return SyntheticCorpus(
+        cells_path,
+        genes_path,
+        h5ad_path,
+        num_cells,
+        num_genes,
+        nnz,
+        layers=further.layer_paths,
+        atac_parquet=further.atac_path,
+        peaks_parquet=further.peaks_path,
+        h5mu=further.h5mu_path,
+        num_peaks=num_peaks,
+        atac_nnz=further.atac_nnz,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,23 +317,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peaks", type=int, default=200_000, help="ATAC peaks (with --multimodal)")
     for flag in ("--no-h5ad", "--no-parquet", "--no-progress"):
         parser.add_argument(flag, action="store_true")
-    parser.add_argument("--multimodal", action="store_true",
-                        help="also write splice layers and an ATAC modality")
+    parser.add_argument(
+        "--multimodal", action="store_true", help="also write splice layers and an ATAC modality"
+    )
     parser.add_argument("--h5mu", action="store_true", help="also write cells.h5mu (needs --multimodal)")
     args = parser.parse_args(argv)
     if args.h5mu and not args.multimodal:
         parser.error("--h5mu needs --multimodal")
     t0 = time.perf_counter()
-    corpus = make_synthetic_corpus(args.out_dir, num_cells=args.cells, num_genes=args.genes, seed=args.seed,
-                                   num_plates=args.plates, write_parquet=not args.no_parquet,
-                                   write_h5ad=not args.no_h5ad, progress=not args.no_progress,
-                                   multimodal=args.multimodal, num_peaks=args.peaks, write_h5mu=args.h5mu)
-    paths = [corpus.cells_parquet, corpus.genes_parquet, corpus.h5ad, *(corpus.layers or {}).values(),
-             corpus.atac_parquet, corpus.peaks_parquet, corpus.h5mu]
+    corpus = make_synthetic_corpus(
+        args.out_dir,
+        num_cells=args.cells,
+        num_genes=args.genes,
+        seed=args.seed,
+        num_plates=args.plates,
+        write_parquet=not args.no_parquet,
+        write_h5ad=not args.no_h5ad,
+        progress=not args.no_progress,
+        multimodal=args.multimodal,
+        num_peaks=args.peaks,
+        write_h5mu=args.h5mu,
+    )
+    paths = [
+        corpus.cells_parquet,
+        corpus.genes_parquet,
+        corpus.h5ad,
+        *(corpus.layers or {}).values(),
+        corpus.atac_parquet,
+        corpus.peaks_parquet,
+        corpus.h5mu,
+    ]
     files = [p.name for p in paths if p is not None]
     atac = f" peaks={corpus.num_peaks} atac_nnz={corpus.atac_nnz}" if args.multimodal else ""
-    print(f"cells={corpus.num_cells} genes={corpus.num_genes} nnz={corpus.nnz}{atac} "
-          f"files={','.join(files)} seconds={time.perf_counter() - t0:.2f}")
+    print(
+        f"cells={corpus.num_cells} genes={corpus.num_genes} nnz={corpus.nnz}{atac} "
+        f"files={','.join(files)} seconds={time.perf_counter() - t0:.2f}"
+    )
     return 0
 
 

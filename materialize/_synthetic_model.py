@@ -47,11 +47,24 @@ def radix_sort(keys: np.ndarray, tmp: np.ndarray, n: int, bits: int) -> np.ndarr
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _sample_cells(targets: np.ndarray, pool_offsets: np.ndarray, pool: np.ndarray, value_bits: np.ndarray,
-                  out_offsets: np.ndarray, cdf: np.ndarray, guide: np.ndarray, shift: int,
-                  rank_to_gene: np.ndarray, inv_mean: np.ndarray, marker_ranks: np.ndarray,
-                  cell_rows: np.ndarray, marker_draws: np.ndarray, cell_scale: np.ndarray,
-                  genes: np.ndarray, values: np.ndarray) -> np.ndarray:
+def _sample_cells(
+    targets: np.ndarray,
+    pool_offsets: np.ndarray,
+    pool: np.ndarray,
+    value_bits: np.ndarray,
+    out_offsets: np.ndarray,
+    cdf: np.ndarray,
+    guide: np.ndarray,
+    shift: int,
+    rank_to_gene: np.ndarray,
+    inv_mean: np.ndarray,
+    marker_ranks: np.ndarray,
+    cell_rows: np.ndarray,
+    marker_draws: np.ndarray,
+    cell_scale: np.ndarray,
+    genes: np.ndarray,
+    values: np.ndarray,
+) -> np.ndarray:
     """Draw sorted unique gene ids and geometric counts for a batch of cells.
 
     Cell ``i`` gets up to ``targets[i]`` entries of ``genes``/``values`` from
@@ -117,12 +130,20 @@ def _sample_cells(targets: np.ndarray, pool_offsets: np.ndarray, pool: np.ndarra
 class Model:
     """Global structure of a corpus (genes, plates, labels, marker sets) and its chunk generator."""
 
-    def __init__(self, num_cells: int, num_genes: int, seed: int, num_plates: int | None,
-                 mean_nnz: float, marker_fraction: tuple[float, float, float] = MARKER_FRACTION) -> None:
+    def __init__(
+        self,
+        num_cells: int,
+        num_genes: int,
+        seed: int,
+        num_plates: int | None,
+        mean_nnz: float,
+        marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
+    ) -> None:
         num_plates = max(2, min(14, num_cells // 2000)) if num_plates is None else num_plates
         if not (0 < num_cells < 10**9 and 1 <= num_plates <= num_cells and num_genes >= 1 and mean_nnz > 0):
-            raise ValueError("need 0 < num_cells < 1e9, 1 <= num_plates <= num_cells, "
-                             "num_genes >= 1 and mean_nnz > 0")
+            raise ValueError(
+                "need 0 < num_cells < 1e9, 1 <= num_plates <= num_cells, num_genes >= 1 and mean_nnz > 0"
+            )
         if len(marker_fraction) != 3 or not all(0 <= f for f in marker_fraction) or sum(marker_fraction) >= 1:
             raise ValueError(f"marker_fraction must be 3 shares >= 0 summing below 1, got {marker_fraction}")
         rng = np.random.default_rng([seed, _SETUP_STREAM])
@@ -150,11 +171,16 @@ class Model:
         starts = np.concatenate([[0], np.cumsum(sizes)])
         n_drugs = int(min(30, max(2, num_cells // 50), sizes[-1]))
         n_types = int(min(20, max(2, num_cells // 75), sizes[-1]))
-        self.names = {"drug": ["DMSO_TF"] + [f"drug_{d:02d}" for d in range(1, n_drugs)],
-                      "cell_type": [f"cell_line_{t:02d}" for t in range(n_types)],
-                      "batch": [f"plate_{p:02d}" for p in range(num_plates)]}
-        self.codes = {"batch": np.repeat(np.arange(num_plates), sizes).astype(np.int16),
-                      "drug": np.empty(num_cells, np.int16), "cell_type": np.empty(num_cells, np.int16)}
+        self.names = {
+            "drug": ["DMSO_TF"] + [f"drug_{d:02d}" for d in range(1, n_drugs)],
+            "cell_type": [f"cell_line_{t:02d}" for t in range(n_types)],
+            "batch": [f"plate_{p:02d}" for p in range(num_plates)],
+        }
+        self.codes = {
+            "batch": np.repeat(np.arange(num_plates), sizes).astype(np.int16),
+            "drug": np.empty(num_cells, np.int16),
+            "cell_type": np.empty(num_cells, np.int16),
+        }
         for p in range(num_plates):
             lo, hi, last = starts[p], starts[p + 1], p == num_plates - 1
             for key, n_labels in (("drug", n_drugs), ("cell_type", n_types)):
@@ -168,27 +194,36 @@ class Model:
         lo = min(200, num_genes // 10)
         candidates = np.arange(lo, num_genes)
         width = min(_MARKERS, candidates.size)
-        sets = [rng.choice(candidates, width if s < n_drugs + n_types else min(_BATCH_GENES, width),
-                           replace=False) for s in range(n_drugs + n_types + num_plates)]
+        sets = [
+            rng.choice(
+                candidates, width if s < n_drugs + n_types else min(_BATCH_GENES, width), replace=False
+            )
+            for s in range(n_drugs + n_types + num_plates)
+        ]
         self.marker_ranks = np.stack([np.resize(s, width) for s in sets]).astype(np.int32)
         self.set_offset = np.array([0, n_drugs, n_drugs + n_types], np.int64)
-        self.genes = pd.DataFrame({
-            "gene_token_id": np.arange(num_genes, dtype=np.int32),
-            "ensembl_id": [f"ENSG{i:011d}" for i in range(num_genes)],
-            "gene_name": [f"GENE{i}" for i in range(num_genes)],
-            "chromosome": _CHROMS[np.minimum(rng.geometric(0.09, num_genes) - 1, _CHROMS.size - 1)],
-            "gene_type": np.where(rng.random(num_genes) < 0.85, "protein_coding", "lncRNA"),
-        })
+        self.genes = pd.DataFrame(
+            {
+                "gene_token_id": np.arange(num_genes, dtype=np.int32),
+                "ensembl_id": [f"ENSG{i:011d}" for i in range(num_genes)],
+                "gene_name": [f"GENE{i}" for i in range(num_genes)],
+                "chromosome": _CHROMS[np.minimum(rng.geometric(0.09, num_genes) - 1, _CHROMS.size - 1)],
+                "gene_type": np.where(rng.random(num_genes) < 0.85, "protein_coding", "lncRNA"),
+            }
+        )
 
     def obs_codes(self, rows: slice) -> dict[str, tuple[list[str], np.ndarray]]:
         """Categories and integer codes of every string obs column for ``rows``."""
         cell_type = self.codes["cell_type"][rows]
         zeros = np.zeros(cell_type.size, np.int16)
-        return {"cell_type": (self.names["cell_type"], cell_type),
-                "drug": (self.names["drug"], self.codes["drug"][rows]),
-                "batch": (self.names["batch"], self.codes["batch"][rows]),
-                "dataset": (["synthetic"], zeros), "tissue": (_TISSUES, cell_type % len(_TISSUES)),
-                "organism": (["Homo sapiens"], zeros)}
+        return {
+            "cell_type": (self.names["cell_type"], cell_type),
+            "drug": (self.names["drug"], self.codes["drug"][rows]),
+            "batch": (self.names["batch"], self.codes["batch"][rows]),
+            "dataset": (["synthetic"], zeros),
+            "tissue": (_TISSUES, cell_type % len(_TISSUES)),
+            "organism": (["Homo sapiens"], zeros),
+        }
 
     def chunk(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Generate chunk ``index`` of cells; returns CSR ``(offsets, gene ids, counts)``."""
@@ -200,7 +235,7 @@ class Model:
         targets = np.minimum(targets, self.num_genes).astype(np.int64)
         cell_scale = rng.lognormal(-0.08, 0.4, n)
         draws = rng.binomial(targets[:, None], self.marker_fraction).astype(np.int64)
-        labels = [self.codes[key][start:start + n] for key in ("drug", "cell_type", "batch")]
+        labels = [self.codes[key][start : start + n] for key in ("drug", "cell_type", "batch")]
         rows = self.set_offset + np.stack(labels, axis=1)
         zipf_draws = np.ceil(1.15 * np.interp(targets, self.pool_u, self.pool_m)).astype(np.int64)
         pool_sizes = draws.sum(axis=1) + zipf_draws + 32
@@ -212,9 +247,24 @@ class Model:
             pool_offsets = np.concatenate([[0], np.cumsum(pool_sizes[s])])
             pool = rng.integers(0, 2**32, pool_offsets[-1], dtype=np.uint32)
             bits = rng.integers(0, 2**32, out_offsets[s.stop] - out_offsets[b], dtype=np.uint32)
-            counts[s] = _sample_cells(targets[s], pool_offsets, pool, bits, out_offsets[b:s.stop + 1],
-                                      self.cdf, self.guide, self.shift, self.rank_to_gene, self.inv_mean,
-                                      self.marker_ranks, rows[s], draws[s], cell_scale[s], genes, values)
+            counts[s] = _sample_cells(
+                targets[s],
+                pool_offsets,
+                pool,
+                bits,
+                out_offsets[b : s.stop + 1],
+                self.cdf,
+                self.guide,
+                self.shift,
+                self.rank_to_gene,
+                self.inv_mean,
+                self.marker_ranks,
+                rows[s],
+                draws[s],
+                cell_scale[s],
+                genes,
+                values,
+            )
         if (counts < targets).any():  # a pool ran dry (rare): drop the unfilled slots
             slot = np.arange(out_offsets[-1]) - np.repeat(out_offsets[:-1], targets)
             keep = slot < np.repeat(counts, targets)
@@ -254,4 +304,4 @@ def append_csr(x: h5py.Group, start: int, offsets: np.ndarray, indices: np.ndarr
     for name, arr in (("data", data), ("indices", indices)):
         x[name].resize((old + arr.size,))
         x[name][old:] = arr
-    x["indptr"][start + 1:start + n + 1] = offsets[1:] + old
+    x["indptr"][start + 1 : start + n + 1] = offsets[1:] + old

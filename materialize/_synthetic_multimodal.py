@@ -45,45 +45,102 @@ _MIN_PEAKS = 200  # per-cell accessible peaks are clipped to [min(200, hi), hi],
 _PHI = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64 increment
 _VALUE_SALT = np.uint64(0x6A09E667F3BCC909)  # separates a cell's value stream from its peak stream
 _CHROM_LENGTHS = {  # GRCh38, bp; peaks are spread over them in proportion
-    "chr1": 248956422, "chr2": 242193529, "chr3": 198295559, "chr4": 190214555, "chr5": 181538259,
-    "chr6": 170805979, "chr7": 159345973, "chr8": 145138636, "chr9": 138394717, "chr10": 133797422,
-    "chr11": 135086622, "chr12": 133275309, "chr13": 114364328, "chr14": 107043718, "chr15": 101991189,
-    "chr16": 90338345, "chr17": 83257441, "chr18": 80373285, "chr19": 58617616, "chr20": 64444167,
-    "chr21": 46709983, "chr22": 50818468, "chrX": 156040895, "chrY": 57227415,
+    "chr1": 248956422,
+    "chr2": 242193529,
+    "chr3": 198295559,
+    "chr4": 190214555,
+    "chr5": 181538259,
+    "chr6": 170805979,
+    "chr7": 159345973,
+    "chr8": 145138636,
+    "chr9": 138394717,
+    "chr10": 133797422,
+    "chr11": 135086622,
+    "chr12": 133275309,
+    "chr13": 114364328,
+    "chr14": 107043718,
+    "chr15": 101991189,
+    "chr16": 90338345,
+    "chr17": 83257441,
+    "chr18": 80373285,
+    "chr19": 58617616,
+    "chr20": 64444167,
+    "chr21": 46709983,
+    "chr22": 50818468,
+    "chrX": 156040895,
+    "chrY": 57227415,
 }
 _MAX_PEAKS = 1_000_000
-LAYER_SCHEMA = pa.schema([("cell_id", pa.string()), ("gene_token_id", pa.list_(pa.int32())),
-                          ("gene_expression", pa.list_(pa.float32()))])
-ATAC_SCHEMA = pa.schema([("cell_id", pa.string()), ("peak_token_id", pa.list_(pa.int32())),
-                         ("peak_accessibility", pa.list_(pa.float32())), ("dataset", pa.string())])
-PEAK_SCHEMA = pa.schema([("peak_token_id", pa.int32()), ("chrom", pa.string()), ("start", pa.int64()),
-                         ("end", pa.int64()), ("peak_name", pa.string())])
+LAYER_SCHEMA = pa.schema(
+    [
+        ("cell_id", pa.string()),
+        ("gene_token_id", pa.list_(pa.int32())),
+        ("gene_expression", pa.list_(pa.float32())),
+    ]
+)
+ATAC_SCHEMA = pa.schema(
+    [
+        ("cell_id", pa.string()),
+        ("peak_token_id", pa.list_(pa.int32())),
+        ("peak_accessibility", pa.list_(pa.float32())),
+        ("dataset", pa.string()),
+    ]
+)
+PEAK_SCHEMA = pa.schema(
+    [
+        ("peak_token_id", pa.int32()),
+        ("chrom", pa.string()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+        ("peak_name", pa.string()),
+    ]
+)
 
 
 def _list_writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
     """A parquet writer with the encodings of ``cells.parquet``: delta-coded ids, split-byte values."""
     ids, values = (f.name for f in schema if pa.types.is_list(f.type))
     flat = [f.name for f in schema if not pa.types.is_list(f.type)]
-    return pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=[f.name for f in schema if f.name == "dataset"],
-                            write_statistics=flat, column_encoding={
-                                f"{ids}.list.element": "DELTA_BINARY_PACKED",
-                                f"{values}.list.element": "BYTE_STREAM_SPLIT"})
+    return pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        use_dictionary=[f.name for f in schema if f.name == "dataset"],
+        write_statistics=flat,
+        column_encoding={
+            f"{ids}.list.element": "DELTA_BINARY_PACKED",
+            f"{values}.list.element": "BYTE_STREAM_SPLIT",
+        },
+    )
 
 
 def _lists(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray) -> tuple[pa.ListArray, pa.ListArray]:
     """CSR rows as two list arrays sharing ``offsets``."""
     list_offsets = pa.array(offsets.astype(np.int32))
-    return (pa.ListArray.from_arrays(list_offsets, pa.array(ids)),
-            pa.ListArray.from_arrays(list_offsets, pa.array(values)))
+    return (
+        pa.ListArray.from_arrays(list_offsets, pa.array(ids)),
+        pa.ListArray.from_arrays(list_offsets, pa.array(values)),
+    )
 
 
 # --------------------------------------------------------------------------- splice layers
 
 
 @njit(cache=True, nogil=True)
-def _split_rows(offsets: np.ndarray, genes: np.ndarray, values: np.ndarray, bits: np.ndarray, big: np.ndarray,
-                t1: int, t2: int, first_row: int, pos: np.ndarray, out_offsets: np.ndarray,
-                out_genes: np.ndarray, out_values: np.ndarray) -> None:
+def _split_rows(
+    offsets: np.ndarray,
+    genes: np.ndarray,
+    values: np.ndarray,
+    bits: np.ndarray,
+    big: np.ndarray,
+    t1: int,
+    t2: int,
+    first_row: int,
+    pos: np.ndarray,
+    out_offsets: np.ndarray,
+    out_genes: np.ndarray,
+    out_values: np.ndarray,
+) -> None:
     """Split the counts of CSR rows ``offsets`` into three layers, appended at ``pos`` to ``out_*[k]``.
 
     A count up to ``_SMALL`` sends each molecule to a layer by one 32-bit draw of ``bits``
@@ -116,8 +173,9 @@ def _split_rows(offsets: np.ndarray, genes: np.ndarray, values: np.ndarray, bits
             out_offsets[k, first_row + i + 1] = pos[k]
 
 
-def split_layers(seed: int, index: int, offsets: np.ndarray, genes: np.ndarray,
-                 values: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def split_layers(
+    seed: int, index: int, offsets: np.ndarray, genes: np.ndarray, values: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Split RNA chunk ``index`` (CSR rows) into the CSR rows of each of ``LAYERS`` (nonzeros only).
 
     Cells are split ``SUB_BATCH`` at a time, each batch's binomials then molecule draws taken
@@ -131,15 +189,18 @@ def split_layers(seed: int, index: int, offsets: np.ndarray, genes: np.ndarray,
     t1, t2 = (round(float(s) * 2.0**32) for s in np.cumsum(LAYER_SHARES[:2]))
     for b in range(0, n, SUB_BATCH):
         e = min(b + SUB_BATCH, n)
-        counts = values[offsets[b]:offsets[e]]
+        counts = values[offsets[b] : offsets[e]]
         large = counts > _SMALL
         big = np.empty((int(large.sum()), 2), np.int64)
         big[:, 0] = rng.binomial(counts[large].astype(np.int64), LAYER_SHARES[0])
-        big[:, 1] = rng.binomial(counts[large].astype(np.int64) - big[:, 0],
-                                 LAYER_SHARES[1] / (1.0 - LAYER_SHARES[0]))
+        big[:, 1] = rng.binomial(
+            counts[large].astype(np.int64) - big[:, 0], LAYER_SHARES[1] / (1.0 - LAYER_SHARES[0])
+        )
         bits = rng.integers(0, 2**32, int(counts[~large].sum(dtype=np.int64)), dtype=np.uint32)
-        _split_rows(offsets[b:e + 1], genes, values, bits, big, t1, t2, b, pos, out_offsets, out_genes, out_values)
-    return [(out_offsets[k], out_genes[k, :pos[k]], out_values[k, :pos[k]]) for k in range(3)]
+        _split_rows(
+            offsets[b : e + 1], genes, values, bits, big, t1, t2, b, pos, out_offsets, out_genes, out_values
+        )
+    return [(out_offsets[k], out_genes[k, : pos[k]], out_values[k, : pos[k]]) for k in range(3)]
 
 
 # --------------------------------------------------------------------------- ATAC
@@ -154,8 +215,9 @@ def _mix64(z: np.uint64) -> np.uint64:
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _atac_targets(cells: np.ndarray, key: np.uint64, log_mean: float, sigma: float, lo: int,
-                  hi: int) -> np.ndarray:
+def _atac_targets(
+    cells: np.ndarray, key: np.uint64, log_mean: float, sigma: float, lo: int, hi: int
+) -> np.ndarray:
     """Accessible peaks wanted by each cell: log-normal from draws 0 and 1 of its stream, clipped."""
     out = np.empty(cells.size, np.int64)
     for i in prange(cells.size):
@@ -168,10 +230,22 @@ def _atac_targets(cells: np.ndarray, key: np.uint64, log_mean: float, sigma: flo
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _atac_cells(cells: np.ndarray, cell_types: np.ndarray, key: np.uint64, targets: np.ndarray,
-                out_offsets: np.ndarray, cdf: np.ndarray, guide: np.ndarray, shift: int,
-                rank_to_peak: np.ndarray, type_ranks: np.ndarray, type_share: int,
-                thresholds: np.ndarray, peaks: np.ndarray, values: np.ndarray) -> np.ndarray:
+def _atac_cells(
+    cells: np.ndarray,
+    cell_types: np.ndarray,
+    key: np.uint64,
+    targets: np.ndarray,
+    out_offsets: np.ndarray,
+    cdf: np.ndarray,
+    guide: np.ndarray,
+    shift: int,
+    rank_to_peak: np.ndarray,
+    type_ranks: np.ndarray,
+    type_share: int,
+    thresholds: np.ndarray,
+    peaks: np.ndarray,
+    values: np.ndarray,
+) -> np.ndarray:
     """Draw sorted unique peak ids and small counts for each cell of ``cells``.
 
     Cell ``i`` gets up to ``targets[i]`` entries from ``out_offsets[i]``; returns how many it got.
@@ -232,17 +306,25 @@ def peak_table(rng: np.random.Generator, num_peaks: int) -> pd.DataFrame:
     per_chrom = rng.multinomial(num_peaks, lengths / lengths.sum())
     widths = rng.integers(300, 1001, num_peaks)
     starts, first = np.empty(num_peaks, np.int64), 0
-    for n, length in zip(per_chrom, lengths):
-        w = widths[first:first + n]
+    for n, length in zip(per_chrom, lengths, strict=True):
+        w = widths[first : first + n]
         free = length - 20_000 - int(w.sum()) - n  # 10 kb clear at each end, >= 1 bp between peaks
         gaps = np.sort(rng.integers(0, free, n))
-        starts[first:first + n] = 10_000 + gaps + np.concatenate([[0], np.cumsum(w[:-1] + 1)])[:n]
+        starts[first : first + n] = 10_000 + gaps + np.concatenate([[0], np.cumsum(w[:-1] + 1)])[:n]
         first += n
     chrom = np.repeat(np.array(names), per_chrom)
     ends = starts + widths
-    return pd.DataFrame({"peak_token_id": np.arange(num_peaks, dtype=np.int32), "chrom": chrom,
-                         "start": starts, "end": ends,
-                         "peak_name": [f"{c}:{s}-{e}" for c, s, e in zip(chrom, starts.tolist(), ends.tolist())]})
+    return pd.DataFrame(
+        {
+            "peak_token_id": np.arange(num_peaks, dtype=np.int32),
+            "chrom": chrom,
+            "start": starts,
+            "end": ends,
+            "peak_name": [
+                f"{c}:{s}-{e}" for c, s, e in zip(chrom, starts.tolist(), ends.tolist(), strict=True)
+            ],
+        }
+    )
 
 
 def _zipf_guide(n: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -260,8 +342,9 @@ class AtacModel:
 
     def __init__(self, model: Model, num_peaks: int, mean_nnz: float, fraction: float, shuffle: bool) -> None:
         if not (1 <= num_peaks <= _MAX_PEAKS and mean_nnz > 0 and 0.0 <= fraction <= 1.0):
-            raise ValueError(f"need 1 <= num_peaks <= {_MAX_PEAKS:,}, atac_mean_nnz > 0 and "
-                             "0 <= atac_fraction <= 1")
+            raise ValueError(
+                f"need 1 <= num_peaks <= {_MAX_PEAKS:,}, atac_mean_nnz > 0 and 0 <= atac_fraction <= 1"
+            )
         self.model, self.num_peaks, self.mean_nnz = model, num_peaks, mean_nnz
         rng = np.random.default_rng([model.seed, _ATAC_STREAM, 1])
         self.peaks = peak_table(rng, num_peaks)
@@ -270,8 +353,9 @@ class AtacModel:
         n_types = len(model.names["cell_type"])
         lo = min(2000, num_peaks // 10)  # cell-type peaks lie away from the always-open head
         width = min(_TYPE_PEAKS, max(1, (num_peaks - lo) // 4))
-        self.type_ranks = np.stack([rng.choice(np.arange(lo, num_peaks), width, replace=False)
-                                    for _ in range(n_types)]).astype(np.int32)
+        self.type_ranks = np.stack(
+            [rng.choice(np.arange(lo, num_peaks), width, replace=False) for _ in range(n_types)]
+        ).astype(np.int32)
         self.key = np.random.SeedSequence([model.seed, _ATAC_STREAM, 2]).generate_state(1, np.uint64)[0]
         rng = np.random.default_rng([model.seed, _ATAC_STREAM, 3])
         self.order = np.flatnonzero(rng.random(model.num_cells) < fraction)
@@ -283,13 +367,28 @@ class AtacModel:
     def cells(self, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ATAC of the cells with these indices, in this order; returns CSR ``(offsets, peaks, values)``."""
         sigma = 0.6
-        targets = _atac_targets(cells, self.key, np.log(self.mean_nnz) - sigma**2 / 2, sigma, self.lo, self.hi)
+        targets = _atac_targets(
+            cells, self.key, np.log(self.mean_nnz) - sigma**2 / 2, sigma, self.lo, self.hi
+        )
         out_offsets = np.concatenate([[0], np.cumsum(targets)])
         peaks, values = np.empty(out_offsets[-1], np.int32), np.empty(out_offsets[-1], np.float32)
         thresholds = np.array([round(t * 2.0**32) for t in _ATAC_VALUES], np.int64)
-        counts = _atac_cells(cells, self.model.codes["cell_type"][cells], self.key, targets, out_offsets,
-                             self.cdf, self.guide, self.shift, self.rank_to_peak, self.type_ranks,
-                             round(_TYPE_SHARE * 2.0**32), thresholds, peaks, values)
+        counts = _atac_cells(
+            cells,
+            self.model.codes["cell_type"][cells],
+            self.key,
+            targets,
+            out_offsets,
+            self.cdf,
+            self.guide,
+            self.shift,
+            self.rank_to_peak,
+            self.type_ranks,
+            round(_TYPE_SHARE * 2.0**32),
+            thresholds,
+            peaks,
+            values,
+        )
         if (counts < targets).any():  # a cell ran out of draws (rare): drop the unfilled slots
             slot = np.arange(out_offsets[-1]) - np.repeat(out_offsets[:-1], targets)
             keep = slot < np.repeat(counts, targets)
@@ -321,13 +420,27 @@ class MultimodalWriter:
     after the RNA, then `finish` (the ``.h5mu``) and, always, `close`.
     """
 
-    def __init__(self, model: Model, atac: AtacModel, out: Path, *, write_parquet: bool,
-                 h5ad: h5py.File | None, write_h5mu: bool, row_group_size: int) -> None:
+    def __init__(
+        self,
+        model: Model,
+        atac: AtacModel,
+        out: Path,
+        *,
+        write_parquet: bool,
+        h5ad: h5py.File | None,
+        write_h5mu: bool,
+        row_group_size: int,
+    ) -> None:
         self.model, self.atac, self.row_group_size = model, atac, row_group_size
         self.peaks_path = out / "peaks.parquet"
-        pq.write_table(pa.Table.from_pandas(self.atac.peaks, schema=PEAK_SCHEMA, preserve_index=False),
-                       self.peaks_path, compression="zstd")
-        self.layer_paths = {name: out / f"rna_layers_{name}.parquet" for name in LAYERS} if write_parquet else None
+        pq.write_table(
+            pa.Table.from_pandas(self.atac.peaks, schema=PEAK_SCHEMA, preserve_index=False),
+            self.peaks_path,
+            compression="zstd",
+        )
+        self.layer_paths = (
+            {name: out / f"rna_layers_{name}.parquet" for name in LAYERS} if write_parquet else None
+        )
         self.atac_path = out / "atac_cells.parquet" if write_parquet else None
         self.h5mu_path = out / "cells.h5mu" if write_h5mu else None
         self.writers: dict[str, pq.ParquetWriter] = {}
@@ -343,12 +456,13 @@ class MultimodalWriter:
             for name in LAYERS:
                 create_csr(group, name, (model.num_cells, model.num_genes))
 
-    def rna_chunk(self, index: int, start: int, offsets: np.ndarray, genes: np.ndarray,
-                  values: np.ndarray) -> None:
+    def rna_chunk(
+        self, index: int, start: int, offsets: np.ndarray, genes: np.ndarray, values: np.ndarray
+    ) -> None:
         """Split RNA chunk ``index`` (cells from ``start``) into layers and write them."""
         layers = split_layers(self.model.seed, index, offsets, genes, values)
         ids = cell_ids_at(np.arange(start, start + offsets.size - 1)) if self.writers else None
-        for name, (lo, lg, lv) in zip(LAYERS, layers):
+        for name, (lo, lg, lv) in zip(LAYERS, layers, strict=True):
             if name in self.writers:
                 gene_lists, value_lists = _lists(lo, lg, lv)
                 table = pa.Table.from_arrays([ids, gene_lists, value_lists], schema=LAYER_SCHEMA)
@@ -357,16 +471,23 @@ class MultimodalWriter:
                 append_csr(self.h5ad["layers"][name], start, lo, lg, lv)
         if self.parts is not None:
             self.parts["X"].append((offsets, genes, values))
-            for name, layer in zip(LAYERS, layers):
+            for name, layer in zip(LAYERS, layers, strict=True):
                 self.parts[name].append(layer)
 
-    def _write_atac_chunk(self, writer: pq.ParquetWriter | None, cells: np.ndarray, offsets: np.ndarray,
-                          peaks: np.ndarray, values: np.ndarray) -> None:
+    def _write_atac_chunk(
+        self,
+        writer: pq.ParquetWriter | None,
+        cells: np.ndarray,
+        offsets: np.ndarray,
+        peaks: np.ndarray,
+        values: np.ndarray,
+    ) -> None:
         if writer is not None:
             peak_lists, value_lists = _lists(offsets, peaks, values)
             dataset = pa.array(["synthetic"] * cells.size, pa.string())
-            table = pa.Table.from_arrays([cell_ids_at(cells), peak_lists, value_lists, dataset],
-                                         schema=ATAC_SCHEMA)
+            table = pa.Table.from_arrays(
+                [cell_ids_at(cells), peak_lists, value_lists, dataset], schema=ATAC_SCHEMA
+            )
             writer.write_table(table, row_group_size=self.row_group_size)
         if self.parts is not None:
             self.atac_parts.append((offsets, peaks, values))
@@ -377,11 +498,13 @@ class MultimodalWriter:
         writer = _list_writer(self.atac_path, ATAC_SCHEMA) if self.atac_path else None
         if writer is not None:
             self.writers["atac"] = writer
-        with ThreadPoolExecutor(1) as pool, tqdm(total=order.size, unit="cell", desc="atac",
-                                                 disable=not progress) as bar:
+        with (
+            ThreadPoolExecutor(1) as pool,
+            tqdm(total=order.size, unit="cell", desc="atac", disable=not progress) as bar,
+        ):
             pending: Future | None = None  # writing chunk i overlaps generating chunk i + 1
             for first in range(0, order.size, ATAC_CHUNK):
-                cells = order[first:first + ATAC_CHUNK]
+                cells = order[first : first + ATAC_CHUNK]
                 offsets, peaks, values = self.atac.cells(cells)
                 self.atac_nnz += int(offsets[-1])
                 if pending is not None:
@@ -399,13 +522,18 @@ class MultimodalWriter:
         import mudata as md  # imported here: only the .h5mu needs it (a test/demo extra)
 
         num_genes = self.model.num_genes
-        rna = ad.AnnData(X=_stack_csr(self.parts["X"], num_genes), obs=obs, var=var,
-                         layers={name: _stack_csr(self.parts[name], num_genes) for name in LAYERS})
+        rna = ad.AnnData(
+            X=_stack_csr(self.parts["X"], num_genes),
+            obs=obs,
+            var=var,
+            layers={name: _stack_csr(self.parts[name], num_genes) for name in LAYERS},
+        )
         self.parts = None
         order = self.atac.order
-        atac_obs = pd.DataFrame({"dataset": pd.Categorical.from_codes(np.zeros(order.size, np.int8),
-                                                                      categories=["synthetic"])},
-                                index=pd.Index(cell_ids_at(order).to_pylist(), name="cell_id"))
+        atac_obs = pd.DataFrame(
+            {"dataset": pd.Categorical.from_codes(np.zeros(order.size, np.int8), categories=["synthetic"])},
+            index=pd.Index(cell_ids_at(order).to_pylist(), name="cell_id"),
+        )
         peaks = self.atac.peaks.set_index("peak_name").astype({"chrom": "category"})
         atac = ad.AnnData(X=_stack_csr(self.atac_parts, self.atac.num_peaks), obs=atac_obs, var=peaks)
         self.atac_parts = []

@@ -92,9 +92,11 @@ def detect_layout(schema: pa.Schema) -> str:
 def tahoe_sql(sql: str) -> str:
     """Tahoe rows in the internal layout: lists without their first pair, which comes along to be checked."""
     genes, values = sql_ident(TAHOE_GENES), sql_ident(TAHOE_VALUES)
-    return (f"SELECT * EXCLUDE ({genes}, {values}), "
-            f"{genes}[2:] AS {GENE_COLUMN}, {values}[2:] AS {VALUE_COLUMN}, "
-            f"{genes}[1] AS {_FIRST_GENE}, {values}[1] AS {_FIRST_VALUE} FROM ({sql})")
+    return (
+        f"SELECT * EXCLUDE ({genes}, {values}), "
+        f"{genes}[2:] AS {GENE_COLUMN}, {values}[2:] AS {VALUE_COLUMN}, "
+        f"{genes}[1] AS {_FIRST_GENE}, {values}[1] AS {_FIRST_VALUE} FROM ({sql})"
+    )
 
 
 def tahoe_gene_table(table: pa.Table) -> pa.Table:
@@ -171,24 +173,45 @@ class TableSource(Source):
         self.layout = detect_layout(published)
         if where:
             sql = f"SELECT * FROM ({sql}) WHERE {where}"
-        absent = [n for n in self._lists if self._lists != (GENE_COLUMN, VALUE_COLUMN) and n not in published.names]
+        absent = [
+            n for n in self._lists if self._lists != (GENE_COLUMN, VALUE_COLUMN) and n not in published.names
+        ]
         if absent:
-            msg = f"{self.label} has no list column(s) {', '.join(absent)}; it has {', '.join(published.names)}"
+            msg = (
+                f"{self.label} has no list column(s) {', '.join(absent)}; it has {', '.join(published.names)}"
+            )
             raise DataValidationError(msg)
         sql = self._shaped(sql)
         self._sql = sql
-        self.description = {"kind": "table", "input": spec, "files": [str(f) for f in self.files],
-                            "where": where, "query": query, "layout": self.layout}
+        self.description = {
+            "kind": "table",
+            "input": spec,
+            "files": [str(f) for f in self.files],
+            "where": where,
+            "query": query,
+            "layout": self.layout,
+        }
         schema = self._schema_of(sql)
         names = set(schema.names)
-        if self.layout == TAHOE_LAYOUT and cell_id_column == CELL_ID_COLUMN and CELL_ID_COLUMN not in names \
-                and TAHOE_CELL_ID in names:
+        if (
+            self.layout == TAHOE_LAYOUT
+            and cell_id_column == CELL_ID_COLUMN
+            and CELL_ID_COLUMN not in names
+            and TAHOE_CELL_ID in names
+        ):
             self._cell_id_column = TAHOE_CELL_ID
         self.description["cell_id_column"] = self._cell_id_column
         self._check_schema(schema, published)
         self.schema = schema
-        hidden = {self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, FILENAME_COLUMN, FILE_ROW_COLUMN, _FIRST_GENE,
-                  _FIRST_VALUE}
+        hidden = {
+            self._cell_id_column,
+            GENE_COLUMN,
+            VALUE_COLUMN,
+            FILENAME_COLUMN,
+            FILE_ROW_COLUMN,
+            _FIRST_GENE,
+            _FIRST_VALUE,
+        }
         self.obs_columns = obs_columns_of(schema, exclude=hidden)
         self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
@@ -266,8 +289,10 @@ class TableSource(Source):
         if self._where is None:
             return partitions_from_counts(self._row_counts(), shard_cells)
         index = {str(f): i for i, f in enumerate(self.files)}
-        sql = (f"SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN} FROM (SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN}, "
-               f"row_number() OVER () - 1 AS n FROM cells WHERE {self._where}) WHERE n % {int(shard_cells)} = 0")
+        sql = (
+            f"SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN} FROM (SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN}, "
+            f"row_number() OVER () - 1 AS n FROM cells WHERE {self._where}) WHERE n % {int(shard_cells)} = 0"
+        )
         try:
             rows = self._con.execute(sql).fetchall()
         except duckdb.Error as e:
@@ -282,7 +307,9 @@ class TableSource(Source):
             msg = f"cannot read {self.label}: {e}"
             raise DataValidationError(msg) from e
 
-    def _partition_sql(self, part: Partition | None, threads: int | None) -> tuple[duckdb.DuckDBPyConnection, str]:
+    def _partition_sql(
+        self, part: Partition | None, threads: int | None
+    ) -> tuple[duckdb.DuckDBPyConnection, str]:
         """A connection and the SELECT of ``part``'s rows (all rows for None or an unsplit input)."""
         if part is None or part.spans is None:
             if self._con is None:  # unpickled in a worker: the whole input (a --query)
@@ -292,8 +319,14 @@ class TableSource(Source):
             return self._con, self._sql
         con = connect(threads, remote=self._remote)
         files = [self.files[f] for f, _, _ in part.spans]
-        create_cells_view(con, files, label=self.label, filename=True, file_rows=True,
-                          spans={i: (lo, hi) for i, (_, lo, hi) in enumerate(part.spans)})
+        create_cells_view(
+            con,
+            files,
+            label=self.label,
+            filename=True,
+            file_rows=True,
+            spans={i: (lo, hi) for i, (_, lo, hi) in enumerate(part.spans)},
+        )
         arms = []
         for path, (_, lo, hi) in zip(files, part.spans, strict=True):
             rows = f"{FILE_ROW_COLUMN} >= {lo}" + ("" if hi is None else f" AND {FILE_ROW_COLUMN} < {hi}")
@@ -311,10 +344,14 @@ class TableSource(Source):
         if self._lists == (GENE_COLUMN, VALUE_COLUMN):
             return sql
         tokens, values = (sql_ident(n) for n in self._lists)
-        return (f"SELECT * EXCLUDE ({tokens}, {values}), {tokens} AS {GENE_COLUMN}, {values} AS {VALUE_COLUMN} "
-                f"FROM ({sql})")
+        return (
+            f"SELECT * EXCLUDE ({tokens}, {values}), {tokens} AS {GENE_COLUMN}, {values} AS {VALUE_COLUMN} "
+            f"FROM ({sql})"
+        )
 
-    def batches(self, obs: list[str], part: Partition | None = None, *, threads: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
         spans = self._plain_spans(obs, part)
         if spans is not None:
             yield from self._parquet_batches(obs, spans, 0 if part is None else part.first_cell, threads)
@@ -343,14 +380,25 @@ class TableSource(Source):
         """Which library `batches` reads ``part``'s rows with: "pyarrow" or "duckdb"."""
         return "duckdb" if self._plain_spans(obs, part) is None else "pyarrow"
 
-    def _plain_spans(self, obs: list[str], part: Partition | None) -> list[tuple[int, int, int | None]] | None:
+    def _plain_spans(
+        self, obs: list[str], part: Partition | None
+    ) -> list[tuple[int, int, int | None]] | None:
         """``part``'s row spans ``(file, lo, hi)`` when pyarrow can deliver its rows exactly as DuckDB
         would (local parquet files, no filter, query or Tahoe layout, and every file storing the
         columns read with the types DuckDB reports); else None, and DuckDB reads them."""
-        if self._where is not None or self._query is not None or self.layout == TAHOE_LAYOUT or not self.files \
-                or not pa.types.is_string(self.schema.field(self._cell_id_column).type):
+        if (
+            self._where is not None
+            or self._query is not None
+            or self.layout == TAHOE_LAYOUT
+            or not self.files
+            or not pa.types.is_string(self.schema.field(self._cell_id_column).type)
+        ):
             return None
-        spans = [(f, 0, None) for f in range(len(self.files))] if part is None or part.spans is None else part.spans
+        spans = (
+            [(f, 0, None) for f in range(len(self.files))]
+            if part is None or part.spans is None
+            else part.spans
+        )
         if all(self._is_plain(f, obs) for f, _, _ in spans):
             return spans
         return None
@@ -363,13 +411,21 @@ class TableSource(Source):
             stored = pq.read_schema(path)
         except (OSError, pa.ArrowException):
             return False  # DuckDB reads it, and names what is wrong
-        wanted = {self._cell_id_column: self.schema.field(self._cell_id_column).type,
-                  **{name: self.schema.field(name).type for name in obs}}
-        if any(name not in stored.names or not _same_type(stored.field(name).type, kind) for name, kind in wanted.items()):
+        wanted = {
+            self._cell_id_column: self.schema.field(self._cell_id_column).type,
+            **{name: self.schema.field(name).type for name in obs},
+        }
+        if any(
+            name not in stored.names or not _same_type(stored.field(name).type, kind)
+            for name, kind in wanted.items()
+        ):
             return False
         for name, internal in zip(self._lists, (GENE_COLUMN, VALUE_COLUMN), strict=True):
-            if name not in stored.names or not is_list_type(stored.field(name).type) \
-                    or stored.field(name).type.value_type != self.schema.field(internal).type.value_type:
+            if (
+                name not in stored.names
+                or not is_list_type(stored.field(name).type)
+                or stored.field(name).type.value_type != self.schema.field(internal).type.value_type
+            ):
                 return False
         return True
 
@@ -386,9 +442,12 @@ class TableSource(Source):
                 hi = int(starts[-1]) if hi is None else hi
                 groups = [g for g in range(len(sizes)) if starts[g] < hi and starts[g + 1] > lo]
                 row = int(starts[groups[0]]) if groups else lo
-                batches = reader.iter_batches(self._batch_cells, row_groups=groups,
-                                              columns=[self._cell_id_column, *self._lists, *obs],
-                                              use_threads=threads is None or threads > 1)
+                batches = reader.iter_batches(
+                    self._batch_cells,
+                    row_groups=groups,
+                    columns=[self._cell_id_column, *self._lists, *obs],
+                    use_threads=threads is None or threads > 1,
+                )
                 for rb in batches:
                     a, b = max(lo - row, 0), min(hi - row, rb.num_rows)
                     if a < b:
@@ -400,7 +459,9 @@ class TableSource(Source):
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
 
-    def _to_batch(self, rb: pa.RecordBatch, obs: list[str], first_row: int, located: bool | _FileRows) -> Batch:
+    def _to_batch(
+        self, rb: pa.RecordBatch, obs: list[str], first_row: int, located: bool | _FileRows
+    ) -> Batch:
         cell_ids = rb.column(self._cell_id_column)
         if cell_ids.null_count:
             i = int(np.flatnonzero(cell_ids.is_null().to_numpy(zero_copy_only=False))[0])
@@ -412,8 +473,9 @@ class TableSource(Source):
             check_cls_pairs(rb.column(_FIRST_GENE), rb.column(_FIRST_VALUE), locate, self._cell_id_column)
         gene_ptr, genes = list_to_csr(rb.column(GENE_COLUMN))
         value_ptr, values = list_to_csr(rb.column(VALUE_COLUMN))
-        return Batch.from_arrow(gene_ptr, genes, value_ptr, values, cell_ids,
-                                {name: rb.column(name) for name in obs}, locate)
+        return Batch.from_arrow(
+            gene_ptr, genes, value_ptr, values, cell_ids, {name: rb.column(name) for name in obs}, locate
+        )
 
 
 def _same_type(stored: pa.DataType, wanted: pa.DataType) -> bool:
@@ -430,7 +492,7 @@ class _FileRows:
 
 
 def _where(label: str, first_row: int, i: int, rb: pa.RecordBatch, located: bool | _FileRows) -> str:
-    """"row R of FILE" (R counted within the file) when the batch carries or knows its rows' files."""
+    """ "row R of FILE" (R counted within the file) when the batch carries or knows its rows' files."""
     if isinstance(located, _FileRows):
         return f"row {located.first + i} of {located.path}"
     if located:
@@ -454,8 +516,8 @@ def check_cls_pairs(first_gene: pa.Array, first_value: pa.Array, locate, cell_id
         f"{locate(i)} {found} instead of Tahoe-100M's CLS pair (gene {TAHOE_CLS_TOKEN}, expression "
         f"{TAHOE_CLS_VALUE}), which every row of a genes/expressions table must start with; restore the "
         f"pair, or, for lists without it, read them as the internal layout: {cell_id}--query "
-        "\"SELECT * EXCLUDE (genes, expressions), genes AS gene_token_id, expressions AS gene_expression "
-        "FROM cells\""
+        '"SELECT * EXCLUDE (genes, expressions), genes AS gene_token_id, expressions AS gene_expression '
+        'FROM cells"'
     )
     raise DataValidationError(msg)
 
@@ -463,9 +525,16 @@ def check_cls_pairs(first_gene: pa.Array, first_value: pa.Array, locate, cell_id
 class _Locator:
     """Describes a batch row as "row R (cell_id X) of FILE", R counted within its file."""
 
-    def __init__(self, label: str, first_row: int, cell_ids: pa.Array, rb: pa.RecordBatch,
-                 located: bool | _FileRows):
-        self.label, self.first_row, self.cell_ids, self.rb, self.located = label, first_row, cell_ids, rb, located
+    def __init__(
+        self, label: str, first_row: int, cell_ids: pa.Array, rb: pa.RecordBatch, located: bool | _FileRows
+    ):
+        self.label, self.first_row, self.cell_ids, self.rb, self.located = (
+            label,
+            first_row,
+            cell_ids,
+            rb,
+            located,
+        )
 
     def __call__(self, i: int) -> str:
         where = _where(self.label, self.first_row, i, self.rb, self.located)

@@ -39,8 +39,12 @@ class GeneIndex:
     names: tuple[str, str] = ("gene_token_id", "gene_expression")  # the input's list columns, for messages
 
     @classmethod
-    def from_tokens(cls, tokens: np.ndarray, description: str,
-                    names: tuple[str, str] = ("gene_token_id", "gene_expression")) -> GeneIndex:
+    def from_tokens(
+        cls,
+        tokens: np.ndarray,
+        description: str,
+        names: tuple[str, str] = ("gene_token_id", "gene_expression"),
+    ) -> GeneIndex:
         """Columns follow ascending token order, so sorted token lists stay sorted."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31):
@@ -79,8 +83,9 @@ def encode_batch(
         raise DataValidationError(msg)
     if panel is None:
         try:
-            buf, starts = encode_csr(indptr, tokens, values, token_to_col=genes.token_to_col,
-                                            allow_negative=allow_negative)
+            buf, starts = encode_csr(
+                indptr, tokens, values, token_to_col=genes.token_to_col, allow_negative=allow_negative
+            )
         except InvalidRowError as e:
             raise DataValidationError(_describe(e, tokens, values, genes, locate)) from None
         return buf, starts, len(tokens)

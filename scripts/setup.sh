@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11+) and install omicsio_jax with the given extras, e.g. `scripts/setup.sh test`.
+# Create .venv (Python 3.11+) and install omicsio_jax with the given extras, e.g. `scripts/setup.sh test`,
+# at the versions pinned in constraints.txt (scripts/refresh-constraints.sh moves them on).
 # Idempotent: re-running only installs what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,4 @@ fi
 extras="${1:-}"
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e "$spec"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e "$spec"

@@ -23,8 +23,12 @@ def main() -> None:
 
     if num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=120)
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=120,
+        )
     import grain
     import numpy as np
     import orbax.checkpoint as ocp
@@ -33,8 +37,15 @@ def main() -> None:
 
     ds = oj.open_dataset(dataset)
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    kw = {"batch_size": 32, "block_size": 16, "fetch_factor": 4, "seed": 9, "num_epochs": 1, "obs": ("drug",),
-          "drop_remainder": False}
+    kw = {
+        "batch_size": 32,
+        "block_size": 16,
+        "fetch_factor": 4,
+        "seed": 9,
+        "num_epochs": 1,
+        "obs": ("drug",),
+        "drop_remainder": False,
+    }
     loader = oj.make_loader(ds, **kw, mesh=mesh)
     action, k = mode.split(":")
     k = int(k)

@@ -42,12 +42,19 @@ def _pruned(m) -> sp.csr_matrix:
     return m
 
 
-def _lists(m: sp.csr_matrix, rows: np.ndarray, ids, tokens="gene_token_id", values="gene_expression") -> pa.Table:
+def _lists(
+    m: sp.csr_matrix, rows: np.ndarray, ids, tokens="gene_token_id", values="gene_expression"
+) -> pa.Table:
     m = m[rows]
-    toks = [m.indices[m.indptr[i]:m.indptr[i + 1]].astype(np.int32) for i in range(len(rows))]
-    vals = [m.data[m.indptr[i]:m.indptr[i + 1]].astype(np.float32) for i in range(len(rows))]
-    return pa.table({"cell_id": pa.array(list(ids[rows]), pa.string()), tokens: pa.array(toks, pa.list_(pa.int32())),
-                     values: pa.array(vals, pa.list_(pa.float32()))})
+    toks = [m.indices[m.indptr[i] : m.indptr[i + 1]].astype(np.int32) for i in range(len(rows))]
+    vals = [m.data[m.indptr[i] : m.indptr[i + 1]].astype(np.float32) for i in range(len(rows))]
+    return pa.table(
+        {
+            "cell_id": pa.array(list(ids[rows]), pa.string()),
+            tokens: pa.array(toks, pa.list_(pa.int32())),
+            values: pa.array(vals, pa.list_(pa.float32())),
+        }
+    )
 
 
 def write_tables(truth: Truth, root: Path, *, shuffle_atac: bool) -> Path:
@@ -58,14 +65,24 @@ def write_tables(truth: Truth, root: Path, *, shuffle_atac: bool) -> Path:
     for name in ("spliced", "unspliced"):
         pq.write_table(_lists(getattr(truth, name), everyone, truth.ids), root / f"rna_layers_{name}.parquet")
     # in the primary's order: every cell, those without ATAC as empty lists; shuffled: only those with it
-    atac_rows = np.random.default_rng(7).permutation(np.flatnonzero(truth.has_atac)) if shuffle_atac else everyone
+    atac_rows = (
+        np.random.default_rng(7).permutation(np.flatnonzero(truth.has_atac)) if shuffle_atac else everyone
+    )
     atac = _lists(truth.atac, atac_rows, truth.ids, "peak_token_id", "peak_accessibility")
-    pq.write_table(atac.append_column("dataset", pa.array(["multiome"] * len(atac_rows))), root / "atac_cells.parquet",
-                   row_group_size=100)
-    peaks = pa.table({"peak_token_id": pa.array(np.arange(PEAKS, dtype=np.int32)),
-                      "chrom": pa.array(["chr1"] * PEAKS), "start": pa.array(np.arange(PEAKS) * 1000),
-                      "end": pa.array(np.arange(PEAKS) * 1000 + 500),
-                      "peak_name": pa.array([f"chr1:{i * 1000}-{i * 1000 + 500}" for i in range(PEAKS)])})
+    pq.write_table(
+        atac.append_column("dataset", pa.array(["multiome"] * len(atac_rows))),
+        root / "atac_cells.parquet",
+        row_group_size=100,
+    )
+    peaks = pa.table(
+        {
+            "peak_token_id": pa.array(np.arange(PEAKS, dtype=np.int32)),
+            "chrom": pa.array(["chr1"] * PEAKS),
+            "start": pa.array(np.arange(PEAKS) * 1000),
+            "end": pa.array(np.arange(PEAKS) * 1000 + 500),
+            "peak_name": pa.array([f"chr1:{i * 1000}-{i * 1000 + 500}" for i in range(PEAKS)]),
+        }
+    )
     pq.write_table(peaks, root / "peaks.parquet")
     return root
 
@@ -73,8 +90,9 @@ def write_tables(truth: Truth, root: Path, *, shuffle_atac: bool) -> Path:
 def write_h5ad(truth: Truth, path: Path) -> Path:
     obs = pd.DataFrame({"cell_type": pd.Categorical(truth.cell_type)}, index=list(truth.ids))
     var = pd.DataFrame(index=[f"g{j}" for j in range(GENES)])
-    ad.AnnData(X=truth.rna, obs=obs, var=var, layers={"spliced": truth.spliced, "unspliced": truth.unspliced}
-               ).write_h5ad(path)
+    ad.AnnData(
+        X=truth.rna, obs=obs, var=var, layers={"spliced": truth.spliced, "unspliced": truth.unspliced}
+    ).write_h5ad(path)
     return path
 
 
@@ -83,10 +101,17 @@ def write_h5mu(truth: Truth, path: Path) -> Path:
 
     md.set_options(pull_on_update=False)
     var = pd.DataFrame(index=[f"g{j}" for j in range(GENES)])
-    rna = ad.AnnData(X=truth.rna, obs=pd.DataFrame(index=list(truth.ids)), var=var,
-                     layers={"spliced": truth.spliced, "unspliced": truth.unspliced})
+    rna = ad.AnnData(
+        X=truth.rna,
+        obs=pd.DataFrame(index=list(truth.ids)),
+        var=var,
+        layers={"spliced": truth.spliced, "unspliced": truth.unspliced},
+    )
     order = np.random.default_rng(3).permutation(np.flatnonzero(truth.has_atac))  # another order than rna's
-    atac = ad.AnnData(X=truth.atac[order], obs=pd.DataFrame(index=list(truth.ids[order])),
-                      var=pd.DataFrame(index=[f"peak{j}" for j in range(PEAKS)]))
+    atac = ad.AnnData(
+        X=truth.atac[order],
+        obs=pd.DataFrame(index=list(truth.ids[order])),
+        var=pd.DataFrame(index=[f"peak{j}" for j in range(PEAKS)]),
+    )
     md.MuData({"rna": rna, "atac": atac}).write(path)
     return path

@@ -39,8 +39,15 @@ def kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published:
     """Run ``omicsio-train args`` in a worker that stalls after step ``stall_at``; SIGKILL it there
     once the checkpoint ``published`` exists."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    command = [sys.executable, str(ROOT / "tests" / "_train_kill_worker.py"), str(marker), str(stall_at), *args,
-               "--checkpoint-dir", str(ckpt)]
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "_train_kill_worker.py"),
+        str(marker),
+        str(stall_at),
+        *args,
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
     worker = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -59,15 +66,22 @@ def assert_csr_equal(actual, expected) -> None:
     for a, e, name in zip(actual, expected, ("indptr", "indices", "values"), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
         if name == "values":  # bit-exact, not just numerically equal
-            np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32),
-                                          np.asarray(e, np.float32).view(np.uint32))
+            np.testing.assert_array_equal(
+                np.asarray(a, np.float32).view(np.uint32), np.asarray(e, np.float32).view(np.uint32)
+            )
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """3,000 cells × 2,000 genes, as parquet + gene table + h5ad (same cells)."""
-    return make_synthetic_corpus(tmp_path_factory.mktemp("corpus"), num_cells=3000, num_genes=2000,
-                                 seed=7, mean_nnz=150, progress=False)
+    return make_synthetic_corpus(
+        tmp_path_factory.mktemp("corpus"),
+        num_cells=3000,
+        num_genes=2000,
+        seed=7,
+        mean_nnz=150,
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +108,9 @@ class S3Server:
     def reset(self) -> None:
         import urllib.request
 
-        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")).close()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
+        ).close()
         import boto3
 
         boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=self.bucket)
@@ -120,11 +136,25 @@ def s3_server():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_REGION", "AWS_PROFILE", "AWS_ALLOW_HTTP")}
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+            "AWS_PROFILE",
+            "AWS_ALLOW_HTTP",
+        )
+    }
     os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+        AWS_ALLOW_HTTP="true",
+    )
     try:
         yield S3Server(endpoint)
     finally:
@@ -149,6 +179,7 @@ def dask_cluster(s3_server):
     server, so its workers inherit the AWS variables)."""
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      host="127.0.0.1") as cluster:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+    ) as cluster:
         yield cluster

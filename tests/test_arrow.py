@@ -16,8 +16,15 @@ def _reference(rows):
     return np.concatenate([[0], np.cumsum(lengths)]), [v for r in rows if r for v in r]
 
 
-@pytest.mark.parametrize("list_type", [pa.list_(pa.int32()), pa.large_list(pa.int32()),
-                                       pa.list_view(pa.int32()), pa.large_list_view(pa.int32())])
+@pytest.mark.parametrize(
+    "list_type",
+    [
+        pa.list_(pa.int32()),
+        pa.large_list(pa.int32()),
+        pa.list_view(pa.int32()),
+        pa.large_list_view(pa.int32()),
+    ],
+)
 def test_every_list_flavour(list_type):
     indptr, values = list_to_csr(pa.array(ROWS, list_type))
     ref_ptr, ref_values = _reference(ROWS)
@@ -46,7 +53,9 @@ def test_chunked_array_accumulates_per_chunk_offsets():
 def test_null_list_covering_a_non_empty_range_is_an_empty_row():
     # The Arrow spec allows a null slot to span child values; they must not leak into the row.
     offsets = pa.array([0, 2, 5, 6], pa.int32())
-    arr = pa.ListArray.from_arrays(offsets, pa.array(range(6), pa.int32()), mask=pa.array([False, True, False]))
+    arr = pa.ListArray.from_arrays(
+        offsets, pa.array(range(6), pa.int32()), mask=pa.array([False, True, False])
+    )
     indptr, values = list_to_csr(arr)
     np.testing.assert_array_equal(indptr, [0, 2, 2, 3])
     assert values.to_pylist() == [0, 1, 5]

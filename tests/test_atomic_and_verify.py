@@ -55,9 +55,13 @@ def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
 
 def test_in_process_writer_writes_the_same_bytes(corpus, tmp_path, monkeypatch):
     """Without memfd (not Linux) the shards are written in-process: byte-identical output."""
-    child = materialize(corpus.cells_parquet, tmp_path / "child", batch_cells=700, shard_cells=1024, progress=False).manifest
+    child = materialize(
+        corpus.cells_parquet, tmp_path / "child", batch_cells=700, shard_cells=1024, progress=False
+    ).manifest
     monkeypatch.setattr(_shards.ShardWriterProcess, "available", staticmethod(lambda: False))
-    inline = materialize(corpus.cells_parquet, tmp_path / "inline", batch_cells=700, shard_cells=1024, progress=False).manifest
+    inline = materialize(
+        corpus.cells_parquet, tmp_path / "inline", batch_cells=700, shard_cells=1024, progress=False
+    ).manifest
     assert len(child.shards) == 3
     assert child.shards == inline.shards and child.fingerprint == inline.fingerprint
 
@@ -100,15 +104,30 @@ def test_overwrite_replaces_a_dataset(corpus, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "materialize", str(corpus.h5ad), str(out), "--batch-cells", "64", "--no-progress",
-           "--shard-cells", "256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "materialize",
+        str(corpus.h5ad),
+        str(out),
+        "--batch-cells",
+        "64",
+        "--no-progress",
+        "--shard-cells",
+        "256",
+    ]
     # Ctrl-C's default action in the child, whatever this process inherited: a test run started in the
     # background of a non-interactive shell ignores SIGINT, and so would the child (it then ran to the end)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
     deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(".out.partial") and any((p).glob("shard-*"))
-                                             for p in tmp_path.iterdir()):
+    while time.time() < deadline and not any(
+        p.name.startswith(".out.partial") and any((p).glob("shard-*")) for p in tmp_path.iterdir()
+    ):
         time.sleep(0.01)
     children = _children(proc.pid)  # the shard writer process
     proc.send_signal(sig)
@@ -166,8 +185,12 @@ def test_console_script_end_to_end(corpus, tmp_path):
     script = shutil.which("omicsio-materialize", path=os.path.dirname(sys.executable))
     assert script is not None, "the console script is not installed (pip install -e .)"
     out = tmp_path / "out"
-    run = subprocess.run([script, str(corpus.cells_parquet), str(out), "--obs", "cell_type,drug,batch"],
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [script, str(corpus.cells_parquet), str(out), "--obs", "cell_type,drug,batch"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "materialized 3,000 cells × 2,000 genes (sparse)" in run.stdout
     assert "cells/s" in run.stdout
     assert "materialize" in run.stderr  # the progress bar
@@ -175,8 +198,9 @@ def test_console_script_end_to_end(corpus, tmp_path):
     assert set(ds.obs) == {"cell_type", "drug", "batch", "n_counts", "n_genes"}  # + the computed cell stats
     verify = subprocess.run([script, "verify", str(out)], capture_output=True, text=True)
     assert verify.returncode == 0 and "OK" in verify.stdout
-    bad = subprocess.run([script, str(tmp_path / "missing.parquet"), str(tmp_path / "o2")], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [script, str(tmp_path / "missing.parquet"), str(tmp_path / "o2")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
 
 

@@ -14,14 +14,16 @@ from materialize._cli import main
 GOOD = [[0, 3, 7], [1, 2], [4], [5, 6, 8, 9]]
 
 
-def _cells(genes, values, *, gene_type=pa.int32(), value_type=pa.float32()):
+def _cells(genes, values, *, gene_type=pa.int32(), value_type=pa.float32()):  # noqa: B008 - immutable types
     n = len(genes)
-    return pa.table({
-        "cell_id": [f"cell{i:03d}" for i in range(n)],
-        "gene_token_id": pa.array(genes, pa.list_(gene_type)),
-        "gene_expression": pa.array(values, pa.list_(value_type)),
-        "drug": ["a"] * n,
-    })
+    return pa.table(
+        {
+            "cell_id": [f"cell{i:03d}" for i in range(n)],
+            "gene_token_id": pa.array(genes, pa.list_(gene_type)),
+            "gene_expression": pa.array(values, pa.list_(value_type)),
+            "drug": ["a"] * n,
+        }
+    )
 
 
 def _values_like(genes, fill=1.0):
@@ -30,8 +32,12 @@ def _values_like(genes, fill=1.0):
 
 @pytest.fixture
 def write(tmp_path):
-    pq.write_table(pa.table({"gene_token_id": pa.array(range(10), pa.int32()),
-                             "gene_name": [f"G{i}" for i in range(10)]}), tmp_path / "genes.parquet")
+    pq.write_table(
+        pa.table(
+            {"gene_token_id": pa.array(range(10), pa.int32()), "gene_name": [f"G{i}" for i in range(10)]}
+        ),
+        tmp_path / "genes.parquet",
+    )
 
     def _write(table, name="cells.parquet"):
         path = tmp_path / name
@@ -55,13 +61,37 @@ def _run_bad(capsys, tmp_path, *args) -> str:
 @pytest.mark.parametrize(
     "row_genes,row_values,pattern",
     [
-        ([4, 2], [1.0, 1.0], r"gene_token_id not sorted in row 2 \(cell_id cell002\) of .*cells.parquet: 2 after 4"),
-        ([4, 4], [1.0, 1.0], r"duplicate gene_token_id in row 2 \(cell_id cell002\) of .*cells.parquet: 4 appears twice"),
-        ([4, 12], [1.0, 1.0], r"gene_token_id 12 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table"),
-        ([4], [1.0, 2.0], r"unequal list lengths in row 2 \(cell_id cell002\) of .*cells.parquet: gene_token_id has 1 entries, gene_expression has 2"),
-        ([4, 5], [1.0, float("nan")], r"gene_expression is nan \(not finite\) in row 2 \(cell_id cell002\) of .*cells.parquet at gene_token_id 5"),
+        (
+            [4, 2],
+            [1.0, 1.0],
+            r"gene_token_id not sorted in row 2 \(cell_id cell002\) of .*cells.parquet: 2 after 4",
+        ),
+        (
+            [4, 4],
+            [1.0, 1.0],
+            r"duplicate gene_token_id in row 2 \(cell_id cell002\) of .*cells.parquet: 4 appears twice",
+        ),
+        (
+            [4, 12],
+            [1.0, 1.0],
+            r"gene_token_id 12 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table",
+        ),
+        (
+            [4],
+            [1.0, 2.0],
+            r"unequal list lengths in row 2 \(cell_id cell002\) of .*cells.parquet: gene_token_id has 1 entries, gene_expression has 2",
+        ),
+        (
+            [4, 5],
+            [1.0, float("nan")],
+            r"gene_expression is nan \(not finite\) in row 2 \(cell_id cell002\) of .*cells.parquet at gene_token_id 5",
+        ),
         ([4, 5], [float("inf"), 1.0], r"gene_expression is inf \(not finite\) in row 2 \(cell_id cell002\)"),
-        ([4, 5], [-1.5, 1.0], r"negative gene_expression -1.5 in row 2 \(cell_id cell002\) .*--allow-negative"),
+        (
+            [4, 5],
+            [-1.5, 1.0],
+            r"negative gene_expression -1.5 in row 2 \(cell_id cell002\) .*--allow-negative",
+        ),
     ],
 )
 def test_each_broken_invariant(write, capsys, tmp_path, row_genes, row_values, pattern):
@@ -76,8 +106,16 @@ def test_negative_values_allowed_with_flag(write, tmp_path, capsys):
     genes, values = list(GOOD), _values_like(GOOD)
     values[1] = [-0.5, 2.0]
     path = write(_cells(genes, values))
-    code = main([str(path), str(tmp_path / "out"), "--genes", str(tmp_path / "genes.parquet"),
-                 "--allow-negative", "--no-progress"])
+    code = main(
+        [
+            str(path),
+            str(tmp_path / "out"),
+            "--genes",
+            str(tmp_path / "genes.parquet"),
+            "--allow-negative",
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
 
 
@@ -106,8 +144,13 @@ def test_error_names_the_row_within_its_file(write, capsys, tmp_path):
 
 def test_null_element_inside_a_list(write, capsys, tmp_path):
     genes = pa.array([[0, 1], [2, None]], pa.list_(pa.int32()))
-    table = pa.table({"cell_id": ["x", "y"], "gene_token_id": genes,
-                      "gene_expression": pa.array([[1.0, 1.0], [1.0, 1.0]], pa.list_(pa.float32()))})
+    table = pa.table(
+        {
+            "cell_id": ["x", "y"],
+            "gene_token_id": genes,
+            "gene_expression": pa.array([[1.0, 1.0], [1.0, 1.0]], pa.list_(pa.float32())),
+        }
+    )
     err = _run_bad(capsys, tmp_path, write(table))
     assert "null element inside the gene_token_id list in row 1 (cell_id y)" in err
 
@@ -116,7 +159,9 @@ def test_missing_required_columns(write, capsys, tmp_path):
     table = _cells(GOOD, _values_like(GOOD)).drop_columns(["gene_expression"])
     err = _run_bad(capsys, tmp_path, write(table))
     assert "is missing required column(s) gene_expression" in err
-    table = _cells(GOOD, _values_like(GOOD)).rename_columns(["id", "gene_token_id", "gene_expression", "drug"])
+    table = _cells(GOOD, _values_like(GOOD)).rename_columns(
+        ["id", "gene_token_id", "gene_expression", "drug"]
+    )
     err = _run_bad(capsys, tmp_path, write(table, "noid.parquet"))
     assert "missing required column(s) cell_id" in err and "--cell-id" in err
 
@@ -162,5 +207,8 @@ def test_panel_with_unknown_genes(write, capsys, tmp_path):
 
 def test_valid_file_passes_for_reference(write, tmp_path):
     path = write(_cells(GOOD, _values_like(GOOD)))
-    assert main([str(path), str(tmp_path / "out"), "--genes", str(tmp_path / "genes.parquet"), "--no-progress"]) == 0
+    assert (
+        main([str(path), str(tmp_path / "out"), "--genes", str(tmp_path / "genes.parquet"), "--no-progress"])
+        == 0
+    )
     assert np.load(tmp_path / "out" / "obs" / "drug.codes.npy").tolist() == [0, 0, 0, 0]

@@ -16,7 +16,9 @@ import pytest
 
 import omicsio_jax as oj
 
-ocp = pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
+ocp = pytest.importorskip(
+    "orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,9 @@ def table(corpus):
 def _make(kind: str, ds, table):
     """A fresh loader iterator of each kind, the same batches every time."""
     if kind == "disk":
-        return oj.make_loader(ds, batch_size=64, block_size=16, fetch_factor=4, seed=2, num_epochs=2, obs=("drug",))
+        return oj.make_loader(
+            ds, batch_size=64, block_size=16, fetch_factor=4, seed=2, num_epochs=2, obs=("drug",)
+        )
     if kind == "memory":
         panel = oj.load_panel(ds, list(range(30)), progress=False)
         return oj.make_memory_loader(panel, batch_size=64, seed=2, num_epochs=2)
@@ -53,13 +57,21 @@ def test_checkpoint_manager_round_trip_with_grains_handler(kind, ds, table, tmp_
         next(it)
     params = {"w": np.arange(6.0).reshape(2, 3)}
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(11, args=ocp.args.Composite(state=ocp.args.StandardSave(params),
-                                              data=grain.checkpoint.CheckpointSave(it)))
+        mngr.save(
+            11,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(params), data=grain.checkpoint.CheckpointSave(it)
+            ),
+        )
         mngr.wait_until_finished()
         expected = [_index(b) for _, b in zip(range(40), it, strict=False)]
         again = _make(kind, ds, table)
-        restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(params), data=grain.checkpoint.CheckpointRestore(again)))
+        restored = mngr.restore(
+            mngr.latest_step(),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(params), data=grain.checkpoint.CheckpointRestore(again)
+            ),
+        )
     np.testing.assert_array_equal(restored["state"]["w"], params["w"])
     got = [_index(b) for _, b in zip(range(40), again, strict=False)]
     assert len(got) == len(expected) > 0
@@ -79,7 +91,9 @@ def test_orbax_v1_save_and_load_checkpointables(ds, tmp_path):
     again = _make("disk", ds, None)
     ocp1.load_checkpointables(tmp_path / "9", {"dataset": again})
     got = [_index(b) for b in again]
-    assert len(got) == len(expected) > 0 and all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert len(got) == len(expected) > 0 and all(
+        np.array_equal(a, b) for a, b in zip(got, expected, strict=True)
+    )
 
 
 def test_restore_into_another_config_is_refused_line_by_line(ds, tmp_path):
@@ -88,11 +102,16 @@ def test_restore_into_another_config_is_refused_line_by_line(ds, tmp_path):
     with ocp.CheckpointManager(tmp_path) as mngr:
         mngr.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(loader)))
         mngr.wait_until_finished()
-        other = oj.make_loader(ds, batch_size=32, block_size=16, fetch_factor=4, seed=3, num_epochs=2, obs=("drug",))
+        other = oj.make_loader(
+            ds, batch_size=32, block_size=16, fetch_factor=4, seed=3, num_epochs=2, obs=("drug",)
+        )
         with pytest.raises(oj.StateMismatchError) as e:
             mngr.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(other)))
     lines = str(e.value).splitlines()
-    assert lines[1:] == ["  batch_size: in checkpoint 64, in loader 32", "  seed: in checkpoint 2, in loader 3"]
+    assert lines[1:] == [
+        "  batch_size: in checkpoint 64, in loader 32",
+        "  seed: in checkpoint 2, in loader 3",
+    ]
 
 
 def test_stream_loader_resumes_by_skipping_windows(table):
@@ -107,7 +126,9 @@ def test_stream_loader_resumes_by_skipping_windows(table):
     served = np.concatenate(head + tail)
     assert len(np.unique(served)) == len(served) == (table.select().size // 50) * 50
     with pytest.raises(oj.StateMismatchError, match="seed: in checkpoint 1, in loader 2"):
-        oj.make_stream_loader(table, batch_size=50, shuffle_buffer=200, seed=2, drop_remainder=True).epoch(1).set_state(state)
+        oj.make_stream_loader(table, batch_size=50, shuffle_buffer=200, seed=2, drop_remainder=True).epoch(
+            1
+        ).set_state(state)
 
 
 def _readme_loop() -> str:
@@ -122,11 +143,18 @@ def test_readme_orbax_loop_resumes_bit_exactly_after_sigkill(dataset_dir, tmp_pa
     script.write_text(_readme_loop())
     assert len(_readme_loop().splitlines()) <= 40
     steps = "300"
-    subprocess.run([sys.executable, str(script), str(dataset_dir), str(tmp_path / "ref"), steps], check=True,
-                   timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), str(dataset_dir), str(tmp_path / "ref"), steps],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     killed = tmp_path / "killed"
-    run = subprocess.Popen([sys.executable, str(script), str(dataset_dir), str(killed), steps],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = subprocess.Popen(
+        [sys.executable, str(script), str(dataset_dir), str(killed), steps],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while not (killed / "20").exists():  # a published step: kill it right after, mid-run
         assert run.poll() is None, run.stderr.read().decode()[-2000:]
@@ -137,13 +165,19 @@ def test_readme_orbax_loop_resumes_bit_exactly_after_sigkill(dataset_dir, tmp_pa
     run.stderr.close()
     interrupted_at = max(int(p.name) for p in killed.iterdir() if p.name.isdigit())
     assert interrupted_at < int(steps)
-    subprocess.run([sys.executable, str(script), str(dataset_dir), str(killed), steps], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), str(dataset_dir), str(killed), steps],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
 
     def final(directory):
         with ocp.CheckpointManager(directory) as mngr:
-            r = mngr.restore(int(steps), args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                                 losses=ocp.args.JsonRestore()))
+            r = mngr.restore(
+                int(steps),
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(), losses=ocp.args.JsonRestore()),
+            )
         return r["state"], r["losses"]
 
     (a, losses_a), (b, losses_b) = final(tmp_path / "ref"), final(killed)

@@ -30,8 +30,13 @@ def csr_batches(draw):
             vals = draw(st.lists(st.integers(0, 2**24), min_size=n, max_size=n))
         else:
             floats = st.floats(width=32, allow_nan=False, allow_infinity=False)
-            vals = draw(st.lists(floats if kind == "float" else st.one_of(floats, st.integers(0, 300)),
-                                 min_size=n, max_size=n))
+            vals = draw(
+                st.lists(
+                    floats if kind == "float" else st.one_of(floats, st.integers(0, 300)),
+                    min_size=n,
+                    max_size=n,
+                )
+            )
         rows_idx.append(sorted(cols))
         rows_val.append(vals)
     indptr = np.zeros(num_rows + 1, dtype=np.int64)
@@ -50,7 +55,12 @@ def test_sparse_round_trip_is_exact(batch):
     assert_csr_equal(codec.decode_csr(*codec.join_records(records), 200_000), batch)
 
 
-@given(st.integers(1, 9), st.integers(1, 70), st.sampled_from(["counts", "big", "float"]), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 9),
+    st.integers(1, 70),
+    st.sampled_from(["counts", "big", "float"]),
+    st.integers(0, 2**32 - 1),
+)
 @settings(max_examples=100, deadline=None)
 def test_dense_round_trip_is_exact(num_rows, width, kind, seed):
     rng = np.random.default_rng(seed)
@@ -72,7 +82,9 @@ def test_narrowest_lossless_codes_are_chosen():
     indices = np.array([0, 5, 1, 70_000, 3, 4, 0, 1, 2, 3], dtype=np.int32)
     values = np.array([1, 200, 1, 2, 300, 1, 70_000, 1, 0.5, 1], dtype=np.float32)
     identity = np.arange(70_001, dtype=np.int32)
-    index_codes, value_codes, nbytes, problems, _ = codec.plan_sparse(indptr, indices, values, identity, False)
+    index_codes, value_codes, nbytes, problems, _ = codec.plan_sparse(
+        indptr, indices, values, identity, False
+    )
     assert problems.tolist() == [0] * 5
     assert index_codes.tolist() == [1, 2, 1, 1, 1]
     assert value_codes.tolist() == [1, 1, 2, 3, 0]
@@ -106,7 +118,9 @@ def test_corrupted_header_is_detected():
     bad[0] = 99  # unknown codec version
     with pytest.raises(codec.MalformedRecordError, match="unknown codec version"):
         codec.decode_csr(bad, starts, 10)
-    with pytest.raises(codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"):
+    with pytest.raises(
+        codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"
+    ):
         codec.decode_csr(buf, starts, 9)  # column 9 is past a 9-column dataset
 
 
@@ -166,7 +180,9 @@ def test_decode_rows_and_slabs_match_csr():
     codec.decode_rows(buf, starts, out)
     np.testing.assert_array_equal(out[:10], dense)
     assert not out[10:].any()
-    row_ids, idx, val = codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300)
+    row_ids, idx, val = codec.decode_slabs(
+        buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300
+    )
     rebuilt = np.zeros((12, 300), np.float32)
     for s in range(3):
         np.add.at(rebuilt, (s * 4 + row_ids[s], idx[s]), val[s])

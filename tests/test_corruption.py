@@ -33,6 +33,7 @@ def reference_decode(record: bytes, num_columns: int) -> tuple[list[int], list[f
     if version != 1 or reserved or ic > 2 or vc > 3:
         return None
     iw, vw = (0, 2, 4)[ic], (4, 1, 2, 4)[vc]
+
     def pad(nbytes):
         return (nbytes + 3) & ~3
 
@@ -64,7 +65,7 @@ def reference_decode(record: bytes, num_columns: int) -> tuple[list[int], list[f
         vals = list(struct.unpack_from(f"<{n}I", body, vbase))
     vals = np.asarray(vals, np.float32)
     keep = vals != 0 if ic == 0 else np.ones(n, bool)  # a dense record decodes to its nonzeros
-    return [int(c) for c, k in zip(cols, keep) if k], vals[keep].tolist()
+    return [int(c) for c, k in zip(cols, keep, strict=True) if k], vals[keep].tolist()
 
 
 @st.composite
@@ -78,9 +79,13 @@ def records(draw) -> list[bytes]:
             row = rng.geometric(0.5, NUM_COLUMNS).astype(np.float32) * (rng.random(NUM_COLUMNS) < 0.1)
             buf, _ = codec.encode_dense_rows(row[None])
         else:
-            cols = np.sort(rng.choice(NUM_COLUMNS, size=draw(st.integers(0, 30)), replace=False)).astype(np.int32)
+            cols = np.sort(rng.choice(NUM_COLUMNS, size=draw(st.integers(0, 30)), replace=False)).astype(
+                np.int32
+            )
             top = {"u8": 255, "u16": 65_535, "u32": 2**24}.get(kind, 0)
-            vals = (rng.integers(1, top + 1, len(cols)) if top else rng.normal(size=len(cols))).astype(np.float32)
+            vals = (rng.integers(1, top + 1, len(cols)) if top else rng.normal(size=len(cols))).astype(
+                np.float32
+            )
             buf, _ = codec.encode_csr(np.array([0, len(cols)], np.int64), cols, vals)
         out.append(buf.tobytes())
     return out
@@ -136,12 +141,18 @@ def test_every_decoder_refuses_a_damaged_record_or_returns_exactly_what_it_says(
     decoders = {
         "csr": lambda: codec.decode_csr(buf, starts, NUM_COLUMNS),
         "rows": lambda: codec.decode_rows(buf, starts, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
-        "slabs": lambda: codec.decode_slabs(buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096,
-                                             num_columns=NUM_COLUMNS),
-        "log1p": lambda: scatter.decode_scatter(buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32),
-                                                 normalize="log1p"),
-        "panel": lambda: scatter.decode_scatter(buf, starts, np.empty((len(recs), 3), np.float32),
-                                                 gene_to_col=scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299])),
+        "slabs": lambda: codec.decode_slabs(
+            buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096, num_columns=NUM_COLUMNS
+        ),
+        "log1p": lambda: scatter.decode_scatter(
+            buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32), normalize="log1p"
+        ),
+        "panel": lambda: scatter.decode_scatter(
+            buf,
+            starts,
+            np.empty((len(recs), 3), np.float32),
+            gene_to_col=scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299]),
+        ),
     }
     for name, decode in decoders.items():
         if expected is None:
@@ -155,7 +166,9 @@ def test_every_decoder_refuses_a_damaged_record_or_returns_exactly_what_it_says(
             indptr, indices, values = got
             assert np.diff(indptr).tolist() == [len(c) for c, _ in expected]
             assert indices.tolist() == [c for cols, _ in expected for c in cols]
-            np.testing.assert_array_equal(values, np.concatenate([v for _, v in expected] + [[]]).astype(np.float32))
+            np.testing.assert_array_equal(
+                values, np.concatenate([v for _, v in expected] + [[]]).astype(np.float32)
+            )
         elif name == "rows":
             np.testing.assert_array_equal(got, dense)
         elif name == "slabs":
@@ -174,8 +187,14 @@ def small_dataset(tmp_path_factory):
     """300 cells × 300 genes with statistics: the column space of the fuzzed records."""
     from materialize import make_synthetic_corpus, materialize
 
-    corpus = make_synthetic_corpus(tmp_path_factory.mktemp("c300"), num_cells=300, num_genes=NUM_COLUMNS, seed=3,
-                                   mean_nnz=20, progress=False)
+    corpus = make_synthetic_corpus(
+        tmp_path_factory.mktemp("c300"),
+        num_cells=300,
+        num_genes=NUM_COLUMNS,
+        seed=3,
+        mean_nnz=20,
+        progress=False,
+    )
     out = tmp_path_factory.mktemp("ds300") / "ds"
     materialize(corpus.cells_parquet, out, progress=False)
     return oj.open_dataset(out)
@@ -209,7 +228,9 @@ def _rewrite_shard(path, damage) -> None:
     recs = reader.read(0, reader.num_records())
     reader.close()
     damage(recs)
-    writer = ArrayRecordWriter(str(path), json.loads((path.parent / "manifest.json").read_text())["array_record"]["writer_options"])
+    writer = ArrayRecordWriter(
+        str(path), json.loads((path.parent / "manifest.json").read_text())["array_record"]["writer_options"]
+    )
     for r in recs:
         writer.write(r)
     writer.close()
@@ -227,8 +248,10 @@ def test_a_malformed_record_in_a_shard_names_the_shard_and_cell_in_every_reader(
 
     _rewrite_shard(copy / "shard-00001.arrayrecord", damage)
     cell = 1024 + 37
-    expected = (rf"{copy}: shard shard-00001.arrayrecord: cell {cell} \(record 37\) cannot be read: "
-                r"unknown index or value code; run `omicsio-materialize verify")
+    expected = (
+        rf"{copy}: shard shard-00001.arrayrecord: cell {cell} \(record 37\) cannot be read: "
+        r"unknown index or value code; run `omicsio-materialize verify"
+    )
     with oj.open_dataset(copy) as ds:
         ds.read_csr([0, 5])  # other cells read fine
         with pytest.raises(oj.DatasetFormatError, match=expected):
@@ -252,7 +275,10 @@ def test_a_truncated_shard_read_by_the_loader_names_the_shard(dataset_dir, tmp_p
     shard.write_bytes(data[: len(data) // 2])
     with oj.open_dataset(copy) as ds:
         loader = oj.make_loader(ds, batch_size=256, output="dense", seed=0)
-        with pytest.raises(oj.DatasetFormatError, match=rf"{copy}: shard shard-00002.arrayrecord: .*"
-                                                        r"run `omicsio-materialize verify"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=rf"{copy}: shard shard-00002.arrayrecord: .*"
+            r"run `omicsio-materialize verify",
+        ):
             for _ in loader:
                 pass

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 import omicsio_jax as oj
 from omicsio_jax.storage import direct_io
 
-pytestmark = pytest.mark.skipif(not direct_io.supported(__file__),
-                                reason="this file system or OS has no O_DIRECT / native AIO")
+pytestmark = pytest.mark.skipif(
+    not direct_io.supported(__file__), reason="this file system or OS has no O_DIRECT / native AIO"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,9 @@ def test_direct_reads_give_the_records_buffered_reads_give(pair):
         for a, b in zip(buffered.read_csr(rows), direct.read_csr(rows), strict=True):
             np.testing.assert_array_equal(a, b)
     last = buffered.num_cells - 1  # the end of the last shard: the aligned read runs past the file's end
-    for a, b in zip(buffered.read_buffer(last - 3, last + 1), direct.read_buffer(last - 3, last + 1), strict=True):
+    for a, b in zip(
+        buffered.read_buffer(last - 3, last + 1), direct.read_buffer(last - 3, last + 1), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -80,8 +83,11 @@ def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_pa
             f.seek(int(begin) + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
         group = ds.chunk_reader.group_size
-        with pytest.raises(oj.DatasetFormatError, match=rf"cells {first + 3 * group}\.\.{first + 4 * group - 1} .*"
-                                                        r"hash mismatch; run `omicsio-materialize verify"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=rf"cells {first + 3 * group}\.\.{first + 4 * group - 1} .*"
+            r"hash mismatch; run `omicsio-materialize verify",
+        ):
             ds.read_csr(np.arange(first, first + 6 * group))
 
 
@@ -101,8 +107,15 @@ def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
 @nb.njit
 def _completions_waiting(fn, number, ctx, events):
     """How many completed reads sit in the context's ring, taken without waiting (min_nr 0)."""
-    return direct_io._syscall(fn, number, np.uint64(ctx), np.uint64(0), np.uint64(events.shape[0]),
-                              np.uint64(events.ctypes.data), np.uint64(0))
+    return direct_io._syscall(
+        fn,
+        number,
+        np.uint64(ctx),
+        np.uint64(0),
+        np.uint64(events.shape[0]),
+        np.uint64(events.ctypes.data),
+        np.uint64(0),
+    )
 
 
 def test_reads_submitted_before_a_refusal_are_waited_for(pair, monkeypatch):
@@ -119,16 +132,21 @@ def test_reads_submitted_before_a_refusal_are_waited_for(pair, monkeypatch):
         next(direct_io.DirectReads().read_groups([path], [(np.zeros(len(ranges), np.int64), ranges)]))
     time.sleep(0.2)  # long enough for any read left in flight to complete into the ring
     _, _, getevents, _ = direct_io._SYSCALLS[platform.machine()]
-    waiting = _completions_waiting(np.uint64(direct_io._syscall_address()), getevents, direct_io._thread_context(),
-                                   np.zeros((64, 4), np.int64))
+    waiting = _completions_waiting(
+        np.uint64(direct_io._syscall_address()),
+        getevents,
+        direct_io._thread_context(),
+        np.zeros((64, 4), np.int64),
+    )
     assert waiting == 0  # each was waited for: none is left to land in this thread's next read
 
 
 def test_a_read_the_os_fails_is_an_oserror_naming_the_file():
     spans = np.array([[0, 4096], [8192, 12288]])
     with pytest.raises(direct_io.ReadError, match="Input/output error") as caught:
-        direct_io.DirectReads._placed([__file__, __file__], spans, spans, np.arange(2), np.array([4096, -5]),
-                                      np.zeros(8192, np.uint8))
+        direct_io.DirectReads._placed(
+            [__file__, __file__], spans, spans, np.arange(2), np.array([4096, -5]), np.zeros(8192, np.uint8)
+        )
     assert caught.value.errno == 5 and caught.value.filename == __file__
 
 
@@ -161,7 +179,9 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
     reads = direct_io.DirectReads()
     before = len(os.listdir("/proc/self/fd"))
     out = reads.read_groups(paths, groups)
-    buf, base, ends = next(out)  # stop early: the reads in flight are waited for, their buffers kept for reuse
+    buf, base, ends = next(
+        out
+    )  # stop early: the reads in flight are waited for, their buffers kept for reuse
     assert bytes(buf[base[0] : base[0] + ends[0] - both[0, 0]]) == raws[0][both[0, 0] : both[0, 1]]
     out.close()
     assert len(os.listdir("/proc/self/fd")) == before
@@ -177,7 +197,11 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=30))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 40_000), st.integers(1, 20_000)), min_size=1, max_size=30
+    )
+)
 def test_spans_cover_every_range_aligned_and_disjoint(pieces):
     files = np.cumsum([f for f, _, _ in pieces]) // 2  # sorted file numbers, some repeated
     ranges = np.zeros((len(pieces), 2), np.int64)

@@ -35,17 +35,22 @@ def _global(batches) -> np.ndarray:
 
 
 @pytest.mark.parametrize("drop_remainder", [True, False])
-@pytest.mark.parametrize("before,steps,after", [
-    (2, 5, 1),    # mid-round, 2 → 1
-    (1, 5, 2),    # mid-round, 1 → 2
-    (2, 3, 3),    # the last step of a round, 2 → 3
-    (3, 6, 2),    # 3 → 2
-    (2, 8, 1),    # on a round boundary: nothing left of the old round
-    (2, 30, 3),   # inside the epoch's tail, 2 → 3
-])
-def test_restore_onto_another_number_of_hosts_serves_every_cell_once(ds, before, steps, after, drop_remainder):
+@pytest.mark.parametrize(
+    "before,steps,after",
+    [
+        (2, 5, 1),  # mid-round, 2 → 1
+        (1, 5, 2),  # mid-round, 1 → 2
+        (2, 3, 3),  # the last step of a round, 2 → 3
+        (3, 6, 2),  # 3 → 2
+        (2, 8, 1),  # on a round boundary: nothing left of the old round
+        (2, 30, 3),  # inside the epoch's tail, 2 → 3
+    ],
+)
+def test_restore_onto_another_number_of_hosts_serves_every_cell_once(
+    ds, before, steps, after, drop_remainder
+):
     kw = {"drop_remainder": drop_remainder}
-    reference = [_global(bs) for bs in zip(*_hosts(ds, before, **kw))]
+    reference = [_global(bs) for bs in zip(*_hosts(ds, before, **kw), strict=True)]
     old = _hosts(ds, before, **kw)
     iters = [iter(loader) for loader in old]
     served = [_global([next(it) for it in iters]) for _ in range(steps)]
@@ -78,8 +83,14 @@ def test_coverage_reports_served_and_planned_and_checks_the_epoch(ds):
     last = np.asarray(next(loader).index)
     assert loader.coverage().epoch == 1  # the epoch ended, and its audit passed
     assert oj.Tally.of(np.concatenate([*batches, last])) == first.planned
-    assert set(first.to_dict()) == {"epoch", "served_cells", "served_checksum", "planned_cells", "planned_checksum",
-                                    "complete"}
+    assert set(first.to_dict()) == {
+        "epoch",
+        "served_cells",
+        "served_checksum",
+        "planned_cells",
+        "planned_checksum",
+        "complete",
+    }
 
 
 def test_a_state_that_does_not_add_up_fails_the_audit_at_the_epoch_end(ds):

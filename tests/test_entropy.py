@@ -24,8 +24,14 @@ M = 64
 
 
 def simulated(block_size: int, fetch_factor: int, seed: int = 0, num_batches: int = 400) -> dict:
-    rows = simulate_block_sampling(PLATE_LABELS, batch_size=M, block_size=block_size,
-                                   fetch_factor=fetch_factor, num_batches=num_batches, seed=seed)
+    rows = simulate_block_sampling(
+        PLATE_LABELS,
+        batch_size=M,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        num_batches=num_batches,
+        seed=seed,
+    )
     return entropy_report(PLATE_LABELS, rows, block_size=block_size, fetch_factor=fetch_factor, batch_size=M)
 
 
@@ -96,8 +102,10 @@ def test_counts_and_probabilities_agree_and_zero_entries_are_not_labels():
 
 
 def test_lower_bound_falls_with_block_size_and_is_zero_from_one_block_per_batch():
-    lowers = [entropy_bounds(PLATE_PERCENT, batch_size=M, block_size=b, fetch_factor=2).lower
-              for b in (1, 2, 4, 8, 16, 32)]
+    lowers = [
+        entropy_bounds(PLATE_PERCENT, batch_size=M, block_size=b, fetch_factor=2).lower
+        for b in (1, 2, 4, 8, 16, 32)
+    ]
     assert all(a > b for a, b in zip(lowers, lowers[1:], strict=False))
     for b, f in ((64, 1), (128, 2)):
         bounds = entropy_bounds(PLATE_PERCENT, batch_size=M, block_size=b, fetch_factor=f)
@@ -112,8 +120,12 @@ def test_bounds_are_clamped_and_one_label_has_no_entropy():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 1000), min_size=1, max_size=30).filter(any),
-       st.integers(1, 256), st.integers(1, 64), st.integers(1, 16))
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=30).filter(any),
+    st.integers(1, 256),
+    st.integers(1, 64),
+    st.integers(1, 16),
+)
 def test_bounds_are_ordered(counts, batch_size, block_size, fetch_factor):
     block_size = min(block_size, batch_size * fetch_factor)
     b = entropy_bounds(counts, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor)
@@ -127,8 +139,12 @@ def test_bounds_are_ordered(counts, batch_size, block_size, fetch_factor):
         ([1, np.nan], {}, r"finite label counts or probabilities, got \[ 1\. nan\]"),
         ([0, 0, 0], {}, r"all zero \(3 labels\)"),
         ([], {}, r"finite label counts"),
-        ([1, 1], {"block_size": 128}, r"fetch_factor·batch_size = 1·64 = 64 cells holds 0\.5 blocks of "
-                                      r"block_size=128.*lower block_size or raise fetch_factor"),
+        (
+            [1, 1],
+            {"block_size": 128},
+            r"fetch_factor·batch_size = 1·64 = 64 cells holds 0\.5 blocks of "
+            r"block_size=128.*lower block_size or raise fetch_factor",
+        ),
         ([1, 1], {"batch_size": 0}, r"batch_size must be a positive integer, got 0"),
         ([1, 1], {"fetch_factor": True}, r"fetch_factor must be a positive integer, got True"),
         ([1, 1], {"block_size": 2.0}, r"block_size must be a positive integer, got 2\.0"),
@@ -157,8 +173,9 @@ def test_simulation_is_seeded_and_reads_whole_blocks():
 
 def test_simulation_rejects_too_few_cells():
     with pytest.raises(ValueError, match=r"≥ batch_size=64 cells .*got 10 cells, num_batches=400"):
-        simulate_block_sampling(np.zeros(10, np.int64), batch_size=64, block_size=1, fetch_factor=1,
-                                num_batches=400, seed=0)
+        simulate_block_sampling(
+            np.zeros(10, np.int64), batch_size=64, block_size=1, fetch_factor=1, num_batches=400, seed=0
+        )
 
 
 def test_report_skips_unlabelled_batches_and_matches_minibatch_entropy():

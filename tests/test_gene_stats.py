@@ -36,9 +36,14 @@ def test_per_cell_and_per_gene_moments(ds, dense):
     assert len(stats) == ds.num_genes
     np.testing.assert_array_equal(stats["n_cells"], (dense != 0).sum(0))
     norm = dense / n_counts[:, None] * 1e4
-    for name, want in [("sum", dense.sum(0)), ("sum_sq", (dense**2).sum(0)), ("norm_sum", norm.sum(0)),
-                       ("norm_sum_sq", (norm**2).sum(0)), ("log_sum", np.log1p(norm).sum(0)),
-                       ("log_sum_sq", (np.log1p(norm) ** 2).sum(0))]:
+    for name, want in [
+        ("sum", dense.sum(0)),
+        ("sum_sq", (dense**2).sum(0)),
+        ("norm_sum", norm.sum(0)),
+        ("norm_sum_sq", (norm**2).sum(0)),
+        ("log_sum", np.log1p(norm).sum(0)),
+        ("log_sum_sq", (np.log1p(norm) ** 2).sum(0)),
+    ]:
         np.testing.assert_allclose(stats[name], want, rtol=1e-12, err_msg=name)
     np.testing.assert_allclose(stats["norm_var"], norm.var(0, ddof=1), rtol=1e-9)
 
@@ -65,10 +70,17 @@ def test_statistics_merge_across_parts(corpus, ds, tmp_path):
 
     con = duckdb.connect()
     for name, where in (("a", "< 1500"), ("b", ">= 1500")):
-        con.execute(f"COPY (SELECT * FROM '{corpus.cells_parquet}' WHERE cast(substr(cell_id, 6) AS INT) {where}) "
-                    f"TO '{tmp_path / name}.parquet'")
-        materialize(tmp_path / f"{name}.parquet", tmp_path / name, genes=corpus.genes_parquet, shard_cells=512,
-                    progress=False)
+        con.execute(
+            f"COPY (SELECT * FROM '{corpus.cells_parquet}' WHERE cast(substr(cell_id, 6) AS INT) {where}) "
+            f"TO '{tmp_path / name}.parquet'"
+        )
+        materialize(
+            tmp_path / f"{name}.parquet",
+            tmp_path / name,
+            genes=corpus.genes_parquet,
+            shard_cells=512,
+            progress=False,
+        )
     parts = [GeneStats.read(tmp_path / name / "gene_stats.parquet") for name in "ab"]
     whole = GeneStats.read(ds.path / "gene_stats.parquet")
     merged = parts[0].merge(parts[1])
@@ -83,9 +95,14 @@ def test_statistics_merge_across_parts(corpus, ds, tmp_path):
 def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
     """A partition's ``.npz`` stores histogram counts in the narrowest type that holds them, and
     reads them back exactly."""
-    stats = GeneStats(num_cells=5, n_cells=np.array([2, 0, 1]), sums=np.arange(18, dtype=np.float64).reshape(6, 3),
-                      hist_ptr=np.array([0, 2, 2, 3]), hist_bins=np.array([3, 900, 7], np.uint16),
-                      hist_counts=np.array([1, top, 2], np.int64))
+    stats = GeneStats(
+        num_cells=5,
+        n_cells=np.array([2, 0, 1]),
+        sums=np.arange(18, dtype=np.float64).reshape(6, 3),
+        hist_ptr=np.array([0, 2, 2, 3]),
+        hist_bins=np.array([3, 900, 7], np.uint16),
+        hist_counts=np.array([1, top, 2], np.int64),
+    )
     stats.save(tmp_path / "s.npz")
     with np.load(tmp_path / "s.npz") as z:
         assert z["hist_counts"].dtype == stored

@@ -72,7 +72,9 @@ def test_records_are_host_batches_of_every_output_and_place_on_the_mesh(ds):
         batch = oj.place_batch(record, mesh)
         assert batch.index.sharding.spec == jax.sharding.PartitionSpec("data")
         reference = next(iter(oj.make_loader(ds, **kw, mesh=mesh)))
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), batch, reference)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), batch, reference
+        )
     assert len(src) == src.steps_per_epoch == 3000 // 64
 
 
@@ -82,7 +84,7 @@ def test_source_pickles_as_path_and_config_and_its_repr_is_the_config(ds):
     clone = pickle.loads(pickle.dumps(src))
     assert clone._local is None  # readers are reopened in the new process
     np.testing.assert_array_equal(clone[5].index, first.index)
-    config = json.loads(repr(src)[len("GrainSource("):-1])
+    config = json.loads(repr(src)[len("GrainSource(") : -1])
     assert config["dataset"] == ds.fingerprint[:16] and config["seed"] == 3 and config["num_hosts"] == 1
     assert len(src) % src.steps_per_epoch == 0 and len(src) > 10**15  # endless
     with pytest.raises(IndexError, match="out of range"):
@@ -142,31 +144,40 @@ def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
             with lock:
                 return batch
 
-    with pytest.raises(oj.OmicsIOError, match=r"cannot be sent to worker processes \(TypeError: cannot pickle"):
+    with pytest.raises(
+        oj.OmicsIOError, match=r"cannot be sent to worker processes \(TypeError: cannot pickle"
+    ):
         oj.make_grain_loader(ds, **BASE, operations=[Locked()], worker_count=2)
     with pytest.raises(oj.OmicsIOError, match="made for 1 process"):
         oj.GrainSource(ds, **BASE).sampler(process_index=0, process_count=2)
 
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import omicsio_jax as oj
         loader = oj.make_grain_loader({str(dataset_dir)!r}, batch_size=64, worker_count=2)
         print(next(iter(loader)).index[:3])
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("omicsio_jax.core.errors.OmicsIOError: ") and "line 3: worker processes re-run this script" in last
+    assert (
+        last.startswith("omicsio_jax.core.errors.OmicsIOError: ")
+        and "line 3: worker processes re-run this script" in last
+    )
     assert 'if __name__ == "__main__":' in last
 
     guarded = tmp_path / "guarded.py"
-    guarded.write_text(textwrap.dedent(f"""
+    guarded.write_text(
+        textwrap.dedent(f"""
         import omicsio_jax as oj
 
         if __name__ == "__main__":
             loader = oj.make_grain_loader({str(dataset_dir)!r}, batch_size=64, worker_count=2, seed=3)
             print(next(iter(loader)).index[:3].tolist())
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]  # the absl-flags workaround applied (grain#1355)
     first = next(iter(oj.make_loader(ds, batch_size=64, seed=3)))
@@ -177,15 +188,17 @@ def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):
     mesh = jax.make_mesh((8,), ("data",))
     expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1), 10**6)
     for workers in (0, 2):
-        batches = oj.prefetch_to_device(iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)),
-                                        mesh, buffer_size=3)
+        batches = oj.prefetch_to_device(
+            iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)), mesh, buffer_size=3
+        )
         assert isinstance(batches, grain.DatasetIterator)
         head = _indices(batches, 12)
         state = json.loads(json.dumps(batches.get_state()))  # the state after the 12th batch, not the 15th
         first = next(batches)
         assert first.x.sharding.spec == jax.sharding.PartitionSpec("data")
-        again = oj.prefetch_to_device(iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)),
-                                      mesh)
+        again = oj.prefetch_to_device(
+            iter(oj.make_grain_loader(ds, **BASE, num_epochs=1, worker_count=workers)), mesh
+        )
         again.set_state(state)
         _assert_same(head + [np.asarray(first.index)] + _indices(batches, 10**6), expected)
         _assert_same(_indices(again, 10**6), expected[12:])

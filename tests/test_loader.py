@@ -199,7 +199,9 @@ def test_state_is_small_and_mismatches_are_refused(ds, dataset_dir, corpus, tmp_
     with pytest.raises(oj.StateMismatchError, match=r"fetch_factor: in checkpoint 4, in loader 8"):
         _loader(ds, fetch_factor=8).set_state(state)
     materialize(corpus.cells_parquet, tmp_path / "other", where="batch = 'plate_00'", progress=False)
-    with pytest.raises(oj.StateMismatchError, match=r"dataset: in checkpoint '[0-9a-f]+', in loader '[0-9a-f]+'"):
+    with pytest.raises(
+        oj.StateMismatchError, match=r"dataset: in checkpoint '[0-9a-f]+', in loader '[0-9a-f]+'"
+    ):
         _loader(oj.open_dataset(tmp_path / "other")).set_state(state)
 
 
@@ -214,8 +216,13 @@ def test_decode_threads_do_not_change_the_batches(ds, output):
     import numba
 
     before = numba.get_num_threads()
-    runs = [[(np.asarray(b.index), jax.tree.map(np.asarray, b.x)) for b in _loader(ds, output=output, decode_threads=k)]
-            for k in (1, 2, None)]
+    runs = [
+        [
+            (np.asarray(b.index), jax.tree.map(np.asarray, b.x))
+            for b in _loader(ds, output=output, decode_threads=k)
+        ]
+        for k in (1, 2, None)
+    ]
     for other in runs[1:]:
         for (i0, x0), (i1, x1) in zip(runs[0], other, strict=True):
             np.testing.assert_array_equal(i0, i1)

@@ -32,7 +32,9 @@ def test_parquet_round_trip_is_exact(dataset_dir, corpus_table):
 
 def test_obs_sidecars_hold_codes_and_sorted_categories(dataset_dir, corpus_table):
     ds = oj.open_dataset(dataset_dir)
-    assert {"cell_type", "drug", "batch", "dataset", "tissue", "organism", "n_genes", "total_counts"} <= set(ds.obs)
+    assert {"cell_type", "drug", "batch", "dataset", "tissue", "organism", "n_genes", "total_counts"} <= set(
+        ds.obs
+    )
     drug = ds.obs["drug"]
     assert isinstance(drug, oj.Categorical)
     assert list(drug.categories) == sorted(set(corpus_table.column("drug").to_pylist()))
@@ -92,8 +94,9 @@ def test_h5ad_unsorted_csr_indices_are_sorted(tmp_path):
     import anndata as ad
     import scipy.sparse as sp
 
-    matrix = sp.csr_matrix((np.array([5.0, 1.0, 2.0], np.float32), np.array([3, 0, 2]), np.array([0, 3])),
-                           shape=(1, 4))
+    matrix = sp.csr_matrix(
+        (np.array([5.0, 1.0, 2.0], np.float32), np.array([3, 0, 2]), np.array([0, 3])), shape=(1, 4)
+    )
     assert not matrix.has_sorted_indices
     ad.AnnData(X=matrix).write_h5ad(tmp_path / "u.h5ad")
     materialize(tmp_path / "u.h5ad", tmp_path / "out", progress=False)
@@ -107,7 +110,10 @@ def test_vortex_round_trip(corpus, corpus_table, tmp_path):
     materialize(path, out, genes=corpus.genes_parquet, progress=False)
     ds = oj.open_dataset(out)
     assert_csr_equal(_all_rows(ds), table_csr(corpus_table.slice(0, 500)))
-    assert ds.num_genes == 2000 and ds.obs["drug"].labels().tolist() == corpus_table.column("drug").to_pylist()[:500]
+    assert (
+        ds.num_genes == 2000
+        and ds.obs["drug"].labels().tolist() == corpus_table.column("drug").to_pylist()[:500]
+    )
 
 
 def test_where_and_query_select_the_same_subset(corpus, corpus_table, tmp_path):
@@ -135,7 +141,9 @@ def test_query_over_the_cells_view(corpus, corpus_table, tmp_path):
 def test_int64_float64_large_list_inputs_are_converted(corpus_table, corpus, tmp_path):
     small = corpus_table.slice(0, 200)
     wide = small.set_column(1, "gene_token_id", small.column("gene_token_id").cast(pa.large_list(pa.int64())))
-    wide = wide.set_column(2, "gene_expression", wide.column("gene_expression").cast(pa.large_list(pa.float64())))
+    wide = wide.set_column(
+        2, "gene_expression", wide.column("gene_expression").cast(pa.large_list(pa.float64()))
+    )
     pq.write_table(wide, tmp_path / "wide.parquet")
     materialize(tmp_path / "wide.parquet", tmp_path / "out", genes=corpus.genes_parquet, progress=False)
     assert_csr_equal(_all_rows(oj.open_dataset(tmp_path / "out")), table_csr(small))
@@ -145,13 +153,17 @@ def test_hive_partitions_glob_and_directory(corpus, corpus_table, tmp_path):
     root = tmp_path / "atlas"
     con = duckdb.connect()
     con.register("t", corpus_table)
-    con.execute(f"COPY (SELECT * EXCLUDE (tissue, dataset), 'lung' AS tissue, 'ds' || (batch = 'plate_00')::INT "
-                f"AS dataset FROM t) TO '{root}' (FORMAT parquet, PARTITION_BY (dataset, tissue))")
+    con.execute(
+        f"COPY (SELECT * EXCLUDE (tissue, dataset), 'lung' AS tissue, 'ds' || (batch = 'plate_00')::INT "
+        f"AS dataset FROM t) TO '{root}' (FORMAT parquet, PARTITION_BY (dataset, tissue))"
+    )
     pq.write_table(pq.read_table(corpus.genes_parquet), root / "gene_metadata.parquet")
     materialize(str(root / "dataset=*" / "**" / "*.parquet"), tmp_path / "glob", progress=False)
     materialize(root, tmp_path / "dir", where="dataset = 'ds1'", progress=False)
     by_glob, by_dir = oj.open_dataset(tmp_path / "glob"), oj.open_dataset(tmp_path / "dir")
-    assert by_glob.num_cells == corpus_table.num_rows and by_glob.num_genes == 2000  # found gene_metadata.parquet
+    assert (
+        by_glob.num_cells == corpus_table.num_rows and by_glob.num_genes == 2000
+    )  # found gene_metadata.parquet
     assert set(by_glob.obs["dataset"].categories) == {"ds0", "ds1"}
     assert set(by_dir.obs["dataset"].categories) == {"ds1"}
     # every cell keeps its exact row, whatever the file order
@@ -162,11 +174,13 @@ def test_hive_partitions_glob_and_directory(corpus, corpus_table, tmp_path):
 
 
 def test_null_lists_mean_no_expressed_genes(tmp_path):
-    table = pa.table({
-        "cell_id": ["a", "b", "c"],
-        "gene_token_id": pa.array([[0, 2], None, [1]], pa.list_(pa.int32())),
-        "gene_expression": pa.array([[1.0, 2.0], None, [3.0]], pa.list_(pa.float32())),
-    })
+    table = pa.table(
+        {
+            "cell_id": ["a", "b", "c"],
+            "gene_token_id": pa.array([[0, 2], None, [1]], pa.list_(pa.int32())),
+            "gene_expression": pa.array([[1.0, 2.0], None, [3.0]], pa.list_(pa.float32())),
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet")
     materialize(tmp_path / "t.parquet", tmp_path / "out", progress=False)
     ds = oj.open_dataset(tmp_path / "out")
@@ -176,8 +190,13 @@ def test_null_lists_mean_no_expressed_genes(tmp_path):
 
 def test_non_contiguous_gene_tokens_map_to_columns(tmp_path):
     genes = pa.table({"gene_token_id": pa.array([30, 10, 20], pa.int32()), "gene_name": ["C", "A", "B"]})
-    cells = pa.table({"cell_id": ["x"], "gene_token_id": pa.array([[10, 30]], pa.list_(pa.int32())),
-                      "gene_expression": pa.array([[1.0, 2.0]], pa.list_(pa.float32()))})
+    cells = pa.table(
+        {
+            "cell_id": ["x"],
+            "gene_token_id": pa.array([[10, 30]], pa.list_(pa.int32())),
+            "gene_expression": pa.array([[1.0, 2.0]], pa.list_(pa.float32())),
+        }
+    )
     pq.write_table(genes, tmp_path / "g.parquet")
     pq.write_table(cells, tmp_path / "c.parquet")
     materialize(tmp_path / "c.parquet", tmp_path / "out", genes=tmp_path / "g.parquet", progress=False)
@@ -205,8 +224,14 @@ def test_dense_panel_layout(corpus, corpus_table, tmp_path):
 
 
 def test_constant_memory_batches_shard_boundaries_are_powers_of_two(corpus, tmp_path):
-    result = materialize(corpus.cells_parquet, tmp_path / "out", shard_cells=512, group_size=32,
-                         batch_cells=300, progress=False)
+    result = materialize(
+        corpus.cells_parquet,
+        tmp_path / "out",
+        shard_cells=512,
+        group_size=32,
+        batch_cells=300,
+        progress=False,
+    )
     shards = result.manifest.shards
     assert all(s.first_cell % 512 == 0 for s in shards)
     assert all(s.num_cells == 512 for s in shards[:-1])
@@ -227,7 +252,9 @@ def test_h5ad_raw_matrix_and_var(corpus_table, tmp_path):
     adata = ad.AnnData(X=counts, var=var)
     adata.raw = adata
     panel_var = var.iloc[:10].copy()
-    adata = ad.AnnData(X=np.log1p(counts[:, :10].toarray()), var=panel_var, raw=adata.raw)  # X is a processed subset
+    adata = ad.AnnData(
+        X=np.log1p(counts[:, :10].toarray()), var=panel_var, raw=adata.raw
+    )  # X is a processed subset
     adata.write_h5ad(tmp_path / "r.h5ad")
     materialize(tmp_path / "r.h5ad", tmp_path / "out", use_raw=True, progress=False)
     ds = oj.open_dataset(tmp_path / "out")

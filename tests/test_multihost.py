@@ -28,9 +28,22 @@ def _free_port() -> int:
 def two_hosts(dataset_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), str(dataset_dir),
-                               str(tmp / f"host{i}.json")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(i),
+                "2",
+                str(port),
+                str(dataset_dir),
+                str(tmp / f"host{i}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
@@ -92,15 +105,32 @@ def test_memory_loaders_span_both_processes(two_hosts, dataset_dir, placement):
     if placement == "host":  # the global batches are those of a single process, split in two
         single = oj.make_memory_loader(panel, batch_size=32, seed=3, process_index=0, process_count=1)
         expected = [hb.index for hb in single._host_batches(0, 0)]
-        assert [sa["local"] + sb["local"] for sa, sb in zip(a, b, strict=True)] == [e.tolist() for e in expected]
+        assert [sa["local"] + sb["local"] for sa, sb in zip(a, b, strict=True)] == [
+            e.tolist() for e in expected
+        ]
 
 
 def _run_elastic(count: int, dataset_dir, checkpoints, mode: str, tmp) -> list[dict]:
     port = _free_port()
     outs = [tmp / f"{mode.replace(':', '-')}-{count}-{i}.json" for i in range(count)]
-    procs = [subprocess.Popen([sys.executable, str(ELASTIC), str(i), str(count), str(port), str(dataset_dir),
-                               str(checkpoints), mode, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i, out in enumerate(outs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ELASTIC),
+                str(i),
+                str(count),
+                str(port),
+                str(dataset_dir),
+                str(checkpoints),
+                mode,
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i, out in enumerate(outs)
+    ]
     logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
@@ -110,11 +140,14 @@ def _run_elastic(count: int, dataset_dir, checkpoints, mode: str, tmp) -> list[d
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_elastic_restore_with_real_processes_and_orbax(dataset_dir, tmp_path, before, after):
     """Orbax checkpoint by ``before`` processes, restored by ``after``: every cell of the epoch once."""
-    pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
+    pytest.importorskip(
+        "orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)"
+    )
     checkpoints = tmp_path / "ckpt"
     saved = _run_elastic(before, dataset_dir, checkpoints, "save:7", tmp_path)
     assert sorted(p.name for p in (checkpoints / "7" / "data").glob("process_*")) == [
-        f"process_{i}-of-{before}.json" for i in range(before)]
+        f"process_{i}-of-{before}.json" for i in range(before)
+    ]
     resumed = _run_elastic(after, dataset_dir, checkpoints, "resume:7", tmp_path)
     assert [r["audit"] for r in resumed] == ["passed"] * after  # every process's coverage audit
     rows = np.array([r for report in saved + resumed for r in report["served"]])

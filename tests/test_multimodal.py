@@ -30,25 +30,34 @@ def truth() -> Truth:
 @pytest.fixture(scope="module")
 def inputs(truth, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("multimodal-inputs")
-    return {"aligned": write_tables(truth, root / "aligned", shuffle_atac=False),
-            "shuffled": write_tables(truth, root / "shuffled", shuffle_atac=True),
-            "h5ad": write_h5ad(truth, root / "velo.h5ad"), "h5mu": write_h5mu(truth, root / "multiome.h5mu")}
+    return {
+        "aligned": write_tables(truth, root / "aligned", shuffle_atac=False),
+        "shuffled": write_tables(truth, root / "shuffled", shuffle_atac=True),
+        "h5ad": write_h5ad(truth, root / "velo.h5ad"),
+        "h5mu": write_h5mu(truth, root / "multiome.h5mu"),
+    }
 
 
 def _materialize(inputs, kind: str, out: Path, **kwargs):
     common = {"shard_cells": SHARD, "progress": False, "workers": 1, **kwargs}
     if kind in ("aligned", "shuffled"):
         root = inputs[kind]
-        return materialize(root / "rna_cells.parquet", out, modalities={"atac": str(root / "atac_cells.parquet")},
-                           layers={name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")},
-                           **common)
+        return materialize(
+            root / "rna_cells.parquet",
+            out,
+            modalities={"atac": str(root / "atac_cells.parquet")},
+            layers={name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")},
+            **common,
+        )
     return materialize(inputs[kind], out, layers=["spliced", "unspliced"], **common)
 
 
 @pytest.fixture(scope="module")
 def datasets(inputs, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("multimodal-datasets")
-    return {kind: _materialize(inputs, kind, root / kind).path for kind in ("aligned", "shuffled", "h5ad", "h5mu")}
+    return {
+        kind: _materialize(inputs, kind, root / kind).path for kind in ("aligned", "shuffled", "h5ad", "h5mu")
+    }
 
 
 def _dense(csr, width: int) -> np.ndarray:
@@ -94,11 +103,17 @@ def test_manifest_lists_modalities_and_tables_keep_their_feature_table(datasets)
 
 def test_any_input_order_and_worker_count_give_the_same_dataset(inputs, datasets, tmp_path):
     """Rows in the primary's order or shuffled, one worker or two: the same bytes, the same fingerprint."""
-    aligned, shuffled = (json.loads((datasets[k] / "manifest.json").read_text()) for k in ("aligned", "shuffled"))
+    aligned, shuffled = (
+        json.loads((datasets[k] / "manifest.json").read_text()) for k in ("aligned", "shuffled")
+    )
     atac = {k: oj.open_dataset(datasets[k]).modality("atac") for k in ("aligned", "shuffled")}
     # the aligned tables have every cell, the shuffled ones skip cells without ATAC: same records anyway
-    assert [s.sha256 for s in atac["aligned"].manifest.shards] == [s.sha256 for s in atac["shuffled"].manifest.shards]
-    assert [m["fingerprint"] for m in aligned["modalities"]] == [m["fingerprint"] for m in shuffled["modalities"]]
+    assert [s.sha256 for s in atac["aligned"].manifest.shards] == [
+        s.sha256 for s in atac["shuffled"].manifest.shards
+    ]
+    assert [m["fingerprint"] for m in aligned["modalities"]] == [
+        m["fingerprint"] for m in shuffled["modalities"]
+    ]
     two = _materialize(inputs, "shuffled", tmp_path / "two", workers=2)
     assert two.manifest.fingerprint == shuffled["fingerprint"]
 
@@ -135,10 +150,23 @@ def test_the_cli_takes_layers_modalities_and_their_feature_tables(inputs, truth,
     root = inputs["shuffled"]
     shutil.copy(root / "peaks.parquet", tmp_path / "atac_peaks.parquet")
     out = tmp_path / "cli"
-    code = main([str(root / "rna_cells.parquet"), str(out), "--modality", f"atac={root / 'atac_cells.parquet'}",
-                 "--modality-features", f"atac={tmp_path / 'atac_peaks.parquet'}",
-                 "--layers", f"spliced={root / 'rna_layers_spliced.parquet'}", "--shard-cells", str(SHARD),
-                 "--workers", "1", "--no-progress"])
+    code = main(
+        [
+            str(root / "rna_cells.parquet"),
+            str(out),
+            "--modality",
+            f"atac={root / 'atac_cells.parquet'}",
+            "--modality-features",
+            f"atac={tmp_path / 'atac_peaks.parquet'}",
+            "--layers",
+            f"spliced={root / 'rna_layers_spliced.parquet'}",
+            "--shard-cells",
+            str(SHARD),
+            "--workers",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     assert "atac: 70,000 features" in capsys.readouterr().out
     ds = oj.open_dataset(out)
@@ -147,12 +175,27 @@ def test_the_cli_takes_layers_modalities_and_their_feature_tables(inputs, truth,
     assert main(["verify", str(out)]) == 0
     assert "modalities spliced, atac" in capsys.readouterr().out
     h5mu = tmp_path / "mu"
-    assert main([str(inputs["h5mu"]), str(h5mu), "--modality", "atac", "--shard-cells", str(SHARD), "--workers", "1",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                str(inputs["h5mu"]),
+                str(h5mu),
+                "--modality",
+                "atac",
+                "--shard-cells",
+                str(SHARD),
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert oj.open_dataset(h5mu).modalities == ("rna", "atac")
 
 
 # -- bad input: one line naming modality, file, row and cell_id; nothing written -----------------------------
+
 
 def _refused(out: Path, match: str, run) -> None:
     with pytest.raises(oj.DataValidationError, match=match) as info:
@@ -183,32 +226,63 @@ def _bad_tables(inputs, tmp_path: Path) -> Path:
 
 def _tables_run(root: Path, out: Path, **kwargs):
     layers = {"spliced": str(root / "rna_layers_spliced.parquet")}
-    return lambda: materialize(root / "rna_cells.parquet", out, modalities={"atac": str(root / "atac_cells.parquet")},
-                               layers=layers, shard_cells=SHARD, progress=False, workers=1, **kwargs)
+    return lambda: materialize(
+        root / "rna_cells.parquet",
+        out,
+        modalities={"atac": str(root / "atac_cells.parquet")},
+        layers=layers,
+        shard_cells=SHARD,
+        progress=False,
+        workers=1,
+        **kwargs,
+    )
 
 
 def test_a_secondary_cell_absent_from_the_primary_is_refused(inputs, tmp_path):
     root = _bad_tables(inputs, tmp_path)
-    _edit_table(root / "atac_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
-        ["stranger" if i == 5 else c for i, c in enumerate(t.column("cell_id").to_pylist())])))
+    _edit_table(
+        root / "atac_cells.parquet",
+        lambda t: t.set_column(
+            0,
+            "cell_id",
+            pa.array(["stranger" if i == 5 else c for i, c in enumerate(t.column("cell_id").to_pylist())]),
+        ),
+    )
     out = tmp_path / "out"
-    _refused(out, r"modality atac: cell_id stranger in row 5 of .*atac_cells.parquet is not a cell of the primary",
-             _tables_run(root, out))
+    _refused(
+        out,
+        r"modality atac: cell_id stranger in row 5 of .*atac_cells.parquet is not a cell of the primary",
+        _tables_run(root, out),
+    )
 
 
 def test_duplicate_cell_ids_are_refused_in_any_modality(inputs, tmp_path):
     root = _bad_tables(inputs, tmp_path)
     ids = pq.read_table(root / "atac_cells.parquet").column("cell_id").to_pylist()
-    _edit_table(root / "atac_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
-        [ids[2] if i == 9 else c for i, c in enumerate(ids)])))
+    _edit_table(
+        root / "atac_cells.parquet",
+        lambda t: t.set_column(0, "cell_id", pa.array([ids[2] if i == 9 else c for i, c in enumerate(ids)])),
+    )
     out = tmp_path / "out"
-    _refused(out, rf"modality atac: duplicate cell_id {ids[2]} in row 9 of .*atac_cells.parquet \(also row 2 of",
-             _tables_run(root, out))
+    _refused(
+        out,
+        rf"modality atac: duplicate cell_id {ids[2]} in row 9 of .*atac_cells.parquet \(also row 2 of",
+        _tables_run(root, out),
+    )
     root2 = _bad_tables(inputs, tmp_path / "p")
-    _edit_table(root2 / "rna_cells.parquet", lambda t: t.set_column(0, "cell_id", pa.array(
-        ["cell-0003" if i == 11 else c for i, c in enumerate(t.column("cell_id").to_pylist())])))
-    _refused(out, r"duplicate cell_id cell-0003 in the primary modality rna \(rows 3 and 11 of .*rna_cells.parquet\)",
-             _tables_run(root2, out))
+    _edit_table(
+        root2 / "rna_cells.parquet",
+        lambda t: t.set_column(
+            0,
+            "cell_id",
+            pa.array(["cell-0003" if i == 11 else c for i, c in enumerate(t.column("cell_id").to_pylist())]),
+        ),
+    )
+    _refused(
+        out,
+        r"duplicate cell_id cell-0003 in the primary modality rna \(rows 3 and 11 of .*rna_cells.parquet\)",
+        _tables_run(root2, out),
+    )
 
 
 @pytest.mark.parametrize("order", ["aligned", "shuffled"])
@@ -227,14 +301,21 @@ def test_unsorted_or_unknown_feature_ids_name_the_modality_file_row_and_cell(ord
 
     _edit_table(root / "atac_cells.parquet", unsort)
     out = tmp_path / "out"
-    _refused(out, rf"peak_token_id not sorted in modality atac: row {row} \(cell_id {cell}\) of .*atac_cells.parquet",
-             _tables_run(root, out))
+    _refused(
+        out,
+        rf"peak_token_id not sorted in modality atac: row {row} \(cell_id {cell}\) of .*atac_cells.parquet",
+        _tables_run(root, out),
+    )
 
     shutil.copy(inputs[order] / "atac_cells.parquet", root / "atac_cells.parquet")
     _edit_table(root / "atac_cells.parquet", lambda t: _appended(t, 6, PEAKS + 5))
     cell = pq.read_table(root / "atac_cells.parquet").column("cell_id")[6].as_py()
-    _refused(out, rf"peak_token_id {PEAKS + 5} in modality atac: row 6 \(cell_id {cell}\) of .*atac_cells.parquet "
-             r"is not in the gene table \(the features of modality atac", _tables_run(root, out))
+    _refused(
+        out,
+        rf"peak_token_id {PEAKS + 5} in modality atac: row 6 \(cell_id {cell}\) of .*atac_cells.parquet "
+        r"is not in the gene table \(the features of modality atac",
+        _tables_run(root, out),
+    )
 
 
 def test_a_layer_outside_the_primary_gene_space_is_refused(inputs, tmp_path):
@@ -242,15 +323,23 @@ def test_a_layer_outside_the_primary_gene_space_is_refused(inputs, tmp_path):
 
     _edit_table(root / "rna_layers_spliced.parquet", lambda t: _appended(t, 3, GENES + 1))
     out = tmp_path / "out"
-    _refused(out, r"gene_token_id 61 in modality spliced: row 3 \(cell_id cell-0003\) of .*rna_layers_spliced.parquet "
-             "is not in the gene table", _tables_run(root, out))
+    _refused(
+        out,
+        r"gene_token_id 61 in modality spliced: row 3 \(cell_id cell-0003\) of .*rna_layers_spliced.parquet "
+        "is not in the gene table",
+        _tables_run(root, out),
+    )
 
 
 def test_require_all_modalities_refuses_a_missing_cell(inputs, tmp_path, truth):
     out = tmp_path / "out"
     first_missing = int(np.flatnonzero(~truth.has_atac)[0])
-    _refused(out, rf"modality atac: cell_id cell-{first_missing:04d} \(row {first_missing} of the primary .*\) has no "
-             "row in", _tables_run(inputs["shuffled"], out, require_all_modalities=True))
+    _refused(
+        out,
+        rf"modality atac: cell_id cell-{first_missing:04d} \(row {first_missing} of the primary .*\) has no "
+        "row in",
+        _tables_run(inputs["shuffled"], out, require_all_modalities=True),
+    )
 
 
 def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path):
@@ -262,8 +351,11 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
         obsmap[np.flatnonzero(obsmap > 0)[1]] = taken[0]  # two cells claim the same ATAC row
         f["obsmap/atac"][:] = obsmap
     out = tmp_path / "out"
-    _refused(out, r"bad.h5mu: obsmap maps a row of rna or atac to several cells",
-             lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1))
+    _refused(
+        out,
+        r"bad.h5mu: obsmap maps a row of rna or atac to several cells",
+        lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1),
+    )
     bad = tmp_path / "bad2.h5mu"
     shutil.copy(inputs["h5mu"], bad)
     with h5py.File(bad, "r+") as f:
@@ -273,8 +365,11 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
         names[1] = names[0]
         del f["mod/atac/obs"][index]
         f["mod/atac/obs"].create_dataset(index, data=names.astype(object), dtype=h5py.string_dtype())
-    _refused(out, r"bad2.h5mu: modality atac has duplicate obs name .* and the file has no obsmap",
-             lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1))
+    _refused(
+        out,
+        r"bad2.h5mu: modality atac has duplicate obs name .* and the file has no obsmap",
+        lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1),
+    )
 
 
 def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs, tmp_path):
@@ -292,12 +387,14 @@ def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs
 
 # -- object storage ----------------------------------------------------------------------------------------
 
+
 def test_dask_workers_write_a_multimodal_dataset_to_s3(inputs, datasets, s3, dask_cluster):
     """Partitions of every modality (the shuffled ATAC from its spill, published under the output's
     prefix) on Dask workers: the same dataset as one local process writes."""
     local = json.loads((datasets["shuffled"] / "manifest.json").read_text())
-    result = _materialize(inputs, "shuffled", s3.url("dask/"), workers=None,
-                          dask_scheduler=dask_cluster.scheduler_address)
+    result = _materialize(
+        inputs, "shuffled", s3.url("dask/"), workers=None, dask_scheduler=dask_cluster.scheduler_address
+    )
     assert result.manifest.fingerprint == local["fingerprint"]
     assert verify_dataset(s3.url("dask/")) == []
     from omicsio_jax.storage.store import S3Store
@@ -315,14 +412,24 @@ def test_a_spilled_partition_is_read_from_the_output_store_where_its_folder_is_a
     root = write_tables(truth, tmp_path / "in", shuffle_atac=True)
     con = duckdb.connect()
     con.execute("SET preserve_insertion_order = true")
-    con.execute(f"CREATE VIEW modality AS SELECT * FROM read_parquet('{root / 'atac_cells.parquet'}', "
-                "filename = true, file_row_number = true)")
-    con.execute(f"CREATE VIEW primary_cells AS SELECT cell_id, row_number() OVER () - 1 AS __row "
-                f"FROM read_parquet('{root / 'rna_cells.parquet'}')")
+    con.execute(
+        f"CREATE VIEW modality AS SELECT * FROM read_parquet('{root / 'atac_cells.parquet'}', "
+        "filename = true, file_row_number = true)"
+    )
+    con.execute(
+        f"CREATE VIEW primary_cells AS SELECT cell_id, row_number() OVER () - 1 AS __row "
+        f"FROM read_parquet('{root / 'rna_cells.parquet'}')"
+    )
     folder = tmp_path / "spill"
     folder.mkdir()
-    written = spill_by_partition(con, ("peak_token_id", "peak_accessibility"), num_rows=int(truth.has_atac.sum()),
-                                 shard_cells=SHARD, folder=folder, label="atac")
+    written = spill_by_partition(
+        con,
+        ("peak_token_id", "peak_accessibility"),
+        num_rows=int(truth.has_atac.sum()),
+        shard_cells=SHARD,
+        folder=folder,
+        label="atac",
+    )
     assert written == truth.has_atac.sum()
     spill = Spill(folder)
     spill.publish(s3.url("spill/"))
@@ -332,7 +439,9 @@ def test_a_spilled_partition_is_read_from_the_output_store_where_its_folder_is_a
     assert here[0] == there[0]
     np.testing.assert_array_equal(here[1], there[1])
     rows = here[1]
-    assert ((rows >= SHARD) & (rows < 2 * SHARD)).all() and len(rows) == truth.has_atac[SHARD:2 * SHARD].sum()
+    assert ((rows >= SHARD) & (rows < 2 * SHARD)).all() and len(rows) == truth.has_atac[
+        SHARD : 2 * SHARD
+    ].sum()
 
 
 def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, truth, s3, tmp_path):
@@ -343,7 +452,9 @@ def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, 
     assert verify_dataset(url) == []
     ds = oj.open_dataset(url, cache_dir=tmp_path / "cache")
     rows = np.arange(100, 200)
-    np.testing.assert_array_equal(_dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[rows].toarray())
+    np.testing.assert_array_equal(
+        _dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[rows].toarray()
+    )
     assert ds.modality("atac").io_stats().bytes_fetched > 0 and ds.io_stats().bytes_fetched == 0
     rna_only = oj.open_dataset(url, cache_dir=tmp_path / "cache2")
     rna_only.read_csr(rows)
@@ -354,8 +465,11 @@ def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, 
 def test_a_ducklake_catalog_is_refused_with_the_duckdb_version_that_could_read_it(tmp_path):
     import duckdb
 
-    with pytest.raises(oj.OmicsIOError, match=rf"duckdb-extension-ducklake\) for DuckDB 1.5.5 .* this DuckDB is "
-                       rf"{duckdb.__version__}"):
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=rf"duckdb-extension-ducklake\) for DuckDB 1.5.5 .* this DuckDB is "
+        rf"{duckdb.__version__}",
+    ):
         materialize("ducklake:catalog.ducklake", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -363,25 +477,39 @@ def test_a_ducklake_catalog_is_refused_with_the_duckdb_version_that_could_read_i
 def test_a_selected_primary_keeps_the_selected_cells_of_every_modality(inputs, truth, tmp_path):
     """With --where the primary is a selection: the other tables' cells outside it are left out, not refused."""
     root = inputs["shuffled"]
-    out = materialize(root / "rna_cells.parquet", tmp_path / "t_cells", where="cell_type = 'T'",
-                      modalities={"atac": str(root / "atac_cells.parquet")}, shard_cells=SHARD, progress=False,
-                      workers=1).path
+    out = materialize(
+        root / "rna_cells.parquet",
+        tmp_path / "t_cells",
+        where="cell_type = 'T'",
+        modalities={"atac": str(root / "atac_cells.parquet")},
+        shard_cells=SHARD,
+        progress=False,
+        workers=1,
+    ).path
     chosen = np.flatnonzero(truth.cell_type == "T")
     ds = oj.open_dataset(out)
     assert ds.num_cells == len(chosen) and list(ds.modality("atac").cell_ids) == list(truth.ids[chosen])
     rows = np.arange(len(chosen))
-    np.testing.assert_array_equal(_dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[chosen].toarray())
+    np.testing.assert_array_equal(
+        _dense(ds.read_csr(rows, modality="atac"), PEAKS), truth.atac[chosen].toarray()
+    )
     np.testing.assert_array_equal(np.asarray(ds.obs["has_atac"]), truth.has_atac[chosen])
 
 
 def test_open_table_exposes_each_modality_table_as_a_view(inputs, truth):
     root = inputs["shuffled"]
-    table = oj.open_table(root / "rna_cells.parquet", modalities={"atac": root / "atac_cells.parquet",
-                                                                   "spliced": root / "rna_layers_spliced.parquet"})
-    assert table.modalities == {"atac": str(root / "atac_cells.parquet"),
-                                "spliced": str(root / "rna_layers_spliced.parquet")}
-    joined = table.sql("SELECT c.cell_rowid, len(a.peak_token_id) AS peaks FROM cells c JOIN atac a USING (cell_id) "
-                       "ORDER BY c.cell_rowid")
+    table = oj.open_table(
+        root / "rna_cells.parquet",
+        modalities={"atac": root / "atac_cells.parquet", "spliced": root / "rna_layers_spliced.parquet"},
+    )
+    assert table.modalities == {
+        "atac": str(root / "atac_cells.parquet"),
+        "spliced": str(root / "rna_layers_spliced.parquet"),
+    }
+    joined = table.sql(
+        "SELECT c.cell_rowid, len(a.peak_token_id) AS peaks FROM cells c JOIN atac a USING (cell_id) "
+        "ORDER BY c.cell_rowid"
+    )
     rows = np.flatnonzero(truth.has_atac)
     np.testing.assert_array_equal(joined.column("cell_rowid").to_numpy(), rows)
     np.testing.assert_array_equal(joined.column("peaks").to_numpy(), np.diff(truth.atac.indptr)[rows])

@@ -14,7 +14,12 @@ from _multimodal_data import SHARD, N, Truth, write_tables
 import omicsio_jax as oj
 from materialize import materialize
 
-OUTPUT = {"rna": oj.Panel([3, 17, 5, 40], normalize="log1p"), "spliced": "csr", "unspliced": "dense", "atac": "csr"}
+OUTPUT = {
+    "rna": oj.Panel([3, 17, 5, 40], normalize="log1p"),
+    "spliced": "csr",
+    "unspliced": "dense",
+    "atac": "csr",
+}
 KNOBS = {"batch_size": 64, "block_size": 8, "fetch_factor": 4, "seed": 5}
 
 
@@ -27,9 +32,15 @@ def truth() -> Truth:
 def path(truth, tmp_path_factory):
     root = write_tables(truth, tmp_path_factory.mktemp("mm-loader-in"), shuffle_atac=True)
     layers = {name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")}
-    return materialize(root / "rna_cells.parquet", tmp_path_factory.mktemp("mm-loader") / "ds", layers=layers,
-                       modalities={"atac": str(root / "atac_cells.parquet")}, shard_cells=SHARD, progress=False,
-                       workers=1).path
+    return materialize(
+        root / "rna_cells.parquet",
+        tmp_path_factory.mktemp("mm-loader") / "ds",
+        layers=layers,
+        modalities={"atac": str(root / "atac_cells.parquet")},
+        shard_cells=SHARD,
+        progress=False,
+        workers=1,
+    ).path
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +57,19 @@ def _expected(truth: Truth, rows: np.ndarray) -> dict[str, np.ndarray]:
     """Each modality's rows as the loader's output makes them (the rna panel log1p'd, padding zero)."""
     safe = np.where(rows >= 0, rows, 0)
     keep = (rows >= 0)[:, None]
-    return {"rna": np.log1p(truth.rna[safe].toarray()[:, [3, 17, 5, 40]]) * keep,
-            "spliced": truth.spliced[safe].toarray() * keep, "unspliced": truth.unspliced[safe].toarray() * keep,
-            "atac": truth.atac[safe].toarray() * keep}
+    return {
+        "rna": np.log1p(truth.rna[safe].toarray()[:, [3, 17, 5, 40]]) * keep,
+        "spliced": truth.spliced[safe].toarray() * keep,
+        "unspliced": truth.unspliced[safe].toarray() * keep,
+        "atac": truth.atac[safe].toarray() * keep,
+    }
 
 
 def _dense(loader, x: dict) -> dict[str, np.ndarray]:
-    return {name: np.asarray(loader.densify(v, name) if name in ("spliced", "atac") else v) for name, v in x.items()}
+    return {
+        name: np.asarray(loader.densify(v, name) if name in ("spliced", "atac") else v)
+        for name, v in x.items()
+    }
 
 
 def test_every_modality_of_every_batch_is_exactly_the_cells_of_its_index(ds, truth, mesh):
@@ -110,8 +127,9 @@ def test_grain_source_serves_the_loaders_batches(ds):
         np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
         for name in ("rna", "atac"):
             for field in ("row_ids", "indices", "values"):
-                np.testing.assert_array_equal(np.asarray(getattr(a.x[name], field)),
-                                              np.asarray(getattr(b.x[name], field)))
+                np.testing.assert_array_equal(
+                    np.asarray(getattr(a.x[name], field)), np.asarray(getattr(b.x[name], field))
+                )
 
 
 def test_tokenize_takes_an_output_per_gene_space_modality(ds, truth):
@@ -154,9 +172,13 @@ def test_mistakes_in_an_output_per_modality_are_one_line_errors(ds):
         oj.make_loader(ds, batch_size=64, output={"rna": "dense", "prot": "csr"})
     with pytest.raises(oj.OmicsIOError, match="pass normalize to each modality's output"):
         oj.make_loader(ds, batch_size=64, output={"rna": "dense"}, normalize="log1p")
-    with pytest.raises(oj.OmicsIOError, match="scgpt tokens need a gene-space modality .* 'atac' has features of its own"):
+    with pytest.raises(
+        oj.OmicsIOError, match="scgpt tokens need a gene-space modality .* 'atac' has features of its own"
+    ):
         oj.make_loader(ds, batch_size=64, output={"atac": oj.ScGPTTokens()})
-    with pytest.raises(oj.OmicsIOError, match="modality 'atac': output must be 'dense', 'csr' or an oj.Output"):
+    with pytest.raises(
+        oj.OmicsIOError, match="modality 'atac': output must be 'dense', 'csr' or an oj.Output"
+    ):
         oj.make_loader(ds, batch_size=64, output={"atac": "sparse"})
     loader = oj.make_loader(ds, batch_size=64, output={"rna": "dense", "atac": "csr"})
     with pytest.raises(oj.OmicsIOError, match="name the one to densify"):

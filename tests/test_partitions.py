@@ -34,8 +34,11 @@ SHARD = 256  # 3,000 cells: 12 partitions
 
 
 def _digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _job(src, staging, obs=("drug",)) -> Job:
@@ -64,13 +67,19 @@ def hive_input(corpus_table, corpus, tmp_path_factory):
 
 @pytest.mark.parametrize("where", [None, "tissue IN ('lung', 'liver', 'skin') AND part <> 2"])
 def test_a_pool_writes_the_same_bytes_as_one_process(hive_input, corpus_table, tmp_path, where):
-    one = materialize(str(hive_input), tmp_path / "one", where=where, shard_cells=SHARD, workers=1, progress=False)
-    pool = materialize(str(hive_input), tmp_path / "pool", where=where, shard_cells=SHARD, workers=2, progress=False)
+    one = materialize(
+        str(hive_input), tmp_path / "one", where=where, shard_cells=SHARD, workers=1, progress=False
+    )
+    pool = materialize(
+        str(hive_input), tmp_path / "pool", where=where, shard_cells=SHARD, workers=2, progress=False
+    )
     assert (one.workers, pool.workers) == (1, 2) and pool.partitions == len(pool.manifest.shards) > 2
     assert _digests(tmp_path / "one") == _digests(tmp_path / "pool")
     expected = corpus_table
     if where is not None:  # the same filter, by pyarrow: part 2 holds rows 1800..1849
-        keep = pc.is_in(corpus_table.column("tissue"), pa.array(["lung", "liver", "skin"])).to_numpy(zero_copy_only=False)
+        keep = pc.is_in(corpus_table.column("tissue"), pa.array(["lung", "liver", "skin"])).to_numpy(
+            zero_copy_only=False
+        )
         keep[1800:1850] = False
         expected = corpus_table.filter(pa.array(keep))
     ds = oj.open_dataset(tmp_path / "pool")
@@ -111,7 +120,11 @@ def _worker_writing(partial_parent: Path, marker: bytes = b"materialize._pool") 
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(str(partial_parent)) and ".partial-" in target and target.endswith(".arrayrecord"):
+                if (
+                    target.startswith(str(partial_parent))
+                    and ".partial-" in target
+                    and target.endswith(".arrayrecord")
+                ):
                     with open(f"/proc/{pid}/stat") as f:
                         parent = int(f.read().rsplit(")", 1)[1].split()[1])
                     with open(f"/proc/{parent}/cmdline", "rb") as f:
@@ -145,7 +158,9 @@ def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
     killed: list[int] = []
     killer = _kill_one_worker(tmp_path, b"materialize._pool", killed)
     try:
-        result = materialize(corpus.cells_parquet, out, shard_cells=SHARD, workers=2, batch_cells=16, progress=False)
+        result = materialize(
+            corpus.cells_parquet, out, shard_cells=SHARD, workers=2, batch_cells=16, progress=False
+        )
     finally:
         killer.join()
     assert killed, "no pool worker was caught writing a shard"
@@ -182,8 +197,14 @@ def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, d
     killed: list[int] = []
     killer = _kill_one_worker(tmp_path, b"multiprocessing", killed)  # a Nanny's worker process
     try:
-        materialize(corpus.cells_parquet, tmp_path / "out", shard_cells=SHARD, batch_cells=16, progress=False,
-                    dask_scheduler=dask_cluster.scheduler_address)
+        materialize(
+            corpus.cells_parquet,
+            tmp_path / "out",
+            shard_cells=SHARD,
+            batch_cells=16,
+            progress=False,
+            dask_scheduler=dask_cluster.scheduler_address,
+        )
     finally:
         killer.join()
     assert killed, "no Dask worker was caught writing a shard"
@@ -194,10 +215,15 @@ def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, d
 def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp_path):
     genes = corpus_table.column("gene_token_id").to_pylist()
     genes[2041] = list(reversed(genes[2041]))  # in partition 7 of 12
-    table = corpus_table.set_column(corpus_table.column_names.index("gene_token_id"), "gene_token_id",
-                                    pa.array(genes, pa.list_(pa.int32())))
+    table = corpus_table.set_column(
+        corpus_table.column_names.index("gene_token_id"),
+        "gene_token_id",
+        pa.array(genes, pa.list_(pa.int32())),
+    )
     pq.write_table(table, tmp_path / "bad.parquet")
-    with pytest.raises(oj.DataValidationError, match=r"gene_token_id not sorted in row 2041 \(cell_id c0*2041\) of"):
+    with pytest.raises(
+        oj.DataValidationError, match=r"gene_token_id not sorted in row 2041 \(cell_id c0*2041\) of"
+    ):
         materialize(tmp_path / "bad.parquet", tmp_path / "out", shard_cells=SHARD, workers=2, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.parquet"]
 
@@ -246,7 +272,9 @@ def test_partitions_merged_as_they_complete_in_any_order_give_the_same_bytes(cor
     with Finalizer(dataclasses.replace(job, staging=str(c)), _store(c), parts) as finalizer:
         for part in parts:
             finalizer.add(part.index)
-        with pytest.raises(oj.OmicsIOError, match=r"partition 3 \(cells 768..1,023\) has no sidecar at finalize"):
+        with pytest.raises(
+            oj.OmicsIOError, match=r"partition 3 \(cells 768..1,023\) has no sidecar at finalize"
+        ):
             finalizer.finish(**kw)
 
 
@@ -258,19 +286,31 @@ def _store(root):
 
 def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, corpus_table, tmp_path, dask_cluster):
     materialize(str(hive_input), tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
-    result = materialize(str(hive_input), tmp_path / "dask", shard_cells=SHARD, progress=False,
-                         dask_scheduler=dask_cluster.scheduler_address)
+    result = materialize(
+        str(hive_input),
+        tmp_path / "dask",
+        shard_cells=SHARD,
+        progress=False,
+        dask_scheduler=dask_cluster.scheduler_address,
+    )
     assert result.workers == 2
     assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")
     materialize(corpus.h5ad, tmp_path / "h1", shard_cells=SHARD, workers=1, progress=False)
-    materialize(corpus.h5ad, tmp_path / "h2", shard_cells=SHARD, progress=False,
-                dask_scheduler=dask_cluster.scheduler_address)
+    materialize(
+        corpus.h5ad,
+        tmp_path / "h2",
+        shard_cells=SHARD,
+        progress=False,
+        dask_scheduler=dask_cluster.scheduler_address,
+    )
     assert _digests(tmp_path / "h1") == _digests(tmp_path / "h2")
     for i, (a, b) in enumerate([(0, 1000), (1000, 3000)]):
         vortex.io.write(corpus_table.slice(a, b - a), str(tmp_path / f"cells-{i}.vortex"))
     kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False)
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
-    materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v2", dask_scheduler=dask_cluster.scheduler_address, **kw)
+    materialize(
+        str(tmp_path / "cells-*.vortex"), tmp_path / "v2", dask_scheduler=dask_cluster.scheduler_address, **kw
+    )
     assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
     from distributed import Client
 
@@ -308,12 +348,20 @@ def test_dask_tasks_of_a_thread_share_one_scratch_per_run(corpus, tmp_path):
 def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
     values = corpus_table.column("gene_expression").to_pylist()
     values[300][0] = float("nan")
-    table = corpus_table.set_column(corpus_table.column_names.index("gene_expression"), "gene_expression",
-                                    pa.array(values, pa.list_(pa.float32())))
+    table = corpus_table.set_column(
+        corpus_table.column_names.index("gene_expression"),
+        "gene_expression",
+        pa.array(values, pa.list_(pa.float32())),
+    )
     pq.write_table(table, tmp_path / "nan.parquet")
     with pytest.raises(oj.DataValidationError, match=r"gene_expression is nan \(not finite\) in row 300"):
-        materialize(tmp_path / "nan.parquet", tmp_path / "out", shard_cells=SHARD, progress=False,
-                    dask_scheduler=dask_cluster.scheduler_address)
+        materialize(
+            tmp_path / "nan.parquet",
+            tmp_path / "out",
+            shard_cells=SHARD,
+            progress=False,
+            dask_scheduler=dask_cluster.scheduler_address,
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -322,18 +370,56 @@ def test_dask_scheduler_and_worker_commands(corpus, tmp_path):
     dask = Path(sys.executable).with_name("dask")
     scheduler_file = tmp_path / "scheduler.json"
     common = ["--no-dashboard"]
-    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--scheduler-file",
-                               scheduler_file, *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(
+            [
+                dask,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--scheduler-file",
+                scheduler_file,
+                *common,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     try:
         deadline = time.monotonic() + 60
         while not scheduler_file.exists():
             assert time.monotonic() < deadline, "the Dask scheduler did not start"
             time.sleep(0.1)
-        procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", scheduler_file, "--nthreads", "1",
-                                       "--host", "127.0.0.1", *common],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        code = main([str(corpus.cells_parquet), str(tmp_path / "dask"), "--shard-cells", str(SHARD),
-                     "--dask-scheduler-file", str(scheduler_file), "--no-progress"])
+        procs.append(
+            subprocess.Popen(
+                [
+                    dask,
+                    "worker",
+                    "--scheduler-file",
+                    scheduler_file,
+                    "--nthreads",
+                    "1",
+                    "--host",
+                    "127.0.0.1",
+                    *common,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        code = main(
+            [
+                str(corpus.cells_parquet),
+                str(tmp_path / "dask"),
+                "--shard-cells",
+                str(SHARD),
+                "--dask-scheduler-file",
+                str(scheduler_file),
+                "--no-progress",
+            ]
+        )
         assert code == 0
     finally:
         for proc in reversed(procs):
@@ -375,11 +461,15 @@ def test_pyarrow_reading_names_the_file_and_its_row(corpus_table, tmp_path):
     folder.mkdir()
     ids = corpus_table.column("cell_id").to_pylist()
     ids[1300] = None  # row 200 of the second file, in a partition that starts at its row 180
-    table = corpus_table.set_column(corpus_table.column_names.index("cell_id"), "cell_id", pa.array(ids, pa.string()))
+    table = corpus_table.set_column(
+        corpus_table.column_names.index("cell_id"), "cell_id", pa.array(ids, pa.string())
+    )
     for i, (a, b) in enumerate([(0, 1100), (1100, 3000)]):
         pq.write_table(table.slice(a, b - a), folder / f"cells-{i}.parquet", row_group_size=100)
     assert open_source(str(folder / "*.parquet")).reader_for([]) == "pyarrow"
-    with pytest.raises(oj.DataValidationError, match=r"cell id column cell_id is null in row 200 of .*cells-1\.parquet"):
+    with pytest.raises(
+        oj.DataValidationError, match=r"cell id column cell_id is null in row 200 of .*cells-1\.parquet"
+    ):
         materialize(str(folder / "*.parquet"), tmp_path / "out", shard_cells=SHARD, workers=1, progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -31,7 +31,9 @@ def _leaves(model) -> list[np.ndarray]:
 def _terminate_after(command: list[str], step: int) -> tuple[int, int, str]:
     """Run ``command``; SIGTERM it once it has printed step ``step``; return (exit status, the step it
     said it stopped after, its stdout)."""
-    proc = subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out = []
     try:
         for line in proc.stdout:
@@ -55,9 +57,31 @@ def _terminate_after(command: list[str], step: int) -> tuple[int, int, str]:
 
 
 def test_sigterm_checkpoints_the_current_step_exits_0_and_resume_is_bit_exact(dataset_dir, tmp_path):
-    args = [str(dataset_dir), "--label", "drug", "--model", "mlp", "--hidden", "32", "--batch-size", "64",
-            "--block-size", "16", "--fetch-factor", "4", "--dropout", "0.2", "--seed", "3", "--steps", "400",
-            "--checkpoint-every", "1000", "--log-every", "1"]
+    args = [
+        str(dataset_dir),
+        "--label",
+        "drug",
+        "--model",
+        "mlp",
+        "--hidden",
+        "32",
+        "--batch-size",
+        "64",
+        "--block-size",
+        "16",
+        "--fetch-factor",
+        "4",
+        "--dropout",
+        "0.2",
+        "--seed",
+        "3",
+        "--steps",
+        "400",
+        "--checkpoint-every",
+        "1000",
+        "--log-every",
+        "1",
+    ]
     reference = train.fit(parse_config([*args, "--quiet", "--checkpoint-dir", str(tmp_path / "ref")]))
     ckpt = tmp_path / "preempted"
     script = Path(sys.executable).with_name("omicsio-train")
@@ -69,8 +93,15 @@ def test_sigterm_checkpoints_the_current_step_exits_0_and_resume_is_bit_exact(da
     assert f"checkpoint {ckpt / f'step-{stopped:06d}'}, continue with --resume" in out
     assert [r["step"] for r in train.read_metrics(ckpt / "metrics.jsonl")][-1] == stopped
 
-    run = subprocess.run([str(script), *args, "--quiet", "--checkpoint-dir", str(ckpt), "--resume"], env=ENV,
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(
+        [str(script), *args, "--quiet", "--checkpoint-dir", str(ckpt), "--resume"],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     final = "step-000400/state.eqx"
     assert (ckpt / final).read_bytes() == (tmp_path / "ref" / final).read_bytes()
@@ -79,8 +110,21 @@ def test_sigterm_checkpoints_the_current_step_exits_0_and_resume_is_bit_exact(da
 
 
 def test_sigterm_without_a_checkpoint_dir_says_nothing_was_saved(dataset_dir):
-    args = [str(dataset_dir), "--label", "drug", "--model", "mlp", "--hidden", "32", "--batch-size", "64",
-            "--steps", "400", "--log-every", "1"]
+    args = [
+        str(dataset_dir),
+        "--label",
+        "drug",
+        "--model",
+        "mlp",
+        "--hidden",
+        "32",
+        "--batch-size",
+        "64",
+        "--steps",
+        "400",
+        "--log-every",
+        "1",
+    ]
     status, stopped, out = _terminate_after([sys.executable, "-m", "train", *args], step=3)
     assert status == 128 + signal.SIGTERM and stopped < 400
     assert "no --checkpoint-dir, nothing saved" in out
@@ -88,14 +132,38 @@ def test_sigterm_without_a_checkpoint_dir_says_nothing_was_saved(dataset_dir):
 
 def test_pretraining_stops_on_sigterm_with_an_orbax_checkpoint_and_resumes_bit_exactly(dataset_dir, tmp_path):
     """Orbax saves asynchronously: the process must wait for the save before it exits 0."""
-    pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
+    pytest.importorskip(
+        "orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)"
+    )
     fmt = "orbax"
-    args = [str(dataset_dir), "--tokens", "geneformer", "--preset", "tiny", "--max-len", "24", "--batch-size", "16", "--block-size", "4", "--fetch-factor", "4",
-            "--steps", "16", "--seed", "2", "--checkpoint-format", fmt, "--log-every", "1"]
+    args = [
+        str(dataset_dir),
+        "--tokens",
+        "geneformer",
+        "--preset",
+        "tiny",
+        "--max-len",
+        "24",
+        "--batch-size",
+        "16",
+        "--block-size",
+        "4",
+        "--fetch-factor",
+        "4",
+        "--steps",
+        "16",
+        "--seed",
+        "2",
+        "--checkpoint-format",
+        fmt,
+        "--log-every",
+        "1",
+    ]
     reference = pretrain(parse_pretrain_config([*args, "--quiet", "--checkpoint-dir", str(tmp_path / "ref")]))
     ckpt = tmp_path / "preempted"
-    status, stopped, out = _terminate_after([sys.executable, "-m", "train", "pretrain", *args,
-                                             "--checkpoint-dir", str(ckpt)], step=3)
+    status, stopped, out = _terminate_after(
+        [sys.executable, "-m", "train", "pretrain", *args, "--checkpoint-dir", str(ckpt)], step=3
+    )
     assert status == 0 and 3 <= stopped < 16, out
     resumed = pretrain(parse_pretrain_config([*args, "--quiet", "--checkpoint-dir", str(ckpt), "--resume"]))
     assert resumed.start_step == stopped

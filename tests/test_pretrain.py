@@ -14,8 +14,19 @@ import omicsio_jax as oj
 from train._cli import main, parse_pretrain_config
 from train._pretrain import embed, load_pretrained, pretrain
 
-TINY = ["--preset", "tiny", "--batch-size", "16", "--block-size", "4", "--fetch-factor", "4", "--warmup-steps", "3",
-        "--quiet"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "16",
+    "--block-size",
+    "4",
+    "--fetch-factor",
+    "4",
+    "--warmup-steps",
+    "3",
+    "--quiet",
+]
 
 
 def _args(dataset_dir, tokens: str, *extra: str) -> list[str]:
@@ -29,8 +40,18 @@ def _leaves(model) -> list[np.ndarray]:
 
 @pytest.mark.parametrize(("tokens", "fmt"), [("geneformer", "equinox"), ("scgpt", "orbax")])
 def test_pretraining_resumes_bit_identically_after_sigkill(dataset_dir, tmp_path, tokens, fmt):
-    args = _args(dataset_dir, tokens, "--steps", "12", "--checkpoint-every", "5", "--seed", "3",
-                 "--checkpoint-format", fmt)
+    args = _args(
+        dataset_dir,
+        tokens,
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "5",
+        "--seed",
+        "3",
+        "--checkpoint-format",
+        fmt,
+    )
     reference = pretrain(parse_pretrain_config([*args[1:], "--checkpoint-dir", str(tmp_path / "ref")]))
     ckpt = tmp_path / "killed"
     kill_at(args, ckpt, tmp_path / "stalled", 7, ckpt / ("step-000005" if fmt == "equinox" else "5"))
@@ -48,8 +69,21 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
     ckpt = tmp_path / "pt"
     assert main([*_args(dataset_dir, "geneformer", "--steps", "4"), "--checkpoint-dir", str(ckpt)]) == 0
     out = tmp_path / "emb.npy"
-    assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", str(out),
-                 "--batch-size", "256"]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                str(dataset_dir),
+                "--checkpoint-dir",
+                str(ckpt),
+                "--out",
+                str(out),
+                "--batch-size",
+                "256",
+            ]
+        )
+        == 0
+    )
     assert "3,000 cells × 64" in capsys.readouterr().out
     emb = np.load(out)
     assert emb.shape == (3000, 64) and emb.dtype == np.float32 and np.isfinite(emb).all()
@@ -60,8 +94,11 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
 
 
 def test_linear_probe_scores_the_trained_model_and_its_random_initialization(dataset_dir):
-    config = parse_pretrain_config(_args(dataset_dir, "geneformer", "--steps", "6", "--probe-label", "cell_type",
-                                         "--probe-cells", "400")[1:])
+    config = parse_pretrain_config(
+        _args(
+            dataset_dir, "geneformer", "--steps", "6", "--probe-label", "cell_type", "--probe-cells", "400"
+        )[1:]
+    )
     result = pretrain(config)
     probe = result.probe
     assert probe["fit_cells"] == probe["test_cells"] == 200 and probe["label"] == "cell_type"
@@ -77,6 +114,10 @@ def test_linear_probe_scores_the_trained_model_and_its_random_initialization(dat
 def test_pretrain_bad_options(dataset_dir, capsys):
     assert main(["pretrain", str(dataset_dir), "--tokens", "geneformer", "--max-len", "2", "--quiet"]) == 2
     assert "max_len=2 leaves no room" in capsys.readouterr().err
-    assert main(["pretrain", str(dataset_dir), "--probe-label", "nope", "--steps", "1", *TINY,
-                 "--max-len", "16"]) == 2
+    assert (
+        main(
+            ["pretrain", str(dataset_dir), "--probe-label", "nope", "--steps", "1", *TINY, "--max-len", "16"]
+        )
+        == 2
+    )
     assert "--probe-label 'nope' must be a categorical obs column" in capsys.readouterr().err

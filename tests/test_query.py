@@ -94,12 +94,18 @@ def test_stage1_hive_partitions_prune_and_keep_rowids(hive_dir):
     meta = t.metadata(["cell_id", "dataset", "tissue"])
     assert meta.column("cell_id").to_pylist() == ref.column("cell_id").to_pylist()
     rows = t.select("dataset = 'ds_b' AND tissue = 'lung'")
-    expect = np.flatnonzero((np.array(ref.column("dataset").to_pylist()) == "ds_b")
-                            & (np.array(ref.column("tissue").to_pylist()) == "lung"))
+    expect = np.flatnonzero(
+        (np.array(ref.column("dataset").to_pylist()) == "ds_b")
+        & (np.array(ref.column("tissue").to_pylist()) == "lung")
+    )
     np.testing.assert_array_equal(rows, expect)
     # pruning: the plan reads only the files of the matching partition
-    plan = "\n".join(r[1] for r in t.con.execute(
-        "EXPLAIN ANALYZE SELECT count(*) FROM cells WHERE dataset = 'ds_b' AND tissue = 'lung'").fetchall())
+    plan = "\n".join(
+        r[1]
+        for r in t.con.execute(
+            "EXPLAIN ANALYZE SELECT count(*) FROM cells WHERE dataset = 'ds_b' AND tissue = 'lung'"
+        ).fetchall()
+    )
     num_files = len(list(hive_dir.rglob("part-*.parquet")))
     assert f"Scanning Files: 2/{num_files}" in plan and "Total Files Read: 2" in plan
 
@@ -110,7 +116,9 @@ def test_rowids_prune_files_and_row_groups(hive_dir):
     first = sorted(p for p in hive_dir.rglob("part-*.parquet"))[3]
     lo = sum(pq.read_metadata(f).num_rows for f in sorted(hive_dir.rglob("part-*.parquet"))[:3])
     rows = np.array([lo + 1, lo + 2, lo + 5])
-    plan = "\n".join(r[1] for r in t.con.execute("EXPLAIN ANALYZE SELECT count(*)" + t._from(None, rows)).fetchall())
+    plan = "\n".join(
+        r[1] for r in t.con.execute("EXPLAIN ANALYZE SELECT count(*)" + t._from(None, rows)).fetchall()
+    )
     assert "Total Files Read: 1" in plan and first.name in plan
     got = t.metadata(["cell_id"], rowids=rows)
     assert got.column("cell_id").to_pylist() == ref.column("cell_id").take(rows).to_pylist()
@@ -121,7 +129,9 @@ def test_rowids_prune_files_and_row_groups(hive_dir):
 def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
     tokens = [3, 40, 41]
     names = table.genes.names(tokens)
-    np.testing.assert_array_equal(table.cells_expressing(names, mode=mode), expressing(corpus_table, tokens, mode))
+    np.testing.assert_array_equal(
+        table.cells_expressing(names, mode=mode), expressing(corpus_table, tokens, mode)
+    )
     lung = table.select("tissue = 'lung'")
     got = table.cells_expressing(tokens, mode=mode, rowids=lung)
     np.testing.assert_array_equal(got, np.intersect1d(lung, expressing(corpus_table, tokens, mode)))
@@ -129,15 +139,21 @@ def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
 
 
 def test_stage2_reads_no_expression_values(table):
-    plan = "\n".join(r[1] for r in table.con.execute(
-        "EXPLAIN SELECT cell_rowid FROM cells WHERE list_contains(gene_token_id, 3)").fetchall())
+    plan = "\n".join(
+        r[1]
+        for r in table.con.execute(
+            "EXPLAIN SELECT cell_rowid FROM cells WHERE list_contains(gene_token_id, 3)"
+        ).fetchall()
+    )
     assert "gene_token_id" in plan and "gene_expression" not in plan
 
 
 @pytest.mark.parametrize("mode", ["any", "all"])
 def test_stage2_many_genes_use_list_has(table, corpus_table, mode):
     tokens = list(range(0, 400, 10))  # 40 genes: past the list_contains chain
-    np.testing.assert_array_equal(table.cells_expressing(tokens, mode=mode), expressing(corpus_table, tokens, mode))
+    np.testing.assert_array_equal(
+        table.cells_expressing(tokens, mode=mode), expressing(corpus_table, tokens, mode)
+    )
 
 
 # ----- stage 3 ---------------------------------------------------------------------------------
@@ -167,8 +183,11 @@ def test_stage4_stream_csr_is_exact_and_bounded(table, corpus_table):
     rows = np.concatenate([p.rowids for p in parts])
     np.testing.assert_array_equal(rows, np.arange(corpus_table.num_rows))
     lengths = np.concatenate([np.diff(p.indptr) for p in parts])
-    got = (np.concatenate([[0], np.cumsum(lengths)]), np.concatenate([p.indices for p in parts]),
-           np.concatenate([p.values for p in parts]))
+    got = (
+        np.concatenate([[0], np.cumsum(lengths)]),
+        np.concatenate([p.indices for p in parts]),
+        np.concatenate([p.values for p in parts]),
+    )
     assert_csr_equal(got, table_csr(corpus_table))
     ids = pa.concat_arrays([p.columns["cell_id"] for p in parts]).to_pylist()
     assert ids == corpus_table.column("cell_id").to_pylist()
@@ -180,15 +199,20 @@ def test_stage4_selected_rows(table, corpus_table):
     np.testing.assert_array_equal(np.concatenate([p.rowids for p in parts]), np.sort(rows))
     sub = corpus_table.take(np.sort(rows))
     lengths = np.concatenate([np.diff(p.indptr) for p in parts])
-    got = (np.concatenate([[0], np.cumsum(lengths)]), np.concatenate([p.indices for p in parts]),
-           np.concatenate([p.values for p in parts]))
+    got = (
+        np.concatenate([[0], np.cumsum(lengths)]),
+        np.concatenate([p.indices for p in parts]),
+        np.concatenate([p.values for p in parts]),
+    )
     assert_csr_equal(got, table_csr(sub))
 
 
 def test_arrow_csr_handles_sliced_and_chunked_batches(corpus_table):
     sliced = corpus_table.slice(1000, 300)
     assert_csr_equal(oj.arrow_csr(sliced), table_csr(sliced))
-    chunked = pa.concat_tables([corpus_table.slice(0, 10), corpus_table.slice(10, 15), corpus_table.slice(25, 5)])
+    chunked = pa.concat_tables(
+        [corpus_table.slice(0, 10), corpus_table.slice(10, 15), corpus_table.slice(25, 5)]
+    )
     assert chunked.column("gene_token_id").num_chunks == 3
     assert_csr_equal(oj.arrow_csr(chunked), table_csr(corpus_table.slice(0, 30)))
     rb = corpus_table.slice(40, 20).to_batches()[0]
@@ -222,8 +246,11 @@ def test_index_equals_scan_with_spilled_runs(hive_dir, tmp_path, monkeypatch):
     info = build_gene_index(t, tmp_path / "idx", memory_budget=200_000, progress=False)  # many runs
     assert info["datasets"] == ["ds_a", "ds_b"]
     idx = pq.read_table(tmp_path / "idx" / "gene_cell_index.parquet")
-    assert idx.schema.equals(pa.schema([("gene_token_id", pa.int32()), ("dataset", pa.string()),
-                                        ("cell_rowids", pa.list_(pa.int64()))]))
+    assert idx.schema.equals(
+        pa.schema(
+            [("gene_token_id", pa.int32()), ("dataset", pa.string()), ("cell_rowids", pa.list_(pa.int64()))]
+        )
+    )
     assert pq.read_metadata(tmp_path / "idx" / "gene_cell_index.parquet").num_row_groups > 10
     genes = idx.column("gene_token_id").to_numpy()
     assert np.all(np.diff(genes) >= 0)
@@ -235,19 +262,30 @@ def test_index_equals_scan_with_spilled_runs(hive_dir, tmp_path, monkeypatch):
     for _ in range(12):
         tokens = rng.choice(2000, size=rng.integers(1, 4), replace=False).tolist()
         for mode in ("any", "all"):
-            np.testing.assert_array_equal(t.cells_expressing(tokens, mode=mode, use_index=True),
-                                          t.cells_expressing(tokens, mode=mode, use_index=False))
-    np.testing.assert_array_equal(t.cells_expressing([5], where="tissue = 'lung'", use_index=True),
-                                  t.cells_expressing([5], where="tissue = 'lung'", use_index=False))
-    by_dataset = t.sql("SELECT dataset, len(cell_rowids) AS n FROM gene_cell_index WHERE gene_token_id = 5 ORDER BY 1")
-    scan = t.sql("SELECT dataset, count(*) AS n FROM cells WHERE list_contains(gene_token_id, 5) GROUP BY 1 ORDER BY 1")
+            np.testing.assert_array_equal(
+                t.cells_expressing(tokens, mode=mode, use_index=True),
+                t.cells_expressing(tokens, mode=mode, use_index=False),
+            )
+    np.testing.assert_array_equal(
+        t.cells_expressing([5], where="tissue = 'lung'", use_index=True),
+        t.cells_expressing([5], where="tissue = 'lung'", use_index=False),
+    )
+    by_dataset = t.sql(
+        "SELECT dataset, len(cell_rowids) AS n FROM gene_cell_index WHERE gene_token_id = 5 ORDER BY 1"
+    )
+    scan = t.sql(
+        "SELECT dataset, count(*) AS n FROM cells WHERE list_contains(gene_token_id, 5) GROUP BY 1 ORDER BY 1"
+    )
     assert by_dataset.to_pylist() == scan.to_pylist()
 
 
 def test_index_command_and_stale_index_refused(corpus, tmp_path, capsys):
     src = tmp_path / "cells.parquet"
     src.write_bytes(corpus.cells_parquet.read_bytes())
-    assert cli(["index", str(src), str(tmp_path / "idx"), "--genes", str(corpus.genes_parquet), "--no-progress"]) == 0
+    assert (
+        cli(["index", str(src), str(tmp_path / "idx"), "--genes", str(corpus.genes_parquet), "--no-progress"])
+        == 0
+    )
     assert "postings" in capsys.readouterr().out
     info = json.loads((tmp_path / "idx" / "index.json").read_text())
     assert info["num_cells"] == 3000 and info["datasets"] == ["synthetic"]
@@ -277,8 +315,15 @@ def test_gene_resolution_by_name_ensembl_and_token(table):
 
 
 def test_ambiguous_gene_names_must_be_disambiguated():
-    genes = oj.GeneTable(pa.table({"gene_token_id": [0, 1, 2], "ensembl_id": ["ENSG1", "ENSG2", "ENSG3"],
-                                   "gene_name": ["A", "B", "B"]}))
+    genes = oj.GeneTable(
+        pa.table(
+            {
+                "gene_token_id": [0, 1, 2],
+                "ensembl_id": ["ENSG1", "ENSG2", "ENSG3"],
+                "gene_name": ["A", "B", "B"],
+            }
+        )
+    )
     assert genes.resolve(["A", "ENSG3"]).tolist() == [0, 2]
     with pytest.raises(oj.UnknownGeneError, match="'B' names 2 genes"):
         genes.resolve(["B"])

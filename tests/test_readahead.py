@@ -18,12 +18,27 @@ from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, merge_s
 
 def test_announced_spans_merge_touching_chunks_only():
     # head, footer, postscript, then 6 data chunks; chunk 3 is followed by a gap (another kind of chunk)
-    rows = np.array([[0, 64], [900, 950], [950, 1000],
-                     [64, 100], [100, 180], [180, 200], [200, 260], [300, 350], [350, 400]], np.uint64)
+    rows = np.array(
+        [
+            [0, 64],
+            [900, 950],
+            [950, 1000],
+            [64, 100],
+            [100, 180],
+            [180, 200],
+            [200, 260],
+            [300, 350],
+            [350, 400],
+        ],
+        np.uint64,
+    )
     index = ChunkIndex(rows, group_size=16)
 
     def spans(chunks):
-        return [list(span) for span in merge_spans({0: index.chunk_bytes(np.array(chunks, np.int64))}, slack=0.0)[0]]
+        return [
+            list(span)
+            for span in merge_spans({0: index.chunk_bytes(np.array(chunks, np.int64))}, slack=0.0)[0]
+        ]
 
     assert spans([0, 1, 2, 3, 4, 5]) == [[64, 260], [300, 400]]
     assert spans([0, 2, 3, 4]) == [[64, 100], [180, 260], [300, 350]]
@@ -62,7 +77,9 @@ def test_a_read_announces_exactly_the_chunks_of_its_records(dataset_dir, monkeyp
     wanted: dict[str, set[int]] = {}
     for row in rows.tolist():
         shard = m.shards[row // m.shard_cells]
-        wanted.setdefault(str((Path(dataset_dir) / shard.path).resolve()), set()).add((row % m.shard_cells) // group)
+        wanted.setdefault(str((Path(dataset_dir) / shard.path).resolve()), set()).add(
+            (row % m.shard_cells) // group
+        )
     announced: dict[str, set[int]] = {}
     for path, offset, length, _ in calls:
         name = Path(path).name
@@ -81,8 +98,10 @@ def test_readahead_changes_no_value(dataset_dir, monkeypatch):
         for a, b in zip(on.read_csr(rows), off.read_csr(rows), strict=True):
             np.testing.assert_array_equal(a, b)
         n = len(calls)
-        batches = [[np.asarray(b.x) for b in oj.make_loader(d, batch_size=100, block_size=8, fetch_factor=4, seed=1)]
-                   for d in (on, off)]
+        batches = [
+            [np.asarray(b.x) for b in oj.make_loader(d, batch_size=100, block_size=8, fetch_factor=4, seed=1)]
+            for d in (on, off)
+        ]
     assert n > 0
     for a, b in zip(*batches, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -122,9 +141,23 @@ def test_a_reader_in_step_order_holds_no_segment_it_has_left(dataset_dir, prefet
     from omicsio_jax.sampling.schedule import Schedule
 
     with oj.open_dataset(dataset_dir) as ds:
-        spec = DiskSpec.of(output="csr", genes=None, normalize=None, target_sum=1e4, nnz_capacity=None, rows=None,
-                           obs=(), mesh=None, data_axis="data", num_hosts=1, batch_size=50, block_size=8,
-                           fetch_factor=2, seed=0, num_epochs=1)
+        spec = DiskSpec.of(
+            output="csr",
+            genes=None,
+            normalize=None,
+            target_sum=1e4,
+            nnz_capacity=None,
+            rows=None,
+            obs=(),
+            mesh=None,
+            data_axis="data",
+            num_hosts=1,
+            batch_size=50,
+            block_size=8,
+            fetch_factor=2,
+            seed=0,
+            num_epochs=1,
+        )
         plan, output = spec.resolve(ds)
         reader = MinibatchReader(ds, Schedule(plan, 0), output, (), num_epochs=1, prefetch=prefetch)
         try:

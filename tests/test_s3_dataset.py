@@ -85,7 +85,9 @@ def test_sidecars_equal_the_local_ones(url, local, tmp_path):
 
 
 @pytest.mark.parametrize("chunk_reader", [True, False])
-def test_an_epoch_fetches_little_more_than_its_chunks_and_a_second_pass_none(url, local, tmp_path, chunk_reader):
+def test_an_epoch_fetches_little_more_than_its_chunks_and_a_second_pass_none(
+    url, local, tmp_path, chunk_reader
+):
     with _open(url, tmp_path, chunk_reader=chunk_reader) as ds:
         first = _batches(ds)
         stats = ds.io_stats()
@@ -98,11 +100,13 @@ def test_an_epoch_fetches_little_more_than_its_chunks_and_a_second_pass_none(url
         again = _batches(ds)
         after = ds.io_stats()
         assert after.num_gets == stats.num_gets and after.chunk_hits > stats.chunk_hits  # all from the cache
-    with _open(url, tmp_path, chunk_reader=chunk_reader) as reopened:  # a new process, same cache_dir: nothing fetched
+    with _open(
+        url, tmp_path, chunk_reader=chunk_reader
+    ) as reopened:  # a new process, same cache_dir: nothing fetched
         third = _batches(reopened)
         s = reopened.io_stats()
         assert s.num_gets == s.opening_gets == s.files_downloaded == 0 and s.chunk_hits > 0
-    for (x1, i1), (x2, i2), (x3, i3) in zip(first, again, third, strict=True):
+    for (x1, i1), (_, i2), (x3, i3) in zip(first, again, third, strict=True):
         np.testing.assert_array_equal(i1, i2)
         np.testing.assert_array_equal(i1, i3)
         np.testing.assert_array_equal(x1, x3)
@@ -112,7 +116,10 @@ def test_needed_bytes_are_exactly_the_chunks_of_the_rows_read(url, tmp_path):
     with _open(url, tmp_path) as ds:
         ds.read_csr([0, 1, 40, 1500])  # chunks 0 and 2 of shard 0, chunk 29 of shard 1 (16 cells each)
         index = [np.load(ds.local_path(chunk_index_path(s.path))) for s in ds.manifest.shards]
-        chunk = lambda shard, c: int(index[shard][3 + c, 1] - index[shard][3 + c, 0])
+
+        def chunk(shard, c):
+            return int(index[shard][3 + c, 1] - index[shard][3 + c, 0])
+
         s = ds.io_stats()
         assert s.bytes_needed == chunk(0, 0) + chunk(0, 2) + chunk(1, 29) and s.chunk_misses == 3
         assert s.bytes_fetched <= 1.1 * s.bytes_needed and s.opening_gets == 0 and s.head_requests == 2
@@ -132,7 +139,9 @@ def test_concurrent_fetches_are_exact_and_never_fetch_a_chunk_twice(url, local, 
         for rows, (buf, starts) in zip(row_sets, got, strict=True):
             want_buf, want_starts = FetchReader(local).read_sorted(rows)
             assert np.array_equal(buf, want_buf) and np.array_equal(starts, want_starts)
-        unique_chunks = len(np.unique(np.concatenate(row_sets) // 16))  # shards hold whole chunks (1024 = 64 × 16)
+        unique_chunks = len(
+            np.unique(np.concatenate(row_sets) // 16)
+        )  # shards hold whole chunks (1024 = 64 × 16)
         assert ds.io_stats().chunk_misses <= unique_chunks  # (fewer: chunks of merged gaps count as hits)
 
 
@@ -181,8 +190,11 @@ def test_a_corrupted_chunk_on_s3_is_reported_and_verify_finds_it(url, dataset_di
     with _open(url, tmp_path) as ds:
         ds.read_csr(np.arange(1024, 1024 + 80))  # chunks 0..4: sound
         # the chunk holding cell 1110 (record 86 of the shard) fails its data hash
-        with pytest.raises(oj.DatasetFormatError, match=rf"shard {path}: cells 1104\.\.1119 \(records 80\.\.95\) cannot "
-                                                        r"be read: chunk data hash mismatch; run `omicsio-materialize verify s3://"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=rf"shard {path}: cells 1104\.\.1119 \(records 80\.\.95\) cannot "
+            r"be read: chunk data hash mismatch; run `omicsio-materialize verify s3://",
+        ):
             ds.read_csr([1110])
         with pytest.raises(oj.DatasetFormatError, match="omicsio-materialize verify"):
             _batches(ds)
@@ -255,8 +267,13 @@ def test_grain_source_reopens_a_remote_dataset_on_its_cache(url, local, tmp_path
 
 def test_a_changed_sidecar_is_reported(url, s3, tmp_path):
     s3.client().put_object(Bucket=s3.bucket, Key=PREFIX + "features.parquet", Body=b"not the features")
-    with _open(url, tmp_path) as ds, pytest.raises(
-            oj.DatasetFormatError, match=r"features.parquet: 16 bytes .* run `omicsio-materialize verify s3://"):
+    with (
+        _open(url, tmp_path) as ds,
+        pytest.raises(
+            oj.DatasetFormatError,
+            match=r"features.parquet: 16 bytes .* run `omicsio-materialize verify s3://",
+        ),
+    ):
         _ = ds.features
 
 
@@ -289,8 +306,11 @@ def test_a_missing_shard_is_reported_on_first_use(url, s3, tmp_path):
     s3.client().delete_object(Bucket=s3.bucket, Key=PREFIX + "shard-00002.arrayrecord")
     with _open(url, tmp_path) as ds:
         ds.read_csr([0])
-        with pytest.raises(oj.DatasetFormatError, match=r"shard-00002.arrayrecord is listed in the manifest but "
-                                                        r"missing; run `omicsio-materialize verify"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=r"shard-00002.arrayrecord is listed in the manifest but "
+            r"missing; run `omicsio-materialize verify",
+        ):
             ds.read_csr([2100])
     assert oj.verify_dataset(url) == ["shard-00002.arrayrecord: missing"]
 
@@ -301,15 +321,21 @@ def test_an_unreadable_local_shard_names_the_file(dataset_dir, tmp_path):
     (copy / "shard-00001.arrayrecord").write_bytes(np.random.default_rng(0).bytes(5000))
     with oj.open_dataset(copy) as ds:
         ds.read_csr([0])
-        with pytest.raises(oj.DatasetFormatError, match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
-                                                        r"has 5,000 bytes, the manifest lists [0-9,]+; run `omicsio-materialize"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
+            r"has 5,000 bytes, the manifest lists [0-9,]+; run `omicsio-materialize",
+        ):
             ds.read_csr([1500])
         with pytest.raises(oj.DatasetFormatError, match=r"shard-00001.arrayrecord: cannot be opened"):
             _batches(ds)
     with oj.open_dataset(copy, chunk_reader=False) as ds:  # ArrayRecord's reader: the file does not open
         ds.read_csr([0])
-        with pytest.raises(oj.DatasetFormatError, match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
-                                                        r"not a readable ArrayRecord file; run `omicsio-materialize"):
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=r"shard shard-00001.arrayrecord: cannot be opened: .*"
+            r"not a readable ArrayRecord file; run `omicsio-materialize",
+        ):
             ds.read_csr([1500])
 
 
@@ -322,9 +348,14 @@ def test_a_corrupted_local_chunk_names_the_shard_and_cells(dataset_dir, tmp_path
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 1]))
-    with oj.open_dataset(copy) as ds, pytest.raises(
-            oj.DatasetFormatError, match=r"shard shard-00000.arrayrecord: cells 32\.\.47 \(records 32\.\.47\) "
-                                         r"cannot be read: .*hash mismatch.*; run `omicsio-materialize verify"):
+    with (
+        oj.open_dataset(copy) as ds,
+        pytest.raises(
+            oj.DatasetFormatError,
+            match=r"shard shard-00000.arrayrecord: cells 32\.\.47 \(records 32\.\.47\) "
+            r"cannot be read: .*hash mismatch.*; run `omicsio-materialize verify",
+        ),
+    ):
         ds.read_records(32, 48)
 
 

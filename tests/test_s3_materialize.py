@@ -24,8 +24,11 @@ SHARD = 512
 
 def _digests(root: Path) -> dict[str, str]:
     """Every file's SHA-256; the manifest by its fingerprint (it also names the input, which differs)."""
-    out = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-           for p in sorted(root.rglob("*")) if p.is_file()}
+    out = {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
     out["manifest.json"] = json.loads((root / "manifest.json").read_text())["fingerprint"]
     return out
 
@@ -42,7 +45,9 @@ def _upload_inputs(s3, corpus, corpus_table, tmp_path) -> None:
     local = tmp_path / "in"
     for i, (a, b) in enumerate([(0, 1200), (1200, 3000)]):
         (local / "pq" / f"plate={i}").mkdir(parents=True)
-        pq.write_table(corpus_table.slice(a, b - a), local / "pq" / f"plate={i}" / "cells.parquet", row_group_size=200)
+        pq.write_table(
+            corpus_table.slice(a, b - a), local / "pq" / f"plate={i}" / "cells.parquet", row_group_size=200
+        )
         (local / "vx").mkdir(exist_ok=True)
         vortex.io.write(corpus_table.slice(a, b - a), str(local / "vx" / f"cells-{i}.vortex"))
     (local / "pq" / "gene_metadata.parquet").write_bytes(Path(corpus.genes_parquet).read_bytes())
@@ -59,7 +64,10 @@ def test_s3_to_s3_is_byte_identical_to_local(s3, corpus, corpus_table, tmp_path)
     assert result.workers == 2 and result.partitions > 2
     assert _object_digests(s3, "ds") == _digests(tmp_path / "local")  # no _parts/ left, nothing else
     # open it from S3: exact cells, the same loader batches
-    remote, local = oj.open_dataset(s3.url("ds/"), cache_dir=tmp_path / "cache"), oj.open_dataset(tmp_path / "local")
+    remote, local = (
+        oj.open_dataset(s3.url("ds/"), cache_dir=tmp_path / "cache"),
+        oj.open_dataset(tmp_path / "local"),
+    )
     rows = np.random.default_rng(0).choice(local.num_cells, 300)
     assert_csr_equal(remote.read_csr(rows), local.read_csr(rows))
     kw = dict(batch_size=64, block_size=16, fetch_factor=4, seed=3, num_epochs=1)
@@ -74,18 +82,34 @@ def test_vortex_and_h5ad_on_s3(s3, corpus, corpus_table, tmp_path, kind):
     local_input = str(tmp_path / "in" / ("vx" if kind == "vortex" else "cells.h5ad"))
     remote_input = s3.url("in/vx/") if kind == "vortex" else s3.url("in/cells.h5ad")
     genes = {"genes": s3.url("in/pq/gene_metadata.parquet")} if kind == "vortex" else {}
-    materialize(local_input, tmp_path / "local", shard_cells=SHARD, progress=False, workers=1,
-                **({"genes": corpus.genes_parquet} if kind == "vortex" else {}))
+    materialize(
+        local_input,
+        tmp_path / "local",
+        shard_cells=SHARD,
+        progress=False,
+        workers=1,
+        **({"genes": corpus.genes_parquet} if kind == "vortex" else {}),
+    )
     materialize(remote_input, tmp_path / "remote", shard_cells=SHARD, progress=False, workers=2, **genes)
     assert _digests(tmp_path / "remote") == _digests(tmp_path / "local")
 
 
 def test_dask_writes_to_s3(s3, corpus, corpus_table, tmp_path, dask_cluster):
     _upload_inputs(s3, corpus, corpus_table, tmp_path)
-    materialize(str(tmp_path / "in" / "pq" / "*" / "*.parquet"), tmp_path / "local", shard_cells=SHARD,
-                progress=False, workers=1)
-    materialize(s3.url("in/pq/*/*.parquet"), s3.url("dask"), shard_cells=SHARD, progress=False,
-                dask_scheduler=dask_cluster.scheduler_address)
+    materialize(
+        str(tmp_path / "in" / "pq" / "*" / "*.parquet"),
+        tmp_path / "local",
+        shard_cells=SHARD,
+        progress=False,
+        workers=1,
+    )
+    materialize(
+        s3.url("in/pq/*/*.parquet"),
+        s3.url("dask"),
+        shard_cells=SHARD,
+        progress=False,
+        dask_scheduler=dask_cluster.scheduler_address,
+    )
     assert _object_digests(s3, "dask") == _digests(tmp_path / "local")
 
 
@@ -93,15 +117,20 @@ def test_s3_output_is_never_complete_before_its_manifest(s3, corpus, corpus_tabl
     pq.write_table(corpus_table, tmp_path / "good.parquet")
     values = corpus_table.column("gene_expression").to_pylist()
     values[2900][0] = -1.0  # the last partition fails after the others were uploaded
-    bad = corpus_table.set_column(corpus_table.column_names.index("gene_expression"), "gene_expression",
-                                  __import__("pyarrow").array(values))
+    bad = corpus_table.set_column(
+        corpus_table.column_names.index("gene_expression"),
+        "gene_expression",
+        __import__("pyarrow").array(values),
+    )
     pq.write_table(bad, tmp_path / "bad.parquet")
     out = s3.url("ds")
     materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False, workers=2)
     with pytest.raises(oj.OmicsIOError, match="already holds a dataset; pass --overwrite"):
         materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False)
     with pytest.raises(oj.DataValidationError, match="negative gene_expression -1.0 in row 2900"):
-        materialize(tmp_path / "bad.parquet", out, shard_cells=SHARD, progress=False, workers=2, overwrite=True)
+        materialize(
+            tmp_path / "bad.parquet", out, shard_cells=SHARD, progress=False, workers=2, overwrite=True
+        )
     assert S3Store(out).list() == []  # the old manifest went first; what the failed run wrote was removed
     s3.client().put_object(Bucket=s3.bucket, Key="ds/notes.txt", Body=b"mine")
     with pytest.raises(oj.OmicsIOError, match="refusing to write into .* holds 1 object"):
@@ -120,7 +149,9 @@ def test_object_storage_errors_are_one_line(s3, corpus, tmp_path, monkeypatch, c
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     assert main([*args[:1], s3.url("ds"), *args[1:]]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no AWS credentials for s3://omicsio-test/ds: set AWS_ACCESS_KEY_ID" in err
+    assert (
+        err.count("\n") == 1 and "no AWS credentials for s3://omicsio-test/ds: set AWS_ACCESS_KEY_ID" in err
+    )
 
 
 def test_open_table_over_s3_gives_the_local_answers(s3, corpus, corpus_table, tmp_path):
@@ -128,7 +159,13 @@ def test_open_table_over_s3_gives_the_local_answers(s3, corpus, corpus_table, tm
     local, remote = oj.open_table(str(tmp_path / "in" / "pq")), oj.open_table(s3.url("in/pq/"))
     assert remote.num_cells == local.num_cells == corpus_table.num_rows
     assert remote.genes.table.equals(local.genes.table)
-    np.testing.assert_array_equal(remote.select("tissue = 'lung' AND plate = 1"), local.select("tissue = 'lung' AND plate = 1"))
-    np.testing.assert_array_equal(remote.cells_expressing([3, 40], mode="any"), local.cells_expressing([3, 40], mode="any"))
+    np.testing.assert_array_equal(
+        remote.select("tissue = 'lung' AND plate = 1"), local.select("tissue = 'lung' AND plate = 1")
+    )
+    np.testing.assert_array_equal(
+        remote.cells_expressing([3, 40], mode="any"), local.cells_expressing([3, 40], mode="any")
+    )
     rows = [5, 1300, 2999]
-    np.testing.assert_array_equal(remote.panel([0, 3, 17], rowids=rows).x, local.panel([0, 3, 17], rowids=rows).x)
+    np.testing.assert_array_equal(
+        remote.panel([0, 3, 17], rowids=rows).x, local.panel([0, 3, 17], rowids=rows).x
+    )

@@ -112,8 +112,9 @@ def test_class_balanced_weights():
     weights = class_weights(codes)
     np.testing.assert_allclose(weights, [1 / 3, 1 / 3, 1 / 3, 1, 0, 1 / 2, 1 / 2])
     labels = np.repeat([0, 1, 2], [9000, 900, 100])
-    plan = SamplingPlan(np.arange(len(labels)), 100, 1, 4, seed=2, sampling="class_balanced",
-                        weights=class_weights(labels))
+    plan = SamplingPlan(
+        np.arange(len(labels)), 100, 1, 4, seed=2, sampling="class_balanced", weights=class_weights(labels)
+    )
     counts = np.bincount(labels[plan.epoch_order(0)], minlength=3) / len(labels)
     assert np.all(np.abs(counts - 1 / 3) < 0.03)
 
@@ -145,7 +146,11 @@ def test_slices_of_an_epoch_order_are_those_of_the_whole_order(sampling):
         weights = rng.random(n) if sampling == "weighted" else None
         plan = SamplingPlan(rows, 4, b, 2, int(rng.integers(100)), sampling, weights=weights)
         order = plan.order_of(3)
-        whole = rows if order.blocks is None else np.concatenate([rows[k * b : (k + 1) * b] for k in order.blocks])
+        whole = (
+            rows
+            if order.blocks is None
+            else np.concatenate([rows[k * b : (k + 1) * b] for k in order.blocks])
+        )
         assert len(order) == len(whole) and np.array_equal(order[:], whole)
         assert np.array_equal(plan.epoch_order(3), whole)
         for _ in range(6):
@@ -168,11 +173,19 @@ def test_a_plan_over_every_cell_holds_no_row_array_and_samples_as_one_over_arang
     with pytest.raises(IndexError):
         every[n]
     for sampling in ("block", "stream", "weighted"):
-        kw = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 3, "sampling": sampling, "num_hosts": 2,
-              "weights": np.linspace(0.5, 2, n) if sampling == "weighted" else None}
+        kw = {
+            "batch_size": 64,
+            "block_size": 16,
+            "fetch_factor": 4,
+            "seed": 3,
+            "sampling": sampling,
+            "num_hosts": 2,
+            "weights": np.linspace(0.5, 2, n) if sampling == "weighted" else None,
+        }
         lazy, eager = SamplingPlan(every, **kw), SamplingPlan(arange, **kw)
         assert lazy.describe() == eager.describe()
         np.testing.assert_array_equal(lazy.epoch_order(1), eager.epoch_order(1))
         for index in (0, lazy.fetches_per_epoch - 1):
-            np.testing.assert_array_equal(lazy.serving_rows(lazy.fetch(1, index, 1)),
-                                          eager.serving_rows(eager.fetch(1, index, 1)))
+            np.testing.assert_array_equal(
+                lazy.serving_rows(lazy.fetch(1, index, 1)), eager.serving_rows(eager.fetch(1, index, 1))
+            )

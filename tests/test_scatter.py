@@ -23,8 +23,11 @@ def csr_batches(draw, widths=(1, 7, 300, 70_000), max_rows=10, duplicates=False,
     cols, vals, lengths = [], [], []
     for _ in range(num_rows):
         size = draw(st.sampled_from([0, 1, 1, 2, 30]))
-        row = draw(st.lists(st.integers(0, num_genes - 1), min_size=min(size, 1), max_size=size,
-                            unique=not duplicates))
+        row = draw(
+            st.lists(
+                st.integers(0, num_genes - 1), min_size=min(size, 1), max_size=size, unique=not duplicates
+            )
+        )
         cols += row if duplicates else sorted(row)
         vals += draw(st.lists(st.one_of(counts, floats), min_size=len(row), max_size=len(row)))
         lengths.append(len(row))
@@ -62,13 +65,15 @@ def dirty(shape):
 def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse):
     indptr, indices, values, num_genes = batch
     out = dirty((len(indptr) - 1, num_genes)) if reuse else None
-    got = scatter.scatter_dense(indptr, indices, values, num_genes, out=out, normalize=normalize,
-                                 target_sum=target_sum)
+    got = scatter.scatter_dense(
+        indptr, indices, values, num_genes, out=out, normalize=normalize, target_sum=target_sum
+    )
     assert got.shape == (len(indptr) - 1, num_genes) and got.dtype == np.float32
     if reuse:
         assert got is out
-    np.testing.assert_allclose(got, ref_dense(indptr, indices, values, num_genes, normalize, target_sum),
-                               rtol=1e-6, atol=0)
+    np.testing.assert_allclose(
+        got, ref_dense(indptr, indices, values, num_genes, normalize, target_sum), rtol=1e-6, atol=0
+    )
 
 
 @given(csr_batches(widths=(1, 7, 300), duplicates=True))
@@ -91,8 +96,9 @@ def test_normalize_log1p_is_scanpy_normalize_total_then_log1p(batch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@given(csr_batches(), st.sampled_from(["none", "some", "all"]), st.sampled_from(MODES), st.booleans(),
-       st.data())
+@given(
+    csr_batches(), st.sampled_from(["none", "some", "all"]), st.sampled_from(MODES), st.booleans(), st.data()
+)
 @settings(max_examples=50, deadline=None)
 def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse, data):
     indptr, indices, values, num_genes = batch
@@ -110,8 +116,14 @@ def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse,
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
 
 
-@given(csr_batches(widths=(1, 7, 300, 70_000)), st.sampled_from(MODES), st.sampled_from(["full", "panel"]),
-       st.booleans(), st.integers(0, 3), st.data())
+@given(
+    csr_batches(widths=(1, 7, 300, 70_000)),
+    st.sampled_from(MODES),
+    st.sampled_from(["full", "panel"]),
+    st.booleans(),
+    st.integers(0, 3),
+    st.data(),
+)
 @settings(max_examples=60, deadline=None)
 def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, dense_layout, padding, data):
     """The loader's one-pass records → rows equals decoding to CSR and scattering, bit for bit."""
@@ -129,21 +141,25 @@ def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, de
         gene_to_col = scatter.make_gene_to_col(num_genes, panel)
     width = num_genes if gene_to_col is None else len(panel)
     rows = len(indptr) - 1 + padding
-    got = scatter.decode_scatter(buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize)
+    got = scatter.decode_scatter(
+        buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize
+    )
     ptr, idx, val = codec.decode_csr(buf, starts, num_genes)
     ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
     if gene_to_col is None:
         expected = scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)
     else:
-        expected = scatter.scatter_panel(ptr, idx, val, gene_to_col, out=np.empty((rows, width), np.float32),
-                                          normalize=normalize)
+        expected = scatter.scatter_panel(
+            ptr, idx, val, gene_to_col, out=np.empty((rows, width), np.float32), normalize=normalize
+        )
     np.testing.assert_array_equal(got, expected)
     assert not got[len(indptr) - 1 :].any()
 
 
 def test_decode_scatter_refuses_a_malformed_record():
-    buf, starts = codec.encode_csr(np.array([0, 2], np.int64), np.array([1, 3], np.int32),
-                                    np.array([1.0, 2.0], np.float32))
+    buf, starts = codec.encode_csr(
+        np.array([0, 2], np.int64), np.array([1, 3], np.int32), np.array([1.0, 2.0], np.float32)
+    )
     buf[1] = 9  # an unknown index code
     with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
         scatter.decode_scatter(buf, starts, np.empty((1, 5), np.float32), normalize="log1p")
@@ -192,8 +208,9 @@ def test_pad_csr_overflow_and_slices():
 def test_densify_on_device_matches_numpy(batch, normalize):
     indptr, indices, values, num_genes = batch
     row_ids, cols, vals, _ = scatter.pad_csr(indptr, indices, values, capacity=256)
-    got = np.asarray(scatter.densify_on_device(row_ids, cols, vals, num_rows=8, num_genes=num_genes,
-                                                normalize=normalize))
+    got = np.asarray(
+        scatter.densify_on_device(row_ids, cols, vals, num_rows=8, num_genes=num_genes, normalize=normalize)
+    )
     expected = np.zeros((8, num_genes), np.float32)
     expected[: len(indptr) - 1] = ref_dense(indptr, indices, values, num_genes, normalize)
     # float32 totals on device; XLA on CPU flushes subnormal results to zero
@@ -243,5 +260,6 @@ def test_bad_input_is_reported():
     with pytest.raises(ValueError, match=r"target_sum=0 must be a positive"):
         scatter.scatter_panel(indptr, indices, values, np.zeros(10, np.int32), target_sum=0)
     with pytest.raises(ValueError, match=r"gene_to_col must hold -1 or columns in \[0, 1\)"):
-        scatter.scatter_panel(indptr, indices, values, np.array([0, 1] * 5, np.int32),
-                               out=np.zeros((2, 1), np.float32))
+        scatter.scatter_panel(
+            indptr, indices, values, np.array([0, 1] * 5, np.int32), out=np.zeros((2, 1), np.float32)
+        )

@@ -48,8 +48,14 @@ def assert_data_sharded(arr, mesh) -> None:
 
 # ----- streaming from a query ------------------------------------------------------------------
 def test_stream_loader_full_rows_in_table_order(table, reference, mesh):
-    loader = oj.make_stream_loader(table, batch_size=256, where="tissue = 'lung'", obs=("cell_type", "n_genes"),
-                                   mesh=mesh, batch_rows=300)
+    loader = oj.make_stream_loader(
+        table,
+        batch_size=256,
+        where="tissue = 'lung'",
+        obs=("cell_type", "n_genes"),
+        mesh=mesh,
+        batch_rows=300,
+    )
     batches = list(loader)
     rows = table.select("tissue = 'lung'")
     assert len(batches) == -(-len(rows) // 256)
@@ -71,15 +77,22 @@ def test_stream_loader_full_rows_in_table_order(table, reference, mesh):
 
 
 def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh):
-    kw = dict(batch_size=128, genes=table.genes.names(PANEL), shuffle_buffer=1000, seed=3, mesh=mesh,
-              drop_remainder=True, normalize="log1p")
+    kw = dict(
+        batch_size=128,
+        genes=table.genes.names(PANEL),
+        shuffle_buffer=1000,
+        seed=3,
+        mesh=mesh,
+        drop_remainder=True,
+        normalize="log1p",
+    )
     loader = oj.make_stream_loader(table, **kw)
     epoch0 = [(host(b.index), host(b.x)) for b in loader.epoch(0)]
     assert len(epoch0) == 3000 // 128
     index = np.concatenate([i for i, _ in epoch0])
     assert len(np.unique(index)) == len(index) == 128 * (3000 // 128)
     assert not np.array_equal(index, np.sort(index))  # shuffled ...
-    first_window = index[: 7 * 128]                       # ... but only within a window of ~1,000 rows
+    first_window = index[: 7 * 128]  # ... but only within a window of ~1,000 rows
     assert first_window.max() < 1000 + 128
     x = np.concatenate([x for _, x in epoch0])
     np.testing.assert_array_equal(x, np.log1p(reference[index][:, PANEL]))
@@ -102,11 +115,15 @@ def panel_dataset(corpus, tmp_path_factory):
     """The corpus materialized in the dense layout of PANEL."""
     root = tmp_path_factory.mktemp("panelds")
     (root / "panel.txt").write_text("\n".join(map(str, PANEL)) + "\n")
-    materialize(corpus.cells_parquet, root / "out", panel=root / "panel.txt", shard_cells=1024, progress=False)
+    materialize(
+        corpus.cells_parquet, root / "out", panel=root / "panel.txt", shard_cells=1024, progress=False
+    )
     return oj.open_dataset(root / "out")
 
 
-def test_load_panel_from_table_dense_dataset_and_sparse_dataset_agree(table, panel_dataset, dataset_dir, reference):
+def test_load_panel_from_table_dense_dataset_and_sparse_dataset_agree(
+    table, panel_dataset, dataset_dir, reference
+):
     names = table.genes.names(PANEL)
     from_table = oj.load_panel(table, names, obs=("cell_type",), progress=False)
     from_dense = oj.load_panel(panel_dataset, obs=("cell_type",), progress=False)
@@ -116,8 +133,9 @@ def test_load_panel_from_table_dense_dataset_and_sparse_dataset_agree(table, pan
         np.testing.assert_array_equal(p.rowids, np.arange(3000))
         assert p.x.ctypes.data % 64 == 0 and list(p.genes) == names
     cats = from_table.categories["cell_type"]
-    assert [cats[c] for c in from_table.obs["cell_type"]] == \
-        [from_dense.categories["cell_type"][c] for c in from_dense.obs["cell_type"]]
+    assert [cats[c] for c in from_table.obs["cell_type"]] == [
+        from_dense.categories["cell_type"][c] for c in from_dense.obs["cell_type"]
+    ]
     lung = oj.load_panel(table, PANEL, where="tissue = 'lung'", normalize="log1p", progress=False)
     np.testing.assert_array_equal(lung.rowids, table.select("tissue = 'lung'"))
     np.testing.assert_array_equal(lung.x, np.log1p(reference[lung.rowids][:, PANEL]))
@@ -142,7 +160,9 @@ def collect(loader, n):
 
 @pytest.mark.parametrize("placement", ["host", "device"])
 def test_memory_loader_batches_are_the_panel_rows(panel, mesh, placement):
-    loader = oj.make_memory_loader(panel, batch_size=256, seed=1, num_epochs=2, placement=placement, mesh=mesh)
+    loader = oj.make_memory_loader(
+        panel, batch_size=256, seed=1, num_epochs=2, placement=placement, mesh=mesh
+    )
     per_epoch = loader.steps_per_epoch
     batches = list(loader)
     assert len(batches) == 2 * per_epoch
@@ -162,7 +182,9 @@ def test_memory_loader_batches_are_the_panel_rows(panel, mesh, placement):
 
 
 def test_host_loader_covers_every_cell_with_padding(panel, mesh):
-    loader = oj.make_memory_loader(panel, batch_size=512, seed=0, placement="host", mesh=mesh, drop_remainder=False)
+    loader = oj.make_memory_loader(
+        panel, batch_size=512, seed=0, placement="host", mesh=mesh, drop_remainder=False
+    )
     batches = list(loader)
     assert len(batches) == -(-3000 // 512)
     seen = np.concatenate([host(b.index)[host(b.mask)] for b in batches])
@@ -173,8 +195,9 @@ def test_host_loader_covers_every_cell_with_padding(panel, mesh):
 
 def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
     def stream(h):
-        loader = oj.make_memory_loader(panel, batch_size=256, seed=4, placement="host", process_index=h,
-                                       process_count=2)
+        loader = oj.make_memory_loader(
+            panel, batch_size=256, seed=4, placement="host", process_index=h, process_count=2
+        )
         return [b.index for b in loader._host_batches(0, 0)]
 
     a, b = stream(0), stream(1)
@@ -215,7 +238,11 @@ def test_memory_loader_refuses_state_from_another_config(panel, mesh):
 def test_device_draw_stays_on_each_device(panel, mesh):
     loader = oj.make_memory_loader(panel, batch_size=256, seed=0, placement="device", mesh=mesh)
     next(loader)
-    hlo = memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local).compile().as_text()
+    hlo = (
+        memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local)
+        .compile()
+        .as_text()
+    )
     for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
         assert collective not in hlo
     x = loader._arrays["x"]

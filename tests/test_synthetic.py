@@ -20,8 +20,14 @@ LABELS = ["cell_type", "drug", "batch", "dataset", "tissue", "organism"]
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
     """3,000 cells × 2,000 genes on 5 plates, parquet + h5ad."""
-    return make_synthetic_corpus(tmp_path_factory.mktemp("synthetic"), num_cells=CELLS, num_genes=GENES,
-                                 seed=11, num_plates=PLATES, mean_nnz=150.0)
+    return make_synthetic_corpus(
+        tmp_path_factory.mktemp("synthetic"),
+        num_cells=CELLS,
+        num_genes=GENES,
+        seed=11,
+        num_plates=PLATES,
+        mean_nnz=150.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,14 @@ def test_result_and_files(corpus: SyntheticCorpus, table: pa.Table) -> None:
     assert (corpus.num_cells, corpus.num_genes) == (CELLS, GENES)
     assert corpus.cells_parquet.name == "cells.parquet" and corpus.h5ad.name == "cells.h5ad"
     assert corpus.nnz == len(list_csr(table)[1])
-    assert table.column_names == ["cell_id", "gene_token_id", "gene_expression", *LABELS,
-                                  "n_genes", "total_counts"]
+    assert table.column_names == [
+        "cell_id",
+        "gene_token_id",
+        "gene_expression",
+        *LABELS,
+        "n_genes",
+        "total_counts",
+    ]
     assert table.schema.field("gene_token_id").type == pa.list_(pa.int32())
     assert table.schema.field("gene_expression").type == pa.list_(pa.float32())
     assert pq.ParquetFile(corpus.cells_parquet).metadata.row_group(0).num_rows == min(CELLS, 8192)
@@ -122,8 +134,9 @@ def test_labels_are_learnable(table: pa.Table) -> None:
         assert accuracy > 5.0 / len(classes), (key, accuracy)
 
 
-def test_same_seed_same_data_other_seed_differs(tmp_path: Path, corpus: SyntheticCorpus,
-                                                table: pa.Table) -> None:
+def test_same_seed_same_data_other_seed_differs(
+    tmp_path: Path, corpus: SyntheticCorpus, table: pa.Table
+) -> None:
     kwargs = dict(num_cells=CELLS, num_genes=GENES, num_plates=PLATES, mean_nnz=150.0, write_h5ad=False)
     again = make_synthetic_corpus(tmp_path / "again", seed=11, **kwargs)
     assert again.h5ad is None
@@ -144,8 +157,9 @@ def test_realistic_mean_nnz(tmp_path: Path) -> None:
 
 def test_multi_chunk_and_row_groups(tmp_path: Path) -> None:
     """More than one generation chunk; h5ad and parquet still agree."""
-    corpus = make_synthetic_corpus(tmp_path, num_cells=9000, num_genes=500, mean_nnz=60.0,
-                                   row_group_size=4000)
+    corpus = make_synthetic_corpus(
+        tmp_path, num_cells=9000, num_genes=500, mean_nnz=60.0, row_group_size=4000
+    )
     table = pq.read_table(corpus.cells_parquet)
     assert pq.ParquetFile(corpus.cells_parquet).metadata.num_row_groups == 4  # 4000+4000+192 | 808
     indptr, indices, data = list_csr(table)
@@ -154,8 +168,8 @@ def test_multi_chunk_and_row_groups(tmp_path: Path) -> None:
         assert backed.shape == (9000, 500)
         x = backed.X[8000:8300]
         np.testing.assert_array_equal(x.indptr, indptr[8000:8301] - indptr[8000])
-        np.testing.assert_array_equal(x.indices, indices[indptr[8000]:indptr[8300]])
-        np.testing.assert_array_equal(x.data, data[indptr[8000]:indptr[8300]])
+        np.testing.assert_array_equal(x.indices, indices[indptr[8000] : indptr[8300]])
+        np.testing.assert_array_equal(x.data, data[indptr[8000] : indptr[8300]])
     finally:
         backed.file.close()
 
@@ -177,8 +191,12 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path), "--cells", "300", "--genes", "400", "--plates", "3", "--no-h5ad",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [str(tmp_path), "--cells", "300", "--genes", "400", "--plates", "3", "--no-h5ad", "--no-progress"]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert line.startswith("cells=300 genes=400 nnz=") and "files=cells.parquet,gene_metadata.parquet" in line
     assert not (tmp_path / "cells.h5ad").exists()
@@ -188,16 +206,25 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 # --------------------------------------------------------------------------- multimodal
 
 MM_CELLS, MM_GENES, PEAKS, ATAC_NNZ, ATAC_FRACTION = 2500, 2000, 30_000, 600.0, 0.8
-MM_ARGS = {"num_cells": MM_CELLS, "num_genes": MM_GENES, "seed": 5, "num_plates": 3, "mean_nnz": 150.0,
-           "multimodal": True, "num_peaks": PEAKS, "atac_mean_nnz": ATAC_NNZ}
+MM_ARGS = {
+    "num_cells": MM_CELLS,
+    "num_genes": MM_GENES,
+    "seed": 5,
+    "num_plates": 3,
+    "mean_nnz": 150.0,
+    "multimodal": True,
+    "num_peaks": PEAKS,
+    "atac_mean_nnz": ATAC_NNZ,
+}
 LAYER_NAMES = ("spliced", "unspliced", "ambiguous")
 
 
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
     """2,500 cells with splice layers and ATAC (80% of the cells, shuffled), parquet + h5ad + h5mu."""
-    return make_synthetic_corpus(tmp_path_factory.mktemp("multimodal"), atac_fraction=ATAC_FRACTION,
-                                 write_h5mu=True, **MM_ARGS)
+    return make_synthetic_corpus(
+        tmp_path_factory.mktemp("multimodal"), atac_fraction=ATAC_FRACTION, write_h5mu=True, **MM_ARGS
+    )
 
 
 def to_csr(table: pa.Table, num_cols: int, ids: str = "gene_token_id", values: str = "gene_expression"):
@@ -207,8 +234,10 @@ def to_csr(table: pa.Table, num_cols: int, ids: str = "gene_token_id", values: s
     col_ids, col_values = table.column(ids).combine_chunks(), table.column(values).combine_chunks()
     np.testing.assert_array_equal(col_ids.offsets.to_numpy(), col_values.offsets.to_numpy())
     indptr = col_ids.offsets.to_numpy().astype(np.int64)
-    return sp.csr_matrix((col_values.flatten().to_numpy(), col_ids.flatten().to_numpy(), indptr - indptr[0]),
-                         shape=(table.num_rows, num_cols))
+    return sp.csr_matrix(
+        (col_values.flatten().to_numpy(), col_ids.flatten().to_numpy(), indptr - indptr[0]),
+        shape=(table.num_rows, num_cols),
+    )
 
 
 def assert_sorted_rows(m) -> None:
@@ -238,20 +267,33 @@ def test_multimodal_files_and_schemas(multi: SyntheticCorpus) -> None:
         assert schema.field("gene_expression").type == pa.list_(pa.float32())
     atac = pq.read_schema(multi.atac_parquet)
     assert atac.names == ["cell_id", "peak_token_id", "peak_accessibility", "dataset"]
-    assert [atac.field(n).type for n in atac.names] == [pa.string(), pa.list_(pa.int32()), pa.list_(pa.float32()),
-                                                        pa.string()]
+    assert [atac.field(n).type for n in atac.names] == [
+        pa.string(),
+        pa.list_(pa.int32()),
+        pa.list_(pa.float32()),
+        pa.string(),
+    ]
     peaks = pq.read_table(multi.peaks_parquet)
-    assert peaks.schema == pa.schema([("peak_token_id", pa.int32()), ("chrom", pa.string()), ("start", pa.int64()),
-                                      ("end", pa.int64()), ("peak_name", pa.string())])
+    assert peaks.schema == pa.schema(
+        [
+            ("peak_token_id", pa.int32()),
+            ("chrom", pa.string()),
+            ("start", pa.int64()),
+            ("end", pa.int64()),
+            ("peak_name", pa.string()),
+        ]
+    )
     df = peaks.to_pandas()
     np.testing.assert_array_equal(df["peak_token_id"], np.arange(PEAKS))
     widths = df["end"] - df["start"]
     assert widths.min() >= 300 and widths.max() <= 1000 and df["start"].min() > 0
     chroms = list(dict.fromkeys(df["chrom"]))  # karyotype order, each chromosome one run
     assert chroms == [f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY"]
-    same = (df["chrom"].to_numpy()[1:] == df["chrom"].to_numpy()[:-1])
+    same = df["chrom"].to_numpy()[1:] == df["chrom"].to_numpy()[:-1]
     assert (df["start"].to_numpy()[1:][same] > df["end"].to_numpy()[:-1][same]).all()  # sorted, disjoint
-    assert df["peak_name"].tolist()[:2] == [f"{c}:{s}-{e}" for c, s, e in df[["chrom", "start", "end"]].head(2).values]
+    assert df["peak_name"].tolist()[:2] == [
+        f"{c}:{s}-{e}" for c, s, e in df[["chrom", "start", "end"]].head(2).values
+    ]
     assert df["peak_name"].is_unique
 
 
@@ -294,12 +336,22 @@ def test_atac_cells(multi: SyntheticCorpus) -> None:
 
 def atac_by_cell(path: Path) -> dict[str, tuple[list[int], list[float]]]:
     table = pq.read_table(path)
-    return dict(zip(table.column("cell_id").to_pylist(),
-                    zip(table.column("peak_token_id").to_pylist(), table.column("peak_accessibility").to_pylist())))
+    return dict(
+        zip(
+            table.column("cell_id").to_pylist(),
+            zip(
+                table.column("peak_token_id").to_pylist(),
+                table.column("peak_accessibility").to_pylist(),
+                strict=True,
+            ),
+            strict=True,
+        )
+    )
 
 
-def test_atac_order_does_not_change_content(tmp_path: Path, multi: SyntheticCorpus,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atac_order_does_not_change_content(
+    tmp_path: Path, multi: SyntheticCorpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from materialize import _synthetic_multimodal
 
     shuffled = atac_by_cell(multi.atac_parquet)
@@ -319,8 +371,15 @@ def test_atac_order_does_not_change_content(tmp_path: Path, multi: SyntheticCorp
 
 def test_multimodal_is_deterministic(tmp_path: Path) -> None:
     """Two RNA chunks (9,000 cells): equal arguments, equal tables; layers still sum to the counts."""
-    args = {"num_cells": 9000, "num_genes": 500, "mean_nnz": 60.0, "multimodal": True, "num_peaks": 5000,
-            "atac_mean_nnz": 300.0, "write_h5ad": False}
+    args = {
+        "num_cells": 9000,
+        "num_genes": 500,
+        "mean_nnz": 60.0,
+        "multimodal": True,
+        "num_peaks": 5000,
+        "atac_mean_nnz": 300.0,
+        "write_h5ad": False,
+    }
     a, b = (make_synthetic_corpus(tmp_path / name, seed=2, **args) for name in ("a", "b"))
     for name in ("cells_parquet", "atac_parquet", "peaks_parquet"):
         assert pq.read_table(getattr(a, name)).equals(pq.read_table(getattr(b, name))), name
@@ -390,24 +449,66 @@ def test_multimodal_edge_cases(tmp_path: Path) -> None:
     for bad in ({"num_peaks": 0}, {"atac_fraction": 1.5}, {"atac_mean_nnz": 0.0}):
         with pytest.raises(ValueError):
             make_synthetic_corpus(tmp_path / "b", num_cells=100, num_genes=100, multimodal=True, **bad)
-    none = make_synthetic_corpus(tmp_path / "c", num_cells=100, num_genes=100, mean_nnz=20.0, multimodal=True,
-                                 num_peaks=1000, atac_fraction=0.0, write_h5ad=False)
+    none = make_synthetic_corpus(
+        tmp_path / "c",
+        num_cells=100,
+        num_genes=100,
+        mean_nnz=20.0,
+        multimodal=True,
+        num_peaks=1000,
+        atac_fraction=0.0,
+        write_h5ad=False,
+    )
     assert none.atac_nnz == 0 and pq.read_table(none.atac_parquet).num_rows == 0
-    assert pq.read_schema(none.atac_parquet).names == ["cell_id", "peak_token_id", "peak_accessibility", "dataset"]
+    assert pq.read_schema(none.atac_parquet).names == [
+        "cell_id",
+        "peak_token_id",
+        "peak_accessibility",
+        "dataset",
+    ]
     plain = make_synthetic_corpus(tmp_path / "d", num_cells=100, num_genes=100, mean_nnz=20.0)
-    assert (plain.layers, plain.atac_parquet, plain.peaks_parquet, plain.h5mu, plain.num_peaks, plain.atac_nnz) == (
-        None, None, None, None, 0, 0)
+    assert (
+        plain.layers,
+        plain.atac_parquet,
+        plain.peaks_parquet,
+        plain.h5mu,
+        plain.num_peaks,
+        plain.atac_nnz,
+    ) == (None, None, None, None, 0, 0)
     assert not (tmp_path / "d" / "atac_cells.parquet").exists()
     assert sorted(ad.read_h5ad(plain.h5ad).layers) == []
 
 
 def test_cli_multimodal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path), "--cells", "300", "--genes", "400", "--plates", "3", "--multimodal",
-                 "--peaks", "3000", "--h5mu", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                str(tmp_path),
+                "--cells",
+                "300",
+                "--genes",
+                "400",
+                "--plates",
+                "3",
+                "--multimodal",
+                "--peaks",
+                "3000",
+                "--h5mu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert line.startswith("cells=300 genes=400 nnz=") and " peaks=3000 atac_nnz=" in line
-    for name in ("rna_layers_spliced.parquet", "rna_layers_unspliced.parquet", "rna_layers_ambiguous.parquet",
-                 "atac_cells.parquet", "peaks.parquet", "cells.h5mu"):
+    for name in (
+        "rna_layers_spliced.parquet",
+        "rna_layers_unspliced.parquet",
+        "rna_layers_ambiguous.parquet",
+        "atac_cells.parquet",
+        "peaks.parquet",
+        "cells.h5mu",
+    ):
         assert name in line and (tmp_path / name).exists(), name
     assert pq.read_table(tmp_path / "peaks.parquet").num_rows == 3000
     assert read_mudata(tmp_path / "cells.h5mu").mod["atac"].shape[1] == 3000

@@ -24,23 +24,27 @@ NUM_GENES = 400  # gene index 0..399 ↔ token 3..402
 NUM_FILES, CELLS_PER_FILE = 3, 110
 OBS = ("drug", "sample", "cell_line_id", "moa-fine", "canonical_smiles", "pubchem_cid", "plate")
 
-CELLS_SCHEMA = pa.schema([
-    ("genes", pa.list_(pa.int64())),
-    ("expressions", pa.list_(pa.float32())),
-    ("drug", pa.string()),
-    ("sample", pa.string()),
-    ("BARCODE_SUB_LIB_ID", pa.string()),
-    ("cell_line_id", pa.string()),
-    ("moa-fine", pa.string()),
-    ("canonical_smiles", pa.string()),
-    ("pubchem_cid", pa.string()),
-    ("plate", pa.string()),
-])
-GENES_SCHEMA = pa.schema([
-    ("gene_symbol", pa.string()),
-    ("ensembl_id", pa.string()),
-    ("token_id", pa.int64()),
-])
+CELLS_SCHEMA = pa.schema(
+    [
+        ("genes", pa.list_(pa.int64())),
+        ("expressions", pa.list_(pa.float32())),
+        ("drug", pa.string()),
+        ("sample", pa.string()),
+        ("BARCODE_SUB_LIB_ID", pa.string()),
+        ("cell_line_id", pa.string()),
+        ("moa-fine", pa.string()),
+        ("canonical_smiles", pa.string()),
+        ("pubchem_cid", pa.string()),
+        ("plate", pa.string()),
+    ]
+)
+GENES_SCHEMA = pa.schema(
+    [
+        ("gene_symbol", pa.string()),
+        ("ensembl_id", pa.string()),
+        ("token_id", pa.int64()),
+    ]
+)
 
 
 def _cells(rng: np.random.Generator, num_cells: int, first_cell: int) -> pa.Table:
@@ -55,28 +59,36 @@ def _cells(rng: np.random.Generator, num_cells: int, first_cell: int) -> pa.Tabl
     drugs = ["8-Hydroxyquinoline", "DMSO_TF", "Afatinib"]
     pick = rng.integers(0, 3, size=num_cells)
     cell = np.arange(first_cell, first_cell + num_cells)
-    return pa.table({
-        "genes": genes,
-        "expressions": expressions,
-        "drug": [drugs[k] for k in pick],
-        "sample": [f"smp_{1783 + k}" for k in pick],
-        "BARCODE_SUB_LIB_ID": [f"01_001_{c:03d}-lib_1105" for c in cell],
-        "cell_line_id": [f"CVCL_0{480 + c % 5}" for c in cell],
-        "moa-fine": [("unclear", "Vehicle", "EGFR inhibitor")[k] for k in pick],
-        "canonical_smiles": [("C1=CC2=C(C(=C1)O)N=CC=C2", "CS(C)=O", "CN(C)C/C=C/C(=O)N")[k] for k in pick],
-        "pubchem_cid": [("1923.0", "679.0", "10184653.0")[k] for k in pick],
-        "plate": ["plate4"] * num_cells,
-    }, schema=CELLS_SCHEMA)
+    return pa.table(
+        {
+            "genes": genes,
+            "expressions": expressions,
+            "drug": [drugs[k] for k in pick],
+            "sample": [f"smp_{1783 + k}" for k in pick],
+            "BARCODE_SUB_LIB_ID": [f"01_001_{c:03d}-lib_1105" for c in cell],
+            "cell_line_id": [f"CVCL_0{480 + c % 5}" for c in cell],
+            "moa-fine": [("unclear", "Vehicle", "EGFR inhibitor")[k] for k in pick],
+            "canonical_smiles": [
+                ("C1=CC2=C(C(=C1)O)N=CC=C2", "CS(C)=O", "CN(C)C/C=C/C(=O)N")[k] for k in pick
+            ],
+            "pubchem_cid": [("1923.0", "679.0", "10184653.0")[k] for k in pick],
+            "plate": ["plate4"] * num_cells,
+        },
+        schema=CELLS_SCHEMA,
+    )
 
 
 def _gene_metadata(rng: np.random.Generator) -> pa.Table:
     """Published column names; rows shuffled so the reader must order them by token_id itself."""
     order = rng.permutation(NUM_GENES)
-    return pa.table({
-        "gene_symbol": [f"GENE{g}" for g in order],
-        "ensembl_id": [f"ENSG{g:011d}" for g in order],
-        "token_id": (order + 3).astype(np.int64),
-    }, schema=GENES_SCHEMA)
+    return pa.table(
+        {
+            "gene_symbol": [f"GENE{g}" for g in order],
+            "ensembl_id": [f"ENSG{g:011d}" for g in order],
+            "token_id": (order + 3).astype(np.int64),
+        },
+        schema=GENES_SCHEMA,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +166,19 @@ def test_published_layout_round_trips_through_materialize(tahoe, tmp_path):
 def test_cli_with_where_obs_and_genes(tahoe, tmp_path, capsys):
     root, table = tahoe
     out = tmp_path / "out"
-    code = main([str(root / "data" / "train-*.parquet"), str(out),
-                 "--where", "drug = 'DMSO_TF' AND len(genes) > 1", "--obs", "drug,moa-fine",
-                 "--genes", str(root / "metadata" / "gene_metadata.parquet"), "--no-progress"])
+    code = main(
+        [
+            str(root / "data" / "train-*.parquet"),
+            str(out),
+            "--where",
+            "drug = 'DMSO_TF' AND len(genes) > 1",
+            "--obs",
+            "drug,moa-fine",
+            "--genes",
+            str(root / "metadata" / "gene_metadata.parquet"),
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert "materialized" in capsys.readouterr().out
     drugs, genes = table.column("drug").to_pylist(), table.column("genes").to_pylist()
@@ -173,8 +195,16 @@ def test_query_result_in_the_published_layout_is_detected(tahoe, tmp_path, capsy
     root, table = tahoe
     first = root / "data" / "train-00000-of-00003.parquet"
     query = f"SELECT * FROM read_parquet('{first}') WHERE cell_line_id = 'CVCL_0481'"
-    code = main(["--query", query, str(tmp_path / "q"),
-                 "--genes", str(root / "metadata" / "gene_metadata.parquet"), "--no-progress"])
+    code = main(
+        [
+            "--query",
+            query,
+            str(tmp_path / "q"),
+            "--genes",
+            str(root / "metadata" / "gene_metadata.parquet"),
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     lines = table.column("cell_line_id").to_pylist()
     keep = np.array([r for r in range(CELLS_PER_FILE) if lines[r] == "CVCL_0481"])
@@ -225,9 +255,11 @@ def test_a_row_without_the_cls_pair_is_a_one_line_error(tahoe, tmp_path, capsys,
     bad[4]["genes"], bad[4]["expressions"] = genes, values
     pq.write_table(pa.Table.from_pylist(bad, schema=CELLS_SCHEMA), data / "train-00001-of-00002.parquet")
     barcode = bad[4]["BARCODE_SUB_LIB_ID"]
-    pattern = (rf"row 4 \(cell_id {barcode}\) of \S*train-00001-of-00002\.parquet {found} instead of "
-               r"Tahoe-100M's CLS pair \(gene 1, expression -2\.0\).*restore the pair.*"
-               r"--cell-id BARCODE_SUB_LIB_ID --query")
+    pattern = (
+        rf"row 4 \(cell_id {barcode}\) of \S*train-00001-of-00002\.parquet {found} instead of "
+        r"Tahoe-100M's CLS pair \(gene 1, expression -2\.0\).*restore the pair.*"
+        r"--cell-id BARCODE_SUB_LIB_ID --query"
+    )
     out = tmp_path / "out"
     genes_table = root / "metadata" / "gene_metadata.parquet"
     code = main([str(data / "*.parquet"), str(out), "--genes", str(genes_table), "--no-progress"])
@@ -248,8 +280,15 @@ def test_a_cls_token_inside_a_row_is_not_a_gene(tahoe, tmp_path, capsys):
     rows = table.slice(0, 10).to_pylist()
     rows[3]["genes"], rows[3]["expressions"] = [1, 1, 7], [-2.0, -2.0, 4.0]
     pq.write_table(pa.Table.from_pylist(rows, schema=CELLS_SCHEMA), tmp_path / "cells.parquet")
-    code = main([str(tmp_path / "cells.parquet"), str(tmp_path / "out"), "--genes",
-                 str(root / "metadata" / "gene_metadata.parquet"), "--no-progress"])
+    code = main(
+        [
+            str(tmp_path / "cells.parquet"),
+            str(tmp_path / "out"),
+            "--genes",
+            str(root / "metadata" / "gene_metadata.parquet"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert f"gene_token_id 1 in row 3 (cell_id {rows[3]['BARCODE_SUB_LIB_ID']})" in err, err
@@ -269,8 +308,18 @@ def test_the_suggested_fix_reads_lists_without_cls(tahoe, tmp_path, capsys):
     err = capsys.readouterr().err
     fix = re.search(r'(--cell-id \S+) --query "([^"]+)"', err)
     assert fix is not None, err
-    code = main([str(path), str(tmp_path / "out"), *fix.group(1).split(), "--query", fix.group(2),
-                 "--genes", genes_table, "--no-progress"])
+    code = main(
+        [
+            str(path),
+            str(tmp_path / "out"),
+            *fix.group(1).split(),
+            "--query",
+            fix.group(2),
+            "--genes",
+            genes_table,
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     ds = oj.open_dataset(tmp_path / "out")
     rows = np.arange(part.num_rows)
@@ -294,8 +343,15 @@ def test_a_zero_based_gene_table_is_refused(tahoe, tmp_path, capsys):
     meta = pq.read_table(root / "metadata" / "gene_metadata.parquet")
     shifted = meta.set_column(2, "token_id", pc.subtract(meta.column("token_id"), 3))
     pq.write_table(shifted, tmp_path / "genes.parquet")
-    code = main([str(root / "data" / "*.parquet"), str(tmp_path / "out"),
-                 "--genes", str(tmp_path / "genes.parquet"), "--no-progress"])
+    code = main(
+        [
+            str(root / "data" / "*.parquet"),
+            str(tmp_path / "out"),
+            "--genes",
+            str(tmp_path / "genes.parquet"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "maps token 0 to a gene, but Tahoe-100M's genes lists reserve 0, 1, 2" in err, err

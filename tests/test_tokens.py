@@ -161,7 +161,13 @@ def ref_scgpt(ds, rows, *, L, n_bins, binning, p, mask_mode, seed, epoch, vocab=
         else:
             mask[i, bernoulli_positions(seed, epoch, row, p, 1, m + 1)] = True
     masked = np.where(mask, np.float32(-1), values)
-    return {"gene_ids": gene_ids, "values": values, "masked_values": masked, "mask": mask, "pad_mask": pad_mask}
+    return {
+        "gene_ids": gene_ids,
+        "values": values,
+        "masked_values": masked,
+        "mask": mask,
+        "pad_mask": pad_mask,
+    }
 
 
 def assert_tokens_equal(got: dict, want: dict) -> None:
@@ -181,19 +187,30 @@ def token_ds(tmp_path_factory):
     ens = [f"ENSG{g:011d}.{1 + g % 3}" for g in range(NUM_GENES)]
     ens[25] = "ENSG00000000010.7"  # same gene as column 10 once the version is dropped
     ens[230] = "ENSG00000000200.9"
-    pq.write_table(pa.table({"gene_token_id": np.arange(NUM_GENES, dtype=np.int64) * 2 + 5,
-                             "ensembl_id": ens, "gene_name": [f"G{g}" for g in range(NUM_GENES)]}),
-                   root / "gene_metadata.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "gene_token_id": np.arange(NUM_GENES, dtype=np.int64) * 2 + 5,
+                "ensembl_id": ens,
+                "gene_name": [f"G{g}" for g in range(NUM_GENES)],
+            }
+        ),
+        root / "gene_metadata.parquet",
+    )
     sizes = np.concatenate([[0, 1, 2, 0], rng.integers(3, 280, size=396)])
     genes, values = [], []
     for n in sizes:
         cols = np.sort(rng.choice(NUM_GENES, size=n, replace=False))
         genes.append((cols * 2 + 5).tolist())
         values.append(rng.geometric(0.45, size=n).astype(np.float32).tolist())  # many ties
-    table = pa.table({"cell_id": [f"c{i}" for i in range(len(sizes))],
-                      "gene_token_id": pa.array(genes, pa.list_(pa.int64())),
-                      "gene_expression": pa.array(values, pa.list_(pa.float32())),
-                      "label": [f"t{i % 3}" for i in range(len(sizes))]})
+    table = pa.table(
+        {
+            "cell_id": [f"c{i}" for i in range(len(sizes))],
+            "gene_token_id": pa.array(genes, pa.list_(pa.int64())),
+            "gene_expression": pa.array(values, pa.list_(pa.float32())),
+            "label": [f"t{i % 3}" for i in range(len(sizes))],
+        }
+    )
     pq.write_table(table, root / "cells.parquet")
     materialize(root / "cells.parquet", root / "ds", shard_cells=128, progress=False)
     return oj.open_dataset(root / "ds")
@@ -223,7 +240,9 @@ def test_geneformer_matches_reference(token_ds, L, special):
     got = oj.tokenize(token_ds, ROWS, out, seed=3, epoch=2)
     assert_tokens_equal(got, ref_geneformer(token_ds, ROWS, L=L, special=special, p=0.15, seed=3, epoch=2))
     assert got["length"][ROWS.tolist().index(0)] == 0 and got["length"][ROWS.tolist().index(-1)] == 0
-    assert got["attention_mask"][ROWS.tolist().index(0)].sum() == (2 if special else 0)  # empty: CLS, EOS only
+    assert got["attention_mask"][ROWS.tolist().index(0)].sum() == (
+        2 if special else 0
+    )  # empty: CLS, EOS only
 
 
 def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
@@ -236,8 +255,12 @@ def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
     per_column = np.array([given.get(e, np.nan) for e in ens])
     out = oj.GeneformerTokens(max_len=96, vocab=path, medians=tmp_path / "medians.json")
     got = oj.tokenize(token_ds, ROWS, out, seed=1)
-    assert_tokens_equal(got, ref_geneformer(token_ds, ROWS, L=96, special=True, p=0.15, seed=1, epoch=0,
-                                            vocab=vocab, medians=per_column))
+    assert_tokens_equal(
+        got,
+        ref_geneformer(
+            token_ds, ROWS, L=96, special=True, p=0.15, seed=1, epoch=0, vocab=vocab, medians=per_column
+        ),
+    )
     assert got["input_ids"][5, 0] == 2 and 1 in got["input_ids"]  # Geneformer's <cls> and <mask>
     bound = out.bind(OutputContext.of_dataset(token_ds))
     assert bound.vocabulary.report.summed == 2 and bound.vocabulary.report.missing > 0
@@ -250,8 +273,10 @@ def test_scgpt_matches_reference(token_ds, binning, mask_mode, L):
     p = 0.4 if mask_mode == "bernoulli" else 0.5
     out = oj.ScGPTTokens(max_len=L, n_bins=51, binning=binning, mask_prob=p, mask_mode=mask_mode)
     got = oj.tokenize(token_ds, ROWS, out, seed=5, epoch=1)
-    assert_tokens_equal(got, ref_scgpt(token_ds, ROWS, L=L, n_bins=51, binning=binning, p=p, mask_mode=mask_mode,
-                                       seed=5, epoch=1))
+    assert_tokens_equal(
+        got,
+        ref_scgpt(token_ds, ROWS, L=L, n_bins=51, binning=binning, p=p, mask_mode=mask_mode, seed=5, epoch=1),
+    )
     real = got["values"][~got["pad_mask"]]
     assert real[0] == -2 and set(np.unique(real[real > 0])) <= set(range(1, 51))
 
@@ -261,8 +286,22 @@ def test_scgpt_user_vocab_and_gene_subset(token_ds, vocab_file):
     genes = list(range(0, NUM_GENES, 2))
     out = oj.ScGPTTokens(max_len=80, n_bins=11, vocab=path, genes=genes)
     got = oj.tokenize(token_ds, ROWS, out, seed=9)
-    assert_tokens_equal(got, ref_scgpt(token_ds, ROWS, L=80, n_bins=11, binning="scgpt", p=0.15,
-                                       mask_mode="bernoulli", seed=9, epoch=0, vocab=vocab, genes=genes))
+    assert_tokens_equal(
+        got,
+        ref_scgpt(
+            token_ds,
+            ROWS,
+            L=80,
+            n_bins=11,
+            binning="scgpt",
+            p=0.15,
+            mask_mode="bernoulli",
+            seed=9,
+            epoch=0,
+            vocab=vocab,
+            genes=genes,
+        ),
+    )
 
 
 def test_masking_rates(token_ds):
@@ -292,8 +331,16 @@ def test_tokens_depend_on_seed_epoch_and_row_only(token_ds):
 # ----------------------------------------------------------------------------- in the loaders
 @pytest.mark.parametrize("output", [oj.GeneformerTokens(max_len=64), oj.ScGPTTokens(max_len=48)])
 def test_loader_batches_equal_tokenize(token_ds, output):
-    loader = oj.make_loader(token_ds, batch_size=32, output=output, block_size=4, fetch_factor=4, seed=4, num_epochs=2,
-                            drop_remainder=False)
+    loader = oj.make_loader(
+        token_ds,
+        batch_size=32,
+        output=output,
+        block_size=4,
+        fetch_factor=4,
+        seed=4,
+        num_epochs=2,
+        drop_remainder=False,
+    )
     seen = 0
     for step, batch in enumerate(loader):
         epoch = step // loader.plan.steps_per_epoch
@@ -311,8 +358,9 @@ def test_tokens_are_sharded_like_every_output(token_ds):
     import jax
 
     mesh = jax.make_mesh((4,), ("data",))
-    loader = oj.make_loader(token_ds, batch_size=32, output=oj.ScGPTTokens(max_len=40), mesh=mesh, block_size=4,
-                            fetch_factor=4)
+    loader = oj.make_loader(
+        token_ds, batch_size=32, output=oj.ScGPTTokens(max_len=40), mesh=mesh, block_size=4, fetch_factor=4
+    )
     batch = next(iter(loader))
     assert batch.x["gene_ids"].shape == (32, 40)
     assert batch.x["gene_ids"].sharding.spec == jax.sharding.PartitionSpec("data")
@@ -386,7 +434,11 @@ def _sorted_by_radix(keys):
 def test_radix_sort_is_a_stable_sort_for_every_span(bits, base, draws):
     """Keys ``base + draw mod 2^bits`` (wrapping): 0 to 32 bits of span, so 0 to 3 passes of any
     digit width; many ties at small spans. Equal to numpy's stable argsort."""
-    keys = ((np.array(draws, np.uint64) % (1 << bits)) + base).astype(np.uint32) if draws else np.empty(0, np.uint32)
+    keys = (
+        ((np.array(draws, np.uint64) % (1 << bits)) + base).astype(np.uint32)
+        if draws
+        else np.empty(0, np.uint32)
+    )
     got_keys, order = _sorted_by_radix(keys)
     want = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(order, want)
@@ -394,14 +446,18 @@ def test_radix_sort_is_a_stable_sort_for_every_span(bits, base, draws):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4), st.integers(0, 20),
-       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20 - 1)), max_size=600))
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4),
+    st.integers(0, 20),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**20 - 1)), max_size=600),
+)
 def test_radix_sort_orders_keys_crowded_below_its_radix_bits(centers, window_bits, draws):
     """Keys in narrow windows (``center + draw mod 2^window_bits``) above up to four random centers:
     when the span is wide, the radix passes leave each window's keys in their original order, and
     the insertion pass (or, past its budget, passes on every bit) must finish the order stably."""
-    keys = np.array([(centers[c % len(centers)] + (d % (1 << window_bits))) % 2**32 for c, d in draws],
-                    np.uint32)
+    keys = np.array(
+        [(centers[c % len(centers)] + (d % (1 << window_bits))) % 2**32 for c, d in draws], np.uint32
+    )
     got_keys, order = _sorted_by_radix(keys)
     want = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(order, want)
@@ -421,4 +477,3 @@ def test_radix_sort_gives_up_insertion_past_its_budget_and_still_sorts():
     want = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(order, want)
     np.testing.assert_array_equal(got_keys, keys[want])
-

@@ -32,13 +32,38 @@ def ds(dataset_dir):
 
 
 def _args(dataset_dir, *extra: str) -> list[str]:
-    return [str(dataset_dir), "--label", "drug", "--model", "mlp", "--hidden", "32", "--batch-size", "64",
-            "--block-size", "16", "--fetch-factor", "4", "--eval-where", EVAL, "--quiet", *extra]
+    return [
+        str(dataset_dir),
+        "--label",
+        "drug",
+        "--model",
+        "mlp",
+        "--hidden",
+        "32",
+        "--batch-size",
+        "64",
+        "--block-size",
+        "16",
+        "--fetch-factor",
+        "4",
+        "--eval-where",
+        EVAL,
+        "--quiet",
+        *extra,
+    ]
 
 
 def _config(dataset_dir, **kw) -> train.TrainConfig:
-    base = {"label": "drug", "model": "mlp", "hidden": 32, "batch_size": 64, "block_size": 16,
-            "fetch_factor": 4, "eval_where": EVAL, "quiet": True}
+    base = {
+        "label": "drug",
+        "model": "mlp",
+        "hidden": 32,
+        "batch_size": 64,
+        "block_size": 16,
+        "fetch_factor": 4,
+        "eval_where": EVAL,
+        "quiet": True,
+    }
     return train.TrainConfig(str(dataset_dir), **{**base, **kw})
 
 
@@ -47,33 +72,39 @@ def _leaves(model) -> list[np.ndarray]:
 
 
 # ----- predicate parser ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("text", "expected"), [
-    ("batch = 'plate_13'", train.Predicate("batch", ("plate_13",))),
-    ("batch=='plate_13'", train.Predicate("batch", ("plate_13",))),
-    ("batch != 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
-    ("batch <> 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
-    ("batch IN ('plate_12','plate_13')", train.Predicate("batch", ("plate_12", "plate_13"))),
-    ("  drug not in ( 'DMSO_TF' , 'a''b' ) ", train.Predicate("drug", ("DMSO_TF", "a'b"), invert=True)),
-    ('"cell type" = \'T cell\'', train.Predicate("cell type", ("T cell",))),
-    ("n_genes IN (1, 2.5, -3e2)", train.Predicate("n_genes", (1.0, 2.5, -300.0))),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("batch = 'plate_13'", train.Predicate("batch", ("plate_13",))),
+        ("batch=='plate_13'", train.Predicate("batch", ("plate_13",))),
+        ("batch != 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
+        ("batch <> 'plate_13'", train.Predicate("batch", ("plate_13",), invert=True)),
+        ("batch IN ('plate_12','plate_13')", train.Predicate("batch", ("plate_12", "plate_13"))),
+        ("  drug not in ( 'DMSO_TF' , 'a''b' ) ", train.Predicate("drug", ("DMSO_TF", "a'b"), invert=True)),
+        ("\"cell type\" = 'T cell'", train.Predicate("cell type", ("T cell",))),
+        ("n_genes IN (1, 2.5, -3e2)", train.Predicate("n_genes", (1.0, 2.5, -300.0))),
+    ],
+)
 def test_predicates_parse(text, expected):
     assert train.parse_predicate(text) == expected
     assert train.parse_predicate(str(expected)) == expected  # str() gives a parseable predicate
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("batch = plate_13", r"expected a quoted value or a number, got 'plate_13' at position 8"),
-    ("batch = 'plate_13", r"""unexpected "'plate_13" at position 8"""),
-    ("batch IN 'a'", r"expected '\(', got \"'a'\" at position 9"),
-    ("batch IN ('a' 'b')", r"expected ',' or '\)', got \"'b'\" at position 14"),
-    ("batch IN ('a',)", r"expected a quoted value or a number, got '\)'"),
-    ("batch = 'a' OR batch = 'b'", r"expected the end of the predicate, got 'OR' at position 12"),
-    ("batch LIKE 'a%'", r"expected =, !=, IN or NOT IN, got 'LIKE'"),
-    ("batch NOT 'a'", r"expected IN, got \"'a'\""),
-    ("", r"expected a column name, got the end"),
-    ("batch; rm -rf /", r"unexpected '; rm -rf /' at position 5"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("batch = plate_13", r"expected a quoted value or a number, got 'plate_13' at position 8"),
+        ("batch = 'plate_13", r"""unexpected "'plate_13" at position 8"""),
+        ("batch IN 'a'", r"expected '\(', got \"'a'\" at position 9"),
+        ("batch IN ('a' 'b')", r"expected ',' or '\)', got \"'b'\" at position 14"),
+        ("batch IN ('a',)", r"expected a quoted value or a number, got '\)'"),
+        ("batch = 'a' OR batch = 'b'", r"expected the end of the predicate, got 'OR' at position 12"),
+        ("batch LIKE 'a%'", r"expected =, !=, IN or NOT IN, got 'LIKE'"),
+        ("batch NOT 'a'", r"expected IN, got \"'a'\""),
+        ("", r"expected a column name, got the end"),
+        ("batch; rm -rf /", r"unexpected '; rm -rf /' at position 5"),
+    ],
+)
 def test_bad_predicates_say_where_and_show_the_forms(text, match):
     with pytest.raises(train.PredicateError, match=match) as info:
         train.parse_predicate(text)
@@ -82,8 +113,10 @@ def test_bad_predicates_say_where_and_show_the_forms(text, match):
 
 def test_predicate_rows_are_rows_where(ds):
     np.testing.assert_array_equal(train.parse_predicate(EVAL).rows(ds), ds.rows_where("batch", ["plate_00"]))
-    np.testing.assert_array_equal(train.parse_predicate("batch != 'plate_00'").rows(ds),
-                                  ds.rows_where("batch", ["plate_00"], invert=True))
+    np.testing.assert_array_equal(
+        train.parse_predicate("batch != 'plate_00'").rows(ds),
+        ds.rows_where("batch", ["plate_00"], invert=True),
+    )
     with pytest.raises(train.PredicateError, match=r"\['plate_99'\] not among the categories of 'batch'"):
         train.parse_predicate("batch = 'plate_99'").rows(ds)
     with pytest.raises(train.PredicateError, match=r"obs column 'plate' not in"):
@@ -142,9 +175,11 @@ def test_mismatched_resumes_are_refused(dataset_dir, corpus, tmp_path, capsys):
 
     other = tmp_path / "other"
     materialize(corpus.cells_parquet, other, where="cell_type != 'cell_line_00'", progress=False)
-    with pytest.raises(train.CheckpointMismatchError,
-                       match=r"cannot resume from .*step-000004: it was written by another run[^\n]*\n"
-                             r"(.*\n)*  dataset: in checkpoint '[0-9a-f]{16}', now '[0-9a-f]{16}'"):
+    with pytest.raises(
+        train.CheckpointMismatchError,
+        match=r"cannot resume from .*step-000004: it was written by another run[^\n]*\n"
+        r"(.*\n)*  dataset: in checkpoint '[0-9a-f]{16}', now '[0-9a-f]{16}'",
+    ):
         train.fit(_config(other, steps=4, checkpoint_dir=str(ckpt), resume=True))
 
     capsys.readouterr()
@@ -167,7 +202,10 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
     reference = train.fit(parse_config([*args, "--checkpoint-dir", str(tmp_path / "ref")]))
     total = reference.num_steps
     assert total == 62 and [p.name for _, p in train.list_checkpoints(tmp_path / "ref")] == [
-        "step-000055", "step-000060", "step-000062"]  # keep=3, and one at the end
+        "step-000055",
+        "step-000060",
+        "step-000062",
+    ]  # keep=3, and one at the end
 
     ckpt = tmp_path / "killed"
     kill_at(args, ckpt, tmp_path / "stalled", 23, ckpt / "step-000020")
@@ -177,8 +215,14 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
     # the resume: a real run of the console script
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     script = Path(sys.executable).with_name("omicsio-train")
-    run = subprocess.run([str(script), *args, "--checkpoint-dir", str(ckpt), "--resume"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(script), *args, "--checkpoint-dir", str(ckpt), "--resume"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""  # --quiet
 
@@ -193,15 +237,32 @@ def test_killed_run_resumes_bit_identically(dataset_dir, tmp_path):
 
 
 def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp_path):
-    pytest.importorskip("orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)")
-    args = _args(dataset_dir, "--dropout", "0.2", "--epochs", "1", "--seed", "5", "--checkpoint-every", "10",
-                 "--checkpoint-format", "orbax")
+    pytest.importorskip(
+        "orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)"
+    )
+    args = _args(
+        dataset_dir,
+        "--dropout",
+        "0.2",
+        "--epochs",
+        "1",
+        "--seed",
+        "5",
+        "--checkpoint-every",
+        "10",
+        "--checkpoint-format",
+        "orbax",
+    )
     reference = train.fit(parse_config([*args, "--checkpoint-dir", str(tmp_path / "ref")]))
     ckpt = tmp_path / "killed"
     kill_at(args, ckpt, tmp_path / "stalled", 13, ckpt / "10")
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [10]
     assert sorted(p.name for p in (ckpt / "10").iterdir() if not p.name.startswith("_")) == [
-        "commit_success.txt", "data", "meta", "state"]
+        "commit_success.txt",
+        "data",
+        "meta",
+        "state",
+    ]
     data_state = json.loads((ckpt / "10" / "data" / "process_0-of-1.json").read_text())
     assert data_state["step"] == 10 and len(json.dumps(data_state)) < 1024
     resumed = train.fit(parse_config([*args, "--checkpoint-dir", str(ckpt), "--resume"]))
@@ -211,7 +272,9 @@ def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp
     history = [(r["step"], r["loss"]) for r in train.read_metrics(ckpt / "metrics.jsonl")]
     assert history == [(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / "ref" / "metrics.jsonl")]
     last = train.read_metrics(ckpt / "metrics.jsonl")[-1]
-    assert last["coverage"]["complete"] and last["coverage"]["served_cells"] == last["coverage"]["planned_cells"]
+    assert (
+        last["coverage"]["complete"] and last["coverage"]["served_cells"] == last["coverage"]["planned_cells"]
+    )
     meta = json.loads((ckpt / "31" / "meta" / "metadata").read_text())
     assert meta["step"] == 31 and meta["coverage"]["epoch"] == 1
 
@@ -219,8 +282,9 @@ def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp
 # ----- command line ---------------------------------------------------------------------------------
 def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
-    argv = _args(dataset_dir, "--steps", "6", "--metrics", str(metrics), "--log-every", "2",
-                 "--model", "linear")
+    argv = _args(
+        dataset_dir, "--steps", "6", "--metrics", str(metrics), "--log-every", "2", "--model", "linear"
+    )
     argv.remove("--quiet")
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -234,8 +298,15 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
     rows = tmp_path / "held_out.npy"
     np.save(rows, ds.rows_where("batch", ["plate_00"]))
     by_where = train.fit(dataclasses.replace(parse_config(argv), metrics=None, quiet=True))
-    by_rows = train.fit(dataclasses.replace(by_where_config := parse_config(argv), metrics=None, quiet=True,
-                                            eval_where=None, eval_rows=str(rows)))
+    by_rows = train.fit(
+        dataclasses.replace(
+            by_where_config := parse_config(argv),
+            metrics=None,
+            quiet=True,
+            eval_where=None,
+            eval_rows=str(rows),
+        )
+    )
     assert by_where_config.eval_where == EVAL
     assert [r["loss"] for r in by_rows.history] == [r["loss"] for r in by_where.history]
     assert by_rows.eval == by_where.eval
@@ -243,15 +314,23 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
     capsys.readouterr()
     mistakes = {
         "missing dataset": ([str(tmp_path / "nope"), "--label", "drug"], r"is not a directory"),
-        "unknown label": ([str(dataset_dir), "--label", "disease"],
-                          r"--label 'disease' must be a categorical obs"),
+        "unknown label": (
+            [str(dataset_dir), "--label", "disease"],
+            r"--label 'disease' must be a categorical obs",
+        ),
         "numeric label": ([str(dataset_dir), "--label", "n_genes"], r"\(numeric\); categorical columns: "),
-        "bad predicate": ([str(dataset_dir), "--label", "drug", "--eval-where", "batch = plate_00"],
-                          r"expected a quoted value or a number"),
-        "bad rows file": ([str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "x.npy")],
-                          r"cannot read --eval-rows"),
-        "bad batch": ([str(dataset_dir), "--label", "drug", "--batch-size", "60"],
-                      r"divisible by the 8 devices"),
+        "bad predicate": (
+            [str(dataset_dir), "--label", "drug", "--eval-where", "batch = plate_00"],
+            r"expected a quoted value or a number",
+        ),
+        "bad rows file": (
+            [str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "x.npy")],
+            r"cannot read --eval-rows",
+        ),
+        "bad batch": (
+            [str(dataset_dir), "--label", "drug", "--batch-size", "60"],
+            r"divisible by the 8 devices",
+        ),
     }
     for name, (argv, match) in mistakes.items():
         assert main(argv) == 2, name

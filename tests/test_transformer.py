@@ -41,10 +41,12 @@ def geneformer_batch(seed: int) -> dict:
     ids[pos >= length[:, None]] = PAD
     selected = (pos > 0) & (pos < length[:, None] - 1) & (rng.random((B, L)) < 0.15)
     selected[:, 1] = True  # at least one prediction per cell
-    return {"input_ids": np.where(selected, MASK, ids).astype(np.int32),
-            "attention_mask": pos < length[:, None],
-            "labels": np.where(selected, ids, -100).astype(np.int32),
-            "length": length}
+    return {
+        "input_ids": np.where(selected, MASK, ids).astype(np.int32),
+        "attention_mask": pos < length[:, None],
+        "labels": np.where(selected, ids, -100).astype(np.int32),
+        "length": length,
+    }
 
 
 def scgpt_batch(seed: int) -> dict:
@@ -58,9 +60,13 @@ def scgpt_batch(seed: int) -> dict:
     values = np.where(is_gene, rng.integers(1, 51, size=(B, L)), -2).astype(np.float32)
     mask = is_gene & (rng.random((B, L)) < 0.4)
     mask[:, 1] = True
-    return {"gene_ids": gene_ids, "values": values,
-            "masked_values": np.where(mask, -1.0, values).astype(np.float32),
-            "mask": mask, "pad_mask": pos > m[:, None]}
+    return {
+        "gene_ids": gene_ids,
+        "values": values,
+        "masked_values": np.where(mask, -1.0, values).astype(np.float32),
+        "mask": mask,
+        "pad_mask": pos > m[:, None],
+    }
 
 
 BATCHES = {"geneformer": geneformer_batch, "scgpt": scgpt_batch}
@@ -143,9 +149,12 @@ def with_noisy_padding(kind: str, batch: dict, seed: int) -> dict:
         assert (noisy["input_ids"] != batch["input_ids"]).any()
         return noisy
     pad = batch["pad_mask"]
-    return dict(batch, gene_ids=np.where(pad, genes, batch["gene_ids"]),
-                masked_values=np.where(pad, values, batch["masked_values"]).astype(np.float32),
-                values=np.where(pad, values, batch["values"]).astype(np.float32))
+    return dict(
+        batch,
+        gene_ids=np.where(pad, genes, batch["gene_ids"]),
+        masked_values=np.where(pad, values, batch["masked_values"]).astype(np.float32),
+        values=np.where(pad, values, batch["values"]).astype(np.float32),
+    )
 
 
 @pytest.mark.parametrize("kind", ["geneformer", "scgpt"])
@@ -223,10 +232,15 @@ def test_weight_decay_skips_biases_and_layer_norms(models):
     assert mask.encoder.layers.qkv.weight is True and mask.encoder.layers.qkv.bias is False
     assert mask.encoder.layers.ln1.weight is False and mask.value_norm.bias is False
     assert mask.gene_embedding.weight is True
+
     # the update itself, on a small tree of the same module types (a quick compile)
     def small_tree():
-        return {"ln": eqx.nn.LayerNorm(4), "lin": eqx.nn.Linear(3, 4, key=jax.random.key(0)),
-                "emb": eqx.nn.Embedding(5, 4, key=jax.random.key(1)), "bias": jnp.zeros(4)}
+        return {
+            "ln": eqx.nn.LayerNorm(4),
+            "lin": eqx.nn.Linear(3, 4, key=jax.random.key(0)),
+            "emb": eqx.nn.Embedding(5, 4, key=jax.random.key(1)),
+            "bias": jnp.zeros(4),
+        }
 
     abstract = eqx.filter_eval_shape(small_tree)
     params = jax.tree.map(lambda x: jnp.full(x.shape, 2.0), abstract)

@@ -58,8 +58,9 @@ class EquinoxCheckpoints:
 
     def save(self, step: int, tree: Any, meta: dict, loader) -> Path:
         """Write ``tree`` with ``meta`` and the loader's state as the checkpoint of ``step``."""
-        return save_checkpoint(self.directory, step, tree, {**meta, "loader_state": loader.get_state()},
-                               keep=self.keep)
+        return save_checkpoint(
+            self.directory, step, tree, {**meta, "loader_state": loader.get_state()}, keep=self.keep
+        )
 
     def close(self) -> None:
         """Nothing is written in the background in this format."""
@@ -101,8 +102,9 @@ def _sync(*paths: Path) -> None:
             os.close(fd)
 
 
-def save_checkpoint(directory: str | os.PathLike[str], step: int, tree: Any, meta: dict, *,
-                    keep: int = 3) -> Path:
+def save_checkpoint(
+    directory: str | os.PathLike[str], step: int, tree: Any, meta: dict, *, keep: int = 3
+) -> Path:
     """Write ``tree`` and ``meta`` as the checkpoint of ``step``, atomically; keep the last ``keep``."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -141,11 +143,14 @@ def check_compatible(checkpoint: Checkpoint, now: dict) -> None:
     """Refuse to resume ``checkpoint`` if its recorded identity differs from ``now``'s: raises
     `CheckpointMismatchError` listing, one line per key, the value in the checkpoint and now."""
     saved = checkpoint.meta.get("identity", {})
-    diffs = [f"  {k}: in checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    diffs = [
+        f"  {k}: in checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
     if diffs:
-        msg = (f"cannot resume from {checkpoint.path}: it was written by another run (use the same dataset "
-               "and options, or a fresh --checkpoint-dir):\n" + "\n".join(diffs))
+        msg = (
+            f"cannot resume from {checkpoint.path}: it was written by another run (use the same dataset "
+            "and options, or a fresh --checkpoint-dir):\n" + "\n".join(diffs)
+        )
         raise CheckpointMismatchError(msg)
-
-

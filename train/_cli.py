@@ -26,59 +26,102 @@ PROG = "omicsio-train"
 def _parser() -> argparse.ArgumentParser:
     d = TrainConfig("", "")
     p = argparse.ArgumentParser(
-        prog=PROG, description="Train a cell classifier (Equinox + optax) on a materialized dataset, with "
+        prog=PROG,
+        description="Train a cell classifier (Equinox + optax) on a materialized dataset, with "
         "deterministic checkpoint/resume, JSONL metrics and held-out accuracy / macro-F1.",
-        epilog="Resuming refuses a checkpoint written with another dataset or other training options.")
+        epilog="Resuming refuses a checkpoint written with another dataset or other training options.",
+    )
     p.add_argument("dataset", help="dataset directory written by omicsio-materialize")
     p.add_argument("--label", required=True, help="categorical obs column to predict")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--model", choices=MODELS, default=d.model, help="default: %(default)s")
-    g.add_argument("--hidden", type=int, default=d.hidden,
-                   help="hidden units of the mlp (default: %(default)s)")
-    g.add_argument("--dropout", type=float, default=d.dropout,
-                   help="dropout after the hidden layer (default: %(default)s)")
+    g.add_argument(
+        "--hidden", type=int, default=d.hidden, help="hidden units of the mlp (default: %(default)s)"
+    )
+    g.add_argument(
+        "--dropout",
+        type=float,
+        default=d.dropout,
+        help="dropout after the hidden layer (default: %(default)s)",
+    )
     g.add_argument("--lr", type=float, default=d.lr, help="adam learning rate (default: %(default)s)")
-    g.add_argument("--normalize-on-device", action="store_true",
-                   help="log1p(x / x.sum(1) * 1e4) in the jitted step, not fused in the loader")
+    g.add_argument(
+        "--normalize-on-device",
+        action="store_true",
+        help="log1p(x / x.sum(1) * 1e4) in the jitted step, not fused in the loader",
+    )
     g = p.add_argument_group("batches")
-    g.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="global batch size (default: %(default)s)")
+    g.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
+    )
     g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
     g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
     g.add_argument("--sampling", choices=SAMPLINGS, default=d.sampling, help="default: %(default)s")
     g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
     g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument("--devices", dest="num_devices", type=int, default=None,
-                   help="devices of the data mesh (default: all)")
-    g.add_argument("--num-threads", type=int, default=d.num_threads,
-                   help="loader read threads (default: %(default)s)")
-    g.add_argument("--prefetch", type=int, default=d.prefetch,
-                   help="fetches read ahead (default: %(default)s)")
-    g.add_argument("--auto-tune", type=float, nargs="?", const=60.0, default=d.auto_tune, metavar="SECONDS",
-                   help="measure a few block sizes, fetch factors and thread counts for SECONDS (default 60) with "
-                        "oj.tune and train with the fastest whose batches keep 0.98 x true random's label entropy; "
-                        "overrides --block-size, --fetch-factor and --num-threads (a resume keeps the checkpoint's)")
+    g.add_argument(
+        "--devices",
+        dest="num_devices",
+        type=int,
+        default=None,
+        help="devices of the data mesh (default: all)",
+    )
+    g.add_argument(
+        "--num-threads", type=int, default=d.num_threads, help="loader read threads (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prefetch", type=int, default=d.prefetch, help="fetches read ahead (default: %(default)s)"
+    )
+    g.add_argument(
+        "--auto-tune",
+        type=float,
+        nargs="?",
+        const=60.0,
+        default=d.auto_tune,
+        metavar="SECONDS",
+        help="measure a few block sizes, fetch factors and thread counts for SECONDS (default 60) with "
+        "oj.tune and train with the fastest whose batches keep 0.98 x true random's label entropy; "
+        "overrides --block-size, --fetch-factor and --num-threads (a resume keeps the checkpoint's)",
+    )
     g = p.add_argument_group("held-out evaluation")
     g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     g = g.add_mutually_exclusive_group()
-    g.add_argument("--eval-where", metavar="PREDICATE",
-                   help="held-out cells: col = 'v', col != 'v', col IN ('a', 'b') or col NOT IN (...)")
+    g.add_argument(
+        "--eval-where",
+        metavar="PREDICATE",
+        help="held-out cells: col = 'v', col != 'v', col IN ('a', 'b') or col NOT IN (...)",
+    )
     g.add_argument("--eval-rows", metavar="FILE.npy", help="held-out global rows")
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints (and metrics.jsonl) here")
-    g.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=d.checkpoint_format,
-                   help="equinox: one directory per step, no extra dependency; orbax: an Orbax CheckpointManager "
-                        "(model + optimizer, Grain data state and metadata per step, saved asynchronously; "
-                        "needs omicsio_jax[orbax]) (default: %(default)s)")
-    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
-                   help="steps between checkpoints (default: only at the end)")
+    g.add_argument(
+        "--checkpoint-format",
+        choices=CHECKPOINT_FORMATS,
+        default=d.checkpoint_format,
+        help="equinox: one directory per step, no extra dependency; orbax: an Orbax CheckpointManager "
+        "(model + optimizer, Grain data state and metadata per step, saved asynchronously; "
+        "needs omicsio_jax[orbax]) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="N",
+        help="steps between checkpoints (default: only at the end)",
+    )
     g.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept (default: %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
-    g.add_argument("--metrics", metavar="FILE.jsonl",
-                   help="one JSON line per step (default: DIR/metrics.jsonl)")
-    g.add_argument("--log-every", type=int, default=d.log_every, metavar="N",
-                   help="print progress every N steps (default: %(default)s)")
+    g.add_argument(
+        "--metrics", metavar="FILE.jsonl", help="one JSON line per step (default: DIR/metrics.jsonl)"
+    )
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        metavar="N",
+        help="print progress every N steps (default: %(default)s)",
+    )
     g.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
 
@@ -97,31 +140,51 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
     d = PretrainConfig("")
     p = argparse.ArgumentParser(
-        prog=f"{PROG} pretrain", description="Pretrain a Geneformer- or scGPT-style transformer (Equinox + optax) "
-        "on exact token batches of a materialized dataset, with deterministic checkpoint/resume.")
+        prog=f"{PROG} pretrain",
+        description="Pretrain a Geneformer- or scGPT-style transformer (Equinox + optax) "
+        "on exact token batches of a materialized dataset, with deterministic checkpoint/resume.",
+    )
     p.add_argument("dataset", help="dataset directory written by omicsio-materialize")
     g = p.add_argument_group("tokens")
     g.add_argument("--tokens", choices=KINDS, default=d.tokens, help="default: %(default)s")
-    g.add_argument("--max-len", type=int, default=None, help="tokens per cell (default: 2048 geneformer, 1201 scgpt)")
+    g.add_argument(
+        "--max-len", type=int, default=None, help="tokens per cell (default: 2048 geneformer, 1201 scgpt)"
+    )
     g.add_argument("--mask-prob", type=float, default=None, help="MLM masking rate (default: 0.15)")
     g.add_argument("--vocab", help="vocabulary keyed on Ensembl id (TSV, JSON, parquet or Geneformer pickle)")
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
-    g.add_argument("--binning", choices=("scgpt", "tahoe"), default=d.binning, help="scgpt only (default: %(default)s)")
-    g.add_argument("--mask-mode", choices=("bernoulli", "exact"), default=d.mask_mode,
-                   help="scgpt only (default: %(default)s)")
+    g.add_argument(
+        "--binning", choices=("scgpt", "tahoe"), default=d.binning, help="scgpt only (default: %(default)s)"
+    )
+    g.add_argument(
+        "--mask-mode",
+        choices=("bernoulli", "exact"),
+        default=d.mask_mode,
+        help="scgpt only (default: %(default)s)",
+    )
     g.add_argument("--n-bins", type=int, default=d.n_bins, help="scgpt only (default: %(default)s)")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default: %(default)s")
     g.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="default: %(default)s")
-    g.add_argument("--schedule", choices=("cosine", "linear"), default=d.schedule, help="default: %(default)s")
+    g.add_argument(
+        "--schedule", choices=("cosine", "linear"), default=d.schedule, help="default: %(default)s"
+    )
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
     g.add_argument("--clip-norm", type=float, default=d.clip_norm, help="default: %(default)s")
-    g.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=d.compute_dtype,
-                   help="matmul inputs (default: %(default)s)")
-    g.add_argument("--peak-tflops", type=float, default=None, help="device peak, to report MFU (e.g. 989 for an H100)")
+    g.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16"),
+        default=d.compute_dtype,
+        help="matmul inputs (default: %(default)s)",
+    )
+    g.add_argument(
+        "--peak-tflops", type=float, default=None, help="device peak, to report MFU (e.g. 989 for an H100)"
+    )
     g = p.add_argument_group("batches")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)")
+    g.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
+    )
     g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
     g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
     g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
@@ -131,12 +194,19 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
     g.add_argument("--prefetch", type=int, default=d.prefetch, help="default: %(default)s")
     g = p.add_argument_group("evaluation, checkpoints and logging")
-    g.add_argument("--probe-label", help="after training: linear probe of this categorical obs column on CLS "
-                   "embeddings, pretrained vs random initialization")
+    g.add_argument(
+        "--probe-label",
+        help="after training: linear probe of this categorical obs column on CLS "
+        "embeddings, pretrained vs random initialization",
+    )
     g.add_argument("--probe-cells", type=int, default=d.probe_cells, help="default: %(default)s")
     g.add_argument("--checkpoint-dir", metavar="DIR")
-    g.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=d.checkpoint_format,
-                   help="default: %(default)s")
+    g.add_argument(
+        "--checkpoint-format",
+        choices=CHECKPOINT_FORMATS,
+        default=d.checkpoint_format,
+        help="default: %(default)s",
+    )
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N")
     g.add_argument("--keep", type=int, default=d.keep)
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
@@ -165,8 +235,10 @@ def _pretrain(argv: list[str]) -> int:
     if result.preempted:
         return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
-        print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
-              f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")
+        print(
+            f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
+            f"{100 * result.data_wait_fraction:.1f}% of it waiting for data"
+        )
     return 0
 
 
@@ -175,10 +247,15 @@ def _embed(argv: list[str]) -> int:
 
     from ._pretrain import embed, load_pretrained
 
-    p = argparse.ArgumentParser(prog=f"{PROG} embed", description="Write one CLS embedding per cell "
-                                "(row order, aligned with the dataset's cell ids) from a pretraining checkpoint.")
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} embed",
+        description="Write one CLS embedding per cell "
+        "(row order, aligned with the dataset's cell ids) from a pretraining checkpoint.",
+    )
     p.add_argument("dataset")
-    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="an omicsio-train pretrain directory")
+    p.add_argument(
+        "--checkpoint-dir", required=True, metavar="DIR", help="an omicsio-train pretrain directory"
+    )
     p.add_argument("--out", required=True, metavar="FILE.npy", help="float32 (cells, width)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
     args = p.parse_args(argv)
@@ -186,8 +263,10 @@ def _embed(argv: list[str]) -> int:
     ds = oj.open_dataset(args.dataset)
     emb = embed(model, ds, config, batch_size=args.batch_size)
     np.save(args.out, emb)
-    print(f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({config.tokens} {config.preset}, "
-          f"step {meta['step']}), rows aligned with {ds.path}/cell_ids.parquet")
+    print(
+        f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({config.tokens} {config.preset}, "
+        f"step {meta['step']}), rows aligned with {ds.path}/cell_ids.parquet"
+    )
     return 0
 
 
@@ -229,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if result.preempted:
         return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
-        print(f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
-              f"{100 * result.data_wait_fraction:.1f}% of it waiting for data")
+        print(
+            f"done: step {result.num_steps}; median step {1e3 * result.step_time_s:.1f} ms, "
+            f"{100 * result.data_wait_fraction:.1f}% of it waiting for data"
+        )
     return 0

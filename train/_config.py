@@ -12,8 +12,16 @@ SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
 _NOT_SAVED = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet", "auto_tune")
 CHECKPOINT_FORMATS = ("equinox", "orbax")
 # Saved but free to change on resume: they do not change the batches or the updates.
-_FREE_ON_RESUME = ("dataset", "num_devices", "num_threads", "prefetch", "checkpoint_every", "keep", "metrics",
-                   "eval_batch_size")
+_FREE_ON_RESUME = (
+    "dataset",
+    "num_devices",
+    "num_threads",
+    "prefetch",
+    "checkpoint_every",
+    "keep",
+    "metrics",
+    "eval_batch_size",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +72,17 @@ class TrainConfig:
         if self.sampling not in SAMPLINGS:
             msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"
             raise TrainError(msg)
-        positive = ("batch_size", "block_size", "fetch_factor", "epochs", "hidden", "keep", "log_every",
-                    "num_threads", "prefetch")
+        positive = (
+            "batch_size",
+            "block_size",
+            "fetch_factor",
+            "epochs",
+            "hidden",
+            "keep",
+            "log_every",
+            "num_threads",
+            "prefetch",
+        )
         for name in positive + ("steps", "eval_batch_size", "num_devices"):
             value = getattr(self, name)
             if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):

@@ -68,10 +68,17 @@ def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None,
         except (OSError, ValueError) as e:
             msg = f"cannot read --eval-rows {config.eval_rows}: {e}"
             raise TrainError(msg) from e
-        if held_out.dtype.kind not in "iu" or held_out.ndim != 1 or held_out.size == 0 \
-                or held_out[0] < 0 or held_out[-1] >= ds.num_cells:
-            msg = (f"--eval-rows {config.eval_rows} must hold a non-empty 1-D integer array of rows in "
-                   f"0..{ds.num_cells - 1}; got dtype {held_out.dtype}, shape {held_out.shape}")
+        if (
+            held_out.dtype.kind not in "iu"
+            or held_out.ndim != 1
+            or held_out.size == 0
+            or held_out[0] < 0
+            or held_out[-1] >= ds.num_cells
+        ):
+            msg = (
+                f"--eval-rows {config.eval_rows} must hold a non-empty 1-D integer array of rows in "
+                f"0..{ds.num_cells - 1}; got dtype {held_out.dtype}, shape {held_out.shape}"
+            )
             raise TrainError(msg)
     else:
         return None, None
@@ -87,8 +94,10 @@ def _label_classes(ds: oj.Dataset, label: str) -> tuple[str, ...]:
     if not isinstance(column, oj.Categorical):
         kind = "missing" if column is None else "numeric"
         choices = ", ".join(k for k, v in ds.obs.items() if isinstance(v, oj.Categorical))
-        msg = (f"--label {label!r} must be a categorical obs column of {ds.path} ({kind}); "
-               f"categorical columns: {choices}")
+        msg = (
+            f"--label {label!r} must be a categorical obs column of {ds.path} ({kind}); "
+            f"categorical columns: {choices}"
+        )
         raise TrainError(msg)
     return column.categories
 
@@ -112,8 +121,10 @@ def restorable(config: TrainConfig, store, identity: dict):
     """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
     latest = None if store is None else store.latest()
     if latest is not None and not config.resume:
-        msg = (f"{config.checkpoint_dir} already holds checkpoints (latest: {latest.path.name}); pass --resume "
-               "to continue that run, or choose an empty --checkpoint-dir")
+        msg = (
+            f"{config.checkpoint_dir} already holds checkpoints (latest: {latest.path.name}); pass --resume "
+            "to continue that run, or choose an empty --checkpoint-dir"
+        )
         raise TrainError(msg)
     if latest is not None:
         ckpt.check_compatible(latest, identity)
@@ -130,8 +141,16 @@ def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | Non
         say(f"auto-tune: the checkpoint's settings {chosen}")
     else:
         normalize = None if config.normalize_on_device else "normalize_log1p"
-        result = oj.tune(ds, config.batch_size, label=config.label, seconds=config.auto_tune, rows=train_rows,
-                         seed=config.seed, normalize=normalize, progress=not config.quiet)
+        result = oj.tune(
+            ds,
+            config.batch_size,
+            label=config.label,
+            seconds=config.auto_tune,
+            rows=train_rows,
+            seed=config.seed,
+            normalize=normalize,
+            progress=not config.quiet,
+        )
         say(f"auto-tune ({config.auto_tune:g} s, entropy ≥ 0.98 × true random):\n{result}")
         chosen = result.loader_kwargs()
     return dataclasses.replace(config, **chosen, auto_tune=0.0)
@@ -162,8 +181,14 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         restored = restorable(config, store, identity)
         directory = config.checkpoint_dir
         init_key, key = jax.random.split(jax.random.key(config.seed))
-        model = make_model(config.model, num_features=ds.num_genes, num_classes=len(classes),
-                           hidden=config.hidden, dropout=config.dropout, key=init_key)
+        model = make_model(
+            config.model,
+            num_features=ds.num_genes,
+            num_classes=len(classes),
+            hidden=config.hidden,
+            dropout=config.dropout,
+            key=init_key,
+        )
         optimizer = optax.adam(config.lr)
         opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         start = 0
@@ -174,11 +199,21 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         model, opt_state = replicate((model, opt_state), mesh)
         normalize = None if config.normalize_on_device else "normalize_log1p"
         loader = oj.make_loader(
-            ds, batch_size=config.batch_size, block_size=config.block_size, fetch_factor=config.fetch_factor,
-            seed=config.seed, num_epochs=None if config.steps else config.epochs, sampling=config.sampling,
-            balance_by=config.label if config.sampling == "class_balanced" else None, rows=train_rows,
-            obs=(config.label,), normalize=normalize, mesh=mesh, num_threads=config.num_threads,
-            prefetch=config.prefetch)
+            ds,
+            batch_size=config.batch_size,
+            block_size=config.block_size,
+            fetch_factor=config.fetch_factor,
+            seed=config.seed,
+            num_epochs=None if config.steps else config.epochs,
+            sampling=config.sampling,
+            balance_by=config.label if config.sampling == "class_balanced" else None,
+            rows=train_rows,
+            obs=(config.label,),
+            normalize=normalize,
+            mesh=mesh,
+            num_threads=config.num_threads,
+            prefetch=config.prefetch,
+        )
         cleanup.callback(loader.close)
         per_epoch = loader.steps_per_epoch
         total = config.steps or config.epochs * per_epoch
@@ -203,26 +238,47 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         def save(step: int) -> Path:
             if log is not None:
                 log.sync()
-            meta = {"epoch": (step - 1) // per_epoch, "seed": config.seed,
-                    "key_data": jax.random.key_data(key).tolist(), "coverage": loader.coverage().to_dict(),
-                    "config": config.saved(), "identity": identity,
-                    "dataset_fingerprint": ds.fingerprint, "label": config.label, "classes": list(classes)}
+            meta = {
+                "epoch": (step - 1) // per_epoch,
+                "seed": config.seed,
+                "key_data": jax.random.key_data(key).tolist(),
+                "coverage": loader.coverage().to_dict(),
+                "config": config.saved(),
+                "identity": identity,
+                "dataset_fingerprint": ds.fingerprint,
+                "label": config.label,
+                "classes": list(classes),
+            }
             return store.save(step, (model, opt_state), meta, loader)
 
-        say(f"training {config.model} on {ds.num_cells if train_rows is None else len(train_rows):,} cells × "
+        say(
+            f"training {config.model} on {ds.num_cells if train_rows is None else len(train_rows):,} cells × "
             f"{ds.num_genes:,} genes, {len(classes)} classes of {config.label!r}; {total} steps "
-            f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)")
+            f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)"
+        )
         batches = iter(loader)
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             batch = next(batches)
             t1 = time.perf_counter()
-            model, opt_state, loss = train_step(model, opt_state, batch.x, batch.obs[config.label],
-                                                batch.mask, key, np.asarray(step, np.uint32))
+            model, opt_state, loss = train_step(
+                model,
+                opt_state,
+                batch.x,
+                batch.obs[config.label],
+                batch.mask,
+                key,
+                np.asarray(step, np.uint32),
+            )
             loss = float(loss)
             elapsed = time.perf_counter() - t0
-            record = {"step": step, "epoch": (step - 1) // per_epoch, "loss": loss,
-                      "cells_per_s": round(config.batch_size / elapsed, 1), "data_wait_s": round(t1 - t0, 6)}
+            record = {
+                "step": step,
+                "epoch": (step - 1) // per_epoch,
+                "loss": loss,
+                "cells_per_s": round(config.batch_size / elapsed, 1),
+                "data_wait_s": round(t1 - t0, 6),
+            }
             if step % per_epoch == 0:  # the loader audited the epoch that just ended
                 record["coverage"] = loader.coverage(record["epoch"]).to_dict()
             history.append(record)
@@ -230,18 +286,27 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
             if log is not None:
                 log.write(record)
             if step == start + 1 or step % config.log_every == 0 or step == total:
-                say(f"step {step:>6}/{total}  epoch {record['epoch']}  loss {loss:.4f}  "
+                say(
+                    f"step {step:>6}/{total}  epoch {record['epoch']}  loss {loss:.4f}  "
                     f"{record['cells_per_s']:>10,.0f} cells/s  data wait {1e3 * (t1 - t0):7.2f} ms "
-                    f"({100 * (t1 - t0) / elapsed:3.0f}%)")
-            saved = directory is not None and (step == total or (config.checkpoint_every
-                                                                 and step % config.checkpoint_every == 0))
+                    f"({100 * (t1 - t0) / elapsed:3.0f}%)"
+                )
+            saved = directory is not None and (
+                step == total or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            )
             if saved:
                 last_saved = save(step)
             if callback is not None:
                 callback(record)
             if preemption.requested:
-                last_saved = preemption.stop(step, total, save=save if directory is not None else None, saved=saved,
-                                             last_saved=last_saved, say=say)
+                last_saved = preemption.stop(
+                    step,
+                    total,
+                    save=save if directory is not None else None,
+                    saved=saved,
+                    last_saved=last_saved,
+                    say=say,
+                )
                 break
         if directory is not None and restored is not None and start >= total:
             say(f"{restored.path} is already at the last step ({total})")
@@ -249,17 +314,29 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     result = None
     if eval_rows is not None and not preemption.requested:
         eval_loader = oj.make_loader(
-            ds, batch_size=config.eval_batch_size or config.batch_size, rows=eval_rows, sampling="stream",
-            drop_remainder=False, num_epochs=1, obs=(config.label,), normalize=normalize, mesh=mesh,
-            fetch_factor=config.fetch_factor, num_threads=config.num_threads, prefetch=config.prefetch)
+            ds,
+            batch_size=config.eval_batch_size or config.batch_size,
+            rows=eval_rows,
+            sampling="stream",
+            drop_remainder=False,
+            num_epochs=1,
+            obs=(config.label,),
+            normalize=normalize,
+            mesh=mesh,
+            fetch_factor=config.fetch_factor,
+            num_threads=config.num_threads,
+            prefetch=config.prefetch,
+        )
         try:
-            result = evaluate(model, eval_loader, config.label,
-                              normalize_on_device=config.normalize_on_device)
+            result = evaluate(
+                model, eval_loader, config.label, normalize_on_device=config.normalize_on_device
+            )
         finally:
             eval_loader.close()
         where = config.eval_where or config.eval_rows
         say(f"eval ({where}): {result.summary()}")
     timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
     step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
-    return FitResult(model, total, start, history, result, last_saved, metrics_path, step_s, wait,
-                     preemption.requested)
+    return FitResult(
+        model, total, start, history, result, last_saved, metrics_path, step_s, wait, preemption.requested
+    )

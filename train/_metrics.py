@@ -19,8 +19,10 @@ class EvalResult:
     num_cells: int
 
     def summary(self) -> str:
-        return (f"accuracy {self.accuracy:.4f}  macro-F1 {self.macro_f1:.4f}  "
-                f"on {self.num_cells:,} held-out cells")
+        return (
+            f"accuracy {self.accuracy:.4f}  macro-F1 {self.macro_f1:.4f}  "
+            f"on {self.num_cells:,} held-out cells"
+        )
 
 
 def accuracy(y_true: np.ndarray, y_pred: np.ndarray) -> float:
@@ -64,8 +66,11 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike[str], *, resume_after: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [] if resume_after is None else [
-            r for r in read_metrics(self.path) if "step" in r and r["step"] <= resume_after]
+        kept = (
+            []
+            if resume_after is None
+            else [r for r in read_metrics(self.path) if "step" in r and r["step"] <= resume_after]
+        )
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)

@@ -31,8 +31,9 @@ class MLPClassifier(eqx.Module):
     dropout: eqx.nn.Dropout
     readout: eqx.nn.Linear
 
-    def __init__(self, num_features: int, num_classes: int, *, hidden: int = 256, dropout: float = 0.0,
-                 key: jax.Array):
+    def __init__(
+        self, num_features: int, num_classes: int, *, hidden: int = 256, dropout: float = 0.0, key: jax.Array
+    ):
         k1, k2 = jax.random.split(key)
         self.hidden = eqx.nn.Linear(num_features, hidden, key=k1)
         self.dropout = eqx.nn.Dropout(dropout)
@@ -44,8 +45,9 @@ class MLPClassifier(eqx.Module):
         return self.readout(self.dropout(h, key=key))
 
 
-def make_model(name: str, *, num_features: int, num_classes: int, hidden: int = 256, dropout: float = 0.0,
-               key: jax.Array) -> eqx.Module:
+def make_model(
+    name: str, *, num_features: int, num_classes: int, hidden: int = 256, dropout: float = 0.0, key: jax.Array
+) -> eqx.Module:
     """``"linear"`` (`LinearClassifier`) or ``"mlp"`` (`MLPClassifier`)."""
     if name == "linear":
         return LinearClassifier(num_features, num_classes, key=key)

@@ -48,8 +48,9 @@ class OrbaxCheckpoint:
         ocp = self.store.ocp
         arrays = eqx.filter(like, eqx.is_array)
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
-        restored = self.store.manager.restore(self.step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target)))
+        restored = self.store.manager.restore(
+            self.step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )
         return eqx.combine(restored["state"], eqx.filter(like, eqx.is_array, inverse=True))
 
     def restore_loader(self, loader) -> None:
@@ -57,7 +58,9 @@ class OrbaxCheckpoint:
         import grain
 
         ocp = self.store.ocp
-        self.store.manager.restore(self.step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader)))
+        self.store.manager.restore(
+            self.step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(loader))
+        )
 
 
 class OrbaxCheckpoints:
@@ -73,7 +76,9 @@ class OrbaxCheckpoints:
         step = self.manager.latest_step()
         if step is None:
             return None
-        meta = self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore()))["meta"]
+        meta = self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore()))[
+            "meta"
+        ]
         return OrbaxCheckpoint(self, step, meta)
 
     def save(self, step: int, tree: Any, meta: dict, loader) -> Path:
@@ -81,10 +86,14 @@ class OrbaxCheckpoints:
         import grain
 
         ocp = self.ocp
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(eqx.filter(tree, eqx.is_array)),
-            data=grain.checkpoint.CheckpointSave(loader),
-            meta=ocp.args.JsonSave({"step": step, **meta})))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(eqx.filter(tree, eqx.is_array)),
+                data=grain.checkpoint.CheckpointSave(loader),
+                meta=ocp.args.JsonSave({"step": step, **meta}),
+            ),
+        )
         return self.directory / str(step)
 
     def close(self) -> None:

@@ -37,14 +37,25 @@ class Preemption:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def stop(self, step: int, total: int, *, save: Callable[[int], Path] | None, saved: bool,
-             last_saved: Path | None, say: Callable[[str], None]) -> Path | None:
+    def stop(
+        self,
+        step: int,
+        total: int,
+        *,
+        save: Callable[[int], Path] | None,
+        saved: bool,
+        last_saved: Path | None,
+        say: Callable[[str], None],
+    ) -> Path | None:
         """At a step boundary after a signal: checkpoint ``step`` with ``save`` (None: no checkpoint
         directory) unless it was just ``saved``, say so, and return the run's last checkpoint."""
         if save is not None and not saved:
             last_saved = save(step)
-        where = (f"checkpoint {last_saved}, continue with --resume" if save is not None
-                 else "no --checkpoint-dir, nothing saved")
+        where = (
+            f"checkpoint {last_saved}, continue with --resume"
+            if save is not None
+            else "no --checkpoint-dir, nothing saved"
+        )
         say(f"{self.signal_name}: stopped after step {step}/{total}; {where}")
         return last_saved
 

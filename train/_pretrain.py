@@ -39,9 +39,23 @@ from ._transformer import (
 )
 
 DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
-_NOT_IDENTITY = ("resume", "checkpoint_dir", "checkpoint_format", "log_every", "quiet", "num_devices",
-                 "num_threads", "prefetch", "checkpoint_every", "keep", "metrics", "probe_label", "probe_cells",
-                 "peak_tflops", "dataset")
+_NOT_IDENTITY = (
+    "resume",
+    "checkpoint_dir",
+    "checkpoint_format",
+    "log_every",
+    "quiet",
+    "num_devices",
+    "num_threads",
+    "prefetch",
+    "checkpoint_every",
+    "keep",
+    "metrics",
+    "probe_label",
+    "probe_cells",
+    "peak_tflops",
+    "dataset",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +127,17 @@ class PretrainConfig:
         """The token output of this run (``masked=False``: no MLM masking, for embeddings)."""
         p = (0.15 if self.mask_prob is None else self.mask_prob) if masked else 0.0
         if self.tokens == "geneformer":
-            return oj.GeneformerTokens(max_len=self.length, mask_prob=p, vocab=self.vocab, medians=self.medians)
-        return oj.ScGPTTokens(max_len=self.length, n_bins=self.n_bins, binning=self.binning, mask_prob=p,
-                              mask_mode=self.mask_mode, vocab=self.vocab)
+            return oj.GeneformerTokens(
+                max_len=self.length, mask_prob=p, vocab=self.vocab, medians=self.medians
+            )
+        return oj.ScGPTTokens(
+            max_len=self.length,
+            n_bins=self.n_bins,
+            binning=self.binning,
+            mask_prob=p,
+            mask_mode=self.mask_mode,
+            vocab=self.vocab,
+        )
 
     def identity(self, fingerprint: str) -> dict:
         """What a checkpoint must match to be resumed."""
@@ -155,8 +177,15 @@ def max_predictions(config: PretrainConfig) -> int | None:
 
 
 def build_model(config: PretrainConfig, vocab_size: int, key: jax.Array) -> eqx.Module:
-    return make_pretrain_model(config.tokens, config.preset, vocab_size, config.length, key=key,
-                               compute_dtype=_dtype(config.compute_dtype), max_predictions=max_predictions(config))
+    return make_pretrain_model(
+        config.tokens,
+        config.preset,
+        vocab_size,
+        config.length,
+        key=key,
+        compute_dtype=_dtype(config.compute_dtype),
+        max_predictions=max_predictions(config),
+    )
 
 
 def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None = None) -> PretrainResult:
@@ -172,19 +201,32 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         if store is not None:
             cleanup.callback(store.close)
         restored = restorable(config, store, identity)
-        loader = oj.make_loader(ds, batch_size=config.batch_size, block_size=config.block_size,
-                                fetch_factor=config.fetch_factor, seed=config.seed,
-                                num_epochs=None if config.steps else config.epochs, output=config.output(),
-                                mesh=mesh, num_threads=config.num_threads, prefetch=config.prefetch)
+        loader = oj.make_loader(
+            ds,
+            batch_size=config.batch_size,
+            block_size=config.block_size,
+            fetch_factor=config.fetch_factor,
+            seed=config.seed,
+            num_epochs=None if config.steps else config.epochs,
+            output=config.output(),
+            mesh=mesh,
+            num_threads=config.num_threads,
+            prefetch=config.prefetch,
+        )
         cleanup.callback(loader.close)
         vocab_size = loader.output.vocabulary.size
         per_epoch = loader.steps_per_epoch
         total = config.steps or config.epochs * per_epoch
         init_key, key = jax.random.split(jax.random.key(config.seed))
         model = build_model(config, vocab_size, init_key)
-        optimizer = make_optimizer(config.lr, warmup_steps=min(config.warmup_steps, total - 1), total_steps=total,
-                                   schedule=config.schedule, weight_decay=config.weight_decay,
-                                   clip_norm=config.clip_norm)
+        optimizer = make_optimizer(
+            config.lr,
+            warmup_steps=min(config.warmup_steps, total - 1),
+            total_steps=total,
+            schedule=config.schedule,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+        )
         opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         start = 0
         if restored is not None:
@@ -202,8 +244,13 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             log = MetricsLog(metrics_path, resume_after=start if restored else None)
             cleanup.callback(log.close)
         step_fn = make_pretrain_step(optimizer)
-        flops = flops_per_cell(config.tokens, config.preset, config.length, vocab_size=vocab_size,
-                               max_predictions=max_predictions(config))
+        flops = flops_per_cell(
+            config.tokens,
+            config.preset,
+            config.length,
+            vocab_size=vocab_size,
+            max_predictions=max_predictions(config),
+        )
         real_key = "attention_mask" if config.tokens == "geneformer" else "pad_mask"
         history, timings = [], []
         last_saved = restored.path if restored is not None else None
@@ -211,15 +258,24 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         def save(step: int) -> Path:
             if log is not None:
                 log.sync()
-            meta = {"epoch": (step - 1) // per_epoch, "seed": config.seed, "vocab_size": vocab_size, "total_steps": total,
-                    "key_data": jax.random.key_data(key).tolist(), "coverage": loader.coverage().to_dict(),
-                    "config": dataclasses.asdict(config), "identity": identity,
-                    "dataset_fingerprint": ds.fingerprint}
+            meta = {
+                "epoch": (step - 1) // per_epoch,
+                "seed": config.seed,
+                "vocab_size": vocab_size,
+                "total_steps": total,
+                "key_data": jax.random.key_data(key).tolist(),
+                "coverage": loader.coverage().to_dict(),
+                "config": dataclasses.asdict(config),
+                "identity": identity,
+                "dataset_fingerprint": ds.fingerprint,
+            }
             return store.save(step, (model, opt_state), meta, loader)
 
-        say(f"pretraining {config.tokens} ({config.preset}, vocab {vocab_size:,}, L {config.length}) on "
+        say(
+            f"pretraining {config.tokens} ({config.preset}, vocab {vocab_size:,}, L {config.length}) on "
             f"{ds.num_cells:,} cells; {total} steps ({per_epoch}/epoch) of {config.batch_size} on "
-            f"{mesh.size} device(s)")
+            f"{mesh.size} device(s)"
+        )
         batches = iter(loader)
         slots = config.batch_size * config.length
         for step in range(start + 1, total + 1):
@@ -231,10 +287,16 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             elapsed = time.perf_counter() - t0
             mask = np.asarray(batch.x[real_key])
             real = int(mask.sum()) if config.tokens == "geneformer" else int(mask.size - mask.sum())
-            record = {"step": step, "epoch": (step - 1) // per_epoch, "loss": loss,
-                      "cells_per_s": round(config.batch_size / elapsed, 1),
-                      "tokens_per_s": round(real / elapsed, 1), "padded_slots_per_s": round((slots - real) / elapsed, 1),
-                      "step_time_s": round(elapsed, 6), "data_wait_s": round(t1 - t0, 6)}
+            record = {
+                "step": step,
+                "epoch": (step - 1) // per_epoch,
+                "loss": loss,
+                "cells_per_s": round(config.batch_size / elapsed, 1),
+                "tokens_per_s": round(real / elapsed, 1),
+                "padded_slots_per_s": round((slots - real) / elapsed, 1),
+                "step_time_s": round(elapsed, 6),
+                "data_wait_s": round(t1 - t0, 6),
+            }
             if config.peak_tflops:
                 record["mfu"] = round(flops * config.batch_size / elapsed / (config.peak_tflops * 1e12), 5)
             history.append(record)
@@ -242,38 +304,70 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             if log is not None:
                 log.write(record)
             if step == start + 1 or step % config.log_every == 0 or step == total:
-                say(f"step {step:>6}/{total}  loss {loss:.4f}  {record['cells_per_s']:>8,.0f} cells/s  "
-                    f"{record['tokens_per_s']:>10,.0f} tokens/s  data wait {100 * (t1 - t0) / elapsed:3.0f}%")
-            saved = config.checkpoint_dir is not None and (step == total or (
-                config.checkpoint_every and step % config.checkpoint_every == 0))
+                say(
+                    f"step {step:>6}/{total}  loss {loss:.4f}  {record['cells_per_s']:>8,.0f} cells/s  "
+                    f"{record['tokens_per_s']:>10,.0f} tokens/s  data wait {100 * (t1 - t0) / elapsed:3.0f}%"
+                )
+            saved = config.checkpoint_dir is not None and (
+                step == total or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            )
             if saved:
                 last_saved = save(step)
             if callback is not None:
                 callback(record)
             if preemption.requested:
-                last_saved = preemption.stop(step, total, save=save if config.checkpoint_dir is not None else None,
-                                             saved=saved, last_saved=last_saved, say=say)
+                last_saved = preemption.stop(
+                    step,
+                    total,
+                    save=save if config.checkpoint_dir is not None else None,
+                    saved=saved,
+                    last_saved=last_saved,
+                    say=say,
+                )
                 break
     probe = None
     if config.probe_label is not None and not preemption.requested:
         init_model = build_model(config, vocab_size, jax.random.split(jax.random.key(config.seed))[0])
         probe = probe_pretraining(config, ds, {"pretrained": model, "random_init": init_model}, mesh)
-        say("linear probe of " + repr(config.probe_label) + ": " +
-            ", ".join(f"{k} {v:.4f}" for k, v in probe["accuracy"].items()) + f" on {probe['test_cells']:,} held-out cells")
+        say(
+            "linear probe of "
+            + repr(config.probe_label)
+            + ": "
+            + ", ".join(f"{k} {v:.4f}" for k, v in probe["accuracy"].items())
+            + f" on {probe['test_cells']:,} held-out cells"
+        )
     timed = np.array(timings[1:] or timings or [(np.nan, np.nan)])
     step_s, wait = float(np.median(timed[:, 0])), float(timed[:, 1].sum() / timed[:, 0].sum())
-    return PretrainResult(model, vocab_size, total, start, history, last_saved, probe, step_s, wait,
-                          preemption.requested)
+    return PretrainResult(
+        model, vocab_size, total, start, history, last_saved, probe, step_s, wait, preemption.requested
+    )
 
 
-def embed(model: eqx.Module, ds: oj.Dataset, config: PretrainConfig, rows: np.ndarray | None = None, *,
-          batch_size: int | None = None, mesh=None) -> np.ndarray:
+def embed(
+    model: eqx.Module,
+    ds: oj.Dataset,
+    config: PretrainConfig,
+    rows: np.ndarray | None = None,
+    *,
+    batch_size: int | None = None,
+    mesh=None,
+) -> np.ndarray:
     """CLS embeddings ``(len(rows), width)`` float32 of ``rows`` (default: every cell, in row order),
     from unmasked token batches read in order."""
     rows = np.arange(ds.num_cells) if rows is None else np.asarray(rows, np.int64)
-    loader = oj.make_loader(ds, batch_size=batch_size or config.batch_size, rows=rows, sampling="stream",
-                            drop_remainder=False, num_epochs=1, output=config.output(masked=False), mesh=mesh,
-                            fetch_factor=config.fetch_factor, num_threads=config.num_threads, seed=config.seed)
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size or config.batch_size,
+        rows=rows,
+        sampling="stream",
+        drop_remainder=False,
+        num_epochs=1,
+        output=config.output(masked=False),
+        mesh=mesh,
+        fetch_factor=config.fetch_factor,
+        num_threads=config.num_threads,
+        seed=config.seed,
+    )
     model = eqx.nn.inference_mode(model)
     run = eqx.filter_jit(lambda m, x: m.embed(x))
     chunks, index = [], []
@@ -288,8 +382,15 @@ def embed(model: eqx.Module, ds: oj.Dataset, config: PretrainConfig, rows: np.nd
     return emb[np.argsort(index, kind="stable")]
 
 
-def logistic_probe(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, *,
-                   steps: int = 500, l2: float = 1e-3) -> float:
+def logistic_probe(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    *,
+    steps: int = 500,
+    l2: float = 1e-3,
+) -> float:
     """Test accuracy of a multinomial logistic regression (standardized features, full-batch Adam,
     ``l2`` penalty) fit on the training embeddings."""
     mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
@@ -316,7 +417,9 @@ def logistic_probe(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
     return float(np.mean(pred == y_test))
 
 
-def probe_pretraining(config: PretrainConfig, ds: oj.Dataset, models: dict[str, eqx.Module], mesh=None) -> dict:
+def probe_pretraining(
+    config: PretrainConfig, ds: oj.Dataset, models: dict[str, eqx.Module], mesh=None
+) -> dict:
     """Linear-probe accuracy of ``config.probe_label`` for each model: ``probe_cells`` labelled cells
     drawn with the run's seed, the first half to fit, the second half held out."""
     column = ds.obs.get(config.probe_label)
@@ -332,8 +435,15 @@ def probe_pretraining(config: PretrainConfig, ds: oj.Dataset, models: dict[str, 
     accuracy = {}
     for name, model in models.items():
         emb = embed(model, ds, config, rows, mesh=mesh)
-        accuracy[name] = logistic_probe(emb[fit_idx], codes[rows[fit_idx]], emb[test_idx], codes[rows[test_idx]])
-    return {"label": config.probe_label, "accuracy": accuracy, "fit_cells": len(fit_idx), "test_cells": len(test_idx)}
+        accuracy[name] = logistic_probe(
+            emb[fit_idx], codes[rows[fit_idx]], emb[test_idx], codes[rows[test_idx]]
+        )
+    return {
+        "label": config.probe_label,
+        "accuracy": accuracy,
+        "fit_cells": len(fit_idx),
+        "test_cells": len(test_idx),
+    }
 
 
 def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainConfig, dict]:
@@ -350,9 +460,14 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
         config = PretrainConfig(**saved)
         model = build_model(config, latest.meta["vocab_size"], jax.random.key(0))
         total = latest.meta["total_steps"]
-        optimizer = make_optimizer(config.lr, warmup_steps=min(config.warmup_steps, total - 1), total_steps=total,
-                                   schedule=config.schedule, weight_decay=config.weight_decay,
-                                   clip_norm=config.clip_norm)
+        optimizer = make_optimizer(
+            config.lr,
+            warmup_steps=min(config.warmup_steps, total - 1),
+            total_steps=total,
+            schedule=config.schedule,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+        )
         model, _ = latest.load((model, optimizer.init(eqx.filter(model, eqx.is_array))))
         return model, config, latest.meta
     finally:

@@ -29,8 +29,9 @@ def normalize_log1p(x: jax.Array, target_sum: float = TARGET_SUM) -> jax.Array:
     return jnp.log1p(x / jnp.where(total > 0, total, 1.0) * target_sum)
 
 
-def loss_fn(model: eqx.Module, x: jax.Array, labels: jax.Array, mask: jax.Array,
-            key: jax.Array | None) -> jax.Array:
+def loss_fn(
+    model: eqx.Module, x: jax.Array, labels: jax.Array, mask: jax.Array, key: jax.Array | None
+) -> jax.Array:
     """Mean softmax cross-entropy over the real, labelled cells (``mask`` and ``labels >= 0``)."""
     if key is None:
         logits = jax.vmap(model)(x)
@@ -41,8 +42,9 @@ def loss_fn(model: eqx.Module, x: jax.Array, labels: jax.Array, mask: jax.Array,
     return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def make_train_step(optimizer: optax.GradientTransformation, *,
-                    normalize_on_device: bool = False) -> Callable:
+def make_train_step(
+    optimizer: optax.GradientTransformation, *, normalize_on_device: bool = False
+) -> Callable:
     """``step(model, opt_state, x, labels, mask, key, step) -> (model, opt_state, loss)``, jitted.
 
     The dropout key of step ``s`` is ``fold_in(key, s)``: a pure function of the run's key and
@@ -77,8 +79,9 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return eqx.combine(jax.device_put(arrays, sharding), static)
 
 
-def evaluate(model: eqx.Module, loader: oj.Loader, label: str, *,
-             normalize_on_device: bool = False) -> EvalResult:
+def evaluate(
+    model: eqx.Module, loader: oj.Loader, label: str, *, normalize_on_device: bool = False
+) -> EvalResult:
     """Accuracy and macro-F1 over one pass of ``loader`` (padding and unlabelled cells skipped).
 
     Build the loader as a sequential pass: ``sampling="stream", drop_remainder=False, num_epochs=1``.

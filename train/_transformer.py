@@ -125,8 +125,9 @@ class EncoderLayer(eqx.Module):
     activation: str = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True)
 
-    def __init__(self, cfg: TransformerConfig, *, compute_dtype: Any = jnp.float32, eps: float = 1e-5,
-                 key: jax.Array):
+    def __init__(
+        self, cfg: TransformerConfig, *, compute_dtype: Any = jnp.float32, eps: float = 1e-5, key: jax.Array
+    ):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         d = cfg.width
         self.ln1 = eqx.nn.LayerNorm(d, eps=eps)
@@ -168,8 +169,9 @@ class Encoder(eqx.Module):
     ln_final: eqx.nn.LayerNorm
     num_layers: int = eqx.field(static=True)
 
-    def __init__(self, cfg: TransformerConfig, *, compute_dtype: Any = jnp.float32, eps: float = 1e-5,
-                 key: jax.Array):
+    def __init__(
+        self, cfg: TransformerConfig, *, compute_dtype: Any = jnp.float32, eps: float = 1e-5, key: jax.Array
+    ):
         make = partial(EncoderLayer, cfg, compute_dtype=compute_dtype, eps=eps)
         self.layers = eqx.filter_vmap(lambda k: make(key=k))(jax.random.split(key, cfg.num_layers))
         self.ln_final = eqx.nn.LayerNorm(cfg.width, eps=eps)
@@ -203,8 +205,10 @@ def _pool(hidden: jax.Array, real: jax.Array, pool: str) -> jax.Array:
 
 def _check_length(length: int, max_len: int) -> None:
     if length > max_len:
-        msg = f"batch has L={length} positions but the model was built with max_len={max_len}; " \
-              f"rebuild it with make_pretrain_model(..., max_len={length})"
+        msg = (
+            f"batch has L={length} positions but the model was built with max_len={max_len}; "
+            f"rebuild it with make_pretrain_model(..., max_len={length})"
+        )
         raise TrainError(msg)
 
 
@@ -234,9 +238,17 @@ class GeneformerModel(eqx.Module):
     compute_dtype: Any = eqx.field(static=True)
     max_predictions: int | None = eqx.field(static=True)
 
-    def __init__(self, cfg: TransformerConfig, vocab_size: int, max_len: int, *,
-                 compute_dtype: Any = jnp.float32, tie_embeddings: bool = True,
-                 max_predictions: int | None = None, key: jax.Array):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        vocab_size: int,
+        max_len: int,
+        *,
+        compute_dtype: Any = jnp.float32,
+        tie_embeddings: bool = True,
+        max_predictions: int | None = None,
+        key: jax.Array,
+    ):
         ks = jax.random.split(key, 5)
         d, eps = cfg.width, 1e-12  # BERT's layer_norm_eps
         self.token_embedding = eqx.nn.Embedding(weight=_normal(ks[0], (vocab_size, d), 0.02))
@@ -252,8 +264,9 @@ class GeneformerModel(eqx.Module):
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.max_predictions = max_predictions
 
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array, *,
-               key: jax.Array | None = None) -> jax.Array:
+    def encode(
+        self, input_ids: jax.Array, attention_mask: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         """Final hidden states ``(L, d)`` float32 of one cell (``attention_mask`` True = real token)."""
         _check_length(input_ids.shape[0], self.position_embedding.weight.shape[0])
         k_emb, k_enc = _keys(key, 2)
@@ -269,8 +282,9 @@ class GeneformerModel(eqx.Module):
         w = self.token_embedding.weight if self.decoder is None else self.decoder.weight
         return jnp.matmul(h, w.T.astype(dt), preferred_element_type=jnp.float32) + self.decoder_bias
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
-                 key: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, input_ids: jax.Array, attention_mask: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         """Logits ``(L, vocab_size)`` of one cell at every position."""
         return self.logits(self.encode(input_ids, attention_mask, key=key))
 
@@ -325,8 +339,15 @@ class ScGPTModel(eqx.Module):
     max_len: int = eqx.field(static=True)
     max_value: float = eqx.field(static=True, default=512.0)
 
-    def __init__(self, cfg: TransformerConfig, vocab_size: int, max_len: int, *,
-                 compute_dtype: Any = jnp.float32, key: jax.Array):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        vocab_size: int,
+        max_len: int,
+        *,
+        compute_dtype: Any = jnp.float32,
+        key: jax.Array,
+    ):
         ks = jax.random.split(key, 7)
         d = cfg.width
         weight = jax.random.uniform(ks[0], (vocab_size, d), jnp.float32, -0.1, 0.1)  # scGPT init_weights
@@ -343,8 +364,9 @@ class ScGPTModel(eqx.Module):
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.max_len = max_len
 
-    def encode(self, gene_ids: jax.Array, values: jax.Array, pad_mask: jax.Array, *,
-               key: jax.Array | None = None) -> jax.Array:
+    def encode(
+        self, gene_ids: jax.Array, values: jax.Array, pad_mask: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         """Final hidden states ``(L, d)`` float32 of one cell (``pad_mask`` True = padding)."""
         _check_length(gene_ids.shape[0], self.max_len)
         dt = self.compute_dtype
@@ -362,8 +384,9 @@ class ScGPTModel(eqx.Module):
         h = jax.nn.leaky_relu(_dense(self.decoder_fc2, h, dt))
         return _dense(self.decoder_out, h, jnp.float32)[:, 0]
 
-    def __call__(self, gene_ids: jax.Array, values: jax.Array, pad_mask: jax.Array, *,
-                 key: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, gene_ids: jax.Array, values: jax.Array, pad_mask: jax.Array, *, key: jax.Array | None = None
+    ) -> jax.Array:
         """Predicted value ``(L,)`` of one cell at every position."""
         return self.predict_values(self.encode(gene_ids, values, pad_mask, key=key))
 
@@ -396,9 +419,17 @@ def _resolve_preset(preset: str | TransformerConfig) -> TransformerConfig:
     return PRESETS[preset]
 
 
-def make_pretrain_model(kind: str, preset: str | TransformerConfig, vocab_size: int, max_len: int, *,
-                        key: jax.Array, compute_dtype: Any = jnp.float32, tie_embeddings: bool = True,
-                        max_predictions: int | None = None) -> GeneformerModel | ScGPTModel:
+def make_pretrain_model(
+    kind: str,
+    preset: str | TransformerConfig,
+    vocab_size: int,
+    max_len: int,
+    *,
+    key: jax.Array,
+    compute_dtype: Any = jnp.float32,
+    tie_embeddings: bool = True,
+    max_predictions: int | None = None,
+) -> GeneformerModel | ScGPTModel:
     """A `GeneformerModel` (``kind="geneformer"``) or `ScGPTModel` (``kind="scgpt"``) of the shape
     ``PRESETS[preset]``. ``vocab_size`` is the number of embedding rows (pad it to a multiple of 64);
     ``max_len`` the longest ``L`` the model accepts. ``tie_embeddings`` and ``max_predictions`` apply
@@ -411,8 +442,10 @@ def make_pretrain_model(kind: str, preset: str | TransformerConfig, vocab_size: 
         msg = f"activation must be one of {', '.join(_ACTIVATIONS)}; got {cfg.activation!r}"
         raise TrainError(msg)
     if cfg.num_layers < 1 or not 0.0 <= cfg.dropout < 1.0:
-        msg = f"need num_layers >= 1 and 0 <= dropout < 1; got num_layers={cfg.num_layers}, " \
-              f"dropout={cfg.dropout}"
+        msg = (
+            f"need num_layers >= 1 and 0 <= dropout < 1; got num_layers={cfg.num_layers}, "
+            f"dropout={cfg.dropout}"
+        )
         raise TrainError(msg)
     if cfg.width % cfg.num_heads:
         msg = f"width must be a multiple of num_heads; got width={cfg.width}, num_heads={cfg.num_heads}"
@@ -421,12 +454,21 @@ def make_pretrain_model(kind: str, preset: str | TransformerConfig, vocab_size: 
         msg = f"compute_dtype must be jnp.float32 or jnp.bfloat16; got {compute_dtype!r}"
         raise TrainError(msg)
     if vocab_size < 1 or max_len < 1 or (max_predictions is not None and max_predictions < 1):
-        msg = f"vocab_size, max_len and max_predictions must be >= 1; got vocab_size={vocab_size}, " \
-              f"max_len={max_len}, max_predictions={max_predictions}"
+        msg = (
+            f"vocab_size, max_len and max_predictions must be >= 1; got vocab_size={vocab_size}, "
+            f"max_len={max_len}, max_predictions={max_predictions}"
+        )
         raise TrainError(msg)
     if kind == "geneformer":
-        make = partial(GeneformerModel, cfg, vocab_size, max_len, compute_dtype=compute_dtype,
-                       tie_embeddings=tie_embeddings, max_predictions=max_predictions)
+        make = partial(
+            GeneformerModel,
+            cfg,
+            vocab_size,
+            max_len,
+            compute_dtype=compute_dtype,
+            tie_embeddings=tie_embeddings,
+            max_predictions=max_predictions,
+        )
     else:
         make = partial(ScGPTModel, cfg, vocab_size, max_len, compute_dtype=compute_dtype)
     return _initialise(eqx.filter_eval_shape(make, key=key), key, bert=kind == "geneformer")
@@ -453,8 +495,9 @@ def _initialise(abstract: eqx.Module, key: jax.Array, *, bert: bool) -> eqx.Modu
             return jnp.asarray(values, jnp.float32)
 
         if isinstance(node, eqx.nn.LayerNorm):
-            return eqx.tree_at(lambda n: (n.weight, n.bias), node,
-                               (jnp.ones(node.weight.shape), jnp.zeros(node.bias.shape)))
+            return eqx.tree_at(
+                lambda n: (n.weight, n.bias), node, (jnp.ones(node.weight.shape), jnp.zeros(node.bias.shape))
+            )
         if isinstance(node, eqx.nn.Embedding):
             return eqx.tree_at(lambda n: n.weight, node, matrix(node.weight.shape, 0.1))
         if isinstance(node, eqx.nn.Linear):
@@ -473,6 +516,7 @@ def _initialise(abstract: eqx.Module, key: jax.Array, *, bert: bool) -> eqx.Modu
 def _decay_mask(params: Any) -> Any:
     """True for matrices (Linear and Embedding weights), False for biases and LayerNorm parameters
     (the Hugging Face Trainer's rule)."""
+
     def is_node(x):
         return isinstance(x, (eqx.nn.LayerNorm, eqx.nn.Linear)) or eqx.is_array(x)
 
@@ -486,8 +530,15 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree.map(mark, params, is_leaf=is_node)
 
 
-def make_optimizer(lr: float, *, warmup_steps: int, total_steps: int, schedule: str = "cosine",
-                   weight_decay: float = 0.01, clip_norm: float = 1.0) -> optax.GradientTransformation:
+def make_optimizer(
+    lr: float,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str = "cosine",
+    weight_decay: float = 0.01,
+    clip_norm: float = 1.0,
+) -> optax.GradientTransformation:
     """``clip_by_global_norm(clip_norm)`` then AdamW whose learning rate rises linearly from 0 to ``lr``
     over ``warmup_steps`` and decays to 0 at ``total_steps`` (``"cosine"`` or ``"linear"``). Weight decay
     applies to weight matrices only, not to biases or LayerNorm parameters."""
@@ -495,17 +546,24 @@ def make_optimizer(lr: float, *, warmup_steps: int, total_steps: int, schedule: 
         msg = f"schedule must be 'cosine' or 'linear'; got {schedule!r}"
         raise TrainError(msg)
     if not 0 <= warmup_steps < total_steps:
-        msg = f"need 0 <= warmup_steps < total_steps; got warmup_steps={warmup_steps}, " \
-              f"total_steps={total_steps}"
+        msg = (
+            f"need 0 <= warmup_steps < total_steps; got warmup_steps={warmup_steps}, "
+            f"total_steps={total_steps}"
+        )
         raise TrainError(msg)
     if schedule == "cosine":
         lr_at = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, total_steps, end_value=0.0)
     else:
         lr_at = optax.join_schedules(
-            [optax.linear_schedule(0.0, lr, warmup_steps),
-             optax.linear_schedule(lr, 0.0, total_steps - warmup_steps)], [warmup_steps])
-    return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(lr_at, weight_decay=weight_decay, mask=_decay_mask))
+            [
+                optax.linear_schedule(0.0, lr, warmup_steps),
+                optax.linear_schedule(lr, 0.0, total_steps - warmup_steps),
+            ],
+            [warmup_steps],
+        )
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm), optax.adamw(lr_at, weight_decay=weight_decay, mask=_decay_mask)
+    )
 
 
 def make_pretrain_step(optimizer: optax.GradientTransformation) -> Callable:
@@ -527,8 +585,14 @@ def make_pretrain_step(optimizer: optax.GradientTransformation) -> Callable:
     return step
 
 
-def flops_per_cell(kind: str, preset: str | TransformerConfig, seq_len: int, *, vocab_size: int = 0,
-                   max_predictions: int | None = None) -> float:
+def flops_per_cell(
+    kind: str,
+    preset: str | TransformerConfig,
+    seq_len: int,
+    *,
+    vocab_size: int = 0,
+    max_predictions: int | None = None,
+) -> float:
     """Training FLOPs (forward + backward) of one cell of ``seq_len`` positions, for MFU.
 
     The usual accounting (Kaplan et al. 2020; PaLM appendix B): a weight matrix of ``N`` entries costs

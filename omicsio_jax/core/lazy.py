@@ -7,7 +7,9 @@ import sys
 from collections.abc import Callable, Mapping
 
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, str]
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for module ``package`` that import ``exports[name]`` (a module)
     when ``name`` is first asked for, and keep the value as a module attribute from then on.
 

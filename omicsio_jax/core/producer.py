@@ -43,8 +43,9 @@ class Background(Generic[T]):
     def __init__(self, make: Callable[[], Iterator[T]], depth: int = 2, name: str = "omicsio-jax-prefetch"):
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_produce, args=(make, self._q, self._stop), daemon=True,
-                                        name=name)
+        self._thread = threading.Thread(
+            target=_produce, args=(make, self._q, self._stop), daemon=True, name=name
+        )
         self._thread.start()
         self._finalizer = weakref.finalize(self, Background._shutdown, self._stop, self._thread)
         self._finished = False

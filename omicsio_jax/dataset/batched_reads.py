@@ -82,8 +82,13 @@ class FetchReader:
     def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of ascending ``rows``: one read per run of consecutive rows (a local
         dataset's byte ranges announced to the kernel first, or meanwhile: see `Dataset.prepared`)."""
-        return read_runs(self.dataset, self._readers, consecutive_runs(rows), announce_first=announce_first,
-                         allocate=self._buffers.at_least)
+        return read_runs(
+            self.dataset,
+            self._readers,
+            consecutive_runs(rows),
+            announce_first=announce_first,
+            allocate=self._buffers.at_least,
+        )
 
     def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> Fetched:
         """The records of ``rows`` (in any order; rows may repeat; -1 is padding), each distinct row read once."""
@@ -148,9 +153,22 @@ class SegmentCache(Generic[T]):
     when the cache is collected).
     """
 
-    def __init__(self, load: Callable[[Hashable], T], following: Callable[[Hashable], Hashable | None], *,
-                 ahead: float = 2, threads: int = 2, keep: int = 4, weight: Callable[[Hashable], float] | None = None):
-        self._load, self._following, self._ahead, self._keep = load, following, ahead, max(keep, int(ahead) + 3)
+    def __init__(
+        self,
+        load: Callable[[Hashable], T],
+        following: Callable[[Hashable], Hashable | None],
+        *,
+        ahead: float = 2,
+        threads: int = 2,
+        keep: int = 4,
+        weight: Callable[[Hashable], float] | None = None,
+    ):
+        self._load, self._following, self._ahead, self._keep = (
+            load,
+            following,
+            ahead,
+            max(keep, int(ahead) + 3),
+        )
         self._weight = weight or (lambda key: 1.0)
         self._newest: Hashable | None = None
         self._early: dict[Hashable, int] = {}
@@ -158,12 +176,20 @@ class SegmentCache(Generic[T]):
         self._queue: collections.deque[Hashable] = collections.deque()
         self._cond = threading.Condition()
         self._stop = [False]
-        self._threads = [threading.Thread(target=SegmentCache._work, args=(weakref.ref(self), self._cond, self._stop),
-                                          daemon=True, name="omicsio-jax-read") for _ in range(max(threads, 1))]
+        self._threads = [
+            threading.Thread(
+                target=SegmentCache._work,
+                args=(weakref.ref(self), self._cond, self._stop),
+                daemon=True,
+                name="omicsio-jax-read",
+            )
+            for _ in range(max(threads, 1))
+        ]
         for t in self._threads:
             t.start()
-        self._finalizer = weakref.finalize(self, SegmentCache._shutdown, self._cond, self._stop, self._threads,
-                                           self._entries)
+        self._finalizer = weakref.finalize(
+            self, SegmentCache._shutdown, self._cond, self._stop, self._threads, self._entries
+        )
 
     def get(self, key: Hashable) -> T:
         with self._cond:
@@ -256,12 +282,18 @@ class SegmentCache(Generic[T]):
             del entry, load
 
     @staticmethod
-    def _shutdown(cond: threading.Condition, stop: list[bool], threads: list[threading.Thread],
-                  entries: dict[Hashable, _Entry]) -> None:
+    def _shutdown(
+        cond: threading.Condition,
+        stop: list[bool],
+        threads: list[threading.Thread],
+        entries: dict[Hashable, _Entry],
+    ) -> None:
         with cond:
             stop[0] = True
             cond.notify_all()
-            for entry in entries.values():  # a `get` still waiting (a thread of a loader closed meanwhile) wakes
+            for (
+                entry
+            ) in entries.values():  # a `get` still waiting (a thread of a loader closed meanwhile) wakes
                 if not entry.done.is_set():
                     entry.error = CacheClosedError(_CLOSED)
                     entry.done.set()

@@ -84,7 +84,9 @@ def make_cache_root(root: Path) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        msg = f"cannot create the dataset cache {root}: {e.strerror}; pass cache_dir= or set OMICSIO_JAX_CACHE"
+        msg = (
+            f"cannot create the dataset cache {root}: {e.strerror}; pass cache_dir= or set OMICSIO_JAX_CACHE"
+        )
         raise OmicsIOError(msg) from e
     return root
 
@@ -127,8 +129,10 @@ class FileCache:
     def path(self, relpath: str) -> Path:
         """The local copy of ``relpath``, downloaded and checked on first use."""
         if relpath not in self._entries:
-            msg = (f"{self.store.describe(relpath)} is not listed in the manifest's files: the dataset was made "
-                   "by an older omicsio-materialize; re-materialize it, or add it with `omicsio-materialize stats`")
+            msg = (
+                f"{self.store.describe(relpath)} is not listed in the manifest's files: the dataset was made "
+                "by an older omicsio-materialize; re-materialize it, or add it with `omicsio-materialize stats`"
+            )
             raise DatasetFormatError(msg)
         found = self.cached(relpath)
         if found is not None:
@@ -147,9 +151,11 @@ class FileCache:
             self._fetch(relpath, tmp)
             size, sha = tmp.stat().st_size, sha256_file(tmp)
             if size != entry.num_bytes or sha != entry.sha256:
-                msg = (f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} bytes "
-                       f"with {entry.sha256[:16]}…: the object is corrupted or was rewritten; run "
-                       f"`omicsio-materialize verify {self.store.url}`")
+                msg = (
+                    f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} bytes "
+                    f"with {entry.sha256[:16]}…: the object is corrupted or was rewritten; run "
+                    f"`omicsio-materialize verify {self.store.url}`"
+                )
                 raise DatasetFormatError(msg)
             os.replace(tmp, dest)
         finally:
@@ -165,8 +171,10 @@ class FileCache:
             raise
         except ObjectStoreError as e:
             if self.store.head(relpath) is None:
-                msg = (f"{self.store.describe(relpath)} is listed in the manifest but missing; run "
-                       f"`omicsio-materialize verify {self.store.url}`")
+                msg = (
+                    f"{self.store.describe(relpath)} is listed in the manifest but missing; run "
+                    f"`omicsio-materialize verify {self.store.url}`"
+                )
                 raise DatasetFormatError(msg) from e
             raise
 

@@ -63,7 +63,9 @@ class _ObsColumns(Mapping):
             entry, path = self._entries[name], self._dataset.local_path
             if entry.kind == "categorical":
                 codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
-                column = Categorical(codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text())))
+                column = Categorical(
+                    codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text()))
+                )
             else:
                 column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
             column = self._loaded.setdefault(name, column)
@@ -89,12 +91,26 @@ class Dataset:
     `local_path` gives the local file of any of its files.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
-                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        reader_options: str = DEFAULT_READER_OPTIONS,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | None = None,
+        readahead: bool = True,
+        chunk_reader: bool = True,
+        direct_io: bool | None = None,
+    ):
         self.reader_options = reader_options
-        self._options = {"reader_options": reader_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes,
-                         "readahead": readahead, "chunk_reader": chunk_reader, "direct_io": direct_io}
+        self._options = {
+            "reader_options": reader_options,
+            "cache_dir": cache_dir,
+            "cache_bytes": cache_bytes,
+            "readahead": readahead,
+            "chunk_reader": chunk_reader,
+            "direct_io": direct_io,
+        }
         self._modalities: dict[str, Dataset] = {}
         self._remote = None
         self._readahead: ReadAhead | None = None
@@ -106,8 +122,13 @@ class Dataset:
             self.path: Path | str = str(path).rstrip("/")
             self.manifest: Manifest = read_manifest(self.path)
             chunk_reader = chunk_reader and chunks_readable(self)
-            self._remote = RemoteDataset(self.path, self.manifest, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                                         opening=not chunk_reader)  # the chunk reader reads no footer
+            self._remote = RemoteDataset(
+                self.path,
+                self.manifest,
+                cache_dir=cache_dir,
+                cache_bytes=cache_bytes,
+                opening=not chunk_reader,
+            )  # the chunk reader reads no footer
         else:
             self.path = Path(path)
             self.manifest = read_manifest(self.path)
@@ -183,8 +204,13 @@ class Dataset:
             return self.path / relpath
         return self._remote.local_path(relpath)
 
-    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None,
-                 announce_first: bool = True):
+    def prepared(
+        self,
+        pieces: Sequence[tuple[int, int, int]],
+        *,
+        refetch: int | None = None,
+        announce_first: bool = True,
+    ):
         """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read from
         `local_path` of their shards: for a remote dataset their chunks are fetched (all pieces'
         together) and kept until it ends; for a local one their byte ranges are announced to the
@@ -247,9 +273,11 @@ class Dataset:
             raise DatasetFormatError(msg) from e
         if sub.fingerprint != entry.fingerprint or sub.num_cells != self.num_cells:
             sub.close()
-            msg = (f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
-                   f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…); "
-                   f"run `omicsio-materialize verify {self.path}`")
+            msg = (
+                f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
+                f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…); "
+                f"run `omicsio-materialize verify {self.path}`"
+            )
             raise DatasetFormatError(msg)
         return self._modalities.setdefault(name, sub)
 
@@ -353,7 +381,9 @@ class Dataset:
             else:
                 unknown.append(str(g))
         if unknown:
-            msg = f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"
+            msg = (
+                f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"
+            )
             raise OmicsIOError(msg)
         return np.asarray(cols, dtype=np.int64)
 
@@ -400,8 +430,9 @@ class Dataset:
         """
         return records_checked(self, rows)
 
-    def read_csr(self, rows: Sequence[int] | np.ndarray, *,
-                 modality: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_csr(
+        self, rows: Sequence[int] | np.ndarray, *, modality: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact rows as CSR ``(indptr int64, indices int32, values float32)``, in the order asked.
 
         Rows may repeat and come in any order; consecutive rows are read with one range read.
@@ -415,7 +446,9 @@ class Dataset:
             return self.modality(modality).read_csr(rows)
         rows = self.check_rows(rows)
         unique, inverse = np.unique(rows, return_inverse=True)
-        buf, starts = read_runs(self, self._readers, consecutive_runs(unique))  # a remote dataset: one fetch for all
+        buf, starts = read_runs(
+            self, self._readers, consecutive_runs(unique)
+        )  # a remote dataset: one fetch for all
         if len(starts) == 1:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
         with records_checked(self, unique):
@@ -440,9 +473,16 @@ class Dataset:
         self.close()
 
 
-def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_READER_OPTIONS,
-                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None,
-                 readahead: bool = True, chunk_reader: bool = True, direct_io: bool | None = None) -> Dataset:
+def open_dataset(
+    path: str | os.PathLike[str],
+    *,
+    reader_options: str = DEFAULT_READER_OPTIONS,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_bytes: int | None = None,
+    readahead: bool = True,
+    chunk_reader: bool = True,
+    direct_io: bool | None = None,
+) -> Dataset:
     """Open a dataset written by ``omicsio-materialize``: its directory, or the ``s3://bucket/prefix/``
     it was uploaded to (the same files under the prefix).
 
@@ -470,5 +510,12 @@ def open_dataset(path: str | os.PathLike[str], *, reader_options: str = DEFAULT_
     >>> indptr, indices, values = ds.read_csr([5, 0, 17])           # doctest: +SKIP
     >>> ds = open_dataset("s3://atlas/tahoe/", cache_dir="/scratch/cache")   # doctest: +SKIP
     """
-    return Dataset(path, reader_options=reader_options, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                   readahead=readahead, chunk_reader=chunk_reader, direct_io=direct_io)
+    return Dataset(
+        path,
+        reader_options=reader_options,
+        cache_dir=cache_dir,
+        cache_bytes=cache_bytes,
+        readahead=readahead,
+        chunk_reader=chunk_reader,
+        direct_io=direct_io,
+    )

@@ -65,8 +65,16 @@ def _data_ranges(index: ChunkIndex) -> np.ndarray:
 class _Mirror:
     """A shard's mirror in this process: its fd, bitmaps and bookkeeping (guarded by the lock)."""
 
-    def __init__(self, key: str, size: int, index: ChunkIndex, etag: str | None, fd: int, present: np.ndarray,
-                 opening: list[tuple[int, bytes]]):
+    def __init__(
+        self,
+        key: str,
+        size: int,
+        index: ChunkIndex,
+        etag: str | None,
+        fd: int,
+        present: np.ndarray,
+        opening: list[tuple[int, bytes]],
+    ):
         self.key, self.size, self.index, self.etag = key, size, index, etag
         self.fd, self.present, self.opening = fd, present, opening
         self.sizes = np.diff(_data_ranges(index), axis=1)[:, 0]
@@ -84,17 +92,35 @@ def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) ->
 def covered_chunks(index: ChunkIndex, spans: list[tuple[int, int]]) -> np.ndarray:
     """Data chunks lying wholly inside ``spans`` (the needed ones and those of the gaps merged in)."""
     data = _data_ranges(index)
-    parts = [np.arange(np.searchsorted(data[:, 0], b, "left"), np.searchsorted(data[:, 1], e, "right"))
-             for b, e in spans]
+    parts = [
+        np.arange(np.searchsorted(data[:, 0], b, "left"), np.searchsorted(data[:, 1], e, "right"))
+        for b, e in spans
+    ]
     return np.concatenate([*parts, np.zeros(0, np.int64)])
 
 
 class ShardMirrors:
     """The sparse mirrors of a remote dataset's shards under ``root``, within ``cache_bytes``."""
 
-    def __init__(self, store: S3Store, manifest: Manifest, root: Path, files: FileCache, counters: Counters, *,
-                 cache_bytes: int, threads: int = 16, opening: bool = True):
-        self.store, self.manifest, self.root, self.files, self.counters = store, manifest, root, files, counters
+    def __init__(
+        self,
+        store: S3Store,
+        manifest: Manifest,
+        root: Path,
+        files: FileCache,
+        counters: Counters,
+        *,
+        cache_bytes: int,
+        threads: int = 16,
+        opening: bool = True,
+    ):
+        self.store, self.manifest, self.root, self.files, self.counters = (
+            store,
+            manifest,
+            root,
+            files,
+            counters,
+        )
         self.opening = opening  # fetch each shard's opening ranges (ArrayRecord's reader reads them; the chunk reader not)
         self.cache_bytes, self.group_size = cache_bytes, int(manifest.array_record["group_size"])
         self._lock = threading.Condition()
@@ -111,7 +137,9 @@ class ShardMirrors:
 
     # ----- the interface -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None) -> Iterator[None]:
+    def prepared(
+        self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None
+    ) -> Iterator[None]:
         """Make the records of ``pieces`` ((shard, begin, end) within the shard) readable from the
         mirrors, and keep them (pinned) until the block ends; ``refetch``: fetch that shard's chunks
         and opening ranges again even if present (after a read of the mirror failed)."""
@@ -218,16 +246,21 @@ class ShardMirrors:
         index = ChunkIndex(rows, self.group_size)
         expected = -(-entry.num_cells // self.group_size)
         if rows.ndim != 2 or index.num_chunks != expected or int(rows.max(initial=0)) > entry.num_bytes:
-            msg = (f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} "
-                   f"({entry.num_cells} cells in {expected} chunks, {entry.num_bytes:,} bytes); {fix}")
+            msg = (
+                f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} "
+                f"({entry.num_cells} cells in {expected} chunks, {entry.num_bytes:,} bytes); {fix}"
+            )
             raise DatasetFormatError(msg)
         path = self.path(shard)
         path.parent.mkdir(parents=True, exist_ok=True)
         stamp_path, present_path = path.with_name(path.name + ".etag"), path.with_name(path.name + ".present")
         stamp = f"{info.etag} {info.size}\n"
         try:
-            reuse = (stamp_path.read_text() == stamp and path.stat().st_size == info.size
-                     and present_path.stat().st_size == index.num_chunks)
+            reuse = (
+                stamp_path.read_text() == stamp
+                and path.stat().st_size == info.size
+                and present_path.stat().st_size == index.num_chunks
+            )
         except OSError:
             reuse = False
         opening = [(int(b), int(e)) for b, e in index.opening] if self.opening else []
@@ -249,12 +282,13 @@ class ShardMirrors:
                 tmp.unlink(missing_ok=True)
                 raise
             write_atomic(stamp_path, stamp)
-        present = (np.memmap(present_path, np.uint8, mode="r+") if index.num_chunks
-                   else np.zeros(0, np.uint8))
+        present = np.memmap(present_path, np.uint8, mode="r+") if index.num_chunks else np.zeros(0, np.uint8)
         blobs = list(zip([b for b, _ in opening], blobs, strict=True))
         return _Mirror(entry.path, info.size, index, info.etag, fd, present, blobs)
 
-    def _get_opening(self, key: str, fd: int, opening: list[tuple[int, int]], etag: str | None) -> list[bytes]:
+    def _get_opening(
+        self, key: str, fd: int, opening: list[tuple[int, int]], etag: str | None
+    ) -> list[bytes]:
         blobs = self.store.get_ranges(key, opening, etag)
         for (b, _), blob in zip(opening, blobs, strict=True):
             os.pwrite(fd, blob, b)
@@ -300,13 +334,16 @@ class ShardMirrors:
                 for s, take in mine.items():
                     mirrors[s].inflight[take] = False
                 self._lock.notify_all()
-                self._lock.wait_for(lambda: not any(mirrors[s].inflight[ids].any() for s, ids in chunks.items()))
+                self._lock.wait_for(
+                    lambda: not any(mirrors[s].inflight[ids].any() for s, ids in chunks.items())
+                )
                 if all(mirrors[s].present[ids].all() for s, ids in chunks.items()):
                     return
             first = False  # another call failed to fetch some of ours: fetch them ourselves
 
-    def _get_chunks(self, mirrors: dict[int, _Mirror], mine: dict[int, np.ndarray],
-                    refetch: int | None) -> dict[int, np.ndarray]:
+    def _get_chunks(
+        self, mirrors: dict[int, _Mirror], mine: dict[int, np.ndarray], refetch: int | None
+    ) -> dict[int, np.ndarray]:
         """GET the chunks ``mine`` (coalesced, concurrently) into the mirrors, and ``refetch``'s
         opening ranges; return the chunks now written per shard (``mine`` and merged gaps')."""
         needed = {s: mirrors[s].index.chunk_bytes(take) for s, take in mine.items()}  # in file order
@@ -320,8 +357,10 @@ class ShardMirrors:
             f.result()
         if refetch is not None:
             m.opening = list(zip([b for b, _ in opening], futures[-1].result(), strict=True))
-        self.counters.add(bytes_needed=sum(int((r[:, 1] - r[:, 0]).sum()) for r in needed.values()),
-                          chunk_misses=sum(len(t) for t in mine.values()))
+        self.counters.add(
+            bytes_needed=sum(int((r[:, 1] - r[:, 0]).sum()) for r in needed.values()),
+            chunk_misses=sum(len(t) for t in mine.values()),
+        )
         return {s: covered_chunks(mirrors[s].index, sp) for s, sp in spans.items()}
 
     def _get_into(self, m: _Mirror, ranges: list[tuple[int, int]]) -> None:

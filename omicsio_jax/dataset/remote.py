@@ -26,8 +26,15 @@ from omicsio_jax.storage.store import S3Store
 class RemoteDataset:
     """The local side of the dataset at ``url``: its cache root, small files and shard mirrors."""
 
-    def __init__(self, url: str, manifest: Manifest, *, cache_dir: str | os.PathLike[str] | None,
-                 cache_bytes: int | None, opening: bool = True):
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        *,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_bytes: int | None,
+        opening: bool = True,
+    ):
         if cache_bytes is not None and (isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int)):
             msg = f"cache_bytes must be an int (bytes), got {type(cache_bytes).__name__}"
             raise TypeError(msg)
@@ -40,8 +47,15 @@ class RemoteDataset:
         self.cache_bytes = cache_bytes if cache_bytes is not None else default_cache_bytes(self.root)
         self.counters = Counters()
         self.files = FileCache(self.store, manifest, self.root, self.counters)
-        self.mirrors = ShardMirrors(self.store, manifest, self.root, self.files, self.counters,
-                                    cache_bytes=self.cache_bytes, opening=opening)
+        self.mirrors = ShardMirrors(
+            self.store,
+            manifest,
+            self.root,
+            self.files,
+            self.counters,
+            cache_bytes=self.cache_bytes,
+            opening=opening,
+        )
         self._shards = {s.path for s in manifest.shards}
 
     def local_path(self, relpath: str) -> Path:

@@ -32,7 +32,11 @@ def load_chunk_index(path: str | os.PathLike[str]) -> np.ndarray:
     if data[:8] == b"\x93NUMPY\x01\x00":
         end = 10 + int.from_bytes(data[8:10], "little")
         header = data[10:end]
-        if b"'descr': '<u8'" in header and b"'fortran_order': False" in header and (len(data) - end) % 16 == 0:
+        if (
+            b"'descr': '<u8'" in header
+            and b"'fortran_order': False" in header
+            and (len(data) - end) % 16 == 0
+        ):
             return np.frombuffer(data, np.uint64, offset=end).reshape(-1, 2)
     return np.load(path)
 

@@ -261,10 +261,16 @@ def record_fields(u8, u32, f32, start):
     pos = start + HEADER_BYTES
     vpos = pos + pad4(n * INDEX_WIDTH[ic])
     return RecordFields(
-        ic, vc, n,
-        u8[pos : pos + n], u8[pos + n : pos + 2 * n], u32[pos // 4 : pos // 4 + n],
-        u8[vpos : vpos + n], u8[vpos + n : vpos + 2 * n],
-        u32[vpos // 4 : vpos // 4 + n], f32[vpos // 4 : vpos // 4 + n],
+        ic,
+        vc,
+        n,
+        u8[pos : pos + n],
+        u8[pos + n : pos + 2 * n],
+        u32[pos // 4 : pos // 4 + n],
+        u8[vpos : vpos + n],
+        u8[vpos + n : vpos + 2 * n],
+        u32[vpos // 4 : vpos // 4 + n],
+        f32[vpos // 4 : vpos // 4 + n],
     )
 
 
@@ -482,7 +488,9 @@ def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return buf, buf.view(np.uint32), buf.view(np.float32)
 
 
-def checked_views(buf: np.ndarray, starts: np.ndarray, num_columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def checked_views(
+    buf: np.ndarray, starts: np.ndarray, num_columns: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`views` of a batch of records, after `check_records` (columns below ``num_columns``).
 
     Raises `MalformedRecordError` for the first malformed record: no decoder ever reads past a
@@ -518,7 +526,9 @@ def join_records(records: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return buf, starts
 
 
-def decode_csr(buf: np.ndarray, starts: np.ndarray, num_columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_csr(
+    buf: np.ndarray, starts: np.ndarray, num_columns: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode concatenated records into CSR ``(indptr int64, indices int32, values float32)``.
 
     ``starts`` has one entry per record plus the end of the buffer; dense records come back as
@@ -592,8 +602,16 @@ def slab_dtypes(rows_per_slab: int, num_columns: int) -> tuple[np.dtype, np.dtyp
     return row_dtype, index_dtype
 
 
-def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slabs: int, capacity: int,
-                 num_columns: int, empty=np.empty) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_slabs(
+    buf: np.ndarray,
+    starts: np.ndarray,
+    *,
+    num_rows: int,
+    num_slabs: int,
+    capacity: int,
+    num_columns: int,
+    empty=np.empty,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode records straight into fixed-shape padded sparse slabs, one per device.
 
     Rows are split into ``num_slabs`` equal groups (``num_rows`` may exceed the number of records:
@@ -614,8 +632,10 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
     per_slab = nnz.reshape(num_slabs, rows_per_slab)
     totals = per_slab.sum(axis=1)
     if totals.max() > capacity:
-        msg = (f"a batch slab has {int(totals.max()):,} nonzeros but nnz_capacity is {capacity:,}: "
-               f"pass nnz_capacity >= {int(totals.max()):,} to make_loader")
+        msg = (
+            f"a batch slab has {int(totals.max()):,} nonzeros but nnz_capacity is {capacity:,}: "
+            f"pass nnz_capacity >= {int(totals.max()):,} to make_loader"
+        )
         raise ValueError(msg)
     # every slab's entries fill it from the start: only the padding after them needs zeroing
     row_ids = empty((num_slabs, capacity), row_dtype)
@@ -625,9 +645,21 @@ def decode_slabs(buf: np.ndarray, starts: np.ndarray, *, num_rows: int, num_slab
         row_ids[slab, total:] = 0
         indices[slab, total:] = 0
         values[slab, total:] = 0
-    positions = (np.cumsum(per_slab, axis=1) - per_slab + np.arange(num_slabs)[:, None] * capacity).reshape(-1)
-    _decode_into_slabs(u8, u32, f32, starts[:-1], nnz, positions, rows_per_slab,
-                       row_ids.reshape(-1), indices.reshape(-1), values.reshape(-1))
+    positions = (np.cumsum(per_slab, axis=1) - per_slab + np.arange(num_slabs)[:, None] * capacity).reshape(
+        -1
+    )
+    _decode_into_slabs(
+        u8,
+        u32,
+        f32,
+        starts[:-1],
+        nnz,
+        positions,
+        rows_per_slab,
+        row_ids.reshape(-1),
+        indices.reshape(-1),
+        values.reshape(-1),
+    )
     return row_ids, indices, values
 
 

@@ -26,7 +26,9 @@ INDEX_MANIFEST = "index.json"
 INDEX_FORMAT = 1
 
 
-def open_index(con: duckdb.DuckDBPyConnection, path: Path, *, table_spec: str, table_fingerprint: dict) -> dict:
+def open_index(
+    con: duckdb.DuckDBPyConnection, path: Path, *, table_spec: str, table_fingerprint: dict
+) -> dict:
     """Check that the index at ``path`` was built from the files of the cell table ``table_spec``
     (whose `CellTable.fingerprint` is ``table_fingerprint``) and register it as view ``gene_cell_index``
     on ``con``."""
@@ -40,11 +42,15 @@ def open_index(con: duckdb.DuckDBPyConnection, path: Path, *, table_spec: str, t
         raise OmicsIOError(msg)
     if info["table"] != table_fingerprint:
         built = [Path(f[0]).name for f in info["table"]["files"]]
-        msg = (f"the gene index at {path} was built from other files or versions ({', '.join(built[:3])}"
-               f"{'...' if len(built) > 3 else ''}) than {table_spec}; rebuild it with "
-               f"`omicsio-materialize index {table_spec} {path} --overwrite`")
+        msg = (
+            f"the gene index at {path} was built from other files or versions ({', '.join(built[:3])}"
+            f"{'...' if len(built) > 3 else ''}) than {table_spec}; rebuild it with "
+            f"`omicsio-materialize index {table_spec} {path} --overwrite`"
+        )
         raise OmicsIOError(msg)
-    con.execute(f"CREATE OR REPLACE VIEW gene_cell_index AS SELECT * FROM read_parquet({sql_str(str(path / INDEX_FILE))})")
+    con.execute(
+        f"CREATE OR REPLACE VIEW gene_cell_index AS SELECT * FROM read_parquet({sql_str(str(path / INDEX_FILE))})"
+    )
     return info
 
 
@@ -53,8 +59,9 @@ def lookup(con: duckdb.DuckDBPyConnection, tokens: np.ndarray, *, mode: str) -> 
     if len(tokens) == 0:
         return np.zeros(0, np.int64)
     literal = ", ".join(map(str, tokens.tolist()))
-    table = con.sql(f"SELECT gene_token_id, cell_rowids FROM gene_cell_index "
-                    f"WHERE gene_token_id IN ({literal})").to_arrow_table()
+    table = con.sql(
+        f"SELECT gene_token_id, cell_rowids FROM gene_cell_index WHERE gene_token_id IN ({literal})"
+    ).to_arrow_table()
     ids = table.column("cell_rowids").combine_chunks().flatten().to_numpy()
     if mode == "any" or len(tokens) == 1:
         return np.unique(ids).astype(np.int64)

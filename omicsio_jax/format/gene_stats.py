@@ -211,14 +211,23 @@ class GeneStats:
         top = int(self.hist_counts.max()) if len(self.hist_counts) else 0
         counts = self.hist_counts.astype(_count_dtype(top), copy=False)
         with open(path, "wb") as f:
-            np.savez(f, num_cells=self.num_cells, n_cells=self.n_cells, sums=self.sums, hist_ptr=self.hist_ptr,
-                     hist_bins=self.hist_bins, hist_counts=counts)
+            np.savez(
+                f,
+                num_cells=self.num_cells,
+                n_cells=self.n_cells,
+                sums=self.sums,
+                hist_ptr=self.hist_ptr,
+                hist_bins=self.hist_bins,
+                hist_counts=counts,
+            )
 
     @classmethod
     def load(cls, path: str | Path) -> GeneStats:
         """`save`'s file; the counts keep the type they were stored in (no widening copy)."""
         with np.load(path) as z:
-            return cls(int(z["num_cells"]), z["n_cells"], z["sums"], z["hist_ptr"], z["hist_bins"], z["hist_counts"])
+            return cls(
+                int(z["num_cells"]), z["n_cells"], z["sums"], z["hist_ptr"], z["hist_bins"], z["hist_counts"]
+            )
 
     def add_to_dense(self, hist: np.ndarray) -> None:
         """``hist[gene, bin] += count`` for every histogram entry (merging into a dense accumulator)."""
@@ -231,8 +240,9 @@ class GeneStats:
             raise OmicsIOError(msg)
         hist = self.dense_hist()
         other.add_to_dense(hist)
-        return GeneStats.from_dense(self.num_cells + other.num_cells, self.n_cells + other.n_cells,
-                                    self.sums + other.sums, hist)
+        return GeneStats.from_dense(
+            self.num_cells + other.num_cells, self.n_cells + other.n_cells, self.sums + other.sums, hist
+        )
 
     def medians(self) -> np.ndarray:
         """Each gene's nonzero median of ``value / n_counts · 1e4`` (NaN for genes never expressed),
@@ -268,14 +278,21 @@ class GeneStats:
         import pyarrow.parquet as pq
 
         offsets = pa.array(self.hist_ptr, pa.int64())
-        table = pa.table({
-            "n_cells": self.n_cells,
-            **{name: self.sums[k] for k, name in enumerate(_SUMS)},
-            "hist_bins": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_bins, pa.uint16())),
-            "hist_counts": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_counts, pa.int64())),
-        })
-        meta = {"num_cells": self.num_cells, "target_sum": TARGET_SUM, "bins_per_octave": BINS_PER_OCTAVE,
-                "low_exponent": LOW_EXPONENT, "num_bins": NUM_BINS}
+        table = pa.table(
+            {
+                "n_cells": self.n_cells,
+                **{name: self.sums[k] for k, name in enumerate(_SUMS)},
+                "hist_bins": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_bins, pa.uint16())),
+                "hist_counts": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_counts, pa.int64())),
+            }
+        )
+        meta = {
+            "num_cells": self.num_cells,
+            "target_sum": TARGET_SUM,
+            "bins_per_octave": BINS_PER_OCTAVE,
+            "low_exponent": LOW_EXPONENT,
+            "num_bins": NUM_BINS,
+        }
         table = table.replace_schema_metadata({"omicsio_jax.gene_stats": json.dumps(meta)})
         pq.write_table(table, path, compression="zstd")
 
@@ -291,9 +308,14 @@ class GeneStats:
             raise OmicsIOError(msg)
         bins = table.column("hist_bins").combine_chunks()
         counts = table.column("hist_counts").combine_chunks()
-        return cls(int(meta["num_cells"]), table.column("n_cells").to_numpy(),
-                   np.stack([table.column(name).to_numpy() for name in _SUMS]),
-                   bins.offsets.to_numpy().astype(np.int64), bins.values.to_numpy(), counts.values.to_numpy())
+        return cls(
+            int(meta["num_cells"]),
+            table.column("n_cells").to_numpy(),
+            np.stack([table.column(name).to_numpy() for name in _SUMS]),
+            bins.offsets.to_numpy().astype(np.int64),
+            bins.values.to_numpy(),
+            counts.values.to_numpy(),
+        )
 
 
 class StatsAccumulator:
@@ -324,8 +346,17 @@ class StatsAccumulator:
         while done < n:
             room = self.shard_cells - self.rows % self.shard_cells
             take = min(room, n - done)
-            m = _accumulate(u8, u32, f32, starts[done : done + take], TARGET_SUM, n_counts[done : done + take],
-                            n_genes[done : done + take], self.partial, self._codes)
+            m = _accumulate(
+                u8,
+                u32,
+                f32,
+                starts[done : done + take],
+                TARGET_SUM,
+                n_counts[done : done + take],
+                n_genes[done : done + take],
+                self.partial,
+                self._codes,
+            )
             _apply_hist(self._codes, m, self._tmp, self.hist)
             done += take
             self.rows += take
@@ -354,8 +385,10 @@ def read_gene_stats(dataset) -> GeneStats:
     listed = any(f.path == STATS_NAME for f in dataset.manifest.files)
     path = dataset.local_path(STATS_NAME) if listed else None
     if path is None or not path.exists():
-        msg = (f"{dataset.path} has no gene statistics (it was materialized before they existed); "
-               f"add them with `omicsio-materialize stats {dataset.path}`")
+        msg = (
+            f"{dataset.path} has no gene statistics (it was materialized before they existed); "
+            f"add them with `omicsio-materialize stats {dataset.path}`"
+        )
         raise OmicsIOError(msg)
     return GeneStats.read(path)
 

@@ -194,8 +194,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         url = str(path).rstrip("/")
         text = open_store(url).read_text(MANIFEST_NAME)
         if text is None:
-            msg = (f"{url!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its upload did not "
-                   f"finish ({MANIFEST_NAME} is uploaded last); check the URL")
+            msg = (
+                f"{url!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its upload did not "
+                f"finish ({MANIFEST_NAME} is uploaded last); check the URL"
+            )
             raise DatasetFormatError(msg)
         return parse_manifest(text, f"{url}/{MANIFEST_NAME}")
     root = Path(path)
@@ -259,6 +261,7 @@ def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
 
         def sha_of(relpath: str) -> str:
             return sha256_file(root / relpath)
+
     problems = []
     for relpath, num_bytes, sha in entries:
         size = sizes.get(relpath)

@@ -59,8 +59,11 @@ def expand_files(spec: str) -> list[Path]:
     if is_remote(spec):
         files = expand_objects(spec, (".parquet", ".vortex"), GENE_TABLE_NAME)
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME)
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME
+        )
     elif any(ch in spec for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
     else:
@@ -105,9 +108,17 @@ def row_counts(files: list[Path]) -> list[int]:
         return list(pool.map(count, files))
 
 
-def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, label: str, filename: bool = False,
-                      rowid: bool = False, name: str = "cells", file_rows: bool = False,
-                      spans: dict[int, tuple[int, int | None]] | None = None) -> list[int]:
+def create_cells_view(
+    con: duckdb.DuckDBPyConnection,
+    files: list[Path],
+    *,
+    label: str,
+    filename: bool = False,
+    rowid: bool = False,
+    name: str = "cells",
+    file_rows: bool = False,
+    spans: dict[int, tuple[int, int | None]] | None = None,
+) -> list[int]:
     """Create view ``name`` over ``files``: hive partition columns included, union by column name.
 
     ``filename`` adds the source file of each row and ``file_rows`` its ``file_row_number``;
@@ -160,8 +171,10 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
             con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT * FROM {name}")
         return bases
     names = ", ".join(sql_str(str(f)) for f in files)
-    source = (f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
-              "union_by_name = true)")
+    source = (
+        f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
+        "union_by_name = true)"
+    )
     hidden = ([] if file_rows else [FILE_ROW_COLUMN]) + ([] if filename else [FILENAME_COLUMN])
     columns = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
     extra = ""
@@ -178,8 +191,9 @@ def create_cells_view(con: duckdb.DuckDBPyConnection, files: list[Path], *, labe
     return bases
 
 
-def rowid_pruning(files: list[Path], bases: list[int], rowids: np.ndarray, *, gap: int = 8192,
-                  max_spans: int = 64) -> str:
+def rowid_pruning(
+    files: list[Path], bases: list[int], rowids: np.ndarray, *, gap: int = 8192, max_spans: int = 64
+) -> str:
     """A predicate on ``filename`` / ``file_row_number`` that DuckDB pushes into the parquet scan,
     covering sorted unique ``rowids``: files without any are skipped, and within a file only the
     row groups of a few spans of rows (split where ids are more than ``gap`` apart) are read."""
@@ -194,7 +208,9 @@ def rowid_pruning(files: list[Path], bases: list[int], rowids: np.ndarray, *, ga
             cuts = cuts[:0]  # too scattered: one span
         starts = local[np.concatenate(([0], cuts))]
         stops = local[np.concatenate((cuts - 1, [len(local) - 1]))]
-        spans = " OR ".join(f"file_row_number BETWEEN {a} AND {b}" for a, b in zip(starts.tolist(), stops.tolist(),
-                                                                                 strict=True))
+        spans = " OR ".join(
+            f"file_row_number BETWEEN {a} AND {b}"
+            for a, b in zip(starts.tolist(), stops.tolist(), strict=True)
+        )
         arms.append(f"({FILENAME_COLUMN} = {sql_str(str(path))} AND ({spans}))")
     return "(" + (" OR ".join(arms) or "false") + ")"

@@ -44,8 +44,18 @@ def _stop(iterator, reader) -> None:
 class Loader(grain.DatasetIterator):
     """Iterator of `Batch`es; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
 
-    def __init__(self, ds: Dataset, spec: DiskSpec, *, host: int, mesh, data_axis: str, num_threads: int,
-                 prefetch: int, decode_threads: int | None = None):
+    def __init__(
+        self,
+        ds: Dataset,
+        spec: DiskSpec,
+        *,
+        host: int,
+        mesh,
+        data_axis: str,
+        num_threads: int,
+        prefetch: int,
+        decode_threads: int | None = None,
+    ):
         super().__init__()
         self._iterator = self._reader = self._finalizer = None  # before anything can raise: __del__ closes
         self.dataset, self.spec, self.host, self.num_epochs = ds, spec, host, spec.num_epochs
@@ -57,9 +67,16 @@ class Loader(grain.DatasetIterator):
 
     # ----- the stream --------------------------------------------------------------------------
     def _new_reader(self, schedule: Schedule) -> MinibatchReader:
-        return MinibatchReader(self.dataset, schedule, self.output, self.spec.obs, num_epochs=self.num_epochs,
-                               prefetch=self.prefetch, decode_threads=self._decode_threads,
-                               keep_buffers=self._buffer_size + self.num_threads + 4)
+        return MinibatchReader(
+            self.dataset,
+            schedule,
+            self.output,
+            self.spec.obs,
+            num_epochs=self.num_epochs,
+            prefetch=self.prefetch,
+            decode_threads=self._decode_threads,
+            keep_buffers=self._buffer_size + self.num_threads + 4,
+        )
 
     @property
     def decode_threads(self) -> int:
@@ -181,8 +198,15 @@ class Loader(grain.DatasetIterator):
         """Small JSON: where the stream stands (global), and what this process served this epoch."""
         a = self._schedule.anchor
         anchor = [a.step, a.hosts] if a.epoch == self._epoch else [0, self.plan.num_hosts]
-        return {"version": STATE_VERSION, "config": self._config, "epoch": self._epoch, "step": self._step,
-                "anchor": anchor, "process": [self.host, self.plan.num_hosts], "served": self._served.to_json()}
+        return {
+            "version": STATE_VERSION,
+            "config": self._config,
+            "epoch": self._epoch,
+            "step": self._step,
+            "anchor": anchor,
+            "process": [self.host, self.plan.num_hosts],
+            "served": self._served.to_json(),
+        }
 
     def set_state(self, state: dict | Sequence[dict]) -> None:
         """Resume from `get_state` output: this process's own state, or every process's (a list, as
@@ -201,17 +225,23 @@ class Loader(grain.DatasetIterator):
         if len(states) == 1 and count == hosts:
             mine = states[0]
             if mine["process"][0] != self.host:
-                msg = (f"this is the state of process {mine['process'][0]}, and this loader is process {self.host}: "
-                       "restore each process's own state (Grain's CheckpointRestore does), or pass every "
-                       "process's (oj.read_loader_states(directory))")
+                msg = (
+                    f"this is the state of process {mine['process'][0]}, and this loader is process {self.host}: "
+                    "restore each process's own state (Grain's CheckpointRestore does), or pass every "
+                    "process's (oj.read_loader_states(directory))"
+                )
                 raise StateMismatchError(msg)
         elif len(states) != count or sorted(s["process"][0] for s in states) != list(range(count)):
-            msg = (f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
-                   "states to set_state (oj.read_loader_states(directory) reads them)")
+            msg = (
+                f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
+                "states to set_state (oj.read_loader_states(directory) reads them)"
+            )
             raise StateMismatchError(msg)
         positions = {(s["epoch"], s["step"], tuple(s["anchor"])) for s in states}
         if len(positions) > 1:
-            msg = f"the processes' states stand at different positions {sorted(positions)}: not one checkpoint"
+            msg = (
+                f"the processes' states stand at different positions {sorted(positions)}: not one checkpoint"
+            )
             raise StateMismatchError(msg)
         epoch, step, (anchor_step, anchor_hosts) = positions.pop()
         if count == hosts:
@@ -295,10 +325,34 @@ def make_loader(
     if mesh is not None and batch_size % mesh.shape[data_axis]:
         msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
         raise OmicsIOError(msg)
-    spec = DiskSpec.of(output=output, genes=genes, normalize=normalize, target_sum=target_sum,
-                       nnz_capacity=nnz_capacity, rows=rows, obs=obs, mesh=mesh, data_axis=data_axis, num_hosts=hosts,
-                       batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor, seed=seed,
-                       num_epochs=num_epochs, sampling=sampling, weights=weights, balance_by=balance_by,
-                       drop_remainder=drop_remainder)
-    return Loader(ds, spec, host=host, mesh=mesh, data_axis=data_axis, num_threads=num_threads, prefetch=prefetch,
-                  decode_threads=decode_threads)
+    spec = DiskSpec.of(
+        output=output,
+        genes=genes,
+        normalize=normalize,
+        target_sum=target_sum,
+        nnz_capacity=nnz_capacity,
+        rows=rows,
+        obs=obs,
+        mesh=mesh,
+        data_axis=data_axis,
+        num_hosts=hosts,
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        seed=seed,
+        num_epochs=num_epochs,
+        sampling=sampling,
+        weights=weights,
+        balance_by=balance_by,
+        drop_remainder=drop_remainder,
+    )
+    return Loader(
+        ds,
+        spec,
+        host=host,
+        mesh=mesh,
+        data_axis=data_axis,
+        num_threads=num_threads,
+        prefetch=prefetch,
+        decode_threads=decode_threads,
+    )

@@ -50,30 +50,69 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     ``csr`` batch has (this host's devices along ``data_axis``).
     """
 
-    def __init__(self, dataset: Dataset | str | os.PathLike[str], *, batch_size: int, block_size: int = 16,
-                 fetch_factor: int = 64, seed: int = 0, num_epochs: int | None = 1, sampling: str = "block",
-                 weights: np.ndarray | None = None, balance_by: str | None = None,
-                 rows: np.ndarray | Sequence[int] | None = None, obs: Sequence[str] = (),
-                 output: str | Output = "dense", genes: Sequence[str | int] | None = None,
-                 normalize: str | None = None, target_sum: float = 1e4, nnz_capacity: int | None = None,
-                 drop_remainder: bool = True, mesh=None, data_axis: str = "data", process_count: int | None = None,
-                 prefetch: int = 2, decode_threads: int | None = None):
+    def __init__(
+        self,
+        dataset: Dataset | str | os.PathLike[str],
+        *,
+        batch_size: int,
+        block_size: int = 16,
+        fetch_factor: int = 64,
+        seed: int = 0,
+        num_epochs: int | None = 1,
+        sampling: str = "block",
+        weights: np.ndarray | None = None,
+        balance_by: str | None = None,
+        rows: np.ndarray | Sequence[int] | None = None,
+        obs: Sequence[str] = (),
+        output: str | Output = "dense",
+        genes: Sequence[str | int] | None = None,
+        normalize: str | None = None,
+        target_sum: float = 1e4,
+        nnz_capacity: int | None = None,
+        drop_remainder: bool = True,
+        mesh=None,
+        data_axis: str = "data",
+        process_count: int | None = None,
+        prefetch: int = 2,
+        decode_threads: int | None = None,
+    ):
         ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
         hosts = jax.process_count() if process_count is None else process_count
-        self.spec = DiskSpec.of(output=output, genes=genes, normalize=normalize, target_sum=target_sum,
-                                nnz_capacity=nnz_capacity, rows=rows, obs=obs, mesh=mesh, data_axis=data_axis,
-                                num_hosts=hosts, batch_size=batch_size, block_size=block_size,
-                                fetch_factor=fetch_factor, seed=seed, num_epochs=num_epochs, sampling=sampling,
-                                weights=weights, balance_by=balance_by, drop_remainder=drop_remainder)
+        self.spec = DiskSpec.of(
+            output=output,
+            genes=genes,
+            normalize=normalize,
+            target_sum=target_sum,
+            nnz_capacity=nnz_capacity,
+            rows=rows,
+            obs=obs,
+            mesh=mesh,
+            data_axis=data_axis,
+            num_hosts=hosts,
+            batch_size=batch_size,
+            block_size=block_size,
+            fetch_factor=fetch_factor,
+            seed=seed,
+            num_epochs=num_epochs,
+            sampling=sampling,
+            weights=weights,
+            balance_by=balance_by,
+            drop_remainder=drop_remainder,
+        )
         plan, bound = self.spec.resolve(ds)
         self.path, self.open_options = str(ds.path), ds.open_options  # how workers open it again
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
         self.prefetch, self.decode_threads = prefetch, decode_threads
-        layout = {"num_hosts": hosts, "num_slabs": self.spec.num_slabs,
-                  "nnz_capacity": getattr(bound, "nnz_capacity", None)}
+        layout = {
+            "num_hosts": hosts,
+            "num_slabs": self.spec.num_slabs,
+            "nnz_capacity": getattr(bound, "nnz_capacity", None),
+        }
         self._config = {**self.spec.config(ds, plan, bound), **layout}
         per_pass = self.steps_per_epoch * hosts
-        self._length = per_pass * num_epochs if num_epochs is not None else (sys.maxsize // per_pass) * per_pass
+        self._length = (
+            per_pass * num_epochs if num_epochs is not None else (sys.maxsize // per_pass) * per_pass
+        )
         self._local: dict | None = None
         self._lock = threading.Lock()
 
@@ -121,29 +160,42 @@ class GrainSource(grain.sources.RandomAccessDataSource):
             reader = local["readers"].get(host)
             if reader is None:
                 reader = local["readers"][host] = MinibatchReader(
-                    local["ds"], Schedule(local["plan"], host), local["output"], self.spec.obs,
-                    num_epochs=self.spec.num_epochs, prefetch=self.prefetch, decode_threads=self.decode_threads,
-                    keep_buffers=8)
+                    local["ds"],
+                    Schedule(local["plan"], host),
+                    local["output"],
+                    self.spec.obs,
+                    num_epochs=self.spec.num_epochs,
+                    prefetch=self.prefetch,
+                    decode_threads=self.decode_threads,
+                    keep_buffers=8,
+                )
             return reader
 
     # ----- helpers -----------------------------------------------------------------------------
-    def sampler(self, process_index: int | None = None, process_count: int | None = None) -> grain.samplers.Sampler:
+    def sampler(
+        self, process_index: int | None = None, process_count: int | None = None
+    ) -> grain.samplers.Sampler:
         """Grain's ``SequentialSampler`` sharded like the source: process ``h`` of ``P`` gets records
         ``h, h + P, ...`` (default: ``jax.process_index()`` / ``jax.process_count()``)."""
         index = jax.process_index() if process_index is None else process_index
         count = self.num_hosts if process_count is None else process_count
         if count != self.num_hosts or not 0 <= index < count:
-            msg = (f"process {index} of {count}: this source was made for {self.num_hosts} process(es); "
-                   f"pass process_count={count} to GrainSource")
+            msg = (
+                f"process {index} of {count}: this source was made for {self.num_hosts} process(es); "
+                f"pass process_count={count} to GrainSource"
+            )
             raise OmicsIOError(msg)
         shards = grain.sharding.ShardOptions(shard_index=index, shard_count=count, drop_remainder=True)
         return grain.samplers.SequentialSampler(num_records=self._length, shard_options=shards)
 
-    def read_options(self, num_threads: int = 2, prefetch_buffer_size: int | None = None) -> grain.ReadOptions:
+    def read_options(
+        self, num_threads: int = 2, prefetch_buffer_size: int | None = None
+    ) -> grain.ReadOptions:
         """Read options sized for minibatch records: ``num_threads`` threads decode, each a record
         or so ahead (Grain's default buffer of 500 records would hold gigabytes of batches)."""
-        return grain.ReadOptions(num_threads=num_threads,
-                                 prefetch_buffer_size=prefetch_buffer_size or max(num_threads, 1) + 1)
+        return grain.ReadOptions(
+            num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or max(num_threads, 1) + 1
+        )
 
     def planned(self, epoch: int, process_index: int = 0) -> Tally:
         """What process ``process_index`` serves in ``epoch`` (compare a `Tally` of its batches' ``index``)."""
@@ -158,8 +210,12 @@ def _under_main_guard(path: str, line: int) -> bool:
     except (OSError, SyntaxError, ValueError):
         return True  # cannot tell: do not stand in the way
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
-                and isinstance(node.test.ops[0], ast.Eq):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)
+        ):
             sides = {ast.unparse(node.test.left), ast.unparse(node.test.comparators[0])}
             if sides == {"__name__", "'__main__'"} and node.lineno <= line <= (node.end_lineno or line):
                 return True
@@ -170,8 +226,10 @@ def check_operations(operations: Sequence) -> None:
     """Only one-to-one Grain operations: one record is one step's batch on every host."""
     for op in operations:
         if not isinstance(op, grain.transforms.Map | grain.transforms.RandomMap):
-            msg = (f"operation {op!r} is not a grain.transforms.Map or RandomMap: one record is one step's batch, "
-                   "so only one-to-one operations keep every host's steps aligned and resume exact")
+            msg = (
+                f"operation {op!r} is not a grain.transforms.Map or RandomMap: one record is one step's batch, "
+                "so only one-to-one operations keep every host's steps aligned and resume exact"
+            )
             raise OmicsIOError(msg)
 
 
@@ -181,13 +239,16 @@ def check_worker_setup(operations: Sequence) -> None:
     cannot be pickled. Also applies the absl-flags workaround (grain#1355) where flags are unparsed."""
     main = sys.modules.get("__main__")
     frame = sys._getframe(1)
-    while frame is not None and not (main is not None and frame.f_globals is vars(main)
-                                     and frame.f_code.co_name == "<module>"):
+    while frame is not None and not (
+        main is not None and frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"
+    ):
         frame = frame.f_back
     path = getattr(main, "__file__", None)
     if frame is not None and path and not _under_main_guard(path, frame.f_lineno):
-        msg = (f"{path}, line {frame.f_lineno}: worker processes re-run this script from the top; build and "
-               f"iterate the loader under `if __name__ == \"__main__\":` (or pass worker_count=0)")
+        msg = (
+            f"{path}, line {frame.f_lineno}: worker processes re-run this script from the top; build and "
+            f'iterate the loader under `if __name__ == "__main__":` (or pass worker_count=0)'
+        )
         raise OmicsIOError(msg)
     import cloudpickle
 
@@ -195,8 +256,10 @@ def check_worker_setup(operations: Sequence) -> None:
         try:
             cloudpickle.dumps(op)
         except Exception as e:  # noqa: BLE001 -- any pickling failure, reported as one line
-            msg = (f"operation {op!r} cannot be sent to worker processes ({type(e).__name__}: {e}); define it at "
-                   "module level, holding no lock, open file or loader (or pass worker_count=0)")
+            msg = (
+                f"operation {op!r} cannot be sent to worker processes ({type(e).__name__}: {e}); define it at "
+                "module level, holding no lock, open file or loader (or pass worker_count=0)"
+            )
             raise OmicsIOError(msg) from e
     try:
         from absl import flags
@@ -206,10 +269,18 @@ def check_worker_setup(operations: Sequence) -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def make_grain_loader(dataset: Dataset | str | os.PathLike[str], *, batch_size: int, worker_count: int = 0,
-                      worker_buffer_size: int = 1, operations: Sequence = (), num_threads: int = 2,
-                      process_index: int | None = None, process_count: int | None = None,
-                      **source_options) -> grain.DataLoader:
+def make_grain_loader(
+    dataset: Dataset | str | os.PathLike[str],
+    *,
+    batch_size: int,
+    worker_count: int = 0,
+    worker_buffer_size: int = 1,
+    operations: Sequence = (),
+    num_threads: int = 2,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    **source_options,
+) -> grain.DataLoader:
     """A ``grain.DataLoader`` over a `GrainSource`: the batches of `make_loader`, as numpy `HostBatch`es.
 
     >>> loader = oj.make_grain_loader(ds, batch_size=1024, seed=0, num_epochs=None, obs=("drug",),
@@ -226,6 +297,11 @@ def make_grain_loader(dataset: Dataset | str | os.PathLike[str], *, batch_size: 
     if worker_count:
         check_worker_setup(operations)
     src = GrainSource(dataset, batch_size=batch_size, process_count=process_count, **source_options)
-    return grain.DataLoader(data_source=src, sampler=src.sampler(process_index, process_count),
-                            operations=list(operations), worker_count=worker_count,
-                            worker_buffer_size=worker_buffer_size, read_options=src.read_options(num_threads))
+    return grain.DataLoader(
+        data_source=src,
+        sampler=src.sampler(process_index, process_count),
+        operations=list(operations),
+        worker_count=worker_count,
+        worker_buffer_size=worker_buffer_size,
+        read_options=src.read_options(num_threads),
+    )

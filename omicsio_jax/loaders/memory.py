@@ -66,13 +66,30 @@ def _draw(arrays, perm, step, acc, *, rows):
 class MemoryLoader(grain.DatasetIterator):
     """Batches from an `InMemoryPanel`; `get_state`/`set_state` resume exactly. Use `make_memory_loader`."""
 
-    def __init__(self, panel: InMemoryPanel, *, batch_size: int, seed: int, num_epochs: int | None,
-                 placement: str, mesh, data_axis: str, drop_remainder: bool, host: int, hosts: int,
-                 prefetch: int):
+    def __init__(
+        self,
+        panel: InMemoryPanel,
+        *,
+        batch_size: int,
+        seed: int,
+        num_epochs: int | None,
+        placement: str,
+        mesh,
+        data_axis: str,
+        drop_remainder: bool,
+        host: int,
+        hosts: int,
+        prefetch: int,
+    ):
         super().__init__()
         self._stream = None
         self.panel, self.batch_size, self.seed, self.num_epochs = panel, batch_size, seed, num_epochs
-        self.placement, self.mesh, self.data_axis, self.drop_remainder = placement, mesh, data_axis, drop_remainder
+        self.placement, self.mesh, self.data_axis, self.drop_remainder = (
+            placement,
+            mesh,
+            data_axis,
+            drop_remainder,
+        )
         self.host, self.hosts, self.prefetch = host, hosts, prefetch
         self.local_batch = batch_size // hosts
         self._epoch, self._step, self._anchor, self._served = 0, 0, 0, Tally()
@@ -81,22 +98,38 @@ class MemoryLoader(grain.DatasetIterator):
         if placement == "device":
             self._place_on_devices()
         n = panel.num_cells
-        self.steps_per_epoch = self._device_steps if placement == "device" else (
-            n // batch_size if drop_remainder else -(-n // batch_size))
+        self.steps_per_epoch = (
+            self._device_steps
+            if placement == "device"
+            else (n // batch_size if drop_remainder else -(-n // batch_size))
+        )
 
     # ----- state -------------------------------------------------------------------------------
     def config(self) -> dict:
         """What decides the batches. Host placement serves the same global batches on any number of
         hosts, so a restore may change it; device placement deals cells to the devices."""
-        return {"panel": self.panel.fingerprint[:16], "batch_size": self.batch_size, "seed": self.seed,
-                "num_epochs": self.num_epochs, "placement": self.placement, "drop_remainder": self.drop_remainder,
-                "devices": None if self.placement == "host" else self._devices,
-                "hosts": None if self.placement == "host" else self.hosts}
+        return {
+            "panel": self.panel.fingerprint[:16],
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "num_epochs": self.num_epochs,
+            "placement": self.placement,
+            "drop_remainder": self.drop_remainder,
+            "devices": None if self.placement == "host" else self._devices,
+            "hosts": None if self.placement == "host" else self.hosts,
+        }
 
     def get_state(self) -> dict:
         """``{"version", "config", "epoch", "step", ...}``: the next batch to serve (< 1 KB of JSON)."""
-        return {"version": STATE_VERSION, "config": self.config(), "epoch": self._epoch, "step": self._step,
-                "anchor": self._anchor, "process": [self.host, self.hosts], "served": self.coverage().served.to_json()}
+        return {
+            "version": STATE_VERSION,
+            "config": self.config(),
+            "epoch": self._epoch,
+            "step": self._step,
+            "anchor": self._anchor,
+            "process": [self.host, self.hosts],
+            "served": self.coverage().served.to_json(),
+        }
 
     def set_state(self, state: dict | Sequence[dict]) -> None:
         """Resume at ``state`` (or every process's states, for another number of hosts); refuses a
@@ -123,8 +156,10 @@ class MemoryLoader(grain.DatasetIterator):
                 for s in states:
                     served = served + Tally.from_json(s["served"])
         else:
-            msg = (f"the checkpoint was written by {count} processes and this run has {self.hosts}: pass all "
-                   f"{count} states (oj.read_loader_states(directory))")
+            msg = (
+                f"the checkpoint was written by {count} processes and this run has {self.hosts}: pass all "
+                f"{count} states (oj.read_loader_states(directory))"
+            )
             raise StateMismatchError(msg)
         self._set_served(served)
 
@@ -132,8 +167,10 @@ class MemoryLoader(grain.DatasetIterator):
         """This process's served and planned cells of the current epoch (see `Coverage`)."""
         served = self._served
         if self.placement == "device":
-            local = sum((np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
-                        np.zeros(3, np.uint64)).reshape(-1)
+            local = sum(
+                (np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
+                np.zeros(3, np.uint64),
+            ).reshape(-1)
             served = self._served + tally_from_device(*local.tolist())
         return Coverage(self._epoch, served, self._planned(self._epoch))
 
@@ -141,20 +178,27 @@ class MemoryLoader(grain.DatasetIterator):
         self._served = served
         if self.placement == "device":
             zeros = np.zeros((self._devices, 3), np.uint32)
-            self._acc = jax.make_array_from_callback(zeros.shape, data_sharding(self.mesh, self.data_axis),
-                                                     lambda index: zeros[index])
+            self._acc = jax.make_array_from_callback(
+                zeros.shape, data_sharding(self.mesh, self.data_axis), lambda index: zeros[index]
+            )
 
     def _planned(self, epoch: int) -> Tally:
         if self.placement == "device":
-            rows = np.concatenate([self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
-                                   for d in self._local_devices])
+            rows = np.concatenate(
+                [
+                    self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
+                    for d in self._local_devices
+                ]
+            )
             return Tally.of(self.panel.rowids[rows])
         perm = self._permutation(epoch)
         b, B = self.local_batch, self.batch_size
         start = self._anchor if epoch == self._epoch else 0
         total = Tally.of(self.panel.rowids[perm[: start * B]]) if (start and self.host == 0) else Tally()
         for step in range(start, self.steps_per_epoch):
-            total = total + Tally.of(self.panel.rowids[perm[step * B + self.host * b : step * B + (self.host + 1) * b]])
+            total = total + Tally.of(
+                self.panel.rowids[perm[step * B + self.host * b : step * B + (self.host + 1) * b]]
+            )
         return total
 
     # ----- iteration ---------------------------------------------------------------------------
@@ -194,7 +238,10 @@ class MemoryLoader(grain.DatasetIterator):
     # ----- host placement ----------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_cache[0] != epoch:
-            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.panel.num_cells))
+            self._perm_cache = (
+                epoch,
+                np.random.default_rng([self.seed, epoch]).permutation(self.panel.num_cells),
+            )
         return self._perm_cache[1]
 
     def _rows(self, epoch: int, step: int) -> np.ndarray:
@@ -234,8 +281,9 @@ class MemoryLoader(grain.DatasetIterator):
         self._device_steps = int(self._valid.min()) // rows_local
         self._devices, self._rows_local, self._length = devices, rows_local, max(int(self._valid.max()), 1)
         sharding = data_sharding(self.mesh, self.data_axis)
-        self._local_devices = sorted({index[0].start or 0
-                                      for index in sharding.addressable_devices_indices_map((devices,)).values()})
+        self._local_devices = sorted(
+            {index[0].start or 0 for index in sharding.addressable_devices_indices_map((devices,)).values()}
+        )
 
         def put(column: np.ndarray, fill) -> jax.Array:
             def shard(index) -> np.ndarray:
@@ -247,9 +295,11 @@ class MemoryLoader(grain.DatasetIterator):
 
             return jax.make_array_from_callback((devices, self._length, *column.shape[1:]), sharding, shard)
 
-        self._arrays = {"x": put(self.panel.x, 0),
-                        "index": put(self.panel.rowids.astype(np.int32), -1),
-                        "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()}}
+        self._arrays = {
+            "x": put(self.panel.x, 0),
+            "index": put(self.panel.rowids.astype(np.int32), -1),
+            "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()},
+        }
         self._perm_epoch, self._perm = None, None
         ones = np.ones(self.batch_size, bool)
         self._mask = jax.make_array_from_callback(ones.shape, sharding, lambda index: ones[index])
@@ -268,8 +318,9 @@ class MemoryLoader(grain.DatasetIterator):
             perms = np.zeros((self._devices, self._length), np.int32)
             for d in range(self._devices):
                 perms[d, : self._valid[d]] = self._device_order(epoch, d)
-            self._perm = jax.make_array_from_callback(perms.shape, data_sharding(self.mesh, self.data_axis),
-                                                      lambda index: perms[index])
+            self._perm = jax.make_array_from_callback(
+                perms.shape, data_sharding(self.mesh, self.data_axis), lambda index: perms[index]
+            )
             self._perm_epoch = epoch
         out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
         return Batch(out["x"], out["obs"], out["index"], self._mask)
@@ -315,9 +366,19 @@ def make_memory_loader(
     if placement == "device" and not drop_remainder:
         msg = "placement='device' always drops the remainder (each device draws only full batches)"
         raise OmicsIOError(msg)
-    loader = MemoryLoader(panel, batch_size=batch_size, seed=seed, num_epochs=num_epochs, placement=placement,
-                          mesh=mesh, data_axis=data_axis, drop_remainder=drop_remainder, host=host, hosts=hosts,
-                          prefetch=prefetch)
+    loader = MemoryLoader(
+        panel,
+        batch_size=batch_size,
+        seed=seed,
+        num_epochs=num_epochs,
+        placement=placement,
+        mesh=mesh,
+        data_axis=data_axis,
+        drop_remainder=drop_remainder,
+        host=host,
+        hosts=hosts,
+        prefetch=prefetch,
+    )
     if loader.steps_per_epoch == 0:
         msg = f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"
         raise OmicsIOError(msg)

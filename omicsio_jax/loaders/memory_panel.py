@@ -60,16 +60,25 @@ def _fingerprint(*parts) -> str:
 def _check_memory(num_cells: int, width: int) -> None:
     need, total = num_cells * width * 4, physical_memory()
     if total and need > 0.8 * total:
-        msg = (f"a dense {num_cells:,} × {width:,} float32 panel needs {need / 2**30:.1f} GiB, more than 80% of "
-               f"this machine's {total / 2**30:.1f} GiB: choose a smaller panel (genes=...) or fewer cells, "
-               "or stream with make_loader / make_stream_loader")
+        msg = (
+            f"a dense {num_cells:,} × {width:,} float32 panel needs {need / 2**30:.1f} GiB, more than 80% of "
+            f"this machine's {total / 2**30:.1f} GiB: choose a smaller panel (genes=...) or fewer cells, "
+            "or stream with make_loader / make_stream_loader"
+        )
         raise OmicsIOError(msg)
 
 
-def load_panel(source: Dataset | CellTable, genes: Sequence[str | int] | None = None, *,
-               rows: Sequence[int] | np.ndarray | None = None, where: str | None = None,
-               obs: Sequence[str] = (), normalize: str | None = None, target_sum: float = 1e4,
-               progress: bool = True) -> InMemoryPanel:
+def load_panel(
+    source: Dataset | CellTable,
+    genes: Sequence[str | int] | None = None,
+    *,
+    rows: Sequence[int] | np.ndarray | None = None,
+    where: str | None = None,
+    obs: Sequence[str] = (),
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+    progress: bool = True,
+) -> InMemoryPanel:
     """Load a gene panel of every selected cell densely into host RAM.
 
     ``source`` is a materialized `Dataset` (``rows`` selects dataset rows; ``genes=None`` keeps
@@ -118,8 +127,9 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
             obs_arrays[name], categories[name] = col.codes[ids].astype(np.int32), tuple(col.categories)
         else:
             obs_arrays[name], categories[name] = np.asarray(col)[ids].astype(np.float32), None
-    fp = _fingerprint("dataset", ds.fingerprint, hashlib.sha256(ids.tobytes()).hexdigest(), output.config(),
-                      list(obs))
+    fp = _fingerprint(
+        "dataset", ds.fingerprint, hashlib.sha256(ids.tobytes()).hexdigest(), output.config(), list(obs)
+    )
     return InMemoryPanel(x, obs_arrays, categories, ids, panel_genes, fp)
 
 
@@ -131,11 +141,14 @@ def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum
     _check_memory(len(selected), len(tokens))
     x = aligned_empty((len(selected), len(tokens)))
     specs = table.obs_specs(obs)
-    obs_arrays = {s.name: np.empty(len(selected), np.int32 if s.categories is not None else np.float32)
-                  for s in specs}
+    obs_arrays = {
+        s.name: np.empty(len(selected), np.int32 if s.categories is not None else np.float32) for s in specs
+    }
     rowids = np.empty(len(selected), np.int64)
     pos = 0
-    with tqdm(total=len(selected), unit="cells", desc="load panel", disable=not progress, unit_scale=True) as bar:
+    with tqdm(
+        total=len(selected), unit="cells", desc="load panel", disable=not progress, unit_scale=True
+    ) as bar:
         for b in table.stream_csr([s.name for s in specs], where=where, rowids=rows):
             n = b.num_rows
             output.from_csr(b.indptr, b.indices, b.values, lambda shape, dtype, at=pos: x[at : at + shape[0]])
@@ -147,7 +160,16 @@ def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum
     if pos != len(selected):
         msg = f"{table.spec} changed while loading: expected {len(selected)} cells, read {pos}"
         raise OmicsIOError(msg)
-    fp = _fingerprint("table", table.fingerprint(), where, hashlib.sha256(rowids.tobytes()).hexdigest(),
-                      tokens.tolist(), normalize, target_sum, [s.name for s in specs])
-    return InMemoryPanel(x, obs_arrays, {s.name: s.categories for s in specs}, rowids,
-                         tuple(table.genes.names(tokens)), fp)
+    fp = _fingerprint(
+        "table",
+        table.fingerprint(),
+        where,
+        hashlib.sha256(rowids.tobytes()).hexdigest(),
+        tokens.tolist(),
+        normalize,
+        target_sum,
+        [s.name for s in specs],
+    )
+    return InMemoryPanel(
+        x, obs_arrays, {s.name: s.categories for s in specs}, rowids, tuple(table.genes.names(tokens)), fp
+    )

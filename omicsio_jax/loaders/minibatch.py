@@ -47,13 +47,32 @@ class DiskSpec:
     num_slabs: int = 1
 
     @staticmethod
-    def of(*, output: str | Output, genes: Sequence[str | int] | None, normalize: str | None, target_sum: float,
-           nnz_capacity: int | None, rows, obs: Sequence[str], mesh, data_axis: str, num_hosts: int,
-           **knobs) -> DiskSpec:
+    def of(
+        *,
+        output: str | Output,
+        genes: Sequence[str | int] | None,
+        normalize: str | None,
+        target_sum: float,
+        nnz_capacity: int | None,
+        rows,
+        obs: Sequence[str],
+        mesh,
+        data_axis: str,
+        num_hosts: int,
+        **knobs,
+    ) -> DiskSpec:
         """The spec of `make_loader`'s / `GrainSource`'s arguments (``knobs``: the sampling ones)."""
-        out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity)
-        return DiskSpec(output=out, rows=None if rows is None else np.asarray(rows, np.int64), obs=tuple(obs),
-                        num_hosts=num_hosts, num_slabs=local_shards(mesh, data_axis), **knobs)
+        out = resolve_output(
+            output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity
+        )
+        return DiskSpec(
+            output=out,
+            rows=None if rows is None else np.asarray(rows, np.int64),
+            obs=tuple(obs),
+            num_hosts=num_hosts,
+            num_slabs=local_shards(mesh, data_axis),
+            **knobs,
+        )
 
     def plan(self, ds: Dataset) -> SamplingPlan:
         """The sampling plan over ``ds`` (raises for a bad knob, naming it and the fix)."""
@@ -71,11 +90,22 @@ class DiskSpec:
             weights = class_weights(labels if self.rows is None else labels[rows])
         elif weights is not None:
             weights = np.asarray(weights, dtype=np.float64)
-        plan = SamplingPlan(rows, self.batch_size, self.block_size, self.fetch_factor, self.seed, self.sampling,
-                            self.num_hosts, self.drop_remainder, weights)
+        plan = SamplingPlan(
+            rows,
+            self.batch_size,
+            self.block_size,
+            self.fetch_factor,
+            self.seed,
+            self.sampling,
+            self.num_hosts,
+            self.drop_remainder,
+            weights,
+        )
         if plan.steps_per_epoch == 0:
-            msg = (f"{len(rows)} cells make no batch of {self.batch_size} (per host: {plan.local_batch}); "
-                   "lower batch_size or pass drop_remainder=False")
+            msg = (
+                f"{len(rows)} cells make no batch of {self.batch_size} (per host: {plan.local_batch}); "
+                "lower batch_size or pass drop_remainder=False"
+            )
             raise OmicsIOError(msg)
         return plan
 
@@ -85,13 +115,20 @@ class DiskSpec:
         plan = self.plan(ds)
         for name in self.obs:
             obs_column(ds, name)
-        return plan, self.output.bind(OutputContext.of_dataset(ds, rows=plan.local_batch, num_slabs=self.num_slabs))
+        return plan, self.output.bind(
+            OutputContext.of_dataset(ds, rows=plan.local_batch, num_slabs=self.num_slabs)
+        )
 
     def config(self, ds: Dataset, plan: SamplingPlan, output: Output) -> dict:
         """What decides the cells and values of every batch (compared on restore): not the number of
         hosts or devices, which an elastic restore may change."""
-        return {"dataset": ds.fingerprint[:16], **plan.describe(), "num_epochs": self.num_epochs,
-                "obs": list(self.obs), **output.config()}
+        return {
+            "dataset": ds.fingerprint[:16],
+            **plan.describe(),
+            "num_epochs": self.num_epochs,
+            "obs": list(self.obs),
+            **output.config(),
+        }
 
 
 def _warm_up(output: Output) -> None:
@@ -127,9 +164,18 @@ class MinibatchReader:
     cost 307 more for the rest of its fetch, against 10 GETs for the whole fetch at once.
     """
 
-    def __init__(self, ds: Dataset, schedule: Schedule, output: Output, obs: Sequence[str], *,
-                 num_epochs: int | None, prefetch: int = 2, decode_threads: int | None = None,
-                 keep_buffers: int = 6):
+    def __init__(
+        self,
+        ds: Dataset,
+        schedule: Schedule,
+        output: Output,
+        obs: Sequence[str],
+        *,
+        num_epochs: int | None,
+        prefetch: int = 2,
+        decode_threads: int | None = None,
+        keep_buffers: int = 6,
+    ):
         self.dataset, self.schedule, self.output, self.num_epochs = ds, schedule, output, num_epochs
         self._obs = {name: obs_column(ds, name) for name in obs}
         self.decode_threads = decode_threads or 1
@@ -137,8 +183,14 @@ class MinibatchReader:
         self._lock, self._first, self._first_served = threading.Lock(), True, threading.Event()
         self._read = OutputRecords(ds, output.modalities)  # a Modalities output: each of its modalities
         full = schedule.plan.fetch_factor
-        self._segments = SegmentCache(self._load, self._following, ahead=prefetch, threads=prefetch,
-                                      keep=prefetch + 3, weight=lambda seg: seg.num_steps / full)
+        self._segments = SegmentCache(
+            self._load,
+            self._following,
+            ahead=prefetch,
+            threads=prefetch,
+            keep=prefetch + 3,
+            weight=lambda seg: seg.num_steps / full,
+        )
         # numba's start-up in this process (~0.4 s of Python) overlaps the first fetch's read
         threading.Thread(target=_warm_up, args=(output,), daemon=True, name="omicsio-jax-warm-up").start()
 
@@ -168,9 +220,13 @@ class MinibatchReader:
         seg = self.schedule.segment(epoch, step)
         b = self.schedule.plan.local_batch
         lo = (step - seg.first_step) * b
-        if alone and not self.dataset.is_remote:  # the first batch reads only its own cells (a quarter of the chunks)
+        if (
+            alone and not self.dataset.is_remote
+        ):  # the first batch reads only its own cells (a quarter of the chunks)
             rows = self.schedule.rows(seg)[lo : lo + b]
-            buf, starts = self._read.join(self._read(rows, announce_first=False), 0, len(rows))  # warm: not a moment lost
+            buf, starts = self._read.join(
+                self._read(rows, announce_first=False), 0, len(rows)
+            )  # warm: not a moment lost
         else:
             rows, records = self._segments.get(seg)
             rows = rows[lo : lo + b]

@@ -22,11 +22,15 @@ from omicsio_jax.outputs.batch import Batch, place_batch
 class DevicePrefetch(grain.DatasetIterator):
     """See `prefetch_to_device`."""
 
-    def __init__(self, iterator, mesh=None, data_axis: str = "data", *, buffer_size: int = 2, threads: int = 2):
+    def __init__(
+        self, iterator, mesh=None, data_axis: str = "data", *, buffer_size: int = 2, threads: int = 2
+    ):
         super().__init__()
         self._inner, self.mesh, self.data_axis = iterator, mesh, data_axis
         self._buffer_size = max(buffer_size, 1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="omicsio-jax-place")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max(threads, 1), thread_name_prefix="omicsio-jax-place"
+        )
         self._pending: collections.deque[tuple[concurrent.futures.Future, Any]] = collections.deque()
         self._state = self._inner_state()
         self._exhausted = False
@@ -78,8 +82,9 @@ class DevicePrefetch(grain.DatasetIterator):
         super().close()
 
 
-def prefetch_to_device(iterator, mesh=None, data_axis: str = "data", *, buffer_size: int = 2,
-                       threads: int = 2) -> DevicePrefetch:
+def prefetch_to_device(
+    iterator, mesh=None, data_axis: str = "data", *, buffer_size: int = 2, threads: int = 2
+) -> DevicePrefetch:
     """Batches of ``iterator`` (numpy `HostBatch`es or dicts, e.g. a Grain DataLoader's) as placed
     jax.Arrays, ``buffer_size`` ahead on ``threads`` threads (see `place_batch` for the sharding).
 

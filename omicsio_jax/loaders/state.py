@@ -28,8 +28,11 @@ def check_state(state: dict, version: int, config: dict) -> None:
         msg = f"loader state version {got!r} is not {version}: it was written by another loader or release"
         raise StateMismatchError(msg)
     theirs = state["config"]
-    diffs = [f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
-             for k in sorted(set(config) | set(theirs)) if config.get(k) != theirs.get(k)]
+    diffs = [
+        f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
+        for k in sorted(set(config) | set(theirs))
+        if config.get(k) != theirs.get(k)
+    ]
     if diffs:
         msg = "loader state does not match this loader:\n" + "\n".join(diffs)
         raise StateMismatchError(msg)
@@ -55,7 +58,7 @@ def read_loader_states(directory: str | os.PathLike[str]) -> list[dict]:
         what = "no process_<i>-of-<n>.json file" if not found else f"files of {sorted(found)} processes mixed"
         msg = f"{root}: {what}; pass the directory a loader state was saved into"
         raise StateMismatchError(msg)
-    (count, indices), = found.items()
+    ((count, indices),) = found.items()
     missing = sorted(set(range(count)) - indices)
     if missing:
         msg = f"{root}: the states of process(es) {missing} of {count} are missing"

@@ -56,10 +56,22 @@ class _Window:
 
     def split(self, n: int) -> tuple[_Window, _Window]:
         """The first ``n`` rows and the rest, as views."""
-        return (_Window(self.indptr[: n + 1], self.indices, self.values, self.rowids[:n],
-                        {k: v[:n] for k, v in self.obs.items()}),
-                _Window(self.indptr[n:], self.indices, self.values, self.rowids[n:],
-                        {k: v[n:] for k, v in self.obs.items()}))
+        return (
+            _Window(
+                self.indptr[: n + 1],
+                self.indices,
+                self.values,
+                self.rowids[:n],
+                {k: v[:n] for k, v in self.obs.items()},
+            ),
+            _Window(
+                self.indptr[n:],
+                self.indices,
+                self.values,
+                self.rowids[n:],
+                {k: v[n:] for k, v in self.obs.items()},
+            ),
+        )
 
     @staticmethod
     def concat(parts: list[_Window]) -> _Window:
@@ -68,11 +80,13 @@ class _Window:
         lengths = np.concatenate([np.diff(p.indptr) for p in parts])
         indptr = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=indptr[1:])
-        return _Window(indptr,
-                       np.concatenate([p.indices[p.indptr[0] : p.indptr[-1]] for p in parts]),
-                       np.concatenate([p.values[p.indptr[0] : p.indptr[-1]] for p in parts]),
-                       np.concatenate([p.rowids for p in parts]),
-                       {k: np.concatenate([p.obs[k] for p in parts]) for k in parts[0].obs})
+        return _Window(
+            indptr,
+            np.concatenate([p.indices[p.indptr[0] : p.indptr[-1]] for p in parts]),
+            np.concatenate([p.values[p.indptr[0] : p.indptr[-1]] for p in parts]),
+            np.concatenate([p.rowids for p in parts]),
+            {k: np.concatenate([p.obs[k] for p in parts]) for k in parts[0].obs},
+        )
 
 
 class StreamLoader:
@@ -83,9 +97,23 @@ class StreamLoader:
     ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
     """
 
-    def __init__(self, table: CellTable, *, batch_size: int, output: Output, where: str | None,
-                 rowids: np.ndarray | None, obs: list[ObsSpec], shuffle_buffer: int, seed: int, mesh, data_axis: str,
-                 drop_remainder: bool, batch_rows: int, prefetch: int):
+    def __init__(
+        self,
+        table: CellTable,
+        *,
+        batch_size: int,
+        output: Output,
+        where: str | None,
+        rowids: np.ndarray | None,
+        obs: list[ObsSpec],
+        shuffle_buffer: int,
+        seed: int,
+        mesh,
+        data_axis: str,
+        drop_remainder: bool,
+        batch_rows: int,
+        prefetch: int,
+    ):
         self.table, self.batch_size, self.output = table, batch_size, output
         self.where, self.rowids, self.obs_specs = where, rowids, obs
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
@@ -104,13 +132,21 @@ class StreamLoader:
 
     def config(self) -> dict:
         """What decides the batches: the table's files, the query, the output and the shuffle."""
+
         def digest(value) -> str:
             return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-        return {"table": digest(self.table.fingerprint()), "where": self.where,
-                "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
-                "obs": [s.name for s in self.obs_specs], **self.output.config(), "batch_size": self.batch_size,
-                "shuffle_buffer": self.shuffle_buffer, "seed": self.seed, "drop_remainder": self.drop_remainder}
+        return {
+            "table": digest(self.table.fingerprint()),
+            "where": self.where,
+            "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
+            "obs": [s.name for s in self.obs_specs],
+            **self.output.config(),
+            "batch_size": self.batch_size,
+            "shuffle_buffer": self.shuffle_buffer,
+            "seed": self.seed,
+            "drop_remainder": self.drop_remainder,
+        }
 
     def planned(self, epoch: int) -> Tally:
         """The cells a pass serves: the query's, less the last window's partial batch if dropped."""
@@ -124,13 +160,19 @@ class StreamLoader:
 
     # ----- host side -------------------------------------------------------------------------
     def _windows(self) -> Iterator[_Window]:
-        for b in self.table.stream_csr([s.name for s in self.obs_specs], where=self.where, rowids=self.rowids,
-                                       batch_rows=self.batch_rows):
+        for b in self.table.stream_csr(
+            [s.name for s in self.obs_specs], where=self.where, rowids=self.rowids, batch_rows=self.batch_rows
+        ):
             if len(b.rowids) and b.rowids.max() > _INT32_MAX:
                 msg = f"cell_rowid {int(b.rowids.max())} does not fit the int32 batch index"
                 raise OmicsIOError(msg)
-            yield _Window(b.indptr, b.indices, b.values, b.rowids,
-                          {s.name: s.encode(b.columns[s.name]) for s in self.obs_specs})
+            yield _Window(
+                b.indptr,
+                b.indices,
+                b.values,
+                b.rowids,
+                {s.name: s.encode(b.columns[s.name]) for s in self.obs_specs},
+            )
 
     def _window_stream(self) -> Iterator[_Window]:
         """Windows of exactly ``window_rows`` consecutive rows (the last one shorter)."""
@@ -175,7 +217,9 @@ class StreamLoader:
             indptr = window.indptr[order[0] : order[0] + n + 1] if n else window.indptr[:1]
             indices, values = window.indices, window.values
         else:
-            indptr, indices, values = take_rows(window.indptr, window.indices, window.values, order.astype(np.int64))
+            indptr, indices, values = take_rows(
+                window.indptr, window.indices, window.values, order.astype(np.int64)
+            )
         if n < b:  # padding rows are empty
             indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
         out = self.output.from_csr(indptr, indices, values, self._buffers.empty)
@@ -184,8 +228,11 @@ class StreamLoader:
         index[:n] = window.rowids[order]
         obs = {}
         for s in self.obs_specs:
-            column = np.full(b, -1 if s.categories is not None else np.nan,
-                             np.int32 if s.categories is not None else np.float32)
+            column = np.full(
+                b,
+                -1 if s.categories is not None else np.nan,
+                np.int32 if s.categories is not None else np.float32,
+            )
             column[:n] = window.obs[s.name][order]
             obs[s.name] = column
         return HostBatch(out, obs, index, mask)
@@ -222,8 +269,13 @@ class StreamIterator(grain.DatasetIterator):
         return Coverage(self._epoch, self._served, self.loader.planned(self._epoch))
 
     def get_state(self) -> dict:
-        return {"version": STATE_VERSION, "config": self.loader.config(), "epoch": self._epoch, "step": self._step,
-                "served": self._served.to_json()}
+        return {
+            "version": STATE_VERSION,
+            "config": self.loader.config(),
+            "epoch": self._epoch,
+            "step": self._step,
+            "served": self._served.to_json(),
+        }
 
     def set_state(self, state: dict) -> None:
         """Resume ``state``: the query runs again and the batches already served are skipped (whole
@@ -288,7 +340,18 @@ def make_stream_loader(
     out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum)
     out = out.bind(OutputContext.of_table(table, rows=batch_size))
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
-    return StreamLoader(table, batch_size=batch_size, output=out, where=where, rowids=rows,
-                        obs=table.obs_specs(obs), shuffle_buffer=shuffle_buffer, seed=seed, mesh=mesh,
-                        data_axis=data_axis, drop_remainder=drop_remainder, batch_rows=batch_rows, prefetch=prefetch)
-
+    return StreamLoader(
+        table,
+        batch_size=batch_size,
+        output=out,
+        where=where,
+        rowids=rows,
+        obs=table.obs_specs(obs),
+        shuffle_buffer=shuffle_buffer,
+        seed=seed,
+        mesh=mesh,
+        data_axis=data_axis,
+        drop_remainder=drop_remainder,
+        batch_rows=batch_rows,
+        prefetch=prefetch,
+    )

@@ -53,18 +53,27 @@ class TuneResult:
 
     def loader_kwargs(self) -> dict:
         """``block_size``, ``fetch_factor`` and ``num_threads`` for `make_loader` / `GrainSource`."""
-        return {"block_size": self.block_size, "fetch_factor": self.fetch_factor, "num_threads": self.num_threads}
+        return {
+            "block_size": self.block_size,
+            "fetch_factor": self.fetch_factor,
+            "num_threads": self.num_threads,
+        }
 
     def __str__(self) -> str:
         head = f"{'block':>6} {'fetch':>6} {'threads':>7} {'entropy/random':>14} {'cells/s':>10} {'cells/CPU-s':>11}"
         lines = [head]
         for r in self.table:
             chosen = (r["block_size"], r["fetch_factor"], r.get("num_threads")) == (
-                self.block_size, self.fetch_factor, self.num_threads)
+                self.block_size,
+                self.fetch_factor,
+                self.num_threads,
+            )
             speed = f"{r['cells_per_s']:>10,.0f} {r['cells_per_cpu_s']:>11,.0f}" if "cells_per_s" in r else ""
             threads = r.get("num_threads")
-            lines.append(f"{r['block_size']:>6} {r['fetch_factor']:>6} {'' if threads is None else threads:>7} "
-                         f"{r['entropy_ratio']:>14.4f} {speed}{'  <- chosen' if chosen else ''}")
+            lines.append(
+                f"{r['block_size']:>6} {r['fetch_factor']:>6} {'' if threads is None else threads:>7} "
+                f"{r['entropy_ratio']:>14.4f} {speed}{'  <- chosen' if chosen else ''}"
+            )
         return "\n".join(lines)
 
 
@@ -73,7 +82,9 @@ def _labels(ds: Dataset, label: str) -> np.ndarray:
     if not isinstance(column, Categorical):
         kind = "missing" if column is None else "numeric"
         choices = ", ".join(k for k, v in ds.obs.items() if isinstance(v, Categorical))
-        msg = f"label {label!r} must be a categorical obs column of {ds.path} ({kind}); categorical: {choices}"
+        msg = (
+            f"label {label!r} must be a categorical obs column of {ds.path} ({kind}); categorical: {choices}"
+        )
         raise OmicsIOError(msg)
     return column.codes
 
@@ -90,7 +101,9 @@ def plan_entropy(labels: np.ndarray, plan: SamplingPlan, num_batches: int) -> fl
     return float(minibatch_entropy(batches[:num_batches]).mean())
 
 
-def random_entropy(labels: np.ndarray, rows: np.ndarray, batch_size: int, num_batches: int, seed: int) -> float:
+def random_entropy(
+    labels: np.ndarray, rows: np.ndarray, batch_size: int, num_batches: int, seed: int
+) -> float:
     """The same mean over ``num_batches`` minibatches of ``rows`` drawn uniformly at random."""
     rng = np.random.default_rng([seed, _RANDOM_STREAM])
     batches = [labels[rng.choice(rows, size=batch_size, replace=False)] for _ in range(num_batches)]
@@ -115,10 +128,22 @@ def _measure(ds: Dataset, seconds: float, *, batch_size: int, seed: int, **kwarg
     return {"cells_per_s": cells / elapsed, "cells_per_cpu_s": cells / max(cpu, 1e-9), "timed_cells": cells}
 
 
-def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.98, seconds: float = 60.0,
-         block_sizes: Sequence[int] = BLOCK_SIZES, fetch_factors: Sequence[int] = FETCH_FACTORS,
-         num_threads: Sequence[int] | None = None, rows: np.ndarray | Sequence[int] | None = None,
-         entropy_batches: int = 256, seed: int = 0, progress: bool = True, **loader_kwargs) -> TuneResult:
+def tune(
+    ds: Dataset,
+    batch_size: int,
+    *,
+    label: str,
+    entropy_target: float = 0.98,
+    seconds: float = 60.0,
+    block_sizes: Sequence[int] = BLOCK_SIZES,
+    fetch_factors: Sequence[int] = FETCH_FACTORS,
+    num_threads: Sequence[int] | None = None,
+    rows: np.ndarray | Sequence[int] | None = None,
+    entropy_batches: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+    **loader_kwargs,
+) -> TuneResult:
     """The fastest (block_size, fetch_factor, num_threads) of a small grid, measured on this machine
     and dataset, whose minibatches' ``label`` entropy is ≥ ``entropy_target`` × true random's.
 
@@ -134,7 +159,9 @@ def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.
     will run. See the module docstring for how entropy and speed are measured.
     """
     if not 0 < entropy_target <= 1:
-        msg = f"entropy_target must be in (0, 1] (a fraction of true random's entropy), got {entropy_target!r}"
+        msg = (
+            f"entropy_target must be in (0, 1] (a fraction of true random's entropy), got {entropy_target!r}"
+        )
         raise OmicsIOError(msg)
     labels = _labels(ds, label)
     rows = np.arange(ds.num_cells, dtype=np.int64) if rows is None else np.unique(ds.check_rows(rows))
@@ -154,11 +181,19 @@ def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.
                 continue
             plan = SamplingPlan(rows, batch_size, block, fetch, seed)
             ratio = plan_entropy(labels, plan, entropy_batches) / reference if reference > 0 else 1.0
-            table.append({"block_size": block, "fetch_factor": fetch, "entropy_ratio": ratio,
-                          "meets_target": ratio >= entropy_target})
+            table.append(
+                {
+                    "block_size": block,
+                    "fetch_factor": fetch,
+                    "entropy_ratio": ratio,
+                    "meets_target": ratio >= entropy_target,
+                }
+            )
     if not table:
-        msg = (f"no setting of block_sizes {list(block_sizes)} × fetch_factors {list(fetch_factors)} fits: a fetch "
-               f"(fetch_factor × batch_size {batch_size}) must hold a whole block and at most the {len(rows):,} cells")
+        msg = (
+            f"no setting of block_sizes {list(block_sizes)} × fetch_factors {list(fetch_factors)} fits: a fetch "
+            f"(fetch_factor × batch_size {batch_size}) must hold a whole block and at most the {len(rows):,} cells"
+        )
         raise OmicsIOError(msg)
     candidates = []
     for fetch in sorted({r["fetch_factor"] for r in table}):
@@ -167,17 +202,38 @@ def tune(ds: Dataset, batch_size: int, *, label: str, entropy_target: float = 0.
             candidates.append(max(ok, key=lambda r: r["block_size"]))
     if not candidates:
         best = max(table, key=lambda r: r["entropy_ratio"])
-        msg = (f"no setting reaches {entropy_target:.3f} × true random's {label!r} entropy (best: block_size "
-               f"{best['block_size']}, fetch_factor {best['fetch_factor']}: {best['entropy_ratio']:.4f}); "
-               "pass smaller block_sizes, larger fetch_factors or a lower entropy_target")
+        msg = (
+            f"no setting reaches {entropy_target:.3f} × true random's {label!r} entropy (best: block_size "
+            f"{best['block_size']}, fetch_factor {best['fetch_factor']}: {best['entropy_ratio']:.4f}); "
+            "pass smaller block_sizes, larger fetch_factors or a lower entropy_target"
+        )
         raise OmicsIOError(msg)
     timed = [dict(c, num_threads=t) for c in candidates for t in num_threads]
     share = seconds / len(timed)
     for row in tqdm(timed, desc="tune", unit="setting", disable=not progress):
-        row.update(_measure(ds, share, batch_size=batch_size, seed=seed, rows=rows, block_size=row["block_size"],
-                            fetch_factor=row["fetch_factor"], num_threads=row["num_threads"], **loader_kwargs))
+        row.update(
+            _measure(
+                ds,
+                share,
+                batch_size=batch_size,
+                seed=seed,
+                rows=rows,
+                block_size=row["block_size"],
+                fetch_factor=row["fetch_factor"],
+                num_threads=row["num_threads"],
+                **loader_kwargs,
+            )
+        )
     best = max(timed, key=lambda r: r["cells_per_s"])
     timed_keys = {(r["block_size"], r["fetch_factor"]) for r in timed}
     rest = [r for r in table if (r["block_size"], r["fetch_factor"]) not in timed_keys]
-    return TuneResult(best["block_size"], best["fetch_factor"], best["num_threads"], best["cells_per_s"],
-                      best["entropy_ratio"], entropy_target, reference, tuple(timed + rest))
+    return TuneResult(
+        best["block_size"],
+        best["fetch_factor"],
+        best["num_threads"],
+        best["cells_per_s"],
+        best["entropy_ratio"],
+        entropy_target,
+        reference,
+        tuple(timed + rest),
+    )

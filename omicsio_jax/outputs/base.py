@@ -59,8 +59,9 @@ class OutputContext:
     def of_dataset(ds, *, rows: int = 1, num_slabs: int = 1) -> OutputContext:
         """The context of a materialized `Dataset`'s records."""
         m = ds.manifest
-        return OutputContext(str(ds.path), ds.num_genes, ds.gene_columns, rows, num_slabs,
-                             m.nnz / max(m.num_cells, 1), ds)
+        return OutputContext(
+            str(ds.path), ds.num_genes, ds.gene_columns, rows, num_slabs, m.nnz / max(m.num_cells, 1), ds
+        )
 
     @staticmethod
     def of_table(table, *, rows: int = 1) -> OutputContext:
@@ -89,7 +90,9 @@ class Output(abc.ABC):
         """JSON of everything that decides ``x``, compared on restore (``"output"`` names the kind)."""
 
     @abc.abstractmethod
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None) -> Any:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> Any:
         """``x`` of the records ``buf[starts[i]:starts[i+1]]``, one per row of the host batch."""
 
     def warm_up(self) -> None:
@@ -100,7 +103,9 @@ class Output(abc.ABC):
 
         rows = getattr(self, "num_slabs", 1)  # a csr batch splits into its device slabs
         buf, starts = codec.join_records([codec.EMPTY_RECORD] * rows)
-        self.from_records(buf, starts, lambda shape, dtype: np.zeros(shape, dtype), RowKeys(np.full(rows, -1, np.int64)))
+        self.from_records(
+            buf, starts, lambda shape, dtype: np.zeros(shape, dtype), RowKeys(np.full(rows, -1, np.int64))
+        )
 
     def from_csr(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, empty: Empty) -> Any:
         """``x`` of CSR rows (one per row of the host batch): the query stream's input."""
@@ -112,6 +117,9 @@ def check_normalize(normalize: str | None, target_sum: float) -> None:
     if normalize not in NORMALIZE_MODES:
         msg = f"normalize must be None, 'log1p' or 'normalize_log1p'; got {normalize!r}"
         raise OmicsIOError(msg)
-    if not isinstance(target_sum, int | float | np.number) or not 0 < float(target_sum) <= np.finfo(np.float32).max:
+    if (
+        not isinstance(target_sum, int | float | np.number)
+        or not 0 < float(target_sum) <= np.finfo(np.float32).max
+    ):
         msg = f"target_sum must be a positive float32-representable number, e.g. 1e4; got {target_sum!r}"
         raise OmicsIOError(msg)

@@ -20,8 +20,9 @@ def _densify_sharded(row_ids, indices, values, *, rows_per_shard, num_genes, nor
     """Densify each shard's slab where it lives (vmap over the sharded leading axis), then flatten."""
 
     def one(r, i, v):
-        return scatter.densify_on_device(r, i, v, num_rows=rows_per_shard, num_genes=num_genes,
-                                          normalize=normalize, target_sum=target_sum)
+        return scatter.densify_on_device(
+            r, i, v, num_rows=rows_per_shard, num_genes=num_genes, normalize=normalize, target_sum=target_sum
+        )
 
     return jax.vmap(one)(row_ids, indices, values).reshape(-1, num_genes)
 
@@ -57,19 +58,39 @@ class CSR(Output):
         rows = ctx.rows // ctx.num_slabs
         mean = max(ctx.mean_nnz, 1.0)
         capacity = self.nnz_capacity or int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
-        return dataclasses.replace(self, nnz_capacity=capacity, num_columns=ctx.num_columns,
-                                   num_slabs=ctx.num_slabs, rows_per_slab=rows, source=ctx.source)
+        return dataclasses.replace(
+            self,
+            nnz_capacity=capacity,
+            num_columns=ctx.num_columns,
+            num_slabs=ctx.num_slabs,
+            rows_per_slab=rows,
+            source=ctx.source,
+        )
 
     def config(self) -> dict:
-        return {"output": self.kind, "panel": None, "normalize": self.normalize, "target_sum": self.target_sum,
-                "nnz_capacity": self.nnz_capacity}
+        return {
+            "output": self.kind,
+            "panel": None,
+            "normalize": self.normalize,
+            "target_sum": self.target_sum,
+            "nnz_capacity": self.nnz_capacity,
+        }
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
-                     keys: RowKeys | None = None) -> SparseBatch:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> SparseBatch:
         try:
-            return SparseBatch(*codec.decode_slabs(buf, starts, num_rows=len(starts) - 1, num_slabs=self.num_slabs,
-                                                    capacity=self.nnz_capacity, num_columns=self.num_columns,
-                                                    empty=empty))
+            return SparseBatch(
+                *codec.decode_slabs(
+                    buf,
+                    starts,
+                    num_rows=len(starts) - 1,
+                    num_slabs=self.num_slabs,
+                    capacity=self.nnz_capacity,
+                    num_columns=self.num_columns,
+                    empty=empty,
+                )
+            )
         except codec.MalformedRecordError:
             raise  # the caller, who knows the rows, names the shard and cell
         except ValueError as e:  # too many nonzeros for the capacity
@@ -78,5 +99,12 @@ class CSR(Output):
 
     def densify(self, x: SparseBatch) -> jax.Array:
         """Dense ``(rows, genes)`` float32 of a placed `SparseBatch`, computed where its slabs live."""
-        return _densify_sharded(x.row_ids, x.indices, x.values, rows_per_shard=self.rows_per_slab,
-                                num_genes=self.num_columns, normalize=self.normalize, target_sum=self.target_sum)
+        return _densify_sharded(
+            x.row_ids,
+            x.indices,
+            x.values,
+            rows_per_shard=self.rows_per_slab,
+            num_genes=self.num_columns,
+            normalize=self.normalize,
+            target_sum=self.target_sum,
+        )

@@ -29,14 +29,27 @@ class Dense(Output):
         return dataclasses.replace(self, num_columns=ctx.num_columns, source=ctx.source)
 
     def config(self) -> dict:
-        return {"output": self.kind, "panel": None, "normalize": self.normalize, "target_sum": self.target_sum}
+        return {
+            "output": self.kind,
+            "panel": None,
+            "normalize": self.normalize,
+            "target_sum": self.target_sum,
+        }
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
-                     keys: RowKeys | None = None) -> np.ndarray:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> np.ndarray:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
         return scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:
         out = empty((len(indptr) - 1, self.num_columns), np.float32)
-        return scatter.scatter_dense(indptr, indices, values, self.num_columns, out=out, normalize=self.normalize,
-                                      target_sum=self.target_sum)
+        return scatter.scatter_dense(
+            indptr,
+            indices,
+            values,
+            self.num_columns,
+            out=out,
+            normalize=self.normalize,
+            target_sum=self.target_sum,
+        )

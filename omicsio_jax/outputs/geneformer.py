@@ -55,22 +55,28 @@ class GeneformerTokens(Output):
     def __post_init__(self) -> None:
         specials = 2 if self.special_tokens else 0
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= specials:
-            msg = (f"max_len={self.max_len!r} leaves no room for a gene token"
-                   f"{' beside CLS and EOS (special_tokens=True)' if specials else ''}; use e.g. max_len=2048")
+            msg = (
+                f"max_len={self.max_len!r} leaves no room for a gene token"
+                f"{' beside CLS and EOS (special_tokens=True)' if specials else ''}; use e.g. max_len=2048"
+            )
             raise OmicsIOError(msg)
         check_mask_prob(self.mask_prob, allow_one=False)
 
     def bind(self, ctx: OutputContext) -> GeneformerTokens:
         ds = needs_dataset(self, ctx)
-        vocab = vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
+        vocab = (
+            vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
+        )
         if self.medians is None:
             medians = read_gene_stats(ds).medians()
         else:
             medians = medians_by_column(self.medians, ensembl_ids(ds, self.medians), dataset=str(ds.path))
         known = np.isfinite(medians) & (medians > 0)
         if not np.any(known & (vocab.tok >= 0)):
-            msg = (f"no gene of {ds.path} has both a token and a median "
-                   f"({'medians ' + str(self.medians) if self.medians else 'the dataset statistics'}); check the files")
+            msg = (
+                f"no gene of {ds.path} has both a token and a median "
+                f"({'medians ' + str(self.medians) if self.medians else 'the dataset statistics'}); check the files"
+            )
             raise OmicsIOError(msg)
         inv = np.zeros(len(medians), np.float32)
         inv[known] = (1.0 / medians[known]).astype(np.float32)
@@ -78,23 +84,54 @@ class GeneformerTokens(Output):
         return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, scale=scale, source=ctx.source)
 
     def config(self) -> dict:
-        digest = None if self.inv_median is None else hashlib.sha256(self.inv_median.tobytes()).hexdigest()[:16]
-        return {"output": self.kind, "max_len": self.max_len, "special_tokens": self.special_tokens,
-                "mask_prob": self.mask_prob, "vocab": self.vocabulary.fingerprint() if self.vocabulary else None,
-                "medians": digest}
+        digest = (
+            None if self.inv_median is None else hashlib.sha256(self.inv_median.tobytes()).hexdigest()[:16]
+        )
+        return {
+            "output": self.kind,
+            "max_len": self.max_len,
+            "special_tokens": self.special_tokens,
+            "mask_prob": self.mask_prob,
+            "vocab": self.vocabulary.fingerprint() if self.vocabulary else None,
+            "medians": digest,
+        }
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
-                     keys: RowKeys | None = None) -> dict[str, np.ndarray]:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> dict[str, np.ndarray]:
         keys = needs_keys(self, keys)
         n, length = len(starts) - 1, self.max_len
-        out = {"input_ids": empty((n, length), np.int32), "attention_mask": empty((n, length), np.bool_),
-               "labels": empty((n, length), np.int32), "length": empty((n,), np.int32)}
+        out = {
+            "input_ids": empty((n, length), np.int32),
+            "attention_mask": empty((n, length), np.bool_),
+            "labels": empty((n, length), np.int32),
+            "length": empty((n,), np.int32),
+        }
         v = self.vocabulary
         u8, u32, f32 = codec.checked_views(buf, starts, len(v.tok))
-        token_kernels.geneformer_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
-                                    keys.rows.astype(np.int64), keys.seed, keys.epoch,
-                                    v.tok, v.canon, v.has_duplicates, self.scale, v.gene_tokens,
-                                    self.special_tokens, float(self.mask_prob), v.pad, v.cls, v.eos, v.mask,
-                                    out["input_ids"], out["attention_mask"], out["labels"], out["length"])
+        token_kernels.geneformer_kernel(
+            numba.get_num_threads(),
+            u8,
+            u32,
+            f32,
+            starts[:-1],
+            keys.rows.astype(np.int64),
+            keys.seed,
+            keys.epoch,
+            v.tok,
+            v.canon,
+            v.has_duplicates,
+            self.scale,
+            v.gene_tokens,
+            self.special_tokens,
+            float(self.mask_prob),
+            v.pad,
+            v.cls,
+            v.eos,
+            v.mask,
+            out["input_ids"],
+            out["attention_mask"],
+            out["labels"],
+            out["length"],
+        )
         return out
-

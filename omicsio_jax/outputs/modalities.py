@@ -25,8 +25,10 @@ def _output_of(name: str, output: str | Output) -> Output:
         return output
     if output in _SHORTHANDS:
         return _SHORTHANDS[output]()
-    msg = (f"modality {name!r}: output must be 'dense', 'csr' or an oj.Output such as oj.Panel(genes, "
-           f"normalize='log1p') or oj.CSR(nnz_capacity=...); got {output!r}")
+    msg = (
+        f"modality {name!r}: output must be 'dense', 'csr' or an oj.Output such as oj.Panel(genes, "
+        f"normalize='log1p') or oj.CSR(nnz_capacity=...); got {output!r}"
+    )
     raise OmicsIOError(msg)
 
 
@@ -82,26 +84,40 @@ class Modalities(Output):
                 msg = f"{ctx.source} has no modality {name!r}; it has {', '.join(ctx.dataset.modalities)}"
                 raise OmicsIOError(msg)
             sub = datasets[name] = ctx.dataset.modality(name)
-            if output.needs_genes and name != ctx.dataset.modalities[0] and \
-                    ctx.dataset.manifest.modality_entry(name).features != "primary":
-                msg = (f"{output.kind} tokens need a gene-space modality (the primary or a layer of its genes); "
-                       f"{name!r} has features of its own")
+            if (
+                output.needs_genes
+                and name != ctx.dataset.modalities[0]
+                and ctx.dataset.manifest.modality_entry(name).features != "primary"
+            ):
+                msg = (
+                    f"{output.kind} tokens need a gene-space modality (the primary or a layer of its genes); "
+                    f"{name!r} has features of its own"
+                )
                 raise OmicsIOError(msg)
-            bound.append((name, output.bind(OutputContext.of_dataset(sub, rows=ctx.rows, num_slabs=ctx.num_slabs))))
+            bound.append(
+                (name, output.bind(OutputContext.of_dataset(sub, rows=ctx.rows, num_slabs=ctx.num_slabs)))
+            )
         return dataclasses.replace(self, outputs=tuple(bound), datasets=datasets)
 
     def config(self) -> dict:
         return {"output": self.kind, "modalities": {name: output.config() for name, output in self.outputs}}
 
-    def from_records(self, buf: Mapping[str, np.ndarray], starts: Mapping[str, np.ndarray], empty: Empty,
-                     keys: RowKeys | None = None) -> dict[str, Any]:
+    def from_records(
+        self,
+        buf: Mapping[str, np.ndarray],
+        starts: Mapping[str, np.ndarray],
+        empty: Empty,
+        keys: RowKeys | None = None,
+    ) -> dict[str, Any]:
         """``buf`` / ``starts``: each modality's records of the same rows."""
         out = {}
         for name, output in self.outputs:
             if keys is None:
                 out[name] = output.from_records(buf[name], starts[name], empty, keys)
                 continue
-            with records_checked(self.datasets[name], keys.rows):  # a damaged record names its modality's shard
+            with records_checked(
+                self.datasets[name], keys.rows
+            ):  # a damaged record names its modality's shard
                 out[name] = output.from_records(buf[name], starts[name], empty, keys)
         return out
 

@@ -36,7 +36,9 @@ class Panel(Output):
     def bind(self, ctx: OutputContext) -> Panel:
         columns = np.asarray(ctx.gene_columns(self.genes), dtype=np.int64)
         width = max(ctx.num_columns, int(columns.max(initial=-1)) + 1)
-        return dataclasses.replace(self, gene_to_col=scatter.make_gene_to_col(width, columns), source=ctx.source)
+        return dataclasses.replace(
+            self, gene_to_col=scatter.make_gene_to_col(width, columns), source=ctx.source
+        )
 
     @property
     def num_columns(self) -> int:
@@ -44,15 +46,34 @@ class Panel(Output):
 
     def config(self) -> dict:
         digest = hashlib.sha256(self.gene_to_col.tobytes()).hexdigest()[:16]
-        return {"output": self.kind, "panel": digest, "normalize": self.normalize, "target_sum": self.target_sum}
+        return {
+            "output": self.kind,
+            "panel": digest,
+            "normalize": self.normalize,
+            "target_sum": self.target_sum,
+        }
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
-                     keys: RowKeys | None = None) -> np.ndarray:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> np.ndarray:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
-        return scatter.decode_scatter(buf, starts, out, gene_to_col=self.gene_to_col, normalize=self.normalize,
-                                       target_sum=self.target_sum)
+        return scatter.decode_scatter(
+            buf,
+            starts,
+            out,
+            gene_to_col=self.gene_to_col,
+            normalize=self.normalize,
+            target_sum=self.target_sum,
+        )
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:
         out = empty((len(indptr) - 1, self.num_columns), np.float32)
-        return scatter.scatter_panel(indptr, indices, values, self.gene_to_col, out=out, normalize=self.normalize,
-                                      target_sum=self.target_sum)
+        return scatter.scatter_panel(
+            indptr,
+            indices,
+            values,
+            self.gene_to_col,
+            out=out,
+            normalize=self.normalize,
+            target_sum=self.target_sum,
+        )

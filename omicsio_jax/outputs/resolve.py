@@ -13,26 +13,50 @@ from omicsio_jax.outputs.modalities import Modalities
 from omicsio_jax.outputs.panel import Panel
 from omicsio_jax.outputs.scgpt import ScGPTTokens
 
-__all__ = ["CSR", "Dense", "GeneformerTokens", "Modalities", "Output", "OutputContext", "Panel", "RowKeys",
-           "ScGPTTokens", "resolve_output"]
+__all__ = [
+    "CSR",
+    "Dense",
+    "GeneformerTokens",
+    "Modalities",
+    "Output",
+    "OutputContext",
+    "Panel",
+    "RowKeys",
+    "ScGPTTokens",
+    "resolve_output",
+]
 
 
-def resolve_output(output: str | Output | Mapping[str, str | Output], *, genes: Sequence[str | int] | None = None,
-                   normalize: str | None = None, target_sum: float = 1e4, nnz_capacity: int | None = None) -> Output:
+def resolve_output(
+    output: str | Output | Mapping[str, str | Output],
+    *,
+    genes: Sequence[str | int] | None = None,
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+    nnz_capacity: int | None = None,
+) -> Output:
     """The `Output` of a loader's ``output=`` argument: an `Output`, the shorthands ``"dense"``
     (`Dense`, or `Panel` with ``genes``) and ``"csr"`` (`CSR`) configured by the other arguments, or
     a dict ``{modality: output}`` (`Modalities`; each modality's knobs go in its own output)."""
     if isinstance(output, Mapping):
-        given = {k: v for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
-                 if v is not None}
+        given = {
+            k: v
+            for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
+            if v is not None
+        }
         if given:
-            msg = (f"with an output per modality, pass {', '.join(given)} to each modality's output, e.g. "
-                   "output={'rna': oj.Panel(genes, normalize='log1p'), 'atac': oj.CSR(nnz_capacity=...)}")
+            msg = (
+                f"with an output per modality, pass {', '.join(given)} to each modality's output, e.g. "
+                "output={'rna': oj.Panel(genes, normalize='log1p'), 'atac': oj.CSR(nnz_capacity=...)}"
+            )
             raise OmicsIOError(msg)
         return Modalities(output)
     if isinstance(output, Output):
-        given = {k: v for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
-                 if v is not None}
+        given = {
+            k: v
+            for k, v in {"genes": genes, "normalize": normalize, "nnz_capacity": nnz_capacity}.items()
+            if v is not None
+        }
         if given:
             msg = f"pass {', '.join(given)} to the output itself, e.g. {type(output).__name__}(..., {next(iter(given))}=...)"
             raise OmicsIOError(msg)
@@ -46,6 +70,8 @@ def resolve_output(output: str | Output | Mapping[str, str | Output], *, genes: 
             msg = "output='csr' carries every gene of the dataset; for a gene panel use output='dense' with genes=..."
             raise OmicsIOError(msg)
         return CSR(nnz_capacity=nnz_capacity, normalize=normalize, target_sum=target_sum)
-    msg = (f"output must be one of 'dense', 'csr' or an oj.Output such as oj.Panel(genes) or "
-           f"oj.GeneformerTokens(); got {output!r}")
+    msg = (
+        f"output must be one of 'dense', 'csr' or an oj.Output such as oj.Panel(genes) or "
+        f"oj.GeneformerTokens(); got {output!r}"
+    )
     raise OmicsIOError(msg)

@@ -150,8 +150,12 @@ def _describe(arr: object) -> str:
 
 
 def _check_1d(name: str, arr: object, dtype: type, length: int | None = None) -> None:
-    if (not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1
-            or length not in (None, arr.shape[0])):
+    if (
+        not isinstance(arr, np.ndarray)
+        or arr.dtype != dtype
+        or arr.ndim != 1
+        or length not in (None, arr.shape[0])
+    ):
         want = f"a {'1-D' if length is None else f'({length},)'} {np.dtype(dtype)} array"
         msg = f"{name} must be {want}, got {_describe(arr)}: pass np.asarray({name}, np.{np.dtype(dtype)})"
         raise TypeError(msg)
@@ -187,8 +191,14 @@ def normalize_mode(normalize: str | None, target_sum: float) -> int:
 def _check_out(out: np.ndarray | None, n: int, width: int | None) -> np.ndarray:
     if out is None:
         return np.empty((n, width), dtype=np.float32)
-    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != n
-            or width not in (None, out.shape[1]) or not (out.flags.c_contiguous and out.flags.writeable)):
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or out.ndim != 2
+        or out.shape[0] != n
+        or width not in (None, out.shape[1])
+        or not (out.flags.c_contiguous and out.flags.writeable)
+    ):
         shape = f"({n}, {'panel_size' if width is None else width})"
         msg = f"out must be a writeable C-contiguous float32 array of shape {shape}, got {_describe(out)}"
         raise ValueError(msg)
@@ -199,14 +209,23 @@ def _raise_bad_index(indptr: np.ndarray, indices: np.ndarray, limit: int) -> Non
     seg = indices[indptr[0] : indptr[-1]]
     j = int(np.flatnonzero((seg < 0) | (seg >= limit))[0]) + int(indptr[0])
     row = int(np.searchsorted(indptr, j, side="right")) - 1
-    msg = (f"indices[{j}] = {indices[j]} (row {row}) is outside [0, {limit}): the batch does not match "
-           f"the gene axis (out is partly written)")
+    msg = (
+        f"indices[{j}] = {indices[j]} (row {row}) is outside [0, {limit}): the batch does not match "
+        f"the gene axis (out is partly written)"
+    )
     raise ValueError(msg)
 
 
-def scatter_dense(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, num_genes: int, *,
-                  out: np.ndarray | None = None, normalize: str | None = None,
-                  target_sum: float = 1e4) -> np.ndarray:
+def scatter_dense(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    values: np.ndarray,
+    num_genes: int,
+    *,
+    out: np.ndarray | None = None,
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+) -> np.ndarray:
     """Scatter CSR rows into a dense float32 ``(n, num_genes)`` array (``out`` if given).
 
     See the module docstring for ``normalize`` and ``target_sum``. Raises ValueError if a column
@@ -223,8 +242,15 @@ def scatter_dense(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, n
     return out
 
 
-def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene_to_col: np.ndarray | None = None,
-                   normalize: str | None = None, target_sum: float = 1e4) -> np.ndarray:
+def decode_scatter(
+    buf: np.ndarray,
+    starts: np.ndarray,
+    out: np.ndarray,
+    *,
+    gene_to_col: np.ndarray | None = None,
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+) -> np.ndarray:
     """Decode records ``buf[starts[i]:starts[i+1]]`` straight into the rows of ``out``, one pass.
 
     The same result as `decode_csr` followed by `scatter_dense` (or `scatter_panel` with
@@ -243,9 +269,16 @@ def decode_scatter(buf: np.ndarray, starts: np.ndarray, out: np.ndarray, *, gene
     return out
 
 
-def scatter_panel(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, gene_to_col: np.ndarray, *,
-                  out: np.ndarray | None = None, normalize: str | None = None,
-                  target_sum: float = 1e4) -> np.ndarray:
+def scatter_panel(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    values: np.ndarray,
+    gene_to_col: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+) -> np.ndarray:
     """Scatter CSR rows into ``(n, panel_size)``, keeping only genes with ``gene_to_col[g] >= 0``.
 
     ``gene_to_col`` (int32, one entry per gene, see `make_gene_to_col`) gives each gene's panel
@@ -284,9 +317,14 @@ def make_gene_to_col(num_genes: int, panel_columns: Sequence[int] | np.ndarray) 
     return gene_to_col
 
 
-def pad_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, *, capacity: int,
-            out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def pad_csr(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    values: np.ndarray,
+    *,
+    capacity: int,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Flatten CSR rows into fixed-shape COO arrays of length ``capacity`` for jit-friendly transfer.
 
     Returns ``(row_ids int32, indices int32, values float32, nnz)``: the first ``nnz`` entries are
@@ -310,8 +348,16 @@ def pad_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, *, capa
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "num_genes", "normalize", "target_sum"))
-def densify_on_device(row_ids: jax.Array, indices: jax.Array, values: jax.Array, *, num_rows: int,
-                      num_genes: int, normalize: str | None = None, target_sum: float = 1e4) -> jax.Array:
+def densify_on_device(
+    row_ids: jax.Array,
+    indices: jax.Array,
+    values: jax.Array,
+    *,
+    num_rows: int,
+    num_genes: int,
+    normalize: str | None = None,
+    target_sum: float = 1e4,
+) -> jax.Array:
     """Dense ``(num_rows, num_genes)`` float32 from `pad_csr` output, built on the device (jitted).
 
     ``normalize``/``target_sum`` as in the module docstring; row totals via ``segment_sum`` in

@@ -52,7 +52,9 @@ class ScGPTTokens(Output):
 
     def __post_init__(self) -> None:
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
-            msg = f"max_len={self.max_len!r} leaves no room for a gene token beside CLS; use e.g. max_len=1201"
+            msg = (
+                f"max_len={self.max_len!r} leaves no room for a gene token beside CLS; use e.g. max_len=1201"
+            )
             raise OmicsIOError(msg)
         if isinstance(self.n_bins, bool) or not isinstance(self.n_bins, int) or self.n_bins < 3:
             msg = f"n_bins must be an integer ≥ 3 (scGPT uses 51), got {self.n_bins!r}"
@@ -69,7 +71,9 @@ class ScGPTTokens(Output):
 
     def bind(self, ctx: OutputContext) -> ScGPTTokens:
         ds = needs_dataset(self, ctx)
-        vocab = vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
+        vocab = (
+            vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
+        )
         if self.genes is not None:
             keep = np.zeros(ctx.num_columns, bool)
             keep[ctx.gene_columns(list(self.genes))] = True
@@ -81,24 +85,55 @@ class ScGPTTokens(Output):
         return dataclasses.replace(self, vocabulary=vocab, source=ctx.source)
 
     def config(self) -> dict:
-        return {"output": self.kind, "max_len": self.max_len, "n_bins": self.n_bins, "binning": self.binning,
-                "mask_prob": self.mask_prob, "mask_mode": self.mask_mode,
-                "vocab": self.vocabulary.fingerprint() if self.vocabulary else None,
-                "genes": None if self.genes is None else hashlib.sha256(repr(self.genes).encode()).hexdigest()[:16]}
+        return {
+            "output": self.kind,
+            "max_len": self.max_len,
+            "n_bins": self.n_bins,
+            "binning": self.binning,
+            "mask_prob": self.mask_prob,
+            "mask_mode": self.mask_mode,
+            "vocab": self.vocabulary.fingerprint() if self.vocabulary else None,
+            "genes": None
+            if self.genes is None
+            else hashlib.sha256(repr(self.genes).encode()).hexdigest()[:16],
+        }
 
-    def from_records(self, buf: np.ndarray, starts: np.ndarray, empty: Empty,
-                     keys: RowKeys | None = None) -> dict[str, np.ndarray]:
+    def from_records(
+        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+    ) -> dict[str, np.ndarray]:
         keys = needs_keys(self, keys)
         n, length = len(starts) - 1, self.max_len
-        out = {"gene_ids": empty((n, length), np.int32), "values": empty((n, length), np.float32),
-               "masked_values": empty((n, length), np.float32), "mask": empty((n, length), np.bool_),
-               "pad_mask": empty((n, length), np.bool_)}
+        out = {
+            "gene_ids": empty((n, length), np.int32),
+            "values": empty((n, length), np.float32),
+            "masked_values": empty((n, length), np.float32),
+            "mask": empty((n, length), np.bool_),
+            "pad_mask": empty((n, length), np.bool_),
+        }
         v = self.vocabulary
         u8, u32, f32 = codec.checked_views(buf, starts, len(v.tok))
-        token_kernels.scgpt_kernel(numba.get_num_threads(), u8, u32, f32, starts[:-1],
-                               keys.rows.astype(np.int64), keys.seed, keys.epoch,
-                               v.tok, v.canon, v.has_duplicates, np.linspace(0, 1, self.n_bins - 1),
-                               self.binning == "scgpt", float(self.mask_prob), self.mask_mode == "exact",
-                               v.pad, v.cls, out["gene_ids"], out["values"], out["masked_values"], out["mask"],
-                               out["pad_mask"])
+        token_kernels.scgpt_kernel(
+            numba.get_num_threads(),
+            u8,
+            u32,
+            f32,
+            starts[:-1],
+            keys.rows.astype(np.int64),
+            keys.seed,
+            keys.epoch,
+            v.tok,
+            v.canon,
+            v.has_duplicates,
+            np.linspace(0, 1, self.n_bins - 1),
+            self.binning == "scgpt",
+            float(self.mask_prob),
+            self.mask_mode == "exact",
+            v.pad,
+            v.cls,
+            out["gene_ids"],
+            out["values"],
+            out["masked_values"],
+            out["mask"],
+            out["pad_mask"],
+        )
         return out

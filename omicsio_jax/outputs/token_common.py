@@ -24,16 +24,20 @@ def vocabulary_of(path, ds) -> Vocabulary:
 
 def needs_dataset(output, ctx: OutputContext):
     if ctx.dataset is None:
-        msg = (f"{type(output).__name__} is computed from a materialized dataset's records "
-               "(make_loader, GrainSource, oj.tokenize); materialize the data first")
+        msg = (
+            f"{type(output).__name__} is computed from a materialized dataset's records "
+            "(make_loader, GrainSource, oj.tokenize); materialize the data first"
+        )
         raise OmicsIOError(msg)
     return ctx.dataset
 
 
 def needs_keys(output, keys: RowKeys | None) -> RowKeys:
     if keys is None:
-        msg = (f"{type(output).__name__} draws per-cell random choices and needs the rows' keys; it works "
-               "through make_loader, GrainSource and oj.tokenize, not the in-memory loader")
+        msg = (
+            f"{type(output).__name__} draws per-cell random choices and needs the rows' keys; it works "
+            "through make_loader, GrainSource and oj.tokenize, not the in-memory loader"
+        )
         raise OmicsIOError(msg)
     return keys
 

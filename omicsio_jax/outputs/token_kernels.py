@@ -222,9 +222,31 @@ def _sum_duplicates(cols, vals, count, canon, slot):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
-def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, scale,
-                      gene_tokens, special, mask_prob, pad_id, cls_id, eos_id, mask_id, input_ids, attention_mask,
-                      labels, length):
+def geneformer_kernel(
+    threads,
+    u8,
+    u32,
+    f32,
+    starts,
+    rows,
+    seed,
+    epoch,
+    tok,
+    canon,
+    has_dups,
+    scale,
+    gene_tokens,
+    special,
+    mask_prob,
+    pad_id,
+    cls_id,
+    eos_id,
+    mask_id,
+    input_ids,
+    attention_mask,
+    labels,
+    length,
+):
     """``scale[g]``: ``1 / median_g`` for a column with a token and a median, else 0 (not kept)."""
     n_rows, L = input_ids.shape
     width = max(_max_count(u32, starts), 1)
@@ -279,8 +301,10 @@ def geneformer_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, can
                 if u < 0.8:
                     input_ids[i, p] = mask_id
                 elif u < 0.9:
-                    pick = min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
-                               gene_tokens.shape[0] - 1)
+                    pick = min(
+                        np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
+                        gene_tokens.shape[0] - 1,
+                    )
                     input_ids[i, p] = gene_tokens[pick]
                 p, draw = next_selected(key, draw, p, log_keep), draw + 1
 
@@ -317,8 +341,30 @@ def _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, start, pad_id):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
-def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, has_dups, quantiles,
-                 spread_ties, mask_prob, exact_mask, pad_id, cls_id, gene_ids, values, masked_values, mask, pad_mask):
+def scgpt_kernel(
+    threads,
+    u8,
+    u32,
+    f32,
+    starts,
+    rows,
+    seed,
+    epoch,
+    tok,
+    canon,
+    has_dups,
+    quantiles,
+    spread_ties,
+    mask_prob,
+    exact_mask,
+    pad_id,
+    cls_id,
+    gene_ids,
+    values,
+    masked_values,
+    mask,
+    pad_mask,
+):
     n_rows, L = gene_ids.shape
     n_edges = quantiles.shape[0]
     log_keep = np.log1p(-mask_prob) if mask_prob < 1 else -np.inf
@@ -343,7 +389,9 @@ def scgpt_kernel(threads, u8, u32, f32, starts, rows, seed, epoch, tok, canon, h
         for i in range(t, n_rows, threads):
             mask[i, :] = False
             if rows[i] < 0:
-                _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 0, pad_id)  # a padding row of the batch
+                _pad_scgpt(
+                    gene_ids, values, masked_values, pad_mask, i, 0, pad_id
+                )  # a padding row of the batch
                 continue
             gene_ids[i, 0] = cls_id
             values[i, 0] = PAD_VALUE

@@ -13,8 +13,14 @@ from omicsio_jax.outputs.resolve import resolve_output
 from omicsio_jax.records.runs import records_checked
 
 
-def tokenize(ds: Dataset | str, rows: Sequence[int] | np.ndarray, output: Output | Mapping[str, Output], *,
-             seed: int = 0, epoch: int = 0) -> dict[str, np.ndarray]:
+def tokenize(
+    ds: Dataset | str,
+    rows: Sequence[int] | np.ndarray,
+    output: Output | Mapping[str, Output],
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+) -> dict[str, np.ndarray]:
     """The arrays ``output`` (`GeneformerTokens`, `ScGPTTokens`) makes for ``rows``, in that order.
 
     A loader with the same ``seed`` gives every cell exactly these arrays in ``epoch``, whatever

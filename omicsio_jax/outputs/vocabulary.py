@@ -25,8 +25,12 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.outputs.token_kernels import CLS, EOC, PAD
 
-SPECIAL_NAMES = {"pad": ("<pad>", "[PAD]"), "cls": ("<cls>", "[CLS]"), "eos": ("<eos>", "<eoc>", "[SEP]", "[EOS]"),
-                 "mask": ("<mask>", "[MASK]")}
+SPECIAL_NAMES = {
+    "pad": ("<pad>", "[PAD]"),
+    "cls": ("<cls>", "[CLS]"),
+    "eos": ("<eos>", "<eoc>", "[SEP]", "[EOS]"),
+    "mask": ("<mask>", "[MASK]"),
+}
 _VERSION = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
 _PICKLE_SUFFIXES = (".pkl", ".pickle")
 
@@ -45,14 +49,17 @@ def load_plain_pickle(path: str | Path) -> dict:
     try:
         obj = _PlainUnpickler(io.BytesIO(path.read_bytes())).load()
     except pickle.UnpicklingError as e:
-        msg = (f"{path}: refused to unpickle {e} (only dicts of str to int/float are read); "
-               "convert the file to JSON or TSV, or use the published Geneformer dictionary")
+        msg = (
+            f"{path}: refused to unpickle {e} (only dicts of str to int/float are read); "
+            "convert the file to JSON or TSV, or use the published Geneformer dictionary"
+        )
         raise OmicsIOError(msg) from None
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the same one-line error
         msg = f"{path}: not a readable pickle ({type(e).__name__}: {e}); give a TSV, JSON or parquet file instead"
         raise OmicsIOError(msg) from None
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and type(v) in (int, float, bool)
-                                            for k, v in obj.items()):
+    if not isinstance(obj, dict) or not all(
+        isinstance(k, str) and type(v) in (int, float, bool) for k, v in obj.items()
+    ):
         msg = f"{path}: holds {type(obj).__name__}, not a dict of str to int/float; give a TSV, JSON or parquet file"
         raise OmicsIOError(msg)
     return obj
@@ -116,8 +123,10 @@ class VocabReport:
     summed: int
 
     def __str__(self) -> str:
-        return (f"{self.matched:,} of {self.num_columns:,} dataset genes have a token; {self.missing:,} skipped "
-                f"(not in the vocabulary); {self.summed:,} summed into a column with the same Ensembl id")
+        return (
+            f"{self.matched:,} of {self.num_columns:,} dataset genes have a token; {self.missing:,} skipped "
+            f"(not in the vocabulary); {self.summed:,} summed into a column with the same Ensembl id"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +172,17 @@ def default_vocabulary(num_columns: int) -> Vocabulary:
     """Tahoe-100M's layout: PAD 0, CLS 1, EOC 2, column g → g + 3, MASK = num_columns + 3."""
     tok = np.arange(3, num_columns + 3, dtype=np.int32)
     mask = num_columns + 3
-    return Vocabulary(tok, np.arange(num_columns, dtype=np.int32), PAD, CLS, EOC, mask, round_up(mask + 1),
-                      "default (Tahoe-100M layout)", VocabReport(num_columns, num_columns, 0, 0))
+    return Vocabulary(
+        tok,
+        np.arange(num_columns, dtype=np.int32),
+        PAD,
+        CLS,
+        EOC,
+        mask,
+        round_up(mask + 1),
+        "default (Tahoe-100M layout)",
+        VocabReport(num_columns, num_columns, 0, 0),
+    )
 
 
 def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> Vocabulary:
@@ -212,8 +230,10 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
                 first[key] = col
     matched = int(np.count_nonzero(tok >= 0))
     if matched == 0:
-        msg = (f"the vocabulary {path} shares no gene with {dataset} (compared on Ensembl ids, versions ignored); "
-               "check that it is keyed on Ensembl ids")
+        msg = (
+            f"the vocabulary {path} shares no gene with {dataset} (compared on Ensembl ids, versions ignored); "
+            "check that it is keyed on Ensembl ids"
+        )
         raise OmicsIOError(msg)
     report = VocabReport(len(ensembl_ids), matched, len(ensembl_ids) - matched, summed)
     return Vocabulary(tok, canon, pad, cls, eos, mask, round_up(max(top, mask) + 1), str(path), report)
@@ -223,9 +243,13 @@ def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str
     """Per-column medians (float64, NaN where unknown) from a file of Ensembl id → median."""
     raw = read_gene_mapping(path, what="median")
     by_id = {fold_ensembl(str(k)): float(v) for k, v in raw.items()}
-    out = np.array([by_id.get(fold_ensembl(str(e)), np.nan) if e is not None else np.nan for e in ensembl_ids])
+    out = np.array(
+        [by_id.get(fold_ensembl(str(e)), np.nan) if e is not None else np.nan for e in ensembl_ids]
+    )
     if not np.any(np.isfinite(out) & (out > 0)):
-        msg = (f"the medians in {path} cover none of the genes of {dataset} (compared on Ensembl ids); "
-               "check that the file is keyed on Ensembl ids, or omit medians= to use the dataset's own")
+        msg = (
+            f"the medians in {path} cover none of the genes of {dataset} (compared on Ensembl ids); "
+            "check that the file is keyed on Ensembl ids, or omit medians= to use the dataset's own"
+        )
         raise OmicsIOError(msg)
     return out

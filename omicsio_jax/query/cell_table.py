@@ -136,9 +136,16 @@ class CellTable:
     ...           "JOIN atac a USING (cell_id) WHERE c.drug = 'DMSO'")           # doctest: +SKIP
     """
 
-    def __init__(self, spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
-                 index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None):
+    def __init__(
+        self,
+        spec: str | os.PathLike[str],
+        *,
+        genes: str | os.PathLike[str] | None = None,
+        index: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        threads: int | None = None,
+        modalities: Mapping[str, str | os.PathLike[str]] | None = None,
+    ):
         self.spec = str(spec)
         self.files = expand_files(self.spec)
         self.con = connect(threads)
@@ -226,14 +233,21 @@ class CellTable:
         return list(columns)
 
     # ----- stage 1 ---------------------------------------------------------------------------
-    def metadata(self, columns: Sequence[str] | None = None, *, where: str | None = None,
-                 rowids: Sequence[int] | np.ndarray | None = None) -> pa.Table:
+    def metadata(
+        self,
+        columns: Sequence[str] | None = None,
+        *,
+        where: str | None = None,
+        rowids: Sequence[int] | np.ndarray | None = None,
+    ) -> pa.Table:
         """Scalar columns (default: all) of the matching cells, with ``cell_rowid``, in row order."""
         cols = self.require_columns(self.scalar_columns if columns is None else columns)
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols if c != ROWID_COLUMN)])
         return self.sql(f"SELECT {select}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
 
-    def select(self, where: str | None = None, *, rowids: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    def select(
+        self, where: str | None = None, *, rowids: Sequence[int] | np.ndarray | None = None
+    ) -> np.ndarray:
         """Sorted ``cell_rowid`` of the cells matching a predicate over scalar columns."""
         table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
@@ -242,13 +256,22 @@ class CellTable:
         """Sorted distinct non-null values of a scalar column."""
         self.require_columns([column])
         col = sql_ident(column)
-        return self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1"
-                        ).column(0).to_pylist()
+        return (
+            self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1")
+            .column(0)
+            .to_pylist()
+        )
 
     # ----- stage 2 ---------------------------------------------------------------------------
-    def cells_expressing(self, genes: Sequence[str | int] | str | int, *, mode: str = "any",
-                         where: str | None = None, rowids: Sequence[int] | np.ndarray | None = None,
-                         use_index: bool | None = None) -> np.ndarray:
+    def cells_expressing(
+        self,
+        genes: Sequence[str | int] | str | int,
+        *,
+        mode: str = "any",
+        where: str | None = None,
+        rowids: Sequence[int] | np.ndarray | None = None,
+        use_index: bool | None = None,
+    ) -> np.ndarray:
         """Sorted ``cell_rowid`` of cells expressing any (or ``mode="all"``: every) given gene.
 
         Reads only ``gene_token_id`` (plus the columns ``where`` names). With an attached index
@@ -275,7 +298,8 @@ class CellTable:
             return hits if where is None else self.select(where, rowids=hits)
         if len(tokens) <= _CHAIN_MAX:  # list_contains chains are ~10x faster than list_has_any/all
             test = (" OR " if mode == "any" else " AND ").join(
-                f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()) or "false"
+                f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()
+            ) or "false"
             test = f"({test})"
         else:
             literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
@@ -284,9 +308,15 @@ class CellTable:
         return table.column(0).to_numpy().astype(np.int64)
 
     # ----- stage 3 ---------------------------------------------------------------------------
-    def panel(self, genes: Sequence[str | int], *, where: str | None = None,
-              rowids: Sequence[int] | np.ndarray | None = None, method: str = "auto",
-              batch_rows: int = 8192) -> PanelResult:
+    def panel(
+        self,
+        genes: Sequence[str | int],
+        *,
+        where: str | None = None,
+        rowids: Sequence[int] | np.ndarray | None = None,
+        method: str = "auto",
+        batch_rows: int = 8192,
+    ) -> PanelResult:
         """Dense ``(cells, len(genes))`` float32 expression of a gene panel (0 where not expressed).
 
         ``method="sql"`` indexes the lists in DuckDB (one ``list_position`` per gene and cell:
@@ -303,10 +333,13 @@ class CellTable:
             method = "sql" if len(tokens) <= SQL_PANEL_MAX else "scatter"
         if method == "sql":
             literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
-            expr = (f"list_transform({literal}, lambda g: coalesce("
-                    f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]")
-            table = self.sql(f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} "
-                             f"ORDER BY {ROWID_COLUMN}")
+            expr = (
+                f"list_transform({literal}, lambda g: coalesce("
+                f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]"
+            )
+            table = self.sql(
+                f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}"
+            )
             x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False)
             x = np.ascontiguousarray(x, dtype=np.float32).reshape(table.num_rows, len(tokens))
             return PanelResult(x, table.column(ROWID_COLUMN).to_numpy().astype(np.int64), tokens, names)
@@ -316,15 +349,28 @@ class CellTable:
         gene_to_col = make_gene_to_col(max(self.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
         parts, ids = [], []
         for b in self.stream_csr(where=where, rowids=rowids, batch_rows=batch_rows):
-            parts.append(scatter_panel(b.indptr, b.indices, b.values, gene_to_col,
-                                       out=np.empty((b.num_rows, len(tokens)), np.float32)))
+            parts.append(
+                scatter_panel(
+                    b.indptr,
+                    b.indices,
+                    b.values,
+                    gene_to_col,
+                    out=np.empty((b.num_rows, len(tokens)), np.float32),
+                )
+            )
             ids.append(b.rowids)
         x = np.concatenate(parts) if parts else np.zeros((0, len(tokens)), np.float32)
         return PanelResult(x, np.concatenate(ids) if ids else np.zeros(0, np.int64), tokens, names)
 
     # ----- stage 4 ---------------------------------------------------------------------------
-    def stream(self, columns: Sequence[str] | None = None, *, where: str | None = None,
-               rowids: Sequence[int] | np.ndarray | None = None, batch_rows: int = 8192) -> Iterator[pa.RecordBatch]:
+    def stream(
+        self,
+        columns: Sequence[str] | None = None,
+        *,
+        where: str | None = None,
+        rowids: Sequence[int] | np.ndarray | None = None,
+        batch_rows: int = 8192,
+    ) -> Iterator[pa.RecordBatch]:
         """Record batches of at most ``batch_rows`` rows in row order (``cell_rowid`` first), in
         bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``)."""
         cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
@@ -343,11 +389,18 @@ class CellTable:
             msg = f"streaming {self.spec} failed: {str(e).strip().splitlines()[0]}"
             raise OmicsIOError(msg) from e
 
-    def stream_csr(self, columns: Sequence[str] = (), *, where: str | None = None,
-                   rowids: Sequence[int] | np.ndarray | None = None, batch_rows: int = 8192) -> Iterator[CSRBatch]:
+    def stream_csr(
+        self,
+        columns: Sequence[str] = (),
+        *,
+        where: str | None = None,
+        rowids: Sequence[int] | np.ndarray | None = None,
+        batch_rows: int = 8192,
+    ) -> Iterator[CSRBatch]:
         """`stream` as CSR batches (see `arrow_csr`) plus the requested scalar columns."""
-        for rb in self.stream([GENE_COLUMN, VALUE_COLUMN, *columns], where=where, rowids=rowids,
-                              batch_rows=batch_rows):
+        for rb in self.stream(
+            [GENE_COLUMN, VALUE_COLUMN, *columns], where=where, rowids=rowids, batch_rows=batch_rows
+        ):
             indptr, indices, values = arrow_csr(rb)
             rows = rb.column(ROWID_COLUMN).to_numpy().astype(np.int64)
             yield CSRBatch(indptr, indices, values, rows, {c: rb.column(c) for c in columns})
@@ -369,11 +422,19 @@ class CellTable:
         return {"files": out}
 
 
-def open_table(spec: str | os.PathLike[str], *, genes: str | os.PathLike[str] | None = None,
-               index: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-               threads: int | None = None, modalities: Mapping[str, str | os.PathLike[str]] | None = None) -> CellTable:
+def open_table(
+    spec: str | os.PathLike[str],
+    *,
+    genes: str | os.PathLike[str] | None = None,
+    index: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    threads: int | None = None,
+    modalities: Mapping[str, str | os.PathLike[str]] | None = None,
+) -> CellTable:
     """Open list-column cell tables for queries: a parquet file, directory, glob or hive-partitioned
     folder, or vortex files. ``genes`` is the gene table (default: ``gene_metadata.parquet``
     beside the files), cached locally in ``cache_dir``; ``index`` attaches a gene index;
     ``modalities`` maps view names to the tables of further modalities of the same cells."""
-    return CellTable(spec, genes=genes, index=index, cache_dir=cache_dir, threads=threads, modalities=modalities)
+    return CellTable(
+        spec, genes=genes, index=index, cache_dir=cache_dir, threads=threads, modalities=modalities
+    )

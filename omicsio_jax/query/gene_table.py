@@ -68,7 +68,9 @@ class GeneTable:
         self._by_name: dict[str, list[int]] = {}
         for column in ("ensembl_id", "gene_name"):
             if column in self.table.column_names:
-                for token, key in zip(self.token_ids.tolist(), self.table.column(column).to_pylist(), strict=True):
+                for token, key in zip(
+                    self.token_ids.tolist(), self.table.column(column).to_pylist(), strict=True
+                ):
                     if key is not None:
                         folded = self._fold(key)
                         if token not in self._by_name.setdefault(folded, []):
@@ -117,10 +119,14 @@ class GeneTable:
             if len(hits) == 1:
                 out.append(hits[0])
             elif hits:
-                problems.append(f"{g!r} names {len(hits)} genes (token ids {', '.join(map(str, hits[:5]))}): "
-                                "pass a token id or Ensembl id")
+                problems.append(
+                    f"{g!r} names {len(hits)} genes (token ids {', '.join(map(str, hits[:5]))}): "
+                    "pass a token id or Ensembl id"
+                )
             else:
-                close = difflib.get_close_matches(self._fold(str(g)), self._candidates(str(g)), n=3, cutoff=0.75)
+                close = difflib.get_close_matches(
+                    self._fold(str(g)), self._candidates(str(g)), n=3, cutoff=0.75
+                )
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 problems.append(f"{g!r}{hint}")
         if problems:
@@ -133,8 +139,13 @@ class GeneTable:
         return [k for k in self._by_name if k.startswith(prefix)]
 
     @classmethod
-    def load(cls, spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
-             refresh: bool = False) -> GeneTable:
+    def load(
+        cls,
+        spec: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        refresh: bool = False,
+    ) -> GeneTable:
         """Read a gene table (any file DuckDB reads), through the local cache.
 
         The cache entry is reused while the source's path (and, for a local file, its size and

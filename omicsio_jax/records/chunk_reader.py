@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 _BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
 _SIMPLE_CHUNK = 0x72  # 'r'
 _NO_COMPRESSION, _ZSTD = 0, 0x7A  # 'z'
-_GROUP_BYTES = 4 << 20  # file bytes read and decoded per kernel call (each thread keeps a buffer of this size)
+_GROUP_BYTES = (
+    4 << 20
+)  # file bytes read and decoded per kernel call (each thread keeps a buffer of this size)
 _DIRECT_GROUP_BYTES = 4 << 20  # the same, read with O_DIRECT: `direct_io.AHEAD` more of them in flight
 
 CHUNK_OK = 0
@@ -63,7 +65,9 @@ _PROBLEMS = (
     "chunk data cannot be decompressed",
     "record sizes do not match the chunk header",
 )
-_TRUNCATED, _HEADER_HASH, _DATA_HASH, _NOT_RECORDS, _RECORD_COUNT, _COMPRESSION, _DECOMPRESS, _SIZES = range(1, 9)
+_TRUNCATED, _HEADER_HASH, _DATA_HASH, _NOT_RECORDS, _RECORD_COUNT, _COMPRESSION, _DECOMPRESS, _SIZES = range(
+    1, 9
+)
 
 
 def supported(dataset: ShardFiles) -> bool:
@@ -80,7 +84,9 @@ def supported(dataset: ShardFiles) -> bool:
 def _memcpy(typingctx, dst, src, size):
     def codegen(context, builder, signature, args):
         byte_ptr = ir.IntType(8).as_pointer()
-        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], byte_ptr), builder.inttoptr(args[1], byte_ptr), args[2], 1)
+        cgutils.raw_memcpy(
+            builder, builder.inttoptr(args[0], byte_ptr), builder.inttoptr(args[1], byte_ptr), args[2], 1
+        )
         return context.get_dummy_value()
 
     return types.void(types.uint64, types.uint64, types.int64), codegen
@@ -254,8 +260,9 @@ class ChunkReader:
             buf = self._local.buf = np.empty(max(size, _GROUP_BYTES + (1 << 20)), np.uint8)
         return buf[:size]
 
-    def read(self, pieces: Sequence[tuple[int, int, int]], *,
-             allocate: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def read(
+        self, pieces: Sequence[tuple[int, int, int]], *, allocate: Callable[[int], np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of the records ``(shard, begin, end)`` of ``pieces``, in order (``buf``
         uint8, 4-aligned; ``starts`` int64, one more than the records). ``allocate(size)`` gives
         ``buf``'s memory (default: a new array). Raises `ReadFailed` naming the shard and records
@@ -279,8 +286,22 @@ class ChunkReader:
                 grown = allocate(size)
                 grown[:used] = out[:used]
                 out = grown
-            used, problem, k = _decode(raw, base, begins, ends, expected, decoded, data, plan.first[group],
-                                       plan.stop[group], out, used, starts[record:], fn, dctx)
+            used, problem, k = _decode(
+                raw,
+                base,
+                begins,
+                ends,
+                expected,
+                decoded,
+                data,
+                plan.first[group],
+                plan.stop[group],
+                out,
+                used,
+                starts[record:],
+                fn,
+                dctx,
+            )
             if problem:
                 raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
             if self._direct is not None:
@@ -350,8 +371,12 @@ class ChunkReader:
 
     def _failed(self, shard: int, chunk: int, problem: int, reason: str = "") -> ReadFailed:
         begin = int(chunk) * self.group_size
-        return ReadFailed(shard, begin, min(begin + self.group_size, int(self._num_cells[shard])),
-                          reason or _PROBLEMS[problem])
+        return ReadFailed(
+            shard,
+            begin,
+            min(begin + self.group_size, int(self._num_cells[shard])),
+            reason or _PROBLEMS[problem],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,8 +403,14 @@ class _Plan:
         for s in np.unique(shards).tolist():
             mine = shards == s
             ranges[mine] = reader.dataset.chunk_index(s).chunk_bytes(chunk[mine])
-        return _Plan(shards, chunk, np.maximum(begin[piece] - chunk * g, 0), np.minimum(end[piece] - chunk * g, g),
-                     np.minimum(reader._num_cells[shards] - chunk * g, g), ranges)
+        return _Plan(
+            shards,
+            chunk,
+            np.maximum(begin[piece] - chunk * g, 0),
+            np.minimum(end[piece] - chunk * g, g),
+            np.minimum(reader._num_cells[shards] - chunk * g, g),
+            ranges,
+        )
 
     @property
     def num_records(self) -> int:
@@ -415,8 +446,9 @@ def _pread(fd: int, ranges: np.ndarray, buffer=None) -> tuple[np.ndarray, np.nda
     raw = (buffer or _new_bytes)(int(sizes.sum()))
     ends = ranges[:, 1].copy()
     breaks = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 1]) + 1
-    for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(ranges)])).tolist(),
-                      strict=True):
+    for lo, hi in zip(
+        np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(ranges)])).tolist(), strict=True
+    ):
         start, stop = int(base[lo]), int(base[hi - 1] + sizes[hi - 1])
         got = os.preadv(fd, [memoryview(raw[start:stop])], int(ranges[lo, 0]))
         if got < stop - start:

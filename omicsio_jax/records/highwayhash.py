@@ -23,16 +23,25 @@ from numba.extending import intrinsic
 _MUL0 = (0xDBE6D5D5FE4CCE2F, 0xA4093822299F31D0, 0x13198A2E03707344, 0x243F6A8885A308D3)
 _MUL1 = (0x3BD39E10CB0EF593, 0xC0ACF169B5F18A8C, 0xBE5466CF34E90C6C, 0x452821E638D01377)
 # riegeli/doc/riegeli_records_file_format.md: 'Riegeli/', 'records\n', 'Riegeli/', 'records\n'
-RIEGELI_KEY = np.array([0x2F696C6567656952, 0x0A7364726F636572, 0x2F696C6567656952, 0x0A7364726F636572], np.uint64)
+RIEGELI_KEY = np.array(
+    [0x2F696C6567656952, 0x0A7364726F636572, 0x2F696C6567656952, 0x0A7364726F636572], np.uint64
+)
 _LOW32 = 0xFFFFFFFF
 
 
 @nb.njit(inline="always")
 def load_u64(b, p):
     """The little-endian uint64 at byte ``p`` of ``b`` (LLVM folds the eight byte loads into one)."""
-    return (u64(b[p]) | (u64(b[p + 1]) << u64(8)) | (u64(b[p + 2]) << u64(16)) | (u64(b[p + 3]) << u64(24))
-            | (u64(b[p + 4]) << u64(32)) | (u64(b[p + 5]) << u64(40)) | (u64(b[p + 6]) << u64(48))
-            | (u64(b[p + 7]) << u64(56)))
+    return (
+        u64(b[p])
+        | (u64(b[p + 1]) << u64(8))
+        | (u64(b[p + 2]) << u64(16))
+        | (u64(b[p + 3]) << u64(24))
+        | (u64(b[p + 4]) << u64(32))
+        | (u64(b[p + 5]) << u64(40))
+        | (u64(b[p + 6]) << u64(48))
+        | (u64(b[p + 7]) << u64(56))
+    )
 
 
 @nb.njit(inline="always")
@@ -43,14 +52,23 @@ def _rot32(x):
 @nb.njit(inline="always")
 def _zipper(a, b):
     """HighwayHash's zipper merge of the lane pair ``(b, a)``: what it adds to the other pair ``(hi, lo)``."""
-    lo = ((((a & u64(0xFF000000)) | (b & u64(0xFF00000000))) >> u64(24))
-          | (((a & u64(0xFF0000000000)) | (b & u64(0xFF000000000000))) >> u64(16))
-          | (a & u64(0xFF0000)) | ((a & u64(0xFF00)) << u64(32))
-          | ((b & u64(0xFF00000000000000)) >> u64(8)) | (a << u64(56)))
-    hi = ((((b & u64(0xFF000000)) | (a & u64(0xFF00000000))) >> u64(24))
-          | (b & u64(0xFF0000)) | ((b & u64(0xFF0000000000)) >> u64(16))
-          | ((b & u64(0xFF00)) << u64(24)) | ((a & u64(0xFF000000000000)) >> u64(8))
-          | ((b & u64(0xFF)) << u64(48)) | (a & u64(0xFF00000000000000)))
+    lo = (
+        (((a & u64(0xFF000000)) | (b & u64(0xFF00000000))) >> u64(24))
+        | (((a & u64(0xFF0000000000)) | (b & u64(0xFF000000000000))) >> u64(16))
+        | (a & u64(0xFF0000))
+        | ((a & u64(0xFF00)) << u64(32))
+        | ((b & u64(0xFF00000000000000)) >> u64(8))
+        | (a << u64(56))
+    )
+    hi = (
+        (((b & u64(0xFF000000)) | (a & u64(0xFF00000000))) >> u64(24))
+        | (b & u64(0xFF0000))
+        | ((b & u64(0xFF0000000000)) >> u64(16))
+        | ((b & u64(0xFF00)) << u64(24))
+        | ((a & u64(0xFF000000000000)) >> u64(8))
+        | ((b & u64(0xFF)) << u64(48))
+        | (a & u64(0xFF00000000000000))
+    )
     return hi, lo
 
 
@@ -140,8 +158,9 @@ def _packets(typingctx, state, data, count):
         n1 = builder.add(n1, zip_(n0))
         nxt = builder.add(i, ir.Constant(i64, 1))
         builder.branch(loop)
-        for phi, first, later in zip((i, v0, v1, m0, m1), (ir.Constant(i64, 0), *start),
-                                     (nxt, n0, n1, n_m0, n_m1), strict=True):
+        for phi, first, later in zip(
+            (i, v0, v1, m0, m1), (ir.Constant(i64, 0), *start), (nxt, n0, n1, n_m0, n_m1), strict=True
+        ):
             phi.add_incoming(first, entry)
             phi.add_incoming(later, body)
         builder.position_at_end(done)
@@ -156,14 +175,44 @@ def _packets(typingctx, state, data, count):
 def highway64(data, start, size, key):
     """HighwayHash-64 of ``data[start:start + size]`` (uint8) under the 4-word ``key`` (uint64)."""
     k0, k1, k2, k3 = u64(key[0]), u64(key[1]), u64(key[2]), u64(key[3])
-    s = (u64(_MUL0[0]) ^ k0, u64(_MUL0[1]) ^ k1, u64(_MUL0[2]) ^ k2, u64(_MUL0[3]) ^ k3,
-         u64(_MUL1[0]) ^ _rot32(k0), u64(_MUL1[1]) ^ _rot32(k1), u64(_MUL1[2]) ^ _rot32(k2), u64(_MUL1[3]) ^ _rot32(k3),
-         u64(_MUL0[0]), u64(_MUL0[1]), u64(_MUL0[2]), u64(_MUL0[3]),
-         u64(_MUL1[0]), u64(_MUL1[1]), u64(_MUL1[2]), u64(_MUL1[3]))
+    s = (
+        u64(_MUL0[0]) ^ k0,
+        u64(_MUL0[1]) ^ k1,
+        u64(_MUL0[2]) ^ k2,
+        u64(_MUL0[3]) ^ k3,
+        u64(_MUL1[0]) ^ _rot32(k0),
+        u64(_MUL1[1]) ^ _rot32(k1),
+        u64(_MUL1[2]) ^ _rot32(k2),
+        u64(_MUL1[3]) ^ _rot32(k3),
+        u64(_MUL0[0]),
+        u64(_MUL0[1]),
+        u64(_MUL0[2]),
+        u64(_MUL0[3]),
+        u64(_MUL1[0]),
+        u64(_MUL1[1]),
+        u64(_MUL1[2]),
+        u64(_MUL1[3]),
+    )
     state = np.array(s)
     _packets(state.ctypes.data, data[start:].ctypes.data, np.int64(size // 32))
-    s = (state[0], state[1], state[2], state[3], state[4], state[5], state[6], state[7],
-         state[8], state[9], state[10], state[11], state[12], state[13], state[14], state[15])
+    s = (
+        state[0],
+        state[1],
+        state[2],
+        state[3],
+        state[4],
+        state[5],
+        state[6],
+        state[7],
+        state[8],
+        state[9],
+        state[10],
+        state[11],
+        state[12],
+        state[13],
+        state[14],
+        state[15],
+    )
     p = start + size - size % 32
     rest = size % 32
     if rest:
@@ -172,9 +221,24 @@ def highway64(data, start, size, key):
         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = s
         inc = (u64(rest) << u64(32)) + u64(rest)
         n = u64(rest)
-        s = (a0 + inc, a1 + inc, a2 + inc, a3 + inc,
-             _rot_halves(b0, n), _rot_halves(b1, n), _rot_halves(b2, n), _rot_halves(b3, n),
-             c0, c1, c2, c3, d0, d1, d2, d3)
+        s = (
+            a0 + inc,
+            a1 + inc,
+            a2 + inc,
+            a3 + inc,
+            _rot_halves(b0, n),
+            _rot_halves(b1, n),
+            _rot_halves(b2, n),
+            _rot_halves(b3, n),
+            c0,
+            c1,
+            c2,
+            c3,
+            d0,
+            d1,
+            d2,
+            d3,
+        )
         packet = np.zeros(32, np.uint8)
         words = rest & ~3
         for i in range(words):

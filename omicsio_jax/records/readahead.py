@@ -46,7 +46,9 @@ class ReadAhead:
 
     def index(self, shard: int) -> tuple[ChunkIndex, str]:
         """The shard's chunk index (`Dataset.chunk_index`) and its file's path."""
-        return self.dataset.chunk_index(shard), str(self.dataset.local_path(self.dataset.manifest.shards[shard].path))
+        return self.dataset.chunk_index(shard), str(
+            self.dataset.local_path(self.dataset.manifest.shards[shard].path)
+        )
 
     def start(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """`advise` on this object's own thread, so the read that follows starts at once: warm, it
@@ -56,8 +58,12 @@ class ReadAhead:
             return
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=ReadAhead._work, args=(weakref.ref(self), self._queue),
-                                                daemon=True, name="omicsio-jax-readahead")
+                self._thread = threading.Thread(
+                    target=ReadAhead._work,
+                    args=(weakref.ref(self), self._queue),
+                    daemon=True,
+                    name="omicsio-jax-readahead",
+                )
                 self._thread.start()
         self._queue.put(list(pieces))
 
@@ -94,8 +100,10 @@ class ReadAhead:
         """Start reading the chunks that hold the records ``(shard, begin, end)`` of ``pieces``."""
         if not _HAS_FADVISE or not pieces:
             return
-        needed = {shard: self.index(shard)[0].chunk_bytes(chunks)
-                  for shard, chunks in chunks_of(pieces, self.group_size).items()}
+        needed = {
+            shard: self.index(shard)[0].chunk_bytes(chunks)
+            for shard, chunks in chunks_of(pieces, self.group_size).items()
+        }
         advised = 0
         for shard, spans in merge_spans(needed, slack=0.0).items():  # touching chunks: one range
             try:

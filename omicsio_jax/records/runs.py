@@ -103,8 +103,14 @@ def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[
     return pieces
 
 
-def read_runs(dataset: RecordSource, readers: ShardReaders, row_runs: Sequence[tuple[int, int]], *,
-              announce_first: bool = True, allocate=None) -> tuple[np.ndarray, np.ndarray]:
+def read_runs(
+    dataset: RecordSource,
+    readers: ShardReaders,
+    row_runs: Sequence[tuple[int, int]],
+    *,
+    announce_first: bool = True,
+    allocate=None,
+) -> tuple[np.ndarray, np.ndarray]:
     """``(buf, starts)`` of the records of the cells of every ``[begin, end)`` run, in order
     (``announce_first``: see `Dataset.prepared`; ``allocate``: see `ChunkReader.read`)."""
     pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
@@ -154,8 +160,12 @@ def _corrupted(dataset: ShardFiles, failed: ReadFailed) -> DatasetFormatError:
     elif failed.end - failed.begin == 1:
         where = f"cell {shard.first_cell + failed.begin} (record {failed.begin}) cannot be read"
     else:
-        where = (f"cells {shard.first_cell + failed.begin}..{shard.first_cell + failed.end - 1} "
-                 f"(records {failed.begin}..{failed.end - 1}) cannot be read")
-    msg = (f"{dataset.path}: shard {shard.path}: {where}: {failed.reason}; "
-           f"run `omicsio-materialize verify {dataset.path}`")
+        where = (
+            f"cells {shard.first_cell + failed.begin}..{shard.first_cell + failed.end - 1} "
+            f"(records {failed.begin}..{failed.end - 1}) cannot be read"
+        )
+    msg = (
+        f"{dataset.path}: shard {shard.path}: {where}: {failed.reason}; "
+        f"run `omicsio-materialize verify {dataset.path}`"
+    )
     return DatasetFormatError(msg)

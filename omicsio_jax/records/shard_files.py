@@ -46,7 +46,12 @@ class ShardFiles(Protocol):
         """Where shard ``shard``'s chunk index lies, relative to the dataset."""
         ...
 
-    def prepared(self, pieces: Sequence[tuple[int, int, int]], *, refetch: int | None = None,
-                 announce_first: bool = True) -> AbstractContextManager[object]:
+    def prepared(
+        self,
+        pieces: Sequence[tuple[int, int, int]],
+        *,
+        refetch: int | None = None,
+        announce_first: bool = True,
+    ) -> AbstractContextManager[object]:
         """A context in which the records ``(shard, begin, end)`` of ``pieces`` can be read."""
         ...

@@ -100,7 +100,9 @@ def _call(typingctx, fn, dctx, dst, capacity, src, size):
         ptr = builder.inttoptr(args[0], ir.FunctionType(i64, [i64] * 5).as_pointer())
         return builder.call(ptr, args[1:])
 
-    return types.uint64(types.uint64, types.uint64, types.uint64, types.int64, types.uint64, types.int64), codegen
+    return types.uint64(
+        types.uint64, types.uint64, types.uint64, types.int64, types.uint64, types.int64
+    ), codegen
 
 
 @nb.njit(inline="always")

@@ -115,14 +115,21 @@ class Coverage:
         return self.served == self.planned
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "served_cells": self.served.count, "served_checksum": self.served.checksum,
-                "planned_cells": self.planned.count, "planned_checksum": self.planned.checksum,
-                "complete": self.complete}
+        return {
+            "epoch": self.epoch,
+            "served_cells": self.served.count,
+            "served_checksum": self.served.checksum,
+            "planned_cells": self.planned.count,
+            "planned_checksum": self.planned.checksum,
+            "complete": self.complete,
+        }
 
     def check(self, where: str) -> None:
         """Raise `CoverageError` unless ``complete`` (called at the end of an epoch)."""
         if not self.complete:
-            msg = (f"{where}: epoch {self.epoch} served {self.served.count:,} cells (checksum "
-                   f"{self.served.checksum:#018x}) but its plan serves {self.planned.count:,} (checksum "
-                   f"{self.planned.checksum:#018x}): cells were skipped or repeated")
+            msg = (
+                f"{where}: epoch {self.epoch} served {self.served.count:,} cells (checksum "
+                f"{self.served.checksum:#018x}) but its plan serves {self.planned.count:,} (checksum "
+                f"{self.planned.checksum:#018x}): cells were skipped or repeated"
+            )
             raise CoverageError(msg)

@@ -39,9 +39,11 @@ def _check_sampling(batch_size: int, block_size: int, fetch_factor: int) -> None
             raise ValueError(msg)
     fetch = fetch_factor * batch_size
     if fetch < block_size:
-        msg = (f"a fetch of fetch_factor·batch_size = {fetch_factor}·{batch_size} = {fetch} cells holds "
-               f"{fetch / block_size:.3g} blocks of block_size={block_size}: a fetch must hold at least one "
-               "whole block; lower block_size or raise fetch_factor")
+        msg = (
+            f"a fetch of fetch_factor·batch_size = {fetch_factor}·{batch_size} = {fetch} cells holds "
+            f"{fetch / block_size:.3g} blocks of block_size={block_size}: a fetch must hold at least one "
+            "whole block; lower block_size or raise fetch_factor"
+        )
         raise ValueError(msg)
 
 
@@ -80,8 +82,9 @@ def minibatch_entropy(labels_per_batch: Iterable[np.ndarray] | np.ndarray) -> np
     return -(p * terms).sum(axis=1) + 0.0  # + 0.0 turns -0.0 into 0.0
 
 
-def entropy_bounds(frequencies: np.ndarray, *, batch_size: int, block_size: int,
-                   fetch_factor: int) -> EntropyBounds:
+def entropy_bounds(
+    frequencies: np.ndarray, *, batch_size: int, block_size: int, fetch_factor: int
+) -> EntropyBounds:
     """Bounds on the expected plug-in minibatch entropy (Theorems 3.1, 3.2; Corollary 3.3).
 
     ``frequencies`` are label counts or probabilities (normalized here; zero entries are not
@@ -109,8 +112,14 @@ def entropy_bounds(frequencies: np.ndarray, *, batch_size: int, block_size: int,
     return EntropyBounds(population, lower, upper, k, batch_size, block_size, fetch_factor)
 
 
-def entropy_report(labels: np.ndarray, batches_rows: Iterable[np.ndarray], *, block_size: int,
-                   fetch_factor: int, batch_size: int) -> dict[str, float | int]:
+def entropy_report(
+    labels: np.ndarray,
+    batches_rows: Iterable[np.ndarray],
+    *,
+    block_size: int,
+    fetch_factor: int,
+    batch_size: int,
+) -> dict[str, float | int]:
     """Observed minibatch entropy of a loader next to the bounds for its settings.
 
     ``labels`` holds per-cell integer codes in dataset row order (-1 = missing); each item of
@@ -125,10 +134,21 @@ def entropy_report(labels: np.ndarray, batches_rows: Iterable[np.ndarray], *, bl
         msg = f"none of the {len(rows)} minibatches has a labelled cell: pass at least one batch of rows"
         raise ValueError(msg)
     h = minibatch_entropy(scored)
-    bounds = entropy_bounds(np.bincount(labels[labels >= 0]), batch_size=batch_size,
-                            block_size=block_size, fetch_factor=fetch_factor)
-    return {"mean": float(h.mean()), "std": float(h.std()), "num_batches": len(h), "lower": bounds.lower,
-            "upper": bounds.upper, "population": bounds.population, "true_random_expected": bounds.upper}
+    bounds = entropy_bounds(
+        np.bincount(labels[labels >= 0]),
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+    )
+    return {
+        "mean": float(h.mean()),
+        "std": float(h.std()),
+        "num_batches": len(h),
+        "lower": bounds.lower,
+        "upper": bounds.upper,
+        "population": bounds.population,
+        "true_random_expected": bounds.upper,
+    }
 
 
 def simulate_block_sampling(

@@ -152,8 +152,10 @@ class SamplingPlan:
                 msg = f"{name} must be a positive integer, got {getattr(self, name)!r}"
                 raise OmicsIOError(msg)
         if self.batch_size % self.num_hosts:
-            msg = (f"batch_size {self.batch_size} is the global batch: it must be divisible by the number of "
-                   f"hosts ({self.num_hosts}), e.g. batch_size={self.num_hosts * max(1, self.batch_size // self.num_hosts)}")
+            msg = (
+                f"batch_size {self.batch_size} is the global batch: it must be divisible by the number of "
+                f"hosts ({self.num_hosts}), e.g. batch_size={self.num_hosts * max(1, self.batch_size // self.num_hosts)}"
+            )
             raise OmicsIOError(msg)
         if len(self.rows) == 0:
             msg = "cannot sample from an empty set of cells"
@@ -162,7 +164,11 @@ class SamplingPlan:
             if self.weights is None or len(self.weights) != len(self.rows):
                 msg = f"sampling={self.sampling!r} needs one weight per cell ({len(self.rows)})"
                 raise OmicsIOError(msg)
-            if not np.all(np.isfinite(self.weights)) or np.any(self.weights < 0) or not np.any(self.weights > 0):
+            if (
+                not np.all(np.isfinite(self.weights))
+                or np.any(self.weights < 0)
+                or not np.any(self.weights > 0)
+            ):
                 msg = "weights must be finite, non-negative and not all zero"
                 raise OmicsIOError(msg)
 
@@ -221,7 +227,9 @@ class SamplingPlan:
             blocks = rng.permutation(num_blocks)
         else:
             block_weight = np.add.reduceat(self.weights.astype(np.float64), np.arange(0, n, b))
-            blocks = rng.choice(num_blocks, size=num_blocks, replace=True, p=block_weight / block_weight.sum())
+            blocks = rng.choice(
+                num_blocks, size=num_blocks, replace=True, p=block_weight / block_weight.sum()
+            )
         return EpochOrder(self.rows, blocks, b)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -263,6 +271,7 @@ class SamplingPlan:
 
     def describe(self) -> dict:
         """The plan as JSON-able config (rows and weights by checksum); not the number of hosts."""
+
         def digest(a: np.ndarray | AllRows | None) -> str | None:
             if isinstance(a, AllRows):
                 return a.digest()
@@ -270,8 +279,14 @@ class SamplingPlan:
             return None if a is None else hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:16]
 
         return {
-            "sampling": self.sampling, "batch_size": self.batch_size, "block_size": self.block_size,
-            "fetch_factor": self.fetch_factor, "seed": self.seed, "drop_remainder": self.drop_remainder, "num_rows": len(self.rows), "rows": digest(self.rows),
+            "sampling": self.sampling,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+            "fetch_factor": self.fetch_factor,
+            "seed": self.seed,
+            "drop_remainder": self.drop_remainder,
+            "num_rows": len(self.rows),
+            "rows": digest(self.rows),
             "weights": digest(self.weights),
         }
 

@@ -161,8 +161,9 @@ class Schedule:
     def rows(self, seg: Segment) -> np.ndarray:
         """This host's cells of ``seg`` in serving order: ``num_steps × local_batch`` rows, -1 = padding."""
         if not seg.remainder:
-            return self.plan.serving_rows(self.plan.fetch(seg.epoch, seg.fetch, self.host,
-                                                          order=self.orders(seg.epoch)))
+            return self.plan.serving_rows(
+                self.plan.fetch(seg.epoch, seg.fetch, self.host, order=self.orders(seg.epoch))
+            )
         first, _, _ = self._region(seg.first_step, seg.hosts)
         batches = self._old_batches(seg.epoch, seg.hosts, seg.fetch)[seg.first_step - first :]
         b = self.plan.local_batch
@@ -185,7 +186,9 @@ class Schedule:
         while step < self.steps_in_epoch(epoch):
             seg = self.segment(epoch, step)
             if not seg.remainder and step == seg.first_step and seg.fetch < self.plan.full_rounds:
-                rows = self.plan.fetch(epoch, seg.fetch, self.host, order=self.orders(epoch)).rows  # no shuffle needed
+                rows = self.plan.fetch(
+                    epoch, seg.fetch, self.host, order=self.orders(epoch)
+                ).rows  # no shuffle needed
             else:
                 rows = self.rows(seg)[(step - seg.first_step) * self.plan.local_batch :]
             total = total + Tally.of(rows)

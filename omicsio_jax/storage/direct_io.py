@@ -63,7 +63,9 @@ def _syscall(typingctx, fn, number, a, b, c, d, e):
         ptr = builder.inttoptr(args[0], ir.FunctionType(i64, [i64], var_arg=True).as_pointer())
         return builder.call(ptr, args[1:])
 
-    return types.int64(types.uint64, types.int64, types.uint64, types.uint64, types.uint64, types.uint64, types.uint64), codegen
+    return types.int64(
+        types.uint64, types.int64, types.uint64, types.uint64, types.uint64, types.uint64, types.uint64
+    ), codegen
 
 
 @nb.njit(nogil=True, cache=True)
@@ -74,7 +76,9 @@ def _submit(fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
         w = iocbs[i]
         w[0] = np.uint64(i)  # aio_data: which read this is
         w[1] = np.uint64(0)  # aio_key, aio_rw_flags
-        w[2] = np.uint64(fds[i]) << np.uint64(32)  # aio_lio_opcode 0 (IOCB_CMD_PREAD), aio_reqprio 0, aio_fildes
+        w[2] = np.uint64(fds[i]) << np.uint64(
+            32
+        )  # aio_lio_opcode 0 (IOCB_CMD_PREAD), aio_reqprio 0, aio_fildes
         w[3] = np.uint64(address[i])
         w[4] = np.uint64(spans[i, 1] - spans[i, 0])
         w[5] = np.uint64(spans[i, 0])
@@ -83,8 +87,15 @@ def _submit(fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
         pointers[i] = np.uint64(iocbs.ctypes.data) + np.uint64(64 * i)
     i, tries = first, 0
     while i < stop:
-        n = _syscall(fn, number, np.uint64(ctx), np.uint64(stop - i), np.uint64(pointers.ctypes.data) + np.uint64(8 * i),
-                     np.uint64(0), np.uint64(0))
+        n = _syscall(
+            fn,
+            number,
+            np.uint64(ctx),
+            np.uint64(stop - i),
+            np.uint64(pointers.ctypes.data) + np.uint64(8 * i),
+            np.uint64(0),
+            np.uint64(0),
+        )
         if n <= 0:  # -1: EAGAIN / EINTR (tried again), else refused
             tries += 1
             if tries > 1000:
@@ -101,8 +112,15 @@ def _reap(fn, number, ctx, events, got, first, stop):
     tries = 0
     for i in range(first, stop):
         while got[i] == _PENDING:
-            n = _syscall(fn, number, np.uint64(ctx), np.uint64(1), np.uint64(events.shape[0]),
-                         np.uint64(events.ctypes.data), np.uint64(0))  # timeout NULL: wait
+            n = _syscall(
+                fn,
+                number,
+                np.uint64(ctx),
+                np.uint64(1),
+                np.uint64(events.shape[0]),
+                np.uint64(events.ctypes.data),
+                np.uint64(0),
+            )  # timeout NULL: wait
             if n < 0:  # EINTR: wait again
                 tries += 1
                 if tries > 1000:
@@ -172,7 +190,9 @@ def supported(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def spans_of(ranges: np.ndarray, files: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def spans_of(
+    ranges: np.ndarray, files: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(spans, span of each range, file of each span)``: byte ``ranges`` (``(k, 2)``, of files
     ``files``, default all of file 0; sorted by file then offset, not overlapping) widened to
     `ALIGN` boundaries, those of one file that then touch or overlap merged into one span."""
@@ -182,7 +202,11 @@ def spans_of(ranges: np.ndarray, files: np.ndarray | None = None) -> tuple[np.nd
     new = np.ones(len(ranges), bool)
     new[1:] = (lo[1:] > hi[:-1]) | (files[1:] != files[:-1])
     starts = np.flatnonzero(new)
-    spans = np.stack([lo[starts], np.maximum.reduceat(hi, starts)], axis=1) if len(starts) else np.zeros((0, 2), np.int64)
+    spans = (
+        np.stack([lo[starts], np.maximum.reduceat(hi, starts)], axis=1)
+        if len(starts)
+        else np.zeros((0, 2), np.int64)
+    )
     return spans, np.cumsum(new) - 1, files[starts]
 
 
@@ -200,8 +224,11 @@ class DirectReads:
         self._keep = keep
         self._lock = threading.Lock()
 
-    def read_groups(self, paths: Sequence[Path], groups: Sequence[tuple[np.ndarray, np.ndarray]],
-                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def read_groups(
+        self,
+        paths: Sequence[Path],
+        groups: Sequence[tuple[np.ndarray, np.ndarray]],
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """For each group ``(files, ranges)`` (byte ranges ``(k, 2)`` of ``paths[files[i]]``, sorted
         by file then offset; a group may span files), in order: ``(buf, offset of each range in
         buf, the ranges' ends)``, an end moved back to where its file ended if it ended inside the
@@ -222,8 +249,9 @@ class DirectReads:
         issued = 0  # reads [0, issued) are in the kernel's hands (a group's own, if it was refused part-way)
         try:
             for g, (_, ranges) in enumerate(groups):
-                while submitted < len(groups) and (submitted <= g or (
-                        submitted <= g + AHEAD and first[submitted + 1] - first[g] <= _EVENTS)):
+                while submitted < len(groups) and (
+                    submitted <= g or (submitted <= g + AHEAD and first[submitted + 1] - first[g] <= _EVENTS)
+                ):
                     lo, hi = first[submitted], first[submitted + 1]
                     span_files = cut[submitted][2]
                     for f in np.unique(span_files).tolist():
@@ -239,17 +267,27 @@ class DirectReads:
                     address[lo:hi] += np.uint64(buf.ctypes.data)
                     issued = _submit(fn, submit, ctx, iocbs, pointers, lo, hi, fds, spans, address)
                     if issued < hi:
-                        raise ReadError(0, "the kernel refused the asynchronous reads (io_submit)",
-                                        str(paths[int(span_files[issued - lo])]))
+                        raise ReadError(
+                            0,
+                            "the kernel refused the asynchronous reads (io_submit)",
+                            str(paths[int(span_files[issued - lo])]),
+                        )
                     submitted += 1
                 lo, hi = first[g], first[g + 1]
                 if not _reap(fn, getevents, ctx, events, got, lo, hi):
-                    raise ReadError(0, "waiting for the asynchronous reads failed (io_getevents)",
-                                    str(paths[int(cut[g][2][0])]))
+                    raise ReadError(
+                        0,
+                        "waiting for the asynchronous reads failed (io_getevents)",
+                        str(paths[int(cut[g][2][0])]),
+                    )
                 buf = bufs.pop(g)
                 spans_g, which, span_files = cut[g]
-                yield buf, *self._placed([paths[f] for f in span_files.tolist()], ranges, spans_g, which,
-                                         got[lo:hi], buf)
+                yield (
+                    buf,
+                    *self._placed(
+                        [paths[f] for f in span_files.tolist()], ranges, spans_g, which, got[lo:hi], buf
+                    ),
+                )
         finally:  # reads still in flight write into their buffers (and would complete into this thread's
             # next call): wait for every one submitted before any buffer is reused
             if issued:
@@ -260,8 +298,14 @@ class DirectReads:
                 self.release(buf)
 
     @staticmethod
-    def _placed(span_paths: Sequence[Path], ranges: np.ndarray, spans: np.ndarray, which: np.ndarray,
-                got: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _placed(
+        span_paths: Sequence[Path],
+        ranges: np.ndarray,
+        spans: np.ndarray,
+        which: np.ndarray,
+        got: np.ndarray,
+        buf: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Each range's offset in ``buf`` and its end, once every span's read (of file
         ``span_paths[i]``) is checked: a read the OS failed raises; a short read the file does not
         explain is completed by a plain read."""
@@ -275,8 +319,11 @@ class DirectReads:
             want = min(int(spans[i, 1]), os.stat(span_paths[i]).st_size) - int(spans[i, 0])
             if got[i] < want:
                 with open(span_paths[i], "rb", buffering=0) as f:
-                    got[i] += os.preadv(f.fileno(), [memoryview(buf[dst[i] + got[i] : dst[i] + want])],
-                                        int(spans[i, 0] + got[i]))
+                    got[i] += os.preadv(
+                        f.fileno(),
+                        [memoryview(buf[dst[i] + got[i] : dst[i] + want])],
+                        int(spans[i, 0] + got[i]),
+                    )
         base = dst[which] + ranges[:, 0] - spans[which, 0]
         return base, np.minimum(ranges[:, 1], (spans[:, 0] + got)[which])
 

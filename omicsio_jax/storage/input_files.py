@@ -41,7 +41,9 @@ def s3_filesystem():
     client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
     if endpoint.startswith("http://"):
         client["allow_http"] = True
-    return _S3("s3", client_options=client, retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=60)})
+    return _S3(
+        "s3", client_options=client, retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=60)}
+    )
 
 
 class PositionalFile:
@@ -52,8 +54,7 @@ class PositionalFile:
     def __init__(self, url: str, size: int):
         import threading
 
-
-        bucket, _, self._key = url[len(S3_SCHEME):].partition("/")
+        bucket, _, self._key = url[len(S3_SCHEME) :].partition("/")
         self._store, self.size, self.name = _bucket_store(bucket), size, url
         self._local = threading.local()
         self.closed = False
@@ -112,7 +113,7 @@ class ObjectPath(str):
 
     @property
     def _key(self) -> str:
-        return self[len(S3_SCHEME):].rstrip("/")
+        return self[len(S3_SCHEME) :].rstrip("/")
 
     @property
     def name(self) -> str:
@@ -121,7 +122,7 @@ class ObjectPath(str):
     @property
     def suffix(self) -> str:
         name = self.name
-        return name[name.rindex("."):] if "." in name.lstrip(".") else ""
+        return name[name.rindex(".") :] if "." in name.lstrip(".") else ""
 
     @property
     def parent(self) -> ObjectPath:
@@ -163,8 +164,11 @@ def expand_objects(spec: str, suffixes: tuple[str, ...], exclude: str) -> list[O
         keys = fs.glob(spec)
         found = [k for k in keys if not k.endswith("/")]
     elif spec.endswith(suffixes) and fs.isfile(spec):
-        found = [spec[len(S3_SCHEME):]]
+        found = [spec[len(S3_SCHEME) :]]
     else:
-        found = [k for k in fs.find(spec.rstrip("/") + "/") if k.endswith(suffixes)
-                 and not fnmatch.fnmatch(k.rsplit("/", 1)[-1], exclude)]
+        found = [
+            k
+            for k in fs.find(spec.rstrip("/") + "/")
+            if k.endswith(suffixes) and not fnmatch.fnmatch(k.rsplit("/", 1)[-1], exclude)
+        ]
     return sorted(ObjectPath(S3_SCHEME + k.removeprefix(S3_SCHEME)) for k in found)

@@ -22,8 +22,14 @@ from pathlib import Path
 from omicsio_jax.core.errors import OmicsIOError
 
 S3_SCHEME = "s3://"
-_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                         "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_SKIP_SIGNATURE", "AWS_PROFILE")
+_CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_SKIP_SIGNATURE",
+    "AWS_PROFILE",
+)
 
 
 class ObjectStoreError(OmicsIOError):
@@ -113,23 +119,33 @@ class S3Store:
         if not is_remote(url):
             msg = f"not an s3:// URL: {url!r}"
             raise ObjectStoreError(msg)
-        bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
+        bucket, _, prefix = url[len(S3_SCHEME) :].partition("/")
         if not bucket:
             msg = f"{url!r} names no bucket; use s3://BUCKET/PREFIX"
             raise ObjectStoreError(msg)
         if not any(os.environ.get(v) for v in _CREDENTIAL_VARIABLES):
-            msg = (f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                   "AWS_PROFILE, or AWS_SKIP_SIGNATURE=true for a public bucket)")
+            msg = (
+                f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                "AWS_PROFILE, or AWS_SKIP_SIGNATURE=true for a public bucket)"
+            )
             raise ObjectStoreError(msg)
         self.url, self.bucket, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
         self.local_root = None
-        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        self.endpoint = (
+            os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        )
         client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
         if self.endpoint.startswith("http://"):
             client["allow_http"] = True
-        retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=60),
-                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
-                             "base": 2}}
+        retry = {
+            "max_retries": 3,
+            "retry_timeout": timedelta(seconds=60),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=100),
+                "max_backoff": timedelta(seconds=5),
+                "base": 2,
+            },
+        }
         self._store = _ObStore(bucket, prefix=self.prefix or None, client_options=client, retry_config=retry)
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -148,19 +164,31 @@ class S3Store:
 
         url, text = self.describe(key), str(e)
         if isinstance(e, oe.PreconditionError):
-            return ObjectChangedError(f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
-                                      "rewritten under this prefix; open it again")
+            return ObjectChangedError(
+                f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
+                "rewritten under this prefix; open it again"
+            )
         if "NoSuchBucket" in text:
-            return ObjectStoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint} (for {url}): create "
-                                    "it, or check the URL and AWS_ENDPOINT_URL")
+            return ObjectStoreError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint} (for {url}): create "
+                "it, or check the URL and AWS_ENDPOINT_URL"
+            )
         if isinstance(e, (FileNotFoundError, oe.NotFoundError)):
             return ObjectStoreError(f"{url} does not exist")
-        if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or "AccessDenied" in text \
-                or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
-            return ObjectStoreError(f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if (
+            isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError))
+            or "AccessDenied" in text
+            or "InvalidAccessKeyId" in text
+            or "SignatureDoesNotMatch" in text
+        ):
+            return ObjectStoreError(
+                f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            )
         if "error sending request" in text or "Connection refused" in text or "dns error" in text:
-            return ObjectStoreError(f"cannot reach the S3 endpoint {self.endpoint} (for {url}): check "
-                                    "AWS_ENDPOINT_URL and the network")
+            return ObjectStoreError(
+                f"cannot reach the S3 endpoint {self.endpoint} (for {url}): check "
+                "AWS_ENDPOINT_URL and the network"
+            )
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         return ObjectStoreError(f"{url}: {first}")
 
