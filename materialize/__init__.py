@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from ._index import build_gene_index as build_gene_index
     from ._materialize import MaterializeResult as MaterializeResult
     from ._materialize import materialize as materialize
+    from ._options import Dask as Dask
+    from ._options import InputOptions as InputOptions
+    from ._options import Layout as Layout
+    from ._options import Multimodal as Multimodal
     from ._synthetic import SyntheticCorpus as SyntheticCorpus
     from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
 
@@ -20,6 +24,10 @@ _PUBLIC = {
     "build_gene_index": "._index",
     "MaterializeResult": "._materialize",
     "materialize": "._materialize",
+    "Dask": "._options",
+    "InputOptions": "._options",
+    "Layout": "._options",
+    "Multimodal": "._options",
     "SyntheticCorpus": "._synthetic",
     "make_synthetic_corpus": "._synthetic",
 }

@@ -27,7 +27,16 @@ import sys
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import read_manifest, verify_dataset
 
-from ._materialize import DEFAULT_COMPRESSION, DEFAULT_GROUP_SIZE, DEFAULT_SHARD_CELLS, materialize
+from ._materialize import materialize
+from ._options import (
+    DEFAULT_COMPRESSION,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SHARD_CELLS,
+    Dask,
+    InputOptions,
+    Layout,
+    Multimodal,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -211,30 +220,35 @@ def _materialize(argv: list[str]) -> int:
     else:
         p.error("give INPUT and OUT (or OUT alone with --query)")
     layers, modalities = _modality_args(p, args)
+    dask = args.dask_scheduler is not None or args.dask_scheduler_file is not None
     result = materialize(
         source,
         out,
-        where=args.where,
-        query=args.query,
-        genes=args.genes,
-        layers=layers,
-        modalities=modalities,
-        primary=args.primary,
-        require_all_modalities=args.require_all_modalities,
+        read=InputOptions(
+            where=args.where,
+            query=args.query,
+            genes=args.genes,
+            layer=args.layer,
+            use_raw=args.raw,
+            cell_id=args.cell_id,
+            batch_cells=args.batch_cells,
+            allow_negative=args.allow_negative,
+        ),
         obs=None if args.obs is None else [c.strip() for c in args.obs.split(",") if c.strip()],
-        panel=args.panel,
-        layer=args.layer,
-        use_raw=args.raw,
-        cell_id=args.cell_id,
-        allow_negative=args.allow_negative,
+        layout=Layout(
+            shard_cells=args.shard_cells,
+            group_size=args.group_size,
+            compression=args.compression,
+            panel=args.panel,
+        ),
+        multimodal=Multimodal(
+            layers=layers,
+            modalities=modalities,
+            primary=args.primary,
+            require_all=args.require_all_modalities,
+        ),
+        workers=Dask(args.dask_scheduler, args.dask_scheduler_file) if dask else args.workers,
         overwrite=args.overwrite,
-        shard_cells=args.shard_cells,
-        group_size=args.group_size,
-        compression=args.compression,
-        batch_cells=args.batch_cells,
-        workers=args.workers,
-        dask_scheduler=args.dask_scheduler,
-        dask_scheduler_file=args.dask_scheduler_file,
         progress=not args.no_progress,
     )
     print(result.summary())

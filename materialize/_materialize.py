@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -37,16 +37,13 @@ from omicsio_jax.format import (
 
 from ._finalize import Finalizer
 from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
+from ._options import Dask, InputOptions, Layout, Multimodal
 from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
 from ._pool import Pool, run_in_process, run_on_dask, usable_cores
 from ._shards import atomic_output_dir, writer_options
 from ._source import Source
 from ._validate import GeneIndex
-
-DEFAULT_SHARD_CELLS = 1 << 16
-DEFAULT_GROUP_SIZE = 16
-DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads 13-18% faster than zstd:1, 21% more bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,19 +72,6 @@ class MaterializeResult:
             f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s){further}, {self.seconds:.1f} s "
             f"({self.cells_per_second:,.0f} cells/s, {self.workers} worker(s)) → {self.path}"
         )
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _check_layout(shard_cells: int, group_size: int) -> None:
-    if not _is_power_of_two(shard_cells):
-        msg = f"shard_cells must be a power of two (so blocks never straddle shards), got {shard_cells:,}"
-        raise OmicsIOError(msg)
-    if not _is_power_of_two(group_size) or group_size > shard_cells:
-        msg = f"group_size must be a power of two ≤ shard_cells ({shard_cells:,}), got {group_size:,}"
-        raise OmicsIOError(msg)
 
 
 def open_source(
@@ -171,58 +155,62 @@ def materialize(
     source: str | Path | None,
     out: str | Path,
     *,
-    where: str | None = None,
-    query: str | None = None,
-    genes: str | Path | None = None,
+    read: InputOptions = InputOptions(),
     obs: Sequence[str] | None = None,
-    panel: str | Path | Sequence[str] | None = None,
-    layer: str | None = None,
-    use_raw: bool = False,
-    cell_id: str = "cell_id",
-    allow_negative: bool = False,
+    layout: Layout = Layout(),
+    multimodal: Multimodal = Multimodal(),
+    workers: int | Dask | None = None,
     overwrite: bool = False,
-    shard_cells: int = DEFAULT_SHARD_CELLS,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    compression: str = DEFAULT_COMPRESSION,
-    batch_cells: int | None = None,
-    workers: int | None = None,
-    dask_scheduler: str | None = None,
-    dask_scheduler_file: str | None = None,
     progress: bool = True,
-    layers: Sequence[str] | Mapping[str, str] | None = None,
-    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None = None,
-    primary: str = "rna",
-    require_all_modalities: bool = False,
 ) -> MaterializeResult:
     """Convert list-column tables, a DuckDB query, an ``.h5ad`` or an ``.h5mu`` into a dataset directory
     (or ``s3://`` prefix).
 
     >>> materialize("cells.parquet", "out/", obs=["cell_type", "drug"])      # doctest: +SKIP
-    >>> materialize("atlas/**/*.parquet", "lung/", where="tissue = 'lung'")  # doctest: +SKIP
-    >>> materialize("pbmc.h5ad", "pbmc/", layer="counts")                    # doctest: +SKIP
+    >>> materialize("atlas/**/*.parquet", "lung/", read=InputOptions(where="tissue = 'lung'"))  # doctest: +SKIP
+    >>> materialize("pbmc.h5ad", "pbmc/", read=InputOptions(layer="counts"))  # doctest: +SKIP
     >>> materialize("s3://atlas/cells/", "s3://datasets/atlas/", workers=16)  # doctest: +SKIP
 
-    Several modalities of the same cells (see `omicsio_jax.Dataset.modality`): ``layers`` are
-    matrices over the primary's genes (splice layers: names of ``.h5ad``/``.h5mu`` layers, or
-    ``{name: table}`` for list-column tables), ``modalities`` have features of their own (``.h5mu``:
-    names of its modalities, default all; tables: ``{name: table}`` or ``{name: (table, feature
-    table)}``), aligned by ``cell_id`` with the primary, named ``primary``. A cell a further
-    modality lacks gets an empty row there and ``obs["has_<name>"] = False``, or with
-    ``require_all_modalities`` an error.
+    ``read`` says how the input is read (`InputOptions`: ``where``, ``query``, ``genes``, an AnnData
+    ``layer``, ...), ``obs`` which obs columns to keep (default: every scalar column), ``layout``
+    how the shards are laid out (`Layout`: ``shard_cells``, ``group_size``, ``compression``, a dense
+    gene ``panel``). Several modalities of the same cells come with ``multimodal`` (`Multimodal`; see
+    `omicsio_jax.Dataset.modality`):
 
-    >>> materialize("rna_cells.parquet", "multiome/", modalities={"atac": "atac_cells.parquet"},   # doctest: +SKIP
-    ...             layers={"spliced": "rna_layers_spliced.parquet"})
-    >>> materialize("pbmc.h5ad", "velo/", layers=["spliced", "unspliced"])       # doctest: +SKIP
+    >>> materialize("rna_cells.parquet", "multiome/", multimodal=Multimodal(            # doctest: +SKIP
+    ...     modalities={"atac": "atac_cells.parquet"}, layers={"spliced": "rna_layers_spliced.parquet"}))
     >>> materialize("multiome.h5mu", "multiome/")            # rna + atac          # doctest: +SKIP
 
     Partitions run on ``workers`` local processes (default: the usable cores; 1 runs them here),
-    or on the Dask cluster at ``dask_scheduler`` / ``dask_scheduler_file``. Either the whole dataset
-    appears at ``out`` or nothing does. Raises `DataValidationError` naming the file, row and
-    cell_id of the first cell that breaks the schema.
+    or on a Dask cluster (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at
+    ``out`` or nothing does (an existing ``out`` is replaced only with ``overwrite``). Raises
+    `DataValidationError` naming the file, row and cell_id of the first cell that breaks the schema.
     """
+    where, query, genes, layer, use_raw, cell_id, batch_cells, allow_negative = (
+        read.where,
+        read.query,
+        read.genes,
+        read.layer,
+        read.use_raw,
+        read.cell_id,
+        read.batch_cells,
+        read.allow_negative,
+    )
+    shard_cells, group_size, compression, panel = (
+        layout.shard_cells,
+        layout.group_size,
+        layout.compression,
+        layout.panel,
+    )
+    layers, modalities = multimodal.layers, multimodal.modalities
+    primary, require_all_modalities = multimodal.primary, multimodal.require_all
+    dask = workers if isinstance(workers, Dask) else None
+    dask_scheduler, dask_scheduler_file = (
+        (None, None) if dask is None else (dask.scheduler, dask.scheduler_file)
+    )
+    workers = None if dask is not None else workers
     start = time.perf_counter()
-    _check_layout(shard_cells, group_size)
-    if workers is not None and workers < 1:
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         msg = f"workers must be >= 1, got {workers}"
         raise OmicsIOError(msg)
     store = open_store(out)
@@ -239,7 +227,6 @@ def materialize(
         batch_cells=batch_cells,
         primary=primary,
     )
-    dask = dask_scheduler is not None or dask_scheduler_file is not None
     wanted = 1 if dask else workers or usable_cores()
     pool = Pool(wanted) if wanted > 1 else None  # started now: the workers import while the input is planned
     try:

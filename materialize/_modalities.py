@@ -201,7 +201,7 @@ def _find_features(inp: ModalityInput, files: list[Path]) -> str | None:
 def _read_features(path: str, token_column: str) -> pa.Table:
     """A feature table keyed by ``token_column`` (``peak_token_id``), as a gene table (``gene_token_id``)."""
     try:
-        table = duckdb.sql(f"SELECT * FROM {sql_str(path)}").to_arrow_table()
+        table = connect(remote=is_remote(path)).sql(f"SELECT * FROM {sql_str(path)}").to_arrow_table()
     except duckdb.Error as e:
         msg = f"cannot read feature table {path}: {str(e).splitlines()[0]}"
         raise DataValidationError(msg) from e

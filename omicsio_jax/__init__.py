@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from omicsio_jax.loaders.memory import make_memory_loader as make_memory_loader
     from omicsio_jax.loaders.memory_panel import InMemoryPanel as InMemoryPanel
     from omicsio_jax.loaders.memory_panel import load_panel as load_panel
+    from omicsio_jax.loaders.options import Placement as Placement
+    from omicsio_jax.loaders.options import ReadOptions as ReadOptions
     from omicsio_jax.loaders.prefetch import prefetch_to_device as prefetch_to_device
     from omicsio_jax.loaders.state import read_loader_states as read_loader_states
     from omicsio_jax.loaders.stream import StreamIterator as StreamIterator
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from omicsio_jax.outputs.dense import Dense as Dense
     from omicsio_jax.outputs.geneformer import GeneformerTokens as GeneformerTokens
     from omicsio_jax.outputs.modalities import Modalities as Modalities
+    from omicsio_jax.outputs.normalize import Normalization as Normalization
     from omicsio_jax.outputs.panel import Panel as Panel
     from omicsio_jax.outputs.scatter import scatter_dense as scatter_dense
     from omicsio_jax.outputs.scatter import scatter_panel as scatter_panel
@@ -66,11 +69,26 @@ if TYPE_CHECKING:
     from omicsio_jax.sampling.entropy import EntropyBounds as EntropyBounds
     from omicsio_jax.sampling.entropy import entropy_bounds as entropy_bounds
     from omicsio_jax.sampling.entropy import minibatch_entropy as minibatch_entropy
+    from omicsio_jax.sampling.options import Block as Block
+    from omicsio_jax.sampling.options import ClassBalanced as ClassBalanced
+    from omicsio_jax.sampling.options import Random as Random
+    from omicsio_jax.sampling.options import Sampling as Sampling
+    from omicsio_jax.sampling.options import Stream as Stream
+    from omicsio_jax.sampling.options import Weighted as Weighted
     from omicsio_jax.sampling.plan import SamplingPlan as SamplingPlan
     from omicsio_jax.storage.store import ObjectChangedError as ObjectChangedError
     from omicsio_jax.storage.store import ObjectStoreError as ObjectStoreError
 
 _PUBLIC = {
+    "Block": "omicsio_jax.sampling.options",
+    "Random": "omicsio_jax.sampling.options",
+    "Stream": "omicsio_jax.sampling.options",
+    "Weighted": "omicsio_jax.sampling.options",
+    "ClassBalanced": "omicsio_jax.sampling.options",
+    "Sampling": "omicsio_jax.sampling.options",
+    "Placement": "omicsio_jax.loaders.options",
+    "ReadOptions": "omicsio_jax.loaders.options",
+    "Normalization": "omicsio_jax.outputs.normalize",
     "Categorical": "omicsio_jax.dataset.dataset",
     "Dataset": "omicsio_jax.dataset.dataset",
     "open_dataset": "omicsio_jax.dataset.dataset",

@@ -26,7 +26,7 @@ same = all(np.array_equal(a, b) for a, b in zip(h5.read_csr(range(100)), ds.read
 print(f"h5ad and parquet inputs give identical cells: {same}")
 
 # Grain's DataLoader over the dataset serves make_loader's batches; every epoch is audited
-kw = dict(batch_size=256, fetch_factor=16, seed=0, num_epochs=1, obs=("drug",))
+kw = dict(batch_size=256, sampling=oj.Block(fetch_factor=16), seed=0, num_epochs=1, obs=("drug",))
 loader = oj.make_loader(ds, **kw)
 grain_loader = oj.make_grain_loader(ds, **kw)
 equal = all(np.array_equal(np.asarray(a.index), b.index) for a, b in zip(loader, grain_loader, strict=True))

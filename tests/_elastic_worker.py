@@ -39,14 +39,12 @@ def main() -> None:
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     kw = {
         "batch_size": 32,
-        "block_size": 16,
-        "fetch_factor": 4,
+        "sampling": oj.Block(16, 4, drop_remainder=False),
         "seed": 9,
         "num_epochs": 1,
         "obs": ("drug",),
-        "drop_remainder": False,
     }
-    loader = oj.make_loader(ds, **kw, mesh=mesh)
+    loader = oj.make_loader(ds, **kw, placement=mesh)
     action, k = mode.split(":")
     k = int(k)
     served, report = [], {"process_index": jax.process_index(), "process_count": jax.process_count()}
@@ -60,9 +58,9 @@ def main() -> None:
             served.extend(local(next(loader)))
         with ocp.CheckpointManager(checkpoints) as mngr:
             mngr.save(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(loader)))
-        expected = [local(b) for b in oj.make_loader(ds, **kw, mesh=mesh)]
+        expected = [local(b) for b in oj.make_loader(ds, **kw, placement=mesh)]
         for workers in (0, 2):
-            grain_loader = oj.make_grain_loader(ds, **kw, mesh=mesh, worker_count=workers)
+            grain_loader = oj.make_grain_loader(ds, **kw, placement=mesh, worker_count=workers)
             report[f"grain_w{workers}_equal"] = [b.index.tolist() for b in grain_loader] == expected
     else:
         loader.set_state(oj.read_loader_states(os.path.join(checkpoints, str(k), "data")))

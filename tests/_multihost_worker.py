@@ -34,7 +34,7 @@ import omicsio_jax as oj  # noqa: E402
 ds = oj.open_dataset(dataset)
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
 loader = oj.make_loader(
-    ds, batch_size=32, block_size=16, fetch_factor=2, seed=5, num_epochs=2, obs=("drug",), mesh=mesh
+    ds, batch_size=32, sampling=oj.Block(16, 2), seed=5, num_epochs=2, obs=("drug",), placement=mesh
 )
 total = jax.jit(jnp.sum)
 steps = []
@@ -52,7 +52,9 @@ for batch in loader:
 panel = oj.load_panel(ds, list(range(50)), progress=False)
 memory = {}
 for placement in ("host", "device"):
-    mem = oj.make_memory_loader(panel, batch_size=32, seed=3, num_epochs=1, placement=placement, mesh=mesh)
+    mem = oj.make_memory_loader(
+        panel, batch_size=32, seed=3, num_epochs=1, on_device=placement == "device", placement=mesh
+    )
     memory[placement] = []
     for batch in mem:
         shards = sorted(batch.index.addressable_shards, key=lambda s: s.index[0].start)

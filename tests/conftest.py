@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from materialize import make_synthetic_corpus, materialize
+from materialize import Layout, make_synthetic_corpus, materialize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def corpus_table(corpus) -> pa.Table:
 def dataset_dir(corpus, tmp_path_factory):
     """The corpus materialized with small shards (1,024 cells) so several shards are exercised."""
     out = tmp_path_factory.mktemp("ds") / "out"
-    materialize(corpus.cells_parquet, out, shard_cells=1024, progress=False)
+    materialize(corpus.cells_parquet, out, progress=False, layout=Layout(shard_cells=1024))
     return out
 
 

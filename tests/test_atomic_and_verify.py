@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from materialize import _shards, materialize
+from materialize import InputOptions, Layout, _shards, materialize
 from materialize._cli import main
 
 
@@ -47,7 +47,9 @@ def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(_shards.ShardWriterProcess, "write", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        materialize(corpus.cells_parquet, tmp_path / "out", batch_cells=500, progress=False)
+        materialize(
+            corpus.cells_parquet, tmp_path / "out", progress=False, read=InputOptions(batch_cells=500)
+        )
     assert not (tmp_path / "out").exists()
     assert _leftovers(tmp_path) == []
     assert writers[0]._proc.poll() is not None  # the writer process was stopped, not left behind
@@ -56,11 +58,19 @@ def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
 def test_in_process_writer_writes_the_same_bytes(corpus, tmp_path, monkeypatch):
     """Without memfd (not Linux) the shards are written in-process: byte-identical output."""
     child = materialize(
-        corpus.cells_parquet, tmp_path / "child", batch_cells=700, shard_cells=1024, progress=False
+        corpus.cells_parquet,
+        tmp_path / "child",
+        progress=False,
+        read=InputOptions(batch_cells=700),
+        layout=Layout(shard_cells=1024),
     ).manifest
     monkeypatch.setattr(_shards.ShardWriterProcess, "available", staticmethod(lambda: False))
     inline = materialize(
-        corpus.cells_parquet, tmp_path / "inline", batch_cells=700, shard_cells=1024, progress=False
+        corpus.cells_parquet,
+        tmp_path / "inline",
+        progress=False,
+        read=InputOptions(batch_cells=700),
+        layout=Layout(shard_cells=1024),
     ).manifest
     assert len(child.shards) == 3
     assert child.shards == inline.shards and child.fingerprint == inline.fingerprint
@@ -94,7 +104,7 @@ def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
 
 def test_overwrite_replaces_a_dataset(corpus, tmp_path):
     out = tmp_path / "out"
-    materialize(corpus.cells_parquet, out, where="batch = 'plate_00'", progress=False)
+    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
     small = oj.open_dataset(out).num_cells
     materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
     assert oj.open_dataset(out).num_cells > small

@@ -35,14 +35,24 @@ def _make(kind: str, ds, table):
     """A fresh loader iterator of each kind, the same batches every time."""
     if kind == "disk":
         return oj.make_loader(
-            ds, batch_size=64, block_size=16, fetch_factor=4, seed=2, num_epochs=2, obs=("drug",)
+            ds, batch_size=64, sampling=oj.Block(16, 4), seed=2, num_epochs=2, obs=("drug",)
         )
     if kind == "memory":
         panel = oj.load_panel(ds, list(range(30)), progress=False)
         return oj.make_memory_loader(panel, batch_size=64, seed=2, num_epochs=2)
     if kind == "stream":
-        return iter(oj.make_stream_loader(table, batch_size=64, genes=[1, 2, 3], shuffle_buffer=256, seed=2))
-    return iter(oj.make_grain_loader(ds, batch_size=64, fetch_factor=4, seed=2, num_epochs=2))
+        return iter(
+            oj.make_stream_loader(
+                table,
+                batch_size=64,
+                output=oj.Panel([1, 2, 3]),
+                sampling=oj.Stream(shuffle=True, fetch_factor=4, drop_remainder=False),
+                seed=2,
+            )
+        )
+    return iter(
+        oj.make_grain_loader(ds, batch_size=64, sampling=oj.Block(fetch_factor=4), seed=2, num_epochs=2)
+    )
 
 
 def _index(batch) -> np.ndarray:
@@ -103,7 +113,7 @@ def test_restore_into_another_config_is_refused_line_by_line(ds, tmp_path):
         mngr.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(loader)))
         mngr.wait_until_finished()
         other = oj.make_loader(
-            ds, batch_size=32, block_size=16, fetch_factor=4, seed=3, num_epochs=2, obs=("drug",)
+            ds, batch_size=32, sampling=oj.Block(16, 4), seed=3, num_epochs=2, obs=("drug",)
         )
         with pytest.raises(oj.StateMismatchError) as e:
             mngr.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(other)))
@@ -115,7 +125,9 @@ def test_restore_into_another_config_is_refused_line_by_line(ds, tmp_path):
 
 
 def test_stream_loader_resumes_by_skipping_windows(table):
-    loader = oj.make_stream_loader(table, batch_size=50, shuffle_buffer=200, seed=1, drop_remainder=True)
+    loader = oj.make_stream_loader(
+        table, batch_size=50, sampling=oj.Stream(shuffle=True, fetch_factor=4), seed=1
+    )
     it = loader.epoch(1)
     head = [_index(next(it)) for _ in range(9)]
     state = it.get_state()
@@ -126,14 +138,14 @@ def test_stream_loader_resumes_by_skipping_windows(table):
     served = np.concatenate(head + tail)
     assert len(np.unique(served)) == len(served) == (table.select().size // 50) * 50
     with pytest.raises(oj.StateMismatchError, match="seed: in checkpoint 1, in loader 2"):
-        oj.make_stream_loader(table, batch_size=50, shuffle_buffer=200, seed=2, drop_remainder=True).epoch(
-            1
-        ).set_state(state)
+        oj.make_stream_loader(
+            table, batch_size=50, sampling=oj.Stream(shuffle=True, fetch_factor=4), seed=2
+        ).epoch(1).set_state(state)
 
 
 def _readme_loop() -> str:
-    """The Orbax training loop of the README (the code block that starts with ``# orbax_loop.py``)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The Orbax training loop of the Grain and Orbax guide (the code block that starts with ``# orbax_loop.py``)."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "grain.md").read_text()
     start = readme.index("```python\n# orbax_loop.py") + len("```python\n")
     return readme[start : readme.index("```", start)]
 

@@ -13,7 +13,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Layout, materialize
 from materialize._shardfiles import chunk_ranges
 from omicsio_jax.dataset.batched_reads import FetchReader
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
@@ -153,7 +153,7 @@ def test_fetches_and_batches_are_the_same_with_either_reader(dataset_dir):
             for a, b in zip(got.take(lo, hi), want.take(lo, hi), strict=True):
                 np.testing.assert_array_equal(a, b)
         for output in ("dense", "csr"):
-            kw = dict(batch_size=256, block_size=4, fetch_factor=3, seed=1, num_epochs=1, output=output)
+            kw = dict(batch_size=256, sampling=oj.Block(4, 3), seed=1, num_epochs=1, output=output)
             for a, b in zip(oj.make_loader(ds, **kw), oj.make_loader(ref, **kw), strict=True):
                 jax.tree.map(
                     np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)
@@ -170,7 +170,9 @@ def test_fetches_and_batches_are_the_same_with_either_reader(dataset_dir):
 )
 def test_other_writer_options_read_the_same(corpus, tmp_path, options):
     out = tmp_path / "ds"
-    materialize(corpus.cells_parquet, out, shard_cells=512, progress=False, **options)  # the last: 440 cells
+    materialize(
+        corpus.cells_parquet, out, progress=False, layout=Layout(shard_cells=512, **options)
+    )  # the last: 440 cells
     rows = np.random.default_rng(0).choice(3000, 500, replace=False)
     with oj.open_dataset(out) as ds, oj.open_dataset(out, chunk_reader=False) as ref:
         assert ds.chunk_reader is not None
@@ -181,7 +183,7 @@ def test_other_writer_options_read_the_same(corpus, tmp_path, options):
 def test_a_panel_dataset_reads_the_same(corpus, tmp_path):
     out = tmp_path / "panel"
     (tmp_path / "panel.txt").write_text("\n".join(str(g) for g in range(3, 2000, 7)) + "\n")  # gene token ids
-    materialize(corpus.cells_parquet, out, panel=tmp_path / "panel.txt", progress=False)
+    materialize(corpus.cells_parquet, out, progress=False, layout=Layout(panel=tmp_path / "panel.txt"))
     with oj.open_dataset(out) as ds, oj.open_dataset(out, chunk_reader=False) as ref:
         assert ds.layout == "dense" and ds.chunk_reader is not None
         np.testing.assert_array_equal(oj.load_panel(ds).x, oj.load_panel(ref).x)
@@ -314,7 +316,7 @@ def test_without_a_zstd_library_arrayrecord_reads_them(dataset_dir, corpus, tmp_
         indptr, _, _ = ds.read_csr([1, 2000])
         assert len(indptr) == 3
     out = tmp_path / "raw"
-    materialize(corpus.cells_parquet, out, compression="uncompressed", progress=False)
+    materialize(corpus.cells_parquet, out, progress=False, layout=Layout(compression="uncompressed"))
     with oj.open_dataset(out) as ds:
         assert ds.chunk_reader is not None  # uncompressed shards need no zstd
 

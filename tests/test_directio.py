@@ -46,7 +46,7 @@ def test_direct_reads_give_the_records_buffered_reads_give(pair):
 
 def test_a_loader_over_direct_reads_serves_the_same_batches(pair):
     buffered, direct = pair
-    kwargs = {"batch_size": 64, "block_size": 4, "fetch_factor": 4, "seed": 3, "output": "csr"}
+    kwargs = {"batch_size": 64, "sampling": oj.Block(4, 4), "seed": 3, "output": "csr"}
     for a, b in zip(oj.make_loader(buffered, **kwargs), oj.make_loader(direct, **kwargs), strict=True):
         np.testing.assert_array_equal(np.asarray(a.x.indices), np.asarray(b.x.indices))
         np.testing.assert_array_equal(np.asarray(a.x.values), np.asarray(b.x.values))

@@ -21,12 +21,16 @@ def ds(dataset_dir):
     return oj.open_dataset(dataset_dir)
 
 
-KW = {"batch_size": 96, "block_size": 16, "fetch_factor": 4, "seed": 1, "num_epochs": 1, "obs": ("drug",)}
+KW = {"batch_size": 96, "sampling": oj.Block(16, 4), "seed": 1, "num_epochs": 1, "obs": ("drug",)}
 ROUND_STEPS = 4  # fetch_factor: a round is 4 steps
 
 
 def _hosts(ds, count, **kw):
-    return [oj.make_loader(ds, **{**KW, **kw}, process_index=h, process_count=count) for h in range(count)]
+    return [oj.make_loader(ds, **{**KW, **kw}, placement=_host(h, count)) for h in range(count)]
+
+
+def _host(index: int, count: int) -> oj.Placement:
+    return oj.Placement(process_index=index, process_count=count)
 
 
 def _global(batches) -> np.ndarray:
@@ -49,7 +53,7 @@ def _global(batches) -> np.ndarray:
 def test_restore_onto_another_number_of_hosts_serves_every_cell_once(
     ds, before, steps, after, drop_remainder
 ):
-    kw = {"drop_remainder": drop_remainder}
+    kw = {"sampling": oj.Block(16, 4, drop_remainder=drop_remainder)}
     reference = [_global(bs) for bs in zip(*_hosts(ds, before, **kw), strict=True)]
     old = _hosts(ds, before, **kw)
     iters = [iter(loader) for loader in old]
@@ -140,10 +144,10 @@ def test_read_loader_states_reads_every_process_file(ds, tmp_path):
 def test_memory_loader_restores_onto_another_number_of_hosts(ds):
     panel = oj.load_panel(ds, list(range(40)), obs=("drug",), progress=False)
     kw = {"batch_size": 64, "seed": 4, "num_epochs": 1, "drop_remainder": False}
-    old = [oj.make_memory_loader(panel, **kw, process_index=h, process_count=2) for h in range(2)]
+    old = [oj.make_memory_loader(panel, **kw, placement=_host(h, 2)) for h in range(2)]
     served = [np.concatenate([np.asarray(next(loader).index) for loader in old]) for _ in range(7)]
     states = [loader.get_state() for loader in old]
-    new = [oj.make_memory_loader(panel, **kw, process_index=h, process_count=4) for h in range(4)]
+    new = [oj.make_memory_loader(panel, **kw, placement=_host(h, 4)) for h in range(4)]
     for loader in new:
         loader.set_state(states)
     rest = [np.concatenate([np.asarray(b.index) for b in bs]) for bs in zip(*new, strict=True)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import InputOptions, Layout, materialize
 from materialize._cli import main as materialize_main
 from omicsio_jax.format.gene_stats import MEDIAN_RELATIVE_ERROR, GeneStats
 
@@ -77,9 +77,9 @@ def test_statistics_merge_across_parts(corpus, ds, tmp_path):
         materialize(
             tmp_path / f"{name}.parquet",
             tmp_path / name,
-            genes=corpus.genes_parquet,
-            shard_cells=512,
             progress=False,
+            read=InputOptions(genes=corpus.genes_parquet),
+            layout=Layout(shard_cells=512),
         )
     parts = [GeneStats.read(tmp_path / name / "gene_stats.parquet") for name in "ab"]
     whole = GeneStats.read(ds.path / "gene_stats.parquet")

@@ -24,11 +24,11 @@ def ds(dataset_dir):
 
 SAMPLINGS = {
     "block": {},
-    "stream": {"sampling": "stream", "drop_remainder": False},
-    "weighted": {"sampling": "weighted", "weights": np.linspace(0.1, 2.0, 3000)},
-    "class_balanced": {"sampling": "class_balanced", "balance_by": "drug"},
+    "stream": {"sampling": oj.Stream(fetch_factor=4, drop_remainder=False)},
+    "weighted": {"sampling": oj.Weighted(np.linspace(0.1, 2.0, 3000), block_size=16, fetch_factor=4)},
+    "class_balanced": {"sampling": oj.ClassBalanced("drug", block_size=16, fetch_factor=4)},
 }
-BASE = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 3, "obs": ("drug",)}
+BASE = {"batch_size": 64, "sampling": oj.Block(16, 4), "seed": 3, "obs": ("drug",)}
 
 
 def _indices(batches, steps: int) -> list[np.ndarray]:
@@ -64,14 +64,14 @@ def test_grain_loader_with_two_worker_processes_serves_the_same_batches(ds):
 
 def test_records_are_host_batches_of_every_output_and_place_on_the_mesh(ds):
     mesh = jax.make_mesh((8,), ("data",))
-    for output, extra in (("dense", {}), ("csr", {}), ("dense", {"genes": [5, 0, 77]})):
-        kw = {**BASE, "output": output, **extra}
-        src = oj.GrainSource(ds, **kw, mesh=mesh, num_epochs=1)
+    for output in ("dense", "csr", oj.Panel([5, 0, 77])):
+        kw = {**BASE, "output": output}
+        src = oj.GrainSource(ds, **kw, placement=mesh, num_epochs=1)
         record = src[0]
         assert isinstance(record, oj.HostBatch) and record.index.shape == (64,)
         batch = oj.place_batch(record, mesh)
         assert batch.index.sharding.spec == jax.sharding.PartitionSpec("data")
-        reference = next(iter(oj.make_loader(ds, **kw, mesh=mesh)))
+        reference = next(iter(oj.make_loader(ds, **kw, placement=mesh)))
         jax.tree.map(
             lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), batch, reference
         )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import InputOptions, materialize
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,12 @@ def _dense_rows(ds, rows):
 
 
 def _loader(ds, **kw):
-    args = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 0, "obs": ("drug", "n_genes")}
+    args = {"batch_size": 64, "sampling": oj.Block(16, 4), "seed": 0, "obs": ("drug", "n_genes")}
     return oj.make_loader(ds, **{**args, **kw})
 
 
 def test_dense_batches_hold_exactly_their_cells_sharded_on_8_devices(ds, mesh):
-    loader = _loader(ds, mesh=mesh)
+    loader = _loader(ds, placement=mesh)
     drug = ds.obs["drug"].codes
     for step, batch in zip(range(6), loader, strict=False):
         index = np.asarray(batch.index)
@@ -52,7 +52,7 @@ def test_dense_batches_hold_exactly_their_cells_sharded_on_8_devices(ds, mesh):
 
 def test_recycled_buffers_never_change_a_batch_still_held(ds, mesh):
     """Dense buffers are reused, but only once no jax.Array, host batch or view refers to them."""
-    loader = _loader(ds, mesh=mesh, num_epochs=1)
+    loader = _loader(ds, placement=mesh, num_epochs=1)
     held = [(np.asarray(b.index), b.x) for b in loader]  # every batch kept alive as a jax.Array
     for index, x in held:
         np.testing.assert_array_equal(np.asarray(x), _dense_rows(ds, index))
@@ -126,7 +126,7 @@ def test_one_epoch_serves_every_cell_once(ds):
 
 
 def test_sequential_pass_with_padding_covers_everything_in_order(ds):
-    loader = _loader(ds, sampling="stream", drop_remainder=False, batch_size=128)
+    loader = _loader(ds, sampling=oj.Stream(fetch_factor=4, drop_remainder=False), batch_size=128)
     batches = list(loader)
     index = np.concatenate([np.asarray(b.index) for b in batches])
     mask = np.concatenate([np.asarray(b.mask) for b in batches])
@@ -138,7 +138,7 @@ def test_sequential_pass_with_padding_covers_everything_in_order(ds):
 def test_panel_and_fused_normalization(ds):
     genes = ds.features["gene_name"].tolist()
     panel = [genes[5], genes[0], genes[1999], genes[77]]
-    loader = _loader(ds, genes=panel, normalize="normalize_log1p", target_sum=1e4)
+    loader = _loader(ds, output=oj.Panel(panel, normalize="normalize_log1p", target_sum=1e4))
     batch = next(iter(loader))
     dense = _dense_rows(ds, np.asarray(batch.index))
     totals = dense.sum(axis=1, keepdims=True)
@@ -147,8 +147,8 @@ def test_panel_and_fused_normalization(ds):
 
 
 def test_csr_output_is_small_and_densifies_to_the_dense_batch(ds, mesh):
-    sparse = _loader(ds, mesh=mesh, output="csr")
-    dense = _loader(ds, mesh=mesh)
+    sparse = _loader(ds, placement=mesh, output="csr")
+    dense = _loader(ds, placement=mesh)
     for _, s, d in zip(range(3), sparse, dense, strict=False):
         assert s.x.values.shape[0] == 8 and s.x.values.sharding.spec == jax.sharding.PartitionSpec("data")
         np.testing.assert_array_equal(np.asarray(s.index), np.asarray(d.index))
@@ -168,7 +168,7 @@ def _run(loader, steps):
 
 
 def test_replay_is_bit_identical_from_many_restore_points(ds):
-    kw = {"num_epochs": 2, "num_threads": 3, "prefetch": 3}
+    kw = {"num_epochs": 2, "read": oj.ReadOptions(num_threads=3, prefetch=3)}
     reference, states = [], []
     loader = _loader(ds, **kw)
     total = 2 * loader.steps_per_epoch
@@ -197,8 +197,13 @@ def test_state_is_small_and_mismatches_are_refused(ds, dataset_dir, corpus, tmp_
     with pytest.raises(oj.StateMismatchError, match=r"seed: in checkpoint 0, in loader 1"):
         other_seed.set_state(state)
     with pytest.raises(oj.StateMismatchError, match=r"fetch_factor: in checkpoint 4, in loader 8"):
-        _loader(ds, fetch_factor=8).set_state(state)
-    materialize(corpus.cells_parquet, tmp_path / "other", where="batch = 'plate_00'", progress=False)
+        _loader(ds, sampling=oj.Block(16, 8)).set_state(state)
+    materialize(
+        corpus.cells_parquet,
+        tmp_path / "other",
+        progress=False,
+        read=InputOptions(where="batch = 'plate_00'"),
+    )
     with pytest.raises(
         oj.StateMismatchError, match=r"dataset: in checkpoint '[0-9a-f]+', in loader '[0-9a-f]+'"
     ):
@@ -206,8 +211,8 @@ def test_state_is_small_and_mismatches_are_refused(ds, dataset_dir, corpus, tmp_
 
 
 def test_thread_count_does_not_change_the_order(ds):
-    one = [np.asarray(b.index) for b in _loader(ds, num_threads=1, prefetch=1)]
-    four = [np.asarray(b.index) for b in _loader(ds, num_threads=4, prefetch=4)]
+    one = [np.asarray(b.index) for b in _loader(ds, read=oj.ReadOptions(num_threads=1, prefetch=1))]
+    four = [np.asarray(b.index) for b in _loader(ds, read=oj.ReadOptions(num_threads=4, prefetch=4))]
     assert all(np.array_equal(a, b) for a, b in zip(one, four, strict=True))
 
 
@@ -219,7 +224,7 @@ def test_decode_threads_do_not_change_the_batches(ds, output):
     runs = [
         [
             (np.asarray(b.index), jax.tree.map(np.asarray, b.x))
-            for b in _loader(ds, output=output, decode_threads=k)
+            for b in _loader(ds, output=output, read=oj.ReadOptions(decode_threads=k))
         ]
         for k in (1, 2, None)
     ]
@@ -254,10 +259,10 @@ def test_as_grain_dataset_composes_and_checkpoints_with_grain(ds):
 
 def test_subset_and_class_balanced(ds):
     plate0 = ds.rows_where("batch", ["plate_00"])
-    loader = _loader(ds, rows=plate0, drop_remainder=False)
+    loader = _loader(ds, rows=plate0, sampling=oj.Block(16, 4, drop_remainder=False))
     served = np.concatenate([np.asarray(b.index)[np.asarray(b.mask)] for b in loader])
     assert sorted(served) == plate0.tolist()
-    balanced = _loader(ds, sampling="class_balanced", balance_by="drug", block_size=1, num_epochs=3)
+    balanced = _loader(ds, sampling=oj.ClassBalanced("drug", block_size=1, fetch_factor=4), num_epochs=3)
     codes = np.concatenate([np.asarray(b.obs["drug"]) for b in balanced])
     counts = np.bincount(codes)
     assert counts.min() > 0.5 * counts.mean()  # drugs are far from balanced in the data itself
@@ -266,24 +271,24 @@ def test_subset_and_class_balanced(ds):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"output": "coo"}, oj.OmicsIOError, "output must be one of"),
-        ({"normalize": "zscore"}, oj.OmicsIOError, "normalize must be"),
-        ({"obs": ("nope",)}, oj.OmicsIOError, "obs column 'nope' not in"),
-        ({"batch_size": 4000}, oj.OmicsIOError, "make no batch of 4000"),
-        ({"genes": ["NOT_A_GENE"]}, oj.OmicsIOError, "panel gene"),
-        ({"output": "csr", "genes": [1, 2]}, oj.OmicsIOError, "carries every gene"),
-        ({"sampling": "class_balanced"}, oj.OmicsIOError, "needs balance_by"),
-        ({"rows": [5, 3000]}, IndexError, "rows must lie in"),
+        (lambda: {"output": "coo"}, oj.OmicsIOError, "output must be one of"),
+        (lambda: {"output": oj.Dense(normalize="zscore")}, oj.OmicsIOError, "normalize must be"),
+        (lambda: {"obs": ("nope",)}, oj.OmicsIOError, "obs column 'nope' not in"),
+        (lambda: {"batch_size": 4000}, oj.OmicsIOError, "make no batch of 4000"),
+        (lambda: {"output": oj.Panel(["NOT_A_GENE"])}, oj.OmicsIOError, "panel gene"),
+        (lambda: {"sampling": "shuffled"}, oj.OmicsIOError, "sampling must be an option"),
+        (lambda: {"sampling": oj.ClassBalanced("")}, oj.OmicsIOError, "takes a categorical obs column"),
+        (lambda: {"rows": [5, 3000]}, IndexError, "rows must lie in"),
     ],
 )
 def test_bad_arguments(ds, kwargs, error, match):
     with pytest.raises(error, match=match):
-        _loader(ds, **kwargs)
+        _loader(ds, **kwargs())
 
 
 def test_batch_must_split_over_the_mesh(ds, mesh):
     with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
-        _loader(ds, mesh=mesh, batch_size=60)
+        _loader(ds, placement=mesh, batch_size=60)
 
 
 def test_segment_cache_reads_the_first_key_alone_then_reads_ahead():

@@ -14,7 +14,7 @@ import vortex
 from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import InputOptions, Layout, materialize
 
 
 def _all_rows(ds):
@@ -60,7 +60,7 @@ def test_features_and_manifest(dataset_dir, corpus):
 
 def test_h5ad_round_trip_gives_identical_shards(corpus, dataset_dir, tmp_path):
     out = tmp_path / "from_h5ad"
-    materialize(corpus.h5ad, out, shard_cells=1024, progress=False)
+    materialize(corpus.h5ad, out, progress=False, layout=Layout(shard_cells=1024))
     from_h5ad, from_parquet = oj.open_dataset(out), oj.open_dataset(dataset_dir)
     assert_csr_equal(_all_rows(from_h5ad), _all_rows(from_parquet))
     # the same cells encode to the same bytes, whatever the input format
@@ -84,7 +84,13 @@ def test_h5ad_csc_and_dense_matrices(corpus_table, tmp_path, fmt):
     adata.layers["counts"] = adata.X.copy()
     adata.write_h5ad(tmp_path / "x.h5ad")
     out = tmp_path / "out"
-    materialize(tmp_path / "x.h5ad", out, layer="counts", obs=["drug"], progress=False, batch_cells=128)
+    materialize(
+        tmp_path / "x.h5ad",
+        out,
+        obs=["drug"],
+        progress=False,
+        read=InputOptions(layer="counts", batch_cells=128),
+    )
     ds = oj.open_dataset(out)
     assert_csr_equal(_all_rows(ds), (indptr, indices, values))
     assert ds.obs["drug"].labels().tolist() == small.column("drug").to_pylist()
@@ -107,7 +113,7 @@ def test_vortex_round_trip(corpus, corpus_table, tmp_path):
     path = tmp_path / "cells.vortex"
     vortex.io.write(corpus_table.slice(0, 500), str(path))
     out = tmp_path / "out"
-    materialize(path, out, genes=corpus.genes_parquet, progress=False)
+    materialize(path, out, progress=False, read=InputOptions(genes=corpus.genes_parquet))
     ds = oj.open_dataset(out)
     assert_csr_equal(_all_rows(ds), table_csr(corpus_table.slice(0, 500)))
     assert (
@@ -119,9 +125,13 @@ def test_vortex_round_trip(corpus, corpus_table, tmp_path):
 def test_where_and_query_select_the_same_subset(corpus, corpus_table, tmp_path):
     keep = pc.equal(corpus_table.column("batch"), "plate_01")
     expected = corpus_table.filter(keep)
-    materialize(corpus.cells_parquet, tmp_path / "w", where="batch = 'plate_01'", progress=False)
+    materialize(
+        corpus.cells_parquet, tmp_path / "w", progress=False, read=InputOptions(where="batch = 'plate_01'")
+    )
     sql = f"SELECT * FROM read_parquet('{corpus.cells_parquet}') WHERE batch = 'plate_01'"
-    materialize(None, tmp_path / "q", query=sql, genes=corpus.genes_parquet, progress=False)
+    materialize(
+        None, tmp_path / "q", progress=False, read=InputOptions(query=sql, genes=corpus.genes_parquet)
+    )
     for out in ("w", "q"):
         ds = oj.open_dataset(tmp_path / out)
         assert_csr_equal(_all_rows(ds), table_csr(expected))
@@ -131,7 +141,7 @@ def test_where_and_query_select_the_same_subset(corpus, corpus_table, tmp_path):
 
 def test_query_over_the_cells_view(corpus, corpus_table, tmp_path):
     sql = "SELECT cell_id, gene_token_id, gene_expression, drug FROM cells WHERE n_genes > 150"
-    materialize(corpus.cells_parquet, tmp_path / "q", query=sql, progress=False)
+    materialize(corpus.cells_parquet, tmp_path / "q", progress=False, read=InputOptions(query=sql))
     ds = oj.open_dataset(tmp_path / "q")
     expected = corpus_table.filter(pc.greater(corpus_table.column("n_genes"), 150))
     assert_csr_equal(_all_rows(ds), table_csr(expected))
@@ -145,7 +155,12 @@ def test_int64_float64_large_list_inputs_are_converted(corpus_table, corpus, tmp
         2, "gene_expression", wide.column("gene_expression").cast(pa.large_list(pa.float64()))
     )
     pq.write_table(wide, tmp_path / "wide.parquet")
-    materialize(tmp_path / "wide.parquet", tmp_path / "out", genes=corpus.genes_parquet, progress=False)
+    materialize(
+        tmp_path / "wide.parquet",
+        tmp_path / "out",
+        progress=False,
+        read=InputOptions(genes=corpus.genes_parquet),
+    )
     assert_csr_equal(_all_rows(oj.open_dataset(tmp_path / "out")), table_csr(small))
 
 
@@ -159,7 +174,7 @@ def test_hive_partitions_glob_and_directory(corpus, corpus_table, tmp_path):
     )
     pq.write_table(pq.read_table(corpus.genes_parquet), root / "gene_metadata.parquet")
     materialize(str(root / "dataset=*" / "**" / "*.parquet"), tmp_path / "glob", progress=False)
-    materialize(root, tmp_path / "dir", where="dataset = 'ds1'", progress=False)
+    materialize(root, tmp_path / "dir", progress=False, read=InputOptions(where="dataset = 'ds1'"))
     by_glob, by_dir = oj.open_dataset(tmp_path / "glob"), oj.open_dataset(tmp_path / "dir")
     assert (
         by_glob.num_cells == corpus_table.num_rows and by_glob.num_genes == 2000
@@ -199,7 +214,12 @@ def test_non_contiguous_gene_tokens_map_to_columns(tmp_path):
     )
     pq.write_table(genes, tmp_path / "g.parquet")
     pq.write_table(cells, tmp_path / "c.parquet")
-    materialize(tmp_path / "c.parquet", tmp_path / "out", genes=tmp_path / "g.parquet", progress=False)
+    materialize(
+        tmp_path / "c.parquet",
+        tmp_path / "out",
+        progress=False,
+        read=InputOptions(genes=tmp_path / "g.parquet"),
+    )
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.features["gene_name"].tolist() == ["A", "B", "C"]
     assert_csr_equal(ds.read_csr([0]), ([0, 2], [0, 2], [1.0, 2.0]))
@@ -209,7 +229,9 @@ def test_dense_panel_layout(corpus, corpus_table, tmp_path):
     genes = pq.read_table(corpus.genes_parquet)
     panel = [genes.column("ensembl_id")[7].as_py(), genes.column("gene_name")[3].as_py(), "1500", "0"]
     (tmp_path / "panel.txt").write_text("# my panel\n" + "\n".join(panel) + "\n")
-    materialize(corpus.cells_parquet, tmp_path / "out", panel=tmp_path / "panel.txt", progress=False)
+    materialize(
+        corpus.cells_parquet, tmp_path / "out", progress=False, layout=Layout(panel=tmp_path / "panel.txt")
+    )
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.layout == "dense" and ds.num_genes == 4
     assert ds.features["gene_token_id"].tolist() == [7, 3, 1500, 0]
@@ -227,10 +249,9 @@ def test_constant_memory_batches_shard_boundaries_are_powers_of_two(corpus, tmp_
     result = materialize(
         corpus.cells_parquet,
         tmp_path / "out",
-        shard_cells=512,
-        group_size=32,
-        batch_cells=300,
         progress=False,
+        read=InputOptions(batch_cells=300),
+        layout=Layout(shard_cells=512, group_size=32),
     )
     shards = result.manifest.shards
     assert all(s.first_cell % 512 == 0 for s in shards)
@@ -256,7 +277,7 @@ def test_h5ad_raw_matrix_and_var(corpus_table, tmp_path):
         X=np.log1p(counts[:, :10].toarray()), var=panel_var, raw=adata.raw
     )  # X is a processed subset
     adata.write_h5ad(tmp_path / "r.h5ad")
-    materialize(tmp_path / "r.h5ad", tmp_path / "out", use_raw=True, progress=False)
+    materialize(tmp_path / "r.h5ad", tmp_path / "out", progress=False, read=InputOptions(use_raw=True))
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.num_genes == 2000
     assert ds.features["ensembl_id"].tolist()[:2] == ["ENSG00000000000", "ENSG00000000001"]

@@ -103,7 +103,9 @@ def test_memory_loaders_span_both_processes(two_hosts, dataset_dir, placement):
         served.extend(rows.tolist())
     assert len(set(served)) == len(served)  # each cell at most once in the epoch
     if placement == "host":  # the global batches are those of a single process, split in two
-        single = oj.make_memory_loader(panel, batch_size=32, seed=3, process_index=0, process_count=1)
+        single = oj.make_memory_loader(
+            panel, batch_size=32, seed=3, placement=oj.Placement(process_index=0, process_count=1)
+        )
         expected = [hb.index for hb in single._host_batches(0, 0)]
         assert [sa["local"] + sb["local"] for sa, sb in zip(a, b, strict=True)] == [
             e.tolist() for e in expected

@@ -17,7 +17,7 @@ import scipy.sparse as sp
 from _multimodal_data import GENES, PEAKS, SHARD, N, Truth, write_h5ad, write_h5mu, write_tables
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Dask, InputOptions, Layout, Multimodal, materialize
 from materialize._cli import main
 from omicsio_jax.format.manifest import verify_dataset
 
@@ -39,17 +39,19 @@ def inputs(truth, tmp_path_factory) -> dict[str, Path]:
 
 
 def _materialize(inputs, kind: str, out: Path, **kwargs):
-    common = {"shard_cells": SHARD, "progress": False, "workers": 1, **kwargs}
+    common = {"layout": Layout(shard_cells=SHARD), "progress": False, "workers": 1, **kwargs}
     if kind in ("aligned", "shuffled"):
         root = inputs[kind]
         return materialize(
             root / "rna_cells.parquet",
             out,
-            modalities={"atac": str(root / "atac_cells.parquet")},
-            layers={name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")},
             **common,
+            multimodal=Multimodal(
+                modalities={"atac": str(root / "atac_cells.parquet")},
+                layers={name: str(root / f"rna_layers_{name}.parquet") for name in ("spliced", "unspliced")},
+            ),
         )
-    return materialize(inputs[kind], out, layers=["spliced", "unspliced"], **common)
+    return materialize(inputs[kind], out, **common, multimodal=Multimodal(layers=["spliced", "unspliced"]))
 
 
 @pytest.fixture(scope="module")
@@ -224,17 +226,16 @@ def _bad_tables(inputs, tmp_path: Path) -> Path:
     return root
 
 
-def _tables_run(root: Path, out: Path, **kwargs):
+def _tables_run(root: Path, out: Path, *, require_all: bool = False):
     layers = {"spliced": str(root / "rna_layers_spliced.parquet")}
+    modalities = {"atac": str(root / "atac_cells.parquet")}
     return lambda: materialize(
         root / "rna_cells.parquet",
         out,
-        modalities={"atac": str(root / "atac_cells.parquet")},
-        layers=layers,
-        shard_cells=SHARD,
         progress=False,
         workers=1,
-        **kwargs,
+        layout=Layout(shard_cells=SHARD),
+        multimodal=Multimodal(modalities=modalities, layers=layers, require_all=require_all),
     )
 
 
@@ -338,7 +339,7 @@ def test_require_all_modalities_refuses_a_missing_cell(inputs, tmp_path, truth):
         out,
         rf"modality atac: cell_id cell-{first_missing:04d} \(row {first_missing} of the primary .*\) has no "
         "row in",
-        _tables_run(inputs["shuffled"], out, require_all_modalities=True),
+        _tables_run(inputs["shuffled"], out, require_all=True),
     )
 
 
@@ -354,7 +355,7 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
     _refused(
         out,
         r"bad.h5mu: obsmap maps a row of rna or atac to several cells",
-        lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1),
+        lambda: materialize(bad, out, progress=False, workers=1, layout=Layout(shard_cells=SHARD)),
     )
     bad = tmp_path / "bad2.h5mu"
     shutil.copy(inputs["h5mu"], bad)
@@ -368,20 +369,32 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
     _refused(
         out,
         r"bad2.h5mu: modality atac has duplicate obs name .* and the file has no obsmap",
-        lambda: materialize(bad, out, shard_cells=SHARD, progress=False, workers=1),
+        lambda: materialize(bad, out, progress=False, workers=1, layout=Layout(shard_cells=SHARD)),
     )
 
 
 def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(oj.OmicsIOError, match="an .h5ad holds one modality"):
-        materialize(inputs["h5ad"], out, modalities={"atac": "x.parquet"}, progress=False)
+        materialize(
+            inputs["h5ad"], out, progress=False, multimodal=Multimodal(modalities={"atac": "x.parquet"})
+        )
     with pytest.raises(oj.OmicsIOError, match="layers maps each layer's name to its table"):
-        materialize(inputs["aligned"] / "rna_cells.parquet", out, layers=["spliced"], progress=False)
+        materialize(
+            inputs["aligned"] / "rna_cells.parquet",
+            out,
+            progress=False,
+            multimodal=Multimodal(layers=["spliced"]),
+        )
     with pytest.raises(oj.OmicsIOError, match="modality 'rna' is given twice"):
-        materialize(inputs["h5mu"], out, modalities=["rna", "rna"], layers=["rna"], progress=False)
+        materialize(
+            inputs["h5mu"],
+            out,
+            progress=False,
+            multimodal=Multimodal(modalities=["rna", "rna"], layers=["rna"]),
+        )
     with pytest.raises(oj.OmicsIOError, match="has no modality 'prot'"):
-        materialize(inputs["h5mu"], out, primary="prot", progress=False)
+        materialize(inputs["h5mu"], out, progress=False, multimodal=Multimodal(primary="prot"))
     assert not out.exists()
 
 
@@ -393,7 +406,7 @@ def test_dask_workers_write_a_multimodal_dataset_to_s3(inputs, datasets, s3, das
     prefix) on Dask workers: the same dataset as one local process writes."""
     local = json.loads((datasets["shuffled"] / "manifest.json").read_text())
     result = _materialize(
-        inputs, "shuffled", s3.url("dask/"), workers=None, dask_scheduler=dask_cluster.scheduler_address
+        inputs, "shuffled", s3.url("dask/"), workers=Dask(scheduler=dask_cluster.scheduler_address)
     )
     assert result.manifest.fingerprint == local["fingerprint"]
     assert verify_dataset(s3.url("dask/")) == []
@@ -480,11 +493,11 @@ def test_a_selected_primary_keeps_the_selected_cells_of_every_modality(inputs, t
     out = materialize(
         root / "rna_cells.parquet",
         tmp_path / "t_cells",
-        where="cell_type = 'T'",
-        modalities={"atac": str(root / "atac_cells.parquet")},
-        shard_cells=SHARD,
         progress=False,
         workers=1,
+        read=InputOptions(where="cell_type = 'T'"),
+        layout=Layout(shard_cells=SHARD),
+        multimodal=Multimodal(modalities={"atac": str(root / "atac_cells.parquet")}),
     ).path
     chosen = np.flatnonzero(truth.cell_type == "T")
     ds = oj.open_dataset(out)

@@ -12,7 +12,7 @@ import pytest
 from _multimodal_data import SHARD, N, Truth, write_tables
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Layout, Multimodal, materialize
 
 OUTPUT = {
     "rna": oj.Panel([3, 17, 5, 40], normalize="log1p"),
@@ -20,7 +20,7 @@ OUTPUT = {
     "unspliced": "dense",
     "atac": "csr",
 }
-KNOBS = {"batch_size": 64, "block_size": 8, "fetch_factor": 4, "seed": 5}
+KNOBS = {"batch_size": 64, "sampling": oj.Block(8, 4), "seed": 5}
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +35,10 @@ def path(truth, tmp_path_factory):
     return materialize(
         root / "rna_cells.parquet",
         tmp_path_factory.mktemp("mm-loader") / "ds",
-        layers=layers,
-        modalities={"atac": str(root / "atac_cells.parquet")},
-        shard_cells=SHARD,
         progress=False,
         workers=1,
+        layout=Layout(shard_cells=SHARD),
+        multimodal=Multimodal(layers=layers, modalities={"atac": str(root / "atac_cells.parquet")}),
     ).path
 
 
@@ -73,7 +72,7 @@ def _dense(loader, x: dict) -> dict[str, np.ndarray]:
 
 
 def test_every_modality_of_every_batch_is_exactly_the_cells_of_its_index(ds, truth, mesh):
-    loader = oj.make_loader(ds, **KNOBS, num_epochs=1, output=OUTPUT, mesh=mesh, obs=("has_atac",))
+    loader = oj.make_loader(ds, **KNOBS, num_epochs=1, output=OUTPUT, placement=mesh, obs=("has_atac",))
     seen = []
     for batch in loader:
         rows = np.asarray(batch.index)
@@ -101,19 +100,19 @@ def test_a_peak_panel_by_peak_names_gives_those_peaks(ds, truth):
 
 
 def test_a_restored_loader_serves_the_same_batches(ds, mesh):
-    loader = oj.make_loader(ds, **KNOBS, num_epochs=2, output=OUTPUT, mesh=mesh)
+    loader = oj.make_loader(ds, **KNOBS, num_epochs=2, output=OUTPUT, placement=mesh)
     it = iter(loader)
     for _ in range(7):
         next(it)
     state = loader.get_state()
     after = [_dense(loader, next(it).x) for _ in range(5)]
-    resumed = oj.make_loader(ds, **KNOBS, num_epochs=2, output=OUTPUT, mesh=mesh)
+    resumed = oj.make_loader(ds, **KNOBS, num_epochs=2, output=OUTPUT, placement=mesh)
     resumed.set_state(state)
     again = [_dense(resumed, b.x) for _, b in zip(range(5), resumed, strict=False)]
     for a, b in zip(after, again, strict=True):
         for name in a:
             np.testing.assert_array_equal(a[name], b[name])
-    other = oj.make_loader(ds, **KNOBS, num_epochs=2, output={"rna": "dense"}, mesh=mesh)
+    other = oj.make_loader(ds, **KNOBS, num_epochs=2, output={"rna": "dense"}, placement=mesh)
     with pytest.raises(oj.StateMismatchError):
         other.set_state(state)
 
@@ -170,8 +169,8 @@ def test_a_loader_reads_only_the_modalities_it_asks_for(path, truth, tmp_path):
 def test_mistakes_in_an_output_per_modality_are_one_line_errors(ds):
     with pytest.raises(oj.OmicsIOError, match="has no modality 'prot'; it has rna, spliced, unspliced, atac"):
         oj.make_loader(ds, batch_size=64, output={"rna": "dense", "prot": "csr"})
-    with pytest.raises(oj.OmicsIOError, match="pass normalize to each modality's output"):
-        oj.make_loader(ds, batch_size=64, output={"rna": "dense"}, normalize="log1p")
+    with pytest.raises(oj.OmicsIOError, match="normalize must be None, 'log1p' or 'normalize_log1p'"):
+        oj.make_loader(ds, batch_size=64, output={"rna": oj.Dense(normalize="log2")})
     with pytest.raises(
         oj.OmicsIOError, match="scgpt tokens need a gene-space modality .* 'atac' has features of its own"
     ):

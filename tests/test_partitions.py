@@ -22,7 +22,7 @@ import vortex
 from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Dask, InputOptions, Layout, materialize
 from materialize._cli import main
 from materialize._finalize import finalize
 from materialize._materialize import open_source
@@ -68,10 +68,20 @@ def hive_input(corpus_table, corpus, tmp_path_factory):
 @pytest.mark.parametrize("where", [None, "tissue IN ('lung', 'liver', 'skin') AND part <> 2"])
 def test_a_pool_writes_the_same_bytes_as_one_process(hive_input, corpus_table, tmp_path, where):
     one = materialize(
-        str(hive_input), tmp_path / "one", where=where, shard_cells=SHARD, workers=1, progress=False
+        str(hive_input),
+        tmp_path / "one",
+        workers=1,
+        progress=False,
+        read=InputOptions(where=where),
+        layout=Layout(shard_cells=SHARD),
     )
     pool = materialize(
-        str(hive_input), tmp_path / "pool", where=where, shard_cells=SHARD, workers=2, progress=False
+        str(hive_input),
+        tmp_path / "pool",
+        workers=2,
+        progress=False,
+        read=InputOptions(where=where),
+        layout=Layout(shard_cells=SHARD),
     )
     assert (one.workers, pool.workers) == (1, 2) and pool.partitions == len(pool.manifest.shards) > 2
     assert _digests(tmp_path / "one") == _digests(tmp_path / "pool")
@@ -92,10 +102,15 @@ def test_a_pool_writes_the_same_bytes_as_one_process(hive_input, corpus_table, t
 def test_vortex_and_h5ad_inputs_partition_the_same_way(corpus, corpus_table, tmp_path):
     for i, (a, b) in enumerate([(0, 1000), (1000, 2200), (2200, 3000)]):
         vortex.io.write(corpus_table.slice(a, b - a), str(tmp_path / f"cells-{i}.vortex"))
-    kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False, obs=["drug", "batch"])
+    kw = dict(
+        progress=False,
+        obs=["drug", "batch"],
+        read=InputOptions(genes=corpus.genes_parquet),
+        layout=Layout(shard_cells=SHARD),
+    )
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v2", workers=2, **kw)
-    del kw["genes"]
+    del kw["read"]
     materialize(corpus.h5ad, tmp_path / "h1", workers=1, **kw)
     materialize(corpus.h5ad, tmp_path / "h2", workers=2, **kw)
     assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
@@ -106,7 +121,14 @@ def test_vortex_and_h5ad_inputs_partition_the_same_way(corpus, corpus_table, tmp
 
 def test_a_query_is_one_partition_of_many_shards(corpus, tmp_path):
     query = f"SELECT * FROM '{corpus.cells_parquet}' WHERE n_genes > 100"
-    result = materialize(None, tmp_path / "q", query=query, shard_cells=SHARD, workers=2, progress=False)
+    result = materialize(
+        None,
+        tmp_path / "q",
+        workers=2,
+        progress=False,
+        read=InputOptions(query=query),
+        layout=Layout(shard_cells=SHARD),
+    )
     assert result.partitions == 1 and result.workers == 1 and len(result.manifest.shards) > 1
     assert oj.verify_dataset(tmp_path / "q") == []
 
@@ -154,12 +176,19 @@ def _kill_one_worker(root: Path, marker: bytes, killed: list[int]) -> threading.
 
 def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
     out = tmp_path / "out"
-    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
+    materialize(
+        corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
+    )
     killed: list[int] = []
     killer = _kill_one_worker(tmp_path, b"materialize._pool", killed)
     try:
         result = materialize(
-            corpus.cells_parquet, out, shard_cells=SHARD, workers=2, batch_cells=16, progress=False
+            corpus.cells_parquet,
+            out,
+            workers=2,
+            progress=False,
+            read=InputOptions(batch_cells=16),
+            layout=Layout(shard_cells=SHARD),
         )
     finally:
         killer.join()
@@ -193,17 +222,19 @@ def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
 
 
 def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, dask_cluster):
-    materialize(corpus.cells_parquet, tmp_path / "ref", shard_cells=SHARD, workers=1, progress=False)
+    materialize(
+        corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
+    )
     killed: list[int] = []
     killer = _kill_one_worker(tmp_path, b"multiprocessing", killed)  # a Nanny's worker process
     try:
         materialize(
             corpus.cells_parquet,
             tmp_path / "out",
-            shard_cells=SHARD,
-            batch_cells=16,
             progress=False,
-            dask_scheduler=dask_cluster.scheduler_address,
+            read=InputOptions(batch_cells=16),
+            layout=Layout(shard_cells=SHARD),
+            workers=Dask(scheduler=dask_cluster.scheduler_address),
         )
     finally:
         killer.join()
@@ -224,7 +255,13 @@ def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp
     with pytest.raises(
         oj.DataValidationError, match=r"gene_token_id not sorted in row 2041 \(cell_id c0*2041\) of"
     ):
-        materialize(tmp_path / "bad.parquet", tmp_path / "out", shard_cells=SHARD, workers=2, progress=False)
+        materialize(
+            tmp_path / "bad.parquet",
+            tmp_path / "out",
+            workers=2,
+            progress=False,
+            layout=Layout(shard_cells=SHARD),
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.parquet"]
 
 
@@ -285,31 +322,36 @@ def _store(root):
 
 
 def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, corpus_table, tmp_path, dask_cluster):
-    materialize(str(hive_input), tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
+    materialize(
+        str(hive_input), tmp_path / "one", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
+    )
     result = materialize(
         str(hive_input),
         tmp_path / "dask",
-        shard_cells=SHARD,
         progress=False,
-        dask_scheduler=dask_cluster.scheduler_address,
+        layout=Layout(shard_cells=SHARD),
+        workers=Dask(scheduler=dask_cluster.scheduler_address),
     )
     assert result.workers == 2
     assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")
-    materialize(corpus.h5ad, tmp_path / "h1", shard_cells=SHARD, workers=1, progress=False)
+    materialize(corpus.h5ad, tmp_path / "h1", workers=1, progress=False, layout=Layout(shard_cells=SHARD))
     materialize(
         corpus.h5ad,
         tmp_path / "h2",
-        shard_cells=SHARD,
         progress=False,
-        dask_scheduler=dask_cluster.scheduler_address,
+        layout=Layout(shard_cells=SHARD),
+        workers=Dask(scheduler=dask_cluster.scheduler_address),
     )
     assert _digests(tmp_path / "h1") == _digests(tmp_path / "h2")
     for i, (a, b) in enumerate([(0, 1000), (1000, 3000)]):
         vortex.io.write(corpus_table.slice(a, b - a), str(tmp_path / f"cells-{i}.vortex"))
-    kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False)
+    kw = dict(progress=False, read=InputOptions(genes=corpus.genes_parquet), layout=Layout(shard_cells=SHARD))
     materialize(str(tmp_path / "cells-*.vortex"), tmp_path / "v1", workers=1, **kw)
     materialize(
-        str(tmp_path / "cells-*.vortex"), tmp_path / "v2", dask_scheduler=dask_cluster.scheduler_address, **kw
+        str(tmp_path / "cells-*.vortex"),
+        tmp_path / "v2",
+        **kw,
+        workers=Dask(scheduler=dask_cluster.scheduler_address),
     )
     assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
     from distributed import Client
@@ -358,9 +400,9 @@ def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
         materialize(
             tmp_path / "nan.parquet",
             tmp_path / "out",
-            shard_cells=SHARD,
             progress=False,
-            dask_scheduler=dask_cluster.scheduler_address,
+            layout=Layout(shard_cells=SHARD),
+            workers=Dask(scheduler=dask_cluster.scheduler_address),
         )
     assert not (tmp_path / "out").exists()
 
@@ -425,7 +467,9 @@ def test_dask_scheduler_and_worker_commands(corpus, tmp_path):
         for proc in reversed(procs):
             proc.terminate()
             proc.wait(timeout=30)
-    materialize(corpus.cells_parquet, tmp_path / "one", shard_cells=SHARD, workers=1, progress=False)
+    materialize(
+        corpus.cells_parquet, tmp_path / "one", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
+    )
     assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")
 
 
@@ -442,14 +486,15 @@ def test_plain_parquet_read_by_pyarrow_gives_the_bytes_duckdb_gives(corpus, corp
             k = part.column_names.index("tissue")
             part = part.set_column(k, "tissue", pc.dictionary_encode(part.column("tissue")))
         pq.write_table(part, folder / f"cells-{i}.parquet", row_group_size=300)
-    kw = dict(genes=corpus.genes_parquet, shard_cells=SHARD, progress=False)
+    kw = dict(progress=False, read=InputOptions(genes=corpus.genes_parquet), layout=Layout(shard_cells=SHARD))
     src = open_source(str(folder / "*.parquet"), genes=corpus.genes_parquet)
     obs = list(src.obs_columns)
     parts = src.plan(SHARD)
     assert {src.reader_for(obs, p) for p in parts} == {"pyarrow"}
     assert open_source(str(folder / "*.parquet"), where="TRUE").reader_for(obs, parts[0]) == "duckdb"
     by_pyarrow = materialize(str(folder / "*.parquet"), tmp_path / "pyarrow", workers=2, **kw)
-    by_duckdb = materialize(str(folder / "*.parquet"), tmp_path / "duckdb", where="TRUE", workers=1, **kw)
+    kw["read"] = InputOptions(genes=corpus.genes_parquet, where="TRUE")
+    by_duckdb = materialize(str(folder / "*.parquet"), tmp_path / "duckdb", workers=1, **kw)
     mine, theirs = _digests(tmp_path / "pyarrow"), _digests(tmp_path / "duckdb")
     assert mine.pop("manifest.json") != theirs.pop("manifest.json")  # it records the `where`
     assert mine == theirs
@@ -470,7 +515,13 @@ def test_pyarrow_reading_names_the_file_and_its_row(corpus_table, tmp_path):
     with pytest.raises(
         oj.DataValidationError, match=r"cell id column cell_id is null in row 200 of .*cells-1\.parquet"
     ):
-        materialize(str(folder / "*.parquet"), tmp_path / "out", shard_cells=SHARD, workers=1, progress=False)
+        materialize(
+            str(folder / "*.parquet"),
+            tmp_path / "out",
+            workers=1,
+            progress=False,
+            layout=Layout(shard_cells=SHARD),
+        )
     assert not (tmp_path / "out").exists()
 
 

@@ -99,7 +99,7 @@ def test_readahead_changes_no_value(dataset_dir, monkeypatch):
             np.testing.assert_array_equal(a, b)
         n = len(calls)
         batches = [
-            [np.asarray(b.x) for b in oj.make_loader(d, batch_size=100, block_size=8, fetch_factor=4, seed=1)]
+            [np.asarray(b.x) for b in oj.make_loader(d, batch_size=100, sampling=oj.Block(8, 4), seed=1)]
             for d in (on, off)
         ]
     assert n > 0
@@ -142,21 +142,14 @@ def test_a_reader_in_step_order_holds_no_segment_it_has_left(dataset_dir, prefet
 
     with oj.open_dataset(dataset_dir) as ds:
         spec = DiskSpec.of(
-            output="csr",
-            genes=None,
-            normalize=None,
-            target_sum=1e4,
-            nnz_capacity=None,
-            rows=None,
-            obs=(),
-            mesh=None,
-            data_axis="data",
-            num_hosts=1,
             batch_size=50,
-            block_size=8,
-            fetch_factor=2,
+            sampling=oj.Block(8, 2),
+            output="csr",
+            obs=(),
+            rows=None,
             seed=0,
             num_epochs=1,
+            placement=oj.Placement(process_count=1),
         )
         plan, output = spec.resolve(ds)
         reader = MinibatchReader(ds, Schedule(plan, 0), output, (), num_epochs=1, prefetch=prefetch)

@@ -43,7 +43,7 @@ def _open(url, tmp_path, **kw):
 
 
 def _batches(ds, **kw):
-    loader = oj.make_loader(ds, batch_size=64, block_size=16, fetch_factor=8, seed=0, num_epochs=1, **kw)
+    loader = oj.make_loader(ds, batch_size=64, sampling=oj.Block(16, 8), seed=0, num_epochs=1, **kw)
     return [jax.tree.map(np.asarray, (b.x, b.index)) for b in loader]
 
 
@@ -257,7 +257,7 @@ def test_a_damaged_opening_range_is_fetched_again(url, local, tmp_path):
 
 
 def test_grain_source_reopens_a_remote_dataset_on_its_cache(url, local, tmp_path):
-    kw = {"batch_size": 64, "block_size": 16, "fetch_factor": 4, "seed": 3, "num_epochs": 1}
+    kw = {"batch_size": 64, "sampling": oj.Block(16, 4), "seed": 3, "num_epochs": 1}
     with _open(url, tmp_path, cache_bytes=1 << 30) as ds:
         source = oj.GrainSource(ds, **kw)
         assert (source.cache_dir, source.cache_bytes) == (tmp_path / "cache", 1 << 30)

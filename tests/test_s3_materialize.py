@@ -15,7 +15,7 @@ import vortex
 from conftest import assert_csr_equal
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Dask, InputOptions, Layout, materialize
 from materialize._cli import main
 from omicsio_jax.storage.store import S3Store
 
@@ -58,7 +58,7 @@ def _upload_inputs(s3, corpus, corpus_table, tmp_path) -> None:
 
 def test_s3_to_s3_is_byte_identical_to_local(s3, corpus, corpus_table, tmp_path):
     _upload_inputs(s3, corpus, corpus_table, tmp_path)
-    kw = dict(shard_cells=SHARD, progress=False, where="tissue <> 'brain'")
+    kw = dict(progress=False, read=InputOptions(where="tissue <> 'brain'"), layout=Layout(shard_cells=SHARD))
     materialize(str(tmp_path / "in" / "pq"), tmp_path / "local", workers=1, **kw)
     result = materialize(s3.url("in/pq/"), s3.url("ds/"), workers=2, **kw)
     assert result.workers == 2 and result.partitions > 2
@@ -70,7 +70,7 @@ def test_s3_to_s3_is_byte_identical_to_local(s3, corpus, corpus_table, tmp_path)
     )
     rows = np.random.default_rng(0).choice(local.num_cells, 300)
     assert_csr_equal(remote.read_csr(rows), local.read_csr(rows))
-    kw = dict(batch_size=64, block_size=16, fetch_factor=4, seed=3, num_epochs=1)
+    kw = dict(batch_size=64, sampling=oj.Block(16, 4), seed=3, num_epochs=1)
     for a, b in zip(oj.make_loader(remote, **kw), oj.make_loader(local, **kw), strict=True):
         np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
         np.testing.assert_array_equal(np.asarray(a.x), np.asarray(b.x))
@@ -81,16 +81,23 @@ def test_vortex_and_h5ad_on_s3(s3, corpus, corpus_table, tmp_path, kind):
     _upload_inputs(s3, corpus, corpus_table, tmp_path)
     local_input = str(tmp_path / "in" / ("vx" if kind == "vortex" else "cells.h5ad"))
     remote_input = s3.url("in/vx/") if kind == "vortex" else s3.url("in/cells.h5ad")
-    genes = {"genes": s3.url("in/pq/gene_metadata.parquet")} if kind == "vortex" else {}
+    genes = {"read": InputOptions(genes=s3.url("in/pq/gene_metadata.parquet"))} if kind == "vortex" else {}
     materialize(
         local_input,
         tmp_path / "local",
-        shard_cells=SHARD,
         progress=False,
         workers=1,
-        **({"genes": corpus.genes_parquet} if kind == "vortex" else {}),
+        **{"read": InputOptions(genes=corpus.genes_parquet)} if kind == "vortex" else {},
+        layout=Layout(shard_cells=SHARD),
     )
-    materialize(remote_input, tmp_path / "remote", shard_cells=SHARD, progress=False, workers=2, **genes)
+    materialize(
+        remote_input,
+        tmp_path / "remote",
+        progress=False,
+        workers=2,
+        **genes,
+        layout=Layout(shard_cells=SHARD),
+    )
     assert _digests(tmp_path / "remote") == _digests(tmp_path / "local")
 
 
@@ -99,16 +106,16 @@ def test_dask_writes_to_s3(s3, corpus, corpus_table, tmp_path, dask_cluster):
     materialize(
         str(tmp_path / "in" / "pq" / "*" / "*.parquet"),
         tmp_path / "local",
-        shard_cells=SHARD,
         progress=False,
         workers=1,
+        layout=Layout(shard_cells=SHARD),
     )
     materialize(
         s3.url("in/pq/*/*.parquet"),
         s3.url("dask"),
-        shard_cells=SHARD,
         progress=False,
-        dask_scheduler=dask_cluster.scheduler_address,
+        layout=Layout(shard_cells=SHARD),
+        workers=Dask(scheduler=dask_cluster.scheduler_address),
     )
     assert _object_digests(s3, "dask") == _digests(tmp_path / "local")
 
@@ -124,17 +131,24 @@ def test_s3_output_is_never_complete_before_its_manifest(s3, corpus, corpus_tabl
     )
     pq.write_table(bad, tmp_path / "bad.parquet")
     out = s3.url("ds")
-    materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False, workers=2)
+    materialize(tmp_path / "good.parquet", out, progress=False, workers=2, layout=Layout(shard_cells=SHARD))
     with pytest.raises(oj.OmicsIOError, match="already holds a dataset; pass --overwrite"):
-        materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False)
+        materialize(tmp_path / "good.parquet", out, progress=False, layout=Layout(shard_cells=SHARD))
     with pytest.raises(oj.DataValidationError, match="negative gene_expression -1.0 in row 2900"):
         materialize(
-            tmp_path / "bad.parquet", out, shard_cells=SHARD, progress=False, workers=2, overwrite=True
+            tmp_path / "bad.parquet",
+            out,
+            progress=False,
+            workers=2,
+            overwrite=True,
+            layout=Layout(shard_cells=SHARD),
         )
     assert S3Store(out).list() == []  # the old manifest went first; what the failed run wrote was removed
     s3.client().put_object(Bucket=s3.bucket, Key="ds/notes.txt", Body=b"mine")
     with pytest.raises(oj.OmicsIOError, match="refusing to write into .* holds 1 object"):
-        materialize(tmp_path / "good.parquet", out, shard_cells=SHARD, progress=False, overwrite=True)
+        materialize(
+            tmp_path / "good.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=SHARD)
+        )
 
 
 def test_object_storage_errors_are_one_line(s3, corpus, tmp_path, monkeypatch, capsys):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
-from materialize import materialize
-from omicsio_jax.loaders import memory
+from materialize import Layout, materialize
+from omicsio_jax.loaders import memory, stream
 from tests.conftest import table_csr
 
 PANEL = [0, 3, 17, 40, 41, 500, 1999, 1234]
@@ -47,14 +47,14 @@ def assert_data_sharded(arr, mesh) -> None:
 
 
 # ----- streaming from a query ------------------------------------------------------------------
-def test_stream_loader_full_rows_in_table_order(table, reference, mesh):
+def test_stream_loader_full_rows_in_table_order(table, reference, mesh, monkeypatch):
+    monkeypatch.setattr(stream, "QUERY_BATCH_ROWS", 300)  # batches of 256 straddle the query's record batches
     loader = oj.make_stream_loader(
         table,
         batch_size=256,
         where="tissue = 'lung'",
         obs=("cell_type", "n_genes"),
-        mesh=mesh,
-        batch_rows=300,
+        placement=mesh,
     )
     batches = list(loader)
     rows = table.select("tissue = 'lung'")
@@ -79,12 +79,10 @@ def test_stream_loader_full_rows_in_table_order(table, reference, mesh):
 def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh):
     kw = dict(
         batch_size=128,
-        genes=table.genes.names(PANEL),
-        shuffle_buffer=1000,
+        output=oj.Panel(table.genes.names(PANEL), normalize="log1p"),
+        sampling=oj.Stream(shuffle=True, fetch_factor=8),
         seed=3,
-        mesh=mesh,
-        drop_remainder=True,
-        normalize="log1p",
+        placement=mesh,
     )
     loader = oj.make_stream_loader(table, **kw)
     epoch0 = [(host(b.index), host(b.x)) for b in loader.epoch(0)]
@@ -104,9 +102,9 @@ def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh
 
 def test_stream_loader_refuses_bad_arguments(table, mesh):
     with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
-        oj.make_stream_loader(table, batch_size=100, mesh=mesh)
+        oj.make_stream_loader(table, batch_size=100, placement=mesh)
     with pytest.raises(oj.UnknownGeneError):
-        oj.make_stream_loader(table, batch_size=8, genes=["NOPE"])
+        oj.make_stream_loader(table, batch_size=8, output=oj.Panel(["NOPE"]))
 
 
 # ----- loading a panel into RAM ----------------------------------------------------------------
@@ -116,7 +114,10 @@ def panel_dataset(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("panelds")
     (root / "panel.txt").write_text("\n".join(map(str, PANEL)) + "\n")
     materialize(
-        corpus.cells_parquet, root / "out", panel=root / "panel.txt", shard_cells=1024, progress=False
+        corpus.cells_parquet,
+        root / "out",
+        progress=False,
+        layout=Layout(panel=root / "panel.txt", shard_cells=1024),
     )
     return oj.open_dataset(root / "out")
 
@@ -161,7 +162,7 @@ def collect(loader, n):
 @pytest.mark.parametrize("placement", ["host", "device"])
 def test_memory_loader_batches_are_the_panel_rows(panel, mesh, placement):
     loader = oj.make_memory_loader(
-        panel, batch_size=256, seed=1, num_epochs=2, placement=placement, mesh=mesh
+        panel, batch_size=256, seed=1, num_epochs=2, on_device=placement == "device", placement=mesh
     )
     per_epoch = loader.steps_per_epoch
     batches = list(loader)
@@ -182,9 +183,7 @@ def test_memory_loader_batches_are_the_panel_rows(panel, mesh, placement):
 
 
 def test_host_loader_covers_every_cell_with_padding(panel, mesh):
-    loader = oj.make_memory_loader(
-        panel, batch_size=512, seed=0, placement="host", mesh=mesh, drop_remainder=False
-    )
+    loader = oj.make_memory_loader(panel, batch_size=512, seed=0, placement=mesh, drop_remainder=False)
     batches = list(loader)
     assert len(batches) == -(-3000 // 512)
     seen = np.concatenate([host(b.index)[host(b.mask)] for b in batches])
@@ -196,7 +195,7 @@ def test_host_loader_covers_every_cell_with_padding(panel, mesh):
 def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
     def stream(h):
         loader = oj.make_memory_loader(
-            panel, batch_size=256, seed=4, placement="host", process_index=h, process_count=2
+            panel, batch_size=256, seed=4, placement=oj.Placement(process_index=h, process_count=2)
         )
         return [b.index for b in loader._host_batches(0, 0)]
 
@@ -209,7 +208,14 @@ def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
 
 @pytest.mark.parametrize(("placement", "prefetch"), [("host", 0), ("host", 2), ("device", 0)])
 def test_memory_loader_replays_bit_exactly(panel, mesh, placement, prefetch):
-    kw = dict(batch_size=256, seed=7, num_epochs=None, placement=placement, mesh=mesh, prefetch=prefetch)
+    kw = dict(
+        batch_size=256,
+        seed=7,
+        num_epochs=None,
+        on_device=placement == "device",
+        placement=mesh,
+        read=oj.ReadOptions(prefetch=prefetch),
+    )
     loader = oj.make_memory_loader(panel, **kw)
     steps = loader.steps_per_epoch
     states, batches = [], []
@@ -229,14 +235,14 @@ def test_memory_loader_replays_bit_exactly(panel, mesh, placement, prefetch):
 
 
 def test_memory_loader_refuses_state_from_another_config(panel, mesh):
-    state = oj.make_memory_loader(panel, batch_size=256, seed=7, mesh=mesh).get_state()
-    other = oj.make_memory_loader(panel, batch_size=256, seed=8, mesh=mesh)
+    state = oj.make_memory_loader(panel, batch_size=256, seed=7, placement=mesh).get_state()
+    other = oj.make_memory_loader(panel, batch_size=256, seed=8, placement=mesh)
     with pytest.raises(oj.StateMismatchError, match=r"seed: in checkpoint 7, in loader 8"):
         other.set_state(state)
 
 
 def test_device_draw_stays_on_each_device(panel, mesh):
-    loader = oj.make_memory_loader(panel, batch_size=256, seed=0, placement="device", mesh=mesh)
+    loader = oj.make_memory_loader(panel, batch_size=256, seed=0, on_device=True, placement=mesh)
     next(loader)
     hlo = (
         memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local)
@@ -251,8 +257,8 @@ def test_device_draw_stays_on_each_device(panel, mesh):
 
 def test_memory_loader_argument_errors(panel, mesh):
     with pytest.raises(oj.OmicsIOError, match="multiple of the 1 host"):
-        oj.make_memory_loader(panel, batch_size=100, mesh=mesh)
+        oj.make_memory_loader(panel, batch_size=100, placement=mesh)
     with pytest.raises(oj.OmicsIOError, match="always drops the remainder"):
-        oj.make_memory_loader(panel, batch_size=256, placement="device", drop_remainder=False)
+        oj.make_memory_loader(panel, batch_size=256, on_device=True, drop_remainder=False)
     with pytest.raises(oj.OmicsIOError, match="placement must be"):
         oj.make_memory_loader(panel, batch_size=256, placement="gpu")

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import InputOptions, Layout, materialize
 from materialize._cli import main
 
 NUM_GENES = 400  # gene index 0..399 ↔ token 3..402
@@ -132,7 +132,9 @@ def _token_to_col(root) -> dict[int, int]:
 def test_published_layout_round_trips_through_materialize(tahoe, tmp_path):
     root, table = tahoe
     out = tmp_path / "out"
-    result = materialize(str(root / "data" / "*.parquet"), out, shard_cells=128, group_size=8, progress=False)
+    result = materialize(
+        str(root / "data" / "*.parquet"), out, progress=False, layout=Layout(shard_cells=128, group_size=8)
+    )
     ds = oj.open_dataset(out)
     rows = np.arange(table.num_rows)
     assert ds.num_cells == table.num_rows == NUM_FILES * CELLS_PER_FILE
@@ -270,7 +272,7 @@ def test_a_row_without_the_cls_pair_is_a_one_line_error(tahoe, tmp_path, capsys,
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     with pytest.raises(oj.DataValidationError, match=pattern):
-        materialize(str(data / "*.parquet"), out, genes=genes_table, progress=False)
+        materialize(str(data / "*.parquet"), out, progress=False, read=InputOptions(genes=genes_table))
     assert not out.exists()
 
 

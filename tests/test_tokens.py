@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omicsio_jax as oj
-from materialize import materialize
+from materialize import Layout, materialize
 from omicsio_jax.outputs.base import OutputContext
 from omicsio_jax.outputs.token_kernels import (
     STREAM_MASK,
@@ -212,7 +212,7 @@ def token_ds(tmp_path_factory):
         }
     )
     pq.write_table(table, root / "cells.parquet")
-    materialize(root / "cells.parquet", root / "ds", shard_cells=128, progress=False)
+    materialize(root / "cells.parquet", root / "ds", progress=False, layout=Layout(shard_cells=128))
     return oj.open_dataset(root / "ds")
 
 
@@ -335,11 +335,9 @@ def test_loader_batches_equal_tokenize(token_ds, output):
         token_ds,
         batch_size=32,
         output=output,
-        block_size=4,
-        fetch_factor=4,
+        sampling=oj.Block(4, 4, drop_remainder=False),
         seed=4,
         num_epochs=2,
-        drop_remainder=False,
     )
     seen = 0
     for step, batch in enumerate(loader):
@@ -349,7 +347,7 @@ def test_loader_batches_equal_tokenize(token_ds, output):
         assert_tokens_equal({k: np.asarray(v) for k, v in batch.x.items()}, want)
         seen += 1
     assert seen == 2 * loader.plan.steps_per_epoch
-    source = oj.GrainSource(token_ds, batch_size=32, output=output, block_size=4, fetch_factor=4, seed=4)
+    source = oj.GrainSource(token_ds, batch_size=32, output=output, sampling=oj.Block(4, 4), seed=4)
     record = source[1]
     assert_tokens_equal(record.x, oj.tokenize(token_ds, record.index, output, seed=4, epoch=0))
 
@@ -359,7 +357,7 @@ def test_tokens_are_sharded_like_every_output(token_ds):
 
     mesh = jax.make_mesh((4,), ("data",))
     loader = oj.make_loader(
-        token_ds, batch_size=32, output=oj.ScGPTTokens(max_len=40), mesh=mesh, block_size=4, fetch_factor=4
+        token_ds, batch_size=32, output=oj.ScGPTTokens(max_len=40), placement=mesh, sampling=oj.Block(4, 4)
     )
     batch = next(iter(loader))
     assert batch.x["gene_ids"].shape == (32, 40)

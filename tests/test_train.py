@@ -19,7 +19,7 @@ from conftest import kill_at
 
 import omicsio_jax as oj
 import train
-from materialize import materialize
+from materialize import InputOptions, materialize
 from train._cli import main, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,9 @@ def test_mismatched_resumes_are_refused(dataset_dir, corpus, tmp_path, capsys):
         train.fit(_config(dataset_dir, steps=4, checkpoint_dir=str(ckpt)))
 
     other = tmp_path / "other"
-    materialize(corpus.cells_parquet, other, where="cell_type != 'cell_line_00'", progress=False)
+    materialize(
+        corpus.cells_parquet, other, progress=False, read=InputOptions(where="cell_type != 'cell_line_00'")
+    )
     with pytest.raises(
         train.CheckpointMismatchError,
         match=r"cannot resume from .*step-000004: it was written by another run[^\n]*\n"

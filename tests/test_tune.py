@@ -20,9 +20,7 @@ def ds(dataset_dir):
 def test_plan_entropy_is_the_entropy_of_the_batches_the_loader_serves(ds):
     labels = ds.obs["batch"].codes
     for block, fetch in ((1, 4), (64, 4), (256, 2)):
-        loader = oj.make_loader(
-            ds, batch_size=64, block_size=block, fetch_factor=fetch, seed=5, obs=("batch",)
-        )
+        loader = oj.make_loader(ds, batch_size=64, sampling=oj.Block(block, fetch), seed=5, obs=("batch",))
         served = [np.asarray(b.obs["batch"]) for b in loader]
         plan = SamplingPlan(np.arange(ds.num_cells), 64, block, fetch, 5)
         assert plan_entropy(labels, plan, len(served)) == pytest.approx(
@@ -59,7 +57,10 @@ def test_tune_times_the_largest_block_meeting_the_target_per_fetch_and_returns_t
         not r["meets_target"] for r in untimed
     )  # 1024-cell blocks
     best = max(timed, key=lambda r: r["cells_per_s"])
-    assert result.loader_kwargs() == {k: best[k] for k in ("block_size", "fetch_factor", "num_threads")}
+    assert result.loader_kwargs() == {
+        "sampling": oj.Block(best["block_size"], best["fetch_factor"]),
+        "read": oj.ReadOptions(num_threads=best["num_threads"]),
+    }
     assert result.entropy_ratio >= 0.98 and result.cells_per_s == best["cells_per_s"]
     assert "<- chosen" in str(result)
     loader = oj.make_loader(ds, batch_size=64, **result.loader_kwargs())

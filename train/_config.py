@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import omicsio_jax as oj
+
 from ._errors import TrainError
 from ._model import MODELS
 
@@ -113,3 +115,15 @@ class TrainConfig:
         updates, the dataset fingerprint and a digest of the training rows."""
         same = {k: v for k, v in self.saved().items() if k not in _FREE_ON_RESUME}
         return {"dataset": fingerprint[:16], "train_rows": train_rows, **same}
+
+    def loader_sampling(self) -> oj.Sampling:
+        """The training loader's sampling option (``sampling``, ``block_size``, ``fetch_factor``)."""
+        if self.sampling == "block":
+            return oj.Block(self.block_size, self.fetch_factor)
+        if self.sampling == "class_balanced":
+            return oj.ClassBalanced(self.label, self.block_size, self.fetch_factor)
+        return oj.Stream(shuffle=self.sampling == "stream_buffer", fetch_factor=self.fetch_factor)
+
+    def loader_read(self) -> oj.ReadOptions:
+        """The loaders' read options (``num_threads``, ``prefetch``)."""
+        return oj.ReadOptions(num_threads=self.num_threads, prefetch=self.prefetch)

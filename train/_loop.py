@@ -131,6 +131,11 @@ def restorable(config: TrainConfig, store, identity: dict):
     return latest
 
 
+def _output(config: TrainConfig) -> oj.Dense:
+    """Dense rows, normalized in the loader unless the step normalizes them on the devices."""
+    return oj.Dense(normalize=None if config.normalize_on_device else "normalize_log1p")
+
+
 def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | None, store, say) -> TrainConfig:
     """``config`` with the block size, fetch factor and threads `oj.tune` measures fastest at 0.98 × true
     random's label entropy; a resumed run keeps its checkpoint's (they decide the batches)."""
@@ -140,7 +145,6 @@ def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | Non
         chosen = {k: saved[k] for k in ("block_size", "fetch_factor", "num_threads")}
         say(f"auto-tune: the checkpoint's settings {chosen}")
     else:
-        normalize = None if config.normalize_on_device else "normalize_log1p"
         result = oj.tune(
             ds,
             config.batch_size,
@@ -148,11 +152,13 @@ def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | Non
             seconds=config.auto_tune,
             rows=train_rows,
             seed=config.seed,
-            normalize=normalize,
+            output=_output(config),
+            read=config.loader_read(),
             progress=not config.quiet,
         )
         say(f"auto-tune ({config.auto_tune:g} s, entropy ≥ 0.98 × true random):\n{result}")
-        chosen = result.loader_kwargs()
+        chosen = {"block_size": result.block_size, "fetch_factor": result.fetch_factor}
+        chosen["num_threads"] = result.num_threads
     return dataclasses.replace(config, **chosen, auto_tune=0.0)
 
 
@@ -197,22 +203,17 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
             key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
             start = restored.step
         model, opt_state = replicate((model, opt_state), mesh)
-        normalize = None if config.normalize_on_device else "normalize_log1p"
         loader = oj.make_loader(
             ds,
             batch_size=config.batch_size,
-            block_size=config.block_size,
-            fetch_factor=config.fetch_factor,
+            sampling=config.loader_sampling(),
+            output=_output(config),
+            obs=(config.label,),
+            rows=train_rows,
             seed=config.seed,
             num_epochs=None if config.steps else config.epochs,
-            sampling=config.sampling,
-            balance_by=config.label if config.sampling == "class_balanced" else None,
-            rows=train_rows,
-            obs=(config.label,),
-            normalize=normalize,
-            mesh=mesh,
-            num_threads=config.num_threads,
-            prefetch=config.prefetch,
+            placement=mesh,
+            read=config.loader_read(),
         )
         cleanup.callback(loader.close)
         per_epoch = loader.steps_per_epoch
@@ -316,16 +317,13 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         eval_loader = oj.make_loader(
             ds,
             batch_size=config.eval_batch_size or config.batch_size,
-            rows=eval_rows,
-            sampling="stream",
-            drop_remainder=False,
-            num_epochs=1,
+            sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
+            output=_output(config),
             obs=(config.label,),
-            normalize=normalize,
-            mesh=mesh,
-            fetch_factor=config.fetch_factor,
-            num_threads=config.num_threads,
-            prefetch=config.prefetch,
+            rows=eval_rows,
+            num_epochs=1,
+            placement=mesh,
+            read=config.loader_read(),
         )
         try:
             result = evaluate(

@@ -204,14 +204,12 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         loader = oj.make_loader(
             ds,
             batch_size=config.batch_size,
-            block_size=config.block_size,
-            fetch_factor=config.fetch_factor,
+            sampling=oj.Block(config.block_size, config.fetch_factor),
+            output=config.output(),
             seed=config.seed,
             num_epochs=None if config.steps else config.epochs,
-            output=config.output(),
-            mesh=mesh,
-            num_threads=config.num_threads,
-            prefetch=config.prefetch,
+            placement=mesh,
+            read=oj.ReadOptions(num_threads=config.num_threads, prefetch=config.prefetch),
         )
         cleanup.callback(loader.close)
         vocab_size = loader.output.vocabulary.size
@@ -358,15 +356,13 @@ def embed(
     loader = oj.make_loader(
         ds,
         batch_size=batch_size or config.batch_size,
-        rows=rows,
-        sampling="stream",
-        drop_remainder=False,
-        num_epochs=1,
+        sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
         output=config.output(masked=False),
-        mesh=mesh,
-        fetch_factor=config.fetch_factor,
-        num_threads=config.num_threads,
+        rows=rows,
         seed=config.seed,
+        num_epochs=1,
+        placement=mesh,
+        read=oj.ReadOptions(num_threads=config.num_threads),
     )
     model = eqx.nn.inference_mode(model)
     run = eqx.filter_jit(lambda m, x: m.embed(x))

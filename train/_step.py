@@ -23,10 +23,9 @@ TARGET_SUM = 1e4
 
 
 def normalize_log1p(x: jax.Array, target_sum: float = TARGET_SUM) -> jax.Array:
-    """``log1p(x / x.sum(1) * target_sum)`` per row (empty rows stay 0): the on-device twin of the
-    loader's fused ``normalize="normalize_log1p"``."""
-    total = x.sum(axis=1, keepdims=True)
-    return jnp.log1p(x / jnp.where(total > 0, total, 1.0) * target_sum)
+    """``log1p(x / x.sum(1) * target_sum)`` per row (empty rows stay 0) on the devices: the loader's
+    ``normalize="normalize_log1p"``, by the same definition (`omicsio_jax.Normalization`)."""
+    return oj.Normalization("normalize_log1p", target_sum).apply(x)
 
 
 def loss_fn(

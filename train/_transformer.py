@@ -1,6 +1,6 @@
 """Transformer encoders for single-cell foundation-model pretraining: Geneformer (masked gene-token
 prediction) and scGPT (masked binned-value regression), fed the fixed ``(B, L)`` token batches of
-``TOKENS.md``.
+the token specification (``docs/tokens.md``).
 
 Modules apply to one cell (arrays of shape ``(L,)``); ``loss`` and ``embed`` take a whole batch dict
 and vmap. Parameters are float32; with ``compute_dtype=jnp.bfloat16`` the matmul inputs are cast to

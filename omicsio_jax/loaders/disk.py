@@ -14,7 +14,7 @@ import asyncio
 import functools
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grain
 import jax
@@ -23,12 +23,14 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
+from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state, read_loader_states
 from omicsio_jax.outputs.base import Output
-from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch, place_batch
+from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
 from omicsio_jax.outputs.csr import CSR
 from omicsio_jax.outputs.modalities import Modalities
 from omicsio_jax.sampling.coverage import Coverage, Tally
+from omicsio_jax.sampling.options import Block, Sampling
 from omicsio_jax.sampling.schedule import Anchor, Schedule
 
 STATE_VERSION = 2
@@ -44,26 +46,23 @@ def _stop(iterator, reader) -> None:
 class Loader(grain.DatasetIterator):
     """Iterator of `Batch`es; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
 
-    def __init__(
-        self,
-        ds: Dataset,
-        spec: DiskSpec,
-        *,
-        host: int,
-        mesh,
-        data_axis: str,
-        num_threads: int,
-        prefetch: int,
-        decode_threads: int | None = None,
-    ):
+    def __init__(self, ds: Dataset, spec: DiskSpec, *, placement: Placement, read: ReadOptions):
         super().__init__()
         self._iterator = self._reader = self._finalizer = None  # before anything can raise: __del__ closes
-        self.dataset, self.spec, self.host, self.num_epochs = ds, spec, host, spec.num_epochs
+        self.dataset, self.spec, self.num_epochs = ds, spec, spec.num_epochs
+        self.placement, self.host = placement, placement.host
+        self.read = read.with_defaults(num_threads=1, prefetch=2, decode_threads=1)
+        self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self.plan, self.output = spec.resolve(ds)
-        self.mesh, self.data_axis, self.num_threads, self.prefetch = mesh, data_axis, num_threads, prefetch
-        self._decode_threads = decode_threads
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader({str(self.dataset.path)!r}, batch_size={self.spec.batch_size}, sampling={self.spec.sampling}, "
+            f"output={self.output.kind!r}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
+            f"num_epochs={self.num_epochs}, read={self.read}, hosts={self.plan.num_hosts})"
+        )
 
     # ----- the stream --------------------------------------------------------------------------
     def _new_reader(self, schedule: Schedule) -> MinibatchReader:
@@ -74,14 +73,14 @@ class Loader(grain.DatasetIterator):
             self.spec.obs,
             num_epochs=self.num_epochs,
             prefetch=self.prefetch,
-            decode_threads=self._decode_threads,
+            decode_threads=self.read.decode_threads,
             keep_buffers=self._buffer_size + self.num_threads + 4,
         )
 
     @property
     def decode_threads(self) -> int:
         """Numba threads that decode one batch (default 1: ``num_threads`` batches decode at once)."""
-        return self._decode_threads or 1
+        return self.read.decode_threads
 
     @property
     def _buffer_size(self) -> int:
@@ -108,10 +107,10 @@ class Loader(grain.DatasetIterator):
         if self._iterator is not None:
             return
         reader = self._reader = self._new_reader(self._schedule)
-        mesh, axis = self.mesh, self.data_axis
+        placement = self.placement  # not self: the threads must not keep the loader alive
 
         def place(hb: HostBatch) -> tuple[Batch, Tally]:
-            return place_batch(hb, mesh, axis), Tally.of(hb.index)
+            return placement.place(hb), Tally.of(hb.index)
 
         stream = self._host_stream(self._schedule, reader, (self._epoch, self._step)).map(place)
         options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self._buffer_size)
@@ -271,88 +270,42 @@ def make_loader(
     ds: Dataset,
     *,
     batch_size: int,
-    block_size: int = 16,
-    fetch_factor: int = 64,
+    sampling: Sampling | str = Block(),
+    output: str | Output | Mapping[str, str | Output] = "dense",
+    obs: Sequence[str] = (),
+    rows: np.ndarray | Sequence[int] | None = None,
     seed: int = 0,
     num_epochs: int | None = 1,
-    sampling: str = "block",
-    weights: np.ndarray | None = None,
-    balance_by: str | None = None,
-    rows: np.ndarray | Sequence[int] | None = None,
-    obs: Sequence[str] = (),
-    output: str | Output = "dense",
-    genes: Sequence[str | int] | None = None,
-    normalize: str | None = None,
-    target_sum: float = 1e4,
-    mesh=None,
-    data_axis: str = "data",
-    drop_remainder: bool = True,
-    num_threads: int = 1,
-    prefetch: int = 2,
-    nnz_capacity: int | None = None,
-    decode_threads: int | None = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    placement: Placement | jax.sharding.Mesh | None = None,
+    read: ReadOptions = ReadOptions(),
 ) -> Loader:
     """Batches of cells from ``ds`` by block sampling with batched fetching (scDataset's recipe).
 
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                      # doctest: +SKIP
-    >>> loader = make_loader(ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0,
-    ...                      obs=("drug",), output="dense", mesh=mesh)             # doctest: +SKIP
+    >>> loader = oj.make_loader(ds, batch_size=1024, sampling=oj.Block(block_size=16, fetch_factor=64),
+    ...                         output=oj.Dense(normalize="log1p"), obs=("drug",), placement=mesh)  # doctest: +SKIP
     >>> for batch in loader: ...        # batch.x: (1024, num_genes) float32, sharded P("data")
 
-    ``batch_size`` is the global batch; each of the ``process_count`` hosts serves
-    ``batch_size / process_count`` rows. ``output`` is ``"dense"``, ``"csr"`` or an output kind
-    (``oj.Dense(...)``, ``oj.Panel(genes, ...)``, ``oj.CSR(...)``); with the shorthands, ``genes``
-    selects a panel (names, Ensembl ids or column numbers), ``normalize`` is None, ``"log1p"`` or
-    ``"normalize_log1p"`` (scanpy's normalize_total + log1p, fused into the decoding) and
-    ``nnz_capacity`` sizes the csr slabs. ``rows`` restricts sampling to a subset (e.g.
-    ``ds.rows_where("batch", ["plate_13"], invert=True)``); ``sampling`` is one of ``block``,
-    ``stream``, ``stream_buffer``, ``weighted`` (needs ``weights``, one per cell of ``rows``) or
-    ``class_balanced`` (needs ``balance_by``, an obs column). ``num_threads`` threads decode and
-    place batches ahead of the consumer: one decodes 100k-400k cells/s (2-core figures in
-    benchmarks/README.md), far more than a training step eats, and more contend for the cores
-    and the GIL (on 2 cores, 2 threads ran dense batches of 64 at 0.95× of 1, csr batches of
-    1,024 at 0.91×); ``num_threads=0`` decodes each batch on the consumer's thread when it is
-    asked for (there 1.34× and 1.08× of 1: no hand-off, the batch buffer stays in cache), at the
-    cost of the consumer's time. ``prefetch`` fetches are read ahead on as many threads either
-    way, each ``fetch_factor × batch_size`` cells held in memory (at batch 1,024, fetch 16 halved
-    peak RSS for 0.88× the cells/s of fetch 64); ``decode_threads`` numba threads decode each
-    batch (default 1).
+    ``batch_size`` is the global batch; each of the placement's hosts serves ``batch_size /
+    process_count`` rows. ``sampling`` is an option object: `Block` (the default), `Random`,
+    `Stream`, `Weighted`, `ClassBalanced` (or the names ``"block"``, ``"random"``, ``"stream"``);
+    ``output`` an output kind: `Dense`, `Panel`, `CSR`, `GeneformerTokens`, `ScGPTTokens`, a dict
+    of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
+    each batch carries; ``rows`` restricts sampling to a subset (e.g. ``ds.rows_where("batch",
+    ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
+    sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default one
+    thread decodes and places batches ahead of the consumer, two fetches are read ahead, each of
+    ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
-    host = jax.process_index() if process_index is None else process_index
-    hosts = jax.process_count() if process_count is None else process_count
-    if mesh is not None and batch_size % mesh.shape[data_axis]:
-        msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
-        raise OmicsIOError(msg)
+    placement = Placement.of(placement)
     spec = DiskSpec.of(
-        output=output,
-        genes=genes,
-        normalize=normalize,
-        target_sum=target_sum,
-        nnz_capacity=nnz_capacity,
-        rows=rows,
-        obs=obs,
-        mesh=mesh,
-        data_axis=data_axis,
-        num_hosts=hosts,
         batch_size=batch_size,
-        block_size=block_size,
-        fetch_factor=fetch_factor,
+        sampling=sampling,
+        output=output,
+        obs=obs,
+        rows=rows,
         seed=seed,
         num_epochs=num_epochs,
-        sampling=sampling,
-        weights=weights,
-        balance_by=balance_by,
-        drop_remainder=drop_remainder,
+        placement=placement,
     )
-    return Loader(
-        ds,
-        spec,
-        host=host,
-        mesh=mesh,
-        data_axis=data_axis,
-        num_threads=num_threads,
-        prefetch=prefetch,
-        decode_threads=decode_threads,
-    )
+    return Loader(ds, spec, placement=placement, read=read)

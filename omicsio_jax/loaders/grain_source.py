@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grain
@@ -26,9 +26,11 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
+from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import HostBatch
 from omicsio_jax.sampling.coverage import Tally
+from omicsio_jax.sampling.options import Block, Sampling
 from omicsio_jax.sampling.schedule import Schedule
 from omicsio_jax.storage.store import is_remote
 
@@ -46,8 +48,10 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     ``sys.maxsize`` down to whole steps). The source holds only the dataset path and the
     config, so it pickles into Grain's worker processes, which reopen the dataset; its
     ``repr`` is the config with the dataset fingerprint, so Grain's DataLoader refuses a
-    checkpoint of another dataset or config. ``mesh`` only sets how many device slabs a
-    ``csr`` batch has (this host's devices along ``data_axis``).
+    checkpoint of another dataset or config. The arguments are `make_loader`'s; of ``placement``
+    the source uses the process count and index (the sampler's default) and the mesh only for how
+    many device slabs a ``csr`` batch has (this host's devices along the data axis); of ``read``,
+    ``prefetch`` and ``decode_threads``, and ``num_threads`` as `read_options`' default.
     """
 
     def __init__(
@@ -55,54 +59,34 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         dataset: Dataset | str | os.PathLike[str],
         *,
         batch_size: int,
-        block_size: int = 16,
-        fetch_factor: int = 64,
+        sampling: Sampling | str = Block(),
+        output: str | Output | Mapping[str, str | Output] = "dense",
+        obs: Sequence[str] = (),
+        rows: np.ndarray | Sequence[int] | None = None,
         seed: int = 0,
         num_epochs: int | None = 1,
-        sampling: str = "block",
-        weights: np.ndarray | None = None,
-        balance_by: str | None = None,
-        rows: np.ndarray | Sequence[int] | None = None,
-        obs: Sequence[str] = (),
-        output: str | Output = "dense",
-        genes: Sequence[str | int] | None = None,
-        normalize: str | None = None,
-        target_sum: float = 1e4,
-        nnz_capacity: int | None = None,
-        drop_remainder: bool = True,
-        mesh=None,
-        data_axis: str = "data",
-        process_count: int | None = None,
-        prefetch: int = 2,
-        decode_threads: int | None = None,
+        placement: Placement | jax.sharding.Mesh | None = None,
+        read: ReadOptions = ReadOptions(),
     ):
         ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
-        hosts = jax.process_count() if process_count is None else process_count
+        placement = Placement.of(placement)
         self.spec = DiskSpec.of(
-            output=output,
-            genes=genes,
-            normalize=normalize,
-            target_sum=target_sum,
-            nnz_capacity=nnz_capacity,
-            rows=rows,
-            obs=obs,
-            mesh=mesh,
-            data_axis=data_axis,
-            num_hosts=hosts,
             batch_size=batch_size,
-            block_size=block_size,
-            fetch_factor=fetch_factor,
+            sampling=sampling,
+            output=output,
+            obs=obs,
+            rows=rows,
             seed=seed,
             num_epochs=num_epochs,
-            sampling=sampling,
-            weights=weights,
-            balance_by=balance_by,
-            drop_remainder=drop_remainder,
+            placement=placement,
         )
+        hosts = placement.num_hosts
+        self.process_index = placement.process_index  # the sampler's default (None: JAX's)
         plan, bound = self.spec.resolve(ds)
         self.path, self.open_options = str(ds.path), ds.open_options  # how workers open it again
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
-        self.prefetch, self.decode_threads = prefetch, decode_threads
+        self.read = read.with_defaults(num_threads=2, prefetch=2, decode_threads=1)
+        self.prefetch, self.decode_threads = self.read.prefetch, self.read.decode_threads
         layout = {
             "num_hosts": hosts,
             "num_slabs": self.spec.num_slabs,
@@ -176,23 +160,29 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         self, process_index: int | None = None, process_count: int | None = None
     ) -> grain.samplers.Sampler:
         """Grain's ``SequentialSampler`` sharded like the source: process ``h`` of ``P`` gets records
-        ``h, h + P, ...`` (default: ``jax.process_index()`` / ``jax.process_count()``)."""
+        ``h, h + P, ...`` (default: the source's `Placement`, else ``jax.process_index()`` /
+        ``jax.process_count()``)."""
+        if process_index is None:
+            process_index = self.process_index
         index = jax.process_index() if process_index is None else process_index
         count = self.num_hosts if process_count is None else process_count
         if count != self.num_hosts or not 0 <= index < count:
             msg = (
                 f"process {index} of {count}: this source was made for {self.num_hosts} process(es); "
-                f"pass process_count={count} to GrainSource"
+                f"pass placement=oj.Placement(process_count={count}) to GrainSource"
             )
             raise OmicsIOError(msg)
         shards = grain.sharding.ShardOptions(shard_index=index, shard_count=count, drop_remainder=True)
         return grain.samplers.SequentialSampler(num_records=self._length, shard_options=shards)
 
     def read_options(
-        self, num_threads: int = 2, prefetch_buffer_size: int | None = None
+        self, num_threads: int | None = None, prefetch_buffer_size: int | None = None
     ) -> grain.ReadOptions:
-        """Read options sized for minibatch records: ``num_threads`` threads decode, each a record
-        or so ahead (Grain's default buffer of 500 records would hold gigabytes of batches)."""
+        """Grain's read options sized for minibatch records: ``num_threads`` threads (default: the
+        source's ``read.num_threads``, 2) decode, each a record or so ahead (Grain's default buffer
+        of 500 records would hold gigabytes of batches)."""
+        if num_threads is None:
+            num_threads = self.read.num_threads
         return grain.ReadOptions(
             num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or max(num_threads, 1) + 1
         )
@@ -276,9 +266,6 @@ def make_grain_loader(
     worker_count: int = 0,
     worker_buffer_size: int = 1,
     operations: Sequence = (),
-    num_threads: int = 2,
-    process_index: int | None = None,
-    process_count: int | None = None,
     **source_options,
 ) -> grain.DataLoader:
     """A ``grain.DataLoader`` over a `GrainSource`: the batches of `make_loader`, as numpy `HostBatch`es.
@@ -288,20 +275,22 @@ def make_grain_loader(
     >>> it = iter(loader)
     >>> batch = oj.place_batch(next(it), mesh)                                     # doctest: +SKIP
 
-    ``source_options`` are `GrainSource`'s (the knobs of `make_loader`). ``operations`` are
+    ``source_options`` are `GrainSource`'s, the arguments of `make_loader` (``sampling``,
+    ``output``, ``obs``, ``rows``, ``seed``, ``num_epochs``, ``placement``, ``read``: its
+    ``num_threads`` threads, 2 by default, decode records in each process). ``operations`` are
     Grain ``Map`` / ``RandomMap`` transforms applied to each `HostBatch` (in the workers when
-    ``worker_count > 0``); ``num_threads`` threads decode records in each process. Checkpoint
-    the iterator with ``grain.checkpoint.CheckpointSave`` (Orbax) or its ``get_state``.
+    ``worker_count > 0``). Checkpoint the iterator with ``grain.checkpoint.CheckpointSave``
+    (Orbax) or its ``get_state``.
     """
     check_operations(operations)
     if worker_count:
         check_worker_setup(operations)
-    src = GrainSource(dataset, batch_size=batch_size, process_count=process_count, **source_options)
+    src = GrainSource(dataset, batch_size=batch_size, **source_options)
     return grain.DataLoader(
         data_source=src,
-        sampler=src.sampler(process_index, process_count),
+        sampler=src.sampler(),
         operations=list(operations),
         worker_count=worker_count,
         worker_buffer_size=worker_buffer_size,
-        read_options=src.read_options(num_threads),
+        read_options=src.read_options(),
     )

@@ -1,11 +1,11 @@
 """`make_memory_loader`: batches from an `InMemoryPanel`, on the host or already on the devices.
 
-- ``placement="host"``: each epoch is a permutation ``default_rng([seed, epoch])`` of the
+- host (the default): each epoch is a permutation ``default_rng([seed, epoch])`` of the
   cells, and global batch ``s`` is its slice ``[s·B, (s+1)·B)`` whatever the number of hosts;
   host ``h`` gathers its ``h``-th share with a parallel numba row copy into a 64-byte aligned
   buffer that ``make_array_from_process_local_data`` adopts without a copy. A restore onto
   another number of hosts therefore continues the epoch exactly.
-- ``placement="device"``: the panel is placed once on the devices, sharded along cells with
+- ``on_device=True``: the panel is placed once on the devices, sharded along cells with
   ``NamedSharding(mesh, P(axis))`` (cells dealt to devices by the permutation
   ``default_rng([seed, PLACEMENT_STREAM])``); each epoch every device permutes its own cells
   (``default_rng([seed, epoch, device])``, uploaded as one small int32 array per epoch) and a
@@ -14,7 +14,7 @@
   slice sit out that epoch (a different few each epoch).
 
 Both are `grain.DatasetIterator`s that replay exactly from ``(epoch, step)`` plus a fingerprint
-of data and config, and audit their coverage (on the devices for ``placement="device"``).
+of data and config, and audit their coverage (on the devices for ``on_device=True``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
+from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state
-from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding, place_batch
+from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
 from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
 
 STATE_VERSION = 2
-PLACEMENT_STREAM = 0x5EED  # the rng stream that deals cells to devices (placement="device")
-PLACEMENTS = ("host", "device")
+PLACEMENT_STREAM = 0x5EED  # the rng stream that deals cells to devices (on_device=True)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -73,35 +73,28 @@ class MemoryLoader(grain.DatasetIterator):
         batch_size: int,
         seed: int,
         num_epochs: int | None,
-        placement: str,
-        mesh,
-        data_axis: str,
+        on_device: bool,
         drop_remainder: bool,
-        host: int,
-        hosts: int,
+        placement: Placement,
         prefetch: int,
     ):
         super().__init__()
         self._stream = None
         self.panel, self.batch_size, self.seed, self.num_epochs = panel, batch_size, seed, num_epochs
-        self.placement, self.mesh, self.data_axis, self.drop_remainder = (
-            placement,
-            mesh,
-            data_axis,
-            drop_remainder,
-        )
-        self.host, self.hosts, self.prefetch = host, hosts, prefetch
+        self.resident = "device" if on_device else "host"  # where the panel lives
+        self.placement, self.drop_remainder, self.prefetch = placement, drop_remainder, prefetch
+        self.mesh, self.data_axis = placement.mesh, placement.data_axis
+        self.host, self.hosts = placement.host, placement.num_hosts
+        hosts = self.hosts
         self.local_batch = batch_size // hosts
         self._epoch, self._step, self._anchor, self._served = 0, 0, 0, Tally()
         self._perm_cache: tuple[int | None, np.ndarray | None] = (None, None)
         self._buffers = RowBuffers(keep=prefetch + 4)
-        if placement == "device":
+        if on_device:
             self._place_on_devices()
         n = panel.num_cells
         self.steps_per_epoch = (
-            self._device_steps
-            if placement == "device"
-            else (n // batch_size if drop_remainder else -(-n // batch_size))
+            self._device_steps if on_device else (n // batch_size if drop_remainder else -(-n // batch_size))
         )
 
     # ----- state -------------------------------------------------------------------------------
@@ -113,10 +106,10 @@ class MemoryLoader(grain.DatasetIterator):
             "batch_size": self.batch_size,
             "seed": self.seed,
             "num_epochs": self.num_epochs,
-            "placement": self.placement,
+            "placement": self.resident,
             "drop_remainder": self.drop_remainder,
-            "devices": None if self.placement == "host" else self._devices,
-            "hosts": None if self.placement == "host" else self.hosts,
+            "devices": None if self.resident == "host" else self._devices,
+            "hosts": None if self.resident == "host" else self.hosts,
         }
 
     def get_state(self) -> dict:
@@ -166,7 +159,7 @@ class MemoryLoader(grain.DatasetIterator):
     def coverage(self) -> Coverage:
         """This process's served and planned cells of the current epoch (see `Coverage`)."""
         served = self._served
-        if self.placement == "device":
+        if self.resident == "device":
             local = sum(
                 (np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
                 np.zeros(3, np.uint64),
@@ -176,14 +169,14 @@ class MemoryLoader(grain.DatasetIterator):
 
     def _set_served(self, served: Tally) -> None:
         self._served = served
-        if self.placement == "device":
+        if self.resident == "device":
             zeros = np.zeros((self._devices, 3), np.uint32)
             self._acc = jax.make_array_from_callback(
                 zeros.shape, data_sharding(self.mesh, self.data_axis), lambda index: zeros[index]
             )
 
     def _planned(self, epoch: int) -> Tally:
-        if self.placement == "device":
+        if self.resident == "device":
             rows = np.concatenate(
                 [
                     self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
@@ -206,7 +199,7 @@ class MemoryLoader(grain.DatasetIterator):
         self._assert_not_closed()
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
-        if self.placement == "device":
+        if self.resident == "device":
             batch = self._device_batch(self._epoch, self._step)
         else:
             if self.prefetch <= 0:  # gather in the caller's thread
@@ -217,7 +210,7 @@ class MemoryLoader(grain.DatasetIterator):
                     self._stream = Background(lambda: self._host_batches(*start), depth=self.prefetch)
                 hb = next(self._stream)
             self._served = self._served + Tally.of(hb.index)
-            batch = place_batch(hb, self.mesh, self.data_axis)
+            batch = self.placement.place(hb)
         self._step += 1
         if self._step >= self.steps_per_epoch:
             self.coverage().check(f"make_memory_loader (process {self.host})")
@@ -332,52 +325,43 @@ def make_memory_loader(
     batch_size: int,
     seed: int = 0,
     num_epochs: int | None = 1,
-    placement: str = "host",
-    mesh=None,
-    data_axis: str = "data",
+    on_device: bool = False,
     drop_remainder: bool = True,
-    prefetch: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    placement: Placement | jax.sharding.Mesh | None = None,
+    read: ReadOptions = ReadOptions(),
 ) -> MemoryLoader:
-    """Batches from a panel in memory: shuffled per epoch, placed as jax.Arrays sharded on ``data_axis``.
+    """Batches from a panel in memory: shuffled per epoch, placed as jax.Arrays sharded on the data axis.
 
     >>> panel = oj.load_panel(oj.open_dataset("out_panel/"), obs=("drug",))      # doctest: +SKIP
     >>> loader = oj.make_memory_loader(panel, batch_size=1024, seed=0, num_epochs=None,
-    ...                                placement="device", mesh=mesh)               # doctest: +SKIP
+    ...                                on_device=True, placement=mesh)              # doctest: +SKIP
     >>> batch = next(loader); state = loader.get_state()     # loader.set_state(state) replays
 
-    ``placement="host"`` keeps the panel in host RAM and copies each batch to the devices;
-    ``"device"`` keeps the whole panel on the devices (see the module docstring). With
-    ``drop_remainder=False`` (host placement only) the last batch of an epoch is padded and
-    masked. ``prefetch`` > 0 gathers that many host batches ahead in a thread; the default 0
-    gathers in the caller's thread (a 1,024 × 2,000 batch is a ~0.5 ms copy, and JAX's async
-    dispatch already overlaps it with the previous step; on 2 CPU cores the thread costs ~20%).
+    By default the panel stays in host RAM and each batch is copied to the devices; with
+    ``on_device`` the whole panel lives on the devices (see the module docstring). With
+    ``drop_remainder=False`` (host only) the last batch of an epoch is padded and masked.
+    ``placement`` as in `make_loader`; of ``read``, ``prefetch`` > 0 gathers that many host
+    batches ahead in a thread; the default 0 gathers in the caller's thread (a small copy, which
+    JAX's async dispatch already overlaps with the previous step).
     """
-    if placement not in PLACEMENTS:
-        msg = f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}"
-        raise OmicsIOError(msg)
-    host = jax.process_index() if process_index is None else process_index
-    hosts = jax.process_count() if process_count is None else process_count
-    devices = 1 if mesh is None else int(mesh.shape[data_axis])
+    placement = Placement.of(placement)
+    hosts = placement.num_hosts
+    devices = 1 if placement.mesh is None else int(placement.mesh.shape[placement.data_axis])
     if batch_size <= 0 or batch_size % hosts or batch_size % devices:
         msg = f"batch_size {batch_size} must be a positive multiple of the {hosts} host(s) and {devices} device(s)"
         raise OmicsIOError(msg)
-    if placement == "device" and not drop_remainder:
-        msg = "placement='device' always drops the remainder (each device draws only full batches)"
+    if on_device and not drop_remainder:
+        msg = "on_device=True always drops the remainder (each device draws only full batches)"
         raise OmicsIOError(msg)
     loader = MemoryLoader(
         panel,
         batch_size=batch_size,
         seed=seed,
         num_epochs=num_epochs,
-        placement=placement,
-        mesh=mesh,
-        data_axis=data_axis,
+        on_device=on_device,
         drop_remainder=drop_remainder,
-        host=host,
-        hosts=hosts,
-        prefetch=prefetch,
+        placement=placement,
+        prefetch=read.with_defaults(prefetch=0).prefetch,
     )
     if loader.steps_per_epoch == 0:
         msg = f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"

@@ -20,7 +20,8 @@ from omicsio_jax.core.buffers import aligned_empty
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.outputs.base import OutputContext
-from omicsio_jax.outputs.resolve import resolve_output
+from omicsio_jax.outputs.dense import Dense
+from omicsio_jax.outputs.panel import Panel
 from omicsio_jax.query.cell_table import CellTable
 from omicsio_jax.records.runs import consecutive_runs, records_checked
 from omicsio_jax.storage.direct_io import physical_memory
@@ -97,9 +98,16 @@ def load_panel(
     return _from_dataset(source, genes, rows, obs, normalize, target_sum, progress)
 
 
+def _dense(genes, normalize: str | None, target_sum: float) -> Dense | Panel:
+    """Every gene's column (``genes`` None) or the panel of ``genes``, normalized as asked."""
+    if genes is None:
+        return Dense(normalize=normalize, target_sum=target_sum)
+    return Panel(genes, normalize=normalize, target_sum=target_sum)
+
+
 def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress) -> InMemoryPanel:
     ids = np.arange(ds.num_cells, dtype=np.int64) if rows is None else np.unique(ds.check_rows(rows))
-    output = resolve_output("dense", genes=genes, normalize=normalize, target_sum=target_sum)
+    output = _dense(genes, normalize, target_sum)
     output = output.bind(OutputContext.of_dataset(ds))
     _check_memory(len(ids), output.num_columns)
     x = aligned_empty((len(ids), output.num_columns))
@@ -135,7 +143,7 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
 
 def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum, progress) -> InMemoryPanel:
     tokens = table.genes.resolve(genes)
-    output = resolve_output("dense", genes=tokens.tolist(), normalize=normalize, target_sum=target_sum)
+    output = _dense(tokens.tolist(), normalize, target_sum)
     output = output.bind(OutputContext.of_table(table))
     selected = table.select(where, rowids=rows)
     _check_memory(len(selected), len(tokens))

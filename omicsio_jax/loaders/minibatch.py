@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numba
 import numpy as np
@@ -19,59 +19,55 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import Fetched, OutputRecords, SegmentCache
 from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.loaders.options import Placement
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys
-from omicsio_jax.outputs.batch import HostBatch, local_shards
+from omicsio_jax.outputs.batch import HostBatch
 from omicsio_jax.outputs.resolve import resolve_output
 from omicsio_jax.records.runs import records_checked
-from omicsio_jax.sampling.plan import AllRows, SamplingPlan, class_weights
+from omicsio_jax.sampling.options import Block, Sampling, as_sampling
+from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 from omicsio_jax.sampling.schedule import Schedule, Segment
 
 
 @dataclasses.dataclass(frozen=True)
 class DiskSpec:
-    """Every knob of a disk loader (see `make_loader`); picklable, resolved against a dataset."""
+    """Everything that decides a disk loader's batches (see `make_loader`); picklable, resolved against a
+    dataset. ``num_hosts`` and ``num_slabs`` come from the loader's `Placement`."""
 
     batch_size: int
     output: Output
-    block_size: int = 16
-    fetch_factor: int = 64
+    sampling: Sampling = Block()
     seed: int = 0
     num_epochs: int | None = 1
-    sampling: str = "block"
-    weights: np.ndarray | None = None
-    balance_by: str | None = None
     rows: np.ndarray | None = None
     obs: tuple[str, ...] = ()
-    drop_remainder: bool = True
     num_hosts: int = 1
     num_slabs: int = 1
 
     @staticmethod
     def of(
         *,
-        output: str | Output,
-        genes: Sequence[str | int] | None,
-        normalize: str | None,
-        target_sum: float,
-        nnz_capacity: int | None,
-        rows,
+        batch_size: int,
+        sampling: Sampling | str,
+        output: str | Output | Mapping[str, str | Output],
         obs: Sequence[str],
-        mesh,
-        data_axis: str,
-        num_hosts: int,
-        **knobs,
+        rows: np.ndarray | Sequence[int] | None,
+        seed: int,
+        num_epochs: int | None,
+        placement: Placement,
     ) -> DiskSpec:
-        """The spec of `make_loader`'s / `GrainSource`'s arguments (``knobs``: the sampling ones)."""
-        out = resolve_output(
-            output, genes=genes, normalize=normalize, target_sum=target_sum, nnz_capacity=nnz_capacity
-        )
+        """The spec of `make_loader`'s / `GrainSource`'s arguments (raises for a bad one, naming the fix)."""
+        placement.check_batch_size(batch_size)
         return DiskSpec(
-            output=out,
+            batch_size=batch_size,
+            output=resolve_output(output),
+            sampling=as_sampling(sampling),
+            seed=seed,
+            num_epochs=num_epochs,
             rows=None if rows is None else np.asarray(rows, np.int64),
             obs=tuple(obs),
-            num_hosts=num_hosts,
-            num_slabs=local_shards(mesh, data_axis),
-            **knobs,
+            num_hosts=placement.num_hosts,
+            num_slabs=placement.num_slabs,
         )
 
     def plan(self, ds: Dataset) -> SamplingPlan:
@@ -81,30 +77,18 @@ class DiskSpec:
         if len(rows) and (rows[0] < 0 or rows[-1] >= ds.num_cells):
             msg = f"rows must lie in 0..{ds.num_cells - 1}"
             raise IndexError(msg)
-        weights = self.weights
-        if self.sampling == "class_balanced":
-            if self.balance_by is None:
-                msg = "sampling='class_balanced' needs balance_by=<categorical obs column>"
-                raise OmicsIOError(msg)
-            labels = np.asarray(obs_column(ds, self.balance_by))
-            weights = class_weights(labels if self.rows is None else labels[rows])
-        elif weights is not None:
-            weights = np.asarray(weights, dtype=np.float64)
-        plan = SamplingPlan(
+        plan = self.sampling.to_plan(
             rows,
-            self.batch_size,
-            self.block_size,
-            self.fetch_factor,
-            self.seed,
-            self.sampling,
-            self.num_hosts,
-            self.drop_remainder,
-            weights,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            num_hosts=self.num_hosts,
+            obs=lambda name: obs_column(ds, name),
         )
         if plan.steps_per_epoch == 0:
             msg = (
                 f"{len(rows)} cells make no batch of {self.batch_size} (per host: {plan.local_batch}); "
-                "lower batch_size or pass drop_remainder=False"
+                f"lower batch_size or serve a partial batch: sampling={type(self.sampling).__name__}(..., "
+                "drop_remainder=False)"
             )
             raise OmicsIOError(msg)
         return plan

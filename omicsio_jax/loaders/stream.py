@@ -6,10 +6,10 @@ query → Arrow record batches (stage 4) → CSR views → optional shuffle wind
 query and the scatter while the consumer computes. For inference and quick experiments; for
 training on more than a few passes, materialize and use `make_loader` (block sampling, replay).
 
-The shuffle window: consecutive windows of ``shuffle_buffer`` cells (rounded up to whole
-batches) are each permuted with ``default_rng([seed, epoch, window])`` and served. A cell
-moves at most one window from its place, so a window should span several plates of the table
-to mix them.
+The shuffle window (``sampling=oj.Stream(shuffle=True, fetch_factor=f)``): consecutive windows of
+``f × batch_size`` cells are each permuted with ``default_rng([seed, epoch, window])`` and
+served. A cell moves at most one window from its place, so a window should span several plates
+of the table to mix them. The query's rows arrive in Arrow record batches of `QUERY_BATCH_ROWS`.
 
 Each pass is a `grain.DatasetIterator` (`StreamIterator`): its state is ``(epoch, batches
 served)``; a restore runs the query again and skips the windows already served without
@@ -24,20 +24,24 @@ import json
 from collections.abc import Iterator, Sequence
 
 import grain
+import jax
 import numpy as np
 
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
+from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
 from omicsio_jax.outputs.resolve import resolve_output
 from omicsio_jax.query.cell_table import CellTable, ObsSpec
 from omicsio_jax.sampling.coverage import Coverage, Tally
+from omicsio_jax.sampling.options import Stream
 
 STATE_VERSION = 1
+QUERY_BATCH_ROWS = 8192  # rows per Arrow record batch of the query
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -299,46 +303,44 @@ def make_stream_loader(
     table: CellTable,
     *,
     batch_size: int,
-    genes: Sequence[str | int] | None = None,
     where: str | None = None,
     rowids: Sequence[int] | np.ndarray | None = None,
     obs: Sequence[str] = (),
     output: str | Output = "dense",
-    normalize: str | None = None,
-    target_sum: float = 1e4,
-    shuffle_buffer: int = 0,
+    sampling: Stream = Stream(drop_remainder=False),
     seed: int = 0,
-    mesh=None,
-    data_axis: str = "data",
-    drop_remainder: bool = False,
-    batch_rows: int = 8192,
-    prefetch: int = 2,
+    placement: Placement | jax.sharding.Mesh | None = None,
+    read: ReadOptions = ReadOptions(),
 ) -> StreamLoader:
     """Stream a query's cells to the devices as dense batches (full transcriptome or a panel).
 
     >>> table = oj.open_table("atlas/")                                         # doctest: +SKIP
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                  # doctest: +SKIP
     >>> loader = oj.make_stream_loader(table, batch_size=1024, where="tissue = 'lung'",
-    ...                                genes=panel, obs=("cell_type",), mesh=mesh)  # doctest: +SKIP
+    ...                                output=oj.Panel(panel), obs=("cell_type",), placement=mesh)  # doctest: +SKIP
     >>> for batch in loader: ...        # batch.x: (1024, len(panel)) float32, sharded P("data")
 
-    Rows come in table order unless ``shuffle_buffer`` > 0 (see the module docstring). The last
-    partial batch is padded (``mask`` False) unless ``drop_remainder``. Single-host: every
-    process would read the whole query.
+    Rows come in table order unless ``sampling=oj.Stream(shuffle=True, fetch_factor=f)`` (see the
+    module docstring). The last partial batch is padded (``mask`` False) unless the sampling's
+    ``drop_remainder``. ``output`` is `Dense` or `Panel` (or ``"dense"``); of ``read``,
+    ``prefetch`` batches are made ahead on a thread (default 2). Single-host: every process would
+    read the whole query.
     """
-    import jax
-
-    if jax.process_count() > 1:
+    placement = Placement.of(placement)
+    if placement.num_hosts > 1:
         msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
         raise OmicsIOError(msg)
     if batch_size <= 0:
         msg = f"batch_size must be positive, got {batch_size}"
         raise OmicsIOError(msg)
-    if mesh is not None and batch_size % mesh.shape[data_axis]:
-        msg = f"batch_size {batch_size} must be divisible by the {mesh.shape[data_axis]} devices of mesh axis {data_axis!r}"
+    if not isinstance(sampling, Stream):
+        msg = (
+            f"make_stream_loader reads a query in table order: sampling must be an oj.Stream (shuffle=True "
+            f"shuffles within windows of fetch_factor × batch_size cells); got {sampling!r}"
+        )
         raise OmicsIOError(msg)
-    out = resolve_output(output, genes=genes, normalize=normalize, target_sum=target_sum)
-    out = out.bind(OutputContext.of_table(table, rows=batch_size))
+    placement.check_batch_size(batch_size)
+    out = resolve_output(output).bind(OutputContext.of_table(table, rows=batch_size))
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
     return StreamLoader(
         table,
@@ -347,11 +349,11 @@ def make_stream_loader(
         where=where,
         rowids=rows,
         obs=table.obs_specs(obs),
-        shuffle_buffer=shuffle_buffer,
+        shuffle_buffer=sampling.fetch_factor * batch_size if sampling.shuffle else 0,
         seed=seed,
-        mesh=mesh,
-        data_axis=data_axis,
-        drop_remainder=drop_remainder,
-        batch_rows=batch_rows,
-        prefetch=prefetch,
+        mesh=placement.mesh,
+        data_axis=placement.data_axis,
+        drop_remainder=sampling.drop_remainder,
+        batch_rows=QUERY_BATCH_ROWS,
+        prefetch=read.with_defaults(prefetch=2).prefetch,
     )

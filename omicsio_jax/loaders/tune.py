@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.loaders.disk import make_loader
+from omicsio_jax.loaders.options import ReadOptions
 from omicsio_jax.sampling.entropy import minibatch_entropy
+from omicsio_jax.sampling.options import Block
 from omicsio_jax.sampling.plan import SamplingPlan
 
 BLOCK_SIZES = (1, 4, 16, 64, 256, 1024)
@@ -51,12 +53,12 @@ class TuneResult:
     random_entropy: float
     table: tuple[dict, ...]
 
-    def loader_kwargs(self) -> dict:
-        """``block_size``, ``fetch_factor`` and ``num_threads`` for `make_loader` / `GrainSource`."""
+    def loader_kwargs(self, read: ReadOptions = ReadOptions()) -> dict:
+        """The chosen ``sampling`` (`Block`) and ``read`` (``read`` with the chosen ``num_threads``) for
+        `make_loader` / `GrainSource`."""
         return {
-            "block_size": self.block_size,
-            "fetch_factor": self.fetch_factor,
-            "num_threads": self.num_threads,
+            "sampling": Block(self.block_size, self.fetch_factor),
+            "read": dataclasses.replace(read, num_threads=self.num_threads),
         }
 
     def __str__(self) -> str:
@@ -154,10 +156,14 @@ def tune(
     ``seconds`` is shared among the timed settings (each gets at least its first batch plus four);
     ``num_threads`` defaults to 0 (batches decoded on the consumer's thread), 1, 2 and (on bigger
     machines) the usable cores up to 8; ``rows``
-    restricts sampling as in `make_loader`; other keyword arguments (``output``, ``genes``,
-    ``normalize``, ``mesh``, ...) go to `make_loader` unchanged, so the measure is of the loader you
-    will run. See the module docstring for how entropy and speed are measured.
+    restricts sampling as in `make_loader`; other keyword arguments (``output``, ``obs``,
+    ``placement``, ``read``: its ``num_threads`` is what is tuned) go to `make_loader` unchanged, so
+    the measure is of the loader you will run. See the module docstring for how entropy and speed are measured.
     """
+    if "sampling" in loader_kwargs:
+        msg = "tune chooses the sampling (oj.Block(block_size, fetch_factor)): do not pass sampling="
+        raise OmicsIOError(msg)
+    read = loader_kwargs.pop("read", ReadOptions())
     if not 0 < entropy_target <= 1:
         msg = (
             f"entropy_target must be in (0, 1] (a fraction of true random's entropy), got {entropy_target!r}"
@@ -218,9 +224,8 @@ def tune(
                 batch_size=batch_size,
                 seed=seed,
                 rows=rows,
-                block_size=row["block_size"],
-                fetch_factor=row["fetch_factor"],
-                num_threads=row["num_threads"],
+                sampling=Block(row["block_size"], row["fetch_factor"]),
+                read=dataclasses.replace(read, num_threads=row["num_threads"]),
                 **loader_kwargs,
             )
         )

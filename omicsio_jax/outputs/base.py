@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.outputs.scatter import NORMALIZE_MODES
 
 Empty = Callable[[tuple[int, ...], Any], np.ndarray]  # allocates an uninitialized output array
 
@@ -97,7 +96,7 @@ class Output(abc.ABC):
 
     def warm_up(self) -> None:
         """Run `from_records` once on empty records (padding rows), so that numba's one-time start in
-        this process (its typing context and the kernels' cached machine code: ~0.4 s) is paid now,
+        this process (its typing context and the kernels' cached machine code) is paid now,
         e.g. on a thread while a loader's first fetch is read, not by the first batch."""
         from omicsio_jax.format import codec
 
@@ -110,16 +109,4 @@ class Output(abc.ABC):
     def from_csr(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, empty: Empty) -> Any:
         """``x`` of CSR rows (one per row of the host batch): the query stream's input."""
         msg = f"output {self.kind!r} cannot be computed from a query stream; materialize the data and use make_loader"
-        raise OmicsIOError(msg)
-
-
-def check_normalize(normalize: str | None, target_sum: float) -> None:
-    if normalize not in NORMALIZE_MODES:
-        msg = f"normalize must be None, 'log1p' or 'normalize_log1p'; got {normalize!r}"
-        raise OmicsIOError(msg)
-    if (
-        not isinstance(target_sum, int | float | np.number)
-        or not 0 < float(target_sum) <= np.finfo(np.float32).max
-    ):
-        msg = f"target_sum must be a positive float32-representable number, e.g. 1e4; got {target_sum!r}"
         raise OmicsIOError(msg)

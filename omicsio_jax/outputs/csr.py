@@ -11,8 +11,9 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format import codec
 from omicsio_jax.outputs import scatter
-from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys, check_normalize
+from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.batch import SparseBatch
+from omicsio_jax.outputs.normalize import Normalization
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_shard", "num_genes", "normalize", "target_sum"))
@@ -49,7 +50,7 @@ class CSR(Output):
     kind = "csr"
 
     def __post_init__(self) -> None:
-        check_normalize(self.normalize, self.target_sum)
+        Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
 
     def bind(self, ctx: OutputContext) -> CSR:
         if ctx.rows % ctx.num_slabs:

@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 
 from omicsio_jax.outputs import scatter
-from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys, check_normalize
+from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
+from omicsio_jax.outputs.normalize import Normalization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Dense(Output):
     kind = "dense"
 
     def __post_init__(self) -> None:
-        check_normalize(self.normalize, self.target_sum)
+        Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
 
     def bind(self, ctx: OutputContext) -> Dense:
         return dataclasses.replace(self, num_columns=ctx.num_columns, source=ctx.source)

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from omicsio_jax.outputs import scatter
-from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys, check_normalize
+from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
+from omicsio_jax.outputs.normalize import Normalization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Panel(Output):
     kind = "dense"  # a panel is a dense output over fewer columns (``output="dense", genes=...``)
 
     def __post_init__(self) -> None:
-        check_normalize(self.normalize, self.target_sum)
+        Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
         object.__setattr__(self, "genes", tuple(self.genes))
 
     def bind(self, ctx: OutputContext) -> Panel:

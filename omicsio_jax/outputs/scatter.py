@@ -5,14 +5,13 @@ float32. ``indptr`` may be a slice of a larger CSR (its first entry need not be 
 repeated within a row are added; with a ``normalize`` mode the transform is applied to each
 entry before adding (the codec never writes repeated columns).
 
-``normalize`` is ``None`` (raw values), ``"log1p"`` (``log1p(v)``) or ``"normalize_log1p"``:
-scanpy's ``normalize_total(target_sum=...)`` followed by ``log1p``, fused. Per row,
-``total`` is the sum of the row's values, accumulated in float64 and rounded once to float32
-(exact for counts, order-independent otherwise), and each entry becomes
-``log1p((v / total) * float32(target_sum))``, every step in float32. In this order nothing
-overflows or turns subnormal for tiny totals (``target_sum / total`` can overflow, and XLA on
-CPU flushes a subnormal ``total / target_sum`` to zero). A row whose total is 0 stays all zero.
-`densify_on_device` sums in float32, so its totals may differ in the last bit.
+``normalize`` and ``target_sum`` are the modes of `omicsio_jax.outputs.normalize` (the one
+definition, also of the on-device densify and of training's normalization); per row, ``total`` is
+accumulated in float64 and rounded once to float32 (exact for counts, order-independent otherwise),
+and each entry becomes ``log1p((v / total) * float32(target_sum))``, every step in float32. In this
+order nothing overflows or turns subnormal for tiny totals (``target_sum / total`` can overflow, and
+XLA on CPU flushes a subnormal ``total / target_sum`` to zero). `densify_on_device` sums in float32,
+so its totals may differ in the last bit.
 
 The numba kernels run in parallel over rows, write into a caller-provided ``out`` (reusable:
 every row is zeroed first) and allocate nothing per row.
@@ -29,30 +28,7 @@ import numba as nb
 import numpy as np
 
 from omicsio_jax.format import codec
-
-NORMALIZE_MODES = (None, "log1p", "normalize_log1p")
-_RAW, _LOG1P, _NORMALIZE_LOG1P = 0, 1, 2
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-@nb.njit(inline="always")
-def _row_total(values, lo, hi, mode):
-    # the row total of "normalize_log1p" (1 otherwise); +inf for a zero total, so v / total = 0
-    if mode != _NORMALIZE_LOG1P:
-        return np.float32(1.0)
-    total = 0.0
-    for j in range(lo, hi):
-        total += values[j]
-    return np.float32(np.inf) if total == 0 else np.float32(total)
-
-
-@nb.njit(inline="always")
-def _transform(v, mode, total, target_sum):
-    if mode == _RAW:
-        return v
-    if mode == _NORMALIZE_LOG1P:
-        v = np.float32(np.float32(v / total) * target_sum)
-    return np.float32(np.log1p(v))
+from omicsio_jax.outputs.normalize import NORMALIZE_LOG1P, Normalization, row_total, transform
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -62,12 +38,12 @@ def _scatter_dense_kernel(indptr, indices, values, mode, target_sum, out):
     for i in nb.prange(n):
         lo, hi = indptr[i], indptr[i + 1]
         out[i, :] = 0.0
-        total = _row_total(values, lo, hi, mode)
+        total = row_total(values, lo, hi, mode)
         for j in range(lo, hi):
             c = indices[j]
             ok = c >= 0 and c < width
             if ok:
-                out[i, c] += _transform(values[j], mode, total, target_sum)
+                out[i, c] += transform(values[j], mode, total, target_sum)
             bad += not ok  # a per-row counter plus `bad += row_bad` trips numba's reduction pass
     return bad
 
@@ -80,14 +56,14 @@ def _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, target_sum
     for i in nb.prange(n):
         lo, hi = indptr[i], indptr[i + 1]
         out[i, :] = 0.0
-        total = _row_total(values, lo, hi, mode)  # over all genes, as scanpy does
+        total = row_total(values, lo, hi, mode)  # over all genes, as scanpy does
         for j in range(lo, hi):
             c = indices[j]
             ok = c >= 0 and c < num_genes
             if ok:
                 k = gene_to_col[c]
                 if k >= 0:
-                    out[i, k] += _transform(values[j], mode, total, target_sum)
+                    out[i, k] += transform(values[j], mode, total, target_sum)
             bad += not ok
     return bad
 
@@ -99,13 +75,13 @@ def _add_entry(row, col, v, gene_to_col, mapped, mode, total, target_sum):
     if mapped:
         c = gene_to_col[col]  # checked: col < len(gene_to_col)
     if c >= 0 and c < row.shape[0]:
-        row[c] += _transform(v, mode, total, target_sum)
+        row[c] += transform(v, mode, total, target_sum)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, target_sum, out):
     """Records → rows of ``out`` in one pass: columns through ``gene_to_col`` (if ``mapped``),
-    values transformed as `_transform` does; rows past the records stay zero."""
+    values transformed as `transform` does; rows past the records stay zero."""
     n = out.shape[0]
     for i in nb.prange(n):
         out[i, :] = 0.0
@@ -114,7 +90,7 @@ def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, targ
         fields = codec.record_fields(u8, u32, f32, starts[i])
         row = out[i]
         total = np.float32(1.0)
-        if mode == _NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `_row_total`
+        if mode == NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `row_total`
             acc = 0.0
             for k in range(fields.n):
                 acc += codec.value_at(fields, k)
@@ -178,16 +154,6 @@ def _check_csr(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray) -> i
     return len(indptr) - 1
 
 
-def normalize_mode(normalize: str | None, target_sum: float) -> int:
-    if normalize is not None and normalize not in NORMALIZE_MODES:
-        msg = f"normalize={normalize!r} is not supported: use one of {NORMALIZE_MODES}"
-        raise ValueError(msg)
-    if not isinstance(target_sum, int | float | np.number) or not 0 < float(target_sum) <= _F32_MAX:
-        msg = f"target_sum={target_sum!r} must be a positive float32-representable number, e.g. 1e4"
-        raise ValueError(msg)
-    return NORMALIZE_MODES.index(normalize)
-
-
 def _check_out(out: np.ndarray | None, n: int, width: int | None) -> np.ndarray:
     if out is None:
         return np.empty((n, width), dtype=np.float32)
@@ -232,7 +198,7 @@ def scatter_dense(
     lies outside ``[0, num_genes)``.
     """
     n = _check_csr(indptr, indices, values)
-    mode = normalize_mode(normalize, target_sum)
+    mode = Normalization(normalize, target_sum).code
     if not isinstance(num_genes, int | np.integer) or num_genes < 0:
         msg = f"num_genes must be a non-negative integer, got {num_genes!r}"
         raise ValueError(msg)
@@ -260,7 +226,7 @@ def decode_scatter(
     """
     if gene_to_col is None and normalize is None:
         return codec.decode_rows(buf, starts, out)
-    mode = normalize_mode(normalize, target_sum)
+    mode = Normalization(normalize, target_sum).code
     num_columns = out.shape[1] if gene_to_col is None else len(gene_to_col)  # of the records
     u8, u32, f32 = codec.checked_views(buf, starts, num_columns)
     mapped = gene_to_col is not None
@@ -287,7 +253,7 @@ def scatter_panel(
     before subsetting.
     """
     n = _check_csr(indptr, indices, values)
-    mode = normalize_mode(normalize, target_sum)
+    mode = Normalization(normalize, target_sum).code
     _check_1d("gene_to_col", gene_to_col, np.int32)
     top = int(gene_to_col.max()) if len(gene_to_col) else -1
     out = _check_out(out, n, None if out is not None else top + 1)
@@ -363,15 +329,8 @@ def densify_on_device(
     ``normalize``/``target_sum`` as in the module docstring; row totals via ``segment_sum`` in
     float32. Padding entries (value 0) add nothing.
     """
-    mode = normalize_mode(normalize, target_sum)
-    values = jnp.asarray(values, jnp.float32)
+    normalization = Normalization(normalize, target_sum)
     dense = jnp.zeros((num_rows, num_genes), jnp.float32)
     if num_rows == 0 or num_genes == 0:
         return dense
-    if mode == _NORMALIZE_LOG1P:
-        totals = jax.ops.segment_sum(values, row_ids, num_segments=num_rows)
-        totals = jnp.where(totals == 0, jnp.inf, totals)[row_ids]  # a zero total keeps its row zero
-        values = values / totals * jnp.float32(target_sum)
-    if mode != _RAW:
-        values = jnp.log1p(values)
-    return dense.at[row_ids, indices].add(values)
+    return dense.at[row_ids, indices].add(normalization.apply_entries(values, row_ids, num_rows))

@@ -1,6 +1,6 @@
 """Token batches for single-cell foundation models, computed from the encoded records by numba.
 
-Two algorithms, exactly as ``TOKENS.md`` (the project's reference, from the published code) states
+Two algorithms, exactly as the token specification (``docs/tokens.md``, from the published code) states
 them; one pass per cell from its record (decode → keep → order → write), no dense intermediate:
 
 - **Geneformer** (rank-value encoding): keep the genes with a token and a known median, rank them

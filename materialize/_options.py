@@ -1,0 +1,108 @@
+"""`materialize`'s option objects: how the input is read, how the shards are laid out, which further
+modalities come along and where the partitions run. Each validates itself when made.
+
+>>> materialize("atlas/**/*.parquet", "lung/", read=InputOptions(where="tissue = 'lung'"),
+...             layout=Layout(shard_cells=16384), workers=Dask("tcp://scheduler:8786"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from omicsio_jax import OmicsIOError
+
+DEFAULT_SHARD_CELLS = 1 << 16
+DEFAULT_GROUP_SIZE = 16
+DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads faster than zstd:1, for a few more bytes
+
+
+def _is_power_of_two(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How the input is read.
+
+    ``where`` keeps the cells a SQL predicate selects (a hive partition column prunes whole files);
+    ``query`` is any DuckDB SELECT instead of a table (with an input: over its view ``cells``);
+    ``genes`` the gene table (default: ``gene_metadata.parquet`` beside the input, or an AnnData's
+    ``var``); ``layer`` / ``use_raw`` pick an AnnData matrix other than ``X``; ``cell_id`` names the
+    cell id column; ``batch_cells`` cells are read at a time (default: by the row width);
+    ``allow_negative`` admits negative values (the default refuses them, as counts).
+    """
+
+    where: str | None = None
+    query: str | None = None
+    genes: str | Path | None = None
+    layer: str | None = None
+    use_raw: bool = False
+    cell_id: str = "cell_id"
+    batch_cells: int | None = None
+    allow_negative: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_cells is not None and (not isinstance(self.batch_cells, int) or self.batch_cells < 1):
+            msg = (
+                f"InputOptions(batch_cells=...) must be a positive integer or None, got {self.batch_cells!r}"
+            )
+            raise OmicsIOError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the dataset is laid out on disk.
+
+    ``shard_cells`` cells per ArrayRecord shard and ``group_size`` cells per compressed chunk (powers
+    of two, ``group_size ≤ shard_cells``: blocks never straddle a shard), ``compression`` the
+    ArrayRecord compression; ``panel`` (a file of one gene per line, or the genes themselves) stores
+    dense rows of those genes only, the focused-gene layout.
+    """
+
+    shard_cells: int = DEFAULT_SHARD_CELLS
+    group_size: int = DEFAULT_GROUP_SIZE
+    compression: str = DEFAULT_COMPRESSION
+    panel: str | Path | Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_power_of_two(self.shard_cells):
+            msg = f"shard_cells must be a power of two (so blocks never straddle shards), got {self.shard_cells!r}"
+            raise OmicsIOError(msg)
+        if not _is_power_of_two(self.group_size) or self.group_size > self.shard_cells:
+            msg = f"group_size must be a power of two ≤ shard_cells ({self.shard_cells:,}), got {self.group_size!r}"
+            raise OmicsIOError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Multimodal:
+    """Several modalities of the same cells.
+
+    ``layers`` are matrices over the primary's genes (splice layers: names of ``.h5ad`` / ``.h5mu``
+    layers, or ``{name: table}`` for list-column tables); ``modalities`` have features of their own
+    (``.h5mu``: names of its modalities, default all; tables: ``{name: table}`` or ``{name: (table,
+    feature table)}``), aligned by ``cell_id`` with the primary, named ``primary``. A cell a further
+    modality lacks gets an empty row there and ``obs["has_<name>"] = False``, or with
+    ``require_all`` an error.
+    """
+
+    layers: Sequence[str] | Mapping[str, str] | None = None
+    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None = None
+    primary: str = "rna"
+    require_all: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Dask:
+    """Partitions on the Dask cluster at ``scheduler`` (``tcp://host:8786``) or described by
+    ``scheduler_file`` (``dask scheduler --scheduler-file``); the output must be storage every
+    worker reaches (a shared file system, or ``s3://``)."""
+
+    scheduler: str | None = None
+    scheduler_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.scheduler is None) == (self.scheduler_file is None):
+            msg = "Dask(...) takes one of scheduler='tcp://host:8786' or scheduler_file='scheduler.json'"
+            raise OmicsIOError(msg)

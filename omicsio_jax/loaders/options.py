@@ -1,0 +1,122 @@
+"""The loaders' shared option objects: where batches go (`Placement`) and how they are read (`ReadOptions`).
+
+Every loader (`make_loader`, `GrainSource`, `make_memory_loader`, `make_stream_loader`) takes the
+same two objects, next to a `Sampling` option and an `Output` kind::
+
+    loader = oj.make_loader(ds, batch_size=1024, sampling=oj.Block(16, 64), output=oj.Dense(),
+                            placement=oj.Placement(mesh), read=oj.ReadOptions(num_threads=0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.outputs.batch import Batch, HostBatch, local_shards, place_batch
+
+
+def _check_count(option: object, name: str, *, minimum: int) -> None:
+    value = getattr(option, name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        msg = (
+            f"{type(option).__name__}({name}=...) must be an integer ≥ {minimum} (or None: the loader's "
+            f"default), got {value!r}"
+        )
+        raise OmicsIOError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a loader reads and decodes: None leaves a knob at the loader's default.
+
+    ``num_threads`` threads decode and place batches ahead of the consumer (`make_loader`: 1; 0
+    decodes each batch on the consumer's thread when asked for; Grain's DataLoader: 2);
+    ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
+    many threads (`make_loader`, `GrainSource`, `make_stream_loader`: 2; `make_memory_loader`: 0,
+    batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
+    """
+
+    num_threads: int | None = None
+    prefetch: int | None = None
+    decode_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_count(self, "num_threads", minimum=0)
+        _check_count(self, "prefetch", minimum=0)
+        _check_count(self, "decode_threads", minimum=1)
+
+    def with_defaults(self, **defaults: int | None) -> ReadOptions:
+        """These options with each knob left at None set to ``defaults[knob]``."""
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a loader's batches go: sharded along ``data_axis`` of ``mesh`` (None: the first local
+    device), this process being host ``process_index`` of ``process_count`` (None: JAX's).
+
+    A loader takes ``placement=mesh`` as ``Placement(mesh)``. ``process_index`` /
+    ``process_count`` stand in for JAX's where one process plays several hosts (tests, elastic
+    restores); every host must serve the same number of equal batches.
+    """
+
+    mesh: jax.sharding.Mesh | None = None
+    data_axis: str = "data"
+    process_index: int | None = None
+    process_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None and self.data_axis not in self.mesh.axis_names:
+            msg = f"Placement(data_axis={self.data_axis!r}) is not an axis of the mesh {tuple(self.mesh.axis_names)}"
+            raise OmicsIOError(msg)
+        _check_count(self, "process_count", minimum=1)
+        _check_count(self, "process_index", minimum=0)
+        if self.process_index is not None and self.process_index >= self.num_hosts:
+            msg = (
+                f"Placement(process_index={self.process_index}) must be below process_count {self.num_hosts}"
+            )
+            raise OmicsIOError(msg)
+
+    @staticmethod
+    def of(placement: Placement | jax.sharding.Mesh | None) -> Placement:
+        """A `Placement` from a loader's ``placement=`` argument (a `Placement`, a mesh or None)."""
+        if placement is None:
+            return Placement()
+        if isinstance(placement, Placement):
+            return placement
+        if isinstance(placement, jax.sharding.Mesh):
+            return Placement(placement)
+        msg = f"placement must be an oj.Placement(mesh, ...), a jax.sharding.Mesh or None; got {placement!r}"
+        raise OmicsIOError(msg)
+
+    @property
+    def host(self) -> int:
+        """This process's host index."""
+        return jax.process_index() if self.process_index is None else self.process_index
+
+    @property
+    def num_hosts(self) -> int:
+        return jax.process_count() if self.process_count is None else self.process_count
+
+    @property
+    def num_slabs(self) -> int:
+        """How many slices of a host's batch its devices hold (1 without a mesh)."""
+        return local_shards(self.mesh, self.data_axis)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise unless ``batch_size`` (global) splits evenly over the mesh's data axis."""
+        if self.mesh is not None and batch_size % self.mesh.shape[self.data_axis]:
+            msg = (
+                f"batch_size {batch_size} must be divisible by the {self.mesh.shape[self.data_axis]} devices of "
+                f"mesh axis {self.data_axis!r}"
+            )
+            raise OmicsIOError(msg)
+
+    def place(self, host_batch: HostBatch) -> Batch:
+        """This host's batch as global jax.Arrays sharded along the data axis (`place_batch`)."""
+        return place_batch(host_batch, self.mesh, self.data_axis)

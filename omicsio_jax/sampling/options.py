@@ -1,0 +1,181 @@
+"""How a loader samples cells: small option objects that validate themselves (`Block`, `Random`, `Stream`,
+`Weighted`, `ClassBalanced`).
+
+Each says how an epoch orders the cells and how that order is read: ``fetch_factor × batch_size``
+cells per fetch, read in one sorted batched read and (except for `Stream`) shuffled in memory
+before they are cut into minibatches. ``drop_remainder`` decides the epoch's last cells: False
+serves every one, the last batch padded and masked. The loaders turn an option into a
+`SamplingPlan` (`to_plan`), a pure function of ``(seed, epoch, fetch)``.
+
+>>> oj.make_loader(ds, batch_size=1024, sampling=oj.Block(block_size=16, fetch_factor=64))  # doctest: +SKIP
+>>> oj.make_loader(ds, batch_size=1024, sampling=oj.Stream(drop_remainder=False))          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.sampling.plan import AllRows, SamplingPlan, class_weights
+
+
+def _check_positive(option: object, *names: str) -> None:
+    for name in names:
+        value = getattr(option, name)
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            msg = (
+                f"{type(option).__name__}({name}=...) must be a positive integer, got {value!r}; "
+                f"e.g. {type(option).__name__}({name}=16)"
+            )
+            raise OmicsIOError(msg)
+
+
+class Sampling:
+    """What every sampling option has (each is a frozen dataclass with its own fields): ``kind`` (the
+    plan's name for it), ``block_size``, ``fetch_factor`` and ``drop_remainder``."""
+
+    kind: ClassVar[str]
+    block_size: int = 1
+    fetch_factor: int
+    drop_remainder: bool
+
+    def _check(self, *positive: str) -> None:
+        _check_positive(self, "fetch_factor", *positive)
+        if not isinstance(self.drop_remainder, bool):
+            msg = f"{type(self).__name__}(drop_remainder=...) must be True or False, got {self.drop_remainder!r}"
+            raise OmicsIOError(msg)
+
+    def cell_weights(self, rows: np.ndarray | AllRows, obs: Callable[[str], np.ndarray]) -> np.ndarray | None:
+        """Per-cell weights of ``rows`` (None: no weights); ``obs(name)`` gives an obs column."""
+        return None
+
+    def to_plan(
+        self,
+        rows: np.ndarray | AllRows,
+        *,
+        batch_size: int,
+        seed: int,
+        num_hosts: int,
+        obs: Callable[[str], np.ndarray],
+    ) -> SamplingPlan:
+        """The sampling plan over ``rows`` (global rows, ascending) for a global ``batch_size``."""
+        return SamplingPlan(
+            rows,
+            batch_size,
+            self.block_size,
+            self.fetch_factor,
+            seed,
+            self.kind,
+            num_hosts,
+            self.drop_remainder,
+            self.cell_weights(rows, obs),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Block(Sampling):
+    """scDataset's block shuffling: contiguous blocks of ``block_size`` cells in a random order, read
+    ``fetch_factor × batch_size`` cells at a time and shuffled in memory. The default sampling.
+
+    Bigger blocks read faster, smaller ones mix more labels into a minibatch (`entropy_bounds`,
+    `tune`); ``Block(1, 1)`` is true random sampling, one cell per read.
+    """
+
+    kind: ClassVar[str] = "block"
+    block_size: int = 16
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check("block_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class Random(Sampling):
+    """True random sampling: every cell its own block (``Block(block_size=1)``), read
+    ``fetch_factor × batch_size`` cells at a time."""
+
+    kind: ClassVar[str] = "block"
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream(Sampling):
+    """Cells in dataset order, ``fetch_factor × batch_size`` per read; with ``shuffle`` each such fetch
+    is shuffled in memory (a shuffle buffer), else nothing is. For inference and evaluation,
+    ``Stream(drop_remainder=False)`` serves every cell once."""
+
+    shuffle: bool = False
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "stream_buffer" if self.shuffle else "stream"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Weighted(Sampling):
+    """scDataset's weighted block sampling: blocks drawn with replacement with probability
+    proportional to the sum of their cells' ``weights`` (one per sampled cell: per entry of the
+    loader's ``rows``, else per cell of the dataset), as many blocks as the data holds."""
+
+    kind: ClassVar[str] = "weighted"
+    weights: np.ndarray
+    block_size: int = 16
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check("block_size")
+
+    def cell_weights(self, rows, obs) -> np.ndarray:
+        return np.asarray(self.weights, dtype=np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassBalanced(Sampling):
+    """Weighted block sampling with each cell weighted by 1 / (cells of its class in the obs column
+    ``by``), so that every class is drawn about equally often; cells without a label are never drawn."""
+
+    kind: ClassVar[str] = "class_balanced"
+    by: str
+    block_size: int = 16
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check("block_size")
+        if not isinstance(self.by, str) or not self.by:
+            msg = f"ClassBalanced(by=...) takes a categorical obs column, e.g. ClassBalanced(by='cell_type'); got {self.by!r}"
+            raise OmicsIOError(msg)
+
+    def cell_weights(self, rows, obs) -> np.ndarray:
+        labels = np.asarray(obs(self.by))
+        return class_weights(labels if isinstance(rows, AllRows) else labels[rows])
+
+
+def as_sampling(sampling: Sampling | str) -> Sampling:
+    """A sampling option from an option or the names ``"block"``, ``"random"``, ``"stream"`` (defaults)."""
+    if isinstance(sampling, Sampling):
+        return sampling
+    named = {"block": Block, "random": Random, "stream": Stream}
+    if sampling in named:
+        return named[sampling]()
+    msg = (
+        f"sampling must be an option such as oj.Block(block_size=16, fetch_factor=64), oj.Random(), "
+        f"oj.Stream(), oj.Weighted(weights) or oj.ClassBalanced(by='cell_type'), or one of "
+        f"{', '.join(map(repr, named))}; got {sampling!r}"
+    )
+    raise OmicsIOError(msg)
