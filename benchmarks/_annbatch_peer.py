@@ -5,7 +5,7 @@ Python >= 3.12); this script never imports omicsio_jax::
 
     python benchmarks/_annbatch_peer.py convert INPUT.h5ad OUT.zarr [--seed 0]
     python benchmarks/_annbatch_peer.py run OUT.zarr --output dense|csr --batch-size 64 \\
-        --num-batches 200 --warmup 10 [--rounds 3] [--seed 0] [--label batch] [--spawned-at T]
+        --seconds 10 --warmup 10 [--rounds 3] [--seed 0] [--label batch] [--spawned-at T]
 
 Both print one JSON line. Every read and write goes through zarrs-python's codec pipeline
 (``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``), which annbatch's docs set
@@ -72,9 +72,10 @@ event loop and zarrs' threads decode it while the caller waits), then hands out 
 slicing memory. ``first_batch_s`` is from the ``DatasetCollection`` call to the first batch (it
 opens the stores, reads the obs column and ``indptr``, does the first load). ``--warmup`` batches
 (the first one included; with ``--warmup 0`` the first batch is still taken untimed) are
-discarded, then batches are drained untimed to the end of the current load, then at least
-``--num-batches`` are timed, rounded up to the end of a load (as the SLAF peer rounds up to whole
-chunks): a window that stopped mid-load would time slicing of cells read before the clock started.
+discarded, then batches are drained untimed to the end of the current load, then batches are
+timed for at least ``--seconds`` (the parent's window, 10 s by default, as omicsio_jax's loader is
+timed), the window extended to the end of a load (as the SLAF peer rounds up to whole chunks): a
+window that stopped mid-load would time slicing of cells read before the clock started.
 Epochs follow one another (the loader is re-iterated; the sampler's generator runs on). ``cells``
 are the rows timed; ``cells_per_s`` is the median over rounds; ``cells_per_cpu_s`` is cells divided
 by the process's CPU time (``time.process_time()``: user + sys of every thread) over the same
@@ -283,10 +284,8 @@ def _round(args: argparse.Namespace, load_adata: Any) -> dict[str, Any]:
         drained, loads0 = delivered, sampler.loads
         timing = True
         cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(args.num_batches):
-            take()
-            delivered += 1
-        while sampler.issued > delivered:  # end on a load boundary too: whole loads in the window
+        # at least --seconds, and end on a load boundary too: whole loads in the window
+        while time.perf_counter() - t0 < args.seconds or sampler.issued > delivered:
             take()
             delivered += 1
         t1, cpu1 = time.perf_counter(), time.process_time()
@@ -354,7 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "label": args.label,
         "label_entropy_bits": statistics.fmean(entropy) if entropy else None,
         "label_entropy_bits_runs": [statistics.fmean(r["entropy"]) for r in runs] if entropy else None,
-        "num_batches": args.num_batches, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
+        "window_s": args.seconds, "seconds_runs": [r["seconds"] for r in runs],
+        "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
         "num_cells": num_cells, "num_genes": runs[0]["num_genes"], "datasets": datasets,
         "chunk_size": args.chunk_size, "preload_nchunks": args.preload_nchunks,
         "cells_per_load": pool, "batches_per_load": pool // args.batch_size, **_memory(),
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("dataset")
     bench.add_argument("--output", choices=OUTPUTS, default="dense")
     bench.add_argument("--batch-size", type=int, default=64)
-    bench.add_argument("--num-batches", type=int, default=100)
+    bench.add_argument("--seconds", type=float, default=10.0, help="the timed window of a round (at least)")
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--seed", type=int, default=0)
@@ -396,9 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         print(json.dumps(convert(args.input, args.output, args.seed)), flush=True)
         return 0
-    for name in ("batch_size", "num_batches", "rounds", "chunk_size", "preload_nchunks"):
+    for name in ("batch_size", "rounds", "chunk_size", "preload_nchunks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if not args.seconds > 0:
+        parser.error(f"--seconds must be positive, got {args.seconds}")
     if args.warmup < 0:
         parser.error(f"--warmup must be ≥ 0, got {args.warmup}")
     print(json.dumps(run(args)), flush=True)

@@ -1,9 +1,10 @@
 """Peer loaders measured on the same data as omicsio_jax's, plus page-cache helpers.
 
 Every ``bench_*`` function returns ``{"name", "cells_per_s", "batches", "seconds", **parameters}``:
-steady-state throughput over ``num_batches`` dense float32 numpy minibatches of shape
-``(batch_size, num_genes)`` (what omicsio_jax's loader yields), after discarding the first
-``warmup``. All randomness comes from ``seed``. Peers:
+steady-state throughput of dense float32 numpy minibatches of shape ``(batch_size, num_genes)``
+(what omicsio_jax's loader yields) over a window of at least ``seconds`` (`_provenance.MIN_WINDOW_S`
+by default), after discarding the first ``warmup`` batches, timed as omicsio_jax's loader is
+(`_provenance.window`). All randomness comes from ``seed``. Peers:
 
 - `bench_scdataset`: scDataset (``BlockShuffling``, ``fetch_factor``) over the ``.h5ad`` opened
   backed; ``block_size=1, fetch_factor=1`` is its true-random mode.
@@ -11,17 +12,17 @@ steady-state throughput over ``num_batches`` dense float32 numpy minibatches of 
   ``IndexSampler`` + ``DataLoader``): true random, record by record.
 - annbatch (Python >= 3.12) runs in its own virtualenv: `_annbatch_peer.py`, `bench_annbatch.py`.
 
-Run alone (needs ``scripts/setup-bench.sh``)::
+Run alone (needs ``scripts/setup-bench.sh``; prints JSON lines, writes no results file)::
 
-    python benchmarks/_peers.py --dataset /tmp/ds200k --num-batches 50 [--cold]
+    python benchmarks/_peers.py --dataset /tmp/ds200k --seconds 10 [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,8 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from omicsio_jax import open_dataset
-from omicsio_jax.format import codec
+sys.path.insert(0, str(Path(__file__).parent))
+from _provenance import MIN_WINDOW_S, window  # noqa: E402
+
+from omicsio_jax import open_dataset  # noqa: E402
+from omicsio_jax.format import codec  # noqa: E402
 
 CORPUS = Path(__file__).parent / "data" / "corpus_200k"
 
@@ -43,9 +47,13 @@ def _densify(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, num_ge
     return out
 
 
-def _epochs(make_epoch: Callable[[], Iterable[np.ndarray]]) -> Iterator[np.ndarray]:
-    """Batches of ``make_epoch()``, then of a fresh call, and so on."""
-    while True:
+def _epochs(
+    make_epoch: Callable[[], Iterable[np.ndarray]], max_epochs: int | None = None
+) -> Iterator[np.ndarray]:
+    """Batches of ``make_epoch()``, then of a fresh call, and so on (``max_epochs`` times at most)."""
+    epoch = 0
+    while max_epochs is None or epoch < max_epochs:
+        epoch += 1
         batch = None
         for batch in make_epoch():
             yield batch
@@ -54,20 +62,34 @@ def _epochs(make_epoch: Callable[[], Iterable[np.ndarray]]) -> Iterator[np.ndarr
 
 
 def _measure(
-    name: str, batches: Iterator[np.ndarray], *, num_batches: int, warmup: int, batch_size: int, **params: Any
+    name: str,
+    batches: Iterator[np.ndarray],
+    *,
+    seconds: float,
+    warmup: int,
+    batch_size: int,
+    whole: int = 1,
+    **params: Any,
 ) -> dict[str, Any]:
-    """Discard ``warmup`` batches, time the next ``num_batches``; check every batch's shape."""
+    """Discard ``warmup`` batches, then time batches for at least ``seconds``, ending after a whole
+    number of ``whole`` batches (a fetch); check every batch's shape."""
     for _ in range(warmup):
         next(batches)
-    start = time.perf_counter()
-    for _ in range(num_batches):
+
+    timed = 0
+
+    def step() -> int:
+        nonlocal timed
         batch = next(batches)
         if batch.shape[0] != batch_size or batch.dtype != np.float32:
             raise AssertionError(f"{name}: got {batch.shape} {batch.dtype}, want ({batch_size}, G) float32")
-    seconds = time.perf_counter() - start
-    cells_per_s = num_batches * batch_size / seconds
-    return {"name": name, "cells_per_s": cells_per_s, "batches": num_batches, "seconds": seconds,
-            "batch_size": batch_size, "warmup": warmup, **params}  # fmt: skip
+        timed += 1
+        return batch_size
+
+    w = window(step, seconds=seconds, until=lambda: timed % whole == 0)
+    return {"name": name, "cells_per_s": w.cells_per_s, "batches": w.steps, "seconds": w.seconds,
+            "cells_per_cpu_s": w.as_dict()["cells_per_cpu_s"], "batch_size": batch_size, "warmup": warmup,
+            **params}  # fmt: skip
 
 
 def bench_scdataset(
@@ -76,9 +98,10 @@ def bench_scdataset(
     batch_size: int,
     block_size: int,
     fetch_factor: int,
-    num_batches: int,
     seed: int,
+    seconds: float = MIN_WINDOW_S,
     warmup: int = 2,
+    max_epochs: int | None = None,
 ) -> dict[str, Any]:
     """scDataset with ``BlockShuffling(block_size)`` over ``anndata.read_h5ad(path, backed="r")``.
 
@@ -87,8 +110,9 @@ def bench_scdataset(
     scipy CSR (``adata.X[sorted_indices]``) and ``batch_callback`` densifies only the minibatch
     (densifying a whole fetch, as ``adata_to_mindex`` does, needs 16 GB at 1024 x 64). Single
     process: iterating the dataset is what ``DataLoader(ds, batch_size=None, num_workers=0)``
-    does, minus the tensor conversion. ``warmup`` and ``num_batches`` are rounded up to whole
-    fetches so the timed window holds complete fetch cycles, not just in-memory slicing.
+    does, minus the tensor conversion. ``warmup`` is rounded up to whole fetches and the window ends
+    on a fetch boundary, so it holds complete fetch cycles, not just in-memory slicing.
+    ``max_epochs=1`` (a cold run) ends the window with the first epoch if that comes first.
     """
     import anndata
     from scdataset import BlockShuffling, scDataset
@@ -113,24 +137,28 @@ def bench_scdataset(
         batch_callback=to_batch,
         seed=seed,
     )
-    whole = lambda n: math.ceil(n / fetch_factor) * fetch_factor  # noqa: E731
     try:
         return _measure(
-            f"scdataset(block={block_size},fetch={fetch_factor})", _epochs(lambda: dataset),
-            num_batches=whole(num_batches), warmup=whole(warmup), batch_size=batch_size,
-            block_size=block_size, fetch_factor=fetch_factor, seed=seed, num_workers=0,
+            f"scdataset(block={block_size},fetch={fetch_factor})", _epochs(lambda: dataset, max_epochs),
+            seconds=seconds, warmup=-(-warmup // fetch_factor) * fetch_factor, batch_size=batch_size,
+            whole=fetch_factor, block_size=block_size, fetch_factor=fetch_factor, seed=seed, num_workers=0,
         )  # fmt: skip
     finally:
         adata.file.close()
 
 
 def bench_grain_stock(
-    dataset_dir: str | os.PathLike[str], *, batch_size: int, num_batches: int, seed: int, warmup: int = 2
+    dataset_dir: str | os.PathLike[str],
+    *,
+    batch_size: int,
+    seed: int,
+    seconds: float = MIN_WINDOW_S,
+    warmup: int = 2,
 ) -> dict[str, Any]:
     """Grain's stock path over the dataset's shards: one record read per cell, true random order.
 
     ``ArrayRecordDataSource`` (Grain's default reader options: no readahead) + ``IndexSampler``
-    (shuffle, one epoch) + ``DataLoader(worker_count=0)`` with its default read threads; a
+    (shuffle, epoch after epoch) + ``DataLoader(worker_count=0)`` with its default read threads; a
     ``Batch`` whose ``batch_fn`` decodes the minibatch's records with omicsio's codec and densifies.
     """
     import grain
@@ -138,8 +166,6 @@ def bench_grain_stock(
     ds = open_dataset(dataset_dir)
     num_genes = ds.num_genes
     paths = [str(ds.path / shard.path) for shard in ds.manifest.shards]
-    if (warmup + num_batches) * batch_size > ds.num_cells:
-        raise ValueError(f"{warmup + num_batches} x {batch_size} cells exceed one epoch of {ds.num_cells:,}")
 
     def to_dense(records: Sequence[bytes]) -> np.ndarray:
         indptr, indices, values = codec.decode_csr(*codec.join_records(list(records)), num_genes)
@@ -147,7 +173,7 @@ def bench_grain_stock(
 
     source = grain.sources.ArrayRecordDataSource(paths)
     sampler = grain.samplers.IndexSampler(
-        len(source), shuffle=True, seed=seed, num_epochs=1, shard_options=grain.sharding.NoSharding()
+        len(source), shuffle=True, seed=seed, num_epochs=None, shard_options=grain.sharding.NoSharding()
     )
     loader = grain.DataLoader(
         data_source=source,
@@ -156,7 +182,7 @@ def bench_grain_stock(
         worker_count=0,
     )
     return _measure(
-        "grain_stock", iter(loader), num_batches=num_batches, warmup=warmup, batch_size=batch_size, seed=seed
+        "grain_stock", iter(loader), seconds=seconds, warmup=warmup, batch_size=batch_size, seed=seed
     )
 
 
@@ -234,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="holds cells.parquet and cells.h5ad")
     parser.add_argument("--dataset", type=Path, default=None, help="materialized dataset (made if missing)")
-    parser.add_argument("--num-batches", type=int, default=50, help="timed batches per configuration")
+    parser.add_argument(
+        "--seconds", type=float, default=MIN_WINDOW_S, help="seconds timed per configuration, after warm-up"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     args = parser.parse_args(argv)
@@ -252,11 +280,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.cold:
                 drop_page_cache(files["h5ad"])
             r = bench_scdataset(h5ad, batch_size=batch_size, block_size=block_size, fetch_factor=fetch_factor,
-                                num_batches=args.num_batches, seed=args.seed)  # fmt: skip
+                                seconds=args.seconds, seed=args.seed)  # fmt: skip
             print(json.dumps({**r, "cold": args.cold}), flush=True)
         if args.cold:
             drop_page_cache(shards)
-        r = bench_grain_stock(dataset, batch_size=batch_size, num_batches=args.num_batches, seed=args.seed)
+        r = bench_grain_stock(dataset, batch_size=batch_size, seconds=args.seconds, seed=args.seed)
         print(json.dumps({**r, "cold": args.cold}), flush=True)
 
 

@@ -5,7 +5,7 @@ omicsio_jax::
 
     python benchmarks/_slaf_peer.py convert INPUT.h5ad OUT.slaf
     python benchmarks/_slaf_peer.py run OUT.slaf --tokenizer geneformer --batch-size 64 \\
-        --max-len 2048 --num-batches 200 --warmup 10 [--rounds 3] [--seed 0]
+        --max-len 2048 --seconds 10 --warmup 10 [--rounds 3] [--seed 0]
 
 ``convert`` is what ``slaf convert INPUT OUT`` does: ``SLAFConverter()`` with its defaults
 (chunked, 5,000 cells per chunk, uint16 values when X holds integer counts).
@@ -27,13 +27,15 @@ same work.
 Timing, per round: a fresh loader (its producer thread starts in the constructor and tokenizes
 whole chunks, ``cells_per_chunk`` in the output, ahead of the consumer), ``--warmup`` batches
 discarded, then batches are drained untimed until every tokenized cell has been delivered (a chunk
-boundary), then at least ``--num-batches`` are timed, rounded up to the next chunk boundary (as
-the scDataset peer rounds up to whole fetches): otherwise the window would mostly time slicing of
-cells tokenized before the clock started. Cells are the rows delivered (the last batch of each
-chunk is short); ``batches`` is how many were timed. ``cells_per_s`` is the median over rounds;
+boundary), then batches are timed for at least ``--seconds`` (the parent's window, 10 s by
+default, as omicsio_jax's loader is timed), the window extended to the next chunk boundary (as the
+scDataset peer ends on whole fetches): otherwise the window would mostly time slicing of cells
+tokenized before the clock started. Cells are the rows delivered (the last batch of each chunk is
+short); ``batches`` is how many were timed. ``cells_per_s`` is the median over rounds;
 ``end_to_end_cells_per_s`` counts every delivered cell from the constructor call on. The loader
-gets just enough epochs for the run plus three: at the end of its last epoch SLAF's iterator
-waits ~70 s before it stops, and the producer would run ahead into any further epoch.
+gets enough epochs for the warm-up and a window served at up to `RATE_BOUND` cells/s, plus three:
+at the end of its last epoch SLAF's iterator waits ~70 s before it stops (a loader that runs out
+is reported as stopping early, not timed); the producer is stopped after the window.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from importlib.metadata import version
 from typing import Any
 
 TOKENIZERS = ("geneformer", "scgpt")
+RATE_BOUND = 200_000  # cells/s that SLAF's loader is taken never to exceed: sizes its number of epochs
 
 
 def convert(input_path: str, output_path: str) -> None:
@@ -72,7 +75,7 @@ def _max_genes(tokenizer: str, max_len: int) -> int:
 
 
 def _round(slaf_array: Any, args: argparse.Namespace, num_epochs: int) -> dict[str, Any]:
-    """One fresh loader: discard ``args.warmup`` batches, time the next ``args.num_batches``."""
+    """One fresh loader: discard ``args.warmup`` batches, time batches for at least ``args.seconds``."""
     import numpy as np
     from slaf.ml.dataloaders import SLAFDataLoader
 
@@ -102,9 +105,9 @@ def _round(slaf_array: Any, args: argparse.Namespace, num_epochs: int) -> dict[s
             delivered += take()[0]
         drained = delivered
         t0 = time.perf_counter()
-        shapes = [take() for _ in range(args.num_batches)]
-        delivered += sum(rows for rows, _ in shapes)
-        while behind() > 0:  # end on a chunk boundary too: whole chunks in the window
+        shapes: list[tuple[int, int]] = []
+        # at least --seconds, and end on a chunk boundary too: whole chunks in the window
+        while time.perf_counter() - t0 < args.seconds or behind() > 0:
             shapes.append(take())
             delivered += shapes[-1][0]
         t1 = time.perf_counter()
@@ -144,9 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slaf_array = SLAFArray(args.dataset)
     slaf_array.wait_for_metadata()
     num_cells = int(slaf_array.shape[0])
-    # Each epoch gives at least ceil(num_cells / batch_size) batches; spare epochs for the drain
+    # Enough epochs for the warm-up and a window at up to RATE_BOUND cells/s; spare epochs for the drain
     # and the round-up to chunk boundaries (a chunk is at most an epoch).
-    num_epochs = math.ceil((args.warmup + args.num_batches) / math.ceil(num_cells / args.batch_size)) + 3
+    num_epochs = math.ceil((args.warmup * args.batch_size + args.seconds * RATE_BOUND) / num_cells) + 3
     runs = [_round(slaf_array, args, num_epochs) for _ in range(args.rounds)]
     rates = [r["cells"] / r["seconds"] for r in runs]
     return {
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batches": statistics.median_low(r["batches"] for r in runs),
         "batches_runs": [r["batches"] for r in runs],
         "cells_runs": [r["cells"] for r in runs], "shape": runs[-1]["shape"],
-        "num_batches": args.num_batches, "warmup": args.warmup, "rounds": args.rounds,
+        "window_s": args.seconds, "seconds_runs": [r["seconds"] for r in runs],
+        "warmup": args.warmup, "rounds": args.rounds,
         "max_len": args.max_len, "max_genes": _max_genes(args.tokenizer, args.max_len),
         "end_to_end_cells_per_s": statistics.median(r["end_to_end"] for r in runs),
         "cells_per_chunk": statistics.median(r["cells_per_chunk"] for r in runs),
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tokenizer", choices=TOKENIZERS, default="geneformer")
     bench.add_argument("--batch-size", type=int, default=64)
     bench.add_argument("--max-len", type=int, default=2048)
-    bench.add_argument("--num-batches", type=int, default=100)
+    bench.add_argument("--seconds", type=float, default=10.0, help="the timed window of a round (at least)")
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--seed", type=int, default=0)
@@ -185,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         convert(args.input, args.output)
         return 0
-    for name in ("batch_size", "num_batches", "rounds"):
+    for name in ("batch_size", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if not args.seconds > 0:
+        parser.error(f"--seconds must be positive, got {args.seconds}")
     if args.warmup < 0:
         parser.error(f"--warmup must be ≥ 0, got {args.warmup}")
     print(json.dumps(run(args)), flush=True)

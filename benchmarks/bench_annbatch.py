@@ -7,18 +7,18 @@ conversion holds the whole corpus in RAM, ~10 GB at 200k cells), run in ``.venv-
 (annbatch needs Python >= 3.12). Configurations, each run in a fresh process, every one ``--rounds``
 times round-robin (a slow spell of the shared machine hits all of them), medians reported:
 
-- omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, block_size 16, fetch_factor 64,
-  its defaults otherwise (``num_threads=1``: batches decoded and placed on one thread), and the same
-  two with ``num_threads=0`` (on the consumer's thread, when asked for) and ``num_threads=2`` (the
-  default before session 10); ``prefetch`` reads stay on their own threads in every case;
+- omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, ``sampling=oj.Block(16, 64)``,
+  its defaults otherwise (``read=oj.ReadOptions()``: one thread decodes and places batches), and the
+  same two with ``oj.ReadOptions(num_threads=0)`` (on the consumer's thread, when asked for) and
+  ``oj.ReadOptions(num_threads=2)``; ``prefetch`` reads stay on their own threads in every case;
   ``obs=("batch",)``, ``num_epochs=None``, seed 0.
 - annbatch ``Loader`` at its best documented setting (the peer's defaults: ``chunk_size=512,
   preload_nchunks=32``, ``RandomSampler``, ``drop_last``, zarrs codec pipeline; see the peer's
   docstring), ``--output dense`` (each CSR batch densified with scipy in the timed loop, as annbatch
   has no dense output for a sparse store) and ``--output csr``, with ``--label batch``.
 
-Measured per process, after imports: ``cells_per_s`` = cells over the timed window (``warmup``
-batches discarded first); ``cells_per_cpu_s`` = cells divided by ``time.process_time()`` over the same
+Measured per process, after imports: ``cells_per_s`` = cells over the timed window of at least
+``--seconds`` (``warmup`` batches discarded first); ``cells_per_cpu_s`` = cells divided by ``time.process_time()`` over the same
 window (user + sys of every thread of the process); ``cpu_per_wall`` = cores kept busy;
 ``first_batch_s`` = seconds to the first batch ready, for omicsio_jax from the ``make_loader`` call
 (``open_dataset`` done before the clock; its seconds are in ``open_s``), for annbatch from the
@@ -29,9 +29,9 @@ script waits for); ``peak_rss_bytes`` = VmHWM of
 the process; ``label_entropy_bits`` = mean over the timed minibatches of the plug-in Shannon entropy
 (bits) of the obs label ``batch`` (the plate) within each minibatch, missing labels ignored (no
 padding: ``drop_remainder``/``drop_last``), next to the population entropy and the true-random
-expectation (``oj.entropy_bounds``'s upper bound). Both sides time the same number of batches
-except that annbatch rounds its window up to whole loads of 16,384 cells (``batches`` says how
-many it timed). Also the one-off cost of each format: annbatch's conversion (seconds, peak RSS,
+expectation (``oj.entropy_bounds``'s upper bound). Both sides time a window of at least
+``--seconds``; annbatch extends its window to the end of a load of 16,384 cells (``seconds`` and
+``batches`` say what each timed). Also the one-off cost of each format: annbatch's conversion (seconds, peak RSS,
 bytes; recorded next to the collection as ``<collection>.convert.json`` when made here) and
 omicsio's ``materialize`` from ``results/materialize.json`` (its 200k-cell parquet row, when the
 corpus has 200k cells), plus both on-disk sizes.
@@ -42,15 +42,14 @@ corpus has 200k cells), plus both on-disk sizes.
 
 The corpus (200,000 cells, seed 0), our dataset and the collection are made on first use under
 ``benchmarks/data/`` (``corpus_200k``, ``ds_200k``, ``annbatch_200k``); ``--corpus``, ``--dataset``
-and ``--collection`` point elsewhere, ``--quick`` is a smoke mode (few batches, 1 round).
+and ``--collection`` point elsewhere, ``--quick`` is a smoke mode (a short window, 1 round, results
+written to a temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -62,24 +61,22 @@ import numpy as np
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, compare, provenance, window, write_result  # noqa: E402
+
 DATA = HERE / "data"
 ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
 PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
 CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
-THREADS = (1, 0, 2)  # make_loader's num_threads: its default first
+THREADS = (1, 0, 2)  # ReadOptions(num_threads=...) of make_loader: its default first
 # also run at annbatch's own in-memory buffer (preload_nchunks 32 × chunk_size 512 = 16,384 cells): (threads, fetch_factor)
 EXTRA = {("csr", 1024): ((1, 16), (0, 16))}
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
-TIMED = {
-    64: 1500,
-    1024: 600,
-}  # timed batches (~1 s of dense b64; ~1.5 s of csr b1024: 9 fetches of 64 batches)
 # batches before the timed window, both loaders: our first three fetches are read while the first batches are
-# decoded (a ~0.5 s pipeline fill at csr b1024: 157k cells/s over batches 64-191, ~410k after), annbatch's
-# first 16 loads at b1024
+# decoded (a pipeline fill at csr b1024), annbatch's first loads
 WARMUP = {64: 256, 1024: 256}
-QUICK_TIMED, QUICK_WARMUP = {64: 300, 1024: 40}, {64: 16, 1024: 8}
+QUICK_WARMUP = {64: 16, 1024: 8}
 
 
 # ----- child: one omicsio_jax configuration -------------------------------------------------------
@@ -89,14 +86,15 @@ def _our_loader(
     batch_size: int,
     output: str,
     num_threads: int,
-    num_batches: int,
+    seconds: float,
     warmup: int,
     block_size: int = BLOCK_SIZE,
     fetch_factor: int = FETCH_FACTOR,
     seed: int = 0,
     spawned_at: float | None = None,
 ) -> dict:
-    """One fresh loader: first-batch latency, ``warmup`` batches (the first included), timed window."""
+    """One fresh loader: first-batch latency, ``warmup`` batches (the first included), then a timed
+    window of at least ``seconds``."""
     import jax
 
     import omicsio_jax as oj
@@ -107,13 +105,12 @@ def _our_loader(
     loader = oj.make_loader(
         ds,
         batch_size=batch_size,
-        block_size=block_size,
-        fetch_factor=fetch_factor,
-        seed=seed,
-        num_epochs=None,
+        sampling=oj.Block(block_size, fetch_factor),
         output=output,
         obs=(LABEL,),
-        num_threads=num_threads,
+        seed=seed,
+        num_epochs=None,
+        read=oj.ReadOptions(num_threads=num_threads),
     )
     it = iter(loader)
     jax.block_until_ready(next(it))
@@ -122,23 +119,18 @@ def _our_loader(
     for _ in range(max(warmup, 1) - 1):
         jax.block_until_ready(next(it))
     labels = []
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(num_batches):
+
+    def step() -> int:
         batch = next(it)
         jax.block_until_ready(batch)  # x, obs, index, mask
         labels.append(batch.obs[LABEL])  # a reference; read after the clock stops
-    t1, cpu1 = time.perf_counter(), time.process_time()
+        return batch_size
+
+    timed = window(step, seconds=seconds)
     loader.close()
     entropy = oj.minibatch_entropy([np.asarray(x) for x in labels])  # codes; -1 (missing) ignored
-    cells = num_batches * batch_size
     return {
-        "cells": cells,
-        "batches": num_batches,
-        "seconds": t1 - t0,
-        "cpu_seconds": cpu1 - cpu0,
-        "cells_per_s": cells / (t1 - t0),
-        "cells_per_cpu_s": cells / (cpu1 - cpu0),
-        "cpu_per_wall": (cpu1 - cpu0) / (t1 - t0),
+        **timed.as_dict(),
         "first_batch_s": first_batch_s,
         "open_s": opened - start,
         "first_batch_from_spawn_s": from_spawn_s,
@@ -186,8 +178,8 @@ def run(spec: dict) -> dict:
         kw["output"],
         "--batch-size",
         str(kw["batch_size"]),
-        "--num-batches",
-        str(kw["num_batches"]),
+        "--seconds",
+        repr(kw["seconds"]),
         "--warmup",
         str(kw["warmup"]),
         "--rounds",
@@ -202,13 +194,14 @@ def run(spec: dict) -> dict:
     )
     out = _last_json(proc)
     if "error" not in out:  # the peer's figures of its single round
-        out = {**out, "seconds": out["cells_runs"][0] / out["cells_per_s"], "cells": out["cells_runs"][0]}
+        out = {**out, "seconds": out["seconds_runs"][0], "cells": out["cells_runs"][0]}
         out["cpu_seconds"] = out["cells"] / out["cells_per_cpu_s"]
     return {**spec, **out}
 
 
 FIELDS = (
     "cells_per_s",
+    "seconds",
     "cells_per_cpu_s",
     "cpu_per_wall",
     "first_batch_s",
@@ -316,15 +309,19 @@ def our_materialize(num_cells: int) -> dict | None:
     if not path.exists():
         return None
     saved = json.loads(path.read_text())
+    if not all(saved.get(k) for k in ("command", "date", "commit")):  # no provenance: not a figure to quote
+        return None
     row = next((r for r in saved["rows"] if r["num_cells"] == num_cells and r["input"] == "parquet"), None)
     if row is None:
         return None
     return {
         "source": "results/materialize.json",
         "command": saved["command"],
+        "date": saved["date"],
+        "commit": saved["commit"],
         "input": "parquet",
-        "cells_per_s": row["cells_per_s_median"],
-        "seconds": num_cells / row["cells_per_s_median"],
+        "cells_per_s": row["cells_per_s"],
+        "seconds": num_cells / row["cells_per_s"],
         "peak_rss_bytes": round(row["peak_rss_mib_max"] * 2**20),
         "largest_child_peak_rss_bytes": round(row["child_peak_rss_mib_max"] * 2**20),
         "bytes_per_cell": row["dataset_bytes_per_cell"],
@@ -374,8 +371,8 @@ def _variants(output: str, bs: int) -> list[tuple[int, int]]:
 def _our_label(output: str, bs: int, threads: int, fetch: int = FETCH_FACTOR) -> str:
     return (
         f"omicsio {output} b{bs}"
-        + ("" if threads == THREADS[0] else f" num_threads={threads}")
-        + ("" if fetch == FETCH_FACTOR else f" fetch_factor={fetch}")
+        + ("" if threads == THREADS[0] else f" read=ReadOptions(num_threads={threads})")
+        + ("" if fetch == FETCH_FACTOR else f" sampling=Block({BLOCK_SIZE}, {fetch})")
     )
 
 
@@ -384,7 +381,7 @@ def _n(v: float | None, fmt: str = ",.0f") -> str:
 
 
 def markdown(result: dict) -> str:
-    """The results as a Markdown table for benchmarks/README.md."""
+    """The results as a Markdown table (printed after a run, and by ``--markdown``)."""
     lines = [
         (
             "| configuration | cells/s | cells per CPU-s | cores busy | first batch (s) "
@@ -475,14 +472,7 @@ def main() -> None:
         default=DATA / "annbatch_200k",
         help="annbatch's collection (converted from the corpus's h5ad if missing)",
     )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help="run every configuration this many times, round-robin, and report the median "
-        "(default 3; 1 with --quick)",
-    )
-    p.add_argument("--quick", action="store_true", help="smoke mode: few batches, 1 round")
+    add_window_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results" / "annbatch.json")
     p.add_argument("--markdown", action="store_true", help="only print the Markdown table of --out")
@@ -493,12 +483,11 @@ def main() -> None:
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return
+    check_window(args)
     if not ANNBATCH_PYTHON.exists():
         raise SystemExit(f"{ANNBATCH_PYTHON} is missing: run scripts/setup-annbatch.sh first")
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    if rounds < 1:
-        p.error(f"--rounds must be ≥ 1, got {rounds}")
-    timed, warmup = (QUICK_TIMED, QUICK_WARMUP) if args.quick else (TIMED, WARMUP)
+    rounds = args.rounds
+    warmup = QUICK_WARMUP if args.quick else WARMUP
     corpus, dataset, collection = args.corpus.resolve(), args.dataset.resolve(), args.collection.resolve()
     conversion = ensure_data(corpus, dataset, collection, args.seed)
 
@@ -519,7 +508,7 @@ def main() -> None:
         common = {
             "batch_size": bs,
             "output": output,
-            "num_batches": timed[bs],
+            "seconds": args.seconds,
             "warmup": warmup[bs],
             "seed": args.seed,
         }
@@ -554,18 +543,24 @@ def main() -> None:
             "the collection is not of the same corpus",
             flush=True,
         )
+    by = {r["label"]: r for r in rows}
+    comparisons = [
+        compare(f"{output} b{bs}{'' if variant == (THREADS[0], FETCH_FACTOR) else ' ' + _our_label(output, bs, *variant).removeprefix(f'omicsio {output} b{bs} ')}: omicsio ÷ annbatch",
+                by.get(_our_label(output, bs, *variant)), by.get(f"annbatch {output} b{bs}"))
+        for output, bs in CONFIGS
+        for variant in _variants(output, bs)
+    ]  # fmt: skip
     result = {
-        "benchmark": "bench_annbatch",
-        "command": "python benchmarks/bench_annbatch.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rounds": rounds, "quick": args.quick,
+        "benchmark": "bench_annbatch", **provenance(), "rounds": rounds, "window_s": args.seconds,
+        "quick": args.quick,
         "corpus": str(corpus), "dataset": str(dataset), "collection": str(collection), "num_cells": num_cells,
         "cell_count_mismatch": mismatched, "label": LABEL, "rows": rows, "ratios": ratios(rows),
+        "comparisons": [c for c in comparisons if c],
         "entropy_reference": entropy_reference(dataset),
         "disk_bytes": {"omicsio_dataset": _tree_bytes(dataset), "annbatch_collection": _tree_bytes(collection)},
         "annbatch_conversion": conversion, "omicsio_materialize": our_materialize(num_cells),
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_result(args.out, result, quick=args.quick)
     print()
     print(markdown(result))
 

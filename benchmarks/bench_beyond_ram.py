@@ -3,7 +3,8 @@
 The dataset is ``ds_200k``'s three full 65,536-cell shards written out as real copies (not links:
 the page cache cannot share them) under one manifest (`_replicate.py`), enough copies to exceed
 RAM by 18%. Each configuration runs in a fresh process after the page cache of every shard and
-chunk index was dropped, for ``--seconds`` after its first two batches; the same configurations
+chunk index was dropped, for ``--seconds`` (at least 10) after its first two batches, ``--rounds``
+times round-robin (medians reported); the same configurations
 run warm on ``ds_200k`` itself (read once first) in the same run. Recorded per run: cells/s, the
 longest wait for one batch, the process's CPU time (cores busy), peak RSS and RSS at the start
 and end of the timed window, and the bytes the process read from the disk (``read_bytes``).
@@ -15,7 +16,8 @@ The disk's limits, measured in the same run on the cold copies:
 - random: ``pread``s of one 16-cell chunk (what one block of the loader reads) at random
   chunks, with 1 and with ``--depth`` reads in flight (threads), in reads/s and cells/s (× 16);
   and the same with ``O_DIRECT`` (4 KiB-aligned, bypassing the page cache) at ``--depth`` and
-  4 × ``--depth`` reads in flight. The ceiling is the best of them. The disk is shared and its
+  4 × ``--depth`` reads in flight. The ceiling is the best of them. Each limit is the median of
+  ``--rounds`` measurements (random reads: windows of ``--disk-seconds``). The disk is shared and its
   rate drifts within a run, so the direct rate at 4 × ``--depth`` is measured again for
   ``--ceiling-seconds`` just before each cold run with direct reads, and that run's cells/s is
   also reported as a fraction of it (``of_ceiling``, at the cells one read serves: a block of 16,
@@ -24,12 +26,12 @@ The disk's limits, measured in the same run on the cold copies:
 The dataset is larger than RAM, so `open_dataset` reads it with ``O_DIRECT`` (`omicsio_jax.storage.direct_io`)
 by default. Cold runs are repeated with ``direct_io=False`` (buffered reads, each announced to the
 kernel first: `omicsio_jax.records.readahead`) and with ``chunk_reader=False`` as well (records read by
-ArrayRecord's own reader, as before session 10, instead of `omicsio_jax.records.chunk_reader`); warm runs
-with and without the chunk reader. Results: ``results/beyond_ram.json`` and ``results/beyond_ram.png``.
+ArrayRecord's own reader instead of `omicsio_jax.records.chunk_reader`); warm runs with and without
+the chunk reader. Results: ``results/beyond_ram.json`` and ``results/beyond_ram.png``.
 
-    .venv/bin/python benchmarks/bench_beyond_ram.py            # ~30 min; 30 GB of disk
-    .venv/bin/python benchmarks/bench_beyond_ram.py --configs "csr b1024 num_threads=0" \
-        --out benchmarks/results/beyond_ram_threads0.json   # the fastest 2-core setting, ~6 min
+    .venv/bin/python benchmarks/bench_beyond_ram.py            # needs free disk of --ram-factor × RAM
+    .venv/bin/python benchmarks/bench_beyond_ram.py --configs "csr b1024 ReadOptions(num_threads=0)" \
+        --out benchmarks/results/beyond_ram_threads0.json   # the fastest 2-core setting
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -51,20 +52,41 @@ HERE = Path(__file__).parent
 DATA = HERE / "data"
 SOURCE = DATA / "ds_200k"
 BIG = DATA / "ds_beyond_ram"
-CONFIGS = {  # label: make_loader kwargs
-    "dense b64": {"batch_size": 64, "block_size": 16, "fetch_factor": 64, "output": "dense"},
-    "dense b1024": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "dense"},
-    "csr b1024": {"batch_size": 1024, "block_size": 16, "fetch_factor": 64, "output": "csr"},
-    "true random csr b1024": {"batch_size": 1024, "block_size": 1, "fetch_factor": 64, "output": "csr"},
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    MIN_WINDOW_S,
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    require_window,
+    write_result,
+)
+
+CONFIGS = {  # label: (batch_size, block_size, fetch_factor, output, ReadOptions num_threads or None)
+    "dense b64": (64, 16, 64, "dense", None),
+    "dense b1024": (1024, 16, 64, "dense", None),
+    "csr b1024": (1024, 16, 64, "csr", None),
+    "true random csr b1024": (1024, 1, 64, "csr", None),
     # the fastest setting on 2 cores (bench_annbatch.py): batches decoded on the consumer's thread
-    "csr b1024 num_threads=0": {
-        "batch_size": 1024,
-        "block_size": 16,
-        "fetch_factor": 64,
-        "output": "csr",
-        "num_threads": 0,
-    },
+    "csr b1024 ReadOptions(num_threads=0)": (1024, 16, 64, "csr", 0),
 }
+ALIASES = {"csr b1024 num_threads=0": "csr b1024 ReadOptions(num_threads=0)"}  # its name before ReadOptions
+
+
+def loader_kwargs(config: str) -> dict:
+    """`make_loader`'s arguments of a configuration."""
+    import omicsio_jax as oj
+
+    batch_size, block_size, fetch_factor, output, threads = CONFIGS[config]
+    return {
+        "batch_size": batch_size,
+        "sampling": oj.Block(block_size, fetch_factor),
+        "output": output,
+        "read": oj.ReadOptions(num_threads=threads),
+    }
+
+
 DEFAULT_CONFIGS = ("dense b64", "dense b1024", "csr b1024", "true random csr b1024")
 
 
@@ -90,7 +112,7 @@ def _child(spec: dict) -> dict:
         direct_io=spec.get("direct_io"),
     )
     spec = {**spec, "direct_io": ds.chunk_reader is not None and ds.chunk_reader.direct}
-    loader = oj.make_loader(ds, seed=0, num_epochs=None, **CONFIGS[spec["config"]])
+    loader = oj.make_loader(ds, seed=0, num_epochs=None, **loader_kwargs(spec["config"]))
     it = iter(loader)
     for _ in range(2):
         jax.block_until_ready(next(it).x)
@@ -102,7 +124,7 @@ def _child(spec: dict) -> dict:
         jax.block_until_ready(batch.x)
         now = time.perf_counter()
         waits.append(now - last)
-        cells, last = cells + CONFIGS[spec["config"]]["batch_size"], now
+        cells, last = cells + CONFIGS[spec["config"]][0], now
     seconds = last - start
     times = os.times()
     user, system = times.user - times0.user, times.system - times0.system
@@ -221,8 +243,9 @@ def adjacent_ceiling(table: tuple[list[Path], list[np.ndarray], int], *, depth: 
     return _random_reads(shards, chunks, group, threads=4 * depth, seconds=seconds, direct=True)
 
 
-def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
-    """Sequential and random-chunk read rates of the cold shards (see the module docstring)."""
+def disk_limits(dataset: Path, *, depth: int, seconds: float, rounds: int) -> dict:
+    """Sequential and random-chunk read rates of the cold shards (see the module docstring): each the
+    median of ``rounds`` measurements, every one kept as ``<name>_runs``."""
     sys.path.insert(0, str(HERE))
     from _peers import drop_page_cache, sequential_read_limit
 
@@ -232,20 +255,29 @@ def disk_limits(dataset: Path, *, depth: int, seconds: float) -> dict:
     shards, chunks, group = chunk_table(dataset)
     per_cell = sum(s.num_bytes for s in m.shards) / m.num_cells
     some = shards[: max(1, int(np.ceil(4e9 / m.shards[0].num_bytes)))]
-    sequential = sequential_read_limit(some)
+    sequential = [sequential_read_limit(some) for _ in range(rounds)]
     out = {
         "bytes_per_cell": per_cell,
-        "sequential_MBps": sequential / 1e6,
-        "sequential_cells_per_s": sequential / per_cell,
+        "sequential_MBps": float(np.median(sequential)) / 1e6,
+        "sequential_MBps_runs": [v / 1e6 for v in sequential],
+        "sequential_cells_per_s": float(np.median(sequential)) / per_cell,
         "group_size": group,
+        "random_window_s": seconds,
+        "rounds": rounds,
     }
+
+    def random_rate(threads: int, *, direct: bool = False, drop: bool = False) -> dict:
+        runs = []
+        for _ in range(rounds):
+            if drop:
+                drop_page_cache(shards)
+            runs.append(_random_reads(shards, chunks, group, threads=threads, seconds=seconds, direct=direct))
+        return medians(runs, ("reads_per_s", "cells_per_s", "kib_per_read"))
+
     for threads in (1, depth):
-        drop_page_cache(shards)
-        out[f"random_qd{threads}"] = _random_reads(shards, chunks, group, threads=threads, seconds=seconds)
+        out[f"random_qd{threads}"] = random_rate(threads, drop=True)
     for threads in (depth, 4 * depth):
-        out[f"random_direct_qd{threads}"] = _random_reads(
-            shards, chunks, group, threads=threads, seconds=seconds, direct=True
-        )
+        out[f"random_direct_qd{threads}"] = random_rate(threads, direct=True)
     out["random_ceiling_cells_per_s"] = max(
         v["cells_per_s"] for k, v in out.items() if k.startswith("random_")
     )
@@ -308,7 +340,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("cells / s")
     ax.set_title(
         f"{result['dataset_gb']:.1f} GB dataset ({result['cells']:,} cells) on a "
-        f"{result['machine']['ram_gib']:.0f} GiB, {result['machine']['cpus']}-core machine "
+        f"{result['machine']['memory_gib']:.0f} GiB, {result['machine']['cores']}-core machine "
         f"(sequential read: {disk['sequential_cells_per_s']:,.0f} cells/s)",
         fontsize=9,
     )
@@ -320,26 +352,39 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--seconds", type=float, default=30, help="timed seconds per run")
-    p.add_argument("--rounds", type=int, default=3)
+    add_window_options(p, seconds=30.0)
     p.add_argument("--depth", type=int, default=16, help="reads in flight for the random-read ceiling")
     p.add_argument(
         "--ceiling-seconds",
         type=float,
-        default=5,
-        help="seconds of the direct random-read rate measured before each cold direct run",
+        default=None,
+        help=f"seconds of the direct random-read rate measured before each cold direct run (default "
+        f"{MIN_WINDOW_S:g}; at least that unless --quick)",
+    )
+    p.add_argument(
+        "--disk-seconds",
+        type=float,
+        default=None,
+        help=f"seconds of each random-read limit, per round (default {MIN_WINDOW_S:g}; at least that "
+        "unless --quick)",
     )
     p.add_argument("--ram-factor", type=float, default=1.18)
-    p.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=[*CONFIGS, *ALIASES])
     p.add_argument("--only", choices=("cold", "warm", "both"), default="both")
     p.add_argument("--out", type=Path, default=HERE / "results" / "beyond_ram.json")
     a = p.parse_args()
     if a.child:
         print(json.dumps(_child(json.loads(a.child))))
         return
+    check_window(a)
+    a.configs = [ALIASES.get(c, c) for c in a.configs]
+    for flag in ("ceiling_seconds", "disk_seconds"):
+        if getattr(a, flag) is None:
+            setattr(a, flag, a.seconds if a.quick else MIN_WINDOW_S)
+        require_window(getattr(a, flag), "--" + flag.replace("_", "-"), quick=a.quick)
     big = ensure_big(SOURCE, BIG, a.ram_factor)
     size = sum(f.stat().st_size for f in big.glob("shard-*.arrayrecord"))
-    limits = disk_limits(big, depth=a.depth, seconds=10)
+    limits = disk_limits(big, depth=a.depth, seconds=a.disk_seconds, rounds=a.rounds)
     print(json.dumps(limits), flush=True)
     table = chunk_table(big)
     plan = []
@@ -377,7 +422,7 @@ def main() -> None:
                 ceiling = adjacent_ceiling(table, depth=a.depth, seconds=a.ceiling_seconds)
             res = run({**spec, "seconds": a.seconds})
             if ceiling is not None and "error" not in res:  # cells per chunk read: a block, at most a chunk
-                per_read = min(CONFIGS[spec["config"]]["block_size"], table[2])
+                per_read = min(CONFIGS[spec["config"]][1], table[2])
                 res["ceiling_cells_per_s"] = ceiling["reads_per_s"] * per_read
                 res["of_ceiling"] = res["cells_per_s"] / res["ceiling_cells_per_s"]
             runs[i].append(res)
@@ -407,6 +452,7 @@ def main() -> None:
             key: float(np.median([x[key] for x in ok]))
             for key in (
                 "cells_per_s",
+                "seconds",
                 "cores_busy",
                 "system_share",
                 "cells_per_cpu_s",
@@ -434,12 +480,10 @@ def main() -> None:
             }
         )
     result = {
-        "command": "python benchmarks/bench_beyond_ram.py " + " ".join(sys.argv[1:]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-            "python": platform.python_version(),
-        },
+        "benchmark": "bench_beyond_ram",
+        **provenance(),
+        "quick": a.quick,
+        "window_s": a.seconds,
         "dataset_gb": size / 1e9,
         "cells": json.loads((big / "manifest.json").read_text())["num_cells"],
         "seconds_per_run": a.seconds,
@@ -447,10 +491,9 @@ def main() -> None:
         "disk": limits,
         "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    plot(result, a.out.with_suffix(".png"))
-    print(json.dumps({"wrote": [str(a.out), str(a.out.with_suffix(".png"))]}))
+    path = write_result(a.out, result, quick=a.quick)
+    plot(result, path.with_suffix(".png"))
+    print(json.dumps({"wrote": [str(path), str(path.with_suffix(".png"))]}))
 
 
 if __name__ == "__main__":

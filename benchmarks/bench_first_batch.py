@@ -7,12 +7,13 @@ each distinct file's first open and reads cold). A block-sampled first fetch (ba
 fetch_factor 64 in blocks of 16) touches nearly every shard, so every shard is opened before the
 first batch. Each run is a fresh process; ``first_batch_s`` counts from after the imports (those
 ``import omicsio_jax`` defers to first use, numba, Grain and Orbax, included and timed apart as
-``lazy_imports_s``) to the first batch ready (``open_dataset``, ``make_loader`` and the first fetch included); ``read_mb`` is
-the bytes the process read (``rchar``), by reader: omicsio_jax's chunk reader (the default since
-session 10: no shard is opened as an ArrayRecord file, the chunks a read needs are read from the
-chunk indexes' byte ranges) against ArrayRecord's own reader (``chunk_reader=False``, with
-omicsio_jax's 64 KiB footer prefetch per open; ArrayRecord's default of 1 MiB read 774 MB here in
-session 8).
+``lazy_imports_s``) to the first batch ready (``open_dataset``, ``make_loader`` and the first fetch
+included); ``read_mb`` is the bytes the process read (``rchar``), by reader: omicsio_jax's chunk
+reader (the default: no shard is opened as an ArrayRecord file, the chunks a read needs are read
+from the chunk indexes' byte ranges) against ArrayRecord's own reader (``chunk_reader=False``, with
+omicsio_jax's 64 KiB footer prefetch per open instead of ArrayRecord's default of 1 MiB). A latency,
+not a throughput: every configuration runs ``--rounds`` times (fresh processes) and the report
+quotes medians.
 
     .venv/bin/python benchmarks/bench_first_batch.py
 """
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
+
 SOURCE = HERE / "data" / "ds_s3_50k"
 LINKED = HERE / "data" / "ds_1500_linked"
 READERS = {
@@ -59,9 +62,7 @@ def _child(spec: dict) -> dict:
         )
     read0, start = proc_io("rchar"), time.perf_counter()
     ds = oj.open_dataset(spec["dataset"], **spec["open"])
-    loader = oj.make_loader(
-        ds, batch_size=1024, block_size=16, fetch_factor=64, seed=0, output=spec["output"]
-    )
+    loader = oj.make_loader(ds, batch_size=1024, sampling=oj.Block(16, 64), output=spec["output"], seed=0)
     jax.block_until_ready(next(iter(loader)).x)
     seconds = time.perf_counter() - start
     plan = oj.SamplingPlan(np.arange(ds.num_cells), 1024, 16, 64, 0)  # the loader's: its first fetch's cells
@@ -81,12 +82,13 @@ def _child(spec: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=3)
+    add_window_options(p, seconds=None)
     p.add_argument("--out", default=str(HERE / "results" / "first_batch.json"))
     args = p.parse_args()
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return
+    check_window(args)
     if not (LINKED / "manifest.json").exists():
         from _replicate import replicate
         from bench_s3 import ensure_dataset
@@ -119,13 +121,34 @@ def main() -> None:
                         f"{got['read_mb']:8,.0f} MB read, {got['shards_touched']} of {got['shards']} shards",
                         flush=True,
                     )
+    summary = []
+    for label in READERS:
+        for output in ("dense", "csr"):
+            for cache in ("cold", "warm"):
+                mine = [r for r in rows if (r["reader"], r["output"], r["cache"]) == (label, output, cache)]
+                summary.append(
+                    {
+                        "label": f"{label}, {output}, {cache}",
+                        "reader": label,
+                        "output": output,
+                        "cache": cache,
+                        "first_batch_s": statistics.median(r["first_batch_s"] for r in mine),
+                        "first_batch_s_runs": [r["first_batch_s"] for r in mine],
+                        "lazy_imports_s": statistics.median(r["lazy_imports_s"] for r in mine),
+                        "read_mb": statistics.median(r["read_mb"] for r in mine),
+                        "shards": mine[0]["shards"],
+                        "shards_touched": mine[0]["shards_touched"],
+                    }
+                )
     out = {
         "benchmark": "bench_first_batch",
-        "command": "python benchmarks/bench_first_batch.py",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "summary": summary,
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Encodes cells of the synthetic corpus with the omicsio record codec, writes them with each
 writer option, and measures write speed, bytes per cell, and read+decode speed for the two access
 patterns that matter: blocks of 16 consecutive cells (the loader's default block) and single
-random cells (block_size=1, true random sampling). Reads are warm (page cache).
+random cells (block_size=1, true random sampling). Reads are warm (page cache). Each speed is the
+median of ``--rounds`` windows of at least ``--seconds`` (writes: the whole file, again and again).
 
     python benchmarks/bench_format.py --cells 40000 --out benchmarks/results/format.json
 """
@@ -11,11 +12,9 @@ random cells (block_size=1, true random sampling). Reads are warm (page cache).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,16 @@ from omicsio_jax.format import codec
 from omicsio_jax.format.csr import list_to_csr
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
+
 GROUP_SIZES = (1, 4, 16, 64)
 COMPRESSIONS = ("zstd:3", "zstd:1", "zstd:-1", "zstd:-5", "snappy", "uncompressed")
 NUM_COLUMNS = np.iinfo(np.int32).max  # the records' columns are the corpus's gene token ids: no bound
@@ -41,37 +50,54 @@ def load_records(parquet: Path, num_cells: int) -> list[bytes]:
     return [data[starts[i] : starts[i + 1]] for i in range(len(starts) - 1)]
 
 
-def measure(records: list[bytes], path: str, group_size: int, compression: str, seed: int) -> dict:
+def measure(
+    records: list[bytes],
+    path: str,
+    group_size: int,
+    compression: str,
+    seed: int,
+    *,
+    seconds: float,
+    rounds: int,
+) -> dict:
     options = f"group_size:{group_size},{compression}"
-    start = time.perf_counter()
-    writer = ArrayRecordWriter(path, options)
-    for record in records:
-        writer.write(record)
-    writer.close()
-    write_s = time.perf_counter() - start
     n = len(records)
+
+    def write() -> int:
+        writer = ArrayRecordWriter(path, options)
+        for record in records:
+            writer.write(record)
+        writer.close()
+        return n
+
+    writes = [window(write, seconds=seconds).cells_per_s for _ in range(rounds)]
     rng = np.random.default_rng(seed)
     reader = ArrayRecordReader(path, "readahead_buffer_size:256K,max_parallelism:0")
-    blocks = rng.permutation(n // 16)[:2000]
-    start = time.perf_counter()
-    for b in blocks:
-        got = reader.read(int(b) * 16, int(b) * 16 + 16)
-        codec.decode_csr(*codec.join_records(got), NUM_COLUMNS)
-    block_s = time.perf_counter() - start
-    cells = rng.integers(0, n, size=min(n, 4000))
-    start = time.perf_counter()
-    for c in cells:
-        got = reader.read(int(c), int(c) + 1)
-        codec.decode_csr(*codec.join_records(got), NUM_COLUMNS)
-    single_s = time.perf_counter() - start
+
+    def block() -> int:
+        b = int(rng.integers(n // 16))
+        codec.decode_csr(*codec.join_records(reader.read(b * 16, b * 16 + 16)), NUM_COLUMNS)
+        return 16
+
+    def single() -> int:
+        c = int(rng.integers(n))
+        codec.decode_csr(*codec.join_records(reader.read(c, c + 1)), NUM_COLUMNS)
+        return 1
+
+    runs = [
+        {
+            "write_cells_per_s": writes[r],
+            "read_block16_cells_per_s": window(block, seconds=seconds).cells_per_s,
+            "read_single_cells_per_s": window(single, seconds=seconds).cells_per_s,
+        }
+        for r in range(rounds)
+    ]
     reader.close()
     return {
         "group_size": group_size,
         "compression": compression,
         "bytes_per_cell": os.path.getsize(path) / n,
-        "write_cells_per_s": n / write_s,
-        "read_block16_cells_per_s": len(blocks) * 16 / block_s,
-        "read_single_cells_per_s": len(cells) / single_s,
+        **medians(runs, ("write_cells_per_s", "read_block16_cells_per_s", "read_single_cells_per_s")),
     }
 
 
@@ -83,8 +109,10 @@ def main() -> None:
     p.add_argument("--cells", type=int, default=40_000)
     p.add_argument("--group-sizes", type=int, nargs="+", default=list(GROUP_SIZES))
     p.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS))
+    add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "format.json"))
     args = p.parse_args()
+    check_window(args)
     records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
     raw = sum(len(r) for r in records) / len(records)
     # warm up the numba kernels
@@ -93,7 +121,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for group_size in args.group_sizes:
             for compression in args.compressions:
-                row = measure(records, f"{tmp}/x.ar", group_size, compression, seed=0)
+                row = measure(
+                    records,
+                    f"{tmp}/x.ar",
+                    group_size,
+                    compression,
+                    0,
+                    seconds=args.seconds,
+                    rounds=args.rounds,
+                )
                 rows.append(row)
                 print(
                     f"gs {group_size:3d} {compression:13s} {row['bytes_per_cell']:8.0f} B/cell  "
@@ -103,15 +139,15 @@ def main() -> None:
                 )
     result = {
         "benchmark": "bench_format",
-        "command": f"python benchmarks/bench_format.py --cells {args.cells} --group-sizes "
-        f"{' '.join(map(str, args.group_sizes))} --compressions {' '.join(args.compressions)}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
         "cells": args.cells,
         "raw_record_bytes_per_cell": raw,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Grain's DataLoader over GrainSource against make_loader, on the same 200k-cell dataset, in one run.
 
 Every configuration runs in a fresh process, all of them round-robin ``--rounds`` times (medians
-reported): make_loader, make_grain_loader with 0 worker processes (threads only) and with each
+reported), each timing a window of at least ``--seconds`` after its warm-up: make_loader, make_grain_loader with 0 worker processes (threads only) and with each
 ``--workers`` count, for dense and csr batches of 1,024 cells. Both deliver the same thing: the
 batch's jax.Arrays on the default device (Grain's numpy batches placed by ``oj.prefetch_to_device`` on ``--place-threads`` threads, or in the loop with ``oj.place_batch``). Then the
 checkpoint side: state size, Orbax ``CheckpointManager`` save and restore times, and the time to
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,21 +26,41 @@ import numpy as np
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
 
 
-def _consume(it, *, warmup: int, num_batches: int, batch_size: int, place) -> dict:
+def _consume(it, *, warmup: int, seconds: float, batch_size: int, place) -> dict:
     import jax
 
     for _ in range(warmup):
         jax.block_until_ready(place(next(it)).x)
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(num_batches):
+
+    def step() -> int:
         jax.block_until_ready(place(next(it)).x)
-    seconds = time.perf_counter() - start
+        return batch_size
+
+    w = window(step, seconds=seconds).as_dict()
+    return {**w, "main_process_cores": w["cpu_per_wall"]}
+
+
+def _loader_kwargs(batch_size: int, output: str) -> dict:
+    import omicsio_jax as oj
+
     return {
-        "cells_per_s": num_batches * batch_size / seconds,
-        "seconds": seconds,
-        "main_process_cores": (time.process_time() - cpu) / seconds,
+        "batch_size": batch_size,
+        "sampling": oj.Block(16, 64),
+        "output": output,
+        "obs": ("batch",),
+        "seed": 0,
+        "num_epochs": None,
     }
 
 
@@ -49,32 +68,22 @@ def _child(spec: dict) -> dict:
     import omicsio_jax as oj
 
     ds = oj.open_dataset(spec["dataset"])
-    kw = {
-        "batch_size": spec["batch_size"],
-        "block_size": 16,
-        "fetch_factor": 64,
-        "seed": 0,
-        "num_epochs": None,
-        "obs": ("batch",),
-        "output": spec["output"],
-    }
-    n = {"dense": 100, "csr": 300}[spec["output"]]
+    kw = _loader_kwargs(spec["batch_size"], spec["output"])
+    timing = {"warmup": 32, "seconds": spec["seconds"], "batch_size": spec["batch_size"]}
     if spec["kind"] == "make_loader":
-        loader = oj.make_loader(ds, **kw, num_threads=spec["threads"])
-        out = _consume(
-            iter(loader), warmup=32, num_batches=n, batch_size=spec["batch_size"], place=lambda b: b
-        )
+        loader = oj.make_loader(ds, **kw, read=oj.ReadOptions(num_threads=spec["threads"]))
+        out = _consume(iter(loader), **timing, place=lambda b: b)
         loader.close()
         return out
     threads = spec["threads"] if spec["workers"] == 0 else spec["worker_threads"]
-    loader = oj.make_grain_loader(ds, **kw, num_threads=threads, worker_count=spec["workers"])
+    loader = oj.make_grain_loader(
+        ds, **kw, read=oj.ReadOptions(num_threads=threads), worker_count=spec["workers"]
+    )
     place = spec["place_threads"]
     if not place:  # placed in the loop's thread
-        return _consume(
-            iter(loader), warmup=32, num_batches=n, batch_size=spec["batch_size"], place=oj.place_batch
-        )
+        return _consume(iter(loader), **timing, place=oj.place_batch)
     batches = oj.prefetch_to_device(iter(loader), buffer_size=place, threads=place)
-    return _consume(batches, warmup=32, num_batches=n, batch_size=spec["batch_size"], place=lambda b: b)
+    return _consume(batches, **timing, place=lambda b: b)
 
 
 def _checkpoint_costs(dataset: str) -> dict:
@@ -86,14 +95,7 @@ def _checkpoint_costs(dataset: str) -> dict:
     import omicsio_jax as oj
 
     ds = oj.open_dataset(dataset)
-    kw = {
-        "batch_size": 1024,
-        "block_size": 16,
-        "fetch_factor": 64,
-        "seed": 0,
-        "num_epochs": None,
-        "obs": ("batch",),
-    }
+    kw = _loader_kwargs(1024, "dense")
     loader = oj.make_loader(ds, **kw)
     for _ in range(37):
         next(loader)
@@ -151,13 +153,13 @@ def main() -> None:
     p.add_argument(
         "--make-data", action="store_true", help="write the 200k-cell corpus and dataset if missing"
     )
-    p.add_argument("--rounds", type=int, default=3)
+    add_window_options(p)
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="worker_count values besides 0")
     p.add_argument(
         "--threads",
         type=int,
         default=2,
-        help="decoding threads (num_threads) of make_loader and of the 0-worker DataLoader",
+        help="decoding threads (ReadOptions(num_threads=...)) of make_loader and of the 0-worker DataLoader",
     )
     p.add_argument(
         "--place-threads",
@@ -177,6 +179,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return
+    check_window(args)
     dataset = str(ensure_data(200_000)) if args.make_data else args.dataset
     plan = []
     for output in ("dense", "csr"):
@@ -187,6 +190,7 @@ def main() -> None:
             "threads": args.threads,
             "worker_threads": args.worker_threads or args.threads,
             "place_threads": args.place_threads,
+            "seconds": args.seconds,
         }
         plan.append((f"make_loader            {output} b1024", {**base, "kind": "make_loader"}))
         for w in [0, *args.workers]:
@@ -211,16 +215,14 @@ def main() -> None:
             print(f"round {r} {label}: {runs[label][-1]['cells_per_s']:>10,.0f} cells/s", flush=True)
     rows = []
     for label, spec in plan:
-        speeds = [x["cells_per_s"] for x in runs[label]]
         rows.append(
             {
                 "config": label,
+                "label": label,
                 **{k: v for k, v in spec.items() if k != "dataset"},
-                "cells_per_s": float(np.median(speeds)) if speeds else None,
-                "cells_per_s_runs": speeds,
-                "main_process_cores": float(np.median([x["main_process_cores"] for x in runs[label]]))
-                if speeds
-                else None,
+                "cells_per_s": None,
+                "cells_per_s_runs": [],
+                **medians(runs[label], ("cells_per_s", "main_process_cores", "seconds", "batches")),
             }
         )
     for output in ("dense", "csr"):
@@ -246,17 +248,17 @@ def main() -> None:
     )
     result = {
         "benchmark": "bench_grain",
+        **provenance(),
         "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
         "threads": args.threads,
         "worker_threads": args.worker_threads or args.threads,
         "place_threads": args.place_threads,
-        "command": "python benchmarks/bench_grain.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "rows": rows,
         "checkpoint": costs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
     print(f"\n{'configuration':<36} {'cells/s':>10} {'× make_loader':>14}  runs")
     for r in rows:
         speed = f"{r['cells_per_s']:>10,.0f}" if r["cells_per_s"] else f"{'failed':>10}"

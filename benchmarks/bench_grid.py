@@ -1,9 +1,10 @@
 """block_size × fetch_factor: throughput and plate-label entropy of minibatches, with a PNG plot.
 
-For each (block_size, fetch_factor) the loader serves batches of 64 cells (dense output) from the
-200k-cell dataset; we time them and compute the plug-in entropy of the plate label (`batch` obs)
-in every minibatch, next to the scDataset paper's bounds (Theorems 3.1-3.2) for the dataset's
-plate frequencies. True random sampling is block_size=1, fetch_factor=1.
+For each ``oj.Block(block_size, fetch_factor)`` the loader serves batches of 64 cells (dense
+output) from the 200k-cell dataset; we time ``--rounds`` windows of at least ``--seconds`` (median
+reported) and compute the plug-in entropy of the plate label (`batch` obs) in every timed
+minibatch, next to the scDataset paper's bounds (Theorems 3.1-3.2) for the dataset's plate
+frequencies. True random sampling is ``Block(1, 1)``.
 
     .venv/bin/python benchmarks/bench_grid.py
 """
@@ -11,10 +12,7 @@ plate frequencies. True random sampling is block_size=1, fetch_factor=1.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import time
+import sys
 from pathlib import Path
 
 import jax
@@ -23,35 +21,47 @@ import numpy as np
 import omicsio_jax as oj
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
+
 BLOCKS = (1, 4, 16, 64, 256)
 FETCHES = (1, 4, 16, 64)
 
 
-def measure(ds, *, block_size: int, fetch_factor: int, batch_size: int, num_batches: int) -> dict:
+def measure(ds, *, block_size: int, fetch_factor: int, batch_size: int, seconds: float, rounds: int) -> dict:
     loader = oj.make_loader(
         ds,
         batch_size=batch_size,
-        block_size=block_size,
-        fetch_factor=fetch_factor,
+        sampling=oj.Block(block_size, fetch_factor),
+        obs=("batch",),
         seed=0,
         num_epochs=None,
-        obs=("batch",),
     )
     it = iter(loader)
     jax.block_until_ready(next(it).x)
     labels = []
-    start = time.perf_counter()
-    for _ in range(num_batches):
+
+    def step() -> int:
         batch = next(it)
         jax.block_until_ready(batch.x)
         labels.append(np.asarray(batch.obs["batch"]))
-    seconds = time.perf_counter() - start
+        return batch_size
+
+    runs = [window(step, seconds=seconds).as_dict() for _ in range(rounds)]
     loader.close()
     entropy = oj.minibatch_entropy(np.stack(labels))
     return {
+        "label": f"Block({block_size}, {fetch_factor})",
         "block_size": block_size,
         "fetch_factor": fetch_factor,
-        "cells_per_s": num_batches * batch_size / seconds,
+        **medians(runs, ("cells_per_s", "seconds", "batches")),
         "entropy_mean": float(entropy.mean()),
         "entropy_std": float(entropy.std()),
     }
@@ -79,7 +89,7 @@ def plot(rows: list[dict], bounds_random: float, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block_size (cells)")
     left.set_ylabel("plate-label entropy per minibatch (bits)")
-    right.set_ylabel("cells/s (dense, batch 64, 2 cores)")
+    right.set_ylabel("cells/s (dense, batch 64)")
     right.set_yscale("log")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
@@ -92,9 +102,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default=str(HERE / "data" / "ds_200k"), help="made by bench_loader.py")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--cells", type=int, default=64 * 400, help="cells timed per configuration")
+    add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "grid.json"))
     args = p.parse_args()
+    check_window(args)
     ds = oj.open_dataset(args.dataset)
     plates = ds.obs["batch"]
     frequencies = np.bincount(plates.codes, minlength=len(plates.categories))
@@ -106,7 +117,8 @@ def main() -> None:
                 block_size=b,
                 fetch_factor=f,
                 batch_size=args.batch_size,
-                num_batches=max(args.cells // args.batch_size, 4 * f),
+                seconds=args.seconds,
+                rounds=args.rounds,
             )
             if f * args.batch_size >= b:
                 bounds = oj.entropy_bounds(
@@ -138,17 +150,19 @@ def main() -> None:
     )
     result = {
         "benchmark": "bench_grid",
-        "command": "python benchmarks/bench_grid.py",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
         "batch_size": args.batch_size,
         "rows": rows,
         "summary": summary,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    path = write_result(args.out, result, quick=args.quick)
     plot(
         rows,
         oj.entropy_bounds(frequencies, batch_size=args.batch_size, block_size=1, fetch_factor=1).upper,
-        Path(args.out).with_suffix(".png"),
+        path.with_suffix(".png"),
     )
 
 

@@ -3,8 +3,10 @@
 Every configuration runs in a fresh process (so its peak RSS is its own): omicsio_jax's loader
 (dense, csr, gene panel, true random), scDataset on the h5ad of the same cells, and Grain's stock
 ArrayRecordDataSource + IndexSampler path on the same shards. Warm page cache first; then a cold
-pass (page cache of the files dropped before the run) next to the files' sequential-read limit;
-then a block_size × fetch_factor grid of throughput and plate-label entropy with a PNG plot.
+pass (page cache of the files dropped before the run) next to the files' sequential-read limit.
+Each run discards its warm-up batches, then times a window of ``--seconds`` (at least 10); a cold
+run's window also ends with its first epoch, the last cell read cold (``seconds`` says how long
+it was). Every configuration runs ``--rounds`` times round-robin; figures are medians.
 
     scripts/setup-bench.sh     # torch (CPU) + scDataset + matplotlib
     .venv/bin/python benchmarks/bench_loader.py
@@ -15,16 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    MIN_WINDOW_S,
+    add_window_options,
+    check_window,
+    compare,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
+
+BLOCK, FETCH = 16, 64
 
 
 def _our_loader(
@@ -35,8 +48,9 @@ def _our_loader(
     fetch_factor: int,
     output: str = "dense",
     genes: int | None = None,
-    num_batches: int,
+    seconds: float = MIN_WINDOW_S,
     warmup: int,
+    cold: bool = False,
     seed: int = 0,
 ) -> dict:
     import jax
@@ -44,33 +58,33 @@ def _our_loader(
     import omicsio_jax as oj
 
     ds = oj.open_dataset(dataset)
-    panel = None if genes is None else list(range(genes))
+    if genes is not None:
+        output = oj.Panel(list(range(genes)))
     loader = oj.make_loader(
         ds,
         batch_size=batch_size,
-        block_size=block_size,
-        fetch_factor=fetch_factor,
-        seed=seed,
-        num_epochs=None,
+        sampling=oj.Block(block_size, fetch_factor),
         output=output,
-        genes=panel,
         obs=("batch",),
+        seed=seed,
+        num_epochs=1 if cold else None,  # cold: the window ends with the first epoch at the latest
     )
     it = iter(loader)
     for _ in range(warmup):
         jax.block_until_ready(next(it).x)
-    start = time.perf_counter()
-    for _ in range(num_batches):
+    last = []
+
+    def step() -> int:
         batch = next(it)
         jax.block_until_ready(batch.x)
-    seconds = time.perf_counter() - start
+        last[:] = [batch]
+        return batch_size
+
+    w = window(step, seconds=seconds)
+    batch = last[0]
     shape = list(batch.x.shape) if output != "csr" else [batch_size, "csr"]
-    return {
-        "cells_per_s": num_batches * batch_size / seconds,
-        "batches": num_batches,
-        "seconds": seconds,
-        "shape": shape,
-    }
+    loader.close()
+    return {**w.as_dict(), "shape": shape}
 
 
 def peak_rss_bytes() -> int:
@@ -116,9 +130,7 @@ def run(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-COMPACT = (
-    DATA / "ds_200k_zstd1"
-)  # the same cells with --compression zstd:1: 17% smaller, slower to decompress
+COMPACT = DATA / "ds_200k_zstd1"  # the same cells with compression zstd:1: smaller, slower to decompress
 
 
 def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
@@ -130,7 +142,8 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
             result = run({"label": label, **spec})
             runs[label].append(result)
             shown = (
-                f"{result['cells_per_s']:>10,.0f} cells/s  peak RSS {result['peak_rss_mib']:>6,.0f} MiB"
+                f"{result['cells_per_s']:>10,.0f} cells/s over {result['seconds']:5.1f} s  "
+                f"peak RSS {result['peak_rss_mib']:>6,.0f} MiB"
                 if "error" not in result
                 else f"ERROR {result['error']}"
             )
@@ -141,17 +154,16 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
         if not ok:
             rows.append(results[-1])
             continue
-        speeds = [x["cells_per_s"] for x in ok]
         row = {
             **ok[0],
-            "cells_per_s": float(np.median(speeds)),
-            "cells_per_s_runs": speeds,
+            **medians(ok, ("cells_per_s", "cells_per_cpu_s", "seconds", "batches")),
+            "rounds": len(ok),
             "peak_rss_mib": max(x["peak_rss_mib"] for x in ok),
         }
         rows.append(row)
         print(
             f"median of {len(ok)}: {label:52s} {row['cells_per_s']:>10,.0f} cells/s "
-            f"(runs {', '.join(f'{v:,.0f}' for v in speeds)})",
+            f"(runs {', '.join(f'{v:,.0f}' for v in row['cells_per_s_runs'])})",
             flush=True,
         )
     return rows
@@ -165,14 +177,16 @@ def ensure_data(corpus: Path) -> tuple[Path, Path, Path]:
 
         make_synthetic_corpus(corpus, num_cells=200_000, seed=0, progress=True)
     sparse, panel = DATA / "ds_200k", DATA / "ds_200k_panel2000"
-    from materialize import materialize
+    from materialize import Layout, materialize
 
     if not (sparse / "manifest.json").exists():
         materialize(corpus / "cells.parquet", sparse, overwrite=True)
     if not (panel / "manifest.json").exists():
-        materialize(corpus / "cells.parquet", panel, panel=top_genes(corpus, 2000), overwrite=True)
+        materialize(
+            corpus / "cells.parquet", panel, layout=Layout(panel=top_genes(corpus, 2000)), overwrite=True
+        )
     if not (COMPACT / "manifest.json").exists():
-        materialize(corpus / "cells.parquet", COMPACT, compression="zstd:1", overwrite=True)
+        materialize(corpus / "cells.parquet", COMPACT, layout=Layout(compression="zstd:1"), overwrite=True)
     return corpus, sparse, panel
 
 
@@ -189,245 +203,112 @@ def top_genes(corpus: Path, count: int) -> list[str]:
     return [names[i] for i in np.argsort(-detected, kind="stable")[:count]]
 
 
+def _label(what: str, bs: int, block: int = BLOCK, fetch: int = FETCH, note: str = "") -> str:
+    return f"{what} b{bs} Block({block}, {fetch})" + (f" ({note})" if note else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k"))
     p.add_argument("--skip-peers", action="store_true")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="run every configuration this many times, round-robin, and report the median",
-    )
+    add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     args = p.parse_args()
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return
+    check_window(args)
     corpus, sparse, panel = ensure_data(Path(args.corpus))
     h5ad, ds, ds_panel = str(corpus / "cells.h5ad"), str(sparse), str(panel)
     shards = [str(p) for p in sorted(Path(ds).glob("shard-*.arrayrecord"))]
+    window_s = args.seconds
     plan: list[tuple[str, dict]] = []
 
-    def add(label: str, spec: dict) -> None:
-        plan.append((label, spec))
+    def ours(
+        label: str, dataset: str, bs: int, *, warmup: int = 64, cold: list[str] | None = None, **kw
+    ) -> None:
+        kwargs = {"dataset": dataset, "batch_size": bs, "block_size": BLOCK, "fetch_factor": FETCH,
+                  "seconds": window_s, "warmup": warmup, **kw}  # fmt: skip
+        if cold:
+            kwargs["cold"] = True
+        plan.append((label, {"kind": "ours", "kwargs": kwargs, **({"cold": cold} if cold else {})}))
 
-    warm_batches = {64: 1500, 1024: 100}
     for bs in (64, 1024):
-        common = {"batch_size": bs, "block_size": 16, "fetch_factor": 64}
-        add(
-            f"omicsio dense  b{bs} block16 fetch64",
-            {
-                "kind": "ours",
-                "kwargs": {"dataset": ds, **common, "num_batches": warm_batches[bs], "warmup": 64},
-            },
-        )
-        add(
-            f"omicsio csr    b{bs} block16 fetch64",
-            {
-                "kind": "ours",
-                "kwargs": {
-                    "dataset": ds,
-                    **common,
-                    "output": "csr",
-                    "num_batches": 3 * warm_batches[bs],
-                    "warmup": 64,
-                },
-            },
-        )
-        add(
-            f"omicsio dense  b{bs} block16 fetch64 (zstd:1 dataset)",
-            {
-                "kind": "ours",
-                "kwargs": {"dataset": str(COMPACT), **common, "num_batches": warm_batches[bs], "warmup": 64},
-            },
-        )
-        add(
-            f"omicsio csr    b{bs} block16 fetch64 (zstd:1 dataset)",
-            {
-                "kind": "ours",
-                "kwargs": {
-                    "dataset": str(COMPACT),
-                    **common,
-                    "output": "csr",
-                    "num_batches": 3 * warm_batches[bs],
-                    "warmup": 64,
-                },
-            },
-        )
-        add(
-            f"omicsio panel2000 (dense layout) b{bs} block16 fetch64",
-            {
-                "kind": "ours",
-                "kwargs": {"dataset": ds_panel, **common, "num_batches": 3 * warm_batches[bs], "warmup": 64},
-            },
-        )
-        add(
-            f"omicsio panel2000 (from sparse) b{bs} block16 fetch64",
-            {
-                "kind": "ours",
-                "kwargs": {
-                    "dataset": ds,
-                    **common,
-                    "genes": 2000,
-                    "num_batches": 3 * warm_batches[bs],
-                    "warmup": 64,
-                },
-            },
-        )
-        add(
-            f"omicsio true random b{bs} (block1 fetch1)",
-            {
-                "kind": "ours",
-                "kwargs": {
-                    "dataset": ds,
-                    "batch_size": bs,
-                    "block_size": 1,
-                    "fetch_factor": 1,
-                    "num_batches": max(20, 12_800 // bs),
-                    "warmup": 4,
-                },
-            },
-        )
+        ours(_label("omicsio dense", bs), ds, bs)
+        ours(_label("omicsio csr", bs), ds, bs, output="csr")
+        ours(_label("omicsio dense", bs, note="zstd:1 dataset"), str(COMPACT), bs)
+        ours(_label("omicsio csr", bs, note="zstd:1 dataset"), str(COMPACT), bs, output="csr")
+        ours(_label("omicsio panel2000 (dense layout)", bs), ds_panel, bs)
+        ours(_label("omicsio panel2000 (from sparse)", bs), ds, bs, genes=2000)
+        ours(_label("omicsio true random", bs, 1, 1), ds, bs, block_size=1, fetch_factor=1, warmup=4)
         if not args.skip_peers:
-            add(
-                f"scDataset dense b{bs} block16 fetch64",
-                {
-                    "kind": "scdataset",
-                    "kwargs": {
-                        "h5ad_path": h5ad,
-                        **common,
-                        "num_batches": max(64, warm_batches[bs] // 4),
-                        "seed": 0,
-                    },
-                },
-            )
-            add(
-                f"scDataset true random b{bs}",
-                {
-                    "kind": "scdataset",
-                    "kwargs": {
-                        "h5ad_path": h5ad,
-                        "batch_size": bs,
-                        "block_size": 1,
-                        "fetch_factor": 1,
-                        "num_batches": max(20, 6_400 // bs),
-                        "seed": 0,
-                    },
-                },
-            )
-            add(
-                f"Grain stock ArrayRecord random b{bs}",
-                {
-                    "kind": "grain",
-                    "kwargs": {
-                        "dataset_dir": ds,
-                        "batch_size": bs,
-                        "num_batches": max(20, 6_400 // bs),
-                        "seed": 0,
-                    },
-                },
-            )
+            plan.append((f"scDataset dense b{bs} BlockShuffling(16) fetch_factor 64", {"kind": "scdataset", "kwargs": {
+                "h5ad_path": h5ad, "batch_size": bs, "block_size": BLOCK, "fetch_factor": FETCH,
+                "seconds": window_s, "seed": 0}}))  # fmt: skip
+            plan.append((f"scDataset true random b{bs}", {"kind": "scdataset", "kwargs": {
+                "h5ad_path": h5ad, "batch_size": bs, "block_size": 1, "fetch_factor": 1,
+                "seconds": window_s, "seed": 0}}))  # fmt: skip
+            plan.append((f"Grain stock ArrayRecord random b{bs}", {"kind": "grain", "kwargs": {
+                "dataset_dir": ds, "batch_size": bs, "seconds": window_s, "seed": 0}}))  # fmt: skip
 
     rows = run_rounds(plan, args.rounds)
     plan = []
 
     # cold page cache: files dropped from the cache right before each run
-    sys.path.insert(0, str(HERE))
     from _peers import drop_page_cache, sequential_read_limit
 
     cold = {
         "shards_sequential_bytes_per_s": sequential_read_limit(shards),
         "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
         "cache_drop_works": drop_page_cache(shards),
+        "window": "each cold run's window ends after --seconds or with its first epoch, whichever comes first",
     }
     print(
         f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
         f"h5ad {cold['h5ad_sequential_bytes_per_s'] / 1e6:,.0f} MB/s",
         flush=True,
     )
-    add(
-        "COLD omicsio dense b1024 block16 fetch64",
-        {
-            "kind": "ours",
-            "cold": shards,
-            "kwargs": {
-                "dataset": ds,
-                "batch_size": 1024,
-                "block_size": 16,
-                "fetch_factor": 64,
-                "num_batches": 150,
-                "warmup": 0,
-            },
-        },
-    )
-    add(
-        "COLD omicsio csr   b1024 block16 fetch64",
-        {
-            "kind": "ours",
-            "cold": shards,
-            "kwargs": {
-                "dataset": ds,
-                "batch_size": 1024,
-                "block_size": 16,
-                "fetch_factor": 64,
-                "output": "csr",
-                "num_batches": 150,
-                "warmup": 0,
-            },
-        },
-    )
-    add(
-        "COLD omicsio csr   b1024 block16 fetch64 (zstd:1 dataset)",
-        {
-            "kind": "ours",
-            "cold": [str(p) for p in sorted(COMPACT.glob("shard-*.arrayrecord"))],
-            "kwargs": {
-                "dataset": str(COMPACT),
-                "batch_size": 1024,
-                "block_size": 16,
-                "fetch_factor": 64,
-                "output": "csr",
-                "num_batches": 150,
-                "warmup": 0,
-            },
-        },
-    )
+    ours(_label("COLD omicsio dense", 1024), ds, 1024, warmup=0, cold=shards)
+    ours(_label("COLD omicsio csr", 1024), ds, 1024, warmup=0, cold=shards, output="csr")
+    compact_shards = [str(p) for p in sorted(COMPACT.glob("shard-*.arrayrecord"))]
+    ours(_label("COLD omicsio csr", 1024, note="zstd:1 dataset"), str(COMPACT), 1024, warmup=0,
+         cold=compact_shards, output="csr")  # fmt: skip
     if not args.skip_peers:
-        add(
-            "COLD scDataset dense b64 block16 fetch64",
-            {
-                "kind": "scdataset",
-                "cold": [h5ad],
-                "kwargs": {
-                    "h5ad_path": h5ad,
-                    "batch_size": 64,
-                    "block_size": 16,
-                    "fetch_factor": 64,
-                    "num_batches": 640,
-                    "warmup": 0,
-                    "seed": 0,
-                },
-            },
-        )
+        plan.append(("COLD scDataset dense b64 BlockShuffling(16) fetch_factor 64", {"kind": "scdataset", "cold": [h5ad],
+            "kwargs": {"h5ad_path": h5ad, "batch_size": 64, "block_size": BLOCK, "fetch_factor": FETCH,
+                       "seconds": window_s, "warmup": 0, "seed": 0, "max_epochs": 1}}))  # fmt: skip
     rows += run_rounds(plan, args.rounds)
     dataset_bytes = sum(os.path.getsize(s) for s in shards)
-    cold["dataset_bytes_per_cell"] = dataset_bytes / 200_000
+    cold["dataset_bytes_per_cell"] = (
+        dataset_bytes / json.loads((Path(ds) / "manifest.json").read_text())["num_cells"]
+    )
     cold["shards_sequential_cells_per_s"] = (
         cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
     )
 
+    by = {r["label"]: r for r in rows}
+    comparisons = []
+    for bs in (64, 1024):
+        comparisons += [
+            compare(f"dense b{bs}, blocks of 16, fetch factor 64: omicsio ÷ scDataset",
+                    by.get(_label("omicsio dense", bs)), by.get(f"scDataset dense b{bs} BlockShuffling(16) fetch_factor 64")),
+            compare(f"true random b{bs}: omicsio ÷ scDataset",
+                    by.get(_label("omicsio true random", bs, 1, 1)), by.get(f"scDataset true random b{bs}")),
+            compare(f"true random b{bs}: omicsio ÷ Grain's stock ArrayRecord path",
+                    by.get(_label("omicsio true random", bs, 1, 1)), by.get(f"Grain stock ArrayRecord random b{bs}")),
+        ]  # fmt: skip
     result = {
         "benchmark": "bench_loader",
-        "command": f"python benchmarks/bench_loader.py --rounds {args.rounds}",
+        **provenance(),
         "rounds": args.rounds,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "window_s": window_s,
+        "quick": args.quick,
         "rows": rows,
+        "comparisons": [c for c in comparisons if c],
         "cold": cold,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

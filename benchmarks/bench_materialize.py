@@ -3,8 +3,9 @@
 For each corpus size and input format, runs `materialize` with its defaults (a worker per usable
 core) in a fresh process several times and reports the median cells/s, the peak RSS of the main
 process and of its largest child (a worker process, or a shard writer) and the dataset's bytes per
-cell next to the h5ad and parquet files of the same cells. Corpora are generated on first use
-into benchmarks/data/ (git-ignored).
+cell next to the h5ad and parquet files of the same cells. A round times one whole conversion;
+``window_s`` records how long it took (the median, and every round's). Corpora are generated on
+first use into benchmarks/data/ (git-ignored).
 
     python benchmarks/bench_materialize.py --sizes 50000 200000 --repeats 3
 """
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
 
 _CHILD = """
 import json, resource, sys, time
@@ -63,9 +64,10 @@ def run_once(source: Path, out: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000])
-    p.add_argument("--repeats", type=int, default=3)
+    add_window_options(p, seconds=None, rounds_flag="--repeats")
     p.add_argument("--out", default=str(HERE / "results" / "materialize.json"))
     args = p.parse_args()
+    check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     rows = []
     with tempfile.TemporaryDirectory(dir=HERE / "data" if (HERE / "data").exists() else None) as tmp:
         for size in args.sizes:
@@ -76,8 +78,10 @@ def main() -> None:
                 row = {
                     "num_cells": first["num_cells"],
                     "input": fmt,
-                    "cells_per_s_median": statistics.median(r["num_cells"] / r["seconds"] for r in runs),
-                    "cells_per_s_runs": [round(r["num_cells"] / r["seconds"]) for r in runs],
+                    "cells_per_s": statistics.median(r["num_cells"] / r["seconds"] for r in runs),
+                    "cells_per_s_runs": [r["num_cells"] / r["seconds"] for r in runs],
+                    "window_s": statistics.median(r["seconds"] for r in runs),
+                    "window_s_runs": [r["seconds"] for r in runs],
                     "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in runs) / 2**20,
                     "child_peak_rss_mib_max": max(r["child_peak_rss_bytes"] for r in runs) / 2**20,
                     "workers": first["workers"],
@@ -88,8 +92,8 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s_median']:9,.0f} cells/s (median of "
-                    f"{args.repeats}: {row['cells_per_s_runs']}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB "
+                    f"{size:>8,} cells from {fmt:7s}: {row['cells_per_s']:9,.0f} cells/s (median of "
+                    f"{args.repeats}: {[round(v) for v in row['cells_per_s_runs']]}), peak RSS {row['peak_rss_mib_max']:6,.0f} MiB "
                     f"+ largest child {row['child_peak_rss_mib_max']:4,.0f} MiB, {row['workers']} worker(s), "
                     f"{row['dataset_bytes_per_cell']:,.0f} B/cell (h5ad {row['h5ad_bytes_per_cell']:,.0f}, "
                     f"parquet {row['parquet_bytes_per_cell']:,.0f})",
@@ -97,13 +101,13 @@ def main() -> None:
                 )
     result = {
         "benchmark": "bench_materialize",
-        "command": f"python benchmarks/bench_materialize.py --sizes {' '.join(map(str, args.sizes))} "
-        f"--repeats {args.repeats}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.repeats,
+        "window": "one whole conversion per round (window_s: its seconds)",
+        "quick": args.quick,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,15 @@ The corpus is `make_synthetic_corpus(multimodal=True)`: RNA (~1,500 genes per ce
 with spliced / unspliced / ambiguous layers that sum to it, and ATAC over 200,000 peaks (~3,000
 per cell) for 90% of the cells, its table in another order than the RNA's (so materialize spills
 it by partition). Two sizes of it are materialized, RNA alone and with every modality, each in a
-fresh process on every core, in shards (= partitions) of ``--shard-cells`` so that both sizes fill
+fresh process on every core, ``--rounds`` times (medians reported; a round is one whole conversion,
+its seconds recorded), in shards (= partitions) of ``--shard-cells`` so that both sizes fill
 whole partitions; ``main_peak_rss_mib`` is the materialize process's largest resident set,
 ``worker_peak_rss_mib`` the largest of its worker and shard-writer processes (``ru_maxrss`` of
 children; it includes the memory-mapped spill pages a worker touched, which the kernel can drop),
 neither of which may grow with the number of cells.
 
-The loaders (fresh processes, ``--seconds`` each after two batches, ``--rounds`` round-robin,
-medians) read batches of 1,024 in blocks of 16 with fetch factor 64, warm page cache:
+The loaders (fresh processes, a window of ``--seconds`` (at least 10) each after two batches,
+``--rounds`` round-robin, medians) read batches of 1,024 with ``oj.Block(16, 64)``, warm page cache:
 
 - ``rna alone``: the RNA-only dataset, csr; ``rna of multimodal``: the same output from the
   multimodal dataset (target: ≥ 0.95× the former: a modality costs what a dataset of its own costs);
@@ -20,14 +21,13 @@ medians) read batches of 1,024 in blocks of 16 with fetch factor 64, warm page c
 ``read_per_cell_kb`` is the bytes the process read (``rchar``: through the page cache or not) per
 cell served; ``shard_kb_per_cell`` the modality's shards on disk per cell.
 
-    .venv/bin/python benchmarks/bench_multimodal.py               # ~15 min; writes results/multimodal.json
+    .venv/bin/python benchmarks/bench_multimodal.py               # writes results/multimodal.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import statistics
 import subprocess
@@ -37,6 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, medians, provenance, write_result  # noqa: E402
+
 MODALITIES = ("spliced", "unspliced", "ambiguous", "atac")
 LOADERS = {
     "rna alone": ("rna", "csr"),
@@ -58,22 +61,22 @@ def corpus(num_cells: int) -> Path:
 
 
 def _materialize_child(spec: dict) -> dict:
-    from materialize import materialize
+    from materialize import Layout, Multimodal, materialize
 
     root, kind = Path(spec["corpus"]), spec["kind"]
-    further = {}
+    multimodal = Multimodal()
     if kind == "multi":
-        further = {
-            "layers": {m: str(root / f"rna_layers_{m}.parquet") for m in MODALITIES[:3]},
-            "modalities": {"atac": str(root / "atac_cells.parquet")},
-        }
+        multimodal = Multimodal(
+            layers={m: str(root / f"rna_layers_{m}.parquet") for m in MODALITIES[:3]},
+            modalities={"atac": str(root / "atac_cells.parquet")},
+        )
     result = materialize(
         root / "cells.parquet",
         spec["out"],
+        layout=Layout(shard_cells=spec["shard_cells"]),
+        multimodal=multimodal,
         overwrite=True,
         progress=False,
-        shard_cells=spec["shard_cells"],
-        **further,
     )
     main_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -103,7 +106,7 @@ def _loader_child(spec: dict) -> dict:
     ds = oj.open_dataset(spec["dataset"])
     batch = 1024
     loader = oj.make_loader(
-        ds, batch_size=batch, block_size=16, fetch_factor=64, seed=0, num_epochs=None, output=spec["output"]
+        ds, batch_size=batch, sampling=oj.Block(16, 64), output=spec["output"], seed=0, num_epochs=None
     )
     it = iter(loader)
     for _ in range(2):
@@ -119,6 +122,7 @@ def _loader_child(spec: dict) -> dict:
     return {
         **spec,
         "cells_per_s": cells / (last - start),
+        "seconds": last - start,
         "cells_per_cpu_s": cells / cpu,
         "read_per_cell_kb": (proc_io("rchar") - read0) / cells / 1e3,
     }
@@ -155,8 +159,7 @@ def main() -> None:
         default=16384,
         help="cells per shard (= per partition): small enough that both sizes fill their partitions",
     )
-    p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--rounds", type=int, default=3)
+    add_window_options(p, seconds=20.0)
     p.add_argument("--out", type=Path, default=HERE / "results" / "multimodal.json")
     p.add_argument("--materialize-child")
     p.add_argument("--loader-child")
@@ -167,29 +170,46 @@ def main() -> None:
     if args.loader_child:
         print(json.dumps(_loader_child(json.loads(args.loader_child))))
         return
+    check_window(args)
     sizes = [int(x) for x in args.sizes.split(",")]
     runs = []
     for size in sizes:
         root = corpus(size)
+        for r in range(args.rounds):
+            for kind in ("rna", "multi"):
+                out = DATA / f"ds_multimodal_{size // 1000}k_{kind}"
+                result = _run(
+                    "materialize",
+                    {
+                        "corpus": str(root),
+                        "kind": kind,
+                        "out": str(out),
+                        "cells": size,
+                        "shard_cells": args.shard_cells,
+                        "round": r,
+                    },
+                )
+                print(
+                    f"[round {r + 1}/{args.rounds}] materialize {size:>7,} cells {kind:>5}: "
+                    f"{result['cells_per_s']:8,.0f} cells/s, peak RSS main {result['main_peak_rss_mib']:6,.0f} MiB, "
+                    f"workers {result['worker_peak_rss_mib']:6,.0f} MiB, {result['seconds']:.0f} s",
+                    flush=True,
+                )
+                runs.append(result)
+    materialize_summary = []
+    for size in sizes:
         for kind in ("rna", "multi"):
-            out = DATA / f"ds_multimodal_{size // 1000}k_{kind}"
-            result = _run(
-                "materialize",
+            mine = [x for x in runs if x["cells"] == size and x["kind"] == kind]
+            materialize_summary.append(
                 {
-                    "corpus": str(root),
-                    "kind": kind,
-                    "out": str(out),
+                    "label": f"{size:,} cells, {'RNA alone' if kind == 'rna' else 'every modality'}",
                     "cells": size,
-                    "shard_cells": args.shard_cells,
-                },
+                    "kind": kind,
+                    **medians(mine, ("cells_per_s", "seconds")),
+                    "main_peak_rss_mib": max(x["main_peak_rss_mib"] for x in mine),
+                    "worker_peak_rss_mib": max(x["worker_peak_rss_mib"] for x in mine),
+                }
             )
-            print(
-                f"materialize {size:>7,} cells {kind:>5}: {result['cells_per_s']:8,.0f} cells/s, peak RSS main "
-                f"{result['main_peak_rss_mib']:6,.0f} MiB, workers {result['worker_peak_rss_mib']:6,.0f} MiB, "
-                f"{result['seconds']:.0f} s",
-                flush=True,
-            )
-            runs.append(result)
     biggest = sizes[-1] // 1000
     datasets = {kind: DATA / f"ds_multimodal_{biggest}k_{kind}" for kind in ("rna", "multi")}
     loads = []
@@ -214,10 +234,7 @@ def main() -> None:
     summary = {}
     for label in LOADERS:
         mine = [x for x in loads if x["label"] == label]
-        summary[label] = {
-            key: statistics.median(x[key] for x in mine)
-            for key in ("cells_per_s", "cells_per_cpu_s", "read_per_cell_kb")
-        }
+        summary[label] = medians(mine, ("cells_per_s", "cells_per_cpu_s", "read_per_cell_kb", "seconds"))
     ratio = statistics.median(
         a["cells_per_s"] / b["cells_per_s"]
         for a, b in zip(
@@ -227,16 +244,19 @@ def main() -> None:
         )
     )
     result = {
-        "command": "benchmarks/bench_multimodal.py " + " ".join(sys.argv[1:]),
-        "machine": platform.node(),
-        "cores": len(__import__("os").sched_getaffinity(0)),
+        "benchmark": "bench_multimodal",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
+        "materialize_summary": materialize_summary,
         "materialize": runs,
         "loaders": loads,
         "summary": summary,
         "rna_of_multimodal_over_rna_alone": ratio,
         "shard_kb_per_cell": _shard_kb_per_cell(datasets["multi"]),
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
     print(
         json.dumps(
             {"summary": summary, "ratio": ratio, "shard_kb_per_cell": result["shard_kb_per_cell"]}, indent=1

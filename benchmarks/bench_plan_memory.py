@@ -1,5 +1,5 @@
 """The memory of a sampling plan over every cell of a 10^8-cell dataset: the rows as ``AllRows``
-(what `make_loader` uses since session 9) against the ``np.arange`` it held before.
+(what `make_loader` uses) against an ``np.arange`` of every row.
 
 Each variant runs in a fresh process: build the plan (batch 1,024, block 16, fetch 64), cut its
 first fetch and serving order, and digest its config (what a checkpoint compares); peak RSS is the
@@ -16,6 +16,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import provenance, write_result  # noqa: E402
 
 NUM_CELLS = 10**8
 
@@ -52,14 +56,8 @@ def main() -> None:
             f"{variant:>9}: peak RSS {results[-1]['peak_rss_mib']:,.0f} MiB, {results[-1]['seconds']:.2f} s"
         )
     assert results[0]["rows_digest"] == results[1]["rows_digest"], "the config digest must not change"
-    path = Path(__file__).parent / "results" / "plan_memory.json"
-    path.write_text(
-        json.dumps(
-            {"command": "benchmarks/bench_plan_memory.py", "num_cells": NUM_CELLS, "results": results},
-            indent=1,
-        )
-        + "\n"
-    )
+    result = {"benchmark": "bench_plan_memory", **provenance(), "num_cells": NUM_CELLS, "results": results}
+    write_result(HERE / "results" / "plan_memory.json", result)
 
 
 if __name__ == "__main__":

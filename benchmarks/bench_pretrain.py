@@ -4,7 +4,9 @@ Pretrains the ``tiny`` preset on the synthetic corpus (``make_synthetic_corpus``
 2,000 genes, ~150 expressed per cell, 20 cell lines with marker genes) with
 ``omicsio-train pretrain --probe-label cell_type``, then reports the linear-probe accuracy of the
 trained model and of the same architecture at its random initialization (CLS, as the command does,
-and mean-pooled embeddings for comparison), with the run's step time and data wait.
+and mean-pooled embeddings for comparison), with the run's step time and data wait. One training run
+per invocation: the step time is a side figure of that run (its whole length, ``seconds``), not a
+median of rounds.
 
     .venv/bin/python benchmarks/bench_pretrain.py --tokens geneformer --steps 1500
 """
@@ -13,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import provenance, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -99,11 +101,10 @@ def main() -> None:
         loader = oj.make_loader(
             ds,
             batch_size=256,
-            rows=rows,
-            sampling="stream",
-            drop_remainder=False,
-            num_epochs=1,
+            sampling=oj.Stream(drop_remainder=False),
             output=config.output(masked=False),
+            rows=rows,
+            num_epochs=1,
         )
         inference = eqx.nn.inference_mode(model)
         chunks, index = [], []
@@ -120,8 +121,8 @@ def main() -> None:
     raw_probe = logistic_probe(expression[fit], codes[rows[fit]], expression[test], codes[rows[test]])
     out = {
         "benchmark": "bench_pretrain",
-        "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": 1,
         "tokens": args.tokens,
         "steps": args.steps,
         "max_len": args.max_len,
@@ -139,10 +140,8 @@ def main() -> None:
         "probe_cells": {"fit": len(fit), "test": len(test)},
         "chance": 1 / len(np.unique(codes[rows])),
     }
-    print(json.dumps(out, indent=1))
-    Path(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}{suffix}.json").write_text(
-        json.dumps(out, indent=1) + "\n"
-    )
+    print(json.dumps(out, indent=1, default=str))
+    write_result(args.out or HERE / "results" / f"pretrain_probe_{args.tokens}{suffix}.json", out)
 
 
 if __name__ == "__main__":

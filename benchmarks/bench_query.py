@@ -11,7 +11,8 @@ hive-partitioned copy of it (``dataset=<plate>/``, written here once), warm page
 - the stream loader (query → dense / panel batches), and the in-memory 2,000-gene panel
   loaders: load time from the dense materialized dataset, host-RAM and on-device throughput.
 
-Every figure is the median of ``--repeats`` runs in this one process.
+Every latency is the median of ``--repeats`` runs in this one process; every loader throughput the
+median of ``--rounds`` windows of at least ``--seconds`` (each a fresh loader, after a warm-up).
 
     .venv/bin/python benchmarks/bench_materialize.py --sizes 200000   # makes data/corpus_200k
     .venv/bin/python benchmarks/bench_query.py
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,15 @@ import numpy as np
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
 
 
 def peak_rss_bytes() -> int:
@@ -182,37 +192,52 @@ def bench_index(table, index_dir: Path, repeats: int) -> dict:
     }
 
 
-def bench_loaders(table, panel_dataset: Path, repeats: int, num_batches: int) -> dict:
+def bench_loaders(table, panel_dataset: Path, *, seconds: float, rounds: int) -> dict:
+    """cells/s of the stream and in-memory loaders (the medians; ``<name>_runs``: every round's)."""
     import jax
 
     import omicsio_jax as oj
 
     out = {}
 
-    def drain(loader_iter, n):
-        for _ in range(n):
-            jax.block_until_ready(next(loader_iter).x)
+    def throughput(name, make, batch_size):
+        """A query streamed to its end is started again inside the window (passes back to back)."""
 
-    def throughput(make, batch_size, n):
         def run():
-            it = iter(make())
-            drain(it, 3)
-            start = time.perf_counter()
-            drain(it, n)
-            seconds = time.perf_counter() - start
-            if hasattr(it, "close"):
-                it.close()
-            return n * batch_size / seconds
+            its = [iter(make())]
+            for _ in range(3):
+                jax.block_until_ready(next(its[0]).x)
 
-        return statistics.median(run() for _ in range(repeats))
+            def step() -> int:
+                try:
+                    batch = next(its[0])
+                except StopIteration:
+                    its[0] = iter(make())
+                    batch = next(its[0])
+                jax.block_until_ready(batch.x)
+                return batch_size
+
+            w = window(step, seconds=seconds)
+            if hasattr(its[0], "close"):
+                its[0].close()
+            return {"cells_per_s": w.cells_per_s, "seconds": w.seconds}
+
+        got = medians([run() for _ in range(rounds)], ("cells_per_s", "seconds"))
+        out[name], out[f"{name}_runs"] = got["cells_per_s"], got["cells_per_s_runs"]
+        out[f"{name}_window_s_runs"] = got["seconds_runs"]
 
     ds = oj.open_dataset(panel_dataset)
     panel = [str(g) for g in ds.features["gene_name"]]  # the dataset's 2,000 most detected genes
-    out["stream_dense_full_transcriptome_b1024"] = throughput(
-        lambda: oj.make_stream_loader(table, batch_size=1024, shuffle_buffer=16384), 1024, 60
+    shuffled = oj.Stream(shuffle=True, fetch_factor=16384 // 1024)  # a shuffle window of 16,384 cells
+    throughput(
+        "stream_dense_full_transcriptome_b1024",
+        lambda: oj.make_stream_loader(table, batch_size=1024, sampling=shuffled),
+        1024,
     )
-    out["stream_panel_2000_b1024"] = throughput(
-        lambda: oj.make_stream_loader(table, batch_size=1024, genes=panel, shuffle_buffer=16384), 1024, 150
+    throughput(
+        "stream_panel_2000_b1024",
+        lambda: oj.make_stream_loader(table, batch_size=1024, output=oj.Panel(panel), sampling=shuffled),
+        1024,
     )
 
     start = time.perf_counter()
@@ -227,19 +252,17 @@ def bench_loaders(table, panel_dataset: Path, repeats: int, num_batches: int) ->
     del from_table
     for batch_size in (1024, 4096):
         for prefetch in (0, 2):
-            out[f"memory_host_b{batch_size}_prefetch{prefetch}"] = throughput(
+            throughput(
+                f"memory_host_b{batch_size}_prefetch{prefetch}",
                 lambda b=batch_size, p=prefetch: oj.make_memory_loader(
-                    data, batch_size=b, num_epochs=None, prefetch=p
+                    data, batch_size=b, num_epochs=None, read=oj.ReadOptions(prefetch=p)
                 ),
                 batch_size,
-                num_batches,
             )
-        out[f"memory_device_b{batch_size}"] = throughput(
-            lambda b=batch_size: oj.make_memory_loader(
-                data, batch_size=b, num_epochs=None, placement="device"
-            ),
+        throughput(
+            f"memory_device_b{batch_size}",
+            lambda b=batch_size: oj.make_memory_loader(data, batch_size=b, num_epochs=None, on_device=True),
             batch_size,
-            num_batches,
         )
     return out
 
@@ -248,10 +271,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k" / "cells.parquet"))
     p.add_argument("--panel-dataset", default=str(DATA / "ds_200k_panel2000"))
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=5, help="runs of each query latency (median reported)")
+    add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "query.json"))
     args = p.parse_args()
+    check_window(args)
 
     import omicsio_jax as oj
 
@@ -260,22 +284,25 @@ def main() -> None:
     table = oj.open_table(corpus)
     hive = oj.open_table(hive_dir)
     results = {
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "benchmark": "bench_query",
+        **provenance(),
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
         "corpus": str(corpus),
         "cells": table.num_cells,
         "genes": len(table.genes),
-        "command": "benchmarks/bench_query.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
     }
     results["stages"] = bench_stages(table, hive, args.repeats)
     print(json.dumps(results["stages"], indent=1))
     results["index"] = bench_index(table, DATA / "index_200k", args.repeats)
     print(json.dumps(results["index"], indent=1))
     results["loaders_cells_per_s"] = bench_loaders(
-        table, Path(args.panel_dataset), args.repeats, args.batches
+        table, Path(args.panel_dataset), seconds=args.seconds, rounds=args.rounds
     )
     print(json.dumps(results["loaders_cells_per_s"], indent=1))
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.out, results, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ uploads a materialized dataset (default: a synthetic 50k-cell corpus, materializ
 (a) read amplification, cold cache: bytes fetched ÷ bytes of the needed chunks over an epoch of
     block-sampled batches (block 16, fetch factor 64, batch 1,024) and of truly random ones
     (block 1, fetch factor 1: every batch draws 1,024 cells anywhere), opening ranges apart;
-(b) cold-cache loader cells/s (that block-sampled epoch, the fetches included) and GETs per fetch,
-    also at fetch factor 8 (one fetch covers 64 batches, more than this corpus's epoch);
-(c) warm-cache loader cells/s against the local loader on the same dataset: medians of rounds
-    alternated between the two, with their ratio (target ≥ 0.9).
+(b) cold-cache loader cells/s (that block-sampled epoch, the fetches included: the window is that
+    one epoch, ``seconds`` says how long) and GETs per fetch, also at fetch factor 8;
+(c) warm-cache loader cells/s against the local loader on the same dataset: medians of ``--rounds``
+    windows of at least ``--seconds`` (epochs back to back), alternated between the two, with their
+    ratio (target ≥ 0.9).
 
-    .venv/bin/python benchmarks/bench_s3.py                      # ~4 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_s3.py
     .venv/bin/python benchmarks/bench_s3.py --dataset PATH --rounds 5
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -33,6 +33,15 @@ import numpy as np
 HERE = Path(__file__).parent
 DATA = HERE / "data"
 BUCKET = "omicsio-bench"
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
 
 _MOTO = """
 import logging, sys
@@ -66,11 +75,11 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 def ensure_dataset(num_cells: int, shard_cells: int) -> Path:
     corpus, out = DATA / f"corpus_s3_{num_cells // 1000}k", DATA / f"ds_s3_{num_cells // 1000}k"
     if not (out / "manifest.json").exists():
-        from materialize import make_synthetic_corpus, materialize
+        from materialize import Layout, make_synthetic_corpus, materialize
 
         if not (corpus / "cells.parquet").exists():
             make_synthetic_corpus(corpus, num_cells=num_cells, seed=1, write_h5ad=False, progress=True)
-        materialize(corpus / "cells.parquet", out, shard_cells=shard_cells, overwrite=True)
+        materialize(corpus / "cells.parquet", out, layout=Layout(shard_cells=shard_cells), overwrite=True)
     return out
 
 
@@ -89,19 +98,45 @@ def upload(dataset: Path, endpoint: str) -> str:
     return url
 
 
-def epoch(ds, *, output: str = "csr", num_epochs: int = 1, **knobs) -> dict:
+def _loader(ds, *, block_size: int, fetch_factor: int, output: str, num_epochs: int | None):
+    import omicsio_jax as oj
+
+    return oj.make_loader(
+        ds, batch_size=1024, sampling=oj.Block(block_size, fetch_factor), output=output, seed=0,
+        num_epochs=num_epochs,
+    )  # fmt: skip
+
+
+def epoch(ds, *, output: str = "csr", num_epochs: int = 1, block_size: int, fetch_factor: int) -> dict:
     """Time ``num_epochs`` epochs of the loader (batch 1,024), every batch placed and waited for."""
     import jax
 
-    import omicsio_jax as oj
-
-    loader = oj.make_loader(ds, batch_size=1024, seed=0, num_epochs=num_epochs, output=output, **knobs)
+    loader = _loader(
+        ds, block_size=block_size, fetch_factor=fetch_factor, output=output, num_epochs=num_epochs
+    )
     start, cells = time.perf_counter(), 0
     for batch in loader:
         jax.block_until_ready(batch.x)
         cells += 1024
     seconds = time.perf_counter() - start
     return {"cells": cells, "seconds": seconds, "cells_per_s": cells / seconds, "steps": cells // 1024}
+
+
+def timed_window(ds, *, seconds: float, output: str, block_size: int, fetch_factor: int) -> dict:
+    """cells/s of the loader (batch 1,024, epochs back to back) over a window of at least ``seconds``,
+    after its first batch."""
+    import jax
+
+    loader = _loader(ds, block_size=block_size, fetch_factor=fetch_factor, output=output, num_epochs=None)
+    jax.block_until_ready(next(loader).x)
+
+    def step() -> int:
+        jax.block_until_ready(next(loader).x)
+        return 1024
+
+    w = window(step, seconds=seconds)
+    loader.close()
+    return {"cells_per_s": w.cells_per_s, "seconds": w.seconds}
 
 
 def cold(url: str, cache: Path, **knobs) -> dict:
@@ -140,19 +175,30 @@ def cold(url: str, cache: Path, **knobs) -> dict:
     return row
 
 
-def warm(url: str, local: Path, cache: Path, *, rounds: int, output: str) -> dict:
-    """Alternate local and S3 (warm cache) epochs; medians and their ratio."""
+def cold_rounds(url: str, tmp: Path, name: str, rounds: int, **knobs) -> dict:
+    """`cold` ``rounds`` times, each on a fresh empty cache: the median cells/s (every round's kept);
+    what was fetched is the first round's (the same every round). The last round's cache is kept
+    at ``tmp / name`` for the warm runs."""
+    runs = [cold(url, tmp / (name if r == rounds - 1 else f"{name}-{r}"), **knobs) for r in range(rounds)]
+    return {**runs[0], "label": f"cold {name}", **medians(runs, ("cells_per_s", "seconds"))}
+
+
+def warm(url: str, local: Path, cache: Path, *, rounds: int, seconds: float, output: str) -> dict:
+    """Alternate local and S3 (warm cache) windows; medians and their ratio."""
     import omicsio_jax as oj
 
-    knobs = {"block_size": 16, "fetch_factor": 64, "output": output, "num_epochs": 2}
+    knobs = {"block_size": 16, "fetch_factor": 64, "output": output}
     speeds: dict[str, list[float]] = {"local": [], "s3": []}
+    windows: dict[str, list[float]] = {"local": [], "s3": []}
     with oj.open_dataset(local) as lds, oj.open_dataset(url, cache_dir=cache) as rds:
-        epoch(rds, **knobs)  # fill the cache (and the page cache) for both
-        epoch(lds, **knobs)
+        epoch(rds, **knobs, num_epochs=2)  # fill the cache (and the page cache) for both
+        epoch(lds, **knobs, num_epochs=2)
         gets = rds.io_stats().num_gets
         for r in range(rounds):
             for name, ds in (("local", lds), ("s3", rds)):
-                speeds[name].append(epoch(ds, **knobs)["cells_per_s"])
+                got = timed_window(ds, seconds=seconds, **knobs)
+                speeds[name].append(got["cells_per_s"])
+                windows[name].append(got["seconds"])
             print(
                 f"[round {r + 1}/{rounds}] warm {output:5s} local {speeds['local'][-1]:>9,.0f}  "
                 f"s3 {speeds['s3'][-1]:>9,.0f} cells/s",
@@ -166,8 +212,10 @@ def warm(url: str, local: Path, cache: Path, *, rounds: int, output: str) -> dic
         flush=True,
     )
     return {
+        "label": f"warm {output}",
         "output": output,
         **knobs,
+        "window_s_runs": windows,
         "local_cells_per_s": med["local"],
         "s3_cells_per_s": med["s3"],
         "ratio": med["s3"] / med["local"],
@@ -184,19 +232,20 @@ def main() -> None:
     )
     p.add_argument("--cells", type=int, default=50_000, help="cells of the synthetic corpus")
     p.add_argument("--shard-cells", type=int, default=16_384, help="shard size of the synthetic dataset")
-    p.add_argument("--rounds", type=int, default=3, help="alternated warm rounds per output")
+    add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "s3.json"))
     args = p.parse_args()
+    check_window(args)
     dataset = Path(args.dataset) if args.dataset else ensure_dataset(args.cells, args.shard_cells)
     moto, endpoint = start_moto()
     try:
         url = upload(dataset, endpoint)
         with tempfile.TemporaryDirectory(prefix="omicsio-bench-s3-") as tmp:
-            block = cold(url, Path(tmp) / "block", block_size=16, fetch_factor=64)
-            block8 = cold(url, Path(tmp) / "block8", block_size=16, fetch_factor=8)  # more, smaller fetches
-            rand = cold(url, Path(tmp) / "random", block_size=1, fetch_factor=1)
+            block = cold_rounds(url, Path(tmp), "block", args.rounds, block_size=16, fetch_factor=64)
+            block8 = cold_rounds(url, Path(tmp), "block8", args.rounds, block_size=16, fetch_factor=8)
+            rand = cold_rounds(url, Path(tmp), "random", args.rounds, block_size=1, fetch_factor=1)
             warm_rows = [
-                warm(url, dataset, Path(tmp) / "block", rounds=args.rounds, output=o)
+                warm(url, dataset, Path(tmp) / "block", rounds=args.rounds, seconds=args.seconds, output=o)
                 for o in ("csr", "dense")
             ]
     finally:
@@ -205,8 +254,11 @@ def main() -> None:
     manifest = json.loads((dataset / "manifest.json").read_text())
     result = {
         "benchmark": "bench_s3",
-        "command": " ".join(["python", "benchmarks/bench_s3.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "cold_window": "one epoch on an empty cache (its seconds recorded)",
+        "quick": args.quick,
         "server": "moto ThreadedMotoServer in a child process on 127.0.0.1",
         "dataset": {
             "path": str(dataset),
@@ -222,9 +274,7 @@ def main() -> None:
         "cold_random": rand,
         "warm": warm_rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Starts moto's S3 server on 127.0.0.1, uploads a corpus's ``cells.parquet`` and t
 
 Queries: ``scalar`` (count of lung cells: two small columns), ``list`` (cells expressing one gene:
 the gene-id lists), ``stream`` (every cell's id, gene ids and values as Arrow batches: what
-materialize reads).
+materialize reads). Latencies of whole queries: each is the median of ``--repeats`` runs.
 
     scripts/setup-httpfs.sh
     .venv/bin/python benchmarks/bench_s3_query.py --cells 200000 --repeats 3
@@ -26,7 +26,6 @@ import inspect
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 HTTPFS_PYTHON = ROOT / ".venv-httpfs" / "bin" / "python"
 sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
 
 QUERIES = {
     "scalar": "SELECT count(*) FROM {src} WHERE tissue = 'lung'",
@@ -85,9 +85,10 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", type=int, default=200_000)
-    p.add_argument("--repeats", type=int, default=3)
+    add_window_options(p, seconds=None, rounds_flag="--repeats")
     p.add_argument("--out", default=str(HERE / "results" / "s3_query.json"))
     args = p.parse_args()
+    check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     parquet = corpus_dir(args.cells) / "cells.parquet"
 
     from moto.server import ThreadedMotoServer
@@ -159,8 +160,10 @@ def main() -> None:
         print(f"{route:16s} " + "  ".join(f"{n} {s:7.2f} s" for n, s in by_query.items()), flush=True)
     out = {
         "benchmark": "bench_s3_query",
-        "command": f"python benchmarks/bench_s3_query.py --cells {args.cells} --repeats {args.repeats}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores; moto S3 server on 127.0.0.1",
+        **provenance(),
+        "rounds": args.repeats,
+        "quick": args.quick,
+        "server": "moto S3 server on 127.0.0.1",
         "input": str(parquet.relative_to(HERE)),
         "input_bytes": parquet.stat().st_size,
         "duckdb": duckdb.__version__,
@@ -169,7 +172,7 @@ def main() -> None:
         "median_seconds": rows,
         "runs": results,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ reverse order), on the same corpus:
   decode limit's.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
 
+A round times one whole decode or conversion; ``window_s`` records how long it took (the median,
+and every round's).
+
     python benchmarks/bench_scale.py --cells 200000 --shard-cells 16384 --repeats 3
 
 Partitions are shards: with ``--shard-cells 16384`` a 200k-cell corpus has 13 of them, enough to
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -35,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
 
 _DECODE = """
 import json, os, resource, sys, time
@@ -66,10 +69,11 @@ import json, os, resource, sys, time
 cores = json.loads(sys.argv[4])
 if cores:
     os.sched_setaffinity(0, cores)
-from materialize import materialize
+from materialize import Layout, materialize
 workers = None if sys.argv[3] == "default" else int(sys.argv[3])
 start = time.perf_counter()
-result = materialize(sys.argv[1], sys.argv[2], workers=workers, shard_cells=int(sys.argv[5]), progress=False)
+result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=Layout(shard_cells=int(sys.argv[5])),
+                     progress=False)
 seconds = time.perf_counter() - start
 self_cpu = resource.getrusage(resource.RUSAGE_SELF)
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -94,10 +98,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", type=int, default=200_000)
     p.add_argument("--shard-cells", type=int, default=16_384)
-    p.add_argument("--repeats", type=int, default=3)
+    add_window_options(p, seconds=None, rounds_flag="--repeats")
     p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 1..cores)")
     p.add_argument("--out", default=str(HERE / "results" / "scale.json"))
     args = p.parse_args()
+    check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
     parquet = corpus_dir(args.cells, h5ad=False) / "cells.parquet"
@@ -136,8 +141,11 @@ def main() -> None:
     rows = {}
     for label, rs in runs.items():
         rows[label] = {
-            "cells_per_s_median": statistics.median(r["cells_per_s"] for r in rs),
-            "cells_per_s_runs": [round(r["cells_per_s"]) for r in rs],
+            "label": label,
+            "cells_per_s": statistics.median(r["cells_per_s"] for r in rs),
+            "cells_per_s_runs": [r["cells_per_s"] for r in rs],
+            "window_s": statistics.median(r["seconds"] for r in rs),
+            "window_s_runs": [r["seconds"] for r in rs],
             "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
             **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
             **(
@@ -149,31 +157,28 @@ def main() -> None:
                 else {}
             ),
         }
-    one = rows["materialize 1 worker(s)"]["cells_per_s_median"]
+    one = rows["materialize 1 worker(s)"]["cells_per_s"]
     summary = {
-        f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s_median"] / one
+        f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
         for n in counts
         if n > 1
     }
     for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
-        decode = rows[f"decode {reader}"]["cells_per_s_median"]
+        decode = rows[f"decode {reader}"]["cells_per_s"]
         summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
         summary[f"decode limit cells/s per core ({reader})"] = decode
     result = {
         "benchmark": "bench_scale",
-        "command": f"python benchmarks/bench_scale.py --cells {args.cells} --shard-cells {args.shard_cells} "
-        f"--repeats {args.repeats}"
-        + (f" --workers {' '.join(map(str, args.workers))}" if args.workers else "")
-        + (
-            f" --out {os.path.relpath(args.out)}" if Path(args.out) != HERE / "results" / "scale.json" else ""
-        ),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({len(cores)} usable)",
+        **provenance(),
+        "rounds": args.repeats,
+        "window": "one whole decode or conversion per round (window_s: its seconds)",
+        "quick": args.quick,
         "input": str(parquet.relative_to(HERE)),
         "rows": rows,
         "summary": summary,
     }
     print(json.dumps(summary, indent=1))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

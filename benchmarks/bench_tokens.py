@@ -6,12 +6,14 @@ Every configuration runs in a fresh process, one after another, on the same 50k-
 SLAF's tokenized loader (``slafdb``, its own converter, its ``geneformer`` / ``scgpt`` token modes,
 its default training config) on the h5ad of the same cells, in its own virtualenv. Also the
 tokenizers' kernel cost alone (µs per cell, one thread) and materialize's throughput with and
-without the corpus statistics (``--baseline`` = a checkout of the code before them).
+without the corpus statistics (``--baseline`` = a checkout of the code before them). Every loader
+and kernel figure is the median of ``--rounds`` windows of at least ``--seconds`` each (SLAF's
+peer is timed the same way); materialize's, of ``--rounds`` whole conversions.
 
     scripts/setup-slaf.sh                                    # .venv-slaf with slafdb 0.5.2
     git worktree add /tmp/before-stats 7f83aa4               # optional: materialize A/B
     .venv/bin/python benchmarks/bench_tokens.py --baseline /tmp/before-stats
-    git worktree add /tmp/before-sort 65c77aa                # optional: token kernels A/B (session 15's sort)
+    git worktree add /tmp/before-sort 65c77aa                # optional: token kernels A/B (before their sort)
     .venv/bin/python benchmarks/bench_tokens.py --threads 0 1 2 --kernel-baseline /tmp/before-sort
 """
 
@@ -20,16 +22,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    compare,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
+
 DATA = HERE / "data"
 CORPUS, DATASET, SLAF = DATA / "corpus_50k", DATA / "ds_50k", DATA / "slaf_50k.slaf"
 SLAF_PYTHON = ROOT / ".venv-slaf" / "bin" / "python"
@@ -58,37 +69,37 @@ def _output(kind: str):
     }[kind]
 
 
-def child_loader(kind: str, batch_size: int, rounds: int, cells: int, num_threads: int) -> dict:
-    """cells/s of make_loader (median over rounds of ``cells`` cells each, after a warm-up)."""
+def child_loader(kind: str, batch_size: int, rounds: int, seconds: float, num_threads: int) -> dict:
+    """cells/s of make_loader: the median of ``rounds`` windows of at least ``seconds``, after a warm-up."""
     import jax
 
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
     loader = oj.make_loader(
-        ds, batch_size=batch_size, num_epochs=None, output=_output(kind), num_threads=num_threads
+        ds,
+        batch_size=batch_size,
+        output=_output(kind),
+        num_epochs=None,
+        read=oj.ReadOptions(num_threads=num_threads),
     )
     it = iter(loader)
     for _ in range(max(8, 4096 // batch_size)):  # warm-up: compile, fill the read-ahead and buffer pools
         jax.block_until_ready(next(it).x)
-    steps = max(1, cells // batch_size)
-    runs = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            jax.block_until_ready(next(it).x)
-        runs.append(steps * batch_size / (time.perf_counter() - start))
+
+    def step() -> int:
+        jax.block_until_ready(next(it).x)
+        return batch_size
+
+    runs = [window(step, seconds=seconds).as_dict() for _ in range(rounds)]
     loader.close()
-    return {
-        "cells_per_s": statistics.median(runs),
-        "cells_per_s_runs": runs,
-        "cells_per_round": steps * batch_size,
-    }
+    return medians(runs, ("cells_per_s", "cells_per_cpu_s", "seconds", "batches"))
 
 
-def child_kernels(cells: int) -> dict:
+def child_kernels(cells: int, rounds: int, seconds: float) -> dict:
     """µs per cell of each output's decode from records, one numba thread, records already in memory,
-    output arrays reused from one call to the next (as the loader recycles its batch buffers)."""
+    output arrays reused from one call to the next (as the loader recycles its batch buffers): the
+    median of ``rounds`` windows of at least ``seconds`` of calls on ``cells`` cells."""
     import numba
     import numpy as np
 
@@ -110,12 +121,15 @@ def child_kernels(cells: int) -> dict:
         spec = _output(kind)
         bound = (oj.CSR() if spec == "csr" else spec).bind(OutputContext.of_dataset(ds, rows=cells))
         bound.from_records(buf, starts, empty, keys)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
+
+        def step(bound=bound) -> int:
             bound.from_records(buf, starts, empty, keys)
-            times.append(time.perf_counter() - start)
-        out[kind] = 1e6 * statistics.median(times) / cells
+            return cells
+
+        runs = [window(step, seconds=seconds) for _ in range(rounds)]
+        us = [1e6 * w.seconds / w.cells for w in runs]
+        out[kind] = statistics.median(us)
+        out[f"{kind}_runs"] = us
     return out
 
 
@@ -125,6 +139,12 @@ def child_materialize(out_dir: str) -> dict:
     result = materialize(CORPUS / "cells.parquet", out_dir, overwrite=True, progress=False)
     shutil.rmtree(out_dir)
     return {"cells_per_s": result.cells_per_second, "seconds": result.seconds}
+
+
+def materialize_rounds(out_dir: str, rounds: int, *, pythonpath: str | None = None) -> dict:
+    """Median cells/s of ``rounds`` whole conversions of the corpus, each in a fresh process."""
+    runs = [run_child(["materialize", out_dir], pythonpath=pythonpath) for _ in range(rounds)]
+    return {**medians(runs, ("cells_per_s", "seconds")), "window": "one whole conversion per round"}
 
 
 def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
@@ -139,7 +159,7 @@ def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_slaf(tokenizer: str, batch_size: int, rounds: int, cells: int) -> dict:
+def run_slaf(tokenizer: str, batch_size: int, rounds: int, seconds: float) -> dict:
     max_len = 2048 if tokenizer == "geneformer" else 1201
     proc = subprocess.run(
         [
@@ -153,8 +173,8 @@ def run_slaf(tokenizer: str, batch_size: int, rounds: int, cells: int) -> dict:
             str(batch_size),
             "--max-len",
             str(max_len),
-            "--num-batches",
-            str(max(1, cells // batch_size)),
+            "--seconds",
+            repr(seconds),
             "--warmup",
             "5",
             "--rounds",
@@ -168,13 +188,22 @@ def run_slaf(tokenizer: str, batch_size: int, rounds: int, cells: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _label(kind: str, b: int, t: int) -> str:
+    return f"omicsio {kind} b{b} ReadOptions(num_threads={t})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cells", type=int, default=16384, help="cells per timed round")
+    add_window_options(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--threads", type=int, nargs="+", default=[1], help="make_loader num_threads settings")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="make_loader's ReadOptions(num_threads=...) settings",
+    )
     p.add_argument("--baseline", help="a checkout of omicsio_jax before the statistics, for materialize A/B")
     p.add_argument(
         "--kernel-baseline", help="a checkout of omicsio_jax whose token kernels to time beside these"
@@ -184,70 +213,84 @@ def main() -> None:
     if args.child:
         what, *rest = args.child
         if what == "loader":
-            result = child_loader(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
+            result = child_loader(rest[0], int(rest[1]), int(rest[2]), float(rest[3]), int(rest[4]))
         elif what == "kernels":
-            result = child_kernels(int(rest[0]))
+            result = child_kernels(int(rest[0]), int(rest[1]), float(rest[2]))
         else:
             result = child_materialize(rest[0])
         print(json.dumps(result))
         return
+    check_window(args)
     ensure_data()
     rows = []
     for b in args.batch_sizes:
         for kind in ("csr", "geneformer", "scgpt"):
             for t in args.threads:
-                r = run_child(["loader", kind, str(b), str(args.rounds), str(args.cells), str(t)])
+                r = run_child(["loader", kind, str(b), str(args.rounds), repr(args.seconds), str(t)])
                 rows.append(
-                    {
-                        "label": f"omicsio {kind} b{b} num_threads={t}",
-                        "kind": kind,
-                        "batch_size": b,
-                        "num_threads": t,
-                        **r,
-                    }
+                    {"label": _label(kind, b, t), "kind": kind, "batch_size": b, "num_threads": t, **r}
                 )
                 print(json.dumps(rows[-1]), flush=True)
         if SLAF_PYTHON.exists():
             for tokenizer in ("geneformer", "scgpt"):
-                r = run_slaf(tokenizer, b, args.rounds, args.cells)
+                r = run_slaf(tokenizer, b, args.rounds, args.seconds)
                 rows.append(
                     {"label": f"slaf {tokenizer} b{b}", "kind": f"slaf-{tokenizer}", "batch_size": b, **r}
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    kernels = run_child(["kernels", "4096"])
+    kernel_args = ["kernels", "4096", str(args.rounds), repr(args.seconds)]
+    kernels = run_child(kernel_args)
     print(json.dumps({"kernel_us_per_cell": kernels}), flush=True)
     if args.kernel_baseline:
-        kernels_baseline = run_child(["kernels", "4096"], pythonpath=args.kernel_baseline)
+        kernels_baseline = run_child(kernel_args, pythonpath=args.kernel_baseline)
         print(json.dumps({"kernel_us_per_cell_baseline": kernels_baseline}), flush=True)
-    mat = {"with_stats": run_child(["materialize", str(DATA / "tmp_mat_new")])}
+    mat = {"with_stats": materialize_rounds(str(DATA / "tmp_mat_new"), args.rounds)}
     if args.baseline:
-        mat["before_stats"] = run_child(["materialize", str(DATA / "tmp_mat_old")], pythonpath=args.baseline)
+        mat["before_stats"] = materialize_rounds(
+            str(DATA / "tmp_mat_old"), args.rounds, pythonpath=args.baseline
+        )
     print(json.dumps({"materialize": mat}), flush=True)
     ratios = {}
     by = {(r["kind"], r["batch_size"], r.get("num_threads")): r["cells_per_s"] for r in rows}
-    best = {}  # (kind, batch) -> the fastest setting's cells/s
-    for (kind, b, _), v in by.items():
-        best[kind, b] = max(best.get((kind, b), 0), v)
+    best: dict[tuple[str, int], dict] = {}  # (kind, batch) -> the row of the fastest setting
+    for r in rows:
+        key = (r["kind"], r["batch_size"])
+        if key not in best or r["cells_per_s"] > best[key]["cells_per_s"]:
+            best[key] = r
+    comparisons = []
     for b in args.batch_sizes:
         for kind in ("geneformer", "scgpt"):
             for t in args.threads:
-                ratios[f"{kind} b{b} num_threads={t}: time vs csr"] = by[("csr", b, t)] / by[(kind, b, t)]
-            ratios[f"{kind} b{b} best setting: time vs csr's best"] = best["csr", b] / best[kind, b]
-            if (f"slaf-{kind}", b) in best:
-                ratios[f"{kind} b{b}: speed vs SLAF (best setting)"] = best[kind, b] / best[f"slaf-{kind}", b]
+                ratios[f"{kind} b{b} ReadOptions(num_threads={t}): time vs csr"] = (
+                    by[("csr", b, t)] / by[(kind, b, t)]
+                )
+            ratios[f"{kind} b{b} best setting: time vs csr's best"] = (
+                best["csr", b]["cells_per_s"] / best[kind, b]["cells_per_s"]
+            )
+            peer = best.get((f"slaf-{kind}", b))
+            if peer:
+                ratios[f"{kind} b{b}: speed vs SLAF (best setting)"] = (
+                    best[kind, b]["cells_per_s"] / peer["cells_per_s"]
+                )
+                comparisons.append(
+                    compare(f"{kind} tokens b{b} (best setting): omicsio ÷ SLAF", best[kind, b], peer)
+                )
     result = {
         "benchmark": "bench_tokens",
-        "command": "python benchmarks/bench_tokens.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
         "cells": 50_000,
         "rows": rows,
+        "comparisons": [c for c in comparisons if c],
         "kernel_us_per_cell": kernels,
         "materialize": mat,
         "ratios": ratios,
     }
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, quick=args.quick)
     print(json.dumps(ratios, indent=1))
 
 

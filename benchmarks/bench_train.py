@@ -25,7 +25,9 @@ loader's `normalize_log1p` output, recomputed in numpy and checked against the l
     .venv/bin/python benchmarks/bench_train.py                     # both parts
     .venv/bin/python benchmarks/bench_train.py --estimate-steps 20 # time a few steps per strategy, exit
 
-Results go to `benchmarks/results/train.json` and `benchmarks/results/train.md`.
+Results go to `benchmarks/results/train.json` and `benchmarks/results/train.md`. Each strategy is one
+training run (an epoch: far longer than a timing window); its cells/s is a side figure of that run,
+not a median of rounds.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -46,6 +46,8 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 DATA = HERE / "data"
 RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from _provenance import provenance, write_result  # noqa: E402
 
 # name -> (sampling, block_size, fetch_factor); a None entry means "--block-size / --fetch-factor".
 STRATEGIES = {
@@ -187,7 +189,7 @@ def low_signal_corpus(args: argparse.Namespace) -> Path:
     """The same plates and labels with ``--low-signal-nnz`` expressed genes per cell (default corpus:
     1,500), i.e. ~3% of that many marker draws per label instead of ~45: a task that does not saturate.
     Generated (parquet only) and materialized into ``benchmarks/data/`` on first use."""
-    from materialize import make_synthetic_corpus, materialize
+    from materialize import InputOptions, make_synthetic_corpus, materialize
 
     m = args.low_signal_nnz
     ds_dir = DATA / f"ds_200k_nnz{m}"
@@ -199,7 +201,7 @@ def low_signal_corpus(args: argparse.Namespace) -> Path:
     materialize(
         corpus.cells_parquet,
         ds_dir,
-        genes=corpus.genes_parquet,
+        read=InputOptions(genes=corpus.genes_parquet),
         obs=["cell_type", "drug", "batch"],
         overwrite=True,
         progress=False,
@@ -301,7 +303,7 @@ def pbmc_part(args: argparse.Namespace, workdir: Path) -> dict:
     from sklearn.neighbors import NearestCentroid
 
     import omicsio_jax as oj
-    from materialize import materialize
+    from materialize import InputOptions, materialize
     from train import TrainConfig, accuracy, fit, macro_f1
 
     src = pbmc_h5ad()
@@ -329,7 +331,7 @@ def pbmc_part(args: argparse.Namespace, workdir: Path) -> dict:
     del adata, raw, raw_dense
     out = workdir / "pbmc68k_reduced"
     t0 = time.perf_counter()
-    materialize(modern, out, obs=["bulk_labels"], use_raw=True, progress=False)
+    materialize(modern, out, read=InputOptions(use_raw=True), obs=["bulk_labels"], progress=False)
     source_info["materialize_s"] = time.perf_counter() - t0
 
     ds = oj.open_dataset(out)
@@ -351,12 +353,10 @@ def pbmc_part(args: argparse.Namespace, workdir: Path) -> dict:
     check = oj.make_loader(
         ds,
         batch_size=len(test_rows),
+        sampling=oj.Stream(fetch_factor=1, drop_remainder=False),
+        output=oj.Dense(normalize="normalize_log1p"),
         rows=test_rows,
-        sampling="stream",
-        drop_remainder=False,
         num_epochs=1,
-        normalize="normalize_log1p",
-        fetch_factor=1,
     )
     try:
         batch = next(iter(check))
@@ -484,12 +484,19 @@ def _fmt(v, spec: str, missing: str = "–") -> str:
     return missing if v is None else format(v, spec)
 
 
+def _machine(m: dict | str) -> str:
+    if isinstance(m, str):
+        return m
+    return f"{m['cpu']}, {m['usable_cores']} of {m['cores']} cores, {m['gpu'] or 'no GPU'}"
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Training benchmark (`bench_train.py`)",
         "",
         f"Command: `{result['command']}`  ",
-        f"Machine: {result['machine']}; JAX {result['versions']['jax']} "
+        f"Commit: `{result['commit']}`, {result['date']}  ",
+        f"Machine: {_machine(result['machine'])}; JAX {result['versions']['jax']} "
         f"({result['devices']} CPU device(s)); total wall time {result['wall_s'] / 60:.1f} min.",
         "",
     ]
@@ -611,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     argv_used = sys.argv[1:] if argv is None else argv
     result = {
         "benchmark": "bench_train",
-        "command": " ".join([".venv/bin/python benchmarks/bench_train.py", *map(shlex.quote, argv_used)]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance([str(Path(__file__)), *argv_used]),
+        "rounds": 1,
         "devices": args.devices,
         "versions": {k: version(k) for k in ("jax", "equinox", "optax", "grain", "scanpy", "scikit-learn")},
         "config": {
@@ -632,8 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             result["pbmc"] = pbmc_part(args, Path(tmp))
     result["wall_s"] = time.perf_counter() - start
     result["jax_devices"] = [str(d) for d in jax.devices()]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_result(args.out, result)
     Path(args.md).write_text(markdown(result))
     Path(args.partial).unlink(missing_ok=True)
     print(markdown(result))
