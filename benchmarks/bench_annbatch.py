@@ -63,6 +63,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _provenance import add_window_options, check_window, compare, provenance, window, write_result  # noqa: E402
+from bench_loader import baseline_commit, baseline_env, make_loader_either, peak_rss_bytes  # noqa: E402
 
 DATA = HERE / "data"
 ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
@@ -102,15 +103,16 @@ def _our_loader(
     start = time.perf_counter()
     ds = oj.open_dataset(dataset)
     opened = time.perf_counter()
-    loader = oj.make_loader(
+    loader = make_loader_either(
+        oj,
         ds,
         batch_size=batch_size,
-        sampling=oj.Block(block_size, fetch_factor),
+        block_size=block_size,
+        fetch_factor=fetch_factor,
         output=output,
         obs=(LABEL,),
         seed=seed,
-        num_epochs=None,
-        read=oj.ReadOptions(num_threads=num_threads),
+        num_threads=num_threads,
     )
     it = iter(loader)
     jax.block_until_ready(next(it))
@@ -143,7 +145,6 @@ def _our_loader(
 
 
 def _child(spec: dict) -> dict:
-    from bench_loader import peak_rss_bytes
 
     out = _our_loader(**spec["kwargs"], spawned_at=spec.get("spawned_at"))
     return {**spec, **out, "peak_rss_bytes": peak_rss_bytes()}
@@ -166,6 +167,7 @@ def run(spec: dict) -> dict:
             capture_output=True,
             text=True,
             check=False,
+            env=baseline_env(spec),
         )
         return {**spec, **_last_json(proc)}
     kw = spec["kwargs"]
@@ -231,6 +233,7 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
             "label": label,
             "kind": spec["kind"],
             **{k: v for k, v in spec["kwargs"].items()},
+            "baseline": spec.get("baseline"),
             "rounds": len(results),
             "errors": [x["error"] for x in results if "error" in x],
         }
@@ -474,6 +477,12 @@ def main() -> None:
     )
     add_window_options(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run omicsio's default-thread configurations from this checkout of an earlier commit "
+        "(a git worktree), in the same rounds",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results" / "annbatch.json")
     p.add_argument("--markdown", action="store_true", help="only print the Markdown table of --out")
     args = p.parse_args()
@@ -503,6 +512,8 @@ def main() -> None:
             "pass the matching --dataset"
         )
 
+    baseline = None if args.baseline is None else str(Path(args.baseline).resolve())
+    base_sha = None if baseline is None else baseline_commit(baseline)
     plan: list[tuple[str, dict]] = []
     for output, bs in CONFIGS:
         common = {
@@ -513,21 +524,12 @@ def main() -> None:
             "seed": args.seed,
         }
         for threads, fetch in _variants(output, bs):
-            plan.append(
-                (
-                    _our_label(output, bs, threads, fetch),
-                    {
-                        "kind": "ours",
-                        "kwargs": {
-                            "dataset": str(dataset),
-                            **common,
-                            "num_threads": threads,
-                            "block_size": BLOCK_SIZE,
-                            "fetch_factor": fetch,
-                        },
-                    },
-                )
-            )
+            kwargs = {"dataset": str(dataset), **common, "num_threads": threads, "block_size": BLOCK_SIZE,
+                      "fetch_factor": fetch}  # fmt: skip
+            plan.append((_our_label(output, bs, threads, fetch), {"kind": "ours", "kwargs": kwargs}))
+            if baseline is not None and (threads, fetch) in ((THREADS[0], FETCH_FACTOR), (0, FETCH_FACTOR)):
+                plan.append((f"{_our_label(output, bs, threads, fetch)} @ {base_sha[:7]}",
+                             {"kind": "ours", "kwargs": kwargs, "baseline": baseline}))  # fmt: skip
         plan.append(
             (
                 f"annbatch {output} b{bs}",
@@ -550,8 +552,15 @@ def main() -> None:
         for output, bs in CONFIGS
         for variant in _variants(output, bs)
     ]  # fmt: skip
+    for r in (
+        r for r in rows if r.get("baseline")
+    ):  # this commit against the earlier one, and both against annbatch
+        peer = f"annbatch {r['output']} b{r['batch_size']}"
+        comparisons += [compare(f"{r['label']}: this commit ÷ {base_sha[:7]}", by.get(r["label"].rsplit(" @ ", 1)[0]), r),
+                        compare(f"{r['label']}: {base_sha[:7]} ÷ annbatch", r, by.get(peer))]  # fmt: skip
     result = {
         "benchmark": "bench_annbatch", **provenance(), "rounds": rounds, "window_s": args.seconds,
+        "baseline": None if baseline is None else {"checkout": baseline, "commit": base_sha},
         "quick": args.quick,
         "corpus": str(corpus), "dataset": str(dataset), "collection": str(collection), "num_cells": num_cells,
         "cell_count_mismatch": mismatched, "label": LABEL, "rows": rows, "ratios": ratios(rows),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,59 @@ from _provenance import (  # noqa: E402
 BLOCK, FETCH = 16, 64
 
 
+def make_loader_either(
+    oj,
+    ds,
+    *,
+    batch_size: int,
+    block_size: int,
+    fetch_factor: int,
+    output: str,
+    genes: list[int] | None = None,
+    obs: tuple[str, ...] = (),
+    seed: int = 0,
+    num_epochs: int | None = None,
+    num_threads: int | None = None,
+):
+    """``make_loader`` of whichever omicsio_jax this process imported: the option API, or the keyword
+    API of a ``--baseline`` checkout made before it (the same loader, asked for in its words)."""
+    if hasattr(oj, "Block"):
+        return oj.make_loader(
+            ds,
+            batch_size=batch_size,
+            sampling=oj.Block(block_size, fetch_factor),
+            output=output if genes is None else oj.Panel(genes),
+            obs=obs,
+            seed=seed,
+            num_epochs=num_epochs,
+            read=oj.ReadOptions(num_threads=num_threads),
+        )
+    threads = {} if num_threads is None else {"num_threads": num_threads}
+    return oj.make_loader(
+        ds,
+        batch_size=batch_size,
+        block_size=block_size,
+        fetch_factor=fetch_factor,
+        output=output,
+        genes=genes,
+        obs=obs,
+        seed=seed,
+        num_epochs=num_epochs,
+        **threads,
+    )
+
+
+def baseline_env(spec: dict) -> dict | None:
+    """The environment of a run of a ``--baseline`` checkout (its package first on the path)."""
+    path = spec.get("baseline")
+    return None if path is None else {**os.environ, "PYTHONPATH": path}
+
+
+def baseline_commit(path: str) -> str:
+    return subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
 def _our_loader(
     dataset: str,
     *,
@@ -58,13 +112,14 @@ def _our_loader(
     import omicsio_jax as oj
 
     ds = oj.open_dataset(dataset)
-    if genes is not None:
-        output = oj.Panel(list(range(genes)))
-    loader = oj.make_loader(
+    loader = make_loader_either(
+        oj,
         ds,
         batch_size=batch_size,
-        sampling=oj.Block(block_size, fetch_factor),
+        block_size=block_size,
+        fetch_factor=fetch_factor,
         output=output,
+        genes=None if genes is None else list(range(genes)),
         obs=("batch",),
         seed=seed,
         num_epochs=1 if cold else None,  # cold: the window ends with the first epoch at the latest
@@ -120,7 +175,10 @@ def _child(spec: dict) -> dict:
 
 def run(spec: dict) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=baseline_env(spec),
     )
     if proc.returncode != 0:
         return {
@@ -138,7 +196,9 @@ def run_rounds(plan: list[tuple[str, dict]], rounds: int) -> list[dict]:
     hits all of them), and keep each one's median cells/s, every run's figure and the peak RSS."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in plan}
     for r in range(rounds):
-        for label, spec in plan:
+        # every other round in reverse order: what a run leaves behind (page cache, clocks) does not
+        # always land on the same next configuration
+        for label, spec in plan if r % 2 == 0 else plan[::-1]:
             result = run({"label": label, **spec})
             runs[label].append(result)
             shown = (
@@ -212,6 +272,14 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k"))
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--only", metavar="REGEX", help="run only the configurations whose label matches")
+    p.add_argument("--skip-cold", action="store_true", help="no cold page-cache pass")
+    p.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run the main omicsio configurations from this checkout of an earlier commit (a git "
+        "worktree), in the same rounds: the code before a change against the code after it",
+    )
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     args = p.parse_args()
@@ -225,23 +293,38 @@ def main() -> None:
     window_s = args.seconds
     plan: list[tuple[str, dict]] = []
 
+    baseline = None if args.baseline is None else str(Path(args.baseline).resolve())
+    base_sha = None if baseline is None else baseline_commit(baseline)
+
     def ours(
-        label: str, dataset: str, bs: int, *, warmup: int = 64, cold: list[str] | None = None, **kw
+        label: str,
+        dataset: str,
+        bs: int,
+        *,
+        warmup: int = 64,
+        cold: list[str] | None = None,
+        compare_baseline: bool = False,
+        **kw,
     ) -> None:
         kwargs = {"dataset": dataset, "batch_size": bs, "block_size": BLOCK, "fetch_factor": FETCH,
                   "seconds": window_s, "warmup": warmup, **kw}  # fmt: skip
         if cold:
             kwargs["cold"] = True
         plan.append((label, {"kind": "ours", "kwargs": kwargs, **({"cold": cold} if cold else {})}))
+        if compare_baseline and baseline is not None:
+            plan.append(
+                (f"{label} @ {base_sha[:7]}", {"kind": "ours", "kwargs": kwargs, "baseline": baseline})
+            )
 
     for bs in (64, 1024):
-        ours(_label("omicsio dense", bs), ds, bs)
-        ours(_label("omicsio csr", bs), ds, bs, output="csr")
+        ours(_label("omicsio dense", bs), ds, bs, compare_baseline=True)
+        ours(_label("omicsio csr", bs), ds, bs, output="csr", compare_baseline=True)
         ours(_label("omicsio dense", bs, note="zstd:1 dataset"), str(COMPACT), bs)
         ours(_label("omicsio csr", bs, note="zstd:1 dataset"), str(COMPACT), bs, output="csr")
         ours(_label("omicsio panel2000 (dense layout)", bs), ds_panel, bs)
-        ours(_label("omicsio panel2000 (from sparse)", bs), ds, bs, genes=2000)
-        ours(_label("omicsio true random", bs, 1, 1), ds, bs, block_size=1, fetch_factor=1, warmup=4)
+        ours(_label("omicsio panel2000 (from sparse)", bs), ds, bs, genes=2000, compare_baseline=True)
+        ours(_label("omicsio true random", bs, 1, 1), ds, bs, block_size=1, fetch_factor=1, warmup=4,
+             compare_baseline=True)  # fmt: skip
         if not args.skip_peers:
             plan.append((f"scDataset dense b{bs} BlockShuffling(16) fetch_factor 64", {"kind": "scdataset", "kwargs": {
                 "h5ad_path": h5ad, "batch_size": bs, "block_size": BLOCK, "fetch_factor": FETCH,
@@ -252,20 +335,31 @@ def main() -> None:
             plan.append((f"Grain stock ArrayRecord random b{bs}", {"kind": "grain", "kwargs": {
                 "dataset_dir": ds, "batch_size": bs, "seconds": window_s, "seed": 0}}))  # fmt: skip
 
-    rows = run_rounds(plan, args.rounds)
+    only = None if args.only is None else re.compile(args.only)
+
+    def chosen(plan: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+        return [(label, spec) for label, spec in plan if only is None or only.search(label)]
+
+    rows = run_rounds(chosen(plan), args.rounds)
     plan = []
 
     # cold page cache: files dropped from the cache right before each run
     from _peers import drop_page_cache, sequential_read_limit
 
-    cold = {
-        "shards_sequential_bytes_per_s": sequential_read_limit(shards),
-        "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
-        "cache_drop_works": drop_page_cache(shards),
-        "window": "each cold run's window ends after --seconds or with its first epoch, whichever comes first",
-    }
+    cold = (
+        None
+        if args.skip_cold
+        else {
+            "shards_sequential_bytes_per_s": sequential_read_limit(shards),
+            "h5ad_sequential_bytes_per_s": sequential_read_limit([h5ad]),
+            "cache_drop_works": drop_page_cache(shards),
+            "window": "each cold run's window ends after --seconds or with its first epoch, whichever comes first",
+        }
+    )
     print(
-        f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
+        ""
+        if cold is None
+        else f"cold sequential read: shards {cold['shards_sequential_bytes_per_s'] / 1e6:,.0f} MB/s, "
         f"h5ad {cold['h5ad_sequential_bytes_per_s'] / 1e6:,.0f} MB/s",
         flush=True,
     )
@@ -278,14 +372,15 @@ def main() -> None:
         plan.append(("COLD scDataset dense b64 BlockShuffling(16) fetch_factor 64", {"kind": "scdataset", "cold": [h5ad],
             "kwargs": {"h5ad_path": h5ad, "batch_size": 64, "block_size": BLOCK, "fetch_factor": FETCH,
                        "seconds": window_s, "warmup": 0, "seed": 0, "max_epochs": 1}}))  # fmt: skip
-    rows += run_rounds(plan, args.rounds)
-    dataset_bytes = sum(os.path.getsize(s) for s in shards)
-    cold["dataset_bytes_per_cell"] = (
-        dataset_bytes / json.loads((Path(ds) / "manifest.json").read_text())["num_cells"]
-    )
-    cold["shards_sequential_cells_per_s"] = (
-        cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
-    )
+    if cold is not None:
+        rows += run_rounds(chosen(plan), args.rounds)
+        dataset_bytes = sum(os.path.getsize(s) for s in shards)
+        cold["dataset_bytes_per_cell"] = (
+            dataset_bytes / json.loads((Path(ds) / "manifest.json").read_text())["num_cells"]
+        )
+        cold["shards_sequential_cells_per_s"] = (
+            cold["shards_sequential_bytes_per_s"] / cold["dataset_bytes_per_cell"]
+        )
 
     by = {r["label"]: r for r in rows}
     comparisons = []
@@ -298,9 +393,16 @@ def main() -> None:
             compare(f"true random b{bs}: omicsio ÷ Grain's stock ArrayRecord path",
                     by.get(_label("omicsio true random", bs, 1, 1)), by.get(f"Grain stock ArrayRecord random b{bs}")),
         ]  # fmt: skip
+    if baseline is not None:  # this checkout against the earlier one, configuration by configuration
+        comparisons += [
+            compare(f"{r['label']}: this commit ÷ {base_sha[:7]}", by.get(r["label"].rsplit(" @ ", 1)[0]), r)
+            for r in rows
+            if r.get("baseline")
+        ]
     result = {
         "benchmark": "bench_loader",
         **provenance(),
+        "baseline": None if baseline is None else {"checkout": baseline, "commit": base_sha},
         "rounds": args.rounds,
         "window_s": window_s,
         "quick": args.quick,
