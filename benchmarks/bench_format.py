@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from omicsio_jax.format import codec
-from omicsio_jax.format.csr import list_to_csr
+from omicsio_jax.format.arrow import list_to_csr
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -254,7 +254,7 @@ def top_genes(corpus: Path, count: int) -> list[str]:
     """The ``count`` genes detected in most of the first 16k cells: a realistic focused panel."""
     import pyarrow.parquet as pq
 
-    from omicsio_jax.format.csr import list_to_csr
+    from omicsio_jax.format.arrow import list_to_csr
 
     cells = pq.ParquetFile(corpus / "cells.parquet").read_row_groups([0, 1], columns=["gene_token_id"])
     _, tokens = list_to_csr(cells.column(0))

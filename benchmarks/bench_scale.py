@@ -47,7 +47,7 @@ start, cpu0 = time.perf_counter(), time.process_time()
 cells = 0
 if kind == "duckdb":
     import duckdb
-    from omicsio_jax.format.csr import list_to_csr
+    from omicsio_jax.format.arrow import list_to_csr
     con = duckdb.connect()
     con.execute("SET threads = 1")
     con.execute("SET preserve_insertion_order = true")
@@ -56,7 +56,7 @@ if kind == "duckdb":
         list_to_csr(rb.column(1)); list_to_csr(rb.column(2)); cells += rb.num_rows
 else:
     import pyarrow as pa, pyarrow.parquet as pq
-    from omicsio_jax.format.csr import list_to_csr
+    from omicsio_jax.format.arrow import list_to_csr
     pa.set_cpu_count(1); pa.set_io_thread_count(1)
     for rb in pq.ParquetFile(path).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
                                                  use_threads=False):

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from omicsio_jax.format.csr import list_to_csr
+from omicsio_jax.format.arrow import list_to_csr
 
 ROWS = [[1, 2], None, [3], [], [4, 5, 6]]
 

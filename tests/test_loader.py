@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -318,3 +320,20 @@ def test_segment_cache_reads_the_first_key_alone_then_reads_ahead():
         assert ("start", 2) in events and ("start", 3) in events  # two ahead of key 1
     finally:
         cache.close()
+
+
+def test_reading_batches_loads_neither_pyarrow_nor_duckdb(dataset_dir):
+    """The loader's import path stays light: its first batch waits for no table library's import."""
+    script = (
+        "import sys\n"
+        "import omicsio_jax as oj\n"
+        f"ds = oj.open_dataset({str(dataset_dir)!r})\n"
+        "for output in ('dense', 'csr'):\n"
+        "    loader = oj.make_loader(ds, batch_size=64, output=output, obs=('drug',))\n"
+        "    next(iter(loader))\n"
+        "    loader.close()\n"
+        "print(sorted(m for m in ('pyarrow', 'duckdb', 'pandas') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -4,7 +4,7 @@ A dataset directory holds ArrayRecord shards of encoded cells (`omicsio_jax.form
 chunk indexes (`omicsio_jax.format.chunk_index`), the manifest that lists every file with its
 checksum (`omicsio_jax.format.manifest`), corpus statistics (`omicsio_jax.format.gene_stats`) and
 sidecars; the inputs are list-column cell tables read through DuckDB (`omicsio_jax.format.tables`,
-`omicsio_jax.format.csr`) and the inverted gene index (`omicsio_jax.format.gene_index`).
+`omicsio_jax.format.arrow`) and the inverted gene index (`omicsio_jax.format.gene_index`).
 
 The names below are this layer's public face, with the few storage helpers a writer needs beside
 them; they are imported on first use, so a shard-writer process that needs only the manifest does
@@ -21,6 +21,8 @@ from omicsio_jax.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from omicsio_jax.core.producer import Background as Background
+    from omicsio_jax.format.arrow import is_list_type as is_list_type
+    from omicsio_jax.format.arrow import list_to_csr as list_to_csr
     from omicsio_jax.format.chunk_index import CHUNK_INDEX_DIR as CHUNK_INDEX_DIR
     from omicsio_jax.format.chunk_index import chunk_index_path as chunk_index_path
     from omicsio_jax.format.codec import CODEC_VERSION as CODEC_VERSION
@@ -33,8 +35,6 @@ if TYPE_CHECKING:
     from omicsio_jax.format.codec import encode_csr as encode_csr
     from omicsio_jax.format.codec import encode_dense_rows as encode_dense_rows
     from omicsio_jax.format.codec import plan_sparse as plan_sparse
-    from omicsio_jax.format.csr import is_list_type as is_list_type
-    from omicsio_jax.format.csr import list_to_csr as list_to_csr
     from omicsio_jax.format.csr import take_rows as take_rows
     from omicsio_jax.format.gene_index import INDEX_FILE as INDEX_FILE
     from omicsio_jax.format.gene_index import INDEX_FORMAT as INDEX_FORMAT
@@ -87,7 +87,8 @@ _WRITER_API = {
         "encode_dense_rows",
         "plan_sparse",
     ),
-    "omicsio_jax.format.csr": ("is_list_type", "list_to_csr", "take_rows"),
+    "omicsio_jax.format.arrow": ("is_list_type", "list_to_csr"),
+    "omicsio_jax.format.csr": ("take_rows",),
     "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
     "omicsio_jax.format.gene_stats": ("NUM_BINS", "STATS_NAME", "GeneStats", "StatsAccumulator"),
     "omicsio_jax.format.manifest": (

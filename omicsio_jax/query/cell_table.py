@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax.core.errors import DataValidationError, OmicsIOError
-from omicsio_jax.format.csr import is_list_type, list_to_csr
+from omicsio_jax.format.arrow import is_list_type, list_to_csr
 from omicsio_jax.format.tables import (
     CELL_ID_COLUMN,
     GENE_COLUMN,

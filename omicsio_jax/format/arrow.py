@@ -1,0 +1,48 @@
+"""Arrow list columns → CSR, right for sliced arrays, chunked arrays and null lists.
+
+Arrow ListArray offsets are a CSR indptr only inside one unsliced array: a slice's offsets do
+not start at 0, a ChunkedArray has offsets per chunk, and a null list may (per the Arrow spec)
+even cover a non-empty range of the child array. `list_to_csr` handles all three by taking the
+lengths from ``list_value_length`` (null lists → 0) and the values from ``flatten()``, which
+honours the slice offset and skips the contents of null slots.
+
+A null list means "no expressed genes": it becomes an empty row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+LIST_TYPES = (pa.ListType, pa.LargeListType, pa.ListViewType, pa.LargeListViewType)
+
+
+def is_list_type(dtype: pa.DataType) -> bool:
+    return isinstance(dtype, LIST_TYPES)
+
+
+def list_to_csr(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """Return ``(indptr int64 starting at 0, flat child values)`` for a list column.
+
+    Works on any list flavour (list, large_list, list views), sliced or not, chunked or not.
+    The values stay an Arrow array (zero-copy where Arrow allows); nulls *inside* a list are
+    preserved so the caller can report them.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            return list_to_csr(column.chunk(0))
+        parts = [list_to_csr(chunk) for chunk in column.chunks]
+        lengths = [np.diff(indptr) for indptr, _ in parts]
+        indptr = np.zeros(sum(len(x) for x in lengths) + 1, dtype=np.int64)
+        if len(indptr) > 1:
+            np.cumsum(np.concatenate(lengths), out=indptr[1:])
+        values = pa.concat_arrays([v for _, v in parts]) if parts else pa.array([])
+        return indptr, values
+    if not is_list_type(column.type):
+        msg = f"expected a list column, got Arrow type {column.type}"
+        raise TypeError(msg)
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+    indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    return indptr, column.flatten()

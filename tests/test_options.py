@@ -1,0 +1,145 @@
+"""The option objects the entry points take: each validates itself with a one-line error that names
+the fix, and means exactly what the plan, the loader or materialize does with it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from materialize import Dask, InputOptions, Layout, materialize
+from omicsio_jax.outputs import scatter
+from omicsio_jax.sampling.plan import AllRows, SamplingPlan
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: oj.Block(0), r"Block\(block_size=\.\.\.\) must be a positive integer, got 0"),
+        (lambda: oj.Block(16, 2.5), r"Block\(fetch_factor=\.\.\.\) must be a positive integer, got 2.5"),
+        (lambda: oj.Block(True), r"Block\(block_size=\.\.\.\) must be a positive integer, got True"),
+        (lambda: oj.Random(fetch_factor=-1), r"Random\(fetch_factor=\.\.\.\)"),
+        (lambda: oj.Stream(drop_remainder=1), r"Stream\(drop_remainder=\.\.\.\) must be True or False"),
+        (lambda: oj.ClassBalanced(""), r"ClassBalanced\(by=\.\.\.\) takes a categorical obs column"),
+        (lambda: oj.ReadOptions(num_threads=-1), r"ReadOptions\(num_threads=\.\.\.\) must be an integer ≥ 0"),
+        (
+            lambda: oj.ReadOptions(decode_threads=0),
+            r"ReadOptions\(decode_threads=\.\.\.\) must be an integer ≥ 1",
+        ),
+        (lambda: oj.Placement(process_count=0), r"Placement\(process_count=\.\.\.\) must be an integer ≥ 1"),
+        (
+            lambda: oj.Placement(process_index=2, process_count=2),
+            r"process_index=2\) must be below process_count 2",
+        ),
+        (lambda: oj.Normalization("zscore"), r"normalize must be None, 'log1p' or 'normalize_log1p'"),
+        (lambda: oj.Normalization("log1p", target_sum=0), r"target_sum=0 must be a positive"),
+        (lambda: Layout(shard_cells=1000), r"shard_cells must be a power of two"),
+        (
+            lambda: Layout(shard_cells=1024, group_size=2048),
+            r"group_size must be a power of two ≤ shard_cells",
+        ),
+        (
+            lambda: InputOptions(batch_cells=0),
+            r"InputOptions\(batch_cells=\.\.\.\) must be a positive integer",
+        ),
+        (lambda: Dask(), r"Dask\(\.\.\.\) takes one of scheduler="),
+        (lambda: Dask("tcp://a:1", "s.json"), r"Dask\(\.\.\.\) takes one of scheduler="),
+    ],
+)
+def test_options_refuse_bad_values_with_one_line_errors(make, match):
+    with pytest.raises(oj.OmicsIOError, match=match) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_a_normalization_error_is_also_a_value_error():
+    with pytest.raises(ValueError, match="normalize='log2'"):
+        oj.Normalization("log2")
+
+
+def test_placement_takes_a_mesh_and_refuses_an_axis_it_lacks():
+    mesh = jax.make_mesh((8,), ("data",))
+    assert oj.Placement.of(mesh) == oj.Placement(mesh)
+    assert oj.Placement.of(None) == oj.Placement()
+    assert oj.Placement(mesh).num_slabs == 8
+    with pytest.raises(oj.OmicsIOError, match=r"data_axis='batch'\) is not an axis of the mesh \('data',\)"):
+        oj.Placement(mesh, data_axis="batch")
+    with pytest.raises(oj.OmicsIOError, match="placement must be an oj.Placement"):
+        oj.Placement.of("gpu")
+
+
+def test_read_options_fill_only_what_is_left_to_the_loader():
+    chosen = oj.ReadOptions(num_threads=0).with_defaults(num_threads=1, prefetch=2, decode_threads=1)
+    assert chosen == oj.ReadOptions(num_threads=0, prefetch=2, decode_threads=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "kind", "block_size"),
+    [
+        (oj.Block(8, 4), "block", 8),
+        (oj.Random(4), "block", 1),
+        (oj.Stream(fetch_factor=4), "stream", 1),
+        (oj.Stream(shuffle=True, fetch_factor=4), "stream_buffer", 1),
+    ],
+)
+def test_each_sampling_option_is_the_plan_it_names(option, kind, block_size):
+    rows = AllRows(1000)
+    plan = option.to_plan(rows, batch_size=16, seed=3, num_hosts=1, obs=None)
+    assert plan == SamplingPlan(rows, 16, block_size, 4, 3, kind, 1, True, None)
+    assert [plan.epoch_order(e).tolist() for e in (0, 1)] == [
+        SamplingPlan(np.arange(1000), 16, block_size, 4, 3, kind).epoch_order(e).tolist() for e in (0, 1)
+    ]
+
+
+def test_class_balanced_weights_the_sampled_cells_by_their_class():
+    labels = np.array([0, 0, 0, 1, -1, 1])
+    option = oj.ClassBalanced("drug", block_size=1, fetch_factor=1)
+    weights = option.cell_weights(np.array([0, 3, 4, 5]), lambda name: {"drug": labels}[name])
+    np.testing.assert_allclose(weights, [1.0, 0.5, 0.0, 0.5])  # class 0 has one sampled cell, class 1 two
+    weighted = oj.Weighted(np.array([1.0, 2.0]))
+    np.testing.assert_array_equal(weighted.cell_weights(None, None), [1.0, 2.0])
+
+
+@pytest.mark.parametrize("mode", [None, "log1p", "normalize_log1p"])
+def test_one_normalization_on_the_devices_and_in_the_kernels(mode):
+    rng = np.random.default_rng(0)
+    x = np.where(rng.random((6, 40)) < 0.3, rng.integers(1, 50, (6, 40)), 0).astype(np.float32)
+    x[2] = 0  # an empty row stays zero
+    rows, cols = np.nonzero(x)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=6))]).astype(np.int64)
+    kernel = scatter.scatter_dense(indptr, cols.astype(np.int32), x[rows, cols], 40, normalize=mode)
+    device = np.asarray(oj.Normalization(mode).apply(x))
+    entries = oj.Normalization(mode).apply_entries(x[rows, cols], rows, 6)
+    sparse = np.zeros_like(x)
+    sparse[rows, cols] = np.asarray(entries)
+    np.testing.assert_allclose(device, kernel, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sparse, kernel, rtol=1e-6, atol=1e-6)
+    assert not device[2].any()
+
+
+def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
+    with oj.open_dataset(dataset_dir) as ds:
+        loader = oj.make_loader(ds, batch_size=64, sampling=oj.Block(8, 2), output=oj.CSR(), obs=("drug",))
+        shown = repr(loader)
+        loader.close()
+    assert "sampling=Block(block_size=8, fetch_factor=2, drop_remainder=True)" in shown
+    assert "output='csr'" in shown and "obs=['drug']" in shown
+    assert "read=ReadOptions(num_threads=1, prefetch=2, decode_threads=1)" in shown
+
+
+def test_materialize_options_reach_the_dataset(corpus, tmp_path):
+    out = tmp_path / "ds"
+    materialize(
+        corpus.cells_parquet,
+        out,
+        read=InputOptions(where="batch = 'plate_00'"),
+        layout=Layout(shard_cells=512, group_size=8, compression="uncompressed"),
+        workers=1,
+        progress=False,
+    )
+    ds = oj.open_dataset(out)
+    assert set(ds.obs["batch"].labels()) == {"plate_00"}
+    assert ds.manifest.shard_cells == 512
+    assert ds.manifest.array_record["group_size"] == 8
+    assert ds.manifest.array_record["compression"] == "uncompressed"
