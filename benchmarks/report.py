@@ -921,6 +921,11 @@ def benchmarks_readme(quoted: list[tuple[str, dict]], not_quoted: list[str]) -> 
 # ----- README.md's headline block -----------------------------------------------------------------
 
 
+def short_commit(commit: str) -> str:
+    """A commit's short hash, with ``+dirty`` kept where the tree held uncommitted changes."""
+    return str(commit)[:7] + ("+dirty" if str(commit).endswith("+dirty") else "")
+
+
 def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
     """Loader cells/s against annbatch and scDataset, materialize cells/s and token batches, from the
     quoted files that have them."""
@@ -931,14 +936,18 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
         m = d["machine"]
         return f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if m.get("gpu") else "")
 
+    def against_peer(c: dict) -> bool:  # not a comparison of this code with an earlier commit's
+        return " @ " not in c.get("ours", "") and "this commit" not in c["what"]
+
     def add_comparisons(bench: str, keep: Callable[[dict], bool]) -> None:
-        if bench not in by:
-            return
-        name, d = by[bench]
-        for c in d.get("comparisons") or []:
-            if keep(c):
-                rows.append({"what": c["what"], "ours": c["ours_value"], "peer": c["peer_value"],
-                             "ratio": c["ratio"], "machine": machine(d), "source": name})  # fmt: skip
+        for name, d in quoted:
+            if d.get("benchmark") != bench:
+                continue
+            for c in d.get("comparisons") or []:
+                if keep(c) and against_peer(c):
+                    rows.append({"what": c["what"], "ours": c["ours_value"], "peer": c["peer_value"],
+                                 "ratio": c["ratio"], "machine": machine(d), "source": name,
+                                 "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
 
     add_comparisons(
         "bench_annbatch", lambda c: "ReadOptions" not in c["what"] and "sampling=" not in c["what"]
@@ -951,7 +960,7 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
             if sizes and r.get("num_cells") == max(sizes):
                 rows.append({"what": f"materialize {r['num_cells']:,} cells from {r['input']} (cells/s)",
                              "ours": r.get("cells_per_s"), "peer": None, "ratio": None, "machine": machine(d),
-                             "source": name})  # fmt: skip
+                             "source": name, "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
     if "bench_tokens" in by:
         name, d = by["bench_tokens"]
         if d.get("comparisons"):
@@ -960,7 +969,8 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
             for r in d.get("rows", []):
                 if r.get("kind") in ("geneformer", "scgpt"):
                     rows.append({"what": f"{r['label']} (cells/s)", "ours": r.get("cells_per_s"), "peer": None,
-                                 "ratio": None, "machine": machine(d), "source": name})  # fmt: skip
+                                 "ratio": None, "machine": machine(d), "source": name,
+                                 "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
     return rows
 
 
@@ -976,6 +986,7 @@ def readme_block(quoted: list[tuple[str, dict]]) -> str:
             ("peer (cells/s)", "peer", ",.0f"),
             ("ratio", "ratio", "x"),
             ("machine", "machine", ""),
+            ("date, commit", "when", ""),
             ("results file", lambda r: f"`benchmarks/results/{r['source']}`", ""),
         ],
     )
