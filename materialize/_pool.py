@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
 from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax.format import require
 
 from ._partition import Job, PartResult, Scratch, write_partition
 from ._plan import Partition
@@ -310,11 +311,10 @@ def run_on_dask(
 ) -> RunReport:
     """Write ``partitions`` as tasks on the Dask cluster at ``address`` (or ``scheduler_file``), with
     ``retries``; a worker lost mid-task has its task run again elsewhere by the scheduler."""
-    try:
-        from distributed import Client, as_completed
-    except ImportError as e:
-        msg = "--dask-scheduler needs Dask: pip install 'omicsio_jax[distributed]'"
-        raise OmicsIOError(msg) from e
+    distributed = require(
+        "distributed", "distributed", "a Dask cluster (--dask-scheduler, workers=Dask(...))"
+    )
+    Client, as_completed = distributed.Client, distributed.as_completed
     try:
         client = Client(address, scheduler_file=scheduler_file, timeout="30s")
     except OSError as e:

@@ -13,6 +13,7 @@ from omicsio_jax.core.lazy import lazy_exports
 if TYPE_CHECKING:
     from omicsio_jax.core.errors import DatasetFormatError as DatasetFormatError
     from omicsio_jax.core.errors import DataValidationError as DataValidationError
+    from omicsio_jax.core.errors import MissingExtraError as MissingExtraError
     from omicsio_jax.core.errors import OmicsIOError as OmicsIOError
     from omicsio_jax.core.errors import StateMismatchError as StateMismatchError
     from omicsio_jax.dataset.cache import IOStats as IOStats
@@ -97,6 +98,7 @@ _PUBLIC = {
     "entropy_bounds": "omicsio_jax.sampling.entropy",
     "minibatch_entropy": "omicsio_jax.sampling.entropy",
     "DatasetFormatError": "omicsio_jax.core.errors",
+    "MissingExtraError": "omicsio_jax.core.errors",
     "DataValidationError": "omicsio_jax.core.errors",
     "OmicsIOError": "omicsio_jax.core.errors",
     "StateMismatchError": "omicsio_jax.core.errors",

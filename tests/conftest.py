@@ -23,6 +23,53 @@ from materialize import Layout, make_synthetic_corpus, materialize
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Modules whose tests start real components (Orbax, moto's S3 server, Dask, O_DIRECT reads, several
+# processes): with ``CI`` set, a skip there is a failure, so a missing extra or a version clash cannot
+# make CI pass without them.
+FLAGSHIP = {
+    "test_checkpoint",
+    "test_directio",
+    "test_elastic",
+    "test_multihost",
+    "test_multimodal",
+    "test_partitions",
+    "test_preemption",
+    "test_resources",
+    "test_s3_dataset",
+    "test_s3_materialize",
+    "test_train",
+}
+
+
+def _fails_in_ci(report) -> bool:
+    module = Path(str(report.fspath)).stem
+    return (
+        bool(os.environ.get("CI"))
+        and report.skipped
+        and module in FLAGSHIP
+        and not hasattr(report, "wasxfail")
+    )
+
+
+def _fail_in_ci(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped in CI, where it must run: {reason.removeprefix('Skipped: ')}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if _fails_in_ci(report):
+        _fail_in_ci(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()
+    if _fails_in_ci(report):  # a module-level skip (importorskip) takes every test of the module
+        _fail_in_ci(report)
+
 
 def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference CSR straight from a list-column table (pyarrow + numpy, no omicsio code)."""

@@ -19,15 +19,18 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._errors import TrainError
+import omicsio_jax as oj
 
 
 def _ocp():
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
-        msg = "--checkpoint-format orbax needs orbax-checkpoint: pip install 'omicsio_jax[orbax]'"
-        raise TrainError(msg) from e
+        msg = (
+            f"--checkpoint-format orbax needs orbax.checkpoint ({type(e).__name__}: {e}): "
+            "pip install 'omicsio_jax[orbax]'"
+        )
+        raise oj.MissingExtraError(msg) from e
     return ocp
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 class OmicsIOError(Exception):
     """Root of every error raised on purpose by omicsio_jax and materialize."""
@@ -20,3 +22,17 @@ class DatasetFormatError(OmicsIOError):
 
 class StateMismatchError(OmicsIOError, ValueError):
     """Restored loader/trainer state does not match the live dataset or config."""
+
+
+class MissingExtraError(OmicsIOError, ImportError):
+    """A feature needs an optional dependency (an extra of the package) that cannot be imported."""
+
+
+def require(module: str, extra: str, feature: str):
+    """``module``, imported; else `MissingExtraError`, one line naming ``feature``, why the import
+    failed (missing, or a version clash) and the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        msg = f"{feature} needs {module} ({type(e).__name__}: {e}): pip install 'omicsio_jax[{extra}]'"
+        raise MissingExtraError(msg) from e

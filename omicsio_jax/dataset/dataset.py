@@ -24,6 +24,7 @@ from omicsio_jax.records.chunk_reader import supported as chunks_readable
 from omicsio_jax.records.readahead import ReadAhead
 from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
 from omicsio_jax.storage import direct_io
+from omicsio_jax.storage.memory import memory_limit
 from omicsio_jax.storage.store import is_remote
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
@@ -146,12 +147,14 @@ class Dataset:
 
     def _direct_io(self, wanted: bool | None) -> bool:
         """Whether to read the shards with ``O_DIRECT`` (`direct_io`): if asked, or by default if they
-        add up to more than this machine's RAM (the page cache cannot hold them); and if their file
-        system allows it."""
+        add up to more than the memory this process may use (`memory_limit`: RAM, or a container's
+        cgroup limit; the page cache cannot hold them); and if their file system allows it."""
         if wanted is False or not self.manifest.shards:
             return False
-        if wanted is None and sum(s.num_bytes for s in self.manifest.shards) <= direct_io.physical_memory():
-            return False
+        if wanted is None:  # beyond the memory this process may use; an unknown size is never "beyond"
+            limit = memory_limit()
+            if limit is None or sum(s.num_bytes for s in self.manifest.shards) <= limit:
+                return False
         return direct_io.supported(self.path / self.manifest.shards[0].path)
 
     @property
@@ -495,7 +498,7 @@ def open_dataset(
     dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
     ``cache_bytes`` are ignored for a local directory, which is read in place. A local dataset
-    larger than this machine's RAM is read with ``O_DIRECT`` (``direct_io``; None: decide by size):
+    larger than the memory this process may use (RAM or its cgroup's limit) is read with ``O_DIRECT`` (``direct_io``; None: decide by size):
     the disk writes into the loader's buffers, bypassing the page cache that cannot hold the
     dataset, with many reads in flight (Linux native AIO); a file system that refuses ``O_DIRECT``
     (tmpfs) is read buffered. A buffered read first announces its exact byte ranges to the

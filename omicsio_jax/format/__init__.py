@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from omicsio_jax.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from omicsio_jax.core.errors import require as require
     from omicsio_jax.core.producer import Background as Background
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from omicsio_jax.storage.store import open_store as open_store
 
 _WRITER_API = {
+    "omicsio_jax.core.errors": ("require",),
     "omicsio_jax.core.producer": ("Background",),
     "omicsio_jax.format.chunk_index": ("CHUNK_INDEX_DIR", "chunk_index_path"),
     "omicsio_jax.format.codec": (

@@ -24,7 +24,7 @@ from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.outputs.panel import Panel
 from omicsio_jax.query.cell_table import CellTable
 from omicsio_jax.records.runs import consecutive_runs, records_checked
-from omicsio_jax.storage.direct_io import physical_memory
+from omicsio_jax.storage.memory import memory_limit
 
 _READ_CELLS = 1 << 14
 
@@ -59,11 +59,11 @@ def _fingerprint(*parts) -> str:
 
 
 def _check_memory(num_cells: int, width: int) -> None:
-    need, total = num_cells * width * 4, physical_memory()
+    need, total = num_cells * width * 4, memory_limit()
     if total and need > 0.8 * total:
         msg = (
             f"a dense {num_cells:,} × {width:,} float32 panel needs {need / 2**30:.1f} GiB, more than 80% of "
-            f"this machine's {total / 2**30:.1f} GiB: choose a smaller panel (genes=...) or fewer cells, "
+            f"the {total / 2**30:.1f} GiB this process may use: choose a smaller panel (genes=...) or fewer cells, "
             "or stream with make_loader / make_stream_loader"
         )
         raise OmicsIOError(msg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import weakref
 from typing import Any
 
 import grain
@@ -31,6 +32,8 @@ class DevicePrefetch(grain.DatasetIterator):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(threads, 1), thread_name_prefix="omicsio-jax-place"
         )
+        # an iterator dropped without `close` still ends its threads
+        self._shutdown = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self._pending: collections.deque[tuple[concurrent.futures.Future, Any]] = collections.deque()
         self._state = self._inner_state()
         self._exhausted = False
@@ -75,7 +78,8 @@ class DevicePrefetch(grain.DatasetIterator):
         self._state, self._exhausted = inner, False
 
     def close(self) -> None:
-        if self._pool is not None:
+        """Stop the placing threads and close the wrapped iterator; idempotent."""
+        if self._shutdown.detach() is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if hasattr(self._inner, "close"):
             self._inner.close()

@@ -11,6 +11,7 @@ the process (its RSS does not grow), and a warm read pays one page-cache lookup 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -34,15 +35,23 @@ class ReadAhead:
     is opened for each call and closed after it (the kernel keeps the pages, not the descriptor),
     so a dataset of thousands of shards holds no descriptors. `start` announces on a thread of its
     own, `advise` in the caller's. Counts what it announced (``advised_bytes``).
+
+    The thread's queue is bounded (`QUEUE`: announcements it has not reached are dropped, as they
+    are only hints); an exception it meets is raised by the next `start` (with its traceback), not
+    lost; `close` is idempotent and may race `start`; a collected object stops its thread.
     """
+
+    QUEUE = 8  # announcements waiting for the thread at most
 
     def __init__(self, dataset: ShardFiles):
         self.dataset = dataset
         self.group_size = int(dataset.manifest.array_record["group_size"])
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._worker: tuple[threading.Thread, queue.Queue] | None = None
+        self._error: BaseException | None = None
         self.advised_bytes = 0
+        self.dropped = 0  # announcements dropped on a full queue
+        self._finalizer = weakref.finalize(self, ReadAhead._stop, [None])
 
     def index(self, shard: int) -> tuple[ChunkIndex, str]:
         """The shard's chunk index (`Dataset.chunk_index`) and its file's path."""
@@ -53,29 +62,34 @@ class ReadAhead:
     def start(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """`advise` on this object's own thread, so the read that follows starts at once: warm, it
         waits for nothing; cold, its first reads go one by one until the announcements, which are
-        faster than the reads, overtake them."""
+        faster than the reads, overtake them. Raises what the thread met since the last call."""
         if not _HAS_FADVISE or not pieces:
             return
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+            if self._worker is None:
+                q: queue.Queue = queue.Queue(maxsize=self.QUEUE)
+                thread = threading.Thread(
                     target=ReadAhead._work,
-                    args=(weakref.ref(self), self._queue),
+                    args=(weakref.ref(self), q),
                     daemon=True,
                     name="omicsio-jax-readahead",
                 )
-                self._thread.start()
-        self._queue.put(list(pieces))
+                self._worker = thread, q
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, ReadAhead._stop, [self._worker])
+                thread.start()
+            try:
+                self._worker[1].put_nowait(list(pieces))
+            except queue.Full:  # the thread is behind: this hint would arrive after its read anyway
+                self.dropped += 1
 
     @staticmethod
     def _work(ref: weakref.ref, q: queue.Queue) -> None:
         while True:
-            try:
-                pieces = q.get(timeout=0.5)
-            except queue.Empty:
-                if ref() is None:
-                    return
-                continue
+            pieces = q.get()
             if pieces is None:
                 return
             owner = ref()
@@ -85,16 +99,34 @@ class ReadAhead:
                 owner.advise(pieces)
             except OSError:  # only a hint: the read itself reports a missing or unreadable shard
                 pass
-            del owner
+            except BaseException as e:  # handed to the reader: raised by its next `start`
+                with owner._lock:
+                    owner._error = e
+                return
+            finally:
+                del owner
+
+    @staticmethod
+    def _stop(workers: list) -> None:
+        worker = workers[0]
+        if worker is not None:
+            thread, q = worker
+            while thread.is_alive():  # a full queue: make room for the stop
+                try:
+                    q.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    with contextlib.suppress(queue.Empty):
+                        q.get_nowait()
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
 
     def close(self) -> None:
-        """Stop the thread (a later `start` starts another)."""
+        """Stop the thread (a later `start` starts another); idempotent."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout=10)
-            self._queue = queue.Queue()
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            ReadAhead._stop([worker])
 
     def advise(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """Start reading the chunks that hold the records ``(shard, begin, end)`` of ``pieces``."""

@@ -18,16 +18,26 @@ of the one it hands out, which the caller decodes meanwhile. How many reads one 
 carries matters more than how many are in flight: on the benchmark's disk, the loader's reads alone
 ran at ~26k/s in groups of 1 MiB (~25 reads) whatever the number ahead, and at 35-37k/s in groups
 of 4 or 8 MiB (1, 2 or 4 ahead alike; benchmarks/README.md, "Beyond RAM").
+
+AIO contexts are a host-wide resource (``fs.aio-max-nr`` events in all, 65,536 by default): a
+process keeps a small pool of them (`MAX_CONTEXTS`), each leased by one `DirectReads.read_groups`
+call at a time and sized from the host's remaining headroom, so many processes with many reader
+threads share the host. Where no context can be had (the headroom spent, ``io_setup`` refused, or
+`MAX_CONTEXTS` calls reading at once), reads fall back to buffered reads of the same bytes, with one
+warning per process. Only ``EAGAIN`` and ``EINTR`` are tried again; any other error is a `ReadError`
+naming the file.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import functools
 import os
 import platform
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -41,16 +51,36 @@ from omicsio_jax.core.buffers import aligned_empty
 
 ALIGN = 4096  # the widest logical block size of common devices (512 B or 4 KiB)
 AHEAD = 2  # groups of reads submitted ahead of the one being decoded (~200 reads of 41 KiB in flight at 4 MiB groups)
-_EVENTS = 2048  # the most reads one context has in flight
+_EVENTS = 2048  # the most reads one context has in flight (fewer where the host's headroom is short)
+_MIN_EVENTS = 64  # a context smaller than this is not worth having: read buffered instead
+MAX_CONTEXTS = 16  # per process: as many `read_groups` calls reading at once
 
 # Linux's AIO system calls: (io_setup, io_destroy, io_getevents, io_submit)
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 _PENDING = np.iinfo(np.int64).min  # a read not completed yet
+_EAGAIN, _EINTR = errno.EAGAIN, errno.EINTR
 
 
 @functools.cache
 def _syscall_address() -> int:
     return ctypes.cast(ctypes.CDLL(None).syscall, ctypes.c_void_p).value
+
+
+@functools.cache
+def _errno_address() -> int:
+    return ctypes.cast(ctypes.CDLL(None).__errno_location, ctypes.c_void_p).value
+
+
+@intrinsic
+def _errno(typingctx, fn):
+    """This thread's ``errno`` (``*__errno_location()``, the function at address ``fn``)."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        location = builder.inttoptr(args[0], ir.FunctionType(i32.as_pointer(), []).as_pointer())
+        return builder.sext(builder.load(builder.call(location, [])), ir.IntType(64))
+
+    return types.int64(types.uint64), codegen
 
 
 @intrinsic
@@ -69,16 +99,15 @@ def _syscall(typingctx, fn, number, a, b, c, d, e):
 
 
 @nb.njit(nogil=True, cache=True)
-def _submit(fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
+def _submit(fn, errno_fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
     """Submit reads ``[first, stop)``: span ``i`` of file ``fds[i]`` into memory at ``address[i]``;
-    returns the first read not submitted (``stop`` when all were; less if the kernel kept refusing)."""
+    returns ``(the first read not submitted, errno)``: ``(stop, 0)`` when all were, else the error
+    that stopped it (``EAGAIN`` and ``EINTR`` are tried again, a few times)."""
     for i in range(first, stop):
         w = iocbs[i]
         w[0] = np.uint64(i)  # aio_data: which read this is
         w[1] = np.uint64(0)  # aio_key, aio_rw_flags
-        w[2] = np.uint64(fds[i]) << np.uint64(
-            32
-        )  # aio_lio_opcode 0 (IOCB_CMD_PREAD), aio_reqprio 0, aio_fildes
+        w[2] = np.uint64(fds[i]) << np.uint64(32)  # IOCB_CMD_PREAD, aio_reqprio 0, aio_fildes
         w[3] = np.uint64(address[i])
         w[4] = np.uint64(spans[i, 1] - spans[i, 0])
         w[5] = np.uint64(spans[i, 0])
@@ -96,19 +125,22 @@ def _submit(fn, number, ctx, iocbs, pointers, first, stop, fds, spans, address):
             np.uint64(0),
             np.uint64(0),
         )
-        if n <= 0:  # -1: EAGAIN / EINTR (tried again), else refused
-            tries += 1
-            if tries > 1000:
-                return i
+        if n > 0:
+            i += n
             continue
-        i += n
-    return stop
+        err = _errno(errno_fn) if n < 0 else _EAGAIN
+        if (err == _EAGAIN or err == _EINTR) and tries < 100:
+            tries += 1
+            continue
+        return i, err
+    return stop, 0
 
 
 @nb.njit(nogil=True, cache=True)
-def _reap(fn, number, ctx, events, got, first, stop):
+def _reap(fn, errno_fn, number, ctx, events, got, first, stop):
     """Wait until reads ``[first, stop)`` have completed, recording each completed read's result
-    (bytes read, or -errno) in ``got``; False if waiting fails."""
+    (bytes read, or -errno) in ``got``; returns 0, or the errno of a wait that failed (``EINTR``
+    is waited again)."""
     tries = 0
     for i in range(first, stop):
         while got[i] == _PENDING:
@@ -121,52 +153,101 @@ def _reap(fn, number, ctx, events, got, first, stop):
                 np.uint64(events.ctypes.data),
                 np.uint64(0),
             )  # timeout NULL: wait
-            if n < 0:  # EINTR: wait again
-                tries += 1
-                if tries > 1000:
-                    return False
-                continue
+            if n < 0:
+                err = _errno(errno_fn)
+                if err == _EINTR and tries < 1000:
+                    tries += 1
+                    continue
+                return err
             for k in range(n):
                 got[events[k, 0]] = np.int64(events[k, 2])
-    return True
+    return 0
+
+
+def aio_headroom() -> int | None:
+    """Events the host's AIO contexts may still reserve (``fs.aio-max-nr`` minus ``fs.aio-nr``);
+    None where the kernel does not say."""
+    try:
+        with open("/proc/sys/fs/aio-max-nr") as most, open("/proc/sys/fs/aio-nr") as used:
+            return int(most.read()) - int(used.read())
+    except (OSError, ValueError):
+        return None
 
 
 class _Context:
-    """One thread's AIO context (destroyed with the thread's locals)."""
+    """An AIO context of ``events`` reads in flight (destroyed when collected, by the process that
+    made it: a forked child's copy is not its context, the kernel's is the parent's)."""
 
-    __slots__ = ("_destroy", "id", "pid")
+    __slots__ = ("__weakref__", "_destroy", "broken", "events", "id", "pid")
 
-    def __init__(self):
+    def __init__(self, events: int):
         holder = ctypes.c_ulong(0)
         setup, destroy = _SYSCALLS[platform.machine()][:2]
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(ctypes.c_long(setup), ctypes.c_long(_EVENTS), ctypes.byref(holder)) != 0:
+        if libc.syscall(ctypes.c_long(setup), ctypes.c_long(events), ctypes.byref(holder)) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"io_setup: {os.strerror(err)}")
-        self.id, self.pid = holder.value, os.getpid()
+        self.id, self.pid, self.events, self.broken = holder.value, os.getpid(), events, False
         self._destroy = functools.partial(libc.syscall, ctypes.c_long(destroy), ctypes.c_ulong(self.id))
 
     def __del__(self):
-        if self.pid == os.getpid():  # a forked child's copy is not its context (the kernel's is the parent's)
+        if getattr(self, "pid", None) == os.getpid():  # (none made where io_setup refused)
             self._destroy()
 
 
-_local = threading.local()
+class _Contexts:
+    """This process's AIO contexts: at most `MAX_CONTEXTS`, each leased to one reader at a time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pid, self._free, self._count = os.getpid(), [], 0
+        self._warned = False
+
+    def lease(self) -> _Context | None:
+        """A context of this process (a free one, else a new one sized from the host's headroom), or
+        None where none can be had (warned once per process: reads are then buffered)."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's contexts are not its own
+                self._pid, self._free, self._count = os.getpid(), [], 0
+            if self._free:
+                return self._free.pop()
+            if self._count >= MAX_CONTEXTS:
+                reason = f"{MAX_CONTEXTS} threads of this process already read with O_DIRECT"
+            else:
+                room = aio_headroom()
+                events = _EVENTS if room is None else min(_EVENTS, room // 4)
+                if events < _MIN_EVENTS:
+                    reason = f"the host's AIO events are nearly spent (fs.aio-max-nr headroom {room})"
+                else:
+                    try:
+                        context = _Context(events)
+                    except OSError as e:
+                        reason = str(e)
+                    else:
+                        self._count += 1
+                        return context
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(
+                f"omicsio_jax: reading buffered instead of with O_DIRECT: {reason} "
+                "(raise the sysctl fs.aio-max-nr, or use fewer reader threads)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return None
+
+    def give_back(self, context: _Context) -> None:
+        """``context`` is free again (dropped if a read left it in doubt, or if it is a parent's)."""
+        with self._lock:
+            if context.pid != self._pid:
+                return
+            if context.broken:
+                self._count -= 1
+            else:
+                self._free.append(context)
 
 
-def _thread_context() -> int:
-    context = getattr(_local, "context", None)
-    if context is None or context.pid != os.getpid():  # none yet, or the parent's, copied by a fork
-        context = _local.context = _Context()
-    return context.id
-
-
-def physical_memory() -> int:
-    """This machine's RAM in bytes (0 where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+_CONTEXTS = _Contexts()
 
 
 def supported(path: str | os.PathLike[str]) -> bool:
@@ -175,8 +256,11 @@ def supported(path: str | os.PathLike[str]) -> bool:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag or platform.machine() not in _SYSCALLS:
         return False
+    context = _CONTEXTS.lease()
+    if context is None:
+        return False
+    _CONTEXTS.give_back(context)
     try:
-        _thread_context()
         fd = os.open(path, os.O_RDONLY | flag)
     except OSError:
         return False
@@ -232,70 +316,132 @@ class DirectReads:
         """For each group ``(files, ranges)`` (byte ranges ``(k, 2)`` of ``paths[files[i]]``, sorted
         by file then offset; a group may span files), in order: ``(buf, offset of each range in
         buf, the ranges' ends)``, an end moved back to where its file ended if it ended inside the
-        range. `release` ``buf`` once it is decoded. Raises `ReadError` for a read the OS failed."""
+        range. `release` ``buf`` once it is decoded. Raises `ReadError` for a read the OS failed.
+        Read with ``O_DIRECT`` on a context of this process's pool, or buffered where none can be
+        had (see the module docstring)."""
+        context = _CONTEXTS.lease()
+        if context is None:
+            yield from self._read_buffered(paths, groups)
+            return
+        try:
+            yield from self._read_direct(context, paths, groups)
+        finally:
+            _CONTEXTS.give_back(context)
+
+    def _read_direct(
+        self, context: _Context, paths: Sequence[Path], groups: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         _, _, getevents, submit = _SYSCALLS[platform.machine()]
-        fn, ctx = np.uint64(_syscall_address()), _thread_context()
+        fn, errno_fn = np.uint64(_syscall_address()), np.uint64(_errno_address())
+        ctx, capacity = context.id, context.events
         cut = [spans_of(ranges, files) for files, ranges in groups]
         first = np.zeros(len(groups) + 1, np.int64)
         np.cumsum([len(c[0]) for c in cut], out=first[1:])
         n = int(first[-1])
         spans = np.concatenate([c[0] for c in cut]) if n else np.zeros((0, 2), np.int64)
+        span_files = np.concatenate([c[2] for c in cut]) if n else np.zeros(0, np.int64)
         iocbs, pointers = np.zeros((n, 8), np.uint64), np.zeros(n, np.uint64)
         address, fds = np.zeros(n, np.uint64), np.zeros(n, np.int64)
-        got, events = np.full(n, _PENDING, np.int64), np.zeros((_EVENTS, 4), np.int64)
+        got, events = np.full(n, _PENDING, np.int64), np.zeros((capacity, 4), np.int64)
         opened: dict[int, int] = {}
         bufs: dict[int, np.ndarray] = {}
+        issued = 0  # reads [0, issued) are in the kernel's hands
+        reaped = 0  # reads [0, reaped) have completed
+
+        def wait_until(stop: int) -> None:
+            nonlocal reaped
+            if stop > reaped:
+                err = _reap(fn, errno_fn, getevents, ctx, events, got, reaped, stop)
+                if err:
+                    path = paths[int(span_files[reaped])]
+                    raise ReadError(
+                        err, f"waiting for the reads failed (io_getevents: {os.strerror(err)})", str(path)
+                    )
+                reaped = stop
+
+        def start(lo: int, hi: int) -> None:
+            """Submit reads ``[lo, hi)``, at most ``capacity`` in flight: the oldest waited for first."""
+            nonlocal issued
+            while lo < hi:
+                k = min(hi - lo, capacity)
+                wait_until(lo + k - capacity)
+                issued, err = _submit(
+                    fn, errno_fn, submit, ctx, iocbs, pointers, lo, lo + k, fds, spans, address
+                )
+                if issued < lo + k:
+                    reason = os.strerror(err) if err else "no reason given"
+                    path = paths[int(span_files[issued])]
+                    raise ReadError(
+                        err, f"the kernel refused the asynchronous reads (io_submit: {reason})", str(path)
+                    )
+                lo += k
+
         submitted = 0  # groups [0, submitted) are submitted
-        issued = 0  # reads [0, issued) are in the kernel's hands (a group's own, if it was refused part-way)
         try:
             for g, (_, ranges) in enumerate(groups):
                 while submitted < len(groups) and (
-                    submitted <= g or (submitted <= g + AHEAD and first[submitted + 1] - first[g] <= _EVENTS)
+                    submitted <= g or (submitted <= g + AHEAD and first[submitted + 1] - first[g] <= capacity)
                 ):
                     lo, hi = first[submitted], first[submitted + 1]
-                    span_files = cut[submitted][2]
-                    for f in np.unique(span_files).tolist():
+                    for f in np.unique(span_files[lo:hi]).tolist():
                         if f not in opened:
                             try:
                                 opened[f] = os.open(paths[f], os.O_RDONLY | os.O_DIRECT)
                             except OSError as e:
                                 raise ReadError(e.errno, e.strerror, str(paths[f])) from e
-                        fds[lo:hi][span_files == f] = opened[f]
+                        fds[lo:hi][span_files[lo:hi] == f] = opened[f]
                     sizes = spans[lo:hi, 1] - spans[lo:hi, 0]
                     buf = bufs[submitted] = self._buffer(int(sizes.sum()))
                     address[lo + 1 : hi] = np.cumsum(sizes[:-1])
                     address[lo:hi] += np.uint64(buf.ctypes.data)
-                    issued = _submit(fn, submit, ctx, iocbs, pointers, lo, hi, fds, spans, address)
-                    if issued < hi:
-                        raise ReadError(
-                            0,
-                            "the kernel refused the asynchronous reads (io_submit)",
-                            str(paths[int(span_files[issued - lo])]),
-                        )
+                    start(int(lo), int(hi))
                     submitted += 1
                 lo, hi = first[g], first[g + 1]
-                if not _reap(fn, getevents, ctx, events, got, lo, hi):
-                    raise ReadError(
-                        0,
-                        "waiting for the asynchronous reads failed (io_getevents)",
-                        str(paths[int(cut[g][2][0])]),
-                    )
+                wait_until(int(hi))
                 buf = bufs.pop(g)
-                spans_g, which, span_files = cut[g]
+                spans_g, which, files_g = cut[g]
                 yield (
                     buf,
                     *self._placed(
-                        [paths[f] for f in span_files.tolist()], ranges, spans_g, which, got[lo:hi], buf
+                        [paths[f] for f in files_g.tolist()], ranges, spans_g, which, got[lo:hi], buf
                     ),
                 )
-        finally:  # reads still in flight write into their buffers (and would complete into this thread's
-            # next call): wait for every one submitted before any buffer is reused
-            if issued:
-                _reap(fn, getevents, ctx, events, got, 0, issued)
+        finally:  # reads still in flight write into their buffers (and would complete into this
+            # context's next user): wait for every one submitted before any buffer is reused
+            if issued > reaped and _reap(fn, errno_fn, getevents, ctx, events, got, reaped, issued):
+                context.broken = True  # not known to be idle: not leased again
             for fd in opened.values():
                 os.close(fd)
             for buf in bufs.values():
                 self.release(buf)
+
+    def _read_buffered(
+        self, paths: Sequence[Path], groups: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """`read_groups` through the page cache: the same spans, one plain ``preadv`` each."""
+        opened: dict[int, int] = {}
+        try:
+            for files, ranges in groups:
+                spans, which, span_files = spans_of(ranges, files)
+                sizes = spans[:, 1] - spans[:, 0]
+                buf = self._buffer(int(sizes.sum()))
+                got = np.zeros(len(spans), np.int64)
+                at = 0
+                for i, f in enumerate(span_files.tolist()):
+                    try:
+                        if f not in opened:
+                            opened[f] = os.open(paths[f], os.O_RDONLY)
+                        got[i] = os.preadv(opened[f], [memoryview(buf[at : at + sizes[i]])], int(spans[i, 0]))
+                    except OSError as e:
+                        raise ReadError(e.errno, e.strerror, str(paths[f])) from e
+                    at += int(sizes[i])
+                yield (
+                    buf,
+                    *self._placed([paths[f] for f in span_files.tolist()], ranges, spans, which, got, buf),
+                )
+        finally:
+            for fd in opened.values():
+                os.close(fd)
 
     @staticmethod
     def _placed(

@@ -15,17 +15,14 @@ import functools
 import os
 from datetime import timedelta
 
+from omicsio_jax.core.errors import require
 from omicsio_jax.storage.store import S3_SCHEME, is_remote
 
 
 @functools.cache
 def s3_filesystem():
     """The process's fsspec filesystem for ``s3://`` URLs (needs ``omicsio_jax[s3]``)."""
-    try:
-        from obstore.fsspec import FsspecStore
-    except ImportError as e:
-        msg = "s3:// inputs need obstore: pip install 'omicsio_jax[s3]'"
-        raise ImportError(msg) from e
+    FsspecStore = require("obstore.fsspec", "s3", "an s3:// input").FsspecStore
 
     class _S3(FsspecStore):
         protocol = ("s3", "s3a")  # the base class says "abstract", and DuckDB matches URLs by it

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, require
 
 S3_SCHEME = "s3://"
 _CREDENTIAL_VARIABLES = (
@@ -114,7 +114,7 @@ class S3Store:
     """An ``s3://bucket/prefix`` location; keys are relative to the prefix."""
 
     def __init__(self, url: str, *, threads: int = 16):
-        from obstore.store import S3Store as _ObStore
+        _ObStore = require("obstore.store", "s3", "an s3:// dataset").S3Store
 
         if not is_remote(url):
             msg = f"not an s3:// URL: {url!r}"

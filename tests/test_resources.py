@@ -1,0 +1,295 @@
+"""Resources a long run shares with its host: the memory a cgroup allows, AIO contexts, background
+threads that must neither die silently nor outlive their owner, and the optional extras."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from omicsio_jax.core.errors import require
+from omicsio_jax.dataset import dataset as dataset_module
+from omicsio_jax.records.readahead import ReadAhead
+from omicsio_jax.storage import direct_io, memory
+
+TESTS = Path(__file__).parent
+
+
+# -- memory: cgroup limits ---------------------------------------------------------------------
+
+
+def test_a_cgroup_v2_limit_anywhere_above_the_process_counts(tmp_path):
+    point = tmp_path / "cgroup2"
+    (point / "job" / "step").mkdir(parents=True)
+    (point / "job" / "step" / "memory.max").write_text("max\n")
+    (point / "job" / "memory.max").write_text(f"{3 << 30}\n")
+    mountinfo = f"41 31 0:38 / {point} rw,relatime - cgroup2 cgroup2 rw\n"
+    assert memory.cgroup_limits("0::/job/step\n", mountinfo) == [3 << 30]
+
+
+def test_a_cgroup_v1_limit_is_read_and_no_limit_is_ignored(tmp_path):
+    point = tmp_path / "memory"
+    (point / "docker" / "c1").mkdir(parents=True)
+    (point / "docker" / "c1" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "none"
+    (point / "docker" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    mountinfo = (
+        f"32 31 0:29 / {tmp_path / 'cpu'} rw - cgroup cgroup rw,cpu\n"
+        f"35 31 0:32 / {point} rw,relatime - cgroup cgroup rw,memory\n"
+    )
+    proc = "4:memory:/docker/c1\n1:cpu:/docker/c1\n"
+    assert memory.cgroup_limits(proc, mountinfo) == [2 << 30]
+    # inside the container the hierarchy is mounted from the container's own cgroup down
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (inner / "memory.limit_in_bytes").write_text(f"{512 << 20}\n")
+    mountinfo = f"35 31 0:32 /docker/c1 {inner} rw - cgroup cgroup rw,memory\n"
+    assert memory.cgroup_limits(proc, mountinfo) == [512 << 20]
+
+
+def test_the_memory_limit_is_at_most_the_ram():
+    limit = memory.memory_limit()
+    assert limit is not None and 0 < limit <= memory._ram()
+
+
+def test_an_unknown_memory_size_never_means_direct_reads(dataset_dir, monkeypatch):
+    monkeypatch.setattr(dataset_module, "memory_limit", lambda: None)
+    with oj.open_dataset(dataset_dir) as ds:
+        assert not ds.chunk_reader.direct
+    monkeypatch.setattr(dataset_module, "memory_limit", lambda: 1 << 20)  # a 1 MiB cgroup: beyond it
+    if direct_io.supported(dataset_dir / "manifest.json"):
+        with oj.open_dataset(dataset_dir) as ds:
+            assert ds.chunk_reader.direct
+
+
+# -- AIO contexts --------------------------------------------------------------------------------
+
+
+def _groups(ds, n=6):
+    paths = [ds.local_path(s.path) for s in ds.manifest.shards[:2]]
+    groups = []
+    for g in range(n):
+        f = g % 2
+        ranges = ds.chunk_index(f).chunk_bytes(np.arange(g, g + 8, 2))
+        groups.append((np.full(len(ranges), f, np.int64), ranges))
+    return paths, groups
+
+
+def _check(paths, groups, out):
+    raws = [p.read_bytes() for p in paths]
+    got = list(out)
+    assert len(got) == len(groups)
+    for (files, ranges), (buf, base, ends) in zip(groups, got, strict=True):
+        np.testing.assert_array_equal(ends, ranges[:, 1])
+        for f, (lo, hi), at in zip(files.tolist(), ranges.tolist(), base.tolist(), strict=True):
+            assert bytes(buf[at : at + hi - lo]) == raws[f][lo:hi]
+
+
+@pytest.fixture
+def direct_ds(dataset_dir):
+    if not direct_io.supported(dataset_dir / "manifest.json"):
+        pytest.skip(f"the file system of {dataset_dir} refuses O_DIRECT")
+    with oj.open_dataset(dataset_dir, direct_io=False) as ds:
+        yield ds
+
+
+@pytest.fixture
+def fresh_pool(monkeypatch):
+    pool = direct_io._Contexts()
+    monkeypatch.setattr(direct_io, "_CONTEXTS", pool)
+    return pool
+
+
+def test_without_aio_headroom_reads_are_buffered_with_one_warning(direct_ds, fresh_pool, monkeypatch):
+    monkeypatch.setattr(direct_io, "aio_headroom", lambda: 100)
+    paths, groups = _groups(direct_ds)
+    with pytest.warns(RuntimeWarning, match=r"buffered instead of with O_DIRECT: .*aio-max-nr headroom 100"):
+        _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
+    assert fresh_pool._count == 0
+
+
+def test_a_refused_io_setup_falls_back_to_buffered_reads(direct_ds, fresh_pool, monkeypatch):
+    monkeypatch.setattr(direct_io, "aio_headroom", lambda: None)
+    monkeypatch.setattr(direct_io, "_EVENTS", 1 << 40)  # more than any host allows: the kernel says no
+    paths, groups = _groups(direct_ds)
+    with pytest.warns(RuntimeWarning, match="io_setup"):
+        _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
+
+
+def test_contexts_are_leased_per_read_and_reused(direct_ds, fresh_pool, monkeypatch):
+    monkeypatch.setattr(direct_io, "MAX_CONTEXTS", 1)
+    paths, groups = _groups(direct_ds)
+    reads = direct_io.DirectReads()
+    for _ in range(3):  # one after another: one context, reused
+        _check(paths, groups, reads.read_groups(paths, groups))
+    assert fresh_pool._count == 1 and len(fresh_pool._free) == 1
+    held = reads.read_groups(paths, groups)
+    first = next(held)  # holds the only context
+    with pytest.warns(RuntimeWarning, match="1 threads of this process already read"):
+        _check(paths, groups, reads.read_groups(paths, groups))  # read buffered meanwhile
+    _check(paths, groups, [first, *held])
+    assert fresh_pool._count == 1 and len(fresh_pool._free) == 1
+
+
+def test_a_context_smaller_than_a_group_reads_it_in_turns(direct_ds, fresh_pool, monkeypatch):
+    monkeypatch.setattr(direct_io, "aio_headroom", lambda: 4 * 8)  # contexts of 8 reads
+    monkeypatch.setattr(direct_io, "_MIN_EVENTS", 4)
+    paths = [direct_ds.local_path(s.path) for s in direct_ds.manifest.shards[:2]]
+    ranges = [direct_ds.chunk_index(f).chunk_bytes(np.arange(0, 64, 4)) for f in range(2)]
+    groups = [(np.full(len(ranges[f]), f, np.int64), ranges[f]) for f in (0, 1, 0)]
+    assert len(direct_io.spans_of(ranges[0])[0]) > 8  # more reads than the context holds
+    _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
+    assert fresh_pool._free[0].events == 8
+
+
+def test_64_reader_threads_in_8_processes_read_correctly(dataset_dir, tmp_path):
+    """Every thread holds its reads open at once: 64 contexts of 2,048 would need twice the host's
+    default fs.aio-max-nr (65,536); sized from the headroom, or read buffered past it, all read right."""
+    if not direct_io.supported(dataset_dir / "manifest.json"):
+        pytest.skip(f"the file system of {dataset_dir} refuses O_DIRECT")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "ignore::RuntimeWarning", str(TESTS / "_aio_worker.py"), str(dataset_dir)]
+            + [str(ready), str(i), "8"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(8)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["failures"] for r in results] == [[]] * 8
+    assert sum(r["contexts"] for r in results) >= 1  # direct reads were among them
+
+
+# -- background threads --------------------------------------------------------------------------
+
+
+def _readahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "omicsio-jax-readahead"]
+
+
+def _wait_for(condition, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_readahead_thread_that_fails_hands_its_error_to_the_reader(dataset_dir, monkeypatch):
+    with oj.open_dataset(dataset_dir, readahead=False, direct_io=False) as ds:
+        ahead = ReadAhead(ds)
+
+        def broken(pieces):
+            raise ValueError("a bug in the announcer")
+
+        monkeypatch.setattr(ahead, "advise", broken)
+        ahead.start([(0, 0, 16)])
+        assert _wait_for(lambda: ahead._error is not None)
+        with pytest.raises(ValueError, match="a bug in the announcer"):
+            ahead.start([(0, 16, 32)])
+        ahead.close()
+        ahead.close()  # idempotent
+
+
+def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypatch):
+    with oj.open_dataset(dataset_dir, readahead=False, direct_io=False) as ds:
+        ahead = ReadAhead(ds)
+        release = threading.Event()
+        monkeypatch.setattr(ahead, "advise", lambda pieces: release.wait(10))
+        for _ in range(50):
+            ahead.start([(0, 0, 16)])
+        assert ahead._worker[1].qsize() <= ReadAhead.QUEUE
+        assert ahead.dropped >= 50 - ReadAhead.QUEUE - 1
+        release.set()
+        ahead.close()
+
+        def hammer(action):
+            for _ in range(200):
+                action()
+
+        racers = [
+            threading.Thread(target=hammer, args=(lambda: ahead.start([(0, 0, 16)]),)),
+            threading.Thread(target=hammer, args=(ahead.close,)),
+        ]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join()
+        ahead.close()
+        assert ahead._worker is None
+        assert _wait_for(lambda: not _readahead_threads())
+
+
+def test_a_dropped_readahead_stops_its_thread(dataset_dir):
+    with oj.open_dataset(dataset_dir, readahead=False, direct_io=False) as ds:
+        ahead = ReadAhead(ds)
+        ahead.start([(0, 0, 16)])
+        thread = ahead._worker[0]
+        del ahead
+        gc.collect()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_a_device_prefetch_dropped_without_close_stops_its_threads(dataset_dir):
+    with oj.open_dataset(dataset_dir) as ds:
+        loader = oj.make_grain_loader(ds, batch_size=32, num_epochs=1, worker_count=0)
+        batches = oj.prefetch_to_device(iter(loader), buffer_size=2, threads=2)
+        next(batches)
+        threads = [t for t in threading.enumerate() if t.name.startswith("omicsio-jax-place")]
+        assert threads
+        del batches
+        gc.collect()
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads)
+
+
+def test_a_background_producer_failure_reaches_the_consumer_with_its_traceback():
+    from omicsio_jax.core.producer import Background
+
+    def make():
+        yield 1
+        raise KeyError("shard 7")
+
+    items = Background(make)
+    assert next(items) == 1
+    with pytest.raises(KeyError, match="shard 7") as caught:
+        next(items)
+    assert any(frame.name == "make" for frame in caught.traceback)
+    items.close()
+    items.close()
+
+
+# -- extras ------------------------------------------------------------------------------------
+
+
+def test_a_missing_extra_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "obstore.store", None)
+    with pytest.raises(
+        oj.MissingExtraError, match=r"an s3:// dataset needs obstore.store .*\[s3\]'$"
+    ) as caught:
+        oj.open_dataset("s3://bucket/ds")
+    assert isinstance(caught.value, ImportError) and "\n" not in str(caught.value)
+    with pytest.raises(oj.MissingExtraError, match=r"\[distributed\]"):
+        monkeypatch.setitem(sys.modules, "distributed", None)
+        require("distributed", "distributed", "a Dask cluster")
