@@ -457,39 +457,62 @@ def _check_output(store, overwrite: bool) -> None:
 def _ours(key: str) -> bool:
     """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
     top = key.split("/", 1)[0]
-    return top in (
-        PARTS_DIR,
-        "obs",
-        "chunks",
-        "modalities",
-        MANIFEST_NAME,
-        "features.parquet",
-        "cell_ids.parquet",
-        "gene_stats.parquet",
-    ) or (top.startswith("shard-") and top.endswith(".arrayrecord"))
+    return (
+        top.startswith("gen-")
+        or top
+        in (
+            PARTS_DIR,
+            "obs",
+            "chunks",
+            "modalities",
+            MANIFEST_NAME,
+            "features.parquet",
+            "cell_ids.parquet",
+            "gene_stats.parquet",
+        )
+        or (top.startswith("shard-") and top.endswith(".arrayrecord"))
+    )
 
 
 @contextlib.contextmanager
 def _staging(store, overwrite: bool) -> Iterator[str]:
-    """Where the partitions and the finished files go: a hidden sibling directory renamed into place,
-    or the ``s3://`` prefix itself (its old manifest removed first, so an overwritten dataset never
-    looks complete before the new one is)."""
+    """Where the partitions and the finished files go: a hidden sibling directory renamed into place;
+    on object storage the prefix itself when it holds no dataset, else a new generation under it
+    (``gen-...``), made current by rewriting the prefix's manifest (one PUT) once it is complete,
+    the old generation deleted only after (`omicsio_jax.format.dataset_root`). A run killed at
+    any point leaves the old dataset whole and current."""
     if store.local_root is not None:
         with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
             yield str(tmp)
             for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
                 shutil.rmtree(parts, ignore_errors=True)
         return
-    before = {key for key, _ in store.list()}
-    if MANIFEST_NAME in before:
-        store.delete([MANIFEST_NAME])
+    if store.read_text(MANIFEST_NAME) is None:  # nothing to replace: written in place
+        try:
+            yield store.url
+        except BaseException:
+            with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
+                store.delete([k for k, _ in store.list() if _ours(k)])
+            raise
+        keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))
+        store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+        return
+    generation = f"gen-{secrets.token_hex(8)}"
+    staged = open_store(f"{store.url.rstrip('/')}/{generation}")
     try:
-        yield store.url
+        yield staged.url
     except BaseException:
-        with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
-            store.delete([k for k, _ in store.list() if _ours(k) and k != MANIFEST_NAME])
+        with contextlib.suppress(OmicsIOError):  # best effort: the old generation is untouched either way
+            staged.delete([k for k, _ in staged.list()])
         raise
-    manifest = Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME)))
+    manifest = Manifest.from_dict(json.loads(staged.read_text(MANIFEST_NAME)))
+    keep = {MANIFEST_NAME, *(f"{generation}/{k}" for k in _listed(staged, manifest))}
+    store.write_bytes(MANIFEST_NAME, dataclasses.replace(manifest, generation=generation).to_json().encode())
+    store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+
+
+def _listed(store, manifest: Manifest) -> set[str]:
+    """The keys of a dataset's files (its manifest, shards, files, and its modalities' own)."""
     keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
     for entry in manifest.modalities:
         sub = Manifest.from_dict(json.loads(store.read_text(f"{entry.path}/{MANIFEST_NAME}")))
@@ -497,7 +520,7 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
             f"{entry.path}/{name}"
             for name in (MANIFEST_NAME, *(s.path for s in sub.shards), *(f.path for f in sub.files))
         }
-    store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+    return keep
 
 
 def _codec_description(panel: Panel | None) -> dict:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -128,12 +129,16 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     ]
     # Ctrl-C's default action in the child, whatever this process inherited: a test run started in the
     # background of a non-interactive shell ignores SIGINT, and so would the child (it then ran to the end)
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
-    )
+    with (
+        warnings.catch_warnings()
+    ):  # preexec_fn forks; JAX, once started, warns of any fork (the child execs)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        proc = subprocess.Popen(
+            cmd,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+        )
     deadline = time.time() + 60
     while time.time() < deadline and not any(
         p.name.startswith(".out.partial") and any((p).glob("shard-*")) for p in tmp_path.iterdir()

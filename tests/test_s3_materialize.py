@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import vortex
-from conftest import assert_csr_equal
+from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
@@ -120,18 +125,30 @@ def test_dask_writes_to_s3(s3, corpus, corpus_table, tmp_path, dask_cluster):
     assert _object_digests(s3, "dask") == _digests(tmp_path / "local")
 
 
-def test_s3_output_is_never_complete_before_its_manifest(s3, corpus, corpus_table, tmp_path):
-    pq.write_table(corpus_table, tmp_path / "good.parquet")
+def _bad_table(corpus_table):
     values = corpus_table.column("gene_expression").to_pylist()
     values[2900][0] = -1.0  # the last partition fails after the others were uploaded
-    bad = corpus_table.set_column(
+    return corpus_table.set_column(
         corpus_table.column_names.index("gene_expression"),
         "gene_expression",
         __import__("pyarrow").array(values),
     )
-    pq.write_table(bad, tmp_path / "bad.parquet")
+
+
+def table_rows(table, rows):
+    return table_csr(table.take(pa.array(np.asarray(rows, np.int64))))
+
+
+def _generations(out: str) -> set[str]:
+    return {key.split("/", 1)[0] for key, _ in S3Store(out).list() if key.startswith("gen-")}
+
+
+def test_a_failed_overwrite_on_s3_leaves_the_old_dataset_whole(s3, corpus, corpus_table, tmp_path):
+    pq.write_table(corpus_table, tmp_path / "good.parquet")
+    pq.write_table(_bad_table(corpus_table), tmp_path / "bad.parquet")
     out = s3.url("ds")
     materialize(tmp_path / "good.parquet", out, progress=False, workers=2, layout=Layout(shard_cells=SHARD))
+    before = _object_digests(s3, "ds")
     with pytest.raises(oj.OmicsIOError, match="already holds a dataset; pass --overwrite"):
         materialize(tmp_path / "good.parquet", out, progress=False, layout=Layout(shard_cells=SHARD))
     with pytest.raises(oj.DataValidationError, match="negative gene_expression -1.0 in row 2900"):
@@ -143,12 +160,88 @@ def test_s3_output_is_never_complete_before_its_manifest(s3, corpus, corpus_tabl
             overwrite=True,
             layout=Layout(shard_cells=SHARD),
         )
-    assert S3Store(out).list() == []  # the old manifest went first; what the failed run wrote was removed
-    s3.client().put_object(Bucket=s3.bucket, Key="ds/notes.txt", Body=b"mine")
+    assert _object_digests(s3, "ds") == before  # untouched; what the failed run wrote was removed
+    assert oj.verify_dataset(out) == []
+    s3.client().put_object(Bucket=s3.bucket, Key="ds2/notes.txt", Body=b"mine")
     with pytest.raises(oj.OmicsIOError, match="refusing to write into .* holds 1 object"):
         materialize(
-            tmp_path / "good.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=SHARD)
+            tmp_path / "good.parquet",
+            s3.url("ds2"),
+            progress=False,
+            overwrite=True,
+            layout=Layout(shard_cells=SHARD),
         )
+
+
+def test_an_overwrite_on_s3_switches_generations_and_old_readers_never_see_new_bytes(
+    s3, corpus, corpus_table, tmp_path
+):
+    pq.write_table(corpus_table, tmp_path / "good.parquet")
+    half = corpus_table.slice(0, 1500)
+    pq.write_table(half, tmp_path / "half.parquet")
+    out = s3.url("ds")
+    materialize(tmp_path / "good.parquet", out, progress=False, layout=Layout(shard_cells=SHARD))
+    old = oj.open_dataset(out, cache_dir=tmp_path / "cache-old")
+    expected_old = old.read_csr([0, 1, 2])
+    materialize(
+        tmp_path / "half.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=SHARD)
+    )
+    (generation,) = _generations(out)
+    assert all(key == "manifest.json" or key.startswith(f"{generation}/") for key, _ in S3Store(out).list())
+    with oj.open_dataset(out, cache_dir=tmp_path / "cache-new") as new:
+        assert new.num_cells == 1500 and str(new.path).endswith(generation)
+        assert_csr_equal(new.read_csr([0, 1, 2]), table_rows(half, [0, 1, 2]))
+        assert oj.open_dataset(new.path, **new.open_options).num_cells == 1500  # the generation itself
+    assert oj.verify_dataset(out) == []
+    assert_csr_equal(old.read_csr([0, 1, 2]), expected_old)  # what it had fetched: the old bytes
+    try:  # cells it never fetched: the old generation is gone, which is an error, never the new bytes
+        got = old.read_csr(np.arange(2000, 2900))
+    except oj.OmicsIOError as e:
+        assert "\n" not in str(e)
+    else:
+        assert_csr_equal(got, table_rows(corpus_table, np.arange(2000, 2900)))
+    old.close()
+    materialize(
+        tmp_path / "good.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=SHARD)
+    )
+    assert len(_generations(out)) == 1 and _generations(out) != {generation}  # the previous one deleted
+
+
+@pytest.mark.parametrize("stage", ["write", "switch", "delete"])
+def test_a_writer_killed_at_any_stage_of_an_overwrite_leaves_a_whole_dataset(
+    s3, corpus, corpus_table, tmp_path, stage
+):
+    pq.write_table(corpus_table, tmp_path / "good.parquet")
+    half = corpus_table.slice(0, 1500)
+    pq.write_table(half, tmp_path / "half.parquet")
+    out = s3.url("ds")
+    materialize(tmp_path / "good.parquet", out, progress=False, layout=Layout(shard_cells=SHARD))
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "_overwrite_worker.py"),
+            str(tmp_path / "half.parquet"),
+            out,
+            stage,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert oj.verify_dataset(out) == []
+    want, rows = (half, 1500) if stage == "delete" else (corpus_table, corpus_table.num_rows)
+    with oj.open_dataset(out, cache_dir=tmp_path / "cache") as ds:
+        assert ds.num_cells == rows
+        assert_csr_equal(ds.read_csr(np.arange(0, rows, 7)), table_rows(want, np.arange(0, rows, 7)))
+    # the next overwrite finishes the job: one generation, no leftovers
+    materialize(
+        tmp_path / "half.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=SHARD)
+    )
+    (generation,) = _generations(out)
+    assert all(key == "manifest.json" or key.startswith(f"{generation}/") for key, _ in S3Store(out).list())
+    assert oj.verify_dataset(out) == []
 
 
 def test_object_storage_errors_are_one_line(s3, corpus, tmp_path, monkeypatch, capsys):

@@ -18,7 +18,7 @@ from omicsio_jax.dataset.cache import IOStats
 from omicsio_jax.format import codec
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, load_chunk_index
 from omicsio_jax.format.csr import take_rows
-from omicsio_jax.format.manifest import Manifest, read_manifest
+from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
 from omicsio_jax.records.chunk_reader import supported as chunks_readable
 from omicsio_jax.records.readahead import ReadAhead
@@ -120,8 +120,12 @@ class Dataset:
         if is_remote(path):
             from omicsio_jax.dataset.remote import RemoteDataset
 
-            self.path: Path | str = str(path).rstrip("/")
-            self.manifest: Manifest = read_manifest(self.path)
+            url = str(path).rstrip("/")
+            manifest = read_manifest(url)
+            # a replaced dataset's current generation: reopening `path` (`open_options`, Grain's
+            # workers) reads this one even after a later switch
+            self.path: Path | str = dataset_root(url, manifest)
+            self.manifest: Manifest = dataclasses.replace(manifest, generation="")
             chunk_reader = chunk_reader and chunks_readable(self)
             self._remote = RemoteDataset(
                 self.path,

@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from omicsio_jax.core.errors import DatasetFormatError
@@ -102,13 +102,19 @@ class Manifest:
     modalities: tuple[ModalityEntry, ...] = ()  # the further ones, aligned by row
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    # on object storage, where a replaced dataset's files live: the prefix ``gen-...`` under the
+    # manifest's (see `dataset_root`); "" (never written) for files beside the manifest
+    generation: str = ""
 
     def with_fingerprint(self) -> Manifest:
         """Return a copy whose ``fingerprint`` is computed from the content description."""
         return dataclasses.replace(self, fingerprint=compute_fingerprint(self))
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False) + "\n"
+        fields = dataclasses.asdict(self)
+        if not fields["generation"]:
+            del fields["generation"]
+        return json.dumps(fields, indent=1, sort_keys=False) + "\n"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
@@ -219,6 +225,23 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return parse_manifest(text, str(mpath))
 
 
+def dataset_root(path: str | os.PathLike[str], manifest: Manifest) -> str | os.PathLike[str]:
+    """Where the files of the dataset whose manifest at ``path`` is ``manifest`` live: ``path``
+    itself, or on object storage its current generation, ``path/gen-...``.
+
+    Replacing a dataset on object storage (``materialize(..., overwrite=True)``) writes the new one
+    under a new generation prefix, switches the manifest at ``path`` (one PUT) to point there, then
+    deletes the old files: a reader sees one whole dataset or the other, and one that opened the old
+    generation keeps a consistent view of it (its objects are never rewritten in place)."""
+    if not manifest.generation:
+        return path
+    generation = PurePosixPath(manifest.generation)
+    if not is_remote(path) or len(generation.parts) != 1 or not manifest.generation.startswith("gen-"):
+        msg = f"{path}: {MANIFEST_NAME} names generation {manifest.generation!r}, which is not one of its prefixes"
+        raise DatasetFormatError(msg)
+    return f"{str(path).rstrip('/')}/{manifest.generation}"
+
+
 def parse_manifest(text: str, where: str) -> Manifest:
     """The manifest in ``text`` (read from ``where``), checked to be one this version reads."""
     try:
@@ -237,16 +260,43 @@ def parse_manifest(text: str, where: str) -> Manifest:
         )
         raise DatasetFormatError(msg)
     try:
-        return Manifest.from_dict(raw)
-    except (KeyError, TypeError) as e:
+        manifest = Manifest.from_dict(raw)
+        _check_types(manifest)
+    except (KeyError, TypeError, ValueError) as e:
         msg = f"{where} is malformed: {e}"
-        raise DatasetFormatError(msg) from e
+        raise DatasetFormatError(msg.replace("\n", " ")) from e
+    return manifest
+
+
+_JSON_TYPES = {"int": int, "str": str, "dict[str, Any]": dict}
+
+
+def _check_types(entry) -> None:
+    """Every field of a manifest (or of one of its entries) holds a value of its declared type
+    (counts non-negative): a hand-edited or damaged manifest fails here, not in a reader later."""
+    for field in dataclasses.fields(entry):
+        value, kind = getattr(entry, field.name), field.type
+        name = f"{type(entry).__name__}.{field.name}"
+        if kind.startswith("tuple["):
+            if not isinstance(value, tuple):
+                raise TypeError(f"{name} is {value!r}, not a list")
+            for item in value:
+                _check_types(item)
+            continue
+        if kind == "int | None" and value is None:
+            continue
+        want = _JSON_TYPES[kind.removesuffix(" | None")]
+        if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 0):
+            raise TypeError(
+                f"{name} is {value!r}, not {'a non-negative int' if want is int else want.__name__}"
+            )
 
 
 def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
     """Recheck sizes and SHA-256 of every file in the manifest (``path`` a directory or an ``s3://``
     URL, whose objects are streamed, not stored); return a list of problems (empty if sound)."""
     manifest = read_manifest(path)
+    path = dataset_root(path, manifest)
     entries = [(s.path, s.num_bytes, s.sha256) for s in manifest.shards]
     entries += [(f.path, f.num_bytes, f.sha256) for f in manifest.files]
     if is_remote(path):

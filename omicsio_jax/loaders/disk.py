@@ -24,7 +24,7 @@ from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.options import Placement, ReadOptions
-from omicsio_jax.loaders.state import check_state, read_loader_states
+from omicsio_jax.loaders.state import check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
 from omicsio_jax.outputs.csr import CSR
@@ -207,6 +207,7 @@ class Loader(grain.DatasetIterator):
             "served": self._served.to_json(),
         }
 
+    @reads_state
     def set_state(self, state: dict | Sequence[dict]) -> None:
         """Resume from `get_state` output: this process's own state, or every process's (a list, as
         `read_loader_states` returns it), which also restores onto another number of processes.

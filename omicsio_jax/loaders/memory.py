@@ -33,7 +33,7 @@ from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
 from omicsio_jax.loaders.options import Placement, ReadOptions
-from omicsio_jax.loaders.state import check_state
+from omicsio_jax.loaders.state import check_state, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
 from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
 
@@ -124,6 +124,7 @@ class MemoryLoader(grain.DatasetIterator):
             "served": self.coverage().served.to_json(),
         }
 
+    @reads_state
     def set_state(self, state: dict | Sequence[dict]) -> None:
         """Resume at ``state`` (or every process's states, for another number of hosts); refuses a
         state of another panel or config, one line per difference."""

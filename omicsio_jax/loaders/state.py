@@ -11,12 +11,13 @@ number of processes) needs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from pathlib import Path
 
-from omicsio_jax.core.errors import StateMismatchError
+from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 
 _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
@@ -36,6 +37,26 @@ def check_state(state: dict, version: int, config: dict) -> None:
     if diffs:
         msg = "loader state does not match this loader:\n" + "\n".join(diffs)
         raise StateMismatchError(msg)
+
+
+def reads_state(set_state):
+    """Make a loader's ``set_state`` refuse a malformed state (a missing key, a value of the wrong
+    type, from a damaged or hand-edited checkpoint) with a one-line `StateMismatchError`."""
+
+    @functools.wraps(set_state)
+    def checked(self, state, *args, **kwargs):
+        try:
+            return set_state(self, state, *args, **kwargs)
+        except OmicsIOError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+            msg = (
+                f"malformed loader state ({type(e).__name__}: {e}): pass what the loader's get_state "
+                "returned, or oj.read_loader_states(directory)"
+            )
+            raise StateMismatchError(msg.replace("\n", " ")) from e
+
+    return checked
 
 
 def read_loader_states(directory: str | os.PathLike[str]) -> list[dict]:
@@ -63,4 +84,12 @@ def read_loader_states(directory: str | os.PathLike[str]) -> list[dict]:
     if missing:
         msg = f"{root}: the states of process(es) {missing} of {count} are missing"
         raise StateMismatchError(msg)
-    return [json.loads((root / f"process_{i}-of-{count}.json").read_text()) for i in range(count)]
+    states = []
+    for i in range(count):
+        path = root / f"process_{i}-of-{count}.json"
+        try:
+            states.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            msg = f"cannot read the loader state {path}: {e}"
+            raise StateMismatchError(msg.replace("\n", " ")) from e
+    return states

@@ -32,7 +32,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
 from omicsio_jax.loaders.options import Placement, ReadOptions
-from omicsio_jax.loaders.state import check_state
+from omicsio_jax.loaders.state import check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
 from omicsio_jax.outputs.resolve import resolve_output
@@ -281,6 +281,7 @@ class StreamIterator(grain.DatasetIterator):
             "served": self._served.to_json(),
         }
 
+    @reads_state
     def set_state(self, state: dict) -> None:
         """Resume ``state``: the query runs again and the batches already served are skipped (whole
         windows without decoding them); refuses a state of another query or config."""
