@@ -52,6 +52,13 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "GrainSource with and without worker processes, all placed on the default device; then the "
         "loader's checkpoint size and Orbax save and restore times.",
     ),
+    "soak": (
+        "Fault soak",
+        "A loader reading a dataset on S3 (moto on loopback) through a proxy that injects server errors "
+        "responses, connection resets, slow and truncated bodies and ETag changes, compared batch by batch "
+        "with the same loader over a local copy; each epoch's coverage audit, a flipped byte in a cached "
+        "chunk read back, the process's memory once warm.",
+    ),
     "bench_tokens": (
         "Tokenized batches against SLAF",
         "Geneformer and scGPT token batches from omicsio_jax's loader beside its csr batches and SLAF's "
@@ -768,6 +775,26 @@ def render_train(d: dict) -> list[str]:
     return out
 
 
+def render_soak(d: dict) -> list[str]:
+    flipped = d.get("flipped") or {}
+    return pairs(
+        [
+            ("passed", d.get("passed"), ""),
+            ("minutes", (d.get("seconds") or 0) / 60, ".1f"),
+            ("batches, each equal to the local loader's", d.get("batches"), ","),
+            ("mismatching batches", d.get("mismatches"), ","),
+            ("epochs audited (each cell exactly once)", d.get("epochs_audited"), ","),
+            ("requests through the proxy", d.get("requests"), ","),
+            *[(f"faults injected: {k}", v, ",") for k, v in sorted((d.get("faults_injected") or {}).items())],
+            ("one-line errors surfaced, then reopened and resumed", d.get("surfaced_and_resumed"), ","),
+            ("crashes", len(d.get("errors") or []), ","),
+            ("flipped cached byte read back exactly", flipped.get("read_back_exact"), ""),
+            ("RSS once warm (MiB)", (d.get("rss_warm_bytes") or 0) / 2**20, ",.0f"),
+            ("RSS growth once warm", d.get("rss_growth"), "%"),
+        ]
+    )
+
+
 def render_generic(d: dict) -> list[str]:
     """A file of an unknown benchmark: its rows' median figures (keys with ``_runs`` beside them)."""
     rows = [r for r in d.get("rows", []) if isinstance(r, dict)] if isinstance(d.get("rows"), list) else []
@@ -782,6 +809,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "bench_loader": render_loader,
     "bench_annbatch": render_annbatch,
     "bench_grain": render_grain,
+    "soak": render_soak,
     "bench_tokens": render_tokens,
     "bench_materialize": render_materialize,
     "bench_scale": render_scale,

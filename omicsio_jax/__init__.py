@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from omicsio_jax.loaders.disk import Loader as Loader
     from omicsio_jax.loaders.disk import make_loader as make_loader
     from omicsio_jax.loaders.grain_source import GrainSource as GrainSource
+    from omicsio_jax.loaders.grain_source import GrainWorkersWarning as GrainWorkersWarning
     from omicsio_jax.loaders.grain_source import make_grain_loader as make_grain_loader
     from omicsio_jax.loaders.memory import MemoryLoader as MemoryLoader
     from omicsio_jax.loaders.memory import make_memory_loader as make_memory_loader
@@ -112,6 +113,7 @@ _PUBLIC = {
     "CoverageError": "omicsio_jax.sampling.coverage",
     "Tally": "omicsio_jax.sampling.coverage",
     "GrainSource": "omicsio_jax.loaders.grain_source",
+    "GrainWorkersWarning": "omicsio_jax.loaders.grain_source",
     "make_grain_loader": "omicsio_jax.loaders.grain_source",
     "Loader": "omicsio_jax.loaders.disk",
     "make_loader": "omicsio_jax.loaders.disk",

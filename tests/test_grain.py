@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
+from pathlib import Path
 
 import grain
 import jax
@@ -204,3 +206,37 @@ def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):
         _assert_same(_indices(again, 10**6), expected[12:])
         batches.close()
         again.close()
+
+
+def test_worker_processes_warn_once_with_their_measured_cost(ds, monkeypatch):
+    from omicsio_jax.loaders import grain_source
+
+    monkeypatch.setattr(grain_source, "_workers_warned", threading.Event())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        oj.make_grain_loader(ds, **BASE, worker_count=0)
+        oj.make_grain_loader(ds, **BASE, worker_count=2)
+        oj.make_grain_loader(ds, **BASE, worker_count=2)
+    ours = [w for w in caught if issubclass(w.category, oj.GrainWorkersWarning)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # once, pointing at the caller
+    text = str(ours[0].message)
+    assert "worker_count=0 with read=oj.ReadOptions(num_threads=N)" in text
+    assert "benchmarks/results/grain.json" in text and "\n" not in text
+
+
+def test_the_warning_quotes_the_results_file():
+    from omicsio_jax.loaders.grain_source import GRAIN_WORKERS_MEASURED
+
+    result = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "grain.json").read_text())
+    ratio = {
+        row["output"]: round(row["ratio_to_make_loader"], 2)
+        for row in result["rows"]
+        if row["kind"] == "grain" and row["workers"] == 2 and row["batch_size"] == 1024
+    }
+    machine, commit = result["machine"], result["commit"]
+    short = commit.split("+")[0][:7] + ("+dirty" if commit.endswith("+dirty") else "")
+    assert GRAIN_WORKERS_MEASURED == {
+        "dense": ratio["dense"],
+        "csr": ratio["csr"],
+        "when": f"{result['date']}, commit {short}, {machine['cores']}-core {machine['cpu']}",
+    }

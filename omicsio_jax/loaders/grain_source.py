@@ -35,6 +35,45 @@ from omicsio_jax.sampling.schedule import Schedule
 from omicsio_jax.storage.store import is_remote
 
 
+class GrainWorkersWarning(UserWarning):
+    """``make_grain_loader(worker_count > 0)``: Grain's worker processes are slower than the loader's
+    own threads for these batches (warned once per process; filter it to silence it)."""
+
+
+# What the warning quotes, from benchmarks/results/grain.json (a test keeps the two equal):
+# make_grain_loader with 2 worker processes ÷ make_loader, cells/s of batches of 1,024 cells
+GRAIN_WORKERS_MEASURED = {
+    "dense": 0.09,
+    "csr": 0.35,
+    "when": "2026-11-25, commit cc6311f+dirty, 2-core AMD EPYC",
+}
+_workers_warned = threading.Event()
+
+
+def _warn_workers(worker_count: int) -> None:
+    if _workers_warned.is_set():
+        return
+    _workers_warned.set()
+    m = GRAIN_WORKERS_MEASURED
+    measured = (
+        f"; with 2 workers they served {m['dense']:.2f}× (dense) and {m['csr']:.2f}× (csr) the cells/s "
+        f"of make_loader at batch 1,024 ({m['when']}, benchmarks/results/grain.json)"
+        if m["dense"] is not None
+        else ""
+    )
+    import warnings
+
+    warnings.warn(
+        f"make_grain_loader(worker_count={worker_count}): Grain's worker processes pass each batch "
+        "through a new shared-memory segment, and each worker reads every fetch it cuts batches "
+        f"from{measured}. The loader decodes on threads outside the GIL: worker_count=0 with "
+        "read=oj.ReadOptions(num_threads=N) is the fast path; workers pay only for slow Python "
+        "operations. Silence: warnings.filterwarnings('ignore', category=oj.GrainWorkersWarning)",
+        GrainWorkersWarning,
+        stacklevel=3,
+    )
+
+
 class GrainSource(grain.sources.RandomAccessDataSource):
     """A Grain ``RandomAccessDataSource`` of host minibatches, with the knobs of `make_loader`.
 
@@ -279,12 +318,14 @@ def make_grain_loader(
     ``output``, ``obs``, ``rows``, ``seed``, ``num_epochs``, ``placement``, ``read``: its
     ``num_threads`` threads, 2 by default, decode records in each process). ``operations`` are
     Grain ``Map`` / ``RandomMap`` transforms applied to each `HostBatch` (in the workers when
-    ``worker_count > 0``). Checkpoint the iterator with ``grain.checkpoint.CheckpointSave``
+    ``worker_count > 0``; the first such loader of a process warns, `GrainWorkersWarning`, with
+    the measured cost of worker processes). Checkpoint the iterator with ``grain.checkpoint.CheckpointSave``
     (Orbax) or its ``get_state``.
     """
     check_operations(operations)
     if worker_count:
         check_worker_setup(operations)
+        _warn_workers(worker_count)
     src = GrainSource(dataset, batch_size=batch_size, **source_options)
     return grain.DataLoader(
         data_source=src,
