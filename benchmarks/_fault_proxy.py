@@ -28,12 +28,14 @@ _ERROR = '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Messa
 
 class FaultProxy:
     """``FaultProxy(upstream, rate, seed)``: a proxy on 127.0.0.1 (``endpoint``) faulting ``rate`` of
-    the GETs; `stop` it when done."""
+    the GETs (or, first, the GETs ``script`` names in order: ``[None, "truncated", "412"]``); `stop`
+    it when done."""
 
-    def __init__(self, upstream: str, *, rate: float = 0.05, seed: int = 0, faults=FAULTS):
+    def __init__(self, upstream: str, *, rate: float = 0.05, seed: int = 0, faults=FAULTS, script=()):
         self.upstream = urlsplit(upstream)
         self.rate, self.faults = rate, tuple(faults)
         self.rng = random.Random(seed)
+        self.script = list(script)
         self.lock = threading.Lock()
         self.injected: Counter[str] = Counter()
         self.requests = 0
@@ -108,6 +110,11 @@ class FaultProxy:
     def _draw(self, if_match: bool) -> str | None:
         with self.lock:
             self.requests += 1
+            if self.script:
+                fault = self.script.pop(0)
+                if fault is not None:
+                    self.injected[fault] += 1
+                return fault
             if self.rng.random() >= self.rate:
                 return None
             fault = self.rng.choice(self.faults)

@@ -182,10 +182,6 @@ def test_64_reader_threads_in_8_processes_read_correctly(dataset_dir, tmp_path):
 # -- background threads --------------------------------------------------------------------------
 
 
-def _readahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "omicsio-jax-readahead"]
-
-
 def _wait_for(condition, timeout=10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
@@ -210,6 +206,15 @@ def test_a_readahead_thread_that_fails_hands_its_error_to_the_reader(dataset_dir
 
 
 def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypatch):
+    started: list[threading.Thread] = []  # this test's read-ahead threads (other tests' datasets have theirs)
+
+    class Recorded(threading.Thread):
+        def start(self):
+            if self.name == "omicsio-jax-readahead":
+                started.append(self)
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Recorded)
     with oj.open_dataset(dataset_dir, readahead=False, direct_io=False) as ds:
         ahead = ReadAhead(ds)
         release = threading.Event()
@@ -235,7 +240,10 @@ def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypat
             t.join()
         ahead.close()
         assert ahead._worker is None
-        assert _wait_for(lambda: not _readahead_threads())
+        assert len(started) > 1  # the race started and stopped several
+        for t in started:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in started)
 
 
 def test_a_dropped_readahead_stops_its_thread(dataset_dir):

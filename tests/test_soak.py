@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from omicsio_jax.storage.store import S3Store
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,3 +39,33 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     assert (
         result["flipped"]["read_back_exact"] is True
     )  # a damaged cached chunk was noticed and fetched again
+
+
+@pytest.fixture
+def proxied(s3, monkeypatch):
+    """An object on S3 and a store reading it through a `FaultProxy` (its script set by the test)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _fault_proxy import FaultProxy
+
+    data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    s3.client().put_object(Bucket=s3.bucket, Key="obj/blob", Body=data)
+    proxy = FaultProxy(s3.endpoint, rate=0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    store = S3Store(s3.url("obj"))
+    yield proxy, store, data, store.head("blob").etag
+    proxy.stop()
+
+
+def test_a_body_cut_short_is_fetched_again(proxied):
+    proxy, store, data, etag = proxied
+    proxy.script = ["truncated", "reset", "503"]
+    assert store.get_ranges("blob", [(1000, 250_000)], etag) == [data[1000:250_000]]
+    assert store.read_bytes("blob") == data
+
+
+def test_an_object_changed_while_its_body_streams_is_one_line(proxied):
+    proxy, store, _, etag = proxied
+    proxy.script = ["truncated", "412", "412", "412", "412"]  # the retry finds the object changed
+    with pytest.raises(oj.ObjectChangedError, match="changed while in use .*open it again") as caught:
+        store.get_ranges("blob", [(0, 250_000)], etag)
+    assert "\n" not in str(caught.value)

@@ -163,7 +163,8 @@ class S3Store:
         import obstore.exceptions as oe
 
         url, text = self.describe(key), str(e)
-        if isinstance(e, oe.PreconditionError):
+        if isinstance(e, oe.PreconditionError) or "precondition fail" in text.lower():
+            # (a retry inside a body's read that met the changed object is a GenericError)
             return ObjectChangedError(
                 f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
                 "rewritten under this prefix; open it again"
@@ -214,8 +215,9 @@ class S3Store:
     def read_bytes(self, key: str) -> bytes | None:
         import obstore
 
-        result = self._call_or_none(obstore.get, key)
-        return None if result is None else bytes(result.bytes())
+        # the body is read inside the call: an error while it streams (a reset, a retry refused) is
+        # converted like one of the request's
+        return self._call_or_none(lambda store, k: bytes(obstore.get(store, k).bytes()), key)
 
     def read_text(self, key: str) -> str | None:
         data = self.read_bytes(key)
@@ -238,7 +240,9 @@ class S3Store:
             options = {"range": (int(r[0]), int(r[1]))}
             if etag is not None:
                 options["if_match"] = etag
-            return bytes(self._call(obstore.get, key, options=options, etag=etag).bytes())
+            return self._call(
+                lambda store, k: bytes(obstore.get(store, k, options=options).bytes()), key, etag=etag
+            )
 
         return list(self._pool.map(get, ranges))
 
@@ -257,13 +261,16 @@ class S3Store:
     def download(self, key: str, dest: Path) -> None:
         import obstore
 
-        result = self._call(obstore.get, key)
         dest = Path(dest)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{threading.get_ident()}.part")  # unique per thread
-        try:
+
+        def fetch(store, k: str) -> None:  # the body streamed inside the call: its errors converted too
             with open(tmp, "wb") as f:
-                for piece in result.stream(min_chunk_size=8 << 20):
+                for piece in obstore.get(store, k).stream(min_chunk_size=8 << 20):
                     f.write(piece)
+
+        try:
+            self._call(fetch, key)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
