@@ -54,7 +54,7 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     ),
     "soak": (
         "Fault soak",
-        "A loader reading a dataset on S3 (moto on loopback) through a proxy that injects server errors "
+        "A loader reading a dataset on S3 (moto on loopback) through a proxy that injects server-error "
         "responses, connection resets, slow and truncated bodies and ETag changes, compared batch by batch "
         "with the same loader over a local copy; each epoch's coverage audit, a flipped byte in a cached "
         "chunk read back, the process's memory once warm.",
