@@ -201,6 +201,10 @@ def test_a_readahead_thread_that_fails_hands_its_error_to_the_reader(dataset_dir
         assert _wait_for(lambda: ahead._error is not None)
         with pytest.raises(ValueError, match="a bug in the announcer"):
             ahead.start([(0, 16, 32)])
+        monkeypatch.undo()
+        ahead.start([(0, 16, 32)])  # read-ahead goes on: a new thread, not the one that died
+        assert ahead._worker[0][0].is_alive()
+        assert _wait_for(lambda: ahead.advised_bytes > 0)
         ahead.close()
         ahead.close()  # idempotent
 
@@ -221,7 +225,7 @@ def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypat
         monkeypatch.setattr(ahead, "advise", lambda pieces: release.wait(10))
         for _ in range(50):
             ahead.start([(0, 0, 16)])
-        assert ahead._worker[1].qsize() <= ReadAhead.QUEUE
+        assert ahead._worker[0][1].qsize() <= ReadAhead.QUEUE
         assert ahead.dropped >= 50 - ReadAhead.QUEUE - 1
         release.set()
         ahead.close()
@@ -239,7 +243,7 @@ def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypat
         for t in racers:
             t.join()
         ahead.close()
-        assert ahead._worker is None
+        assert ahead._worker == [None]
         assert len(started) > 1  # the race started and stopped several
         for t in started:
             t.join(timeout=10)
@@ -250,7 +254,7 @@ def test_a_dropped_readahead_stops_its_thread(dataset_dir):
     with oj.open_dataset(dataset_dir, readahead=False, direct_io=False) as ds:
         ahead = ReadAhead(ds)
         ahead.start([(0, 0, 16)])
-        thread = ahead._worker[0]
+        thread = ahead._worker[0][0]
         del ahead
         gc.collect()
         thread.join(timeout=10)

@@ -47,11 +47,12 @@ class ReadAhead:
         self.dataset = dataset
         self.group_size = int(dataset.manifest.array_record["group_size"])
         self._lock = threading.Lock()
-        self._worker: tuple[threading.Thread, queue.Queue] | None = None
+        # [(thread, its queue)] while a thread runs, else [None]: shared with the finalizer
+        self._worker: list[tuple[threading.Thread, queue.Queue] | None] = [None]
         self._error: BaseException | None = None
         self.advised_bytes = 0
         self.dropped = 0  # announcements dropped on a full queue
-        self._finalizer = weakref.finalize(self, ReadAhead._stop, [None])
+        weakref.finalize(self, ReadAhead._stop, self._worker)
 
     def index(self, shard: int) -> tuple[ChunkIndex, str]:
         """The shard's chunk index (`Dataset.chunk_index`) and its file's path."""
@@ -67,9 +68,10 @@ class ReadAhead:
             return
         with self._lock:
             error, self._error = self._error, None
-            if error is not None:
+            if error is not None:  # its thread has ended: the next call starts another
+                self._worker[0] = None
                 raise error
-            if self._worker is None:
+            if self._worker[0] is None:
                 q: queue.Queue = queue.Queue(maxsize=self.QUEUE)
                 thread = threading.Thread(
                     target=ReadAhead._work,
@@ -77,12 +79,10 @@ class ReadAhead:
                     daemon=True,
                     name="omicsio-jax-readahead",
                 )
-                self._worker = thread, q
-                self._finalizer.detach()
-                self._finalizer = weakref.finalize(self, ReadAhead._stop, [self._worker])
+                self._worker[0] = thread, q
                 thread.start()
             try:
-                self._worker[1].put_nowait(list(pieces))
+                self._worker[0][1].put_nowait(list(pieces))
             except queue.Full:  # the thread is behind: this hint would arrive after its read anyway
                 self.dropped += 1
 
@@ -107,8 +107,9 @@ class ReadAhead:
                 del owner
 
     @staticmethod
-    def _stop(workers: list) -> None:
-        worker = workers[0]
+    def _stop(holder: list) -> None:
+        """Stop the thread ``holder`` holds (if any) and empty ``holder``."""
+        worker, holder[0] = holder[0], None
         if worker is not None:
             thread, q = worker
             while thread.is_alive():  # a full queue: make room for the stop
@@ -124,9 +125,8 @@ class ReadAhead:
     def close(self) -> None:
         """Stop the thread (a later `start` starts another); idempotent."""
         with self._lock:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            ReadAhead._stop([worker])
+            worker, self._worker[0] = self._worker[0], None
+        ReadAhead._stop([worker])
 
     def advise(self, pieces: Sequence[tuple[int, int, int]]) -> None:
         """Start reading the chunks that hold the records ``(shard, begin, end)`` of ``pieces``."""
