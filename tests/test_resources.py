@@ -305,3 +305,10 @@ def test_a_missing_extra_is_one_line_naming_the_extra(monkeypatch):
     with pytest.raises(oj.MissingExtraError, match=r"\[distributed\]"):
         monkeypatch.setitem(sys.modules, "distributed", None)
         require("distributed", "distributed", "a Dask cluster")
+    from train._orbax import _ocp
+
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+    with pytest.raises(
+        oj.MissingExtraError, match=r"^--checkpoint-format orbax needs orbax.checkpoint .*\[orbax\]'$"
+    ):
+        _ocp()

@@ -23,15 +23,7 @@ import omicsio_jax as oj
 
 
 def _ocp():
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:
-        msg = (
-            f"--checkpoint-format orbax needs orbax.checkpoint ({type(e).__name__}: {e}): "
-            "pip install 'omicsio_jax[orbax]'"
-        )
-        raise oj.MissingExtraError(msg) from e
-    return ocp
+    return oj.MissingExtraError.require("orbax.checkpoint", "orbax", "--checkpoint-format orbax")
 
 
 @dataclasses.dataclass(frozen=True)

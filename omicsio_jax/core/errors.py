@@ -27,12 +27,15 @@ class StateMismatchError(OmicsIOError, ValueError):
 class MissingExtraError(OmicsIOError, ImportError):
     """A feature needs an optional dependency (an extra of the package) that cannot be imported."""
 
+    @classmethod
+    def require(cls, module: str, extra: str, feature: str):
+        """``module``, imported; else this error, one line naming ``feature``, why the import failed
+        (missing, or a version clash) and the extra that installs it."""
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            msg = f"{feature} needs {module} ({type(e).__name__}: {e}): pip install 'omicsio_jax[{extra}]'"
+            raise cls(msg) from e
 
-def require(module: str, extra: str, feature: str):
-    """``module``, imported; else `MissingExtraError`, one line naming ``feature``, why the import
-    failed (missing, or a version clash) and the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        msg = f"{feature} needs {module} ({type(e).__name__}: {e}): pip install 'omicsio_jax[{extra}]'"
-        raise MissingExtraError(msg) from e
+
+require = MissingExtraError.require  # the layers' and materialize's spelling of it

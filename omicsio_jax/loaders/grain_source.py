@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -51,18 +52,12 @@ def _warn_workers(worker_count: int) -> None:
         return
     _workers_warned.set()
     m = GRAIN_WORKERS_MEASURED
-    measured = (
-        f"; with 2 workers they served {m['dense']:.2f}× (dense) and {m['csr']:.2f}× (csr) the cells/s "
-        f"of make_loader at batch 1,024 ({m['when']}, benchmarks/results/grain.json)"
-        if m["dense"] is not None
-        else ""
-    )
-    import warnings
-
     warnings.warn(
         f"make_grain_loader(worker_count={worker_count}): Grain's worker processes pass each batch "
         "through a new shared-memory segment, and each worker reads every fetch it cuts batches "
-        f"from{measured}. The loader decodes on threads outside the GIL: worker_count=0 with "
+        f"from; with 2 workers they served {m['dense']:.2f}× (dense) and {m['csr']:.2f}× (csr) the "
+        f"cells/s of make_loader at batch 1,024 ({m['when']}, benchmarks/results/grain.json). The "
+        "loader decodes on threads outside the GIL: worker_count=0 with "
         "read=oj.ReadOptions(num_threads=N) is the fast path; workers pay only for slow Python "
         "operations. Silence: warnings.filterwarnings('ignore', category=oj.GrainWorkersWarning)",
         GrainWorkersWarning,
