@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 HTTPFS_PYTHON = ROOT / ".venv-httpfs" / "bin" / "python"
 sys.path.insert(0, str(HERE))
+from _local_s3 import start_moto  # noqa: E402
 from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
 
 QUERIES = {
@@ -91,19 +91,7 @@ def main() -> None:
     check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     parquet = corpus_dir(args.cells) / "cells.parquet"
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://{host}:{port}",
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_REGION="us-east-1",
-        AWS_ALLOW_HTTP="true",
-    )
+    server, _ = start_moto()
     import boto3
     import duckdb
     import pyarrow.dataset as pads

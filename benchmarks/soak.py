@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 import tempfile
@@ -31,22 +30,13 @@ import numpy as np
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from _fault_proxy import FaultProxy  # noqa: E402
+from _local_s3 import start_moto  # noqa: E402
 from _provenance import provenance, write_result  # noqa: E402
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _start_moto() -> tuple[object, str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
 
 
 def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
@@ -84,15 +74,7 @@ def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
 
 
 def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict:
-    os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_REGION="us-east-1",
-        AWS_ALLOW_HTTP="true",
-    )
-    server, endpoint = _start_moto()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    server, endpoint = start_moto()
     import boto3
 
     import omicsio_jax as oj

@@ -454,22 +454,25 @@ def _check_output(store, overwrite: bool) -> None:
         raise OmicsIOError(msg)
 
 
+# the top-level names a materialize run writes under its output (besides shards and generations)
+_WRITTEN = (
+    PARTS_DIR,
+    "obs",
+    "chunks",
+    "modalities",
+    MANIFEST_NAME,
+    "features.parquet",
+    "cell_ids.parquet",
+    "gene_stats.parquet",
+)
+
+
 def _ours(key: str) -> bool:
     """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
     top = key.split("/", 1)[0]
     return (
-        top.startswith("gen-")
-        or top
-        in (
-            PARTS_DIR,
-            "obs",
-            "chunks",
-            "modalities",
-            MANIFEST_NAME,
-            "features.parquet",
-            "cell_ids.parquet",
-            "gene_stats.parquet",
-        )
+        top in _WRITTEN
+        or top.startswith("gen-")
         or (top.startswith("shard-") and top.endswith(".arrayrecord"))
     )
 
@@ -487,7 +490,7 @@ def _staging(store, overwrite: bool) -> Iterator[str]:
             for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
                 shutil.rmtree(parts, ignore_errors=True)
         return
-    if store.read_text(MANIFEST_NAME) is None:  # nothing to replace: written in place
+    if store.head(MANIFEST_NAME) is None:  # nothing to replace: written in place
         try:
             yield store.url
         except BaseException:
