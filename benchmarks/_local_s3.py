@@ -6,6 +6,15 @@ from __future__ import annotations
 import logging
 import os
 
+AWS_VARIABLES = (  # what `start_moto` sets (or, AWS_PROFILE, removes)
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_ALLOW_HTTP",
+)
+
 
 def start_moto():
     """Start the server; returns ``(server, endpoint)`` (``server.stop()`` when done)."""

@@ -173,35 +173,13 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A real S3 API server (moto) for the whole session; the AWS variables point every client at it."""
-    import logging
+    """A real S3 API server (moto) for the whole session; the AWS variables point every client at it
+    (the benchmarks' `start_moto`), and are restored after."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _local_s3 import AWS_VARIABLES, start_moto
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    saved = {
-        k: os.environ.get(k)
-        for k in (
-            "AWS_ENDPOINT_URL",
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_REGION",
-            "AWS_PROFILE",
-            "AWS_ALLOW_HTTP",
-        )
-    }
-    os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_REGION="us-east-1",
-        AWS_ALLOW_HTTP="true",
-    )
+    saved = {k: os.environ.get(k) for k in AWS_VARIABLES}
+    server, endpoint = start_moto()
     try:
         yield S3Server(endpoint)
     finally:
