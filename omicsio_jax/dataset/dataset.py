@@ -502,10 +502,10 @@ def open_dataset(
     dropped first. S3 is configured by the standard variables (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). ``cache_dir`` and
     ``cache_bytes`` are ignored for a local directory, which is read in place. A local dataset
-    larger than the memory this process may use (RAM or its cgroup's limit) is read with ``O_DIRECT`` (``direct_io``; None: decide by size):
-    the disk writes into the loader's buffers, bypassing the page cache that cannot hold the
-    dataset, with many reads in flight (Linux native AIO); a file system that refuses ``O_DIRECT``
-    (tmpfs) is read buffered. A buffered read first announces its exact byte ranges to the
+    larger than the memory this process may use (RAM or its cgroup's limit) is read with
+    ``O_DIRECT`` (``direct_io``; None: decide by size): the disk writes into the loader's buffers,
+    bypassing the page cache that cannot hold the dataset, with many reads in flight (Linux native
+    AIO); a file system that refuses ``O_DIRECT`` (tmpfs) is read buffered. A buffered read first announces its exact byte ranges to the
     kernel (``readahead``), which reads them at the disk's queue depth. Records are read straight from the
     shards' chunks (``chunk_reader``: checked against riegeli's hashes and decompressed by one
     numba kernel per read, into one buffer, with no Python object per record) wherever the shards
