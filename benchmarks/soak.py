@@ -1,25 +1,39 @@
-"""Fault soak: a training loop's reads from a dataset on S3 (moto's server on 127.0.0.1) through a
-proxy that injects faults (`_fault_proxy`: 500 and 503 responses, resets, slow and truncated
-bodies), for ``--minutes``, against the same loader over the local copy of the same dataset.
+"""Fault soak: a 2-host Grain training loop over a dataset on S3 (moto's server on 127.0.0.1)
+behind a proxy that injects faults (`_fault_proxy`: 500 and 503 responses, resets, slow and
+truncated bodies, ETag changes), for ``--minutes``, checked batch by batch against the fault-free
+run of the same loader over the local copy of the same dataset.
 
-Every batch must equal the local loader's (indices, csr values, bit for bit); every epoch's coverage
-audit must pass (each cell exactly once); every fault must be absorbed by a retry, or surface as a
-one-line `OmicsIOError` (an ETag change: "changed while in use ... open it again"), after which the
-loop does what a training job does: opens the dataset again and restores the loader from its last
-state, and the batches go on exactly; the process's RSS must not grow more than 5% once warm (from the first
-epoch end past a fifth of the run). After
-the first epoch one byte of a cached chunk is flipped: the reader must notice and fetch it again.
-A small cache (a quarter of the dataset) keeps the reads going to S3 throughout.
+Each host is a process (`_soak_host`: ``Placement(process_index=h, process_count=2)``, a Grain
+``DataLoader`` with one worker process, the iterator checkpointed with Orbax every few steps, each
+in its own checkpoint directory; JAX's distributed runtime is not started, as the loader needs
+only the process index and count). While they run, the soak
+
+- SIGKILLs a Grain worker of each host now and then: the loop meets a one-line ``RuntimeError``,
+  restores its latest Orbax checkpoint into a new loader and goes on;
+- SIGTERMs host 0 at random steps: it saves the current step's checkpoint and exits 0, is started
+  again, restores and goes on;
+- flips one byte of a chunk in the cache the hosts share: the reader must notice (the chunk's
+  hash) and fetch it again.
+
+Every batch a host serves, replays after a restore included, must equal the fault-free run's at
+that step (a 128-bit digest of its cells and values); every epoch's coverage audit must pass (over
+both hosts, each cell served exactly once); every fault must be absorbed by a retry or surface as a
+one-line error (an ETag change: "changed while in use ... open it again", after which the host
+restores, as a training job does); host 1's RSS must not grow more than 5% once warm (from the
+first epoch end past a fifth of the run). A small cache keeps the reads going to S3 throughout.
 
     .venv/bin/python benchmarks/soak.py                      # 30 minutes: results/soak.json
-    .venv/bin/python benchmarks/soak.py --minutes 1 --quick  # a smoke run (tests/test_soak.py)
+    .venv/bin/python benchmarks/soak.py --minutes 0.5 --quick  # a smoke run (tests/test_soak.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +46,7 @@ sys.path.insert(0, str(HERE))
 from _fault_proxy import FaultProxy  # noqa: E402
 from _local_s3 import start_moto  # noqa: E402
 from _provenance import provenance, write_result  # noqa: E402
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from _soak_host import CACHE_BYTES, CHECKPOINT_EVERY, digest, loader_options  # noqa: E402
 
 
 def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
@@ -73,7 +83,127 @@ def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
     return None
 
 
+class Host:
+    """One `_soak_host` process as the soak sees it: started (again), its log read and checked
+    against the fault-free run's batches, its recoveries counted."""
+
+    def __init__(self, index: int, hosts: int, url: str, work: Path, seed: int, env: dict, local):
+        import omicsio_jax as oj
+
+        self.index, self.url, self.work, self.seed, self.env = index, url, work, seed, env
+        self.log = work / f"host-{index}.log"
+        self.log.touch()
+        self.offset = 0
+        self.expected = oj.make_loader(local, **loader_options(seed, index, hosts))
+        self.digests: list[str] = []
+        self.rows: list[np.ndarray] = []  # each expected step's cells, until its epoch is audited
+        self.served: set[int] = set()  # steps served and checked
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.up = False  # has served a batch since it last started or restored
+        self.killed_workers = self.worker_deaths = self.recovered = self.sigterms = self.resumes = 0
+        self.awaiting = self.restarted = False  # a worker killed, not yet recovered from; a restore since
+        self.preempted = False  # SIGTERM sent, the resume from its checkpoint not yet seen
+        self.batches = self.replayed = self.mismatches = 0
+        self.errors: list[dict] = []
+        self.surfaced: list[str] = []
+        self.exit_seconds: list[float] = []
+        self.start()
+
+    def start(self) -> None:
+        err = (self.work / f"host-{self.index}.err").open("ab")
+        args = [str(HERE / "_soak_host.py"), self.url, str(self.work), str(self.index), "2", str(self.seed)]
+        self.proc = subprocess.Popen([sys.executable, *args], env=self.env, stdout=err, stderr=err)
+        self.up = False
+
+    def expected_digest(self, step: int) -> str:
+        while len(self.digests) <= step:
+            batch = next(self.expected)
+            self.digests.append(digest(batch))
+            self.rows.append(np.asarray(batch.index)[np.asarray(batch.mask)])
+        return self.digests[step]
+
+    def poll(self) -> None:
+        """Read what the host logged since the last poll; restart it if it exited."""
+        with self.log.open() as f:
+            f.seek(self.offset)
+            text = f.read()
+        complete = text[: text.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            self._record(json.loads(line))
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            if code != 0:
+                self.errors.append({"type": "HostExit", "message": f"host {self.index} exited with {code}"})
+            self.start()
+
+    def _record(self, r: dict) -> None:
+        event = r.get("event")
+        if event is None:  # a batch
+            step = r["s"]
+            self.batches += 1
+            self.replayed += step in self.served
+            self.mismatches += r["d"] != self.expected_digest(step)
+            self.served.add(step)
+            self.up = True
+            if self.awaiting and self.restarted:  # a batch from a new loader: the kill recovered from
+                self.recovered += 1
+                self.awaiting = self.restarted = False
+            return
+        self.up = False
+        if event in ("start", "restored"):
+            self.restarted = True
+        if event == "start":
+            self.pid = r["pid"]
+            self.resumes += r["step"] > 0
+            self.preempted = False
+        elif event == "sigterm":
+            self.exit_seconds.append(r["seconds_to_exit"])
+        elif event == "error":
+            message = f"{r['type']}: {r['message']}"
+            if "Worker process was terminated unexpectedly" in r["message"] and self.awaiting:
+                self.worker_deaths += 1
+            elif "changed while in use" in r["message"] and r["one_line"]:
+                self.surfaced.append(message)
+            else:
+                self.errors.append({"type": r["type"], "message": r["message"], "one_line": r["one_line"]})
+
+    def workers(self) -> list[int]:
+        """The host's Grain worker processes (its children but Python's resource tracker)."""
+        found = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                for child in (task / "children").read_text().split():
+                    if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                        found.append(int(child))
+        return found
+
+    def kill_a_worker(self) -> bool:
+        workers = self.workers()
+        if not (self.up and workers):
+            return False
+        os.kill(workers[0], signal.SIGKILL)
+        self.killed_workers += 1
+        self.up, self.awaiting, self.restarted = False, True, False
+        return True
+
+    def terminate(self) -> bool:
+        if not self.up:
+            return False
+        self.proc.send_signal(signal.SIGTERM)
+        self.sigterms += 1
+        self.up, self.preempted = False, True
+        return True
+
+    def rss(self) -> int | None:
+        with contextlib.suppress(OSError):
+            return int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return None
+
+
 def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict:
+    """Two hosts of a Grain loop on S3 behind the fault proxy, killed and preempted, for ``minutes``."""
     server, endpoint = start_moto()
     import boto3
 
@@ -89,100 +219,123 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
     materialize(corpus.cells_parquet, "s3://soak/ds", progress=False, layout=layout)
 
     proxy = FaultProxy(endpoint, rate=rate, seed=seed)
-    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # the reader's store is made now, through the proxy
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # the flip's reader reads through the proxy too
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}
     local = oj.open_dataset(work / "local")
-    size = sum(s.num_bytes for s in local.manifest.shards)
-    cache_bytes = max(size // 4, 1 << 20)
-    remote = oj.open_dataset("s3://soak/ds", cache_dir=work / "cache", cache_bytes=cache_bytes)
-    kwargs = {
-        "batch_size": 256,
-        "sampling": oj.Block(16, 8),
-        "output": "csr",
-        "seed": seed,
-        "num_epochs": None,
-    }
-    expected, loader = oj.make_loader(local, **kwargs), oj.make_loader(remote, **kwargs)
+    hosts = [Host(h, 2, "s3://soak/ds", work, seed, env, local) for h in range(2)]
+    steps_per_epoch = hosts[0].expected.steps_per_epoch  # each host's
 
-    out = {"cells": cells, "rate": rate, "seed": seed, "batches": 0, "epochs_audited": 0, "mismatches": 0}
-    errors: list[dict] = []
+    rng = np.random.default_rng(seed)
+    kill_every, term_every = max(60 * minutes / 15, 10.0), max(60 * minutes / 10, 15.0)
+    start = time.perf_counter()
+    deadline, hard_stop = start + 60 * minutes, start + 180 * minutes + 300
+    next_kill = [start + kill_every * rng.uniform(0.5, 1.5) for _ in hosts]
+    next_term = start + term_every * rng.uniform(0.5, 1.5)
+    audited, counts = 0, np.zeros(cells, np.int64)
     rss: list[tuple[float, int]] = []
     flipped = None
-    epoch, start = 0, time.perf_counter()
-    deadline = start + 60 * minutes
-    surfaced: list[str] = []
-    state = loader.get_state()
+    crash = None
+
+    def done() -> bool:
+        return (
+            time.perf_counter() >= deadline
+            and audited >= 2
+            and len(proxy.injected) == len(proxy.faults)
+            and all(h.recovered and not h.awaiting for h in hosts)
+            and hosts[0].resumes > 0
+            and not hosts[0].preempted
+            and any(h.surfaced for h in hosts)
+        )
+
     try:
-        while (
-            time.perf_counter() < deadline  # and, on a slow machine, past it until each fault was met
-            or out["epochs_audited"] < 2
-            or (len(proxy.injected) < len(proxy.faults) and time.perf_counter() < start + 180 * minutes)
-        ):
-            try:
-                got = next(loader)
-            except oj.OmicsIOError as e:
-                if "\n" in str(e) or len(surfaced) >= 1000:
-                    raise
-                surfaced.append(f"{type(e).__name__}: {e}")
-                loader.close()
-                remote.close()
-                remote = oj.open_dataset("s3://soak/ds", cache_dir=work / "cache", cache_bytes=cache_bytes)
-                loader = oj.make_loader(remote, **kwargs)
-                loader.set_state(state)
-                continue
-            state = loader.get_state()
-            want = next(expected)
-            same = np.array_equal(np.asarray(got.index), np.asarray(want.index)) and all(
-                np.array_equal(np.asarray(a), np.asarray(b))
-                for a, b in zip(
-                    (got.x.row_ids, got.x.indices, got.x.values),
-                    (want.x.row_ids, want.x.indices, want.x.values),
-                    strict=True,
-                )
-            )
-            out["batches"] += 1
-            out["mismatches"] += not same
-            now = loader.get_state()["epoch"]
-            if now != epoch:  # an epoch ended: its audit (the loader raises CoverageError if it fails)
-                if not loader.coverage(epoch).complete:
-                    errors.append({"type": "CoverageError", "message": f"epoch {epoch} incomplete"})
-                out["epochs_audited"] += 1
-                rss.append((time.perf_counter() - start, _rss_bytes()))
+        while not done() and time.perf_counter() < hard_stop:
+            time.sleep(0.5)
+            now = time.perf_counter()
+            for h in hosts:
+                h.poll()
+            # an epoch both hosts served in full: each of its cells served exactly once
+            epoch_steps = range(audited * steps_per_epoch, (audited + 1) * steps_per_epoch)
+            if all(set(epoch_steps) <= h.served for h in hosts):
+                counts[:] = 0
+                for h in hosts:
+                    for step in epoch_steps:
+                        np.add.at(counts, h.rows[step], 1)
+                        h.rows[step] = None
+                if not (counts == 1).all():
+                    bad = int((counts != 1).sum())
+                    hosts[0].errors.append(
+                        {"type": "CoverageError", "message": f"epoch {audited}: {bad} cells not served once"}
+                    )
+                audited += 1
+                if (r := hosts[1].rss()) is not None:
+                    rss.append((now - start, r))
                 if flipped is None:
+                    remote = oj.open_dataset(
+                        "s3://soak/ds", cache_dir=work / "cache", cache_bytes=CACHE_BYTES
+                    )
                     flipped = _flip_a_cached_byte(remote, local, work / "cache")
-                epoch = now
-    except Exception as e:  # anything else is a crash: reported, not hidden
-        errors.append({"type": type(e).__name__, "message": str(e), "one_line": "\n" not in str(e)})
+                    remote.close()
+            for i, h in enumerate(hosts):
+                if now >= next_kill[i] and h.kill_a_worker():
+                    next_kill[i] = now + kill_every * rng.uniform(0.5, 1.5)
+            if now >= next_term and hosts[0].terminate():
+                next_term = now + term_every * rng.uniform(0.5, 1.5)
+    except Exception as e:  # noqa: BLE001 - a crash of the soak itself: reported, not hidden
+        crash = {"type": type(e).__name__, "message": str(e)}
     finally:
-        loader.close()
-        expected.close()
+        (work / "stop").touch()
+        for h in hosts:
+            try:
+                h.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+            h.expected.close()
         proxy.stop()
         server.stop()
     elapsed = time.perf_counter() - start
+    errors = [e for h in hosts for e in h.errors] + ([crash] if crash else [])
     # warmed up: the first epoch end past a fifth of the run (JAX, numba and the caches have filled)
     after = [(t, r) for t, r in rss if t >= elapsed / 5] or rss[-1:]
     warm = after[0][1] if after else 0
-    out.update(
-        {
-            "seconds": elapsed,
-            "requests": proxy.requests,
-            "faults_injected": dict(proxy.injected),
-            "flipped": flipped,
-            "errors": errors,
-            "surfaced_and_resumed": len(surfaced),
-            "surfaced_examples": sorted(set(surfaced))[:5],
-            "rss_warm_bytes": warm,
-            "rss_end_bytes": rss[-1][1] if rss else 0,
-            "rss_growth": (max(r for _, r in after) / warm - 1) if warm else None,
-            "rss_by_epoch": rss,
-            "io": dataclasses.asdict(remote.io_stats()),
-        }
-    )
+    surfaced = [m for h in hosts for m in h.surfaced]
+    out = {
+        "cells": cells,
+        "rate": rate,
+        "seed": seed,
+        "hosts": 2,
+        "grain_workers_per_host": 1,
+        "checkpoint_every_steps": CHECKPOINT_EVERY,
+        "seconds": elapsed,
+        "batches": sum(h.batches for h in hosts),
+        "replayed_after_restores": sum(h.replayed for h in hosts),
+        "mismatches": sum(h.mismatches for h in hosts),
+        "epochs_audited": audited,
+        "workers_killed": [h.killed_workers for h in hosts],
+        "worker_deaths_seen": [h.worker_deaths for h in hosts],
+        "worker_kills_recovered": [h.recovered for h in hosts],
+        "sigterms": hosts[0].sigterms,
+        "orbax_resumes": [h.resumes for h in hosts],
+        "sigterm_to_exit_seconds_max": max(hosts[0].exit_seconds, default=None),
+        "requests": proxy.requests,
+        "faults_injected": dict(proxy.injected),
+        "flipped": flipped,
+        "errors": errors,
+        "surfaced_and_resumed": len(surfaced),
+        "surfaced_examples": sorted(set(surfaced))[:5],
+        "rss_host": 1,
+        "rss_warm_bytes": warm,
+        "rss_end_bytes": rss[-1][1] if rss else 0,
+        "rss_growth": (max(r for _, r in after) / warm - 1) if warm else None,
+        "rss_by_epoch": rss,
+    }
     out["passed"] = (
         not errors
         and flipped is not None
         and flipped.get("read_back_exact") is True
         and out["mismatches"] == 0
-        and out["epochs_audited"] >= 2
+        and audited >= 2
+        and all(h.recovered == h.killed_workers > 0 for h in hosts)
+        and hosts[0].resumes == hosts[0].sigterms > 0
         and out["rss_growth"] is not None
         and out["rss_growth"] < 0.05
     )
@@ -207,7 +360,8 @@ def main() -> None:
     path = write_result(args.out, result, quick=args.quick)
     print(
         f"{'PASSED' if result['passed'] else 'FAILED'}: {result['batches']:,} batches, {result['epochs_audited']} "
-        f"epochs audited, {result['mismatches']} mismatches, faults {result['faults_injected']} of "
+        f"epochs audited, {result['mismatches']} mismatches, workers killed {result['workers_killed']}, "
+        f"SIGTERMs {result['sigterms']}, Orbax resumes {result['orbax_resumes']}, faults {result['faults_injected']} of "
         f"{result['requests']:,} requests, errors {result['errors']}, RSS growth {result['rss_growth']}; {path}"
     )
     sys.exit(0 if result["passed"] else 1)

@@ -227,6 +227,41 @@ def test_a_damaged_cache_file_is_fetched_again(url, local, tmp_path):
         assert ds.io_stats().num_gets > 0
 
 
+def test_a_mirror_another_process_dropped_or_replaced_is_opened_again(url, local, tmp_path):
+    # processes sharing a cache directory (Grain's workers, several jobs) each keep their own budget:
+    # one may delete, or replace, the mirror files another has open
+    shard = local.manifest.shards[0]
+    mirror = tmp_path / "cache" / shard.path
+    with _open(url, tmp_path) as ds:
+        for step, rows in enumerate(np.array_split(np.arange(shard.num_cells), 6)):
+            if step % 2 == 0:  # another process's eviction of a dormant shard: the files unlinked
+                for path in mirror.parent.glob(shard.path + "*"):
+                    path.unlink()
+            else:  # another process's fresh mirror renamed over this one's
+                fresh = mirror.with_name("fresh.tmp")
+                fresh.write_bytes(b"\0" * shard.num_bytes)
+                fresh.replace(mirror)
+            assert_csr_equal(ds.read_csr(rows), local.read_csr(rows))
+
+
+def test_a_process_never_drops_the_mirror_another_is_reading(url, local, tmp_path):
+    first, second = local.manifest.shards[0], local.manifest.shards[1]
+    rows = np.arange(first.num_cells)
+    mirror = tmp_path / "cache" / first.path
+    with _open(url, tmp_path) as reader:
+        reader.read_csr(rows)
+        with reader._remote.mirrors.prepared([(0, 0, first.num_cells)]):  # reading shard 0 (a shared lock)
+            with _open(url, tmp_path, cache_bytes=1) as other:  # another process's tiny budget
+                other.read_csr(np.arange(second.first_cell, second.first_cell + 64))
+                present = np.fromfile(mirror.with_name(first.path + ".present"), np.uint8)
+                assert mirror.exists() and present.all()  # shard 0 kept (only its own shard 1 dropped)
+            assert_csr_equal(reader.read_csr(rows), local.read_csr(rows))
+        with _open(url, tmp_path, cache_bytes=1) as other:  # no longer read: dropped
+            other.read_csr(np.arange(second.first_cell, second.first_cell + 64))
+            assert not mirror.exists()
+        assert_csr_equal(reader.read_csr(rows), local.read_csr(rows))  # the reader opens it again
+
+
 def test_a_cache_left_for_another_version_of_a_shard_is_not_used(url, local, tmp_path):
     rows = np.arange(0, 200)
     with _open(url, tmp_path) as ds:

@@ -1,5 +1,6 @@
-"""The fault soak's short version (benchmarks/soak.py): reads from S3 through a proxy injecting 500s,
-503s, resets, slow and truncated bodies and ETag changes, against the same loader over a local copy."""
+"""The fault soak's short version (benchmarks/soak.py): a 2-host Grain loop reading from S3 through a
+proxy injecting 500s, 503s, resets, slow and truncated bodies and ETag changes, its workers
+SIGKILLed and host 0 SIGTERMed and resumed from Orbax, against the same loader over a local copy."""
 
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     assert out.exists(), run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["errors"] == [], run.stderr[-3000:]
-    assert result["mismatches"] == 0
-    assert result["epochs_audited"] >= 2  # each audited: every cell exactly once
+    assert result["mismatches"] == 0  # every batch, replays after restores included, as without faults
+    assert result["epochs_audited"] >= 2  # each audited: every cell exactly once over both hosts
     assert set(result["faults_injected"]) == {"500", "503", "reset", "slow", "truncated", "412"}
-    assert result["surfaced_and_resumed"] > 0  # the dataset opened again, the loader restored from its state
+    assert all(k > 0 for k in result["workers_killed"])
+    assert result["worker_kills_recovered"] == result["workers_killed"]
+    assert result["orbax_resumes"][0] == result["sigterms"] > 0  # preempted, resumed from its checkpoint
+    assert result["replayed_after_restores"] > 0
+    assert result["surfaced_and_resumed"] > 0  # restored from the last checkpoint
     assert all(
         "changed while in use" in e for e in result["surfaced_examples"]
     )  # only the ETag changes surface

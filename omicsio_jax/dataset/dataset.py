@@ -24,7 +24,7 @@ from omicsio_jax.records.chunk_reader import supported as chunks_readable
 from omicsio_jax.records.readahead import ReadAhead
 from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
 from omicsio_jax.storage import direct_io
-from omicsio_jax.storage.memory import memory_limit
+from omicsio_jax.storage.memory import memory_limit, release_freed_memory
 from omicsio_jax.storage.store import is_remote
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
@@ -465,6 +465,8 @@ class Dataset:
         return take_rows(indptr, indices, values, inverse.astype(np.int64))
 
     def close(self) -> None:
+        """Close the shard files, read-ahead and remote store, and hand the freed heap back to the
+        system (`release_freed_memory`), so that a job reopening datasets keeps a flat footprint."""
         for sub in self._modalities.values():
             sub.close()
         self._readers.close()
@@ -472,6 +474,7 @@ class Dataset:
             self._readahead.close()
         if self._remote is not None:
             self._remote.close()
+        release_freed_memory()
 
     def __enter__(self) -> Dataset:
         return self

@@ -25,14 +25,19 @@ used first (the mirror is truncated to zero and back and its opening ranges writ
 readers open on it stay valid, as every read fetches its chunks again first). A shard being read
 is pinned and dropped only after the read, so the budget can be exceeded while reads are in
 flight, by the chunks they hold. Chunks left by an earlier process count against the budget from
-the start and are dropped first. Processes sharing a cache directory each keep their own budget;
-a read that meets a chunk another process dropped fails its hash check and is fetched again
-(`runs.read_runs` retries once).
+the start and are dropped first. Processes sharing a cache directory (Grain's workers, several
+jobs) each keep their own budget: a process holds a shared ``flock`` on a mirror while it reads it,
+and another drops only mirrors it can lock exclusively at once (else it drops the next one), so no
+process truncates the chunks another is reading. A read that still meets a chunk that is not there
+(dropped between two reads, or damaged) fails its hash check and is fetched again (`runs.read_runs`
+retries once); one whose mirror file another process deleted, or renamed a fresh mirror over,
+opens the mirror at the path again for that retry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -56,6 +61,18 @@ from omicsio_jax.storage.store import S3Store
 
 READ_SLACK = 0.1  # a GET may cover up to 10% more bytes than its needed chunks, to save GETs
 MAX_GET_BYTES = 16 << 20  # longer ranges are split into concurrent GETs
+
+
+def _flock(fd: int, operation: int) -> bool:
+    """``flock(fd, operation)``; False if another process holds a conflicting lock (with
+    ``LOCK_NB``). A file system without locks counts as granting them."""
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _data_ranges(index: ChunkIndex) -> np.ndarray:
@@ -82,6 +99,7 @@ class _Mirror:
         self.cached = int(self.sizes[present.astype(bool)].sum())
         self.pins = 0
         self.last_used = 0
+        self.retired = False  # replaced by a mirror opened again (`ShardMirrors._retire_if_replaced`)
 
 
 def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) -> list[tuple[int, int]]:
@@ -144,6 +162,9 @@ class ShardMirrors:
         mirrors, and keep them (pinned) until the block ends; ``refetch``: fetch that shard's chunks
         and opening ranges again even if present (after a read of the mirror failed)."""
         chunks = chunks_of(pieces, self.group_size)
+        if refetch is not None:
+            with self._lock:
+                self._retire_if_replaced(refetch)
         mirrors = self._pin(sorted(chunks))
         try:
             self._fetch(mirrors, chunks, refetch)
@@ -152,6 +173,10 @@ class ShardMirrors:
             with self._lock:
                 for m in mirrors.values():
                     m.pins -= 1
+                    if not m.pins:
+                        _flock(m.fd, fcntl.LOCK_UN)
+                        if m.retired:
+                            os.close(m.fd)
                 self._make_room(0)
 
     def close(self) -> None:
@@ -165,6 +190,24 @@ class ShardMirrors:
             self._live.clear()
         if pool is not None:
             pool.shutdown(wait=True)
+
+    def _retire_if_replaced(self, shard: int) -> None:
+        """Forget this process's mirror of ``shard`` if its file is no longer the one at its path
+        (another process sharing the cache dropped it, or renamed a fresh mirror over it): readers
+        open the path, so the next pin opens the mirror again. Lock held."""
+        m = self._live.get(shard)
+        if m is None:
+            return
+        try:
+            if os.path.samestat(os.fstat(m.fd), os.stat(self.path(shard))):
+                return
+        except OSError:
+            pass
+        del self._live[shard]
+        self.cached -= m.cached
+        m.retired = True
+        if not m.pins:  # else the last call pinning it closes it
+            os.close(m.fd)
 
     def _submit(self, fn, *args) -> Future:
         with self._lock:
@@ -212,6 +255,8 @@ class ShardMirrors:
             mirrors = {s: self._live[s] for s in shards}
             for m in mirrors.values():
                 m.pins += 1
+                if m.pins == 1:  # no other process drops its chunks while this one reads them
+                    _flock(m.fd, fcntl.LOCK_SH)
                 m.last_used = self._tick
             return mirrors
 
@@ -386,19 +431,32 @@ class ShardMirrors:
             excess -= self._evict_dormant(s) if s in self._dormant else self._evict(self._live[s])
 
     def _evict(self, m: _Mirror) -> int:
+        if not _flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            return 0  # another process sharing the cache is reading this shard: drop another
         m.present[:] = 0  # first: a chunk is never marked present without its bytes
         os.ftruncate(m.fd, 0)
         os.ftruncate(m.fd, m.size)
         for b, blob in m.opening:
             os.pwrite(m.fd, blob, b)
+        _flock(m.fd, fcntl.LOCK_UN)
         freed, m.cached = m.cached, 0
         self.cached -= freed
         self.counters.add(evictions=1)
         return freed
 
     def _evict_dormant(self, shard: int) -> int:
-        _, freed = self._dormant.pop(shard)
-        self._drop_files(shard)
+        try:
+            fd = os.open(self.path(shard), os.O_RDWR)
+        except FileNotFoundError:
+            fd = None
+        try:
+            if fd is not None and not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                return 0  # in use by another process: stays dormant here
+            _, freed = self._dormant.pop(shard)
+            self._drop_files(shard)
+        finally:
+            if fd is not None:
+                os.close(fd)
         self.cached -= freed
         self.counters.add(evictions=1)
         return freed

@@ -9,6 +9,9 @@ process's cgroup to the root of its hierarchy (cgroup v2's ``memory.max``, v1's
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 from pathlib import Path
 
@@ -85,3 +88,29 @@ def memory_limit() -> int | None:
         texts = None
     known = ([] if texts is None else cgroup_limits(*texts)) + [r for r in (_ram(),) if r]
     return min(known) if known else None
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap pages that freed buffers left behind back to the system (glibc's
+    ``malloc_trim(0)``); False where the C library has no such call.
+
+    glibc keeps freed memory in its arenas for reuse; after a dataset's readers, caches and batch
+    buffers are freed, a long job that opens datasets again and again (a reopen after an object
+    changed, a resume) would otherwise see its resident size creep by the freed-but-kept pages.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
