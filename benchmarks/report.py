@@ -54,10 +54,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     ),
     "soak": (
         "Fault soak",
-        "A loader reading a dataset on S3 (moto on loopback) through a proxy that injects server-error "
-        "responses, connection resets, slow and truncated bodies and ETag changes, compared batch by batch "
-        "with the same loader over a local copy; each epoch's coverage audit, a flipped byte in a cached "
-        "chunk read back, the process's memory once warm.",
+        "Two host processes of a Grain training loop reading a dataset on S3 (moto on loopback) through "
+        "a proxy that injects server-error responses, connection resets, slow and truncated bodies and "
+        "ETag changes, their Grain workers killed and one host preempted and resumed from its Orbax "
+        "checkpoint, compared batch by batch with the fault-free run over a local copy; each epoch's "
+        "coverage audit over both hosts, a flipped byte in a cached chunk read back, one host's memory "
+        "once warm.",
     ),
     "bench_tokens": (
         "Tokenized batches against SLAF",
@@ -777,16 +779,23 @@ def render_train(d: dict) -> list[str]:
 
 def render_soak(d: dict) -> list[str]:
     flipped = d.get("flipped") or {}
+    killed, recovered = d.get("workers_killed") or [], d.get("worker_kills_recovered") or []
     return pairs(
         [
             ("passed", d.get("passed"), ""),
             ("minutes", (d.get("seconds") or 0) / 60, ".1f"),
-            ("batches, each equal to the local loader's", d.get("batches"), ","),
+            ("hosts", d.get("hosts"), ""),
+            ("batches, each equal to the fault-free run's", d.get("batches"), ","),
+            ("of them served again after a restore", d.get("replayed_after_restores"), ","),
             ("mismatching batches", d.get("mismatches"), ","),
             ("epochs audited (each cell exactly once)", d.get("epochs_audited"), ","),
+            ("Grain workers SIGKILLed", sum(killed) if killed else None, ","),
+            ("of them recovered from the Orbax checkpoint", sum(recovered) if recovered else None, ","),
+            ("SIGTERMs", d.get("sigterms"), ","),
+            ("resumes from the Orbax checkpoint after SIGTERM", (d.get("orbax_resumes") or [None])[0], ","),
             ("requests through the proxy", d.get("requests"), ","),
             *[(f"faults injected: {k}", v, ",") for k, v in sorted((d.get("faults_injected") or {}).items())],
-            ("one-line errors surfaced, then reopened and resumed", d.get("surfaced_and_resumed"), ","),
+            ("one-line errors surfaced, then restored and resumed", d.get("surfaced_and_resumed"), ","),
             ("crashes", len(d.get("errors") or []), ","),
             ("flipped cached byte read back exactly", flipped.get("read_back_exact"), ""),
             ("RSS once warm (MiB)", (d.get("rss_warm_bytes") or 0) / 2**20, ",.0f"),

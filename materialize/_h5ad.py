@@ -5,6 +5,11 @@ The matrix is ``X``, a named layer or ``raw/X`` (CSR, CSC or dense); the gene ta
 AnnData encodings (categorical, string-array, numeric, nullable-*). Row indices of an AnnData
 CSR matrix need not be sorted: they are sorted per row here (the list-column schema requires
 ascending gene ids); duplicates stay an error.
+
+Files written before anndata 0.7 are read too, as ``anndata.read_h5ad`` reads them: ``obs`` and
+``var`` as one compound dataset each (the index its first field, fixed-length strings, a
+categorical column's codes with its categories in ``uns/<column>_categories``), sparse matrices
+marked ``h5sparse_format`` / ``h5sparse_shape``, and ``raw.X`` / ``raw.var`` at the top level.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ def _encoding(node) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _strings(dataset: h5py.Dataset, lo: int, hi: int) -> list[str]:
     return list(dataset.asstr()[lo:hi])
 
@@ -87,6 +96,73 @@ class _ObsColumn:
         return pa.array(values[lo:hi], mask=mask)
 
 
+def _decoded(values: np.ndarray) -> list[str]:
+    """Strings of a fixed-length or variable-length string array (bytes decoded as UTF-8)."""
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values.tolist()]
+
+
+class _LegacyColumn:
+    """One field of a pre-0.7 compound ``obs``/``var`` dataset, with `_ObsColumn`'s interface."""
+
+    def __init__(self, node: h5py.Dataset, field: str, categories: h5py.Dataset | None):
+        self.node, self.field = node, field
+        dtype = node.dtype.fields[field][0]
+        self.categories = None
+        if categories is not None and np.issubdtype(dtype, np.integer):
+            cats = _decoded(np.atleast_1d(categories[()]))
+            if int(node.fields(field)[()].max(initial=-1)) < len(cats):  # anndata's test of which axis
+                self.categories = pa.array(cats, pa.string())
+        if self.categories is not None:
+            self.type = pa.dictionary(pa.int32(), pa.string())
+        elif dtype.kind in "SU" or h5py.check_string_dtype(dtype) is not None:
+            self.type = pa.string()
+        elif dtype.kind in "biuf":
+            self.type = pa.from_numpy_dtype(dtype)
+        else:
+            self.type = None
+
+    def read(self, lo: int, hi: int) -> pa.Array:
+        values = self.node.fields(self.field)[lo:hi]
+        if self.categories is not None:
+            codes = values.astype(np.int32)
+            return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
+        if self.type == pa.string():
+            return pa.array(_decoded(values), pa.string())
+        return pa.array(values)
+
+
+class _Frame:
+    """An AnnData dataframe on disk (``obs`` or ``var``): its index and columns, in the current
+    layout (a group with ``_index`` and ``column-order``) or the one before anndata 0.7."""
+
+    def __init__(self, node, uns):
+        if isinstance(node, h5py.Group):
+            name = node.attrs["_index"]
+            self._index = node[name.decode() if isinstance(name, bytes) else name]
+            self._field = None
+            self.columns = {n: _ObsColumn(node[n]) for n in node.attrs.get("column-order", [])}
+            return
+        fields = node.dtype.names
+        if not fields:
+            msg = f"{node.name} is neither a dataframe group nor a compound dataset"
+            raise KeyError(msg)
+        self._index, self._field = node, fields[0]
+        self.columns = {
+            f: _LegacyColumn(node, f, uns.get(f"{f}_categories") if uns is not None else None)
+            for f in fields[1:]
+        }
+
+    def index(self, lo: int, hi: int) -> list[str]:
+        if self._field is None:
+            return _strings(self._index, lo, hi)
+        return _decoded(self._index.fields(self._field)[lo:hi])
+
+
+def _legacy_raw(root, name: str) -> str:
+    """``raw/<name>``, or the pre-0.7 ``raw.<name>`` where only that exists."""
+    return f"raw.{name}" if f"raw.{name}" in root and "raw" not in root else f"raw/{name}"
+
+
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
@@ -104,7 +180,9 @@ class H5adSource(Source):
         self._layer, self._use_raw, self.group = layer, use_raw, group
         self._open()
         try:
-            var = self._root["raw/var" if use_raw else "var"]
+            var = _Frame(
+                self._root[_legacy_raw(self._root, "var") if use_raw else "var"], self._root.get("uns")
+            )
             self.num_cells, num_vars = self._shape()
             self.genes = self._gene_table(var, num_vars)
         except (OSError, KeyError) as e:
@@ -121,10 +199,8 @@ class H5adSource(Source):
             )
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
-            obs = self._root["obs"]
-            index_name = obs.attrs["_index"]
-            self._cell_ids = obs[index_name.decode() if isinstance(index_name, bytes) else index_name]
-            self._obs = {name: _ObsColumn(obs[name]) for name in obs.attrs.get("column-order", [])}
+            self._obs_frame = _Frame(self._root["obs"], self._root.get("uns"))
+            self._obs = self._obs_frame.columns
         except (OSError, KeyError) as e:
             msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e
@@ -139,7 +215,7 @@ class H5adSource(Source):
         return {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_file", "_root", "_matrix", "_cell_ids", "_obs")
+            if k not in ("_file", "_root", "_matrix", "_obs_frame", "_obs")
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -160,34 +236,31 @@ class H5adSource(Source):
                 raise DataValidationError(msg)
             return layers[layer]
         if use_raw:
-            if "raw" not in self._root:
+            if "raw" not in self._root and "raw.X" not in self._root:
                 msg = f"{self.label} has no .raw"
                 raise DataValidationError(msg)
-            return self._root["raw/X"]
+            return self._root[_legacy_raw(self._root, "X")]
         return self._root["X"]
 
     def _shape(self) -> tuple[int, int]:
         m = self._matrix
         if isinstance(m, h5py.Dataset):
             return int(m.shape[0]), int(m.shape[1])
-        self._sparse = _encoding(m)
+        legacy = "h5sparse_format" in m.attrs and "encoding-type" not in m.attrs
+        self._sparse = f"{_text(m.attrs['h5sparse_format'])}_matrix" if legacy else _encoding(m)
         if self._sparse not in ("csr_matrix", "csc_matrix"):
             msg = f"{self.path}: matrix {m.name} has unsupported encoding {self._sparse!r}"
             raise DataValidationError(msg)
-        shape = m.attrs["shape"]
+        shape = m.attrs["h5sparse_shape" if legacy else "shape"]
         return int(shape[0]), int(shape[1])
 
-    def _gene_table(self, var, num_vars: int) -> pa.Table:
+    def _gene_table(self, var: _Frame, num_vars: int) -> pa.Table:
         columns = {}
-        for name in var.attrs.get("column-order", []):
-            col = _ObsColumn(var[name])
+        for name, col in var.columns.items():
             if col.type is not None:
                 array = col.read(0, num_vars)
                 columns[name] = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
-        index_name = var.attrs["_index"]
-        index = pa.array(
-            _strings(var[index_name.decode() if isinstance(index_name, bytes) else index_name], 0, num_vars)
-        )
+        index = pa.array(var.index(0, num_vars), pa.string())
         tokens = columns.pop("gene_token_id", None)
         if tokens is not None:
             values = tokens.to_numpy(zero_copy_only=False)
@@ -275,7 +348,7 @@ class H5adSource(Source):
         if self._file is None:
             self._open()
         try:
-            return pa.array(_strings(self._cell_ids, lo, hi), pa.string())
+            return pa.array(self._obs_frame.index(lo, hi), pa.string())
         except OSError as e:
             raise self._unreadable(lo, hi, e) from e
 

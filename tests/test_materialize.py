@@ -96,6 +96,69 @@ def test_h5ad_csc_and_dense_matrices(corpus_table, tmp_path, fmt):
     assert ds.obs["drug"].labels().tolist() == small.column("drug").to_pylist()
 
 
+def _write_legacy_h5ad(path, rng):
+    """An .h5ad as anndata before 0.7 wrote it: compound obs/var, categories in uns, h5sparse
+    matrices, raw.X and raw.var at the top level."""
+    import h5py
+    import scipy.sparse as sp
+
+    def sparse(group, matrix):
+        group.attrs["h5sparse_format"], group.attrs["h5sparse_shape"] = "csr", matrix.shape
+        for name in ("data", "indices", "indptr"):
+            group.create_dataset(name, data=getattr(matrix, name))
+
+    cells, genes, raw_genes = 120, 30, 45
+    raw = sp.random(cells, raw_genes, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    raw.data = np.ceil(raw.data * 20)
+    keep = np.sort(rng.choice(raw_genes, genes, replace=False))
+    ids = np.array([f"ENSG{i:011d}".encode() for i in range(raw_genes)])
+    names = np.array([f"G{i}".encode() for i in range(raw_genes)])
+    gene_dtype = [("index", "S12"), ("gene_ids", "S15")]
+    codes = rng.integers(0, 3, cells).astype(np.int8)
+    obs = np.array(
+        [(f"cell-{i}".encode(), codes[i], float(raw[i].sum())) for i in range(cells)],
+        dtype=[("index", "S10"), ("cell_type", "i1"), ("total_counts", "f4")],
+    )
+    with h5py.File(path, "w") as f:
+        f.create_dataset("obs", data=obs)
+        f.create_dataset(
+            "var", data=np.array(list(zip(names[keep], ids[keep], strict=True)), dtype=gene_dtype)
+        )
+        f.create_dataset("uns/cell_type_categories", data=np.array([b"B", b"NK", b"T"]))
+        sparse(f.create_group("X"), sp.csr_matrix(np.log1p(raw[:, keep].toarray())))
+        sparse(f.create_group("raw.X"), raw)
+        f.create_dataset("raw.var", data=np.array(list(zip(names, ids, strict=True)), dtype=gene_dtype))
+    return codes
+
+
+@pytest.mark.parametrize("use_raw", [False, True])
+def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use_raw):
+    import warnings
+
+    import anndata as ad
+
+    legacy, modern = tmp_path / "legacy.h5ad", tmp_path / "modern.h5ad"
+    codes = _write_legacy_h5ad(legacy, np.random.default_rng(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's OldFormatWarning
+        adata = ad.read_h5ad(legacy)
+    assert adata.obs["cell_type"].cat.codes.tolist() == codes.tolist()
+    adata.write_h5ad(modern)  # the same cells in today's layout
+    read = InputOptions(use_raw=use_raw)
+    obs = ["cell_type", "total_counts"]
+    materialize(legacy, tmp_path / "a", obs=obs, read=read, progress=False)
+    materialize(modern, tmp_path / "b", obs=obs, read=read, progress=False)
+    a, b = oj.open_dataset(tmp_path / "a"), oj.open_dataset(tmp_path / "b")
+    assert a.num_genes == (45 if use_raw else 30)
+    assert_csr_equal(_all_rows(a), _all_rows(b))
+    assert a.cell_ids.tolist() == b.cell_ids.tolist() == [f"cell-{i}" for i in range(120)]
+    assert a.obs["cell_type"].labels().tolist() == b.obs["cell_type"].labels().tolist()
+    assert a.obs["cell_type"].labels().tolist() == [["B", "NK", "T"][c] for c in codes]
+    np.testing.assert_array_equal(a.obs["total_counts"], b.obs["total_counts"])
+    assert a.features.equals(b.features)
+    assert a.features["ensembl_id"].iloc[0].startswith("ENSG")
+
+
 def test_h5ad_unsorted_csr_indices_are_sorted(tmp_path):
     import anndata as ad
     import scipy.sparse as sp

@@ -262,6 +262,12 @@ def test_a_process_never_drops_the_mirror_another_is_reading(url, local, tmp_pat
         assert_csr_equal(reader.read_csr(rows), local.read_csr(rows))  # the reader opens it again
 
 
+def test_a_local_write_error_while_downloading_is_not_blamed_on_the_store(url, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-dir") as caught:
+        S3Store(url).download("manifest.json", tmp_path / "no-such-dir" / "manifest.json")
+    assert not isinstance(caught.value, ObjectStoreError)
+
+
 def test_a_cache_left_for_another_version_of_a_shard_is_not_used(url, local, tmp_path):
     rows = np.arange(0, 200)
     with _open(url, tmp_path) as ds:

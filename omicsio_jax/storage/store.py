@@ -40,6 +40,10 @@ class ObjectChangedError(ObjectStoreError):
     """An object changed (its ETag differs) while a dataset that uses it was open."""
 
 
+class _LocalWriteFailed(Exception):
+    """A local file could not be written during a store call: the local disk's error, not the store's."""
+
+
 def is_remote(location: str | os.PathLike[str]) -> bool:
     return str(location).startswith(S3_SCHEME)
 
@@ -196,6 +200,8 @@ class S3Store:
     def _call(self, fn, key: str, *args, etag: str | None = None, **kwargs):
         try:
             return fn(self._store, key, *args, **kwargs)
+        except _LocalWriteFailed:
+            raise
         except Exception as e:  # obstore raises its own exception classes
             raise self._fail(e, key, etag) from e
 
@@ -265,13 +271,22 @@ class S3Store:
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{threading.get_ident()}.part")  # unique per thread
 
         def fetch(store, k: str) -> None:  # the body streamed inside the call: its errors converted too
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")  # noqa: SIM115 - closed below; its errors told from the store's
+            except OSError as e:
+                raise _LocalWriteFailed from e
+            with f:
                 for piece in obstore.get(store, k).stream(min_chunk_size=8 << 20):
-                    f.write(piece)
+                    try:
+                        f.write(piece)
+                    except OSError as e:
+                        raise _LocalWriteFailed from e
 
         try:
             self._call(fetch, key)
             os.replace(tmp, dest)
+        except _LocalWriteFailed as e:  # a full or unwritable cache: the local OSError, as it is
+            raise e.__cause__ from None
         finally:
             tmp.unlink(missing_ok=True)
 
