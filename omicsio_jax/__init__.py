@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from omicsio_jax.dataset.dataset import Categorical as Categorical
     from omicsio_jax.dataset.dataset import Dataset as Dataset
     from omicsio_jax.dataset.dataset import open_dataset as open_dataset
+    from omicsio_jax.dataset.splits import Split as Split
+    from omicsio_jax.dataset.splits import split as split
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
     from omicsio_jax.format.manifest import Manifest as Manifest
     from omicsio_jax.format.manifest import verify_dataset as verify_dataset
@@ -94,6 +96,8 @@ _PUBLIC = {
     "Categorical": "omicsio_jax.dataset.dataset",
     "Dataset": "omicsio_jax.dataset.dataset",
     "open_dataset": "omicsio_jax.dataset.dataset",
+    "Split": "omicsio_jax.dataset.splits",
+    "split": "omicsio_jax.dataset.splits",
     "IOStats": "omicsio_jax.dataset.cache",
     "EntropyBounds": "omicsio_jax.sampling.entropy",
     "entropy_bounds": "omicsio_jax.sampling.entropy",

@@ -229,6 +229,17 @@ class Dataset:
             return contextlib.nullcontext()
         return self._remote.mirrors.prepared(pieces, refetch=refetch)
 
+    def split(self, name: str, *, by: str | None = None) -> np.ndarray:
+        """The rows (ascending) of split ``name`` of the split written by `oj.split` (by obs ``by``;
+        None: the dataset's only split), for any loader's ``rows=``.
+
+        >>> oj.split(ds, by="donor_id", fractions=(0.98, 0.01, 0.01), seed=0)   # doctest: +SKIP
+        >>> loader = oj.make_loader(ds, batch_size=1024, rows=ds.split("train"))  # doctest: +SKIP
+        """
+        from omicsio_jax.dataset.splits import read_split
+
+        return read_split(self, by).rows(self, name)
+
     def io_stats(self) -> IOStats:
         """What this dataset fetched from object storage since it was opened (zeros for a local one).
 

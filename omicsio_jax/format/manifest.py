@@ -138,7 +138,7 @@ class Manifest:
 # stats`) and the shards' chunk indexes (derived from the shards): not part of the fingerprint, so
 # adding them to an older dataset keeps its identity.
 DERIVED_FILES = ("gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy")
-DERIVED_DIRS = ("chunks/",)
+DERIVED_DIRS = ("chunks/", "splits/")  # splits/: `omicsio_jax.dataset.splits`
 
 
 def is_derived(path: str) -> bool:

@@ -1,0 +1,208 @@
+"""Reproducible, shareable splits of a dataset by a group (donor, dataset, plate): `split` assigns
+whole groups of cells to named splits and writes the assignment as a sidecar, ``splits/<by>.json``,
+listed (with its SHA-256) in the manifest; `Dataset.split` turns it back into rows for any loader.
+
+>>> done = oj.split(ds, by="donor_id", fractions=(0.98, 0.01, 0.01), seed=0)   # doctest: +SKIP
+>>> done.groups["test"], done.cells["test"]              # the held-out donors, their cells  # doctest: +SKIP
+>>> loader = oj.make_loader(ds, batch_size=1024, rows=ds.split("train"))      # doctest: +SKIP
+
+The groups are shuffled by ``seed`` (from their labels in sorted order, so the result does not
+depend on the order the categories were stored in) and cut where the cumulative cell counts cross
+the fractions: every cell of a group lands in one split, and each split holds about its fraction of
+the cells. Cells without a label are in no split. The sidecar names the groups of each split, so a
+held-out donor list can be read, reviewed and given to another team as it is; the dataset's
+fingerprint is unchanged by it (splits are derived files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
+from omicsio_jax.format.manifest import MANIFEST_NAME, file_entry, fsync_path
+
+if TYPE_CHECKING:
+    from omicsio_jax.dataset.dataset import Dataset
+
+SPLITS_DIR = "splits/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A dataset's cells split by the groups of obs ``by``: ``groups[name]`` are the labels of the
+    groups in split ``name`` and ``cells[name]`` how many cells they hold."""
+
+    by: str
+    seed: int
+    fractions: dict[str, float]
+    groups: dict[str, tuple[str, ...]]
+    cells: dict[str, int]
+    unlabelled_cells: int
+
+    @property
+    def path(self) -> str:
+        """The sidecar's path in the dataset."""
+        return f"{SPLITS_DIR}{self.by}.json"
+
+    def to_json(self) -> str:
+        body = {
+            "by": self.by,
+            "seed": self.seed,
+            "fractions": self.fractions,
+            "cells": self.cells,
+            "unlabelled_cells": self.unlabelled_cells,
+            "groups": {name: list(labels) for name, labels in self.groups.items()},
+        }
+        return json.dumps(body, indent=1) + "\n"
+
+    @staticmethod
+    def from_json(text: str, where: str) -> Split:
+        try:
+            d = json.loads(text)
+            return Split(
+                by=str(d["by"]),
+                seed=int(d["seed"]),
+                fractions={str(k): float(v) for k, v in d["fractions"].items()},
+                groups={str(k): tuple(map(str, v)) for k, v in d["groups"].items()},
+                cells={str(k): int(v) for k, v in d["cells"].items()},
+                unlabelled_cells=int(d["unlabelled_cells"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            msg = f"{where} is not a split sidecar ({type(e).__name__}: {e}); write it again with oj.split"
+            raise DatasetFormatError(msg) from e
+
+    def rows(self, dataset: Dataset, name: str) -> np.ndarray:
+        """The rows (ascending) of split ``name`` of ``dataset``."""
+        if name not in self.groups:
+            msg = f"no split {name!r} in {self.path}: its splits are {', '.join(map(repr, self.groups))}"
+            raise OmicsIOError(msg)
+        column = dataset.obs[self.by]
+        wanted = set(self.groups[name])
+        codes = np.array([i for i, c in enumerate(column.categories) if c in wanted], np.int64)
+        return np.flatnonzero(np.isin(column.codes, codes)).astype(np.int64)
+
+
+def split(
+    dataset: Dataset,
+    *,
+    by: str,
+    fractions: Sequence[float] = (0.98, 0.01, 0.01),
+    names: Sequence[str] = ("train", "val", "test"),
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Split:
+    """Split ``dataset``'s cells by the groups of the categorical obs ``by`` into ``names`` holding
+    about ``fractions`` of the cells; write ``splits/<by>.json`` beside the dataset and list it in
+    the manifest. The same dataset, ``by``, fractions and ``seed`` give the same file, byte for byte.
+    An existing split by ``by`` is kept (and returned) when it is the same, replaced with
+    ``overwrite=True``, else refused."""
+    where = f"oj.split({dataset.path}, by={by!r})"
+    names, fractions = [str(n) for n in names], [float(f) for f in fractions]
+    if len(names) != len(fractions) or len(set(names)) != len(names) or not all(names):
+        msg = f"{where}: names {names} and fractions {fractions} must pair up, names distinct and non-empty"
+        raise OmicsIOError(msg)
+    if any(not np.isfinite(f) or f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        msg = f"{where}: fractions {tuple(fractions)} must be non-negative and sum to 1 (they sum to {sum(fractions):g})"
+        raise OmicsIOError(msg)
+    if dataset.is_remote:
+        msg = f"{where}: splits are written beside a local dataset; split a local copy and upload it with its manifest"
+        raise OmicsIOError(msg)
+    if by not in dataset.obs:
+        msg = f"{where}: no obs {by!r}; obs: {', '.join(dataset.obs) or '(none)'}"
+        raise OmicsIOError(msg)
+    column = dataset.obs[by]
+    if not hasattr(column, "categories"):
+        msg = f"{where}: obs {by!r} is numeric; split by a categorical obs (donor, dataset, plate)"
+        raise OmicsIOError(msg)
+
+    codes = np.asarray(column.codes)
+    counts = np.bincount(codes[codes >= 0], minlength=len(column.categories))
+    present = sorted(c for c, n in zip(column.categories, counts, strict=True) if n)
+    size = {c: int(n) for c, n in zip(column.categories, counts, strict=True)}
+    order = [present[i] for i in np.random.default_rng(seed).permutation(len(present))]
+    total = sum(size[g] for g in order)
+    bounds = np.cumsum(fractions) * total
+    groups: dict[str, list[str]] = {n: [] for n in names}
+    start = 0
+    for g in order:  # a group goes where its first cell falls
+        j = min(int(np.searchsorted(bounds, start, side="right")), len(names) - 1)
+        groups[names[j]].append(g)
+        start += size[g]
+    empty = [n for n, f in zip(names, fractions, strict=True) if f > 0 and not groups[n]]
+    if empty:
+        msg = (
+            f"{where}: split {empty[0]!r} gets no group: {len(present)} groups of {by!r} cannot be split "
+            f"{'/'.join(f'{f:g}' for f in fractions)}; use larger fractions or a finer grouping"
+        )
+        raise OmicsIOError(msg)
+    result = Split(
+        by=by,
+        seed=int(seed),
+        fractions=dict(zip(names, fractions, strict=True)),
+        groups={n: tuple(sorted(gs)) for n, gs in groups.items()},
+        cells={n: sum(size[g] for g in gs) for n, gs in groups.items()},
+        unlabelled_cells=int((codes < 0).sum()),
+    )
+    _write(dataset, result, overwrite=overwrite, where=where)
+    return result
+
+
+def read_split(dataset: Dataset, by: str | None = None) -> Split:
+    """The split sidecar of ``dataset`` by ``by`` (None: its only one), checked against the manifest."""
+    entries = {
+        f.path[len(SPLITS_DIR) : -len(".json")]: f
+        for f in dataset.manifest.files
+        if f.path.startswith(SPLITS_DIR)
+    }
+    if not entries:
+        msg = f"{dataset.path} has no split; write one with oj.split(ds, by=...)"
+        raise OmicsIOError(msg)
+    if by is None and len(entries) > 1:
+        msg = f"{dataset.path} has splits by {', '.join(map(repr, sorted(entries)))}: name one with by="
+        raise OmicsIOError(msg)
+    key = next(iter(entries)) if by is None else by
+    if key not in entries:
+        msg = f"{dataset.path} has no split by {key!r}; its splits are by {', '.join(map(repr, sorted(entries)))}"
+        raise OmicsIOError(msg)
+    entry = entries[key]
+    data = dataset.local_path(entry.path).read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        msg = f"{dataset.path}/{entry.path} does not match its checksum in the manifest; write it again with oj.split"
+        raise DatasetFormatError(msg)
+    return Split.from_json(data.decode(), f"{dataset.path}/{entry.path}")
+
+
+def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> None:
+    root = Path(dataset.path)
+    text = result.to_json()
+    listed = any(f.path == result.path for f in dataset.manifest.files)
+    target = root / result.path
+    if listed and not overwrite:
+        if target.exists() and target.read_text() == text:
+            return
+        msg = (
+            f"{where}: {result.path} holds another split by {result.by!r}; pass overwrite=True to replace it"
+        )
+        raise OmicsIOError(msg)
+    target.parent.mkdir(exist_ok=True)
+    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    staged.write_text(text)
+    fsync_path(staged)
+    os.replace(staged, target)
+    m = dataset.manifest
+    files = tuple(f for f in m.files if f.path != result.path) + (file_entry(root, result.path),)
+    manifest = dataclasses.replace(m, files=files)  # splits are derived: the fingerprint stays
+    staged = root / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
+    staged.write_text(manifest.to_json())
+    fsync_path(staged)
+    os.replace(staged, root / MANIFEST_NAME)
+    fsync_path(root)
+    dataset.manifest = manifest

@@ -1,0 +1,119 @@
+"""Group-level splits (`oj.split`): whole groups per split, about the fractions asked, the same file for
+the same seed, listed and checksummed in the manifest without changing the fingerprint, read back by
+every loader through ``rows=ds.split(name)``; bad arguments and a damaged sidecar are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+
+
+@pytest.fixture
+def ds_path(dataset_dir, tmp_path):
+    """A copy of the session's dataset: splits are written into it."""
+    return shutil.copytree(dataset_dir, tmp_path / "ds")
+
+
+def test_whole_groups_go_to_one_split_each_about_their_fraction(ds_path):
+    ds = oj.open_dataset(ds_path)
+    fingerprint = ds.fingerprint
+    result = oj.split(ds, by="drug", fractions=(0.8, 0.1, 0.1), seed=3)
+    rows = {name: ds.split(name) for name in ("train", "val", "test")}
+    labels = ds.obs["drug"].labels()
+    assert sum(len(r) for r in rows.values()) == ds.num_cells  # every cell in exactly one split
+    assert len(np.unique(np.concatenate(list(rows.values())))) == ds.num_cells
+    for name, r in rows.items():
+        assert set(labels[r]) == set(result.groups[name])  # whole groups: no drug in two splits
+        assert len(r) == result.cells[name]
+    assert abs(len(rows["train"]) / ds.num_cells - 0.8) < 0.1  # 30 drugs of ~100 cells each
+    assert all(result.groups.values())
+
+    again = oj.open_dataset(ds_path)  # listed in the manifest, read back, fingerprint unchanged
+    assert again.fingerprint == fingerprint
+    assert any(f.path == "splits/drug.json" for f in again.manifest.files)
+    np.testing.assert_array_equal(again.split("val"), rows["val"])
+    assert oj.verify_dataset(ds_path) == []  # the sidecar checked like every file
+
+
+def test_the_same_seed_gives_the_same_file_and_another_seed_another_split(ds_path, tmp_path):
+    ds = oj.open_dataset(ds_path)
+    oj.split(ds, by="drug", seed=0, fractions=(0.5, 0.5), names=("a", "b"))
+    first = (ds_path / "splits" / "drug.json").read_bytes()
+    oj.split(ds, by="drug", seed=0, fractions=(0.5, 0.5), names=("a", "b"))  # the same: kept
+    assert (ds_path / "splits" / "drug.json").read_bytes() == first
+    other = shutil.copytree(ds_path, tmp_path / "other")
+    oj.split(
+        oj.open_dataset(other), by="drug", seed=1, fractions=(0.5, 0.5), names=("a", "b"), overwrite=True
+    )
+    assert json.loads((other / "splits" / "drug.json").read_text())["groups"] != json.loads(first)["groups"]
+    with pytest.raises(oj.OmicsIOError, match="holds another split by 'drug'; pass overwrite=True"):
+        oj.split(ds, by="drug", seed=1, fractions=(0.5, 0.5), names=("a", "b"))
+
+
+def test_every_loader_serves_only_its_split(ds_path):
+    ds = oj.open_dataset(ds_path)
+    oj.split(ds, by="tissue", fractions=(0.7, 0.3), names=("train", "held_out"), seed=0)
+    train = ds.split("train")
+    loader = oj.make_loader(ds, batch_size=64, rows=train, num_epochs=1, output="csr", seed=0)
+    served = np.concatenate([np.asarray(b.index)[np.asarray(b.mask)] for b in loader])
+    held_out = set(ds.obs["tissue"].labels()[ds.split("held_out")])
+    assert set(served) <= set(train.tolist())
+    assert not set(ds.obs["tissue"].labels()[served]) & held_out
+
+
+def test_two_splits_are_named_by_their_obs(ds_path):
+    ds = oj.open_dataset(ds_path)
+    oj.split(ds, by="drug", fractions=(0.5, 0.5), names=("a", "b"))
+    oj.split(ds, by="tissue", fractions=(0.5, 0.5), names=("a", "b"))
+    with pytest.raises(oj.OmicsIOError, match="has splits by 'drug', 'tissue': name one with by="):
+        ds.split("a")
+    assert set(ds.obs["tissue"].labels()[ds.split("a", by="tissue")]).isdisjoint(
+        ds.obs["tissue"].labels()[ds.split("b", by="tissue")]
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"by": "drug", "fractions": (0.5, 0.4, 0.05)},
+            r"must be non-negative and sum to 1 \(they sum to 0.95\)",
+        ),
+        ({"by": "drug", "fractions": (0.5, 0.5)}, r"must pair up"),
+        ({"by": "donor"}, r"no obs 'donor'; obs: cell_type"),
+        ({"by": "total_counts"}, r"obs 'total_counts' is numeric"),
+        (
+            {"by": "batch", "fractions": (0.98, 0.01, 0.01)},
+            r"split 'val' gets no group: 2 groups of 'batch'",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_and_write_nothing(ds_path, kwargs, message):
+    ds = oj.open_dataset(ds_path)
+    before = (ds_path / "manifest.json").read_bytes()
+    with pytest.raises(oj.OmicsIOError, match=message) as caught:
+        oj.split(ds, **kwargs)
+    assert "\n" not in str(caught.value)
+    assert (ds_path / "manifest.json").read_bytes() == before and not (ds_path / "splits").exists()
+
+
+def test_a_missing_unknown_or_damaged_split_is_a_one_line_error(ds_path):
+    ds = oj.open_dataset(ds_path)
+    with pytest.raises(oj.OmicsIOError, match=r"has no split; write one with oj.split"):
+        ds.split("train")
+    oj.split(ds, by="drug", fractions=(0.8, 0.1, 0.1))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"no split 'training' in splits/drug.json: its splits are 'train'"
+    ):
+        ds.split("training")
+    with pytest.raises(oj.OmicsIOError, match=r"has no split by 'tissue'"):
+        ds.split("train", by="tissue")
+    sidecar = ds_path / "splits" / "drug.json"
+    sidecar.write_text(sidecar.read_text().replace('"train"', '"tr"', 1))
+    with pytest.raises(oj.DatasetFormatError, match=r"does not match its checksum in the manifest"):
+        oj.open_dataset(ds_path).split("train")
