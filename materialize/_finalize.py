@@ -44,6 +44,7 @@ from ._partition import (
     PRESENT,
     Job,
     PartResult,
+    merge_value_kinds,
     part_dir,
     read_part,
 )
@@ -236,6 +237,7 @@ class Finalizer:
             created_by=created_by,
             modality=modality,
             modalities=modalities,
+            values=merge_value_kinds(p.values for p in parts),
         ).with_fingerprint()
         if remote:
             store.upload(root, relpaths)

@@ -225,6 +225,36 @@ class H5adSource(Source):
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
 
+    def raw_counts_hint(self, cells: int = 256) -> str | None:
+        """A note when the matrix read is ``X``, its first ``cells`` rows hold non-integer values
+        (normalized) and ``raw/X``'s hold integer counts (CELLxGENE's layout), else None."""
+        if self._layer is not None or self._use_raw:
+            return None
+        raw_key = _legacy_raw(self._root, "X")
+        if raw_key not in self._root:
+            return None
+
+        def integral(matrix) -> bool:
+            saved = self._matrix
+            try:
+                self._matrix = matrix
+                self._shape()
+                _, _, values = self._read_csr(0, min(cells, self.num_cells))
+            finally:
+                self._matrix = saved
+                self._shape()
+            return bool(np.all(values == np.trunc(values)))
+
+        try:
+            if integral(self._matrix) or not integral(self._root[raw_key]):
+                return None
+        except (OSError, KeyError, DataValidationError):
+            return None
+        return (
+            f"X of {self.label} looks normalized (non-integer values) while {raw_key} holds integer "
+            "counts; pass --raw (use_raw=True) to materialize the counts"
+        )
+
     def _pick_matrix(self, layer: str | None, use_raw: bool):
         if layer is not None and use_raw:
             msg = "choose either a layer or raw, not both"

@@ -103,13 +103,16 @@ def open_source(
                 msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
                 raise OmicsIOError(msg)
             group = f"mod/{primary}"
-        return H5adSource(
+        src = H5adSource(
             as_input_path(str(source)),
             layer=layer,
             use_raw=use_raw,
             batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
             group=group,
         )
+        if (hint := src.raw_counts_hint()) is not None:
+            print(f"materialize: {hint}", file=sys.stderr)
+        return src
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import (
     CHUNK_INDEX_DIR,
+    VALUE_F32,
     Background,
     FileEntry,
     ShardEntry,
@@ -44,6 +45,7 @@ from ._source import Source
 from ._validate import GeneIndex, encode_batch
 
 PARTS_DIR = "_parts"
+VALUES_COUNTS, VALUES_NONNEGATIVE, VALUES_REAL = "counts", "nonnegative", "real"  # the manifest's values
 PART_DONE = "part.json"
 PART_CELLS = "cells.parquet"
 PART_STATS = "gene_stats.npz"
@@ -83,6 +85,7 @@ class PartResult:
     nnz: int
     shards: tuple[ShardEntry, ...]
     files: tuple[FileEntry, ...]  # the shards' chunk indexes
+    values: str = VALUES_COUNTS  # what its values are (see `_ValueKinds`)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self)) + "\n"
@@ -98,6 +101,7 @@ class PartResult:
             raw["nnz"],
             tuple(ShardEntry(**s) for s in raw["shards"]),
             tuple(FileEntry(**f) for f in raw["files"]),
+            raw.get("values", VALUES_COUNTS),
         )
 
 
@@ -211,6 +215,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     stats = scratch.take_stats(job.num_columns, job.shard_cells)
     cells = pq.ParquetWriter(sidecar / PART_CELLS, schema, compression="zstd")
     nnz = 0
+    kinds = _ValueKinds()
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shards.abort)
         cleanup.callback(cells.close)
@@ -239,6 +244,9 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                     np.ones(batch.num_cells, bool) if batch.present is None else batch.present
                 )
             pending.append(statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts))
+            if job.allow_negative and kinds.kind != VALUES_REAL:
+                kinds.add_values(batch.values)  # here: the reader may reuse the batch's arrays
+            pending.append(statistics.submit(kinds.add_records, buf, starts))
             while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
                 pending.popleft().result()  # raises what the statistics thread raised
             if progress is not None:
@@ -263,11 +271,43 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     stats.finish().save(sidecar / PART_STATS)
     scratch.give_back_stats(stats)
     files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
-    result = PartResult(job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files)
+    result = PartResult(
+        job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files, kinds.kind
+    )
     staged = sidecar / f".{PART_DONE}.tmp"
     staged.write_text(result.to_json())
     os.replace(staged, sidecar / PART_DONE)
     return result
+
+
+class _ValueKinds:
+    """What a partition's values are: `VALUES_COUNTS` while every record is stored with an integer
+    value code (the codec's exact u8/u16/u32: every value a non-negative integer), else
+    `VALUES_NONNEGATIVE`, or `VALUES_REAL` once a value is negative (only with ``allow_negative``)."""
+
+    def __init__(self):
+        self.kind = VALUES_COUNTS
+
+    def add_records(self, buf: np.ndarray, starts: np.ndarray) -> None:
+        """Read the value codes of a batch's encoded records (on the statistics thread)."""
+        if self.kind != VALUES_COUNTS or len(starts) < 2:
+            return
+        at = starts[:-1]
+        codes = buf[at + 2]
+        sizes = buf.view(np.uint32)[at // 4 + 1]  # the records are 4-aligned
+        if np.any((codes == VALUE_F32) & (sizes > 0)):
+            self.kind = VALUES_NONNEGATIVE
+
+    def add_values(self, values: np.ndarray) -> None:
+        """Note a negative among a batch's raw values (the caller checks only with ``allow_negative``)."""
+        if len(values) and values.min() < 0:
+            self.kind = VALUES_REAL
+
+
+def merge_value_kinds(kinds) -> str:
+    """The kind of values of partitions of these kinds: the widest."""
+    order = (VALUES_COUNTS, VALUES_NONNEGATIVE, VALUES_REAL)
+    return max(kinds, key=order.index, default=VALUES_COUNTS)
 
 
 def _add_stats(

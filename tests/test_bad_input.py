@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import omicsio_jax as oj
 from materialize._cli import main
 
 GOOD = [[0, 3, 7], [1, 2], [4], [5, 6, 8, 9]]
@@ -117,6 +118,7 @@ def test_negative_values_allowed_with_flag(write, tmp_path, capsys):
         ]
     )
     assert code == 0, capsys.readouterr().err
+    assert oj.open_dataset(tmp_path / "out").manifest.values == "real"  # recorded: not counts
 
 
 def test_int64_out_of_int32_range_and_float64_overflow(write, capsys, tmp_path):

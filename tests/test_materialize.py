@@ -132,7 +132,7 @@ def _write_legacy_h5ad(path, rng):
 
 
 @pytest.mark.parametrize("use_raw", [False, True])
-def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use_raw):
+def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use_raw, capsys):
     import warnings
 
     import anndata as ad
@@ -157,6 +157,26 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
     np.testing.assert_array_equal(a.obs["total_counts"], b.obs["total_counts"])
     assert a.features.equals(b.features)
     assert a.features["ensembl_id"].iloc[0].startswith("ENSG")
+    # what the values are: raw/X counts, X normalized (and materialize says where the counts are)
+    assert a.manifest.values == b.manifest.values == ("counts" if use_raw else "nonnegative")
+    noted = "looks normalized (non-integer values) while raw.X holds integer counts; pass --raw"
+    assert (noted in capsys.readouterr().err) is not use_raw
+
+
+def test_token_outputs_refuse_values_that_are_not_counts_unless_allowed(tmp_path):
+    legacy = tmp_path / "legacy.h5ad"
+    _write_legacy_h5ad(legacy, np.random.default_rng(0))
+    materialize(legacy, tmp_path / "x", progress=False)  # X: log1p values
+    ds = oj.open_dataset(tmp_path / "x")
+    for output in (oj.GeneformerTokens(max_len=16), oj.ScGPTTokens(max_len=16)):
+        name = type(output).__name__
+        with pytest.raises(
+            oj.OmicsIOError, match=rf"holds nonnegative values, not counts .*{name}\(allow_non_counts=True\)"
+        ) as caught:
+            oj.make_loader(ds, batch_size=8, output=output)
+        assert "\n" not in str(caught.value)
+    allowed = oj.make_loader(ds, batch_size=8, output=oj.ScGPTTokens(max_len=16, allow_non_counts=True))
+    assert np.asarray(next(iter(allowed)).x["gene_ids"]).shape == (8, 16)
 
 
 def test_h5ad_unsorted_csr_indices_are_sorted(tmp_path):

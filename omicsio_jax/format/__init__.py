@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.codec import ROW_NOT_FINITE as ROW_NOT_FINITE
     from omicsio_jax.format.codec import ROW_UNKNOWN_GENE as ROW_UNKNOWN_GENE
     from omicsio_jax.format.codec import ROW_UNSORTED as ROW_UNSORTED
+    from omicsio_jax.format.codec import VALUE_F32 as VALUE_F32
     from omicsio_jax.format.codec import InvalidRowError as InvalidRowError
     from omicsio_jax.format.codec import encode_csr as encode_csr
     from omicsio_jax.format.codec import encode_dense_rows as encode_dense_rows
@@ -84,6 +85,7 @@ _WRITER_API = {
         "ROW_NOT_FINITE",
         "ROW_UNKNOWN_GENE",
         "ROW_UNSORTED",
+        "VALUE_F32",
         "InvalidRowError",
         "encode_csr",
         "encode_dense_rows",

@@ -105,6 +105,9 @@ class Manifest:
     # on object storage, where a replaced dataset's files live: the prefix ``gen-...`` under the
     # manifest's (see `dataset_root`); "" (never written) for files beside the manifest
     generation: str = ""
+    # what the values are: "counts" (every value a non-negative integer), "nonnegative" or "real";
+    # "" (never written) where the writer did not record it
+    values: str = ""
 
     def with_fingerprint(self) -> Manifest:
         """Return a copy whose ``fingerprint`` is computed from the content description."""
@@ -112,8 +115,9 @@ class Manifest:
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
-        if not fields["generation"]:
-            del fields["generation"]
+        for optional in ("generation", "values"):
+            if not fields[optional]:
+                del fields[optional]
         return json.dumps(fields, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -160,7 +164,7 @@ def compute_fingerprint(manifest: Manifest) -> str:
         "layout": manifest.layout,
         "codec": manifest.codec,
         "shard_cells": manifest.shard_cells,
-        "shards": [(s.num_cells, s.sha256) for s in manifest.shards],
+        "shards": [(s.num_cells, s.sha256) for s in manifest.shards],  # (the values kind follows from them)
         "files": sorted((f.path, f.sha256) for f in manifest.files if not is_derived(f.path)),
     }
     if manifest.modalities:  # a single-modality dataset keeps the fingerprint it always had

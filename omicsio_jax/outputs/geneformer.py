@@ -17,6 +17,7 @@ from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.token_common import (
     check_mask_prob,
     ensembl_ids,
+    needs_counts,
     needs_dataset,
     needs_keys,
     vocabulary_of,
@@ -34,7 +35,8 @@ class GeneformerTokens(Output):
     Geneformer's ``gene_median_dictionary.pkl``; default: the dataset's own corpus medians), the top
     ``max_len − 2`` kept between CLS and EOS (``special_tokens=False``: V1, ``max_len`` genes and no
     specials). ``vocab``: Ensembl id → token id (TSV, JSON, parquet or Geneformer's pickle);
-    default: Tahoe-100M's layout (see `oj.default_vocabulary`).
+    default: Tahoe-100M's layout (see `oj.default_vocabulary`). The dataset must hold counts (its
+    manifest's ``values``); ``allow_non_counts=True`` ranks normalized values too.
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.GeneformerTokens(max_len=2048))   # doctest: +SKIP
     """
@@ -44,6 +46,7 @@ class GeneformerTokens(Output):
     mask_prob: float = 0.15
     vocab: str | Path | None = None
     medians: str | Path | None = None
+    allow_non_counts: bool = False
     vocabulary: Vocabulary | None = dataclasses.field(default=None, compare=False, repr=False)  # set by bind
     inv_median: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     scale: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)  # 0: not kept
@@ -64,6 +67,7 @@ class GeneformerTokens(Output):
 
     def bind(self, ctx: OutputContext) -> GeneformerTokens:
         ds = needs_dataset(self, ctx)
+        needs_counts(self, ds)
         vocab = (
             vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
         )

@@ -14,7 +14,13 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format import codec
 from omicsio_jax.outputs import token_kernels
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
-from omicsio_jax.outputs.token_common import check_mask_prob, needs_dataset, needs_keys, vocabulary_of
+from omicsio_jax.outputs.token_common import (
+    check_mask_prob,
+    needs_counts,
+    needs_dataset,
+    needs_keys,
+    vocabulary_of,
+)
 from omicsio_jax.outputs.vocabulary import Vocabulary, default_vocabulary
 
 BINNINGS = ("scgpt", "tahoe")
@@ -32,7 +38,8 @@ class ScGPTTokens(Output):
     random as scGPT does, ``"tahoe"`` is Tahoe-x1's deterministic rule. Cells with more than
     ``max_len − 1`` genes keep a uniform sample of them, in random order. ``mask_mode="bernoulli"``
     masks each position with ``mask_prob`` (scGPT); ``"exact"`` masks ``floor(m · mask_prob)`` of
-    the ``m`` positions (Tahoe-x1).
+    the ``m`` positions (Tahoe-x1). The dataset must hold counts (its manifest's ``values``);
+    ``allow_non_counts=True`` bins normalized values too.
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(max_len=1201))   # doctest: +SKIP
     """
@@ -44,6 +51,7 @@ class ScGPTTokens(Output):
     mask_mode: str = "bernoulli"
     vocab: str | Path | None = None
     genes: Sequence[str | int] | None = None
+    allow_non_counts: bool = False
     vocabulary: Vocabulary | None = dataclasses.field(default=None, compare=False, repr=False)  # set by bind
     source: str = ""
 
@@ -71,6 +79,7 @@ class ScGPTTokens(Output):
 
     def bind(self, ctx: OutputContext) -> ScGPTTokens:
         ds = needs_dataset(self, ctx)
+        needs_counts(self, ds)
         vocab = (
             vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
         )

@@ -32,6 +32,22 @@ def needs_dataset(output, ctx: OutputContext):
     return ctx.dataset
 
 
+def needs_counts(output, ds) -> None:
+    """Token outputs rank or bin a cell's raw counts: a dataset whose manifest records other values
+    (``nonnegative``: normalized, ``real``) is refused unless the output says ``allow_non_counts``.
+    A dataset written before the manifest recorded its values passes."""
+    values = ds.manifest.values
+    if values in ("", "counts") or output.allow_non_counts:
+        return
+    name = type(output).__name__
+    msg = (
+        f"{ds.path} holds {values} values, not counts (its manifest's 'values'), and {name} expects "
+        f"raw counts: materialize the counts (an AnnData's raw/X: --raw, use_raw=True) or pass "
+        f"{name}(allow_non_counts=True)"
+    )
+    raise OmicsIOError(msg)
+
+
 def needs_keys(output, keys: RowKeys | None) -> RowKeys:
     if keys is None:
         msg = (
