@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from omicsio_jax.sampling.entropy import minibatch_entropy as minibatch_entropy
     from omicsio_jax.sampling.options import Block as Block
     from omicsio_jax.sampling.options import ClassBalanced as ClassBalanced
+    from omicsio_jax.sampling.options import Mixture as Mixture
     from omicsio_jax.sampling.options import Random as Random
     from omicsio_jax.sampling.options import Sampling as Sampling
     from omicsio_jax.sampling.options import Stream as Stream
@@ -89,6 +90,7 @@ _PUBLIC = {
     "Stream": "omicsio_jax.sampling.options",
     "Weighted": "omicsio_jax.sampling.options",
     "ClassBalanced": "omicsio_jax.sampling.options",
+    "Mixture": "omicsio_jax.sampling.options",
     "Sampling": "omicsio_jax.sampling.options",
     "Placement": "omicsio_jax.loaders.options",
     "ReadOptions": "omicsio_jax.loaders.options",

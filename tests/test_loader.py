@@ -270,6 +270,53 @@ def test_subset_and_class_balanced(ds):
     assert counts.min() > 0.5 * counts.mean()  # drugs are far from balanced in the data itself
 
 
+def test_a_mixture_draws_its_groups_in_proportion_and_resumes_exactly(ds):
+    mixture = oj.Mixture(by="tissue", weights={"brain": 3, "lung": 1}, block_size=1, fetch_factor=4)
+    loader = _loader(ds, sampling=mixture, num_epochs=3, obs=("tissue",))
+    batches = [np.asarray(b.obs["tissue"]) for b in loader]
+    tissues = np.concatenate(batches)
+    categories = ds.obs["tissue"].categories
+    brain, lung = categories.index("brain"), categories.index("lung")
+    assert set(np.unique(tissues)) == {brain, lung}  # groups not named are not drawn
+    assert abs(np.mean(tissues == brain) - 0.75) < 0.06  # weights, not the groups' sizes
+    blocks = _loader(
+        ds,
+        sampling=oj.Mixture(by="tissue", weights={"brain": 1}, block_size=8, fetch_factor=2),
+        obs=("tissue",),
+    )
+    assert {int(t) for b in blocks for t in np.asarray(b.obs["tissue"])} == {brain}  # blocks of its cells
+    it = iter(_loader(ds, sampling=mixture, num_epochs=3, obs=("tissue",)))
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    again = _loader(ds, sampling=mixture, num_epochs=3, obs=("tissue",))
+    again.set_state(state)
+    assert [np.asarray(b.obs["tissue"]).tolist() for b in again] == [b.tolist() for b in batches[5:]]
+    changed = _loader(
+        ds, sampling=oj.Mixture(by="tissue", weights={"brain": 1, "lung": 1}, block_size=1, fetch_factor=4)
+    )
+    with pytest.raises(oj.StateMismatchError):  # another mixture is another run
+        changed.set_state(state)
+
+
+@pytest.mark.parametrize(
+    ("mixture", "match"),
+    [
+        (
+            lambda: oj.Mixture(by="tissue", weights={"brian": 1}),
+            r"Mixture names 'brian', not a group of obs 'tissue'",
+        ),
+        (lambda: oj.Mixture(by="total_counts", weights={"a": 1}), r"obs 'total_counts' of .* is numeric"),
+        (lambda: oj.Mixture(by="tissue", weights={"brain": -1}), r"non-negative weights, not all zero"),
+        (lambda: oj.Mixture(by="tissue", weights={}), r"non-negative weights, not all zero"),
+    ],
+)
+def test_a_bad_mixture_is_a_one_line_error(ds, mixture, match):
+    with pytest.raises(oj.OmicsIOError, match=match) as caught:
+        _loader(ds, sampling=mixture())
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [

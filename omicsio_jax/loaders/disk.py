@@ -289,7 +289,7 @@ def make_loader(
 
     ``batch_size`` is the global batch; each of the placement's hosts serves ``batch_size /
     process_count`` rows. ``sampling`` is an option object: `Block` (the default), `Random`,
-    `Stream`, `Weighted`, `ClassBalanced` (or the names ``"block"``, ``"random"``, ``"stream"``);
+    `Stream`, `Weighted`, `ClassBalanced`, `Mixture` (or the names ``"block"``, ``"random"``, ``"stream"``);
     ``output`` an output kind: `Dense`, `Panel`, `CSR`, `GeneformerTokens`, `ScGPTTokens`, a dict
     of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
     each batch carries; ``rows`` restricts sampling to a subset (e.g. ``ds.rows_where("batch",

@@ -82,7 +82,7 @@ class DiskSpec:
             batch_size=self.batch_size,
             seed=self.seed,
             num_hosts=self.num_hosts,
-            obs=lambda name: obs_column(ds, name),
+            obs=ObsOf(ds),
         )
         if plan.steps_per_epoch == 0:
             msg = (
@@ -120,6 +120,25 @@ def _warm_up(output: Output) -> None:
         output.warm_up()
     except Exception:  # noqa: BLE001, S110 - only a head start: the first batch's own call raises what this would
         pass
+
+
+class ObsOf:
+    """A dataset's obs as sampling options see them: ``obs(name)`` the codes of a categorical column
+    (or a numeric one's values), ``obs.categories(name)`` a categorical column's labels."""
+
+    def __init__(self, ds: Dataset):
+        self.ds = ds
+
+    def __call__(self, name: str) -> np.ndarray:
+        return obs_column(self.ds, name)
+
+    def categories(self, name: str) -> tuple[str, ...]:
+        obs_column(self.ds, name)
+        column = self.ds.obs[name]
+        if not isinstance(column, Categorical):
+            msg = f"obs {name!r} of {self.ds.path} is numeric: group by a categorical column"
+            raise OmicsIOError(msg)
+        return column.categories
 
 
 def obs_column(ds: Dataset, name: str) -> np.ndarray:

@@ -1,5 +1,5 @@
 """How a loader samples cells: small option objects that validate themselves (`Block`, `Random`, `Stream`,
-`Weighted`, `ClassBalanced`).
+`Weighted`, `ClassBalanced`, `Mixture`).
 
 Each says how an epoch orders the cells and how that order is read: ``fetch_factor × batch_size``
 cells per fetch, read in one sorted batched read and (except for `Stream`) shuffled in memory
@@ -14,7 +14,7 @@ serves every one, the last batch padded and masked. The loaders turn an option i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -166,6 +166,94 @@ class ClassBalanced(Sampling):
         return class_weights(labels if isinstance(rows, AllRows) else labels[rows])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mixture(Sampling):
+    """A mixture of the groups of a categorical obs column (datasets, plates, assays): weighted
+    block sampling over the cells of the groups named, each cell weighted ``weights[g] / (cells of
+    g)``, so group ``g`` is drawn with probability ``weights[g] / sum(weights)``; groups not named
+    are not drawn. Blocks are runs of the named groups' cells: where a group's cells are contiguous
+    (each source of a collection is) the shares hold for any ``block_size``, elsewhere a block
+    mixing groups brings them together.
+
+    >>> sampling = oj.Mixture(by="dataset_id", weights={"atlas_a": 0.6, "atlas_b": 0.4})  # doctest: +SKIP
+    """
+
+    kind: ClassVar[str] = "weighted"
+    by: str
+    weights: Mapping[str, float]
+    block_size: int = 16
+    fetch_factor: int = 64
+    drop_remainder: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self._check("block_size")
+        if not isinstance(self.by, str) or not self.by:
+            msg = f"Mixture(by=...) takes a categorical obs column, e.g. Mixture(by='dataset_id', ...); got {self.by!r}"
+            raise OmicsIOError(msg)
+        try:
+            weights = {str(k): float(v) for k, v in dict(self.weights).items()}
+        except (TypeError, ValueError):
+            weights = {}
+        if (
+            not weights
+            or not all(np.isfinite(w) and w >= 0 for w in weights.values())
+            or not any(weights.values())
+        ):
+            msg = (
+                f"Mixture(weights=...) maps groups of {self.by!r} to non-negative weights, not all zero, "
+                f"e.g. {{'atlas_a': 0.6, 'atlas_b': 0.4}}; got {self.weights!r}"
+            )
+            raise OmicsIOError(msg)
+        object.__setattr__(self, "weights", weights)
+
+    def cell_weights(self, rows, obs) -> np.ndarray:
+        codes = np.asarray(obs(self.by))
+        categories = obs_categories(obs, self.by)
+        unknown = sorted(set(self.weights) - set(categories))
+        if unknown:
+            msg = (
+                f"Mixture names {', '.join(map(repr, unknown))}, not a group of obs {self.by!r} "
+                f"(its groups: {', '.join(map(repr, categories[:10]))}{', ...' if len(categories) > 10 else ''})"
+            )
+            raise OmicsIOError(msg)
+        codes = codes if isinstance(rows, AllRows) else codes[rows]
+        per_group = np.array([self.weights.get(c, 0.0) for c in categories] + [0.0])  # last: no label
+        size = np.bincount(np.where(codes < 0, len(categories), codes), minlength=len(categories) + 1)
+        empty = [c for c, w, n in zip(categories, per_group, size, strict=False) if w > 0 and n == 0]
+        if empty:
+            msg = f"Mixture gives weight to {', '.join(map(repr, empty))}, which has no cell among the rows sampled"
+            raise OmicsIOError(msg)
+        return (per_group / np.maximum(size, 1))[np.where(codes < 0, len(categories), codes)]
+
+    def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
+        """Weighted block sampling over the cells of the groups named (blocks are runs of those
+        cells, so a drawn block brings no cell of another group)."""
+        weights = self.cell_weights(rows, obs)
+        keep = weights > 0
+        kept = np.flatnonzero(keep) if isinstance(rows, AllRows) else np.asarray(rows)[keep]
+        return SamplingPlan(
+            kept.astype(np.int64),
+            batch_size,
+            self.block_size,
+            self.fetch_factor,
+            seed,
+            self.kind,
+            num_hosts,
+            self.drop_remainder,
+            weights[keep],
+        )
+
+
+def obs_categories(obs: Callable[[str], np.ndarray], name: str) -> list[str]:
+    """The categories of the categorical obs ``name`` (the loaders' ``obs`` callable carries them as
+    ``obs.categories(name)``)."""
+    categories = getattr(obs, "categories", None)
+    if categories is None:
+        msg = f"obs {name!r}: this loader cannot tell a categorical column's groups"
+        raise OmicsIOError(msg)
+    return list(categories(name))
+
+
 def as_sampling(sampling: Sampling | str) -> Sampling:
     """A sampling option from an option or the names ``"block"``, ``"random"``, ``"stream"`` (defaults)."""
     if isinstance(sampling, Sampling):
@@ -175,7 +263,7 @@ def as_sampling(sampling: Sampling | str) -> Sampling:
         return named[sampling]()
     msg = (
         f"sampling must be an option such as oj.Block(block_size=16, fetch_factor=64), oj.Random(), "
-        f"oj.Stream(), oj.Weighted(weights) or oj.ClassBalanced(by='cell_type'), or one of "
+        f"oj.Stream(), oj.Weighted(weights), oj.ClassBalanced(by='cell_type') or oj.Mixture(by, weights), or one of "
         f"{', '.join(map(repr, named))}; got {sampling!r}"
     )
     raise OmicsIOError(msg)
