@@ -63,6 +63,9 @@ class Sampling:
         obs: Callable[[str], np.ndarray],
     ) -> SamplingPlan:
         """The sampling plan over ``rows`` (global rows, ascending) for a global ``batch_size``."""
+        return self._plan(rows, self.cell_weights(rows, obs), batch_size, seed, num_hosts)
+
+    def _plan(self, rows, weights, batch_size: int, seed: int, num_hosts: int) -> SamplingPlan:
         return SamplingPlan(
             rows,
             batch_size,
@@ -72,7 +75,7 @@ class Sampling:
             self.kind,
             num_hosts,
             self.drop_remainder,
-            self.cell_weights(rows, obs),
+            weights,
         )
 
 
@@ -231,17 +234,7 @@ class Mixture(Sampling):
         weights = self.cell_weights(rows, obs)
         keep = weights > 0
         kept = np.flatnonzero(keep) if isinstance(rows, AllRows) else np.asarray(rows)[keep]
-        return SamplingPlan(
-            kept.astype(np.int64),
-            batch_size,
-            self.block_size,
-            self.fetch_factor,
-            seed,
-            self.kind,
-            num_hosts,
-            self.drop_remainder,
-            weights[keep],
-        )
+        return self._plan(kept.astype(np.int64), weights[keep], batch_size, seed, num_hosts)
 
 
 def obs_categories(obs: Callable[[str], np.ndarray], name: str) -> list[str]:
