@@ -799,7 +799,8 @@ def render_soak(d: dict) -> list[str]:
             ("crashes", len(d.get("errors") or []), ","),
             ("flipped cached byte read back exactly", flipped.get("read_back_exact"), ""),
             ("RSS once warm (MiB)", (d.get("rss_warm_bytes") or 0) / 2**20, ",.0f"),
-            ("RSS growth once warm", d.get("rss_growth"), "%"),
+            ("RSS growth once warm (median of the last fifth over the second's)", d.get("rss_growth"), "%"),
+            ("RSS peak over the warm median", d.get("rss_peak_over_warm"), "%"),
         ]
     )
 

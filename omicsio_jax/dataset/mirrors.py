@@ -30,8 +30,8 @@ jobs) each keep their own budget: a process holds a shared ``flock`` on a mirror
 and another drops only mirrors it can lock exclusively at once (else it drops the next one), so no
 process truncates the chunks another is reading. A read that still meets a chunk that is not there
 (dropped between two reads, or damaged) fails its hash check and is fetched again (`runs.read_runs`
-retries once); one whose mirror file another process deleted, or renamed a fresh mirror over,
-opens the mirror at the path again for that retry.
+retries, `REMOTE_READ_ATTEMPTS` times in all); one whose mirror file another process deleted, or
+renamed a fresh mirror over, opens the mirror at the path again for that retry.
 """
 
 from __future__ import annotations
@@ -445,15 +445,32 @@ class ShardMirrors:
         return freed
 
     def _evict_dormant(self, shard: int) -> int:
+        """Drop the chunks an earlier (or another) process left of ``shard``, in place as `_evict`
+        does: another process may have the mirror open, and a file renamed or deleted under it
+        would cost it a retry."""
+        path = self.path(shard)
         try:
-            fd = os.open(self.path(shard), os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             fd = None
         try:
             if fd is not None and not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 return 0  # in use by another process: stays dormant here
             _, freed = self._dormant.pop(shard)
-            self._drop_files(shard)
+            local = self.files.cached(chunk_index_path(self.manifest.shards[shard].path))
+            if fd is None or local is None:
+                self._drop_files(shard)
+            else:
+                index = ChunkIndex(load_chunk_index(local), self.group_size)
+                opening = [(int(b), int(e)) for b, e in index.opening]
+                blobs = [os.pread(fd, e - b, b) for b, e in opening]
+                with open(path.with_name(path.name + ".present"), "r+b") as f:
+                    f.write(bytes(index.num_chunks))  # first: no chunk marked present without its bytes
+                size = os.fstat(fd).st_size
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+                for (b, _), blob in zip(opening, blobs, strict=True):
+                    os.pwrite(fd, blob, b)
         finally:
             if fd is not None:
                 os.close(fd)

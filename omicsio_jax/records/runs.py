@@ -103,6 +103,12 @@ def shard_pieces(row_runs: Sequence[tuple[int, int]], shard_cells: int) -> list[
     return pieces
 
 
+# a read from a remote dataset's cache that fails its checks is fetched again before the shard is
+# called corrupted: a chunk another process sharing the cache dropped between the fetch and the
+# read (rare; it takes that to happen twice in a row to need a third attempt) is not corruption
+REMOTE_READ_ATTEMPTS = 3
+
+
 def read_runs(
     dataset: RecordSource,
     readers: ShardReaders,
@@ -114,7 +120,7 @@ def read_runs(
     """``(buf, starts)`` of the records of the cells of every ``[begin, end)`` run, in order
     (``announce_first``: see `Dataset.prepared`; ``allocate``: see `ChunkReader.read`)."""
     pieces = shard_pieces(row_runs, dataset.manifest.shard_cells)
-    refetch = None
+    refetch, attempts = None, 0
     while True:
         with dataset.prepared(pieces, refetch=refetch, announce_first=announce_first):
             try:
@@ -124,7 +130,8 @@ def read_runs(
             except ReadFailed as e:
                 failed = e
         readers.drop(failed.shard)
-        if not dataset.is_remote or refetch is not None:
+        attempts += 1
+        if not dataset.is_remote or attempts >= REMOTE_READ_ATTEMPTS:
             raise _corrupted(dataset, failed) from failed.__cause__
         refetch = failed.shard
 
