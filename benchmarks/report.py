@@ -793,6 +793,7 @@ def render_soak(d: dict) -> list[str]:
             ("of them recovered from the Orbax checkpoint", sum(recovered) if recovered else None, ","),
             ("SIGTERMs", d.get("sigterms"), ","),
             ("resumes from the Orbax checkpoint after SIGTERM", (d.get("orbax_resumes") or [None])[0], ","),
+            ("Grain workers left running after their host exited", d.get("grain_workers_left_running"), ","),
             ("requests through the proxy", d.get("requests"), ","),
             *[(f"faults injected: {k}", v, ",") for k, v in sorted((d.get("faults_injected") or {}).items())],
             ("one-line errors surfaced, then restored and resumed", d.get("surfaced_and_resumed"), ","),

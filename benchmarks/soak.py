@@ -112,6 +112,7 @@ class Host:
         self.errors: list[dict] = []
         self.surfaced: list[str] = []
         self.exit_seconds: list[float] = []
+        self.seen_workers: set[int] = set()  # to check that none outlives its host
         self.start()
 
     def start(self) -> None:
@@ -185,6 +186,7 @@ class Host:
 
     def kill_a_worker(self) -> bool:
         workers = self.workers()
+        self.seen_workers.update(workers)
         if not (self.up and workers):
             return False
         os.kill(workers[0], signal.SIGKILL)
@@ -204,6 +206,14 @@ class Host:
         with contextlib.suppress(OSError):
             return int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, reaped by nobody yet, does not count)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _median(values: list[int]) -> int:
@@ -282,6 +292,8 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
                     )
                     flipped = _flip_a_cached_byte(remote, local, work / "cache")
                     remote.close()
+            for h in hosts:
+                h.seen_workers.update(h.workers())
             if now >= next_rss and (r := hosts[1].rss()) is not None:
                 rss.append((round(now - start, 1), r))
                 next_rss = now + 10
@@ -300,6 +312,11 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
             except subprocess.TimeoutExpired:
                 h.proc.kill()
             h.expected.close()
+        time.sleep(2)
+        orphans = [p for h in hosts for p in h.seen_workers if _alive(p)]
+        for pid in orphans:  # left by a host that exited: reported, then cleaned up
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proxy.stop()
         server.stop()
     elapsed = time.perf_counter() - start
@@ -328,6 +345,8 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
         "sigterms": hosts[0].sigterms,
         "orbax_resumes": [h.resumes for h in hosts],
         "sigterm_to_exit_seconds_max": max(hosts[0].exit_seconds, default=None),
+        "grain_workers_seen": sum(len(h.seen_workers) for h in hosts),
+        "grain_workers_left_running": len(orphans),
         "requests": proxy.requests,
         "faults_injected": dict(proxy.injected),
         "flipped": flipped,
@@ -349,6 +368,7 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
         and audited >= 2
         and all(h.recovered == h.killed_workers > 0 for h in hosts)
         and hosts[0].resumes == hosts[0].sigterms > 0
+        and not orphans
         and out["rss_growth"] is not None
         and out["rss_growth"] < 0.05
     )

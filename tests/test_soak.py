@@ -37,6 +37,7 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     assert result["worker_kills_recovered"] == result["workers_killed"]
     assert result["orbax_resumes"][0] == result["sigterms"] > 0  # preempted, resumed from its checkpoint
     assert result["replayed_after_restores"] > 0
+    assert result["grain_workers_left_running"] == 0  # no worker outlives its host
     assert result["surfaced_and_resumed"] > 0  # restored from the last checkpoint
     assert any("changed while in use" in e for e in result["surfaced_examples"])  # the ETag changes surface
     assert all(e.startswith(("ObjectChangedError", "ObjectStoreError")) for e in result["surfaced_examples"])
