@@ -112,7 +112,7 @@ class Host:
         self.errors: list[dict] = []
         self.surfaced: list[str] = []
         self.exit_seconds: list[float] = []
-        self.seen_workers: set[int] = set()  # to check that none outlives its host
+        self.seen_workers: set[tuple[int, str]] = set()  # (pid, start time): none may outlive its host
         self.start()
 
     def start(self) -> None:
@@ -186,7 +186,7 @@ class Host:
 
     def kill_a_worker(self) -> bool:
         workers = self.workers()
-        self.seen_workers.update(workers)
+        self.seen_workers.update(filter(None, map(_process, workers)))
         if not (self.up and workers):
             return False
         os.kill(workers[0], signal.SIGKILL)
@@ -208,12 +208,13 @@ class Host:
         return None
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, reaped by nobody yet, does not count)."""
+def _process(pid: int) -> tuple[int, str] | None:
+    """``(pid, start time)`` of a running process (None: gone, or a zombie): a pid is reused."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+    return None if fields[0] == "Z" else (pid, fields[19])
 
 
 def _median(values: list[int]) -> int:
@@ -293,7 +294,7 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
                     flipped = _flip_a_cached_byte(remote, local, work / "cache")
                     remote.close()
             for h in hosts:
-                h.seen_workers.update(h.workers())
+                h.seen_workers.update(filter(None, map(_process, h.workers())))
             if now >= next_rss and (r := hosts[1].rss()) is not None:
                 rss.append((round(now - start, 1), r))
                 next_rss = now + 10
@@ -313,8 +314,8 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
                 h.proc.kill()
             h.expected.close()
         time.sleep(2)
-        orphans = [p for h in hosts for p in h.seen_workers if _alive(p)]
-        for pid in orphans:  # left by a host that exited: reported, then cleaned up
+        orphans = [w for h in hosts for w in h.seen_workers if _process(w[0]) == w]
+        for pid, _ in orphans:  # left by a host that exited: reported, then cleaned up
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proxy.stop()
