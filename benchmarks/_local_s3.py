@@ -25,6 +25,12 @@ def start_moto():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    point_aws_at(endpoint)
+    return server, endpoint
+
+
+def point_aws_at(endpoint: str) -> None:
+    """Point this process's AWS variables (and its children's) at a local S3 server."""
     os.environ.pop("AWS_PROFILE", None)
     os.environ.update(
         AWS_ENDPOINT_URL=endpoint,
@@ -33,4 +39,3 @@ def start_moto():
         AWS_REGION="us-east-1",
         AWS_ALLOW_HTTP="true",
     )
-    return server, endpoint

@@ -59,9 +59,10 @@ def digest(batch) -> str:
     return h.hexdigest()
 
 
-def _children() -> list[int]:
+def children(pid: int | str = "self") -> list[int]:
+    """The child processes of ``pid`` (of any of its threads)."""
     found = []
-    for task in Path("/proc/self/task").iterdir():
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             found += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -72,7 +73,7 @@ def _children() -> list[int]:
 def _exit(code: int) -> None:
     """Leave now, taking this process's Grain workers along: ``os._exit`` skips Grain's shutdown, and
     a worker whose parent is gone keeps running (and its memory) until killed."""
-    for child in _children():
+    for child in children():
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ HERE = Path(__file__).parent
 DATA = HERE / "data"
 BUCKET = "omicsio-bench"
 sys.path.insert(0, str(HERE))
+from _local_s3 import point_aws_at  # noqa: E402
 from _provenance import (  # noqa: E402
     add_window_options,
     check_window,
@@ -61,14 +61,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
         [sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     endpoint = f"http://127.0.0.1:{int(proc.stdout.readline())}"
-    os.environ.pop("AWS_PROFILE", None)
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_REGION="us-east-1",
-        AWS_ALLOW_HTTP="true",
-    )
+    point_aws_at(endpoint)
     return proc, endpoint
 
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 from _fault_proxy import FaultProxy  # noqa: E402
 from _local_s3 import start_moto  # noqa: E402
 from _provenance import provenance, write_result  # noqa: E402
-from _soak_host import CACHE_BYTES, CHECKPOINT_EVERY, digest, loader_options  # noqa: E402
+from _soak_host import CACHE_BYTES, CHECKPOINT_EVERY, children, digest, loader_options  # noqa: E402
 
 
 def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
@@ -177,16 +177,14 @@ class Host:
     def workers(self) -> list[int]:
         """The host's Grain worker processes (its children but Python's resource tracker)."""
         found = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+        for child in children(self.proc.pid):
             with contextlib.suppress(OSError):
-                for child in (task / "children").read_text().split():
-                    if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
-                        found.append(int(child))
+                if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(child)
         return found
 
     def kill_a_worker(self) -> bool:
-        workers = self.workers()
-        self.seen_workers.update(filter(None, map(_process, workers)))
+        workers = self.workers()  # (seen by the poll just before)
         if not (self.up and workers):
             return False
         os.kill(workers[0], signal.SIGKILL)

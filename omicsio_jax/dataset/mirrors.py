@@ -75,6 +75,15 @@ def _flock(fd: int, operation: int) -> bool:
     return True
 
 
+def _empty_keeping(fd: int, size: int, opening: list[tuple[int, bytes]]) -> None:
+    """Drop a mirror's data in place (its inode kept, for the readers open on it): truncated to
+    zero and back to ``size``, then its ``opening`` ranges ((offset, bytes)) written again."""
+    os.ftruncate(fd, 0)
+    os.ftruncate(fd, size)
+    for b, blob in opening:
+        os.pwrite(fd, blob, b)
+
+
 def _data_ranges(index: ChunkIndex) -> np.ndarray:
     return index.chunk_bytes(np.arange(index.num_chunks))
 
@@ -434,10 +443,7 @@ class ShardMirrors:
         if not _flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
             return 0  # another process sharing the cache is reading this shard: drop another
         m.present[:] = 0  # first: a chunk is never marked present without its bytes
-        os.ftruncate(m.fd, 0)
-        os.ftruncate(m.fd, m.size)
-        for b, blob in m.opening:
-            os.pwrite(m.fd, blob, b)
+        _empty_keeping(m.fd, m.size, m.opening)
         _flock(m.fd, fcntl.LOCK_UN)
         freed, m.cached = m.cached, 0
         self.cached -= freed
@@ -463,14 +469,10 @@ class ShardMirrors:
             else:
                 index = ChunkIndex(load_chunk_index(local), self.group_size)
                 opening = [(int(b), int(e)) for b, e in index.opening]
-                blobs = [os.pread(fd, e - b, b) for b, e in opening]
+                kept = [(b, os.pread(fd, e - b, b)) for b, e in opening]
                 with open(path.with_name(path.name + ".present"), "r+b") as f:
                     f.write(bytes(index.num_chunks))  # first: no chunk marked present without its bytes
-                size = os.fstat(fd).st_size
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)
-                for (b, _), blob in zip(opening, blobs, strict=True):
-                    os.pwrite(fd, blob, b)
+                _empty_keeping(fd, os.fstat(fd).st_size, kept)
         finally:
             if fd is not None:
                 os.close(fd)

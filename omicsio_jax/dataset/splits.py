@@ -22,15 +22,24 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
-from omicsio_jax.format.manifest import MANIFEST_NAME, file_entry, fsync_path
+from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, file_entry, fsync_path
 
-if TYPE_CHECKING:
-    from omicsio_jax.dataset.dataset import Dataset
+
+class Dataset(Protocol):
+    """What splitting uses of a `omicsio_jax.Dataset` (which calls `read_split`: no import back)."""
+
+    path: Any
+    manifest: Manifest
+    is_remote: bool
+    obs: Any
+
+    def local_path(self, relpath: str) -> Path: ...
+
 
 SPLITS_DIR = "splits/"
 

@@ -49,6 +49,13 @@ class Sampling:
             msg = f"{type(self).__name__}(drop_remainder=...) must be True or False, got {self.drop_remainder!r}"
             raise OmicsIOError(msg)
 
+    def _check_by(self, example: str) -> None:
+        """``by`` names an obs column (the options that group cells by one)."""
+        by = getattr(self, "by", None)
+        if not isinstance(by, str) or not by:
+            msg = f"{type(self).__name__}(by=...) takes a categorical obs column, e.g. {example}; got {by!r}"
+            raise OmicsIOError(msg)
+
     def cell_weights(self, rows: np.ndarray | AllRows, obs: Callable[[str], np.ndarray]) -> np.ndarray | None:
         """Per-cell weights of ``rows`` (None: no weights); ``obs(name)`` gives an obs column."""
         return None
@@ -160,9 +167,7 @@ class ClassBalanced(Sampling):
 
     def __post_init__(self) -> None:
         self._check("block_size")
-        if not isinstance(self.by, str) or not self.by:
-            msg = f"ClassBalanced(by=...) takes a categorical obs column, e.g. ClassBalanced(by='cell_type'); got {self.by!r}"
-            raise OmicsIOError(msg)
+        self._check_by("ClassBalanced(by='cell_type')")
 
     def cell_weights(self, rows, obs) -> np.ndarray:
         labels = np.asarray(obs(self.by))
@@ -190,9 +195,7 @@ class Mixture(Sampling):
 
     def __post_init__(self) -> None:
         self._check("block_size")
-        if not isinstance(self.by, str) or not self.by:
-            msg = f"Mixture(by=...) takes a categorical obs column, e.g. Mixture(by='dataset_id', ...); got {self.by!r}"
-            raise OmicsIOError(msg)
+        self._check_by("Mixture(by='dataset_id', ...)")
         try:
             weights = {str(k): float(v) for k, v in dict(self.weights).items()}
         except (TypeError, ValueError):
