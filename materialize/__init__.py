@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._collection import Sources as Sources
     from ._index import build_gene_index as build_gene_index
     from ._materialize import MaterializeResult as MaterializeResult
     from ._materialize import materialize as materialize
@@ -28,6 +29,7 @@ _PUBLIC = {
     "InputOptions": "._options",
     "Layout": "._options",
     "Multimodal": "._options",
+    "Sources": "._collection",
     "SyntheticCorpus": "._synthetic",
     "make_synthetic_corpus": "._synthetic",
 }

@@ -11,6 +11,9 @@ omicsio-materialize pbmc.h5ad out/ --layer counts --obs bulk_labels
 omicsio-materialize velo.h5ad out/ --layers spliced,unspliced,ambiguous      (one modality per layer)
 omicsio-materialize rna_cells/ out/ --modality atac=atac_cells/ --layers spliced=rna_layers_spliced/
 omicsio-materialize multiome.h5mu out/                (every modality of a MuData file; rna first)
+omicsio-materialize ducklake:lake.ducklake out/ --table rna_cells --snapshot 3   (a DuckLake table)
+omicsio-materialize a.h5ad b.h5ad 'plates/*.parquet' out/   (a collection: genes unified by Ensembl id)
+omicsio-materialize --sources sources.csv out/ --raw  (a collection listed with dataset ids and obs)
 omicsio-materialize out/ --panel panel.txt            (any input; dense gene-panel layout)
 omicsio-materialize verify out/
 omicsio-materialize stats out/                        (add corpus statistics to an older dataset)
@@ -27,6 +30,7 @@ import sys
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import read_manifest, verify_dataset
 
+from ._collection import Sources
 from ._materialize import materialize
 from ._options import (
     DEFAULT_COMPRESSION,
@@ -51,15 +55,38 @@ def _parser() -> argparse.ArgumentParser:
         "paths",
         nargs="+",
         metavar="INPUT OUT",
-        help="input (file, directory, glob, .vortex or .h5ad) and output directory; "
+        help="input (file, directory, glob, .vortex or .h5ad) and output directory; several inputs make "
+        "one collection (cells one source after the other, obs dataset_id, genes unified by Ensembl id); "
         "with --query the input is optional (if given it is the view `cells`)",
     )
     p.add_argument("--where", help="SQL predicate: materialize only the matching cells")
     p.add_argument("--query", help="a DuckDB SELECT producing the rna_cells columns")
+    p.add_argument("--table", help="ducklake:CATALOG input: the table to read (or ducklake:CATALOG#TABLE)")
+    lake = p.add_mutually_exclusive_group()
+    lake.add_argument(
+        "--snapshot", type=int, help="ducklake:CATALOG input: read this snapshot id (default: the latest)"
+    )
+    lake.add_argument(
+        "--at",
+        metavar="TIME",
+        help="ducklake:CATALOG input: the last snapshot at or before this ISO time (UTC)",
+    )
     p.add_argument(
         "--genes",
         help="gene table (parquet) with gene_token_id; default: gene_metadata.parquet "
-        "beside the input, else the token ids seen in the data",
+        "beside the input, else the token ids seen in the data. A collection: union (default, every "
+        "gene a source measured), intersection, or a gene table / vocabulary (.parquet, .csv, .json, .txt)",
+    )
+    p.add_argument(
+        "--sources",
+        metavar="FILE",
+        help="a collection's sources file (CSV, TSV or parquet): columns path, dataset_id, per-source "
+        "obs (assay, donor_id, ...), and optionally layer / raw per AnnData source",
+    )
+    p.add_argument(
+        "--gene-id-column",
+        help="a collection: the gene table column holding Ensembl ids (default: found among "
+        "ensembl_id, gene_ids, gene_id, feature_id)",
     )
     p.add_argument("--obs", help="comma-separated obs columns to keep (default: every scalar column)")
     p.add_argument(
@@ -213,12 +240,18 @@ def _stats(argv: list[str]) -> int:
 def _materialize(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_intermixed_args(argv)
-    if args.query is not None and len(args.paths) == 1:
+    if args.sources is not None:
+        if len(args.paths) != 1:
+            p.error("with --sources, give OUT alone (the sources file lists the inputs)")
+        source, out = Sources.read(args.sources), args.paths[0]
+    elif args.query is not None and len(args.paths) == 1:
         source, out = None, args.paths[0]
     elif len(args.paths) == 2:
         source, out = args.paths
+    elif len(args.paths) > 2:  # a collection
+        source, out = args.paths[:-1], args.paths[-1]
     else:
-        p.error("give INPUT and OUT (or OUT alone with --query)")
+        p.error("give INPUT and OUT (several inputs: a collection; OUT alone with --query or --sources)")
     layers, modalities = _modality_args(p, args)
     dask = args.dask_scheduler is not None or args.dask_scheduler_file is not None
     result = materialize(
@@ -233,6 +266,9 @@ def _materialize(argv: list[str]) -> int:
             cell_id=args.cell_id,
             batch_cells=args.batch_cells,
             allow_negative=args.allow_negative,
+            gene_id_column=args.gene_id_column,
+            table=args.table,
+            snapshot=args.at if args.at is not None else args.snapshot,
         ),
         obs=None if args.obs is None else [c.strip() for c in args.obs.split(",") if c.strip()],
         layout=Layout(

@@ -15,7 +15,7 @@ gene table, and at last the manifest.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -193,10 +193,12 @@ class Finalizer:
         created_by: str,
         modality: str = "rna",
         modalities: tuple[ModalityEntry, ...] = (),
+        tables: Mapping[str, pa.Table] | None = None,
     ) -> Manifest:
         """Merge the partitions not merged yet, write the dataset's sidecars and manifest; return the
         manifest. ``modalities``: the further modalities, written under their paths with the same
-        partitions, whose presence flags become obs ``has_<name>``."""
+        partitions, whose presence flags become obs ``has_<name>``; ``tables``: further files of the
+        dataset (relative path → table, written as parquet and listed)."""
         for future in self._pending:
             future.result()  # raises what a merge raised
         for part in self.partitions[self._queued :]:
@@ -220,7 +222,10 @@ class Finalizer:
         writers = [*self._writers, *presence]
         obs_entries = [ObsEntry(w.name, w.kind, w.finish(), w.num_categories) for w in writers]
         pq.write_table(features, root / FEATURES_NAME, compression="zstd")
-        relpaths = [FEATURES_NAME, CellIdWriter.path, STATS_NAME] + [p for w in writers for p in w.files()]
+        for relpath, table in (tables or {}).items():
+            pq.write_table(table, root / relpath, compression="zstd")
+        relpaths = [FEATURES_NAME, CellIdWriter.path, STATS_NAME, *(tables or {})]
+        relpaths += [p for w in writers for p in w.files()]
         files = tuple(file_entry(root, p) for p in relpaths) + tuple(f for p in parts for f in p.files)
         manifest = Manifest(
             num_cells=num_cells,

@@ -26,7 +26,7 @@ from omicsio_jax import DataValidationError
 from omicsio_jax.format import is_remote
 
 from ._plan import Partition, whole_partitions
-from ._source import Batch, Source, gene_table_from_arrow
+from ._source import Batch, Source, gene_table_from_arrow, obs_kind
 
 # h5py reads each batch into fresh arrays; at 2,048 cells they are small enough for the allocator
 # to reuse instead of page-faulting them in anew (52.7k cells/s vs 49.6k at 8,192, medians of 3).
@@ -51,8 +51,13 @@ def _sort_rows(indptr, indices, data):
             data[lo:hi] = data[lo:hi][order]
 
 
+def _is_array(node) -> bool:
+    """An array (h5py Dataset, zarr Array), not a group."""
+    return isinstance(node, h5py.Dataset) or (not isinstance(node, h5py.Group) and hasattr(node, "dtype"))
+
+
 def _encoding(node) -> str:
-    value = node.attrs.get("encoding-type", "array" if isinstance(node, h5py.Dataset) else "dict")
+    value = node.attrs.get("encoding-type", "array" if _is_array(node) else "dict")
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -60,8 +65,10 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _strings(dataset: h5py.Dataset, lo: int, hi: int) -> list[str]:
-    return list(dataset.asstr()[lo:hi])
+def _strings(dataset, lo: int, hi: int) -> list[str]:
+    if isinstance(dataset, h5py.Dataset):
+        return list(dataset.asstr()[lo:hi])
+    return _decoded(np.asarray(dataset[lo:hi]))  # zarr
 
 
 class _ObsColumn:
@@ -70,18 +77,36 @@ class _ObsColumn:
     def __init__(self, node):
         self.node, self.kind = node, _encoding(node)
         if self.kind == "categorical":
-            self.categories = pa.array(_strings(node["categories"], 0, len(node["categories"])), pa.string())
+            categories = node["categories"]
+            self.categories = pa.array(_strings(categories, 0, categories.shape[0]), pa.string())
             self.type = pa.dictionary(pa.int32(), pa.string())
         elif self.kind in ("string-array", "nullable-string-array"):
             self.type = pa.string()
         elif self.kind in ("array", "nullable-integer", "nullable-boolean") or self.kind == "nullable-float":
-            values = node if isinstance(node, h5py.Dataset) else node["values"]
+            values = node if _is_array(node) else node["values"]
             self.type = None if values.ndim != 1 else pa.from_numpy_dtype(values.dtype)
         else:
             self.type = None
+        if self.type is None:
+            self._fall_back()
+
+    def _fall_back(self) -> None:
+        """An element this reader does not decode: anndata reads it (one obs column: bounded by the
+        cells), and it is kept if it is one scalar per cell."""
+        from anndata.io import read_elem
+
+        try:
+            values = read_elem(self.node)
+            array = pa.array(np.asarray(values) if not hasattr(values, "dtype") or values.ndim == 1 else [])
+        except Exception:  # noqa: BLE001 - anndata cannot read it either: the column is left out
+            return
+        if len(array) and obs_kind(array.type) is not None:
+            self.kind, self.type, self._values = "read by anndata", array.type, array
 
     def read(self, lo: int, hi: int) -> pa.Array:
         node = self.node
+        if self.kind == "read by anndata":
+            return self._values.slice(lo, hi - lo)
         if self.kind == "categorical":
             codes = node["codes"][lo:hi].astype(np.int32)
             return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
@@ -136,7 +161,7 @@ class _Frame:
     layout (a group with ``_index`` and ``column-order``) or the one before anndata 0.7."""
 
     def __init__(self, node, uns):
-        if isinstance(node, h5py.Group):
+        if not _is_array(node):
             name = node.attrs["_index"]
             self._index = node[name.decode() if isinstance(name, bytes) else name]
             self._field = None
@@ -156,6 +181,25 @@ class _Frame:
         if self._field is None:
             return _strings(self._index, lo, hi)
         return _decoded(self._index.fields(self._field)[lo:hi])
+
+
+def is_zarr(path) -> bool:
+    """An AnnData zarr store (``.zarr``, zarr v2 or v3), local or ``s3://``."""
+    return str(path).rstrip("/").endswith(".zarr")
+
+
+def _open_zarr(path):
+    import zarr
+
+    if is_remote(path):  # through the same obstore filesystem as the other s3:// inputs
+        from omicsio_jax.format import s3_filesystem
+
+        url = str(path).rstrip("/")
+        store = zarr.storage.FsspecStore(
+            s3_filesystem(asynchronous=True), path=url.split("://", 1)[1], read_only=True
+        )
+        return zarr.open_group(store, mode="r")
+    return zarr.open_group(str(path), mode="r")
 
 
 def _legacy_raw(root, name: str) -> str:
@@ -194,8 +238,12 @@ class H5adSource(Source):
     def _open(self) -> None:
         try:
             # an s3:// object is read through fsspec in 8 MiB ranges (h5py reads any file-like object)
-            self._file = h5py.File(
-                self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r"
+            self._file = (
+                _open_zarr(self.path)
+                if is_zarr(self.path)
+                else h5py.File(
+                    self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r"
+                )
             )
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
@@ -207,7 +255,8 @@ class H5adSource(Source):
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            if isinstance(self._file, h5py.File):
+                self._file.close()
             self._file = None
 
     def __getstate__(self) -> dict:
@@ -225,6 +274,9 @@ class H5adSource(Source):
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
 
+    def part_of(self, first: int, num_cells: int) -> Partition:
+        return Partition(0, first, num_cells)
+
     def raw_counts_hint(self, values: int = 65_536) -> str | None:
         """A note when the matrix read is ``X``, its first ``values`` stored values are not all
         integers (normalized) and ``raw/X``'s are (CELLxGENE's layout), else None."""
@@ -235,7 +287,7 @@ class H5adSource(Source):
             return None
 
         def integral(matrix) -> bool:  # any stored values will do: the first ones, whatever the layout
-            if isinstance(matrix, h5py.Dataset):
+            if _is_array(matrix):
                 sample = matrix[: max(1, values // max(matrix.shape[1], 1))]
             else:
                 sample = matrix["data"][:values]
@@ -270,7 +322,7 @@ class H5adSource(Source):
 
     def _shape(self) -> tuple[int, int]:
         m = self._matrix
-        if isinstance(m, h5py.Dataset):
+        if _is_array(m):
             return int(m.shape[0]), int(m.shape[1])
         legacy = "h5sparse_format" in m.attrs and "encoding-type" not in m.attrs
         self._sparse = f"{_text(m.attrs['h5sparse_format'])}_matrix" if legacy else _encoding(m)
@@ -309,8 +361,8 @@ class H5adSource(Source):
 
     def _read_csr(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = self._matrix
-        if isinstance(m, h5py.Dataset):
-            dense = m[lo:hi]
+        if _is_array(m):
+            dense = np.asarray(m[lo:hi])
             rows, cols = np.nonzero(dense)
             indptr = np.zeros(hi - lo + 1, dtype=np.int64)
             np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])

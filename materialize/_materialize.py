@@ -28,6 +28,7 @@ from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import (
     CODEC_VERSION,
     MANIFEST_NAME,
+    PRESENCE_NAME,
     Manifest,
     ModalityEntry,
     as_input_path,
@@ -35,6 +36,7 @@ from omicsio_jax.format import (
     open_store,
 )
 
+from ._collection import CollectionSource, Sources, open_collection
 from ._finalize import Finalizer
 from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
 from ._options import Dask, InputOptions, Layout, Multimodal
@@ -85,9 +87,17 @@ def open_source(
     cell_id: str = "cell_id",
     batch_cells: int | None = None,
     primary: str = "rna",
+    table: str | None = None,
+    snapshot=None,
 ) -> Source:
     """Open any supported input: ``.h5ad`` files (and modality ``primary`` of an ``.h5mu``) go to the
-    AnnData reader, the rest to DuckDB."""
+    AnnData reader, ``ducklake:`` catalogs to `DuckLakeSource` (``table`` at ``snapshot``), the rest
+    to DuckDB."""
+    from ._ducklake import is_ducklake
+
+    if (table is not None or snapshot is not None) and not is_ducklake(source):
+        msg = f"--table/--snapshot/--at apply to ducklake:CATALOG inputs, not to {source}"
+        raise OmicsIOError(msg)
     kind = input_kind(source)
     if kind in ("h5ad", "h5mu"):
         if where or query:
@@ -116,6 +126,21 @@ def open_source(
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"
         raise OmicsIOError(msg)
+    if is_ducklake(source):
+        if query:
+            msg = "--query does not apply to a ducklake: input; select its cells with --where"
+            raise OmicsIOError(msg)
+        from ._ducklake import DEFAULT_BATCH_CELLS, DuckLakeSource
+
+        return DuckLakeSource(
+            str(source),
+            table=table,
+            snapshot=snapshot,
+            where=where,
+            genes=None if genes is None else str(genes),
+            cell_id_column=cell_id,
+            batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+        )
     if source is None and query is None:
         msg = "give an input path/glob, or a DuckDB --query"
         raise OmicsIOError(msg)
@@ -132,6 +157,15 @@ def open_source(
 
 
 CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
+
+
+def as_sources(source) -> Sources | None:
+    """The collection ``source`` names (a `Sources`, or a list of inputs), or None for one input."""
+    if isinstance(source, Sources):
+        return source
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        return Sources(tuple(str(s) for s in source))
+    return None
 
 
 def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
@@ -155,7 +189,7 @@ def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
 
 
 def materialize(
-    source: str | Path | None,
+    source: str | Path | Sequence[str | Path] | Sources | None,
     out: str | Path,
     *,
     read: InputOptions = InputOptions(),
@@ -217,19 +251,48 @@ def materialize(
         msg = f"workers must be >= 1, got {workers}"
         raise OmicsIOError(msg)
     store = open_store(out)
-    inputs = modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
-    _check_output(store, overwrite)
-    src = open_source(
-        source,
-        where=where,
-        query=query,
-        genes=genes,
-        layer=layer,
-        use_raw=use_raw,
-        cell_id=cell_id,
-        batch_cells=batch_cells,
-        primary=primary,
+    sources = as_sources(source)
+    if sources is not None and (layers or modalities or where or query):
+        msg = (
+            "a collection takes no --where/--query/--layers/--modality; materialize its sources' cells "
+            "and modalities as separate datasets, or filter each source first"
+        )
+        raise OmicsIOError(msg)
+    inputs = (
+        []
+        if sources is not None
+        else modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     )
+    _check_output(store, overwrite)
+    if sources is not None:
+        src = open_collection(
+            sources,
+            lambda path, own: open_source(
+                path,
+                layer=own.get("layer", layer),
+                use_raw=bool(own.get("raw", use_raw)),
+                cell_id=cell_id,
+                batch_cells=batch_cells,
+                primary=primary,
+            ),
+            genes=genes,
+            id_column=read.gene_id_column,
+            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+        )
+    else:
+        src = open_source(
+            source,
+            where=where,
+            query=query,
+            genes=genes,
+            layer=layer,
+            use_raw=use_raw,
+            cell_id=cell_id,
+            batch_cells=batch_cells,
+            primary=primary,
+            table=read.table,
+            snapshot=read.snapshot,
+        )
     wanted = 1 if dask else workers or usable_cores()
     pool = Pool(wanted) if wanted > 1 else None  # started now: the workers import while the input is planned
     try:
@@ -319,6 +382,7 @@ def materialize(
                 created_by=created_by,
                 modality=primary,
                 modalities=tuple(entries),
+                tables={PRESENCE_NAME: src.presence()} if isinstance(src, CollectionSource) else {},
             )
         return MaterializeResult(
             out if is_remote(out) else Path(out),

@@ -128,6 +128,14 @@ def modality_inputs(
             out.append(ModalityInput(name, str(table), None if features is None else str(features)))
     seen = {primary}
     for inp in out:
+        if inp.table is not None and inp.table.startswith("ducklake:"):
+            name = inp.table.partition("#")[2] or "TABLE"
+            msg = (
+                f"modality {inp.name}: a DuckLake table ({inp.table}) is read as the primary input only; "
+                f"export it to parquet (DuckDB with the ducklake extension: COPY lake.{name} TO "
+                f"'{name}.parquet') and give that file"
+            )
+            raise OmicsIOError(msg)
         if not _NAME.match(inp.name):
             msg = f"modality name {inp.name!r}: use letters, digits, '_', '.' or '-', starting with a letter"
             raise OmicsIOError(msg)
@@ -138,29 +146,11 @@ def modality_inputs(
     return out
 
 
-DUCKLAKE_DUCKDB = "1.5.5"  # the newest DuckDB that PyPI's duckdb-extension-ducklake is built for
-
-
 def input_kind(source) -> str:
     text = "" if source is None else str(source)
-    if text.startswith("ducklake:"):
-        check_ducklake()
-    return "h5ad" if text.endswith(".h5ad") else "h5mu" if text.endswith(".h5mu") else "table"
-
-
-def check_ducklake() -> None:
-    """DuckLake catalogs are read through DuckDB's ducklake extension, loaded from its PyPI package
-    (never INSTALLed at run time); PyPI builds it only up to DuckDB 1.5.5."""
-    if duckdb.__version__ != DUCKLAKE_DUCKDB:
-        msg = (
-            f"a ducklake: input needs DuckDB's ducklake extension, which PyPI ships (duckdb-extension-ducklake) "
-            f"for DuckDB {DUCKLAKE_DUCKDB} at the newest; this DuckDB is {duckdb.__version__}, which cannot load it. "
-            f"Export each modality's table to parquet (in DuckDB {DUCKLAKE_DUCKDB}: COPY lake.atac_cells TO "
-            "'atac_cells.parquet') and materialize those"
-        )
-        raise OmicsIOError(msg)
-    msg = f"ducklake: inputs are not read by this version of omicsio_jax (DuckDB {duckdb.__version__})"
-    raise OmicsIOError(msg)
+    if text.endswith(".h5ad") or text.rstrip("/").endswith(".zarr"):  # AnnData, in HDF5 or in zarr
+        return "h5ad"
+    return "h5mu" if text.endswith(".h5mu") else "table"
 
 
 # -- list-column tables -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 
 from omicsio_jax import OmicsIOError
@@ -32,6 +33,13 @@ class InputOptions:
     ``var``); ``layer`` / ``use_raw`` pick an AnnData matrix other than ``X``; ``cell_id`` names the
     cell id column; ``batch_cells`` cells are read at a time (default: by the row width);
     ``allow_negative`` admits negative values (the default refuses them, as counts).
+
+    For a collection (several sources), ``genes`` is ``"union"`` (default: every gene any source
+    measured), ``"intersection"`` (the genes all measured) or a gene table / vocabulary fixing the
+    genes and their order; ``gene_id_column`` names the column of Ensembl ids (default: found).
+
+    A DuckLake catalog (``ducklake:lake.ducklake``) reads ``table`` at ``snapshot``: a snapshot id,
+    a time (a `datetime` or ISO text: the last snapshot at or before it) or None, the latest.
     """
 
     where: str | None = None
@@ -42,8 +50,14 @@ class InputOptions:
     cell_id: str = "cell_id"
     batch_cells: int | None = None
     allow_negative: bool = False
+    gene_id_column: str | None = None
+    table: str | None = None
+    snapshot: int | str | datetime | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.snapshot, bool) or (isinstance(self.snapshot, int) and self.snapshot < 0):
+            msg = f"InputOptions(snapshot=...) is a snapshot id ≥ 0, a time or None, got {self.snapshot!r}"
+            raise OmicsIOError(msg)
         if self.batch_cells is not None and (not isinstance(self.batch_cells, int) or self.batch_cells < 1):
             msg = (
                 f"InputOptions(batch_cells=...) must be a positive integer or None, got {self.batch_cells!r}"

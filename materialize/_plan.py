@@ -50,18 +50,24 @@ def whole_partitions(num_cells: int, shard_cells: int) -> list[Partition]:
 
 def partitions_from_counts(row_counts: Sequence[int], shard_cells: int) -> list[Partition]:
     """Partitions of files holding ``row_counts`` rows each, every row a cell (no filter)."""
+    total = sum(int(c) for c in row_counts)
+    return [
+        range_of_counts(row_counts, first, n, index)
+        for index, (first, n) in enumerate(cell_ranges(total, shard_cells))
+    ]
+
+
+def range_of_counts(row_counts: Sequence[int], first: int, num_cells: int, index: int = 0) -> Partition:
+    """Cells ``[first, first + num_cells)`` of files holding ``row_counts`` rows each, located by spans."""
     bases = [0]
     for count in row_counts:
         bases.append(bases[-1] + int(count))
-    out = []
-    for index, (first, n) in enumerate(cell_ranges(bases[-1], shard_cells)):
-        end, spans = first + n, []
-        for f in range(len(row_counts)):
-            lo, hi = max(first, bases[f]), min(end, bases[f + 1])
-            if lo < hi:
-                spans.append((f, lo - bases[f], None if hi == bases[f + 1] else hi - bases[f]))
-        out.append(Partition(index, first, n, tuple(spans)))
-    return out
+    end, spans = first + num_cells, []
+    for f in range(len(row_counts)):
+        lo, hi = max(first, bases[f]), min(end, bases[f + 1])
+        if lo < hi:
+            spans.append((f, lo - bases[f], None if hi == bases[f + 1] else hi - bases[f]))
+    return Partition(index, first, num_cells, tuple(spans))
 
 
 def partitions_from_boundaries(

@@ -81,6 +81,12 @@ class Source:
     def plan(self, shard_cells: int) -> list[Partition]:
         raise NotImplementedError
 
+    def part_of(self, first: int, num_cells: int) -> Partition:
+        """Cells ``[first, first + num_cells)`` as a partition `batches` reads (a collection's member
+        read from within a shard of the collection)."""
+        msg = f"{self.label} cannot be read by cell range; it cannot be a member of a collection"
+        raise DataValidationError(msg)
+
     def batches(
         self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
     ) -> Iterator[Batch]:

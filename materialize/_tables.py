@@ -66,7 +66,7 @@ from omicsio_jax.format import (
     sql_str,
 )
 
-from ._plan import Partition, partitions_from_boundaries, partitions_from_counts
+from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
 
 DEFAULT_BATCH_CELLS = 8192  # DuckDB's list decoding prefers large batches (31.8k cells/s vs 30.4k at 2,048)
@@ -299,6 +299,17 @@ class TableSource(Source):
             raise DataValidationError(self._explain(e)) from e
         boundaries = [(index[name], int(row)) for name, row in rows]
         return partitions_from_boundaries(self.num_cells, shard_cells, boundaries, len(self.files))
+
+    def part_of(self, first: int, num_cells: int) -> Partition:
+        if self._query is not None or self._where is not None or not self.files:
+            msg = (
+                f"{self.label}: a collection's member is read by cell range, which --where/--query "
+                "inputs cannot be; materialize the filtered cells first, or query the whole collection"
+            )
+            raise DataValidationError(msg)
+        if getattr(self, "_counts", None) is None:
+            self._counts = self._row_counts()  # kept: pickled along to the workers
+        return range_of_counts(self._counts, first, num_cells)
 
     def _row_counts(self) -> list[int]:
         try:

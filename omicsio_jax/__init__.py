@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from omicsio_jax.dataset.dataset import Categorical as Categorical
     from omicsio_jax.dataset.dataset import Dataset as Dataset
     from omicsio_jax.dataset.dataset import open_dataset as open_dataset
+    from omicsio_jax.dataset.presence import GenePresence as GenePresence
     from omicsio_jax.dataset.splits import Split as Split
     from omicsio_jax.dataset.splits import split as split
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
@@ -98,6 +99,7 @@ _PUBLIC = {
     "Categorical": "omicsio_jax.dataset.dataset",
     "Dataset": "omicsio_jax.dataset.dataset",
     "open_dataset": "omicsio_jax.dataset.dataset",
+    "GenePresence": "omicsio_jax.dataset.presence",
     "Split": "omicsio_jax.dataset.splits",
     "split": "omicsio_jax.dataset.splits",
     "IOStats": "omicsio_jax.dataset.cache",

@@ -109,6 +109,41 @@ def kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published:
     assert worker.returncode == -signal.SIGKILL
 
 
+def write_legacy_h5ad(path, rng):
+    """An .h5ad as anndata before 0.7 wrote it: compound obs/var, categories in uns, h5sparse
+    matrices, raw.X and raw.var at the top level."""
+    import h5py
+    import scipy.sparse as sp
+
+    def sparse(group, matrix):
+        group.attrs["h5sparse_format"], group.attrs["h5sparse_shape"] = "csr", matrix.shape
+        for name in ("data", "indices", "indptr"):
+            group.create_dataset(name, data=getattr(matrix, name))
+
+    cells, genes, raw_genes = 120, 30, 45
+    raw = sp.random(cells, raw_genes, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    raw.data = np.ceil(raw.data * 20)
+    keep = np.sort(rng.choice(raw_genes, genes, replace=False))
+    ids = np.array([f"ENSG{i:011d}".encode() for i in range(raw_genes)])
+    names = np.array([f"G{i}".encode() for i in range(raw_genes)])
+    gene_dtype = [("index", "S12"), ("gene_ids", "S15")]
+    codes = rng.integers(0, 3, cells).astype(np.int8)
+    obs = np.array(
+        [(f"cell-{i}".encode(), codes[i], float(raw[i].sum())) for i in range(cells)],
+        dtype=[("index", "S10"), ("cell_type", "i1"), ("total_counts", "f4")],
+    )
+    with h5py.File(path, "w") as f:
+        f.create_dataset("obs", data=obs)
+        f.create_dataset(
+            "var", data=np.array(list(zip(names[keep], ids[keep], strict=True)), dtype=gene_dtype)
+        )
+        f.create_dataset("uns/cell_type_categories", data=np.array([b"B", b"NK", b"T"]))
+        sparse(f.create_group("X"), sp.csr_matrix(np.log1p(raw[:, keep].toarray())))
+        sparse(f.create_group("raw.X"), raw)
+        f.create_dataset("raw.var", data=np.array(list(zip(names, ids, strict=True)), dtype=gene_dtype))
+    return codes
+
+
 def assert_csr_equal(actual, expected) -> None:
     for a, e, name in zip(actual, expected, ("indptr", "indices", "values"), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)

@@ -292,11 +292,56 @@ def test_a_mixture_draws_its_groups_in_proportion_and_resumes_exactly(ds):
     again = _loader(ds, sampling=mixture, num_epochs=3, obs=("tissue",))
     again.set_state(state)
     assert [np.asarray(b.obs["tissue"]).tolist() for b in again] == [b.tolist() for b in batches[5:]]
-    changed = _loader(
-        ds, sampling=oj.Mixture(by="tissue", weights={"brain": 1, "lung": 1}, block_size=1, fetch_factor=4)
+    other = _loader(ds, sampling=oj.Mixture(by="drug", weights={"drug_01": 1}, block_size=1, fetch_factor=4))
+    with pytest.raises(oj.StateMismatchError, match="mixture: in checkpoint"):  # a mixture of other groups
+        other.set_state(state)
+
+
+def test_a_new_mixture_at_resume_takes_effect_with_the_next_epoch(ds):
+    def mixture(weights):
+        return oj.Mixture(by="tissue", weights=weights, block_size=4, fetch_factor=4)
+
+    first, second = {"brain": 3, "lung": 1}, {"brain": 1, "lung": 1, "kidney": 2}
+    kw = dict(num_epochs=3, obs=("tissue",))
+    reference = _loader(ds, sampling=mixture(first), **kw)
+    it = iter(reference)
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    rest_of_epoch = [b.index for b in (next(it) for _ in range(reference.steps_per_epoch - 5))]
+    resumed = _loader(ds, sampling=mixture(second), **kw)
+    resumed.set_state(state)
+    replayed = [next(resumed) for _ in range(len(rest_of_epoch))]
+    for a, b in zip(replayed, rest_of_epoch, strict=True):  # the epoch finishes exactly as it began
+        np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b))
+    assert resumed.coverage(0).complete  # each of its cells served once
+    recorded = resumed.get_state()["mixtures"]
+    assert recorded == [
+        {"from_epoch": 0, "weights": {"brain": 3.0, "lung": 1.0}},
+        {"from_epoch": 1, "weights": {"brain": 1.0, "kidney": 2.0, "lung": 1.0}},
+    ]
+    fresh = _loader(ds, sampling=mixture(second), **kw)  # from epoch 1: the new mixture's batches
+    steps = fresh.steps_per_epoch
+    fresh = iter(fresh)
+    for _ in range(steps):
+        next(fresh)
+    later = list(resumed)
+    assert len(later) == 2 * steps
+    for a, b in zip(later, fresh, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+    # a checkpoint taken while the old epoch finishes resumes the same way
+    again = _loader(ds, sampling=mixture(second), **kw)
+    again.set_state(state)
+    next(again)
+    middle = again.get_state()
+    assert middle["config"]["mixture"]["weights"] == {"brain": 3.0, "lung": 1.0}
+    third = _loader(ds, sampling=mixture(second), **kw)
+    third.set_state(middle)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(b.index) for b in third]),
+        np.concatenate([np.asarray(b.index) for b in replayed[1:] + later]),
     )
-    with pytest.raises(oj.StateMismatchError):  # another mixture is another run
-        changed.set_state(state)
+    assert third.get_state()["mixtures"] == recorded
 
 
 @pytest.mark.parametrize(

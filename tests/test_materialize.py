@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
-from conftest import assert_csr_equal, table_csr
+from conftest import assert_csr_equal, table_csr, write_legacy_h5ad
 
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, materialize
@@ -96,41 +98,6 @@ def test_h5ad_csc_and_dense_matrices(corpus_table, tmp_path, fmt):
     assert ds.obs["drug"].labels().tolist() == small.column("drug").to_pylist()
 
 
-def _write_legacy_h5ad(path, rng):
-    """An .h5ad as anndata before 0.7 wrote it: compound obs/var, categories in uns, h5sparse
-    matrices, raw.X and raw.var at the top level."""
-    import h5py
-    import scipy.sparse as sp
-
-    def sparse(group, matrix):
-        group.attrs["h5sparse_format"], group.attrs["h5sparse_shape"] = "csr", matrix.shape
-        for name in ("data", "indices", "indptr"):
-            group.create_dataset(name, data=getattr(matrix, name))
-
-    cells, genes, raw_genes = 120, 30, 45
-    raw = sp.random(cells, raw_genes, density=0.3, format="csr", dtype=np.float32, random_state=rng)
-    raw.data = np.ceil(raw.data * 20)
-    keep = np.sort(rng.choice(raw_genes, genes, replace=False))
-    ids = np.array([f"ENSG{i:011d}".encode() for i in range(raw_genes)])
-    names = np.array([f"G{i}".encode() for i in range(raw_genes)])
-    gene_dtype = [("index", "S12"), ("gene_ids", "S15")]
-    codes = rng.integers(0, 3, cells).astype(np.int8)
-    obs = np.array(
-        [(f"cell-{i}".encode(), codes[i], float(raw[i].sum())) for i in range(cells)],
-        dtype=[("index", "S10"), ("cell_type", "i1"), ("total_counts", "f4")],
-    )
-    with h5py.File(path, "w") as f:
-        f.create_dataset("obs", data=obs)
-        f.create_dataset(
-            "var", data=np.array(list(zip(names[keep], ids[keep], strict=True)), dtype=gene_dtype)
-        )
-        f.create_dataset("uns/cell_type_categories", data=np.array([b"B", b"NK", b"T"]))
-        sparse(f.create_group("X"), sp.csr_matrix(np.log1p(raw[:, keep].toarray())))
-        sparse(f.create_group("raw.X"), raw)
-        f.create_dataset("raw.var", data=np.array(list(zip(names, ids, strict=True)), dtype=gene_dtype))
-    return codes
-
-
 @pytest.mark.parametrize("use_raw", [False, True])
 def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use_raw, capsys):
     import warnings
@@ -138,7 +105,7 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
     import anndata as ad
 
     legacy, modern = tmp_path / "legacy.h5ad", tmp_path / "modern.h5ad"
-    codes = _write_legacy_h5ad(legacy, np.random.default_rng(0))
+    codes = write_legacy_h5ad(legacy, np.random.default_rng(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anndata's OldFormatWarning
         adata = ad.read_h5ad(legacy)
@@ -165,7 +132,7 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
 
 def test_token_outputs_refuse_values_that_are_not_counts_unless_allowed(tmp_path):
     legacy = tmp_path / "legacy.h5ad"
-    _write_legacy_h5ad(legacy, np.random.default_rng(0))
+    write_legacy_h5ad(legacy, np.random.default_rng(0))
     materialize(legacy, tmp_path / "x", progress=False)  # X: log1p values
     ds = oj.open_dataset(tmp_path / "x")
     for output in (oj.GeneformerTokens(max_len=16), oj.ScGPTTokens(max_len=16)):
@@ -366,3 +333,40 @@ def test_h5ad_raw_matrix_and_var(corpus_table, tmp_path):
     assert ds.features["ensembl_id"].tolist()[:2] == ["ENSG00000000000", "ENSG00000000001"]
     assert ds.features["gene_symbols"].tolist()[1] == "SYM1"
     assert_csr_equal(_all_rows(ds), (indptr, indices, values))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_anndata_zarr_stores_read_as_anndata_reads_them(corpus_table, tmp_path, zarr_format):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    small = corpus_table.slice(0, 300)
+    indptr, indices, values = table_csr(small)
+    obs = small.select(["cell_id", "drug", "total_counts"]).to_pandas().set_index("cell_id")
+    obs["drug"] = obs["drug"].astype("category")
+    var = pd.DataFrame(
+        {"gene_ids": [f"ENSG{i:011d}" for i in range(2000)]}, index=[f"G{i}" for i in range(2000)]
+    )
+    adata = ad.AnnData(X=sp.csr_matrix((values, indices, indptr), shape=(300, 2000)), obs=obs, var=var)
+    before = ad.settings.zarr_write_format
+    ad.settings.zarr_write_format = zarr_format
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Writing zarr v2 data", UserWarning)  # v2: on purpose
+            warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
+            warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
+            adata.write_zarr(tmp_path / "x.zarr")
+            back = ad.read_zarr(tmp_path / "x.zarr")
+    finally:
+        ad.settings.zarr_write_format = before
+    adata.write_h5ad(tmp_path / "x.h5ad")
+    materialize(tmp_path / "x.zarr", tmp_path / "z", progress=False, read=InputOptions(batch_cells=128))
+    materialize(tmp_path / "x.h5ad", tmp_path / "h", progress=False, read=InputOptions(batch_cells=128))
+    z, h = oj.open_dataset(tmp_path / "z"), oj.open_dataset(tmp_path / "h")
+    assert_csr_equal(_all_rows(z), (back.X.indptr, back.X.indices, back.X.data))
+    assert [s.sha256 for s in z.manifest.shards] == [s.sha256 for s in h.manifest.shards]
+    assert z.cell_ids.tolist() == list(back.obs_names)
+    assert z.obs["drug"].labels().tolist() == back.obs["drug"].tolist()
+    np.testing.assert_array_equal(z.obs["total_counts"], back.obs["total_counts"].to_numpy())
+    assert z.features["ensembl_id"].tolist() == list(back.var["gene_ids"])
+    assert z.manifest.source["kind"] == "h5ad" and z.manifest.source["input"].endswith("x.zarr")

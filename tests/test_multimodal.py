@@ -475,18 +475,6 @@ def test_a_multimodal_dataset_on_s3_reads_each_modality_alone(inputs, datasets, 
     assert rna_only.modality("atac").io_stats().bytes_fetched == 0  # reading rna fetched no byte of atac
 
 
-def test_a_ducklake_catalog_is_refused_with_the_duckdb_version_that_could_read_it(tmp_path):
-    import duckdb
-
-    with pytest.raises(
-        oj.OmicsIOError,
-        match=rf"duckdb-extension-ducklake\) for DuckDB 1.5.5 .* this DuckDB is "
-        rf"{duckdb.__version__}",
-    ):
-        materialize("ducklake:catalog.ducklake", tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
-
-
 def test_a_selected_primary_keeps_the_selected_cells_of_every_modality(inputs, truth, tmp_path):
     """With --where the primary is a selection: the other tables' cells outside it are left out, not refused."""
     root = inputs["shuffled"]

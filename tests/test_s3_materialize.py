@@ -276,3 +276,22 @@ def test_open_table_over_s3_gives_the_local_answers(s3, corpus, corpus_table, tm
     np.testing.assert_array_equal(
         remote.panel([0, 3, 17], rowids=rows).x, local.panel([0, 3, 17], rowids=rows).x
     )
+
+
+def test_an_anndata_zarr_store_on_s3(s3, corpus, tmp_path):
+    import warnings
+
+    import anndata as ad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's notes on zarr formats to come
+        ad.read_h5ad(corpus.h5ad).write_zarr(tmp_path / "in" / "cells.zarr")
+    local = tmp_path / "in"
+    names = [p.relative_to(local).as_posix() for p in sorted(local.rglob("*")) if p.is_file()]
+    S3Store(s3.url("in")).upload(local, names)
+    kw = dict(progress=False, layout=Layout(shard_cells=SHARD))
+    materialize(corpus.h5ad, tmp_path / "local", workers=1, **kw)
+    materialize(s3.url("in/cells.zarr"), tmp_path / "remote", workers=2, **kw)
+    local_ds, remote_ds = oj.open_dataset(tmp_path / "local"), oj.open_dataset(tmp_path / "remote")
+    assert [s.sha256 for s in remote_ds.manifest.shards] == [s.sha256 for s in local_ds.manifest.shards]
+    assert remote_ds.cell_ids.tolist() == local_ds.cell_ids.tolist()

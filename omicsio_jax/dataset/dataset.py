@@ -15,6 +15,7 @@ import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
 from omicsio_jax.dataset.cache import IOStats
+from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
 from omicsio_jax.format import codec
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, load_chunk_index
 from omicsio_jax.format.csr import take_rows
@@ -341,6 +342,15 @@ class Dataset:
 
         stats = self.gene_stats
         return seurat_hvg(stats["norm_mean"].to_numpy(), stats["norm_var"].to_numpy(), n, n_bins)
+
+    @functools.cached_property
+    def presence(self) -> GenePresence | None:
+        """Which genes each source of a collection measured (`GenePresence`), None for one source."""
+        return read_presence(self)
+
+    def measured_genes(self, dataset_id: str) -> np.ndarray:
+        """The genes the collection's source ``dataset_id`` measured: bool over the columns."""
+        return require_presence(self, "measured_genes").of(dataset_id)
 
     @functools.cached_property
     def cell_ids(self) -> np.ndarray:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
     from omicsio_jax.format.gene_stats import StatsAccumulator as StatsAccumulator
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
+    from omicsio_jax.format.manifest import PRESENCE_NAME as PRESENCE_NAME
     from omicsio_jax.format.manifest import FileEntry as FileEntry
     from omicsio_jax.format.manifest import Manifest as Manifest
     from omicsio_jax.format.manifest import ModalityEntry as ModalityEntry
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.tables import sql_str as sql_str
     from omicsio_jax.storage.input_files import as_input_path as as_input_path
     from omicsio_jax.storage.input_files import register_s3 as register_s3
+    from omicsio_jax.storage.input_files import s3_filesystem as s3_filesystem
     from omicsio_jax.storage.store import is_remote as is_remote
     from omicsio_jax.storage.store import open_store as open_store
 
@@ -97,6 +99,7 @@ _WRITER_API = {
     "omicsio_jax.format.gene_stats": ("NUM_BINS", "STATS_NAME", "GeneStats", "StatsAccumulator"),
     "omicsio_jax.format.manifest": (
         "MANIFEST_NAME",
+        "PRESENCE_NAME",
         "FileEntry",
         "Manifest",
         "ModalityEntry",
@@ -123,7 +126,7 @@ _WRITER_API = {
         "sql_ident",
         "sql_str",
     ),
-    "omicsio_jax.storage.input_files": ("as_input_path", "register_s3"),
+    "omicsio_jax.storage.input_files": ("as_input_path", "register_s3", "s3_filesystem"),
     "omicsio_jax.storage.store": ("is_remote", "open_store"),
 }
 _EXPORTS = {name: module for module, names in _WRITER_API.items() for name in names}

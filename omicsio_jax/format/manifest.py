@@ -31,6 +31,9 @@ from omicsio_jax.storage.store import is_remote, open_store
 FORMAT_NAME = "omicsio_jax.dataset"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# a collection's measured genes: one row per source (dataset_id, first_cell, num_cells, num_measured,
+# measured: the genes' bits, packed little-endian); listed among the manifest's files like any other
+PRESENCE_NAME = "presence.parquet"
 LAYOUTS = ("sparse", "dense")
 
 

@@ -11,6 +11,7 @@ and a restore with another number of processes continues the epoch exactly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import sys
 import weakref
@@ -22,7 +23,9 @@ import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset
+from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
+from omicsio_jax.loaders.mixtures import changed_mixture
 from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
@@ -49,12 +52,14 @@ class Loader(grain.DatasetIterator):
     def __init__(self, ds: Dataset, spec: DiskSpec, *, placement: Placement, read: ReadOptions):
         super().__init__()
         self._iterator = self._reader = self._finalizer = None  # before anything can raise: __del__ closes
+        self._before: Loader | None = None  # a new mixture at resume: the epoch it finishes first
         self.dataset, self.spec, self.num_epochs = ds, spec, spec.num_epochs
         self.placement, self.host = placement, placement.host
         self.read = read.with_defaults(num_threads=1, prefetch=2, decode_threads=1)
         self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self.plan, self.output = spec.resolve(ds)
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
+        self._mixtures: list[dict] | None = None  # every mixture and the epoch it took effect at
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     def __repr__(self) -> str:
@@ -126,8 +131,15 @@ class Loader(grain.DatasetIterator):
 
     def close(self) -> None:
         """Stop the background threads (also done when the loader is collected); idempotent."""
+        self._drop_before()
         self._halt()
         super().close()
+
+    def _drop_before(self) -> None:
+        if self._before is not None:
+            self._finished = self._before._finished
+            self._before.close()
+            self._before = None
 
     def start_prefetch(self) -> None:
         """Start reading and decoding now (e.g. while the model is restored)."""
@@ -136,6 +148,12 @@ class Loader(grain.DatasetIterator):
 
     def __next__(self) -> Batch:
         self._assert_not_closed()
+        if self._before is not None:  # the epoch a new mixture waits for
+            batch = next(self._before, None)
+            if batch is None or self._before._epoch >= self._epoch:
+                self._drop_before()
+            if batch is not None:
+                return batch
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
         self._ensure_iterator()
@@ -170,6 +188,14 @@ class Loader(grain.DatasetIterator):
             raise OmicsIOError(msg)
         return self.output.densify(x)
 
+    def measured_mask(self, x: SparseBatch) -> jax.Array:
+        """``(batch_size, genes)`` bool from a `SparseBatch` of ``oj.CSR(measured=True)`` over a
+        collection: the genes each cell's source measured, gathered on the devices."""
+        if not isinstance(self.output, CSR):
+            msg = f"measured_mask needs output=oj.CSR(measured=True); this loader's output is {self.output.kind!r}"
+            raise OmicsIOError(msg)
+        return self.output.measured_mask(x)
+
     # ----- state and audit ---------------------------------------------------------------------
     @property
     def steps_per_epoch(self) -> int:
@@ -186,6 +212,8 @@ class Loader(grain.DatasetIterator):
     def coverage(self, epoch: int | None = None) -> Coverage:
         """This process's served and planned cells of the current epoch, or of ``epoch`` if it is the
         one that just ended (see `Coverage`)."""
+        if self._before is not None:
+            return self._before.coverage(epoch)
         if epoch is not None and epoch != self._epoch:
             if self._finished is None or self._finished.epoch != epoch:
                 msg = f"coverage of epoch {epoch} is not kept: the loader is in epoch {self._epoch}"
@@ -195,6 +223,8 @@ class Loader(grain.DatasetIterator):
 
     def get_state(self) -> dict:
         """Small JSON: where the stream stands (global), and what this process served this epoch."""
+        if self._before is not None:
+            return {**self._before.get_state(), "mixtures": self._mixtures}
         a = self._schedule.anchor
         anchor = [a.step, a.hosts] if a.epoch == self._epoch else [0, self.plan.num_hosts]
         return {
@@ -205,6 +235,7 @@ class Loader(grain.DatasetIterator):
             "anchor": anchor,
             "process": [self.host, self.plan.num_hosts],
             "served": self._served.to_json(),
+            **({"mixtures": self._mixtures} if self._mixtures else {}),
         }
 
     @reads_state
@@ -212,12 +243,20 @@ class Loader(grain.DatasetIterator):
         """Resume from `get_state` output: this process's own state, or every process's (a list, as
         `read_loader_states` returns it), which also restores onto another number of processes.
 
-        Refuses a state from another dataset or config, one line per difference.
+        Refuses a state from another dataset or config, one line per difference, except a `Mixture`
+        with other weights: the checkpoint's epoch finishes as it began, the new weights take effect
+        with the next one (`omicsio_jax.loaders.mixtures`).
         """
         states = [state] if isinstance(state, dict) else list(state)
         if not states:
             msg = "set_state needs a state (or the list of every process's states), got an empty list"
             raise StateMismatchError(msg)
+        self._drop_before()
+        old = changed_mixture(states[0]["config"], self._config)
+        if old is not None:
+            self._resume_with_new_mixture(states, old)
+            return
+        self._mixtures = states[0].get("mixtures")
         for s in states:
             check_state(s, STATE_VERSION, self._config)
         count = states[0]["process"][1]
@@ -256,6 +295,23 @@ class Loader(grain.DatasetIterator):
             for s in states:
                 served = served + Tally.from_json(s["served"])
         self._start(epoch, step, Anchor(epoch, step, old.round_hosts(epoch, step)), served)
+
+    def _resume_with_new_mixture(self, states: list[dict], weights: dict[str, float]) -> None:
+        """Finish the checkpoint's epoch with its ``weights`` (a loader of its own), then this loader's."""
+        epoch, step = states[0]["epoch"], states[0]["step"]
+        switch = epoch if step == 0 else epoch + 1  # nothing of the epoch served yet: the new one now
+        self._mixtures = [
+            *mixtures.history(states[0], switch),
+            {"from_epoch": switch, "weights": dict(sorted(self.spec.sampling.weights.items()))},
+        ]
+        if step:
+            old = dataclasses.replace(
+                self.spec, sampling=dataclasses.replace(self.spec.sampling, weights=weights)
+            )
+            before = Loader(self.dataset, old, placement=self.placement, read=self.read)
+            before.set_state(states)
+            self._before = before
+        self._start(switch, 0, Anchor(switch, 0, self.plan.num_hosts), Tally())
 
     async def load(self, directory):
         """Orbax v1 (``ocp.load_checkpointables``): read every process's state, so another number of

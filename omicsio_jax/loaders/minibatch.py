@@ -19,6 +19,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import Fetched, OutputRecords, SegmentCache
 from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.loaders.mixtures import mixture_config
 from omicsio_jax.loaders.options import Placement
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys
 from omicsio_jax.outputs.batch import HostBatch
@@ -111,6 +112,7 @@ class DiskSpec:
             **plan.describe(),
             "num_epochs": self.num_epochs,
             "obs": list(self.obs),
+            **mixture_config(self.sampling),
             **output.config(),
         }
 

@@ -21,12 +21,15 @@ class SparseBatch(NamedTuple):
     Entry ``j`` of slab ``s`` is ``values[s, j]`` (float32) at row ``row_ids[s, j]`` (within the
     shard's ``batch_size / num_shards`` rows; int16, int32 past 32,767 rows) and column
     ``indices[s, j]`` (uint16 for up to 65,536 genes, else int32); padding entries add 0 at
-    (0, 0). `Loader.densify` turns it into the dense batch on the devices.
+    (0, 0). `Loader.densify` turns it into the dense batch on the devices. ``sources`` (with
+    ``oj.CSR(measured=True)`` over a collection): each row's source, int32 of shape (rows,), -1 for
+    padding; ``CSR.measured_mask`` turns it into the rows' masks of measured genes on the devices.
     """
 
     row_ids: Any
     indices: Any
     values: Any
+    sources: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

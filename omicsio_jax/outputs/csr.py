@@ -6,9 +6,11 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.dataset.presence import GenePresence, require_presence
 from omicsio_jax.format import codec
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
@@ -37,15 +39,20 @@ class CSR(Output):
     ``nnz_capacity`` (per slab) defaults to the mean plus 6 standard deviations of a slab's
     nonzeros for cells whose counts vary with a coefficient of variation ≤ 1; a slab beyond it
     raises an error that names the capacity to pass.
+
+    ``measured=True`` (a collection): ``x.sources`` holds each row's source, and ``measured_mask(x)`` the
+    rows' masks of the genes their sources measured, gathered on the devices.
     """
 
     nnz_capacity: int | None = None
     normalize: str | None = None
     target_sum: float = 1e4
+    measured: bool = False
     num_columns: int = 0  # set by bind
     num_slabs: int = 1
     rows_per_slab: int = 0
     source: str = ""
+    presence: GenePresence | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
 
     kind = "csr"
 
@@ -59,8 +66,10 @@ class CSR(Output):
         rows = ctx.rows // ctx.num_slabs
         mean = max(ctx.mean_nnz, 1.0)
         capacity = self.nnz_capacity or int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
+        presence = require_presence(ctx.dataset, "CSR(measured=True)") if self.measured else None
         return dataclasses.replace(
             self,
+            presence=presence,
             nnz_capacity=capacity,
             num_columns=ctx.num_columns,
             num_slabs=ctx.num_slabs,
@@ -75,11 +84,16 @@ class CSR(Output):
             "normalize": self.normalize,
             "target_sum": self.target_sum,
             "nnz_capacity": self.nnz_capacity,
+            **({"measured": True} if self.measured else {}),
         }
 
     def from_records(
         self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
     ) -> SparseBatch:
+        sources = None
+        if self.measured:
+            rows = keys.rows if keys is not None else np.full(len(starts) - 1, -1)
+            sources = self.presence.sources_of(rows)
         try:
             return SparseBatch(
                 *codec.decode_slabs(
@@ -90,7 +104,8 @@ class CSR(Output):
                     capacity=self.nnz_capacity,
                     num_columns=self.num_columns,
                     empty=empty,
-                )
+                ),
+                sources,
             )
         except codec.MalformedRecordError:
             raise  # the caller, who knows the rows, names the shard and cell
@@ -109,3 +124,16 @@ class CSR(Output):
             normalize=self.normalize,
             target_sum=self.target_sum,
         )
+
+    def measured_mask(self, x: SparseBatch) -> jax.Array:
+        """``(rows, genes)`` bool of a placed batch: the genes each row's source measured (False on
+        padding), gathered where the rows live from the collection's presence bitmaps."""
+        if self.presence is None or x.sources is None:
+            msg = "CSR.measured_mask(x) needs the output bound with measured=True: oj.CSR(measured=True)"
+            raise OmicsIOError(msg)
+        return _gather_rows(self.presence.measured, x.sources)
+
+
+@jax.jit
+def _gather_rows(table, sources):
+    return jnp.take(table, sources, axis=0, mode="fill", fill_value=False)

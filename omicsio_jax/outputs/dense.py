@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.dataset.presence import GenePresence, require_presence
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.normalize import Normalization
@@ -14,12 +16,20 @@ from omicsio_jax.outputs.normalize import Normalization
 @dataclasses.dataclass(frozen=True)
 class Dense(Output):
     """``x``: ``(rows, genes)`` float32, optionally ``normalize``d (``"log1p"``, or ``"normalize_log1p"``:
-    scanpy's ``normalize_total(target_sum)`` + ``log1p``), fused into the one decoding pass."""
+    scanpy's ``normalize_total(target_sum)`` + ``log1p``), fused into the one decoding pass.
+
+    ``measured=True`` (a collection): ``x`` is ``{"values": rows, "measured": bool mask}``, the mask
+    False where the cell's source did not measure the gene (its 0 is unknown, not zero) and on
+    padding rows; both are placed like ``x``.
+    """
 
     normalize: str | None = None
     target_sum: float = 1e4
+    measured: bool = False
     num_columns: int | None = None  # set by bind
     source: str = ""
+    presence: GenePresence | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
+    mask_rows: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
 
     kind = "dense"
 
@@ -27,7 +37,17 @@ class Dense(Output):
         Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
 
     def bind(self, ctx: OutputContext) -> Dense:
-        return dataclasses.replace(self, num_columns=ctx.num_columns, source=ctx.source)
+        if not self.measured:
+            return dataclasses.replace(self, num_columns=ctx.num_columns, source=ctx.source)
+        presence = require_presence(ctx.dataset, "Dense(measured=True)")
+        padding = np.zeros((1, ctx.num_columns), bool)  # row -1: the mask of padding rows
+        return dataclasses.replace(
+            self,
+            num_columns=ctx.num_columns,
+            source=ctx.source,
+            presence=presence,
+            mask_rows=np.concatenate([presence.measured, padding]),
+        )
 
     def config(self) -> dict:
         return {
@@ -35,15 +55,25 @@ class Dense(Output):
             "panel": None,
             "normalize": self.normalize,
             "target_sum": self.target_sum,
+            **({"measured": True} if self.measured else {}),
         }
 
     def from_records(
         self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
-    ) -> np.ndarray:
+    ) -> np.ndarray | dict[str, np.ndarray]:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
-        return scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)
+        x = scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)
+        if not self.measured:
+            return x
+        rows = keys.rows if keys is not None else np.full(len(starts) - 1, -1)
+        mask = empty((len(rows), self.num_columns), np.bool_)
+        np.take(self.mask_rows, self.presence.sources_of(rows), axis=0, out=mask)  # padding: row -1
+        return {"values": x, "measured": mask}
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:
+        if self.measured:
+            msg = "Dense(measured=True) needs a materialized collection's rows; use make_loader"
+            raise OmicsIOError(msg)
         out = empty((len(indptr) - 1, self.num_columns), np.float32)
         return scatter.scatter_dense(
             indptr,

@@ -20,8 +20,9 @@ from omicsio_jax.storage.store import S3_SCHEME, is_remote
 
 
 @functools.cache
-def s3_filesystem():
-    """The process's fsspec filesystem for ``s3://`` URLs (needs ``omicsio_jax[s3]``)."""
+def s3_filesystem(*, asynchronous: bool = False):
+    """The process's fsspec filesystem for ``s3://`` URLs (needs ``omicsio_jax[s3]``); an
+    ``asynchronous`` one for readers that drive it from their own event loop (zarr)."""
     FsspecStore = require("obstore.fsspec", "s3", "an s3:// input").FsspecStore
 
     class _S3(FsspecStore):
@@ -39,7 +40,10 @@ def s3_filesystem():
     if endpoint.startswith("http://"):
         client["allow_http"] = True
     return _S3(
-        "s3", client_options=client, retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=60)}
+        "s3",
+        client_options=client,
+        retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=60)},
+        asynchronous=asynchronous,
     )
 
 

@@ -1,0 +1,257 @@
+"""A collection of many sources with different gene sets against one source of the same cells.
+
+The data (made on first use in benchmarks/data/, seed 0): a universe of 62,710 Ensembl ids and
+``--sources`` parquet sources, each measuring a random 20k–60k of them (its gene table in its own
+order: half the sources list their genes shuffled, as files in the wild do) with ``--cells`` cells
+of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the universe.
+
+1. **Materialize**, each in a fresh process, ``--rounds`` rounds, alternating: the collection
+   (genes unified by Ensembl id, presence bitmaps) against the single source; cells/s (one whole
+   conversion per round) and the peak RSS of the main process and of its largest child.
+2. **Load**, each in a fresh process, round-robin: the collection's dataset with a mixture over its
+   sources (equal weights) and ``measured=True`` against the single dataset with `make_loader`'s
+   defaults, dense and csr at batch 1,024, a window of ``--seconds`` after warm-up.
+
+    .venv/bin/python benchmarks/bench_collection.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    check_window,
+    compare,
+    medians,
+    provenance,
+    window,
+    write_result,
+)
+
+UNIVERSE = 62_710
+
+_MATERIALIZE = """
+import json, resource, sys, time
+from pathlib import Path
+from materialize import materialize
+sources = json.loads(sys.argv[1])
+start = time.perf_counter()
+result = materialize(sources, sys.argv[2], progress=False)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "num_cells": result.manifest.num_cells, "workers": result.workers,
+                  "child_peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "peak_rss_bytes": next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+                                         if l.startswith("VmHWM:"))}))
+"""
+
+
+def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]:
+    """The sources' folders and the single source's folder (made once per shape)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = root / "done.json"
+    if done.exists():
+        made = json.loads(done.read_text())
+        return made["sources"], made["one"]
+    shutil.rmtree(root, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    ids = np.array([f"ENSG{i:011d}" for i in range(UNIVERSE)])
+    one_rows: list[pa.Table] = []
+    paths = []
+    for k in range(num_sources):
+        width = int(rng.integers(20_000, 60_001))
+        genes = np.sort(rng.choice(UNIVERSE, width, replace=False))
+        if k % 2:
+            genes = rng.permutation(genes)  # the source lists its genes in an order of its own
+        folder = root / f"source_{k:02d}"
+        folder.mkdir(parents=True)
+        pq.write_table(
+            pa.table({"gene_token_id": np.arange(width), "ensembl_id": ids[genes]}),
+            folder / "gene_metadata.parquet",
+        )
+        nnz = rng.integers(600, 1_400, cells)
+        tokens, values, universe_tokens = [], [], []
+        for n in nnz:
+            t = np.sort(rng.choice(width, int(n), replace=False)).astype(np.int32)
+            tokens.append(t)
+            values.append(rng.integers(1, 30, int(n)).astype(np.float32))
+            universe_tokens.append(genes[t])
+        cell_ids = [f"s{k}_c{i}" for i in range(cells)]
+        lists = {
+            "cell_id": cell_ids,
+            "gene_token_id": pa.array(tokens, pa.list_(pa.int32())),
+            "gene_expression": pa.array(values, pa.list_(pa.float32())),
+        }
+        pq.write_table(pa.table(lists), folder / "cells.parquet", row_group_size=8192)
+        order = [np.argsort(u) for u in universe_tokens]
+        one_rows.append(
+            pa.table(
+                {
+                    "cell_id": cell_ids,
+                    "gene_token_id": pa.array(
+                        [u[o].astype(np.int32) for u, o in zip(universe_tokens, order, strict=True)],
+                        pa.list_(pa.int32()),
+                    ),
+                    "gene_expression": pa.array(
+                        [v[o] for v, o in zip(values, order, strict=True)], pa.list_(pa.float32())
+                    ),
+                }
+            )
+        )
+        paths.append(str(folder / "cells.parquet"))
+        print(f"source {k}: {width:,} genes, {cells:,} cells", flush=True)
+    one = root / "one"
+    one.mkdir()
+    pq.write_table(pa.concat_tables(one_rows), one / "cells.parquet", row_group_size=8192)
+    pq.write_table(
+        pa.table({"gene_token_id": np.arange(UNIVERSE), "ensembl_id": ids}), one / "gene_metadata.parquet"
+    )
+    done.write_text(json.dumps({"sources": paths, "one": str(one / "cells.parquet")}))
+    return paths, str(one / "cells.parquet")
+
+
+def materialize_once(source, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MATERIALIZE, json.dumps(source), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        raise SystemExit(f"materialize failed: {proc.stderr.strip().splitlines()[-1]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**r, "cells_per_s": r["num_cells"] / r["seconds"]}
+
+
+def _load(spec: dict) -> dict:
+    """One loader configuration, in this (child) process."""
+    import jax
+
+    import omicsio_jax as oj
+
+    ds = oj.open_dataset(spec["dataset"])
+    if spec["collection"]:
+        ids = ds.presence.dataset_ids
+        sampling = oj.Mixture(by="dataset_id", weights=dict.fromkeys(ids, 1.0))
+        output = oj.Dense(measured=True) if spec["output"] == "dense" else oj.CSR(measured=True)
+    else:
+        sampling = oj.Block()
+        output = oj.Dense() if spec["output"] == "dense" else oj.CSR()
+    loader = oj.make_loader(
+        ds, batch_size=spec["batch_size"], output=output, sampling=sampling, num_epochs=None
+    )
+    it = iter(loader)
+    for _ in range(spec["warmup"]):
+        jax.block_until_ready(next(it).x)
+
+    def step() -> int:
+        jax.block_until_ready(next(it).x)
+        return spec["batch_size"]
+
+    w = window(step, seconds=spec["seconds"])
+    loader.close()
+    return {**spec, **w.as_dict()}
+
+
+def load_once(spec: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(_load(json.loads(sys.argv[2]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sources", type=int, default=50)
+    p.add_argument("--cells", type=int, default=6_000, help="cells per source")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=4)
+    add_window_options(p)
+    p.add_argument("--out", default=str(HERE / "results" / "collection.json"))
+    args = p.parse_args()
+    check_window(args)
+    root = DATA / f"collection_{args.sources}x{args.cells}"
+    sources, one = make_data(root, args.sources, args.cells)
+    rows: dict[str, list[dict]] = {"collection": [], "one source": []}
+    with tempfile.TemporaryDirectory(dir=DATA) as tmp:
+        outs = {"collection": Path(tmp) / "collection", "one source": Path(tmp) / "one"}
+        for r in range(args.rounds):
+            order = ["collection", "one source"] if r % 2 == 0 else ["one source", "collection"]
+            for what in order:
+                source = sources if what == "collection" else one
+                rows[what].append(materialize_once(source, outs[what]))
+                print(f"materialize {what}: {rows[what][-1]['cells_per_s']:,.0f} cells/s", flush=True)
+        materialized = {
+            what: {
+                "label": f"materialize, {what}",
+                "num_cells": runs[0]["num_cells"],
+                "workers": runs[0]["workers"],
+                **medians(runs, ["cells_per_s", "seconds"]),
+                "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in runs) / 2**20,
+                "child_peak_rss_mib_max": max(r["child_peak_rss_bytes"] for r in runs) / 2**20,
+            }
+            for what, runs in rows.items()
+        }
+        loads: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):
+            for output in ("dense", "csr"):
+                for what in ("collection", "one source"):
+                    spec = {
+                        "dataset": str(outs[what]),
+                        "collection": what == "collection",
+                        "output": output,
+                        "batch_size": args.batch_size,
+                        "warmup": args.warmup,
+                        "seconds": args.seconds,
+                    }
+                    label = f"{output} b{args.batch_size}, {what}"
+                    loads.setdefault(label, []).append(load_once(spec))
+                    print(f"{label}: {loads[label][-1]['cells_per_s']:,.0f} cells/s", flush=True)
+    loaded = {
+        label: {"label": label, **medians(runs, ["cells_per_s", "cells_per_cpu_s", "seconds"])}
+        for label, runs in loads.items()
+    }
+    result = {
+        "benchmark": "bench_collection",
+        **provenance(),
+        "rounds": args.rounds,
+        "window": "materialize: one whole conversion per round; load: --seconds after warm-up",
+        "quick": args.quick,
+        "data": {"sources": args.sources, "cells_per_source": args.cells, "universe_genes": UNIVERSE},
+        "materialize": materialized,
+        "load": loaded,
+        "comparisons": [
+            compare(
+                "materialize: collection / one source", materialized["collection"], materialized["one source"]
+            ),
+            *(
+                compare(
+                    f"{o} b{args.batch_size}: collection (mixture, measured) / one source",
+                    loaded[f"{o} b{args.batch_size}, collection"],
+                    loaded[f"{o} b{args.batch_size}, one source"],
+                )
+                for o in ("dense", "csr")
+            ),
+        ],
+    }
+    write_result(args.out, result, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

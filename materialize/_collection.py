@@ -1,0 +1,275 @@
+"""Collections: several sources (``.h5ad`` files, list-column tables, in any mix) as one dataset.
+
+The cells are the sources' cells one source after the other, in the order given; each gets the obs
+``dataset_id`` of its source (and the per-source obs of a sources file: ``assay``, ``donor_id``,
+...). The genes are one space (`_genespace.GeneSpace`), and what each source measured is kept:
+``presence.parquet``, one bitmap over the dataset's genes per source, listed in the manifest like
+every other file (`omicsio_jax.Dataset.presence`). Shards are cut from the concatenated cells as
+from one input, so a shard may hold the end of one source and the start of the next; each source
+is read by cell range (`Source.part_of`) on whatever worker writes the shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from omicsio_jax import OmicsIOError
+from omicsio_jax.format import is_remote
+
+from ._genespace import UNION, GeneSpace
+from ._plan import Partition, whole_partitions
+from ._source import Batch, Source, obs_kind
+
+DATASET_ID = "dataset_id"
+READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
+_SUFFIXES = (".h5ad", ".h5mu", ".parquet", ".vortex", ".zarr", ".csv")
+
+
+def dataset_id_of(path: str) -> str:
+    """A source's dataset id by default: its file or folder name without suffix (a glob: its folder)."""
+    text = re.split(r"[*?\[]", str(path), maxsplit=1)[0] if re.search(r"[*?\[]", str(path)) else str(path)
+    name = text.rstrip("/").rsplit("/", 1)[-1]
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _default_ids(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """The file names (``a.h5ad`` → ``a``), or the folders' where the names repeat
+    (``plate_1/cells.parquet`` → ``plate_1``)."""
+    ids = tuple(dataset_id_of(p) for p in paths)
+    if len(set(ids)) < len(ids):
+        folders = tuple(
+            dataset_id_of(p.rstrip("/").rsplit("/", 1)[0]) if "/" in p.rstrip("/") else p for p in paths
+        )
+        if len(set(folders)) == len(folders):
+            return folders
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """The sources of a collection: ``paths``, their ``dataset_ids`` (default: the file names) and
+    per-source ``obs`` (column → one value per source, None: not given); ``reading`` may give an
+    AnnData source its own ``layer`` or ``raw`` (column → one value per source, None: the run's).
+
+    >>> materialize(Sources.read("sources.csv"), "atlas/")                    # doctest: +SKIP
+    >>> materialize(["a.h5ad", "b.h5ad", "plates/*.parquet"], "atlas/")      # the same, ids a, b, plates  # doctest: +SKIP
+    """
+
+    paths: tuple[str, ...]
+    dataset_ids: tuple[str, ...] = ()
+    obs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    obs_types: Mapping[str, pa.DataType] = dataclasses.field(default_factory=dict)
+    reading: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # per source: layer, raw
+
+    def __post_init__(self) -> None:
+        paths = tuple(str(p) for p in self.paths)
+        object.__setattr__(self, "paths", paths)
+        if not paths:
+            msg = "a collection needs at least one source"
+            raise OmicsIOError(msg)
+        ids = tuple(self.dataset_ids) or _default_ids(paths)
+        object.__setattr__(self, "dataset_ids", ids)
+        if len(ids) != len(paths):
+            msg = f"{len(paths)} sources but {len(ids)} dataset ids"
+            raise OmicsIOError(msg)
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            msg = (
+                f"dataset id(s) {', '.join(repeated)} name more than one source; give each source its own "
+                "(a sources file with columns path, dataset_id: --sources sources.csv)"
+            )
+            raise OmicsIOError(msg)
+
+    @classmethod
+    def read(cls, path: str | Path) -> Sources:
+        """A sources file (CSV, TSV or parquet): column ``path`` (relative to the file's folder), optional
+        ``dataset_id``, and any per-source obs columns."""
+        path = Path(path)
+        try:
+            if path.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                table = pq.read_table(path)
+            else:
+                import pyarrow.csv as pacsv
+
+                delimiter = "\t" if path.suffix == ".tsv" else ","
+                table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter))
+        except (OSError, pa.ArrowException) as e:
+            msg = f"cannot read the sources file {path}: {e}"
+            raise OmicsIOError(msg) from e
+        if "path" not in table.column_names:
+            msg = f"sources file {path} has no column 'path' (it has {', '.join(table.column_names)})"
+            raise OmicsIOError(msg)
+        paths = []
+        for p in table.column("path").to_pylist():
+            if not p:
+                msg = f"sources file {path} has a row without a path"
+                raise OmicsIOError(msg)
+            paths.append(p if is_remote(p) or Path(p).is_absolute() else str(path.parent / p))
+        ids = (
+            ()
+            if DATASET_ID not in table.column_names
+            else tuple(str(i) for i in table.column(DATASET_ID).to_pylist())
+        )
+        extra = [n for n in table.column_names if n not in ("path", DATASET_ID, *READING)]
+        obs = {n: tuple(None if v == "" else v for v in table.column(n).to_pylist()) for n in extra}
+        types = {n: table.schema.field(n).type for n in extra}
+        reading = {n: tuple(table.column(n).to_pylist()) for n in READING if n in table.column_names}
+        return cls(tuple(paths), ids, obs, types, reading)
+
+    def reading_of(self, k: int) -> dict:
+        """Source ``k``'s own reading options (``layer``, ``raw``) where the sources file gives them."""
+        return {n: v[k] for n, v in self.reading.items() if v[k] is not None and v[k] != ""}
+
+
+def _unified_type(types: list[pa.DataType]) -> pa.DataType:
+    """One Arrow type for an obs column the sources give in ``types``."""
+    plain = [t.value_type if pa.types.is_dictionary(t) else t for t in types]
+    if all(pa.types.is_boolean(t) for t in plain):
+        return pa.bool_()
+    if all(pa.types.is_integer(t) for t in plain):
+        return pa.int64()
+    if all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in plain):
+        return pa.float64()
+    return pa.string()
+
+
+def _as(array: pa.Array | pa.ChunkedArray, dtype: pa.DataType) -> pa.Array:
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    return array if array.type == dtype else pc.cast(array, dtype)
+
+
+class CollectionSource(Source):
+    """Several sources' cells, one after the other, in one gene space (see the module docstring)."""
+
+    def __init__(self, sources: Sources, members: Sequence[Source], space: GeneSpace):
+        self.sources, self.members, self.space = sources, list(members), space
+        self.label = f"collection of {len(members)} sources"
+        self.genes = space.genes
+        self._firsts = np.concatenate([[0], np.cumsum([m.num_cells for m in members])]).astype(np.int64)
+        self.num_cells = int(self._firsts[-1])
+        self.obs_columns = self._obs_types()
+        self.description = {
+            "kind": "collection",
+            "genes": "the sources' genes, unified by Ensembl id",
+            "sources": [
+                {DATASET_ID: i, "input": p, "kind": m.description.get("kind"), "cells": m.num_cells, **about}
+                for i, p, m, about in zip(
+                    sources.dataset_ids, sources.paths, members, space.members, strict=True
+                )
+            ],
+        }
+
+    def _obs_types(self) -> dict[str, pa.DataType]:
+        given: dict[str, list[pa.DataType]] = {}
+        for m in self.members:
+            for name, dtype in m.obs_columns.items():
+                given.setdefault(name, []).append(dtype)
+        for name, dtype in self.sources.obs_types.items():
+            if obs_kind(dtype) is not None or pa.types.is_null(dtype):
+                given.setdefault(name, []).append(pa.string() if pa.types.is_null(dtype) else dtype)
+        given.pop(DATASET_ID, None)
+        return {DATASET_ID: pa.string(), **{n: _unified_type(ts) for n, ts in given.items()}}
+
+    def plan(self, shard_cells: int) -> list[Partition]:
+        return whole_partitions(self.num_cells, shard_cells)
+
+    def presence(self) -> pa.Table:
+        """One row per source: its dataset id, its cells (``first_cell``, ``num_cells``: sources are
+        contiguous), how many genes it measured and their bits (packed, little-endian bit order, over
+        the dataset's columns)."""
+        maps = self.space.maps
+        return pa.table(
+            {
+                DATASET_ID: pa.array(self.sources.dataset_ids, pa.string()),
+                "first_cell": pa.array(self._firsts[:-1], pa.int64()),
+                "num_cells": pa.array(np.diff(self._firsts), pa.int64()),
+                "num_measured": pa.array([int(m.measured.sum()) for m in maps], pa.int64()),
+                "measured": pa.array(
+                    [np.packbits(m.measured, bitorder="little").tobytes() for m in maps], pa.binary()
+                ),
+            }
+        )
+
+    def batches(
+        self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
+    ) -> Iterator[Batch]:
+        first, end = (0, self.num_cells) if part is None else (part.first_cell, part.end_cell)
+        for k, member in enumerate(self.members):
+            lo, hi = max(first, int(self._firsts[k])), min(end, int(self._firsts[k + 1]))
+            if lo >= hi:
+                continue
+            own = [
+                n for n in obs if n in member.obs_columns and self._given(n, k) is None and n != DATASET_ID
+            ]
+            local = member.part_of(lo - int(self._firsts[k]), hi - lo)
+            for batch in member.batches(own, local, threads=threads):
+                yield self._in_space(k, batch, obs)
+
+    def _given(self, name: str, k: int):
+        values = self.sources.obs.get(name)
+        return None if values is None else values[k]
+
+    def _in_space(self, k: int, batch: Batch, obs: list[str]) -> Batch:
+        indptr, cols, values = self.space.maps[k].remap(
+            batch.indptr, batch.tokens, batch.values, batch.locate
+        )
+        n = batch.num_cells
+        columns = {}
+        for name in obs:
+            dtype = self.obs_columns[name]
+            if name == DATASET_ID:
+                columns[name] = pa.array([self.sources.dataset_ids[k]] * n, pa.string())
+            elif (value := self._given(name, k)) is not None:
+                columns[name] = _as(pa.array([value] * n), dtype)
+            elif name in batch.obs:
+                columns[name] = _as(batch.obs[name], dtype)
+            else:
+                columns[name] = pa.nulls(n, dtype)
+        return Batch(indptr, cols, values, batch.cell_ids, columns, batch.locate)
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
+
+
+def open_collection(
+    sources: Sources,
+    open_member: Callable[[str, dict], Source],
+    *,
+    genes: str | Path | None = None,
+    id_column: str | None = None,
+    report: Callable[[str], None] | None = None,
+) -> CollectionSource:
+    """Open every source (``open_member(path, its own reading options)``), unify their genes (``genes``: ``"union"``, the
+    default, ``"intersection"`` or a gene table / vocabulary) and report what was matched how."""
+    members: list[Source] = []
+    try:
+        for k, path in enumerate(sources.paths):
+            members.append(open_member(path, sources.reading_of(k)))
+        labels = [f"{i} ({p})" for i, p in zip(sources.dataset_ids, sources.paths, strict=False)]
+        space = GeneSpace.build(
+            [m.genes for m in members], labels, genes=UNION if genes is None else genes, id_column=id_column
+        )
+        for note in space.notes:
+            if report is not None:
+                report(note)
+        return CollectionSource(sources, members, space)
+    except BaseException:
+        for m in members:
+            m.close()
+        raise

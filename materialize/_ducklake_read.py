@@ -1,0 +1,359 @@
+"""The rows of a resolved DuckLake table (`_ducklake_catalog.LakeTable`), read from its parquet files
+and inlined rows by pyarrow, in row-id order.
+
+A table's rows are its data files' rows and its inlined rows. Every row has a row id (a file's
+``row_id_start`` + position, or the ``_ducklake_internal_row_id`` column of a file that merged
+several commits; an inlined row's ``row_id``), unique in the table and unchanged by compaction, so
+reading the rows of a snapshot in row-id order gives the same sequence however the files were
+later rewritten. The order is kept by *runs*: stretches of consecutive positions of one file (or
+of the inlined rows) with consecutive row ids, sorted by their first row id (usually one run per
+file). A row is kept when it is visible at the snapshot (a merged file's rows carry their commit's
+snapshot), not deleted (the file's delete file lists positions) and, with ``where``, passes it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from omicsio_jax import DataValidationError
+from omicsio_jax.format import as_input_path, is_remote, sql_ident
+
+from ._ducklake_catalog import ROW_ID, Column, DataFile, LakeTable, empty_table
+
+INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
+FIELD_ID = b"PARQUET:field_id"
+PARQUET_MAGIC = b"PAR1"
+
+Run = tuple[int, int, int]  # (piece, first position, end position): piece len(files) is the inlined rows
+
+
+class LakeReader:
+    """Reads `LakeTable` rows; ``where`` is a DuckDB predicate over the table's columns (view ``cells``)."""
+
+    def __init__(self, lake: LakeTable, *, where: str | None = None):
+        self.lake, self.where = lake, where
+        self.types = {f.name: f.type for f in empty_table(lake.columns).schema if f.name != ROW_ID}
+        self.where_columns = self._bind_where() if where else []
+        self.deletes: list[np.ndarray | None] = [None] * len(lake.files)
+        self.pruned: set[int] = set()
+
+    @property
+    def inlined(self) -> int:
+        return len(self.lake.files)
+
+    def label(self, piece: int) -> str:
+        return "the rows inlined in the catalog" if piece == self.inlined else self.lake.files[piece].path
+
+    def _bind_where(self) -> list[str]:
+        """The columns ``where`` needs: the scalar ones if it binds to them alone, else all."""
+        empty = empty_table(self.lake.columns).drop_columns([ROW_ID])
+        scalar = [n for n, t in self.types.items() if not pa.types.is_nested(t)]
+        con = duckdb.connect()
+        for names in (scalar, list(self.types)):
+            con.register("cells", empty.select(names))
+            try:
+                con.execute(f"SELECT ({self.where}) FROM cells LIMIT 0")
+                return names
+            except duckdb.Error as e:
+                error = e
+        msg = f"--where {self.where!r} cannot be applied to {self.lake.describe()}: {str(error).splitlines()[0]}"
+        raise DataValidationError(msg) from error
+
+    # -- before any data file is read ------------------------------------------------------------
+
+    def prune(self) -> None:
+        """Files whose rows all fail ``where``, known from partition values or equal min/max
+        statistics (every row holds the same value), without opening them."""
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, f in enumerate(self.lake.files):
+            if f.constants:
+                groups.setdefault(tuple(sorted(f.constants)), []).append(i)
+        types = {c.name: c.sql_type for c in self.lake.columns}
+        con = duckdb.connect()
+        for names, members in groups.items():
+            if any(n not in types for n in names):
+                continue
+            rows = ", ".join(
+                "("
+                + ", ".join(
+                    [
+                        str(i),
+                        *(f"CAST({_literal(self.lake.files[i].constants[n])} AS {types[n]})" for n in names),
+                    ]
+                )
+                + ")"
+                for i in members
+            )
+            header = ", ".join(["__piece", *(sql_ident(n) for n in names)])
+            try:
+                passing = con.execute(
+                    f"SELECT __piece FROM (VALUES {rows}) cells({header}) WHERE coalesce(({self.where}), false)"
+                ).fetchall()
+            except duckdb.Error:
+                continue  # it needs other columns: these files are read
+            self.pruned |= set(members) - {p for (p,) in passing}
+
+    def check_files(self) -> None:
+        """Every data and delete file still read is there, with the size (and footer size) the
+        catalog recorded; then the deleted positions are read."""
+        for i, f in enumerate(self.lake.files):
+            if i in self.pruned:
+                continue
+            self._check(f.path, f.file_size_bytes, f.footer_size, "data file")
+            if f.delete is not None:
+                self._check(f.delete.path, f.delete.file_size_bytes, f.delete.footer_size, "delete file")
+                self.deletes[i] = self._read_deletes(f)
+
+    def _check(self, path: str, size: int | None, footer: int | None, what: str) -> None:
+        where = f"{what} {path} of {self.lake.describe()}"
+        try:
+            if is_remote(path):
+                with as_input_path(path).open() as handle:
+                    actual = handle.size
+                    handle.seek(max(actual - 8, 0))
+                    tail = handle.read(8)
+            else:
+                actual = os.path.getsize(path)
+                with open(path, "rb") as handle:
+                    handle.seek(max(actual - 8, 0))
+                    tail = handle.read(8)
+        except (OSError, FileNotFoundError) as e:
+            msg = f"{where} is missing ({e.__class__.__name__}); restore it, or materialize a snapshot that does not use it"
+            raise DataValidationError(msg) from e
+        except Exception as e:  # the object store's own errors
+            if "not found" not in str(e).lower():
+                raise
+            msg = f"{where} is missing; restore it, or materialize a snapshot that does not use it"
+            raise DataValidationError(msg) from e
+        if size is not None and actual != size:
+            msg = (
+                f"{where} is {actual:,} bytes but the catalog recorded {size:,}: it changed since it was "
+                "committed; restore the committed file, or materialize a snapshot that does not use it"
+            )
+            raise DataValidationError(msg)
+        stored = int.from_bytes(tail[:4], "little") if len(tail) == 8 and tail[4:] == PARQUET_MAGIC else None
+        if footer is not None and stored != footer:
+            msg = (
+                f"{where} has a parquet footer of {stored} bytes but the catalog recorded {footer}: it changed "
+                "since it was committed; restore the committed file, or materialize a snapshot that does not use it"
+            )
+            raise DataValidationError(msg)
+
+    def _read_deletes(self, f: DataFile) -> np.ndarray:
+        try:
+            pos = pq.read_table(_open(f.delete.path), columns=["pos"]).column("pos").to_numpy()
+        except (OSError, pa.ArrowException, KeyError) as e:
+            msg = f"cannot read delete file {f.delete.path} of {self.lake.describe()}: {e}"
+            raise DataValidationError(msg) from e
+        pos = np.unique(pos.astype(np.int64))
+        if len(pos) != f.delete.delete_count or (len(pos) and (pos[0] < 0 or pos[-1] >= f.record_count)):
+            msg = (
+                f"delete file {f.delete.path} of {self.lake.describe()} lists {len(pos):,} positions in "
+                f"0..{f.record_count - 1:,} where the catalog counts {f.delete.delete_count:,}; restore the committed file"
+            )
+            raise DataValidationError(msg)
+        return pos
+
+    # -- runs and kept rows ------------------------------------------------------------------------
+
+    def runs(self) -> list[Run]:
+        """Every (unpruned) piece's runs, in row-id order."""
+        keyed: list[tuple[int, int, Run]] = []
+        for i, f in enumerate(self.lake.files):
+            if i in self.pruned or f.record_count == 0:
+                continue
+            ids = self._internal(i, INTERNAL_ROW_ID) if f.partial else None
+            if ids is None:
+                start = f.row_id_start if f.row_id_start is not None else (1 << 62) + f.data_file_id
+                keyed.append((start, i, (i, 0, f.record_count)))
+            else:
+                keyed += [(int(ids[a]), i, (i, a, b)) for a, b in _consecutive(ids)]
+        ids = self.lake.inlined.column(ROW_ID).to_numpy()
+        keyed += [(int(ids[a]), self.inlined, (self.inlined, a, b)) for a, b in _consecutive(ids)]
+        keyed.sort()
+        return [run for _, _, run in keyed]
+
+    def _internal(self, piece: int, name: str) -> np.ndarray | None:
+        f = self.lake.files[piece]
+        try:
+            reader = pq.ParquetFile(_open(f.path))
+            if name not in reader.schema_arrow.names:
+                return None
+            return reader.read(columns=[name]).column(name).to_numpy()
+        except (OSError, pa.ArrowException) as e:
+            msg = f"cannot read {f.path} of {self.lake.describe()}: {e}"
+            raise DataValidationError(msg) from e
+
+    def visible(self, piece: int) -> np.ndarray | None:
+        """Which rows of a merged file were committed by the snapshot (None: all)."""
+        f = self.lake.files[piece]
+        if not f.partial:
+            return None
+        snaps = self._internal(piece, INTERNAL_SNAPSHOT)
+        if snaps is not None:
+            return snaps <= self.lake.snapshot
+        counts = [tuple(int(x) for x in item.split(":")) for item in f.partial.split("|") if ":" in item]
+        upto = max((n for s, n in counts if s <= self.lake.snapshot), default=0)
+        return np.arange(f.record_count) < upto
+
+    def kept(self, piece: int) -> np.ndarray | None:
+        """The rows of a piece kept (None: all), reading the columns ``where`` needs if it has one."""
+        keep = None
+        if piece < self.inlined:
+            keep = self.visible(piece)
+            if self.deletes[piece] is not None:
+                keep = np.ones(self.lake.files[piece].record_count, bool) if keep is None else keep
+                keep[self.deletes[piece]] = False
+        if self.where:
+            passed = [self.passes(rb) for _, rb in self.read(piece, 0, None, self.where_columns)]
+            mask = np.concatenate(passed) if passed else np.zeros(0, bool)
+            keep = mask if keep is None else keep & mask
+        return keep
+
+    def passes(self, rb: pa.RecordBatch, con: duckdb.DuckDBPyConnection | None = None) -> np.ndarray:
+        con = con or duckdb.connect()
+        con.register("cells", rb.select(self.where_columns))
+        try:
+            out = con.execute(f"SELECT coalesce(({self.where}), false) FROM cells").fetchnumpy()
+        except duckdb.Error as e:
+            msg = f"--where {self.where!r} failed on {self.lake.describe()}: {str(e).splitlines()[0]}"
+            raise DataValidationError(msg) from e
+        finally:
+            con.unregister("cells")
+        return np.asarray(next(iter(out.values())), dtype=bool)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def read(
+        self,
+        piece: int,
+        lo: int,
+        hi: int | None,
+        names: list[str],
+        *,
+        batch_cells: int = 8192,
+        threads: int | None = None,
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """Positions ``[lo, hi)`` of a piece as (first position, batch of the columns ``names``)."""
+        if piece == self.inlined:
+            table = self.lake.inlined.select(names)
+            end = table.num_rows if hi is None else hi
+            for a in range(lo, end, batch_cells):
+                for rb in table.slice(a, min(batch_cells, end - a)).combine_chunks().to_batches():
+                    yield a, rb
+                    a += rb.num_rows
+            return
+        f = self.lake.files[piece]
+        try:
+            yield from self._read_file(
+                f, lo, f.record_count if hi is None else hi, names, batch_cells, threads
+            )
+        except (OSError, pa.ArrowException) as e:
+            msg = f"cannot read {f.path} of {self.lake.describe()}: {e}"
+            raise DataValidationError(msg) from e
+
+    def _read_file(self, f: DataFile, lo: int, hi: int, names: list[str], batch_cells: int, threads):
+        reader = pq.ParquetFile(_open(f.path))  # read, not mapped: a file cut short raises, not SIGBUS
+        stored = _field_names(reader.schema_arrow, f.names)
+        by_name = {c.name: c for c in self.lake.columns}
+        read = list(
+            dict.fromkeys(stored[by_name[n].column_id] for n in names if by_name[n].column_id in stored)
+        )
+        fill = {n: self._constant(f, by_name[n]) for n in names if by_name[n].column_id not in stored}
+        sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        groups = [g for g in range(len(sizes)) if starts[g] < hi and starts[g + 1] > lo]
+        row = int(starts[groups[0]]) if groups else lo
+        batches = reader.iter_batches(
+            batch_cells, row_groups=groups, columns=read, use_threads=threads is None or threads > 1
+        )
+        for rb in batches:
+            a, b = max(lo - row, 0), min(hi - row, rb.num_rows)
+            if a < b:
+                part = rb.slice(a, b - a)
+                columns = []
+                for n in names:
+                    if n in fill:
+                        columns.append(fill[n].take(np.zeros(b - a, np.int64)))
+                    else:
+                        columns.append(_conform(part.column(stored[by_name[n].column_id]), self.types[n]))
+                yield row + a, pa.RecordBatch.from_arrays(columns, names=names)
+            row += rb.num_rows
+
+    def _constant(self, f: DataFile, column: Column) -> pa.Array:
+        """One value of a column a file does not store: its partition value, else the column's
+        initial default (null without one)."""
+        value = f.partition.get(column.column_id, column.initial_default)
+        literal = "NULL" if value is None else _literal(value)
+        return (
+            duckdb.connect()
+            .sql(f"SELECT CAST({literal} AS {column.sql_type}) AS v")
+            .to_arrow_table()
+            .column(0)
+            .combine_chunks()
+        )
+
+    def read_all(self, names: list[str] | None = None) -> pa.Table:
+        """Every kept row (a small table: the gene table), in row-id order."""
+        names = list(self.types) if names is None else names
+        pieces = []
+        for piece, lo, hi in self.runs():
+            keep = self.kept(piece)
+            for first, rb in self.read(piece, lo, hi, names):
+                if keep is not None:
+                    rb = rb.filter(pa.array(keep[first : first + rb.num_rows]))
+                pieces.append(rb)
+        if not pieces:
+            return empty_table(self.lake.columns).select(names)
+        return pa.Table.from_batches(pieces)
+
+
+def _open(path: str):
+    return as_input_path(path).open() if is_remote(path) else path
+
+
+def _literal(value: str) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _field_names(schema: pa.Schema, mapping: dict[int, str] | None) -> dict[int, str]:
+    """Field id → top-level column name of a data file (its parquet field ids, or the catalog's name
+    mapping for a file written without them)."""
+    if mapping is not None:
+        return {fid: name for fid, name in mapping.items() if name in schema.names}
+    out = {}
+    for field in schema:
+        if field.metadata and FIELD_ID in field.metadata:
+            out[int(field.metadata[FIELD_ID])] = field.name
+    return out
+
+
+def _conform(array: pa.Array, target: pa.DataType) -> pa.Array:
+    """A stored column as the snapshot's type (a promoted type, a dictionary decoded); list columns
+    whose values already match are kept as they are (their child field's name aside)."""
+    if array.type == target:
+        return array
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    if (
+        (pa.types.is_list(array.type) or pa.types.is_large_list(array.type))
+        and pa.types.is_list(target)
+        and array.type.value_type == target.value_type
+    ):
+        return array
+    return array.cast(target)
+
+
+def _consecutive(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Position ranges over which ``ids`` go up by one."""
+    if len(ids) == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    edges = [0, *cuts.tolist(), len(ids)]
+    return list(zip(edges[:-1], edges[1:], strict=True))

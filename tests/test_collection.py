@@ -1,0 +1,307 @@
+"""Collections: several sources with different gene sets as one dataset, genes unified by Ensembl id,
+what each source measured kept and served beside the values."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import scipy.sparse as sp
+from conftest import write_legacy_h5ad
+
+import omicsio_jax as oj
+from materialize import InputOptions, Layout, Sources, materialize
+from materialize._cli import main
+
+
+def _ensg(i: int, version: str = "") -> str:
+    return f"ENSG{i:011d}{version}"
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three sources, each with its own genes: a current .h5ad (Ensembl ids with versions in gene_ids,
+    symbols as index: genes 20..69), a pre-0.7 .h5ad (raw: genes 0..44) and a parquet table with a
+    gene table (genes 60..99). Returns the folder and, per source, (cell ids, gene ids, csr matrix)."""
+    import anndata as ad
+
+    d = tmp_path_factory.mktemp("sources")
+    rng = np.random.default_rng(7)
+    x = sp.random(200, 50, density=0.2, format="csr", random_state=1, dtype=np.float32)
+    x.data = np.ceil(x.data * 10)
+    genes = range(20, 70)
+    var = pd.DataFrame(
+        {"gene_ids": [_ensg(i, ".3") for i in genes], "feature_name": [f"G{i}" for i in genes]},
+        index=[f"G{i}" for i in genes],
+    )
+    obs = pd.DataFrame(
+        {"donor_id": pd.Categorical(rng.choice(["d1", "d2"], 200))}, index=[f"c{i}" for i in range(200)]
+    )
+    ad.AnnData(X=x, obs=obs, var=var).write_h5ad(d / "current.h5ad")
+    write_legacy_h5ad(d / "legacy.h5ad", np.random.default_rng(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's OldFormatWarning
+        legacy = ad.read_h5ad(d / "legacy.h5ad")
+    rows = []
+    for i in range(150):
+        k = int(rng.integers(0, 12))
+        tokens = np.sort(rng.choice(40, k, replace=False))
+        rows.append((f"p{i}", tokens.tolist(), rng.integers(1, 9, k).astype(np.float32).tolist()))
+    pq.write_table(
+        pa.table(
+            {
+                "cell_id": [r[0] for r in rows],
+                "gene_token_id": [r[1] for r in rows],
+                "gene_expression": pa.array([r[2] for r in rows], pa.list_(pa.float32())),
+                "plate": ["P1"] * 150,
+            }
+        ),
+        d / "plate.parquet",
+    )
+    pq.write_table(
+        pa.table({"gene_token_id": np.arange(40), "ensembl_id": [_ensg(i) for i in range(60, 100)]}),
+        d / "gene_metadata.parquet",
+    )
+    indptr = np.concatenate([[0], np.cumsum([len(r[1]) for r in rows])])
+    plate = sp.csr_matrix(
+        (np.concatenate([r[2] for r in rows]), np.concatenate([r[1] for r in rows]).astype(int), indptr),
+        shape=(150, 40),
+    )
+    return d, {
+        "current": ([f"c{i}" for i in range(200)], [_ensg(i) for i in genes], x),
+        "legacy": (list(legacy.obs_names), list(legacy.raw.var["gene_ids"]), legacy.raw.X.tocsr()),
+        "plate": ([r[0] for r in rows], [_ensg(i) for i in range(60, 100)], plate),
+    }
+
+
+def _sources_file(d, name="sources.csv"):
+    pd.DataFrame(
+        {
+            "path": ["current.h5ad", "legacy.h5ad", "plate.parquet"],
+            "dataset_id": ["current", "legacy", "plate"],
+            "raw": [None, True, None],
+            "assay": ["10x 3' v3", "Smart-seq2", "10x 3' v3"],
+            "donor_id": [None, "d7", None],
+        }
+    ).to_csv(d / name, index=False)
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def collection(sources, tmp_path_factory):
+    d, _ = sources
+    out = tmp_path_factory.mktemp("collection") / "ds"
+    materialize(
+        Sources.read(_sources_file(d)), out, layout=Layout(shard_cells=128), progress=False, workers=1
+    )
+    return out
+
+
+def _dense(ds, rows):
+    indptr, indices, values = ds.read_csr(np.asarray(rows))
+    return sp.csr_matrix((values, indices, indptr), shape=(len(rows), ds.num_genes)).toarray()
+
+
+def test_every_cell_reads_back_as_its_source_holds_it_in_the_unified_genes(collection, sources):
+    _, expected = sources
+    ds = oj.open_dataset(collection)
+    assert ds.num_cells == 470
+    ensembl = ds.features["ensembl_id"].tolist()
+    # the union in order of first appearance: the first source's genes keep their order
+    assert ensembl == [_ensg(i) for i in range(20, 70)] + [_ensg(i) for i in range(20)] + [
+        _ensg(i) for i in range(70, 100)
+    ]
+    labels = ds.obs["dataset_id"].labels()
+    first = 0
+    for name, (cell_ids, gene_ids, matrix) in expected.items():
+        rows = np.arange(first, first + len(cell_ids))
+        assert ds.cell_ids[rows].tolist() == cell_ids
+        assert set(labels[rows]) == {name}
+        columns = [ensembl.index(g) for g in gene_ids]
+        want = np.zeros((len(rows), ds.num_genes), np.float32)
+        want[:, columns] = matrix.toarray()
+        np.testing.assert_array_equal(_dense(ds, rows), want)
+        first += len(rows)
+    assert ds.manifest.values == "counts"
+    assert [s["dataset_id"] for s in ds.manifest.source["sources"]] == ["current", "legacy", "plate"]
+
+
+def test_obs_of_the_sources_and_of_the_sources_file(collection):
+    ds = oj.open_dataset(collection)
+    assay = ds.obs["assay"].labels()
+    assert set(assay[:200]) == {"10x 3' v3"} and set(assay[200:320]) == {"Smart-seq2"}
+    donor = ds.obs["donor_id"].labels()
+    assert set(donor[:200]) == {"d1", "d2"}  # the source's own column
+    assert set(donor[200:320]) == {"d7"}  # the sources file's value, for a source without one
+    assert (ds.obs["donor_id"].codes[320:] == -1).all()  # neither: missing
+    assert set(ds.obs["plate"].labels()[320:]) == {"P1"}
+    assert (ds.obs["plate"].codes[:320] == -1).all()
+    cell_type = ds.obs["cell_type"].labels()  # the legacy file's categories from uns
+    assert set(cell_type[200:320]) <= {"B", "NK", "T"}
+
+
+def test_presence_says_which_genes_each_source_measured(collection, sources):
+    _, expected = sources
+    ds = oj.open_dataset(collection)
+    ensembl = ds.features["ensembl_id"].tolist()
+    assert ds.presence.dataset_ids == ("current", "legacy", "plate")
+    for name, (_, gene_ids, _) in expected.items():
+        measured = ds.measured_genes(name)
+        assert sorted(np.flatnonzero(measured)) == sorted(ensembl.index(g) for g in gene_ids)
+    with pytest.raises(KeyError, match="no source 'other' in this collection; it has current, legacy, plate"):
+        ds.measured_genes("other")
+    assert oj.verify_dataset(collection) == []
+
+
+def test_the_same_sources_give_the_same_bytes_whatever_the_workers(collection, sources, tmp_path):
+    d, _ = sources
+    out = tmp_path / "two"
+    materialize(
+        Sources.read(_sources_file(d)), out, layout=Layout(shard_cells=128), progress=False, workers=2
+    )
+    a, b = oj.open_dataset(collection).manifest, oj.open_dataset(out).manifest
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+    assert a.fingerprint == b.fingerprint
+
+
+def test_dense_measured_masks_what_the_source_did_not_measure(collection):
+    ds = oj.open_dataset(collection)
+    loader = oj.make_loader(ds, batch_size=32, output=oj.Dense(measured=True), seed=3, num_epochs=1)
+    batches = list(loader)
+    assert len(batches) == 470 // 32
+    for batch in batches:
+        values, measured = np.asarray(batch.x["values"]), np.asarray(batch.x["measured"])
+        assert measured.dtype == bool and measured.shape == values.shape
+        rows = np.asarray(batch.index)
+        np.testing.assert_array_equal(measured, ds.presence.measured[ds.presence.sources_of(rows)])
+        assert not values[~measured].any()  # an unmeasured gene never holds a value
+        assert batch.x["measured"].sharding == batch.x["values"].sharding
+
+
+def test_csr_measured_carries_each_rows_source_and_gathers_masks_on_device(collection):
+    ds = oj.open_dataset(collection)
+    loader = oj.make_loader(ds, batch_size=32, output=oj.CSR(measured=True), seed=3)
+    batch = next(iter(loader))
+    rows = np.asarray(batch.index)
+    sources = np.asarray(batch.x.sources)
+    np.testing.assert_array_equal(sources, np.searchsorted([0, 200, 320], rows, side="right") - 1)
+    mask = loader.measured_mask(batch.x)
+    np.testing.assert_array_equal(np.asarray(mask), ds.presence.measured[sources])
+    dense = np.asarray(loader.densify(batch.x))
+    assert not dense[~np.asarray(mask)].any()
+
+
+def test_a_mixture_over_the_sources(collection):
+    ds = oj.open_dataset(collection)
+    weights = {"current": 0.5, "legacy": 0.25, "plate": 0.25}
+    mixture = oj.Mixture(by="dataset_id", weights=weights, block_size=1, fetch_factor=4)
+    loader = oj.make_loader(ds, batch_size=32, sampling=mixture, obs=["dataset_id"], seed=0, num_epochs=8)
+    codes = np.concatenate([np.asarray(b.obs["dataset_id"])[np.asarray(b.mask)] for b in loader])
+    shares = np.bincount(codes, minlength=3) / len(codes)
+    categories = ds.obs["dataset_id"].categories
+    for name, weight in weights.items():  # 3,584 draws: a share's standard error is under 0.01
+        assert shares[categories.index(name)] == pytest.approx(weight, abs=0.04)
+
+
+def test_one_source_versions_and_duplicates(tmp_path, capsys):
+    """Two columns of one Ensembl id (two versions) are summed and reported; intersection keeps the
+    genes every source measured; a given gene list fixes genes and order."""
+    import anndata as ad
+
+    x = sp.csr_matrix(np.array([[1, 2, 0, 3], [0, 5, 7, 0]], np.float32))
+    var = pd.DataFrame(index=[_ensg(1, ".1"), _ensg(1, ".2"), _ensg(2), _ensg(3)])
+    ad.AnnData(X=x, obs=pd.DataFrame(index=["a", "b"]), var=var).write_h5ad(tmp_path / "dup.h5ad")
+    y = sp.csr_matrix(np.array([[4, 0], [0, 6]], np.float32))
+    var = pd.DataFrame(index=[_ensg(3), _ensg(9)])
+    ad.AnnData(X=y, obs=pd.DataFrame(index=["c", "d"]), var=var).write_h5ad(tmp_path / "other.h5ad")
+    paths = [tmp_path / "dup.h5ad", tmp_path / "other.h5ad"]
+    materialize(paths, tmp_path / "u", progress=False, workers=1)
+    assert "dup (" in capsys.readouterr().err  # the summed duplicates are reported, naming the source
+    ds = oj.open_dataset(tmp_path / "u")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(1), _ensg(2), _ensg(3), _ensg(9)]
+    np.testing.assert_array_equal(
+        _dense(ds, [0, 1, 2, 3]), [[3, 0, 3, 0], [5, 7, 0, 0], [0, 0, 4, 0], [0, 0, 0, 6]]
+    )
+    materialize(paths, tmp_path / "i", read=InputOptions(genes="intersection"), progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "i")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(3)]
+    np.testing.assert_array_equal(_dense(ds, [0, 1, 2, 3]), [[3], [0], [4], [0]])
+    (tmp_path / "genes.txt").write_text(f"{_ensg(9)}\n{_ensg(1)}.5\n")
+    materialize(
+        paths, tmp_path / "g", read=InputOptions(genes=str(tmp_path / "genes.txt")), progress=False, workers=1
+    )
+    ds = oj.open_dataset(tmp_path / "g")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(9), _ensg(1)]
+    np.testing.assert_array_equal(_dense(ds, [0, 1, 2, 3]), [[0, 3], [0, 5], [0, 0], [6, 0]])
+
+
+def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, capsys):
+    import anndata as ad
+
+    var = pd.DataFrame({"gene_ids": [_ensg(1), _ensg(2)]}, index=["TP53", "CD4"])
+    ad.AnnData(
+        X=sp.csr_matrix(np.eye(2, dtype=np.float32)), obs=pd.DataFrame(index=["a", "b"]), var=var
+    ).write_h5ad(tmp_path / "ids.h5ad")
+    var = pd.DataFrame(index=["CD4", "NEW1"])
+    ad.AnnData(
+        X=sp.csr_matrix(np.eye(2, dtype=np.float32) * 2), obs=pd.DataFrame(index=["c", "d"]), var=var
+    ).write_h5ad(tmp_path / "symbols.h5ad")
+    materialize(
+        [tmp_path / "ids.h5ad", tmp_path / "symbols.h5ad"], tmp_path / "out", progress=False, workers=1
+    )
+    err = capsys.readouterr().err
+    assert (
+        "has no Ensembl ids: its 2 genes were matched by symbol (gene_name), 1 to another source's Ensembl id"
+        in err
+    )
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(1), _ensg(2), None]
+    assert ds.features["gene_name"].tolist() == ["TP53", "CD4", "NEW1"]
+    np.testing.assert_array_equal(_dense(ds, [2, 3]), [[0, 2, 0], [0, 0, 2]])
+    assert ds.manifest.source["sources"][1]["matched_by"] == "symbol"
+
+
+def test_bad_collections_say_what_and_write_nothing(sources, tmp_path):
+    d, _ = sources
+    pq.write_table(
+        pa.table({"cell_id": ["x"], "gene_token_id": [[0]], "gene_expression": [[1.0]]}),
+        tmp_path / "bare.parquet",
+    )
+    out = tmp_path / "out"
+    with pytest.raises(
+        oj.DataValidationError, match=r"bare \(.*\) has no gene id column: .*--gene-id-column"
+    ):
+        materialize([d / "plate.parquet", tmp_path / "bare.parquet"], out, progress=False)
+    with pytest.raises(oj.OmicsIOError, match="dataset id.* plate name more than one source"):
+        materialize([d / "plate.parquet", d / "plate.parquet"], out, progress=False)
+    with pytest.raises(oj.OmicsIOError, match="a collection takes no --where"):
+        materialize(
+            [d / "plate.parquet", d / "current.h5ad"], out, read=InputOptions(where="true"), progress=False
+        )
+    with pytest.raises(oj.DataValidationError, match="has no text column 'nope'"):
+        materialize(
+            [d / "plate.parquet", d / "current.h5ad"],
+            out,
+            read=InputOptions(gene_id_column="nope"),
+            progress=False,
+        )
+    assert not out.exists()
+
+
+def test_the_command_line_takes_several_inputs_or_a_sources_file(sources, tmp_path, capsys):
+    d, _ = sources
+    out = tmp_path / "cli"
+    args = [str(d / "current.h5ad"), str(d / "plate.parquet"), str(out), "--no-progress", "--workers", "1"]
+    assert main(args) == 0
+    ds = oj.open_dataset(out)
+    assert ds.presence.dataset_ids == ("current", "plate") and ds.num_cells == 350
+    assert main(["--sources", str(_sources_file(d, "s.csv")), str(tmp_path / "s"), "--no-progress"]) == 0
+    assert oj.open_dataset(tmp_path / "s").num_cells == 470
+    assert (
+        main([str(d / "plate.parquet"), str(d / "plate.parquet"), str(tmp_path / "x"), "--no-progress"]) == 2
+    )
+    assert "name more than one source" in capsys.readouterr().err
