@@ -148,7 +148,14 @@ class MemberMap:
     lut: np.ndarray
     rank_col: np.ndarray
     ordered: bool
-    measured: np.ndarray  # bool over the unified columns
+    num_columns: int
+
+    @property
+    def measured(self) -> np.ndarray:
+        """Bool over the unified columns: the genes this source measured."""
+        out = np.zeros(self.num_columns, bool)
+        out[self.rank_col] = True
+        return out
 
     def remap(self, indptr: np.ndarray, tokens: np.ndarray, values: np.ndarray, locate) -> tuple:
         """A batch's rows in unified columns, sorted within rows, duplicates summed; a token that is no
@@ -236,12 +243,9 @@ def member_map(tokens: np.ndarray, cols: np.ndarray, num_columns: int) -> Member
     ranks[order] = np.arange(len(order), dtype=np.int32)
     lut[tokens] = _DROPPED
     lut[tokens[kept]] = ranks
-    rank_col = cols[kept][order].astype(np.int64)
-    kept_cols = cols[kept]
-    ordered = bool(np.all(np.diff(kept_cols) > 0))
-    measured = np.zeros(num_columns, bool)
-    measured[kept_cols] = True
-    return MemberMap(lut, rank_col, ordered, measured)
+    rank_col = cols[kept][order].astype(np.int32)
+    ordered = bool(np.all(np.diff(cols[kept]) > 0))
+    return MemberMap(lut, rank_col, ordered, num_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +316,7 @@ class GeneSpace:
             members.append(
                 {
                     "genes": len(ids),
-                    "measured": int(maps[-1].measured.sum()),
+                    "measured": len(np.unique(maps[-1].rank_col)),
                     "matched_by": k.by,
                     "gene_id_column": k.column,
                     "duplicates_summed": duplicates,

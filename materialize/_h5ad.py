@@ -327,7 +327,10 @@ class H5adSource(Source):
         legacy = "h5sparse_format" in m.attrs and "encoding-type" not in m.attrs
         self._sparse = f"{_text(m.attrs['h5sparse_format'])}_matrix" if legacy else _encoding(m)
         if self._sparse not in ("csr_matrix", "csc_matrix"):
-            msg = f"{self.path}: matrix {m.name} has unsupported encoding {self._sparse!r}"
+            msg = (
+                f"{self.path}: matrix {m.name} has encoding {self._sparse!r}, which is read as csr_matrix, "
+                "csc_matrix or a dense array; rewrite it with anndata (adata.X = scipy.sparse.csr_matrix(adata.X))"
+            )
             raise DataValidationError(msg)
         shape = m.attrs["h5sparse_shape" if legacy else "shape"]
         return int(shape[0]), int(shape[1])

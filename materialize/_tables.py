@@ -281,6 +281,12 @@ class TableSource(Source):
         """Pickled for partition workers without the DuckDB connection (each worker opens its own)."""
         return {**self.__dict__, "_con": None}
 
+    def close(self) -> None:
+        """Release the DuckDB connection (a read opens another where it needs one)."""
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
     def plan(self, shard_cells: int) -> list[Partition]:
         """The partitions of this input: by the files' row counts, or (with ``--where``) by the rows
         that pass the filter, found in one pass over the filter's columns; a ``--query`` is one."""

@@ -246,14 +246,22 @@ def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, c
     ad.AnnData(
         X=sp.csr_matrix(np.eye(2, dtype=np.float32)), obs=pd.DataFrame(index=["a", "b"]), var=var
     ).write_h5ad(tmp_path / "ids.h5ad")
+    var = pd.DataFrame({"gene_ids": [_ensg(1)], "feature_name": ["P53"]}, index=["P53"])
+    ad.AnnData(
+        X=sp.csr_matrix(np.ones((1, 1), np.float32)), obs=pd.DataFrame(index=["e"]), var=var
+    ).write_h5ad(tmp_path / "renamed.h5ad")
     var = pd.DataFrame(index=["CD4", "NEW1"])
     ad.AnnData(
         X=sp.csr_matrix(np.eye(2, dtype=np.float32) * 2), obs=pd.DataFrame(index=["c", "d"]), var=var
     ).write_h5ad(tmp_path / "symbols.h5ad")
-    materialize(
-        [tmp_path / "ids.h5ad", tmp_path / "symbols.h5ad"], tmp_path / "out", progress=False, workers=1
-    )
+    sources = [tmp_path / "ids.h5ad", tmp_path / "symbols.h5ad", tmp_path / "renamed.h5ad"]
+    materialize(sources, tmp_path / "out", progress=False, workers=1)
     err = capsys.readouterr().err
+    # one Ensembl id, two symbols: reported, not fatal (matched by the id, the first symbol kept)
+    assert (
+        "1 Ensembl id(s) carry different symbols in different sources (matched by id, first symbol kept), "
+        f"e.g. {_ensg(1)} is TP53 before, P53 in renamed" in err
+    )
     assert (
         "has no Ensembl ids: its 2 genes were matched by symbol (gene_name), 1 to another source's Ensembl id"
         in err
@@ -261,7 +269,7 @@ def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, c
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.features["ensembl_id"].tolist() == [_ensg(1), _ensg(2), None]
     assert ds.features["gene_name"].tolist() == ["TP53", "CD4", "NEW1"]
-    np.testing.assert_array_equal(_dense(ds, [2, 3]), [[0, 2, 0], [0, 0, 2]])
+    np.testing.assert_array_equal(_dense(ds, [2, 3, 4]), [[0, 2, 0], [0, 0, 2], [1, 0, 0]])
     assert ds.manifest.source["sources"][1]["matched_by"] == "symbol"
 
 

@@ -370,3 +370,20 @@ def test_anndata_zarr_stores_read_as_anndata_reads_them(corpus_table, tmp_path, 
     np.testing.assert_array_equal(z.obs["total_counts"], back.obs["total_counts"].to_numpy())
     assert z.features["ensembl_id"].tolist() == list(back.var["gene_ids"])
     assert z.manifest.source["kind"] == "h5ad" and z.manifest.source["input"].endswith("x.zarr")
+
+
+def test_a_matrix_in_an_encoding_not_read_is_a_one_line_error(tmp_path):
+    import anndata as ad
+    import h5py
+
+    adata = ad.AnnData(X=np.ones((3, 2), np.float32), obs=pd.DataFrame(index=["a", "b", "c"]))
+    adata.write_h5ad(tmp_path / "x.h5ad")
+    with h5py.File(tmp_path / "x.h5ad", "r+") as f:
+        del f["X"]
+        group = f.create_group("X")
+        group.attrs["encoding-type"], group.attrs["shape"] = "coo_matrix", (3, 2)
+    with pytest.raises(
+        oj.DataValidationError, match=r"x.h5ad: matrix /X has encoding 'coo_matrix', .*rewrite it"
+    ) as e:
+        materialize(tmp_path / "x.h5ad", tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
