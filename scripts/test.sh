@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,lint,docs
+scripts/setup-reference.sh  # torch references for tests/test_reference_models.py, in .venv-reference
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports

@@ -121,3 +121,34 @@ def test_pretrain_bad_options(dataset_dir, capsys):
         == 2
     )
     assert "--probe-label 'nope' must be a categorical obs column" in capsys.readouterr().err
+
+
+def test_the_loop_fetches_metrics_once_per_window_not_per_step(dataset_dir, monkeypatch):
+    """With --sync-every 4 the losses reach the host in 4 transfers over 9 steps (step 1, steps 2–4,
+    5–8, the last), no step converts its loss on its own, and the logged losses are those of a run that
+    fetches every step."""
+    from jax._src.array import ArrayImpl
+
+    import train._pretrain as loop
+
+    windows, fetch = [], loop.fetch_metrics
+    monkeypatch.setattr(loop, "fetch_metrics", lambda pending: windows.append(len(pending)) or fetch(pending))
+    args = _args(dataset_dir, "scgpt", "--steps", "9", "--seed", "1")[1:]
+    every = pretrain(parse_pretrain_config([*args, "--sync-every", "1"]))
+    assert windows == [1] * 9
+    windows.clear()
+
+    def refuse(self, *a):
+        raise AssertionError("a device array was converted on the host outside fetch_metrics")
+
+    with monkeypatch.context() as m:
+        m.setattr(ArrayImpl, "__float__", refuse)
+        m.setattr(ArrayImpl, "item", refuse)
+        lagged = pretrain(parse_pretrain_config([*args, "--sync-every", "4"]))
+    assert windows == [1, 3, 4, 1]
+    assert [r["step"] for r in lagged.history] == list(range(1, 10))
+    assert [r["loss"] for r in lagged.history] == [r["loss"] for r in every.history]
+    window = [r["step_time_s"] for r in lagged.history[4:8]]  # steps 5–8: one window, its mean step time
+    assert len(set(window)) == 1 and window[0] > 0
+    assert all(0 <= r["data_wait_s"] <= r["step_time_s"] * 4 for r in lagged.history)
+    assert all(r["tokens_per_s"] > 0 and r["padded_slots_per_s"] >= 0 for r in lagged.history)

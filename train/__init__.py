@@ -15,6 +15,8 @@ from ._config import TrainConfig as TrainConfig
 from ._errors import CheckpointMismatchError as CheckpointMismatchError
 from ._errors import PredicateError as PredicateError
 from ._errors import TrainError as TrainError
+from ._hf import PublishedCheckpoint as PublishedCheckpoint
+from ._hf import load_checkpoint as load_checkpoint
 from ._loop import FitResult as FitResult
 from ._loop import fit as fit
 from ._loop import make_data_mesh as make_data_mesh

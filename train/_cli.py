@@ -7,6 +7,9 @@
     omicsio-train out/ ... --checkpoint-dir ckpt/ --checkpoint-format orbax   # Orbax CheckpointManager
     omicsio-train pretrain out/ --tokens geneformer --preset geneformer-v1 --checkpoint-dir pt/
     omicsio-train embed out/ --checkpoint-dir pt/ --out embeddings.npy
+    omicsio-train pretrain out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens
+    omicsio-train embed out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens \
+        --out embeddings.npy
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-prob", type=float, default=None, help="MLM masking rate (default: 0.15)")
     g.add_argument("--vocab", help="vocabulary keyed on Ensembl id (TSV, JSON, parquet or Geneformer pickle)")
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
+    _special_tokens_argument(g)
     g.add_argument(
         "--binning", choices=("scgpt", "tahoe"), default=d.binning, help="scgpt only (default: %(default)s)"
     )
@@ -165,6 +169,12 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-bins", type=int, default=d.n_bins, help="scgpt only (default: %(default)s)")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default: %(default)s")
+    g.add_argument(
+        "--init",
+        metavar="hf:DIR|scgpt:DIR",
+        help="start from a published checkpoint instead of --preset: a Hugging Face BertForMaskedLM "
+        "directory (Geneformer) or an scGPT directory (args.json, best_model.pt, vocab.json)",
+    )
     g.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="default: %(default)s")
     g.add_argument(
@@ -212,8 +222,24 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
     g.add_argument("--metrics", metavar="FILE.jsonl", help="default: DIR/metrics.jsonl")
     g.add_argument("--log-every", type=int, default=d.log_every, metavar="N")
+    g.add_argument(
+        "--sync-every",
+        type=int,
+        default=d.sync_every,
+        metavar="N",
+        help="fetch the loss from the device every N steps (default: %(default)s)",
+    )
     g.add_argument("--quiet", action="store_true")
     return p
+
+
+def _special_tokens_argument(g) -> None:
+    g.add_argument(
+        "--no-special-tokens",
+        dest="special_tokens",
+        action="store_false",
+        help="geneformer: rows without CLS and EOS (Geneformer V1 and its token dictionary)",
+    )
 
 
 def parse_pretrain_config(argv: list[str]):
@@ -245,27 +271,63 @@ def _pretrain(argv: list[str]) -> int:
 def _embed(argv: list[str]) -> int:
     import numpy as np
 
-    from ._pretrain import embed, load_pretrained
+    from ._embed import embed, load_pretrained
+    from ._pretrain_config import PretrainConfig, check_vocabulary, open_init, with_init_vocab
+    from ._transformer import KINDS
 
     p = argparse.ArgumentParser(
         prog=f"{PROG} embed",
-        description="Write one CLS embedding per cell "
-        "(row order, aligned with the dataset's cell ids) from a pretraining checkpoint.",
+        description="Write one cell embedding per cell (row order, aligned with the dataset's cell ids) "
+        "from a pretraining checkpoint or a published one. Tokens are never masked.",
     )
     p.add_argument("dataset")
-    p.add_argument(
-        "--checkpoint-dir", required=True, metavar="DIR", help="an omicsio-train pretrain directory"
-    )
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="an omicsio-train pretrain directory")
+    g.add_argument("--init", metavar="hf:DIR|scgpt:DIR", help="a published checkpoint (Geneformer or scGPT)")
     p.add_argument("--out", required=True, metavar="FILE.npy", help="float32 (cells, width)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
+    p.add_argument(
+        "--pool",
+        choices=("mean", "cls"),
+        default=None,
+        help="mean: the last hidden states averaged over the cell's gene tokens (Geneformer's cell "
+        "embedding); cls: position 0 (scGPT's) (default: mean for geneformer, cls for scgpt)",
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="default: the run's (64 with --init)")
+    g = p.add_argument_group("tokens (with --init)")
+    g.add_argument("--tokens", choices=KINDS, default=None, help="default: the checkpoint's family")
+    g.add_argument("--max-len", type=int, default=None, help="default: 2048 geneformer, 1201 scgpt")
+    g.add_argument("--vocab", help="the checkpoint's token dictionary keyed on Ensembl id")
+    g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
+    _special_tokens_argument(g)
     args = p.parse_args(argv)
-    model, config, meta = load_pretrained(args.checkpoint_dir)
     ds = oj.open_dataset(args.dataset)
-    emb = embed(model, ds, config, batch_size=args.batch_size)
+    if args.checkpoint_dir is not None:
+        model, config, meta = load_pretrained(args.checkpoint_dir)
+        source = f"{config.tokens} {config.init or config.preset}, step {meta['step']}"
+    else:
+        kind = args.tokens or ("scgpt" if args.init.startswith("scgpt:") else "geneformer")
+        config = PretrainConfig(
+            str(ds.path),
+            tokens=kind,
+            max_len=args.max_len,
+            mask_prob=0.0,
+            vocab=args.vocab,
+            medians=args.medians,
+            special_tokens=args.special_tokens,
+            init=args.init,
+        )
+        ckpt = open_init(config)
+        config = with_init_vocab(config, ckpt)
+        probe = oj.make_loader(ds, batch_size=1, output=config.output(masked=False))
+        vocabulary = probe.output.vocabulary
+        probe.close()
+        print(check_vocabulary(config, vocabulary, ckpt, ds))
+        model, source = ckpt.model, f"{kind} from {ckpt.path}"
+    emb = embed(model, ds, config, batch_size=args.batch_size, pool=args.pool)
     np.save(args.out, emb)
     print(
-        f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({config.tokens} {config.preset}, "
-        f"step {meta['step']}), rows aligned with {ds.path}/cell_ids.parquet"
+        f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({source}), "
+        f"rows aligned with {ds.path}/cell_ids.parquet"
     )
     return 0
 

@@ -1,0 +1,163 @@
+"""Cell embeddings of a pretrained model (`embed`), the linear probe that scores them, and the model
+of a pretraining checkpoint directory (`load_pretrained`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import omicsio_jax as oj
+
+from ._errors import TrainError
+from ._loop import open_checkpoints
+from ._pretrain_config import PretrainConfig, build_model
+from ._transformer import make_optimizer
+
+DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
+
+
+def embed(
+    model: eqx.Module,
+    ds: oj.Dataset,
+    config: PretrainConfig,
+    rows: np.ndarray | None = None,
+    *,
+    batch_size: int | None = None,
+    pool: str | None = None,
+    mesh=None,
+) -> np.ndarray:
+    """Cell embeddings ``(len(rows), width)`` float32 of ``rows`` (default: every cell, in row order)
+    from unmasked token batches read in order: the last layer's hidden states averaged over the
+    cell's gene tokens (``pool="mean"``: padding, CLS and EOS left out; Geneformer's cell embedding,
+    its default) or at position 0 (``pool="cls"``: scGPT's cell embedding, its default)."""
+    pool = pool or DEFAULT_POOL[config.tokens]
+    rows = np.arange(ds.num_cells) if rows is None else np.asarray(rows, np.int64)
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size or config.batch_size,
+        sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
+        output=config.output(masked=False),
+        rows=rows,
+        seed=config.seed,
+        num_epochs=1,
+        placement=mesh,
+        read=oj.ReadOptions(num_threads=config.num_threads),
+    )
+    vocabulary = loader.output.vocabulary
+    specials = (vocabulary.cls,) if config.tokens == "scgpt" else ()
+    if config.tokens == "geneformer" and config.special_tokens:
+        specials = (vocabulary.cls, vocabulary.eos)
+    if pool == "cls" and config.tokens == "geneformer" and not config.special_tokens:
+        loader.close()
+        msg = "pool='cls' needs rows that start with CLS; these have none (--no-special-tokens): use pool='mean'"
+        raise TrainError(msg)
+    model = eqx.nn.inference_mode(model)
+    run = eqx.filter_jit(lambda m, x: m.embed(x, pool=pool, special_ids=specials))
+    chunks, index = [], []
+    try:
+        for batch in loader:
+            keep = np.asarray(batch.mask)
+            chunks.append(np.asarray(run(model, batch.x), np.float32)[keep])
+            index.append(np.asarray(batch.index)[keep])
+    finally:
+        loader.close()
+    emb, index = np.concatenate(chunks), np.concatenate(index)
+    return emb[np.argsort(index, kind="stable")]
+
+
+def logistic_probe(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    *,
+    steps: int = 500,
+    l2: float = 1e-3,
+) -> float:
+    """Test accuracy of a multinomial logistic regression (standardized features, full-batch Adam,
+    ``l2`` penalty) fit on the training embeddings."""
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
+    xtr, xte = jnp.asarray((x_train - mu) / sd), jnp.asarray((x_test - mu) / sd)
+    ytr = jnp.asarray(y_train)
+    k = int(max(y_train.max(), y_test.max())) + 1
+    params = (jnp.zeros((xtr.shape[1], k)), jnp.zeros(k))
+    opt = optax.adam(0.05)
+    state = opt.init(params)
+
+    def loss(p):
+        logits = xtr @ p[0] + p[1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ytr).mean() + l2 * jnp.sum(p[0] ** 2)
+
+    @jax.jit
+    def update(p, s):
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(steps):
+        params, state = update(params, state)
+    pred = np.asarray(jnp.argmax(xte @ params[0] + params[1], axis=1))
+    return float(np.mean(pred == y_test))
+
+
+def probe_pretraining(
+    config: PretrainConfig, ds: oj.Dataset, models: dict[str, eqx.Module], mesh=None
+) -> dict:
+    """Linear-probe accuracy of ``config.probe_label`` for each model: ``probe_cells`` labelled cells
+    drawn with the run's seed, the first half to fit, the second half held out."""
+    column = ds.obs.get(config.probe_label)
+    if not isinstance(column, oj.Categorical):
+        msg = f"--probe-label {config.probe_label!r} must be a categorical obs column of {ds.path}"
+        raise TrainError(msg)
+    codes = np.asarray(column.codes)
+    labelled = np.flatnonzero(codes >= 0)
+    rng = np.random.default_rng([config.seed, 0x9B0BE])
+    rows = np.sort(rng.choice(labelled, size=min(config.probe_cells, len(labelled)), replace=False))
+    split = rng.permutation(len(rows))
+    fit_idx, test_idx = split[: len(rows) // 2], split[len(rows) // 2 :]
+    accuracy = {}
+    for name, model in models.items():
+        emb = embed(model, ds, config, rows, mesh=mesh)
+        accuracy[name] = logistic_probe(
+            emb[fit_idx], codes[rows[fit_idx]], emb[test_idx], codes[rows[test_idx]]
+        )
+    return {
+        "label": config.probe_label,
+        "accuracy": accuracy,
+        "fit_cells": len(fit_idx),
+        "test_cells": len(test_idx),
+    }
+
+
+def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainConfig, dict]:
+    """The model of the latest checkpoint in ``checkpoint_dir`` (either format), its config and meta."""
+    root = Path(checkpoint_dir)
+    fmt = "equinox" if any(root.glob("step-*")) else "orbax"
+    store = open_checkpoints(PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt))
+    try:
+        latest = None if store is None else store.latest()
+        if latest is None or "vocab_size" not in latest.meta:
+            msg = f"{root} holds no pretraining checkpoint (written by omicsio-train pretrain)"
+            raise TrainError(msg)
+        saved = {k: v for k, v in latest.meta["config"].items() if k in PretrainConfig.__dataclass_fields__}
+        config = PretrainConfig(**saved)
+        model = build_model(config, latest.meta["vocab_size"], jax.random.key(0))
+        total = latest.meta["total_steps"]
+        optimizer = make_optimizer(
+            config.lr,
+            warmup_steps=min(config.warmup_steps, total - 1),
+            total_steps=total,
+            schedule=config.schedule,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+        )
+        model, _ = latest.load((model, optimizer.init(eqx.filter(model, eqx.is_array))))
+        return model, config, latest.meta
+    finally:
+        if store is not None:
+            store.close()

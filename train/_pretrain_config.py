@@ -1,0 +1,237 @@
+"""The options of a pretraining run (`PretrainConfig`), its token output, and the model it starts
+from: freshly initialised from a preset, or a published checkpoint (``init="hf:DIR"`` /
+``"scgpt:DIR"``) whose vocabulary is checked against the dataset's token space."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import omicsio_jax as oj
+
+from ._errors import TrainError
+from ._hf import PublishedCheckpoint, load_checkpoint
+from ._transformer import KINDS, PRESETS, make_pretrain_model
+
+DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
+_NOT_IDENTITY = (
+    "resume",
+    "checkpoint_dir",
+    "checkpoint_format",
+    "log_every",
+    "sync_every",
+    "quiet",
+    "num_devices",
+    "num_threads",
+    "prefetch",
+    "checkpoint_every",
+    "keep",
+    "metrics",
+    "probe_label",
+    "probe_cells",
+    "peak_tflops",
+    "dataset",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """A pretraining run (``omicsio-train pretrain``). ``tokens``: ``"geneformer"`` or ``"scgpt"``;
+    ``preset``: a `train._transformer.PRESETS` name; ``max_len``: default 2048 (Geneformer V1) or
+    1201 (scGPT); ``steps`` (if set) replaces ``epochs × steps_per_epoch``; ``compute_dtype``:
+    ``"float32"`` or ``"bfloat16"``; ``probe_label``: after training, fit a linear probe of this
+    categorical obs column on frozen cell embeddings (`train._embed.embed`'s default pooling) of
+    ``probe_cells`` cells (half held out), for the trained model and the model it started from.
+    ``init``: start from a published checkpoint, ``"hf:DIR"`` (Geneformer) or ``"scgpt:DIR"``, instead
+    of ``preset``; ``special_tokens``: Geneformer rows with CLS and EOS (False: V1 rows);
+    ``sync_every``: fetch the loss from the device every this many steps (not every step)."""
+
+    dataset: str
+    tokens: str = "geneformer"
+    preset: str = "tiny"
+    max_len: int | None = None
+    mask_prob: float | None = None
+    vocab: str | None = None
+    medians: str | None = None
+    special_tokens: bool = True
+    init: str | None = None
+    binning: str = "scgpt"
+    mask_mode: str = "bernoulli"
+    n_bins: int = 51
+    batch_size: int = 64
+    block_size: int = 16
+    fetch_factor: int = 64
+    epochs: int = 1
+    steps: int | None = None
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    compute_dtype: str = "float32"
+    seed: int = 0
+    num_devices: int | None = None
+    num_threads: int = 1
+    prefetch: int = 2
+    checkpoint_dir: str | None = None
+    checkpoint_format: str = "equinox"
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    metrics: str | None = None
+    log_every: int = 50
+    sync_every: int = 10
+    quiet: bool = False
+    probe_label: str | None = None
+    probe_cells: int = 2000
+    peak_tflops: float | None = None
+
+    def validate(self) -> None:
+        if self.tokens not in KINDS:
+            msg = f"--tokens must be one of {', '.join(KINDS)}; got {self.tokens!r}"
+            raise TrainError(msg)
+        if self.preset not in PRESETS:
+            msg = f"--preset must be one of {', '.join(PRESETS)}; got {self.preset!r}"
+            raise TrainError(msg)
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            msg = f"--compute-dtype must be float32 or bfloat16; got {self.compute_dtype!r}"
+            raise TrainError(msg)
+        for name in ("batch_size", "epochs", "probe_cells", "sync_every"):
+            if getattr(self, name) < 1:
+                msg = f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                raise TrainError(msg)
+
+    @property
+    def length(self) -> int:
+        return self.max_len or DEFAULT_MAX_LEN[self.tokens]
+
+    def output(self, *, masked: bool = True) -> oj.Output:
+        """The token output of this run (``masked=False``: no MLM masking, for embeddings)."""
+        p = (0.15 if self.mask_prob is None else self.mask_prob) if masked else 0.0
+        if self.tokens == "geneformer":
+            return oj.GeneformerTokens(
+                max_len=self.length,
+                special_tokens=self.special_tokens,
+                mask_prob=p,
+                vocab=self.vocab,
+                medians=self.medians,
+            )
+        return oj.ScGPTTokens(
+            max_len=self.length,
+            n_bins=self.n_bins,
+            binning=self.binning,
+            mask_prob=p,
+            mask_mode=self.mask_mode,
+            vocab=self.vocab,
+        )
+
+    def identity(self, fingerprint: str) -> dict:
+        """What a checkpoint must match to be resumed."""
+        saved = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IDENTITY}
+        return {**saved, "dataset_fingerprint": fingerprint}
+
+
+def _dtype(name: str):
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+def max_predictions(config: PretrainConfig) -> int | None:
+    """Geneformer decodes at most this many labelled positions per cell: twice the expected number
+    plus 8 (P(more) is negligible at L ≥ 64), so the vocabulary-wide decoder runs on ~2·p·L rows, not L."""
+    if config.tokens != "geneformer":
+        return None
+    p = 0.15 if config.mask_prob is None else config.mask_prob
+    return min(config.length, math.ceil(2 * p * config.length) + 8)
+
+
+def build_model(config: PretrainConfig, vocab_size: int, key: jax.Array) -> eqx.Module:
+    """The model ``config`` starts from: the checkpoint ``config.init`` (``vocab_size`` and ``key``
+    unused), else a fresh ``config.preset`` model with ``vocab_size`` embedding rows drawn from ``key``."""
+    if config.init is not None:
+        return open_init(config).model
+    return make_pretrain_model(
+        config.tokens,
+        config.preset,
+        vocab_size,
+        config.length,
+        key=key,
+        compute_dtype=_dtype(config.compute_dtype),
+        max_predictions=max_predictions(config),
+    )
+
+
+def open_init(config: PretrainConfig) -> PublishedCheckpoint:
+    """The published checkpoint ``config.init``, built for the run (compute dtype, max predictions),
+    checked against ``config.tokens`` and ``config.length``."""
+    ckpt = load_checkpoint(
+        config.init,
+        compute_dtype=_dtype(config.compute_dtype),
+        max_predictions=max_predictions(config),
+        max_len=config.length if config.tokens == "scgpt" else None,
+    )
+    if ckpt.kind != config.tokens:
+        msg = f"--init {config.init} is a {ckpt.kind} checkpoint but --tokens is {config.tokens}; pass --tokens {ckpt.kind}"
+        raise TrainError(msg)
+    if config.length > ckpt.max_len:
+        msg = (
+            f"--max-len {config.length} exceeds the {ckpt.max_len} positions of {ckpt.path}; "
+            f"pass --max-len {ckpt.max_len} or less"
+        )
+        raise TrainError(msg)
+    return ckpt
+
+
+def with_init_vocab(config: PretrainConfig, ckpt: PublishedCheckpoint) -> PretrainConfig:
+    """``config`` with ``vocab`` set to the checkpoint's token dictionary where none was given."""
+    if config.vocab is not None:
+        return config
+    if ckpt.vocab is None:
+        msg = (
+            f"--init {config.init} needs --vocab FILE: the checkpoint's token dictionary keyed on Ensembl "
+            "ids (Geneformer: token_dictionary_gc*.pkl; a TSV, JSON or parquet of Ensembl id -> token id)"
+        )
+        raise TrainError(msg)
+    return dataclasses.replace(config, vocab=str(ckpt.vocab))
+
+
+def check_vocabulary(config: PretrainConfig, vocabulary: oj.Vocabulary, ckpt: PublishedCheckpoint, ds) -> str:
+    """One-line errors where the dataset's token space does not fit the checkpoint (token ids past its
+    embedding rows; CLS/EOS rows asked of a vocabulary without them); else a line saying how many of
+    the dataset's genes the vocabulary covers and naming the first missing ones."""
+    specials = {"pad": vocabulary.pad, "mask": vocabulary.mask}
+    if config.tokens == "scgpt" or config.special_tokens:
+        specials.update(cls=vocabulary.cls, eos=vocabulary.eos)
+    genes = set(vocabulary.gene_tokens.tolist())
+    if config.tokens == "geneformer" and config.special_tokens:
+        clash = [
+            name
+            for name in ("cls", "eos")
+            if specials[name] in genes or specials[name] in (vocabulary.pad, vocabulary.mask)
+        ]
+        if clash:
+            msg = (
+                f"the vocabulary {vocabulary.source} has no {'/'.join(f'<{c}>' for c in clash)} token of its own "
+                "(Geneformer V1): pass --no-special-tokens"
+            )
+            raise TrainError(msg)
+    top_gene = int(vocabulary.tok.max())
+    name, top = max(
+        [("a gene", top_gene), *((f"<{k}>", v) for k, v in specials.items())], key=lambda kv: kv[1]
+    )
+    if top >= ckpt.vocab_size:
+        msg = (
+            f"the vocabulary {vocabulary.source} gives {name} token id {top}, past the {ckpt.vocab_size} "
+            f"embedding rows of {ckpt.path}: use the token dictionary the checkpoint was trained with"
+        )
+        raise TrainError(msg)
+    missing = np.flatnonzero(vocabulary.tok < 0)
+    line = f"vocabulary {vocabulary.source}: {vocabulary.report}"
+    if len(missing) and "ensembl_id" in ds.features:
+        ids = ds.features["ensembl_id"].to_numpy(dtype=object)[missing[:5]]
+        line += f"; missing e.g. {', '.join(map(str, ids))}"
+    return line
