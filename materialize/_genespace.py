@@ -22,6 +22,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
 
@@ -29,19 +30,34 @@ ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")
 UNION, INTERSECTION = "union", "intersection"
 _ENSEMBL = re.compile(r"^ENS[A-Z]*G\d{6,}(\.\d+)?$")
-_UNKNOWN, _DROPPED = -1, -2  # `MemberMap.lut` codes of tokens that are no gene / not kept
+_ENSEMBL_RE2 = r"^ENS[A-Z]*G[0-9]{6,}(\.[0-9]+)?$"  # the same, for Arrow's RE2
+_UNKNOWN, _DROPPED = -1, -2  # `MemberMap.col_of` codes of tokens that are no gene / not kept
 
 
-def _strings(table: pa.Table, name: str) -> list[str | None]:
-    column = table.column(name)
+def _text(table: pa.Table, name: str) -> pa.Array:
+    column = table.column(name).combine_chunks()
     if pa.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)
-    return [None if v is None else str(v) for v in column.to_pylist()]
+        column = column.dictionary_decode()
+    return column.cast(pa.string())
 
 
-def _ensembl_share(values: list[str | None]) -> float:
-    present = [v for v in values if v]
-    return sum(bool(_ENSEMBL.match(v)) for v in present) / len(present) if present else 0.0
+def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
+    """The share of the non-empty values that are Ensembl ids (of up to ``sample`` spread over them)."""
+    present = pc.filter(values, pc.fill_null(pc.not_equal(values, ""), False))
+    if len(present) > sample:
+        present = present.take(np.linspace(0, len(present) - 1, sample).astype(np.int64))
+    if not len(present):
+        return 0.0
+    return pc.sum(pc.match_substring_regex(present, _ENSEMBL_RE2)).as_py() / len(present)
+
+
+def _stripped(values: pa.Array) -> pa.Array:
+    """Ensembl ids without their version suffix (``ENSG….12`` → ``ENSG…``); other values unchanged."""
+    versioned = pc.and_(pc.starts_with(values, "ENS"), pc.greater_equal(pc.find_substring(values, "."), 0))
+    if not pc.any(versioned).as_py():
+        return values
+    head = pc.list_element(pc.split_pattern(values, ".", max_splits=1), 0)
+    return pc.if_else(versioned, head, values)
 
 
 def strip_version(gene_id: str) -> str:
@@ -52,10 +68,10 @@ def strip_version(gene_id: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class GeneKeys:
     """A source's genes in gene-table order: ``ids`` (Ensembl ids without version, or symbols when
-    ``by == "symbol"``; None: no id), ``symbols`` (None where unknown) and the column read."""
+    ``by == "symbol"``; null: no id), ``symbols`` (null where unknown) and the column read."""
 
-    ids: list[str | None]
-    symbols: list[str | None]
+    ids: pa.Array
+    symbols: pa.Array
     by: str
     column: str
 
@@ -64,10 +80,10 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> Gene
     """How a source's genes are matched (see the module docstring); a one-line error naming the source,
     its columns and the fix when it has no gene id."""
     names = [n for n in genes.column_names if n != "gene_token_id"]
-    texts = {n: _strings(genes, n) for n in names if _is_text(genes.schema.field(n).type)}
+    texts = {n: _text(genes, n) for n in names if _is_text(genes.schema.field(n).type)}
     symbols_of = next(
         (texts[n] for n in SYMBOL_COLUMNS if n in texts and _ensembl_share(texts[n]) < 0.5),
-        [None] * genes.num_rows,
+        pa.nulls(genes.num_rows, pa.string()),
     )
     if id_column is not None:
         if id_column not in texts:
@@ -78,14 +94,13 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> Gene
             raise DataValidationError(msg)
         ids = texts[id_column]
         by = "ensembl" if _ensembl_share(ids) >= 0.5 else "id"
-        return GeneKeys([None if v is None else strip_version(v) for v in ids], symbols_of, by, id_column)
+        return GeneKeys(_stripped(ids), symbols_of, by, id_column)
     candidates = [n for n in ID_COLUMNS if n in texts] + [n for n in texts if n not in ID_COLUMNS]
     for name in candidates:
         if _ensembl_share(texts[name]) >= 0.5:
-            ids = [None if v is None else strip_version(v) for v in texts[name]]
-            return GeneKeys(ids, symbols_of, "ensembl", name)
+            return GeneKeys(_stripped(texts[name]), symbols_of, "ensembl", name)
     for name in SYMBOL_COLUMNS:
-        if name in texts and any(texts[name]):
+        if name in texts and pc.any(pc.not_equal(texts[name], "")).as_py():
             return GeneKeys(texts[name], texts[name], "symbol", name)
     msg = (
         f"{label} has no gene id column: none of {', '.join(ID_COLUMNS)} holds Ensembl ids (ENSG…) and "
@@ -128,7 +143,7 @@ def read_gene_list(path: str | Path) -> list[str]:
                     path, parse_options=pacsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",")
                 )
             keys = gene_keys(table, f"gene table {path}")
-            return [k for k in keys.ids if k]
+            return [k for k in keys.ids.to_pylist() if k]
         return [strip_version(line.strip()) for line in path.read_text().splitlines() if line.strip()]
     except OSError as e:
         msg = f"cannot read the gene list {path}: {e}"
@@ -137,39 +152,33 @@ def read_gene_list(path: str | Path) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class MemberMap:
-    """How one source's gene tokens become unified columns.
+    """How one source's gene tokens become unified columns: ``col_of[token]`` is the token's column, or
+    -1 (no gene of the source) / -2 (not kept: outside an intersection or a given gene list)."""
 
-    ``lut[token]`` is the token's rank among the source's kept genes ordered by (column, token), or
-    -1 (no gene of the source) / -2 (not kept: outside an intersection or a given gene list);
-    ``rank_col[rank]`` its column. ``ordered``: kept genes' columns rise with their tokens and no two
-    share one, so a sorted row stays sorted and rows are mapped without sorting.
-    """
-
-    lut: np.ndarray
-    rank_col: np.ndarray
-    ordered: bool
+    col_of: np.ndarray
     num_columns: int
 
     @property
     def measured(self) -> np.ndarray:
         """Bool over the unified columns: the genes this source measured."""
         out = np.zeros(self.num_columns, bool)
-        out[self.rank_col] = True
+        out[self.col_of[self.col_of >= 0]] = True
         return out
 
     def remap(self, indptr: np.ndarray, tokens: np.ndarray, values: np.ndarray, locate) -> tuple:
-        """A batch's rows in unified columns, sorted within rows, duplicates summed; a token that is no
-        gene of the source is a `DataValidationError` naming the row."""
+        """A batch's rows in unified columns, sorted within rows, genes of one id summed; a token that
+        is no gene of the source, or that does not follow the one before it, is a
+        `DataValidationError` naming the row."""
         out_values = np.empty(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
-        out_ptr = np.empty_like(indptr, dtype=np.int64)
-        out_cols = np.empty(len(tokens), np.int64)
+        out_ptr = np.empty(len(indptr), np.int64)
+        out_cols = np.empty(len(tokens), np.int32)
+        passes = max(1, -(-max(self.num_columns - 1, 1).bit_length() // 8))
         bad = _remap(
             np.asarray(indptr, np.int64),
             np.asarray(tokens),
             values,
-            self.lut,
-            self.rank_col,
-            self.ordered,
+            self.col_of,
+            passes,
             out_ptr,
             out_cols,
             out_values,
@@ -177,75 +186,78 @@ class MemberMap:
         if bad >= 0:
             row = int(np.searchsorted(indptr, bad, side="right") - 1)
             token = int(tokens[bad])
-            known = 0 <= token < len(self.lut) and self.lut[token] != _UNKNOWN
-            what = "appears twice" if known else "is not in its gene table"
-            msg = f"gene_token_id {token} in {locate(row)} {what}"
+            if 0 <= token < len(self.col_of) and self.col_of[token] != _UNKNOWN:
+                msg = f"gene_token_id not sorted in {locate(row)}: {token} after {int(tokens[bad - 1])}"
+            else:
+                msg = f"gene_token_id {token} in {locate(row)} is not in its gene table"
             raise DataValidationError(msg)
         n = int(out_ptr[-1])
         return out_ptr, out_cols[:n], out_values[:n]
 
 
 @nb.njit(cache=True, nogil=True)
-def _remap(indptr, tokens, values, lut, rank_col, ordered, out_ptr, out_cols, out_values):  # pragma: no cover
-    """Rows into unified columns; returns -1, or the position of the first unknown or repeated token."""
-    num_ranks = len(rank_col)
-    slot = np.zeros(num_ranks, np.float64)
-    seen = np.zeros((num_ranks + 7) // 8 * 8, np.uint8)
-    words = seen.view(np.uint64)
+def _remap(indptr, tokens, values, col_of, passes, out_ptr, out_cols, out_values):  # pragma: no cover
+    """Rows into unified columns, each row sorted by an LSD radix sort (bytes of the column) where its
+    columns do not already rise, genes of one column summed. Returns -1, or the position of the first
+    token that is unknown or not above the one before it."""
+    longest = 0
+    for r in range(len(indptr) - 1):
+        longest = max(longest, indptr[r + 1] - indptr[r])
+    cols, vals = np.empty(longest, np.int32), np.empty(longest, np.float64)
+    cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, np.float64)
+    hist = np.empty(256, np.int64)
     out_ptr[0] = 0
     k = 0
     for r in range(len(indptr) - 1):
-        lo_rank, hi_rank = num_ranks, -1
+        m, rising, last_col, last_token = 0, True, -1, -1
         for j in range(indptr[r], indptr[r + 1]):
             t = tokens[j]
-            if t < 0 or t >= len(lut) or lut[t] == _UNKNOWN:
+            if t < 0 or t >= len(col_of) or col_of[t] == _UNKNOWN or t <= last_token:
                 return j
-            rank = lut[t]
-            if rank == _DROPPED:
+            last_token = t
+            c = col_of[t]
+            if c == _DROPPED:
                 continue
-            if ordered:
-                out_cols[k] = rank_col[rank]
-                out_values[k] = values[j]
+            rising = rising and c > last_col
+            last_col = c
+            cols[m], vals[m] = c, values[j]
+            m += 1
+        a_cols, a_vals, b_cols, b_vals = cols, vals, cols_b, vals_b
+        if not rising:
+            shift = 0
+            for _ in range(passes):
+                hist[:] = 0
+                for i in range(m):
+                    hist[(a_cols[i] >> shift) & 255] += 1
+                total = 0
+                for d in range(256):
+                    count = hist[d]
+                    hist[d] = total
+                    total += count
+                for i in range(m):
+                    d = (a_cols[i] >> shift) & 255
+                    at = hist[d]
+                    hist[d] = at + 1
+                    b_cols[at], b_vals[at] = a_cols[i], a_vals[i]
+                a_cols, b_cols, a_vals, b_vals = b_cols, a_cols, b_vals, a_vals
+                shift += 8
+        first = k
+        for i in range(m):
+            if k > first and out_cols[k - 1] == a_cols[i]:  # two genes of one id: summed
+                out_values[k - 1] += a_vals[i]
+            else:
+                out_cols[k], out_values[k] = a_cols[i], a_vals[i]
                 k += 1
-                continue
-            if seen[rank]:
-                return j
-            seen[rank] = 1
-            slot[rank] = values[j]
-            lo_rank = min(lo_rank, rank)
-            hi_rank = max(hi_rank, rank)
-        if not ordered and hi_rank >= 0:
-            for w in range(lo_rank // 8, hi_rank // 8 + 1):
-                if words[w] == 0:
-                    continue
-                for rank in range(w * 8, w * 8 + 8):
-                    if seen[rank]:
-                        seen[rank] = 0
-                        col = rank_col[rank]
-                        if k > out_ptr[r] and out_cols[k - 1] == col:  # two genes of one id: summed
-                            out_values[k - 1] += slot[rank]
-                        else:
-                            out_cols[k] = col
-                            out_values[k] = slot[rank]
-                            k += 1
         out_ptr[r + 1] = k
     return -1
 
 
 def member_map(tokens: np.ndarray, cols: np.ndarray, num_columns: int) -> MemberMap:
-    """The map of a source whose gene ``tokens`` (ascending) go to unified ``cols`` (-1: not kept)."""
+    """The map of a source whose gene ``tokens`` go to unified ``cols`` (-1: not kept)."""
     tokens = np.asarray(tokens, np.int64)
-    cols = np.asarray(cols, np.int64)
-    lut = np.full(int(tokens.max()) + 1 if len(tokens) else 0, _UNKNOWN, np.int32)
-    kept = cols >= 0
-    order = np.lexsort((tokens[kept], cols[kept]))
-    ranks = np.empty(int(kept.sum()), np.int32)
-    ranks[order] = np.arange(len(order), dtype=np.int32)
-    lut[tokens] = _DROPPED
-    lut[tokens[kept]] = ranks
-    rank_col = cols[kept][order].astype(np.int32)
-    ordered = bool(np.all(np.diff(cols[kept]) > 0))
-    return MemberMap(lut, rank_col, ordered, num_columns)
+    col_of = np.full(int(tokens.max()) + 1 if len(tokens) else 0, _UNKNOWN, np.int32)
+    col_of[tokens] = np.where(np.asarray(cols) >= 0, cols, _DROPPED)
+    return MemberMap(col_of, num_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,79 +284,88 @@ class GeneSpace:
         or the path of a gene table / vocabulary fixing the genes and their order)."""
         keys = [gene_keys(t, label, id_column) for t, label in zip(tables, labels, strict=True)]
         notes: list[str] = []
-        symbol_of: dict[str, str] = {}  # Ensembl id → its first symbol
-        id_of: dict[str, str] = {}  # symbol → its first Ensembl id
-        conflicts = []
-        for k, label in zip(keys, labels, strict=True):
-            if k.by == "symbol":
-                continue
-            for gene_id, symbol in zip(k.ids, k.symbols, strict=True):
-                if gene_id is None or symbol is None:
-                    continue
-                first = symbol_of.setdefault(gene_id, symbol)
-                if first != symbol:
-                    conflicts.append(f"{gene_id} is {first} before, {symbol} in {label}")
-                id_of.setdefault(symbol, gene_id)
-        if conflicts:
+        by_id = [k for k in keys if k.by != "symbol"]
+        pairs = pa.table(
+            {
+                "id": pa.concat_arrays([k.ids for k in by_id] or [pa.array([], pa.string())]),
+                "symbol": pa.concat_arrays([k.symbols for k in by_id] or [pa.array([], pa.string())]),
+            }
+        ).drop_null()
+        named = pairs.group_by("id", use_threads=False).aggregate(
+            [("symbol", "first"), ("symbol", "count_distinct")]
+        )  # each Ensembl id's first symbol, in the order the sources give them
+        conflicts = named.filter(pc.greater(pc.field("symbol_count_distinct"), 1))
+        if conflicts.num_rows:
+            gene_id, first = conflicts.column("id")[0].as_py(), conflicts.column("symbol_first")[0].as_py()
+            where, other = next(
+                (label, symbol)
+                for k, label in zip(keys, labels, strict=True)
+                if k.by != "symbol"
+                for i, symbol in zip(k.ids.to_pylist(), k.symbols.to_pylist(), strict=True)
+                if i == gene_id and symbol not in (None, first)
+            )
             notes.append(
-                f"{len(conflicts):,} Ensembl id(s) carry different symbols in different sources (matched by "
-                f"id, first symbol kept), e.g. {conflicts[0]}"
+                f"{conflicts.num_rows:,} Ensembl id(s) carry different symbols in different sources (matched "
+                f"by id, first symbol kept), e.g. {gene_id} is {first} before, {other} in {where}"
             )
         resolved = []
         for k, label in zip(keys, labels, strict=True):
             if k.by != "symbol":
                 resolved.append(k.ids)
                 continue
-            ids = [None if s is None else id_of.get(s, f"symbol:{s}") for s in k.symbols]
-            matched = sum(1 for i in ids if i is not None and not i.startswith("symbol:"))
+            first_id = pairs.group_by("symbol", use_threads=False).aggregate([("id", "first")])
+            found = pc.take(
+                first_id.column("id_first").combine_chunks(),
+                pc.index_in(k.symbols, value_set=first_id.column("symbol")),
+            )
+            own = pc.binary_join_element_wise("symbol:", k.symbols, "")
+            ids = pc.if_else(pc.is_valid(found), found, own)
             notes.append(
                 f"{label} has no Ensembl ids: its {len(ids):,} genes were matched by symbol ({k.column}), "
-                f"{matched:,} to another source's Ensembl id"
+                f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
             )
             resolved.append(ids)
         order = _unified_order(resolved, genes)
-        column = {key: c for c, key in enumerate(order)}
         maps, members = [], []
         for t, k, ids, label in zip(tables, keys, resolved, labels, strict=True):
-            cols = np.array([-1 if i is None else column.get(i, -1) for i in ids], np.int64)
-            present = [i for i in ids if i is not None]
-            duplicates = len(present) - len(set(present))
+            cols = pc.fill_null(pc.index_in(ids, value_set=order), -1).to_numpy().astype(np.int64)
+            present = ids.drop_null()
+            duplicates = len(present) - len(pc.unique(present))
             if duplicates:
                 notes.append(f"{label}: {duplicates:,} gene(s) share an id with another of its genes: summed")
-            tokens = t.column("gene_token_id").to_numpy()
-            maps.append(member_map(tokens, cols, len(order)))
+            maps.append(member_map(t.column("gene_token_id").to_numpy(), cols, len(order)))
             members.append(
                 {
                     "genes": len(ids),
-                    "measured": len(np.unique(maps[-1].rank_col)),
+                    "measured": int(maps[-1].measured.sum()),
                     "matched_by": k.by,
                     "gene_id_column": k.column,
                     "duplicates_summed": duplicates,
                 }
             )
-        ensembl = [None if key.startswith("symbol:") else key for key in order]
-        names = [key[len("symbol:") :] if key.startswith("symbol:") else symbol_of.get(key) for key in order]
+        by_symbol = pc.starts_with(order, "symbol:")
+        symbols = pc.take(named.column("symbol_first"), pc.index_in(order, value_set=named.column("id")))
         table = pa.table(
             {
                 "gene_token_id": pa.array(np.arange(len(order), dtype=np.int64)),
-                "ensembl_id": pa.array(ensembl, pa.string()),
-                "gene_name": pa.array(names, pa.string()),
+                "ensembl_id": pc.if_else(by_symbol, pa.scalar(None, pa.string()), order),
+                "gene_name": pc.if_else(by_symbol, pc.utf8_slice_codeunits(order, len("symbol:")), symbols),
             }
         )
         return cls(table, tuple(maps), tuple(members), tuple(notes))
 
 
-def _unified_order(resolved: list[list[str | None]], genes: str | Path) -> list[str]:
-    if genes == UNION:
-        seen: dict[str, None] = {}
-        for ids in resolved:
-            seen.update((i, None) for i in ids if i is not None and i not in seen)
-        return list(seen)
+def _unified_order(resolved: list[pa.Array], genes: str | Path) -> pa.Array:
+    """The collection's gene ids, in column order."""
+    if genes == UNION:  # in order of first appearance
+        return pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))
     if genes == INTERSECTION:
-        common = set.intersection(*({i for i in ids if i is not None} for ids in resolved))
-        first = dict.fromkeys(i for i in resolved[0] if i in common)
-        if not first:
+        firsts = [pc.unique(ids.drop_null()) for ids in resolved]
+        counts = pc.value_counts(pa.concat_arrays(firsts))
+        common = pc.filter(counts.field("values"), pc.equal(counts.field("counts"), len(resolved)))
+        order = pc.filter(firsts[0], pc.is_in(firsts[0], value_set=common))
+        if not len(order):
             msg = "the sources have no gene in common: --genes intersection would leave no column"
             raise DataValidationError(msg)
-        return list(first)
-    return list(dict.fromkeys(read_gene_list(genes)))
+        return order
+    return pc.unique(pa.array(read_gene_list(genes), pa.string()))
