@@ -61,6 +61,21 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "coverage audit over both hosts, a flipped byte in a cached chunk read back, one host's memory "
         "once warm.",
     ),
+    "bench_collection": (
+        "A collection of sources with different gene sets",
+        "Parquet sources, each measuring a random subset of the genes of a human-sized universe (half "
+        "listing them in an order of their own), materialized as one collection (genes unified by Ensembl id, presence "
+        "bitmaps) against the same cells as one source over all the genes, each round one whole "
+        "conversion in a fresh process; then the loader over the collection with a mixture of its "
+        "sources and measured-gene masks against the loader over the single dataset at its defaults.",
+    ),
+    "bench_ducklake": (
+        "DuckLake catalog against its parquet files",
+        "The synthetic corpus written into a DuckLake table by DuckDB's ducklake extension, then "
+        "materialized from the catalog (read from its tables, no extension) and from the lake's own "
+        "parquet data files given directly, alternating, each round one whole conversion in a fresh "
+        "process; both must write the same shards.",
+    ),
     "bench_tokens": (
         "Tokenized batches against SLAF",
         "Geneformer and scGPT token batches from omicsio_jax's loader beside its csr batches and SLAF's "
@@ -425,6 +440,62 @@ def render_materialize(d: dict) -> list[str]:
             ],
         ),
     )
+
+
+def render_collection(d: dict) -> list[str]:
+    runs = [{"what": k, **v} for k, v in d.get("materialize", {}).items()]
+    loads = [{"what": k, **v} for k, v in d.get("load", {}).items()]
+    return [
+        *sub(
+            "Materialize (medians)",
+            table(
+                runs,
+                [
+                    ("input", "what", ""),
+                    ("cells", "num_cells", ",.0f"),
+                    ("cells/s", "cells_per_s", ",.0f"),
+                    ("rounds (cells/s)", _runs("cells_per_s"), ",.0f"),
+                    ("window (s)", "seconds", ".1f"),
+                    ("peak RSS (MiB)", "peak_rss_mib_max", ",.0f"),
+                    ("largest child (MiB)", "child_peak_rss_mib_max", ",.0f"),
+                    ("workers", "workers", ".0f"),
+                ],
+            ),
+        ),
+        *sub(
+            "Loader (medians)",
+            table(
+                loads,
+                [
+                    ("loader", "what", ""),
+                    ("cells/s", "cells_per_s", ",.0f"),
+                    ("rounds (cells/s)", _runs("cells_per_s"), ",.0f"),
+                    ("cells per CPU-s", "cells_per_cpu_s", ",.0f"),
+                    ("window (s)", "seconds", ".1f"),
+                ],
+            ),
+        ),
+        *comparisons(d),
+    ]
+
+
+def render_ducklake(d: dict) -> list[str]:
+    return [
+        *table(
+            d.get("rows", []),
+            [
+                ("input", "label", ""),
+                ("cells", "num_cells", ",.0f"),
+                ("cells/s", "cells_per_s", ",.0f"),
+                ("rounds (cells/s)", _runs("cells_per_s"), ",.0f"),
+                ("window (s)", "window_s", ".1f"),
+                ("workers", "workers", ".0f"),
+            ],
+        ),
+        f"DuckLake ÷ direct parquet: {fmt(d.get('ratio_ducklake_over_parquet'), '.3f')}; "
+        f"the same shards from both: {d.get('same_shards')}.",
+        "",
+    ]
 
 
 def render_scale(d: dict) -> list[str]:
@@ -822,6 +893,8 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "bench_grain": render_grain,
     "soak": render_soak,
     "bench_tokens": render_tokens,
+    "bench_collection": render_collection,
+    "bench_ducklake": render_ducklake,
     "bench_materialize": render_materialize,
     "bench_scale": render_scale,
     "bench_multimodal": render_multimodal,
