@@ -15,6 +15,9 @@ from ._config import TrainConfig as TrainConfig
 from ._errors import CheckpointMismatchError as CheckpointMismatchError
 from ._errors import PredicateError as PredicateError
 from ._errors import TrainError as TrainError
+from ._finetune import FinetuneResult as FinetuneResult
+from ._finetune import finetune as finetune
+from ._finetune_config import FinetuneConfig as FinetuneConfig
 from ._hf import PublishedCheckpoint as PublishedCheckpoint
 from ._hf import load_checkpoint as load_checkpoint
 from ._loop import FitResult as FitResult

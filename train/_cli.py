@@ -10,6 +10,8 @@
     omicsio-train pretrain out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens
     omicsio-train embed out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens \
         --out embeddings.npy
+    omicsio-train finetune out/ --init pt/ --label cell_type --eval-where "batch = 'plate_13'" \
+        --out-metrics finetune.json
 """
 
 from __future__ import annotations
@@ -271,8 +273,7 @@ def _pretrain(argv: list[str]) -> int:
 def _embed(argv: list[str]) -> int:
     import numpy as np
 
-    from ._embed import embed, load_pretrained
-    from ._pretrain_config import PretrainConfig, check_vocabulary, open_init, with_init_vocab
+    from ._embed import embed, load_encoder
     from ._transformer import KINDS
 
     p = argparse.ArgumentParser(
@@ -301,34 +302,31 @@ def _embed(argv: list[str]) -> int:
     _special_tokens_argument(g)
     args = p.parse_args(argv)
     ds = oj.open_dataset(args.dataset)
-    if args.checkpoint_dir is not None:
-        model, config, meta = load_pretrained(args.checkpoint_dir)
-        source = f"{config.tokens} {config.init or config.preset}, step {meta['step']}"
-    else:
-        kind = args.tokens or ("scgpt" if args.init.startswith("scgpt:") else "geneformer")
-        config = PretrainConfig(
-            str(ds.path),
-            tokens=kind,
-            max_len=args.max_len,
-            mask_prob=0.0,
-            vocab=args.vocab,
-            medians=args.medians,
-            special_tokens=args.special_tokens,
-            init=args.init,
-        )
-        ckpt = open_init(config)
-        config = with_init_vocab(config, ckpt)
-        probe = oj.make_loader(ds, batch_size=1, output=config.output(masked=False))
-        vocabulary = probe.output.vocabulary
-        probe.close()
-        print(check_vocabulary(config, vocabulary, ckpt, ds))
-        model, source = ckpt.model, f"{kind} from {ckpt.path}"
+    model, config, source, coverage = load_encoder(
+        args.checkpoint_dir or args.init,
+        ds,
+        tokens=args.tokens,
+        max_len=args.max_len,
+        vocab=args.vocab,
+        medians=args.medians,
+        special_tokens=args.special_tokens,
+    )
+    if coverage is not None:
+        print(coverage)
     emb = embed(model, ds, config, batch_size=args.batch_size, pool=args.pool)
     np.save(args.out, emb)
     print(
         f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({source}), "
         f"rows aligned with {ds.path}/cell_ids.parquet"
     )
+    return 0
+
+
+def _finetune(argv: list[str]) -> int:
+    from ._finetune import finetune
+    from ._finetune_config import parse_finetune_config
+
+    finetune(parse_finetune_config(argv, PROG))
     return 0
 
 
@@ -344,16 +342,18 @@ def _preempted_exit(checkpoint) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code. User mistakes print ``omicsio-train: error: ...``, status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["pretrain"], ["embed"]):
+    commands = {"pretrain": _pretrain, "embed": _embed, "finetune": _finetune}
+    if argv[:1] and argv[0] in commands:
         try:
-            return (_pretrain if argv[0] == "pretrain" else _embed)(argv[1:])
+            return commands[argv[0]](argv[1:])
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 2
         except oj.OmicsIOError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print(f"{PROG}: interrupted; continue with --resume from the latest checkpoint", file=sys.stderr)
+            hint = "" if argv[0] == "finetune" else "; continue with --resume from the latest checkpoint"
+            print(f"{PROG}: interrupted{hint}", file=sys.stderr)
             return 130
     try:
         config = parse_config(argv)

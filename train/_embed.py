@@ -15,7 +15,7 @@ import omicsio_jax as oj
 
 from ._errors import TrainError
 from ._loop import open_checkpoints
-from ._pretrain_config import PretrainConfig, build_model
+from ._pretrain_config import PretrainConfig, build_model, check_vocabulary, open_init, with_init_vocab
 from ._transformer import make_optimizer
 
 DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
@@ -48,14 +48,11 @@ def embed(
         placement=mesh,
         read=oj.ReadOptions(num_threads=config.num_threads),
     )
-    vocabulary = loader.output.vocabulary
-    specials = (vocabulary.cls,) if config.tokens == "scgpt" else ()
-    if config.tokens == "geneformer" and config.special_tokens:
-        specials = (vocabulary.cls, vocabulary.eos)
-    if pool == "cls" and config.tokens == "geneformer" and not config.special_tokens:
+    try:
+        specials = special_ids(config, loader.output.vocabulary, pool)
+    except TrainError:
         loader.close()
-        msg = "pool='cls' needs rows that start with CLS; these have none (--no-special-tokens): use pool='mean'"
-        raise TrainError(msg)
+        raise
     model = eqx.nn.inference_mode(model)
     run = eqx.filter_jit(lambda m, x: m.embed(x, pool=pool, special_ids=specials))
     chunks, index = [], []
@@ -70,6 +67,17 @@ def embed(
     return emb[np.argsort(index, kind="stable")]
 
 
+def special_ids(config: PretrainConfig, vocabulary: oj.Vocabulary, pool: str) -> tuple[int, ...]:
+    """The token ids that ``pool="mean"`` leaves out (CLS, and EOS in Geneformer rows that have one);
+    a one-line error for ``pool="cls"`` on Geneformer rows without CLS."""
+    if pool == "cls" and config.tokens == "geneformer" and not config.special_tokens:
+        msg = "pool='cls' needs rows that start with CLS; these have none (--no-special-tokens): use pool='mean'"
+        raise TrainError(msg)
+    if config.tokens == "scgpt":
+        return (vocabulary.cls,)
+    return (vocabulary.cls, vocabulary.eos) if config.special_tokens else ()
+
+
 def logistic_probe(
     x_train: np.ndarray,
     y_train: np.ndarray,
@@ -81,10 +89,25 @@ def logistic_probe(
 ) -> float:
     """Test accuracy of a multinomial logistic regression (standardized features, full-batch Adam,
     ``l2`` penalty) fit on the training embeddings."""
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    pred = logistic_predict(x_train, y_train, x_test, num_classes=num_classes, steps=steps, l2=l2)
+    return float(np.mean(pred == y_test))
+
+
+def logistic_predict(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    *,
+    num_classes: int,
+    steps: int = 500,
+    l2: float = 1e-3,
+) -> np.ndarray:
+    """Predicted classes of ``x_test`` by the logistic regression of `logistic_probe`."""
     mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
     xtr, xte = jnp.asarray((x_train - mu) / sd), jnp.asarray((x_test - mu) / sd)
     ytr = jnp.asarray(y_train)
-    k = int(max(y_train.max(), y_test.max())) + 1
+    k = num_classes
     params = (jnp.zeros((xtr.shape[1], k)), jnp.zeros(k))
     opt = optax.adam(0.05)
     state = opt.init(params)
@@ -101,8 +124,7 @@ def logistic_probe(
 
     for _ in range(steps):
         params, state = update(params, state)
-    pred = np.asarray(jnp.argmax(xte @ params[0] + params[1], axis=1))
-    return float(np.mean(pred == y_test))
+    return np.asarray(jnp.argmax(xte @ params[0] + params[1], axis=1))
 
 
 def probe_pretraining(
@@ -161,3 +183,47 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
     finally:
         if store is not None:
             store.close()
+
+
+def load_encoder(
+    spec: str,
+    ds: oj.Dataset,
+    *,
+    tokens: str | None = None,
+    max_len: int | None = None,
+    vocab: str | None = None,
+    medians: str | None = None,
+    special_tokens: bool = True,
+) -> tuple[eqx.Module, PretrainConfig, str, str | None]:
+    """The pretrained model of ``spec`` — ``"hf:DIR"``, ``"scgpt:DIR"`` or an ``omicsio-train pretrain``
+    checkpoint directory — with the `PretrainConfig` whose ``output(masked=False)`` tokenizes
+    ``ds`` for it, a description of where it came from, and (published checkpoints) the line saying
+    how many of the dataset's genes the vocabulary covers. The token options apply to published
+    checkpoints; a pretraining checkpoint keeps its run's."""
+    if not spec.startswith(("hf:", "scgpt:")):
+        if not Path(spec).is_dir():
+            msg = (
+                f"--init {spec}: not hf:DIR (Geneformer), scgpt:DIR or a directory of "
+                "omicsio-train pretrain checkpoints"
+            )
+            raise TrainError(msg)
+        model, config, meta = load_pretrained(spec)
+        return model, config, f"{config.tokens} {config.init or config.preset}, step {meta['step']}", None
+    config = PretrainConfig(
+        str(ds.path),
+        tokens=tokens or ("scgpt" if spec.startswith("scgpt:") else "geneformer"),
+        max_len=max_len,
+        mask_prob=0.0,
+        vocab=vocab,
+        medians=medians,
+        special_tokens=special_tokens,
+        init=spec,
+    )
+    ckpt = open_init(config)
+    config = with_init_vocab(config, ckpt)
+    probe = oj.make_loader(ds, batch_size=1, output=config.output(masked=False))
+    try:
+        line = check_vocabulary(config, probe.output.vocabulary, ckpt, ds)
+    finally:
+        probe.close()
+    return ckpt.model, config, f"{config.tokens} from {ckpt.path}", line

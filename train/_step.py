@@ -35,7 +35,7 @@ def loss_fn(
     if key is None:
         logits = jax.vmap(model)(x)
     else:
-        logits = jax.vmap(lambda xi, ki: model(xi, key=ki))(x, jax.random.split(key, x.shape[0]))
+        logits = jax.vmap(lambda xi, ki: model(xi, key=ki))(x, jax.random.split(key, labels.shape[0]))
     valid = mask & (labels >= 0)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
     return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(jnp.sum(valid), 1)

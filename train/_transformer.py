@@ -170,13 +170,22 @@ class GeneformerModel(eqx.Module):
         total, count = jax.vmap(self._cell_loss)(ids, mask.astype(bool), labels, keys)
         return total.sum() / jnp.maximum(count.sum(), 1)
 
-    def embed(self, batch: dict, *, pool: str = "cls", special_ids: Sequence[int] = ()) -> jax.Array:
-        """Cell embeddings ``(B, d)`` without dropout: position 0 (CLS, V2 rows) with ``pool="cls"``;
-        with ``pool="mean"`` the mean over real tokens whose id is not in ``special_ids`` (Geneformer's
-        cell embedding: pass the vocabulary's CLS and EOS ids to average over gene tokens only)."""
+    def embed(
+        self,
+        batch: dict,
+        *,
+        pool: str = "cls",
+        special_ids: Sequence[int] = (),
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Cell embeddings ``(B, d)``: position 0 (CLS, V2 rows) with ``pool="cls"``; with
+        ``pool="mean"`` the mean over real tokens whose id is not in ``special_ids`` (Geneformer's
+        cell embedding: pass the vocabulary's CLS and EOS ids to average over gene tokens only).
+        ``key`` drives dropout (None: none, as for inference)."""
         _check_pool(pool)
         ids, mask = batch["input_ids"], batch["attention_mask"].astype(bool)
-        hidden = jax.vmap(self.encode)(ids, mask)
+        keys = None if key is None else jax.random.split(key, ids.shape[0])
+        hidden = jax.vmap(lambda i, m, k: self.encode(i, m, key=k))(ids, mask, keys)
         for special in special_ids:
             mask = mask & (ids != special)
         return _pool(hidden, mask, pool)
@@ -268,13 +277,22 @@ class ScGPTModel(eqx.Module):
         err = jnp.where(mask, jnp.square(pred - batch["values"].astype(jnp.float32)), 0.0)
         return err.sum() / jnp.maximum(mask.sum(), 1)
 
-    def embed(self, batch: dict, *, pool: str = "cls", special_ids: Sequence[int] = ()) -> jax.Array:
-        """Cell embeddings ``(B, d)`` without dropout: position 0 (CLS, scGPT's cell embedding) or the
-        mean over real tokens whose id is not in ``special_ids``. The encoder reads
-        ``batch["values"]`` (unmasked)."""
+    def embed(
+        self,
+        batch: dict,
+        *,
+        pool: str = "cls",
+        special_ids: Sequence[int] = (),
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Cell embeddings ``(B, d)``: position 0 (CLS, scGPT's cell embedding) or the mean over real
+        tokens whose id is not in ``special_ids``. The encoder reads ``batch["values"]`` (unmasked);
+        ``key`` drives dropout (None: none, as for inference)."""
         _check_pool(pool)
         gene_ids, pad_mask = batch["gene_ids"], batch["pad_mask"].astype(bool)
-        hidden = jax.vmap(self.encode)(gene_ids, batch["values"], pad_mask)
+        keys = None if key is None else jax.random.split(key, gene_ids.shape[0])
+        cell = lambda g, v, p, k: self.encode(g, v, p, key=k)  # noqa: E731
+        hidden = jax.vmap(cell)(gene_ids, batch["values"], pad_mask, keys)
         real = ~pad_mask
         for special in special_ids:
             real = real & (gene_ids != special)
