@@ -22,6 +22,7 @@ import sys
 import omicsio_jax as oj
 
 from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig
+from ._finetune_config import add_batch_arguments
 from ._loop import fit
 from ._model import MODELS
 
@@ -193,17 +194,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--peak-tflops", type=float, default=None, help="device peak, to report MFU (e.g. 989 for an H100)"
     )
-    g = p.add_argument_group("batches")
-    g.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
-    )
-    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
-    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
-    g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
-    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument("--devices", dest="num_devices", type=int, default=None, help="devices of the data mesh")
-    g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
+    g = add_batch_arguments(p, d)
     g.add_argument("--prefetch", type=int, default=d.prefetch, help="default: %(default)s")
     g = p.add_argument_group("evaluation, checkpoints and logging")
     g.add_argument(

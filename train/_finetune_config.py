@@ -93,6 +93,22 @@ class FinetuneConfig:
         return self.DEFAULT_ENCODER_LR if self.encoder_lr is None else self.encoder_lr
 
 
+def add_batch_arguments(p: argparse.ArgumentParser, d) -> argparse._ArgumentGroup:
+    """The "batches" options of the token-batch commands (``pretrain``, ``finetune``), defaults from ``d``."""
+    g = p.add_argument_group("batches")
+    g.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
+    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
+    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
+    g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
+    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    g.add_argument("--devices", dest="num_devices", type=int, default=None, help="devices of the data mesh")
+    g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
+    return g
+
+
 def finetune_parser(prog: str) -> argparse.ArgumentParser:
     d = FinetuneConfig("", "", "")
     p = argparse.ArgumentParser(
@@ -137,17 +153,7 @@ def finetune_parser(prog: str) -> argparse.ArgumentParser:
         action="store_false",
         help="geneformer: rows without CLS and EOS (Geneformer V1 and its token dictionary)",
     )
-    g = p.add_argument_group("batches")
-    g.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
-    )
-    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
-    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
-    g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
-    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument("--devices", dest="num_devices", type=int, default=None, help="devices of the data mesh")
-    g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
+    add_batch_arguments(p, d)
     g = p.add_argument_group("held-out evaluation and output")
     g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     g.add_argument(
