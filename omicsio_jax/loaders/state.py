@@ -29,8 +29,8 @@ def check_state(state: dict, version: int, config: dict) -> None:
         msg = f"loader state version {got!r} is not {version}: it was written by another loader or release"
         raise StateMismatchError(msg)
     theirs = state["config"]
-    diffs = [
-        f"  {k}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
+    diffs = [  # keys as JSON writes them: a control character in a damaged key breaks no line
+        f"  {json.dumps(str(k))[1:-1]}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
         for k in sorted(set(config) | set(theirs))
         if config.get(k) != theirs.get(k)
     ]
