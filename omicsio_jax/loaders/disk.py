@@ -27,7 +27,7 @@ from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
 from omicsio_jax.loaders.options import Placement, ReadOptions
-from omicsio_jax.loaders.state import check_state, read_loader_states, reads_state
+from omicsio_jax.loaders.state import check_positions, check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
 from omicsio_jax.outputs.csr import CSR
@@ -251,6 +251,7 @@ class Loader(grain.DatasetIterator):
         if not states:
             msg = "set_state needs a state (or the list of every process's states), got an empty list"
             raise StateMismatchError(msg)
+        check_positions(states)
         self._drop_before()
         old = changed_mixture(states[0]["config"], self._config)
         if old is not None:

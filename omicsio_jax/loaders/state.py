@@ -39,6 +39,32 @@ def check_state(state: dict, version: int, config: dict) -> None:
         raise StateMismatchError(msg)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positions(states: list) -> None:
+    """Refuse, in one line, a state whose position fields are not what `get_state` writes: ``epoch``
+    and ``step`` non-negative integers, ``anchor`` and ``process`` pairs of integers (values that
+    would otherwise reach a message or an index as they are)."""
+    for s in states:
+        if not isinstance(s, dict):
+            msg = f"malformed loader state: a dict, not {type(s).__name__}"
+            raise StateMismatchError(msg)
+        for name in ("epoch", "step"):
+            if not _is_int(s.get(name)) or s[name] < 0:
+                msg = f"malformed loader state: {name} must be a non-negative integer, got {s.get(name)!r}"
+                raise StateMismatchError(msg)
+        for name in ("anchor", "process"):
+            pair = s.get(name)
+            if not isinstance(pair, list) or len(pair) != 2 or not all(_is_int(v) and v >= 0 for v in pair):
+                msg = f"malformed loader state: {name} must be two non-negative integers, got {pair!r}"
+                raise StateMismatchError(msg)
+        if s["process"][0] >= s["process"][1]:
+            msg = f"malformed loader state: process {s['process'][0]} of {s['process'][1]}"
+            raise StateMismatchError(msg)
+
+
 def reads_state(set_state):
     """Make a loader's ``set_state`` refuse a malformed state (a missing key, a value of the wrong
     type, from a damaged or hand-edited checkpoint) with a one-line `StateMismatchError`."""
