@@ -163,6 +163,7 @@ class TableSource(Source):
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
         self._where, self._query = where, query
+        self._counts: list[int] | None = None  # rows per file, once a member is read by cell range
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
         if spec is not None:
@@ -313,7 +314,7 @@ class TableSource(Source):
                 "inputs cannot be; materialize the filtered cells first, or query the whole collection"
             )
             raise DataValidationError(msg)
-        if getattr(self, "_counts", None) is None:
+        if self._counts is None:
             self._counts = self._row_counts()  # kept: pickled along to the workers
         return range_of_counts(self._counts, first, num_cells)
 

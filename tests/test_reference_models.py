@@ -31,7 +31,7 @@ import omicsio_jax as oj
 from materialize import make_synthetic_corpus, materialize
 from train._cli import main
 from train._errors import TrainError
-from train._hf import load_checkpoint
+from train._published import load_checkpoint
 from train._transformer import PRESETS, GeneformerModel, ScGPTModel
 
 ROOT = Path(__file__).resolve().parent.parent

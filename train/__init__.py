@@ -19,7 +19,6 @@ from ._finetune import FinetuneResult as FinetuneResult
 from ._finetune import finetune as finetune
 from ._finetune_config import FinetuneConfig as FinetuneConfig
 from ._hf import PublishedCheckpoint as PublishedCheckpoint
-from ._hf import load_checkpoint as load_checkpoint
 from ._loop import FitResult as FitResult
 from ._loop import fit as fit
 from ._loop import make_data_mesh as make_data_mesh
@@ -33,6 +32,7 @@ from ._model import MLPClassifier as MLPClassifier
 from ._model import make_model as make_model
 from ._predicate import Predicate as Predicate
 from ._predicate import parse_predicate as parse_predicate
+from ._published import load_checkpoint as load_checkpoint
 from ._step import evaluate as evaluate
 from ._step import loss_fn as loss_fn
 from ._step import make_train_step as make_train_step

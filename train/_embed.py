@@ -15,8 +15,14 @@ import omicsio_jax as oj
 
 from ._errors import TrainError
 from ._loop import open_checkpoints
-from ._pretrain_config import PretrainConfig, build_model, check_vocabulary, open_init, with_init_vocab
-from ._transformer import make_optimizer
+from ._pretrain_config import (
+    PretrainConfig,
+    build_model,
+    check_vocabulary,
+    open_init,
+    pretrain_optimizer,
+    with_init_vocab,
+)
 
 DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
 
@@ -170,14 +176,7 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
         config = PretrainConfig(**saved)
         model = build_model(config, latest.meta["vocab_size"], jax.random.key(0))
         total = latest.meta["total_steps"]
-        optimizer = make_optimizer(
-            config.lr,
-            warmup_steps=min(config.warmup_steps, total - 1),
-            total_steps=total,
-            schedule=config.schedule,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-        )
+        optimizer = pretrain_optimizer(config, total)
         model, _ = latest.load((model, optimizer.init(eqx.filter(model, eqx.is_array))))
         return model, config, latest.meta
     finally:

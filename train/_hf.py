@@ -3,7 +3,7 @@
 scGPT directory (``args.json`` + ``best_model.pt`` + ``vocab.json``) as a `ScGPTModel`
 (`train._scgpt_checkpoint`). No torch: `train._weights` reads the files.
 
->>> ckpt = load_checkpoint("hf:Geneformer/gf-6L-30M-i2048")   # doctest: +SKIP
+>>> ckpt = train.load_checkpoint("hf:Geneformer/gf-6L-30M-i2048")   # doctest: +SKIP
 >>> ckpt.kind, ckpt.vocab_size, ckpt.max_len                   # doctest: +SKIP
 ('geneformer', 25426, 2048)
 """
@@ -25,7 +25,6 @@ from ._layers import TransformerConfig
 from ._transformer import abstract_model
 from ._weights import read_weights
 
-SCHEMES = ("hf", "scgpt")
 _BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 
 
@@ -42,37 +41,6 @@ class PublishedCheckpoint:
     max_len: int
     path: Path
     vocab: Path | None
-
-
-def parse_init(spec: str) -> tuple[str, Path]:
-    """``"hf:DIR"`` or ``"scgpt:DIR"`` → (scheme, directory)."""
-    scheme, sep, rest = spec.partition(":")
-    if not sep or scheme not in SCHEMES or not rest:
-        msg = f"--init must be hf:DIR (Geneformer / BertForMaskedLM) or scgpt:DIR; got {spec!r}"
-        raise TrainError(msg)
-    directory = Path(rest)
-    if not directory.is_dir():
-        msg = f"--init {spec}: {directory} is not a directory"
-        raise TrainError(msg)
-    return scheme, directory
-
-
-def load_checkpoint(
-    spec: str,
-    *,
-    compute_dtype: Any = jnp.float32,
-    max_predictions: int | None = None,
-    max_len: int | None = None,
-) -> PublishedCheckpoint:
-    """The model of ``spec`` (``hf:DIR`` or ``scgpt:DIR``); ``max_predictions`` as in
-    `GeneformerModel`, ``max_len`` the longest ``L`` of an scGPT model (default: its
-    ``max_seq_len`` + 1)."""
-    scheme, directory = parse_init(spec)
-    if scheme == "scgpt":
-        from ._scgpt_checkpoint import load_scgpt
-
-        return load_scgpt(directory, compute_dtype=compute_dtype, max_len=max_len)
-    return load_bert(directory, compute_dtype=compute_dtype, max_predictions=max_predictions)
 
 
 def read_config(directory: Path, *, family: str, check) -> dict:

@@ -37,10 +37,10 @@ from ._preempt import Preemption
 from ._pretrain_config import DEFAULT_MAX_LEN as DEFAULT_MAX_LEN
 from ._pretrain_config import PretrainConfig as PretrainConfig
 from ._pretrain_config import build_model as build_model
-from ._pretrain_config import check_vocabulary, open_init, with_init_vocab
+from ._pretrain_config import check_vocabulary, open_init, pretrain_optimizer, with_init_vocab
 from ._pretrain_config import max_predictions as max_predictions
 from ._step import replicate
-from ._transformer import PRESETS, flops_per_cell, make_optimizer, make_pretrain_step
+from ._transformer import PRESETS, flops_per_cell, make_pretrain_step
 
 
 @dataclasses.dataclass
@@ -111,14 +111,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         else:
             vocab_size = loader.output.vocabulary.size
             model, arch = build_model(config, vocab_size, init_key), PRESETS[config.preset]
-        optimizer = make_optimizer(
-            config.lr,
-            warmup_steps=min(config.warmup_steps, total - 1),
-            total_steps=total,
-            schedule=config.schedule,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-        )
+        optimizer = pretrain_optimizer(config, total)
         opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         start = 0
         if restored is not None:

@@ -11,12 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import omicsio_jax as oj
 
 from ._errors import TrainError
-from ._hf import PublishedCheckpoint, load_checkpoint
-from ._transformer import KINDS, PRESETS, make_pretrain_model
+from ._hf import PublishedCheckpoint
+from ._published import load_checkpoint
+from ._transformer import KINDS, PRESETS, make_optimizer, make_pretrain_model
 
 DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
 _NOT_IDENTITY = (
@@ -162,6 +164,19 @@ def build_model(config: PretrainConfig, vocab_size: int, key: jax.Array) -> eqx.
         key=key,
         compute_dtype=_dtype(config.compute_dtype),
         max_predictions=max_predictions(config),
+    )
+
+
+def pretrain_optimizer(config: PretrainConfig, total_steps: int) -> optax.GradientTransformation:
+    """The run's optimizer: AdamW with warm-up and ``config.schedule`` over ``total_steps`` (a resume
+    or an embedding rebuilds the one its checkpoint was saved with)."""
+    return make_optimizer(
+        config.lr,
+        warmup_steps=min(config.warmup_steps, total_steps - 1),
+        total_steps=total_steps,
+        schedule=config.schedule,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
     )
 
 
