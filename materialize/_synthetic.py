@@ -24,7 +24,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ._synthetic_model import CHUNK_CELLS, MARKER_FRACTION, Model, append_csr, cell_ids, create_csr
+from ._synthetic_model import (
+    CHUNK_CELLS,
+    MARKER_FRACTION,
+    PROGRAM_FRACTION,
+    Model,
+    append_csr,
+    cell_ids,
+    create_csr,
+)
 
 _NESTED = ["gene_token_id.list.element", "gene_expression.list.element"]
 _SCHEMA = pa.schema(
@@ -140,6 +148,7 @@ def make_synthetic_corpus(
     num_plates: int | None = None,
     mean_nnz: float = 1500.0,
     marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
+    program_fraction: float = PROGRAM_FRACTION,
     write_parquet: bool = True,
     write_h5ad: bool = True,
     row_group_size: int = 8192,
@@ -172,6 +181,17 @@ def make_synthetic_corpus(
         marker sets (50, 50 and 25 genes, with 4×, 4× and 2× the mean count). The default,
         ``(0.03, 0.03, 0.015)``, hides cell identity in ~5 of ~150 genes; cell lines in real
         data differ in hundreds of genes — ``(0.03, 0.2, 0.015)`` is closer to that.
+    program_fraction
+        Each cell type's expression program: the share of the ~``mean_nnz`` most expressed
+        genes (by popularity rank) that the type moves to the tail, taking as many tail genes
+        up into their ranks (with the counts that go with the rank), and scales the mean
+        count of the same share of all genes by a log-normal fold change (σ = 1 in log
+        space). The default, 0.5, makes cell types differ in half of their highly expressed
+        genes and in the levels of half of the rest, so that, as in real cells after
+        Geneformer's median scaling, the top of a cell's rank order and its scGPT bins are
+        specific to its type rather than a few marker genes among shared ones; 0 gives every
+        type one program (the corpus of earlier versions, whose token order carried no
+        cell-type signal a short pretraining could learn).
     write_parquet, write_h5ad
         Whether to write ``cells.parquet`` / ``cells.h5ad``; ``gene_metadata.parquet``
         is always written. With ``multimodal``, ``write_parquet`` also covers the layer and
@@ -211,7 +231,7 @@ def make_synthetic_corpus(
     """
     if write_h5mu and not multimodal:
         raise ValueError("write_h5mu needs multimodal=True")
-    model = Model(num_cells, num_genes, seed, num_plates, mean_nnz, marker_fraction)
+    model = Model(num_cells, num_genes, seed, num_plates, mean_nnz, marker_fraction, program_fraction)
     mm = None
     if multimodal:
         from . import _synthetic_multimodal as mm
@@ -315,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default in (("--cells", 20_000), ("--genes", 62_710), ("--seed", 0), ("--plates", None)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--peaks", type=int, default=200_000, help="ATAC peaks (with --multimodal)")
+    parser.add_argument(
+        "--program-fraction",
+        type=float,
+        default=PROGRAM_FRACTION,
+        help="how far the cell types' expression programs differ (0: one program; default %(default)s)",
+    )
     for flag in ("--no-h5ad", "--no-parquet", "--no-progress"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument(
@@ -331,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         num_genes=args.genes,
         seed=args.seed,
         num_plates=args.plates,
+        program_fraction=args.program_fraction,
         write_parquet=not args.no_parquet,
         write_h5ad=not args.no_h5ad,
         progress=not args.no_progress,

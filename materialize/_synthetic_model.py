@@ -19,6 +19,7 @@ SUB_BATCH = 2048  # cells per kernel call; bounds the random pool to ~30 MB
 _SETUP_STREAM = 2**32 - 1  # rng stream of the global structure (never a chunk index)
 _MARKERS, _BATCH_GENES = 50, 25  # marker genes per drug / cell type; batch genes per plate
 MARKER_FRACTION = (0.03, 0.03, 0.015)  # default share of a cell's draws from its drug, cell-type, plate set
+PROGRAM_FRACTION = 0.5  # default share of the expressed head that each cell type takes from the tail
 _BOOST = np.array([1.0, 4.0, 4.0, 2.0])  # mean count multiplier: background, drug, cell type, plate
 _TISSUES = ["lung", "breast", "colon", "pancreas", "skin", "brain", "liver", "kidney", "ovary", "blood"]
 _CHROMS = np.array([f"chr{i}" for i in range(1, 23)] + ["chrX", "chrY", "chrM"])
@@ -58,7 +59,8 @@ def _sample_cells(
     shift: int,
     rank_to_gene: np.ndarray,
     inv_mean: np.ndarray,
-    marker_ranks: np.ndarray,
+    marker_genes: np.ndarray,
+    types: np.ndarray,
     cell_rows: np.ndarray,
     marker_draws: np.ndarray,
     cell_scale: np.ndarray,
@@ -73,26 +75,28 @@ def _sample_cells(
     Per cell, marker draws (drug, cell type, plate: flags 1-3) come first, then
     Zipf draws by inverse CDF (``cdf`` scaled to 2**32, bucketed by the ``guide``
     table) until ``targets[i]`` distinct genes are found or the cell's slice of
-    ``pool`` is used up. Genes are deduplicated by popularity rank, which keeps
-    the hot head in cache; all randomness comes from ``pool`` and ``value_bits``.
+    ``pool`` is used up. A drawn popularity rank is the gene ``rank_to_gene[t, rank]``
+    of the cell's type ``t = types[i]`` (its expression program), and a gene's mean
+    count falls with its rank in that program (``inv_mean[t, gene]``); all randomness
+    comes from ``pool`` and ``value_bits``.
     """
-    n, num_genes, set_size = targets.shape[0], rank_to_gene.shape[0], marker_ranks.shape[1]
+    n, num_genes, set_size = targets.shape[0], rank_to_gene.shape[1], marker_genes.shape[1]
     counts = np.zeros(n, np.int64)
     inv_boost = 1.0 / _BOOST
     key_bits = int(np.ceil(np.log2(num_genes))) + 2  # sort key = gene * 4 + flag
     size = targets.max() + marker_draws.sum(axis=1).max() + 1
     n_blocks = min(n, 64)
     for b in prange(n_blocks):
-        stamp = np.full(num_genes, -1, np.int32)  # stamp[rank] == i: rank already in cell i
+        stamp = np.full(num_genes, -1, np.int32)  # stamp[gene] == i: gene already in cell i
         keys, tmp, ends = np.empty(size, np.int32), np.empty(size, np.int32), np.zeros(4, np.int64)
         for i in range(b * n // n_blocks, (b + 1) * n // n_blocks):
-            k, p, end, c = targets[i], pool_offsets[i], pool_offsets[i + 1], 0
+            k, p, end, c, kind = targets[i], pool_offsets[i], pool_offsets[i + 1], 0, types[i]
             for s in range(3):
                 for _ in range(min(marker_draws[i, s], end - p)):
-                    r = marker_ranks[cell_rows[i, s], (np.int64(pool[p]) * set_size) >> 32]
+                    g = marker_genes[cell_rows[i, s], (np.int64(pool[p]) * set_size) >> 32]
                     p += 1
-                    new = stamp[r] != i
-                    stamp[r], keys[c] = i, r
+                    new = stamp[g] != i
+                    stamp[g], keys[c] = i, g
                     c += new
                 ends[s + 1] = c
             c = min(c, k)
@@ -102,19 +106,20 @@ def _sample_cells(
                 r = guide[x >> shift]
                 while cdf[r] <= x:
                     r += 1
-                new = stamp[r] != i
-                stamp[r], keys[c] = i, r
+                g = rank_to_gene[kind, r]
+                new = stamp[g] != i
+                stamp[g], keys[c] = i, g
                 c += new
             for j in range(c):
                 flag = 0 if j >= ends[3] else (3 if j >= ends[2] else (2 if j >= ends[1] else 1))
-                keys[j] = rank_to_gene[keys[j]] * 4 + flag
+                keys[j] = keys[j] * 4 + flag
             chosen = radix_sort(keys, tmp, c, key_bits)
             o, inv_scale = out_offsets[i], 1.0 / cell_scale[i]
             for j in range(c):
                 g = chosen[j] >> 2
                 genes[o + j] = g
                 # geometric on {1, 2, ...} with mean mu: V > v  <=>  w <= q**v, q = 1 - 1 / mu
-                q = 1.0 - min(inv_mean[g] * inv_scale * inv_boost[chosen[j] & 3], 1.0)
+                q = 1.0 - min(inv_mean[kind, g] * inv_scale * inv_boost[chosen[j] & 3], 1.0)
                 w = (value_bits[o - out_offsets[0] + j] + 0.5) * 2.0**-32
                 v, t = 1.0, q
                 for _ in range(7):  # branch-free count of the first seven steps
@@ -138,6 +143,7 @@ class Model:
         num_plates: int | None,
         mean_nnz: float,
         marker_fraction: tuple[float, float, float] = MARKER_FRACTION,
+        program_fraction: float = PROGRAM_FRACTION,
     ) -> None:
         num_plates = max(2, min(14, num_cells // 2000)) if num_plates is None else num_plates
         if not (0 < num_cells < 10**9 and 1 <= num_plates <= num_cells and num_genes >= 1 and mean_nnz > 0):
@@ -146,19 +152,20 @@ class Model:
             )
         if len(marker_fraction) != 3 or not all(0 <= f for f in marker_fraction) or sum(marker_fraction) >= 1:
             raise ValueError(f"marker_fraction must be 3 shares >= 0 summing below 1, got {marker_fraction}")
+        if not 0 <= program_fraction <= 1:
+            raise ValueError(f"program_fraction must lie in [0, 1], got {program_fraction}")
         rng = np.random.default_rng([seed, _SETUP_STREAM])
         self.seed, self.num_cells, self.num_genes, self.mean_nnz = seed, num_cells, num_genes, mean_nnz
         self.marker_fraction = tuple(float(f) for f in marker_fraction)
+        self.program_fraction = float(program_fraction)
         # genes: popularity rank -> gene id is a fixed random permutation; Zipf weights 1 / rank
-        self.rank_to_gene = rng.permutation(num_genes).astype(np.int32)
-        ranks = np.argsort(self.rank_to_gene)
+        base = rng.permutation(num_genes).astype(np.int32)
         weights = 1.0 / np.arange(1, num_genes + 1)
         self.cdf = np.ceil(np.cumsum(weights) / weights.sum() * 2.0**32).astype(np.int64)
         self.cdf[-1] = 2**32  # a 32-bit draw x maps to the first rank with cdf > x
         self.shift = 32 - min(32, int(np.ceil(np.log2(max(num_genes, 2)))) + 2)
         buckets = np.arange(2 ** (32 - self.shift), dtype=np.int64) << self.shift
         self.guide = np.searchsorted(self.cdf, buckets, side="right").astype(np.int32)
-        self.inv_mean = 1.0 / (1.0 + 40.0 / np.sqrt(ranks + 1.0))  # mean count falls with rank
         # expected distinct genes after m Zipf draws, used to size each cell's random pool
         self.pool_m = np.unique(np.geomspace(1.0, 64.0 * num_genes, 160).round())
         log_miss = np.log1p(-weights / weights.sum())
@@ -200,7 +207,7 @@ class Model:
             )
             for s in range(n_drugs + n_types + num_plates)
         ]
-        self.marker_ranks = np.stack([np.resize(s, width) for s in sets]).astype(np.int32)
+        self.marker_genes = base[np.stack([np.resize(s, width) for s in sets])]
         self.set_offset = np.array([0, n_drugs, n_drugs + n_types], np.int64)
         self.genes = pd.DataFrame(
             {
@@ -211,6 +218,24 @@ class Model:
                 "gene_type": np.where(rng.random(num_genes) < 0.85, "protein_coding", "lncRNA"),
             }
         )
+        # expression programs, as real cell types differ: each type moves a share of the genes a cell
+        # expresses (the top ~mean_nnz ranks) to the tail and takes as many tail genes up in their
+        # place (which genes are expressed), and scales the excess count of the same share of all its
+        # genes by a log-normal fold change (how much), so its Geneformer ranks and scGPT bins differ
+        self.rank_to_gene = np.tile(base, (n_types, 1))
+        head = min(num_genes, max(1, round(mean_nnz)))
+        swaps = min(round(self.program_fraction * head), num_genes - head)
+        for t in range(n_types if swaps else 0):
+            up = head + rng.choice(num_genes - head, swaps, replace=False)
+            down = rng.choice(head, swaps, replace=False)
+            row = self.rank_to_gene[t]
+            row[up], row[down] = row[down], row[up]
+        ranks = np.argsort(self.rank_to_gene, axis=1)  # ranks[t, gene]: the gene's rank in type t
+        excess = 40.0 / np.sqrt(ranks + 1.0)  # mean count 1 + excess falls with rank
+        if self.program_fraction > 0:
+            changed = rng.random((n_types, num_genes)) < self.program_fraction
+            excess *= np.exp(np.where(changed, rng.normal(0.0, 1.0, (n_types, num_genes)), 0.0))
+        self.inv_mean = 1.0 / (1.0 + excess)
 
     def obs_codes(self, rows: slice) -> dict[str, tuple[list[str], np.ndarray]]:
         """Categories and integer codes of every string obs column for ``rows``."""
@@ -258,7 +283,8 @@ class Model:
                 self.shift,
                 self.rank_to_gene,
                 self.inv_mean,
-                self.marker_ranks,
+                self.marker_genes,
+                labels[1][s],
                 rows[s],
                 draws[s],
                 cell_scale[s],

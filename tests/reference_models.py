@@ -124,10 +124,11 @@ def _scgpt(job: dict, inputs: dict, out: Path) -> None:
     values = torch.from_numpy(inputs["values"]).float()
     pad = torch.from_numpy(inputs["pad_mask"]).bool()
     with torch.no_grad():
-        result = model(src, values, src_key_padding_mask=pad)
+        result = model(src, values, src_key_padding_mask=pad, MVC=True)
         hidden = model._encode(src, values, pad)
     np.save(out / "pred.npy", result["mlm_output"].numpy().astype(np.float32))
     np.save(out / "cell_emb.npy", result["cell_emb"].numpy().astype(np.float32))
+    np.save(out / "mvc.npy", result["mvc_output"].numpy().astype(np.float32))
     np.save(out / "hidden.npy", hidden.numpy().astype(np.float32))
 
 

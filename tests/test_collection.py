@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -182,6 +183,62 @@ def test_dense_measured_masks_what_the_source_did_not_measure(collection):
         assert batch.x["measured"].sharding == batch.x["values"].sharding
 
 
+def _expected_masks(ds, rows):
+    """Each row's source's mask; all False on padding (row -1)."""
+    padded = np.concatenate([ds.presence.measured, np.zeros((1, ds.num_genes), bool)])
+    return padded[ds.presence.sources_of(rows)]
+
+
+@pytest.mark.parametrize("gather", ["host memory (cpu)", "devices"])
+def test_dense_measured_on_a_mesh_is_sharded_like_the_values_padding_included(
+    collection, gather, monkeypatch
+):
+    """On CPU devices the mask rows are written where XLA adopts them; elsewhere they are gathered
+    on the devices from each row's source. Both serve the same masks, sharded like the values."""
+    from omicsio_jax.outputs import measured
+
+    if gather == "devices":
+        monkeypatch.setattr(measured, "on_cpu", lambda sharding: False)
+    ds = oj.open_dataset(collection)
+    mesh = jax.make_mesh((8,), ("data",))
+    sampling = oj.Stream(fetch_factor=4, drop_remainder=False)
+    loader = oj.make_loader(
+        ds, batch_size=64, output=oj.Dense(measured=True), sampling=sampling, placement=mesh, num_epochs=1
+    )
+    batches = list(loader)
+    assert (~np.asarray(batches[-1].mask)).sum() == (-470) % 64  # the last batch is padded
+    for batch in batches:
+        values, mask = batch.x["values"], batch.x["measured"]
+        assert mask.dtype == bool and mask.shape == values.shape
+        assert mask.sharding == values.sharding
+        assert len(mask.sharding.device_set) == 8
+        expected = _expected_masks(ds, np.asarray(batch.index))
+        np.testing.assert_array_equal(np.asarray(mask), expected)
+        assert not np.asarray(values)[~expected].any()
+
+
+def test_dense_measured_host_batches_carry_sources_not_masks_and_resume_exactly(collection):
+    ds = oj.open_dataset(collection)
+    output = oj.Dense(measured=True)
+    loader = oj.make_loader(ds, batch_size=32, output=output, seed=5)
+    hb = next(iter(loader.as_grain_dataset()))
+    assert [a.shape for a in jax.tree.leaves(hb.x)] == [(32, ds.num_genes), (32,)]  # values, sources
+    assert hb.x.sources.dtype == np.int32
+    np.testing.assert_array_equal(hb.x["measured"], _expected_masks(ds, hb.index))
+    it = iter(loader)
+    next(it)
+    state = loader.get_state()
+    want = next(it)
+    again = oj.make_loader(ds, batch_size=32, output=output, seed=5)
+    again.set_state(state)
+    got = next(iter(again))
+    np.testing.assert_array_equal(np.asarray(got.index), np.asarray(want.index))
+    for key in ("values", "measured"):
+        np.testing.assert_array_equal(np.asarray(got.x[key]), np.asarray(want.x[key]))
+    loader.close()
+    again.close()
+
+
 def test_csr_measured_carries_each_rows_source_and_gathers_masks_on_device(collection):
     ds = oj.open_dataset(collection)
     loader = oj.make_loader(ds, batch_size=32, output=oj.CSR(measured=True), seed=3)
@@ -193,6 +250,16 @@ def test_csr_measured_carries_each_rows_source_and_gathers_masks_on_device(colle
     np.testing.assert_array_equal(np.asarray(mask), ds.presence.measured[sources])
     dense = np.asarray(loader.densify(batch.x))
     assert not dense[~np.asarray(mask)].any()
+
+
+def test_csr_measured_masks_of_padding_rows_are_all_false(collection):
+    ds = oj.open_dataset(collection)
+    sampling = oj.Stream(fetch_factor=4, drop_remainder=False)
+    loader = oj.make_loader(ds, batch_size=64, output=oj.CSR(measured=True), sampling=sampling, num_epochs=1)
+    last = list(loader)[-1]
+    assert (np.asarray(last.x.sources)[~np.asarray(last.mask)] == -1).all()
+    mask = loader.measured_mask(last.x)
+    np.testing.assert_array_equal(np.asarray(mask), _expected_masks(ds, np.asarray(last.index)))
 
 
 def test_a_mixture_over_the_sources(collection):

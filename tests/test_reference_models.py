@@ -191,8 +191,9 @@ def _geneformer_outputs(model, ids, mask):
 
 @eqx.filter_jit
 def _scgpt_outputs(model, genes, values, pad):
-    hidden = jax.vmap(model.encode)(genes, values, pad)
-    return jax.vmap(model.predict_values)(hidden), hidden
+    hidden, embedded = jax.vmap(model.encode_genes)(genes, values, pad)
+    mvc = jax.vmap(model.predict_from_cell)(hidden[:, 0], embedded)
+    return jax.vmap(model.predict_values)(hidden), hidden, mvc
 
 
 def _max_diff(got, want, where=None) -> float:
@@ -244,17 +245,19 @@ def test_scgpt_is_the_published_transformer_model(reference):
     assert ckpt.vocab_size == SCGPT_TOKENS and (batch["values"] == -1).any()  # masked values in the input
     pad = batch["pad_mask"]
     assert pad.any() and (~pad).any(1).all()
-    pred, hidden = _scgpt_outputs(
+    pred, hidden, mvc = _scgpt_outputs(
         ckpt.model, *(jnp.asarray(batch[k]) for k in ("gene_ids", "values", "pad_mask"))
     )
     # PyTorch's encoder returns zeros at padded positions (its nested-tensor fast path): compare real ones
     d_pred = _max_diff(pred, np.load(out / "pred.npy"), ~pad)
     d_hidden = _max_diff(hidden, np.load(out / "hidden.npy"), ~pad)
     d_cell = _max_diff(hidden[:, 0], np.load(out / "cell_emb.npy"))
+    d_mvc = _max_diff(mvc, np.load(out / "mvc.npy"), ~pad)  # GEPC's values, from the cell embedding
     print(
-        f"scgpt: max |pred diff| {d_pred:.2e}, max |hidden diff| {d_hidden:.2e}, max |cell emb diff| {d_cell:.2e}"
+        f"scgpt: max |pred diff| {d_pred:.2e}, max |hidden diff| {d_hidden:.2e}, max |cell emb diff| {d_cell:.2e}, "
+        f"max |mvc diff| {d_mvc:.2e}"
     )
-    assert d_pred < TOL and d_hidden < TOL and d_cell < TOL
+    assert d_pred < TOL and d_hidden < TOL and d_cell < TOL and d_mvc < TOL
 
 
 def _expected_embedding(out: Path, batch: dict, specials: tuple[int, ...]) -> np.ndarray:

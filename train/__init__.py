@@ -12,6 +12,11 @@ from ._checkpoint import list_checkpoints as list_checkpoints
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._cli import main as main
 from ._config import TrainConfig as TrainConfig
+from ._embed import embed as embed
+from ._embed import logistic_probe as logistic_probe
+from ._embed import masked_prediction as masked_prediction
+from ._embed import probe_pretraining as probe_pretraining
+from ._embed import probe_split as probe_split
 from ._errors import CheckpointMismatchError as CheckpointMismatchError
 from ._errors import PredicateError as PredicateError
 from ._errors import TrainError as TrainError
@@ -32,6 +37,11 @@ from ._model import MLPClassifier as MLPClassifier
 from ._model import make_model as make_model
 from ._predicate import Predicate as Predicate
 from ._predicate import parse_predicate as parse_predicate
+from ._pretrain import PretrainConfig as PretrainConfig
+from ._pretrain import PretrainResult as PretrainResult
+from ._pretrain import build_model as build_model
+from ._pretrain import pretrain as pretrain
+from ._pretrain import pretrain_optimizer as pretrain_optimizer
 from ._published import load_checkpoint as load_checkpoint
 from ._step import evaluate as evaluate
 from ._step import loss_fn as loss_fn

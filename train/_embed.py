@@ -84,6 +84,65 @@ def special_ids(config: PretrainConfig, vocabulary: oj.Vocabulary, pool: str) ->
     return (vocabulary.cls, vocabulary.eos) if config.special_tokens else ()
 
 
+def masked_prediction(
+    model: eqx.Module, ds: oj.Dataset, config: PretrainConfig, rows: np.ndarray, *, mesh=None
+) -> dict:
+    """How well ``model`` fills in masked tokens of ``rows`` (masked as the run masks them, with its
+    seed), beside the frequency baseline.
+
+    Geneformer: ``accuracy`` is the top-1 accuracy of the masked genes and ``baseline`` that of always
+    answering the most frequent masked gene. scGPT: ``accuracy`` is the share of masked values whose
+    prediction rounds to the true bin and ``baseline`` that of always answering the most frequent bin;
+    ``mse`` and ``baseline_mse`` (always the mean) are its training loss and the loss a model that
+    ignores the cell would reach. ``positions``: masked positions scored."""
+    loader = oj.make_loader(
+        ds,
+        batch_size=config.batch_size,
+        sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
+        output=config.output(),
+        rows=np.asarray(rows, np.int64),
+        seed=config.seed,
+        num_epochs=1,
+        placement=mesh,
+        read=oj.ReadOptions(num_threads=config.num_threads),
+    )
+    model = eqx.nn.inference_mode(model)
+    if config.tokens == "geneformer":
+
+        @eqx.filter_jit
+        def predict(m, x):
+            logits = jax.vmap(m)(x["input_ids"], x["attention_mask"].astype(bool))
+            return jnp.argmax(logits, axis=-1), x["labels"] != -100, x["labels"]
+
+    else:
+
+        @eqx.filter_jit
+        def predict(m, x):
+            pred = jax.vmap(m)(x["gene_ids"], x["masked_values"], x["pad_mask"].astype(bool))
+            return pred, x["mask"].astype(bool), x["values"]
+
+    guesses, targets = [], []
+    try:
+        for batch in loader:
+            guess, where, target = (np.asarray(a) for a in predict(model, batch.x))
+            where = where & np.asarray(batch.mask)[:, None]
+            guesses.append(guess[where])
+            targets.append(target[where])
+    finally:
+        loader.close()
+    guess, target = np.concatenate(guesses), np.concatenate(targets)
+    _, counts = np.unique(target, return_counts=True)
+    out = {"baseline": float(counts.max() / max(target.size, 1)), "positions": int(target.size)}
+    if config.tokens == "geneformer":
+        return {"accuracy": float(np.mean(guess == target)), **out}
+    return {
+        "accuracy": float(np.mean(np.rint(guess) == target)),
+        **out,
+        "mse": float(np.mean(np.square(guess - target))),
+        "baseline_mse": float(np.var(target)),
+    }
+
+
 def logistic_probe(
     x_train: np.ndarray,
     y_train: np.ndarray,
@@ -138,16 +197,7 @@ def probe_pretraining(
 ) -> dict:
     """Linear-probe accuracy of ``config.probe_label`` for each model: ``probe_cells`` labelled cells
     drawn with the run's seed, the first half to fit, the second half held out."""
-    column = ds.obs.get(config.probe_label)
-    if not isinstance(column, oj.Categorical):
-        msg = f"--probe-label {config.probe_label!r} must be a categorical obs column of {ds.path}"
-        raise TrainError(msg)
-    codes = np.asarray(column.codes)
-    labelled = np.flatnonzero(codes >= 0)
-    rng = np.random.default_rng([config.seed, 0x9B0BE])
-    rows = np.sort(rng.choice(labelled, size=min(config.probe_cells, len(labelled)), replace=False))
-    split = rng.permutation(len(rows))
-    fit_idx, test_idx = split[: len(rows) // 2], split[len(rows) // 2 :]
+    codes, rows, fit_idx, test_idx = probe_split(config, ds)
     accuracy = {}
     for name, model in models.items():
         emb = embed(model, ds, config, rows, mesh=mesh)
@@ -160,6 +210,24 @@ def probe_pretraining(
         "fit_cells": len(fit_idx),
         "test_cells": len(test_idx),
     }
+
+
+def probe_split(
+    config: PretrainConfig, ds: oj.Dataset
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The probe's cells: ``(codes, rows, fit, test)`` — the label codes of every cell, ``probe_cells``
+    labelled rows drawn with the run's seed (sorted), and the indices into ``rows`` of the half that
+    fits the probe and of the held-out half."""
+    column = ds.obs.get(config.probe_label)
+    if not isinstance(column, oj.Categorical):
+        msg = f"--probe-label {config.probe_label!r} must be a categorical obs column of {ds.path}"
+        raise TrainError(msg)
+    codes = np.asarray(column.codes)
+    labelled = np.flatnonzero(codes >= 0)
+    rng = np.random.default_rng([config.seed, 0x9B0BE])
+    rows = np.sort(rng.choice(labelled, size=min(config.probe_cells, len(labelled)), replace=False))
+    split = rng.permutation(len(rows))
+    return codes, rows, split[: len(rows) // 2], split[len(rows) // 2 :]
 
 
 def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainConfig, dict]:

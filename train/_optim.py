@@ -105,7 +105,7 @@ def flops_per_cell(
 
         encoder   L · (6·n·(4d² + 2d·f) + 12·n·L·d)
         geneformer head   6·P·(d² + d·V),  P = max_predictions or L,  V = vocab_size
-        scgpt value encoder + decoder   6·L·(d + 3d² + d)
+        scgpt value encoder + decoder + MVC decoder   6·L·(d + 3d² + d) + 6·L·(2d² + d)
 
     Embedding lookups, biases, LayerNorm, softmax and activations are not counted. Padded positions
     are counted: the model computes over all ``L`` slots.
@@ -122,4 +122,4 @@ def flops_per_cell(
             raise TrainError(msg)
         positions = length if max_predictions is None else min(max_predictions, length)
         return float(total + 6 * positions * (d * d + d * vocab_size))
-    return float(total + 6 * length * (3 * d * d + 2 * d))
+    return float(total + 6 * length * (5 * d * d + 3 * d))

@@ -37,8 +37,9 @@ from ._preempt import Preemption
 from ._pretrain_config import DEFAULT_MAX_LEN as DEFAULT_MAX_LEN
 from ._pretrain_config import PretrainConfig as PretrainConfig
 from ._pretrain_config import build_model as build_model
-from ._pretrain_config import check_vocabulary, open_init, pretrain_optimizer, with_init_vocab
+from ._pretrain_config import check_vocabulary, open_init, with_init_vocab
 from ._pretrain_config import max_predictions as max_predictions
+from ._pretrain_config import pretrain_optimizer as pretrain_optimizer
 from ._step import replicate
 from ._transformer import PRESETS, flops_per_cell, make_pretrain_step
 

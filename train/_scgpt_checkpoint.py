@@ -1,8 +1,9 @@
 """An scGPT checkpoint directory as a `ScGPTModel`: ``args.json`` (the run's arguments: ``embsize``,
 ``nheads``, ``d_hid``, ``nlayers``, ``dropout``), ``best_model.pt`` (``torch.save`` of the
 ``TransformerModel``'s state dict) and ``vocab.json`` (token → id), as the scGPT repository
-publishes its pretrained models. Task heads that do not feed the expression decoder
-(``cls_decoder``, ``mvc_decoder``, ...) are left out; the flash-attention spelling of the attention
+publishes its pretrained models. The MVC decoder (``mvc_decoder``, "inner product") is read where
+the checkpoint has one, else drawn with PyTorch's default initialisation (a checkpoint trained without
+GEPC); the task heads that feed neither decoder (``cls_decoder``, ...) are left out; the flash-attention spelling of the attention
 weights (``self_attn.Wqkv``) is read as PyTorch's (``self_attn.in_proj_``).
 """
 
@@ -21,7 +22,13 @@ from ._layers import TransformerConfig
 from ._transformer import abstract_model
 from ._weights import read_torch_pickle
 
-_HEADS = ("cls_decoder.", "mvc_decoder.", "grad_reverse_discriminator.", "decoder.zero_logit.", "sim.")
+_HEADS = (
+    "cls_decoder.",
+    "mvc_decoder.W_zero_logit.",
+    "grad_reverse_discriminator.",
+    "decoder.zero_logit.",
+    "sim.",
+)
 _ARGS = ("embsize", "nheads", "d_hid", "nlayers")
 
 
@@ -93,6 +100,18 @@ def load_scgpt(
     ):
         values[f"{ours}.weight"] = take(f"decoder.fc.{theirs}.weight", shape)
         values[f"{ours}.bias"] = take(f"decoder.fc.{theirs}.bias", shape[:1])
+    mvc = {
+        "mvc_query.weight": ("mvc_decoder.gene2query.weight", (d, d)),
+        "mvc_query.bias": ("mvc_decoder.gene2query.bias", (d,)),
+        "mvc_w.weight": ("mvc_decoder.W.weight", (d, d)),
+    }
+    if all(theirs in weights for theirs, _ in mvc.values()):
+        values.update({ours: take(theirs, shape) for ours, (theirs, shape) in mvc.items()})
+    else:  # trained without GEPC: the decoder as PyTorch's nn.Linear starts, U(±1/√d), seeded
+        rng, bound = np.random.default_rng(0), 1 / np.sqrt(d)
+        values.update(
+            {ours: rng.uniform(-bound, bound, shape).astype(np.float32) for ours, (_, shape) in mvc.items()}
+        )
     layer_names = {
         "qkv.weight": ("self_attn.in_proj_weight", (3 * d, d)),
         "qkv.bias": ("self_attn.in_proj_bias", (3 * d,)),

@@ -6,8 +6,9 @@ column space, how to resolve gene names, the batch geometry) and then calls ``fr
 once per host batch with the batch's encoded records (and `RowKeys`: the global rows, epoch and
 seed that kinds with random choices draw from), or ``from_csr`` with CSR rows (the query
 stream). Every array of the result has the host batch's rows (or its per-device slabs) on its
-leading axis, so one placement rule (`place_batch`) serves every kind. Adding a kind is one
-module here plus its export.
+leading axis, so one placement rule (`place_batch`) serves every kind; a kind whose ``x`` is
+finished on the devices returns a `DeviceStep` (``Dense(measured=True)``: each row's source,
+gathered into a mask where the batch lands). Adding a kind is one module here plus its export.
 """
 
 from __future__ import annotations

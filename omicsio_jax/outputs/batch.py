@@ -3,11 +3,13 @@
 A loader builds a `HostBatch` (this host's rows as numpy arrays) and `place_batch` turns it
 into a `Batch` of global jax.Arrays sharded along the mesh's data axis. Both are registered
 pytrees, so ``jax.tree.map`` works on them and Grain moves a `HostBatch` out of a worker
-process through shared memory, array by array.
+process through shared memory, array by array. A `DeviceStep` in a host batch is finished
+where the batch lands (a measured-gene mask gathered on the devices from each row's source).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -59,6 +61,25 @@ for _cls in (Batch, HostBatch):
     jax.tree_util.register_dataclass(_cls, data_fields=["x", "obs", "index", "mask"], meta_fields=[])
 
 
+class DeviceStep(abc.ABC):
+    """A node of a host batch's ``x`` that `place_batch` finishes on the devices: the arrays of
+    `to_place` are placed with every other array of the batch (rows on their leading axis, in
+    the same call), then `on_device` makes what the batch serves of them. Subclasses are
+    registered pytrees (their arrays travel through Grain like any other)."""
+
+    @abc.abstractmethod
+    def to_place(self, sharding: jax.sharding.Sharding) -> Any:
+        """This host's arrays to place with ``sharding``: a pytree, rows on every leading axis."""
+
+    @abc.abstractmethod
+    def on_device(self, placed: Any) -> Any:
+        """What the batch serves, from `to_place`'s pytree placed."""
+
+
+def _is_step(node: Any) -> bool:
+    return isinstance(node, DeviceStep)
+
+
 def data_sharding(mesh, data_axis: str = "data") -> jax.sharding.Sharding:
     """``NamedSharding(mesh, P(data_axis))``, or the first local device when there is no mesh."""
     if mesh is None:
@@ -77,10 +98,21 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
     global leading size is the sum over hosts (``jax.make_array_from_process_local_data``, right
     single- and multi-host). On CPU, 64-byte aligned host buffers are adopted without a copy
     (``jax.device_put`` copies them). Without a mesh, the batch goes to the first local device.
+    A `DeviceStep` (``oj.Dense(measured=True)``'s ``x``) is finished on the devices.
     """
+    sharding = data_sharding(mesh, data_axis)
+    nodes, treedef = jax.tree.flatten(host_batch, is_leaf=_is_step)
+    steps = {i: node for i, node in enumerate(nodes) if isinstance(node, DeviceStep)}
+    if steps:
+        host_batch = treedef.unflatten(
+            [steps[i].to_place(sharding) if i in steps else n for i, n in enumerate(nodes)]
+        )
     # one call for the whole pytree: half the time of one per array, and one hand-off of the GIL
     # instead of one per array (each can wait a 5 ms switch interval while decoding threads run)
-    placed = jax.make_array_from_process_local_data(data_sharding(mesh, data_axis), host_batch)
+    placed = jax.make_array_from_process_local_data(sharding, host_batch)
+    if steps:
+        parts = treedef.flatten_up_to(placed)
+        placed = treedef.unflatten([steps[i].on_device(p) if i in steps else p for i, p in enumerate(parts)])
     return Batch(placed.x, placed.obs, placed.index, placed.mask) if isinstance(placed, HostBatch) else placed
 
 

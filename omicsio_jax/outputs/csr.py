@@ -6,7 +6,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
@@ -15,6 +14,7 @@ from omicsio_jax.format import codec
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.batch import SparseBatch
+from omicsio_jax.outputs.measured import PresenceTable, presence_table
 from omicsio_jax.outputs.normalize import Normalization
 
 
@@ -53,6 +53,7 @@ class CSR(Output):
     rows_per_slab: int = 0
     source: str = ""
     presence: GenePresence | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
+    table: PresenceTable | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
 
     kind = "csr"
 
@@ -70,6 +71,7 @@ class CSR(Output):
         return dataclasses.replace(
             self,
             presence=presence,
+            table=presence_table(presence, ctx, "CSR(measured=True)") if self.measured else None,
             nnz_capacity=capacity,
             num_columns=ctx.num_columns,
             num_slabs=ctx.num_slabs,
@@ -127,13 +129,8 @@ class CSR(Output):
 
     def measured_mask(self, x: SparseBatch) -> jax.Array:
         """``(rows, genes)`` bool of a placed batch: the genes each row's source measured (False on
-        padding), gathered where the rows live from the collection's presence bitmaps."""
-        if self.presence is None or x.sources is None:
+        padding), gathered where the rows live from the collection's presence bitmaps held there."""
+        if self.table is None or x.sources is None:
             msg = "CSR.measured_mask(x) needs the output bound with measured=True: oj.CSR(measured=True)"
             raise OmicsIOError(msg)
-        return _gather_rows(self.presence.measured, x.sources)
-
-
-@jax.jit
-def _gather_rows(table, sources):
-    return jnp.take(table, sources, axis=0, mode="fill", fill_value=False)
+        return self.table.gather(x.sources)

@@ -10,6 +10,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.presence import GenePresence, require_presence
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
+from omicsio_jax.outputs.measured import MeasuredRows, PresenceTable, presence_table
 from omicsio_jax.outputs.normalize import Normalization
 
 
@@ -20,7 +21,8 @@ class Dense(Output):
 
     ``measured=True`` (a collection): ``x`` is ``{"values": rows, "measured": bool mask}``, the mask
     False where the cell's source did not measure the gene (its 0 is unknown, not zero) and on
-    padding rows; both are placed like ``x``.
+    padding rows, placed and sharded like the values. The host batch carries each row's source
+    (`MeasuredRows`), and the mask is gathered where the batch is placed (`place_batch`).
     """
 
     normalize: str | None = None
@@ -29,7 +31,7 @@ class Dense(Output):
     num_columns: int | None = None  # set by bind
     source: str = ""
     presence: GenePresence | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
-    mask_rows: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
+    table: PresenceTable | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
 
     kind = "dense"
 
@@ -40,13 +42,12 @@ class Dense(Output):
         if not self.measured:
             return dataclasses.replace(self, num_columns=ctx.num_columns, source=ctx.source)
         presence = require_presence(ctx.dataset, "Dense(measured=True)")
-        padding = np.zeros((1, ctx.num_columns), bool)  # row -1: the mask of padding rows
         return dataclasses.replace(
             self,
             num_columns=ctx.num_columns,
             source=ctx.source,
             presence=presence,
-            mask_rows=np.concatenate([presence.measured, padding]),
+            table=presence_table(presence, ctx, "Dense(measured=True)"),
         )
 
     def config(self) -> dict:
@@ -60,16 +61,13 @@ class Dense(Output):
 
     def from_records(
         self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
-    ) -> np.ndarray | dict[str, np.ndarray]:
+    ) -> np.ndarray | MeasuredRows:
         out = empty((len(starts) - 1, self.num_columns), np.float32)
         x = scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)
         if not self.measured:
             return x
         rows = keys.rows if keys is not None else np.full(len(starts) - 1, -1)
-        mask = empty((len(rows), self.num_columns), np.bool_)
-        for i, source in enumerate(self.presence.sources_of(rows)):  # padding: row -1, all False
-            mask[i] = self.mask_rows[source]  # a row copy each: 3.5x faster than np.take(..., out=)
-        return {"values": x, "measured": mask}
+        return MeasuredRows(x, self.presence.sources_of(rows), self.table)
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:
         if self.measured:
