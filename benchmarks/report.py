@@ -159,9 +159,13 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "implicitly against an explicit array of every row.",
     ),
     "bench_pretrain": (
-        "Pretraining probe",
-        "A short pretraining of the tiny transformer preset on the synthetic corpus, then a linear probe "
-        "of its embeddings against the same architecture at random initialization.",
+        "Pretraining learning curves",
+        "The tiny transformer preset pretrained on the synthetic corpus (cell types with expression "
+        "programs), one run per tokenizer, checkpoints scored on held-out cells: masked-token prediction "
+        "against the frequency baseline and a linear probe of cell type against the same network at its "
+        "random initialization (the first point); then the final checkpoint fine-tuned on cell type and scored on "
+        "the held-out plate beside the probe, the MLP on log1p expression and the majority class. The "
+        "plot is the results file's PNG.",
     ),
     "bench_train": (
         "Sampling strategy and what a classifier learns",
@@ -799,20 +803,56 @@ def render_plan_memory(d: dict) -> list[str]:
 
 
 def render_pretrain(d: dict) -> list[str]:
-    items = [
-        ("tokens", d.get("tokens"), ""),
-        ("steps", d.get("steps"), ",.0f"),
-        ("first loss", d.get("first_loss"), ".3f"),
-        ("last loss", d.get("last_loss"), ".3f"),
-        ("median step (s)", d.get("median_step_s"), ".3f"),
-        ("data wait", d.get("data_wait_fraction"), "%"),
-        ("chance", d.get("chance"), ".3f"),
-    ]
-    for probe in ("probe_cls", "probe_mean_pool"):
-        for model, acc in (d.get(probe) or {}).items():
-            items.append((f"{probe.replace('_', ' ')} accuracy, {model.replace('_', ' ')}", acc, ".3f"))
-    items.append(("probe on log1p expression", _get(d, "probe_log1p_expression"), ".3f"))
-    return pairs(items)
+    if "runs" not in d:  # the single-probe files of earlier versions
+        items = [
+            ("tokens", d.get("tokens"), ""),
+            ("steps", d.get("steps"), ",.0f"),
+            ("first loss", d.get("first_loss"), ".3f"),
+            ("last loss", d.get("last_loss"), ".3f"),
+            ("median step (s)", d.get("median_step_s"), ".3f"),
+            ("data wait", d.get("data_wait_fraction"), "%"),
+            ("chance", d.get("chance"), ".3f"),
+        ]
+        for probe in ("probe_cls", "probe_mean_pool"):
+            for model, acc in (d.get(probe) or {}).items():
+                items.append((f"{probe.replace('_', ' ')} accuracy, {model.replace('_', ' ')}", acc, ".3f"))
+        items.append(("probe on log1p expression", _get(d, "probe_log1p_expression"), ".3f"))
+        return pairs(items)
+    out = pairs(
+        [
+            ("steps", d.get("steps"), ",.0f"),
+            ("batch size", d.get("batch_size"), ",.0f"),
+            ("max_len", d.get("max_len"), ",.0f"),
+            ("probe on log1p expression", d.get("probe_log1p_expression"), ".3f"),
+        ]
+    )
+    for run in d["runs"]:
+        name = run["tokens"]
+        out += sub(
+            f"{name}: {run['train_seconds']:.0f} s of training, median step {run['median_step_s']:.3f} s, "
+            f"probe gain {run['probe_gain_points']:+.1f} points",
+            table(
+                run["points"],
+                [
+                    ("step", "step", ",.0f"),
+                    ("linear probe", "probe", ".3f"),
+                    ("mean-pooled probe", "probe_mean_pool", ".3f"),
+                    ("masked accuracy", lambda p: p["masked"]["accuracy"], ".4f"),
+                    ("frequency baseline", lambda p: p["masked"]["baseline"], ".4f"),
+                    ("masked MSE", lambda p: p["masked"].get("mse"), ".1f"),
+                    ("baseline MSE", lambda p: p["masked"].get("baseline_mse"), ".1f"),
+                ],
+            ),
+        )
+        models = _get(run, "finetune", "models") or {}
+        out += sub(
+            f"{name}: fine-tuned on the held-out plate",
+            table(
+                [{"model": k, **v} for k, v in models.items()],
+                [("model", "model", ""), ("accuracy", "accuracy", ".4f"), ("macro-F1", "macro_f1", ".4f")],
+            ),
+        )
+    return out
 
 
 def render_train(d: dict) -> list[str]:

@@ -30,16 +30,18 @@ TINY = [
 ]
 
 
-# the learning test's run: a budget where the tiny Geneformer has learned the cell types' programs
+# the learning test's run (~80 s on 2 cores): enough steps for the tiny Geneformer to learn the cell types'
+# programs (benchmarks/results/pretrain_learning.json: the probe rises after ~1,000 steps)
 LEARNING = {
     "tokens": "geneformer",
     "max_len": 32,
     "batch_size": 32,
-    "steps": 1500,
-    "warmup_steps": 150,
+    "steps": 2500,
+    "warmup_steps": 250,
     "lr": 2e-3,
     "block_size": 16,
     "fetch_factor": 16,
+    "num_devices": 1,
     "quiet": True,
 }
 MARGIN = 0.05

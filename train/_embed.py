@@ -14,7 +14,7 @@ import optax
 import omicsio_jax as oj
 
 from ._errors import TrainError
-from ._loop import open_checkpoints
+from ._loop import make_data_mesh, open_checkpoints
 from ._pretrain_config import (
     PretrainConfig,
     build_model,
@@ -23,6 +23,7 @@ from ._pretrain_config import (
     pretrain_optimizer,
     with_init_vocab,
 )
+from ._step import replicate
 
 DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
 
@@ -94,7 +95,9 @@ def masked_prediction(
     answering the most frequent masked gene. scGPT: ``accuracy`` is the share of masked values whose
     prediction rounds to the true bin and ``baseline`` that of always answering the most frequent bin;
     ``mse`` and ``baseline_mse`` (always the mean) are its training loss and the loss a model that
-    ignores the cell would reach. ``positions``: masked positions scored."""
+    ignores the cell would reach. ``positions``: masked positions scored. ``mesh``: where the batches
+    go, default the run's (``config.num_devices``); the model is replicated onto it."""
+    mesh = make_data_mesh(config.num_devices) if mesh is None else mesh
     loader = oj.make_loader(
         ds,
         batch_size=config.batch_size,
@@ -106,7 +109,7 @@ def masked_prediction(
         placement=mesh,
         read=oj.ReadOptions(num_threads=config.num_threads),
     )
-    model = eqx.nn.inference_mode(model)
+    model = replicate(eqx.nn.inference_mode(model), mesh)
     if config.tokens == "geneformer":
 
         @eqx.filter_jit
