@@ -24,6 +24,7 @@ budget the curve was bought with; one run per tokenizer, so it is not a median o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -74,7 +75,7 @@ def _curve(args, dataset: Path, tokens: str, work: Path) -> dict:
         keep=args.steps // args.every + 1,
         quiet=True,
     )
-    training = PretrainConfig(**{**config.__dict__, "probe_label": None})
+    training = dataclasses.replace(config, probe_label=None)  # scored below, per checkpoint
     start = time.perf_counter()
     result = pretrain(training)
     train_seconds = time.perf_counter() - start

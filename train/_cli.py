@@ -56,26 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log1p(x / x.sum(1) * 1e4) in the jitted step, not fused in the loader",
     )
-    g = p.add_argument_group("batches")
-    g.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
-    )
-    g.add_argument("--block-size", type=int, default=d.block_size, help="default: %(default)s")
-    g.add_argument("--fetch-factor", type=int, default=d.fetch_factor, help="default: %(default)s")
+    g = add_batch_arguments(p, d)
     g.add_argument("--sampling", choices=SAMPLINGS, default=d.sampling, help="default: %(default)s")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
-    g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
-    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument(
-        "--devices",
-        dest="num_devices",
-        type=int,
-        default=None,
-        help="devices of the data mesh (default: all)",
-    )
-    g.add_argument(
-        "--num-threads", type=int, default=d.num_threads, help="loader read threads (default: %(default)s)"
-    )
     g.add_argument(
         "--prefetch", type=int, default=d.prefetch, help="fetches read ahead (default: %(default)s)"
     )

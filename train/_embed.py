@@ -91,8 +91,9 @@ def masked_prediction(
     """How well ``model`` fills in masked tokens of ``rows`` (masked as the run masks them, with its
     seed), beside the frequency baseline.
 
-    Geneformer: ``accuracy`` is the top-1 accuracy of the masked genes and ``baseline`` that of always
-    answering the most frequent masked gene. scGPT: ``accuracy`` is the share of masked values whose
+    Geneformer: ``accuracy`` is the top-1 accuracy of the masked genes (the positions the loss scores:
+    the first ``max_predictions`` of a cell) and ``baseline`` that of always answering the most frequent
+    masked gene. scGPT: ``accuracy`` is the share of masked values whose
     prediction rounds to the true bin and ``baseline`` that of always answering the most frequent bin;
     ``mse`` and ``baseline_mse`` (always the mean) are its training loss and the loss a model that
     ignores the cell would reach. ``positions``: masked positions scored. ``mesh``: where the batches
@@ -113,9 +114,11 @@ def masked_prediction(
     if config.tokens == "geneformer":
 
         @eqx.filter_jit
-        def predict(m, x):
-            logits = jax.vmap(m)(x["input_ids"], x["attention_mask"].astype(bool))
-            return jnp.argmax(logits, axis=-1), x["labels"] != -100, x["labels"]
+        def predict(m, x):  # only the positions the loss decodes: never a (B, L, vocab) array
+            guess, labels, valid = jax.vmap(m.predict_masked)(
+                x["input_ids"], x["attention_mask"].astype(bool), x["labels"]
+            )
+            return guess, valid, labels
 
     else:
 

@@ -94,7 +94,8 @@ class FinetuneConfig:
 
 
 def add_batch_arguments(p: argparse.ArgumentParser, d) -> argparse._ArgumentGroup:
-    """The "batches" options of the token-batch commands (``pretrain``, ``finetune``), defaults from ``d``."""
+    """The "batches" options every training command shares (the classifier's, ``pretrain``,
+    ``finetune``), defaults from ``d``; returns the group for a command's own batch options."""
     g = p.add_argument_group("batches")
     g.add_argument(
         "--batch-size", type=int, default=d.batch_size, help="global batch size (default: %(default)s)"
@@ -104,8 +105,16 @@ def add_batch_arguments(p: argparse.ArgumentParser, d) -> argparse._ArgumentGrou
     g.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
     g.add_argument("--steps", type=int, default=None, help="train this many steps instead of --epochs epochs")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument("--devices", dest="num_devices", type=int, default=None, help="devices of the data mesh")
-    g.add_argument("--num-threads", type=int, default=d.num_threads, help="default: %(default)s")
+    g.add_argument(
+        "--devices",
+        dest="num_devices",
+        type=int,
+        default=None,
+        help="devices of the data mesh (default: all)",
+    )
+    g.add_argument(
+        "--num-threads", type=int, default=d.num_threads, help="loader read threads (default: %(default)s)"
+    )
     return g
 
 

@@ -53,9 +53,14 @@ def _check_pool(pool: str) -> None:
         raise TrainError(msg)
 
 
-def _pool(hidden: jax.Array, real: jax.Array, pool: str) -> jax.Array:
+def _pool(
+    hidden: jax.Array, real: jax.Array, pool: str, ids: jax.Array, special_ids: Sequence[int]
+) -> jax.Array:
+    """Position 0 (``pool="cls"``) or the mean over ``real`` positions whose id is not special."""
     if pool == "cls":
         return hidden[:, 0]
+    for special in special_ids:
+        real = real & (ids != special)
     w = real.astype(jnp.float32)
     return jnp.einsum("bld,bl->bd", hidden, w) / jnp.maximum(w.sum(1), 1.0)[:, None]
 
@@ -152,13 +157,27 @@ class GeneformerModel(eqx.Module):
         """Logits ``(L, vocab_size)`` of one cell at every position."""
         return self.logits(self.encode(input_ids, attention_mask, key=key))
 
-    def _cell_loss(self, input_ids, attention_mask, labels, key):
-        hidden = self.encode(input_ids, attention_mask, key=key)
+    def labelled(self, hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The positions the MLM head decodes: ``(hidden, labels, valid)`` of the cell's labelled
+        positions (``labels != -100``), the first ``max_predictions`` of them when that is set (then
+        padded, ``valid`` False on the padding), else all ``L`` positions."""
         valid = labels != -100
         if self.max_predictions is not None:
             (idx,) = jnp.nonzero(valid, size=self.max_predictions, fill_value=0)
             hidden, labels = hidden[idx], labels[idx]
             valid = jnp.arange(self.max_predictions) < valid.sum()
+        return hidden, labels, valid
+
+    def predict_masked(
+        self, input_ids: jax.Array, attention_mask: jax.Array, labels: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The most likely token at the positions the loss scores (`labelled`): ``(guess, labels,
+        valid)`` of one cell, decoding only those positions."""
+        hidden, labels, valid = self.labelled(self.encode(input_ids, attention_mask), labels)
+        return jnp.argmax(self.logits(hidden), axis=-1), labels, valid
+
+    def _cell_loss(self, input_ids, attention_mask, labels, key):
+        hidden, labels, valid = self.labelled(self.encode(input_ids, attention_mask, key=key), labels)
         ce = optax.softmax_cross_entropy_with_integer_labels(self.logits(hidden), jnp.where(valid, labels, 0))
         return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid)
 
@@ -186,9 +205,7 @@ class GeneformerModel(eqx.Module):
         ids, mask = batch["input_ids"], batch["attention_mask"].astype(bool)
         keys = None if key is None else jax.random.split(key, ids.shape[0])
         hidden = jax.vmap(lambda i, m, k: self.encode(i, m, key=k))(ids, mask, keys)
-        for special in special_ids:
-            mask = mask & (ids != special)
-        return _pool(hidden, mask, pool)
+        return _pool(hidden, mask, pool, ids, special_ids)
 
 
 class ScGPTModel(eqx.Module):
@@ -321,10 +338,7 @@ class ScGPTModel(eqx.Module):
         keys = None if key is None else jax.random.split(key, gene_ids.shape[0])
         cell = lambda g, v, p, k: self.encode(g, v, p, key=k)  # noqa: E731
         hidden = jax.vmap(cell)(gene_ids, batch["values"], pad_mask, keys)
-        real = ~pad_mask
-        for special in special_ids:
-            real = real & (gene_ids != special)
-        return _pool(hidden, real, pool)
+        return _pool(hidden, ~pad_mask, pool, gene_ids, special_ids)
 
 
 def check_architecture(cfg: TransformerConfig) -> None:
