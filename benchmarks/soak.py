@@ -56,6 +56,8 @@ from _soak_host import CACHE_BYTES, CHECKPOINT_EVERY, children, digest, loader_o
 def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
     """Flip one byte inside a fetched chunk of a shard's sparse mirror in ``cache``, then read that
     chunk's cells: the reader must notice (the chunk's hash) and fetch it again."""
+    from omicsio_jax import ObjectStoreError
+
     for shard, entry in enumerate(remote.manifest.shards):
         path = next(cache.rglob(entry.path), None)
         if path is None or path.stat().st_blocks == 0:
@@ -71,19 +73,20 @@ def _flip_a_cached_byte(remote, local, cache: Path) -> dict | None:
                 group = remote.chunk_reader.group_size if remote.chunk_reader else 16
                 first = entry.first_cell + chunk * group
                 rows = np.arange(first, min(first + group, entry.first_cell + entry.num_cells))
-                try:
-                    same = all(
-                        np.array_equal(a, b)
-                        for a, b in zip(remote.read_csr(rows), local.read_csr(rows), strict=True)
-                    )
-                    return {
-                        "shard": entry.path,
-                        "byte": at,
-                        "cells": rows.tolist()[:1] + rows.tolist()[-1:],
-                        "read_back_exact": same,
-                    }
-                except Exception as e:  # noqa: BLE001 - reported in the results
-                    return {"shard": entry.path, "byte": at, "error": f"{type(e).__name__}: {e}"}
+                found = {"shard": entry.path, "byte": at, "cells": rows.tolist()[:1] + rows.tolist()[-1:]}
+                surfaced = []  # the proxy's faults a read may surface (it is read again, as a loop would)
+                for _ in range(8):
+                    try:
+                        same = all(
+                            np.array_equal(a, b)
+                            for a, b in zip(remote.read_csr(rows), local.read_csr(rows), strict=True)
+                        )
+                        return {**found, "read_back_exact": same, "surfaced": surfaced}
+                    except ObjectStoreError as e:  # an ObjectChangedError among them
+                        surfaced.append(f"{type(e).__name__}: {e}")
+                    except Exception as e:  # noqa: BLE001 - reported in the results
+                        return {**found, "error": f"{type(e).__name__}: {e}", "surfaced": surfaced}
+                return {**found, "error": "every read surfaced a fault", "surfaced": surfaced}
     return None
 
 

@@ -41,9 +41,8 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     assert result["surfaced_and_resumed"] > 0  # restored from the last checkpoint
     assert any("changed while in use" in e for e in result["surfaced_examples"])  # the ETag changes surface
     assert all(e.startswith(("ObjectChangedError", "ObjectStoreError")) for e in result["surfaced_examples"])
-    assert (
-        result["flipped"]["read_back_exact"] is True
-    )  # a damaged cached chunk was noticed and fetched again
+    # a damaged cached chunk was noticed and fetched again
+    assert result["flipped"].get("read_back_exact") is True, result["flipped"]
 
 
 @pytest.fixture

@@ -93,45 +93,47 @@ def uniforms(seed: int, epoch: int, row: int, stream: int, count: int) -> np.nda
     return out
 
 
-RADIX_BITS = 16  # the radix passes order keys on at most this many top bits of their span (2 passes)
+BUCKET_BITS = 11  # the bucket pass scatters keys on at most this many top bits of their span
 INSERTION_BUDGET = 4  # insertion moves per key allowed to finish the order, before passes on every bit
 
 
 @nb.njit(inline="always")
-def _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, low, bits):
-    """Stable LSD passes on bits ``low..bits`` of ``key - kmin``: as few passes as they need (at most
-    3 of 11 bits), each digit as narrow as the passes allow (26 bits: 3 passes of 512 buckets)."""
-    sorted_bits = bits - low
-    passes = (sorted_bits + 10) // 11
-    width = (sorted_bits + passes - 1) // passes
+def _lsd_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, bits):
+    """Stable LSD passes on the ``bits`` low bits of ``key - kmin``: as few passes as they need (at
+    most 3 of 11 bits), each digit as narrow as the passes allow (26 bits: 3 passes of 512 buckets)."""
+    passes = (bits + 10) // 11
+    width = (bits + passes - 1) // passes
     size = 1 << width
-    digit = np.uint32(size - 1)
-    hist[:passes, :size] = 0
+    digit = size - 1
+    base = np.int64(kmin)
+    for p in range(passes):
+        for d in range(size):
+            hist[p, d] = 0
     for i in range(n):
-        k = (keys[i] - kmin) >> np.uint32(low)
+        k = np.int64(keys[i]) - base
         for p in range(passes):
-            hist[p, (k >> np.uint32(width * p)) & digit] += 1
+            hist[p, (k >> (width * p)) & digit] += 1
     src_k, src_v, dst_k, dst_v = keys, vals, tmp_keys, tmp_vals
     for p in range(passes):
-        h = hist[p]
         total = 0
         for d in range(size):
-            c = h[d]
-            h[d] = total
+            c = hist[p, d]
+            hist[p, d] = total
             total += c
-        shift = np.uint32(low + width * p)
+        shift = width * p
         for i in range(n):
             k = src_k[i]
-            d = ((k - kmin) >> shift) & digit
-            j = h[d]
-            h[d] = j + 1
+            d = ((np.int64(k) - base) >> shift) & digit
+            j = hist[p, d]
+            hist[p, d] = j + 1
             dst_k[j] = k
             dst_v[j] = src_v[i]
         src_k, dst_k = dst_k, src_k
         src_v, dst_v = dst_v, src_v
     if passes % 2:
-        keys[:n] = src_k[:n]
-        vals[:n] = src_v[:n]
+        for i in range(n):  # element by element: a slice copy checks for overlap and may allocate
+            keys[i] = src_k[i]
+            vals[i] = src_v[i]
 
 
 @nb.njit(inline="always")
@@ -159,28 +161,49 @@ def finish_by_insertion(keys, vals, n, budget):
 
 @nb.njit(inline="always")
 def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
-    """Stable sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``. Radix passes order the keys
-    on the top `RADIX_BITS` of their span (``key - min``), which leaves out of order only keys equal
-    there (rare unless equal, and equal keys need no move); a stable insertion pass finishes. Keys
-    that crowd one window (more than `INSERTION_BUDGET` moves per key) get passes on every bit
-    instead. 2 passes of 256 buckets where 26 bits of span took 3 of 512: ~40% less time on the
-    synthetic corpus, ~25% on continuous medians."""
-    if n == 0:
+    """Stable sort of ``keys[:n]`` (uint32, ascending) carrying ``vals`` (``hist``: at least
+    ``(3, 2048)`` int32 of scratch). One stable scatter into buckets of the top `BUCKET_BITS` of
+    the keys' span (``key - min``) leaves out of order only keys of one bucket (rare unless equal,
+    and equal keys need no move); a stable insertion pass finishes. Keys that crowd one bucket
+    (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Every loop
+    is element by element: numba's slice copies check for overlap and may allocate."""
+    if n < 2:
         return
     kmin, kmax = keys[0], keys[0]
     for i in range(1, n):
         kmin, kmax = min(kmin, keys[i]), max(kmax, keys[i])
-    span = np.uint32(kmax - kmin)
+    span = np.int64(kmax) - np.int64(kmin)
     bits = 0
-    while bits < 32 and (span >> np.uint32(bits)) != 0:
+    while bits < 32 and (span >> bits) != 0:
         bits += 1
     if bits == 0:
         return  # all keys equal: already in order
-    low = max(bits - RADIX_BITS, 0)
-    _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, low, bits)
-    if low and not finish_by_insertion(keys, vals, n, INSERTION_BUDGET * n):
+    width = min(bits, BUCKET_BITS)
+    shift = bits - width
+    base = np.int64(kmin)
+    h = hist[0]
+    for d in range(1 << width):
+        h[d] = 0
+    for i in range(n):
+        h[(np.int64(keys[i]) - base) >> shift] += 1
+    total = 0
+    for d in range(1 << width):
+        c = h[d]
+        h[d] = total
+        total += c
+    for i in range(n):
+        k = keys[i]
+        d = (np.int64(k) - base) >> shift
+        j = h[d]
+        h[d] = j + 1
+        tmp_keys[j] = k
+        tmp_vals[j] = vals[i]
+    for i in range(n):
+        keys[i] = tmp_keys[i]
+        vals[i] = tmp_vals[i]
+    if shift and not finish_by_insertion(keys, vals, n, INSERTION_BUDGET * n):
         # stable: equal keys keep the order they are in
-        _radix_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, 0, bits)
+        _lsd_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, bits)
 
 
 @nb.njit(inline="always")
@@ -295,17 +318,18 @@ def geneformer_kernel(
                 continue
             key = cell_key(seed, epoch, rows[i])
             p, draw = next_selected(key, 0, first - 1, log_keep), 1
+            n_genes = gene_tokens.shape[0]
             while p < first + k:
-                labels[i, p] = input_ids[i, p]
+                # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
+                # the random gene's draw is made either way, and a draw is a pure function of its
+                # counter, so the tokens are those of drawing it only when used
+                token = input_ids[i, p]
+                labels[i, p] = token
                 u = uniform(key, STREAM_MASK_KIND, p)
-                if u < 0.8:
-                    input_ids[i, p] = mask_id
-                elif u < 0.9:
-                    pick = min(
-                        np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * gene_tokens.shape[0]),
-                        gene_tokens.shape[0] - 1,
-                    )
-                    input_ids[i, p] = gene_tokens[pick]
+                random_token = gene_tokens[
+                    min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * n_genes), n_genes - 1)
+                ]
+                input_ids[i, p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
                 p, draw = next_selected(key, draw, p, log_keep), draw + 1
 
 
@@ -484,9 +508,7 @@ def scgpt_kernel(
                     below, upto = _interval(edges, np.float64(kept_vals[j]))
                 if not spread_ties:
                     b = np.float32(below + 1)
-                elif below == upto:
-                    b = np.float32(upto)  # ceil(u·0 + l) = l: no draw needed
-                else:
+                else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
                     b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
                 gene_ids[i, 1 + p] = tok[kept_cols[j]]
                 values[i, 1 + p] = b
