@@ -13,8 +13,8 @@ peer is timed the same way); materialize's, of ``--rounds`` whole conversions.
     scripts/setup-slaf.sh                                    # .venv-slaf with slafdb 0.5.2
     git worktree add /tmp/before-stats 7f83aa4               # optional: materialize A/B
     .venv/bin/python benchmarks/bench_tokens.py --baseline /tmp/before-stats
-    git worktree add /tmp/before-sort 65c77aa                # optional: token kernels A/B (before their sort)
-    .venv/bin/python benchmarks/bench_tokens.py --threads 0 1 2 --kernel-baseline /tmp/before-sort
+    git worktree add /tmp/tok-before 147fcb8                 # optional: token kernels A/B (before the bucket sort)
+    .venv/bin/python benchmarks/bench_tokens.py --kernel-baseline /tmp/tok-before
 """
 
 from __future__ import annotations
@@ -290,6 +290,9 @@ def main() -> None:
     }
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
+        result["kernel_baseline_commit"] = subprocess.run(
+            ["git", "-C", args.kernel_baseline, "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     write_result(args.out, result, quick=args.quick)
     print(json.dumps(ratios, indent=1))
 

@@ -77,10 +77,11 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "process; both must write the same shards.",
     ),
     "bench_tokens": (
-        "Tokenized batches against SLAF",
-        "Geneformer and scGPT token batches from omicsio_jax's loader beside its csr batches and SLAF's "
-        "tokenized loader on the same cells; the tokenizers' kernel cost per cell on one thread; "
-        "materialize's throughput with the corpus statistics it records.",
+        "Tokenized batches",
+        "Geneformer and scGPT token batches from omicsio_jax's loader beside its csr batches (and SLAF's "
+        "tokenized loader, where its virtualenv is set up) on the same cells; the tokenizers' kernel cost "
+        "per cell on one thread, beside a baseline checkout's where one is given; materialize's "
+        "throughput with the corpus statistics it records.",
     ),
     "bench_materialize": (
         "Materialize throughput",
@@ -397,6 +398,7 @@ def render_grain(d: dict) -> list[str]:
 
 def render_tokens(d: dict) -> list[str]:
     kernels = d.get("kernel_us_per_cell") or {}
+    baseline = d.get("kernel_us_per_cell_baseline") or {}
     mat = d.get("materialize") or {}
     return [
         *sub(
@@ -414,7 +416,15 @@ def render_tokens(d: dict) -> list[str]:
         *comparisons(d),
         *sub(
             "Kernel cost, one thread (µs per cell, medians)",
-            pairs((k, v, ".2f") for k, v in kernels.items() if not k.endswith("_runs")),
+            table(
+                [
+                    {"kind": k, "us": v, "baseline": baseline.get(k)}
+                    for k, v in kernels.items()
+                    if not k.endswith("_runs")
+                ],
+                [("output", "kind", ""), ("this commit", "us", ".2f")]
+                + ([("baseline checkout", "baseline", ".2f")] if baseline else []),
+            ),
         ),
         *sub(
             "Materialize (cells/s, medians of whole conversions)",
@@ -1118,11 +1128,18 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
         if d.get("comparisons"):
             add_comparisons("bench_tokens", lambda c: True)
         else:
+            csr = {
+                (r["batch_size"], r.get("num_threads")): r
+                for r in d.get("rows", [])
+                if r.get("kind") == "csr"
+            }
             for r in d.get("rows", []):
-                if r.get("kind") in ("geneformer", "scgpt"):
-                    rows.append({"what": f"{r['label']} (cells/s)", "ours": r.get("cells_per_s"), "peer": None,
-                                 "ratio": None, "machine": machine(d), "source": name,
-                                 "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
+                peer = csr.get((r["batch_size"], r.get("num_threads")))
+                if r.get("kind") in ("geneformer", "scgpt") and peer:
+                    rows.append({"what": f"{r['kind']} tokens b{r['batch_size']}: tokens ÷ csr batches (cells/s)",
+                                 "ours": r.get("cells_per_s"), "peer": peer.get("cells_per_s"),
+                                 "ratio": r["cells_per_s"] / peer["cells_per_s"], "machine": machine(d),
+                                 "source": name, "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
     return rows
 
 
