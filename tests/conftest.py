@@ -7,6 +7,12 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["OMICSIO_JAX_CACHE"] = tempfile.mkdtemp(prefix="omicsio-jax-cache-")  # the gene-table cache
+# One XLA compilation cache for the session, shared with every process the tests start (they inherit
+# the environment): a train step, a model or a placement compiled once is read back after, not
+# compiled again in each subprocess. Set before anything imports jax, which reads these once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="omicsio-jax-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import signal
 import subprocess
