@@ -98,42 +98,53 @@ INSERTION_BUDGET = 4  # insertion moves per key allowed to finish the order, bef
 
 
 @nb.njit(inline="always")
+def _scatter(src_k, src_v, dst_k, dst_v, n, counts, base, shift, digit):
+    """One stable counting pass: ``src`` into ``dst`` ordered by the digit
+    ``((key - base) >> shift) & digit``, whose histogram ``counts`` holds (turned into offsets)."""
+    total = 0
+    for d in range(digit + 1):
+        c = counts[d]
+        counts[d] = total
+        total += c
+    for i in range(n):
+        k = src_k[i]
+        d = ((np.int64(k) - base) >> shift) & digit
+        j = counts[d]
+        counts[d] = j + 1
+        dst_k[j] = k
+        dst_v[j] = src_v[i]
+
+
+@nb.njit(inline="always")
+def _copy(src_k, src_v, dst_k, dst_v, n):
+    """``dst[:n] = src[:n]`` element by element: a slice copy checks for overlap and may allocate."""
+    for i in range(n):
+        dst_k[i] = src_k[i]
+        dst_v[i] = src_v[i]
+
+
+@nb.njit(inline="always")
 def _lsd_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, bits):
     """Stable LSD passes on the ``bits`` low bits of ``key - kmin``: as few passes as they need (at
     most 3 of 11 bits), each digit as narrow as the passes allow (26 bits: 3 passes of 512 buckets)."""
     passes = (bits + 10) // 11
     width = (bits + passes - 1) // passes
-    size = 1 << width
-    digit = size - 1
+    digit = (1 << width) - 1
     base = np.int64(kmin)
     for p in range(passes):
-        for d in range(size):
+        for d in range(digit + 1):
             hist[p, d] = 0
-    for i in range(n):
+    for i in range(n):  # every pass's histogram in one read of the keys
         k = np.int64(keys[i]) - base
         for p in range(passes):
             hist[p, (k >> (width * p)) & digit] += 1
     src_k, src_v, dst_k, dst_v = keys, vals, tmp_keys, tmp_vals
     for p in range(passes):
-        total = 0
-        for d in range(size):
-            c = hist[p, d]
-            hist[p, d] = total
-            total += c
-        shift = width * p
-        for i in range(n):
-            k = src_k[i]
-            d = ((np.int64(k) - base) >> shift) & digit
-            j = hist[p, d]
-            hist[p, d] = j + 1
-            dst_k[j] = k
-            dst_v[j] = src_v[i]
+        _scatter(src_k, src_v, dst_k, dst_v, n, hist[p], base, width * p, digit)
         src_k, dst_k = dst_k, src_k
         src_v, dst_v = dst_v, src_v
     if passes % 2:
-        for i in range(n):  # element by element: a slice copy checks for overlap and may allocate
-            keys[i] = src_k[i]
-            vals[i] = src_v[i]
+        _copy(src_k, src_v, keys, vals, n)
 
 
 @nb.njit(inline="always")
@@ -165,8 +176,8 @@ def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
     ``(3, 2048)`` int32 of scratch). One stable scatter into buckets of the top `BUCKET_BITS` of
     the keys' span (``key - min``) leaves out of order only keys of one bucket (rare unless equal,
     and equal keys need no move); a stable insertion pass finishes. Keys that crowd one bucket
-    (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Every loop
-    is element by element: numba's slice copies check for overlap and may allocate."""
+    (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Copies go
+    element by element (`_copy`): numba's slice copies check for overlap and may allocate."""
     if n < 2:
         return
     kmin, kmax = keys[0], keys[0]
@@ -181,26 +192,13 @@ def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
     width = min(bits, BUCKET_BITS)
     shift = bits - width
     base = np.int64(kmin)
-    h = hist[0]
+    counts = hist[0]
     for d in range(1 << width):
-        h[d] = 0
+        counts[d] = 0
     for i in range(n):
-        h[(np.int64(keys[i]) - base) >> shift] += 1
-    total = 0
-    for d in range(1 << width):
-        c = h[d]
-        h[d] = total
-        total += c
-    for i in range(n):
-        k = keys[i]
-        d = (np.int64(k) - base) >> shift
-        j = h[d]
-        h[d] = j + 1
-        tmp_keys[j] = k
-        tmp_vals[j] = vals[i]
-    for i in range(n):
-        keys[i] = tmp_keys[i]
-        vals[i] = tmp_vals[i]
+        counts[(np.int64(keys[i]) - base) >> shift] += 1
+    _scatter(keys, vals, tmp_keys, tmp_vals, n, counts, base, shift, (1 << width) - 1)
+    _copy(tmp_keys, tmp_vals, keys, vals, n)
     if shift and not finish_by_insertion(keys, vals, n, INSERTION_BUDGET * n):
         # stable: equal keys keep the order they are in
         _lsd_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, bits)
@@ -274,6 +272,7 @@ def geneformer_kernel(
     n_rows, L = input_ids.shape
     width = max(_max_count(u32, starts), 1)
     log_keep = np.log1p(-mask_prob)
+    n_genes = gene_tokens.shape[0]
     for t in nb.prange(threads):
         cols = np.empty(width, np.int32)
         vals = np.empty(width, np.float32)
@@ -318,7 +317,6 @@ def geneformer_kernel(
                 continue
             key = cell_key(seed, epoch, rows[i])
             p, draw = next_selected(key, 0, first - 1, log_keep), 1
-            n_genes = gene_tokens.shape[0]
             while p < first + k:
                 # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
                 # the random gene's draw is made either way, and a draw is a pure function of its
