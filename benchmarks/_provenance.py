@@ -48,6 +48,14 @@ def commit() -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+def baseline_commit(path: str) -> str:
+    """The commit checked out at ``path`` (a baseline worktree an A/B times beside this checkout);
+    raises where ``path`` is not a checkout, before any figure is measured against it."""
+    return subprocess.run(
+        ["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -62,8 +62,16 @@ import numpy as np
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _provenance import add_window_options, check_window, compare, provenance, window, write_result  # noqa: E402
-from bench_loader import baseline_commit, baseline_env, make_loader_either, peak_rss_bytes  # noqa: E402
+from _provenance import (  # noqa: E402
+    add_window_options,
+    baseline_commit,
+    check_window,
+    compare,
+    provenance,
+    window,
+    write_result,
+)
+from bench_loader import baseline_env, make_loader_either, peak_rss_bytes  # noqa: E402
 
 DATA = HERE / "data"
 ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"

@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 from _provenance import (  # noqa: E402
     MIN_WINDOW_S,
     add_window_options,
+    baseline_commit,
     check_window,
     compare,
     medians,
@@ -87,11 +88,6 @@ def baseline_env(spec: dict) -> dict | None:
     """The environment of a run of a ``--baseline`` checkout (its package first on the path)."""
     path = spec.get("baseline")
     return None if path is None else {**os.environ, "PYTHONPATH": path}
-
-
-def baseline_commit(path: str) -> str:
-    return subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
 
 
 def _our_loader(

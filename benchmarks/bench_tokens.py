@@ -33,6 +33,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _provenance import (  # noqa: E402
     add_window_options,
+    baseline_commit,
     check_window,
     compare,
     medians,
@@ -221,6 +222,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     check_window(args)
+    kernel_baseline_commit = baseline_commit(args.kernel_baseline) if args.kernel_baseline else None
     ensure_data()
     rows = []
     for b in args.batch_sizes:
@@ -290,9 +292,7 @@ def main() -> None:
     }
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
-        result["kernel_baseline_commit"] = subprocess.run(
-            ["git", "-C", args.kernel_baseline, "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        result["kernel_baseline_commit"] = kernel_baseline_commit
     write_result(args.out, result, quick=args.quick)
     print(json.dumps(ratios, indent=1))
 
