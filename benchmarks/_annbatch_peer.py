@@ -6,8 +6,10 @@ Python >= 3.12); this script never imports omicsio_jax::
     python benchmarks/_annbatch_peer.py convert INPUT.h5ad OUT.zarr [--seed 0]
     python benchmarks/_annbatch_peer.py run OUT.zarr --output dense|csr --batch-size 64 \\
         --seconds 10 --warmup 10 [--rounds 3] [--seed 0] [--label batch] [--spawned-at T]
+    python benchmarks/_annbatch_peer.py first OUT.zarr --output dense|csr --batch-size 64 \
+        --spawned-at T [--label batch]
 
-Both print one JSON line. Every read and write goes through zarrs-python's codec pipeline
+Each prints one JSON line (``first``: the seconds from spawn to the first batch, by phase). Every read and write goes through zarrs-python's codec pipeline
 (``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``), which annbatch's docs set
 before touching any store and call necessary for local-filesystem performance; zarr's other
 settings (``threading.max_workers``: one thread per core; no ``direct_io``) are left at their
@@ -229,15 +231,14 @@ def _entropy_bits(labels: Any) -> float:
     return float(-(p * np.log2(p)).sum()) + 0.0
 
 
-def _round(args: argparse.Namespace, load_adata: Any) -> dict[str, Any]:
-    """One fresh loader: first-batch latency, warmup, drain to a load boundary, timed window."""
+def _open_loader(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A fresh ``DatasetCollection`` over ``args.dataset`` and the ``Loader`` over it (the config in
+    the module's docstring); returns ``(loader, sampler)``."""
     import anndata as ad
     import numpy as np
-    import scipy.sparse as sp
     import zarr
     from annbatch import DatasetCollection, Loader
 
-    start = time.perf_counter()
     collection = DatasetCollection(zarr.open_group(args.dataset, mode="r"))
     sampler = _counting_sampler(
         chunk_size=args.chunk_size,
@@ -248,24 +249,51 @@ def _round(args: argparse.Namespace, load_adata: Any) -> dict[str, Any]:
     )
     with ad.settings.override(remove_unused_categories=False):
         loader = Loader(batch_sampler=sampler, preload_to_gpu=False, to=None)
-        loader.use_collection(collection, load_adata=load_adata)
+        loader.use_collection(collection, load_adata=lambda group: _load_adata(group, args.label))
+    return loader, sampler
+
+
+def _load_adata(group: Any, label: str | None) -> Any:
+    """``X`` backed, plus only the ``label`` column of obs (annbatch's tutorials' pattern)."""
+    import anndata as ad
+    import zarr
+
+    x = ad.io.sparse_dataset(group["X"]) if isinstance(group["X"], zarr.Group) else group["X"]
+    if label is None:
+        return ad.AnnData(X=x)
+    return ad.AnnData(X=x, obs=ad.experimental.read_lazy(group).obs[[label]].to_memory())
+
+
+def _x(args: argparse.Namespace, batch: dict[str, Any], num_genes: int) -> Any:
+    """A batch's ``X`` as ``--output`` asks (densified by scipy for ``dense``), its shape checked."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    x = batch["X"]
+    if args.output == "dense":
+        x = x.toarray() if sp.issparse(x) else np.asarray(x)
+        if x.dtype != np.float32:
+            x = x.astype(np.float32)
+    elif not (sp.issparse(x) and x.format == "csr"):
+        raise SystemExit(f"_annbatch_peer: --output csr, but annbatch yielded {type(x).__name__}")
+    if x.shape != (args.batch_size, num_genes):
+        raise SystemExit(
+            f"_annbatch_peer: got a batch of shape {x.shape}, want ({args.batch_size}, {num_genes})"
+        )
+    return x
+
+
+def _round(args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh loader: first-batch latency, warmup, drain to a load boundary, timed window."""
+    start = time.perf_counter()
+    loader, sampler = _open_loader(args)
     num_genes = loader.n_var
     batches = _epochs(loader)
     labels: list[Any] = []
 
     def take() -> None:
         batch = next(batches)
-        x = batch["X"]
-        if args.output == "dense":
-            x = x.toarray() if sp.issparse(x) else np.asarray(x)
-            if x.dtype != np.float32:
-                x = x.astype(np.float32)
-        elif not (sp.issparse(x) and x.format == "csr"):
-            raise SystemExit(f"_annbatch_peer run: --output csr, but annbatch yielded {type(x).__name__}")
-        if x.shape != (args.batch_size, num_genes):
-            raise SystemExit(
-                f"_annbatch_peer run: got a batch of shape {x.shape}, want ({args.batch_size}, {num_genes})"
-            )
+        _x(args, batch, num_genes)
         if args.label is not None and timing:
             labels.append(batch["obs"][args.label])
 
@@ -312,7 +340,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"multiple of the batch size ({args.batch_size}); change --chunk-size / --preload-nchunks"
         )
     _setup()
-    import anndata as ad
     import zarr
     from annbatch import DatasetCollection
 
@@ -328,14 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if missing:
             raise SystemExit(f"_annbatch_peer run: obs column {args.label!r} not in dataset(s) {missing}")
 
-    def load_adata(group: Any) -> Any:
-        """``X`` backed, plus only the ``--label`` column of obs (annbatch's tutorials' pattern)."""
-        x = ad.io.sparse_dataset(group["X"]) if isinstance(group["X"], zarr.Group) else group["X"]
-        if args.label is None:
-            return ad.AnnData(X=x)
-        return ad.AnnData(X=x, obs=ad.experimental.read_lazy(group).obs[[args.label]].to_memory())
-
-    runs = [_round(args, load_adata) for _ in range(args.rounds)]
+    runs = [_round(args) for _ in range(args.rounds)]
     rates = [r["cells"] / r["seconds"] for r in runs]
     per_cpu = [r["cells"] / r["cpu_seconds"] for r in runs]
     entropy = [e for r in runs for e in r["entropy"]]
@@ -366,7 +386,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def first(args: argparse.Namespace, started_at: float) -> dict[str, Any]:
+    """Seconds from this process's spawn (``--spawned-at``) to its first batch, in phases: the
+    interpreter's start (to ``main``), the imports a user's script makes (annbatch, anndata, zarr
+    with zarrs' pipeline), and the first batch from the ``DatasetCollection`` call (opening the
+    stores, the obs column, the first load). Nothing else is read or checked first."""
+    _setup()
+    import annbatch  # noqa: F401
+    import anndata  # noqa: F401 - what a user's script imports
+
+    imported_at = time.time()
+    start = time.perf_counter()
+    loader, _ = _open_loader(args)
+    _x(args, next(_epochs(loader)), loader.n_var)
+    first_batch_s = time.perf_counter() - start
+    done_at = time.time()
+    return {
+        "peer": "annbatch", "command": "first", "output": args.output, "batch_size": args.batch_size,
+        "interpreter_s": started_at - args.spawned_at, "imports_s": imported_at - started_at,
+        "first_batch_s": first_batch_s, "from_spawn_s": done_at - args.spawned_at, **_memory(), **_versions(),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()
     parser = argparse.ArgumentParser(description="annbatch's on-disk loader as a benchmark peer.")
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser(
@@ -392,9 +435,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
     bench.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
+    start = sub.add_parser(
+        "first", help="seconds from spawn to the first batch, by phase; prints one JSON line"
+    )
+    start.add_argument("dataset")
+    start.add_argument("--output", choices=OUTPUTS, default="dense")
+    start.add_argument("--batch-size", type=int, default=64)
+    start.add_argument("--seed", type=int, default=0)
+    start.add_argument("--label", default=None)
+    start.add_argument(
+        "--spawned-at", type=float, required=True, help="time.time() just before this process was started"
+    )
+    start.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
+    start.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
     args = parser.parse_args(argv)
     if args.command == "convert":
         print(json.dumps(convert(args.input, args.output, args.seed)), flush=True)
+        return 0
+    if args.command == "first":
+        print(json.dumps(first(args, started_at)), flush=True)
         return 0
     for name in ("batch_size", "rounds", "chunk_size", "preload_nchunks"):
         if getattr(args, name) < 1:

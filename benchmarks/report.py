@@ -46,6 +46,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "process: cells per second and per CPU-second, time to the first batch, peak memory and the label "
         "entropy of the minibatches, with each format's one-off conversion cost and size on disk.",
     ),
+    "bench_startup": (
+        "First batch from process start against annbatch",
+        "Fresh processes of omicsio_jax's disk loader and of annbatch on the same cells, warm page "
+        "cache: seconds from the process's spawn to its first batch, split into the interpreter's start, "
+        "the imports, opening the data and the first batch.",
+    ),
     "bench_grain": (
         "Grain's DataLoader over GrainSource against make_loader",
         "The same batches through omicsio_jax's own loader and through Grain's DataLoader over "
@@ -625,6 +631,27 @@ def render_first_batch(d: dict) -> list[str]:
     )
 
 
+def render_startup(d: dict) -> list[str]:
+    return [
+        *sub(
+            "Per loader and configuration (medians of fresh processes)",
+            table(
+                d.get("rows", []),
+                [
+                    ("configuration", "label", ""),
+                    ("interpreter (s)", "interpreter_s", ".2f"),
+                    ("imports (s)", "imports_s", ".2f"),
+                    ("open (s)", "open_s", ".2f"),
+                    ("first batch (s)", "first_batch_s", ".2f"),
+                    ("from spawn (s)", "from_spawn_s", ".2f"),
+                    ("processes (s from spawn)", _runs("from_spawn_s"), ".2f"),
+                ],
+            ),
+        ),
+        *comparisons(d),
+    ]
+
+
 def render_format(d: dict) -> list[str]:
     return sub(
         "Per group size and compression (medians)",
@@ -950,6 +977,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "bench_multimodal": render_multimodal,
     "bench_beyond_ram": render_beyond_ram,
     "bench_first_batch": render_first_batch,
+    "bench_startup": render_startup,
     "bench_format": render_format,
     "bench_grid": render_grid,
     "bench_tune": render_tune,
