@@ -11,6 +11,8 @@ reverse order), on the same corpus:
 - ``materialize --workers N`` on N cores (N = 1, 2, … up to the machine's cores), each worker one
   partition at a time; the 1 → N speedup and materialize's cells/s per core as a fraction of the
   decode limit's.
+- ``materialize --workers 1 --no-stats`` on one core: the same without the corpus statistics, so
+  that the fraction of the limit is reported with and without them, and what they cost on top.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
 
 A round times one whole decode or conversion; ``window_s`` records how long it took (the median,
@@ -73,7 +75,7 @@ from materialize import Layout, materialize
 workers = None if sys.argv[3] == "default" else int(sys.argv[3])
 start = time.perf_counter()
 result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=Layout(shard_cells=int(sys.argv[5])),
-                     progress=False)
+                     stats=sys.argv[6] == "stats", progress=False)
 seconds = time.perf_counter() - start
 self_cpu = resource.getrusage(resource.RUSAGE_SELF)
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -107,7 +109,9 @@ def main() -> None:
     counts = args.workers or list(range(1, len(cores) + 1))
     parquet = corpus_dir(args.cells, h5ad=False) / "cells.parquet"
     configs = (
-        [("decode", "duckdb"), ("decode", "pyarrow")] + [("workers", n) for n in counts] + [("default", 0)]
+        [("decode", "duckdb"), ("decode", "pyarrow")]
+        + [("workers", n) for n in counts]
+        + [("no stats", 1), ("default", 0)]
     )
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
@@ -120,7 +124,10 @@ def main() -> None:
                     label = f"decode {value}"
                     result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet)
                 else:
-                    label = "materialize default" if kind == "default" else f"materialize {value} worker(s)"
+                    label = {
+                        "default": "materialize default",
+                        "no stats": f"materialize {value} worker(s), no stats",
+                    }.get(kind, f"materialize {value} worker(s)")
                     shutil.rmtree(out, ignore_errors=True)
                     pinned = [] if kind == "default" else cores[:value]
                     result = _run(
@@ -130,6 +137,7 @@ def main() -> None:
                         "default" if kind == "default" else value,
                         json.dumps(pinned),
                         args.shard_cells,
+                        "no stats" if kind == "no stats" else "stats",
                     )
                 result["cells_per_s"] = result["cells"] / result["seconds"]
                 runs.setdefault(label, []).append(result)
@@ -158,6 +166,7 @@ def main() -> None:
             ),
         }
     one = rows["materialize 1 worker(s)"]["cells_per_s"]
+    lean = rows["materialize 1 worker(s), no stats"]["cells_per_s"]
     summary = {
         f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
         for n in counts
@@ -166,7 +175,9 @@ def main() -> None:
     for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
         decode = rows[f"decode {reader}"]["cells_per_s"]
         summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
+        summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
         summary[f"decode limit cells/s per core ({reader})"] = decode
+    summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
     result = {
         "benchmark": "bench_scale",
         **provenance(),

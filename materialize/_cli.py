@@ -168,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dask-scheduler-file", metavar="FILE", help="the same, from a `dask scheduler --scheduler-file`"
     )
+    p.add_argument(
+        "--no-stats",
+        action="store_true",
+        help="skip the corpus statistics (gene_stats.parquet, obs n_counts / n_genes); "
+        "`omicsio-materialize stats OUT` adds them later",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -285,6 +291,7 @@ def _materialize(argv: list[str]) -> int:
         ),
         workers=Dask(args.dask_scheduler, args.dask_scheduler_file) if dask else args.workers,
         overwrite=args.overwrite,
+        stats=not args.no_stats,
         progress=not args.no_progress,
     )
     print(result.summary())

@@ -120,9 +120,12 @@ class Finalizer:
         (self.root / "obs").mkdir(parents=True, exist_ok=True)
         self._writers = [
             *(make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs),
-            make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
-            make_obs_writer(self.root / "obs", N_GENES, pa.int32()),
-        ]
+            *(
+                [make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
+                 make_obs_writer(self.root / "obs", N_GENES, pa.int32())]
+                if job.stats else []
+            ),
+        ]  # fmt: skip
         self._cell_ids = CellIdWriter(self.root)
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
@@ -168,16 +171,17 @@ class Finalizer:
         sidecar = self.root / part_dir(done.index)
         if self.store.local_root is None:
             sidecar.mkdir(parents=True, exist_ok=True)
-            for name in (PART_CELLS, PART_STATS):
+            for name in (PART_CELLS, PART_STATS) if self.job.stats else (PART_CELLS,):
                 self.store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
         table = pq.read_table(sidecar / PART_CELLS)
         self._cell_ids.append(table.column("cell_id").combine_chunks())
         for writer in self._writers:
             writer.append(table.column(writer.name).combine_chunks())
-        stats = GeneStats.load(sidecar / PART_STATS)
-        self._n_cells += stats.n_cells
-        self._sums += stats.sums
-        stats.add_to_dense(self._hist)
+        if self.job.stats:
+            stats = GeneStats.load(sidecar / PART_STATS)
+            self._n_cells += stats.n_cells
+            self._sums += stats.sums
+            stats.add_to_dense(self._hist)
         if self.store.local_root is not None:  # flushed now, while the rest are written, not all at the end
             for shard in done.shards:
                 fsync_path(self.root / shard.path)
@@ -216,7 +220,8 @@ class Finalizer:
             for writer in presence:
                 writer.close()
         num_cells = sum(p.num_cells for p in parts)
-        GeneStats.from_dense(num_cells, self._n_cells, self._sums, self._hist).write(root / STATS_NAME)
+        if self.job.stats:
+            GeneStats.from_dense(num_cells, self._n_cells, self._sums, self._hist).write(root / STATS_NAME)
         self._hist = None
         self._cell_ids.finish()
         writers = [*self._writers, *presence]
@@ -224,7 +229,12 @@ class Finalizer:
         pq.write_table(features, root / FEATURES_NAME, compression="zstd")
         for relpath, table in (tables or {}).items():
             pq.write_table(table, root / relpath, compression="zstd")
-        relpaths = [FEATURES_NAME, CellIdWriter.path, STATS_NAME, *(tables or {})]
+        relpaths = [
+            FEATURES_NAME,
+            CellIdWriter.path,
+            *([STATS_NAME] if self.job.stats else []),
+            *(tables or {}),
+        ]
         relpaths += [p for w in writers for p in w.files()]
         files = tuple(file_entry(root, p) for p in relpaths) + tuple(f for p in parts for f in p.files)
         manifest = Manifest(

@@ -198,6 +198,7 @@ def materialize(
     multimodal: Multimodal = Multimodal(),
     workers: int | Dask | None = None,
     overwrite: bool = False,
+    stats: bool = True,
     progress: bool = True,
 ) -> MaterializeResult:
     """Convert list-column tables, a DuckDB query, an ``.h5ad`` or an ``.h5mu`` into a dataset directory
@@ -220,7 +221,10 @@ def materialize(
 
     Partitions run on ``workers`` local processes (default: the usable cores; 1 runs them here),
     or on a Dask cluster (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at
-    ``out`` or nothing does (an existing ``out`` is replaced only with ``overwrite``). Raises
+    ``out`` or nothing does (an existing ``out`` is replaced only with ``overwrite``). ``stats``
+    computes the corpus statistics as the cells are written (``gene_stats.parquet``, obs
+    ``n_counts`` / ``n_genes``: what normalization, Geneformer's gene medians and highly variable
+    genes read); ``stats=False`` leaves them out, for ``omicsio-materialize stats OUT`` to add. Raises
     `DataValidationError` naming the file, row and cell_id of the first cell that breaks the schema.
     """
     where, query, genes, layer, use_raw, cell_id, batch_cells, allow_negative = (
@@ -324,6 +328,7 @@ def materialize(
                 staging,
                 secrets.token_hex(8),
                 threads,
+                stats=stats,
             )
 
             def run(job: Job, parts, desc: str, on_done=None):

@@ -68,6 +68,7 @@ class Job:
     token: str  # this run's identity: sidecars of another run are never mixed in
     threads: int | None = None  # DuckDB / numba threads per worker process (None: their defaults)
     presence: bool = False  # a further modality: record which cells have it (`Batch.present`)
+    stats: bool = True  # corpus statistics: gene_stats.npz and obs n_counts / n_genes per partition
 
     @property
     def num_columns(self) -> int:
@@ -185,7 +186,8 @@ def write_partition(
         result = _write_local(job, part, local, progress, own)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
-            names += [f"{part_dir(part.index)}/{name}" for name in (PART_CELLS, PART_STATS, PART_DONE)]
+            sidecars = (PART_CELLS, PART_STATS, PART_DONE) if job.stats else (PART_CELLS, PART_DONE)
+            names += [f"{part_dir(part.index)}/{name}" for name in sidecars]
             store.upload(local, names)  # part.json last: the partition is complete only then
     return result
 
@@ -200,8 +202,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
         [
             ("cell_id", pa.string()),
             *obs_types.items(),
-            (N_COUNTS, pa.float64()),
-            (N_GENES, pa.int32()),
+            *([(N_COUNTS, pa.float64()), (N_GENES, pa.int32())] if job.stats else []),
             *([(PRESENT, pa.bool_())] if job.presence else []),
         ]
     )
@@ -212,7 +213,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
         first_shard=part.index,
         index_dir=CHUNK_INDEX_DIR,
     )
-    stats = scratch.take_stats(job.num_columns, job.shard_cells)
+    stats = scratch.take_stats(job.num_columns, job.shard_cells) if job.stats else None
     cells = pq.ParquetWriter(sidecar / PART_CELLS, schema, compression="zstd")
     nnz = 0
     kinds = _ValueKinds()
@@ -268,8 +269,9 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
             f"{part.num_cells:,}; did the input change during the run?"
         )
         raise OmicsIOError(msg)
-    stats.finish().save(sidecar / PART_STATS)
-    scratch.give_back_stats(stats)
+    if stats is not None:
+        stats.finish().save(sidecar / PART_STATS)
+        scratch.give_back_stats(stats)
     files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
     result = PartResult(
         job.token, part.index, part.first_cell, part.num_cells, nnz, entries, files, kinds.kind
@@ -311,10 +313,13 @@ def merge_value_kinds(kinds) -> str:
 
 
 def _add_stats(
-    stats: StatsAccumulator, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts
+    stats: StatsAccumulator | None, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts
 ):
-    n_counts, n_genes = stats.add(buf, starts)
-    cells.write_table(pa.table({**columns, N_COUNTS: n_counts, N_GENES: n_genes}, schema=schema))
+    """A batch's cells table, with its corpus statistics (``stats``, unless None) added."""
+    if stats is not None:
+        n_counts, n_genes = stats.add(buf, starts)
+        columns = {**columns, N_COUNTS: n_counts, N_GENES: n_genes}
+    cells.write_table(pa.table(columns, schema=schema))
 
 
 def _cast(array: pa.Array, dtype: pa.DataType) -> pa.Array:

@@ -136,6 +136,29 @@ def test_stats_command_adds_statistics_to_an_older_dataset(ds, tmp_path, capsys)
     assert "already has statistics" in capsys.readouterr().out
 
 
+def test_no_stats_then_the_stats_command_gives_the_same_dataset(corpus, ds, tmp_path, capsys):
+    """``--no-stats`` writes the same shards and obs without the statistics; the `stats` command
+    then adds exactly what a run with statistics writes."""
+    out = tmp_path / "lean"
+    args = [str(corpus.cells_parquet), str(out), "--shard-cells", "1024", "--workers", "2"]
+    assert materialize_main([*args, "--no-stats", "--no-progress"]) == 0
+    lean = oj.open_dataset(out)
+    derived = {"gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy"}
+    assert not any((out / path).exists() for path in derived)
+    assert derived.isdisjoint(f.path for f in lean.manifest.files)
+    assert "n_counts" not in lean.obs and "n_genes" not in lean.obs
+    assert oj.verify_dataset(out) == []
+    for shard in ds.manifest.shards:
+        assert (out / shard.path).read_bytes() == (ds.path / shard.path).read_bytes(), shard.path
+    with pytest.raises(oj.OmicsIOError, match="omicsio-materialize stats"):
+        _ = lean.gene_stats
+    assert materialize_main(["stats", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    for path in derived:
+        assert (out / path).read_bytes() == (ds.path / path).read_bytes(), path
+    assert oj.open_dataset(out).fingerprint == ds.fingerprint
+
+
 def test_highly_variable_genes_match_scanpy(ds, dense):
     import anndata as ad
     import scanpy as sc
