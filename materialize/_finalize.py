@@ -129,7 +129,7 @@ class Finalizer:
         self._cell_ids = CellIdWriter(self.root)
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
-        self._hist = np.zeros((job.num_columns, NUM_BINS), np.uint32)
+        self._hist = np.zeros((job.num_columns, NUM_BINS), np.uint32) if job.stats else None
         self._merged: list[PartResult] = []
         self._completed: set[int] = set()  # positions handed to `add`, not yet queued for merging
         self._queued = 0  # partitions (a prefix of the plan) queued for merging
