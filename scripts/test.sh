@@ -2,7 +2,8 @@
 # Set up .venv with the test, lint and docs extras, then run every check CI runs: ruff (lint and
 # format), the import layers (import-linter), the documentation site (strict: a broken link or
 # reference fails), the generated benchmark pages (up to date with benchmarks/results/), and the
-# test suite (extra pytest arguments pass through; .venv-ducklake is set up first for its DuckLake tests).
+# test suite on two workers (extra pytest arguments pass through; .venv-ducklake is set up first for its
+# DuckLake tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,lint,docs
@@ -13,4 +14,9 @@ scripts/setup-reference.sh  # torch references for tests/test_reference_models.p
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python benchmarks/report.py --check
 scripts/setup-ducklake.sh  # the DuckDB + ducklake extension tests/test_ducklake.py writes its lakes with
-exec .venv/bin/python -m pytest "$@"
+# byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set, every process the tests start would
+# otherwise compile the project's modules from source again (pip does this for an installed wheel)
+.venv/bin/python -m compileall -q omicsio_jax materialize train benchmarks >/dev/null
+# two pytest workers (pytest-xdist), each test module on one of them (its module fixtures made once):
+# many tests wait on processes they start, so two keep both cores busy (pass -n 0 for one process)
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
