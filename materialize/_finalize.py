@@ -118,14 +118,10 @@ class Finalizer:
             self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
             self.root = Path(self._scratch.name)
         (self.root / "obs").mkdir(parents=True, exist_ok=True)
-        self._writers = [
-            *(make_obs_writer(self.root / "obs", name, job.source.obs_columns[name]) for name in job.obs),
-            *(
-                [make_obs_writer(self.root / "obs", N_COUNTS, pa.float64()),
-                 make_obs_writer(self.root / "obs", N_GENES, pa.int32())]
-                if job.stats else []
-            ),
-        ]  # fmt: skip
+        obs_types = {name: job.source.obs_columns[name] for name in job.obs}
+        if job.stats:  # the cells' own statistics, computed by the partitions
+            obs_types |= {N_COUNTS: pa.float64(), N_GENES: pa.int32()}
+        self._writers = [make_obs_writer(self.root / "obs", name, kind) for name, kind in obs_types.items()]
         self._cell_ids = CellIdWriter(self.root)
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
