@@ -242,10 +242,11 @@ def s3(s3_server):
 @pytest.fixture(scope="session")
 def dask_cluster(s3_server):
     """A Dask LocalCluster on loopback: two worker processes of one thread each (started after the S3
-    server, so its workers inherit the AWS variables)."""
+    server, so its workers inherit the AWS variables). Its HTTP server takes a free port, not 8787:
+    another pytest worker may run a cluster at the same time."""
     from distributed import LocalCluster
 
     with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0", host="127.0.0.1"
     ) as cluster:
         yield cluster
