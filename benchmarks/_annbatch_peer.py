@@ -6,11 +6,11 @@ Python >= 3.12); this script never imports omicsio_jax::
     python benchmarks/_annbatch_peer.py convert INPUT.h5ad OUT.zarr [--seed 0]
     python benchmarks/_annbatch_peer.py run OUT.zarr --output dense|csr --batch-size 64 \\
         --seconds 10 --warmup 10 [--rounds 3] [--seed 0] [--label batch] [--spawned-at T]
-    python benchmarks/_annbatch_peer.py first OUT.zarr --output dense|csr --batch-size 64 \
+    python benchmarks/_annbatch_peer.py first OUT.zarr --output dense|csr --batch-size 64 \\
         --spawned-at T [--label batch]
 
-Each prints one JSON line (``first``: the seconds from spawn to the first batch, by phase). Every read and write goes through zarrs-python's codec pipeline
-(``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``), which annbatch's docs set
+Each prints one JSON line (``first``: the seconds from spawn to the first batch, by phase). Every
+read and write goes through zarrs-python's codec pipeline (``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``), which annbatch's docs set
 before touching any store and call necessary for local-filesystem performance; zarr's other
 settings (``threading.max_workers``: one thread per core; no ``direct_io``) are left at their
 defaults.
@@ -418,46 +418,46 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("input")
     conv.add_argument("output")
     conv.add_argument("--seed", type=int, default=0)
-    bench = sub.add_parser("run", help="time annbatch.Loader; prints one JSON line")
-    bench.add_argument("dataset")
-    bench.add_argument("--output", choices=OUTPUTS, default="dense")
-    bench.add_argument("--batch-size", type=int, default=64)
+    loader = argparse.ArgumentParser(add_help=False)  # the Loader's arguments: `run` and `first`
+    loader.add_argument("dataset")
+    loader.add_argument("--output", choices=OUTPUTS, default="dense")
+    loader.add_argument("--batch-size", type=int, default=64)
+    loader.add_argument("--seed", type=int, default=0)
+    loader.add_argument(
+        "--label",
+        default=None,
+        help="obs column loaded with each batch (run: its per-minibatch entropy is reported)",
+    )
+    loader.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
+    loader.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
+    bench = sub.add_parser("run", parents=[loader], help="time annbatch.Loader; prints one JSON line")
     bench.add_argument("--seconds", type=float, default=10.0, help="the timed window of a round (at least)")
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--rounds", type=int, default=3)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--label", default=None, help="obs column whose per-minibatch entropy to report")
     bench.add_argument(
         "--spawned-at",
         type=float,
         default=None,
         help="time.time() just before this process was started: first_batch_from_spawn_s",
     )
-    bench.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
-    bench.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
     start = sub.add_parser(
-        "first", help="seconds from spawn to the first batch, by phase; prints one JSON line"
+        "first",
+        parents=[loader],
+        help="seconds from spawn to the first batch, by phase; prints one JSON line",
     )
-    start.add_argument("dataset")
-    start.add_argument("--output", choices=OUTPUTS, default="dense")
-    start.add_argument("--batch-size", type=int, default=64)
-    start.add_argument("--seed", type=int, default=0)
-    start.add_argument("--label", default=None)
     start.add_argument(
         "--spawned-at", type=float, required=True, help="time.time() just before this process was started"
     )
-    start.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
-    start.add_argument("--preload-nchunks", type=int, default=PRELOAD_NCHUNKS)
     args = parser.parse_args(argv)
     if args.command == "convert":
         print(json.dumps(convert(args.input, args.output, args.seed)), flush=True)
         return 0
+    for name in ("batch_size", "rounds", "chunk_size", "preload_nchunks"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if args.command == "first":
         print(json.dumps(first(args, started_at)), flush=True)
         return 0
-    for name in ("batch_size", "rounds", "chunk_size", "preload_nchunks"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if not args.seconds > 0:
         parser.error(f"--seconds must be positive, got {args.seconds}")
     if args.warmup < 0:

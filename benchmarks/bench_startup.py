@@ -43,12 +43,8 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _provenance import compare, provenance, write_result  # noqa: E402
+from bench_annbatch import ANNBATCH_PYTHON, CONFIGS, DATA, LABEL, PEER, ensure_data  # noqa: E402
 
-DATA = HERE / "data"
-ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
-PEER = HERE / "_annbatch_peer.py"
-LABEL = "batch"
-CONFIGS = (("dense", 64), ("csr", 1024))
 PHASES = ("interpreter_s", "imports_s", "open_s", "first_batch_s", "from_spawn_s")
 
 OURS = """
@@ -118,8 +114,6 @@ def main() -> None:
         p.error("--processes must be ≥ 1")
     if not ANNBATCH_PYTHON.exists():
         raise SystemExit(f"{ANNBATCH_PYTHON} is missing: run scripts/setup-annbatch.sh first")
-    from bench_annbatch import ensure_data
-
     dataset, collection = args.dataset.resolve(), args.collection.resolve()
     ensure_data(args.corpus.resolve(), dataset, collection, 0)
     compileall.compile_dir(ROOT / "omicsio_jax", quiet=1)
