@@ -167,7 +167,7 @@ class Finalizer:
         sidecar = self.root / part_dir(done.index)
         if self.store.local_root is None:
             sidecar.mkdir(parents=True, exist_ok=True)
-            for name in (PART_CELLS, PART_STATS) if self.job.stats else (PART_CELLS,):
+            for name in self.job.sidecars:
                 self.store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
         table = pq.read_table(sidecar / PART_CELLS)
         self._cell_ids.append(table.column("cell_id").combine_chunks())

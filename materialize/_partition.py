@@ -74,6 +74,11 @@ class Job:
     def num_columns(self) -> int:
         return self.gene_index.num_genes if self.panel is None else self.panel.features.num_rows
 
+    @property
+    def sidecars(self) -> tuple[str, ...]:
+        """A partition's sidecar files the finalizer merges (its cells table; its statistics with ``stats``)."""
+        return (PART_CELLS, PART_STATS) if self.stats else (PART_CELLS,)
+
 
 @dataclasses.dataclass(frozen=True)
 class PartResult:
@@ -186,8 +191,7 @@ def write_partition(
         result = _write_local(job, part, local, progress, own)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
-            sidecars = (PART_CELLS, PART_STATS, PART_DONE) if job.stats else (PART_CELLS, PART_DONE)
-            names += [f"{part_dir(part.index)}/{name}" for name in sidecars]
+            names += [f"{part_dir(part.index)}/{name}" for name in (*job.sidecars, PART_DONE)]
             store.upload(local, names)  # part.json last: the partition is complete only then
     return result
 
