@@ -162,6 +162,12 @@ def make_synthetic_corpus(
 ) -> SyntheticCorpus:
     """Write a synthetic Tahoe-like corpus to ``out_dir``.
 
+    A detected gene's count is ``1 + Poisson(mean - 1)``; its mean falls with the gene's rank in
+    the cell type's program, rises on marker genes and scales with the cell's size factor
+    (log-normal, σ = 0.4). Capture given expression is Poisson, as in droplet data; cells of one
+    type differ by their size factors and the genes they detect. (Earlier versions drew geometric
+    counts, whose spread equals their mean: a cell's scGPT bins then told little of its type.)
+
     Parameters
     ----------
     out_dir

@@ -47,6 +47,33 @@ def radix_sort(keys: np.ndarray, tmp: np.ndarray, n: int, bits: int) -> np.ndarr
     return src
 
 
+_NORMAL_FROM = 30.0  # Poisson means from which a count is drawn by the normal approximation
+
+
+@njit(cache=True, inline="always")
+def _count(mu: float, bits: int) -> float:
+    """A count of mean ``mu >= 1`` given that the gene is detected: ``1 + Poisson(mu - 1)``, drawn by
+    inverse CDF from the uniform 32-bit ``bits`` (from `_NORMAL_FROM`: the normal approximation,
+    its second uniform hashed from ``bits``). Capture given expression is Poisson (droplet counts are
+    not zero-inflated); the spread between cells comes from their size factor and their genes."""
+    w = (bits + 0.5) * 2.0**-32
+    lam = mu - 1.0
+    if lam < _NORMAL_FROM:
+        k, p = 0.0, np.exp(-lam)
+        cdf = p
+        while w > cdf and k < 4.0 * _NORMAL_FROM:
+            k += 1.0
+            p *= lam / k
+            cdf += p
+        return 1.0 + k
+    z = np.uint64(bits) * np.uint64(0x9E3779B97F4A7C15)  # a second uniform: bits hashed (splitmix64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    u = (np.float64((z ^ (z >> np.uint64(31))) >> np.uint64(11)) + 0.5) * 2.0**-53
+    normal = np.sqrt(-2.0 * np.log(w)) * np.cos(2.0 * np.pi * u)
+    return 1.0 + max(0.0, np.floor(lam + np.sqrt(lam) * normal + 0.5))
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _sample_cells(
     targets: np.ndarray,
@@ -67,7 +94,7 @@ def _sample_cells(
     genes: np.ndarray,
     values: np.ndarray,
 ) -> np.ndarray:
-    """Draw sorted unique gene ids and geometric counts for a batch of cells.
+    """Draw sorted unique gene ids and their counts (`_count`) for a batch of cells.
 
     Cell ``i`` gets up to ``targets[i]`` entries of ``genes``/``values`` from
     ``out_offsets[i]``; returns how many it got.
@@ -118,15 +145,8 @@ def _sample_cells(
             for j in range(c):
                 g = chosen[j] >> 2
                 genes[o + j] = g
-                # geometric on {1, 2, ...} with mean mu: V > v  <=>  w <= q**v, q = 1 - 1 / mu
-                q = 1.0 - min(inv_mean[kind, g] * inv_scale * inv_boost[chosen[j] & 3], 1.0)
-                w = (value_bits[o - out_offsets[0] + j] + 0.5) * 2.0**-32
-                v, t = 1.0, q
-                for _ in range(7):  # branch-free count of the first seven steps
-                    v += w <= t
-                    t *= q
-                if w <= t:  # rare tail: V > 8
-                    v = 1.0 + np.floor(np.log(w) / np.log(q))
+                mu = 1.0 / min(inv_mean[kind, g] * inv_scale * inv_boost[chosen[j] & 3], 1.0)
+                v = _count(mu, value_bits[o - out_offsets[0] + j])
                 values[o + j] = min(v, 65535.0)
             counts[i] = c
     return counts

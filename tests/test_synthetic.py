@@ -96,7 +96,7 @@ def test_lists_are_valid(table: pa.Table) -> None:
     inside[indptr[1:-1] - 1] = False  # steps across a cell boundary
     assert (steps[inside] > 0).all()
     assert (data >= 1).all() and (data <= 65535).all() and (data == np.round(data)).all()
-    assert (data <= 5).mean() > 0.7 and data.max() > 20  # mostly small counts with a tail
+    assert (data <= 5).mean() > 0.5 and data.max() > 20  # mostly small counts with a tail
     np.testing.assert_array_equal(table.column("n_genes").to_numpy(), lengths)
     np.testing.assert_allclose(table.column("total_counts").to_numpy(), np.add.reduceat(data, indptr[:-1]))
 

@@ -138,7 +138,12 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-len", type=int, default=None, help="tokens per cell (default: 2048 geneformer, 1201 scgpt)"
     )
-    g.add_argument("--mask-prob", type=float, default=None, help="MLM masking rate (default: 0.15)")
+    g.add_argument(
+        "--mask-prob",
+        type=float,
+        default=None,
+        help="share of positions masked (default: 0.15 for geneformer, as BERT; 0.4 for scgpt, as its pretraining script)",
+    )
     g.add_argument("--vocab", help="vocabulary keyed on Ensembl id (TSV, JSON, parquet or Geneformer pickle)")
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     _special_tokens_argument(g)

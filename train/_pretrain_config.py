@@ -21,6 +21,9 @@ from ._published import load_checkpoint
 from ._transformer import KINDS, PRESETS, make_optimizer, make_pretrain_model
 
 DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
+# the share of positions masked, as each reference pretrains: Hugging Face's MLM collator (Geneformer)
+# and scGPT's pretraining script (``--mask-ratio 0.4``)
+DEFAULT_MASK_PROB = {"geneformer": 0.15, "scgpt": 0.4}
 _NOT_IDENTITY = (
     "resume",
     "checkpoint_dir",
@@ -45,7 +48,7 @@ _NOT_IDENTITY = (
 class PretrainConfig:
     """A pretraining run (``omicsio-train pretrain``). ``tokens``: ``"geneformer"`` or ``"scgpt"``;
     ``preset``: a `train._transformer.PRESETS` name; ``max_len``: default 2048 (Geneformer V1) or
-    1201 (scGPT); ``steps`` (if set) replaces ``epochs × steps_per_epoch``; ``compute_dtype``:
+    1201 (scGPT); ``mask_prob``: default 0.15 (Geneformer) or 0.4 (scGPT); ``steps`` (if set) replaces ``epochs × steps_per_epoch``; ``compute_dtype``:
     ``"float32"`` or ``"bfloat16"``; ``probe_label``: after training, fit a linear probe of this
     categorical obs column on frozen cell embeddings (`train._embed.embed`'s default pooling) of
     ``probe_cells`` cells (half held out), for the trained model and the model it started from.
@@ -112,9 +115,14 @@ class PretrainConfig:
     def length(self) -> int:
         return self.max_len or DEFAULT_MAX_LEN[self.tokens]
 
+    @property
+    def masking(self) -> float:
+        """The share of positions masked: ``mask_prob``, else the reference's (`DEFAULT_MASK_PROB`)."""
+        return DEFAULT_MASK_PROB[self.tokens] if self.mask_prob is None else self.mask_prob
+
     def output(self, *, masked: bool = True) -> oj.Output:
         """The token output of this run (``masked=False``: no MLM masking, for embeddings)."""
-        p = (0.15 if self.mask_prob is None else self.mask_prob) if masked else 0.0
+        p = self.masking if masked else 0.0
         if self.tokens == "geneformer":
             return oj.GeneformerTokens(
                 max_len=self.length,
@@ -147,7 +155,7 @@ def max_predictions(config: PretrainConfig) -> int | None:
     plus 8 (P(more) is negligible at L ≥ 64), so the vocabulary-wide decoder runs on ~2·p·L rows, not L."""
     if config.tokens != "geneformer":
         return None
-    p = 0.15 if config.mask_prob is None else config.mask_prob
+    p = config.masking
     return min(config.length, math.ceil(2 * p * config.length) + 8)
 
 
