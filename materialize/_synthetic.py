@@ -196,8 +196,8 @@ def make_synthetic_corpus(
         genes and in the levels of half of the rest, so that, as in real cells after
         Geneformer's median scaling, the top of a cell's rank order and its scGPT bins are
         specific to its type rather than a few marker genes among shared ones; 0 gives every
-        type one program (the corpus of earlier versions, whose token order carried no
-        cell-type signal a short pretraining could learn).
+        type one program (as earlier versions did: a token order with no cell-type signal
+        a short pretraining could learn).
     write_parquet, write_h5ad
         Whether to write ``cells.parquet`` / ``cells.h5ad``; ``gene_metadata.parquet``
         is always written. With ``multimodal``, ``write_parquet`` also covers the layer and

@@ -19,4 +19,4 @@ scripts/setup-ducklake.sh  # the DuckDB + ducklake extension tests/test_ducklake
 .venv/bin/python -m compileall -q omicsio_jax materialize train benchmarks >/dev/null
 # two pytest workers (pytest-xdist), each test module on one of them (its module fixtures made once):
 # many tests wait on processes they start, so two keep both cores busy (pass -n 0 for one process)
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=15 "$@"
