@@ -8,21 +8,21 @@ import omicsio_jax as oj
 from train import PretrainConfig, masked_prediction, probe_split
 from train._pretrain import pretrain
 
-# the learning test's run (~80 s on 2 cores): enough steps for the tiny Geneformer to learn the cell types'
-# programs (benchmarks/results/pretrain_learning.json: the probe rises after ~1,000 steps)
+# the learning test's run (~60 s on 2 cores): enough steps for the tiny Geneformer to learn the cell types'
+# programs (benchmarks/results/pretrain_learning.json: the probe rises by ~1,000 steps)
 LEARNING = {
     "tokens": "geneformer",
     "max_len": 32,
     "batch_size": 32,
-    "steps": 2500,
-    "warmup_steps": 250,
+    "steps": 1500,
+    "warmup_steps": 150,
     "lr": 2e-3,
     "block_size": 16,
     "fetch_factor": 16,
     "num_devices": 1,
     "quiet": True,
 }
-MARGIN = 0.05
+MARGIN = 0.10
 
 
 def test_pretraining_learns_cell_types_that_a_random_network_does_not_show(dataset_dir):
