@@ -48,13 +48,14 @@ _NOT_IDENTITY = (
 class PretrainConfig:
     """A pretraining run (``omicsio-train pretrain``). ``tokens``: ``"geneformer"`` or ``"scgpt"``;
     ``preset``: a `train._transformer.PRESETS` name; ``max_len``: default 2048 (Geneformer V1) or
-    1201 (scGPT); ``mask_prob``: default 0.15 (Geneformer) or 0.4 (scGPT); ``steps`` (if set) replaces ``epochs × steps_per_epoch``; ``compute_dtype``:
-    ``"float32"`` or ``"bfloat16"``; ``probe_label``: after training, fit a linear probe of this
-    categorical obs column on frozen cell embeddings (`train._embed.embed`'s default pooling) of
-    ``probe_cells`` cells (half held out), for the trained model and the model it started from.
-    ``init``: start from a published checkpoint, ``"hf:DIR"`` (Geneformer) or ``"scgpt:DIR"``, instead
-    of ``preset``; ``special_tokens``: Geneformer rows with CLS and EOS (False: V1 rows);
-    ``sync_every``: fetch the loss from the device every this many steps (not every step)."""
+    1201 (scGPT); ``mask_prob``: default 0.15 (Geneformer) or 0.4 (scGPT); ``steps`` (if set)
+    replaces ``epochs × steps_per_epoch``; ``compute_dtype``: ``"float32"`` or ``"bfloat16"``;
+    ``probe_label``: after training, fit a linear probe of this categorical obs column on frozen cell
+    embeddings (`train._embed.embed`'s default pooling) of ``probe_cells`` cells (half held out), for
+    the trained model and the model it started from. ``init``: start from a published checkpoint,
+    ``"hf:DIR"`` (Geneformer) or ``"scgpt:DIR"``, instead of ``preset``; ``special_tokens``:
+    Geneformer rows with CLS and EOS (False: V1 rows); ``sync_every``: fetch the loss from the device
+    every this many steps (not every step)."""
 
     dataset: str
     tokens: str = "geneformer"
