@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from ._source import Batch, Source, obs_kind
 
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
+_OPEN_THREADS = 8  # sources opened at once (`_open_members`)
 _SUFFIXES = (".h5ad", ".h5mu", ".parquet", ".vortex", ".zarr", ".csv")
 
 
@@ -259,6 +261,26 @@ def _without_genes(source: Source) -> Source:
     return light
 
 
+def _open_members(sources: Sources, open_member: Callable[[str, dict], Source]) -> list[Source]:
+    """Every source opened, in order, on a few threads: opening reads a source's metadata, schema
+    and gene table (DuckDB, pyarrow and object-store reads, outside the GIL), ~50 ms a local
+    parquet source and a round trip or more a remote one. The first failing source's error (in the
+    sources' order) is raised once every other has opened, and those are closed again."""
+    with ThreadPoolExecutor(min(len(sources.paths), _OPEN_THREADS) or 1) as pool:
+        futures = [pool.submit(open_member, p, sources.reading_of(k)) for k, p in enumerate(sources.paths)]
+    members, error = [], None
+    for future in futures:
+        try:
+            members.append(future.result())
+        except BaseException as e:  # raised below, once the others are closed
+            error = error or e
+    if error is not None:
+        for m in members:
+            m.close()
+        raise error
+    return members
+
+
 def open_collection(
     sources: Sources,
     open_member: Callable[[str, dict], Source],
@@ -269,10 +291,8 @@ def open_collection(
 ) -> CollectionSource:
     """Open every source (``open_member(path, its own reading options)``), unify their genes (``genes``: ``"union"``, the
     default, ``"intersection"`` or a gene table / vocabulary) and report what was matched how."""
-    members: list[Source] = []
+    members = _open_members(sources, open_member)
     try:
-        for k, path in enumerate(sources.paths):
-            members.append(open_member(path, sources.reading_of(k)))
         labels = [f"{i} ({p})" for i, p in zip(sources.dataset_ids, sources.paths, strict=False)]
         space = GeneSpace.build(
             [m.genes for m in members], labels, genes=UNION if genes is None else genes, id_column=id_column

@@ -325,12 +325,25 @@ class GeneSpace:
                 f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
             )
             resolved.append(ids)
-        order = _unified_order(resolved, genes)
+        # every source's ids as codes into the ids seen (one hash table for all sources, not one each)
+        seen = pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))  # the union, in order
+        code = pc.fill_null(pc.index_in(pa.concat_arrays(resolved), value_set=seen), -1).to_numpy()
+        order = seen if genes == UNION else _unified_order(resolved, genes)
+        col_of_seen = (
+            np.arange(len(seen), dtype=np.int64)
+            if genes == UNION
+            else pc.fill_null(pc.index_in(seen, value_set=order), -1).to_numpy().astype(np.int64)
+        )
+        ends = np.cumsum([len(ids) for ids in resolved])
         maps, members = [], []
-        for t, k, ids, label in zip(tables, keys, resolved, labels, strict=True):
-            cols = pc.fill_null(pc.index_in(ids, value_set=order), -1).to_numpy().astype(np.int64)
-            present = ids.drop_null()
-            duplicates = len(present) - len(pc.unique(present))
+        for t, k, ids, label, end in zip(tables, keys, resolved, labels, ends, strict=True):
+            own = code[end - len(ids) : end]
+            hit = own[own >= 0]
+            cols = np.full(len(own), -1, np.int64)
+            cols[own >= 0] = col_of_seen[hit]
+            distinct = np.zeros(len(seen), bool)
+            distinct[hit] = True
+            duplicates = len(hit) - int(np.count_nonzero(distinct))
             if duplicates:
                 notes.append(f"{label}: {duplicates:,} gene(s) share an id with another of its genes: summed")
             maps.append(member_map(t.column("gene_token_id").to_numpy(), cols, len(order)))

@@ -31,6 +31,8 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 
+from omicsio_jax.core.buffers import read_only
+
 CODEC_VERSION = 1
 HEADER_BYTES = 8
 
@@ -99,15 +101,20 @@ ROW_OVERFLOW = 6
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-@nb.njit(parallel=True, nogil=True, cache=True)
 def plan_sparse(indptr, tokens, values, token_to_col, allow_negative):
     """Check each row and choose its codes; return ``(index_codes, value_codes, nbytes, problems, where)``.
 
     ``tokens`` are gene ids mapped to columns by ``token_to_col`` (-1 = unknown gene); a row is
     valid when its tokens ascend strictly, are known, and its values are finite float32 numbers
     (non-negative unless ``allow_negative``). ``problems[i]`` is a ``ROW_*`` code and
-    ``where[i]`` the offending position in ``tokens`` (-1 if the row is valid).
+    ``where[i]`` the offending position in ``tokens`` (-1 if the row is valid). The arrays reach
+    the kernel as `read_only` views, one kind whatever they came from (one compilation).
     """
+    return _plan_sparse(*map(read_only, (indptr, tokens, values, token_to_col)), allow_negative)
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _plan_sparse(indptr, tokens, values, token_to_col, allow_negative):
     n = indptr.shape[0] - 1
     num_tokens = token_to_col.shape[0]
     index_codes = np.zeros(n, np.uint8)
@@ -496,7 +503,7 @@ def checked_views(
     Raises `MalformedRecordError` for the first malformed record: no decoder ever reads past a
     record, or writes past its output, or returns what the writer could not have written.
     """
-    u8, u32, f32 = views(buf)
+    u8, u32, f32 = views(read_only(buf))
     bad, problem = check_records(u8, u32, f32, starts[:-1], starts[1:], np.int64(num_columns))
     if bad >= 0:
         raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
@@ -569,7 +576,8 @@ def encode_csr(
     if token_to_col is None:
         top = int(tokens.max()) + 1 if len(tokens) else 0
         token_to_col = np.arange(max(top, 0), dtype=np.int32)
-    index_codes, value_codes, nbytes, problems, where = plan_sparse(
+    indptr, tokens, values, token_to_col = map(read_only, (indptr, tokens, values, token_to_col))
+    index_codes, value_codes, nbytes, problems, where = _plan_sparse(
         indptr, tokens, values, token_to_col, allow_negative
     )
     bad = np.flatnonzero(problems)

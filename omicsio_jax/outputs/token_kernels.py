@@ -243,7 +243,18 @@ def _sum_duplicates(cols, vals, count, canon, slot):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
-def geneformer_kernel(
+def geneformer_kernel(threads, *args):
+    """The rows of a batch on ``threads`` threads; ``args``: `_geneformer_rows`'s after ``t, threads``.
+    Its ``prange`` body is a function of its own so that numba's parallel passes see a one-line
+    loop: half a minute less to compile."""
+    for t in nb.prange(threads):
+        _geneformer_rows(np.int64(t), threads, *args)  # np.int64: prange's index is unsigned in the
+        # parallel lowering, and one signature is one compilation
+
+
+@nb.njit(nogil=True, cache=True)
+def _geneformer_rows(
+    t,
     threads,
     u8,
     u32,
@@ -268,67 +279,67 @@ def geneformer_kernel(
     labels,
     length,
 ):
-    """``scale[g]``: ``1 / median_g`` for a column with a token and a median, else 0 (not kept)."""
-    n_rows, L = input_ids.shape
+    """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``scale[g]``: ``1 / median_g``
+    for a column with a token and a median, else 0 (not kept)."""
     width = max(_max_count(u32, starts), 1)
+    n_rows, L = input_ids.shape
     log_keep = np.log1p(-mask_prob)
     n_genes = gene_tokens.shape[0]
-    for t in nb.prange(threads):
-        cols = np.empty(width, np.int32)
-        vals = np.empty(width, np.float32)
-        keys = np.empty(width, np.uint32)
-        kept_cols = np.empty(width, np.int32)
-        tmp_keys = np.empty(width, np.uint32)
-        tmp_cols = np.empty(width, np.int32)
-        hist = np.empty((3, 2048), np.int32)
-        slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
-        for i in range(t, n_rows, threads):
-            labels[i, :] = IGNORE_INDEX
-            if rows[i] < 0:  # a padding row of the batch: all PAD, nothing attended
-                input_ids[i, :] = pad_id
-                attention_mask[i, :] = False
-                length[i] = 0
-                continue
-            count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
-            if has_dups:
-                count = _sum_duplicates(cols, vals, count, canon, slot)
-            kept = 0
-            for j in range(count):
-                g = cols[j]
-                im, v = scale[g], vals[j]
-                if im > 0 and v > 0:
-                    keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
-                    kept_cols[kept] = g
-                    kept += 1
-            radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
-            first = 1 if special else 0
-            k = min(kept, L - 2 * first)
-            if special:
-                input_ids[i, 0] = cls_id
-            for r in range(k):
-                input_ids[i, first + r] = tok[kept_cols[r]]
-            if special:
-                input_ids[i, first + k] = eos_id
-            input_ids[i, k + 2 * first :] = pad_id
-            attention_mask[i, : k + 2 * first] = True
-            attention_mask[i, k + 2 * first :] = False
-            length[i] = k
-            if mask_prob <= 0:
-                continue
-            key = cell_key(seed, epoch, rows[i])
-            p, draw = next_selected(key, 0, first - 1, log_keep), 1
-            while p < first + k:
-                # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
-                # the random gene's draw is made either way, and a draw is a pure function of its
-                # counter, so the tokens are those of drawing it only when used
-                token = input_ids[i, p]
-                labels[i, p] = token
-                u = uniform(key, STREAM_MASK_KIND, p)
-                random_token = gene_tokens[
-                    min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * n_genes), n_genes - 1)
-                ]
-                input_ids[i, p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
-                p, draw = next_selected(key, draw, p, log_keep), draw + 1
+    cols = np.empty(width, np.int32)
+    vals = np.empty(width, np.float32)
+    keys = np.empty(width, np.uint32)
+    kept_cols = np.empty(width, np.int32)
+    tmp_keys = np.empty(width, np.uint32)
+    tmp_cols = np.empty(width, np.int32)
+    hist = np.empty((3, 2048), np.int32)
+    slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
+    for i in range(t, n_rows, threads):
+        labels[i, :] = IGNORE_INDEX
+        if rows[i] < 0:  # a padding row of the batch: all PAD, nothing attended
+            input_ids[i, :] = pad_id
+            attention_mask[i, :] = False
+            length[i] = 0
+            continue
+        count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
+        if has_dups:
+            count = _sum_duplicates(cols, vals, count, canon, slot)
+        kept = 0
+        for j in range(count):
+            g = cols[j]
+            im, v = scale[g], vals[j]
+            if im > 0 and v > 0:
+                keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
+                kept_cols[kept] = g
+                kept += 1
+        radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
+        first = 1 if special else 0
+        k = min(kept, L - 2 * first)
+        if special:
+            input_ids[i, 0] = cls_id
+        for r in range(k):
+            input_ids[i, first + r] = tok[kept_cols[r]]
+        if special:
+            input_ids[i, first + k] = eos_id
+        input_ids[i, k + 2 * first :] = pad_id
+        attention_mask[i, : k + 2 * first] = True
+        attention_mask[i, k + 2 * first :] = False
+        length[i] = k
+        if mask_prob <= 0:
+            continue
+        key = cell_key(seed, epoch, rows[i])
+        p, draw = next_selected(key, 0, first - 1, log_keep), 1
+        while p < first + k:
+            # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
+            # the random gene's draw is made either way, and a draw is a pure function of its
+            # counter, so the tokens are those of drawing it only when used
+            token = input_ids[i, p]
+            labels[i, p] = token
+            u = uniform(key, STREAM_MASK_KIND, p)
+            random_token = gene_tokens[
+                min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * n_genes), n_genes - 1)
+            ]
+            input_ids[i, p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
+            p, draw = next_selected(key, draw, p, log_keep), draw + 1
 
 
 @nb.njit(inline="always")
@@ -363,7 +374,18 @@ def _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, start, pad_id):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
-def scgpt_kernel(
+def scgpt_kernel(threads, *args):
+    """The rows of a batch on ``threads`` threads; ``args``: `_scgpt_rows`'s after ``t, threads``.
+    Its ``prange`` body is a function of its own so that numba's parallel passes see a one-line
+    loop: half a minute less to compile."""
+    for t in nb.prange(threads):
+        _scgpt_rows(np.int64(t), threads, *args)  # np.int64: prange's index is unsigned in the
+        # parallel lowering, and one signature is one compilation
+
+
+@nb.njit(nogil=True, cache=True)
+def _scgpt_rows(
+    t,
     threads,
     u8,
     u32,
@@ -387,144 +409,142 @@ def scgpt_kernel(
     mask,
     pad_mask,
 ):
+    """Rows ``t, t + threads, …`` of a batch (`scgpt_kernel`)."""
+    width = max(_max_count(u32, starts), 1)
     n_rows, L = gene_ids.shape
     n_edges = quantiles.shape[0]
     log_keep = np.log1p(-mask_prob) if mask_prob < 1 else -np.inf
-    width = max(_max_count(u32, starts), 1)
-    for t in nb.prange(threads):
-        cols = np.empty(width, np.int32)
-        vals = np.empty(width, np.float32)
-        kept_cols = np.empty(width, np.int32)
-        kept_vals = np.empty(width, np.float32)
-        keys = np.empty(width, np.uint32)
-        order = np.empty(width, np.int32)
-        tmp_keys = np.empty(width, np.uint32)
-        tmp_order = np.empty(width, np.int32)
-        pick = np.empty(width, np.int32)
-        hist = np.empty((3, 2048), np.int32)
-        edges = np.empty(n_edges, np.float64)
-        tally = np.empty(SMALL_COUNT + 1, np.int32)
-        tallies = np.empty((4, SMALL_COUNT + 1), np.int32)
-        below_of = np.empty(SMALL_COUNT + 1, np.int64)
-        upto_of = np.empty(SMALL_COUNT + 1, np.int64)
-        slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
-        for i in range(t, n_rows, threads):
-            mask[i, :] = False
-            if rows[i] < 0:
-                _pad_scgpt(
-                    gene_ids, values, masked_values, pad_mask, i, 0, pad_id
-                )  # a padding row of the batch
-                continue
-            gene_ids[i, 0] = cls_id
-            values[i, 0] = PAD_VALUE
-            masked_values[i, 0] = PAD_VALUE
-            pad_mask[i, 0] = False
-            count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
-            if has_dups:
-                count = _sum_duplicates(cols, vals, count, canon, slot)
-            n = 0
-            small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
-            for j in range(count):
-                g = cols[j]
-                v = vals[j]
-                if tok[g] >= 0 and v != 0:
-                    kept_cols[n] = g
-                    kept_vals[n] = v
-                    c = np.int64(v)
-                    small = small and c == v and 1 <= c <= SMALL_COUNT
-                    n += 1
-            if n == 0:
-                _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1, pad_id)
-                continue
-            # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
+    cols = np.empty(width, np.int32)
+    vals = np.empty(width, np.float32)
+    kept_cols = np.empty(width, np.int32)
+    kept_vals = np.empty(width, np.float32)
+    keys = np.empty(width, np.uint32)
+    order = np.empty(width, np.int32)
+    tmp_keys = np.empty(width, np.uint32)
+    tmp_order = np.empty(width, np.int32)
+    pick = np.empty(width, np.int32)
+    hist = np.empty((3, 2048), np.int32)
+    edges = np.empty(n_edges, np.float64)
+    tally = np.empty(SMALL_COUNT + 1, np.int32)
+    tallies = np.empty((4, SMALL_COUNT + 1), np.int32)
+    below_of = np.empty(SMALL_COUNT + 1, np.int64)
+    upto_of = np.empty(SMALL_COUNT + 1, np.int64)
+    slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
+    for i in range(t, n_rows, threads):
+        mask[i, :] = False
+        if rows[i] < 0:
+            _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 0, pad_id)  # a padding row of the batch
+            continue
+        gene_ids[i, 0] = cls_id
+        values[i, 0] = PAD_VALUE
+        masked_values[i, 0] = PAD_VALUE
+        pad_mask[i, 0] = False
+        count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
+        if has_dups:
+            count = _sum_duplicates(cols, vals, count, canon, slot)
+        n = 0
+        small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
+        for j in range(count):
+            g = cols[j]
+            v = vals[j]
+            if tok[g] >= 0 and v != 0:
+                kept_cols[n] = g
+                kept_vals[n] = v
+                c = np.int64(v)
+                small = small and c == v and 1 <= c <= SMALL_COUNT
+                n += 1
+        if n == 0:
+            _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1, pad_id)
+            continue
+        # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
+        if small:
+            # four tallies, summed: increments of one count (most are 1) do not wait on each other
+            tallies[:] = 0
+            quads = n >> 2
+            for q in range(quads):
+                j = q << 2
+                tallies[0, np.int64(kept_vals[j])] += 1
+                tallies[1, np.int64(kept_vals[j + 1])] += 1
+                tallies[2, np.int64(kept_vals[j + 2])] += 1
+                tallies[3, np.int64(kept_vals[j + 3])] += 1
+            for j in range(quads << 2, n):
+                tallies[0, np.int64(kept_vals[j])] += 1
+            for c in range(SMALL_COUNT + 1):
+                tally[c] = tallies[0, c] + tallies[1, c] + tallies[2, c] + tallies[3, c]
+            ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
+        else:
+            for j in range(n):
+                keys[j] = _order_bits(kept_vals[j])
+                order[j] = j
+            radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
+        for e in range(n_edges):
+            virtual = (n - 1) * quantiles[e]
+            top = virtual >= n - 1
+            lo = n - 1 if top else np.int64(np.floor(virtual))
+            hi = lo if top else lo + 1
             if small:
-                # four tallies, summed: increments of one count (most are 1) do not wait on each other
-                tallies[:] = 0
-                quads = n >> 2
-                for q in range(quads):
-                    j = q << 2
-                    tallies[0, np.int64(kept_vals[j])] += 1
-                    tallies[1, np.int64(kept_vals[j + 1])] += 1
-                    tallies[2, np.int64(kept_vals[j + 2])] += 1
-                    tallies[3, np.int64(kept_vals[j + 3])] += 1
-                for j in range(quads << 2, n):
-                    tallies[0, np.int64(kept_vals[j])] += 1
-                for c in range(SMALL_COUNT + 1):
-                    tally[c] = tallies[0, c] + tallies[1, c] + tallies[2, c] + tallies[3, c]
-                ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
+                while cum_a <= lo:
+                    ca += 1
+                    cum_a += tally[ca]
+                while cum_b <= hi:
+                    cb += 1
+                    cum_b += tally[cb]
+                a, b = np.float32(ca), np.float32(cb)
             else:
-                for j in range(n):
-                    keys[j] = _order_bits(kept_vals[j])
-                    order[j] = j
-                radix_sort(keys, order, n, tmp_keys, tmp_order, hist)
-            for e in range(n_edges):
-                virtual = (n - 1) * quantiles[e]
-                top = virtual >= n - 1
-                lo = n - 1 if top else np.int64(np.floor(virtual))
-                hi = lo if top else lo + 1
-                if small:
-                    while cum_a <= lo:
-                        ca += 1
-                        cum_a += tally[ca]
-                    while cum_b <= hi:
-                        cb += 1
-                        cum_b += tally[cb]
-                    a, b = np.float32(ca), np.float32(cb)
-                else:
-                    a, b = kept_vals[order[lo]], kept_vals[order[hi]]
-                if top:
-                    edges[e] = a
-                    continue
-                gamma = virtual - lo
-                diff = b - a  # float32, as numpy subtracts the two float32 neighbours
-                if gamma >= 0.5:
-                    edges[e] = b - diff * (1.0 - gamma)
-                else:
-                    edges[e] = a + diff * gamma
-            key = cell_key(seed, epoch, rows[i])
-            if small:  # the bin interval of each distinct count, once
-                for c in range(1, SMALL_COUNT + 1):
-                    if tally[c]:
-                        below_of[c], upto_of[c] = _interval(edges, np.float64(c))
-            m = n
-            if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
-                m = L - 1
-                for j in range(n):
-                    pick[j] = j
-                for j in range(m):
-                    r = j + min(np.int64(uniform(key, STREAM_SUBSAMPLE, j) * (n - j)), n - j - 1)
-                    pick[j], pick[r] = pick[r], pick[j]
+                a, b = kept_vals[order[lo]], kept_vals[order[hi]]
+            if top:
+                edges[e] = a
+                continue
+            gamma = virtual - lo
+            diff = b - a  # float32, as numpy subtracts the two float32 neighbours
+            if gamma >= 0.5:
+                edges[e] = b - diff * (1.0 - gamma)
             else:
-                for j in range(n):
-                    pick[j] = j
-            for p in range(m):  # binned over all n values, but only the m kept are computed
-                j = pick[p]
-                if small:
-                    c = np.int64(kept_vals[j])
-                    below, upto = below_of[c], upto_of[c]
-                else:
-                    below, upto = _interval(edges, np.float64(kept_vals[j]))
-                if not spread_ties:
-                    b = np.float32(below + 1)
-                else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
-                    b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
-                gene_ids[i, 1 + p] = tok[kept_cols[j]]
-                values[i, 1 + p] = b
-                masked_values[i, 1 + p] = b
-                pad_mask[i, 1 + p] = False
-            _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1 + m, pad_id)
-            if exact_mask:
-                c = np.int64(np.floor(m * mask_prob))
-                for p in range(m):
-                    pick[p] = p + 1
-                for p in range(c):
-                    r = p + min(np.int64(uniform(key, STREAM_MASK, p) * (m - p)), m - p - 1)
-                    pick[p], pick[r] = pick[r], pick[p]
-                    mask[i, pick[p]] = True
-                    masked_values[i, pick[p]] = MASK_VALUE
-            elif mask_prob > 0:
-                p, draw = next_selected(key, 0, 0, log_keep), 1
-                while p <= m:
-                    mask[i, p] = True
-                    masked_values[i, p] = MASK_VALUE
-                    p, draw = next_selected(key, draw, p, log_keep), draw + 1
+                edges[e] = a + diff * gamma
+        key = cell_key(seed, epoch, rows[i])
+        if small:  # the bin interval of each distinct count, once
+            for c in range(1, SMALL_COUNT + 1):
+                if tally[c]:
+                    below_of[c], upto_of[c] = _interval(edges, np.float64(c))
+        m = n
+        if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
+            m = L - 1
+            for j in range(n):
+                pick[j] = j
+            for j in range(m):
+                r = j + min(np.int64(uniform(key, STREAM_SUBSAMPLE, j) * (n - j)), n - j - 1)
+                pick[j], pick[r] = pick[r], pick[j]
+        else:
+            for j in range(n):
+                pick[j] = j
+        for p in range(m):  # binned over all n values, but only the m kept are computed
+            j = pick[p]
+            if small:
+                c = np.int64(kept_vals[j])
+                below, upto = below_of[c], upto_of[c]
+            else:
+                below, upto = _interval(edges, np.float64(kept_vals[j]))
+            if not spread_ties:
+                b = np.float32(below + 1)
+            else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
+                b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
+            gene_ids[i, 1 + p] = tok[kept_cols[j]]
+            values[i, 1 + p] = b
+            masked_values[i, 1 + p] = b
+            pad_mask[i, 1 + p] = False
+        _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1 + m, pad_id)
+        if exact_mask:
+            c = np.int64(np.floor(m * mask_prob))
+            for p in range(m):
+                pick[p] = p + 1
+            for p in range(c):
+                r = p + min(np.int64(uniform(key, STREAM_MASK, p) * (m - p)), m - p - 1)
+                pick[p], pick[r] = pick[r], pick[p]
+                mask[i, pick[p]] = True
+                masked_values[i, pick[p]] = MASK_VALUE
+        elif mask_prob > 0:
+            p, draw = next_selected(key, 0, 0, log_keep), 1
+            while p <= m:
+                mask[i, p] = True
+                masked_values[i, p] = MASK_VALUE
+                p, draw = next_selected(key, draw, p, log_keep), draw + 1

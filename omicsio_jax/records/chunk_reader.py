@@ -37,6 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from omicsio_jax.core.buffers import read_only
 from omicsio_jax.records import zstd
 from omicsio_jax.records.highwayhash import RIEGELI_KEY, highway64, load_u64
 from omicsio_jax.records.shard_files import ReadFailed
@@ -141,7 +142,7 @@ def _headers(raw, base, begin, end, expected):
     for k in range(n):
         if not _logical_copy(raw, base[k], begin[k], end[k], header, _CHUNK_HEADER):
             return decoded, data, _TRUNCATED, k
-        if highway64(header, 8, 32, RIEGELI_KEY) != load_u64(header, 0):
+        if highway64(header, np.int64(8), np.int64(32), RIEGELI_KEY) != load_u64(header, 0):
             return decoded, data, _HEADER_HASH, k
         kind_and_count = load_u64(header, 24)
         if kind_and_count & np.uint64(0xFF) != _SIMPLE_CHUNK:
@@ -189,7 +190,7 @@ def _decode(raw, base, begin, end, expected, decoded, data, first, stop, out, ou
             if not _logical_copy(raw, base[k], begin[k], end[k], scratch, length):
                 return out_pos, _TRUNCATED, k
             chunk = scratch[:length]
-        if highway64(chunk, _CHUNK_HEADER, data[k], RIEGELI_KEY) != load_u64(chunk, 16):
+        if highway64(chunk, np.int64(_CHUNK_HEADER), data[k], RIEGELI_KEY) != load_u64(chunk, 16):
             return out_pos, _DATA_HASH, k
         compression = chunk[_CHUNK_HEADER]
         if compression != _NO_COMPRESSION and compression != _ZSTD:
@@ -276,7 +277,10 @@ class ChunkReader:
         fn = np.uint64(zstd.decompress_address() if zstd.available() else 0)
         dctx = np.uint64(zstd.thread_context() if zstd.available() else 0)
         for group, (raw, base, ends) in self._file_bytes(plan):
+            # the kernels' arguments of one kind whatever the reader (`read_only`; contiguous)
+            raw, base, ends = read_only(raw), np.ascontiguousarray(base), np.ascontiguousarray(ends)
             begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
+            begins = np.ascontiguousarray(begins)
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
                 raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
