@@ -338,9 +338,10 @@ class GeneSpace:
         maps, members = [], []
         for t, k, ids, label, end in zip(tables, keys, resolved, labels, ends, strict=True):
             own = code[end - len(ids) : end]
-            hit = own[own >= 0]
+            known = own >= 0
+            hit = own[known]
             cols = np.full(len(own), -1, np.int64)
-            cols[own >= 0] = col_of_seen[hit]
+            cols[known] = col_of_seen[hit]
             distinct = np.zeros(len(seen), bool)
             distinct[hit] = True
             duplicates = len(hit) - int(np.count_nonzero(distinct))

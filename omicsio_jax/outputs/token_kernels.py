@@ -242,14 +242,17 @@ def _sum_duplicates(cols, vals, count, canon, slot):
     return n
 
 
+# Each token kernel is a one-line ``prange`` over threads calling a plain function with a thread's
+# rows (``_*_rows``): numba's parallel passes then see one call, not the whole body, and compile in
+# a fraction of the time. ``np.int64(t)``: prange's index is unsigned in the parallel lowering, and
+# the row function would otherwise be compiled a second time for it.
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
 def geneformer_kernel(threads, *args):
-    """The rows of a batch on ``threads`` threads; ``args``: `_geneformer_rows`'s after ``t, threads``.
-    Its ``prange`` body is a function of its own so that numba's parallel passes see a one-line
-    loop: half a minute less to compile."""
+    """The rows of a batch on ``threads`` threads; ``args``: `_geneformer_rows`'s after ``t, threads``."""
     for t in nb.prange(threads):
-        _geneformer_rows(np.int64(t), threads, *args)  # np.int64: prange's index is unsigned in the
-        # parallel lowering, and one signature is one compilation
+        _geneformer_rows(np.int64(t), threads, *args)
 
 
 @nb.njit(nogil=True, cache=True)
@@ -375,12 +378,10 @@ def _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, start, pad_id):
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def scgpt_kernel(threads, *args):
-    """The rows of a batch on ``threads`` threads; ``args``: `_scgpt_rows`'s after ``t, threads``.
-    Its ``prange`` body is a function of its own so that numba's parallel passes see a one-line
-    loop: half a minute less to compile."""
+    """The rows of a batch on ``threads`` threads (as `geneformer_kernel`); ``args``: `_scgpt_rows`'s
+    after ``t, threads``."""
     for t in nb.prange(threads):
-        _scgpt_rows(np.int64(t), threads, *args)  # np.int64: prange's index is unsigned in the
-        # parallel lowering, and one signature is one compilation
+        _scgpt_rows(np.int64(t), threads, *args)
 
 
 @nb.njit(nogil=True, cache=True)

@@ -279,8 +279,8 @@ class ChunkReader:
         for group, (raw, base, ends) in self._file_bytes(plan):
             # the kernels' arguments of one kind whatever the reader (`read_only`; contiguous)
             raw, base, ends = read_only(raw), np.ascontiguousarray(base), np.ascontiguousarray(ends)
-            begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
-            begins = np.ascontiguousarray(begins)
+            begins = np.ascontiguousarray(plan.ranges[group, 0])
+            expected, chunk = plan.expected[group], plan.chunk[group]
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
                 raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
