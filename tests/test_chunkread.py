@@ -15,7 +15,6 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 import omicsio_jax as oj
 from materialize import Layout, materialize
 from materialize._shardfiles import chunk_ranges
-from omicsio_jax.core.buffers import read_only
 from omicsio_jax.dataset.batched_reads import FetchReader
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
 from omicsio_jax.format.codec import join_records
@@ -306,9 +305,7 @@ def test_a_short_read_is_reported_as_truncated(dataset_dir):
         finally:
             os.close(fd)
         ends[1] = ranges[1, 0] + 30  # as if the file had ended inside chunk 1's header
-        _, _, problem, k = chunk_reader._headers(  # the argument kinds the reader passes (no new compile)
-            read_only(raw), base, np.ascontiguousarray(ranges[:, 0]), ends, np.full(3, 16)
-        )
+        _, _, problem, k = chunk_reader._headers(raw, base, ranges[:, 0], ends, np.full(3, 16))
         assert (chunk_reader._PROBLEMS[problem], k) == ("the file ends inside the chunk (truncated)", 1)
 
 

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 import numba as nb
 import numpy as np
 
-from omicsio_jax.core.buffers import RowBuffers, read_only
+from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.format.codec import EMPTY_RECORD
 from omicsio_jax.records.chunk_reader import copy_bytes
@@ -63,7 +63,7 @@ class Fetched:
     def take(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of the records of rows ``[lo, hi)`` of the list, in its order (padding
         rows get `EMPTY_RECORD`): what the decoders take."""
-        return _gather(read_only(self.buf), self.starts, self.positions[lo:hi], _EMPTY)
+        return _gather(self.buf, self.starts, self.positions[lo:hi], _EMPTY)
 
 
 class FetchReader:

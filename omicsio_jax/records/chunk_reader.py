@@ -37,7 +37,6 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from omicsio_jax.core.buffers import read_only
 from omicsio_jax.records import zstd
 from omicsio_jax.records.highwayhash import RIEGELI_KEY, highway64, load_u64
 from omicsio_jax.records.shard_files import ReadFailed
@@ -277,10 +276,7 @@ class ChunkReader:
         fn = np.uint64(zstd.decompress_address() if zstd.available() else 0)
         dctx = np.uint64(zstd.thread_context() if zstd.available() else 0)
         for group, (raw, base, ends) in self._file_bytes(plan):
-            # the kernels' arguments of one kind whatever the reader (`read_only`; contiguous)
-            raw, base, ends = read_only(raw), np.ascontiguousarray(base), np.ascontiguousarray(ends)
-            begins = np.ascontiguousarray(plan.ranges[group, 0])
-            expected, chunk = plan.expected[group], plan.chunk[group]
+            begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
                 raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
