@@ -1,12 +1,18 @@
 """What a GPU (or any accelerator) adds: host→device transfer, on-device densify, on-device panel draws.
 
-On the same dataset as bench_grain.py, with the default JAX device: make_loader's dense batches
-placed on the device; csr slabs placed and densified there (``loader.densify``, normalize_log1p);
-an in-memory 2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the raw
-host→device bandwidth of a pinned-size float32 array. Each figure is the median of ``--rounds``
-windows of at least ``--seconds`` after a warm-up.
+With the default JAX device, at batch 1,024 and `make_loader`'s defaults (sampling and read
+options), and again with ``--threads`` decode threads (``ReadOptions(num_threads=...)``):
+make_loader's dense batches placed on the device, and csr slabs placed and densified there
+(``loader.densify``, normalize_log1p); the densify alone on one placed batch; an in-memory
+2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the raw host→device
+bandwidth of a dense batch's bytes, the limit dense batches are held against. Each figure is the
+median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
+
+The dataset (``--dataset``) is materialized from the synthetic corpus of ``--cells`` cells (seed 0,
+``benchmarks/data/corpus_<N>k``) when missing, with materialize's defaults.
 
     .venv/bin/python benchmarks/bench_gpu.py --out benchmarks/results/gpu.json
+    python benchmarks/bench_gpu.py --cells 131072 --dataset benchmarks/data/ds_131k  # a fresh GPU host
 """
 
 from __future__ import annotations
@@ -56,7 +62,12 @@ def _rate(fn, *, warmup: int, cells: int, seconds: float, rounds: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default=str(HERE / "data" / "ds_200k"))
-    p.add_argument("--threads", type=int, default=4, help="make_loader's ReadOptions(num_threads=...)")
+    p.add_argument(
+        "--cells", type=int, default=200_000, help="the corpus --dataset is made from when missing"
+    )
+    p.add_argument(
+        "--threads", type=int, default=8, help="ReadOptions(num_threads=...) of the rows beside the defaults'"
+    )
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
     args = p.parse_args()
@@ -67,29 +78,35 @@ def main() -> None:
     import omicsio_jax as oj
 
     device = jax.devices()[0]
+    if not (Path(args.dataset) / "manifest.json").exists():
+        from bench_materialize import corpus_dir
+
+        from materialize import materialize
+
+        corpus = corpus_dir(args.cells, h5ad=False)
+        print(f"materializing {args.dataset} ...", flush=True)
+        materialize(corpus / "cells.parquet", args.dataset, progress=False)
     ds = oj.open_dataset(args.dataset)
-    kw = {
-        "batch_size": 1024,
-        "sampling": oj.Block(16, 64),
-        "seed": 0,
-        "num_epochs": None,
-        "read": oj.ReadOptions(num_threads=args.threads),
-    }
     rows = {}
-    dense = iter(oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p")))
-    rows["dense b1024 to device (host decode + normalize)"] = _rate(
-        lambda: next(dense).x, warmup=20, cells=1024, **timing
-    )
-    sparse_loader = oj.make_loader(ds, **kw, output=oj.CSR(normalize="normalize_log1p"))
-    sparse = iter(sparse_loader)
-    rows["csr b1024 to device"] = _rate(lambda: next(sparse).x.values, warmup=20, cells=1024, **timing)
-    rows["csr b1024 to device + densify there"] = _rate(
-        lambda: sparse_loader.densify(next(sparse).x), warmup=20, cells=1024, **timing
-    )
-    x = sparse_loader.densify(next(sparse).x)
-    slabs = next(sparse).x
-    rows["densify alone (same slabs)"] = _rate(
-        lambda: sparse_loader.densify(slabs), warmup=5, cells=1024, **timing
+    layouts = {
+        "defaults": oj.ReadOptions(),
+        f"num_threads={args.threads}": oj.ReadOptions(num_threads=args.threads),
+    }
+    for name, read in layouts.items():
+        kw = {"batch_size": 1024, "seed": 0, "num_epochs": None, "read": read}
+        dense = oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p"))
+        rows[f"dense b1024 to device, {name} (host decode + normalize)"] = _rate(
+            lambda dense=dense: next(dense).x, warmup=20, cells=1024, **timing
+        )
+        dense.close()  # its read-ahead threads stop before the next row is timed
+        sparse = oj.make_loader(ds, **kw, output=oj.CSR(normalize="normalize_log1p"))
+        rows[f"csr b1024 to device + densify there, {name}"] = _rate(
+            lambda sparse=sparse: sparse.densify(next(sparse).x), warmup=20, cells=1024, **timing
+        )
+        x, slabs = sparse.densify(next(sparse).x), next(sparse).x
+        sparse.close()
+    rows["densify alone (one placed batch, normalize_log1p)"] = _rate(
+        lambda: sparse.densify(slabs), warmup=5, cells=1024, **timing
     )
     panel = oj.load_panel(ds, list(range(2000)), progress=False)
     mem = oj.make_memory_loader(panel, batch_size=1024, seed=0, num_epochs=None, on_device=True)
@@ -99,6 +116,7 @@ def main() -> None:
     host = np.ones((1024, ds.num_genes), np.float32)
     transfer = _rate(lambda: jax.device_put(host, device), warmup=3, cells=1024, **timing)
     per_cell = host.nbytes / 1024 / 1e9
+    h2d = transfer["cells_per_s"] * per_cell
     result = {
         "benchmark": "bench_gpu",
         **provenance(),
@@ -107,15 +125,22 @@ def main() -> None:
         "quick": args.quick,
         "device": str(device),
         "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "dataset": {"path": str(args.dataset), "num_cells": ds.num_cells, "num_genes": ds.num_genes},
         "threads": args.threads,
         "rows": [{"label": k, **v} for k, v in rows.items()],
         "dense_batch_bytes": int(x.nbytes),
-        "host_to_device_GB_per_s": transfer["cells_per_s"] * per_cell,
+        "host_to_device_GB_per_s": h2d,
         "host_to_device_GB_per_s_runs": [v * per_cell for v in transfer["cells_per_s_runs"]],
+        "summary": {
+            f"{k.split(' (')[0]}: fraction of the host→device limit": v["cells_per_s"] * per_cell / h2d
+            for k, v in rows.items()
+            if k.startswith("dense")
+        },
     }
     write_result(args.out, result, quick=args.quick)
     for k, v in rows.items():
-        print(f"{k:<55} {v['cells_per_s']:>12,.0f} cells/s")
+        print(f"{k:<70} {v['cells_per_s']:>12,.0f} cells/s")
     print(f"host→device: {result['host_to_device_GB_per_s']:.1f} GB/s ({device.device_kind})")
 
 

@@ -16,14 +16,19 @@ reverse order), on the same corpus:
   that the fraction of the limit is reported with and without them, and what they cost on top.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
 
-A round times one whole decode or conversion; ``window_s`` records how long it took (the median,
-and every round's).
+A round times whole decodes or conversions, repeated until at least 10 s have passed (a conversion on
+16 cores takes a second or two); ``window_s`` records how long a round took (the median, and every
+round's), ``cpu_s_per_1e5_cells`` the CPU time of the conversions alone (the worker processes'
+included, the child's imports not).
 
     python benchmarks/bench_scale.py --cells 200000 --shard-cells 16384 --repeats 3
+    python benchmarks/bench_scale.py --cells 131072 --shard-cells 8192 --workers 1 2 4 8 16  # 16 cores
 
 Partitions are shards: with ``--shard-cells 16384`` a 200k-cell corpus has 13 of them, enough to
 keep two workers busy to the end (at the default 65,536 it would have 4, and the last holds
-3,392 cells).
+3,392 cells). On 16 cores, 131,072 cells in shards of 8,192 (the corpus's row group: a partition
+decodes no row group twice) give each of 1, 2, 4, 8 and 16 workers the same number of equal
+partitions.
 """
 
 from __future__ import annotations
@@ -73,21 +78,32 @@ print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.pr
 """
 
 _MATERIALIZE = """
-import json, os, resource, sys, time
+import json, os, resource, shutil, sys, time
 cores = json.loads(sys.argv[4])
 if cores:
     os.sched_setaffinity(0, cores)
 from materialize import Layout, materialize
 workers = None if sys.argv[3] == "default" else int(sys.argv[3])
-start = time.perf_counter()
-result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=Layout(shard_cells=int(sys.argv[5])),
-                     stats=sys.argv[6] == "stats", progress=False)
-seconds = time.perf_counter() - start
-self_cpu = resource.getrusage(resource.RUSAGE_SELF)
+window = float(sys.argv[7])
+
+def cpu():
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+seconds = cpu_seconds = 0.0
+cells = conversions = 0
+while conversions == 0 or seconds < window:  # whole conversions, at least the window
+    shutil.rmtree(sys.argv[2], ignore_errors=True)
+    start, cpu0 = time.perf_counter(), cpu()
+    result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=Layout(shard_cells=int(sys.argv[5])),
+                         stats=sys.argv[6] == "stats", progress=False)
+    seconds += time.perf_counter() - start
+    cpu_seconds += cpu() - cpu0
+    cells += result.manifest.num_cells
+    conversions += 1
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"seconds": seconds, "cells": result.manifest.num_cells, "workers": result.workers,
-                  "partitions": result.partitions,
-                  "cpu_seconds": self_cpu.ru_utime + self_cpu.ru_stime + children.ru_utime + children.ru_stime,
+print(json.dumps({"seconds": seconds, "cells": cells, "conversions": conversions, "workers": result.workers,
+                  "partitions": result.partitions, "cpu_seconds": cpu_seconds,
                   "peak_rss_mib": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024,
                   "largest_child_rss_mib": children.ru_maxrss / 1024}))
 """
@@ -120,6 +136,7 @@ def main() -> None:
         + [("no stats", 1), ("default", 0)]
     )
     runs: dict[str, list[dict]] = {}
+    window = 1.0 if args.quick else MIN_WINDOW_S  # --quick: a smoke run
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         out = Path(tmp) / "out"
         for round_ in range(args.repeats):
@@ -128,7 +145,7 @@ def main() -> None:
             for kind, value in configs if round_ % 2 == 0 else configs[::-1]:
                 if kind == "decode":
                     label = f"decode {value}"
-                    result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet, MIN_WINDOW_S)
+                    result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet, window)
                 else:
                     label = {
                         "default": "materialize default",
@@ -144,6 +161,7 @@ def main() -> None:
                         json.dumps(pinned),
                         args.shard_cells,
                         "no stats" if kind == "no stats" else "stats",
+                        window,
                     )
                 result["cells_per_s"] = result["cells"] / result["seconds"]
                 runs.setdefault(label, []).append(result)
@@ -188,7 +206,7 @@ def main() -> None:
         "benchmark": "bench_scale",
         **provenance(),
         "rounds": args.repeats,
-        "window": "one whole decode or conversion per round (window_s: its seconds)",
+        "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
         "quick": args.quick,
         "input": str(parquet.relative_to(HERE)),
         "rows": rows,
