@@ -43,12 +43,13 @@ def _git(*args: str) -> str:
 
 def commit() -> str:
     """The checked-out commit, with ``+dirty`` when tracked files differ from it. A copy of the
-    working tree without its git metadata (sent to another machine to run there) names the commit
-    it was copied from in ``OMICSIO_BENCH_COMMIT``; it is recorded with ``+copy``."""
-    sha = _git("rev-parse", "HEAD")
-    if not sha:
-        copied = os.environ.get("OMICSIO_BENCH_COMMIT")
-        return f"{copied}+copy" if copied else "unknown"
+    working tree sent to another machine to run there names the commit it was copied from in
+    ``OMICSIO_BENCH_COMMIT`` (recorded with ``+copy``): the copy's own git metadata, if it has
+    any, may be an older one's."""
+    copied = os.environ.get("OMICSIO_BENCH_COMMIT")
+    if copied:
+        return f"{copied}+copy"
+    sha = _git("rev-parse", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return sha + ("+dirty" if dirty else "")
 

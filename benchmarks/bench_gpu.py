@@ -4,8 +4,10 @@ With the default JAX device, at batch 1,024 and `make_loader`'s defaults (sampli
 options), and again with ``--threads`` decode threads (``ReadOptions(num_threads=...)``):
 make_loader's dense batches placed on the device, and csr slabs placed and densified there
 (``loader.densify``, normalize_log1p); the densify alone on one placed batch; an in-memory
-2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the raw host→device
-bandwidth of a dense batch's bytes, the limit dense batches are held against. Each figure is the
+2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the host→device bandwidth of
+one stream of ``jax.device_put`` of a dense batch's bytes (pageable memory, one transfer in flight),
+which the dense rows are set against: a loader with several threads overlaps its transfers and can
+pass it. Each figure is the
 median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
 
 The dataset (``--dataset``) is materialized from the synthetic corpus of ``--cells`` cells (seed 0,
@@ -133,7 +135,7 @@ def main() -> None:
         "host_to_device_GB_per_s": h2d,
         "host_to_device_GB_per_s_runs": [v * per_cell for v in transfer["cells_per_s_runs"]],
         "summary": {
-            f"{k.split(' (')[0]}: fraction of the host→device limit": v["cells_per_s"] * per_cell / h2d
+            f"{k.split(' (')[0]}: bytes/s ÷ one device_put stream's": v["cells_per_s"] * per_cell / h2d
             for k, v in rows.items()
             if k.startswith("dense")
         },

@@ -116,6 +116,55 @@ def _run(code: str, *args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, parquet: Path) -> dict:
+    """The results file's contents from the runs of the first ``rounds`` rounds."""
+    runs = {label: rs[:rounds] for label, rs in runs.items()}
+    rows = {}
+    for label, rs in runs.items():
+        rows[label] = {
+            "label": label,
+            "cells_per_s": statistics.median(r["cells_per_s"] for r in rs),
+            "cells_per_s_runs": [r["cells_per_s"] for r in rs],
+            "window_s": statistics.median(r["seconds"] for r in rs),
+            "window_s_runs": [r["seconds"] for r in rs],
+            "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
+            **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
+            **(
+                {
+                    "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+                    "largest_child_rss_mib": max(r["largest_child_rss_mib"] for r in rs),
+                }
+                if "peak_rss_mib" in rs[0]
+                else {}
+            ),
+        }
+    one = rows["materialize 1 worker(s)"]["cells_per_s"]
+    lean = rows["materialize 1 worker(s), no stats"]["cells_per_s"]
+    summary = {
+        f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
+        for n in counts
+        if n > 1
+    }
+    for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
+        decode = rows[f"decode {reader}"]["cells_per_s"]
+        summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
+        summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
+        summary[f"decode limit cells/s per core ({reader})"] = decode
+    summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
+    result = {
+        "benchmark": "bench_scale",
+        **provenance(),
+        "rounds": rounds,
+        **({} if rounds == args.repeats else {"rounds_asked": args.repeats}),
+        "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
+        "quick": args.quick,
+        "input": str(parquet.relative_to(HERE)),
+        "rows": rows,
+        "summary": summary,
+    }
+    return result
+
+
 def main() -> None:
     from bench_materialize import corpus_dir
 
@@ -170,49 +219,10 @@ def main() -> None:
                     f"({result['cpu_seconds']:.1f} CPU-s in {result['seconds']:.1f} s)",
                     flush=True,
                 )
-    rows = {}
-    for label, rs in runs.items():
-        rows[label] = {
-            "label": label,
-            "cells_per_s": statistics.median(r["cells_per_s"] for r in rs),
-            "cells_per_s_runs": [r["cells_per_s"] for r in rs],
-            "window_s": statistics.median(r["seconds"] for r in rs),
-            "window_s_runs": [r["seconds"] for r in rs],
-            "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
-            **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
-            **(
-                {
-                    "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
-                    "largest_child_rss_mib": max(r["largest_child_rss_mib"] for r in rs),
-                }
-                if "peak_rss_mib" in rs[0]
-                else {}
-            ),
-        }
-    one = rows["materialize 1 worker(s)"]["cells_per_s"]
-    lean = rows["materialize 1 worker(s), no stats"]["cells_per_s"]
-    summary = {
-        f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
-        for n in counts
-        if n > 1
-    }
-    for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
-        decode = rows[f"decode {reader}"]["cells_per_s"]
-        summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
-        summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
-        summary[f"decode limit cells/s per core ({reader})"] = decode
-    summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
-    result = {
-        "benchmark": "bench_scale",
-        **provenance(),
-        "rounds": args.repeats,
-        "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
-        "quick": args.quick,
-        "input": str(parquet.relative_to(HERE)),
-        "rows": rows,
-        "summary": summary,
-    }
-    print(json.dumps(summary, indent=1))
+            if round_ + 1 < args.repeats:  # a run cut short keeps the rounds it finished
+                write_result(args.out, _result(runs, round_ + 1, counts, args, parquet), quick=args.quick)
+    result = _result(runs, args.repeats, counts, args, parquet)
+    print(json.dumps(result["summary"], indent=1))
     write_result(args.out, result, quick=args.quick)
 
 

@@ -537,6 +537,11 @@ def render_scale(d: dict) -> list[str]:
             ),
         ),
         *sub("Summary", pairs((k, v, ".3g") for k, v in (d.get("summary") or {}).items())),
+        *(
+            [f"Rounds: {d['rounds']} of {d['rounds_asked']} asked. {d.get('derived_from', '')}".strip(), ""]
+            if "rounds_asked" in d
+            else []
+        ),
     ]
 
 
@@ -723,7 +728,9 @@ def render_gpu(d: dict) -> list[str]:
         *pairs(
             [
                 ("device", d.get("device_kind"), ""),
-                ("host→device (GB/s)", d.get("host_to_device_GB_per_s"), ".1f"),
+                ("host→device, one device_put stream (GB/s)", d.get("host_to_device_GB_per_s"), ".1f"),
+                *((k, v, ".2f") for k, v in (d.get("summary") or {}).items()),
+                ("note", d.get("commit_note"), ""),
             ]
         ),
         *sub(
