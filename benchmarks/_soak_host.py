@@ -13,12 +13,14 @@ does, this does:
   restores the latest checkpoint and goes on.
 - An error from the loader (a killed worker process, an object changed while in use): log it (its
   type, message and whether it is one line), restore the latest checkpoint into a new loader, go on.
+- SIGUSR1: every thread's stack to stderr (``faulthandler``), the soak's view into a host that stalls.
 
 It stops when ``WORK/stop`` exists.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -85,6 +87,9 @@ def main() -> None:
     url, work, host, hosts, seed = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:6])
     terminated = []
     signal.signal(signal.SIGTERM, lambda *_: terminated.append(time.time()))
+    # SIGUSR1 (the soak, when this host has not served a batch for long after a kill): every
+    # thread's stack to stderr (the host's .err file), for the soak to report where it stands
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     import grain
     import orbax.checkpoint as ocp

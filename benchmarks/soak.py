@@ -24,7 +24,8 @@ called corrupted, a traceback) counts as a crash. Host 1's RSS, sampled every 10
 more than 5% once warm: the median of the last fifth of the run against the median of the second
 fifth (the first fifth warms JAX, numba and the caches up; medians, as batch buffers come and go
 between samples; the peak over the warm median is reported beside). A small cache keeps the reads
-going to S3 throughout.
+going to S3 throughout. A host that has served nothing for a minute after a kill is asked
+(SIGUSR1) for every thread's stack, which the results file keeps under ``stalls``.
 
     .venv/bin/python benchmarks/soak.py                      # 30 minutes: results/soak.json
     .venv/bin/python benchmarks/soak.py --minutes 0.5 --quick  # a smoke run (tests/test_soak.py)
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).parent
+STALL_S = 60.0  # a kill not recovered from in this long: the host's stacks are taken (`Host.check_stall`)
 sys.path.insert(0, str(HERE))
 from _fault_proxy import FaultProxy  # noqa: E402
 from _local_s3 import start_moto  # noqa: E402
@@ -110,6 +112,8 @@ class Host:
         self.up = False  # has served a batch since it last started or restored
         self.killed_workers = self.worker_deaths = self.recovered = self.sigterms = self.resumes = 0
         self.awaiting = self.restarted = False  # a worker killed, not yet recovered from; a restore since
+        self.killed_at = 0.0  # when the last worker was killed
+        self.stalls: list[dict] = []  # kills not recovered from within STALL_S: the host's stacks then
         self.preempted = False  # SIGTERM sent, the resume from its checkpoint not yet seen
         self.batches = self.replayed = self.mismatches = 0
         self.errors: list[dict] = []
@@ -123,6 +127,7 @@ class Host:
         args = [str(HERE / "_soak_host.py"), self.url, str(self.work), str(self.index), "2", str(self.seed)]
         self.proc = subprocess.Popen([sys.executable, *args], env=self.env, stdout=err, stderr=err)
         self.up = False
+        self.pid = None  # until it logs its start (by then SIGUSR1 dumps stacks, not ends it)
 
     def expected_digest(self, step: int) -> str:
         while len(self.digests) <= step:
@@ -193,7 +198,33 @@ class Host:
         os.kill(workers[0], signal.SIGKILL)
         self.killed_workers += 1
         self.up, self.awaiting, self.restarted = False, True, False
+        self.killed_at = time.perf_counter()
         return True
+
+    def check_stall(self, now: float) -> None:
+        """A kill not recovered from within `STALL_S`: the host's threads' stacks (SIGUSR1 makes it
+        write them to its .err file) and its Grain workers, recorded once per kill."""
+        if not self.awaiting or now - self.killed_at < STALL_S or len(self.stalls) >= self.killed_workers:
+            return
+        if self.pid != self.proc.pid:  # (re)started, its handler not yet installed
+            return
+        err = self.work / f"host-{self.index}.err"
+        before = err.stat().st_size
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        time.sleep(1)
+        with err.open("rb") as f:
+            f.seek(before)
+            stacks = f.read().decode(errors="replace")
+        self.stalls.append(
+            {
+                "kill": self.killed_workers,
+                "seconds_since_kill": round(now - self.killed_at, 1),
+                "restarted": self.restarted,
+                "workers": [_process(w) is not None for w in self.workers()],
+                "stacks": stacks[-6000:],
+            }
+        )
 
     def terminate(self) -> bool:
         if not self.up:
@@ -299,6 +330,8 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
             if now >= next_rss and (r := hosts[1].rss()) is not None:
                 rss.append((round(now - start, 1), r))
                 next_rss = now + 10
+            for h in hosts:
+                h.check_stall(now)
             for i, h in enumerate(hosts):
                 if now >= next_kill[i] and h.kill_a_worker():
                     next_kill[i] = now + kill_every * rng.uniform(0.5, 1.5)
@@ -344,6 +377,7 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
         "workers_killed": [h.killed_workers for h in hosts],
         "worker_deaths_seen": [h.worker_deaths for h in hosts],
         "worker_kills_recovered": [h.recovered for h in hosts],
+        "stalls": [{"host": h.index, **stall} for h in hosts for stall in h.stalls],
         "sigterms": hosts[0].sigterms,
         "orbax_resumes": [h.resumes for h in hosts],
         "sigterm_to_exit_seconds_max": max(hosts[0].exit_seconds, default=None),

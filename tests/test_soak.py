@@ -34,7 +34,7 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     assert result["epochs_audited"] >= 2  # each audited: every cell exactly once over both hosts
     assert set(result["faults_injected"]) == {"500", "503", "reset", "slow", "truncated", "412"}
     assert all(k > 0 for k in result["workers_killed"])
-    assert result["worker_kills_recovered"] == result["workers_killed"]
+    assert result["worker_kills_recovered"] == result["workers_killed"], result["stalls"]
     assert result["orbax_resumes"][0] == result["sigterms"] > 0  # preempted, resumed from its checkpoint
     assert result["replayed_after_restores"] > 0
     assert result["grain_workers_left_running"] == 0  # no worker outlives its host
