@@ -7,8 +7,7 @@ make_loader's dense batches placed on the device, and csr slabs placed and densi
 2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the host→device bandwidth of
 one stream of ``jax.device_put`` of a dense batch's bytes (pageable memory, one transfer in flight),
 which the dense rows are set against: a loader with several threads overlaps its transfers and can
-pass it. Each figure is the
-median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
+pass it. Each figure is the median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
 
 The dataset (``--dataset``) is materialized from the synthetic corpus of ``--cells`` cells (seed 0,
 ``benchmarks/data/corpus_<N>k``) when missing, with materialize's defaults.
