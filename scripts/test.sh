@@ -24,7 +24,5 @@ scripts/setup-ducklake.sh  # the DuckDB + ducklake extension tests/test_ducklake
 .venv/bin/python -m compileall -q omicsio_jax materialize train benchmarks >/dev/null
 wait "$warm"
 # two pytest workers (pytest-xdist), each test module on one of them (its module fixtures made once):
-# many tests wait on processes they start, so two keep both cores busy (pass -n 0 for one process);
-# modules in collection order, the longest first (tests/conftest.py), not reordered by their number of
-# tests, which sent the two one-test learning modules, the longest of all, to the end
-exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 "$@"
+# many tests wait on processes they start, so two keep both cores busy (pass -n 0 for one process)
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=15 "$@"

@@ -77,25 +77,6 @@ def pytest_make_collect_report(collector):
         _fail_in_ci(report)
 
 
-# The longest modules first (~80-110 s each on 2 cores): with --dist loadfile --no-loadscope-reorder
-# (scripts/test.sh), xdist hands modules to its workers in collection order, alternately at the start,
-# so these start at once, the two learning modules on different workers, instead of ending the run on
-# one worker while the other idles.
-LONGEST_FIRST = (
-    "test_pretrain_learning_scgpt.py",
-    "test_pretrain_learning.py",
-    "test_soak.py",
-    "test_pretrain.py",
-    "test_s3_materialize.py",
-    "test_partitions.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference CSR straight from a list-column table (pyarrow + numpy, no omicsio code)."""
     genes = table.column("gene_token_id").combine_chunks()
