@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,16 @@ def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if _fails_in_ci(report):  # a module-level skip (importorskip) takes every test of the module
         _fail_in_ci(report)
+
+
+def open_descriptors(match: Callable[[str], bool]) -> int:
+    """This process's open descriptors whose target path ``match`` accepts (not every descriptor:
+    another test's threads in the same worker process may open and close their own files meanwhile)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            count += match(os.readlink(f"/proc/self/fd/{fd}"))
+    return count
 
 
 def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 import pytest
+from conftest import open_descriptors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,19 +199,6 @@ def test_a_short_read_inside_the_file_is_completed(tmp_path):
         np.testing.assert_array_equal(buf[at : at + hi - lo], data[lo:hi])
 
 
-def _descriptors_on(paths) -> int:
-    """This process's open descriptors of ``paths`` (not every descriptor: another test's threads
-    in this worker process may open and close their own files meanwhile)."""
-    wanted = {str(Path(p).resolve()) for p in paths}
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}") in wanted
-        except OSError:  # closed since it was listed
-            continue
-    return count
-
-
 def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_buffers(pair):
     _, direct = pair
     paths = [direct.local_path(s.path) for s in direct.manifest.shards[:2]]
@@ -221,14 +209,15 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
     both = np.concatenate(ranges)
     groups = [(files[i : i + 4], both[i : i + 4]) for i in range(0, 64, 4)]
     reads = direct_io.DirectReads()
-    assert _descriptors_on(paths) == 0
+    wanted = {str(Path(p).resolve()) for p in paths}
+    assert open_descriptors(wanted.__contains__) == 0
     out = reads.read_groups(paths, groups)
     buf, base, ends = next(
         out
     )  # stop early: the reads in flight are waited for, their buffers kept for reuse
     assert bytes(buf[base[0] : base[0] + ends[0] - both[0, 0]]) == raws[0][both[0, 0] : both[0, 1]]
     out.close()
-    assert _descriptors_on(paths) == 0
+    assert open_descriptors(wanted.__contains__) == 0
     seen = set()
     for (f, want), (buf, base, ends) in zip(groups, reads.read_groups(paths, groups), strict=True):
         np.testing.assert_array_equal(ends, want[:, 1])
@@ -237,7 +226,7 @@ def test_read_groups_reads_every_group_leaves_no_descriptor_open_and_recycles_bu
         seen.add(buf.ctypes.data)
         reads.release(buf)
     assert len(seen) <= direct_io.AHEAD + 2  # 16 groups through the buffers of those in flight
-    assert _descriptors_on(paths) == 0
+    assert open_descriptors(wanted.__contains__) == 0
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import open_descriptors
 
 import omicsio_jax as oj
 from omicsio_jax.dataset.batched_reads import SegmentCache
@@ -60,11 +60,7 @@ def test_a_read_announces_exactly_the_chunks_of_its_records(dataset_dir, monkeyp
     calls = _fadvise_calls(monkeypatch)
 
     def open_on_shards() -> int:
-        count = 0
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                count += os.readlink(f"/proc/self/fd/{fd}").endswith(".arrayrecord")
-        return count
+        return open_descriptors(lambda target: target.endswith(".arrayrecord"))
 
     before = open_on_shards()
     with oj.open_dataset(dataset_dir) as ds:
