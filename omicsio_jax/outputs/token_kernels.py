@@ -171,24 +171,20 @@ def finish_by_insertion(keys, vals, n, budget):
 
 
 @nb.njit(inline="always")
-def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
-    """Stable sort of ``keys[:n]`` (uint32, ascending) carrying ``vals`` (``hist``: at least
-    ``(3, 2048)`` int32 of scratch). One stable scatter into buckets of the top `BUCKET_BITS` of
-    the keys' span (``key - min``) leaves out of order only keys of one bucket (rare unless equal,
-    and equal keys need no move); a stable insertion pass finishes. Keys that crowd one bucket
-    (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Copies go
-    element by element (`_copy`): numba's slice copies check for overlap and may allocate."""
-    if n < 2:
-        return
-    kmin, kmax = keys[0], keys[0]
-    for i in range(1, n):
-        kmin, kmax = min(kmin, keys[i]), max(kmax, keys[i])
+def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist):
+    """Stable sort of ``keys[:n]`` (uint32 between ``kmin`` and ``kmax``, ascending) carrying
+    ``vals``, into ``out_*`` where it says True, else in place (``keys`` and ``vals``; ``hist``: at
+    least ``(3, 2048)`` int32 of scratch). One stable scatter into buckets of the top `BUCKET_BITS`
+    of the keys' span (``key - kmin``) leaves out of order only keys of one bucket (rare unless
+    equal, and equal keys need no move); a stable insertion pass finishes. Keys that crowd one
+    bucket (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Copies
+    go element by element (`_copy`): numba's slice copies check for overlap and may allocate."""
     span = np.int64(kmax) - np.int64(kmin)
     bits = 0
     while bits < 32 and (span >> bits) != 0:
         bits += 1
-    if bits == 0:
-        return  # all keys equal: already in order
+    if n < 2 or bits == 0:
+        return False  # all keys equal: already in order
     width = min(bits, BUCKET_BITS)
     shift = bits - width
     base = np.int64(kmin)
@@ -197,11 +193,26 @@ def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
         counts[d] = 0
     for i in range(n):
         counts[(np.int64(keys[i]) - base) >> shift] += 1
-    _scatter(keys, vals, tmp_keys, tmp_vals, n, counts, base, shift, (1 << width) - 1)
-    _copy(tmp_keys, tmp_vals, keys, vals, n)
-    if shift and not finish_by_insertion(keys, vals, n, INSERTION_BUDGET * n):
+    _scatter(keys, vals, out_keys, out_vals, n, counts, base, shift, (1 << width) - 1)
+    if shift and not finish_by_insertion(out_keys, out_vals, n, INSERTION_BUDGET * n):
         # stable: equal keys keep the order they are in
-        _lsd_passes(keys, vals, n, tmp_keys, tmp_vals, hist, kmin, bits)
+        _copy(out_keys, out_vals, keys, vals, n)
+        _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)
+        return False
+    return True
+
+
+@nb.njit(inline="always")
+def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
+    """Stable sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``, in place (`sort_into`,
+    with ``tmp_*`` as its scratch)."""
+    if n < 2:
+        return
+    kmin, kmax = keys[0], keys[0]
+    for i in range(1, n):
+        kmin, kmax = min(kmin, keys[i]), max(kmax, keys[i])
+    if sort_into(keys, vals, n, kmin, kmax, tmp_keys, tmp_vals, hist):
+        _copy(tmp_keys, tmp_vals, keys, vals, n)
 
 
 @nb.njit(inline="always")
@@ -288,61 +299,80 @@ def _geneformer_rows(
     n_rows, L = input_ids.shape
     log_keep = np.log1p(-mask_prob)
     n_genes = gene_tokens.shape[0]
+    first = 1 if special else 0
     cols = np.empty(width, np.int32)
     vals = np.empty(width, np.float32)
     keys = np.empty(width, np.uint32)
-    kept_cols = np.empty(width, np.int32)
-    tmp_keys = np.empty(width, np.uint32)
-    tmp_cols = np.empty(width, np.int32)
+    kept_tok = np.empty(width, np.int32)
+    sorted_keys = np.empty(width, np.uint32)
+    sorted_tok = np.empty(width, np.int32)
     hist = np.empty((3, 2048), np.int32)
+    masked = np.empty(L, np.int64)
     slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
     for i in range(t, n_rows, threads):
-        labels[i, :] = IGNORE_INDEX
+        ids, att, lab = input_ids[i], attention_mask[i], labels[i]
+        lab[:] = IGNORE_INDEX
         if rows[i] < 0:  # a padding row of the batch: all PAD, nothing attended
-            input_ids[i, :] = pad_id
-            attention_mask[i, :] = False
+            ids[:] = pad_id
+            att[:] = False
             length[i] = 0
             continue
         count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         if has_dups:
             count = _sum_duplicates(cols, vals, count, canon, slot)
+        # every entry written, the kept ones advanced over (no branch on the keep test): their
+        # descending keys, their tokens (the sort carries tokens, so no gather after it) and the
+        # keys' range for the sort
         kept = 0
+        kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
         for j in range(count):
             g = cols[j]
             im, v = scale[g], vals[j]
-            if im > 0 and v > 0:
-                keys[kept] = ~np.uint32(np.float32(v * im).view(np.uint32))  # descending key
-                kept_cols[kept] = g
-                kept += 1
-        radix_sort(keys, kept_cols, kept, tmp_keys, tmp_cols, hist)
-        first = 1 if special else 0
+            key = ~np.uint32(np.float32(v * im).view(np.uint32))
+            keys[kept] = key
+            kept_tok[kept] = tok[g]
+            keep = (im > 0) & (v > 0)
+            kmin = min(kmin, key) if keep else kmin
+            kmax = max(kmax, key) if keep else kmax
+            kept += keep
+        ranked = kept_tok
+        if sort_into(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist):
+            ranked = sorted_tok
         k = min(kept, L - 2 * first)
+        end = k + 2 * first
         if special:
-            input_ids[i, 0] = cls_id
+            ids[0] = cls_id
         for r in range(k):
-            input_ids[i, first + r] = tok[kept_cols[r]]
+            ids[first + r] = ranked[r]
         if special:
-            input_ids[i, first + k] = eos_id
-        input_ids[i, k + 2 * first :] = pad_id
-        attention_mask[i, : k + 2 * first] = True
-        attention_mask[i, k + 2 * first :] = False
+            ids[first + k] = eos_id
+        ids[end:] = pad_id
+        att[:end] = True
+        att[end:] = False
         length[i] = k
         if mask_prob <= 0:
             continue
+        # the masked positions first (a Geometric gap per draw: they depend on no token), then their
+        # replacements in a loop of independent iterations, not behind the serial chain of the gaps
         key = cell_key(seed, epoch, rows[i])
+        m = 0
         p, draw = next_selected(key, 0, first - 1, log_keep), 1
         while p < first + k:
+            masked[m] = p
+            m += 1
+            p, draw = next_selected(key, draw, p, log_keep), draw + 1
+        for q in range(m):
             # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
             # the random gene's draw is made either way, and a draw is a pure function of its
             # counter, so the tokens are those of drawing it only when used
-            token = input_ids[i, p]
-            labels[i, p] = token
+            p = masked[q]
+            token = ids[p]
+            lab[p] = token
             u = uniform(key, STREAM_MASK_KIND, p)
             random_token = gene_tokens[
                 min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * n_genes), n_genes - 1)
             ]
-            input_ids[i, p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
-            p, draw = next_selected(key, draw, p, log_keep), draw + 1
+            ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
 
 
 @nb.njit(inline="always")
@@ -417,7 +447,7 @@ def _scgpt_rows(
     log_keep = np.log1p(-mask_prob) if mask_prob < 1 else -np.inf
     cols = np.empty(width, np.int32)
     vals = np.empty(width, np.float32)
-    kept_cols = np.empty(width, np.int32)
+    kept_tok = np.empty(width, np.int32)
     kept_vals = np.empty(width, np.float32)
     keys = np.empty(width, np.uint32)
     order = np.empty(width, np.int32)
@@ -446,10 +476,10 @@ def _scgpt_rows(
         n = 0
         small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
         for j in range(count):
-            g = cols[j]
             v = vals[j]
-            if tok[g] >= 0 and v != 0:
-                kept_cols[n] = g
+            token = tok[cols[j]]
+            if token >= 0 and v != 0:
+                kept_tok[n] = token  # the sort and the sample carry tokens: no gather after them
                 kept_vals[n] = v
                 c = np.int64(v)
                 small = small and c == v and 1 <= c <= SMALL_COUNT
@@ -529,7 +559,7 @@ def _scgpt_rows(
                 b = np.float32(below + 1)
             else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
                 b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
-            gene_ids[i, 1 + p] = tok[kept_cols[j]]
+            gene_ids[i, 1 + p] = kept_tok[j]
             values[i, 1 + p] = b
             masked_values[i, 1 + p] = b
             pad_mask[i, 1 + p] = False
