@@ -9,6 +9,7 @@ import pytest
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
+from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, default_num_threads, usable_cores
 from omicsio_jax.outputs import scatter
 from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 
@@ -75,6 +76,36 @@ def test_read_options_fill_only_what_is_left_to_the_loader():
 
 
 @pytest.mark.parametrize(
+    ("kind", "cores", "threads"),
+    [
+        ("dense", 1, 1),
+        ("dense", 2, 2),
+        ("geneformer", 2, 2),
+        ("dense", 16, MAX_DEFAULT_THREADS),
+        ("csr", 1, 1),
+        ("csr", 2, 1),
+        ("csr", 6, 3),
+        ("csr", 64, MAX_DEFAULT_THREADS),
+    ],
+)
+def test_default_threads_use_every_core_for_rows_built_on_the_host_and_half_for_sparse_slabs(
+    kind, cores, threads
+):
+    assert default_num_threads(kind, cores) == threads
+
+
+def test_the_loader_takes_its_default_threads_from_the_output_and_keeps_an_explicit_setting(dataset_dir):
+    with oj.open_dataset(dataset_dir) as ds:
+        for output, kind in ((oj.Dense(), "dense"), (oj.CSR(), "csr")):
+            loader = oj.make_loader(ds, batch_size=64, output=output)
+            assert loader.num_threads == default_num_threads(kind, usable_cores())
+            loader.close()
+        loader = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0))
+        assert loader.num_threads == 0
+        loader.close()
+
+
+@pytest.mark.parametrize(
     ("option", "kind", "block_size"),
     [
         (oj.Block(8, 4), "block", 8),
@@ -125,7 +156,8 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
         loader.close()
     assert "sampling=Block(block_size=8, fetch_factor=2, drop_remainder=True)" in shown
     assert "output='csr'" in shown and "obs=['drug']" in shown
-    assert "read=ReadOptions(num_threads=1, prefetch=2, decode_threads=1)" in shown
+    threads = default_num_threads("csr", usable_cores())
+    assert f"read=ReadOptions(num_threads={threads}, prefetch=2, decode_threads=1)" in shown
 
 
 def test_materialize_options_reach_the_dataset(corpus, tmp_path):

@@ -26,7 +26,7 @@ from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
-from omicsio_jax.loaders.options import Placement, ReadOptions
+from omicsio_jax.loaders.options import Placement, ReadOptions, default_num_threads
 from omicsio_jax.loaders.state import check_positions, check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
@@ -55,9 +55,11 @@ class Loader(grain.DatasetIterator):
         self._before: Loader | None = None  # a new mixture at resume: the epoch it finishes first
         self.dataset, self.spec, self.num_epochs = ds, spec, spec.num_epochs
         self.placement, self.host = placement, placement.host
-        self.read = read.with_defaults(num_threads=1, prefetch=2, decode_threads=1)
-        self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self.plan, self.output = spec.resolve(ds)
+        self.read = read.with_defaults(
+            num_threads=default_num_threads(self.output.kind), prefetch=2, decode_threads=1
+        )
+        self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._mixtures: list[dict] | None = None  # every mixture and the epoch it took effect at
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
@@ -351,9 +353,10 @@ def make_loader(
     of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
     each batch carries; ``rows`` restricts sampling to a subset (e.g. ``ds.rows_where("batch",
     ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
-    sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default one
-    thread decodes and places batches ahead of the consumer, two fetches are read ahead, each of
-    ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
+    sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
+    threads chosen for the output kind and the machine's cores decode and place batches ahead of
+    the consumer, `default_num_threads`, shown by ``repr(loader)``; two fetches are read ahead, each
+    of ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
     placement = Placement.of(placement)
     spec = DiskSpec.of(

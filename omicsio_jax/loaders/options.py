@@ -10,6 +10,7 @@ same two objects, next to a `Sampling` option and an `Output` kind::
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -34,8 +35,9 @@ def _check_count(option: object, name: str, *, minimum: int) -> None:
 class ReadOptions:
     """How a loader reads and decodes: None leaves a knob at the loader's default.
 
-    ``num_threads`` threads decode and place batches ahead of the consumer (`make_loader`: 1; 0
-    decodes each batch on the consumer's thread when asked for; Grain's DataLoader: 2);
+    ``num_threads`` threads decode and place batches ahead of the consumer (`make_loader`: chosen
+    per output kind and machine, `default_num_threads`; 0 decodes each batch on the consumer's
+    thread when asked for; Grain's DataLoader: 2);
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`, `GrainSource`, `make_stream_loader`: 2; `make_memory_loader`: 0,
     batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
@@ -53,6 +55,32 @@ class ReadOptions:
     def with_defaults(self, **defaults: int | None) -> ReadOptions:
         """These options with each knob left at None set to ``defaults[knob]``."""
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+
+MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_num_threads(kind: str, cores: int | None = None) -> int:
+    """`make_loader`'s decoding threads where ``ReadOptions(num_threads=None)``, for an output of
+    ``kind`` on ``cores`` usable cores (default: this process's).
+
+    Outputs that build their rows on the host (dense rows, panels, tokens: writing the batch is the
+    work) decode on every core, up to `MAX_DEFAULT_THREADS`; padded sparse slabs (``"csr"``: a
+    copy of the records per batch, densified on the devices) on half of them, at least one. One
+    thread (the loader's default before) measured slower than these on 2 and on 16 cores for dense
+    rows and tokens (benchmarks/README.md); `oj.tune` measures the choice on a machine.
+
+    >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
+    (8, 1)
+    """
+    cores = usable_cores() if cores is None else cores
+    share = cores // 2 if kind == "csr" else cores
+    return max(1, min(share, MAX_DEFAULT_THREADS))
 
 
 @dataclasses.dataclass(frozen=True)
