@@ -8,7 +8,8 @@ conversion holds the whole corpus in RAM, ~10 GB at 200k cells), run in ``.venv-
 times round-robin (a slow spell of the shared machine hits all of them), medians reported:
 
 - omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, ``sampling=oj.Block(16, 64)``,
-  its defaults otherwise (``read=oj.ReadOptions()``: one thread decodes and places batches), and the
+  its defaults otherwise (``read=oj.ReadOptions()``: the decoding threads of `default_num_threads`
+  for the output kind and the machine's cores), and the
   same two with ``oj.ReadOptions(num_threads=0)`` (on the consumer's thread, when asked for) and
   ``oj.ReadOptions(num_threads=2)``; ``prefetch`` reads stay on their own threads in every case;
   ``obs=("batch",)``, ``num_epochs=None``, seed 0.
@@ -78,9 +79,9 @@ ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
 PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
 CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
-THREADS = (1, 0, 2)  # ReadOptions(num_threads=...) of make_loader: its default first
+THREADS = (None, 0, 2)  # ReadOptions(num_threads=...) of make_loader: its default (None) first
 # also run at annbatch's own in-memory buffer (preload_nchunks 32 × chunk_size 512 = 16,384 cells): (threads, fetch_factor)
-EXTRA = {("csr", 1024): ((1, 16), (0, 16))}
+EXTRA = {("csr", 1024): ((None, 16), (0, 16))}
 BLOCK_SIZE, FETCH_FACTOR = 16, 64
 # batches before the timed window, both loaders: our first three fetches are read while the first batches are
 # decoded (a pipeline fill at csr b1024), annbatch's first loads
@@ -94,7 +95,7 @@ def _our_loader(
     *,
     batch_size: int,
     output: str,
-    num_threads: int,
+    num_threads: int | None,
     seconds: float,
     warmup: int,
     block_size: int = BLOCK_SIZE,
@@ -137,11 +138,13 @@ def _our_loader(
         return batch_size
 
     timed = window(step, seconds=seconds)
+    threads_used = getattr(loader, "num_threads", num_threads)  # what the default resolved to
     loader.close()
     entropy = oj.minibatch_entropy([np.asarray(x) for x in labels])  # codes; -1 (missing) ignored
     return {
         **timed.as_dict(),
         "first_batch_s": first_batch_s,
+        "threads_used": threads_used,
         "open_s": opened - start,
         "first_batch_from_spawn_s": from_spawn_s,
         "label_entropy_bits": float(entropy.mean()),
@@ -374,12 +377,12 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def _variants(output: str, bs: int) -> list[tuple[int, int]]:
+def _variants(output: str, bs: int) -> list[tuple[int | None, int]]:
     """(num_threads, fetch_factor) of our runs of a configuration: the default first."""
     return [(t, FETCH_FACTOR) for t in THREADS] + list(EXTRA.get((output, bs), ()))
 
 
-def _our_label(output: str, bs: int, threads: int, fetch: int = FETCH_FACTOR) -> str:
+def _our_label(output: str, bs: int, threads: int | None, fetch: int = FETCH_FACTOR) -> str:
     return (
         f"omicsio {output} b{bs}"
         + ("" if threads == THREADS[0] else f" read=ReadOptions(num_threads={threads})")
