@@ -72,8 +72,8 @@ def default_num_threads(kind: str, cores: int | None = None) -> int:
     Outputs that build their rows on the host (dense rows, panels, tokens: writing the batch is the
     work) decode on every core, up to `MAX_DEFAULT_THREADS`; padded sparse slabs (``"csr"``: a
     copy of the records per batch, densified on the devices) on half of them, at least one. One
-    thread (the loader's default before) measured slower than these on 2 and on 16 cores for dense
-    rows and tokens (benchmarks/README.md); `oj.tune` measures the choice on a machine.
+    thread (the loader's default before) measured slower for dense rows on 2 and on 16 cores and
+    for tokens on 2 (benchmarks/README.md); `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 1)
