@@ -169,9 +169,9 @@ class MemberMap:
         """A batch's rows in unified columns, sorted within rows, genes of one id summed; a token that
         is no gene of the source, or that does not follow the one before it, is a
         `DataValidationError` naming the row."""
-        out_values = np.empty(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
+        out_values = _pooled(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
         out_ptr = np.empty(len(indptr), np.int64)
-        out_cols = np.empty(len(tokens), np.int32)
+        out_cols = _pooled(len(tokens), np.int32)
         passes = max(1, -(-max(self.num_columns - 1, 1).bit_length() // 8))
         bad = _remap(
             np.asarray(indptr, np.int64),
@@ -195,22 +195,29 @@ class MemberMap:
         return out_ptr, out_cols[:n], out_values[:n]
 
 
+def _pooled(n: int, dtype) -> np.ndarray:
+    """An uninitialized array in Arrow's memory pool, which keeps freed memory for the next batch: a
+    fresh ``np.empty`` of a batch's size faults in every page anew (a source's batch of 6M nonzeros:
+    48 MB per batch)."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(pa.allocate_buffer(max(n, 1) * dtype.itemsize), dtype)[:n]
+
+
 @nb.njit(cache=True, nogil=True)
 def _remap(indptr, tokens, values, col_of, passes, out_ptr, out_cols, out_values):  # pragma: no cover
-    """Rows into unified columns, each row sorted by an LSD radix sort (bytes of the column) where its
-    columns do not already rise, genes of one column summed. Returns -1, or the position of the first
-    token that is unknown or not above the one before it."""
+    """Rows into unified columns, written straight to the output; a row whose columns do not rise is
+    sorted there by an LSD radix sort (bytes of the column) and genes of one column summed. Returns
+    -1, or the position of the first token that is unknown or not above the one before it."""
     longest = 0
     for r in range(len(indptr) - 1):
         longest = max(longest, indptr[r + 1] - indptr[r])
-    cols, vals = np.empty(longest, np.int32), np.empty(longest, np.float64)
-    cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, np.float64)
+    cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, out_values.dtype)
     hist = np.empty(256, np.int64)
     out_ptr[0] = 0
     k = 0
     for r in range(len(indptr) - 1):
         m, rising, last_col, last_token = 0, True, -1, -1
-        for j in range(indptr[r], indptr[r + 1]):
+        for j in range(indptr[r], indptr[r + 1]):  # k + m <= j: within the output
             t = tokens[j]
             if t < 0 or t >= len(col_of) or col_of[t] == _UNKNOWN or t <= last_token:
                 return j
@@ -220,28 +227,31 @@ def _remap(indptr, tokens, values, col_of, passes, out_ptr, out_cols, out_values
                 continue
             rising = rising and c > last_col
             last_col = c
-            cols[m], vals[m] = c, values[j]
+            out_cols[k + m], out_values[k + m] = c, values[j]
             m += 1
-        a_cols, a_vals, b_cols, b_vals = cols, vals, cols_b, vals_b
-        if not rising:
-            shift = 0
-            for _ in range(passes):
-                hist[:] = 0
-                for i in range(m):
-                    hist[(a_cols[i] >> shift) & 255] += 1
-                total = 0
-                for d in range(256):
-                    count = hist[d]
-                    hist[d] = total
-                    total += count
-                for i in range(m):
-                    d = (a_cols[i] >> shift) & 255
-                    at = hist[d]
-                    hist[d] = at + 1
-                    b_cols[at], b_vals[at] = a_cols[i], a_vals[i]
-                a_cols, b_cols, a_vals, b_vals = b_cols, a_cols, b_vals, a_vals
-                shift += 8
-        first = k
+        if rising:
+            k += m
+            out_ptr[r + 1] = k
+            continue
+        a_cols, a_vals, b_cols, b_vals = out_cols[k : k + m], out_values[k : k + m], cols_b, vals_b
+        shift = 0
+        for _ in range(passes):
+            hist[:] = 0
+            for i in range(m):
+                hist[(a_cols[i] >> shift) & 255] += 1
+            total = 0
+            for d in range(256):
+                count = hist[d]
+                hist[d] = total
+                total += count
+            for i in range(m):
+                d = (a_cols[i] >> shift) & 255
+                at = hist[d]
+                hist[d] = at + 1
+                b_cols[at], b_vals[at] = a_cols[i], a_vals[i]
+            a_cols, b_cols, a_vals, b_vals = b_cols, a_cols, b_vals, a_vals
+            shift += 8
+        first = k  # compacted in place (or from the scratch after an odd number of passes)
         for i in range(m):
             if k > first and out_cols[k - 1] == a_cols[i]:  # two genes of one id: summed
                 out_values[k - 1] += a_vals[i]

@@ -89,10 +89,11 @@ def open_source(
     primary: str = "rna",
     table: str | None = None,
     snapshot=None,
+    con=None,
 ) -> Source:
     """Open any supported input: ``.h5ad`` files (and modality ``primary`` of an ``.h5mu``) go to the
     AnnData reader, ``ducklake:`` catalogs to `DuckLakeSource` (``table`` at ``snapshot``), the rest
-    to DuckDB."""
+    to DuckDB (on ``con``, a connection to a database opened already, if given)."""
     from ._ducklake import is_ducklake
 
     if (table is not None or snapshot is not None) and not is_ducklake(source):
@@ -153,6 +154,7 @@ def open_source(
         genes=None if genes is None else str(genes),
         cell_id_column=cell_id,
         batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+        con=con,
     )
 
 
@@ -268,38 +270,42 @@ def materialize(
         else modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     )
     _check_output(store, overwrite)
-    if sources is not None:
-        src = open_collection(
-            sources,
-            lambda path, own: open_source(
-                path,
-                layer=own.get("layer", layer),
-                use_raw=bool(own.get("raw", use_raw)),
+    wanted = 1 if dask else workers or usable_cores()
+    # started first: the workers import while the input is opened and planned
+    pool = Pool(wanted) if wanted > 1 else None
+    src = None
+    try:
+        src = (
+            open_collection(
+                sources,
+                lambda path, own, con: open_source(
+                    path,
+                    con=con,
+                    layer=own.get("layer", layer),
+                    use_raw=bool(own.get("raw", use_raw)),
+                    cell_id=cell_id,
+                    batch_cells=batch_cells,
+                    primary=primary,
+                ),
+                genes=genes,
+                id_column=read.gene_id_column,
+                report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+            )
+            if sources is not None
+            else open_source(
+                source,
+                where=where,
+                query=query,
+                genes=genes,
+                layer=layer,
+                use_raw=use_raw,
                 cell_id=cell_id,
                 batch_cells=batch_cells,
                 primary=primary,
-            ),
-            genes=genes,
-            id_column=read.gene_id_column,
-            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+                table=read.table,
+                snapshot=read.snapshot,
+            )
         )
-    else:
-        src = open_source(
-            source,
-            where=where,
-            query=query,
-            genes=genes,
-            layer=layer,
-            use_raw=use_raw,
-            cell_id=cell_id,
-            batch_cells=batch_cells,
-            primary=primary,
-            table=read.table,
-            snapshot=read.snapshot,
-        )
-    wanted = 1 if dask else workers or usable_cores()
-    pool = Pool(wanted) if wanted > 1 else None  # started now: the workers import while the input is planned
-    try:
         gene_index = GeneIndex.from_tokens(
             src.genes.column("gene_token_id").to_numpy(),
             f"{src.description.get('genes') or 'token ids seen in the data'}: {src.genes.num_rows:,} genes",
@@ -400,7 +406,8 @@ def materialize(
     finally:
         if pool is not None:
             pool.close()
-        src.close()  # an .h5ad/.h5mu stays open otherwise until collected
+        if src is not None:
+            src.close()  # an .h5ad/.h5mu stays open otherwise until collected
 
 
 def _open_modality(

@@ -152,6 +152,7 @@ class TableSource(Source):
         batch_cells: int = DEFAULT_BATCH_CELLS,
         lists: tuple[str, str] = (GENE_COLUMN, VALUE_COLUMN),
         find_genes: bool = True,
+        con: duckdb.DuckDBPyConnection | None = None,
     ):
         """``lists`` names the token and value list columns (read as ``gene_token_id`` /
         ``gene_expression``); ``genes`` is the gene table's path or the table itself (sorted, as
@@ -159,7 +160,7 @@ class TableSource(Source):
         looked for beside the input (unless not ``find_genes``), else the tokens seen make the columns."""
         self._lists = lists
         self._remote = (spec is not None and is_remote(spec)) or (query is not None and "s3://" in query)
-        self._con = connect(remote=self._remote)
+        self._con = connect(remote=self._remote) if con is None else con
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
         self._where, self._query = where, query
@@ -473,6 +474,8 @@ class TableSource(Source):
                         yield self._to_batch(rows, obs, first_row, _FileRows(str(path), row + a))
                         first_row += b - a
                     row += rb.num_rows
+                    if row >= hi:  # the rest of the row group is not decoded
+                        break
             except (OSError, pa.ArrowException) as e:
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e

@@ -306,6 +306,84 @@ def test_one_source_versions_and_duplicates(tmp_path, capsys):
     np.testing.assert_array_equal(_dense(ds, [0, 1, 2, 3]), [[0, 3], [0, 5], [0, 0], [6, 0]])
 
 
+@pytest.mark.parametrize("num_columns", [200, 5_000, 70_000])  # 1, 2 and 3 bytes of radix sort
+@pytest.mark.parametrize("order", ["rising", "shuffled"])
+def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_columns, order):
+    """`MemberMap.remap` against numpy: rows whose columns rise are copied, the others sorted;
+    two tokens of one id are summed, tokens outside the kept genes dropped."""
+    from materialize._genespace import member_map
+
+    rng = np.random.default_rng(num_columns)
+    tokens = np.arange(0, 3 * num_columns // 2, 3)  # the source's gene tokens: not 0..n-1
+    cols = np.sort(rng.choice(num_columns, len(tokens), replace=True))  # some ids twice: summed
+    if order == "shuffled":
+        cols = rng.permutation(cols)
+    cols[rng.random(len(tokens)) < 0.05] = -1  # not kept (an intersection)
+    source = member_map(tokens, cols, num_columns)
+    rows = [
+        np.sort(rng.choice(tokens, int(rng.integers(0, min(300, len(tokens)))), replace=False))
+        for _ in range(60)
+    ]
+    indptr = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    row_tokens = np.concatenate(rows).astype(np.int32)
+    values = rng.integers(1, 100, len(row_tokens)).astype(np.float32)  # integers: sums exact
+    out_ptr, out_cols, out_values = source.remap(indptr, row_tokens, values, str)
+    col_of = dict(zip(tokens.tolist(), cols.tolist(), strict=True))
+    for r in range(len(rows)):
+        want = np.zeros(num_columns, np.float32)
+        for t, v in zip(
+            row_tokens[indptr[r] : indptr[r + 1]], values[indptr[r] : indptr[r + 1]], strict=True
+        ):
+            if col_of[int(t)] >= 0:
+                want[col_of[int(t)]] += v
+        got_cols = out_cols[out_ptr[r] : out_ptr[r + 1]]
+        assert np.all(np.diff(got_cols) > 0)
+        np.testing.assert_array_equal(got_cols, np.flatnonzero(want))
+        np.testing.assert_array_equal(out_values[out_ptr[r] : out_ptr[r + 1]], want[got_cols])
+
+
+def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
+    """Three parquet sources (read on connections to one DuckDB database, each with its own view of
+    its cells), their genes listed in different orders, read back cell for cell."""
+    rng = np.random.default_rng(3)
+    expected = []
+    paths = []
+    for k, genes in enumerate([np.arange(300, 0, -1), rng.permutation(400), np.arange(100, 500)]):
+        folder = tmp_path / f"plate_{k}"
+        folder.mkdir()
+        pq.write_table(
+            pa.table({"gene_token_id": np.arange(len(genes)), "ensembl_id": [_ensg(int(g)) for g in genes]}),
+            folder / "gene_metadata.parquet",
+        )
+        cells = []
+        for i in range(int(rng.integers(150, 400))):
+            tokens = np.sort(rng.choice(len(genes), int(rng.integers(0, 80)), replace=False))
+            cells.append((f"p{k}_{i}", tokens, rng.integers(1, 50, len(tokens)).astype(np.float32)))
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [c[0] for c in cells],
+                    "gene_token_id": pa.array([c[1] for c in cells], pa.list_(pa.int64())),
+                    "gene_expression": pa.array([c[2] for c in cells], pa.list_(pa.float32())),
+                }
+            ),
+            folder / "cells.parquet",
+            row_group_size=100,
+        )
+        paths.append(folder / "cells.parquet")
+        expected += [{_ensg(int(genes[t])): v for t, v in zip(c[1], c[2], strict=True)} for c in cells]
+    materialize(paths, tmp_path / "out", layout=Layout(shard_cells=128), progress=False, workers=2)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.obs["dataset_id"].categories == ("plate_0", "plate_1", "plate_2")
+    ensembl = ds.features["ensembl_id"].tolist()
+    dense = _dense(ds, np.arange(ds.num_cells))
+    for row, cell in enumerate(expected):
+        want = np.zeros(ds.num_genes, np.float32)
+        for gene, value in cell.items():
+            want[ensembl.index(gene)] = value
+        np.testing.assert_array_equal(dense[row], want)
+
+
 def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, capsys):
     import anndata as ad
 

@@ -166,9 +166,9 @@ def create_cells_view(
             if rowid:
                 extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
             arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
         if rowid:
-            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT * FROM {name}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT * FROM {name}")
         return bases
     names = ", ".join(sql_str(str(f)) for f in files)
     source = (
@@ -182,9 +182,9 @@ def create_cells_view(
         cases = " ".join(f"WHEN {sql_str(str(f))} THEN {b}" for f, b in zip(files, bases, strict=True))
         extra = f", CAST(CASE {FILENAME_COLUMN} {cases} END + file_row_number AS BIGINT) AS {ROWID_COLUMN}"
     try:
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT {columns}{extra} FROM {source}")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT {columns}{extra} FROM {source}")
         if rowid:
-            con.execute(f"CREATE OR REPLACE VIEW {name}_all AS SELECT *{extra} FROM {source}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT *{extra} FROM {source}")
     except duckdb.Error as e:
         msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
         raise DataValidationError(msg) from e
