@@ -42,7 +42,8 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    """The checked-out commit, with ``+dirty`` when tracked files differ from it. A copy of the
+    """The checked-out commit, with ``+dirty`` when tracked files differ from it (the results files
+    aside: a benchmark that writes its results after every round changes its own). A copy of the
     working tree sent to another machine to run there names the commit it was copied from in
     ``OMICSIO_BENCH_COMMIT`` (recorded with ``+copy``): the copy's own git metadata, if it has
     any, may be an older one's."""
@@ -50,7 +51,7 @@ def commit() -> str:
     if copied:
         return f"{copied}+copy"
     sha = _git("rev-parse", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return sha + ("+dirty" if dirty else "")
 
 
