@@ -36,6 +36,8 @@ Two layouts are read, told apart by their columns:
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -284,7 +286,9 @@ class TableSource(Source):
         return {**self.__dict__, "_con": None}
 
     def close(self) -> None:
-        """Release the DuckDB connection (a read opens another where it needs one)."""
+        """Release the DuckDB connection (a read opens another where it needs one) and the parquet
+        stream a read left open."""
+        _STREAMS.drop(id(self))
         if self._con is not None:
             self._con.close()
             self._con = None
@@ -450,32 +454,41 @@ class TableSource(Source):
 
     def _parquet_batches(self, obs: list[str], spans, first_row: int, threads: int | None) -> Iterator[Batch]:
         """The rows of ``spans`` read by pyarrow: 1.5–1.8 CPU-s per 10^5 cells of the synthetic corpus
-        against DuckDB's 2.4–2.5, without DuckDB's fresh Arrow buffers (and page faults) per batch."""
+        against DuckDB's 2.4–2.5, without DuckDB's fresh Arrow buffers (and page faults) per batch.
+
+        pyarrow decodes a row group from its first row, and a file written with its defaults is one
+        row group of up to a million rows: a read that stops inside a row group leaves its stream
+        open (`_STREAMS`, one per process), and the next read of this process that starts further
+        on in the same row group (the next partition this process writes) goes on from there,
+        decoding only the rows between, instead of decoding the group again from its first row."""
         names = [self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, *obs]
+        columns = [self._cell_id_column, *self._lists, *obs]
+        use_threads = threads is None or threads > 1
         for f, lo, hi in spans:
             path = self.files[f]
             try:
-                reader = pq.ParquetFile(path)  # read, not mapped: a file cut short raises, not SIGBUS
-                sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
-                starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-                hi = int(starts[-1]) if hi is None else hi
-                groups = [g for g in range(len(sizes)) if starts[g] < hi and starts[g + 1] > lo]
-                row = int(starts[groups[0]]) if groups else lo
-                batches = reader.iter_batches(
-                    self._batch_cells,
-                    row_groups=groups,
-                    columns=[self._cell_id_column, *self._lists, *obs],
-                    use_threads=threads is None or threads > 1,
-                )
-                for rb in batches:
-                    a, b = max(lo - row, 0), min(hi - row, rb.num_rows)
-                    if a < b:
-                        rows = pa.RecordBatch.from_arrays(rb.slice(a, b - a).columns, names=names)
-                        yield self._to_batch(rows, obs, first_row, _FileRows(str(path), row + a))
-                        first_row += b - a
-                    row += rb.num_rows
-                    if row >= hi:  # the rest of the row group is not decoded
-                        break
+                stat = os.stat(path)  # a file written again since is another stream
+                key = (id(self), str(path), stat.st_size, stat.st_mtime_ns, tuple(columns), self._batch_cells)
+                stream = _STREAMS.take(key, lo)
+                if stream is None:
+                    reader = pq.ParquetFile(path)  # read, not mapped: a file cut short raises, not SIGBUS
+                    sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
+                    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+                    group = int(np.searchsorted(starts, lo, side="right") - 1)
+                    batches = reader.iter_batches(
+                        self._batch_cells,
+                        row_groups=range(max(group, 0), len(sizes)),
+                        columns=columns,
+                        use_threads=use_threads,
+                    )
+                    stream = _Stream(key, starts, batches, int(starts[max(group, 0)]))
+                hi = stream.num_rows if hi is None else hi
+                for row, rb in stream.rows(lo, hi):
+                    rows = pa.RecordBatch.from_arrays(rb.columns, names=names)
+                    yield self._to_batch(rows, obs, first_row, _FileRows(str(path), row))
+                    first_row += rb.num_rows
+                if stream.row < stream.num_rows:
+                    _STREAMS.keep(stream)
             except (OSError, pa.ArrowException) as e:
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
@@ -502,6 +515,66 @@ class TableSource(Source):
 def _same_type(stored: pa.DataType, wanted: pa.DataType) -> bool:
     """A file's column type as DuckDB reports it (a dictionary-encoded column reads as its values)."""
     return stored == wanted or (pa.types.is_dictionary(stored) and stored.value_type == wanted)
+
+
+class _Stream:
+    """An open read of a parquet file's rows from ``row`` on (``key``: whose read, of which file and
+    columns): the batches still to come, and the rest of the batch last taken."""
+
+    def __init__(self, key: tuple, starts: np.ndarray, batches: Iterator[pa.RecordBatch], row: int):
+        self.key, self.starts, self.row = key, starts, row
+        self.num_rows = int(starts[-1])
+        self._batches = batches
+        self._pending: pa.RecordBatch | None = None
+
+    def group_of(self, row: int) -> int:
+        return int(np.searchsorted(self.starts, row, side="right") - 1)
+
+    def rows(self, lo: int, hi: int) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """``(first row, batch)`` of rows ``[lo, hi)`` (``lo >= self.row``); the rows before ``lo``
+        are decoded and dropped."""
+        while self.row < hi:
+            rb = self._pending if self._pending is not None else next(self._batches, None)
+            self._pending = None
+            if rb is None:  # the file holds fewer rows than planned: the partition's count says so
+                return
+            a, b = max(lo - self.row, 0), min(hi - self.row, rb.num_rows)
+            if b < rb.num_rows:
+                self._pending = rb.slice(b)
+            if a < b:
+                yield self.row + a, rb.slice(a, b - a)
+            self.row += b
+
+
+class _Streams:
+    """The stream a read of this process left open (at most one), taken by the read that goes on
+    from it (any thread): one that starts at or after its row, in the same row group."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: _Stream | None = None
+
+    def keep(self, stream: _Stream) -> None:
+        with self._lock:
+            self._open = stream
+
+    def take(self, key: tuple, row: int) -> _Stream | None:
+        with self._lock:
+            stream, self._open = self._open, None
+        if stream is None or stream.key != key or row < stream.row:
+            return None
+        if row < stream.num_rows and stream.group_of(row) != stream.group_of(stream.row):
+            return None  # a later row group: a fresh read starts there, decoding nothing before it
+        return stream
+
+    def drop(self, owner: int) -> None:
+        """Let go of the stream of the source ``owner`` (its ``id``), if it left one."""
+        with self._lock:
+            if self._open is not None and self._open.key[0] == owner:
+                self._open = None
+
+
+_STREAMS = _Streams()
 
 
 @dataclasses.dataclass(frozen=True)

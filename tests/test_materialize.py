@@ -32,6 +32,37 @@ def test_parquet_round_trip_is_exact(dataset_dir, corpus_table):
     assert ds.manifest.nnz == sum(len(x) for x in corpus_table.column("gene_token_id").to_pylist())
 
 
+def test_one_row_group_is_decoded_once_however_many_partitions_start_inside_it(
+    corpus, corpus_table, dataset_dir, tmp_path, monkeypatch
+):
+    """A file of one row group (pyarrow's default writer) cut into shards: each partition goes on
+    from the stream the one before left open instead of decoding the group from its first row, and
+    the dataset is the one of the same cells in many row groups, byte for byte."""
+    import materialize._tables as tables
+
+    folder = tmp_path / "one_group"
+    folder.mkdir()
+    pq.write_table(corpus_table, folder / "cells.parquet")  # one row group of 3,000 rows
+    pq.write_table(
+        pq.read_table(corpus.cells_parquet.parent / "gene_metadata.parquet"), folder / "gene_metadata.parquet"
+    )
+    assert pq.ParquetFile(folder / "cells.parquet").num_row_groups == 1
+    reads, decoded = [], []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        reads.append(kwargs.get("row_groups"))
+        for rb in iter_batches(self, *args, **kwargs):
+            decoded.append(rb.num_rows)
+            yield rb
+
+    monkeypatch.setattr(tables.pq.ParquetFile, "iter_batches", counted)
+    materialize(folder, tmp_path / "out", progress=False, workers=1, layout=Layout(shard_cells=1024))
+    assert len(reads) == 1 and sum(decoded) == corpus_table.num_rows  # 3 partitions, one pass
+    files = {f.path: f.sha256 for f in oj.open_dataset(tmp_path / "out").manifest.files}
+    assert files == {f.path: f.sha256 for f in oj.open_dataset(dataset_dir).manifest.files}
+
+
 def test_obs_sidecars_hold_codes_and_sorted_categories(dataset_dir, corpus_table):
     ds = oj.open_dataset(dataset_dir)
     assert {"cell_type", "drug", "batch", "dataset", "tissue", "organism", "n_genes", "total_counts"} <= set(
