@@ -217,7 +217,7 @@ def _remap(indptr, tokens, values, col_of, passes, out_ptr, out_cols, out_values
     k = 0
     for r in range(len(indptr) - 1):
         m, rising, last_col, last_token = 0, True, -1, -1
-        for j in range(indptr[r], indptr[r + 1]):  # k + m <= j: within the output
+        for j in range(indptr[r], indptr[r + 1]):  # k + m <= j < len(tokens): the row fits in the output
             t = tokens[j]
             if t < 0 or t >= len(col_of) or col_of[t] == _UNKNOWN or t <= last_token:
                 return j

@@ -469,19 +469,9 @@ class TableSource(Source):
             try:
                 stat = os.stat(path)  # a file written again since is another stream
                 key = (id(self), str(path), stat.st_size, stat.st_mtime_ns, tuple(columns), self._batch_cells)
-                stream = _STREAMS.take(key, lo)
-                if stream is None:
-                    reader = pq.ParquetFile(path)  # read, not mapped: a file cut short raises, not SIGBUS
-                    sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
-                    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-                    group = int(np.searchsorted(starts, lo, side="right") - 1)
-                    batches = reader.iter_batches(
-                        self._batch_cells,
-                        row_groups=range(max(group, 0), len(sizes)),
-                        columns=columns,
-                        use_threads=use_threads,
-                    )
-                    stream = _Stream(key, starts, batches, int(starts[max(group, 0)]))
+                stream = _STREAMS.take(key, lo) or _Stream(
+                    key, path, lo, self._batch_cells, columns, use_threads
+                )
                 hi = stream.num_rows if hi is None else hi
                 for row, rb in stream.rows(lo, hi):
                     rows = pa.RecordBatch.from_arrays(rb.columns, names=names)
@@ -521,10 +511,19 @@ class _Stream:
     """An open read of a parquet file's rows from ``row`` on (``key``: whose read, of which file and
     columns): the batches still to come, and the rest of the batch last taken."""
 
-    def __init__(self, key: tuple, starts: np.ndarray, batches: Iterator[pa.RecordBatch], row: int):
-        self.key, self.starts, self.row = key, starts, row
-        self.num_rows = int(starts[-1])
-        self._batches = batches
+    def __init__(
+        self, key: tuple, path: Path, row: int, batch_cells: int, columns: list[str], use_threads: bool
+    ):
+        """The read of ``path`` from the first row of the row group that holds ``row``."""
+        reader = pq.ParquetFile(path)  # read, not mapped: a file cut short raises, not SIGBUS
+        sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
+        self.key, self.starts = key, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.num_rows = int(self.starts[-1])
+        group = self.group_of(row)
+        self.row = int(self.starts[group])
+        self._batches = reader.iter_batches(
+            batch_cells, row_groups=range(group, len(sizes)), columns=columns, use_threads=use_threads
+        )
         self._pending: pa.RecordBatch | None = None
 
     def group_of(self, row: int) -> int:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.loaders.disk import make_loader
-from omicsio_jax.loaders.options import ReadOptions, usable_cores
+from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, ReadOptions, usable_cores
 from omicsio_jax.sampling.entropy import minibatch_entropy
 from omicsio_jax.sampling.options import Block
 from omicsio_jax.sampling.plan import SamplingPlan
@@ -174,7 +174,7 @@ def tune(
         msg = f"{len(rows):,} cells make no batch of {batch_size}"
         raise OmicsIOError(msg)
     if num_threads is None:
-        num_threads = sorted({0, 1, 2, min(usable_cores(), 8)})
+        num_threads = sorted({0, 1, 2, min(usable_cores(), MAX_DEFAULT_THREADS)})
     reference = random_entropy(labels, rows, batch_size, entropy_batches, seed)
     table: list[dict] = []
     for fetch in fetch_factors:
