@@ -190,7 +190,7 @@ assert not any(re.search(r"\b\d", text) for pair in DESCRIPTIONS.values() for te
 
 def fmt(value: Any, spec: str = "") -> str:
     """A figure as text: ``spec`` is a format spec, ``x`` a ratio, ``%`` a fraction as percent,
-    ``mib`` bytes as MiB; lists (a figure's rounds) are joined; None is a dash."""
+    ``mib`` bytes as MiB, ``fig`` a figure of any size (cells/s whole, seconds to 3 digits); lists (a figure's rounds) are joined; None is a dash."""
     if value is None:
         return "–"
     if isinstance(value, list | tuple):
@@ -204,6 +204,8 @@ def fmt(value: Any, spec: str = "") -> str:
             return f"{100 * value:.1f}%"
         if spec == "mib":
             return f"{value / 2**20:,.0f}"
+        if spec == "fig":
+            return format(value, ",.0f" if abs(value) >= 100 else "#.3g")
         return format(value, spec or (",.0f" if abs(value) >= 100 else ".3g"))
     return str(value).replace("|", "\\|")
 
@@ -255,8 +257,8 @@ def comparisons(d: dict) -> list[str]:
             rows,
             [
                 ("comparison", "what", ""),
-                ("omicsio_jax", "ours_value", ",.0f"),
-                ("peer", "peer_value", ",.0f"),
+                ("omicsio_jax", "ours_value", "fig"),
+                ("peer", "peer_value", "fig"),
                 ("ratio", "ratio", "x"),
             ],
         ),
