@@ -6,9 +6,10 @@ the first of ``ensembl_id``, ``gene_ids``, ``gene_id``, ``feature_id`` (or any o
 holding Ensembl ids (``ENSG…``, ``ENSMUSG…``), version suffixes (``ENSG….12``) stripped; a source
 with none is matched by gene symbol (``feature_name``, ``gene_symbol``, ``gene_name``), through the
 symbols the other sources give their Ensembl ids, and flagged in the report. `GeneSpace.build`
-unifies the sources' genes: the union in order of first appearance (the first source's genes keep
-their order), the genes every source measured, or a given gene table / vocabulary; two genes of one
-source with the same id are summed. `MemberMap.remap` moves a batch of a source's rows into the
+unifies the sources' genes: the union (`union_order`: in an order every source that agrees with the
+others keeps, so sources listing their genes in one common order move into it by copies alone), the
+genes every source measured, or a given gene table / vocabulary; two genes of one source with the
+same id are summed. `MemberMap.remap` moves a batch of a source's rows into the
 unified columns, sorted within each row, in one numba pass.
 """
 
@@ -335,16 +336,23 @@ class GeneSpace:
                 f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
             )
             resolved.append(ids)
-        # every source's ids as codes into the ids seen (one hash table for all sources, not one each)
-        seen = pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))  # the union, in order
+        # every source's ids as codes into the ids seen, in order of first appearance (one hash table
+        # for all sources, not one each)
+        seen = pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))
         code = pc.fill_null(pc.index_in(pa.concat_arrays(resolved), value_set=seen), -1).to_numpy()
-        order = seen if genes == UNION else _unified_order(resolved, genes)
-        col_of_seen = (
-            np.arange(len(seen), dtype=np.int64)
-            if genes == UNION
-            else pc.fill_null(pc.index_in(seen, value_set=order), -1).to_numpy().astype(np.int64)
-        )
         ends = np.cumsum([len(ids) for ids in resolved])
+        if genes == UNION:
+            by_id = np.empty(len(seen), np.int64)  # each gene's place among the ids sorted
+            by_id[pc.sort_indices(seen).to_numpy()] = np.arange(len(seen))
+            union = union_order(
+                [code[end - len(ids) : end] for ids, end in zip(resolved, ends, strict=True)], key=by_id
+            )
+            order = seen.take(union)
+            col_of_seen = np.empty(len(seen), np.int64)
+            col_of_seen[union] = np.arange(len(union))
+        else:
+            order = _unified_order(resolved, genes)
+            col_of_seen = pc.fill_null(pc.index_in(seen, value_set=order), -1).to_numpy().astype(np.int64)
         maps, members = [], []
         for t, k, ids, label, end in zip(tables, keys, resolved, labels, ends, strict=True):
             own = code[end - len(ids) : end]
@@ -379,10 +387,219 @@ class GeneSpace:
         return cls(table, tuple(maps), tuple(members), tuple(notes))
 
 
+def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.ndarray:
+    """The columns' order of the genes that the sources list as ``codes`` (one array per source, in
+    its gene-table order; -1: no id): each gene once.
+
+    A source's rows move into the union by copies alone when its genes stand in the union in the
+    order it lists them; any other source's rows are sorted (`MemberMap.remap`). So the union keeps
+    the order of as many sources as it can. The sources are taken in turn into a draft order: a
+    source that lists two genes the other way round from a source taken before it (or that closes a
+    cycle through several) is set aside; a source taken keeps its order, its new genes merged in
+    where it lists them (where that leaves a choice, by ``key``: the ids' order, default the codes').
+    The genes only the sources set aside list come last, in order of first appearance. Sources that
+    list subsets of one common order are all taken; the first source always keeps its order.
+    """
+    flat = np.concatenate([np.asarray(c, np.int64) for c in codes] + [np.empty(0, np.int64)])
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in codes])]).astype(np.int64)
+    num_genes = int(flat.max()) + 1 if len(flat) else 0
+    flat, offsets = _first_listed(flat, offsets, num_genes)
+    key = np.arange(num_genes, dtype=np.int64) if key is None else np.asarray(key, np.int64)
+    return _union_order(flat, offsets, key, num_genes)
+
+
+@nb.njit(cache=True, nogil=True)
+def _first_listed(flat, offsets, num_genes):  # pragma: no cover - numba
+    """Each source's codes without -1 and without a gene's second listing (it stands where first)."""
+    out, out_offsets = np.empty(len(flat), np.int64), np.zeros(len(offsets), np.int64)
+    last_source = np.full(num_genes, -1, np.int64)
+    n = 0
+    for s in range(len(offsets) - 1):
+        for i in range(offsets[s], offsets[s + 1]):
+            g = flat[i]
+            if g >= 0 and last_source[g] != s:
+                last_source[g] = s
+                out[n] = g
+                n += 1
+        out_offsets[s + 1] = n
+    return out[:n], out_offsets
+
+
+@nb.njit(cache=True, nogil=True)
+def _union_order(flat, offsets, key, num_genes):  # pragma: no cover - numba
+    """`union_order` on the sources' deduplicated codes ``flat[offsets[s]:offsets[s + 1]]``."""
+    num_sources = len(offsets) - 1
+    words = max(1, (num_sources + 63) // 64)
+    member = np.zeros((num_genes, words), np.uint64)  # the sources taken that list each gene
+    rank = np.full(num_genes, -1, np.int64)  # each placed gene's place in the draft
+    order = np.empty(num_genes, np.int64)  # the draft: every taken source keeps its order in it
+    placed = 0
+    taken = np.zeros(num_sources, np.bool_)
+    out = np.empty(num_genes, np.int64)
+    for s in range(num_sources):
+        lo, hi = offsets[s], offsets[s + 1]
+        rises, conflict, before = True, False, -1
+        for i in range(lo, hi):
+            g = flat[i]
+            if rank[g] < 0:
+                continue
+            if before >= 0 and rank[g] < rank[before]:
+                rises = False
+                for w in range(words):  # a source taken lists both: the other way round
+                    if member[g, w] & member[before, w]:
+                        conflict = True
+                if conflict:
+                    break
+            before = g
+        if conflict:
+            continue
+        if rises:
+            placed = _merge_into(flat[lo:hi], order, placed, rank, key, out)
+        else:  # no source taken lists two of its genes the other way round: reorder the draft if it can
+            placed_now = _reorder(flat, offsets, taken, s, order, placed, rank, num_genes, out)
+            if placed_now < 0:
+                continue  # a cycle through several sources
+            placed = placed_now
+        order[:placed] = out[:placed]
+        for r in range(placed):
+            rank[order[r]] = r
+        taken[s] = True
+        word, bit = s >> 6, np.uint64(1) << np.uint64(s & 63)
+        for i in range(lo, hi):
+            member[flat[i], word] |= bit
+    n = placed
+    for i in range(len(flat)):  # the genes only the sources set aside list, in order of first appearance
+        g = flat[i]
+        if rank[g] < 0:
+            rank[g] = n
+            order[n] = g
+            n += 1
+    return order[:n].copy()
+
+
+@nb.njit(cache=True, nogil=True)
+def _merge_into(listed, order, placed, rank, key, out):  # pragma: no cover - numba
+    """The draft ``order[:placed]`` with a source's genes merged in (its genes placed already rise in
+    it): each new gene goes between the source's genes around it, after the draft's genes there of
+    lower ``key``. Written to ``out``; returns its length."""
+    m = len(listed)
+    gap_end = np.empty(m, np.int64)  # for a new gene: the draft's place of the next gene placed
+    end = placed
+    for j in range(m - 1, -1, -1):
+        r = rank[listed[j]]
+        gap_end[j] = end
+        if r >= 0:
+            end = r
+    i = n = 0
+    for j in range(m):
+        g = listed[j]
+        if rank[g] >= 0:
+            while i <= rank[g]:
+                out[n] = order[i]
+                n += 1
+                i += 1
+        else:
+            while i < gap_end[j] and key[order[i]] < key[g]:
+                out[n] = order[i]
+                n += 1
+                i += 1
+            out[n] = g
+            n += 1
+    while i < placed:
+        out[n] = order[i]
+        n += 1
+        i += 1
+    return n
+
+
+@nb.njit(cache=True, nogil=True)
+def _reorder(flat, offsets, taken, s, order, placed, rank, num_genes, out):  # pragma: no cover - numba
+    """A topological order of the genes of the sources taken and of source ``s``, each source's genes
+    one after the other, as near the draft as they allow (a new gene of ``s`` right after the one it
+    lists before it), into ``out``: its length, or -1 if they make a cycle."""
+    lo, hi = offsets[s], offsets[s + 1]
+    num_sources = len(offsets) - 1
+    priority = np.full(num_genes, -1, np.int64)
+    for r in range(placed):
+        priority[order[r]] = 2 * r + 2
+    last = -1
+    total = placed
+    for i in range(lo, hi):
+        g = flat[i]
+        if rank[g] >= 0:
+            last = rank[g]
+        else:
+            priority[g] = 2 * last + 3  # between the draft's ``last`` and the gene after it
+            total += 1
+    successors = np.zeros(num_genes + 1, np.int64)
+    indegree = np.zeros(num_genes, np.int64)
+    for t in range(num_sources):
+        if taken[t] or t == s:
+            for i in range(offsets[t], offsets[t + 1] - 1):
+                successors[flat[i] + 1] += 1
+                indegree[flat[i + 1]] += 1
+    for g in range(num_genes):
+        successors[g + 1] += successors[g]
+    after = np.empty(successors[num_genes], np.int64)
+    filled = successors[:-1].copy()
+    for t in range(num_sources):
+        if taken[t] or t == s:
+            for i in range(offsets[t], offsets[t + 1] - 1):
+                after[filled[flat[i]]] = flat[i + 1]
+                filled[flat[i]] += 1
+    heap = np.empty(total, np.int64)  # (priority << 21) | gene of the genes free to come next
+    size = 0
+    for g in range(num_genes):
+        if priority[g] >= 0 and indegree[g] == 0:
+            size = _push(heap, size, (priority[g] << 21) | g)
+    n = 0
+    while size:
+        top = heap[0]
+        size = _pop(heap, size)
+        g = top & ((1 << 21) - 1)
+        out[n] = g
+        n += 1
+        for k in range(successors[g], successors[g + 1]):
+            h = after[k]
+            indegree[h] -= 1
+            if indegree[h] == 0:
+                size = _push(heap, size, (priority[h] << 21) | h)
+    return n if n == total else -1
+
+
+@nb.njit(inline="always")
+def _push(heap, size, item):  # pragma: no cover - numba
+    i = size
+    while i > 0 and heap[(i - 1) >> 1] > item:
+        heap[i] = heap[(i - 1) >> 1]
+        i = (i - 1) >> 1
+    heap[i] = item
+    return size + 1
+
+
+@nb.njit(inline="always")
+def _pop(heap, size):  # pragma: no cover - numba
+    """Drop the smallest (``heap[0]``); returns the new size."""
+    size -= 1
+    item = heap[size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and heap[c + 1] < heap[c]:
+            c += 1
+        if heap[c] >= item:
+            break
+        heap[i] = heap[c]
+        i = c
+    if size:
+        heap[i] = item
+    return size
+
+
 def _unified_order(resolved: list[pa.Array], genes: str | Path) -> pa.Array:
-    """The collection's gene ids, in column order."""
-    if genes == UNION:  # in order of first appearance
-        return pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))
+    """The collection's gene ids, in column order (an intersection, or a given gene list)."""
     if genes == INTERSECTION:
         firsts = [pc.unique(ids.drop_null()) for ids in resolved]
         counts = pc.value_counts(pa.concat_arrays(firsts))

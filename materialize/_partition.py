@@ -50,6 +50,7 @@ PART_DONE = "part.json"
 PART_CELLS = "cells.parquet"
 PART_STATS = "gene_stats.npz"
 N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
+_NO_ROWS = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))  # indptr, tokens, values
 PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
 
 
@@ -231,6 +232,9 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
             lambda: job.source.batches(list(job.obs), part, threads=job.threads), 2, name="materialize-reader"
         )
         cleanup.callback(reader.close)
+        # numba's start (the first kernel call of a process: ~0.3 s) here, beside the reader's first
+        # read, rather than in the reader after it (a collection's remap calls a kernel before encoding)
+        encode_batch(*_NO_ROWS, job.gene_index, allow_negative=False, locate=str)
         for batch in reader:
             buf, starts, batch_nnz = encode_batch(
                 batch.indptr,

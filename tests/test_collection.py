@@ -112,10 +112,8 @@ def test_every_cell_reads_back_as_its_source_holds_it_in_the_unified_genes(colle
     ds = oj.open_dataset(collection)
     assert ds.num_cells == 470
     ensembl = ds.features["ensembl_id"].tolist()
-    # the union in order of first appearance: the first source's genes keep their order
-    assert ensembl == [_ensg(i) for i in range(20, 70)] + [_ensg(i) for i in range(20)] + [
-        _ensg(i) for i in range(70, 100)
-    ]
+    # the union in an order each source keeps (here the three list their genes in one order)
+    assert ensembl == [_ensg(i) for i in range(100)]
     labels = ds.obs["dataset_id"].labels()
     first = 0
     for name, (cell_ids, gene_ids, matrix) in expected.items():
@@ -340,6 +338,34 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
         assert np.all(np.diff(got_cols) > 0)
         np.testing.assert_array_equal(got_cols, np.flatnonzero(want))
         np.testing.assert_array_equal(out_values[out_ptr[r] : out_ptr[r + 1]], want[got_cols])
+
+
+def test_the_union_keeps_every_order_that_agrees_and_sets_the_others_aside():
+    """`union_order`: sources listing subsets of one reference order each keep their order in the
+    union (their rows are copied, not sorted); a source listing genes the other way round from one
+    before it is set aside, its own genes last in its order; the first source always keeps its order;
+    a cycle through several sources still gives every gene once."""
+    from materialize._genespace import union_order
+
+    rng = np.random.default_rng(3)
+    reference = rng.permutation(1_000)  # the order the agreeing sources share
+    agree = [reference[np.sort(rng.choice(1_000, n, replace=False))] for n in (300, 600, 450, 800, 40)]
+    other = rng.permutation(np.concatenate([rng.choice(1_000, 200, replace=False), np.arange(1_000, 1_050)]))
+    with_gaps = np.concatenate([[-1], agree[2], [agree[2][0], -1]])  # no id, and a gene listed twice
+    codes = [agree[0], other, agree[1], with_gaps, agree[3], agree[4]]
+    union = union_order(codes)
+    assert sorted(union.tolist()) == sorted(set(np.concatenate(codes).tolist()) - {-1})  # each gene once
+    column = np.full(1_050, -1)
+    column[union] = np.arange(len(union))
+    for c in agree:
+        assert np.all(np.diff(column[c]) > 0)  # each agreeing source's columns rise
+    assert not np.all(np.diff(column[other]) > 0)
+    listed = set(np.concatenate(agree).tolist())
+    assert union[len(listed) :].tolist() == [int(g) for g in other if int(g) not in listed]
+    assert union_order([other, agree[0]])[:250].tolist() == other.tolist()  # the first keeps its order
+    # a cycle only through three sources (a < b, b < c, c < a): no gene lost, none twice
+    assert sorted(union_order([np.array([0, 1]), np.array([1, 2]), np.array([2, 0])]).tolist()) == [0, 1, 2]
+    assert union_order([]).tolist() == []
 
 
 def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
