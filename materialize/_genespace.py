@@ -6,10 +6,10 @@ the first of ``ensembl_id``, ``gene_ids``, ``gene_id``, ``feature_id`` (or any o
 holding Ensembl ids (``ENSG…``, ``ENSMUSG…``), version suffixes (``ENSG….12``) stripped; a source
 with none is matched by gene symbol (``feature_name``, ``gene_symbol``, ``gene_name``), through the
 symbols the other sources give their Ensembl ids, and flagged in the report. `GeneSpace.build`
-unifies the sources' genes: the union (`union_order`: in an order every source that agrees with the
-others keeps, so sources listing their genes in one common order move into it by copies alone), the
-genes every source measured, or a given gene table / vocabulary; two genes of one source with the
-same id are summed. `MemberMap.remap` moves a batch of a source's rows into the
+unifies the sources' genes: the union (`union_order`: in an order that keeps each source's own
+wherever the sources agree, so sources listing their genes in one common order move into it by
+copies alone), the genes every source measured, or a given gene table / vocabulary; two genes of
+one source with the same id are summed. `MemberMap.remap` moves a batch of a source's rows into the
 unified columns, sorted within each row, in one numba pass.
 """
 
@@ -393,19 +393,34 @@ def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.nd
 
     A source's rows move into the union by copies alone when its genes stand in the union in the
     order it lists them; any other source's rows are sorted (`MemberMap.remap`). So the union keeps
-    the order of as many sources as it can. The sources are taken in turn into a draft order: a
-    source that lists two genes the other way round from a source taken before it (or that closes a
-    cycle through several) is set aside; a source taken keeps its order, its new genes merged in
-    where it lists them (where that leaves a choice, by ``key``: the ids' order, default the codes').
-    The genes only the sources set aside list come last, in order of first appearance. Sources that
-    list subsets of one common order are all taken; the first source always keeps its order.
+    the order of as many sources as it can:
+
+    - A source that lists two genes the other way round from the first source is set aside.
+    - The genes of the others are put in a topological order of the genes each lists one after the
+      other, the smallest ``key`` first where that leaves a choice (the ids' order; default, the
+      codes'). A source that still does not keep its order (a cycle through several sources) is set
+      aside and the order made again, at most twice.
+    - The genes only the sources set aside list come last, in order of first appearance.
+
+    The first source always keeps its order; sources that list subsets of one common order all keep
+    it. Time: the genes listed, times the log of the genes, a few times.
     """
     flat = np.concatenate([np.asarray(c, np.int64) for c in codes] + [np.empty(0, np.int64)])
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in codes])]).astype(np.int64)
     num_genes = int(flat.max()) + 1 if len(flat) else 0
     flat, offsets = _first_listed(flat, offsets, num_genes)
     key = np.arange(num_genes, dtype=np.int64) if key is None else np.asarray(key, np.int64)
-    return _union_order(flat, offsets, key, num_genes)
+    taken = _agree_with_first(flat, offsets, num_genes)
+    for attempt in range(3):
+        union = _topological(flat, offsets, taken, key, num_genes)
+        keeps = _keeps_order(flat, offsets, union, num_genes)
+        if attempt == 2 or not np.any(taken & ~keeps):
+            break
+        taken &= keeps
+    listed = np.zeros(num_genes, np.bool_)
+    listed[union] = True
+    first = flat[~listed[flat]]  # the genes only the sources set aside list, in order of first appearance
+    return np.concatenate([union, first[np.sort(np.unique(first, return_index=True)[1])]])
 
 
 @nb.njit(cache=True, nogil=True)
@@ -426,145 +441,95 @@ def _first_listed(flat, offsets, num_genes):  # pragma: no cover - numba
 
 
 @nb.njit(cache=True, nogil=True)
-def _union_order(flat, offsets, key, num_genes):  # pragma: no cover - numba
-    """`union_order` on the sources' deduplicated codes ``flat[offsets[s]:offsets[s + 1]]``."""
-    num_sources = len(offsets) - 1
-    words = max(1, (num_sources + 63) // 64)
-    member = np.zeros((num_genes, words), np.uint64)  # the sources taken that list each gene
-    rank = np.full(num_genes, -1, np.int64)  # each placed gene's place in the draft
-    order = np.empty(num_genes, np.int64)  # the draft: every taken source keeps its order in it
-    placed = 0
-    taken = np.zeros(num_sources, np.bool_)
-    out = np.empty(num_genes, np.int64)
-    for s in range(num_sources):
-        lo, hi = offsets[s], offsets[s + 1]
-        rises, conflict, before = True, False, -1
-        for i in range(lo, hi):
-            g = flat[i]
-            if rank[g] < 0:
-                continue
-            if before >= 0 and rank[g] < rank[before]:
-                rises = False
-                for w in range(words):  # a source taken lists both: the other way round
-                    if member[g, w] & member[before, w]:
-                        conflict = True
-                if conflict:
+def _agree_with_first(flat, offsets, num_genes):  # pragma: no cover - numba
+    """Per source: whether the genes it shares with the first source come in the first's order."""
+    at = np.full(num_genes, -1, np.int64)
+    if len(offsets) > 1:
+        for i in range(offsets[0], offsets[1]):
+            at[flat[i]] = i
+    agree = np.ones(len(offsets) - 1, np.bool_)
+    for s in range(1, len(offsets) - 1):
+        last = -1
+        for i in range(offsets[s], offsets[s + 1]):
+            p = at[flat[i]]
+            if p >= 0:
+                if p < last:
+                    agree[s] = False
                     break
-            before = g
-        if conflict:
-            continue
-        if rises:
-            placed = _merge_into(flat[lo:hi], order, placed, rank, key, out)
-        else:  # no source taken lists two of its genes the other way round: reorder the draft if it can
-            placed_now = _reorder(flat, offsets, taken, s, order, placed, rank, num_genes, out)
-            if placed_now < 0:
-                continue  # a cycle through several sources
-            placed = placed_now
-        order[:placed] = out[:placed]
-        for r in range(placed):
-            rank[order[r]] = r
-        taken[s] = True
-        word, bit = s >> 6, np.uint64(1) << np.uint64(s & 63)
-        for i in range(lo, hi):
-            member[flat[i], word] |= bit
-    n = placed
-    for i in range(len(flat)):  # the genes only the sources set aside list, in order of first appearance
-        g = flat[i]
-        if rank[g] < 0:
-            rank[g] = n
-            order[n] = g
-            n += 1
-    return order[:n].copy()
+                last = p
+    return agree
 
 
 @nb.njit(cache=True, nogil=True)
-def _merge_into(listed, order, placed, rank, key, out):  # pragma: no cover - numba
-    """The draft ``order[:placed]`` with a source's genes merged in (its genes placed already rise in
-    it): each new gene goes between the source's genes around it, after the draft's genes there of
-    lower ``key``. Written to ``out``; returns its length."""
-    m = len(listed)
-    gap_end = np.empty(m, np.int64)  # for a new gene: the draft's place of the next gene placed
-    end = placed
-    for j in range(m - 1, -1, -1):
-        r = rank[listed[j]]
-        gap_end[j] = end
-        if r >= 0:
-            end = r
-    i = n = 0
-    for j in range(m):
-        g = listed[j]
-        if rank[g] >= 0:
-            while i <= rank[g]:
-                out[n] = order[i]
-                n += 1
-                i += 1
-        else:
-            while i < gap_end[j] and key[order[i]] < key[g]:
-                out[n] = order[i]
-                n += 1
-                i += 1
-            out[n] = g
-            n += 1
-    while i < placed:
-        out[n] = order[i]
-        n += 1
-        i += 1
-    return n
+def _keeps_order(flat, offsets, union, num_genes):  # pragma: no cover - numba
+    """Per source: whether its genes stand in ``union`` in the order it lists them."""
+    at = np.full(num_genes, -1, np.int64)
+    for r in range(len(union)):
+        at[union[r]] = r
+    keeps = np.ones(len(offsets) - 1, np.bool_)
+    for s in range(len(offsets) - 1):
+        for i in range(offsets[s] + 1, offsets[s + 1]):
+            if at[flat[i]] < at[flat[i - 1]]:
+                keeps[s] = False
+                break
+    return keeps
 
 
 @nb.njit(cache=True, nogil=True)
-def _reorder(flat, offsets, taken, s, order, placed, rank, num_genes, out):  # pragma: no cover - numba
-    """A topological order of the genes of the sources taken and of source ``s``, each source's genes
-    one after the other, as near the draft as they allow (a new gene of ``s`` right after the one it
-    lists before it), into ``out``: its length, or -1 if they make a cycle."""
-    lo, hi = offsets[s], offsets[s + 1]
-    num_sources = len(offsets) - 1
-    priority = np.full(num_genes, -1, np.int64)
-    for r in range(placed):
-        priority[order[r]] = 2 * r + 2
-    last = -1
-    total = placed
-    for i in range(lo, hi):
-        g = flat[i]
-        if rank[g] >= 0:
-            last = rank[g]
-        else:
-            priority[g] = 2 * last + 3  # between the draft's ``last`` and the gene after it
-            total += 1
-    successors = np.zeros(num_genes + 1, np.int64)
+def _topological(flat, offsets, taken, key, num_genes):  # pragma: no cover - numba
+    """The genes the ``taken`` sources list, in an order where each one's genes follow each other as
+    it lists them, the smallest ``key`` first of the genes free to come next; a cycle is broken by
+    letting the gene of smallest key not yet out come next."""
+    after_ptr = np.zeros(num_genes + 1, np.int64)
     indegree = np.zeros(num_genes, np.int64)
-    for t in range(num_sources):
-        if taken[t] or t == s:
-            for i in range(offsets[t], offsets[t + 1] - 1):
-                successors[flat[i] + 1] += 1
-                indegree[flat[i + 1]] += 1
+    member = np.zeros(num_genes, np.bool_)
+    for s in range(len(offsets) - 1):
+        if taken[s]:
+            for i in range(offsets[s], offsets[s + 1]):
+                member[flat[i]] = True
+                if i + 1 < offsets[s + 1]:
+                    after_ptr[flat[i] + 1] += 1
+                    indegree[flat[i + 1]] += 1
     for g in range(num_genes):
-        successors[g + 1] += successors[g]
-    after = np.empty(successors[num_genes], np.int64)
-    filled = successors[:-1].copy()
-    for t in range(num_sources):
-        if taken[t] or t == s:
-            for i in range(offsets[t], offsets[t + 1] - 1):
+        after_ptr[g + 1] += after_ptr[g]
+    after = np.empty(after_ptr[num_genes], np.int64)
+    filled = after_ptr[:-1].copy()
+    for s in range(len(offsets) - 1):
+        if taken[s]:
+            for i in range(offsets[s], offsets[s + 1] - 1):
                 after[filled[flat[i]]] = flat[i + 1]
                 filled[flat[i]] += 1
-    heap = np.empty(total, np.int64)  # (priority << 21) | gene of the genes free to come next
+    by_key = np.argsort(key)
+    total = 0
+    heap = np.empty(num_genes, np.int64)  # (key << 32) | gene, of the genes free to come next
     size = 0
     for g in range(num_genes):
-        if priority[g] >= 0 and indegree[g] == 0:
-            size = _push(heap, size, (priority[g] << 21) | g)
-    n = 0
-    while size:
-        top = heap[0]
-        size = _pop(heap, size)
-        g = top & ((1 << 21) - 1)
-        out[n] = g
+        if member[g]:
+            total += 1
+            if indegree[g] == 0:
+                size = _push(heap, size, (key[g] << 32) | g)
+    done = np.zeros(num_genes, np.bool_)
+    union = np.empty(total, np.int64)
+    n = cursor = 0
+    while n < total:
+        if size:
+            g = heap[0] & 0xFFFFFFFF
+            size = _pop(heap, size)
+            if done[g]:
+                continue
+        else:  # a cycle: the gene of smallest key not yet out
+            while not member[by_key[cursor]] or done[by_key[cursor]]:
+                cursor += 1
+            g = by_key[cursor]
+        done[g] = True
+        union[n] = g
         n += 1
-        for k in range(successors[g], successors[g + 1]):
+        for k in range(after_ptr[g], after_ptr[g + 1]):
             h = after[k]
             indegree[h] -= 1
-            if indegree[h] == 0:
-                size = _push(heap, size, (priority[h] << 21) | h)
-    return n if n == total else -1
+            if indegree[h] == 0 and not done[h]:
+                size = _push(heap, size, (key[h] << 32) | h)
+    return union
 
 
 @nb.njit(inline="always")
