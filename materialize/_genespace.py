@@ -410,17 +410,18 @@ def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.nd
     num_genes = int(flat.max()) + 1 if len(flat) else 0
     flat, offsets = _first_listed(flat, offsets, num_genes)
     key = np.arange(num_genes, dtype=np.int64) if key is None else np.asarray(key, np.int64)
-    taken = _agree_with_first(flat, offsets, num_genes)
+    first_source = flat[: offsets[1]] if len(offsets) > 1 else flat[:0]
+    taken = _rise_at(flat, offsets, _places(first_source, num_genes))  # agree with the first source
+    by_key = np.argsort(key)
     for attempt in range(3):
-        union = _topological(flat, offsets, taken, key, num_genes)
-        keeps = _keeps_order(flat, offsets, union, num_genes)
+        union = _topological(flat, offsets, taken, key, by_key, num_genes)
+        at = _places(union, num_genes)
+        keeps = _rise_at(flat, offsets, at)
         if attempt == 2 or not np.any(taken & ~keeps):
             break
         taken &= keeps
-    listed = np.zeros(num_genes, np.bool_)
-    listed[union] = True
-    first = flat[~listed[flat]]  # the genes only the sources set aside list, in order of first appearance
-    return np.concatenate([union, first[np.sort(np.unique(first, return_index=True)[1])]])
+    rest = flat[at[flat] < 0]  # the genes only the sources set aside list
+    return np.concatenate([union, rest[np.sort(np.unique(rest, return_index=True)[1])]])  # first appearance
 
 
 @nb.njit(cache=True, nogil=True)
@@ -440,46 +441,34 @@ def _first_listed(flat, offsets, num_genes):  # pragma: no cover - numba
     return out[:n], out_offsets
 
 
-@nb.njit(cache=True, nogil=True)
-def _agree_with_first(flat, offsets, num_genes):  # pragma: no cover - numba
-    """Per source: whether the genes it shares with the first source come in the first's order."""
+def _places(order: np.ndarray, num_genes: int) -> np.ndarray:
+    """Each gene's place in ``order`` (-1: not in it)."""
     at = np.full(num_genes, -1, np.int64)
-    if len(offsets) > 1:
-        for i in range(offsets[0], offsets[1]):
-            at[flat[i]] = i
-    agree = np.ones(len(offsets) - 1, np.bool_)
-    for s in range(1, len(offsets) - 1):
+    at[order] = np.arange(len(order))
+    return at
+
+
+@nb.njit(cache=True, nogil=True)
+def _rise_at(flat, offsets, at):  # pragma: no cover - numba
+    """Per source: whether its genes' places ``at`` (-1: none, skipped) rise in the order it lists them."""
+    rises = np.ones(len(offsets) - 1, np.bool_)
+    for s in range(len(offsets) - 1):
         last = -1
         for i in range(offsets[s], offsets[s + 1]):
             p = at[flat[i]]
             if p >= 0:
-                if p < last:
-                    agree[s] = False
+                if p <= last:
+                    rises[s] = False
                     break
                 last = p
-    return agree
+    return rises
 
 
 @nb.njit(cache=True, nogil=True)
-def _keeps_order(flat, offsets, union, num_genes):  # pragma: no cover - numba
-    """Per source: whether its genes stand in ``union`` in the order it lists them."""
-    at = np.full(num_genes, -1, np.int64)
-    for r in range(len(union)):
-        at[union[r]] = r
-    keeps = np.ones(len(offsets) - 1, np.bool_)
-    for s in range(len(offsets) - 1):
-        for i in range(offsets[s] + 1, offsets[s + 1]):
-            if at[flat[i]] < at[flat[i - 1]]:
-                keeps[s] = False
-                break
-    return keeps
-
-
-@nb.njit(cache=True, nogil=True)
-def _topological(flat, offsets, taken, key, num_genes):  # pragma: no cover - numba
+def _topological(flat, offsets, taken, key, by_key, num_genes):  # pragma: no cover - numba
     """The genes the ``taken`` sources list, in an order where each one's genes follow each other as
     it lists them, the smallest ``key`` first of the genes free to come next; a cycle is broken by
-    letting the gene of smallest key not yet out come next."""
+    letting the gene of smallest key not yet out come next (``by_key``: the genes by key)."""
     after_ptr = np.zeros(num_genes + 1, np.int64)
     indegree = np.zeros(num_genes, np.int64)
     member = np.zeros(num_genes, np.bool_)
@@ -499,7 +488,6 @@ def _topological(flat, offsets, taken, key, num_genes):  # pragma: no cover - nu
             for i in range(offsets[s], offsets[s + 1] - 1):
                 after[filled[flat[i]]] = flat[i + 1]
                 filled[flat[i]] += 1
-    by_key = np.argsort(key)
     total = 0
     heap = np.empty(num_genes, np.int64)  # (key << 32) | gene, of the genes free to come next
     size = 0
