@@ -32,6 +32,7 @@ from omicsio_jax.format import (
     Manifest,
     ModalityEntry,
     ObsEntry,
+    empty_span,
     file_entry,
     fsync_path,
 )
@@ -126,6 +127,7 @@ class Finalizer:
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
         self._hist = np.zeros((job.num_columns, NUM_BINS), np.uint32) if job.stats else None
+        self._span = empty_span(job.num_columns) if job.stats else None  # each gene's bins in use
         self._merged: list[PartResult] = []
         self._completed: set[int] = set()  # positions handed to `add`, not yet queued for merging
         self._queued = 0  # partitions (a prefix of the plan) queued for merging
@@ -177,7 +179,7 @@ class Finalizer:
             stats = GeneStats.load(sidecar / PART_STATS)
             self._n_cells += stats.n_cells
             self._sums += stats.sums
-            stats.add_to_dense(self._hist)
+            stats.add_to_dense(self._hist, self._span)
         if self.store.local_root is not None:  # flushed now, while the rest are written, not all at the end
             for shard in done.shards:
                 fsync_path(self.root / shard.path)
@@ -217,7 +219,9 @@ class Finalizer:
                 writer.close()
         num_cells = sum(p.num_cells for p in parts)
         if self.job.stats:
-            GeneStats.from_dense(num_cells, self._n_cells, self._sums, self._hist).write(root / STATS_NAME)
+            GeneStats.from_dense(num_cells, self._n_cells, self._sums, self._hist, self._span).write(
+                root / STATS_NAME
+            )
         self._hist = None
         self._cell_ids.finish()
         writers = [*self._writers, *presence]
