@@ -84,12 +84,12 @@ def test_read_options_fill_only_what_is_left_to_the_loader():
         ("dense", 16, 64, MAX_DEFAULT_THREADS),
         ("csr", 6, 64, 3),
         ("csr", 64, 1024, MAX_DEFAULT_THREADS),
-        # 1–2 cores: slabs, and host-built batches of up to SMALL_BATCH rows, on the consumer's thread
+        # 1–2 cores: slabs, and dense or panel batches of up to SMALL_BATCH rows, on the consumer's thread
         ("csr", 1, 1024, 0),
         ("csr", 2, 1024, 0),
         ("dense", 2, SMALL_BATCH, 0),
         ("dense", 2, SMALL_BATCH + 1, 2),
-        ("geneformer", 2, 64, 0),
+        ("geneformer", 2, 64, 2),
         ("dense", 2, None, 2),
     ],
 )

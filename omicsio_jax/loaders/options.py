@@ -58,7 +58,9 @@ class ReadOptions:
 
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
-SMALL_BATCH = 128  # on 1–2 cores, host-built batches of up to this many rows decode on the consumer's thread
+SMALL_BATCH = (
+    128  # on 1–2 cores, dense or panel batches of up to this many rows decode on the consumer's thread
+)
 
 
 def usable_cores() -> int:
@@ -77,10 +79,10 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     on 2 and on 16 cores and for tokens on 2 (benchmarks/README.md).
 
     On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
-    and each batch it hands over wakes the consumer: slabs, and host-built batches of up to
-    `SMALL_BATCH` rows, decode on the consumer's thread (0), as fast or faster for a fraction of
-    the CPU (``benchmarks/results/layout.json``); larger host-built batches still decode on every
-    core. `oj.tune` measures the choice on a machine.
+    and each batch it hands over wakes the consumer: slabs, and dense or panel batches of up to
+    `SMALL_BATCH` rows, decode on the consumer's thread (0), faster and for less CPU
+    (``benchmarks/results/layout.json``). Larger dense batches, and token batches (whose kernel is
+    most of the work), still decode on every core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 0)
@@ -88,8 +90,8 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     (0, 2)
     """
     cores = usable_cores() if cores is None else cores
-    small = batch_size is not None and batch_size <= SMALL_BATCH
-    if cores <= 2 and (kind == "csr" or small):
+    rows = kind == "dense" and batch_size is not None and batch_size <= SMALL_BATCH  # panels included
+    if cores <= 2 and (kind == "csr" or rows):
         return 0
     share = cores // 2 if kind == "csr" else cores
     return max(1, min(share, MAX_DEFAULT_THREADS))
