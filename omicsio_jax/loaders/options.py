@@ -58,9 +58,7 @@ class ReadOptions:
 
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
-SMALL_BATCH = (
-    128  # on 1–2 cores, dense or panel batches of up to this many rows decode on the consumer's thread
-)
+SMALL_BATCH = 64  # on 1–2 cores, dense or panel batches up to this many rows decode on the consumer
 
 
 def usable_cores() -> int:
