@@ -90,15 +90,12 @@ def main() -> None:
         raise SystemExit(
             f"{DATASET} is missing: make it with benchmarks/bench_loader.py (see benchmarks/README.md)"
         )
-    from omicsio_jax.loaders.options import default_num_threads, usable_cores
+    from omicsio_jax.loaders.options import ahead_threads, default_num_threads, usable_cores
 
     cores = usable_cores()
     # the consumer decoding (0) against the threads the rule gives on more than 2 cores: half of
     # them for slabs, every one (up to 8) for rows built on the host
-    ahead = {"csr": max(1, min(cores // 2, 8))}
-    settings = [
-        (kind, b, t) for kind, sizes in CASES for b in sizes for t in (0, ahead.get(kind, min(cores, 8)))
-    ]
+    settings = [(kind, b, t) for kind, sizes in CASES for b in sizes for t in (0, ahead_threads(kind, cores))]
     runs: dict[tuple, list[dict]] = {s: [] for s in settings}
     for r in range(args.rounds):  # round-robin: every setting once per round
         for s in settings:
@@ -120,29 +117,20 @@ def main() -> None:
                 **medians(runs[kind, b, t], ("cells_per_s", "cells_per_cpu_s", "seconds", "cpu_per_wall")),
             }
         )
-    best = {}
+    best, default = {}, {}  # (kind, batch) -> the fastest row, the default's row
     for row in rows:
         key = (row["kind"], row["batch_size"])
         if key not in best or row["cells_per_s"] > best[key]["cells_per_s"]:
             best[key] = row
+        if row["is_default"]:
+            default[key] = row
     summary = {
         f"{kind} b{b}": {
-            "default": next(
-                r["num_threads"]
-                for r in rows
-                if (r["kind"], r["batch_size"]) == (kind, b) and r["is_default"]
-            ),
+            "default": row["num_threads"],
             "fastest": best[kind, b]["num_threads"],
-            "default / fastest cells/s": next(
-                r["cells_per_s"]
-                for r in rows
-                if (r["kind"], r["batch_size"]) == (kind, b) and r["is_default"]
-            )
-            / best[kind, b]["cells_per_s"],
+            "default / fastest cells/s": row["cells_per_s"] / best[kind, b]["cells_per_s"],
         }
-        for kind, sizes in CASES
-        for b in sizes
-        if any(r["is_default"] for r in rows if (r["kind"], r["batch_size"]) == (kind, b))
+        for (kind, b), row in default.items()
     }
     result = {
         "benchmark": "bench_layout",

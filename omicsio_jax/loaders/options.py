@@ -91,6 +91,13 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     rows = kind == "dense" and batch_size is not None and batch_size <= SMALL_BATCH  # panels included
     if cores <= 2 and (kind == "csr" or rows):
         return 0
+    return ahead_threads(kind, cores)
+
+
+def ahead_threads(kind: str, cores: int) -> int:
+    """The threads that decode batches of ``kind`` ahead of the consumer where `default_num_threads`
+    gives any: every core up to `MAX_DEFAULT_THREADS` for rows built on the host, half of them (at
+    least one) for csr slabs."""
     share = cores // 2 if kind == "csr" else cores
     return max(1, min(share, MAX_DEFAULT_THREADS))
 
