@@ -337,9 +337,10 @@ class GeneSpace:
             )
             resolved.append(ids)
         # every source's ids as codes into the ids seen, in order of first appearance (one hash table
-        # for all sources, not one each)
-        seen = pc.unique(pa.concat_arrays([ids.drop_null() for ids in resolved]))
-        code = pc.fill_null(pc.index_in(pa.concat_arrays(resolved), value_set=seen), -1).to_numpy()
+        # for all sources, not one each, and one pass over them)
+        encoded = pc.dictionary_encode(pa.concat_arrays([pa.array([], pa.string()), *resolved]))
+        seen = encoded.dictionary
+        code = pc.fill_null(encoded.indices, -1).to_numpy().astype(np.int64)
         ends = np.cumsum([len(ids) for ids in resolved])
         if genes == UNION:
             by_id = np.empty(len(seen), np.int64)  # each gene's place among the ids sorted
@@ -403,7 +404,10 @@ def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.nd
     - The genes only the sources set aside list come last, in order of first appearance.
 
     The first source always keeps its order; sources that list subsets of one common order all keep
-    it. Time: the genes listed, times the log of the genes, a few times.
+    it. Time: the genes listed, times the log of the genes, a few times. Where every source kept
+    lists its genes in ``key`` order (ids sorted, as most files list them), that order is the
+    topological one and is taken without the ordering kernel (a collection's setup then starts no
+    numba on its serial path).
     """
     flat = np.concatenate([np.asarray(c, np.int64) for c in codes] + [np.empty(0, np.int64)])
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in codes])]).astype(np.int64)
@@ -412,9 +416,15 @@ def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.nd
     key = np.arange(num_genes, dtype=np.int64) if key is None else np.asarray(key, np.int64)
     first_source = flat[: offsets[1]] if len(offsets) > 1 else flat[:0]
     taken = _rise_at(flat, offsets, _places(first_source, num_genes))  # agree with the first source
-    by_key = np.argsort(key)
+    in_key_order = _rise_at(flat, offsets, key)
+    by_key = np.argsort(key, kind="stable")
     for attempt in range(3):
-        union = _topological(flat, offsets, taken, key, by_key, num_genes)
+        if np.all(in_key_order[taken]):  # each one's genes follow each other in key order: key order
+            member = np.zeros(len(key), bool)
+            member[flat[np.repeat(taken, np.diff(offsets))]] = True
+            union = by_key[member[by_key]]
+        else:
+            union = _topological(flat, offsets, taken, key, by_key, num_genes)
         at = _places(union, num_genes)
         keeps = _rise_at(flat, offsets, at)
         if attempt == 2 or not np.any(taken & ~keeps):
@@ -424,21 +434,17 @@ def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.nd
     return np.concatenate([union, rest[np.sort(np.unique(rest, return_index=True)[1])]])  # first appearance
 
 
-@nb.njit(cache=True, nogil=True)
-def _first_listed(flat, offsets, num_genes):  # pragma: no cover - numba
+def _first_listed(flat: np.ndarray, offsets: np.ndarray, num_genes: int) -> tuple[np.ndarray, np.ndarray]:
     """Each source's codes without -1 and without a gene's second listing (it stands where first)."""
-    out, out_offsets = np.empty(len(flat), np.int64), np.zeros(len(offsets), np.int64)
-    last_source = np.full(num_genes, -1, np.int64)
-    n = 0
+    parts = []
     for s in range(len(offsets) - 1):
-        for i in range(offsets[s], offsets[s + 1]):
-            g = flat[i]
-            if g >= 0 and last_source[g] != s:
-                last_source[g] = s
-                out[n] = g
-                n += 1
-        out_offsets[s + 1] = n
-    return out[:n], out_offsets
+        codes = flat[offsets[s] : offsets[s + 1]]
+        codes = codes[codes >= 0]
+        if len(codes) and np.bincount(codes, minlength=num_genes).max() > 1:
+            codes = codes[np.sort(np.unique(codes, return_index=True)[1])]
+        parts.append(codes)
+    out_offsets = np.concatenate([[0], np.cumsum([len(c) for c in parts])]).astype(np.int64)
+    return np.concatenate([*parts, np.empty(0, np.int64)]), out_offsets
 
 
 def _places(order: np.ndarray, num_genes: int) -> np.ndarray:
@@ -448,19 +454,13 @@ def _places(order: np.ndarray, num_genes: int) -> np.ndarray:
     return at
 
 
-@nb.njit(cache=True, nogil=True)
-def _rise_at(flat, offsets, at):  # pragma: no cover - numba
+def _rise_at(flat: np.ndarray, offsets: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Per source: whether its genes' places ``at`` (-1: none, skipped) rise in the order it lists them."""
-    rises = np.ones(len(offsets) - 1, np.bool_)
+    rises = np.ones(len(offsets) - 1, bool)
     for s in range(len(offsets) - 1):
-        last = -1
-        for i in range(offsets[s], offsets[s + 1]):
-            p = at[flat[i]]
-            if p >= 0:
-                if p <= last:
-                    rises[s] = False
-                    break
-                last = p
+        places = at[flat[offsets[s] : offsets[s + 1]]]
+        places = places[places >= 0]
+        rises[s] = bool(np.all(places[1:] > places[:-1]))
     return rises
 
 

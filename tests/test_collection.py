@@ -368,6 +368,30 @@ def test_the_union_keeps_every_order_that_agrees_and_sets_the_others_aside():
     assert union_order([]).tolist() == []
 
 
+def test_sources_listed_in_id_order_get_the_ordering_kernels_order_without_it():
+    """Where every source kept lists its genes in key order, `union_order` takes key order without
+    the topological kernel; that is the kernel's own answer (each source's genes follow each other
+    in key order, so the smallest key free to come next is always the smallest left), ties in key
+    included, and sources in other orders are still set aside."""
+    from materialize._genespace import _first_listed, _topological, union_order
+
+    rng = np.random.default_rng(5)
+    for case in range(30):
+        num_genes = int(rng.integers(1, 400))
+        key = rng.integers(0, num_genes // 2 + 1, num_genes) if case % 3 == 0 else rng.permutation(num_genes)
+        by_key = np.argsort(key, kind="stable")
+        codes = [by_key[np.sort(rng.choice(num_genes, int(rng.integers(0, num_genes + 1)), replace=False))]]
+        codes += [by_key[np.sort(rng.choice(num_genes, num_genes // 3, replace=False))] for _ in range(4)]
+        flat, offsets = _first_listed(
+            np.concatenate(codes), np.cumsum([0] + [len(c) for c in codes]), num_genes
+        )
+        every = np.ones(len(codes), bool)
+        kernel = _topological(flat, offsets, every, key, by_key, num_genes)
+        assert union_order(codes, key).tolist() == kernel.tolist()
+    shuffled = rng.permutation(by_key)
+    assert union_order([by_key, shuffled], key)[: len(by_key)].tolist() == by_key.tolist()
+
+
 def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
     """Three parquet sources (read on connections to one DuckDB database, each with its own view of
     its cells), their genes listed in different orders, read back cell for cell."""
