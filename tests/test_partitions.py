@@ -221,6 +221,52 @@ def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
         assert affinities(pool, [set(cores)] * (len(cores) + 1)) == [set(cores)] * (len(cores) + 1)
 
 
+def test_once_no_partition_is_left_the_busy_workers_may_use_every_core(corpus, tmp_path, monkeypatch):
+    """A pinned worker's threads share one core; once the last partition is handed out, a worker
+    left without one no longer needs its core, so each worker still writing is let onto every core
+    (every thread of it), and a later run pins the workers again. The output is the same."""
+    from materialize import _pool
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("pinning needs two usable cores")
+
+    def threads_of(worker) -> list[set[int]]:
+        found = []
+        for tid in os.listdir(f"/proc/{worker.proc.pid}/task"):
+            try:
+                found.append(os.sched_getaffinity(int(tid)))
+            except OSError:  # ended meanwhile
+                continue
+        return found
+
+    widened = []
+    allow = _pool._Worker.allow
+
+    def recording(worker, allowed):
+        allow(worker, allowed)
+        if sorted(allowed) == cores:
+            widened.append((worker.part is not None, threads_of(worker)))
+
+    monkeypatch.setattr(_pool._Worker, "allow", recording)
+    layout = Layout(shard_cells=1024)  # 3 partitions over 2 workers: one is left alone at the end
+    materialize(corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=layout)
+    materialize(corpus.cells_parquet, tmp_path / "out", workers=len(cores), progress=False, layout=layout)
+    assert widened and all(busy for busy, _ in widened)
+    assert all(found and all(a == set(cores) for a in found) for _, found in widened)
+    assert _digests(tmp_path / "out") == _digests(tmp_path / "ref")
+
+    with _pool.Pool(len(cores)) as pool:  # pinned again: what the next run's start does
+        worker = pool.workers[0]
+        deadline = time.monotonic() + 30
+        while threads_of(worker) != [{worker.core}] and time.monotonic() < deadline:
+            time.sleep(0.01)  # it pins itself first thing after it starts
+        allow(worker, cores)
+        assert all(a == set(cores) for a in threads_of(worker))
+        allow(worker, [worker.core])
+        assert all(a == {worker.core} for a in threads_of(worker))
+
+
 def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, dask_cluster):
     materialize(
         corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
