@@ -127,12 +127,13 @@ class _Worker:
     def allow(self, cores: Sequence[int]) -> None:
         """Let every thread of this worker run on ``cores`` (threads it starts later inherit them)."""
         try:
-            threads = os.listdir(f"/proc/{self.proc.pid}/task")
+            threads = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
         except OSError:  # exited, or no /proc
             return
-        for tid in threads:
+        # the main thread first: the threads it starts from then on inherit its cores
+        for tid in sorted(threads, key=lambda t: t != self.proc.pid):
             try:
-                os.sched_setaffinity(int(tid), cores)
+                os.sched_setaffinity(tid, cores)
             except OSError:  # the thread ended meanwhile
                 continue
 
