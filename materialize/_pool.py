@@ -125,13 +125,9 @@ class _Worker:
         self.cells = 0  # progress reported for the current partition
 
     def allow(self, cores: Sequence[int]) -> None:
-        """Let every thread of this worker run on ``cores`` (threads it starts later inherit them)."""
-        try:
-            threads = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
-        except OSError:  # exited, or no /proc
-            return
-        # the main thread first: the threads it starts from then on inherit its cores
-        for tid in sorted(threads, key=lambda t: t != self.proc.pid):
+        """Let every thread of this worker, and of the processes it started (its shards' compressor),
+        run on ``cores``; threads started later inherit them."""
+        for tid in _threads_of(self.proc.pid):
             try:
                 os.sched_setaffinity(tid, cores)
             except OSError:  # the thread ended meanwhile
@@ -147,6 +143,25 @@ class _Worker:
             self.proc.kill()
         self.proc.wait()
         self.conn.close()
+
+
+def _threads_of(pid: int) -> list[int]:
+    """The threads of process ``pid`` (its main thread first: threads it starts inherit its cores) and
+    of its child processes, from ``/proc`` (none if it has exited)."""
+    try:
+        threads = sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")), key=lambda t: t != pid)
+    except OSError:  # exited, or no /proc
+        return []
+    found = list(threads)
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += _threads_of(child)
+    return found
 
 
 class Pool:

@@ -224,18 +224,19 @@ def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
 def test_once_no_partition_is_left_the_busy_workers_may_use_every_core(corpus, tmp_path, monkeypatch):
     """A pinned worker's threads share one core; once the last partition is handed out, a worker
     left without one no longer needs its core, so each worker still writing is let onto every core
-    (every thread of it), and a later run pins the workers again. The output is the same."""
+    (every thread of it and of its shards' compressor process), and a later run pins the workers
+    again. The output is the same."""
     from materialize import _pool
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("pinning needs two usable cores")
 
-    def threads_of(worker) -> list[set[int]]:
+    def threads_of(worker) -> list[set[int]]:  # the affinities of its threads and its children's
         found = []
-        for tid in os.listdir(f"/proc/{worker.proc.pid}/task"):
+        for tid in _pool._threads_of(worker.proc.pid):
             try:
-                found.append(os.sched_getaffinity(int(tid)))
+                found.append(os.sched_getaffinity(tid))
             except OSError:  # ended meanwhile
                 continue
         return found
