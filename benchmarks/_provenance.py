@@ -170,6 +170,31 @@ def window(
     return Window(cells, elapsed, steps, time.process_time() - cpu0)
 
 
+def loader_windows(
+    loader: Iterable,
+    batch_size: int,
+    *,
+    seconds: float = MIN_WINDOW_S,
+    rounds: int = 1,
+    waited: Callable[[object], object] = lambda batch: batch,
+) -> list[dict]:
+    """``rounds`` windows of at least ``seconds`` over ``loader``'s batches of ``batch_size`` cells,
+    each batch's ``waited(batch)`` (the whole batch, or e.g. its ``x``) waited for on the devices,
+    after a warm-up of at least 8 batches or 4,096 cells: kernels loaded, the read-ahead and the
+    buffer pools full."""
+    import jax
+
+    it = iter(loader)
+    for _ in range(max(8, 4096 // batch_size)):
+        jax.block_until_ready(waited(next(it)))
+
+    def step() -> int:
+        jax.block_until_ready(waited(next(it)))
+        return batch_size
+
+    return [window(step, seconds=seconds).as_dict() for _ in range(rounds)]
+
+
 def timed(step: Callable[[], int], *, seconds: float = MIN_WINDOW_S) -> tuple[int, float]:
     """Call ``step`` (returning the cells it served) until at least ``seconds`` have passed; return
     ``(cells, seconds)`` of the whole window."""

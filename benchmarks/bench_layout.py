@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 DATASET = HERE / "data" / "ds_200k"
 sys.path.insert(0, str(HERE))
-from _provenance import add_window_options, check_window, medians, provenance, window, write_result  # noqa: E402
+from _provenance import add_window_options, check_window, loader_windows, medians, provenance, write_result  # noqa: E402
 
 # (output, batch sizes): dense rows and slabs at the sizes the README quotes, tokens at scDataset's
 CASES = (("csr", (64, 256, 1024)), ("dense", (64, 256, 1024)), ("geneformer", (64, 256)))
@@ -38,8 +38,6 @@ def _output(kind: str):
 
 def child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
     """One window of `make_loader` with ``num_threads`` decoding threads, after a warm-up."""
-    import jax
-
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
@@ -50,15 +48,7 @@ def child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
         num_epochs=None,
         read=oj.ReadOptions(num_threads=num_threads),
     )
-    it = iter(loader)
-    for _ in range(max(8, 4096 // batch_size)):  # warm-up: kernels loaded, read-ahead and buffer pools full
-        jax.block_until_ready(next(it))
-
-    def step() -> int:
-        jax.block_until_ready(next(it))
-        return batch_size
-
-    timed = window(step, seconds=seconds).as_dict()
+    (timed,) = loader_windows(loader, batch_size, seconds=seconds)
     loader.close()
     return timed
 

@@ -36,6 +36,7 @@ from _provenance import (  # noqa: E402
     baseline_commit,
     check_window,
     compare,
+    loader_windows,
     medians,
     provenance,
     window,
@@ -72,8 +73,6 @@ def _output(kind: str):
 
 def child_loader(kind: str, batch_size: int, rounds: int, seconds: float, num_threads: int) -> dict:
     """cells/s of make_loader: the median of ``rounds`` windows of at least ``seconds``, after a warm-up."""
-    import jax
-
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
@@ -84,15 +83,7 @@ def child_loader(kind: str, batch_size: int, rounds: int, seconds: float, num_th
         num_epochs=None,
         read=oj.ReadOptions(num_threads=num_threads),
     )
-    it = iter(loader)
-    for _ in range(max(8, 4096 // batch_size)):  # warm-up: compile, fill the read-ahead and buffer pools
-        jax.block_until_ready(next(it).x)
-
-    def step() -> int:
-        jax.block_until_ready(next(it).x)
-        return batch_size
-
-    runs = [window(step, seconds=seconds).as_dict() for _ in range(rounds)]
+    runs = loader_windows(loader, batch_size, seconds=seconds, rounds=rounds, waited=lambda batch: batch.x)
     loader.close()
     return medians(runs, ("cells_per_s", "cells_per_cpu_s", "seconds", "batches"))
 
