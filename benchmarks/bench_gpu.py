@@ -1,13 +1,21 @@
 """What a GPU (or any accelerator) adds: host→device transfer, on-device densify, on-device panel draws.
 
 With the default JAX device, at batch 1,024 and `make_loader`'s defaults (sampling and read
-options), and again with ``--threads`` decode threads (``ReadOptions(num_threads=...)``):
-make_loader's dense batches placed on the device, and csr slabs placed and densified there
-(``loader.densify``, normalize_log1p); the densify alone on one placed batch; an in-memory
-2,000-gene panel drawn by ``make_memory_loader(on_device=True)``; and the host→device bandwidth of
-one stream of ``jax.device_put`` of a dense batch's bytes (pageable memory, one transfer in flight),
-which the dense rows are set against: a loader with several threads overlaps its transfers and can
-pass it. Each figure is the median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
+options), and again with ``--threads`` decode threads where given (``ReadOptions(num_threads=...)``):
+
+- make_loader's dense batches placed on the device (decoded and normalized on the host);
+- csr slabs decoded on the host alone (``loader.as_grain_dataset()``, nothing placed): the host's
+  share of the two rows after it;
+- csr slabs placed on the device, and placed and densified there (``loader.densify``,
+  normalize_log1p);
+- the densify alone on one placed batch, and the same batch through the formulation before it
+  (every entry scattered where it stands, the padding at (0, 0)), in the same run;
+- an in-memory 2,000-gene panel drawn by ``make_memory_loader(on_device=True)``;
+- the host→device bandwidth of one stream of ``jax.device_put`` of a dense batch's bytes (pageable
+  memory, one transfer in flight), which the dense rows are set against: a loader with several
+  threads overlaps its transfers and can pass it.
+
+Each figure is the median of ``--rounds`` windows of at least ``--seconds`` after a warm-up.
 
 The dataset (``--dataset``) is materialized from the synthetic corpus of ``--cells`` cells (seed 0,
 ``benchmarks/data/corpus_<N>k``) when missing, with materialize's defaults.
@@ -60,6 +68,28 @@ def _rate(fn, *, warmup: int, cells: int, seconds: float, rounds: int) -> dict:
     return medians(runs, ("cells_per_s", "seconds"))
 
 
+def _densify_before(output):
+    """The on-device densify as it was before padding was dropped: every slab entry scattered where it
+    stands, a slab's padding all at (0, 0) (one shard, the single device's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from omicsio_jax import Normalization
+
+    norm, rows, genes = (
+        Normalization(output.normalize, output.target_sum),
+        output.rows_per_slab,
+        output.num_columns,
+    )
+
+    @jax.jit
+    def densify(row_ids, indices, values):
+        r, i, v = row_ids[0], indices[0], jnp.asarray(values[0], jnp.float32)
+        return jnp.zeros((rows, genes), jnp.float32).at[r, i].add(norm.apply_entries(v, r, rows))
+
+    return densify
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default=str(HERE / "data" / "ds_200k"))
@@ -67,7 +97,7 @@ def main() -> None:
         "--cells", type=int, default=200_000, help="the corpus --dataset is made from when missing"
     )
     p.add_argument(
-        "--threads", type=int, default=8, help="ReadOptions(num_threads=...) of the rows beside the defaults'"
+        "--threads", type=int, default=None, help="ReadOptions(num_threads=...) of rows beside the defaults'"
     )
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
@@ -89,10 +119,9 @@ def main() -> None:
         materialize(corpus / "cells.parquet", args.dataset, progress=False)
     ds = oj.open_dataset(args.dataset)
     rows = {}
-    layouts = {
-        "defaults": oj.ReadOptions(),
-        f"num_threads={args.threads}": oj.ReadOptions(num_threads=args.threads),
-    }
+    layouts = {"defaults": oj.ReadOptions()}
+    if args.threads is not None:
+        layouts[f"num_threads={args.threads}"] = oj.ReadOptions(num_threads=args.threads)
     for name, read in layouts.items():
         kw = {"batch_size": 1024, "seed": 0, "num_epochs": None, "read": read}
         dense = oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p"))
@@ -101,14 +130,30 @@ def main() -> None:
         )
         dense.close()  # its read-ahead threads stop before the next row is timed
         sparse = oj.make_loader(ds, **kw, output=oj.CSR(normalize="normalize_log1p"))
+        host = iter(sparse.as_grain_dataset())
+        rows[f"csr b1024 on the host alone, {name} (nothing placed)"] = _rate(
+            lambda host=host: next(host), warmup=20, cells=1024, **timing
+        )
+        del host  # its threads stop with it
+        rows[f"csr b1024 to device, {name}"] = _rate(
+            lambda sparse=sparse: next(sparse).x, warmup=20, cells=1024, **timing
+        )
         rows[f"csr b1024 to device + densify there, {name}"] = _rate(
             lambda sparse=sparse: sparse.densify(next(sparse).x), warmup=20, cells=1024, **timing
         )
-        slabs = next(sparse).x  # the last layout's: the densify-alone row's input
+        slabs = next(sparse).x  # the last layout's: the densify-alone rows' input
         sparse.close()
     rows["densify alone (one placed batch, normalize_log1p)"] = _rate(
         lambda: sparse.densify(slabs), warmup=5, cells=1024, **timing
     )
+    before = _densify_before(sparse.output)
+    rows["densify alone, the formulation before (padding scattered at (0, 0))"] = _rate(
+        lambda: before(slabs.row_ids, slabs.indices, slabs.values), warmup=5, cells=1024, **timing
+    )
+    np.testing.assert_array_equal(
+        np.asarray(before(slabs.row_ids, slabs.indices, slabs.values)), np.asarray(sparse.densify(slabs))
+    )
+    padding = float(np.mean(np.asarray(slabs.values) == 0))
     panel = oj.load_panel(ds, list(range(2000)), progress=False)
     mem = oj.make_memory_loader(panel, batch_size=1024, seed=0, num_epochs=None, on_device=True)
     rows["2,000-gene panel drawn on the device (memory loader)"] = _rate(
@@ -129,6 +174,8 @@ def main() -> None:
         "jax": jax.__version__,
         "dataset": {"path": str(args.dataset), "num_cells": ds.num_cells, "num_genes": ds.num_genes},
         "threads": args.threads,
+        "slab_capacity": int(slabs.values.shape[-1]),
+        "slab_padding_fraction": padding,
         "rows": [{"label": k, **v} for k, v in rows.items()],
         "dense_batch_bytes": host.nbytes,
         "host_to_device_GB_per_s": h2d,

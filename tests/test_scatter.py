@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import omicsio_jax as oj
 from omicsio_jax.format import codec
 from omicsio_jax.outputs import scatter
 
@@ -215,6 +217,30 @@ def test_densify_on_device_matches_numpy(batch, normalize):
     expected[: len(indptr) - 1] = ref_dense(indptr, indices, values, num_genes, normalize)
     # float32 totals on device; XLA on CPU flushes subnormal results to zero
     np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-30)
+
+
+def test_densify_on_device_drops_padding_and_stored_zeros_bit_for_bit():
+    """Entries of value 0 (a slab's padding, a stored 0) are routed past the last row and dropped: the
+    dense rows are those of adding every entry where it stands, bit for bit, also at (0, 0)."""
+    rng = np.random.default_rng(7)
+    rows = np.sort(rng.integers(0, 6, 40)).astype(np.int32)
+    cols = rng.integers(0, 50, 40).astype(np.int32)
+    vals = rng.gamma(1.0, 3.0, 40).astype(np.float32)
+    rows[0], cols[0] = 0, 0  # a real value where the padding pointed
+    vals[[3, 17]] = 0.0  # stored zeros
+    pad = np.zeros(24, np.int32)
+    row_ids, indices = np.concatenate([rows, pad]), np.concatenate([cols, pad])
+    values = np.concatenate([vals, np.zeros(24, np.float32)])
+    for normalize in MODES:
+        norm = oj.Normalization(normalize)
+        everywhere = (
+            jnp.zeros((6, 50), jnp.float32).at[row_ids, indices].add(norm.apply_entries(values, row_ids, 6))
+        )
+        got = scatter.densify_on_device(
+            row_ids, indices, values, num_rows=6, num_genes=50, normalize=normalize
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(everywhere))
+        assert np.asarray(got)[0, 0] > 0
 
 
 def test_densify_on_device_edges():

@@ -67,11 +67,12 @@ class Normalization:
 
     def apply_entries(self, values: jax.Array, row_ids: jax.Array, num_rows: int) -> jax.Array:
         """The nonzero entries ``values`` of rows ``row_ids`` (of ``num_rows``) normalized, on the devices;
-        padding entries (value 0) add nothing to a row's total."""
+        padding entries (value 0) add nothing to a row's total, nor do entries of rows past
+        ``num_rows`` (dropped)."""
         values = jnp.asarray(values, jnp.float32)
         if self.mode == "normalize_log1p":
-            totals = jax.ops.segment_sum(values, row_ids, num_segments=num_rows)
-            totals = jnp.where(totals == 0, jnp.inf, totals)[row_ids]  # a zero total keeps its row zero
+            totals = jax.ops.segment_sum(values, row_ids, num_segments=num_rows, mode="drop")
+            totals = jnp.where(totals == 0, jnp.inf, totals).at[row_ids].get(mode="clip")  # 0 keeps a row 0
             values = values / totals * jnp.float32(self.target_sum)
         return values if self.mode is None else jnp.log1p(values)
 

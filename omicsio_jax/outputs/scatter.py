@@ -327,10 +327,15 @@ def densify_on_device(
     """Dense ``(num_rows, num_genes)`` float32 from `pad_csr` output, built on the device (jitted).
 
     ``normalize``/``target_sum`` as in the module docstring; row totals via ``segment_sum`` in
-    float32. Padding entries (value 0) add nothing.
+    float32. Entries of value 0 (the padding) are sent to row ``num_rows``, past the end, which the
+    scatters drop: at (0, 0) a slab's padding, often a fifth of its entries, would be atomic adds
+    to one address, serialized on a GPU. A stored 0 would have added nothing either.
     """
     normalization = Normalization(normalize, target_sum)
     dense = jnp.zeros((num_rows, num_genes), jnp.float32)
     if num_rows == 0 or num_genes == 0:
         return dense
-    return dense.at[row_ids, indices].add(normalization.apply_entries(values, row_ids, num_rows))
+    values = jnp.asarray(values, jnp.float32)
+    rows = jnp.where(values == 0, num_rows, jnp.asarray(row_ids, jnp.int32))
+    entries = normalization.apply_entries(values, rows, num_rows)
+    return dense.at[rows, indices].add(entries, mode="drop")
