@@ -545,6 +545,7 @@ def render_scale(d: dict) -> list[str]:
             ),
         ),
         *sub("Summary", pairs((k, v, ".3g") for k, v in (d.get("summary") or {}).items())),
+        *sub("Machine probe", pairs((k, v, "") for k, v in (d.get("machine_probe") or {}).items())),
         *(
             [f"Rounds: {d['rounds']} of {d['rounds_asked']} asked. {d.get('derived_from', '')}".strip(), ""]
             if "rounds_asked" in d
@@ -758,6 +759,13 @@ def render_gpu(d: dict) -> list[str]:
                 ("device", d.get("device_kind"), ""),
                 ("host→device, one device_put stream (GB/s)", d.get("host_to_device_GB_per_s"), ".1f"),
                 *((k, v, ".2f") for k, v in (d.get("summary") or {}).items()),
+                ("csr slab capacity (entries)", d.get("slab_capacity"), ",d"),
+                (
+                    "padding in the densified slab (fraction of its entries)",
+                    d.get("slab_padding_fraction"),
+                    ".3f",
+                ),
+                *((f"machine probe: {k}", v, "") for k, v in (d.get("machine_probe") or {}).items()),
                 ("note", d.get("commit_note"), ""),
             ]
         ),
