@@ -1,7 +1,8 @@
 """What a GPU (or any accelerator) adds: host→device transfer, on-device densify, on-device panel draws.
 
 With the default JAX device, at batch 1,024 and `make_loader`'s defaults (sampling and read
-options), and again with ``--threads`` decode threads where given (``ReadOptions(num_threads=...)``):
+options), and again with each ``--read`` setting given (``--read num_threads=8,prefetch=4``: the
+`ReadOptions` of the rows beside the defaults'; ``--threads N`` is ``--read num_threads=N``):
 
 - make_loader's dense batches placed on the device (decoded and normalized on the host);
 - csr slabs decoded on the host alone (``loader.as_grain_dataset()``, nothing placed): the host's
@@ -68,6 +69,20 @@ def _rate(fn, *, warmup: int, cells: int, seconds: float, rounds: int) -> dict:
     return medians(runs, ("cells_per_s", "seconds"))
 
 
+def _read_options(setting: str) -> dict[str, int]:
+    """``"num_threads=8,prefetch=4"`` as `ReadOptions` keywords."""
+    out = {}
+    for item in setting.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in ("num_threads", "prefetch", "decode_threads") or not value.strip().isdigit():
+            msg = (
+                f"--read {setting!r}: expected KEY=N[,KEY=N] with KEY num_threads, prefetch or decode_threads"
+            )
+            raise SystemExit(msg)
+        out[key.strip()] = int(value)
+    return out
+
+
 def _densify_before(output):
     """The on-device densify as it was before padding was dropped: every slab entry scattered where it
     stands, a slab's padding all at (0, 0) (one shard, the single device's)."""
@@ -99,10 +114,20 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="ReadOptions(num_threads=...) of rows beside the defaults'"
     )
+    p.add_argument(
+        "--read",
+        action="append",
+        default=[],
+        metavar="KEY=N[,KEY=N]",
+        help="ReadOptions of rows beside the defaults' (repeatable), e.g. num_threads=8,prefetch=4",
+    )
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
     args = p.parse_args()
     check_window(args)
+    settings = ([f"num_threads={args.threads}"] if args.threads is not None else []) + args.read
+    for setting in settings:
+        _read_options(setting)  # a bad setting stops the run before anything is timed
     timing = {"seconds": args.seconds, "rounds": args.rounds}
     import jax
 
@@ -120,8 +145,8 @@ def main() -> None:
     ds = oj.open_dataset(args.dataset)
     rows = {}
     layouts = {"defaults": oj.ReadOptions()}
-    if args.threads is not None:
-        layouts[f"num_threads={args.threads}"] = oj.ReadOptions(num_threads=args.threads)
+    for setting in settings:
+        layouts[setting] = oj.ReadOptions(**_read_options(setting))
     for name, read in layouts.items():
         kw = {"batch_size": 1024, "seed": 0, "num_epochs": None, "read": read}
         dense = oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p"))
@@ -174,6 +199,7 @@ def main() -> None:
         "jax": jax.__version__,
         "dataset": {"path": str(args.dataset), "num_cells": ds.num_cells, "num_genes": ds.num_genes},
         "threads": args.threads,
+        "read_settings": settings,
         "slab_capacity": int(slabs.values.shape[-1]),
         "slab_padding_fraction": padding,
         "rows": [{"label": k, **v} for k, v in rows.items()],
