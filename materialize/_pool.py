@@ -228,6 +228,7 @@ class Pool:
         pool = self.workers
         report = RunReport(min(len(pool), len(partitions)))
         done = 0
+        widened: set[_Worker] = set()  # let onto every core at this run's tail: once is enough
         try:
             for worker in pool[: len(partitions)]:
                 if worker.core is not None:
@@ -252,8 +253,9 @@ class Pool:
                         if worker.part is None and worker.core is not None:
                             # nothing left to give: the pinned workers still busy may use its core
                             for busy in pool:
-                                if busy.part is not None and busy.core is not None:
+                                if busy.part is not None and busy.core is not None and busy not in widened:
                                     busy.allow(self.cores)
+                                    widened.add(busy)
                         if on_done is not None:
                             on_done(index)
                     elif message[0] == "error":
