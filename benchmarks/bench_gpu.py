@@ -126,8 +126,7 @@ def main() -> None:
     args = p.parse_args()
     check_window(args)
     settings = ([f"num_threads={args.threads}"] if args.threads is not None else []) + args.read
-    for setting in settings:
-        _read_options(setting)  # a bad setting stops the run before anything is timed
+    reads = {s: _read_options(s) for s in settings}  # a bad setting stops the run before anything is timed
     timing = {"seconds": args.seconds, "rounds": args.rounds}
     import jax
 
@@ -145,8 +144,7 @@ def main() -> None:
     ds = oj.open_dataset(args.dataset)
     rows = {}
     layouts = {"defaults": oj.ReadOptions()}
-    for setting in settings:
-        layouts[setting] = oj.ReadOptions(**_read_options(setting))
+    layouts.update({s: oj.ReadOptions(**kw) for s, kw in reads.items()})
     for name, read in layouts.items():
         kw = {"batch_size": 1024, "seed": 0, "num_epochs": None, "read": read}
         dense = oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p"))
