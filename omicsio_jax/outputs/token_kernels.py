@@ -320,21 +320,33 @@ def _geneformer_rows(
         count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         if has_dups:
             count = _sum_duplicates(cols, vals, count, canon, slot)
-        # every entry written, the kept ones advanced over (no branch on the keep test): their
-        # descending keys, their tokens (the sort carries tokens, so no gather after it) and the
-        # keys' range for the sort
-        kept = 0
+        # every entry's descending key and token (the sort carries tokens, so no gather after it)
+        # and the keys' range for the sort, in a loop without a keep test; a cell with an entry
+        # not kept (no token or median, or a stored 0) is taken again, advancing over the kept only
+        all_kept = True
         kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
         for j in range(count):
             g = cols[j]
             im, v = scale[g], vals[j]
             key = ~np.uint32(np.float32(v * im).view(np.uint32))
-            keys[kept] = key
-            kept_tok[kept] = tok[g]
-            keep = (im > 0) & (v > 0)
-            kmin = min(kmin, key) if keep else kmin
-            kmax = max(kmax, key) if keep else kmax
-            kept += keep
+            keys[j] = key
+            kept_tok[j] = tok[g]
+            all_kept &= (im > 0) & (v > 0)
+            kmin, kmax = min(kmin, key), max(kmax, key)
+        kept = count
+        if not all_kept:  # taken again, the kept ones only (advanced over without a branch)
+            kept = 0
+            kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
+            for j in range(count):
+                g = cols[j]
+                im, v = scale[g], vals[j]
+                key = ~np.uint32(np.float32(v * im).view(np.uint32))
+                keys[kept] = key
+                kept_tok[kept] = tok[g]
+                keep = (im > 0) & (v > 0)
+                kmin = min(kmin, key) if keep else kmin
+                kmax = max(kmax, key) if keep else kmax
+                kept += keep
         ranked = kept_tok
         if sort_into(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist):
             ranked = sorted_tok
@@ -473,17 +485,28 @@ def _scgpt_rows(
         count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         if has_dups:
             count = _sum_duplicates(cols, vals, count, canon, slot)
-        n = 0
+        # every entry taken, no branch: kept unless its gene has no token or its value is 0
+        all_kept = True
         small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
         for j in range(count):
             v = vals[j]
             token = tok[cols[j]]
-            if token >= 0 and v != 0:
-                kept_tok[n] = token  # the sort and the sample carry tokens: no gather after them
-                kept_vals[n] = v
-                c = np.int64(v)
-                small = small and c == v and 1 <= c <= SMALL_COUNT
-                n += 1
+            kept_tok[j] = token  # the sort and the sample carry tokens: no gather after them
+            kept_vals[j] = v
+            all_kept &= (token >= 0) & (v != 0)
+            small &= (v >= 1) & (v <= SMALL_COUNT) & (v == np.floor(v))
+        n = count
+        if not all_kept:  # some dropped: taken again, the kept ones only
+            n = 0
+            small = True
+            for j in range(count):
+                v = vals[j]
+                token = tok[cols[j]]
+                if token >= 0 and v != 0:
+                    kept_tok[n] = token
+                    kept_vals[n] = v
+                    small &= (v >= 1) & (v <= SMALL_COUNT) & (v == np.floor(v))
+                    n += 1
         if n == 0:
             _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1, pad_id)
             continue
@@ -548,21 +571,32 @@ def _scgpt_rows(
         else:
             for j in range(n):
                 pick[j] = j
-        for p in range(m):  # binned over all n values, but only the m kept are computed
-            j = pick[p]
-            if small:
+        ids_row, values_row, masked_row = gene_ids[i], values[i], masked_values[i]
+        if small and spread_ties:  # the common case in a loop of its own, free of branches
+            for p in range(m):
+                j = pick[p]
                 c = np.int64(kept_vals[j])
                 below, upto = below_of[c], upto_of[c]
-            else:
-                below, upto = _interval(edges, np.float64(kept_vals[j]))
-            if not spread_ties:
-                b = np.float32(below + 1)
-            else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
                 b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
-            gene_ids[i, 1 + p] = kept_tok[j]
-            values[i, 1 + p] = b
-            masked_values[i, 1 + p] = b
-            pad_mask[i, 1 + p] = False
+                ids_row[1 + p] = kept_tok[j]
+                values_row[1 + p] = b
+                masked_row[1 + p] = b
+        else:
+            for p in range(m):  # binned over all n values, but only the m kept are computed
+                j = pick[p]
+                if small:
+                    c = np.int64(kept_vals[j])
+                    below, upto = below_of[c], upto_of[c]
+                else:
+                    below, upto = _interval(edges, np.float64(kept_vals[j]))
+                if not spread_ties:
+                    b = np.float32(below + 1)
+                else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
+                    b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
+                ids_row[1 + p] = kept_tok[j]
+                values_row[1 + p] = b
+                masked_row[1 + p] = b
+        pad_mask[i, 1 : 1 + m] = False
         _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1 + m, pad_id)
         if exact_mask:
             c = np.int64(np.floor(m * mask_prob))
