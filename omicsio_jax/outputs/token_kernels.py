@@ -225,6 +225,12 @@ def _order_bits(v):
 
 
 @nb.njit(inline="always")
+def _descending_key(v, im):
+    """uint32 whose ascending order is the descending order of ``v · im`` (float32, non-negative)."""
+    return ~np.uint32(np.float32(v * im).view(np.uint32))
+
+
+@nb.njit(inline="always")
 def _max_count(u32, starts):
     m = 0
     for i in range(starts.shape[0]):
@@ -328,7 +334,7 @@ def _geneformer_rows(
         for j in range(count):
             g = cols[j]
             im, v = scale[g], vals[j]
-            key = ~np.uint32(np.float32(v * im).view(np.uint32))
+            key = _descending_key(v, im)
             keys[j] = key
             kept_tok[j] = tok[g]
             all_kept &= (im > 0) & (v > 0)
@@ -340,7 +346,7 @@ def _geneformer_rows(
             for j in range(count):
                 g = cols[j]
                 im, v = scale[g], vals[j]
-                key = ~np.uint32(np.float32(v * im).view(np.uint32))
+                key = _descending_key(v, im)
                 keys[kept] = key
                 kept_tok[kept] = tok[g]
                 keep = (im > 0) & (v > 0)
