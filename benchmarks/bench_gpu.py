@@ -4,7 +4,8 @@ With the default JAX device, at batch 1,024 and `make_loader`'s defaults (sampli
 options), and again with each ``--read`` setting given (``--read num_threads=8,prefetch=4``: the
 `ReadOptions` of the rows beside the defaults'; ``--threads N`` is ``--read num_threads=N``):
 
-- make_loader's dense batches placed on the device (decoded and normalized on the host);
+- make_loader's dense batches placed on the device (decoded and normalized on the host), and the
+  same rows built on the device (``oj.Dense(on_device=True)``: csr slabs cross, densified there);
 - csr slabs decoded on the host alone (``loader.as_grain_dataset()``, nothing placed): the host's
   share of the two rows after it;
 - csr slabs placed on the device, and placed and densified there (``loader.densify``,
@@ -152,6 +153,11 @@ def main() -> None:
             lambda dense=dense: next(dense).x, warmup=20, cells=1024, **timing
         )
         dense.close()  # its read-ahead threads stop before the next row is timed
+        built = oj.make_loader(ds, **kw, output=oj.Dense(normalize="normalize_log1p", on_device=True))
+        rows[f"dense b1024 built on the device, {name} (Dense(on_device=True): csr slabs cross)"] = _rate(
+            lambda built=built: next(built).x, warmup=20, cells=1024, **timing
+        )
+        built.close()
         sparse = oj.make_loader(ds, **kw, output=oj.CSR(normalize="normalize_log1p"))
         host = iter(sparse.as_grain_dataset())
         rows[f"csr b1024 on the host alone, {name} (nothing placed)"] = _rate(

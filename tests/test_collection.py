@@ -215,6 +215,25 @@ def test_dense_measured_on_a_mesh_is_sharded_like_the_values_padding_included(
         assert not np.asarray(values)[~expected].any()
 
 
+def test_dense_measured_built_on_the_devices_equals_the_host_batches(collection):
+    """``Dense(measured=True, on_device=True)``: slabs and sources cross; the values are densified
+    and the masks gathered on the devices, equal to the batches built on the host."""
+    ds = oj.open_dataset(collection)
+    mesh = jax.make_mesh((8,), ("data",))
+    sampling = oj.Stream(fetch_factor=4, drop_remainder=False)
+    host, device = (
+        oj.make_loader(ds, batch_size=64, output=output, sampling=sampling, placement=mesh, num_epochs=1)
+        for output in (oj.Dense(measured=True), oj.Dense(measured=True, on_device=True))
+    )
+    pairs = list(zip(host, device, strict=True))
+    assert (~np.asarray(pairs[-1][1].mask)).sum() == (-470) % 64  # padding rows too
+    for h, d in pairs:
+        np.testing.assert_array_equal(np.asarray(d.index), np.asarray(h.index))
+        for key in ("values", "measured"):
+            np.testing.assert_array_equal(np.asarray(d.x[key]), np.asarray(h.x[key]))
+            assert d.x[key].sharding.is_equivalent_to(h.x[key].sharding, 2)
+
+
 def test_dense_measured_host_batches_carry_sources_not_masks_and_resume_exactly(collection):
     ds = oj.open_dataset(collection)
     output = oj.Dense(measured=True)

@@ -160,6 +160,43 @@ def test_csr_output_is_small_and_densifies_to_the_dense_batch(ds, mesh):
         assert s.x.values.nbytes * 3 < d.x.nbytes
 
 
+@pytest.mark.parametrize("normalize", [None, "normalize_log1p"])
+def test_dense_on_device_ships_slabs_and_builds_the_same_rows_on_the_devices(ds, mesh, normalize):
+    """``Dense(on_device=True)``: the host batch holds csr slabs, one per device, fewer bytes than
+    the dense rows; placed, ``x`` is the dense batch, sharded the same way: bit for bit without
+    normalization, to float rounding with it."""
+    from omicsio_jax.outputs.dense import SlabRows
+
+    host = _loader(ds, placement=mesh, output=oj.Dense(normalize=normalize))
+    device = _loader(ds, placement=mesh, output=oj.Dense(normalize=normalize, on_device=True))
+    assert "on_device" in repr(device) and device.num_threads == 0  # slabs' thread layout on 2 cores
+    hb = next(iter(device.as_grain_dataset()))
+    assert isinstance(hb.x, SlabRows) and hb.x.slabs.values.shape[0] == 8
+    assert sum(a.nbytes for a in jax.tree.leaves(hb.x)) < 64 * ds.num_genes * 4  # less than the rows
+    np.testing.assert_array_equal(
+        hb.x.dense(), _dense_rows(ds, hb.index) if normalize is None else hb.x.dense()
+    )
+    for _, h, d in zip(range(3), host, device, strict=False):
+        np.testing.assert_array_equal(np.asarray(d.index), np.asarray(h.index))
+        assert d.x.shape == h.x.shape and d.x.dtype == np.float32
+        assert d.x.sharding.is_equivalent_to(h.x.sharding, 2)
+        if normalize is None:
+            np.testing.assert_array_equal(np.asarray(d.x), np.asarray(h.x))
+        else:
+            np.testing.assert_allclose(np.asarray(d.x), np.asarray(h.x), rtol=2e-6, atol=1e-7)
+    for loader in (host, device):
+        loader.close()
+
+
+def test_dense_on_device_options_are_checked(ds):
+    with pytest.raises(oj.OmicsIOError, match="on_device=True too"):
+        oj.Dense(nnz_capacity=4096)
+    loader = _loader(ds, output=oj.Dense(on_device=True, nnz_capacity=256))
+    with pytest.raises(oj.OmicsIOError, match="nnz_capacity"):  # a slab beyond it names the option
+        next(iter(loader))
+    loader.close()
+
+
 def _run(loader, steps):
     out = []
     it = iter(loader)

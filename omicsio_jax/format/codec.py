@@ -642,7 +642,8 @@ def decode_slabs(
     if totals.max() > capacity:
         msg = (
             f"a batch slab has {int(totals.max()):,} nonzeros but nnz_capacity is {capacity:,}: "
-            f"pass nnz_capacity >= {int(totals.max()):,} to make_loader"
+            f"pass nnz_capacity >= {int(totals.max()):,} to the output (oj.CSR(nnz_capacity=...), "
+            "oj.Dense(on_device=True, nnz_capacity=...))"
         )
         raise ValueError(msg)
     # every slab's entries fill it from the start: only the padding after them needs zeroing

@@ -57,7 +57,7 @@ class Loader(grain.DatasetIterator):
         self.placement, self.host = placement, placement.host
         self.plan, self.output = spec.resolve(ds)
         self.read = read.with_defaults(
-            num_threads=default_num_threads(self.output.kind, batch_size=self.plan.local_batch),
+            num_threads=default_num_threads(self.output.decoding, batch_size=self.plan.local_batch),
             prefetch=2,
             decode_threads=1,
         )
@@ -67,9 +67,12 @@ class Loader(grain.DatasetIterator):
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     def __repr__(self) -> str:
+        output = repr(self.output.kind)
+        if self.output.decoding != self.output.kind:  # Dense(on_device=True): shipped as csr slabs
+            output += f" (on_device: {self.output.decoding} slabs)"
         return (
             f"Loader({str(self.dataset.path)!r}, batch_size={self.spec.batch_size}, sampling={self.spec.sampling}, "
-            f"output={self.output.kind!r}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
+            f"output={output}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
             f"num_epochs={self.num_epochs}, read={self.read}, hosts={self.plan.num_hosts})"
         )
 

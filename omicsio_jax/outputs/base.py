@@ -81,6 +81,12 @@ class Output(abc.ABC):
         every kind but `Modalities` (which takes a dict of each named modality's records)."""
         return (None,)
 
+    @property
+    def decoding(self) -> str:
+        """The kind of work its host batches are, for the default thread layout
+        (`default_num_threads`): its ``kind``, or ``"csr"`` for rows shipped as slabs."""
+        return self.kind
+
     def bind(self, ctx: OutputContext) -> Output:
         """A copy resolved against ``ctx`` (gene columns, capacities); the unbound spec is unchanged."""
         return self
