@@ -5,10 +5,12 @@ Every configuration runs in a fresh process, one after another, on the same 50k-
 ``oj.GeneformerTokens(max_len=2048)`` and ``oj.ScGPTTokens(max_len=1201)`` at batch 64 and 256, and
 SLAF's tokenized loader (``slafdb``, its own converter, its ``geneformer`` / ``scgpt`` token modes,
 its default training config) on the h5ad of the same cells, in its own virtualenv. Also the
-tokenizers' kernel cost alone (µs per cell, one thread) and materialize's throughput with and
-without the corpus statistics (``--baseline`` = a checkout of the code before them). Every loader
-and kernel figure is the median of ``--rounds`` windows of at least ``--seconds`` each (SLAF's
-peer is timed the same way); materialize's, of ``--rounds`` whole conversions.
+tokenizers' kernel cost alone (µs per cell, one thread, a fresh process per round; with
+``--kernel-baseline``, that checkout's rounds alternate with this tree's) and materialize's
+throughput with and without the corpus statistics (``--baseline`` = a checkout of the code before
+them). Every loader and kernel figure is the median of ``--rounds`` windows of at least
+``--seconds`` each (SLAF's peer is timed the same way); materialize's, of ``--rounds`` whole
+conversions.
 
     scripts/setup-slaf.sh                                    # .venv-slaf with slafdb 0.5.2
     git worktree add /tmp/before-stats 7f83aa4               # optional: materialize A/B
@@ -151,6 +153,26 @@ def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kernel_rounds(rounds: int, seconds: float, baseline: str | None) -> tuple[dict, dict | None]:
+    """µs per cell of each output's kernel (`child_kernels`), one fresh process per round; with a
+    ``baseline`` checkout its rounds alternate with this tree's (every other pair in reverse
+    order), so that the machine's drift over the minutes of the run falls on both alike."""
+    trees = [None] if baseline is None else [None, baseline]
+    runs: dict = {tree: [] for tree in trees}
+    for r in range(rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            runs[tree].append(run_child(["kernels", "4096", "1", repr(seconds)], pythonpath=tree))
+
+    def merged(per_round: list[dict]) -> dict:
+        out = {}
+        for kind in ("csr", "geneformer", "scgpt"):
+            out[kind] = statistics.median(r[kind] for r in per_round)
+            out[f"{kind}_runs"] = [r[kind] for r in per_round]
+        return out
+
+    return merged(runs[None]), merged(runs[baseline]) if baseline else None
+
+
 def run_slaf(tokenizer: str, batch_size: int, rounds: int, seconds: float) -> dict:
     max_len = 2048 if tokenizer == "geneformer" else 1201
     proc = subprocess.run(
@@ -231,11 +253,9 @@ def main() -> None:
                     {"label": f"slaf {tokenizer} b{b}", "kind": f"slaf-{tokenizer}", "batch_size": b, **r}
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    kernel_args = ["kernels", "4096", str(args.rounds), repr(args.seconds)]
-    kernels = run_child(kernel_args)
+    kernels, kernels_baseline = kernel_rounds(args.rounds, args.seconds, args.kernel_baseline)
     print(json.dumps({"kernel_us_per_cell": kernels}), flush=True)
     if args.kernel_baseline:
-        kernels_baseline = run_child(kernel_args, pythonpath=args.kernel_baseline)
         print(json.dumps({"kernel_us_per_cell_baseline": kernels_baseline}), flush=True)
     mat = {"with_stats": materialize_rounds(str(DATA / "tmp_mat_new"), args.rounds)}
     if args.baseline:
@@ -284,6 +304,10 @@ def main() -> None:
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
         result["kernel_baseline_commit"] = kernel_baseline_commit
+        for kind in ("csr", "geneformer", "scgpt"):
+            ratios[f"{kind} kernel: time vs {kernel_baseline_commit[:7]}'s"] = (
+                kernels[kind] / kernels_baseline[kind]
+            )
     write_result(args.out, result, quick=args.quick)
     print(json.dumps(ratios, indent=1))
 
