@@ -1208,7 +1208,8 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
             for r in d.get("rows", []):
                 peer = csr.get((r["batch_size"], r.get("num_threads")))
                 if r.get("kind") in ("geneformer", "scgpt") and peer:
-                    rows.append({"what": f"{r['kind']} tokens b{r['batch_size']}: tokens ÷ csr batches (cells/s)",
+                    setting = "" if r.get("num_threads") is None else f", num_threads={r['num_threads']}"
+                    rows.append({"what": f"{r['kind']} tokens b{r['batch_size']}{setting}: tokens ÷ csr batches (cells/s)",
                                  "ours": r.get("cells_per_s"), "peer": peer.get("cells_per_s"),
                                  "ratio": r["cells_per_s"] / peer["cells_per_s"], "machine": machine(d),
                                  "source": name, "when": f"{d['date']}, {short_commit(d['commit'])}"})  # fmt: skip
