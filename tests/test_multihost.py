@@ -88,6 +88,21 @@ def test_hosts_reshuffle_every_epoch_and_follow_the_plan(two_hosts, dataset_dir)
     assert two_hosts[1]["steps"][0]["local"] == expected.tolist()
 
 
+def test_dense_rows_built_on_the_devices_equal_the_host_built_rows_on_both_hosts(two_hosts, dataset_dir):
+    """``Dense(on_device=True)`` across two processes: each host's slabs are placed into the global
+    batch and densified where they live; every host's devices hold the rows the host-built loader
+    gives them, and the global sums (a cross-process reduction) agree."""
+    ds = oj.open_dataset(dataset_dir)
+    a, b = (host["on_device"] for host in two_hosts)
+    assert len(a) == len(b) == two_hosts[0]["steps_per_epoch"] > 0
+    for sa, sb in zip(a, b, strict=True):
+        for step in (sa, sb):
+            assert step["global_shape"] == [32, ds.num_genes] and step["shards"] == 2
+            assert step["rows_equal"]
+            assert step["x_sum"] == step["reference_sum"]
+        assert sa["x_sum"] == sb["x_sum"]
+
+
 @pytest.mark.parametrize("placement", ["host", "device"])
 def test_memory_loaders_span_both_processes(two_hosts, dataset_dir, placement):
     ds = oj.open_dataset(dataset_dir)
