@@ -90,6 +90,18 @@ def test_every_modality_of_every_batch_is_exactly_the_cells_of_its_index(ds, tru
     assert loader.config()["modalities"]["atac"]["output"] == "csr"
 
 
+def test_an_output_per_modality_builds_dense_rows_on_the_devices(ds, mesh):
+    """``oj.Dense(on_device=True)`` per modality: each modality's slabs densified where they land,
+    the same rows as the host builds."""
+    outputs = [{name: oj.Dense(on_device=flag) for name in ("rna", "atac")} for flag in (False, True)]
+    host, device = (oj.make_loader(ds, **KNOBS, num_epochs=1, output=o, placement=mesh) for o in outputs)
+    for _, h, d in zip(range(4), host, device, strict=False):
+        np.testing.assert_array_equal(np.asarray(d.index), np.asarray(h.index))
+        for name in ("rna", "atac"):
+            assert d.x[name].shape == h.x[name].shape
+            np.testing.assert_array_equal(np.asarray(d.x[name]), np.asarray(h.x[name]), err_msg=name)
+
+
 def test_a_peak_panel_by_peak_names_gives_those_peaks(ds, truth):
     peaks = [66_000, 12, 40_001]
     names = [f"chr1:{p * 1000}-{p * 1000 + 500}" for p in peaks]
