@@ -66,7 +66,7 @@ def test_grain_loader_with_two_worker_processes_serves_the_same_batches(ds):
 
 def test_records_are_host_batches_of_every_output_and_place_on_the_mesh(ds):
     mesh = jax.make_mesh((8,), ("data",))
-    for output in ("dense", "csr", oj.Panel([5, 0, 77])):
+    for output in ("dense", "csr", oj.Panel([5, 0, 77]), oj.Dense(on_device=True)):
         kw = {**BASE, "output": output}
         src = oj.GrainSource(ds, **kw, placement=mesh, num_epochs=1)
         record = src[0]
@@ -78,6 +78,18 @@ def test_records_are_host_batches_of_every_output_and_place_on_the_mesh(ds):
             lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), batch, reference
         )
     assert len(src) == src.steps_per_epoch == 3000 // 64
+
+
+def test_dense_built_on_the_devices_crosses_a_worker_process_as_slabs(ds):
+    """A Grain worker process hands over ``Dense(on_device=True)``'s slabs (its pytree and the bound
+    output that densifies them); placed, they are the loader's dense rows."""
+    mesh = jax.make_mesh((8,), ("data",))
+    kw = {**BASE, "output": oj.Dense(normalize="log1p", on_device=True), "num_epochs": 1}
+    grain_batches = oj.make_grain_loader(ds, **kw, placement=mesh, worker_count=1)
+    for _, got, want in zip(range(3), grain_batches, oj.make_loader(ds, **kw, placement=mesh), strict=False):
+        batch = got if isinstance(got, oj.Batch) else oj.place_batch(got, mesh)
+        np.testing.assert_array_equal(np.asarray(batch.index), np.asarray(want.index))
+        np.testing.assert_array_equal(np.asarray(batch.x), np.asarray(want.x))
 
 
 def test_source_pickles_as_path_and_config_and_its_repr_is_the_config(ds):
