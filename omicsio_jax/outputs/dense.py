@@ -30,7 +30,7 @@ class Dense(Output):
 
     ``on_device=True`` (for GPUs and TPUs): the rows are built where the batch is placed, not on
     the host. The host batch carries them as `CSR` slabs (8 bytes a nonzero instead of 4 a gene:
-    ~25× fewer bytes for a cell of 1,500 nonzeros over 60k genes) and `place_batch` densifies them
+    ~20× fewer bytes for a cell of 1,500 nonzeros over 60k genes) and `place_batch` densifies them
     on the devices (`SlabRows`), ``normalize`` applied there. Full rows written on the host are
     bound by its memory bandwidth, and then cross the host-to-device link in full. ``x`` is the
     same array: bit for bit without ``normalize``, with it up to the devices' float rounding.
