@@ -328,7 +328,7 @@ def _geneformer_rows(
             count = _sum_duplicates(cols, vals, count, canon, slot)
         # every entry's descending key and token (the sort carries tokens, so no gather after it)
         # and the keys' range for the sort, in a loop without a keep test; a cell with an entry
-        # not kept (no token or median, or a stored 0) is taken again, advancing over the kept only
+        # not kept (no token or median, or a stored 0) is then compacted to the kept ones
         all_kept = True
         kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
         for j in range(count):
@@ -340,16 +340,13 @@ def _geneformer_rows(
             all_kept &= (im > 0) & (v > 0)
             kmin, kmax = min(kmin, key), max(kmax, key)
         kept = count
-        if not all_kept:  # taken again, the kept ones only (advanced over without a branch)
+        if not all_kept:  # compacted in place to the kept ones (advanced over without a branch)
             kept = 0
             kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
             for j in range(count):
-                g = cols[j]
-                im, v = scale[g], vals[j]
-                key = _descending_key(v, im)
-                keys[kept] = key
-                kept_tok[kept] = tok[g]
-                keep = (im > 0) & (v > 0)
+                key = keys[j]
+                keys[kept], kept_tok[kept] = key, kept_tok[j]
+                keep = (scale[cols[j]] > 0) & (vals[j] > 0)
                 kmin = min(kmin, key) if keep else kmin
                 kmax = max(kmax, key) if keep else kmax
                 kept += keep
@@ -502,15 +499,13 @@ def _scgpt_rows(
             all_kept &= (token >= 0) & (v != 0)
             small &= (v >= 1) & (v <= SMALL_COUNT) & (v == np.floor(v))
         n = count
-        if not all_kept:  # some dropped: taken again, the kept ones only
+        if not all_kept:  # some dropped: compacted in place to the kept ones
             n = 0
             small = True
             for j in range(count):
-                v = vals[j]
-                token = tok[cols[j]]
+                token, v = kept_tok[j], kept_vals[j]
                 if token >= 0 and v != 0:
-                    kept_tok[n] = token
-                    kept_vals[n] = v
+                    kept_tok[n], kept_vals[n] = token, v
                     small &= (v >= 1) & (v <= SMALL_COUNT) & (v == np.floor(v))
                     n += 1
         if n == 0:
