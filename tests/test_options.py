@@ -9,7 +9,14 @@ import pytest
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
-from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, SMALL_BATCH, default_num_threads, usable_cores
+from omicsio_jax.loaders import options
+from omicsio_jax.loaders.options import (
+    MAX_DEFAULT_THREADS,
+    SMALL_BATCH,
+    default_num_threads,
+    default_prefetch,
+    usable_cores,
+)
 from omicsio_jax.outputs import scatter
 from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 
@@ -108,6 +115,28 @@ def test_the_loader_takes_its_default_threads_from_the_output_and_keeps_an_expli
         loader.close()
 
 
+@pytest.mark.parametrize(("cores", "prefetch"), [(1, 2), (2, 2), (8, 2), (12, 3), (16, 4), (32, 8), (128, 8)])
+def test_default_read_ahead_grows_with_the_cores_beyond_eight(cores, prefetch):
+    assert default_prefetch(cores) == prefetch
+
+
+def test_the_loader_reads_ahead_by_the_cores_it_has_and_serves_the_same_batches(dataset_dir, monkeypatch):
+    with oj.open_dataset(dataset_dir) as ds:
+        kw = {"batch_size": 32, "seed": 3, "num_epochs": 1, "output": oj.CSR()}
+        here = oj.make_loader(ds, **kw)
+        assert here.prefetch == default_prefetch(usable_cores())
+        monkeypatch.setattr(options, "usable_cores", lambda: 16)  # a 16-core host
+        wide = oj.make_loader(ds, **kw)
+        assert wide.prefetch == 4 and "prefetch=4" in repr(wide)
+        for a, b in zip(here, wide, strict=True):  # read-ahead changes when records are read, not the batches
+            np.testing.assert_array_equal(np.asarray(a.x.indices), np.asarray(b.x.indices))
+            np.testing.assert_array_equal(np.asarray(a.x.values), np.asarray(b.x.values))
+        kept = oj.make_loader(ds, **kw, read=oj.ReadOptions(prefetch=1))
+        assert kept.prefetch == 1
+        for loader in (here, wide, kept):
+            loader.close()
+
+
 @pytest.mark.parametrize(
     ("option", "kind", "block_size"),
     [
@@ -160,7 +189,7 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
     assert "sampling=Block(block_size=8, fetch_factor=2, drop_remainder=True)" in shown
     assert "output='csr'" in shown and "obs=['drug']" in shown
     threads = default_num_threads("csr", usable_cores(), batch_size=64)
-    assert f"read=ReadOptions(num_threads={threads}, prefetch=2, decode_threads=1)" in shown
+    assert f"read=ReadOptions(num_threads={threads}, prefetch={default_prefetch()}, decode_threads=1)" in shown
 
 
 def test_materialize_options_reach_the_dataset(corpus, tmp_path):

@@ -26,7 +26,7 @@ from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
-from omicsio_jax.loaders.options import Placement, ReadOptions, default_num_threads
+from omicsio_jax.loaders.options import Placement, ReadOptions, default_num_threads, default_prefetch
 from omicsio_jax.loaders.state import check_positions, check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
@@ -58,7 +58,7 @@ class Loader(grain.DatasetIterator):
         self.plan, self.output = spec.resolve(ds)
         self.read = read.with_defaults(
             num_threads=default_num_threads(self.output.decoding, batch_size=self.plan.local_batch),
-            prefetch=2,
+            prefetch=default_prefetch(),
             decode_threads=1,
         )
         self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
@@ -361,7 +361,7 @@ def make_loader(
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
     threads chosen for the output kind, the batch size and the machine's cores decode and place
     batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by
-    ``repr(loader)``; two fetches are read ahead, each
+    ``repr(loader)``; two fetches are read ahead, more on many cores, `default_prefetch`, each
     of ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
     placement = Placement.of(placement)

@@ -39,8 +39,8 @@ class ReadOptions:
     per output kind, batch size and machine, `default_num_threads`; 0 decodes each batch on the
     consumer's thread when asked for; Grain's DataLoader: 2);
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
-    many threads (`make_loader`, `GrainSource`, `make_stream_loader`: 2; `make_memory_loader`: 0,
-    batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
+    many threads (`make_loader`: 2, more on many cores, `default_prefetch`; `GrainSource`,
+    `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
     """
 
     num_threads: int | None = None
@@ -92,6 +92,21 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     if cores <= 2 and (kind == "csr" or rows):
         return 0
     return ahead_threads(kind, cores)
+
+
+def default_prefetch(cores: int | None = None) -> int:
+    """`make_loader`'s fetches read ahead where ``ReadOptions(prefetch=None)``, on ``cores`` usable
+    cores (default: this process's): 2, or one per four cores beyond 8, up to `MAX_DEFAULT_THREADS`.
+
+    Each fetch is read on one thread, so on many cores two read-ahead threads bound how fast the
+    decoding threads can be fed (csr slabs first: their decode is the lightest). Each fetch in
+    flight holds ``fetch_factor × batch_size`` cells' records in memory.
+
+    >>> default_prefetch(cores=2), default_prefetch(cores=8), default_prefetch(cores=16), default_prefetch(cores=96)
+    (2, 2, 4, 8)
+    """
+    cores = usable_cores() if cores is None else cores
+    return min(max(2, cores // 4), MAX_DEFAULT_THREADS)
 
 
 def ahead_threads(kind: str, cores: int) -> int:
