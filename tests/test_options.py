@@ -189,7 +189,9 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
     assert "sampling=Block(block_size=8, fetch_factor=2, drop_remainder=True)" in shown
     assert "output='csr'" in shown and "obs=['drug']" in shown
     threads = default_num_threads("csr", usable_cores(), batch_size=64)
-    assert f"read=ReadOptions(num_threads={threads}, prefetch={default_prefetch()}, decode_threads=1)" in shown
+    assert (
+        f"read=ReadOptions(num_threads={threads}, prefetch={default_prefetch()}, decode_threads=1)" in shown
+    )
 
 
 def test_materialize_options_reach_the_dataset(corpus, tmp_path):
