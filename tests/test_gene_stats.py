@@ -202,3 +202,28 @@ def test_accumulator_histograms_are_exact_and_a_reused_one_starts_clean(ds, dens
     np.add.at(want, (genes, bins.astype(np.int64)), 1)
     np.testing.assert_array_equal(got[0].dense_hist(), want)
     assert got[0].num_cells == half and got[0].hist_counts.sum() == len(cells)
+
+
+@pytest.mark.parametrize("count_dtype", [np.uint8, np.uint16])
+def test_a_narrow_histogram_table_keeps_counts_past_its_largest_exact(ds, count_dtype):
+    """Counts past the table type's largest (255 for uint8 here, on the records read 10 times; 65,535
+    for the default uint16, one bin of one gene in 70,000 cells) come out as a uint32 table's, bit
+    for bit."""
+    from omicsio_jax.format.codec import encode_csr, join_records
+    from omicsio_jax.format.gene_stats import StatsAccumulator
+
+    if count_dtype == np.uint8:
+        records, genes = [join_records(ds.read_records(0, ds.num_cells))] * 10, ds.num_genes
+    else:
+        n = 70_000  # every cell: gene 3 alone, so its one bin counts every cell
+        indptr = np.arange(n + 1, dtype=np.int64)
+        records, genes = [encode_csr(indptr, np.full(n, 3, np.int32), np.full(n, 2.0))], 8
+    got, want = StatsAccumulator(genes, 256, count_dtype), StatsAccumulator(genes, 256, np.uint32)
+    for acc in (got, want):
+        for buf, starts in records:
+            acc.add(buf, starts)
+    got, want = got.finish(), want.finish()
+    assert want.hist_counts.max() > np.iinfo(count_dtype).max  # the case is met
+    for name in ("n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.hist_counts.dtype == want.hist_counts.dtype
