@@ -118,7 +118,7 @@ def part_dir(index: int) -> str:
 
 class Scratch:
     """What one process keeps from one partition to the next: the statistics accumulator, whose
-    histogram table (genes × 1,120 bins of uint32: 281 MB at 62,710 genes) would otherwise be
+    histogram table (genes × 1,120 bins of uint16: 140 MB at 62,710 genes) would otherwise be
     allocated and page-faulted in anew for every partition, and the shard writer's child process
     with its shared-memory slots (a Python start and ~100 MB of fresh slots per partition). A
     partition that fails gives back neither. `close` stops the kept writer process."""
