@@ -458,12 +458,10 @@ def _add_spilled(stats: GeneStats, codes: np.ndarray) -> None:
     """Add to ``stats``' histogram the increments `_apply_hist` spilled (their bins, full, are among
     its entries); the counts widen to the narrowest type that holds them."""
     codes, extra = np.unique(codes, return_counts=True)
-    at = np.empty(len(codes), np.int64)
-    for k, (g, b) in enumerate(zip(codes >> np.uint32(11), codes & np.uint32(2047), strict=True)):
-        lo, hi = stats.hist_ptr[g], stats.hist_ptr[g + 1]
-        at[k] = lo + np.searchsorted(stats.hist_bins[lo:hi], b)
+    genes = np.repeat(np.arange(stats.num_genes, dtype=np.uint32), np.diff(stats.hist_ptr))
+    entries = (genes << np.uint32(11)) | stats.hist_bins  # the codes of the entries, ascending
     counts = stats.hist_counts.astype(np.int64)
-    counts[at] += extra
+    counts[np.searchsorted(entries, codes)] += extra
     stats.hist_counts = counts.astype(_count_dtype(int(counts.max())))
 
 

@@ -40,7 +40,8 @@ class ReadOptions:
     consumer's thread when asked for; Grain's DataLoader: 2);
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`: 2, more on many cores, `default_prefetch`; `GrainSource`,
-    `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for); ``decode_threads`` numba threads decode one batch (1).
+    `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for);
+    ``decode_threads`` numba threads decode one batch (1).
     """
 
     num_threads: int | None = None
