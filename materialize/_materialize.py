@@ -320,6 +320,9 @@ def materialize(
         num_workers = min(wanted, max(len(partitions), 1))
         if pool is not None:
             pool.shrink(num_workers if num_workers > 1 else 0)  # none: the one partition is written here
+        if dask or num_workers > 1:  # one process goes on from where its last partition stopped
+            for note in src.plan_notes(partitions):
+                print(f"materialize: {note}", file=sys.stderr)
         options = writer_options(group_size, compression)
         with _staging(store, overwrite) as staging, contextlib.ExitStack() as stack:
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores

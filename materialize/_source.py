@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,11 @@ class Source:
 
     def plan(self, shard_cells: int) -> list[Partition]:
         raise NotImplementedError
+
+    def plan_notes(self, partitions: Sequence[Partition]) -> list[str]:
+        """What reading ``partitions`` in parallel costs that the user can avoid (reported, not
+        fatal); none by default."""
+        return []
 
     def part_of(self, first: int, num_cells: int) -> Partition:
         """Cells ``[first, first + num_cells)`` as a partition `batches` reads (a collection's member

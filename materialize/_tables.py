@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -138,6 +138,9 @@ def find_tahoe_gene_table(files: list[Path]) -> Path | None:
         if candidate.exists():
             return candidate
     return None
+
+
+_DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, worth a note
 
 
 class TableSource(Source):
@@ -311,6 +314,43 @@ class TableSource(Source):
             raise DataValidationError(self._explain(e)) from e
         boundaries = [(index[name], int(row)) for name, row in rows]
         return partitions_from_boundaries(self.num_cells, shard_cells, boundaries, len(self.files))
+
+    def plan_notes(self, partitions: Sequence[Partition]) -> list[str]:
+        """A note when the partitions start deep inside the row groups of local parquet files. A read
+        that starts inside a row group decodes it from its first row (pyarrow and DuckDB alike:
+        Parquet cannot start in between), so partitions cut from a few large row groups (pyarrow's
+        writer puts up to 1,048,576 rows in one) have the workers decode the same rows again; the
+        partitions a process writes one after another go on from where the last one stopped."""
+        if len(partitions) < 2 or any(not p.spans for p in partitions):
+            return []
+        starts: dict[int, np.ndarray] = {}
+        again = 0  # rows decoded before the partitions' first rows
+        for part in partitions:
+            f, lo, _ = part.spans[0]
+            path = self.files[f]
+            if is_remote(path) or path.suffix != ".parquet":
+                continue  # remote footers are a round trip each: not read for a note
+            if f not in starts:
+                try:
+                    meta = pq.read_metadata(path)
+                except (OSError, pa.ArrowException):
+                    return []
+                sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+                starts[f] = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+            group = int(np.searchsorted(starts[f], lo, side="right")) - 1
+            again += lo - int(starts[f][group])
+        total = sum(p.num_cells for p in partitions)
+        if again < _DECODED_AGAIN_NOTE * total:
+            return []
+        largest = max(int(np.diff(s).max()) for s in starts.values())
+        shard = partitions[0].num_cells
+        return [
+            f"{self.label} holds up to {largest:,} rows in a row group, several partitions of {shard:,} "
+            f"cells; a read that starts inside a row group decodes it from its first row, so the workers "
+            f"decode up to {1 + again / total:.1f}× its rows and more workers add little. For a parallel "
+            f"conversion, write it with row groups of at most {shard:,} rows "
+            f"(pyarrow.parquet.write_table(table, path, row_group_size={shard}))"
+        ]
 
     def part_of(self, first: int, num_cells: int) -> Partition:
         if self._query is not None or self._where is not None or not self.files:

@@ -63,6 +63,34 @@ def test_one_row_group_is_decoded_once_however_many_partitions_start_inside_it(
     assert files == {f.path: f.sha256 for f in oj.open_dataset(dataset_dir).manifest.files}
 
 
+@pytest.mark.parametrize("row_group_size", [None, 128])
+def test_workers_reading_one_large_row_group_are_told_to_write_smaller_ones(
+    corpus, corpus_table, tmp_path, capsys, row_group_size
+):
+    """Partitions on two workers, cut from one row group of 3,000 rows (pyarrow's default writer):
+    each worker decodes the group from its first row, and materialize says how to avoid it; from
+    row groups of 128 rows it says nothing."""
+    folder = tmp_path / "groups"
+    folder.mkdir()
+    pq.write_table(corpus_table, folder / "cells.parquet", row_group_size=row_group_size)
+    pq.write_table(
+        pq.read_table(corpus.cells_parquet.parent / "gene_metadata.parquet"), folder / "gene_metadata.parquet"
+    )
+    materialize(folder, tmp_path / "out", progress=False, workers=2, layout=Layout(shard_cells=1024))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "row group" in line]
+    if row_group_size is None:
+        # partitions start at rows 1,024 and 2,048 of the group: 3,072 rows decoded before them
+        assert notes == [
+            f"materialize: {folder} holds up to 3,000 rows in a row group, several partitions of 1,024 "
+            "cells; a read that starts inside a row group decodes it from its first row, so the workers "
+            "decode up to 2.0× its rows and more workers add little. For a parallel conversion, write it "
+            "with row groups of at most 1,024 rows (pyarrow.parquet.write_table(table, path, "
+            "row_group_size=1024))"
+        ]
+    else:
+        assert notes == []
+
+
 def test_obs_sidecars_hold_codes_and_sorted_categories(dataset_dir, corpus_table):
     ds = oj.open_dataset(dataset_dir)
     assert {"cell_type", "drug", "batch", "dataset", "tissue", "organism", "n_genes", "total_counts"} <= set(
