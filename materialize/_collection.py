@@ -27,7 +27,7 @@ from omicsio_jax.format import connect, is_remote
 
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
-from ._source import Batch, Source, obs_kind
+from ._source import Batch, Source, decoded_again_note, obs_kind
 
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
@@ -190,6 +190,20 @@ class CollectionSource(Source):
 
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
+
+    def plan_notes(self, partitions: Sequence[Partition]) -> list[str]:
+        """The note of `decoded_again_note` over the sources' reads: each partition's read starts
+        in the source that holds its first cell."""
+        again = 0
+        for part in partitions:
+            k = int(np.searchsorted(self._firsts, part.first_cell, side="right")) - 1
+            member, lo = self.members[k], part.first_cell - int(self._firsts[k])
+            again += member.rows_decoded_before(
+                member.part_of(lo, min(part.num_cells, member.num_cells - lo))
+            )
+        largest = max((m.largest_row_group() for m in self.members), default=0)
+        note = decoded_again_note(f"the {self.label}", partitions, again, largest)
+        return [] if note is None else [note]
 
     def presence(self) -> pa.Table:
         """One row per source: its dataset id, its cells (``first_cell``, ``num_cells``: sources are

@@ -86,6 +86,14 @@ class Source:
         fatal); none by default."""
         return []
 
+    def rows_decoded_before(self, part: Partition) -> int:
+        """The rows a read of ``part`` decodes and drops before its first one (none by default)."""
+        return 0
+
+    def largest_row_group(self) -> int:
+        """The most rows its reads decode at once from a row group's start (0: no such unit)."""
+        return 0
+
     def part_of(self, first: int, num_cells: int) -> Partition:
         """Cells ``[first, first + num_cells)`` as a partition `batches` reads (a collection's member
         read from within a shard of the collection)."""
@@ -101,6 +109,27 @@ class Source:
 
     def close(self) -> None:
         """Release open files (a pickled copy in a worker opens its own)."""
+
+
+_DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, worth a note
+
+
+def decoded_again_note(label: str, partitions: Sequence[Partition], again: int, largest: int) -> str | None:
+    """The note for partitions whose reads decode ``again`` rows before their first ones (row groups
+    of up to ``largest`` rows, decoded from their first row), when row groups span partitions and
+    that reaches a quarter of their cells: parallel workers decode the same rows again, and more of
+    them add little. The partitions a process writes one after another go on from where the last one
+    stopped, so the figure is an upper bound."""
+    total, shard = sum(p.num_cells for p in partitions), partitions[0].num_cells
+    if len(partitions) < 2 or largest <= shard or again < _DECODED_AGAIN_NOTE * total:
+        return None  # row groups no larger than a partition: nothing the note's advice would change
+    return (
+        f"{label} holds up to {largest:,} rows in a row group, several partitions of {shard:,} cells; a "
+        f"read that starts inside a row group decodes it from its first row, so the workers decode up "
+        f"to {1 + again / total:.1f}× its rows and more workers add little. For a parallel conversion, "
+        f"write the files with row groups of at most {shard:,} rows "
+        f"(pyarrow.parquet.write_table(table, path, row_group_size={shard}))"
+    )
 
 
 def obs_kind(dtype: pa.DataType) -> str | None:

@@ -69,7 +69,7 @@ from omicsio_jax.format import (
 )
 
 from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
-from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
+from ._source import Batch, Source, decoded_again_note, gene_table_from_arrow, obs_columns_of
 
 DEFAULT_BATCH_CELLS = 8192  # DuckDB's list decoding prefers large batches (31.8k cells/s vs 30.4k at 2,048)
 
@@ -140,9 +140,6 @@ def find_tahoe_gene_table(files: list[Path]) -> Path | None:
     return None
 
 
-_DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, worth a note
-
-
 class TableSource(Source):
     """Cells from list-column tables, read through DuckDB (plain local parquet files: by pyarrow)."""
 
@@ -170,6 +167,7 @@ class TableSource(Source):
         self._cell_id_column = cell_id_column
         self._where, self._query = where, query
         self._counts: list[int] | None = None  # rows per file, once a member is read by cell range
+        self._row_groups: dict[int, np.ndarray | None] = {}  # row group starts per file, once asked
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
         if spec is not None:
@@ -316,41 +314,43 @@ class TableSource(Source):
         return partitions_from_boundaries(self.num_cells, shard_cells, boundaries, len(self.files))
 
     def plan_notes(self, partitions: Sequence[Partition]) -> list[str]:
-        """A note when the partitions start deep inside the row groups of local parquet files. A read
-        that starts inside a row group decodes it from its first row (pyarrow and DuckDB alike:
-        Parquet cannot start in between), so partitions cut from a few large row groups (pyarrow's
-        writer puts up to 1,048,576 rows in one) have the workers decode the same rows again; the
-        partitions a process writes one after another go on from where the last one stopped."""
-        if len(partitions) < 2 or any(not p.spans for p in partitions):
+        if len(partitions) < 2:
             return []
-        starts: dict[int, np.ndarray] = {}
-        again = 0  # rows decoded before the partitions' first rows
-        for part in partitions:
-            f, lo, _ = part.spans[0]
-            path = self.files[f]
-            if is_remote(path) or path.suffix != ".parquet":
-                continue  # remote footers are a round trip each: not read for a note
-            if f not in starts:
+        again = sum(self.rows_decoded_before(p) for p in partitions)
+        note = decoded_again_note(self.label, partitions, again, self.largest_row_group())
+        return [] if note is None else [note]
+
+    def rows_decoded_before(self, part: Partition) -> int:
+        """The rows a read of ``part`` decodes before its first one: a read that starts inside a row
+        group of a parquet file decodes it from its first row (pyarrow and DuckDB alike: Parquet
+        cannot start in between). Local parquet files only (a remote footer is a round trip)."""
+        if not part.spans:
+            return 0
+        f, lo, _ = part.spans[0]
+        starts = self._group_starts(f)
+        if starts is None:
+            return 0
+        return lo - int(starts[int(np.searchsorted(starts, lo, side="right")) - 1])
+
+    def largest_row_group(self) -> int:
+        """The most rows in one row group of the local parquet files whose row groups were read."""
+        sizes = [int(np.diff(s).max()) for s in self._row_groups.values() if s is not None and len(s) > 1]
+        return max(sizes, default=0)
+
+    def _group_starts(self, f: int) -> np.ndarray | None:
+        """The first rows of file ``f``'s row groups, and its row count last (None: not a local parquet
+        file, or unreadable, which the read names)."""
+        if f not in self._row_groups:
+            path, starts = self.files[f], None
+            if not is_remote(path) and path.suffix == ".parquet":
                 try:
                     meta = pq.read_metadata(path)
+                    sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+                    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
                 except (OSError, pa.ArrowException):
-                    return []
-                sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-                starts[f] = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-            group = int(np.searchsorted(starts[f], lo, side="right")) - 1
-            again += lo - int(starts[f][group])
-        total = sum(p.num_cells for p in partitions)
-        if again < _DECODED_AGAIN_NOTE * total:
-            return []
-        largest = max(int(np.diff(s).max()) for s in starts.values())
-        shard = partitions[0].num_cells
-        return [
-            f"{self.label} holds up to {largest:,} rows in a row group, several partitions of {shard:,} "
-            f"cells; a read that starts inside a row group decodes it from its first row, so the workers "
-            f"decode up to {1 + again / total:.1f}× its rows and more workers add little. For a parallel "
-            f"conversion, write it with row groups of at most {shard:,} rows "
-            f"(pyarrow.parquet.write_table(table, path, row_group_size={shard}))"
-        ]
+                    pass
+            self._row_groups[f] = starts
+        return self._row_groups[f]
 
     def part_of(self, first: int, num_cells: int) -> Partition:
         if self._query is not None or self._where is not None or not self.files:

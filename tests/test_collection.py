@@ -453,6 +453,43 @@ def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
         np.testing.assert_array_equal(dense[row], want)
 
 
+def test_sources_of_one_large_row_group_each_get_the_note_on_row_groups(tmp_path, capsys):
+    """Two parquet sources of 600 cells in one row group each, cut into partitions of 128 cells on
+    two workers: a partition that starts inside a source decodes it from its first row, 2,760 rows
+    before the 1,200 written, and materialize says how to avoid it."""
+    rng = np.random.default_rng(5)
+    paths = []
+    for k in range(2):
+        folder = tmp_path / f"plate_{k}"
+        folder.mkdir()
+        pq.write_table(
+            pa.table({"gene_token_id": np.arange(50), "ensembl_id": [_ensg(i) for i in range(50)]}),
+            folder / "gene_metadata.parquet",
+        )
+        tokens = [np.sort(rng.choice(50, 5, replace=False)) for _ in range(600)]
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [f"p{k}_{i}" for i in range(600)],
+                    "gene_token_id": pa.array(tokens, pa.list_(pa.int64())),
+                    "gene_expression": pa.array([np.ones(5, np.float32)] * 600, pa.list_(pa.float32())),
+                }
+            ),
+            folder / "cells.parquet",
+        )
+        paths.append(folder / "cells.parquet")
+    materialize(paths, tmp_path / "out", layout=Layout(shard_cells=128), progress=False, workers=2)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "row group" in line]
+    assert notes == [
+        "materialize: the collection of 2 sources holds up to 600 rows in a row group, several "
+        "partitions of 128 cells; a read that starts inside a row group decodes it from its first row, "
+        "so the workers decode up to 3.3× its rows and more workers add little. For a parallel "
+        "conversion, write the files with row groups of at most 128 rows "
+        "(pyarrow.parquet.write_table(table, path, row_group_size=128))"
+    ]
+    assert oj.open_dataset(tmp_path / "out").num_cells == 1200
+
+
 def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, capsys):
     import anndata as ad
 

@@ -83,8 +83,8 @@ def test_workers_reading_one_large_row_group_are_told_to_write_smaller_ones(
         assert notes == [
             f"materialize: {folder} holds up to 3,000 rows in a row group, several partitions of 1,024 "
             "cells; a read that starts inside a row group decodes it from its first row, so the workers "
-            "decode up to 2.0× its rows and more workers add little. For a parallel conversion, write it "
-            "with row groups of at most 1,024 rows (pyarrow.parquet.write_table(table, path, "
+            "decode up to 2.0× its rows and more workers add little. For a parallel conversion, write the "
+            "files with row groups of at most 1,024 rows (pyarrow.parquet.write_table(table, path, "
             "row_group_size=1024))"
         ]
     else:
