@@ -259,7 +259,10 @@ class LakeReader:
             raise DataValidationError(msg) from e
 
     def _read_file(self, f: DataFile, lo: int, hi: int, names: list[str], batch_cells: int, threads):
-        reader = pq.ParquetFile(_open(f.path))  # read, not mapped: a file cut short raises, not SIGBUS
+        # read, not mapped: a file cut short raises, not SIGBUS; pre-buffered (ranges coalesced into
+        # fewer requests) on object storage only: pyarrow keeps pre-buffered row groups' raw bytes
+        # until the file is closed, fresh memory per row group that a local read does not need
+        reader = pq.ParquetFile(_open(f.path), pre_buffer=is_remote(f.path))
         stored = _field_names(reader.schema_arrow, f.names)
         by_name = {c.name: c for c in self.lake.columns}
         read = list(

@@ -555,7 +555,10 @@ class _Stream:
         self, key: tuple, path: Path, row: int, batch_cells: int, columns: list[str], use_threads: bool
     ):
         """The read of ``path`` from the first row of the row group that holds ``row``."""
-        reader = pq.ParquetFile(path)  # read, not mapped: a file cut short raises, not SIGBUS
+        # read, not mapped: a file cut short raises, not SIGBUS; not pre-buffered: pyarrow keeps every
+        # pre-buffered row group's raw bytes until the file is closed, and a stream goes on for as
+        # many partitions as its process writes in a row
+        reader = pq.ParquetFile(path, pre_buffer=False)
         sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
         self.key, self.starts = key, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.num_rows = int(self.starts[-1])

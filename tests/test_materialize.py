@@ -63,6 +63,44 @@ def test_one_row_group_is_decoded_once_however_many_partitions_start_inside_it(
     assert files == {f.path: f.sha256 for f in oj.open_dataset(dataset_dir).manifest.files}
 
 
+def test_a_stream_read_across_partitions_keeps_no_row_group_it_has_passed(tmp_path):
+    """A process that writes consecutive partitions reads them from one open stream of the file: the
+    raw bytes of the row groups it has read are let go. pyarrow's pre-buffering, its default, keeps
+    them until the file is closed: the Arrow memory held would grow by a row group (~20 MB here) per
+    partition."""
+    from materialize._materialize import open_source
+
+    rng = np.random.default_rng(0)
+    rows, nnz = 3 * 8192, 1000  # three row groups of ~20 MB, each a partition and a read batch
+    offsets = pa.array(np.arange(0, rows * nnz + 1, nnz, dtype=np.int32))
+    tokens = np.cumsum(rng.integers(1, 60, (rows, nnz), dtype=np.int32), axis=1, dtype=np.int32)
+    values = rng.integers(1, 20, rows * nnz).astype(np.float32)
+    pq.write_table(
+        pa.table(
+            {
+                "cell_id": [f"c{i}" for i in range(rows)],
+                "gene_token_id": pa.ListArray.from_arrays(offsets, pa.array(tokens.ravel())),
+                "gene_expression": pa.ListArray.from_arrays(offsets, pa.array(values)),
+            }
+        ),
+        tmp_path / "cells.parquet",
+        row_group_size=8192,
+    )
+    del tokens, values
+    size = (tmp_path / "cells.parquet").stat().st_size
+    source = open_source(tmp_path / "cells.parquet")
+    held = []
+    for part in source.plan(8192):
+        for batch in source.batches([], part, threads=1):
+            del batch
+        held.append(pa.total_allocated_bytes())
+    source.close()
+    assert len(held) == 3
+    assert source.reader_for([], source.plan(8192)[0]) == "pyarrow"
+    # the stream goes on into the second partition (the third ends the file, and the stream with it)
+    assert held[1] - held[0] < size / 8, (size, held)
+
+
 @pytest.mark.parametrize("row_group_size", [None, 128])
 def test_workers_reading_one_large_row_group_are_told_to_write_smaller_ones(
     corpus, corpus_table, tmp_path, capsys, row_group_size
