@@ -223,7 +223,7 @@ class Pool:
         mid-partition is replaced and its partition written again (at most ``retries`` times each);
         on any error every worker is stopped."""
         job_bytes = pickle.dumps(job)
-        queue: deque[Partition] = deque(partitions)
+        queue = Schedule(partitions, run_length(len(partitions), len(self.workers)))
         attempts: dict[int, int] = {}
         pool = self.workers
         report = RunReport(min(len(pool), len(partitions)))
@@ -271,7 +271,7 @@ class Pool:
                             raise OmicsIOError(msg)
                         progress(-worker.cells)
                         report.redone.append(part.index)
-                        queue.appendleft(part)
+                        queue.give_back(worker, part)
                         worker.stop()
                         replacement = _Worker(worker.core)
                         pool[pool.index(worker)] = replacement
@@ -283,10 +283,48 @@ class Pool:
         return report
 
 
-def _assign(worker: _Worker, queue: deque[Partition]) -> None:
-    if queue:
-        worker.part = queue.popleft()
-        worker.conn.send(("run", worker.part))
+def _assign(worker: _Worker, queue: Schedule) -> None:
+    part = queue.next(worker)
+    if part is not None:
+        worker.part = part
+        worker.conn.send(("run", part))
+
+
+def run_length(num_partitions: int, num_workers: int) -> int:
+    """How many consecutive partitions a worker takes at a time: up to 4, while each worker still
+    gets two such runs (fewer partitions: one at a time, in order)."""
+    return max(1, min(4, num_partitions // (2 * max(num_workers, 1))))
+
+
+class Schedule:
+    """Which partition a worker writes next. A worker takes ``run`` consecutive partitions at a time
+    and writes them in order: a partition that starts inside a parquet row group then goes on from
+    the stream its worker's last partition left open, where another worker would decode the group
+    again from its first row (Parquet cannot start in between). Runs are handed out in the plan's
+    order, so partitions complete nearly in order for the finalizer; once none is left, a worker
+    takes the last partition another has still to write. A dead worker's partition and the rest of
+    its run go back to the front."""
+
+    def __init__(self, partitions: Sequence[Partition], run: int = 1):
+        self._queue: deque[Partition] = deque(partitions)
+        self._run = max(1, run)
+        self._reserved: dict[object, deque[Partition]] = {}  # per worker: the rest of its run
+
+    def next(self, worker: object) -> Partition | None:
+        mine = self._reserved.get(worker)
+        if mine:
+            return mine.popleft()
+        if self._queue:
+            first = self._queue.popleft()
+            take = min(self._run - 1, len(self._queue))
+            self._reserved[worker] = deque(self._queue.popleft() for _ in range(take))
+            return first
+        donor = max(self._reserved.values(), key=len, default=None)
+        return donor.pop() if donor else None
+
+    def give_back(self, worker: object, part: Partition) -> None:
+        for p in reversed([part, *self._reserved.pop(worker, ())]):
+            self._queue.appendleft(p)
 
 
 def _raise(kind: str, text: str, part: Partition | None):

@@ -520,6 +520,40 @@ def test_dask_scheduler_and_worker_commands(corpus, tmp_path):
     assert _digests(tmp_path / "one") == _digests(tmp_path / "dask")
 
 
+def test_a_worker_takes_runs_of_consecutive_partitions_and_the_last_ones_are_shared():
+    """Runs of consecutive partitions per worker (each goes on from the parquet stream its last one
+    left open), handed out in the plan's order; at the end a worker takes the last partition another
+    has still to write; a dead worker's partition and the rest of its run go back to the front."""
+    from materialize._plan import Partition
+    from materialize._pool import Schedule, run_length
+
+    parts = [Partition(i, i * 10, 10) for i in range(8)]
+    order = Schedule(parts, run=2)
+    taken = [(w, order.next(w)) for w in ("a", "b", "a", "a", "b", "b", "a", "b", "a", "b")]
+    assert [(w, None if p is None else p.index) for w, p in taken] == [
+        ("a", 0),
+        ("b", 2),
+        ("a", 1),
+        ("a", 4),
+        ("b", 3),
+        ("b", 6),
+        ("a", 5),
+        ("b", 7),
+        ("a", None),
+        ("b", None),
+    ]
+    order = Schedule(parts[:6], run=3)
+    assert [order.next(w).index for w in ("a", "b", "b", "b", "b", "a")] == [0, 3, 4, 5, 2, 1]
+    assert order.next("a") is None and order.next("b") is None
+    order = Schedule(parts[:6], run=3)
+    assert [order.next(w).index for w in ("a", "b")] == [0, 3]
+    order.give_back("a", parts[0])  # "a" died writing partition 0: 0, 1 and 2 go to whoever is next
+    assert [order.next(w).index for w in ("c", "c", "c", "b", "b")] == [0, 1, 2, 4, 5]
+    assert order.next("c") is None
+    # one at a time until every worker gets two runs; at most 4 in a run
+    assert [run_length(p, w) for p, w in [(5, 2), (8, 2), (13, 2), (3, 4), (1526, 16)]] == [1, 2, 3, 1, 4]
+
+
 def test_plain_parquet_read_by_pyarrow_gives_the_bytes_duckdb_gives(corpus, corpus_table, tmp_path):
     """Local parquet files with no filter are read by pyarrow (faster, and without DuckDB's page faults
     for every Arrow batch); the output is that of DuckDB's reading, byte for byte. Files of uneven
