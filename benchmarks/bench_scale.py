@@ -8,7 +8,8 @@ reverse order), on the same corpus:
   ``gene_token_id``, ``gene_expression``) as CSR batches, nothing encoded, on one core, the file
   read without pre-buffering (how materialize reads plain local parquet); and DuckDB delivering
   the same (how it reads every other table input). Whole passes over the file, after the imports
-  and numba's start, until at least 10 s have passed. Reported as CPU-seconds per 10^5 cells and cells/s per core.
+  and numba's start, until at least 10 s have passed. Reported as CPU-seconds per 10^5 cells and
+  cells/s per core.
 - ``materialize --workers N`` on N cores (N = 1, 2, … up to the machine's cores), each worker one
   partition at a time; the 1 → N speedup and materialize's cells/s per core as a fraction of the
   decode limit's.

@@ -25,6 +25,7 @@ from omicsio_jax import DataValidationError
 from omicsio_jax.format import as_input_path, is_remote, sql_ident
 
 from ._ducklake_catalog import ROW_ID, Column, DataFile, LakeTable, empty_table
+from ._tables import row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
 FIELD_ID = b"PARQUET:field_id"
@@ -269,9 +270,8 @@ class LakeReader:
             dict.fromkeys(stored[by_name[n].column_id] for n in names if by_name[n].column_id in stored)
         )
         fill = {n: self._constant(f, by_name[n]) for n in names if by_name[n].column_id not in stored}
-        sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
-        starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        groups = [g for g in range(len(sizes)) if starts[g] < hi and starts[g + 1] > lo]
+        starts = row_group_starts(reader.metadata)
+        groups = [g for g in range(len(starts) - 1) if starts[g] < hi and starts[g + 1] > lo]
         row = int(starts[groups[0]]) if groups else lo
         batches = reader.iter_batches(
             batch_cells, row_groups=groups, columns=read, use_threads=threads is None or threads > 1

@@ -330,7 +330,7 @@ class TableSource(Source):
         starts = self._group_starts(f)
         if starts is None:
             return 0
-        return lo - int(starts[int(np.searchsorted(starts, lo, side="right")) - 1])
+        return lo - int(starts[group_of(starts, lo)])
 
     def largest_row_group(self) -> int:
         """The most rows in one row group of the local parquet files whose row groups were read."""
@@ -344,9 +344,7 @@ class TableSource(Source):
             path, starts = self.files[f], None
             if not is_remote(path) and path.suffix == ".parquet":
                 try:
-                    meta = pq.read_metadata(path)
-                    sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-                    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+                    starts = row_group_starts(pq.read_metadata(path))
                 except (OSError, pa.ArrowException):
                     pass
             self._row_groups[f] = starts
@@ -547,6 +545,17 @@ def _same_type(stored: pa.DataType, wanted: pa.DataType) -> bool:
     return stored == wanted or (pa.types.is_dictionary(stored) and stored.value_type == wanted)
 
 
+def row_group_starts(metadata: pq.FileMetaData) -> np.ndarray:
+    """The first row of each row group of a parquet file, and its row count last (int64)."""
+    sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+
+def group_of(starts: np.ndarray, row: int) -> int:
+    """The row group (of `row_group_starts`' ``starts``) that holds ``row``."""
+    return int(np.searchsorted(starts, row, side="right")) - 1
+
+
 class _Stream:
     """An open read of a parquet file's rows from ``row`` on (``key``: whose read, of which file and
     columns): the batches still to come, and the rest of the batch last taken."""
@@ -559,18 +568,20 @@ class _Stream:
         # pre-buffered row group's raw bytes until the file is closed, and a stream goes on for as
         # many partitions as its process writes in a row
         reader = pq.ParquetFile(path, pre_buffer=False)
-        sizes = [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)]
-        self.key, self.starts = key, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.key, self.starts = key, row_group_starts(reader.metadata)
         self.num_rows = int(self.starts[-1])
         group = self.group_of(row)
         self.row = int(self.starts[group])
         self._batches = reader.iter_batches(
-            batch_cells, row_groups=range(group, len(sizes)), columns=columns, use_threads=use_threads
+            batch_cells,
+            row_groups=range(group, len(self.starts) - 1),
+            columns=columns,
+            use_threads=use_threads,
         )
         self._pending: pa.RecordBatch | None = None
 
     def group_of(self, row: int) -> int:
-        return int(np.searchsorted(self.starts, row, side="right") - 1)
+        return group_of(self.starts, row)
 
     def rows(self, lo: int, hi: int) -> Iterator[tuple[int, pa.RecordBatch]]:
         """``(first row, batch)`` of rows ``[lo, hi)`` (``lo >= self.row``); the rows before ``lo``
