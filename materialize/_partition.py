@@ -244,18 +244,22 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                 allow_negative=job.allow_negative,
                 locate=batch.locate,
                 panel=job.panel,
+                out=shards.buffer,  # straight into the memory the shard writer writes out
             )
             nnz += batch_nnz
-            shards.write(buf, starts)
             columns = {"cell_id": batch.cell_ids, **{n: _cast(batch.obs[n], t) for n, t in obs_types.items()}}
             if job.presence:
                 columns[PRESENT] = pa.array(
                     np.ones(batch.num_cells, bool) if batch.present is None else batch.present
                 )
-            pending.append(statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts))
             if job.allow_negative and kinds.kind != VALUES_REAL:
                 kinds.add_values(batch.values)  # here: the reader may reuse the batch's arrays
-            pending.append(statistics.submit(kinds.add_records, buf, starts))
+            readers = (
+                statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts),
+                statistics.submit(kinds.add_records, buf, starts),
+            )
+            shards.write(buf, starts, readers=readers)  # the buffer is not reused before they are done
+            pending.extend(readers)
             while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
                 pending.popleft().result()  # raises what the statistics thread raised
             if progress is not None:

@@ -10,7 +10,9 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from pathlib import Path
@@ -43,8 +45,14 @@ class ShardWriter:
     ):
         self._files = ShardFiles(root, shard_cells, options, first_shard, index_dir)
 
-    def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
-        """Append the records ``buf[starts[i]:starts[i+1]]`` in order."""
+    @staticmethod
+    def buffer(nbytes: int) -> np.ndarray:
+        """A buffer of ``nbytes`` to encode the next batch into (see `ShardWriterProcess.buffer`)."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def write(self, buf: np.ndarray, starts: np.ndarray, *, readers=()) -> None:
+        """Append the records ``buf[starts[i]:starts[i+1]]`` in order (``readers``: see
+        `ShardWriterProcess.write`; here the records are written before this returns)."""
         self._files.write(buf, starts.tolist())
 
     def close(self) -> list[ShardEntry]:
@@ -78,8 +86,9 @@ class _Slot:
 class ShardWriterProcess:
     """`ShardWriter` run in a child process, fed through ``depth`` shared-memory slots.
 
-    `write` copies the batch into a free slot and returns; the child compresses and writes it
-    (holding its own GIL, not ours). Errors in the child are raised here, at the next call.
+    The batch is encoded straight into a free slot (`buffer`), and `write` hands the slot over and
+    returns; the child compresses and writes it (holding its own GIL, not ours). Errors in the child
+    are raised here, at the next call.
     `finish` closes the shards and keeps the child and its slots for the next `open` (a worker
     writing partition after partition spares a Python start and its slots' page faults each
     time); `close` finishes and stops the child.
@@ -109,6 +118,8 @@ class ShardWriterProcess:
         self._conn = Connection(parent.detach())
         self._slots: list[_Slot | None] = []
         self._free: list[int] = []  # slots not in the child's hands; the others await its "done"
+        self._readers: dict[int, tuple[Future, ...]] = {}  # slot → who may still read its last batch
+        self._taken: _Slot | None = None  # the slot `buffer` gave, until `write`
         self._depth = depth
         self.open(
             root, shard_cells=shard_cells, options=options, first_shard=first_shard, index_dir=index_dir
@@ -164,6 +175,7 @@ class ShardWriterProcess:
         if not self._free:
             self._free.append(self._receive("done"))
         k = self._free.pop()
+        futures.wait(self._readers.pop(k, ()))  # their errors are theirs to raise, not ours
         slot = self._slots[k]
         if slot is None or slot.size < nbytes:
             if slot is not None:
@@ -173,16 +185,37 @@ class ShardWriterProcess:
             send_handle(self._conn, slot.fd, self._proc.pid)
         return slot
 
-    def write(self, buf: np.ndarray, starts: np.ndarray) -> None:
-        """Hand the records ``buf[starts[i]:starts[i+1]]`` to the writer process."""
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of a free slot, to encode the next batch into: `write` then hands the slot to the
+        child without a copy (a write of any other buffer copies it into a slot)."""
+        self._give_back_taken()
+        self._taken = self._slot_for(nbytes)
+        return self._taken.array[:nbytes]
+
+    def _give_back_taken(self) -> None:
+        if self._taken is not None:  # a buffer never written (its batch failed, or it was empty)
+            self._free.append(self._taken.index)
+            self._taken = None
+
+    def write(self, buf: np.ndarray, starts: np.ndarray, *, readers: Iterable[Future] = ()) -> None:
+        """Hand the records ``buf[starts[i]:starts[i+1]]`` to the writer process. ``readers``: futures
+        still reading ``buf`` (the statistics); its slot takes no other batch until they are done."""
+        taken = self._taken
         if len(starts) < 2:
+            self._give_back_taken()
             return
-        slot = self._slot_for(buf.nbytes)
-        slot.array[: buf.nbytes] = buf.view(np.uint8).reshape(-1)
+        if taken is not None and buf.ctypes.data == taken.array.ctypes.data:
+            slot, self._taken = taken, None
+        else:
+            self._give_back_taken()
+            slot = self._slot_for(buf.nbytes)
+            slot.array[: buf.nbytes] = buf.view(np.uint8).reshape(-1)
+        self._readers[slot.index] = tuple(readers)
         self._send("write", slot.index, np.ascontiguousarray(starts, dtype=np.int64).tobytes())
 
     def finish(self) -> list[ShardEntry]:
         """Close the shards written since `open`; the child waits for the next `open`."""
+        self._give_back_taken()
         while len(self._free) < len(self._slots):
             self._free.append(self._receive("done"))
         self._send("close")

@@ -67,11 +67,13 @@ def encode_batch(
     allow_negative: bool,
     locate: Callable[[int], str],
     panel: Panel | None = None,
+    out: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Validate a raw CSR batch and encode it; return ``(buffer, starts, nnz)``.
 
     ``locate(i)`` describes batch row ``i`` (file, row, cell_id) for the error message. With a
-    ``panel`` the rows are scattered to the panel's columns and stored dense.
+    ``panel`` the rows are scattered to the panel's columns and stored dense. ``out(nbytes)`` gives
+    the buffer to encode into (`encode_csr`'s ``out``).
     """
     if not np.issubdtype(tokens.dtype, np.integer):
         msg = f"{genes.names[0]} must be a list of integers, got element type {tokens.dtype} in {locate(0)}"
@@ -84,7 +86,12 @@ def encode_batch(
     if panel is None:
         try:
             buf, starts = encode_csr(
-                indptr, tokens, values, token_to_col=genes.token_to_col, allow_negative=allow_negative
+                indptr,
+                tokens,
+                values,
+                token_to_col=genes.token_to_col,
+                allow_negative=allow_negative,
+                out=out,
             )
         except InvalidRowError as e:
             raise DataValidationError(_describe(e, tokens, values, genes, locate)) from None
@@ -95,7 +102,7 @@ def encode_batch(
         e = InvalidRowError(int(bad[0]), int(where[bad[0]]), int(problems[bad[0]]))
         raise DataValidationError(_describe(e, tokens, values, genes, locate))
     dense = panel.scatter(indptr, tokens, values, genes.token_to_col)
-    buf, starts = encode_dense_rows(dense)
+    buf, starts = encode_dense_rows(dense, out=out)
     return buf, starts, int(np.count_nonzero(dense))
 
 

@@ -40,8 +40,8 @@ def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
     writers = []
     real_write = _shards.ShardWriterProcess.write
 
-    def write_then_interrupt(self, buf, starts):
-        real_write(self, buf, starts)
+    def write_then_interrupt(self, buf, starts, **kw):
+        real_write(self, buf, starts, **kw)
         writers.append(self)
         if len(writers) == 2:
             raise KeyboardInterrupt
@@ -82,7 +82,7 @@ def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
     materialize(corpus.cells_parquet, out, progress=False)
     before = oj.open_dataset(out).fingerprint
 
-    def boom(self, buf, starts):
+    def boom(self, buf, starts, **kw):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(_shards.ShardWriterProcess, "write", boom)

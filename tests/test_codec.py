@@ -55,6 +55,71 @@ def test_sparse_round_trip_is_exact(batch):
     assert_csr_equal(codec.decode_csr(*codec.join_records(records), 200_000), batch)
 
 
+def _reference_record(cols: list[int], values: list[float]) -> bytes:
+    """One record as the module docstring specifies it, in plain Python: the narrowest codes, gaps and
+    16-bit values as two byte planes, every field zero-padded to 4 bytes."""
+    f32 = np.array(values, np.float32)
+    exact = all(v.view(np.uint32) >> 31 == 0 and float(v) == int(v) < 2**32 for v in f32 if np.isfinite(v))
+    top = float(f32.max()) if len(f32) else 0.0
+    vc = codec.VALUE_F32 if not exact else 1 if top <= 255 else 2 if top <= 65_535 else 3
+    gaps = np.diff([0, *cols])
+    ic = codec.INDEX_DELTA_U16 if len(gaps) == 0 or gaps.max() <= 65_535 else codec.INDEX_U32
+
+    def planes(ints):  # little-endian u16s as a low-byte plane then a high-byte plane
+        return bytes(x & 0xFF for x in ints) + bytes(x >> 8 for x in ints)
+
+    def pad(b):
+        return b + bytes(-len(b) % 4)
+
+    n = len(cols)
+    index = planes([int(g) for g in gaps]) if ic == codec.INDEX_DELTA_U16 else np.array(cols, "<u4").tobytes()
+    if vc == 1:
+        body = bytes(int(v) for v in f32)
+    elif vc == 2:
+        body = planes([int(v) for v in f32])
+    elif vc == 3:
+        body = np.array([int(v) for v in f32], "<u4").tobytes()
+    else:
+        body = f32.astype("<f4").tobytes()
+    return bytes([codec.CODEC_VERSION, ic, vc, 0]) + n.to_bytes(4, "little") + pad(index) + pad(body)
+
+
+@given(csr_batches(), st.sampled_from(["identity", "shifted", "looked up"]), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_records_are_the_specified_bytes(batch, mapping, wide_values):
+    """The encoder's bytes are the format's, whether columns are the tokens, the tokens shifted (an
+    offset gene table) or looked up, and whatever the width of the input values."""
+    indptr, cols, values = batch
+    num_genes = 200_000
+    if mapping == "identity":
+        tokens, token_to_col = cols, np.arange(num_genes, dtype=np.int32)
+    elif mapping == "shifted":
+        tokens, token_to_col = cols + 3, np.concatenate([[-1, -1, -1], np.arange(num_genes)]).astype(np.int32)
+    else:  # every other token unknown: columns are looked up
+        tokens = cols * 2
+        token_to_col = np.full(2 * num_genes, -1, np.int32)
+        token_to_col[::2] = np.arange(num_genes)
+    buf, starts = codec.encode_csr(
+        indptr, tokens, values.astype(np.float64) if wide_values else values, token_to_col=token_to_col
+    )
+    expected = [
+        _reference_record(cols[a:b].tolist(), values[a:b].tolist())
+        for a, b in zip(indptr[:-1], indptr[1:], strict=True)
+    ]
+    assert [buf[a:b].tobytes() for a, b in zip(starts[:-1], starts[1:], strict=True)] == expected
+
+
+def test_records_are_encoded_into_the_buffer_given():
+    indptr = np.array([0, 2, 3], dtype=np.int64)
+    tokens, values = np.array([1, 4, 2], np.int32), np.array([3, 1, 0.5], np.float32)
+    given = np.full(64, 0xAB, np.uint8)
+    buf, starts = codec.encode_csr(indptr, tokens, values, out=lambda n: given[:n])
+    assert buf.ctypes.data == given.ctypes.data and (given[starts[-1] :] == 0xAB).all()
+    assert buf.tobytes() == codec.encode_csr(indptr, tokens, values)[0].tobytes()
+    with pytest.raises(ValueError, match="must give a 4-aligned uint8 array"):
+        codec.encode_csr(indptr, tokens, values, out=lambda n: given[1 : n + 1])
+
+
 @given(
     st.integers(1, 9),
     st.integers(1, 70),

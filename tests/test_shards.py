@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader
@@ -66,3 +69,28 @@ def test_a_killed_writer_process_is_reported(tmp_path):
             writer.write(buf, starts)
         writer.close()
     writer.abort()
+
+
+def test_a_batch_encoded_into_a_slot_is_not_overwritten_while_it_is_still_read(tmp_path):
+    """`buffer` lends a slot to encode into; `write` hands it over without a copy, and the slot takes
+    no other batch until the batch's ``readers`` (the statistics) are done with it."""
+    rng = np.random.default_rng(3)
+    writer = ShardWriterProcess(tmp_path, shard_cells=8, options=OPTIONS, depth=1)
+    first, starts, records = _batch(rng, np.array([40, 24], dtype=np.int64))
+    buf = writer.buffer(first.nbytes)
+    buf[:] = first
+    reading = Future()
+    writer.write(buf, starts, readers=[reading])
+    seen = []
+    threading.Timer(0.3, lambda: (seen.append(buf.tobytes()), reading.set_result(None))).start()
+    second = writer.buffer(64)  # the only slot: it waits for the reader
+    assert reading.done() and seen == [first.tobytes()]
+    assert second.ctypes.data == buf.ctypes.data
+    second[:], more = rng.integers(0, 256, 64, dtype=np.uint8), np.array([0, 64])
+    written = second.tobytes()
+    writer.write(second, more)
+    writer.write(first, starts)  # any other buffer is copied into a slot
+    shards = writer.close()
+    reader = ArrayRecordReader(str(tmp_path / shards[0].path))
+    assert reader.read(0, 5) == [*records, written, *records]
+    reader.close()
