@@ -93,9 +93,8 @@ def _sparse_inputs(indptr, tokens, values, token_to_col):
     else:
         with np.errstate(over="ignore", invalid="ignore"):  # out of range: a problem the planner reports
             values32 = values.astype(np.float32)
-    token_to_col = read_only(token_to_col)
-    arrays = (indptr, tokens, values, values32, token_to_col)
-    return (*map(read_only, arrays), column_shift(token_to_col))
+    arrays = tuple(map(read_only, (indptr, tokens, values, values32, token_to_col)))
+    return (*arrays, column_shift(arrays[-1]))
 
 
 @nb.njit(nogil=True, cache=True)
@@ -111,6 +110,13 @@ def column_shift(token_to_col):
         if token_to_col[t] != t - s:
             return -1
     return s
+
+
+@nb.njit(inline="always")
+def _exact_uint(f, bits):
+    """Whether float32 ``f`` (its ``bits`` as int32) is stored exactly as an unsigned integer: sign bit
+    clear (not -0.0), whole, below 2**32 (not +inf). Without a branch, so its loops vectorize."""
+    return (bits >= 0) & (np.floor(f) == f) & (f <= 4294967295.0)
 
 
 @nb.njit(inline="always")
@@ -150,9 +156,7 @@ def _scan_row(tok, val, val32, bits, token_to_col, shift, allow_negative):
         v = val[k]
         clean &= abs(v) <= _F32_MAX  # finite, and within float32 when the input is wider
         negative |= v < 0
-        # an exact unsigned integer: sign bit clear (not -0.0), whole, below 2**32 (not +inf)
-        f = val32[k]
-        integral &= (bits[k] >= 0) & (np.floor(f) == f) & (f <= 4294967295.0)
+        integral &= _exact_uint(val32[k], bits[k])
         top = max(top, bits[k])
     return known & clean & (allow_negative or not negative), max_gap, integral, top
 
@@ -228,8 +232,7 @@ def plan_dense(rows):
         integral = True
         top = np.int32(0)
         for k in range(width):
-            f = row[k]
-            integral &= (row_bits[k] >= 0) & (np.floor(f) == f) & (f <= 4294967295.0)
+            integral &= _exact_uint(row[k], row_bits[k])
             top = max(top, row_bits[k])
         vc = _value_code(integral, top)
         value_codes[i] = vc
