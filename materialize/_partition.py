@@ -3,7 +3,7 @@ input and reach the output — this one, a local worker process or a Dask worker
 
 A partition's output is its shards (with their chunk indexes) at their final names, plus a small
 sidecar folder ``_parts/p-NNNNN/``: ``cells.parquet`` (cell ids, obs values, ``n_counts``,
-``n_genes``), ``gene_stats.npz`` (the partition's corpus statistics, merged exactly by
+``n_genes``), ``gene_stats.bin`` (the partition's corpus statistics, merged exactly by
 `_finalize`) and ``part.json``, written last, which marks the partition complete. Writing a
 partition again (a retried task) rewrites the same bytes, so a worker killed mid-partition costs
 that partition's redo and nothing else.
@@ -48,7 +48,7 @@ PARTS_DIR = "_parts"
 VALUES_COUNTS, VALUES_NONNEGATIVE, VALUES_REAL = "counts", "nonnegative", "real"  # the manifest's values
 PART_DONE = "part.json"
 PART_CELLS = "cells.parquet"
-PART_STATS = "gene_stats.npz"
+PART_STATS = "gene_stats.bin"
 N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
 _NO_ROWS = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))  # indptr, tokens, values
 PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
@@ -327,9 +327,10 @@ def merge_value_kinds(kinds) -> str:
 def _add_stats(
     stats: StatsAccumulator | None, cells: pq.ParquetWriter, schema: pa.Schema, columns: dict, buf, starts
 ):
-    """A batch's cells table, with its corpus statistics (``stats``, unless None) added."""
+    """A batch's cells table, with its corpus statistics (``stats``, unless None) added (from the
+    records `encode_batch` has just written: not checked again)."""
     if stats is not None:
-        n_counts, n_genes = stats.add(buf, starts)
+        n_counts, n_genes = stats.add(buf, starts, check=False)
         columns = {**columns, N_COUNTS: n_counts, N_GENES: n_genes}
     cells.write_table(pa.table(columns, schema=schema))
 
