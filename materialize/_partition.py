@@ -282,7 +282,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
         )
         raise OmicsIOError(msg)
     if stats is not None:
-        stats.finish().save(sidecar / PART_STATS)
+        stats.save(sidecar / PART_STATS)
         scratch.give_back_stats(stats)
     files = tuple(file_entry(root, chunk_index_path(s.path)) for s in entries)
     result = PartResult(

@@ -206,6 +206,32 @@ def test_accumulator_histograms_are_exact_and_a_reused_one_starts_clean(ds, dens
     assert got[0].num_cells == half and got[0].hist_counts.sum() == len(cells)
 
 
+def test_partition_files_saved_from_one_accumulator_hold_each_partition(ds, tmp_path):
+    """`StatsAccumulator.save` (a worker's: the CSR built in arrays kept from one partition to the
+    next) writes each partition's statistics as `finish` returns them; a loaded file (mapped, not
+    read) keeps its contents when a retried partition writes the file again."""
+    from omicsio_jax.format.codec import join_records
+    from omicsio_jax.format.gene_stats import StatsAccumulator
+
+    half = ds.num_cells // 2
+    parts = [join_records(ds.read_records(lo, hi)) for lo, hi in ((0, half), (half, ds.num_cells))]
+    kept, fresh = StatsAccumulator(ds.num_genes, shard_cells=256), StatsAccumulator(ds.num_genes, 256)
+    for k, (buf, starts) in enumerate(parts):
+        kept.add(buf, starts)
+        kept.save(tmp_path / f"{k}.bin")
+    loaded = [GeneStats.load(tmp_path / f"{k}.bin") for k in range(2)]
+    for k, (buf, starts) in enumerate(parts):
+        fresh.add(buf, starts)
+        want = fresh.finish()
+        assert loaded[k].num_cells == want.num_cells
+        for name in ("n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts"):
+            np.testing.assert_array_equal(getattr(loaded[k], name), getattr(want, name), err_msg=name)
+    before = loaded[0].dense_hist()
+    loaded[1].save(tmp_path / "0.bin")  # the file loaded[0] maps, written again
+    np.testing.assert_array_equal(loaded[0].dense_hist(), before)
+    np.testing.assert_array_equal(GeneStats.load(tmp_path / "0.bin").dense_hist(), loaded[1].dense_hist())
+
+
 @pytest.mark.parametrize("count_dtype", [np.uint8, np.uint16])
 def test_a_narrow_histogram_table_keeps_counts_past_its_largest_exact(ds, count_dtype):
     """Counts past the table type's largest (255 for uint8 here, on the records read 10 times; 65,535

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numba as nb
@@ -225,19 +226,38 @@ def empty_span(num_genes: int) -> np.ndarray:
     return span
 
 
+class _Kept:
+    """Scratch arrays kept from one call to the next, replaced (with a quarter to spare: batches'
+    sizes vary) only when too small. A fresh array of tens of MB costs its page faults each time:
+    NumPy asks for huge pages past 4 MB, and the kernel zeroes every one."""
+
+    def __init__(self):
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        array = self._arrays.get(name)
+        if array is None or array.dtype != dtype or len(array) < n:
+            array = self._arrays[name] = np.empty(n + n // 4, dtype)
+        return array[:n]
+
+
 def _dense_to_csr(
-    hist: np.ndarray, span: np.ndarray | None = None
+    hist: np.ndarray, span: np.ndarray | None = None, kept: _Kept | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each row's nonzero bins (ascending) and counts, the counts in the narrowest type that holds
     them (a partition of 16,384 cells: uint16, 2 bytes per entry where int64 took 8, and 4× less
     fresh memory to fault in); one pass to count, one to fill, each within the rows' ``span``
-    (default: whole rows)."""
+    (default: whole rows). With ``kept``, bins and counts are views of its arrays."""
     if span is None:
         span = np.empty((hist.shape[0], 2), np.int32)
         span[:, 0], span[:, 1] = 0, hist.shape[1] - 1
     ptr, top = _csr_layout(hist, span)
     n = int(ptr[-1])
-    bins, counts = np.empty(n + 1, np.uint16), np.empty(n + 1, _count_dtype(top))
+    if kept is None:
+        bins, counts = np.empty(n + 1, np.uint16), np.empty(n + 1, _count_dtype(top))
+    else:
+        bins, counts = kept.get("bins", n + 1, np.uint16), kept.get("counts", n + 1, _count_dtype(top))
     _fill_csr(hist, span, ptr, bins, counts)
     return ptr, bins[:n], counts[:n]
 
@@ -299,10 +319,11 @@ class GeneStats:
         sums: np.ndarray,
         hist: np.ndarray,
         span: np.ndarray | None = None,
+        kept: _Kept | None = None,
     ) -> GeneStats:
         """From ``(genes, bins)`` histograms, whose nonzero bins lie within ``span`` (`empty_span`,
-        as `add_to_dense` widens it; default: anywhere)."""
-        ptr, bins, counts = _dense_to_csr(hist, span)
+        as `add_to_dense` widens it; default: anywhere); histogram arrays in ``kept``'s, if given."""
+        ptr, bins, counts = _dense_to_csr(hist, span, kept)
         return cls(int(num_cells), n_cells.astype(np.int64), sums.astype(np.float64), ptr, bins, counts)
 
     _FIELDS = ("num_cells", "n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts")
@@ -315,15 +336,21 @@ class GeneStats:
         4 instead of 10 bytes per entry)."""
         top = int(self.hist_counts.max()) if len(self.hist_counts) else 0
         arrays = dataclasses.replace(self, hist_counts=self.hist_counts.astype(_count_dtype(top), copy=False))
-        with open(path, "wb") as f:
+        path = Path(path)
+        staged = path.with_name(f".{path.name}.tmp")
+        with open(staged, "wb") as f:
             for name in self._FIELDS:
                 np.save(f, np.asarray(getattr(arrays, name)), allow_pickle=False)
+        os.replace(staged, path)  # a new file: a `load` mapping the one it replaces keeps reading it
 
     @classmethod
     def load(cls, path: str | Path) -> GeneStats:
-        """`save`'s file; the counts keep the type they were stored in (no widening copy)."""
+        """`save`'s file, its arrays mapped read-only from the file rather than read into fresh
+        memory (a partition's are ~28 MB); the counts keep the type they were stored in."""
+        arrays = {}
         with open(path, "rb") as f:
-            arrays = {name: np.load(f, allow_pickle=False) for name in cls._FIELDS}
+            for name in cls._FIELDS:
+                arrays[name] = _mapped_npy(f, path)
         return cls(**{**arrays, "num_cells": int(arrays["num_cells"])})
 
     def add_to_dense(self, hist: np.ndarray, span: np.ndarray | None = None) -> None:
@@ -440,7 +467,7 @@ class StatsAccumulator:
         self.total = np.zeros((num_genes, 8), np.float64)  # the 6 sums, n_cells, padding
         self.partial = aligned_empty((num_genes, 8), np.float64)  # a gene's sums in one cache line
         self.partial[:] = 0
-        self._codes = self._tmp = self._spill = np.empty(0, np.uint32)
+        self._kept = _Kept()  # the histogram codes of a batch, and the CSR of `save`
 
     def add(
         self, buf: np.ndarray, starts: np.ndarray, *, check: bool = True
@@ -456,9 +483,8 @@ class StatsAccumulator:
         n_counts = np.empty(n, np.float64)
         n_genes = np.empty(n, np.int32)
         need = int(u32[starts[:-1] // 4 + 1].sum()) if n else 0  # entries per record header: ≥ the nonzeros
-        if len(self._codes) < need:
-            self._codes, self._tmp = np.empty(need, np.uint32), np.empty(need, np.uint32)
-            self._spill = np.empty(need, np.uint32)
+        codes, tmp = self._kept.get("codes", need, np.uint32), self._kept.get("tmp", need, np.uint32)
+        spill = self._kept.get("spill", need, np.uint32)
         done = 0
         while done < n:
             room = self.shard_cells - self.rows % self.shard_cells
@@ -472,11 +498,11 @@ class StatsAccumulator:
                 n_counts[done : done + take],
                 n_genes[done : done + take],
                 self.partial,
-                self._codes,
+                codes,
             )
-            spilled = _apply_hist(self._codes, m, self._tmp, self.hist, self.span, self._spill)
+            spilled = _apply_hist(codes, m, tmp, self.hist, self.span, spill)
             if spilled:
-                self._spilled.append(self._spill[:spilled].copy())
+                self._spilled.append(spill[:spilled].copy())
             done += take
             self.rows += take
             if self.rows % self.shard_cells == 0:
@@ -490,11 +516,19 @@ class StatsAccumulator:
     def finish(self) -> GeneStats:
         """The statistics of the rows added; the accumulator is empty again, ready for the next rows
         (only the spans of bins in use are zeroed: its table stays mapped, not faulted in anew)."""
+        return self._finish(None)
+
+    def save(self, path: str | Path) -> None:
+        """`finish` and `GeneStats.save` to ``path`` in one, the histogram's CSR built in arrays kept
+        from one call to the next (a partition's statistics, the next partition's accumulator)."""
+        self._finish(self._kept).save(path)
+
+    def _finish(self, kept: _Kept | None) -> GeneStats:
         if self.rows % self.shard_cells:
             self._end_shard()
         stats = GeneStats.from_dense(
-            self.rows, self.total[:, 6], self.total[:, :6].T, self.hist, self.span
-        )  # copies
+            self.rows, self.total[:, 6], self.total[:, :6].T, self.hist, self.span, kept
+        )  # copies (the histogram into ``kept``'s arrays, if given)
         _clear_spans(self.hist, self.span)
         if self._spilled:
             _add_spilled(stats, np.concatenate(self._spilled))
@@ -502,6 +536,22 @@ class StatsAccumulator:
         self.total[:] = 0
         self.rows = 0
         return stats
+
+
+def _mapped_npy(f, path: str | Path) -> np.ndarray:
+    """The ``.npy`` array at ``f``'s position in the file ``path``, mapped read-only (an empty one
+    read); ``f`` is left past it."""
+    version = np.lib.format.read_magic(f)
+    read_header = (
+        np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    )
+    shape, fortran, dtype = read_header(f)
+    offset, size = f.tell(), int(np.prod(shape, dtype=np.int64))
+    f.seek(offset + size * dtype.itemsize)
+    if size == 0:
+        return np.empty(shape, dtype)
+    mapped = np.memmap(path, dtype, "r", offset, shape, order="F" if fortran else "C")
+    return np.asarray(mapped)  # a plain read-only ndarray over the mapping (numba takes no memmap)
 
 
 def _add_spilled(stats: GeneStats, codes: np.ndarray) -> None:
