@@ -16,6 +16,8 @@ reverse order), on the same corpus:
 - ``materialize --workers 1 --no-stats`` on one core: the same without the corpus statistics, so
   that the fraction of the limit is reported with and without them, and what they cost on top.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
+- With ``--baseline CHECKOUT`` (a git worktree of another commit): that checkout's ``--workers 1``
+  conversions, with and without statistics, in the same rounds, and this commit's cells/s ÷ its.
 
 A round times whole decodes or conversions, repeated until at least 10 s have passed (a conversion on
 16 cores takes a second or two); ``window_s`` records how long a round took (the median, and every
@@ -46,7 +48,14 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _provenance import MIN_WINDOW_S, add_window_options, check_window, provenance, write_result  # noqa: E402
+from _provenance import (  # noqa: E402
+    MIN_WINDOW_S,
+    add_window_options,
+    baseline_commit,
+    check_window,
+    provenance,
+    write_result,
+)
 
 _DECODE = """
 import json, os, resource, sys, time
@@ -110,8 +119,13 @@ print(json.dumps({"seconds": seconds, "cells": cells, "conversions": conversions
 """
 
 
-def _run(code: str, *args) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+def _run(code: str, *args, checkout: str | None = None) -> dict:
+    """``code`` in a fresh process; with ``checkout`` (a ``--baseline``), that checkout's packages first
+    on the path and its folder the working directory (``-c`` puts the working directory first)."""
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": checkout}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, cwd=checkout
+    )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -152,6 +166,13 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
         summary[f"decode limit cells/s per core ({reader})"] = decode
     summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
+    if args.baseline is not None:  # the same configurations of the baseline checkout, in the same rounds
+        sha = baseline_commit(args.baseline)[:7]
+        base_one = rows[f"materialize 1 worker(s) @ {sha}"]["cells_per_s"]
+        base_lean = rows[f"materialize 1 worker(s), no stats @ {sha}"]["cells_per_s"]
+        summary[f"materialize 1 worker(s): this commit ÷ {sha}"] = one / base_one
+        summary[f"materialize 1 worker(s), no stats: this commit ÷ {sha}"] = lean / base_lean
+        summary[f"statistics cost on one core at {sha}"] = base_lean / base_one - 1
     result = {
         "benchmark": "bench_scale",
         **provenance(),
@@ -159,7 +180,12 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         **({} if rounds == args.repeats else {"rounds_asked": args.repeats}),
         "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
         "quick": args.quick,
-        "input": str(parquet.relative_to(HERE)),
+        "input": str(parquet.relative_to(HERE.resolve())),
+        **(
+            {}
+            if args.baseline is None
+            else {"baseline": {"checkout": args.baseline, "commit": baseline_commit(args.baseline)}}
+        ),
         "rows": rows,
         "summary": summary,
     }
@@ -175,20 +201,35 @@ def main() -> None:
     add_window_options(p, seconds=None, rounds_flag="--repeats")
     p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 1..cores)")
     p.add_argument("--out", default=str(HERE / "results" / "scale.json"))
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout (git worktree) of another commit: its 1-worker conversions, with and without "
+        "statistics, run in the same rounds, and the summary gives this commit's cells/s ÷ its",
+    )
     args = p.parse_args()
+    if args.baseline is not None:
+        args.baseline = str(Path(args.baseline).resolve())
+        baseline_commit(args.baseline)  # not a checkout: fails here, before anything is measured
     check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
-    parquet = corpus_dir(args.cells, h5ad=False) / "cells.parquet"
+    parquet = (corpus_dir(args.cells, h5ad=False) / "cells.parquet").resolve()
     configs = (
         [("decode", "duckdb"), ("decode", "pyarrow")]
         + [("workers", n) for n in counts]
         + [("no stats", 1), ("default", 0)]
+        + ([] if args.baseline is None else [("baseline", "stats"), ("baseline", "no stats")])
     )
     runs: dict[str, list[dict]] = {}
     window = 1.0 if args.quick else MIN_WINDOW_S  # --quick: a smoke run
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
-        out = Path(tmp) / "out"
+        out = Path(tmp).resolve() / "out"
+        for checkout in [None] + ([] if args.baseline is None else [args.baseline]):
+            # one conversion per checkout first, not timed: numba compiles into a fresh checkout's cache
+            _run(_MATERIALIZE, parquet, out, 1, json.dumps(cores[:1]), args.shard_cells, "stats", 0.0,
+                 checkout=checkout)  # fmt: skip
+            shutil.rmtree(out, ignore_errors=True)
         for round_ in range(args.repeats):
             # every other round backwards: a run's effect on the next (page cache, memory freed by the
             # deletion of its output) does not always fall on the same configuration
@@ -196,6 +237,12 @@ def main() -> None:
                 if kind == "decode":
                     label = f"decode {value}"
                     result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet, window)
+                elif kind == "baseline":
+                    sha = baseline_commit(args.baseline)[:7]
+                    label = f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} @ {sha}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    result = _run(_MATERIALIZE, parquet, out, 1, json.dumps(cores[:1]), args.shard_cells, value,
+                                  window, checkout=args.baseline)  # fmt: skip
                 else:
                     label = {
                         "default": "materialize default",
