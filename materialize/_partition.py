@@ -69,7 +69,7 @@ class Job:
     token: str  # this run's identity: sidecars of another run are never mixed in
     threads: int | None = None  # DuckDB / numba threads per worker process (None: their defaults)
     presence: bool = False  # a further modality: record which cells have it (`Batch.present`)
-    stats: bool = True  # corpus statistics: gene_stats.npz and obs n_counts / n_genes per partition
+    stats: bool = True  # corpus statistics: gene_stats.bin and obs n_counts / n_genes per partition
 
     @property
     def num_columns(self) -> int:
