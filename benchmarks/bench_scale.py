@@ -167,7 +167,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         summary[f"decode limit cells/s per core ({reader})"] = decode
     summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
     if args.baseline is not None:  # the same configurations of the baseline checkout, in the same rounds
-        sha = baseline_commit(args.baseline)[:7]
+        sha = args.baseline_commit[:7]
         base_one = rows[f"materialize 1 worker(s) @ {sha}"]["cells_per_s"]
         base_lean = rows[f"materialize 1 worker(s), no stats @ {sha}"]["cells_per_s"]
         summary[f"materialize 1 worker(s): this commit ÷ {sha}"] = one / base_one
@@ -184,7 +184,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         **(
             {}
             if args.baseline is None
-            else {"baseline": {"checkout": args.baseline, "commit": baseline_commit(args.baseline)}}
+            else {"baseline": {"checkout": args.baseline, "commit": args.baseline_commit}}
         ),
         "rows": rows,
         "summary": summary,
@@ -210,7 +210,7 @@ def main() -> None:
     args = p.parse_args()
     if args.baseline is not None:
         args.baseline = str(Path(args.baseline).resolve())
-        baseline_commit(args.baseline)  # not a checkout: fails here, before anything is measured
+        args.baseline_commit = baseline_commit(args.baseline)  # not a checkout: fails here, before anything
     check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
@@ -225,11 +225,17 @@ def main() -> None:
     window = 1.0 if args.quick else MIN_WINDOW_S  # --quick: a smoke run
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         out = Path(tmp).resolve() / "out"
+
+        def convert(workers: int | str, stats: str, seconds: float, checkout: str | None = None) -> dict:
+            """Conversions of ``workers`` (pinned to as many cores; "default": not pinned) for ``seconds``."""
+            shutil.rmtree(out, ignore_errors=True)
+            pinned = [] if workers == "default" else cores[:workers]
+            return _run(_MATERIALIZE, parquet, out, workers, json.dumps(pinned), args.shard_cells, stats, seconds,
+                        checkout=checkout)  # fmt: skip
+
         for checkout in [None] + ([] if args.baseline is None else [args.baseline]):
             # one conversion per checkout first, not timed: numba compiles into a fresh checkout's cache
-            _run(_MATERIALIZE, parquet, out, 1, json.dumps(cores[:1]), args.shard_cells, "stats", 0.0,
-                 checkout=checkout)  # fmt: skip
-            shutil.rmtree(out, ignore_errors=True)
+            convert(1, "stats", 0.0, checkout)
         for round_ in range(args.repeats):
             # every other round backwards: a run's effect on the next (page cache, memory freed by the
             # deletion of its output) does not always fall on the same configuration
@@ -238,25 +244,18 @@ def main() -> None:
                     label = f"decode {value}"
                     result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet, window)
                 elif kind == "baseline":
-                    sha = baseline_commit(args.baseline)[:7]
-                    label = f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} @ {sha}"
-                    shutil.rmtree(out, ignore_errors=True)
-                    result = _run(_MATERIALIZE, parquet, out, 1, json.dumps(cores[:1]), args.shard_cells, value,
-                                  window, checkout=args.baseline)  # fmt: skip
+                    label = (
+                        f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} "
+                        f"@ {args.baseline_commit[:7]}"
+                    )
+                    result = convert(1, value, window, args.baseline)
                 else:
                     label = {
                         "default": "materialize default",
                         "no stats": f"materialize {value} worker(s), no stats",
                     }.get(kind, f"materialize {value} worker(s)")
-                    shutil.rmtree(out, ignore_errors=True)
-                    pinned = [] if kind == "default" else cores[:value]
-                    result = _run(
-                        _MATERIALIZE,
-                        parquet,
-                        out,
+                    result = convert(
                         "default" if kind == "default" else value,
-                        json.dumps(pinned),
-                        args.shard_cells,
                         "no stats" if kind == "no stats" else "stats",
                         window,
                     )

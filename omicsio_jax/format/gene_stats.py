@@ -347,10 +347,17 @@ class GeneStats:
     def load(cls, path: str | Path) -> GeneStats:
         """`save`'s file, its arrays mapped read-only from the file rather than read into fresh
         memory (a partition's are ~28 MB); the counts keep the type they were stored in."""
-        arrays = {}
+        places = []
         with open(path, "rb") as f:
-            for name in cls._FIELDS:
-                arrays[name] = _mapped_npy(f, path)
+            for _ in cls._FIELDS:
+                shape, fortran, dtype = _NPY_HEADERS[np.lib.format.read_magic(f)](f)
+                places.append((shape, dtype, f.tell(), "F" if fortran else "C"))
+                f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, os.SEEK_CUR)
+        mapped = np.memmap(path, np.uint8, "r")  # one mapping of the file; each array a view into it
+        arrays = {
+            name: np.ndarray(shape, dtype, mapped, offset, order=order)
+            for name, (shape, dtype, offset, order) in zip(cls._FIELDS, places, strict=True)
+        }
         return cls(**{**arrays, "num_cells": int(arrays["num_cells"])})
 
     def add_to_dense(self, hist: np.ndarray, span: np.ndarray | None = None) -> None:
@@ -538,20 +545,10 @@ class StatsAccumulator:
         return stats
 
 
-def _mapped_npy(f, path: str | Path) -> np.ndarray:
-    """The ``.npy`` array at ``f``'s position in the file ``path``, mapped read-only (an empty one
-    read); ``f`` is left past it."""
-    version = np.lib.format.read_magic(f)
-    read_header = (
-        np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    )
-    shape, fortran, dtype = read_header(f)
-    offset, size = f.tell(), int(np.prod(shape, dtype=np.int64))
-    f.seek(offset + size * dtype.itemsize)
-    if size == 0:
-        return np.empty(shape, dtype)
-    mapped = np.memmap(path, dtype, "r", offset, shape, order="F" if fortran else "C")
-    return np.asarray(mapped)  # a plain read-only ndarray over the mapping (numba takes no memmap)
+_NPY_HEADERS = {  # the .npy header readers by format version (np.save writes 1.0, or 2.0 for a huge header)
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
 
 
 def _add_spilled(stats: GeneStats, codes: np.ndarray) -> None:
