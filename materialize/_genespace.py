@@ -173,13 +173,11 @@ class MemberMap:
         out_values = _pooled(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
         out_ptr = np.empty(len(indptr), np.int64)
         out_cols = _pooled(len(tokens), np.int32)
-        passes = max(1, -(-max(self.num_columns - 1, 1).bit_length() // 8))
         bad = _remap(
             np.asarray(indptr, np.int64),
             np.asarray(tokens),
             values,
             self.col_of,
-            passes,
             out_ptr,
             out_cols,
             out_values,
@@ -205,62 +203,102 @@ def _pooled(n: int, dtype) -> np.ndarray:
 
 
 @nb.njit(cache=True, nogil=True)
-def _remap(indptr, tokens, values, col_of, passes, out_ptr, out_cols, out_values):  # pragma: no cover
+def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pragma: no cover
     """Rows into unified columns, written straight to the output; a row whose columns do not rise is
-    sorted there by an LSD radix sort (bytes of the column) and genes of one column summed. Returns
-    -1, or the position of the first token that is unknown or not above the one before it."""
+    sorted there (`_sort_row`) and genes of one column summed. Returns -1, or the position of the
+    first token that is unknown or not above the one before it.
+
+    A row is moved by plain loops (a gather of its columns, a copy of its values) and checked after,
+    by loops without branches; only a row that fails a check (a token out of order or unknown, or a
+    gene not kept) is moved again token by token, to skip what is not kept or to find the bad token."""
     longest = 0
     for r in range(len(indptr) - 1):
         longest = max(longest, indptr[r + 1] - indptr[r])
     cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, out_values.dtype)
-    hist = np.empty(256, np.int64)
+    hist = np.empty(max(longest, 1), np.int32)
+    n = len(col_of)
     out_ptr[0] = 0
     k = 0
     for r in range(len(indptr) - 1):
-        m, rising, last_col, last_token = 0, True, -1, -1
-        for j in range(indptr[r], indptr[r + 1]):  # k + m <= j < len(tokens): the row fits in the output
-            t = tokens[j]
-            if t < 0 or t >= len(col_of) or col_of[t] == _UNKNOWN or t <= last_token:
-                return j
-            last_token = t
-            c = col_of[t]
-            if c == _DROPPED:
-                continue
-            rising = rising and c > last_col
-            last_col = c
-            out_cols[k + m], out_values[k + m] = c, values[j]
-            m += 1
-        if rising:
-            k += m
-            out_ptr[r + 1] = k
-            continue
-        a_cols, a_vals, b_cols, b_vals = out_cols[k : k + m], out_values[k : k + m], cols_b, vals_b
-        shift = 0
-        for _ in range(passes):
-            hist[:] = 0
-            for i in range(m):
-                hist[(a_cols[i] >> shift) & 255] += 1
-            total = 0
-            for d in range(256):
-                count = hist[d]
-                hist[d] = total
-                total += count
-            for i in range(m):
-                d = (a_cols[i] >> shift) & 255
-                at = hist[d]
-                hist[d] = at + 1
-                b_cols[at], b_vals[at] = a_cols[i], a_vals[i]
-            a_cols, b_cols, a_vals, b_vals = b_cols, a_cols, b_vals, a_vals
-            shift += 8
-        first = k  # compacted in place (or from the scratch after an odd number of passes)
-        for i in range(m):
-            if k > first and out_cols[k - 1] == a_cols[i]:  # two genes of one id: summed
-                out_values[k - 1] += a_vals[i]
-            else:
-                out_cols[k], out_values[k] = a_cols[i], a_vals[i]
-                k += 1
+        lo, hi = indptr[r], indptr[r + 1]
+        m = hi - lo
+        t, v = tokens[lo:hi], values[lo:hi]
+        oc, ov = out_cols[k : k + m], out_values[k : k + m]  # k + m <= hi: the row fits in the output
+        for j in range(m):
+            oc[j] = col_of[min(max(t[j], 0), n - 1)]
+        for j in range(m):
+            ov[j] = v[j]
+        bad = m > 0 and (t[0] < 0 or t[m - 1] >= n)
+        for j in range(1, m):
+            bad |= t[j] <= t[j - 1]
+        low, top, falls = 0, 0, False
+        for j in range(m):
+            low, top = min(low, oc[j]), max(top, oc[j])
+        for j in range(1, m):
+            falls |= oc[j] <= oc[j - 1]
+        if bad or low < 0:  # token by token: the bad token's place, or the genes not kept skipped
+            m, last_col, last_token, falls = 0, -1, -1, False
+            for j in range(lo, hi):
+                tj = tokens[j]
+                if tj < 0 or tj >= n or col_of[tj] == _UNKNOWN or tj <= last_token:
+                    return j
+                last_token = tj
+                c = col_of[tj]
+                if c == _DROPPED:
+                    continue
+                falls |= c <= last_col
+                last_col, top = c, max(top, c)
+                out_cols[k + m], out_values[k + m] = c, values[j]
+                m += 1
+        if falls:
+            m = _sort_row(out_cols[k : k + m], out_values[k : k + m], top, cols_b, vals_b, hist)
+        k += m
         out_ptr[r + 1] = k
     return -1
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _sort_row(cols, values, top, cols_b, vals_b, hist):  # pragma: no cover
+    """``cols`` (in ``[0, top]``) sorted in place with their ``values``, those of one column summed in
+    the order given; returns how many are left. A counting sort by the columns' high bits into about
+    as many buckets as columns (bucket ``c >> shift``), then an insertion sort, which finds each
+    bucket's few columns already in place or nearly. Stable, so the sums are those of the order
+    given."""
+    m = len(cols)
+    shift = 0
+    while (top >> shift) >= max(m, 1):
+        shift += 1
+    buckets = (top >> shift) + 1
+    h = hist[:buckets]
+    h[:] = 0
+    for i in range(m):
+        h[cols[i] >> shift] += 1
+    total = 0
+    for d in range(buckets):
+        count = h[d]
+        h[d] = total
+        total += count
+    for i in range(m):
+        c = cols[i]
+        at = h[c >> shift]
+        h[c >> shift] = at + 1
+        cols_b[at], vals_b[at] = c, values[i]
+    for i in range(1, m):
+        c = cols_b[i]
+        if c < cols_b[i - 1]:
+            x, j = vals_b[i], i - 1
+            while j >= 0 and cols_b[j] > c:
+                cols_b[j + 1], vals_b[j + 1] = cols_b[j], vals_b[j]
+                j -= 1
+            cols_b[j + 1], vals_b[j + 1] = c, x
+    w = 0
+    for i in range(m):
+        if w > 0 and cols[w - 1] == cols_b[i]:  # two genes of one id: summed
+            values[w - 1] += vals_b[i]
+        else:
+            cols[w], values[w] = cols_b[i], vals_b[i]
+            w += 1
+    return w
 
 
 def member_map(tokens: np.ndarray, cols: np.ndarray, num_columns: int) -> MemberMap:

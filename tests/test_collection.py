@@ -323,11 +323,14 @@ def test_one_source_versions_and_duplicates(tmp_path, capsys):
     np.testing.assert_array_equal(_dense(ds, [0, 1, 2, 3]), [[0, 3], [0, 5], [0, 0], [6, 0]])
 
 
-@pytest.mark.parametrize("num_columns", [200, 5_000, 70_000])  # 1, 2 and 3 bytes of radix sort
-@pytest.mark.parametrize("order", ["rising", "shuffled"])
-def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_columns, order):
-    """`MemberMap.remap` against numpy: rows whose columns rise are copied, the others sorted;
-    two tokens of one id are summed, tokens outside the kept genes dropped."""
+@pytest.mark.parametrize("num_columns", [200, 5_000, 70_000])
+@pytest.mark.parametrize("order", ["rising", "shuffled", "clustered"])
+@pytest.mark.parametrize("kept", ["all", "some"])
+def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_columns, order, kept):
+    """`MemberMap.remap` against numpy: rows whose columns rise are copied, the others sorted (rows of
+    0 to 300 genes, over few columns or many, spread or crowded into the last tenth); two tokens of
+    one id are summed, tokens outside the kept genes dropped; a token out of order or unknown is an
+    error naming it."""
     from materialize._genespace import member_map
 
     rng = np.random.default_rng(num_columns)
@@ -335,7 +338,10 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
     cols = np.sort(rng.choice(num_columns, len(tokens), replace=True))  # some ids twice: summed
     if order == "shuffled":
         cols = rng.permutation(cols)
-    cols[rng.random(len(tokens)) < 0.05] = -1  # not kept (an intersection)
+    elif order == "clustered":  # many genes in few columns: buckets of many columns each
+        cols = rng.permutation(num_columns - 1 - cols % max(num_columns // 10, 1))
+    if kept == "some":
+        cols[rng.random(len(tokens)) < 0.05] = -1  # not kept (an intersection)
     source = member_map(tokens, cols, num_columns)
     rows = [
         np.sort(rng.choice(tokens, int(rng.integers(0, min(300, len(tokens)))), replace=False))
@@ -357,6 +363,18 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
         assert np.all(np.diff(got_cols) > 0)
         np.testing.assert_array_equal(got_cols, np.flatnonzero(want))
         np.testing.assert_array_equal(out_values[out_ptr[r] : out_ptr[r + 1]], want[got_cols])
+    row = next(r for r in range(len(rows)) if len(rows[r]) > 2)
+    swapped = row_tokens.copy()
+    at = indptr[row] + 1
+    swapped[at], swapped[at + 1] = swapped[at + 1], swapped[at]
+    with pytest.raises(
+        oj.DataValidationError, match=rf"not sorted in {row}: {swapped[at + 1]} after {swapped[at]}"
+    ):
+        source.remap(indptr, swapped, values, str)
+    unknown = row_tokens.copy()
+    unknown[at] = unknown[at - 1] + 1  # between two of the source's tokens (every third)
+    with pytest.raises(oj.DataValidationError, match=rf"gene_token_id {unknown[at]} in {row} is not in"):
+        source.remap(indptr, unknown, values, str)
 
 
 def test_the_union_keeps_every_order_that_agrees_and_sets_the_others_aside():
