@@ -25,7 +25,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from omicsio_jax.core.buffers import aligned_empty, read_only
+from omicsio_jax.core.buffers import RowBuffers, aligned_empty, read_only
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.kernels import prefetch
 from omicsio_jax.format import codec
@@ -226,38 +226,30 @@ def empty_span(num_genes: int) -> np.ndarray:
     return span
 
 
-class _Kept:
-    """Scratch arrays kept from one call to the next, replaced (with a quarter to spare: batches'
-    sizes vary) only when too small. A fresh array of tens of MB costs its page faults each time:
-    NumPy asks for huge pages past 4 MB, and the kernel zeroes every one."""
-
-    def __init__(self):
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def get(self, name: str, n: int, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        array = self._arrays.get(name)
-        if array is None or array.dtype != dtype or len(array) < n:
-            array = self._arrays[name] = np.empty(n + n // 4, dtype)
-        return array[:n]
+def _scratch(buffers: RowBuffers, n: int, dtype) -> np.ndarray:
+    """``n`` items of ``dtype`` in memory of ``buffers`` that nothing refers to any more (a fresh array
+    of tens of MB costs its page faults each time: NumPy asks for huge pages past 4 MB, and the
+    kernel zeroes every one)."""
+    dtype = np.dtype(dtype)
+    return buffers.at_least(n * dtype.itemsize).view(dtype)
 
 
 def _dense_to_csr(
-    hist: np.ndarray, span: np.ndarray | None = None, kept: _Kept | None = None
+    hist: np.ndarray, span: np.ndarray | None = None, buffers: RowBuffers | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each row's nonzero bins (ascending) and counts, the counts in the narrowest type that holds
     them (a partition of 16,384 cells: uint16, 2 bytes per entry where int64 took 8, and 4× less
     fresh memory to fault in); one pass to count, one to fill, each within the rows' ``span``
-    (default: whole rows). With ``kept``, bins and counts are views of its arrays."""
+    (default: whole rows). With ``buffers``, bins and counts are in their memory."""
     if span is None:
         span = np.empty((hist.shape[0], 2), np.int32)
         span[:, 0], span[:, 1] = 0, hist.shape[1] - 1
     ptr, top = _csr_layout(hist, span)
     n = int(ptr[-1])
-    if kept is None:
+    if buffers is None:
         bins, counts = np.empty(n + 1, np.uint16), np.empty(n + 1, _count_dtype(top))
     else:
-        bins, counts = kept.get("bins", n + 1, np.uint16), kept.get("counts", n + 1, _count_dtype(top))
+        bins, counts = _scratch(buffers, n + 1, np.uint16), _scratch(buffers, n + 1, _count_dtype(top))
     _fill_csr(hist, span, ptr, bins, counts)
     return ptr, bins[:n], counts[:n]
 
@@ -319,11 +311,11 @@ class GeneStats:
         sums: np.ndarray,
         hist: np.ndarray,
         span: np.ndarray | None = None,
-        kept: _Kept | None = None,
+        buffers: RowBuffers | None = None,
     ) -> GeneStats:
         """From ``(genes, bins)`` histograms, whose nonzero bins lie within ``span`` (`empty_span`,
-        as `add_to_dense` widens it; default: anywhere); histogram arrays in ``kept``'s, if given."""
-        ptr, bins, counts = _dense_to_csr(hist, span, kept)
+        as `add_to_dense` widens it; default: anywhere); the histogram's arrays in ``buffers``' memory, if given."""
+        ptr, bins, counts = _dense_to_csr(hist, span, buffers)
         return cls(int(num_cells), n_cells.astype(np.int64), sums.astype(np.float64), ptr, bins, counts)
 
     _FIELDS = ("num_cells", "n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts")
@@ -474,7 +466,7 @@ class StatsAccumulator:
         self.total = np.zeros((num_genes, 8), np.float64)  # the 6 sums, n_cells, padding
         self.partial = aligned_empty((num_genes, 8), np.float64)  # a gene's sums in one cache line
         self.partial[:] = 0
-        self._kept = _Kept()  # the histogram codes of a batch, and the CSR of `save`
+        self._buffers = RowBuffers(keep=5)  # a batch's histogram codes (3 arrays), `save`'s CSR (2)
 
     def add(
         self, buf: np.ndarray, starts: np.ndarray, *, check: bool = True
@@ -490,8 +482,8 @@ class StatsAccumulator:
         n_counts = np.empty(n, np.float64)
         n_genes = np.empty(n, np.int32)
         need = int(u32[starts[:-1] // 4 + 1].sum()) if n else 0  # entries per record header: ≥ the nonzeros
-        codes, tmp = self._kept.get("codes", need, np.uint32), self._kept.get("tmp", need, np.uint32)
-        spill = self._kept.get("spill", need, np.uint32)
+        codes, tmp = _scratch(self._buffers, need, np.uint32), _scratch(self._buffers, need, np.uint32)
+        spill = _scratch(self._buffers, need, np.uint32)
         done = 0
         while done < n:
             room = self.shard_cells - self.rows % self.shard_cells
@@ -526,16 +518,16 @@ class StatsAccumulator:
         return self._finish(None)
 
     def save(self, path: str | Path) -> None:
-        """`finish` and `GeneStats.save` to ``path`` in one, the histogram's CSR built in arrays kept
+        """`finish` and `GeneStats.save` to ``path`` in one, the histogram's CSR built in memory reused
         from one call to the next (a partition's statistics, the next partition's accumulator)."""
-        self._finish(self._kept).save(path)
+        self._finish(self._buffers).save(path)
 
-    def _finish(self, kept: _Kept | None) -> GeneStats:
+    def _finish(self, buffers: RowBuffers | None) -> GeneStats:
         if self.rows % self.shard_cells:
             self._end_shard()
         stats = GeneStats.from_dense(
-            self.rows, self.total[:, 6], self.total[:, :6].T, self.hist, self.span, kept
-        )  # copies (the histogram into ``kept``'s arrays, if given)
+            self.rows, self.total[:, 6], self.total[:, :6].T, self.hist, self.span, buffers
+        )  # copies (the histogram into ``buffers``' memory, if given)
         _clear_spans(self.hist, self.span)
         if self._spilled:
             _add_spilled(stats, np.concatenate(self._spilled))
