@@ -15,6 +15,11 @@ only the process index and count). While they run, the soak
 - flips one byte of a chunk in the cache the hosts share: the reader must notice (the chunk's
   hash) and fetch it again.
 
+Kills and SIGTERMs stop at ``--minutes`` (a host not yet hit by one gets its first after): the run
+then drains, its hosts recovering and serving until every fault kind has been met, two epochs
+audited and an ETag change surfaced, with the proxy's faults going on. A host restarted every
+15 s on a slow machine would otherwise spend the drain starting up.
+
 Every batch a host serves, replays after a restore included, must equal the fault-free run's at
 that step (a 128-bit digest of its cells and values); every epoch's coverage audit must pass (over
 both hosts, each cell served exactly once); every fault must be absorbed by a retry or surface as a
@@ -332,10 +337,12 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
                 next_rss = now + 10
             for h in hosts:
                 h.check_stall(now)
+            # kills and SIGTERMs for ``minutes`` (past it, only a first one not yet made): then the
+            # run drains, its hosts recovering and serving the epochs still to audit
             for i, h in enumerate(hosts):
-                if now >= next_kill[i] and h.kill_a_worker():
+                if (now < deadline or not h.killed_workers) and now >= next_kill[i] and h.kill_a_worker():
                     next_kill[i] = now + kill_every * rng.uniform(0.5, 1.5)
-            if now >= next_term and hosts[0].terminate():
+            if (now < deadline or not hosts[0].sigterms) and now >= next_term and hosts[0].terminate():
                 next_term = now + term_every * rng.uniform(0.5, 1.5)
     except Exception as e:  # noqa: BLE001 - a crash of the soak itself: reported, not hidden
         crash = {"type": type(e).__name__, "message": str(e)}

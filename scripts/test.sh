@@ -23,6 +23,10 @@ scripts/setup-ducklake.sh  # the DuckDB + ducklake extension tests/test_ducklake
 # otherwise compile the project's modules from source again (pip does this for an installed wheel)
 .venv/bin/python -m compileall -q omicsio_jax materialize train benchmarks >/dev/null
 wait "$warm"
+# glibc set to keep freed memory for reuse rather than give it back and fault it in again: XLA on CPU
+# frees and allocates its buffers at every training step, and under the defaults the kernel spends a
+# good share of the suite clearing pages
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4294967296}" MALLOC_TOP_PAD_="${MALLOC_TOP_PAD_:-268435456}"
 # two pytest workers (pytest-xdist), each test module on one of them (its module fixtures made once):
 # many tests wait on processes they start, so two keep both cores busy (pass -n 0 for one process)
 exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=15 "$@"

@@ -49,6 +49,35 @@ FLAGSHIP = {
 }
 
 
+# The longest modules (seconds of one pytest-xdist worker, suite on 2 cores), handed out first: with
+# each module whole on one worker, a long one left to the end would keep that worker busy while the
+# other has nothing left (xdist's own order, by number of tests, puts the one-test learning modules last)
+LONGEST_FIRST = (
+    "test_soak",
+    "test_s3_materialize",
+    "test_pretrain",
+    "test_pretrain_learning",
+    "test_pretrain_learning_scgpt",
+    "test_preemption",
+    "test_grain",
+    "test_partitions",
+    "test_multihost",
+    "test_multimodal",
+    "test_finetune",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order `pytest_collection_modifyitems` gives
+
+
+def pytest_collection_modifyitems(items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    # a stable sort: the other modules, and the tests within each, keep their order
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))
+
+
 def _fails_in_ci(report) -> bool:
     module = Path(str(report.fspath)).stem
     return (

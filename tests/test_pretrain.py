@@ -101,9 +101,15 @@ def test_the_probe_separates_what_embeddings_carry_and_nothing_else():
     assert logistic_probe(noise[:200], y[:200], noise[200:], y[200:]) < 0.4  # chance is 0.2
 
 
-def test_pretrain_bad_options(dataset_dir, capsys):
+def test_pretrain_bad_options(dataset_dir, capsys, monkeypatch):
     assert main(["pretrain", str(dataset_dir), "--tokens", "geneformer", "--max-len", "2", "--quiet"]) == 2
     assert "max_len=2 leaves no room" in capsys.readouterr().err
+    import train._pretrain as loop
+
+    def refuse(*a, **k):
+        raise AssertionError("the run started before its probe label was checked")
+
+    monkeypatch.setattr(loop, "make_pretrain_step", refuse)  # refused before any step, not after the run
     assert (
         main(
             ["pretrain", str(dataset_dir), "--probe-label", "nope", "--steps", "1", *TINY, "--max-len", "16"]

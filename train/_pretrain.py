@@ -30,7 +30,7 @@ import omicsio_jax as oj
 from ._embed import embed as embed
 from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
-from ._embed import probe_pretraining
+from ._embed import probe_pretraining, probe_split
 from ._loop import make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
 from ._preempt import Preemption
@@ -81,6 +81,8 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
+    if config.probe_label is not None:
+        probe_split(config, ds)  # a probe label the dataset lacks: refused now, not after the run
     mesh = make_data_mesh(config.num_devices)
     init = open_init(config) if config.init is not None else None
     if init is not None:
