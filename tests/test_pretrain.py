@@ -116,7 +116,9 @@ def test_pretrain_bad_options(dataset_dir, capsys, monkeypatch):
         )
         == 2
     )
-    assert "--probe-label 'nope' must be a categorical obs column" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--probe-label 'nope' must be a categorical obs column" in err and "(missing)" in err
+    assert "categorical columns: " in err and "cell_type" in err.rsplit("categorical columns: ", 1)[1]
 
 
 def test_the_loop_fetches_metrics_once_per_window_not_per_step(dataset_dir, monkeypatch):

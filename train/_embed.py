@@ -14,7 +14,7 @@ import optax
 import omicsio_jax as oj
 
 from ._errors import TrainError
-from ._loop import make_data_mesh, open_checkpoints
+from ._loop import label_column, make_data_mesh, open_checkpoints
 from ._pretrain_config import (
     PretrainConfig,
     build_model,
@@ -224,11 +224,7 @@ def probe_split(
     """The probe's cells: ``(codes, rows, fit, test)`` — the label codes of every cell, ``probe_cells``
     labelled rows drawn with the run's seed (sorted), and the indices into ``rows`` of the half that
     fits the probe and of the held-out half."""
-    column = ds.obs.get(config.probe_label)
-    if not isinstance(column, oj.Categorical):
-        msg = f"--probe-label {config.probe_label!r} must be a categorical obs column of {ds.path}"
-        raise TrainError(msg)
-    codes = np.asarray(column.codes)
+    codes = np.asarray(label_column(ds, config.probe_label, "--probe-label").codes)
     labelled = np.flatnonzero(codes >= 0)
     rng = np.random.default_rng([config.seed, 0x9B0BE])
     rows = np.sort(rng.choice(labelled, size=min(config.probe_cells, len(labelled)), replace=False))

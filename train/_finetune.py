@@ -31,7 +31,7 @@ from ._config import TrainConfig
 from ._embed import DEFAULT_POOL, embed, load_encoder, logistic_predict, special_ids
 from ._errors import TrainError
 from ._finetune_config import FinetuneConfig
-from ._loop import _label_classes, _split_rows, fit, make_data_mesh
+from ._loop import _split_rows, fit, label_column, make_data_mesh
 from ._metrics import EvalResult, accuracy, macro_f1
 from ._step import evaluate, loss_fn, replicate
 
@@ -211,7 +211,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
-    classes = _label_classes(ds, config.label)
+    classes = label_column(ds, config.label).categories
     codes = np.asarray(ds.obs[config.label].codes)
     train_rows, eval_rows = _split_rows(config, ds)
     _training_classes(codes, train_rows, classes, config.label)

@@ -89,17 +89,19 @@ def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None,
     return train, held_out
 
 
-def _label_classes(ds: oj.Dataset, label: str) -> tuple[str, ...]:
+def label_column(ds: oj.Dataset, label: str, flag: str = "--label") -> oj.Categorical:
+    """The categorical obs column ``label`` of ``ds``; a missing or numeric one is a one-line error
+    naming ``flag`` and the columns it may name."""
     column = ds.obs.get(label)
     if not isinstance(column, oj.Categorical):
         kind = "missing" if column is None else "numeric"
         choices = ", ".join(k for k, v in ds.obs.items() if isinstance(v, oj.Categorical))
         msg = (
-            f"--label {label!r} must be a categorical obs column of {ds.path} ({kind}); "
+            f"{flag} {label!r} must be a categorical obs column of {ds.path} ({kind}); "
             f"categorical columns: {choices}"
         )
         raise TrainError(msg)
-    return column.categories
+    return column
 
 
 def _digest(rows: np.ndarray | None) -> str | None:
@@ -173,7 +175,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
-    classes = _label_classes(ds, config.label)
+    classes = label_column(ds, config.label).categories
     train_rows, eval_rows = _split_rows(config, ds)
     mesh = make_data_mesh(config.num_devices)
     store = open_checkpoints(config)
