@@ -211,8 +211,8 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
-    classes = label_column(ds, config.label).categories
-    codes = np.asarray(ds.obs[config.label].codes)
+    column = label_column(ds, config.label)
+    classes, codes = column.categories, np.asarray(column.codes)
     train_rows, eval_rows = _split_rows(config, ds)
     _training_classes(codes, train_rows, classes, config.label)
     mesh = make_data_mesh(config.num_devices)

@@ -30,8 +30,8 @@ import omicsio_jax as oj
 from ._embed import embed as embed
 from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
-from ._embed import probe_pretraining, probe_split
-from ._loop import make_data_mesh, open_checkpoints, restorable
+from ._embed import probe_pretraining
+from ._loop import label_column, make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
 from ._preempt import Preemption
 from ._pretrain_config import DEFAULT_MAX_LEN as DEFAULT_MAX_LEN
@@ -81,8 +81,8 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
-    if config.probe_label is not None:
-        probe_split(config, ds)  # a probe label the dataset lacks: refused now, not after the run
+    if config.probe_label is not None:  # a probe label the dataset lacks: refused now, not after the run
+        label_column(ds, config.probe_label, "--probe-label")
     mesh = make_data_mesh(config.num_devices)
     init = open_init(config) if config.init is not None else None
     if init is not None:
