@@ -10,9 +10,18 @@ reverse order), on the same corpus:
   the same (how it reads every other table input). Whole passes over the file, after the imports
   and numba's start, until at least 10 s have passed. Reported as CPU-seconds per 10^5 cells and
   cells/s per core.
+- ``decode pyarrow ×N at once`` (N: the largest worker count): N copies of the pyarrow decode, one
+  pinned to each of N cores, started together; their summed cells/s ÷ one copy's is what the
+  machine itself gives N single-threaded processes (cores that share a physical core or memory
+  bandwidth give less than N), which the materialize speedups are set against.
 - ``materialize --workers N`` on N cores (N = 1, 2, … up to the machine's cores), each worker one
   partition at a time; the 1 → N speedup and materialize's cells/s per core as a fraction of the
-  decode limit's.
+  decode limit's. With ``--weak``, N workers convert N copies of the corpus (a glob over N links to
+  its file, the gene table beside them), so that every worker writes the same partitions at every
+  N, as on an atlas of many partitions per worker (the copies' cell ids repeat; nothing checks
+  that a primary modality's ids are unique). Without it, N workers share the one corpus, and at
+  16 workers each writes one partition: the run is then mostly its fixed costs (the workers'
+  start, the finalizer's tail).
 - ``materialize --workers 1 --no-stats`` on one core: the same without the corpus statistics, so
   that the fraction of the limit is reported with and without them, and what they cost on top.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
@@ -26,6 +35,7 @@ included, the child's imports not).
 
     python benchmarks/bench_scale.py --cells 200000 --shard-cells 16384 --repeats 3
     python benchmarks/bench_scale.py --cells 131072 --shard-cells 8192 --workers 1 2 4 8 16  # 16 cores
+    python benchmarks/bench_scale.py --cells 131072 --shard-cells 8192 --workers 1 2 4 8 16 --weak --readers pyarrow
 
 Partitions are shards: with ``--shard-cells 16384`` a 200k-cell corpus has 13 of them, enough to
 keep two workers busy to the end (at the default 65,536 it would have 4, and the last holds
@@ -131,6 +141,24 @@ def _run(code: str, *args, checkout: str | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _run_together(code: str, args_per_process: list[tuple]) -> list[dict]:
+    """``code`` in one fresh process per argument tuple, all started before any is waited for."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, a)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for a in args_per_process
+    ]
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(err[-3000:])
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, parquet: Path) -> dict:
     """The results file's contents from the runs of the first ``rounds`` rounds."""
     runs = {label: rs[:rounds] for label, rs in runs.items()}
@@ -143,7 +171,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
             "window_s": statistics.median(r["seconds"] for r in rs),
             "window_s_runs": [r["seconds"] for r in rs],
             "cpu_s_per_1e5_cells": statistics.median(r["cpu_seconds"] / r["cells"] * 1e5 for r in rs),
-            **{k: v for k, v in rs[0].items() if k in ("workers", "partitions")},
+            **{k: v for k, v in rs[0].items() if k in ("workers", "partitions", "copies", "input_cells")},
             **(
                 {
                     "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
@@ -160,12 +188,21 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         for n in counts
         if n > 1
     }
-    for reader in ("pyarrow", "duckdb"):  # pyarrow: what materialize reads plain local parquet with
+    for reader in args.readers:  # pyarrow: what materialize reads plain local parquet with
         decode = rows[f"decode {reader}"]["cells_per_s"]
         summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
         summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
         summary[f"decode limit cells/s per core ({reader})"] = decode
     summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
+    copies = next((label for label in rows if label.startswith("decode pyarrow ×")), None)
+    if copies is not None:
+        n = rows[copies]["copies"]
+        machine = rows[copies]["cells_per_s"] / rows["decode pyarrow"]["cells_per_s"]
+        summary[f"machine: {n} decodes at once ÷ one"] = machine
+        if f"materialize {n} worker(s)" in rows:
+            speedup = rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
+            summary[f"materialize 1 -> {n} workers ÷ linear ({n})"] = speedup / n
+            summary[f"materialize 1 -> {n} workers ÷ the machine's {n} decodes at once"] = speedup / machine
     if args.baseline is not None:  # the same configurations of the baseline checkout, in the same rounds
         sha = args.baseline_commit[:7]
         base_one = rows[f"materialize 1 worker(s) @ {sha}"]["cells_per_s"]
@@ -181,6 +218,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
         "quick": args.quick,
         "input": str(parquet.relative_to(HERE.resolve())),
+        "scaling": "weak: N workers convert N copies of the input" if args.weak else "strong: one input",
         **(
             {}
             if args.baseline is None
@@ -200,6 +238,18 @@ def main() -> None:
     p.add_argument("--shard-cells", type=int, default=16_384)
     add_window_options(p, seconds=None, rounds_flag="--repeats")
     p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 1..cores)")
+    p.add_argument(
+        "--weak",
+        action="store_true",
+        help="N workers convert N copies of the corpus (the same partitions per worker at every N)",
+    )
+    p.add_argument(
+        "--readers",
+        nargs="+",
+        choices=("pyarrow", "duckdb"),
+        default=["duckdb", "pyarrow"],
+        help="decode limits to measure (pyarrow: how materialize reads plain local parquet)",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "scale.json"))
     p.add_argument(
         "--baseline",
@@ -215,10 +265,14 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
     parquet = (corpus_dir(args.cells, h5ad=False) / "cells.parquet").resolve()
+    if "pyarrow" not in args.readers:
+        p.error("--readers must include pyarrow (the machine's row and the summary set against it)")
     configs = (
-        [("decode", "duckdb"), ("decode", "pyarrow")]
+        [("decode", reader) for reader in args.readers]
+        + ([("decode copies", max(counts))] if max(counts) > 1 else [])
         + [("workers", n) for n in counts]
-        + [("no stats", 1), ("default", 0)]
+        + [("no stats", 1)]
+        + ([] if args.weak else [("default", 0)])
         + ([] if args.baseline is None else [("baseline", "stats"), ("baseline", "no stats")])
     )
     runs: dict[str, list[dict]] = {}
@@ -226,12 +280,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         out = Path(tmp).resolve() / "out"
 
+        def source(workers: int | str) -> str:
+            """The input of ``workers``: the corpus, or with ``--weak`` that many copies of it."""
+            if not args.weak or workers == "default" or workers == 1:
+                return str(parquet)
+            copies = Path(tmp).resolve() / f"copies_{workers}"
+            if not copies.exists():
+                copies.mkdir()
+                (copies / "gene_metadata.parquet").symlink_to(parquet.parent / "gene_metadata.parquet")
+                for k in range(workers):
+                    (copies / f"cells_{k:03d}.parquet").symlink_to(parquet)
+            return str(copies / "cells_*.parquet")
+
         def convert(workers: int | str, stats: str, seconds: float, checkout: str | None = None) -> dict:
             """Conversions of ``workers`` (pinned to as many cores; "default": not pinned) for ``seconds``."""
             shutil.rmtree(out, ignore_errors=True)
             pinned = [] if workers == "default" else cores[:workers]
-            return _run(_MATERIALIZE, parquet, out, workers, json.dumps(pinned), args.shard_cells, stats, seconds,
-                        checkout=checkout)  # fmt: skip
+            result = _run(_MATERIALIZE, source(workers), out, workers, json.dumps(pinned), args.shard_cells, stats,
+                          seconds, checkout=checkout)  # fmt: skip
+            result["input_cells"] = result["cells"] // result["conversions"]
+            return result
 
         for checkout in [None] + ([] if args.baseline is None else [args.baseline]):
             # one conversion per checkout first, not timed: numba compiles into a fresh checkout's cache
@@ -243,6 +311,18 @@ def main() -> None:
                 if kind == "decode":
                     label = f"decode {value}"
                     result = _run(_DECODE.replace("{0}", f"{{{cores[0]}}}"), value, parquet, window)
+                elif kind == "decode copies":
+                    label = f"decode pyarrow ×{value} at once"
+                    together = _run_together(
+                        _DECODE.replace("{0}", "{int(sys.argv[4])}"),
+                        [("pyarrow", parquet, window, core) for core in cores[:value]],
+                    )
+                    result = {
+                        "cells": sum(r["cells"] for r in together),
+                        "seconds": max(r["seconds"] for r in together),
+                        "cpu_seconds": sum(r["cpu_seconds"] for r in together),
+                        "copies": value,
+                    }
                 elif kind == "baseline":
                     label = (
                         f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} "
@@ -259,7 +339,10 @@ def main() -> None:
                         "no stats" if kind == "no stats" else "stats",
                         window,
                     )
-                result["cells_per_s"] = result["cells"] / result["seconds"]
+                if kind == "decode copies":  # each copy's own rate, summed: they do not end together
+                    result["cells_per_s"] = sum(r["cells"] / r["seconds"] for r in together)
+                else:
+                    result["cells_per_s"] = result["cells"] / result["seconds"]
                 runs.setdefault(label, []).append(result)
                 print(
                     f"round {round_ + 1}: {label:24s} {result['cells_per_s']:9,.0f} cells/s "

@@ -91,18 +91,23 @@ def test_statistics_merge_across_parts(corpus, ds, tmp_path):
     np.testing.assert_array_equal(merged.medians(), whole.medians())
 
 
-@pytest.mark.parametrize(("top", "stored"), [(65_535, np.uint16), (65_536, np.uint32), (1 << 32, np.int64)])
-def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
-    """A partition's statistics file stores histogram counts in the narrowest type that holds them,
-    and reads them back exactly."""
-    stats = GeneStats(
+def _three_genes(counts: np.ndarray) -> GeneStats:
+    """Statistics of 5 cells over 3 genes: gene 0 in bins 3 and 900, gene 2 in bin 7 (``counts``)."""
+    return GeneStats(
         num_cells=5,
         n_cells=np.array([2, 0, 1]),
         sums=np.arange(18, dtype=np.float64).reshape(6, 3),
         hist_ptr=np.array([0, 2, 2, 3]),
         hist_bins=np.array([3, 900, 7], np.uint16),
-        hist_counts=np.array([1, top, 2], np.int64),
+        hist_counts=counts,
     )
+
+
+@pytest.mark.parametrize(("top", "stored"), [(65_535, np.uint16), (65_536, np.uint32), (1 << 32, np.int64)])
+def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
+    """A partition's statistics file stores histogram counts in the narrowest type that holds them,
+    and reads them back exactly."""
+    stats = _three_genes(np.array([1, top, 2], np.int64))
     stats.save(tmp_path / "s.bin")
     with open(tmp_path / "s.bin", "rb") as f:  # the arrays one after another, counts last
         stored_counts = [np.load(f) for _ in range(6)][-1]
@@ -113,6 +118,18 @@ def test_partition_statistics_file_keeps_every_count(tmp_path, top, stored):
     assert GeneStats.from_dense(5, stats.n_cells, stats.sums, stats.dense_hist()).hist_counts.dtype == stored
     np.testing.assert_array_equal(back.dense_hist(), stats.dense_hist())
     np.testing.assert_array_equal(back.sums, stats.sums)
+
+
+@pytest.mark.parametrize("counts", [np.uint16, np.int64])
+def test_dataset_statistics_file_reads_back_counts_of_any_width(tmp_path, counts):
+    """The dataset's ``gene_stats.parquet`` stores histogram counts in the type they come in (the
+    narrowest, from a merge); files of older versions hold int64 counts. Both read back exactly."""
+    stats = _three_genes(np.array([1, 60_000, 2], counts))
+    stats.write(tmp_path / "gene_stats.parquet")
+    back = GeneStats.read(tmp_path / "gene_stats.parquet")
+    assert back.hist_counts.dtype == counts
+    np.testing.assert_array_equal(back.dense_hist(), stats.dense_hist())
+    np.testing.assert_array_equal(back.medians(), stats.medians())
 
 
 def test_stats_command_adds_statistics_to_an_older_dataset(ds, tmp_path, capsys):
