@@ -132,6 +132,30 @@ def test_dataset_statistics_file_reads_back_counts_of_any_width(tmp_path, counts
     np.testing.assert_array_equal(back.medians(), stats.medians())
 
 
+def test_adding_histograms_by_gene_blocks_on_threads_gives_the_whole_table(ds):
+    """The finalizer adds a partition's histograms on several threads, each a block of genes
+    (`GeneStats.gene_blocks`): the blocks cover every gene once, in order, and the table and spans
+    they build are those of one whole add."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omicsio_jax.format.gene_stats import NUM_BINS, empty_span
+
+    stats = GeneStats.read(ds.path / "gene_stats.parquet")
+    whole, whole_span = np.zeros((stats.num_genes, NUM_BINS), np.uint32), empty_span(stats.num_genes)
+    stats.add_to_dense(whole, whole_span)
+    for n in (1, 3, 4):
+        blocks = stats.gene_blocks(n)
+        assert blocks[0][0] == 0 and blocks[-1][1] == stats.num_genes
+        assert all(a[1] == b[0] for a, b in zip(blocks[:-1], blocks[1:], strict=True))
+        assert len(blocks) == n  # 2,000 genes with entries: no block is empty
+        hist, span = np.zeros_like(whole), empty_span(stats.num_genes)
+        with ThreadPoolExecutor(n) as pool:
+            for _ in range(2):  # twice: the counts add
+                list(pool.map(lambda b, h=hist, s=span: stats.add_to_dense(h, s, b), blocks))
+        np.testing.assert_array_equal(hist, 2 * whole)
+        np.testing.assert_array_equal(span, whole_span)
+
+
 def test_stats_command_adds_statistics_to_an_older_dataset(ds, tmp_path, capsys):
     old = tmp_path / "old"
     shutil.copytree(ds.path, old)

@@ -255,8 +255,8 @@ def _dense_to_csr(
 
 
 @nb.njit(nogil=True, cache=True)
-def _csr_into_dense(ptr, bins, counts, hist, span):
-    for g in range(ptr.shape[0] - 1):
+def _csr_into_dense(ptr, bins, counts, hist, span, lo_gene, hi_gene):
+    for g in range(lo_gene, hi_gene):
         lo, hi = ptr[g], ptr[g + 1]
         if lo == hi:
             continue
@@ -352,12 +352,24 @@ class GeneStats:
         }
         return cls(**{**arrays, "num_cells": int(arrays["num_cells"])})
 
-    def add_to_dense(self, hist: np.ndarray, span: np.ndarray | None = None) -> None:
+    def add_to_dense(
+        self, hist: np.ndarray, span: np.ndarray | None = None, genes: tuple[int, int] | None = None
+    ) -> None:
         """``hist[gene, bin] += count`` for every histogram entry (merging into a dense accumulator),
-        widening each gene's ``span`` of bins in use (`empty_span`) to its entries."""
+        widening each gene's ``span`` of bins in use (`empty_span`) to its entries; with ``genes``
+        ``(lo, hi)``, those of genes ``lo..hi-1`` alone (threads may add disjoint gene ranges at
+        once: the kernel releases the GIL)."""
         if span is None:
             span = empty_span(self.num_genes)
-        _csr_into_dense(self.hist_ptr, self.hist_bins, self.hist_counts, hist, span)
+        lo, hi = (0, self.num_genes) if genes is None else genes
+        _csr_into_dense(self.hist_ptr, self.hist_bins, self.hist_counts, hist, span, lo, hi)
+
+    def gene_blocks(self, n: int) -> list[tuple[int, int]]:
+        """``n`` consecutive gene ranges ``(lo, hi)`` holding about equal shares of the histogram
+        entries (for `add_to_dense` on ``n`` threads); empty ones left out."""
+        cuts = np.searchsorted(self.hist_ptr, np.linspace(0, self.hist_ptr[-1], n + 1)[1:-1])
+        edges = [0, *(int(c) for c in cuts), self.num_genes]
+        return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if a < b]
 
     def merge(self, other: GeneStats) -> GeneStats:
         """The statistics of both sets of cells (same gene columns): counts and histograms add, sums add."""
