@@ -264,9 +264,9 @@ def main() -> None:
     check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     cores = sorted(os.sched_getaffinity(0))
     counts = args.workers or list(range(1, len(cores) + 1))
-    parquet = (corpus_dir(args.cells, h5ad=False) / "cells.parquet").resolve()
-    if "pyarrow" not in args.readers:
+    if "pyarrow" not in args.readers:  # before a corpus is made for nothing
         p.error("--readers must include pyarrow (the machine's row and the summary set against it)")
+    parquet = (corpus_dir(args.cells, h5ad=False) / "cells.parquet").resolve()
     configs = (
         [("decode", reader) for reader in args.readers]
         + ([("decode copies", max(counts))] if max(counts) > 1 else [])
@@ -282,7 +282,7 @@ def main() -> None:
 
         def source(workers: int | str) -> str:
             """The input of ``workers``: the corpus, or with ``--weak`` that many copies of it."""
-            if not args.weak or workers == "default" or workers == 1:
+            if not args.weak or workers == 1:  # --weak has no "default" configuration
                 return str(parquet)
             copies = Path(tmp).resolve() / f"copies_{workers}"
             if not copies.exists():
@@ -322,6 +322,8 @@ def main() -> None:
                         "seconds": max(r["seconds"] for r in together),
                         "cpu_seconds": sum(r["cpu_seconds"] for r in together),
                         "copies": value,
+                        # each copy's own rate, summed: they do not end together
+                        "cells_per_s": sum(r["cells"] / r["seconds"] for r in together),
                     }
                 elif kind == "baseline":
                     label = (
@@ -339,10 +341,7 @@ def main() -> None:
                         "no stats" if kind == "no stats" else "stats",
                         window,
                     )
-                if kind == "decode copies":  # each copy's own rate, summed: they do not end together
-                    result["cells_per_s"] = sum(r["cells"] / r["seconds"] for r in together)
-                else:
-                    result["cells_per_s"] = result["cells"] / result["seconds"]
+                result.setdefault("cells_per_s", result["cells"] / result["seconds"])
                 runs.setdefault(label, []).append(result)
                 print(
                     f"round {round_ + 1}: {label:24s} {result['cells_per_s']:9,.0f} cells/s "
