@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="local worker processes, one shard-aligned partition at a time each (default: the usable "
-        "cores; 1 runs in this process)",
+        "cores, at most one per 32,768 cells; 1 runs in this process)",
     )
     p.add_argument(
         "--dask-scheduler",

@@ -1,8 +1,9 @@
 """`materialize`: any supported input → a validated, block-aligned ArrayRecord dataset.
 
 The input is planned into shard-aligned partitions (`_plan`); each is written by `write_partition`
-— here, on a pool of local worker processes (``workers``, default: the usable cores) or on a Dask
-cluster — and a `Finalizer` joins them as they complete, manifest last. The output is
+— here, on a pool of local worker processes (``workers``, default: the usable cores, at most one
+per 32,768 cells) or on a Dask cluster — and a `Finalizer` joins them as they complete, manifest
+last. The output is
 byte-identical whatever runs the partitions. A local output appears whole or not at all (written
 in a hidden sibling, renamed into place); an ``s3://`` output is complete only once its
 ``manifest.json`` is uploaded, last.
@@ -42,7 +43,7 @@ from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignmen
 from ._options import Dask, InputOptions, Layout, Multimodal
 from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
-from ._pool import Pool, run_in_process, run_on_dask, usable_cores
+from ._pool import Pool, default_workers, run_in_process, run_on_dask, usable_cores
 from ._shards import atomic_output_dir, writer_options
 from ._source import Source
 from ._validate import GeneIndex
@@ -221,8 +222,8 @@ def materialize(
     ...     modalities={"atac": "atac_cells.parquet"}, layers={"spliced": "rna_layers_spliced.parquet"}))
     >>> materialize("multiome.h5mu", "multiome/")            # rna + atac          # doctest: +SKIP
 
-    Partitions run on ``workers`` local processes (default: the usable cores; 1 runs them here),
-    or on a Dask cluster (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at
+    Partitions run on ``workers`` local processes (default: the usable cores, but at most one per
+    32,768 cells, so a smaller input is written here; 1 runs them here), or on a Dask cluster (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at
     ``out`` or nothing does (an existing ``out`` is replaced only with ``overwrite``). ``stats``
     computes the corpus statistics as the cells are written (``gene_stats.parquet``, obs
     ``n_counts`` / ``n_genes``: what normalization, Geneformer's gene medians and highly variable
@@ -271,8 +272,9 @@ def materialize(
     )
     _check_output(store, overwrite)
     wanted = 1 if dask else workers or usable_cores()
-    # started first: the workers import while the input is opened and planned
-    pool = Pool(wanted) if wanted > 1 else None
+    # asked for by number: started first, so the workers import while the input is opened and planned;
+    # by default they start once the plan shows the input is large enough to pay for them
+    pool = Pool(wanted) if workers is not None and wanted > 1 else None
     src = None
     try:
         src = (
@@ -318,8 +320,12 @@ def materialize(
             raise OmicsIOError(msg)
         partitions = src.plan(shard_cells)
         num_workers = min(wanted, max(len(partitions), 1))
+        if workers is None and not dask:
+            num_workers = min(num_workers, default_workers(sum(p.num_cells for p in partitions)))
         if pool is not None:
             pool.shrink(num_workers if num_workers > 1 else 0)  # none: the one partition is written here
+        elif num_workers > 1 and not dask:
+            pool = Pool(num_workers)
         if dask or num_workers > 1:  # one process goes on from where its last partition stopped
             for note in src.plan_notes(partitions):
                 print(f"materialize: {note}", file=sys.stderr)

@@ -40,6 +40,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# The fewest cells a worker of the default pool is given: starting one (Python, pyarrow, numba) costs
+# ~1.5-2 s of a core, about what converting 32k cells of ~1,500 genes in this process takes
+MIN_CELLS_PER_WORKER = 1 << 15
+
+
+def default_workers(num_cells: int) -> int:
+    """The workers ``materialize`` runs ``num_cells`` cells on by default: the usable cores, at most
+    one per `MIN_CELLS_PER_WORKER` cells (1: a smaller input is written in this process)."""
+    return max(1, min(usable_cores(), num_cells // MIN_CELLS_PER_WORKER))
+
+
 @dataclasses.dataclass
 class RunReport:
     """How the partitions were run: by how many workers, and which were written again."""
@@ -165,9 +176,9 @@ def _threads_of(pid: int) -> list[int]:
 
 
 class Pool:
-    """``workers`` local worker processes, started when it is made, so that their start (a Python
-    interpreter importing pyarrow, numba and this package: ~0.35 s of a core each) overlaps the
-    planning; one pool writes the primary's partitions and then every further modality's.
+    """``workers`` local worker processes, started when it is made (with ``workers`` asked for, before
+    the planning, so that their start overlaps it); one pool writes the primary's partitions and then
+    every further modality's.
 
     With one worker per usable core (the default), worker *k* is pinned to the *k*-th core: a
     worker's threads (reading, encoding, statistics) then share one core's caches, as they do in a

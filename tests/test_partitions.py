@@ -197,6 +197,43 @@ def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
     assert _digests(out) == _digests(tmp_path / "ref")
 
 
+def test_by_default_a_small_input_is_written_here_and_a_large_one_on_every_core(
+    hive_input, tmp_path, monkeypatch
+):
+    """The default ``workers`` starts no process for an input of fewer cells than two workers' worth
+    (each worker must be given `MIN_CELLS_PER_WORKER` cells to pay for its start), however many
+    partitions it has (``workers=N`` runs a pool whatever the size: the tests above)."""
+    import materialize._materialize as materialize_module
+    from materialize import _pool
+
+    started = []
+    real_pool = _pool.Pool
+
+    class CountingPool(real_pool):
+        def __init__(self, workers):
+            started.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(materialize_module, "Pool", CountingPool)
+    monkeypatch.setattr(_pool, "usable_cores", lambda: 16)
+    assert [_pool.default_workers(n) for n in (0, 65_535, 65_536, 3 * 32_768, 1 << 20, 1 << 30)] == [
+        1,
+        1,
+        2,
+        3,
+        16,
+        16,
+    ]
+    layout = Layout(shard_cells=SHARD)
+    small = materialize(str(hive_input), tmp_path / "small", progress=False, layout=layout)
+    assert small.partitions > 2 and small.workers == 1 and started == []
+    monkeypatch.setattr(_pool, "MIN_CELLS_PER_WORKER", 512)  # the same input, now worth 2 workers or more
+    monkeypatch.setattr(materialize_module, "usable_cores", lambda: 2)
+    large = materialize(str(hive_input), tmp_path / "large", progress=False, layout=layout)
+    assert large.workers == 2 and started == [2]  # started once the plan had shown the cells
+    assert _digests(tmp_path / "small") == _digests(tmp_path / "large")
+
+
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
     """The default pool (a worker per usable core) pins worker k to core k, so a worker's threads share
     one core's caches; a pool of any other size leaves the workers to the scheduler."""
