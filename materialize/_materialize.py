@@ -3,10 +3,9 @@
 The input is planned into shard-aligned partitions (`_plan`); each is written by `write_partition`
 — here, on a pool of local worker processes (``workers``, default: the usable cores, at most one
 per 32,768 cells) or on a Dask cluster — and a `Finalizer` joins them as they complete, manifest
-last. The output is
-byte-identical whatever runs the partitions. A local output appears whole or not at all (written
-in a hidden sibling, renamed into place); an ``s3://`` output is complete only once its
-``manifest.json`` is uploaded, last.
+last. The output is byte-identical whatever runs the partitions. A local output appears whole or
+not at all (written in a hidden sibling, renamed into place); an ``s3://`` output is complete only
+once its ``manifest.json`` is uploaded, last.
 """
 
 from __future__ import annotations
@@ -223,12 +222,13 @@ def materialize(
     >>> materialize("multiome.h5mu", "multiome/")            # rna + atac          # doctest: +SKIP
 
     Partitions run on ``workers`` local processes (default: the usable cores, but at most one per
-    32,768 cells, so a smaller input is written here; 1 runs them here), or on a Dask cluster (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at
-    ``out`` or nothing does (an existing ``out`` is replaced only with ``overwrite``). ``stats``
-    computes the corpus statistics as the cells are written (``gene_stats.parquet``, obs
-    ``n_counts`` / ``n_genes``: what normalization, Geneformer's gene medians and highly variable
-    genes read); ``stats=False`` leaves them out, for ``omicsio-materialize stats OUT`` to add. Raises
-    `DataValidationError` naming the file, row and cell_id of the first cell that breaks the schema.
+    32,768 cells, so a smaller input is written here; 1 runs them here), or on a Dask cluster
+    (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at ``out`` or nothing
+    does (an existing ``out`` is replaced only with ``overwrite``). ``stats`` computes the corpus
+    statistics as the cells are written (``gene_stats.parquet``, obs ``n_counts`` / ``n_genes``: what
+    normalization, Geneformer's gene medians and highly variable genes read); ``stats=False`` leaves
+    them out, for ``omicsio-materialize stats OUT`` to add. Raises `DataValidationError` naming the
+    file, row and cell_id of the first cell that breaks the schema.
     """
     where, query, genes, layer, use_raw, cell_id, batch_cells, allow_negative = (
         read.where,

@@ -40,8 +40,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-# The fewest cells a worker of the default pool is given: starting one (Python, pyarrow, numba) costs
-# ~1.5-2 s of a core, about what converting 32k cells of ~1,500 genes in this process takes
+# The fewest cells a worker of the default pool is given. Starting one (an interpreter importing
+# pyarrow, numba and the package, and its compression child) costs seconds, and one process already
+# overlaps its reading, encoding and statistics on threads. On 2 cores, with cells of ~1,500 genes
+# in partitions of 8,192, a 2-worker pool took ~1.3x one process's time at 65,536 cells and the
+# same at 131,072; a larger pool gains more per worker, and a pool also confines a worker's death
+# (out of memory) to its partition, so 2 workers from 65,536 cells on
 MIN_CELLS_PER_WORKER = 1 << 15
 
 
