@@ -17,8 +17,10 @@ only the process index and count). While they run, the soak
 
 Kills and SIGTERMs stop at ``--minutes`` (a host not yet hit by one gets its first after): the run
 then drains, its hosts recovering and serving until every fault kind has been met, two epochs
-audited and an ETag change surfaced, with the proxy's faults going on. A host restarted every
-15 s on a slow machine would otherwise spend the drain starting up.
+audited, an ETag change surfaced and a restore has replayed steps already served, with the proxy's
+faults going on. A host restarted every 15 s on a slow machine would otherwise spend the drain
+starting up. (On a loaded machine every fault of a short run can land while a host is starting
+up, where a restore goes back no step; the drain then waits for one that lands mid-stream.)
 
 Every batch a host serves, replays after a restore included, must equal the fault-free run's at
 that step (a 128-bit digest of its cells and values); every epoch's coverage audit must pass (over
@@ -302,6 +304,7 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
             and hosts[0].resumes > 0
             and not hosts[0].preempted
             and any(h.surfaced for h in hosts)
+            and any(h.replayed for h in hosts)
         )
 
     try:
