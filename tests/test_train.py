@@ -281,6 +281,43 @@ def test_orbax_checkpoints_resume_bit_identically_after_sigkill(dataset_dir, tmp
     assert meta["step"] == 31 and meta["coverage"]["epoch"] == 1
 
 
+def test_an_orbax_save_in_one_process_writes_replicated_arrays_without_slicing_them(ds, tmp_path):
+    """Orbax's replica-parallel split would have each of the 8 devices' replicas write a slice of
+    every replicated leaf: a device op (and a compile) per leaf and replica. In one process the state
+    is written whole, with no op on the devices, and reads back the same."""
+    pytest.importorskip(
+        "orbax.checkpoint", reason="the orbax extra is not installed (scripts/test.sh installs it)"
+    )
+    from train._orbax import OrbaxCheckpoints
+
+    replicated = jax.sharding.NamedSharding(jax.make_mesh((8,), ("data",)), jax.sharding.PartitionSpec())
+    # shapes no other test uses, so that a slice of them would be lowered anew here
+    tree = {
+        "w": jax.device_put(np.arange(104 * 3, dtype=np.float32).reshape(104, 3), replicated),
+        "b": jax.device_put(np.arange(56, dtype=np.int32), replicated),
+    }
+    loader = oj.make_loader(ds, batch_size=16, sampling=oj.Block(4, 4))
+    lowered: list[str] = []
+
+    def listen(event: str, _seconds: float, **_kw) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        store = OrbaxCheckpoints(tmp_path / "ckpt")
+        store.save(1, tree, {"seed": 0}, loader)
+        store.close()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []
+    store = OrbaxCheckpoints(tmp_path / "ckpt")
+    back = store.latest().load(jax.tree.map(lambda a: a * 0, tree))
+    store.close()
+    for name, array in tree.items():
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(array))
+
+
 # ----- command line ---------------------------------------------------------------------------------
 def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
