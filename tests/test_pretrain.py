@@ -121,6 +121,33 @@ def test_pretrain_bad_options(dataset_dir, capsys, monkeypatch):
     assert "categorical columns: " in err and "cell_type" in err.rsplit("categorical columns: ", 1)[1]
 
 
+def test_dropout_overrides_the_presets_rate_and_a_resume_must_keep_it(dataset_dir, capsys):
+    """``--dropout`` sets every dropout site of the model (the tiny preset drops at 0.1) and is part
+    of what a checkpoint must match; a rate outside [0, 1) is a one-line error."""
+    from train._pretrain_config import build_model
+
+    def rates(config) -> set[float]:
+        model = build_model(config, 128, jax.random.key(0))
+        drops = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, eqx.nn.Dropout))
+        return {n.p for n in drops if isinstance(n, eqx.nn.Dropout)}
+
+    for tokens in ("geneformer", "scgpt"):
+        base = [str(dataset_dir), "--tokens", tokens, "--max-len", "20"]
+        assert rates(parse_pretrain_config(base)) == {0.1}
+        assert rates(parse_pretrain_config([*base, "--dropout", "0"])) == {0.0}
+        assert rates(parse_pretrain_config([*base, "--dropout", "0.25"])) == {0.25}
+    config = parse_pretrain_config([str(dataset_dir), "--dropout", "0.25"])
+    assert (
+        config.identity("f")["dropout"]
+        == 0.25
+        != parse_pretrain_config([str(dataset_dir)]).identity("f")["dropout"]
+    )
+    assert (
+        main(["pretrain", str(dataset_dir), "--dropout", "1", *TINY, "--max-len", "16", "--steps", "1"]) == 2
+    )
+    assert "--dropout must be in [0, 1); got 1.0" in capsys.readouterr().err
+
+
 def test_the_loop_fetches_metrics_once_per_window_not_per_step(dataset_dir, monkeypatch):
     """With --sync-every 4 the losses reach the host in 4 transfers over 9 steps (step 1, steps 2–4,
     5–8, the last), no step converts its loss on its own, and the logged losses are those of a run that

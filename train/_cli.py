@@ -160,6 +160,12 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--preset", choices=tuple(PRESETS), default=d.preset, help="default: %(default)s")
     g.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        help="the model's dropout rate, everywhere it drops (default: the preset's or the checkpoint's)",
+    )
+    g.add_argument(
         "--init",
         metavar="hf:DIR|scgpt:DIR",
         help="start from a published checkpoint instead of --preset: a Hugging Face BertForMaskedLM "

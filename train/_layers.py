@@ -80,6 +80,16 @@ def dropout(drop: eqx.nn.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Ar
     return apply_dropout(x, keep_masks(drop, key, [x.shape])[0], drop.p)
 
 
+def with_dropout(model: Any, rate: float) -> Any:
+    """``model`` with every ``eqx.nn.Dropout`` in it at ``rate`` (a preset's or a published
+    checkpoint's rate overridden; no array changes)."""
+
+    def set_rate(node: Any) -> Any:
+        return dataclasses.replace(node, p=rate) if isinstance(node, eqx.nn.Dropout) else node
+
+    return jax.tree.map(set_rate, model, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout))
+
+
 def split_keys(key: jax.Array | None, num: int) -> list:
     return [None] * num if key is None else list(jax.random.split(key, num))
 

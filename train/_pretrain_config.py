@@ -17,6 +17,7 @@ import omicsio_jax as oj
 
 from ._errors import TrainError
 from ._hf import PublishedCheckpoint
+from ._layers import with_dropout
 from ._published import load_checkpoint
 from ._transformer import KINDS, PRESETS, make_optimizer, make_pretrain_model
 
@@ -53,13 +54,15 @@ class PretrainConfig:
     ``probe_label``: after training, fit a linear probe of this categorical obs column on frozen cell
     embeddings (`train._embed.embed`'s default pooling) of ``probe_cells`` cells (half held out), for
     the trained model and the model it started from. ``init``: start from a published checkpoint,
-    ``"hf:DIR"`` (Geneformer) or ``"scgpt:DIR"``, instead of ``preset``; ``special_tokens``:
+    ``"hf:DIR"`` (Geneformer) or ``"scgpt:DIR"``, instead of ``preset``; ``dropout``: the model's
+    dropout rate everywhere it drops (None: the preset's or the checkpoint's); ``special_tokens``:
     Geneformer rows with CLS and EOS (False: V1 rows); ``sync_every``: fetch the loss from the device
     every this many steps (not every step)."""
 
     dataset: str
     tokens: str = "geneformer"
     preset: str = "tiny"
+    dropout: float | None = None
     max_len: int | None = None
     mask_prob: float | None = None
     vocab: str | None = None
@@ -103,6 +106,9 @@ class PretrainConfig:
             raise TrainError(msg)
         if self.preset not in PRESETS:
             msg = f"--preset must be one of {', '.join(PRESETS)}; got {self.preset!r}"
+            raise TrainError(msg)
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            msg = f"--dropout must be in [0, 1); got {self.dropout}"
             raise TrainError(msg)
         if self.compute_dtype not in ("float32", "bfloat16"):
             msg = f"--compute-dtype must be float32 or bfloat16; got {self.compute_dtype!r}"
@@ -162,18 +168,21 @@ def max_predictions(config: PretrainConfig) -> int | None:
 
 def build_model(config: PretrainConfig, vocab_size: int, key: jax.Array) -> eqx.Module:
     """The model ``config`` starts from: the checkpoint ``config.init`` (``vocab_size`` and ``key``
-    unused), else a fresh ``config.preset`` model with ``vocab_size`` embedding rows drawn from ``key``."""
+    unused), else a fresh ``config.preset`` model with ``vocab_size`` embedding rows drawn from ``key``;
+    at ``config.dropout`` when it is set."""
     if config.init is not None:
-        return open_init(config).model
-    return make_pretrain_model(
-        config.tokens,
-        config.preset,
-        vocab_size,
-        config.length,
-        key=key,
-        compute_dtype=_dtype(config.compute_dtype),
-        max_predictions=max_predictions(config),
-    )
+        model = open_init(config).model
+    else:
+        model = make_pretrain_model(
+            config.tokens,
+            config.preset,
+            vocab_size,
+            config.length,
+            key=key,
+            compute_dtype=_dtype(config.compute_dtype),
+            max_predictions=max_predictions(config),
+        )
+    return model if config.dropout is None else with_dropout(model, config.dropout)
 
 
 def pretrain_optimizer(config: PretrainConfig, total_steps: int) -> optax.GradientTransformation:
