@@ -309,16 +309,20 @@ def test_pretrain_starts_from_the_published_checkpoint(reference, small_dataset)
         "4",
         "--fetch-factor",
         "2",
+        "--dropout",
+        "0.25",
         "--quiet",
     ]
     result = pretrain(
         parse_pretrain_config([*argv, *options])
-    )  # learning rate 0: the checkpoint's parameters
+    )  # learning rate 0: the checkpoint's parameters, at the rate --dropout gives
     loaded = load_checkpoint(f"hf:{out / 'safetensors'}").model
     got, want = eqx.filter(result.model, eqx.is_array), eqx.filter(loaded, eqx.is_array)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert result.vocab_size == 20_275 and np.isfinite(result.history[0]["loss"])
+    drops = jax.tree.leaves(result.model, is_leaf=lambda n: isinstance(n, eqx.nn.Dropout))
+    assert {n.p for n in drops if isinstance(n, eqx.nn.Dropout)} == {0.25}
 
 
 # --- bad input: one-line errors naming the file, the value and the fix ---

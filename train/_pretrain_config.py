@@ -167,21 +167,24 @@ def max_predictions(config: PretrainConfig) -> int | None:
 
 
 def build_model(config: PretrainConfig, vocab_size: int, key: jax.Array) -> eqx.Module:
-    """The model ``config`` starts from: the checkpoint ``config.init`` (``vocab_size`` and ``key``
-    unused), else a fresh ``config.preset`` model with ``vocab_size`` embedding rows drawn from ``key``;
-    at ``config.dropout`` when it is set."""
+    """The model ``config`` starts from: the checkpoint ``config.init`` (`open_init`; ``vocab_size``
+    and ``key`` unused), else a fresh ``config.preset`` model with ``vocab_size`` embedding rows drawn
+    from ``key``; at ``config.dropout`` when it is set."""
     if config.init is not None:
-        model = open_init(config).model
-    else:
-        model = make_pretrain_model(
-            config.tokens,
-            config.preset,
-            vocab_size,
-            config.length,
-            key=key,
-            compute_dtype=_dtype(config.compute_dtype),
-            max_predictions=max_predictions(config),
-        )
+        return open_init(config).model
+    model = make_pretrain_model(
+        config.tokens,
+        config.preset,
+        vocab_size,
+        config.length,
+        key=key,
+        compute_dtype=_dtype(config.compute_dtype),
+        max_predictions=max_predictions(config),
+    )
+    return _at_dropout(model, config)
+
+
+def _at_dropout(model: eqx.Module, config: PretrainConfig) -> eqx.Module:
     return model if config.dropout is None else with_dropout(model, config.dropout)
 
 
@@ -199,8 +202,8 @@ def pretrain_optimizer(config: PretrainConfig, total_steps: int) -> optax.Gradie
 
 
 def open_init(config: PretrainConfig) -> PublishedCheckpoint:
-    """The published checkpoint ``config.init``, built for the run (compute dtype, max predictions),
-    checked against ``config.tokens`` and ``config.length``."""
+    """The published checkpoint ``config.init``, built for the run (compute dtype, max predictions,
+    ``config.dropout`` when it is set), checked against ``config.tokens`` and ``config.length``."""
     ckpt = load_checkpoint(
         config.init,
         compute_dtype=_dtype(config.compute_dtype),
@@ -216,7 +219,7 @@ def open_init(config: PretrainConfig) -> PublishedCheckpoint:
             f"pass --max-len {ckpt.max_len} or less"
         )
         raise TrainError(msg)
-    return ckpt
+    return dataclasses.replace(ckpt, model=_at_dropout(ckpt.model, config))
 
 
 def with_init_vocab(config: PretrainConfig, ckpt: PublishedCheckpoint) -> PretrainConfig:
