@@ -64,3 +64,26 @@ def test_null_list_covering_a_non_empty_range_is_an_empty_row():
 def test_not_a_list_column():
     with pytest.raises(TypeError, match="expected a list column"):
         list_to_csr(pa.array([1, 2]))
+
+
+@pytest.mark.parametrize(
+    "dtype", [pa.int8(), pa.uint16(), pa.int32(), pa.uint64(), pa.float32(), pa.float64()]
+)
+def test_to_numpy_views_numbers_in_place_and_converts_the_rest(dtype):
+    """Fixed-width numbers without nulls come out as a view of their buffer that honours a slice's
+    offset and joins chunks; nulls and other types go through pyarrow's conversion."""
+    from omicsio_jax.format.arrow import to_numpy
+
+    values = np.arange(40).astype(dtype.to_pandas_dtype())
+    array = pa.array(values, dtype)
+    sliced = array.slice(7, 20)
+    got = to_numpy(sliced)
+    np.testing.assert_array_equal(got, values[7:27])
+    assert got.dtype == values.dtype and not got.flags.writeable
+    assert np.shares_memory(got, np.frombuffer(array.buffers()[1], values.dtype))  # no copy
+    np.testing.assert_array_equal(
+        to_numpy(pa.chunked_array([sliced, array.slice(0, 3)])), np.r_[values[7:27], values[:3]]
+    )
+    with_null = pa.array([1, None, 3], dtype)
+    np.testing.assert_array_equal(to_numpy(with_null), with_null.to_numpy(zero_copy_only=False))
+    np.testing.assert_array_equal(to_numpy(pa.array([True, False])), [True, False])

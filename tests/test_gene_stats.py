@@ -64,6 +64,37 @@ def test_histogram_medians_within_the_documented_bound(ds, dense):
     assert checked > 1500
 
 
+@pytest.mark.parametrize("counts", [np.uint16, np.uint32, np.int64])
+def test_medians_are_the_centres_of_the_middle_ranks_bins(counts):
+    """Each gene's median is the mean of the centres of the bins holding its lower and upper middle
+    values (NaN for a gene without entries), whatever the counts' type: checked against the sorted
+    values the histograms stand for."""
+    from omicsio_jax.format.gene_stats import BINS_PER_OCTAVE, LOW_EXPONENT, NUM_BINS
+
+    rng = np.random.default_rng(3)
+    genes = 300
+    lengths = rng.integers(0, 9, genes) * (rng.random(genes) < 0.8)  # a fifth never expressed
+    ptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    bins = np.concatenate([np.sort(rng.choice(NUM_BINS, n, replace=False)) for n in lengths]).astype(
+        np.uint16
+    )
+    hist_counts = rng.integers(1, 50, int(ptr[-1])).astype(counts)
+    stats = GeneStats(
+        int(hist_counts.sum()), np.zeros(genes, np.int64), np.zeros((6, genes)), ptr, bins, hist_counts
+    )
+    centres = 2.0 ** ((np.arange(NUM_BINS) + 0.5) / BINS_PER_OCTAVE + LOW_EXPONENT)
+    medians = stats.medians()
+    for g in range(genes):
+        lo, hi = ptr[g], ptr[g + 1]
+        if lo == hi:
+            assert np.isnan(medians[g])
+            continue
+        values = np.repeat(centres[bins[lo:hi]], hist_counts[lo:hi].astype(np.int64))  # ascending
+        n = len(values)
+        assert medians[g] == 0.5 * (values[(n - 1) // 2] + values[n // 2]), g
+    assert np.isnan(medians).sum() == np.count_nonzero(lengths == 0) > 0
+
+
 def test_statistics_merge_across_parts(corpus, ds, tmp_path):
     """Two halves of the cells, materialized apart and merged, give the whole's statistics."""
     import duckdb

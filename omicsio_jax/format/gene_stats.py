@@ -276,6 +276,33 @@ def _clear_spans(hist, span):
         span[g, 0], span[g, 1] = NUM_BINS, -1
 
 
+@nb.njit(nogil=True, cache=True)
+def _medians(ptr, bins, counts, centres):
+    """`GeneStats.medians`: per gene, the mean of the centres of the bins holding its two middle
+    ranks (the lower and upper middle of an even count), found by one walk over its entries (a
+    search per gene from Python took ~1 s for 60k genes); NaN for a gene without entries, the
+    centre of its first bin for one whose counts are all 0."""
+    out = np.full(ptr.shape[0] - 1, np.nan)
+    for g in range(ptr.shape[0] - 1):
+        lo, hi = ptr[g], ptr[g + 1]
+        if lo == hi:
+            continue
+        n = np.int64(0)
+        for k in range(lo, hi):
+            n += np.int64(counts[k])
+        lower, upper = (n - 1) // 2, n // 2  # the middle ranks, from 0
+        a, seen = lo, np.int64(counts[lo])
+        while a + 1 < hi and seen <= lower:  # the first entry whose running count passes the rank
+            a += 1
+            seen += np.int64(counts[a])
+        b, through = a, seen
+        while b + 1 < hi and through <= upper:
+            b += 1
+            through += np.int64(counts[b])
+        out[g] = 0.5 * (centres[bins[a]] + centres[bins[b]])
+    return out
+
+
 @dataclasses.dataclass
 class GeneStats:
     """Mergeable corpus statistics of ``num_cells`` cells over a dataset's gene columns.
@@ -386,18 +413,8 @@ class GeneStats:
     def medians(self) -> np.ndarray:
         """Each gene's nonzero median of ``value / n_counts · 1e4`` (NaN for genes never expressed),
         within `MEDIAN_RELATIVE_ERROR` of the exact median."""
-        out = np.full(self.num_genes, np.nan)
         centres = 2.0 ** ((np.arange(NUM_BINS) + 0.5) / BINS_PER_OCTAVE + LOW_EXPONENT)
-        for g in range(self.num_genes):
-            lo, hi = self.hist_ptr[g], self.hist_ptr[g + 1]
-            if lo == hi:
-                continue
-            cum = np.cumsum(self.hist_counts[lo:hi])
-            n = int(cum[-1])
-            a = np.searchsorted(cum, (n - 1) // 2, side="right")  # bin of the lower middle rank
-            b = np.searchsorted(cum, n // 2, side="right")
-            out[g] = 0.5 * (centres[self.hist_bins[lo + a]] + centres[self.hist_bins[lo + b]])
-        return out
+        return _medians(np.asarray(self.hist_ptr, np.int64), self.hist_bins, self.hist_counts, centres)
 
     def frame(self):
         """A pandas DataFrame, one row per gene column: counts, sums, means, variances (ddof=1), median."""
@@ -439,9 +456,13 @@ class GeneStats:
 
     @classmethod
     def read(cls, path: str | Path) -> GeneStats:
+        """`write`'s file (one file, so ``ParquetFile``: ``read_table`` imports pyarrow's datasets,
+        and pandas with them)."""
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        from omicsio_jax.format.arrow import to_numpy
+
+        table = pq.ParquetFile(path).read()
         meta = json.loads(table.schema.metadata[b"omicsio_jax.gene_stats"])
         layout = (meta["bins_per_octave"], meta["low_exponent"], meta["num_bins"])
         if layout != (BINS_PER_OCTAVE, LOW_EXPONENT, NUM_BINS):
@@ -451,11 +472,11 @@ class GeneStats:
         counts = table.column("hist_counts").combine_chunks()
         return cls(
             int(meta["num_cells"]),
-            table.column("n_cells").to_numpy(),
-            np.stack([table.column(name).to_numpy() for name in _SUMS]),
-            bins.offsets.to_numpy().astype(np.int64),
-            bins.values.to_numpy(),
-            counts.values.to_numpy(),
+            to_numpy(table.column("n_cells")),
+            np.stack([to_numpy(table.column(name)) for name in _SUMS]),
+            to_numpy(bins.offsets).astype(np.int64),
+            to_numpy(bins.values),
+            to_numpy(counts.values),
         )
 
 
