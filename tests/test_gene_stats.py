@@ -95,6 +95,29 @@ def test_medians_are_the_centres_of_the_middle_ranks_bins(counts):
     assert np.isnan(medians).sum() == np.count_nonzero(lengths == 0) > 0
 
 
+def test_the_stored_medians_are_the_histograms_and_older_files_give_the_same(ds, tmp_path):
+    """``gene_stats.parquet`` holds each gene's median beside its histogram: `read_gene_medians`
+    reads that column alone, and a file written before it existed (no median column) gives the same
+    medians read off the histograms, as do the Geneformer tokens ranked by them."""
+    import pyarrow.parquet as pq
+
+    from omicsio_jax.format.gene_stats import MEDIAN, read_gene_medians, read_gene_stats
+    from omicsio_jax.outputs.base import OutputContext
+
+    want = read_gene_stats(ds).medians()
+    assert np.isfinite(want).sum() > 1500
+    np.testing.assert_array_equal(read_gene_medians(ds), want)
+    older = tmp_path / "older"
+    shutil.copytree(ds.path, older)
+    table = pq.read_table(older / "gene_stats.parquet")
+    assert MEDIAN in table.column_names
+    pq.write_table(table.drop_columns([MEDIAN]), older / "gene_stats.parquet")
+    old_ds = oj.open_dataset(older)
+    np.testing.assert_array_equal(read_gene_medians(old_ds), want)
+    scales = [oj.GeneformerTokens().bind(OutputContext.of_dataset(d)).scale for d in (ds, old_ds)]
+    np.testing.assert_array_equal(*scales)
+
+
 def test_statistics_merge_across_parts(corpus, ds, tmp_path):
     """Two halves of the cells, materialized apart and merged, give the whole's statistics."""
     import duckdb

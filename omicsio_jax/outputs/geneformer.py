@@ -11,7 +11,7 @@ import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format import codec
-from omicsio_jax.format.gene_stats import read_gene_stats
+from omicsio_jax.format.gene_stats import read_gene_medians
 from omicsio_jax.outputs import token_kernels
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.token_common import (
@@ -72,7 +72,7 @@ class GeneformerTokens(Output):
             vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
         )
         if self.medians is None:
-            medians = read_gene_stats(ds).medians()
+            medians = read_gene_medians(ds)
         else:
             medians = medians_by_column(self.medians, ensembl_ids(ds, self.medians), dataset=str(ds.path))
         known = np.isfinite(medians) & (medians > 0)
