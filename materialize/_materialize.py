@@ -34,6 +34,7 @@ from omicsio_jax.format import (
     as_input_path,
     is_remote,
     open_store,
+    to_numpy,
 )
 
 from ._collection import CollectionSource, Sources, open_collection
@@ -309,7 +310,7 @@ def materialize(
             )
         )
         gene_index = GeneIndex.from_tokens(
-            src.genes.column("gene_token_id").to_numpy(),
+            to_numpy(src.genes.column("gene_token_id")),
             f"{src.description.get('genes') or 'token ids seen in the data'}: {src.genes.num_rows:,} genes",
         )
         chosen_panel = None if panel is None else read_panel(panel, src.genes)

@@ -35,6 +35,7 @@ from omicsio_jax.format import (
     StatsAccumulator,
     chunk_index_path,
     file_entry,
+    from_numpy,
     open_store,
 )
 
@@ -331,7 +332,11 @@ def _add_stats(
     records `encode_batch` has just written: not checked again)."""
     if stats is not None:
         n_counts, n_genes = stats.add(buf, starts, check=False)
-        columns = {**columns, N_COUNTS: n_counts, N_GENES: n_genes}
+        columns = {
+            **columns,
+            N_COUNTS: from_numpy(n_counts, pa.float64()),
+            N_GENES: from_numpy(n_genes, pa.int32()),
+        }
     cells.write_table(pa.table(columns, schema=schema))
 
 

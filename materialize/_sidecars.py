@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from omicsio_jax.format import to_numpy, to_numpy_filled
+
 from ._source import CATEGORICAL, obs_kind
 
 _CHUNK = 1 << 20
@@ -64,7 +66,7 @@ class CategoricalWriter:
         lookup = np.array(
             [self._codes.setdefault(v, len(self._codes)) for v in labels] + [-1], dtype=np.int32
         )
-        indices = pc.fill_null(array.indices, len(labels)).to_numpy(zero_copy_only=False)
+        indices = to_numpy_filled(array.indices, len(labels))
         self._file.write(lookup[indices].tobytes())
         self.num_rows += len(array)
 
@@ -116,7 +118,7 @@ class NumericWriter:
                 array = pc.fill_null(array, 0)
             else:
                 array = pc.fill_null(array, float("nan"))
-        self._file.write(np.asarray(array.to_numpy(zero_copy_only=False), dtype=self._dtype).tobytes())
+        self._file.write(np.asarray(to_numpy(array), dtype=self._dtype).tobytes())
         self.num_rows += len(array)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
+from omicsio_jax.format import to_numpy
 
 from ._plan import Partition
 
@@ -60,7 +61,7 @@ class Batch:
                 i = int(np.searchsorted(gene_ptr, j, side="right") - 1)
                 msg = f"null element inside the {name} list in {locate(i)}"
                 raise DataValidationError(msg)
-        return cls(gene_ptr, genes.to_numpy(), values.to_numpy(), cell_ids, obs, locate)
+        return cls(gene_ptr, to_numpy(genes), to_numpy(values), cell_ids, obs, locate)
 
 
 class Source:

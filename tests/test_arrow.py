@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from omicsio_jax.format.arrow import list_to_csr
@@ -87,3 +88,20 @@ def test_to_numpy_views_numbers_in_place_and_converts_the_rest(dtype):
     with_null = pa.array([1, None, 3], dtype)
     np.testing.assert_array_equal(to_numpy(with_null), with_null.to_numpy(zero_copy_only=False))
     np.testing.assert_array_equal(to_numpy(pa.array([True, False])), [True, False])
+
+
+def test_to_numpy_filled_replaces_nulls_and_from_numpy_hands_memory_to_arrow():
+    """``to_numpy_filled`` is ``fill_null(...).to_numpy()`` (sliced arrays included); ``from_numpy``
+    gives Arrow the NumPy array's memory when the types agree, and converts otherwise."""
+    from omicsio_jax.format.arrow import from_numpy, to_numpy_filled
+
+    array = pa.array([5, None, 7, None, 9, 10, None], pa.int32())
+    for part in (array, array.slice(1, 5), array.slice(4), pa.array([1, 2], pa.int64())):
+        np.testing.assert_array_equal(to_numpy_filled(part, 3), pc.fill_null(part, 3).to_numpy())
+        assert to_numpy_filled(part, 3).dtype == part.type.to_pandas_dtype()
+    values = np.arange(6, dtype=np.float64)
+    arrow = from_numpy(values, pa.float64())
+    assert arrow.type == pa.float64() and arrow.to_pylist() == values.tolist()
+    assert np.shares_memory(np.frombuffer(arrow.buffers()[1], np.float64), values)
+    assert from_numpy(values[::2], pa.float64()).to_pylist() == [0.0, 2.0, 4.0]  # not contiguous: converted
+    assert from_numpy(values, pa.float32()).type == pa.float32()

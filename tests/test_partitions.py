@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -692,3 +693,20 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
     scratch.close()
     with pytest.raises(ProcessLookupError):
         os.kill(replacement.pid, 0)
+
+
+def test_a_pool_converts_parquet_without_importing_pandas(corpus, tmp_path):
+    """pyarrow imports pandas (~0.7 s) on its first ``pa.array``, ``pa.scalar`` or ``to_numpy`` in
+    a process: the parent, every pool worker and the shard writers of a parquet conversion (with
+    statistics and obs) hand arrays between NumPy and Arrow without those, so no process pays it."""
+    script = (
+        "from materialize import Layout, materialize\n"
+        f"materialize({str(corpus.cells_parquet)!r}, {str(tmp_path / 'out')!r}, workers=2, "
+        "layout=Layout(shard_cells=1024), progress=False)\n"
+    )
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # every process's imports, on its stderr
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.count("| materialize._pool") >= 3  # the parent and both workers reported
+    assert [line for line in run.stderr.splitlines() if re.search(r"\|\s+pandas$", line)] == []
+    assert len(oj.open_dataset(tmp_path / "out").obs) > 0

@@ -22,8 +22,11 @@ from omicsio_jax.core.lazy import lazy_exports
 if TYPE_CHECKING:
     from omicsio_jax.core.errors import require as require
     from omicsio_jax.core.producer import Background as Background
+    from omicsio_jax.format.arrow import from_numpy as from_numpy
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
+    from omicsio_jax.format.arrow import to_numpy as to_numpy
+    from omicsio_jax.format.arrow import to_numpy_filled as to_numpy_filled
     from omicsio_jax.format.chunk_index import CHUNK_INDEX_DIR as CHUNK_INDEX_DIR
     from omicsio_jax.format.chunk_index import chunk_index_path as chunk_index_path
     from omicsio_jax.format.codec import CODEC_VERSION as CODEC_VERSION
@@ -94,7 +97,7 @@ _WRITER_API = {
         "encode_dense_rows",
         "plan_sparse",
     ),
-    "omicsio_jax.format.arrow": ("is_list_type", "list_to_csr"),
+    "omicsio_jax.format.arrow": ("from_numpy", "is_list_type", "list_to_csr", "to_numpy", "to_numpy_filled"),
     "omicsio_jax.format.csr": ("take_rows",),
     "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
     "omicsio_jax.format.gene_stats": (

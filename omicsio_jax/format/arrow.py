@@ -44,7 +44,7 @@ def list_to_csr(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arra
     if not is_list_type(column.type):
         msg = f"expected a list column, got Arrow type {column.type}"
         raise TypeError(msg)
-    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+    lengths = to_numpy_filled(pc.list_value_length(column), 0)
     indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=indptr[1:])
     return indptr, column.flatten()
@@ -77,3 +77,26 @@ def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     view = np.frombuffer(column.buffers()[1], dtype, len(column), column.offset * itemsize)
     view.flags.writeable = False  # Arrow's memory: other arrays may share it
     return view
+
+
+def to_numpy_filled(array: pa.Array, fill) -> np.ndarray:
+    """A column of numbers as NumPy with its nulls as ``fill``: ``pc.fill_null(array, fill)
+    .to_numpy()`` without its scalar (``pa.scalar``, as ``pa.array``, imports pandas on its first
+    use in a process)."""
+    dtype = _FIXED_WIDTH.get(array.type)
+    if not array.null_count or dtype is None:
+        return to_numpy(array if not array.null_count else pc.fill_null(array, fill))
+    data = np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * np.dtype(dtype).itemsize)
+    bits = np.frombuffer(array.buffers()[0], np.uint8)
+    valid = np.unpackbits(bits, bitorder="little", count=array.offset + len(array))[array.offset :]
+    return np.where(valid.astype(bool), data, np.asarray(fill, dtype))
+
+
+def from_numpy(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
+    """NumPy numbers as an Arrow array of ``dtype``: the array's memory in place when its type is
+    ``dtype``'s and it is contiguous (``pa.array`` would import pandas on its first use in a
+    process), else converted by ``pa.array``."""
+    want = _FIXED_WIDTH.get(dtype)
+    if want is None or values.dtype != want or values.ndim != 1 or not values.flags.c_contiguous:
+        return pa.array(values, dtype)
+    return pa.Array.from_buffers(dtype, len(values), [None, pa.py_buffer(values)])

@@ -432,17 +432,24 @@ class GeneStats:
         return df
 
     def write(self, path: str | Path) -> None:
+        """The dataset's ``gene_stats.parquet`` (the arrays handed to Arrow in place: `from_numpy`)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        offsets = pa.array(self.hist_ptr, pa.int64())
+        from omicsio_jax.format.arrow import from_numpy
+
+        def column(values, dtype=None) -> pa.Array:
+            values = np.ascontiguousarray(values)
+            return from_numpy(values, dtype or pa.from_numpy_dtype(values.dtype))
+
+        offsets = column(np.asarray(self.hist_ptr, np.int64))
         table = pa.table(
             {
-                "n_cells": self.n_cells,
-                **{name: self.sums[k] for k, name in enumerate(_SUMS)},
-                "hist_bins": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_bins, pa.uint16())),
-                "hist_counts": pa.LargeListArray.from_arrays(offsets, pa.array(self.hist_counts)),
-                MEDIAN: self.medians(),  # `read_gene_medians` reads this column alone
+                "n_cells": column(self.n_cells),
+                **{name: column(self.sums[k]) for k, name in enumerate(_SUMS)},
+                "hist_bins": pa.LargeListArray.from_arrays(offsets, column(self.hist_bins, pa.uint16())),
+                "hist_counts": pa.LargeListArray.from_arrays(offsets, column(self.hist_counts)),
+                MEDIAN: column(self.medians()),  # `read_gene_medians` reads this column alone
             }
         )
         meta = {
