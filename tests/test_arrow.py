@@ -103,5 +103,5 @@ def test_to_numpy_filled_replaces_nulls_and_from_numpy_hands_memory_to_arrow():
     arrow = from_numpy(values, pa.float64())
     assert arrow.type == pa.float64() and arrow.to_pylist() == values.tolist()
     assert np.shares_memory(np.frombuffer(arrow.buffers()[1], np.float64), values)
-    assert from_numpy(values[::2], pa.float64()).to_pylist() == [0.0, 2.0, 4.0]  # not contiguous: converted
+    assert from_numpy(values[::2], pa.float64()).to_pylist() == [0.0, 2.0, 4.0]  # strided: a contiguous copy
     assert from_numpy(values, pa.float32()).type == pa.float32()

@@ -64,6 +64,15 @@ _FIXED_WIDTH = {
 }
 
 
+def _data(array: pa.Array, dtype) -> np.ndarray:
+    """The data buffer of a fixed-width array, as ``dtype``, viewed in place (read-only: Arrow's
+    memory, which other arrays may share); the slots of its nulls hold whatever they hold."""
+    itemsize = np.dtype(dtype).itemsize
+    view = np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * itemsize)
+    view.flags.writeable = False
+    return view
+
+
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A column as NumPy; one of fixed-width numbers without nulls is its data buffer viewed in place
     (read-only), not converted through pyarrow's pandas bridge, whose first use in a process
@@ -73,30 +82,29 @@ def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     dtype = _FIXED_WIDTH.get(column.type)
     if dtype is None or column.null_count:
         return column.to_numpy(zero_copy_only=False)
-    itemsize = np.dtype(dtype).itemsize
-    view = np.frombuffer(column.buffers()[1], dtype, len(column), column.offset * itemsize)
-    view.flags.writeable = False  # Arrow's memory: other arrays may share it
-    return view
+    return _data(column, dtype)
 
 
 def to_numpy_filled(array: pa.Array, fill) -> np.ndarray:
     """A column of numbers as NumPy with its nulls as ``fill``: ``pc.fill_null(array, fill)
     .to_numpy()`` without its scalar (``pa.scalar``, as ``pa.array``, imports pandas on its first
     use in a process)."""
+    if not array.null_count:
+        return to_numpy(array)
     dtype = _FIXED_WIDTH.get(array.type)
-    if not array.null_count or dtype is None:
-        return to_numpy(array if not array.null_count else pc.fill_null(array, fill))
-    data = np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * np.dtype(dtype).itemsize)
+    if dtype is None:
+        return pc.fill_null(array, fill).to_numpy(zero_copy_only=False)
     bits = np.frombuffer(array.buffers()[0], np.uint8)
     valid = np.unpackbits(bits, bitorder="little", count=array.offset + len(array))[array.offset :]
-    return np.where(valid.astype(bool), data, np.asarray(fill, dtype))
+    return np.where(valid.astype(bool), _data(array, dtype), np.asarray(fill, dtype))
 
 
-def from_numpy(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
-    """NumPy numbers as an Arrow array of ``dtype``: the array's memory in place when its type is
-    ``dtype``'s and it is contiguous (``pa.array`` would import pandas on its first use in a
-    process), else converted by ``pa.array``."""
-    want = _FIXED_WIDTH.get(dtype)
-    if want is None or values.dtype != want or values.ndim != 1 or not values.flags.c_contiguous:
+def from_numpy(values: np.ndarray, dtype: pa.DataType | None = None) -> pa.Array:
+    """NumPy numbers as an Arrow array of ``dtype`` (default: ``values``' own type): the array's
+    memory in place when its type is ``dtype``'s (a contiguous copy of a strided one), else
+    converted by ``pa.array`` (which imports pandas on its first use in a process)."""
+    dtype = pa.from_numpy_dtype(values.dtype) if dtype is None else dtype
+    if values.ndim != 1 or values.dtype != _FIXED_WIDTH.get(dtype):
         return pa.array(values, dtype)
+    values = np.ascontiguousarray(values)
     return pa.Array.from_buffers(dtype, len(values), [None, pa.py_buffer(values)])

@@ -438,18 +438,14 @@ class GeneStats:
 
         from omicsio_jax.format.arrow import from_numpy
 
-        def column(values, dtype=None) -> pa.Array:
-            values = np.ascontiguousarray(values)
-            return from_numpy(values, dtype or pa.from_numpy_dtype(values.dtype))
-
-        offsets = column(np.asarray(self.hist_ptr, np.int64))
+        offsets = from_numpy(np.asarray(self.hist_ptr, np.int64))
         table = pa.table(
             {
-                "n_cells": column(self.n_cells),
-                **{name: column(self.sums[k]) for k, name in enumerate(_SUMS)},
-                "hist_bins": pa.LargeListArray.from_arrays(offsets, column(self.hist_bins, pa.uint16())),
-                "hist_counts": pa.LargeListArray.from_arrays(offsets, column(self.hist_counts)),
-                MEDIAN: column(self.medians()),  # `read_gene_medians` reads this column alone
+                "n_cells": from_numpy(self.n_cells),
+                **{name: from_numpy(self.sums[k]) for k, name in enumerate(_SUMS)},
+                "hist_bins": pa.LargeListArray.from_arrays(offsets, from_numpy(self.hist_bins, pa.uint16())),
+                "hist_counts": pa.LargeListArray.from_arrays(offsets, from_numpy(self.hist_counts)),
+                MEDIAN: from_numpy(self.medians()),  # `read_gene_medians` reads this column alone
             }
         )
         meta = {
