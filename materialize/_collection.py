@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import connect, is_remote
+from omicsio_jax.format import connect, from_numpy, is_remote, text_array
 
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
@@ -148,6 +148,16 @@ def _unified_type(types: list[pa.DataType]) -> pa.DataType:
     return pa.string()
 
 
+def _repeated(value, n: int) -> pa.Array:
+    """``n`` copies of a source's own obs value, as Arrow (without ``pa.array`` for text and
+    numbers: see `text_array`)."""
+    if isinstance(value, str):
+        return text_array([value] * n)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return from_numpy(np.full(n, value))
+    return pa.array([value] * n)
+
+
 def _as(array: pa.Array | pa.ChunkedArray, dtype: pa.DataType) -> pa.Array:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -212,12 +222,12 @@ class CollectionSource(Source):
         maps = self.space.maps
         return pa.table(
             {
-                DATASET_ID: pa.array(self.sources.dataset_ids, pa.string()),
-                "first_cell": pa.array(self._firsts[:-1], pa.int64()),
-                "num_cells": pa.array(np.diff(self._firsts), pa.int64()),
-                "num_measured": pa.array([int(m.measured.sum()) for m in maps], pa.int64()),
-                "measured": pa.array(
-                    [np.packbits(m.measured, bitorder="little").tobytes() for m in maps], pa.binary()
+                DATASET_ID: text_array(list(self.sources.dataset_ids)),
+                "first_cell": from_numpy(self._firsts[:-1]),
+                "num_cells": from_numpy(np.diff(self._firsts)),
+                "num_measured": from_numpy(np.array([int(m.measured.sum()) for m in maps], np.int64)),
+                "measured": text_array(
+                    [np.packbits(m.measured, bitorder="little").tobytes() for m in maps], binary=True
                 ),
             }
         )
@@ -250,9 +260,9 @@ class CollectionSource(Source):
         for name in obs:
             dtype = self.obs_columns[name]
             if name == DATASET_ID:
-                columns[name] = pa.array([self.sources.dataset_ids[k]] * n, pa.string())
+                columns[name] = text_array([self.sources.dataset_ids[k]] * n)
             elif (value := self._given(name, k)) is not None:
-                columns[name] = _as(pa.array([value] * n), dtype)
+                columns[name] = _as(_repeated(value, n), dtype)
             elif name in batch.obs:
                 columns[name] = _as(batch.obs[name], dtype)
             else:

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax.format import from_numpy, text_array, to_numpy, to_numpy_filled
 
 ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")
@@ -44,9 +45,10 @@ def _text(table: pa.Table, name: str) -> pa.Array:
 
 def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
     """The share of the non-empty values that are Ensembl ids (of up to ``sample`` spread over them)."""
-    present = pc.filter(values, pc.fill_null(pc.not_equal(values, ""), False))
+    present = np.flatnonzero(to_numpy_filled(pc.binary_length(values), 0))
     if len(present) > sample:
-        present = present.take(np.linspace(0, len(present) - 1, sample).astype(np.int64))
+        present = present[np.linspace(0, len(present) - 1, sample).astype(np.int64)]
+    present = values.take(from_numpy(present))
     if not len(present):
         return 0.0
     return pc.sum(pc.match_substring_regex(present, _ENSEMBL_RE2)).as_py() / len(present)
@@ -54,10 +56,10 @@ def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
 
 def _stripped(values: pa.Array) -> pa.Array:
     """Ensembl ids without their version suffix (``ENSG….12`` → ``ENSG…``); other values unchanged."""
-    versioned = pc.and_(pc.starts_with(values, "ENS"), pc.greater_equal(pc.find_substring(values, "."), 0))
+    versioned = pc.and_(pc.starts_with(values, "ENS"), pc.match_substring(values, "."))
     if not pc.any(versioned).as_py():
         return values
-    head = pc.list_element(pc.split_pattern(values, ".", max_splits=1), 0)
+    head = pc.replace_substring_regex(values, r"(?s)\..*", "", max_replacements=1)  # up to the first "."
     return pc.if_else(versioned, head, values)
 
 
@@ -101,7 +103,7 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> Gene
         if _ensembl_share(texts[name]) >= 0.5:
             return GeneKeys(_stripped(texts[name]), symbols_of, "ensembl", name)
     for name in SYMBOL_COLUMNS:
-        if name in texts and pc.any(pc.not_equal(texts[name], "")).as_py():
+        if name in texts and pc.max(pc.binary_length(texts[name])).as_py():
             return GeneKeys(texts[name], texts[name], "symbol", name)
     msg = (
         f"{label} has no gene id column: none of {', '.join(ID_COLUMNS)} holds Ensembl ids (ENSG…) and "
@@ -336,16 +338,15 @@ class GeneSpace:
         by_id = [k for k in keys if k.by != "symbol"]
         pairs = pa.table(
             {
-                "id": pa.concat_arrays([k.ids for k in by_id] or [pa.array([], pa.string())]),
-                "symbol": pa.concat_arrays([k.symbols for k in by_id] or [pa.array([], pa.string())]),
+                "id": pa.concat_arrays([k.ids for k in by_id] or [pa.nulls(0, pa.string())]),
+                "symbol": pa.concat_arrays([k.symbols for k in by_id] or [pa.nulls(0, pa.string())]),
             }
         ).drop_null()
-        named = pairs.group_by("id", use_threads=False).aggregate(
-            [("symbol", "first"), ("symbol", "count_distinct")]
-        )  # each Ensembl id's first symbol, in the order the sources give them
-        conflicts = named.filter(pc.greater(pc.field("symbol_count_distinct"), 1))
-        if conflicts.num_rows:
-            gene_id, first = conflicts.column("id")[0].as_py(), conflicts.column("symbol_first")[0].as_py()
+        # each Ensembl id's first symbol, in the order the sources give them
+        named_ids, first_symbols, num_symbols = _first_of(pairs.column("id"), pairs.column("symbol"))
+        conflicts = np.flatnonzero(num_symbols > 1)
+        if len(conflicts):
+            gene_id, first = named_ids[int(conflicts[0])].as_py(), first_symbols[int(conflicts[0])].as_py()
             where, other = next(
                 (label, symbol)
                 for k, label in zip(keys, labels, strict=True)
@@ -354,7 +355,7 @@ class GeneSpace:
                 if i == gene_id and symbol not in (None, first)
             )
             notes.append(
-                f"{conflicts.num_rows:,} Ensembl id(s) carry different symbols in different sources (matched "
+                f"{len(conflicts):,} Ensembl id(s) carry different symbols in different sources (matched "
                 f"by id, first symbol kept), e.g. {gene_id} is {first} before, {other} in {where}"
             )
         resolved = []
@@ -362,12 +363,9 @@ class GeneSpace:
             if k.by != "symbol":
                 resolved.append(k.ids)
                 continue
-            first_id = pairs.group_by("symbol", use_threads=False).aggregate([("id", "first")])
-            found = pc.take(
-                first_id.column("id_first").combine_chunks(),
-                pc.index_in(k.symbols, value_set=first_id.column("symbol")),
-            )
-            own = pc.binary_join_element_wise("symbol:", k.symbols, "")
+            named_symbols, first_ids, _ = _first_of(pairs.column("symbol"), pairs.column("id"))
+            found = pc.take(first_ids, pc.index_in(k.symbols, value_set=named_symbols))
+            own = pc.utf8_replace_slice(k.symbols, 0, 0, "symbol:")
             ids = pc.if_else(pc.is_valid(found), found, own)
             notes.append(
                 f"{label} has no Ensembl ids: its {len(ids):,} genes were matched by symbol ({k.column}), "
@@ -376,22 +374,22 @@ class GeneSpace:
             resolved.append(ids)
         # every source's ids as codes into the ids seen, in order of first appearance (one hash table
         # for all sources, not one each, and one pass over them)
-        encoded = pc.dictionary_encode(pa.concat_arrays([pa.array([], pa.string()), *resolved]))
+        encoded = pc.dictionary_encode(pa.concat_arrays([pa.nulls(0, pa.string()), *resolved]))
         seen = encoded.dictionary
-        code = pc.fill_null(encoded.indices, -1).to_numpy().astype(np.int64)
+        code = to_numpy_filled(encoded.indices, -1).astype(np.int64)
         ends = np.cumsum([len(ids) for ids in resolved])
         if genes == UNION:
             by_id = np.empty(len(seen), np.int64)  # each gene's place among the ids sorted
-            by_id[pc.sort_indices(seen).to_numpy()] = np.arange(len(seen))
+            by_id[to_numpy(pc.sort_indices(seen))] = np.arange(len(seen))
             union = union_order(
                 [code[end - len(ids) : end] for ids, end in zip(resolved, ends, strict=True)], key=by_id
             )
-            order = seen.take(union)
+            order = seen.take(from_numpy(union))
             col_of_seen = np.empty(len(seen), np.int64)
             col_of_seen[union] = np.arange(len(union))
         else:
             order = _unified_order(resolved, genes)
-            col_of_seen = pc.fill_null(pc.index_in(seen, value_set=order), -1).to_numpy().astype(np.int64)
+            col_of_seen = to_numpy_filled(pc.index_in(seen, value_set=order), -1).astype(np.int64)
         maps, members = [], []
         for t, k, ids, label, end in zip(tables, keys, resolved, labels, ends, strict=True):
             own = code[end - len(ids) : end]
@@ -404,7 +402,7 @@ class GeneSpace:
             duplicates = len(hit) - int(np.count_nonzero(distinct))
             if duplicates:
                 notes.append(f"{label}: {duplicates:,} gene(s) share an id with another of its genes: summed")
-            maps.append(member_map(t.column("gene_token_id").to_numpy(), cols, len(order)))
+            maps.append(member_map(to_numpy(t.column("gene_token_id")), cols, len(order)))
             members.append(
                 {
                     "genes": len(ids),
@@ -415,15 +413,32 @@ class GeneSpace:
                 }
             )
         by_symbol = pc.starts_with(order, "symbol:")
-        symbols = pc.take(named.column("symbol_first"), pc.index_in(order, value_set=named.column("id")))
+        symbols = pc.take(first_symbols, pc.index_in(order, value_set=named_ids))
         table = pa.table(
             {
-                "gene_token_id": pa.array(np.arange(len(order), dtype=np.int64)),
-                "ensembl_id": pc.if_else(by_symbol, pa.scalar(None, pa.string()), order),
+                "gene_token_id": from_numpy(np.arange(len(order), dtype=np.int64)),
+                "ensembl_id": pc.if_else(by_symbol, pa.nulls(len(order), pa.string()), order),
                 "gene_name": pc.if_else(by_symbol, pc.utf8_slice_codeunits(order, len("symbol:")), symbols),
             }
         )
         return cls(table, tuple(maps), tuple(members), tuple(notes))
+
+
+def _first_of(keys: pa.ChunkedArray, values: pa.ChunkedArray) -> tuple[pa.Array, pa.Array, np.ndarray]:
+    """The distinct ``keys`` (no nulls) in order of first appearance, the first of the ``values``
+    paired with each, and how many distinct values each is paired with: Arrow's ``group_by`` without
+    its Acero engine, whose import brings pyarrow.dataset and pandas (~0.9 s on a collection's
+    serial path)."""
+    keys, values = (
+        pc.dictionary_encode(c.combine_chunks() if c.num_chunks else pa.nulls(0, c.type))  # 0 chunks: pandas
+        for c in (keys, values)
+    )
+    key, value = to_numpy(keys.indices).astype(np.int64), to_numpy(values.indices).astype(np.int64)
+    # a dictionary's codes are given in order of first appearance, so code order is that order
+    _, first = np.unique(key, return_index=True)
+    pairs = np.unique(key * max(len(values.dictionary), 1) + value)
+    num_values = np.bincount(pairs // max(len(values.dictionary), 1), minlength=len(keys.dictionary))
+    return keys.dictionary, values.dictionary.take(from_numpy(value[first])), num_values
 
 
 def union_order(codes: list[np.ndarray], key: np.ndarray | None = None) -> np.ndarray:
@@ -594,10 +609,12 @@ def _unified_order(resolved: list[pa.Array], genes: str | Path) -> pa.Array:
     if genes == INTERSECTION:
         firsts = [pc.unique(ids.drop_null()) for ids in resolved]
         counts = pc.value_counts(pa.concat_arrays(firsts))
-        common = pc.filter(counts.field("values"), pc.equal(counts.field("counts"), len(resolved)))
+        common = counts.field("values").take(
+            from_numpy(np.flatnonzero(to_numpy(counts.field("counts")) == len(resolved)))
+        )
         order = pc.filter(firsts[0], pc.is_in(firsts[0], value_set=common))
         if not len(order):
             msg = "the sources have no gene in common: --genes intersection would leave no column"
             raise DataValidationError(msg)
         return order
-    return pc.unique(pa.array(read_gene_list(genes), pa.string()))
+    return pc.unique(text_array(read_gene_list(genes)))

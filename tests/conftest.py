@@ -156,6 +156,16 @@ def kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published:
     assert worker.returncode == -signal.SIGKILL
 
 
+def assert_a_pool_imports_no_pandas(script: str) -> None:
+    """Run ``script`` (a conversion on a pool of two workers) with every process's imports reported,
+    and check that the parent and both workers ran and that none of them imported pandas."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # every process's imports, on its stderr
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.count("| materialize._pool") >= 3  # the parent and both workers reported
+    assert [line for line in run.stderr.splitlines() if line.split("|")[-1].strip() == "pandas"] == []
+
+
 def write_legacy_h5ad(path, rng):
     """An .h5ad as anndata before 0.7 wrote it: compound obs/var, categories in uns, h5sparse
     matrices, raw.X and raw.var at the top level."""

@@ -105,3 +105,15 @@ def test_to_numpy_filled_replaces_nulls_and_from_numpy_hands_memory_to_arrow():
     assert np.shares_memory(np.frombuffer(arrow.buffers()[1], np.float64), values)
     assert from_numpy(values[::2], pa.float64()).to_pylist() == [0.0, 2.0, 4.0]  # strided: a contiguous copy
     assert from_numpy(values, pa.float32()).type == pa.float32()
+
+
+def test_text_array_is_pa_arrays_strings_and_bytes():
+    """``text_array`` builds what ``pa.array`` does from Python strings (unicode, empty, none at all)
+    and, with ``binary``, from bytes."""
+    from omicsio_jax.format.arrow import text_array
+
+    for values in (["ENSG00000141510", "", "Ångström", "細胞"], [], ["x"] * 5):
+        got = text_array(values)
+        assert got.equals(pa.array(values, pa.string())) and got.validate(full=True) is None
+    packed = [b"\x00\x01", b"", b"\xff" * 9]
+    assert text_array(packed, binary=True).equals(pa.array(packed, pa.binary()))

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
-from conftest import write_legacy_h5ad
+from conftest import assert_a_pool_imports_no_pandas, write_legacy_h5ad
 
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, Sources, materialize
@@ -469,6 +469,60 @@ def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
         for gene, value in cell.items():
             want[ensembl.index(gene)] = value
         np.testing.assert_array_equal(dense[row], want)
+
+
+def test_a_pool_converts_a_collection_without_importing_pandas(tmp_path):
+    """pyarrow imports pandas (~0.7 s) on its first ``pa.array``, ``pa.scalar``, ``group_by`` or
+    ``to_numpy`` in a process: unifying the sources' genes (symbols beside the ids, one source's genes
+    in an order of its own) and giving each cell its source's dataset id and obs values hand arrays
+    between Python, NumPy and Arrow without them, so neither the parent nor a worker pays it."""
+    rng = np.random.default_rng(11)
+    paths = []
+    for k, genes in enumerate([np.arange(60), rng.permutation(np.arange(30, 90))]):
+        folder = tmp_path / f"plate_{k}"
+        folder.mkdir()
+        pq.write_table(
+            pa.table(
+                {
+                    "gene_token_id": np.arange(len(genes)),
+                    "ensembl_id": [_ensg(int(g), ".2") for g in genes],
+                    "feature_name": [f"G{g}" for g in genes],
+                }
+            ),
+            folder / "gene_metadata.parquet",
+        )
+        tokens = [np.sort(rng.choice(len(genes), 9, replace=False)) for _ in range(300)]
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [f"p{k}_{i}" for i in range(300)],
+                    "gene_token_id": pa.array(tokens, pa.list_(pa.int64())),
+                    "gene_expression": pa.array(
+                        [np.arange(1, 10, dtype=np.float32)] * 300, pa.list_(pa.float32())
+                    ),
+                }
+            ),
+            folder / "cells.parquet",
+            row_group_size=64,
+        )
+        paths.append(str(folder / "cells.parquet"))
+    (tmp_path / "sources.csv").write_text(f"path,assay,plate_no\n{paths[0]},10x,1\n{paths[1]},smart-seq2,2\n")
+    script = (
+        "from materialize import Layout, Sources, materialize\n"
+        f"sources = Sources.read({str(tmp_path / 'sources.csv')!r})\n"
+        f"materialize(sources, {str(tmp_path / 'out')!r}, workers=2, layout=Layout(shard_cells=128), "
+        "progress=False)\n"
+    )
+    assert_a_pool_imports_no_pandas(script)
+    ds = oj.open_dataset(tmp_path / "out")
+    names = ds.features["gene_name"].tolist()
+    assert names[:60] == [f"G{g}" for g in range(60)] and sorted(names[60:]) == sorted(
+        f"G{g}" for g in range(60, 90)
+    )
+    assert ds.features["ensembl_id"].tolist()[0] == _ensg(0)  # the version stripped
+    assert ds.obs["dataset_id"].labels().tolist() == ["plate_0"] * 300 + ["plate_1"] * 300
+    assert ds.obs["assay"].labels().tolist() == ["10x"] * 300 + ["smart-seq2"] * 300
+    np.testing.assert_array_equal(ds.obs["plate_no"], [1] * 300 + [2] * 300)
 
 
 def test_sources_of_one_large_row_group_each_get_the_note_on_row_groups(tmp_path, capsys):

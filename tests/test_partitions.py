@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
-from conftest import assert_csr_equal, table_csr
+from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, table_csr
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
@@ -704,9 +703,5 @@ def test_a_pool_converts_parquet_without_importing_pandas(corpus, tmp_path):
         f"materialize({str(corpus.cells_parquet)!r}, {str(tmp_path / 'out')!r}, workers=2, "
         "layout=Layout(shard_cells=1024), progress=False)\n"
     )
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # every process's imports, on its stderr
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stderr.count("| materialize._pool") >= 3  # the parent and both workers reported
-    assert [line for line in run.stderr.splitlines() if re.search(r"\|\s+pandas$", line)] == []
+    assert_a_pool_imports_no_pandas(script)
     assert len(oj.open_dataset(tmp_path / "out").obs) > 0

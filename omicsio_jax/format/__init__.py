@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.arrow import from_numpy as from_numpy
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
+    from omicsio_jax.format.arrow import text_array as text_array
     from omicsio_jax.format.arrow import to_numpy as to_numpy
     from omicsio_jax.format.arrow import to_numpy_filled as to_numpy_filled
     from omicsio_jax.format.chunk_index import CHUNK_INDEX_DIR as CHUNK_INDEX_DIR
@@ -97,7 +98,14 @@ _WRITER_API = {
         "encode_dense_rows",
         "plan_sparse",
     ),
-    "omicsio_jax.format.arrow": ("from_numpy", "is_list_type", "list_to_csr", "to_numpy", "to_numpy_filled"),
+    "omicsio_jax.format.arrow": (
+        "from_numpy",
+        "is_list_type",
+        "list_to_csr",
+        "text_array",
+        "to_numpy",
+        "to_numpy_filled",
+    ),
     "omicsio_jax.format.csr": ("take_rows",),
     "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
     "omicsio_jax.format.gene_stats": (

@@ -8,7 +8,8 @@ honours the slice offset and skips the contents of null slots.
 
 A null list means "no expressed genes": it becomes an empty row.
 
-`to_numpy` turns a column of numbers into NumPy without pyarrow's pandas bridge.
+`to_numpy`, `from_numpy` and `text_array` hand columns between NumPy / Python and Arrow without
+pyarrow's pandas bridge.
 """
 
 from __future__ import annotations
@@ -108,3 +109,23 @@ def from_numpy(values: np.ndarray, dtype: pa.DataType | None = None) -> pa.Array
         return pa.array(values, dtype)
     values = np.ascontiguousarray(values)
     return pa.Array.from_buffers(dtype, len(values), [None, pa.py_buffer(values)])
+
+
+def text_array(values: list[str] | list[bytes], binary: bool = False) -> pa.Array:
+    """Python strings (or, with ``binary``, bytes) as an Arrow string (binary) array, built from its
+    buffers: ``pa.array`` imports pandas on its first use in a process (~0.7 s, paid by the parent
+    and by every worker of a conversion)."""
+    encoded = [v if isinstance(v, bytes) else v.encode() for v in values]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+    large = bool(offsets[-1] >= 2**31)
+    dtype = (
+        (pa.large_binary() if large else pa.binary())
+        if binary
+        else (pa.large_string() if large else pa.string())
+    )
+    return pa.Array.from_buffers(
+        dtype,
+        len(encoded),
+        [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))],
+    )
