@@ -56,7 +56,79 @@ def main() -> None:
             if isinstance(output, oj.CSR):
                 np.asarray(loader.densify(x))
             loader.close()
+        _other_types(root, corpus, kw)
     print(f"numba kernels compiled into their caches in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def _other_types(root: Path, corpus, kw: dict) -> None:
+    """The kernels again for the argument types other inputs bring: list columns of int64 tokens
+    (what pyarrow makes of Python ints) with float32 or float64 values, a collection whose first source
+    lists its genes in an order of its own (the union's ordering kernel, and the rows of the other
+    source re-sorted), a panel layout, rows read by position and a panel loaded into memory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cells = pq.read_table(corpus.cells_parquet)
+    genes = pq.read_table(corpus.cells_parquet.parent / "gene_metadata.parquet")
+    for name, values in (("long", pa.float32()), ("wide", pa.float64())):
+        table = cells.set_column(
+            cells.schema.get_field_index("gene_token_id"),
+            "gene_token_id",
+            cells.column("gene_token_id").cast(pa.list_(pa.int64())),
+        )
+        table = table.set_column(
+            table.schema.get_field_index("gene_expression"),
+            "gene_expression",
+            table.column("gene_expression").cast(pa.list_(values)),
+        )
+        (root / name).mkdir()
+        pq.write_table(table, root / name / "cells.parquet")
+        pq.write_table(genes, root / name / "gene_metadata.parquet")
+        materialize(root / name / "cells.parquet", root / f"ds_{name}", **kw)
+    # the long source with its gene table reversed (each row's tokens still rising)
+    tokens = cells.column("gene_token_id").combine_chunks()
+    indptr = tokens.offsets.to_numpy().astype(np.int64)
+    lengths = np.diff(indptr)
+    flip = np.repeat(indptr[:-1] + indptr[1:] - 1, lengths) - np.arange(indptr[-1])
+    top = genes.num_rows - 1
+    flat_tokens = top - tokens.flatten().to_numpy()[flip]
+    flat_values = cells.column("gene_expression").combine_chunks().flatten().to_numpy()[flip]
+    offsets = pa.array(indptr.astype(np.int32))
+    reversed_cells = cells.set_column(
+        cells.schema.get_field_index("gene_token_id"),
+        "gene_token_id",
+        pa.ListArray.from_arrays(offsets, pa.array(flat_tokens.astype(np.int64))),
+    ).set_column(
+        cells.schema.get_field_index("gene_expression"),
+        "gene_expression",
+        pa.ListArray.from_arrays(offsets, pa.array(flat_values)),
+    )
+    (root / "reversed").mkdir()
+    pq.write_table(reversed_cells, root / "reversed" / "cells.parquet")
+    pq.write_table(
+        genes.set_column(
+            0, "gene_token_id", pa.array(top - genes.column("gene_token_id").to_numpy())
+        ).sort_by("gene_token_id"),
+        root / "reversed" / "gene_metadata.parquet",
+    )
+    materialize(
+        [
+            root / "reversed" / "cells.parquet",
+            root / "wide" / "cells.parquet",
+            root / "long" / "cells.parquet",
+        ],
+        root / "collection_reordered",
+        **kw,
+    )
+    panel = genes.column(1).to_pylist()[::7]
+    materialize(
+        corpus.cells_parquet, root / "panel", **{**kw, "layout": Layout(shard_cells=512, panel=panel)}
+    )
+    ds = oj.open_dataset(root / "ds_long")
+    ds.read_csr(np.arange(0, ds.num_cells, 3))
+    loader = oj.make_memory_loader(oj.load_panel(ds, progress=False), batch_size=64)
+    next(iter(loader))
+    loader.close()
 
 
 if __name__ == "__main__":

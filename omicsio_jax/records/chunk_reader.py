@@ -276,7 +276,9 @@ class ChunkReader:
         fn = np.uint64(zstd.decompress_address() if zstd.available() else 0)
         dctx = np.uint64(zstd.thread_context() if zstd.available() else 0)
         for group, (raw, base, ends) in self._file_bytes(plan):
-            begins, expected, chunk = plan.ranges[group, 0], plan.expected[group], plan.chunk[group]
+            # contiguous: a group given as a slice makes a strided column, a second compile of the kernel
+            begins = np.ascontiguousarray(plan.ranges[group, 0])
+            expected, chunk = plan.expected[group], plan.chunk[group]
             decoded, data, problem, k = _headers(raw, base, begins, ends, expected)
             if problem:
                 raise self._failed(int(plan.shard[group[k]]), chunk[k], problem)
