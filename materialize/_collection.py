@@ -61,10 +61,12 @@ def _default_ids(paths: tuple[str, ...]) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class Sources:
     """The sources of a collection: ``paths``, their ``dataset_ids`` (default: the file names) and
-    per-source ``obs`` (column → one value per source, None: not given); ``reading`` may give an
-    AnnData source its own ``layer`` or ``raw`` (column → one value per source, None: the run's).
+    per-source ``obs`` (column → one value per source, None: not given), of ``obs_types`` (default:
+    bool, int64, float64 or string, from the values); ``reading`` may give an AnnData source its own
+    ``layer`` or ``raw`` (column → one value per source, None: the run's).
 
     >>> materialize(Sources.read("sources.csv"), "atlas/")                    # doctest: +SKIP
+    >>> materialize(Sources(("a.h5ad", "b.h5ad"), obs={"assay": ("10x 3' v3", "Smart-seq2")}), "atlas/")  # doctest: +SKIP
     >>> materialize(["a.h5ad", "b.h5ad", "plates/*.parquet"], "atlas/")      # the same, ids a, b, plates  # doctest: +SKIP
     """
 
@@ -85,6 +87,12 @@ class Sources:
         if len(ids) != len(paths):
             msg = f"{len(paths)} sources but {len(ids)} dataset ids"
             raise OmicsIOError(msg)
+        for name, values in self.obs.items():
+            if len(values) != len(paths):
+                msg = f"obs {name!r} gives {len(values)} value(s) for {len(paths)} sources: give one per source (None: not known)"
+                raise OmicsIOError(msg)
+        inferred = {n: _value_type(v) for n, v in self.obs.items() if n not in self.obs_types}
+        object.__setattr__(self, "obs_types", {**inferred, **self.obs_types})
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
             msg = (
@@ -134,6 +142,23 @@ class Sources:
     def reading_of(self, k: int) -> dict:
         """Source ``k``'s own reading options (``layer``, ``raw``) where the sources file gives them."""
         return {n: v[k] for n, v in self.reading.items() if v[k] is not None and v[k] != ""}
+
+
+def _value_type(values: Sequence) -> pa.DataType:
+    """The Arrow type of a per-source obs given as Python values (None: not given for that source)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return pa.null()
+    if all(isinstance(v, bool | np.bool_) for v in present):
+        return pa.bool_()
+    if all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in present):
+        return pa.int64()
+    if all(
+        isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool | np.bool_)
+        for v in present
+    ):
+        return pa.float64()
+    return pa.string()
 
 
 def _unified_type(types: list[pa.DataType]) -> pa.DataType:

@@ -471,6 +471,23 @@ def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
         np.testing.assert_array_equal(dense[row], want)
 
 
+def test_per_source_obs_given_in_python_take_the_type_of_their_values(sources, tmp_path):
+    """``Sources(paths, obs=...)`` without ``obs_types``: each column's type comes from its values
+    (None: not given for that source); a column without one value per source is a one-line error."""
+    d, _ = sources
+    paths = (str(d / "plate.parquet"), str(d / "current.h5ad"))
+    obs = {"assay": ("10x", "Smart-seq2"), "plate_no": (3, None), "depth": (1.5, 2), "sorted": (True, False)}
+    materialize(Sources(paths, obs=obs), tmp_path / "out", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.obs["assay"].labels().tolist() == ["10x"] * 150 + ["Smart-seq2"] * 200
+    plate_no = np.asarray(ds.obs["plate_no"])
+    assert (plate_no[:150] == 3).all() and np.isnan(plate_no[150:]).all()  # not given: missing
+    np.testing.assert_array_equal(ds.obs["depth"], [1.5] * 150 + [2.0] * 200)
+    assert ds.obs["sorted"].labels().tolist() == ["true"] * 150 + ["false"] * 200  # bools: categories
+    with pytest.raises(oj.OmicsIOError, match=r"obs 'assay' gives 1 value\(s\) for 2 sources"):
+        Sources(paths, obs={"assay": ("10x",)})
+
+
 def test_a_pool_converts_a_collection_without_importing_pandas(tmp_path):
     """pyarrow imports pandas (~0.7 s) on its first ``pa.array``, ``pa.scalar``, ``group_by`` or
     ``to_numpy`` in a process: unifying the sources' genes (symbols beside the ids, one source's genes
