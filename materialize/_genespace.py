@@ -359,11 +359,12 @@ class GeneSpace:
                 f"by id, first symbol kept), e.g. {gene_id} is {first} before, {other} in {where}"
             )
         resolved = []
+        if any(k.by == "symbol" for k in keys):  # each symbol's first Ensembl id, for the symbol-only sources
+            named_symbols, first_ids, _ = _first_of(pairs.column("symbol"), pairs.column("id"))
         for k, label in zip(keys, labels, strict=True):
             if k.by != "symbol":
                 resolved.append(k.ids)
                 continue
-            named_symbols, first_ids, _ = _first_of(pairs.column("symbol"), pairs.column("id"))
             found = pc.take(first_ids, pc.index_in(k.symbols, value_set=named_symbols))
             own = pc.utf8_replace_slice(k.symbols, 0, 0, "symbol:")
             ids = pc.if_else(pc.is_valid(found), found, own)

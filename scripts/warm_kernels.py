@@ -107,7 +107,9 @@ def _other_types(root: Path, corpus, kw: dict) -> None:
     pq.write_table(reversed_cells, root / "reversed" / "cells.parquet")
     pq.write_table(
         genes.set_column(
-            0, "gene_token_id", pa.array(top - genes.column("gene_token_id").to_numpy())
+            genes.schema.get_field_index("gene_token_id"),
+            "gene_token_id",
+            pa.array(top - genes.column("gene_token_id").to_numpy()),
         ).sort_by("gene_token_id"),
         root / "reversed" / "gene_metadata.parquet",
     )
@@ -120,7 +122,7 @@ def _other_types(root: Path, corpus, kw: dict) -> None:
         root / "collection_reordered",
         **kw,
     )
-    panel = genes.column(1).to_pylist()[::7]
+    panel = genes.column("ensembl_id").to_pylist()[::7]
     materialize(
         corpus.cells_parquet, root / "panel", **{**kw, "layout": Layout(shard_cells=512, panel=panel)}
     )
