@@ -42,7 +42,8 @@ _SUMS = ("sum", "sum_sq", "norm_sum", "norm_sum_sq", "log_sum", "log_sum_sq")
 
 
 _TABLE = 64  # integer counts up to this use per-cell tables of log1p and histogram bins
-_AHEAD = 16  # entries ahead whose sums' cache line `_accumulate` asks for
+_AHEAD = 64  # entries ahead whose cache lines `_accumulate` and `_apply_hist` ask for
+_ROWS_AHEAD = 4  # genes ahead whose histogram rows the per-gene passes ask for
 
 
 @nb.njit(inline="always")
@@ -59,6 +60,17 @@ def _log_and_bin(v, x, log_table, bin_table):
     if c == v and c <= _TABLE:
         return log_table[c], bin_table[c]
     return np.log1p(x), _bin(x)
+
+
+@nb.njit(inline="always")
+def _prefetch_bins(hist, g, lo, hi):
+    """Ask for the cache lines of ``hist[g, lo : hi + 1]`` (`prefetch`): a per-gene pass names the
+    row a few genes ahead, whose start the hardware's prefetcher cannot guess (it follows one
+    stream, and each gene's bins start at a new place of a table far larger than the caches)."""
+    step = 64 // hist.itemsize
+    base = np.int64(g) * hist.shape[1]
+    for b in range(lo, hi + step, step):
+        prefetch(hist, base + min(b, hi))
 
 
 @nb.njit(inline="always")
@@ -84,7 +96,8 @@ def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, acc, codes)
 
     One row of ``acc`` per gene (64-byte aligned) keeps a nonzero's seven updates in one cache
     line, fetched `_AHEAD` entries early (`prefetch`: the 4 MiB of sums miss the cache at random;
-    13.4 → 11.2 ns per nonzero measured, 1,500 nonzeros per cell). A cell whose values are all
+    per nonzero, 1,500 nonzeros per cell, measured on a 2-core AMD EPYC: 40 ns without, 15.7 ns
+    16 entries ahead, 10.7 ns 64 ahead). A cell whose values are all
     positive (counts: nearly every cell) takes three loops, each doing one thing: its normalized
     and log values, then the sums, then its histogram codes (a code stored inside the sums' loop
     cost as much as the seven sums: 11 → 5.7 ns per nonzero measured); any other cell one loop
@@ -169,7 +182,11 @@ def _apply_hist(codes, m, tmp, hist, span, spill):
         starts[block] += 1
     full = np.iinfo(hist.dtype).max
     spilled = 0
+    bins = hist.shape[1]
     for i in range(m):
+        if i + _AHEAD < m:  # the line of an increment `_AHEAD` ahead (first touches miss: 12.6 → 9.9 ns)
+            ahead = tmp[i + _AHEAD]
+            prefetch(hist, np.int64(ahead >> np.uint32(11)) * bins + np.int64(ahead & np.uint32(2047)))
         g, b = np.int64(tmp[i] >> np.uint32(11)), np.int32(tmp[i] & np.uint32(2047))
         h = hist[g, b]
         if h == full:
@@ -185,11 +202,14 @@ def _apply_hist(codes, m, tmp, hist, span, spill):
 @nb.njit(nogil=True, cache=True)
 def _csr_layout(hist, span):
     """Row pointers of the nonzero bins of each row (looked for within its ``span``), and the
-    largest count."""
+    largest count. Each pass over the rows asks for a row's bins `_ROWS_AHEAD` genes ahead
+    (`_prefetch_bins`: this pass over a partition of 8,192 cells, 26 → 11 ms measured)."""
     genes = hist.shape[0]
     ptr = np.zeros(genes + 1, np.int64)
     top = 0
     for g in range(genes):
+        ahead = min(g + _ROWS_AHEAD, genes - 1)
+        _prefetch_bins(hist, ahead, span[ahead, 0], span[ahead, 1])
         n = 0
         for b in range(span[g, 0], span[g, 1] + 1):
             c = hist[g, b]
@@ -205,7 +225,10 @@ def _fill_csr(hist, span, ptr, out_bins, out_counts):
     written at ``k``, which moves on past a nonzero one (about half the bins of a span are zero, a
     branch on them mispredicted: 50 → 26 ms for a partition of 16,384 cells). The outputs hold one
     entry more than ``ptr[-1]``, where a row's trailing zeros land."""
-    for g in range(hist.shape[0]):
+    genes = hist.shape[0]
+    for g in range(genes):
+        ahead = min(g + _ROWS_AHEAD, genes - 1)
+        _prefetch_bins(hist, ahead, span[ahead, 0], span[ahead, 1])
         k = ptr[g]
         row = hist[g]
         for b in range(span[g, 0], span[g, 1] + 1):
@@ -259,6 +282,9 @@ def _dense_to_csr(
 @nb.njit(nogil=True, cache=True)
 def _csr_into_dense(ptr, bins, counts, hist, span, lo_gene, hi_gene):
     for g in range(lo_gene, hi_gene):
+        ahead = min(g + _ROWS_AHEAD, hi_gene - 1)
+        if ptr[ahead] < ptr[ahead + 1]:
+            _prefetch_bins(hist, ahead, np.int64(bins[ptr[ahead]]), np.int64(bins[ptr[ahead + 1] - 1]))
         lo, hi = ptr[g], ptr[g + 1]
         if lo == hi:
             continue
@@ -271,7 +297,10 @@ def _csr_into_dense(ptr, bins, counts, hist, span, lo_gene, hi_gene):
 @nb.njit(nogil=True, cache=True)
 def _clear_spans(hist, span):
     """Zero each row's ``span`` of bins (the only ones that can be nonzero) and mark it empty."""
-    for g in range(hist.shape[0]):
+    genes = hist.shape[0]
+    for g in range(genes):
+        ahead = min(g + _ROWS_AHEAD, genes - 1)
+        _prefetch_bins(hist, ahead, span[ahead, 0], span[ahead, 1])
         lo, hi = span[g, 0], span[g, 1]
         if lo <= hi:
             hist[g, lo : hi + 1] = 0
