@@ -101,6 +101,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "Partitioned materialize pinned to one, two and more cores, against the parquet input-decode "
         "limit (pyarrow and DuckDB delivering the list columns on one core, nothing encoded).",
     ),
+    "bench_stats": (
+        "Corpus statistics on their own",
+        "The corpus statistics of materialize without the rest of a conversion, on one core: a "
+        "partition's (`StatsAccumulator.add` and `save`) and the finalizer's merge of a partition "
+        "(`GeneStats.load` and `add_to_dense`), in nanoseconds per nonzero of the partitions handled.",
+    ),
     "bench_multimodal": (
         "Multimodal datasets",
         "Materialize of RNA alone and of RNA with splice layers and ATAC at two corpus sizes (speed and "

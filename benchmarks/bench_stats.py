@@ -1,0 +1,190 @@
+"""The corpus statistics' kernels on their own: time per nonzero of a partition's statistics and of
+the finalizer's merge, with ``--baseline`` against another checkout in the same rounds.
+
+A whole conversion's rounds on this 2-core machine vary by ±10%, more than a change to the
+statistics alone moves them (`bench_scale.py`); this times the statistics without the rest of the
+conversion around them. Each round runs one fresh process per checkout (alternating which goes
+first), pinned to one core, which:
+
+1. encodes the first ``--partitions`` row groups of the corpus (8,192 cells each) into records in
+   memory, as materialize's encoder does (not timed);
+2. ``partition``: for one partition after another, `StatsAccumulator.add` of its records and
+   `StatsAccumulator.save` of its statistics file (what a materialize worker does per partition),
+   until at least ``--seconds`` have passed;
+3. ``merge``: for one saved partition after another, `GeneStats.load` and `GeneStats.add_to_dense`
+   into the finalizer's table (one thread), until at least ``--seconds`` have passed.
+
+Figures are nanoseconds per nonzero of the partitions handled (and millions of nonzeros per second),
+medians of the rounds.
+
+    python benchmarks/bench_stats.py --rounds 5 --baseline /tmp/wt_old   # a worktree of another commit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _provenance import (  # noqa: E402
+    add_window_options,
+    baseline_commit,
+    check_window,
+    compare,
+    provenance,
+    write_result,
+)
+
+CORPUS = HERE / "data" / "corpus_131k"
+PARTS = ("partition", "merge")
+
+
+def child(partitions: int, seconds: float) -> dict:
+    """Steps 1–3 of the module docstring in this process; ``{part: (nonzeros, wall s, thread CPU s)}``."""
+    import time
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from omicsio_jax.format import codec
+    from omicsio_jax.format.arrow import list_to_csr, to_numpy
+    from omicsio_jax.format.gene_stats import NUM_BINS, GeneStats, StatsAccumulator, empty_span
+
+    genes = pq.ParquetFile(CORPUS / "gene_metadata.parquet").metadata.num_rows
+    cells = pq.ParquetFile(CORPUS / "cells.parquet")
+    records = []
+    for group in range(partitions):
+        table = cells.read_row_group(group, columns=["gene_token_id", "gene_expression"])
+        indptr, tokens = list_to_csr(table.column("gene_token_id"))
+        _, values = list_to_csr(table.column("gene_expression"))
+        buf, starts = codec.encode_csr(
+            indptr, to_numpy(tokens), to_numpy(values), token_to_col=np.arange(genes, dtype=np.int32)
+        )
+        records.append((buf, starts, int(indptr[-1]), len(starts) - 1))
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="omicsio-bench-stats-") as tmp:
+        paths = [Path(tmp) / f"part-{k}.bin" for k in range(partitions)]
+        accumulator = StatsAccumulator(genes, records[0][3])
+
+        def partition(k: int) -> int:
+            buf, starts, nnz, _ = records[k]
+            accumulator.add(buf, starts, check=False)
+            accumulator.save(paths[k])
+            return nnz
+
+        hist, span = np.zeros((genes, NUM_BINS), np.uint32), empty_span(genes)
+
+        def merge(k: int) -> int:
+            stats = GeneStats.load(paths[k])
+            stats.add_to_dense(hist, span)
+            del stats  # its arrays map the file
+            return records[k][2]
+
+        for name, step in (("partition", partition), ("merge", merge)):
+            for k in range(partitions):  # warm-up: numba's start, the tables faulted in, every file saved
+                step(k)
+            nnz, k = 0, 0
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            while time.perf_counter() - wall0 < seconds:
+                nnz += step(k % partitions)
+                k += 1
+            out[name] = (nnz, time.perf_counter() - wall0, time.thread_time() - cpu0)
+    return out
+
+
+def run_child(partitions: int, seconds: float, checkout: str | None) -> dict:
+    """`child` in a fresh process; with ``checkout``, that checkout's packages first on the path."""
+    env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": checkout}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(partitions), repr(seconds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=checkout or None,
+    )
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _row(label: str, runs: list[tuple[int, float, float]]) -> dict:
+    ns = [1e9 * wall / nnz for nnz, wall, _ in runs]
+    cpu_ns = [1e9 * cpu / nnz for nnz, _, cpu in runs]
+    rates = [nnz / wall / 1e6 for nnz, wall, _ in runs]
+    return {
+        "label": label,
+        "ns_per_nonzero": statistics.median(ns),
+        "ns_per_nonzero_runs": ns,
+        "cpu_ns_per_nonzero": statistics.median(cpu_ns),
+        "cpu_ns_per_nonzero_runs": cpu_ns,
+        "mnnz_per_s": statistics.median(rates),
+        "mnnz_per_s_runs": rates,
+        "seconds": statistics.median(wall for _, wall, _ in runs),
+        "seconds_runs": [wall for _, wall, _ in runs],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--partitions", type=int, default=4, help="row groups of 8,192 cells of the corpus (default 4)"
+    )
+    p.add_argument("--baseline", help="a checkout (git worktree) of another commit, timed in the same rounds")
+    p.add_argument("--out", default=str(HERE / "results" / "stats.json"))
+    add_window_options(p)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(int(args.child[0]), float(args.child[1]))))
+        return
+    check_window(args)
+    if not (CORPUS / "cells.parquet").exists():
+        raise SystemExit(
+            f"{CORPUS / 'cells.parquet'} is missing: make it with benchmarks/bench_scale.py first"
+        )
+    trees = [None] if args.baseline is None else [None, args.baseline]
+    full = baseline_commit(args.baseline) if args.baseline else None
+    sha = full[:7] if full else None
+    runs: dict = {(tree, part): [] for tree in trees for part in PARTS}
+    for r in range(args.rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            for part, figures in run_child(args.partitions, args.seconds, tree).items():
+                runs[tree, part].append(tuple(figures))
+                nnz, wall, _ = figures
+                at = f" @ {sha}" if tree else ""
+                print(f"round {r + 1}: {part}{at} {1e9 * wall / nnz:.2f} ns per nonzero", flush=True)
+    rows = {}
+    for tree in trees:
+        for part in PARTS:
+            label = f"statistics {part}" + (f" @ {sha}" if tree else "")
+            rows[label] = _row(label, runs[tree, part])
+    comparisons = []
+    if args.baseline:
+        for part in PARTS:
+            ours, theirs = rows[f"statistics {part}"], rows[f"statistics {part} @ {sha}"]
+            comparisons.append(compare(f"statistics {part}: this commit ÷ {sha}", ours, theirs, "mnnz_per_s"))
+    result = {
+        "benchmark": "bench_stats",
+        **provenance(),
+        "rounds": args.rounds,
+        "window_s": args.seconds,
+        "quick": args.quick,
+        "input": f"{CORPUS.relative_to(HERE).as_posix()}/cells.parquet, first {args.partitions} row groups",
+        **({} if args.baseline is None else {"baseline": {"checkout": args.baseline, "commit": full}}),
+        "rows": list(rows.values()),
+        "comparisons": [c for c in comparisons if c],
+    }
+    write_result(args.out, result, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()
