@@ -202,6 +202,17 @@ def timed(step: Callable[[], int], *, seconds: float = MIN_WINDOW_S) -> tuple[in
     return w.cells, w.seconds
 
 
+def run_json(args: list[str], *, checkout: str | None = None) -> dict:
+    """``python args…`` in a fresh process; the JSON object its last line of output prints. With
+    ``checkout`` (a ``--baseline``), that checkout's packages first on the path and its folder the
+    working directory (``-c`` puts the working directory first)."""
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": checkout}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=checkout)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def median(values: Iterable[float]) -> float:
     return float(statistics.median(list(values)))
 

@@ -64,6 +64,7 @@ from _provenance import (  # noqa: E402
     baseline_commit,
     check_window,
     provenance,
+    run_json,
     write_result,
 )
 
@@ -130,15 +131,8 @@ print(json.dumps({"seconds": seconds, "cells": cells, "conversions": conversions
 
 
 def _run(code: str, *args, checkout: str | None = None) -> dict:
-    """``code`` in a fresh process; with ``checkout`` (a ``--baseline``), that checkout's packages first
-    on the path and its folder the working directory (``-c`` puts the working directory first)."""
-    env = None if checkout is None else {**os.environ, "PYTHONPATH": checkout}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, cwd=checkout
-    )
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """``code`` in a fresh process (`run_json`; ``checkout``: a ``--baseline``)."""
+    return run_json(["-c", code, *map(str, args)], checkout=checkout)
 
 
 def _run_together(code: str, args_per_process: list[tuple]) -> list[dict]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +36,9 @@ from _provenance import (  # noqa: E402
     baseline_commit,
     check_window,
     compare,
+    medians,
     provenance,
+    run_json,
     write_result,
 )
 
@@ -101,36 +101,17 @@ def child(partitions: int, seconds: float) -> dict:
     return out
 
 
-def run_child(partitions: int, seconds: float, checkout: str | None) -> dict:
-    """`child` in a fresh process; with ``checkout``, that checkout's packages first on the path."""
-    env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": checkout}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(partitions), repr(seconds)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=checkout or None,
-    )
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _row(label: str, runs: list[tuple[int, float, float]]) -> dict:
-    ns = [1e9 * wall / nnz for nnz, wall, _ in runs]
-    cpu_ns = [1e9 * cpu / nnz for nnz, _, cpu in runs]
-    rates = [nnz / wall / 1e6 for nnz, wall, _ in runs]
-    return {
-        "label": label,
-        "ns_per_nonzero": statistics.median(ns),
-        "ns_per_nonzero_runs": ns,
-        "cpu_ns_per_nonzero": statistics.median(cpu_ns),
-        "cpu_ns_per_nonzero_runs": cpu_ns,
-        "mnnz_per_s": statistics.median(rates),
-        "mnnz_per_s_runs": rates,
-        "seconds": statistics.median(wall for _, wall, _ in runs),
-        "seconds_runs": [wall for _, wall, _ in runs],
-    }
+    rounds = [
+        {
+            "ns_per_nonzero": 1e9 * wall / nnz,
+            "cpu_ns_per_nonzero": 1e9 * cpu / nnz,
+            "mnnz_per_s": nnz / wall / 1e6,
+            "seconds": wall,
+        }
+        for nnz, wall, cpu in runs
+    ]
+    return {"label": label, **medians(rounds, rounds[0])}
 
 
 def main() -> None:
@@ -157,7 +138,8 @@ def main() -> None:
     runs: dict = {(tree, part): [] for tree in trees for part in PARTS}
     for r in range(args.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
-            for part, figures in run_child(args.partitions, args.seconds, tree).items():
+            child_args = [__file__, "--child", str(args.partitions), repr(args.seconds)]
+            for part, figures in run_json(child_args, checkout=tree).items():
                 runs[tree, part].append(tuple(figures))
                 nnz, wall, _ = figures
                 at = f" @ {sha}" if tree else ""
