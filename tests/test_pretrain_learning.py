@@ -1,5 +1,5 @@
 """Pretraining learns: the tiny Geneformer's embeddings after masked pretraining separate the cell
-types, and it fills in masked genes (the run: `_learning.RUN`, ~110 s on 2 cores beside the scGPT test; the probe rises by
+types, and it fills in masked genes (the run: `_learning.RUN`, ~105 s on 2 cores beside the scGPT test; the probe rises by
 ~1,000 steps in benchmarks/results/pretrain_learning.json)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pretraining learns, scGPT: after masked pretraining on its own objective (GEP + GEPC, 40% of the
 values masked, as scGPT's pretraining script masks them), the tiny scGPT's CLS embedding separates the
-cell types and its masked bins beat the corpus-wide mean (the run: `_learning.RUN`, ~140 s on 2 cores beside the Geneformer test;
+cell types and its masked bins beat the corpus-wide mean (the run: `_learning.RUN`, ~125 s on 2 cores beside the Geneformer test;
 the CLS probe first dips below its random-initialization level while the decoders fit the genes'
 typical bins, then rises past it from ~1,000 steps)."""
 

@@ -7,12 +7,15 @@ which is slow on a small CPU); the tests reuse the same few compiled programs.
 
 from __future__ import annotations
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from train import _layers
 from train._errors import TrainError
 from train._transformer import (
     PRESETS,
@@ -212,6 +215,33 @@ def test_bfloat16_close_to_float32(models, kind, rtol):
     loss32, loss16 = float(loss_of(f32, batch)), float(loss_of(bf16, batch))
     assert np.isfinite(loss16) and abs(loss16 - loss32) <= rtol * abs(loss32), (loss32, loss16)
     assert loss16 != loss32  # bfloat16 really was used
+
+
+@pytest.mark.parametrize("kind", ["geneformer", "scgpt"])
+def test_an_unrolled_encoder_gives_the_scanned_ones_loss_and_gradients(models, kind, monkeypatch):
+    """The tiny preset's 2 layers run unrolled (`_layers.UNROLL_LAYERS`); scanned, as deeper stacks
+    run, the loss and every gradient are the same, bit for bit, dropout included."""
+    batch, key = BATCHES[kind](3), jax.random.key(2)
+
+    def loss_and_grads():  # traced anew at each call: the unroll is read while tracing
+        return eqx.filter_jit(lambda m: eqx.filter_value_and_grad(lambda mm: mm.loss(batch, key=key))(m))(
+            models[kind]
+        )
+
+    def unroll() -> list[str]:  # the encoder's scan as traced: unroll=2 (both layers) or 1 (a loop)
+        hidden = jnp.zeros((L, WIDTH), jnp.float32)
+        return re.findall(
+            r"unroll=\w+", str(jax.make_jaxpr(lambda h: models[kind].encoder(h, jnp.ones(L, bool)))(hidden))
+        )
+
+    assert unroll() == ["unroll=2"]
+    unrolled = loss_and_grads()
+    monkeypatch.setattr(_layers, "UNROLL_LAYERS", 0)
+    assert unroll() == ["unroll=1"]
+    scanned = loss_and_grads()
+    assert float(unrolled[0]) == float(scanned[0])
+    for a, b in zip(arrays(unrolled[1]), arrays(scanned[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_max_predictions_gathers_the_labelled_positions(models):
