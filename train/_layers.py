@@ -159,9 +159,9 @@ class EncoderLayer(eqx.Module):
 
 
 # A scan keeps every layer's residuals for the backward pass in stacked buffers that it fills and
-# copies: for a shallow, narrow stack that traffic outweighs the layers' own arithmetic (the tiny
-# preset's scGPT training step runs about twice as fast unrolled on CPU), while unrolling a deep stack
-# multiplies its compile time for no faster step. The loss and gradients are the same either way.
+# copies: for a shallow, narrow stack that traffic can outweigh the layers' own arithmetic (the tiny
+# preset's training step, scanned and unrolled: benchmarks/bench_encoder.py), while unrolling a deep
+# stack multiplies its compile time. The loss and gradients are the same either way.
 UNROLL_LAYERS = 4
 
 
