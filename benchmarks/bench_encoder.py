@@ -38,7 +38,7 @@ ENCODERS = ("unrolled", "scanned")
 
 
 def _batch(kind: str, rng, cells: int, length: int, vocab: int) -> dict:
-    """A token batch of ``kind`` with the shapes and masking of the loader's (random tokens)."""
+    """A token batch of ``kind`` with the loader's shapes and masking rates (random tokens, no padding)."""
     import numpy as np
 
     tokens = rng.integers(3, vocab, (cells, length)).astype(np.int32)
