@@ -12,10 +12,14 @@ first), pinned to one core, which:
    `StatsAccumulator.save` of its statistics file (what a materialize worker does per partition),
    until at least ``--seconds`` have passed;
 3. ``merge``: for one saved partition after another, `GeneStats.load` and `GeneStats.add_to_dense`
-   into the finalizer's table (one thread), until at least ``--seconds`` have passed.
+   into the finalizer's table (one thread), until at least ``--seconds`` have passed;
+4. ``file``: the dataset's ``gene_stats.parquet`` of the merged statistics (`GeneStats.write`, what
+   the finalizer does once, after every partition) and its reading back (`GeneStats.read`), one
+   after the other, until at least ``--seconds`` have passed.
 
-Figures are nanoseconds per nonzero of the partitions handled (and millions of nonzeros per second),
-medians of the rounds.
+Figures are nanoseconds per nonzero of the partitions handled (and millions of nonzeros per second);
+for ``file``, milliseconds per file written and read, of the histogram entries given; medians of the
+rounds.
 
     python benchmarks/bench_stats.py --rounds 5 --baseline /tmp/wt_old   # a worktree of another commit
 """
@@ -43,11 +47,12 @@ from _provenance import (  # noqa: E402
 )
 
 CORPUS = HERE / "data" / "corpus_131k"
-PARTS = ("partition", "merge")
+PARTS = ("partition", "merge", "file")
 
 
 def child(partitions: int, seconds: float) -> dict:
-    """Steps 1–3 of the module docstring in this process; ``{part: (nonzeros, wall s, thread CPU s)}``."""
+    """Steps 1–4 of the module docstring in this process; ``{part: (nonzeros, wall s, thread CPU s)}``
+    (``file``: ``(histogram entries, wall s, thread CPU s, files)``)."""
     import time
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -98,19 +103,42 @@ def child(partitions: int, seconds: float) -> dict:
                 nnz += step(k % partitions)
                 k += 1
             out[name] = (nnz, time.perf_counter() - wall0, time.thread_time() - cpu0)
+        merged = GeneStats.from_dense(1, np.zeros(genes, np.int64), np.zeros((6, genes)), hist, span)
+        file = Path(tmp) / "gene_stats.parquet"
+        merged.write(file)  # warm-up
+        GeneStats.read(file)
+        files = 0
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        while time.perf_counter() - wall0 < seconds:
+            merged.write(file)
+            GeneStats.read(file)
+            files += 1
+        out["file"] = (len(merged.hist_counts), time.perf_counter() - wall0, time.thread_time() - cpu0, files)
     return out
 
 
-def _row(label: str, runs: list[tuple[int, float, float]]) -> dict:
-    rounds = [
-        {
-            "ns_per_nonzero": 1e9 * wall / nnz,
-            "cpu_ns_per_nonzero": 1e9 * cpu / nnz,
-            "mnnz_per_s": nnz / wall / 1e6,
-            "seconds": wall,
-        }
-        for nnz, wall, cpu in runs
-    ]
+def _row(label: str, runs: list[tuple]) -> dict:
+    if len(runs[0]) == 4:  # the statistics file: (histogram entries, wall, cpu, files)
+        rounds = [
+            {
+                "ms_per_file": 1e3 * wall / files,
+                "cpu_ms_per_file": 1e3 * cpu / files,
+                "files_per_s": files / wall,
+                "histogram_entries": entries,
+                "seconds": wall,
+            }
+            for entries, wall, cpu, files in runs
+        ]
+    else:
+        rounds = [
+            {
+                "ns_per_nonzero": 1e9 * wall / nnz,
+                "cpu_ns_per_nonzero": 1e9 * cpu / nnz,
+                "mnnz_per_s": nnz / wall / 1e6,
+                "seconds": wall,
+            }
+            for nnz, wall, cpu in runs
+        ]
     return {"label": label, **medians(rounds, rounds[0])}
 
 
@@ -141,9 +169,13 @@ def main() -> None:
             child_args = [__file__, "--child", str(args.partitions), repr(args.seconds)]
             for part, figures in run_json(child_args, checkout=tree).items():
                 runs[tree, part].append(tuple(figures))
-                nnz, wall, _ = figures
                 at = f" @ {sha}" if tree else ""
-                print(f"round {r + 1}: {part}{at} {1e9 * wall / nnz:.2f} ns per nonzero", flush=True)
+                if part == "file":
+                    _, wall, _, files = figures
+                    print(f"round {r + 1}: {part}{at} {1e3 * wall / files:.1f} ms per file", flush=True)
+                else:
+                    nnz, wall, _ = figures
+                    print(f"round {r + 1}: {part}{at} {1e9 * wall / nnz:.2f} ns per nonzero", flush=True)
     rows = {}
     for tree in trees:
         for part in PARTS:
@@ -153,7 +185,8 @@ def main() -> None:
     if args.baseline:
         for part in PARTS:
             ours, theirs = rows[f"statistics {part}"], rows[f"statistics {part} @ {sha}"]
-            comparisons.append(compare(f"statistics {part}: this commit ÷ {sha}", ours, theirs, "mnnz_per_s"))
+            key = "files_per_s" if part == "file" else "mnnz_per_s"
+            comparisons.append(compare(f"statistics {part}: this commit ÷ {sha}", ours, theirs, key))
     result = {
         "benchmark": "bench_stats",
         **provenance(),

@@ -105,7 +105,9 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "Corpus statistics on their own",
         "The corpus statistics of materialize without the rest of a conversion, on one core: a "
         "partition's (`StatsAccumulator.add` and `save`) and the finalizer's merge of a partition "
-        "(`GeneStats.load` and `add_to_dense`), in nanoseconds per nonzero of the partitions handled.",
+        "(`GeneStats.load` and `add_to_dense`), in nanoseconds per nonzero of the partitions handled; "
+        "and the dataset's statistics file of the merged partitions, written and read back "
+        "(`GeneStats.write` and `read`), in milliseconds per file.",
     ),
     "bench_multimodal": (
         "Multimodal datasets",

@@ -186,6 +186,39 @@ def test_dataset_statistics_file_reads_back_counts_of_any_width(tmp_path, counts
     np.testing.assert_array_equal(back.medians(), stats.medians())
 
 
+def test_dataset_statistics_file_of_earlier_versions_reads_back(tmp_path):
+    """A ``gene_stats.parquet`` written before the histograms were one binary value per gene (two
+    list columns, int64 counts, no counts type in the metadata) reads back the same statistics."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from omicsio_jax.format import gene_stats as gs
+
+    stats = _three_genes(np.array([1, 60_000, 2], np.int64))
+    stats.write(tmp_path / "new.parquet")
+    table = pq.read_table(tmp_path / "new.parquet")
+    assert pa.types.is_large_binary(table.schema.field("hist_bins").type)
+    meta = json.loads(table.schema.metadata[b"omicsio_jax.gene_stats"])
+    del meta["hist_counts_dtype"]
+    offsets = pa.array(stats.hist_ptr, pa.int64())
+    old = table.drop_columns(["hist_bins", "hist_counts"])
+    old = old.append_column("hist_bins", pa.LargeListArray.from_arrays(offsets, pa.array(stats.hist_bins)))
+    old = old.append_column(
+        "hist_counts", pa.LargeListArray.from_arrays(offsets, pa.array(stats.hist_counts))
+    )
+    pq.write_table(
+        old.replace_schema_metadata({"omicsio_jax.gene_stats": json.dumps(meta)}), tmp_path / "old.parquet"
+    )
+    for name in ("new.parquet", "old.parquet"):
+        back = gs.GeneStats.read(tmp_path / name)
+        assert back.num_cells == stats.num_cells
+        for field in ("n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts"):
+            np.testing.assert_array_equal(getattr(back, field), getattr(stats, field))
+        np.testing.assert_array_equal(back.medians(), stats.medians())
+
+
 def test_adding_histograms_by_gene_blocks_on_threads_gives_the_whole_table(ds):
     """The finalizer adds a partition's histograms on several threads, each a block of genes
     (`GeneStats.gene_blocks`): the blocks cover every gene once, in order, and the table and spans
