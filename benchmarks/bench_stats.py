@@ -117,8 +117,8 @@ def child(partitions: int, seconds: float) -> dict:
     return out
 
 
-def _row(label: str, runs: list[tuple]) -> dict:
-    if len(runs[0]) == 4:  # the statistics file: (histogram entries, wall, cpu, files)
+def _row(label: str, part: str, runs: list[tuple]) -> dict:
+    if part == "file":  # (histogram entries, wall, cpu, files)
         rounds = [
             {
                 "ms_per_file": 1e3 * wall / files,
@@ -180,7 +180,7 @@ def main() -> None:
     for tree in trees:
         for part in PARTS:
             label = f"statistics {part}" + (f" @ {sha}" if tree else "")
-            rows[label] = _row(label, runs[tree, part])
+            rows[label] = _row(label, part, runs[tree, part])
     comparisons = []
     if args.baseline:
         for part in PARTS:

@@ -189,12 +189,8 @@ def test_dataset_statistics_file_reads_back_counts_of_any_width(tmp_path, counts
 def test_dataset_statistics_file_of_earlier_versions_reads_back(tmp_path):
     """A ``gene_stats.parquet`` written before the histograms were one binary value per gene (two
     list columns, int64 counts, no counts type in the metadata) reads back the same statistics."""
-    import json
-
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from omicsio_jax.format import gene_stats as gs
 
     stats = _three_genes(np.array([1, 60_000, 2], np.int64))
     stats.write(tmp_path / "new.parquet")
@@ -212,7 +208,7 @@ def test_dataset_statistics_file_of_earlier_versions_reads_back(tmp_path):
         old.replace_schema_metadata({"omicsio_jax.gene_stats": json.dumps(meta)}), tmp_path / "old.parquet"
     )
     for name in ("new.parquet", "old.parquet"):
-        back = gs.GeneStats.read(tmp_path / name)
+        back = GeneStats.read(tmp_path / name)
         assert back.num_cells == stats.num_cells
         for field in ("n_cells", "sums", "hist_ptr", "hist_bins", "hist_counts"):
             np.testing.assert_array_equal(getattr(back, field), getattr(stats, field))
