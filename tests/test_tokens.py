@@ -30,6 +30,7 @@ from omicsio_jax.outputs.token_kernels import (
     STREAM_TIES,
     finish_by_insertion,
     radix_sort,
+    sort_into,
     uniforms,
 )
 
@@ -462,10 +463,43 @@ def test_radix_sort_orders_keys_crowded_below_its_radix_bits(centers, window_bit
     np.testing.assert_array_equal(got_keys, keys[want])
 
 
+@numba.njit
+def _first_by_radix(keys, limit):
+    n = keys.shape[0]
+    k, order = keys.copy(), np.arange(n).astype(np.int32)
+    out_k, out_order = np.empty(n, np.uint32), np.empty(n, np.int32)
+    hist = np.empty((3, 2048), np.int32)
+    if n and sort_into(k, order, n, k.min(), k.max(), out_k, out_order, hist, limit):
+        return out_k[:limit], out_order[:limit]
+    return k[:limit], order[:limit]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 32),
+    st.lists(st.integers(0, 2**32 - 1), max_size=600),
+    st.integers(1, 700),
+    st.integers(0, 2**20),
+)
+def test_radix_sort_limited_to_its_first_keys_orders_them_as_a_full_sort(bits, draws, limit, window):
+    """The partial selection (``limit`` below the key count: Geneformer's cells longer than its
+    sequence): the first ``limit`` keys out are those of a full stable sort, at every span, with
+    many ties, and with the keys crowded in one window (past the insertion budget)."""
+    keys = np.array(draws, np.uint64) % (1 << bits)
+    if window and len(keys) > 2:  # all but two keys inside one bucket's width
+        keys[2:] = 2**31 + keys[2:] % window
+        keys[:2] = (0, 2**32 - 1)
+    keys = keys.astype(np.uint32)
+    got_keys, order = _first_by_radix(keys, limit)
+    want = np.argsort(keys, kind="stable")[:limit]
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(got_keys, keys[want])
+
+
 def test_radix_sort_gives_up_insertion_past_its_budget_and_still_sorts():
     """A window of 500 descending keys inside a 32-bit span: the radix passes on the top bits see one
     bucket, insertion would move every key past all the others; the budget stops it and full passes
-    finish, stably (ties included)."""
+    finish, stably (ties included), for a full sort and for the first 300 keys alone."""
     keys = np.concatenate([[0, 2**32 - 1], np.repeat(np.arange(2**20 + 250, 2**20, -1), 2)]).astype(np.uint32)
     partial, vals = keys[2:].copy(), np.arange(len(keys) - 2).astype(np.int32)
     assert not finish_by_insertion(partial, vals, len(partial), 4 * len(partial))
@@ -475,3 +509,6 @@ def test_radix_sort_gives_up_insertion_past_its_budget_and_still_sorts():
     want = np.argsort(keys, kind="stable")
     np.testing.assert_array_equal(order, want)
     np.testing.assert_array_equal(got_keys, keys[want])
+    got_keys, order = _first_by_radix(keys, 300)  # the partial selection gives up alike
+    np.testing.assert_array_equal(order, want[:300])
+    np.testing.assert_array_equal(got_keys, keys[want[:300]])

@@ -30,6 +30,7 @@ PAD_VALUE = -2.0  # scGPT's value at CLS and padding positions
 MASK_VALUE = -1.0  # scGPT's input value at masked positions
 
 SMALL_COUNT = 255  # scGPT: cells whose kept values are all integers up to this are tallied, not sorted
+_TALLY = SMALL_COUNT + 1
 
 # random streams (the counter's high bits): one per kind of choice
 STREAM_SUBSAMPLE, STREAM_TIES, STREAM_MASK, STREAM_MASK_KIND, STREAM_RANDOM_TOKEN = 1, 2, 3, 4, 5
@@ -63,14 +64,44 @@ def uniform(key, stream, i):
     return np.float64(_mix(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
+GAP_BLOCK = 32  # `selected_positions` makes its draws this many at a time
+
+
 @nb.njit(inline="always")
-def next_selected(key, draw, pos, log_keep):
-    """The next position after ``pos`` selected with probability p (``log_keep = log1p(-p)``), by
-    skipping a Geometric(p) number of positions with draw ``draw`` of `STREAM_MASK`: the same law as
-    one Bernoulli(p) per position, with ~p·n draws instead of n."""
-    u = uniform(key, STREAM_MASK, draw)
-    gap = np.log(max(u, 1.0 / 9007199254740992.0)) / log_keep
-    return pos + 1 + np.int64(min(gap, 4.0e18))
+def draws_at(key, stream, index, n, out):
+    """``out[q] = uniform(key, stream, index[q])`` for ``q < n``, in a loop of its own: its 64-bit
+    arithmetic vectorizes (several times the draws per second of one made beside other work)."""
+    for q in range(n):
+        out[q] = uniform(key, stream, index[q])
+
+
+@nb.njit(inline="always")
+def draws_from(key, stream, start, n, out):
+    """``out[q] = uniform(key, stream, start + q)`` for ``q < n`` (vectorized, as `draws_at`)."""
+    for q in range(n):
+        out[q] = uniform(key, stream, start + q)
+
+
+@nb.njit(inline="always")
+def selected_positions(key, first, end, log_keep, positions, u):
+    """The positions of ``[first, end)`` selected each with probability p (``log_keep =
+    log1p(-p)``) written to ``positions``; returns how many. A Geometric(p) gap of positions
+    skipped per draw of `STREAM_MASK` (draw ``d`` after the ``d``-th selected position): the same
+    law as one Bernoulli(p) per position, with ~p·n draws instead of n. The draws are made
+    `GAP_BLOCK` at a time into ``u`` (`draws_from`), the gaps' serial walk then reads them."""
+    m = 0
+    p = np.int64(first) - 1
+    start = 0
+    while True:
+        draws_from(key, STREAM_MASK, start, GAP_BLOCK, u)
+        for b in range(GAP_BLOCK):
+            gap = np.log(max(u[b], 1.0 / 9007199254740992.0)) / log_keep
+            p += 1 + np.int64(min(gap, 4.0e18))
+            if p >= end:
+                return m
+            positions[m] = p
+            m += 1
+        start += GAP_BLOCK
 
 
 def _mix_py(z: int) -> int:
@@ -98,6 +129,13 @@ INSERTION_BUDGET = 4  # insertion moves per key allowed to finish the order, bef
 
 
 @nb.njit(inline="always")
+def _bucket(k, base, shift):
+    """``(k - base) >> shift`` as an unsigned index: numba makes a signed index wrap around from
+    the array's end, a test in every use (in the sort's inner loops, ~10% of Geneformer's kernel)."""
+    return np.uint64(np.int64(k) - base) >> np.uint64(shift)
+
+
+@nb.njit(inline="always")
 def _scatter(src_k, src_v, dst_k, dst_v, n, counts, base, shift, digit):
     """One stable counting pass: ``src`` into ``dst`` ordered by the digit
     ``((key - base) >> shift) & digit``, whose histogram ``counts`` holds (turned into offsets)."""
@@ -108,11 +146,11 @@ def _scatter(src_k, src_v, dst_k, dst_v, n, counts, base, shift, digit):
         total += c
     for i in range(n):
         k = src_k[i]
-        d = ((np.int64(k) - base) >> shift) & digit
+        d = _bucket(k, base, shift) & np.uint64(digit)
         j = counts[d]
         counts[d] = j + 1
-        dst_k[j] = k
-        dst_v[j] = src_v[i]
+        dst_k[np.uint32(j)] = k
+        dst_v[np.uint32(j)] = src_v[i]
 
 
 @nb.njit(inline="always")
@@ -171,14 +209,40 @@ def finish_by_insertion(keys, vals, n, budget):
 
 
 @nb.njit(inline="always")
-def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist):
+def _scatter_first(src_k, src_v, dst_k, dst_v, n, counts, base, shift, cut):
+    """`_scatter` of the keys in buckets ``0..cut`` only, in place of the whole: the others all land
+    on one spare slot past them (no branch). ``counts`` needs a spare bucket ``cut + 1``. Returns
+    how many keys it placed."""
+    total = 0
+    for d in range(cut + 1):
+        c = counts[d]
+        counts[d] = total
+        total += c
+    counts[cut + 1] = total
+    spare = np.uint64(cut + 1)
+    for i in range(n):
+        k = src_k[i]
+        d = min(_bucket(k, base, shift), spare)
+        j = counts[d]
+        counts[d] = j + (d < spare)
+        dst_k[np.uint32(j)] = k
+        dst_v[np.uint32(j)] = src_v[i]
+    return total
+
+
+@nb.njit(inline="always")
+def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit):
     """Stable sort of ``keys[:n]`` (uint32 between ``kmin`` and ``kmax``, ascending) carrying
     ``vals``, into ``out_*`` where it says True, else in place (``keys`` and ``vals``; ``hist``: at
-    least ``(3, 2048)`` int32 of scratch). One stable scatter into buckets of the top `BUCKET_BITS`
+    least ``(3, 2048)`` int32 of scratch); only the first ``limit`` positions are sure to be in
+    order (``limit >= n``: all of them). One stable scatter into buckets of the top `BUCKET_BITS`
     of the keys' span (``key - kmin``) leaves out of order only keys of one bucket (rare unless
-    equal, and equal keys need no move); a stable insertion pass finishes. Keys that crowd one
-    bucket (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit instead. Copies
-    go element by element (`_copy`): numba's slice copies check for overlap and may allocate."""
+    equal, and equal keys need no move); a stable insertion pass finishes. With ``limit < n``, the
+    buckets past the one where the ``limit``-th key falls are left out of both (a partial
+    selection: the genes ranked past a sequence's end cost a histogram count, not a sort). Keys
+    that crowd one bucket (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit
+    instead. Copies go element by element (`_copy`): numba's slice copies check for overlap and
+    may allocate."""
     span = np.int64(kmax) - np.int64(kmin)
     bits = 0
     while bits < 32 and (span >> bits) != 0:
@@ -192,7 +256,21 @@ def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist):
     for d in range(1 << width):
         counts[d] = 0
     for i in range(n):
-        counts[(np.int64(keys[i]) - base) >> shift] += 1
+        counts[_bucket(keys[i], base, shift)] += 1
+    cut = (1 << width) - 1
+    if limit < n:  # the bucket of the limit-th key
+        seen = 0
+        for d in range(1 << width):
+            seen += counts[d]
+            if seen >= limit:
+                cut = d
+                break
+    if cut < (1 << width) - 1:
+        placed = _scatter_first(keys, vals, out_keys, out_vals, n, counts, base, shift, cut)
+        if not shift or finish_by_insertion(out_keys, out_vals, placed, INSERTION_BUDGET * placed):
+            return True
+        _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)  # keys are as they came
+        return False
     _scatter(keys, vals, out_keys, out_vals, n, counts, base, shift, (1 << width) - 1)
     if shift and not finish_by_insertion(out_keys, out_vals, n, INSERTION_BUDGET * n):
         # stable: equal keys keep the order they are in
@@ -211,7 +289,7 @@ def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
     kmin, kmax = keys[0], keys[0]
     for i in range(1, n):
         kmin, kmax = min(kmin, keys[i]), max(kmax, keys[i])
-    if sort_into(keys, vals, n, kmin, kmax, tmp_keys, tmp_vals, hist):
+    if sort_into(keys, vals, n, kmin, kmax, tmp_keys, tmp_vals, hist, n):
         _copy(tmp_keys, tmp_vals, keys, vals, n)
 
 
@@ -228,6 +306,10 @@ def _order_bits(v):
 def _descending_key(v, im):
     """uint32 whose ascending order is the descending order of ``v · im`` (float32, non-negative)."""
     return ~np.uint32(np.float32(v * im).view(np.uint32))
+
+
+_KEY_POSITIVE_MIN = np.uint32(0x807FFFFF)  # `_descending_key` of +inf
+_KEY_POSITIVE_MAX = np.uint32(0xFFFFFFFE)  # `_descending_key` of the smallest positive float32
 
 
 @nb.njit(inline="always")
@@ -314,6 +396,8 @@ def _geneformer_rows(
     sorted_tok = np.empty(width, np.int32)
     hist = np.empty((3, 2048), np.int32)
     masked = np.empty(L, np.int64)
+    u_kind = np.empty(max(L, GAP_BLOCK), np.float64)
+    u_token = np.empty(L, np.float64)
     slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
     for i in range(t, n_rows, threads):
         ids, att, lab = input_ids[i], attention_mask[i], labels[i]
@@ -326,19 +410,20 @@ def _geneformer_rows(
         count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         if has_dups:
             count = _sum_duplicates(cols, vals, count, canon, slot)
-        # every entry's descending key and token (the sort carries tokens, so no gather after it)
-        # and the keys' range for the sort, in a loop without a keep test; a cell with an entry
-        # not kept (no token or median, or a stored 0) is then compacted to the kept ones
-        all_kept = True
+        # every entry's descending key and token (the sort carries tokens, so no gather after it),
+        # in a loop without a keep test, then the keys' range for the sort in a loop of its own
+        # (vectorized); a cell with an entry not kept (no token or median, or a stored 0) is then
+        # compacted to the kept ones
+        for j in range(count):
+            g = np.uint32(cols[j])  # unsigned: no test for wrapping around (`_bucket`)
+            keys[j] = _descending_key(vals[j], scale[g])
+            kept_tok[j] = tok[g]
         kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
         for j in range(count):
-            g = cols[j]
-            im, v = scale[g], vals[j]
-            key = _descending_key(v, im)
-            keys[j] = key
-            kept_tok[j] = tok[g]
-            all_kept &= (im > 0) & (v > 0)
-            kmin, kmax = min(kmin, key), max(kmax, key)
+            kmin, kmax = min(kmin, keys[j]), max(kmax, keys[j])
+        # every product > 0 (keys of positive floats, not 0 nor NaN) means every entry is kept (a
+        # scale is >= 0); otherwise the exact test below decides (a product may underflow to 0)
+        all_kept = (kmin >= _KEY_POSITIVE_MIN) & (kmax <= _KEY_POSITIVE_MAX)
         kept = count
         if not all_kept:  # compacted in place to the kept ones (advanced over without a branch)
             kept = 0
@@ -351,7 +436,7 @@ def _geneformer_rows(
                 kmax = max(kmax, key) if keep else kmax
                 kept += keep
         ranked = kept_tok
-        if sort_into(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist):
+        if sort_into(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, L - 2 * first):
             ranked = sorted_tok
         k = min(kept, L - 2 * first)
         end = k + 2 * first
@@ -367,15 +452,12 @@ def _geneformer_rows(
         length[i] = k
         if mask_prob <= 0:
             continue
-        # the masked positions first (a Geometric gap per draw: they depend on no token), then their
-        # replacements in a loop of independent iterations, not behind the serial chain of the gaps
+        # the masked positions first (they depend on no token), then the draws of their
+        # replacements (vectorized), then the replacements in a loop of independent iterations
         key = cell_key(seed, epoch, rows[i])
-        m = 0
-        p, draw = next_selected(key, 0, first - 1, log_keep), 1
-        while p < first + k:
-            masked[m] = p
-            m += 1
-            p, draw = next_selected(key, draw, p, log_keep), draw + 1
+        m = selected_positions(key, first, first + k, log_keep, masked, u_kind)
+        draws_at(key, STREAM_MASK_KIND, masked, m, u_kind)
+        draws_at(key, STREAM_RANDOM_TOKEN, masked, m, u_token)
         for q in range(m):
             # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
             # the random gene's draw is made either way, and a draw is a pure function of its
@@ -383,10 +465,8 @@ def _geneformer_rows(
             p = masked[q]
             token = ids[p]
             lab[p] = token
-            u = uniform(key, STREAM_MASK_KIND, p)
-            random_token = gene_tokens[
-                min(np.int64(uniform(key, STREAM_RANDOM_TOKEN, p) * n_genes), n_genes - 1)
-            ]
+            u = u_kind[q]
+            random_token = gene_tokens[min(np.int64(u_token[q] * n_genes), n_genes - 1)]
             ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
 
 
@@ -469,12 +549,13 @@ def _scgpt_rows(
     tmp_keys = np.empty(width, np.uint32)
     tmp_order = np.empty(width, np.int32)
     pick = np.empty(width, np.int32)
+    u = np.empty(max(width, GAP_BLOCK), np.float64)  # a cell's draws of one stream
     hist = np.empty((3, 2048), np.int32)
     edges = np.empty(n_edges, np.float64)
-    tally = np.empty(SMALL_COUNT + 1, np.int32)
-    tallies = np.empty((4, SMALL_COUNT + 1), np.int32)
-    below_of = np.empty(SMALL_COUNT + 1, np.int64)
-    upto_of = np.empty(SMALL_COUNT + 1, np.int64)
+    tally = np.empty(_TALLY, np.int32)
+    tallies = np.empty(4 * _TALLY, np.int32)  # four tallies end to end
+    below_of = np.empty(_TALLY, np.int64)
+    upto_of = np.empty(_TALLY, np.int64)
     slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
     for i in range(t, n_rows, threads):
         mask[i, :] = False
@@ -488,15 +569,16 @@ def _scgpt_rows(
         count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
         if has_dups:
             count = _sum_duplicates(cols, vals, count, canon, slot)
-        # every entry taken, no branch: kept unless its gene has no token or its value is 0
+        # every entry's token (the sort and the sample carry tokens: no gather after them), then in
+        # a loop of its own (vectorized) whether all are kept (a token and a value other than 0)
+        for j in range(count):
+            kept_tok[j] = tok[np.uint32(cols[j])]  # unsigned: no test for wrapping around (`_bucket`)
         all_kept = True
         small = True  # every kept value an integer count in 1..SMALL_COUNT: no sort needed
         for j in range(count):
             v = vals[j]
-            token = tok[cols[j]]
-            kept_tok[j] = token  # the sort and the sample carry tokens: no gather after them
             kept_vals[j] = v
-            all_kept &= (token >= 0) & (v != 0)
+            all_kept &= (kept_tok[j] >= 0) & (v != 0)
             small &= (v >= 1) & (v <= SMALL_COUNT) & (v == np.floor(v))
         n = count
         if not all_kept:  # some dropped: compacted in place to the kept ones
@@ -513,19 +595,23 @@ def _scgpt_rows(
             continue
         # quantile edges of the cell's kept values, as np.quantile(v, q) computes them (linear)
         if small:
-            # four tallies, summed: increments of one count (most are 1) do not wait on each other
-            tallies[:] = 0
+            # four tallies, summed: increments of one count (most are 1) do not wait on each other;
+            # unsigned indices, which numba does not test for wrapping around from the end
+            for c in range(4 * _TALLY):
+                tallies[c] = 0
             quads = n >> 2
             for q in range(quads):
                 j = q << 2
-                tallies[0, np.int64(kept_vals[j])] += 1
-                tallies[1, np.int64(kept_vals[j + 1])] += 1
-                tallies[2, np.int64(kept_vals[j + 2])] += 1
-                tallies[3, np.int64(kept_vals[j + 3])] += 1
+                tallies[np.uint32(kept_vals[j])] += 1
+                tallies[_TALLY + np.uint32(kept_vals[j + 1])] += 1
+                tallies[2 * _TALLY + np.uint32(kept_vals[j + 2])] += 1
+                tallies[3 * _TALLY + np.uint32(kept_vals[j + 3])] += 1
             for j in range(quads << 2, n):
-                tallies[0, np.int64(kept_vals[j])] += 1
-            for c in range(SMALL_COUNT + 1):
-                tally[c] = tallies[0, c] + tallies[1, c] + tallies[2, c] + tallies[3, c]
+                tallies[np.uint32(kept_vals[j])] += 1
+            for c in range(_TALLY):
+                tally[c] = (
+                    tallies[c] + tallies[_TALLY + c] + tallies[2 * _TALLY + c] + tallies[3 * _TALLY + c]
+                )
             ca, cum_a, cb, cum_b = 0, 0, 0, 0  # cursors: value and count of values <= value
         else:
             for j in range(n):
@@ -557,28 +643,40 @@ def _scgpt_rows(
             else:
                 edges[e] = a + diff * gamma
         key = cell_key(seed, epoch, rows[i])
-        if small:  # the bin interval of each distinct count, once
-            for c in range(1, SMALL_COUNT + 1):
-                if tally[c]:
-                    below_of[c], upto_of[c] = _interval(edges, np.float64(c))
+        if small:  # the bin interval of each count up to the largest, in one walk over the edges
+            largest = SMALL_COUNT
+            while tally[largest] == 0:
+                largest -= 1
+            below, upto = 0, 0
+            for c in range(1, largest + 1):
+                value = np.float64(c)
+                while below < n_edges and edges[below] < value:
+                    below += 1
+                upto = max(upto, below)
+                while upto < n_edges and edges[upto] <= value:
+                    upto += 1
+                below_of[c], upto_of[c] = below, upto
         m = n
         if n > L - 1:  # L - 1 of them, uniformly without replacement, in random order
             m = L - 1
             for j in range(n):
                 pick[j] = j
+            draws_from(key, STREAM_SUBSAMPLE, 0, m, u)
             for j in range(m):
-                r = j + min(np.int64(uniform(key, STREAM_SUBSAMPLE, j) * (n - j)), n - j - 1)
+                r = np.uint64(j + min(np.int64(u[j] * (n - j)), n - j - 1))
                 pick[j], pick[r] = pick[r], pick[j]
         else:
             for j in range(n):
                 pick[j] = j
         ids_row, values_row, masked_row = gene_ids[i], values[i], masked_values[i]
+        if spread_ties:  # u[p]: the tie draw of the value sampled at p
+            draws_at(key, STREAM_TIES, pick, m, u)
         if small and spread_ties:  # the common case in a loop of its own, free of branches
             for p in range(m):
-                j = pick[p]
-                c = np.int64(kept_vals[j])
+                j = np.uint32(pick[p])
+                c = np.uint32(kept_vals[j])
                 below, upto = below_of[c], upto_of[c]
-                b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
+                b = np.float32(np.ceil(u[p] * (below - upto) + upto))
                 ids_row[1 + p] = kept_tok[j]
                 values_row[1 + p] = b
                 masked_row[1 + p] = b
@@ -593,7 +691,7 @@ def _scgpt_rows(
                 if not spread_ties:
                     b = np.float32(below + 1)
                 else:  # drawn even without a tie (ceil(u·0 + l) = l): no branch to mispredict
-                    b = np.float32(np.ceil(uniform(key, STREAM_TIES, j) * (below - upto) + upto))
+                    b = np.float32(np.ceil(u[p] * (below - upto) + upto))
                 ids_row[1 + p] = kept_tok[j]
                 values_row[1 + p] = b
                 masked_row[1 + p] = b
@@ -603,14 +701,13 @@ def _scgpt_rows(
             c = np.int64(np.floor(m * mask_prob))
             for p in range(m):
                 pick[p] = p + 1
+            draws_from(key, STREAM_MASK, 0, c, u)
             for p in range(c):
-                r = p + min(np.int64(uniform(key, STREAM_MASK, p) * (m - p)), m - p - 1)
+                r = p + min(np.int64(u[p] * (m - p)), m - p - 1)
                 pick[p], pick[r] = pick[r], pick[p]
                 mask[i, pick[p]] = True
                 masked_values[i, pick[p]] = MASK_VALUE
         elif mask_prob > 0:
-            p, draw = next_selected(key, 0, 0, log_keep), 1
-            while p <= m:
-                mask[i, p] = True
-                masked_values[i, p] = MASK_VALUE
-                p, draw = next_selected(key, draw, p, log_keep), draw + 1
+            for q in range(selected_positions(key, 1, m + 1, log_keep, pick, u)):
+                mask[i, pick[q]] = True
+                masked_values[i, pick[q]] = MASK_VALUE
