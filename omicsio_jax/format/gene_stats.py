@@ -203,8 +203,8 @@ def _apply_hist(codes, m, tmp, hist, span, spill):
             spilled += 1
         else:
             hist[g, b] = h + 1
-        span[g, np.uint32(0)] = min(span[g, np.uint32(0)], np.int32(b))
-        span[g, np.uint32(1)] = max(span[g, np.uint32(1)], np.int32(b))
+        span[g, 0] = min(span[g, 0], np.int32(b))
+        span[g, 1] = max(span[g, 1], np.int32(b))
     return spilled
 
 

@@ -267,17 +267,14 @@ def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit):
                 break
     if cut < (1 << width) - 1:
         placed = _scatter_first(keys, vals, out_keys, out_vals, n, counts, base, shift, cut)
-        if not shift or finish_by_insertion(out_keys, out_vals, placed, INSERTION_BUDGET * placed):
-            return True
-        _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)  # keys are as they came
-        return False
-    _scatter(keys, vals, out_keys, out_vals, n, counts, base, shift, (1 << width) - 1)
-    if shift and not finish_by_insertion(out_keys, out_vals, n, INSERTION_BUDGET * n):
-        # stable: equal keys keep the order they are in
-        _copy(out_keys, out_vals, keys, vals, n)
-        _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)
-        return False
-    return True
+    else:
+        _scatter(keys, vals, out_keys, out_vals, n, counts, base, shift, (1 << width) - 1)
+        placed = n
+    if not shift or finish_by_insertion(out_keys, out_vals, placed, INSERTION_BUDGET * placed):
+        return True
+    # the scatters only read the keys: passes on every bit sort them as they came, stably
+    _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)
+    return False
 
 
 @nb.njit(inline="always")
