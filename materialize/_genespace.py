@@ -196,6 +196,9 @@ class MemberMap:
         return out_ptr, out_cols[:n], out_values[:n]
 
 
+_BUCKETS_PER_COLUMN = 4  # `_sort_row`'s buckets per column of a row
+
+
 def _pooled(n: int, dtype) -> np.ndarray:
     """An uninitialized array in Arrow's memory pool, which keeps freed memory for the next batch: a
     fresh ``np.empty`` of a batch's size faults in every page anew (a source's batch of 6M nonzeros:
@@ -217,7 +220,7 @@ def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pr
     for r in range(len(indptr) - 1):
         longest = max(longest, indptr[r + 1] - indptr[r])
     cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, out_values.dtype)
-    hist = np.empty(max(longest, 1), np.int32)
+    hist = np.empty(max(_BUCKETS_PER_COLUMN * longest, 1), np.int32)
     n = len(col_of)
     out_ptr[0] = 0
     k = 0
@@ -263,18 +266,23 @@ def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pr
 def _sort_row(cols, values, top, cols_b, vals_b, hist):  # pragma: no cover
     """``cols`` (in ``[0, top]``) sorted in place with their ``values``, those of one column summed in
     the order given; returns how many are left. A counting sort by the columns' high bits into about
-    as many buckets as columns (bucket ``c >> shift``), then an insertion sort, which finds each
-    bucket's few columns already in place or nearly. Stable, so the sums are those of the order
-    given."""
+    `_BUCKETS_PER_COLUMN` buckets per column (bucket ``c >> shift``), then an insertion sort, which
+    finds each bucket's few columns already in place or nearly. Stable, so the sums are those of the
+    order given. Indices are unsigned (numba tests a signed index for wrapping around from the end).
+
+    Measured on a source of 1,000 nonzeros per row over 62,710 columns (2-core AMD EPYC): 6.2 ns per
+    nonzero with as many buckets as columns and signed indices, 5.5 unsigned, 4.3 with 4 buckets per
+    column (fewer columns share a bucket, so fewer are out of place; 8 per column: 4.9, the prefix
+    sum over the buckets costing more than the insertions saved)."""
     m = len(cols)
-    shift = 0
-    while (top >> shift) >= max(m, 1):
-        shift += 1
+    shift = np.uint32(0)
+    while (top >> shift) >= max(_BUCKETS_PER_COLUMN * m, 1):
+        shift += np.uint32(1)
     buckets = (top >> shift) + 1
     h = hist[:buckets]
     h[:] = 0
     for i in range(m):
-        h[cols[i] >> shift] += 1
+        h[np.uint32(cols[i]) >> shift] += 1
     total = 0
     for d in range(buckets):
         count = h[d]
@@ -282,8 +290,9 @@ def _sort_row(cols, values, top, cols_b, vals_b, hist):  # pragma: no cover
         total += count
     for i in range(m):
         c = cols[i]
-        at = h[c >> shift]
-        h[c >> shift] = at + 1
+        d = np.uint32(c) >> shift
+        at = np.uint32(h[d])
+        h[d] = at + 1
         cols_b[at], vals_b[at] = c, values[i]
     for i in range(1, m):
         c = cols_b[i]
