@@ -69,6 +69,32 @@ def test_recycled_buffers_never_change_a_batch_still_held(ds, mesh):
     assert len(set(addresses)) < len(addresses) // 2
 
 
+def test_placed_batches_adopt_aligned_host_buffers_on_cpu(mesh):
+    """On CPU devices `place_batch` hands XLA the host buffers of a batch without copying them, with a
+    mesh (each device its rows) or without (the first device); a buffer that is not 64-byte aligned
+    is copied. The loader's recycling rests on this: an adopted buffer stays referenced while any
+    jax.Array holds it (`test_row_buffers_come_back_only_when_unreferenced`)."""
+    from omicsio_jax.core.buffers import aligned_empty
+
+    x = aligned_empty((64, 48), np.float32)
+    x[:] = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    index = aligned_empty((64,), np.int32)
+    index[:] = np.arange(64)
+    alone = oj.place_batch({"x": x, "index": index})
+    assert alone["x"].unsafe_buffer_pointer() == x.ctypes.data
+    assert alone["index"].unsafe_buffer_pointer() == index.ctypes.data
+    sharded = oj.place_batch({"x": x, "index": index}, mesh)
+    pointers = sorted(s.data.unsafe_buffer_pointer() for s in sharded["x"].addressable_shards)
+    assert pointers == [x.ctypes.data + k * 8 * x.strides[0] for k in range(8)]
+    np.testing.assert_array_equal(np.asarray(sharded["x"]), x)
+    unaligned = np.empty(64 * 48 + 1, np.float32)[1:].reshape(64, 48)  # 4 bytes past an aligned start
+    unaligned[:] = x
+    assert unaligned.ctypes.data % 64 != 0
+    copied = oj.place_batch({"x": unaligned})["x"]
+    assert copied.unsafe_buffer_pointer() != unaligned.ctypes.data
+    np.testing.assert_array_equal(np.asarray(copied), x)
+
+
 def test_row_buffers_come_back_only_when_unreferenced():
     from omicsio_jax.core.buffers import RowBuffers
 

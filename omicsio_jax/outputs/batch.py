@@ -96,8 +96,8 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
 
     Every array is split along its leading axis over this host's devices of ``data_axis``; the
     global leading size is the sum over hosts (``jax.make_array_from_process_local_data``, right
-    single- and multi-host). On CPU, 64-byte aligned host buffers are adopted without a copy
-    (``jax.device_put`` copies them). Without a mesh, the batch goes to the first local device.
+    single- and multi-host). On CPU, host buffers aligned to 64 bytes are adopted without a copy
+    (others are copied). Without a mesh, the batch goes to the first local device.
     A `DeviceStep` (``oj.Dense(measured=True)``'s ``x``) is finished on the devices.
     """
     nodes, treedef = jax.tree.flatten(host_batch, is_leaf=_is_step)
