@@ -125,6 +125,27 @@ def test_row_buffers_come_back_only_when_unreferenced():
     assert pool.num_free() == 2
 
 
+def test_a_buffer_comes_back_as_soon_as_the_jax_array_that_adopted_it_goes():
+    """jaxlib gives back the arrays XLA adopted at the next garbage collection, not when their
+    jax.Array goes: the pool collects when nothing is free, so the buffer comes back at once."""
+    from omicsio_jax.core.buffers import RowBuffers
+
+    pool = RowBuffers(keep=3)
+    device = jax.devices()[0]
+    a = pool.empty((64, 4096))
+    a[:] = 1
+    first = a.ctypes.data
+    x = jax.device_put(a, device)
+    assert x.unsafe_buffer_pointer() == first  # adopted, not copied
+    del a
+    b = pool.empty((64, 4096))  # the first is held by x: another one
+    assert b.ctypes.data != first
+    del x
+    c = pool.empty((64, 4096))
+    assert c.ctypes.data == first
+    del b, c
+
+
 def test_byte_buffers_of_any_size_come_back_smallest_first():
     from omicsio_jax.core.buffers import RowBuffers
 
