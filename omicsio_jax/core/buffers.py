@@ -77,18 +77,21 @@ class RowBuffers:
         """Like `aligned_empty`, reusing a buffer of this size that nothing refers to."""
         dtype = np.dtype(dtype)
         nbytes = _nbytes(shape, dtype)
-        with self._lock:
-            pool = self._pools.setdefault(nbytes, [])
-            busy = bool(pool) and all(self._refs(r) > self._baseline for r in pool)
-        if busy:
+        raw = self._free_one(nbytes)
+        if raw is None and self._pools.get(nbytes):  # every one held, or not yet given back by XLA
             _collect_released()
-        with self._lock:
-            raw = next((r for r in pool if self._refs(r) <= self._baseline), None)
-            if raw is None:
-                raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            raw = self._free_one(nbytes)
+        if raw is None:
+            raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            with self._lock:
+                pool = self._pools.setdefault(nbytes, [])
                 if len(pool) < self._keep:
                     pool.append(raw)
         return _aligned_view(raw, shape, dtype)
+
+    def _free_one(self, nbytes: int) -> np.ndarray | None:
+        with self._lock:
+            return next((r for r in self._pools.get(nbytes, ()) if self._refs(r) <= self._baseline), None)
 
     def at_least(self, size: int) -> np.ndarray:
         """An aligned uint8 array of ``size`` bytes, for buffers whose sizes vary (a fetch's records):
@@ -97,26 +100,26 @@ class RowBuffers:
         fetch buffer of 300 MB cost 21% of the loader's CPU in the kernel zeroing its pages, csr
         batch 1,024 on 2 cores.)"""
         need = size + _ALIGN
-        with self._lock:
-            busy = bool(self._spans) and not any(
-                len(r) >= need and self._refs(r) <= self._baseline for r in self._spans
-            )
-        if busy:
+        raw = self._smallest_fitting(need)
+        if raw is None and self._spans:  # every one held or too small, or not yet given back by XLA
             _collect_released()
-        with self._lock:
-            free = [r for r in self._spans if self._refs(r) <= self._baseline]
-            fits = [r for r in free if len(r) >= need]
-            if fits:
-                raw = min(fits, key=len)
-            else:
-                raw = np.empty(need + need // 8, dtype=np.uint8)
+            raw = self._smallest_fitting(need)
+        if raw is None:
+            raw = np.empty(need + need // 8, dtype=np.uint8)
+            with self._lock:
+                free = [r for r in self._spans if self._refs(r) <= self._baseline]
                 if len(self._spans) >= self._keep and free:
                     smallest = min(free, key=len)  # (by identity: `list.remove` would compare arrays)
                     self._spans = [r for r in self._spans if r is not smallest]
                 if len(self._spans) < self._keep:
                     self._spans.append(raw)
-            del free, fits
+                del free
         return _aligned_view(raw, (size,), np.dtype(np.uint8))
+
+    def _smallest_fitting(self, need: int) -> np.ndarray | None:
+        with self._lock:
+            fits = [r for r in self._spans if len(r) >= need and self._refs(r) <= self._baseline]
+            return min(fits, key=len) if fits else None
 
     def num_free(self) -> int:
         with self._lock:
