@@ -7,10 +7,10 @@ conversion holds the whole corpus in RAM, ~10 GB at 200k cells), run in ``.venv-
 (annbatch needs Python >= 3.12). Configurations, each run in a fresh process, every one ``--rounds``
 times round-robin (a slow spell of the shared machine hits all of them), medians reported:
 
-- omicsio_jax ``make_loader``: dense batch 64 and csr batch 1,024, ``sampling=oj.Block(16, 64)``,
+- omicsio_jax ``make_loader``: dense batches of 64 and 1,024 and csr batch 1,024, ``sampling=oj.Block(16, 64)``,
   its defaults otherwise (``read=oj.ReadOptions()``: the decoding threads of `default_num_threads`
   for the output kind and the machine's cores), and the
-  same two with ``oj.ReadOptions(num_threads=0)`` (on the consumer's thread, when asked for) and
+  same three with ``oj.ReadOptions(num_threads=0)`` (on the consumer's thread, when asked for) and
   ``oj.ReadOptions(num_threads=2)``; ``prefetch`` reads stay on their own threads in every case;
   ``obs=("batch",)``, ``num_epochs=None``, seed 0.
 - annbatch ``Loader`` at its best documented setting (the peer's defaults: ``chunk_size=512,
@@ -78,7 +78,7 @@ DATA = HERE / "data"
 ANNBATCH_PYTHON = ROOT / ".venv-annbatch" / "bin" / "python"
 PEER = HERE / "_annbatch_peer.py"
 LABEL = "batch"  # the plate: the obs column whose per-minibatch entropy both sides report
-CONFIGS = (("dense", 64), ("csr", 1024))  # (output, batch size) compared
+CONFIGS = (("dense", 64), ("dense", 1024), ("csr", 1024))  # (output, batch size) compared
 THREADS = (None, 0, 2)  # ReadOptions(num_threads=...) of make_loader: its default (None) first
 # also run at annbatch's own in-memory buffer (preload_nchunks 32 × chunk_size 512 = 16,384 cells): (threads, fetch_factor)
 EXTRA = {("csr", 1024): ((None, 16), (0, 16))}

@@ -201,6 +201,20 @@ def write_legacy_h5ad(path, rng):
     return codes
 
 
+@contextlib.contextmanager
+def streaming(min_bytes: int):
+    """Dense rows streamed around the caches for outputs of at least ``min_bytes`` (0: every one;
+    `omicsio_jax.core.kernels.rows_scratch`)."""
+    from omicsio_jax.core import kernels
+
+    kept = kernels.STREAM_MIN_BYTES
+    kernels.STREAM_MIN_BYTES = min_bytes
+    try:
+        yield
+    finally:
+        kernels.STREAM_MIN_BYTES = kept
+
+
 def assert_csr_equal(actual, expected) -> None:
     for a, e, name in zip(actual, expected, ("indptr", "indices", "values"), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)

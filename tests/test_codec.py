@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
-from conftest import assert_csr_equal
+from conftest import assert_csr_equal, streaming
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omicsio_jax.core import kernels
 from omicsio_jax.format import codec
 
 
@@ -263,3 +265,52 @@ def test_decode_rows_and_slabs_match_csr():
         codec.decode_rows(dense_buf, dense_starts, np.zeros((10, 39), np.float32))
     with pytest.raises(ValueError, match="pass nnz_capacity >= "):
         codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5, num_columns=300)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_streamed_around_the_caches_are_the_rows_written_in_place(threads):
+    """Dense rows built in a cached scratch row and streamed out equal rows zeroed and written in
+    place, for every index code, padding rows and an output not aligned to a cache line; the
+    scratch rows are zeros again after (the next batch builds on them)."""
+    rng = np.random.default_rng(3)
+    width = 70_000  # u16 gaps and, for the row with a gap past 65,535, u32 columns
+    lengths = [0, 1, 1500, 40, 2]
+    cols = [np.sort(rng.choice(width, n, replace=False)) for n in lengths]
+    cols[4] = np.array([3, 69_999])
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = rng.integers(1, 300, indptr[-1]).astype(np.float32)
+    values[:10] += 0.5  # float values in some rows
+    buf, starts = codec.encode_csr(indptr, np.concatenate(cols).astype(np.int32), values)
+    dense = np.zeros((len(lengths), width), np.float32)
+    dense[np.repeat(np.arange(len(lengths)), lengths), np.concatenate(cols)] = values
+    panel = rng.integers(0, 500, (6, 33)).astype(np.float32)
+    panel_buf, panel_starts = codec.encode_dense_rows(panel)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for records, expected in (((buf, starts), dense), ((panel_buf, panel_starts), panel)):
+            rows, cols_out = expected.shape[0] + 3, expected.shape[1]  # 3 padding rows
+            raw = np.full(rows * cols_out + 1, 7.0, np.float32)
+            out = raw[1:].reshape(rows, cols_out)  # 4 bytes past an aligned start
+            assert out.ctypes.data % 64 != 0
+            with streaming(0):
+                assert kernels.rows_scratch(out).shape[1] >= cols_out
+                codec.decode_rows(*records, out)
+                scratch = kernels.rows_scratch(out)
+            np.testing.assert_array_equal(out[: len(expected)], expected)
+            assert not out[len(expected) :].any()
+            assert raw[0] == 7.0  # nothing written before the output
+            assert not scratch.any()
+            in_place = codec.decode_rows(*records, np.full((rows, cols_out), 7.0, np.float32))
+            np.testing.assert_array_equal(out, in_place)
+    finally:
+        numba.set_num_threads(previous)
+
+
+def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place():
+    """A dense batch of 1,024 cells over 62,710 genes (257 MB) is streamed on x86-64; one of 64 cells
+    (16 MB) is written in place, as is every batch elsewhere."""
+    big, small = np.empty((1024, 62_710), np.float32), np.empty((64, 62_710), np.float32)
+    wide = kernels.rows_scratch(big).shape[1]
+    assert wide >= 62_710 if kernels.STREAMING else wide == 0
+    assert kernels.rows_scratch(small).shape[1] == 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import streaming
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omicsio_jax as oj
+from omicsio_jax.core import kernels
 from omicsio_jax.format import codec
 from omicsio_jax.outputs import scatter
 
@@ -62,14 +64,17 @@ def dirty(shape):
     return np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 1e6
 
 
-@given(csr_batches(), st.sampled_from(MODES), st.sampled_from([1e4, 1.0, 1e6]), st.booleans())
+@given(csr_batches(), st.sampled_from(MODES), st.sampled_from([1e4, 1.0, 1e6]), st.booleans(), st.booleans())
 @settings(max_examples=50, deadline=None)
-def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse):
+def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse, streamed):
+    """Rows written in place or built in a scratch row and streamed out (`kernels.rows_scratch`)."""
     indptr, indices, values, num_genes = batch
     out = dirty((len(indptr) - 1, num_genes)) if reuse else None
-    got = scatter.scatter_dense(
-        indptr, indices, values, num_genes, out=out, normalize=normalize, target_sum=target_sum
-    )
+    with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
+        got = scatter.scatter_dense(
+            indptr, indices, values, num_genes, out=out, normalize=normalize, target_sum=target_sum
+        )
+        assert not kernels.rows_scratch(got).any()
     assert got.shape == (len(indptr) - 1, num_genes) and got.dtype == np.float32
     if reuse:
         assert got is out
@@ -78,11 +83,15 @@ def test_scatter_dense_matches_numpy(batch, normalize, target_sum, reuse):
     )
 
 
-@given(csr_batches(widths=(1, 7, 300), duplicates=True))
+@given(csr_batches(widths=(1, 7, 300), duplicates=True), st.booleans())
 @settings(max_examples=50, deadline=None)
-def test_scatter_dense_adds_repeated_columns(batch):
+def test_scatter_dense_adds_repeated_columns(batch, streamed):
     indptr, indices, values, num_genes = batch
-    got = scatter.scatter_dense(indptr, indices, values, num_genes, out=dirty((len(indptr) - 1, num_genes)))
+    with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
+        got = scatter.scatter_dense(
+            indptr, indices, values, num_genes, out=dirty((len(indptr) - 1, num_genes))
+        )
+        assert not kernels.rows_scratch(got).any()
     np.testing.assert_allclose(got, ref_dense(indptr, indices, values, num_genes), rtol=1e-6, atol=0)
 
 
@@ -99,10 +108,15 @@ def test_normalize_log1p_is_scanpy_normalize_total_then_log1p(batch):
 
 
 @given(
-    csr_batches(), st.sampled_from(["none", "some", "all"]), st.sampled_from(MODES), st.booleans(), st.data()
+    csr_batches(),
+    st.sampled_from(["none", "some", "all"]),
+    st.sampled_from(MODES),
+    st.booleans(),
+    st.booleans(),
+    st.data(),
 )
 @settings(max_examples=50, deadline=None)
-def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse, data):
+def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse, streamed, data):
     indptr, indices, values, num_genes = batch
     if which == "all":
         big = num_genes > 1000
@@ -112,7 +126,9 @@ def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse,
         panel = data.draw(st.lists(st.integers(0, num_genes - 1), min_size=size, max_size=size, unique=True))
     gene_to_col = scatter.make_gene_to_col(num_genes, panel)
     out = dirty((len(indptr) - 1, len(panel))) if reuse else None
-    got = scatter.scatter_panel(indptr, indices, values, gene_to_col, out=out, normalize=normalize)
+    with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
+        got = scatter.scatter_panel(indptr, indices, values, gene_to_col, out=out, normalize=normalize)
+        assert not kernels.rows_scratch(got).any()
     expected = ref_dense(indptr, indices, values, num_genes, normalize)[:, np.asarray(panel, np.int64)]
     assert got.shape == expected.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
@@ -124,11 +140,15 @@ def test_scatter_panel_matches_dense_then_subset(batch, which, normalize, reuse,
     st.sampled_from(["full", "panel"]),
     st.booleans(),
     st.integers(0, 3),
+    st.booleans(),
     st.data(),
 )
 @settings(max_examples=60, deadline=None)
-def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, dense_layout, padding, data):
-    """The loader's one-pass records → rows equals decoding to CSR and scattering, bit for bit."""
+def test_decode_scatter_is_decode_csr_then_scatter(
+    batch, normalize, columns, dense_layout, padding, streamed, data
+):
+    """The loader's one-pass records → rows equals decoding to CSR and scattering, bit for bit,
+    with the rows written in place or built in a scratch row and streamed out (`kernels.rows_scratch`)."""
     indptr, indices, values, num_genes = batch
     if dense_layout:  # records of a dense-layout (gene panel) dataset
         if num_genes > 1000:
@@ -143,9 +163,11 @@ def test_decode_scatter_is_decode_csr_then_scatter(batch, normalize, columns, de
         gene_to_col = scatter.make_gene_to_col(num_genes, panel)
     width = num_genes if gene_to_col is None else len(panel)
     rows = len(indptr) - 1 + padding
-    got = scatter.decode_scatter(
-        buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize
-    )
+    with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
+        got = scatter.decode_scatter(
+            buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize
+        )
+        assert not kernels.rows_scratch(got).any()  # left zero for the next batch
     ptr, idx, val = codec.decode_csr(buf, starts, num_genes)
     ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
     if gene_to_col is None:

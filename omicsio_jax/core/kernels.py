@@ -1,10 +1,18 @@
-"""numba helpers the kernels share: `prefetch`, LLVM's cache-line prefetch as a function numba compiles."""
+"""numba helpers the kernels share: `prefetch`, LLVM's cache-line prefetch as a function numba
+compiles, and `stream_row`, rows written to memory around the caches."""
 
 from __future__ import annotations
 
+import platform
+import threading
+
+import numba as nb
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+from omicsio_jax.core.buffers import aligned_empty
 
 
 @intrinsic
@@ -28,3 +36,138 @@ def prefetch(typingctx, array, index):
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
+
+
+# -- rows written around the caches ------------------------------------------------------------------
+#
+# A dense batch can be far larger than the caches (batch 1,024 of 62,710 genes: 257 MB) and is read
+# next by XLA or a host-to-device copy, not by this core. Zeroing its rows in place (memset) and
+# scattering the values into them reads every line from memory before writing it (a store to a line
+# not in the cache fetches it first), and the batch evicts what the cores were using. Built instead in
+# a row of zeros that stays in the core's cache (`rows_scratch`), each row goes out with non-temporal
+# stores (whole cache lines to memory, nothing fetched, nothing evicted) and the scratch row is zeroed
+# again where the values went. A batch that stays in the last-level cache between batches loses by it
+# (there the memset is cheap, and the streamed lines go all the way to memory): batches of at least
+# `STREAM_MIN_BYTES` are streamed, a 32 MB cache's worth. Measured on a 2-core AMD EPYC (32 MB of
+# L3), one thread decoding batches of 62,710 columns into 2 outputs in turn: 64 rows 134k rows/s in
+# place, 126k streamed; 1,024 rows 67-74k in place, 124-130k streamed. x86-64 only (`STREAMING`),
+# whose ``sfence`` orders the stores before the batch is handed on; elsewhere rows are written in
+# place.
+
+STREAMING = platform.machine().lower() in ("x86_64", "amd64")
+STREAM_MIN_BYTES = 32 << 20
+_LINE = 64
+_scratch = threading.local()
+
+
+def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """What a row kernel writing ``out`` builds its rows in, one row per numba thread (default:
+    `numba.get_num_threads`): float32 zeros at least as wide as ``out`` if its rows are to be
+    streamed (`STREAMING`, ``out`` of at least `STREAM_MIN_BYTES`, its float32 aligned), kept per Python thread (a kernel
+    must leave them zero), else rows of no columns (written in place)."""
+    threads = nb.get_num_threads() if threads is None else threads
+    if not (STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.aligned):
+        return np.zeros((threads, 0), np.float32)
+    width = out.shape[1]
+    kept = getattr(_scratch, "rows", None)
+    if kept is None or kept.shape[0] < threads or kept.shape[1] < width:
+        padded = -(-max(width, 1) // (_LINE // 4)) * (_LINE // 4)  # whole cache lines per row
+        kept = aligned_empty((threads, padded), np.float32)
+        kept[:] = 0.0
+        _scratch.rows = kept
+    return kept[:threads]
+
+
+@intrinsic
+def _stream_line(typingctx, dst, dst_index, src, src_index):
+    """Store the 16 float32 of ``src[src_index:]`` at ``dst[dst_index:]`` (64-byte aligned) with a
+    non-temporal hint: one whole cache line, written to memory without being fetched first."""
+    if not (
+        isinstance(dst, types.Array)
+        and isinstance(src, types.Array)
+        and dst.dtype == src.dtype == types.float32
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):
+        d = context.make_array(signature.args[0])(context, builder, args[0]).data
+        s = context.make_array(signature.args[2])(context, builder, args[2]).data
+        line = ir.VectorType(ir.FloatType(), _LINE // 4)
+        value = builder.load(builder.bitcast(builder.gep(s, [args[3]]), line.as_pointer()), align=4)
+        store = builder.store(
+            value, builder.bitcast(builder.gep(d, [args[1]]), line.as_pointer()), align=_LINE
+        )
+        if STREAMING:
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.void(dst, dst_index, src, src_index), codegen
+
+
+@intrinsic
+def _address(typingctx, array):
+    """The address of ``array``'s first element."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+
+    return types.uint64(array), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """x86's ``sfence``: this thread's non-temporal stores are done before any store after it (a
+    kernel's last step, before its output is handed to another thread); nothing elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if STREAMING:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"
+            )
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@nb.njit(inline="always")
+def stream_row(dst, src):
+    """``dst[:] = src[: len(dst)]`` (float32 rows), the whole cache lines of ``dst`` with non-temporal
+    stores (`STREAMING`; plain stores elsewhere). Follow a kernel's streamed rows with `store_fence`."""
+    width = dst.shape[0]
+    head = min(
+        np.int64(((_LINE - (_address(dst) & np.uint64(_LINE - 1))) & np.uint64(_LINE - 1)) >> np.uint64(2)),
+        width,
+    )
+    for k in range(head):
+        dst[k] = src[k]
+    k = head
+    while k + _LINE // 4 <= width:
+        _stream_line(dst, k, src, k)
+        k += _LINE // 4
+    for j in range(k, width):
+        dst[j] = src[j]
+
+
+@nb.njit(inline="always")
+def row_to_write(out, i, scratch, t):
+    """The row a kernel writes row ``i`` of ``out`` in, on part ``t``: its part's ``scratch`` row
+    (zeros) when rows are streamed (`rows_scratch`), else ``out[i]`` itself, zeroed."""
+    if scratch.shape[1] > 0:
+        return scratch[t, : out.shape[1]]
+    row = out[i]
+    row[:] = 0.0
+    return row
+
+
+@nb.njit(inline="always")
+def row_written(out, i, row, scratch):
+    """Row ``i`` done: streamed out of ``row`` when rows are streamed (True: zero ``row`` again
+    where it was written), else nothing to do (False)."""
+    if scratch.shape[1] > 0:
+        stream_row(out[i], row)
+        return True
+    return False

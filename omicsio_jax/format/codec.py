@@ -33,6 +33,7 @@ import numba as nb
 import numpy as np
 
 from omicsio_jax.core.buffers import read_only
+from omicsio_jax.core.kernels import row_to_write, row_written, rows_scratch, store_fence
 
 CODEC_VERSION = 1
 HEADER_BYTES = 8
@@ -555,28 +556,56 @@ def _decode_into_slabs(u8, u32, f32, starts, nnz, positions, rows_per_slab, row_
         row_ids[begin : begin + nnz[i]] = i % rows_per_slab
 
 
+@nb.njit(inline="always")
+def _fill_row(fields, row):
+    """The record's values into ``row`` (zeros), at their columns. Checked: every column is one of
+    ``row``'s (a dense record is exactly as wide). One loop per index code: LLVM hoists the value
+    code's branch (see `value_at`) but not both."""
+    if fields.index_code == INDEX_DENSE:
+        for k in range(fields.n):
+            row[k] = value_at(fields, k)
+    elif fields.index_code == INDEX_DELTA_U16:
+        col = np.int64(0)
+        for k in range(fields.n):
+            col += gap_at(fields, k)
+            row[col] = value_at(fields, k)
+    else:
+        for k in range(fields.n):
+            row[fields.columns[k]] = value_at(fields, k)
+
+
+@nb.njit(inline="always")
+def _clear_row(fields, row):
+    """Zeros again where `_fill_row` wrote the record's values."""
+    if fields.index_code == INDEX_DENSE:
+        row[: fields.n] = 0.0
+    elif fields.index_code == INDEX_DELTA_U16:
+        col = np.int64(0)
+        for k in range(fields.n):
+            col += gap_at(fields, k)
+            row[col] = 0.0
+    else:
+        for k in range(fields.n):
+            row[fields.columns[k]] = 0.0
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
-def _decode_into_rows(u8, u32, f32, starts, out):
-    n = out.shape[0]
-    for i in nb.prange(n):
-        out[i, :] = 0.0
-        if i >= starts.shape[0]:
-            continue  # padding rows stay empty
-        fields = record_fields(u8, u32, f32, starts[i])
-        row = out[i]
-        # checked: every column is one of `out`'s (a dense record is exactly as wide). One loop
-        # per index code: LLVM hoists the value code's branch (see `value_at`) but not both.
-        if fields.index_code == INDEX_DENSE:
-            for k in range(fields.n):
-                row[k] = value_at(fields, k)
-        elif fields.index_code == INDEX_DELTA_U16:
-            col = np.int64(0)
-            for k in range(fields.n):
-                col += gap_at(fields, k)
-                row[col] = value_at(fields, k)
-        else:
-            for k in range(fields.n):
-                row[fields.columns[k]] = value_at(fields, k)
+def _decode_into_rows(u8, u32, f32, starts, out, scratch):
+    """Records into the rows of ``out`` (rows past them zero), in ``len(scratch)`` parts on as many
+    threads: each row built in its thread's ``scratch`` row (zeros, left zeros) and streamed out
+    (`stream_row`), or, with a scratch of no columns, zeroed and written in place."""
+    n, parts = out.shape[0], scratch.shape[0]
+    for t in nb.prange(parts):
+        for i in range(n * t // parts, n * (t + 1) // parts):
+            row = row_to_write(out, i, scratch, t)
+            if i < starts.shape[0]:
+                fields = record_fields(u8, u32, f32, starts[i])
+                _fill_row(fields, row)
+                if row_written(out, i, row, scratch):
+                    _clear_row(fields, row)
+            else:
+                row_written(out, i, row, scratch)  # a padding row: zeros
+        store_fence()
 
 
 def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -784,5 +813,5 @@ def decode_rows(buf: np.ndarray, starts: np.ndarray, out: np.ndarray) -> np.ndar
     One pass, no CSR in between: the fast path for dense output without normalization, and for
     datasets of the dense (gene panel) layout.
     """
-    _decode_into_rows(*checked_views(buf, starts, out.shape[1]), starts[:-1], out)
+    _decode_into_rows(*checked_views(buf, starts, out.shape[1]), starts[:-1], out, rows_scratch(out))
     return out

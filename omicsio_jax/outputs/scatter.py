@@ -27,45 +27,9 @@ import jax.numpy as jnp
 import numba as nb
 import numpy as np
 
+from omicsio_jax.core.kernels import row_to_write, row_written, rows_scratch, store_fence
 from omicsio_jax.format import codec
 from omicsio_jax.outputs.normalize import NORMALIZE_LOG1P, Normalization, row_total, transform
-
-
-@nb.njit(parallel=True, nogil=True, cache=True)
-def _scatter_dense_kernel(indptr, indices, values, mode, target_sum, out):
-    n, width = out.shape
-    bad = 0
-    for i in nb.prange(n):
-        lo, hi = indptr[i], indptr[i + 1]
-        out[i, :] = 0.0
-        total = row_total(values, lo, hi, mode)
-        for j in range(lo, hi):
-            c = indices[j]
-            ok = c >= 0 and c < width
-            if ok:
-                out[i, c] += transform(values[j], mode, total, target_sum)
-            bad += not ok  # a per-row counter plus `bad += row_bad` trips numba's reduction pass
-    return bad
-
-
-@nb.njit(parallel=True, nogil=True, cache=True)
-def _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, target_sum, out):
-    n = out.shape[0]
-    num_genes = gene_to_col.shape[0]
-    bad = 0
-    for i in nb.prange(n):
-        lo, hi = indptr[i], indptr[i + 1]
-        out[i, :] = 0.0
-        total = row_total(values, lo, hi, mode)  # over all genes, as scanpy does
-        for j in range(lo, hi):
-            c = indices[j]
-            ok = c >= 0 and c < num_genes
-            if ok:
-                k = gene_to_col[c]
-                if k >= 0:
-                    out[i, k] += transform(values[j], mode, total, target_sum)
-            bad += not ok
-    return bad
 
 
 @nb.njit(inline="always")
@@ -78,37 +42,103 @@ def _add_entry(row, col, v, gene_to_col, mapped, mode, total, target_sum):
         row[c] += transform(v, mode, total, target_sum)
 
 
+@nb.njit(inline="always")
+def _clear_entry(row, col, gene_to_col, mapped):
+    # zero again where `_add_entry` added entry `col`
+    c = col
+    if mapped:
+        c = gene_to_col[col]
+    if c >= 0 and c < row.shape[0]:
+        row[c] = 0.0
+
+
 @nb.njit(parallel=True, nogil=True, cache=True)
-def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, target_sum, out):
-    """Records → rows of ``out`` in one pass: columns through ``gene_to_col`` (if ``mapped``),
-    values transformed as `transform` does; rows past the records stay zero."""
-    n = out.shape[0]
-    for i in nb.prange(n):
-        out[i, :] = 0.0
-        if i >= starts.shape[0]:
-            continue
-        fields = codec.record_fields(u8, u32, f32, starts[i])
-        row = out[i]
-        total = np.float32(1.0)
-        if mode == NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `row_total`
-            acc = 0.0
-            for k in range(fields.n):
-                acc += codec.value_at(fields, k)
-            total = np.float32(np.inf) if acc == 0 else np.float32(acc)
-        # one loop per index code, as in `codec._decode_into_rows` (measured faster than one
-        # loop that branches on it)
-        if fields.index_code == codec.INDEX_DENSE:
-            for k in range(fields.n):
-                _add_entry(row, k, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
-        elif fields.index_code == codec.INDEX_DELTA_U16:
-            col = np.int64(0)
-            for k in range(fields.n):
-                col += codec.gap_at(fields, k)
-                _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
-        else:
-            for k in range(fields.n):
-                col = np.int64(fields.columns[k])
-                _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+def _scatter_csr_kernel(indptr, indices, values, gene_to_col, mapped, mode, target_sum, out, scratch):
+    """CSR rows → rows of ``out``, columns through ``gene_to_col`` (if ``mapped``), written in place
+    or streamed out as `_decode_scatter_kernel` writes records. Returns how many entries had a column
+    outside ``[0, limit)`` (the genes of ``gene_to_col``, else ``out``'s columns): skipped."""
+    n, parts = out.shape[0], scratch.shape[0]
+    limit = gene_to_col.shape[0] if mapped else out.shape[1]
+    bad = np.zeros(parts, np.int64)
+    for t in nb.prange(parts):
+        for i in range(n * t // parts, n * (t + 1) // parts):
+            row = row_to_write(out, i, scratch, t)
+            lo, hi = indptr[i], indptr[i + 1]
+            total = row_total(values, lo, hi, mode)  # over all genes, as scanpy does
+            for j in range(lo, hi):
+                c = np.int64(indices[j])
+                if c >= 0 and c < limit:
+                    _add_entry(row, c, values[j], gene_to_col, mapped, mode, total, target_sum)
+                else:
+                    bad[t] += 1
+            if row_written(out, i, row, scratch):
+                for j in range(lo, hi):
+                    c = np.int64(indices[j])
+                    if c >= 0 and c < limit:
+                        _clear_entry(row, c, gene_to_col, mapped)
+        store_fence()
+    return bad.sum()
+
+
+@nb.njit(inline="always")
+def _scatter_record(fields, row, gene_to_col, mapped, mode, target_sum):
+    """A record's entries added into ``row``: columns through ``gene_to_col`` (if ``mapped``),
+    values transformed as `transform` does."""
+    total = np.float32(1.0)
+    if mode == NORMALIZE_LOG1P:  # over all genes, accumulated in float64 like `row_total`
+        acc = 0.0
+        for k in range(fields.n):
+            acc += codec.value_at(fields, k)
+        total = np.float32(np.inf) if acc == 0 else np.float32(acc)
+    # one loop per index code, as in `codec._fill_row` (measured faster than one loop that
+    # branches on it)
+    if fields.index_code == codec.INDEX_DENSE:
+        for k in range(fields.n):
+            _add_entry(row, k, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+    elif fields.index_code == codec.INDEX_DELTA_U16:
+        col = np.int64(0)
+        for k in range(fields.n):
+            col += codec.gap_at(fields, k)
+            _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+    else:
+        for k in range(fields.n):
+            col = np.int64(fields.columns[k])
+            _add_entry(row, col, codec.value_at(fields, k), gene_to_col, mapped, mode, total, target_sum)
+
+
+@nb.njit(inline="always")
+def _clear_record(fields, row, gene_to_col, mapped):
+    """Zeros again where `_scatter_record` added the record's entries."""
+    if fields.index_code == codec.INDEX_DENSE:
+        for k in range(fields.n):
+            _clear_entry(row, k, gene_to_col, mapped)
+    elif fields.index_code == codec.INDEX_DELTA_U16:
+        col = np.int64(0)
+        for k in range(fields.n):
+            col += codec.gap_at(fields, k)
+            _clear_entry(row, col, gene_to_col, mapped)
+    else:
+        for k in range(fields.n):
+            _clear_entry(row, np.int64(fields.columns[k]), gene_to_col, mapped)
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def _decode_scatter_kernel(u8, u32, f32, starts, gene_to_col, mapped, mode, target_sum, out, scratch):
+    """Records → rows of ``out`` in one pass (`_scatter_record`); rows past the records stay zero.
+    In ``len(scratch)`` parts, each row built in its part's ``scratch`` row and streamed out, or
+    written in place with a scratch of no columns (as `codec._decode_into_rows`)."""
+    n, parts = out.shape[0], scratch.shape[0]
+    for t in nb.prange(parts):
+        for i in range(n * t // parts, n * (t + 1) // parts):
+            row = row_to_write(out, i, scratch, t)
+            if i < starts.shape[0]:
+                fields = codec.record_fields(u8, u32, f32, starts[i])
+                _scatter_record(fields, row, gene_to_col, mapped, mode, target_sum)
+                if row_written(out, i, row, scratch):
+                    _clear_record(fields, row, gene_to_col, mapped)
+            else:
+                row_written(out, i, row, scratch)
+        store_fence()
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
@@ -203,7 +233,9 @@ def scatter_dense(
         msg = f"num_genes must be a non-negative integer, got {num_genes!r}"
         raise ValueError(msg)
     out = _check_out(out, n, int(num_genes))
-    if _scatter_dense_kernel(indptr, indices, values, mode, np.float32(target_sum), out):
+    no_map = np.zeros(0, np.int32)
+    target = np.float32(target_sum)
+    if _scatter_csr_kernel(indptr, indices, values, no_map, False, mode, target, out, rows_scratch(out)):
         _raise_bad_index(indptr, indices, int(num_genes))
     return out
 
@@ -231,7 +263,9 @@ def decode_scatter(
     u8, u32, f32 = codec.checked_views(buf, starts, num_columns)
     mapped = gene_to_col is not None
     table = gene_to_col if mapped else np.zeros(0, np.int32)
-    _decode_scatter_kernel(u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out)
+    _decode_scatter_kernel(
+        u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out, rows_scratch(out)
+    )
     return out
 
 
@@ -260,7 +294,8 @@ def scatter_panel(
     if top >= out.shape[1] or (len(gene_to_col) and gene_to_col.min() < -1):
         msg = f"gene_to_col must hold -1 or columns in [0, {out.shape[1]}), got {gene_to_col.min()} .. {top}"
         raise ValueError(msg)
-    if _scatter_panel_kernel(indptr, indices, values, gene_to_col, mode, np.float32(target_sum), out):
+    target = np.float32(target_sum)
+    if _scatter_csr_kernel(indptr, indices, values, gene_to_col, True, mode, target, out, rows_scratch(out)):
         _raise_bad_index(indptr, indices, len(gene_to_col))
     return out
 
