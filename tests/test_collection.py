@@ -12,11 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
-from conftest import assert_a_pool_imports_no_pandas, write_legacy_h5ad
+from conftest import assert_a_pool_imports_no_pandas, streaming, write_legacy_h5ad
 
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, Sources, materialize
 from materialize._cli import main
+from omicsio_jax.core import kernels
+from omicsio_jax.outputs.measured import PresenceTable
 
 
 def _ensg(i: int, version: str = "") -> str:
@@ -167,10 +169,14 @@ def test_the_same_sources_give_the_same_bytes_whatever_the_workers(collection, s
     assert a.fingerprint == b.fingerprint
 
 
-def test_dense_measured_masks_what_the_source_did_not_measure(collection):
+@pytest.mark.parametrize("streamed", [False, True], ids=["written in place", "streamed"])
+def test_dense_measured_masks_what_the_source_did_not_measure(collection, streamed):
+    """Values and masks written in place, or streamed around the caches as a batch larger than a
+    cache is (`omicsio_jax.core.kernels.streamed`)."""
     ds = oj.open_dataset(collection)
-    loader = oj.make_loader(ds, batch_size=32, output=oj.Dense(measured=True), seed=3, num_epochs=1)
-    batches = list(loader)
+    with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
+        loader = oj.make_loader(ds, batch_size=32, output=oj.Dense(measured=True), seed=3, num_epochs=1)
+        batches = list(loader)
     assert len(batches) == 470 // 32
     for batch in batches:
         values, measured = np.asarray(batch.x["values"]), np.asarray(batch.x["measured"])
@@ -179,6 +185,25 @@ def test_dense_measured_masks_what_the_source_did_not_measure(collection):
         np.testing.assert_array_equal(measured, ds.presence.measured[ds.presence.sources_of(rows)])
         assert not values[~measured].any()  # an unmeasured gene never holds a value
         assert batch.x["measured"].sharding == batch.x["values"].sharding
+
+
+def test_presence_table_rows_streamed_are_the_rows_copied():
+    """`PresenceTable.host_rows` into a buffer: row copies, or the rows streamed around the caches;
+    a negative source reads all False, a source past the table is an error."""
+    rng = np.random.default_rng(0)
+    measured = rng.random((5, 1000)) < 0.5
+    table = PresenceTable.of(measured)
+    sources = np.array([3, -1, 0, 4, 4, 1, -1, 2], np.int32)
+    expected = np.concatenate([measured, np.zeros((1, 1000), bool)])[sources]
+    raw = np.ones(len(sources) * 1000 + 7, bool)
+    out = raw[7:].reshape(len(sources), 1000)  # not aligned to a cache line
+    for min_bytes in (kernels.STREAM_MIN_BYTES, 0):
+        out[:] = True
+        with streaming(min_bytes):
+            np.testing.assert_array_equal(table.host_rows(sources, out), expected)
+    assert raw[:7].all()  # nothing written before the buffer
+    with streaming(0), pytest.raises(IndexError, match="source 5 is not one of the table's 5"):
+        table.host_rows(np.array([5]), out[:1])
 
 
 def _expected_masks(ds, rows):

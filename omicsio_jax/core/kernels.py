@@ -60,13 +60,19 @@ _LINE = 64
 _scratch = threading.local()
 
 
+def streamed(out: np.ndarray) -> bool:
+    """Whether ``out``'s rows are to be streamed around the caches: `STREAMING`, ``out`` of at least
+    `STREAM_MIN_BYTES`, its items aligned."""
+    return STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.aligned
+
+
 def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
     """What a row kernel writing ``out`` builds its rows in, one row per numba thread (default:
     `numba.get_num_threads`): float32 zeros at least as wide as ``out`` if its rows are to be
-    streamed (`STREAMING`, ``out`` of at least `STREAM_MIN_BYTES`, its float32 aligned), kept per Python thread (a kernel
+    streamed (`streamed`), kept per Python thread (a kernel
     must leave them zero), else rows of no columns (written in place)."""
     threads = nb.get_num_threads() if threads is None else threads
-    if not (STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.aligned):
+    if not streamed(out):
         return np.zeros((threads, 0), np.float32)
     width = out.shape[1]
     kept = getattr(_scratch, "rows", None)
@@ -80,20 +86,18 @@ def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
 
 @intrinsic
 def _stream_line(typingctx, dst, dst_index, src, src_index):
-    """Store the 16 float32 of ``src[src_index:]`` at ``dst[dst_index:]`` (64-byte aligned) with a
-    non-temporal hint: one whole cache line, written to memory without being fetched first."""
-    if not (
-        isinstance(dst, types.Array)
-        and isinstance(src, types.Array)
-        and dst.dtype == src.dtype == types.float32
-    ):
+    """Store the 64 bytes of ``src`` from item ``src_index`` at ``dst`` from item ``dst_index`` (a
+    64-byte aligned address) with a non-temporal hint: one whole cache line, written to memory
+    without being fetched first."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.dtype == src.dtype):
         return None
 
     def codegen(context, builder, signature, args):
         d = context.make_array(signature.args[0])(context, builder, args[0]).data
         s = context.make_array(signature.args[2])(context, builder, args[2]).data
-        line = ir.VectorType(ir.FloatType(), _LINE // 4)
-        value = builder.load(builder.bitcast(builder.gep(s, [args[3]]), line.as_pointer()), align=4)
+        item = context.get_data_type(signature.args[0].dtype)
+        line = ir.VectorType(item, _LINE // context.get_abi_sizeof(item))
+        value = builder.load(builder.bitcast(builder.gep(s, [args[3]]), line.as_pointer()), align=1)
         store = builder.store(
             value, builder.bitcast(builder.gep(d, [args[1]]), line.as_pointer()), align=_LINE
         )
@@ -135,19 +139,18 @@ def store_fence(typingctx):
 
 @nb.njit(inline="always")
 def stream_row(dst, src):
-    """``dst[:] = src[: len(dst)]`` (float32 rows), the whole cache lines of ``dst`` with non-temporal
-    stores (`STREAMING`; plain stores elsewhere). Follow a kernel's streamed rows with `store_fence`."""
-    width = dst.shape[0]
-    head = min(
-        np.int64(((_LINE - (_address(dst) & np.uint64(_LINE - 1))) & np.uint64(_LINE - 1)) >> np.uint64(2)),
-        width,
-    )
+    """``dst[:] = src[: len(dst)]`` (rows of one dtype, its items a power of two bytes long, ``dst``
+    aligned to them), the whole cache lines of ``dst`` with non-temporal stores (`STREAMING`; plain
+    stores elsewhere). Follow a kernel's streamed rows with `store_fence`."""
+    width, size = dst.shape[0], dst.itemsize
+    lead = (_LINE - (_address(dst) & np.uint64(_LINE - 1))) & np.uint64(_LINE - 1)
+    head = min(np.int64(lead) // size, width)
     for k in range(head):
         dst[k] = src[k]
-    k = head
-    while k + _LINE // 4 <= width:
+    k, step = head, _LINE // size
+    while k + step <= width:
         _stream_line(dst, k, src, k)
-        k += _LINE // 4
+        k += step
     for j in range(k, width):
         dst[j] = src[j]
 
