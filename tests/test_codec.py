@@ -314,3 +314,7 @@ def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place():
     wide = kernels.rows_scratch(big).shape[1]
     assert wide >= 62_710 if kernels.STREAMING else wide == 0
     assert kernels.rows_scratch(small).shape[1] == 0
+    with streaming(0):  # every size, but only rows whose lines `stream_row` may write whole
+        assert kernels.streamed(small) == kernels.STREAMING
+        assert not kernels.streamed(small[:, ::2])
+        assert not kernels.streamed(np.frombuffer(bytes(4 * 1001), np.uint8)[1:-3].view(np.float32))

@@ -62,8 +62,8 @@ _scratch = threading.local()
 
 def streamed(out: np.ndarray) -> bool:
     """Whether ``out``'s rows are to be streamed around the caches: `STREAMING`, ``out`` of at least
-    `STREAM_MIN_BYTES`, its items aligned."""
-    return STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.aligned
+    `STREAM_MIN_BYTES`, C-contiguous with its items aligned (`stream_row` writes whole lines)."""
+    return STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.c_contiguous and out.flags.aligned
 
 
 def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
