@@ -1099,7 +1099,13 @@ def machine_line(m: dict) -> str:
     if m.get("memory_gib"):
         parts.append(f"{m['memory_gib']:g} GiB RAM")
     parts.append(m.get("gpu") or "no GPU")
-    return ", ".join(parts)
+    if m.get("l3_cache_mib"):
+        parts.append(f"{m['l3_cache_mib']:g} MiB L3")
+    line = ", ".join(parts)
+    if m.get("copy_gb_s"):  # `_provenance.memory_probe`
+        rates = ", ".join(f"{size} {rate:g}" for size, rate in m["copy_gb_s"].items())
+        line += f"; one core's copy rate, GB/s: {rates}"
+    return line
 
 
 def timing_line(d: dict) -> str | None:
