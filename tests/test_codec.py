@@ -307,14 +307,42 @@ def test_rows_streamed_around_the_caches_are_the_rows_written_in_place(threads):
         numba.set_num_threads(previous)
 
 
-def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place():
+def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place(monkeypatch):
     """A dense batch of 1,024 cells over 62,710 genes (257 MB) is streamed on x86-64; one of 64 cells
-    (16 MB) is written in place, as is every batch elsewhere."""
+    (16 MB) where this process's share of the cache does not hold two of them (`cache_reach`, or a
+    threshold fixed by ``$OMICSIO_JAX_STREAM_MIN_BYTES``), one of 1 MB never; every batch is written
+    in place elsewhere."""
     big, small = np.empty((1024, 62_710), np.float32), np.empty((64, 62_710), np.float32)
+    tiny = np.empty((4, 62_710), np.float32)
     wide = kernels.rows_scratch(big).shape[1]
     assert wide >= 62_710 if kernels.STREAMING else wide == 0
+    threshold = kernels.stream_threshold()
+    assert kernels.STREAM_PROBE_MIN_BYTES <= threshold <= kernels.STREAM_MIN_BYTES
+    assert kernels.streamed(small) == (kernels.STREAMING and small.nbytes >= threshold)
+    assert kernels.rows_scratch(tiny).shape[1] == 0
+    monkeypatch.setenv(kernels.STREAM_ENV, str(kernels.STREAM_MIN_BYTES))
     assert kernels.rows_scratch(small).shape[1] == 0
+    monkeypatch.setenv(kernels.STREAM_ENV, "0")
+    assert kernels.streamed(tiny) == kernels.STREAMING
+    monkeypatch.delenv(kernels.STREAM_ENV)
     with streaming(0):  # every size, but only rows whose lines `stream_row` may write whole
         assert kernels.streamed(small) == kernels.STREAMING
         assert not kernels.streamed(small[:, ::2])
         assert not kernels.streamed(np.frombuffer(bytes(4 * 1001), np.uint8)[1:-3].view(np.float32))
+
+
+def test_the_stream_threshold_follows_where_a_pair_of_buffers_leaves_the_cache():
+    """Outputs larger than the last size whose pair of buffers filled at half the 1 MiB pair's rate or
+    more are streamed (never below `STREAM_PROBE_MIN_BYTES`); if every size filled that fast, only
+    outputs of `STREAM_MIN_BYTES` and more."""
+    mib = 1 << 20
+    sizes = (1 * mib, 4 * mib, 8 * mib, 16 * mib)
+    everywhere_fast = dict(zip(sizes, (70.0, 68.0, 60.0, 40.0), strict=True))
+    assert kernels.threshold_from_rates(everywhere_fast) == kernels.STREAM_MIN_BYTES
+    slow_from_16 = dict(zip(sizes, (70.0, 68.0, 60.0, 16.0), strict=True))
+    assert kernels.threshold_from_rates(slow_from_16) == 8 * mib + 1
+    slow_from_8 = dict(zip(sizes, (70.0, 68.0, 20.0, 16.0), strict=True))
+    assert kernels.threshold_from_rates(slow_from_8) == 4 * mib + 1
+    slow_from_4 = dict(zip(sizes, (70.0, 20.0, 60.0, 16.0), strict=True))
+    assert kernels.threshold_from_rates(slow_from_4) == kernels.STREAM_PROBE_MIN_BYTES
+    assert kernels.STREAM_PROBE_MIN_BYTES <= kernels.cache_reach() <= kernels.STREAM_MIN_BYTES

@@ -3,8 +3,10 @@ compiles, and `stream_row`, rows written to memory around the caches."""
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
+import time
 
 import numba as nb
 import numpy as np
@@ -47,23 +49,87 @@ def prefetch(typingctx, array, index):
 # a row of zeros that stays in the core's cache (`rows_scratch`), each row goes out with non-temporal
 # stores (whole cache lines to memory, nothing fetched, nothing evicted) and the scratch row is zeroed
 # again where the values went. A batch that stays in the last-level cache between batches loses by it
-# (there the memset is cheap, and the streamed lines go all the way to memory): batches of at least
-# `STREAM_MIN_BYTES` are streamed, a 32 MB cache's worth. Measured on a 2-core AMD EPYC (32 MB of
-# L3), one thread decoding batches of 62,710 columns into 2 outputs in turn: 64 rows 134k rows/s in
-# place, 126k streamed; 1,024 rows 67-74k in place, 124-130k streamed. x86-64 only (`STREAMING`),
-# whose ``sfence`` orders the stores before the batch is handed on; elsewhere rows are written in
-# place.
+# (there the memset is cheap, and the streamed lines go all the way to memory). Measured on a 2-core
+# AMD EPYC (32 MB of L3), one thread decoding batches of 62,710 columns into 2 outputs in turn: 64
+# rows 134k rows/s in place, 126k streamed; 1,024 rows 67-74k in place, 124-130k streamed. But how
+# much of the last-level cache a process has is not its size: on a host of the same name whose cache
+# neighbours used, a 16 MiB copy ran at a fifth of a 4 MiB one's rate, and dense batches of 64 rows
+# (16 MB) came 2x faster streamed. So batches of at least `STREAM_MIN_BYTES` (32 MiB) are always
+# streamed, and smaller ones down to `STREAM_PROBE_MIN_BYTES` where `cache_reach` finds that a pair of
+# buffers of their size no longer stays in the cache this process has. x86-64 only (`STREAMING`), whose ``sfence``
+# orders the stores before the batch is handed on; elsewhere rows are written in place.
 
 STREAMING = platform.machine().lower() in ("x86_64", "amd64")
 STREAM_MIN_BYTES = 32 << 20
+STREAM_PROBE_MIN_BYTES = 4 << 20
+STREAM_ENV = "OMICSIO_JAX_STREAM_MIN_BYTES"  # a fixed threshold instead of the measured one
 _LINE = 64
 _scratch = threading.local()
+_reach: list[int] = []  # `cache_reach`'s answer, once measured
+_reach_lock = threading.Lock()
+
+
+def stream_threshold() -> int:
+    """The smallest output whose rows are streamed: ``$OMICSIO_JAX_STREAM_MIN_BYTES`` if set, else
+    `cache_reach` (measured once per process, when an output first needs it), at most
+    `STREAM_MIN_BYTES`."""
+    fixed = os.environ.get(STREAM_ENV)
+    if fixed:
+        return int(fixed)
+    if not _reach:
+        with _reach_lock:
+            if not _reach:
+                _reach.append(cache_reach())
+    return min(_reach[0], STREAM_MIN_BYTES)
+
+
+def cache_reach() -> int:
+    """The smallest output to stream on this host, from how fast pairs of buffers are filled one after
+    the other, as a loader's two outputs are (`threshold_from_rates`): pairs of 1 MiB (the
+    reference), `STREAM_PROBE_MIN_BYTES` and each power of two up to half `STREAM_MIN_BYTES`, the best
+    of 3 fills of each, in one buffer faulted in first: ~20-40 ms."""
+    sizes = [1 << 20]
+    while sizes[-1] < STREAM_MIN_BYTES // 2:
+        sizes.append(max(sizes[-1] * 2, STREAM_PROBE_MIN_BYTES))
+    memory = np.ones(2 * sizes[-1], np.uint8)
+    rates = {}
+    for size in sizes:
+        pair = (memory[:size], memory[size : 2 * size])
+        best = 0.0
+        for _ in range(3):
+            start = time.perf_counter()
+            for buf in pair:
+                buf.fill(0)
+            best = max(best, 2 * size / max(time.perf_counter() - start, 1e-9))
+        rates[size] = best
+    return threshold_from_rates(rates)
+
+
+def threshold_from_rates(rates: dict[int, float]) -> int:
+    """`cache_reach`'s choice from its fill rates by size (the smallest size is the reference):
+    outputs larger than the last size filled at half the reference's rate or more, before the
+    first one filled at less, are streamed (at least `STREAM_PROBE_MIN_BYTES`); if no size is filled
+    at less, outputs of `STREAM_MIN_BYTES` and more."""
+    sizes = sorted(rates)
+    reference, fast = rates[sizes[0]], sizes[0]
+    for size in sizes[1:]:
+        if rates[size] < reference / 2:
+            return max(fast + 1, STREAM_PROBE_MIN_BYTES)
+        fast = size
+    return STREAM_MIN_BYTES
 
 
 def streamed(out: np.ndarray) -> bool:
-    """Whether ``out``'s rows are to be streamed around the caches: `STREAMING`, ``out`` of at least
-    `STREAM_MIN_BYTES`, C-contiguous with its items aligned (`stream_row` writes whole lines)."""
-    return STREAMING and out.nbytes >= STREAM_MIN_BYTES and out.flags.c_contiguous and out.flags.aligned
+    """Whether ``out``'s rows are to be streamed around the caches: `STREAMING`, ``out`` C-contiguous
+    with its items aligned (`stream_row` writes whole lines) and of at least `stream_threshold`
+    (measured only for an output between `STREAM_PROBE_MIN_BYTES` and `STREAM_MIN_BYTES`)."""
+    if not (STREAMING and out.flags.c_contiguous and out.flags.aligned):
+        return False
+    if out.nbytes >= STREAM_MIN_BYTES:
+        return True
+    if out.nbytes < STREAM_PROBE_MIN_BYTES and not os.environ.get(STREAM_ENV):
+        return False
+    return out.nbytes >= stream_threshold()
 
 
 def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
