@@ -332,9 +332,9 @@ def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place(mo
 
 
 def test_the_stream_threshold_follows_where_a_pair_of_buffers_leaves_the_cache():
-    """Outputs larger than the last size whose pair of buffers filled at half the 1 MiB pair's rate or
-    more are streamed (never below `STREAM_PROBE_MIN_BYTES`); if every size filled that fast, only
-    outputs of `STREAM_MIN_BYTES` and more."""
+    """Outputs larger than the last size whose pair of buffers filled at half the rate of the fastest
+    smaller pair or more are streamed (never below `STREAM_PROBE_MIN_BYTES`); if every size filled
+    that fast, only outputs of `STREAM_MIN_BYTES` and more."""
     mib = 1 << 20
     sizes = (1 * mib, 4 * mib, 8 * mib, 16 * mib)
     everywhere_fast = dict(zip(sizes, (70.0, 68.0, 60.0, 40.0), strict=True))
@@ -345,4 +345,6 @@ def test_the_stream_threshold_follows_where_a_pair_of_buffers_leaves_the_cache()
     assert kernels.threshold_from_rates(slow_from_8) == 4 * mib + 1
     slow_from_4 = dict(zip(sizes, (70.0, 20.0, 60.0, 16.0), strict=True))
     assert kernels.threshold_from_rates(slow_from_4) == kernels.STREAM_PROBE_MIN_BYTES
+    slow_reference = dict(zip(sizes, (20.0, 40.0, 15.0, 10.0), strict=True))  # 1 MiB: a call's cost
+    assert kernels.threshold_from_rates(slow_reference) == 4 * mib + 1
     assert kernels.STREAM_PROBE_MIN_BYTES <= kernels.cache_reach() <= kernels.STREAM_MIN_BYTES

@@ -65,6 +65,7 @@ STREAM_PROBE_MIN_BYTES = 4 << 20
 STREAM_ENV = "OMICSIO_JAX_STREAM_MIN_BYTES"  # a fixed threshold instead of the measured one
 _LINE = 64
 _scratch = threading.local()
+_PROBE_ROUNDS = 7
 _reach: list[int] = []  # `cache_reach`'s answer, once measured
 _reach_lock = threading.Lock()
 
@@ -85,37 +86,39 @@ def stream_threshold() -> int:
 
 def cache_reach() -> int:
     """The smallest output to stream on this host, from how fast pairs of buffers are filled one after
-    the other, as a loader's two outputs are (`threshold_from_rates`): pairs of 1 MiB (the
-    reference), `STREAM_PROBE_MIN_BYTES` and each power of two up to half `STREAM_MIN_BYTES`, the best
-    of 3 fills of each, in one buffer faulted in first: ~20-40 ms."""
+    the other, as a loader's two outputs are (`threshold_from_rates`): pairs of 1 MiB,
+    `STREAM_PROBE_MIN_BYTES` and each power of two up to half `STREAM_MIN_BYTES`, each pair's median
+    of `_PROBE_ROUNDS` fills in a row (sizes taken in turn give nothing: the lines a larger pair
+    leaves to be written back slow the next pair's fills), in one buffer faulted in first:
+    ~60-100 ms."""
     sizes = [1 << 20]
     while sizes[-1] < STREAM_MIN_BYTES // 2:
         sizes.append(max(sizes[-1] * 2, STREAM_PROBE_MIN_BYTES))
     memory = np.ones(2 * sizes[-1], np.uint8)
     rates = {}
-    for size in sizes:
-        pair = (memory[:size], memory[size : 2 * size])
-        best = 0.0
-        for _ in range(3):
+    for size in sizes:  # each pair filled again and again, as a loader's outputs are: its steady rate
+        pair, times = (memory[:size], memory[size : 2 * size]), []
+        for _ in range(_PROBE_ROUNDS + 1):  # the first fill only brings the pair in
             start = time.perf_counter()
             for buf in pair:
                 buf.fill(0)
-            best = max(best, 2 * size / max(time.perf_counter() - start, 1e-9))
-        rates[size] = best
+            times.append(time.perf_counter() - start)
+        rates[size] = 2 * size / max(float(np.median(times[1:])), 1e-9)
     return threshold_from_rates(rates)
 
 
 def threshold_from_rates(rates: dict[int, float]) -> int:
-    """`cache_reach`'s choice from its fill rates by size (the smallest size is the reference):
-    outputs larger than the last size filled at half the reference's rate or more, before the
-    first one filled at less, are streamed (at least `STREAM_PROBE_MIN_BYTES`); if no size is filled
-    at less, outputs of `STREAM_MIN_BYTES` and more."""
+    """`cache_reach`'s choice from its fill rates by size: outputs larger than the last size filled at
+    half the rate of the fastest smaller one or more, before the first one filled at less, are
+    streamed (at least `STREAM_PROBE_MIN_BYTES`); if no size is filled at less, outputs of
+    `STREAM_MIN_BYTES` and more. (The fastest smaller size, not the smallest: a call's own cost
+    weighs on a pair of 1 MiB.)"""
     sizes = sorted(rates)
-    reference, fast = rates[sizes[0]], sizes[0]
+    fastest, fast = rates[sizes[0]], sizes[0]
     for size in sizes[1:]:
-        if rates[size] < reference / 2:
+        if rates[size] < fastest / 2:
             return max(fast + 1, STREAM_PROBE_MIN_BYTES)
-        fast = size
+        fastest, fast = max(fastest, rates[size]), size
     return STREAM_MIN_BYTES
 
 
