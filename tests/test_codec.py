@@ -316,7 +316,7 @@ def test_batches_larger_than_a_cache_are_streamed_and_others_written_in_place(mo
     tiny = np.empty((4, 62_710), np.float32)
     wide = kernels.rows_scratch(big).shape[1]
     assert wide >= 62_710 if kernels.STREAMING else wide == 0
-    threshold = kernels.stream_threshold()
+    threshold = kernels.stream_threshold(wait=True)
     assert kernels.STREAM_PROBE_MIN_BYTES <= threshold <= kernels.STREAM_MIN_BYTES
     assert kernels.streamed(small) == (kernels.STREAMING and small.nbytes >= threshold)
     assert kernels.rows_scratch(tiny).shape[1] == 0

@@ -67,21 +67,32 @@ _LINE = 64
 _scratch = threading.local()
 _PROBE_ROUNDS = 7
 _reach: list[int] = []  # `cache_reach`'s answer, once measured
+_probe: list[threading.Thread] = []  # the thread measuring it, once started
 _reach_lock = threading.Lock()
 
 
-def stream_threshold() -> int:
+def stream_threshold(*, wait: bool = False) -> int:
     """The smallest output whose rows are streamed: ``$OMICSIO_JAX_STREAM_MIN_BYTES`` if set, else
-    `cache_reach` (measured once per process, when an output first needs it), at most
-    `STREAM_MIN_BYTES`."""
+    `cache_reach`, at most `STREAM_MIN_BYTES`. `cache_reach` runs once per process, on a thread of
+    its own started when an output first asks: until it answers (``wait``: wait for it), outputs of
+    `STREAM_MIN_BYTES` and more are streamed, so a loader's first batch does not wait for it."""
     fixed = os.environ.get(STREAM_ENV)
     if fixed:
         return int(fixed)
     if not _reach:
         with _reach_lock:
-            if not _reach:
-                _reach.append(cache_reach())
+            if not _probe:
+                _probe.append(threading.Thread(target=_measure_reach, name="omicsio-cache-reach", daemon=True))
+                _probe[0].start()
+        if wait:
+            _probe[0].join()
+        if not _reach:
+            return STREAM_MIN_BYTES
     return min(_reach[0], STREAM_MIN_BYTES)
+
+
+def _measure_reach() -> None:
+    _reach.append(cache_reach())
 
 
 def cache_reach() -> int:
