@@ -52,9 +52,9 @@ def prefetch(typingctx, array, index):
 # (there the memset is cheap, and the streamed lines go all the way to memory). Measured on a 2-core
 # AMD EPYC (32 MB of L3), one thread decoding batches of 62,710 columns into 2 outputs in turn: 64
 # rows 134k rows/s in place, 126k streamed; 1,024 rows 67-74k in place, 124-130k streamed. But how
-# much of the last-level cache a process has is not its size: on a host of the same name whose cache
-# neighbours used, a 16 MiB copy ran at a fifth of a 4 MiB one's rate, and dense batches of 64 rows
-# (16 MB) came 2x faster streamed. So batches of at least `STREAM_MIN_BYTES` (32 MiB) are always
+# much of the last-level cache a process has is not its size: on a host of the same name that shared
+# it, 16 MiB copies ran at 11.6 GB/s against 74.1 at 4 MiB, and dense batches of 64 rows (16 MB) came
+# 2.02x faster streamed (benchmarks/results/loader_stream_b64.json). So batches of at least `STREAM_MIN_BYTES` (32 MiB) are always
 # streamed, and smaller ones down to `STREAM_PROBE_MIN_BYTES` where `cache_reach` finds that a pair of
 # buffers of their size no longer stays in the cache this process has. x86-64 only (`STREAMING`), whose ``sfence``
 # orders the stores before the batch is handed on; elsewhere rows are written in place.
@@ -82,7 +82,9 @@ def stream_threshold(*, wait: bool = False) -> int:
     if not _reach:
         with _reach_lock:
             if not _probe:
-                _probe.append(threading.Thread(target=_measure_reach, name="omicsio-cache-reach", daemon=True))
+                _probe.append(
+                    threading.Thread(target=_measure_reach, name="omicsio-cache-reach", daemon=True)
+                )
                 _probe[0].start()
         if wait:
             _probe[0].join()
