@@ -54,10 +54,11 @@ def prefetch(typingctx, array, index):
 # rows 134k rows/s in place, 126k streamed; 1,024 rows 67-74k in place, 124-130k streamed. But how
 # much of the last-level cache a process has is not its size: on a host of the same name that shared
 # it, 16 MiB copies ran at 11.6 GB/s against 74.1 at 4 MiB, and dense batches of 64 rows (16 MB) came
-# 2.02x faster streamed (benchmarks/results/loader_stream_b64.json). So batches of at least `STREAM_MIN_BYTES` (32 MiB) are always
-# streamed, and smaller ones down to `STREAM_PROBE_MIN_BYTES` where `cache_reach` finds that a pair of
-# buffers of their size no longer stays in the cache this process has. x86-64 only (`STREAMING`), whose ``sfence``
-# orders the stores before the batch is handed on; elsewhere rows are written in place.
+# 2.02x faster streamed (benchmarks/results/loader_stream_b64.json). So batches of at least
+# `STREAM_MIN_BYTES` (32 MiB) are always streamed, and smaller ones down to `STREAM_PROBE_MIN_BYTES`
+# where `cache_reach` finds that a pair of buffers of their size no longer stays in the cache this
+# process has. x86-64 only (`STREAMING`), whose ``sfence`` orders the stores before the batch is
+# handed on; elsewhere rows are written in place.
 
 STREAMING = platform.machine().lower() in ("x86_64", "amd64")
 STREAM_MIN_BYTES = 32 << 20
