@@ -7,7 +7,12 @@ process) starts without loading DuckDB, AnnData or pandas.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+from omicsio_jax import check_kernel_caches
+
+check_kernel_caches(os.path.dirname(__file__))  # this package's kernels, as omicsio_jax's own (see there)
 
 if TYPE_CHECKING:
     from ._collection import Sources as Sources

@@ -6,9 +6,13 @@ load JAX: the materialize workers and the shard-format helpers use the package w
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
+from omicsio_jax.core.kernel_cache import check_kernel_caches
 from omicsio_jax.core.lazy import lazy_exports
+
+check_kernel_caches(os.path.dirname(__file__))  # before any kernel loads a cache built from older modules
 
 if TYPE_CHECKING:
     from omicsio_jax.core.errors import DatasetFormatError as DatasetFormatError
@@ -111,6 +115,7 @@ _PUBLIC = {
     "DataValidationError": "omicsio_jax.core.errors",
     "OmicsIOError": "omicsio_jax.core.errors",
     "StateMismatchError": "omicsio_jax.core.errors",
+    "check_kernel_caches": "omicsio_jax.core.kernel_cache",
     "ObjectChangedError": "omicsio_jax.storage.store",
     "ObjectStoreError": "omicsio_jax.storage.store",
     "Batch": "omicsio_jax.outputs.batch",

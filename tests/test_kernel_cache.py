@@ -1,0 +1,94 @@
+"""numba's cached kernels follow the modules they inline (`omicsio_jax.core.kernel_cache`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from omicsio_jax import check_kernel_caches
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KERNEL = """
+import numba as nb
+from {pkg}.helper import step
+
+@nb.njit(cache=True)
+def kernel(x):
+    return step(x)
+"""
+
+
+def make_package(tmp: Path, name: str, *, checked: bool) -> Path:
+    """A package whose cached kernel inlines a helper of another of its modules."""
+    pkg = tmp / name
+    pkg.mkdir()
+    init = "import os\nfrom omicsio_jax import check_kernel_caches\ncheck_kernel_caches(os.path.dirname(__file__))\n"
+    (pkg / "__init__.py").write_text(init if checked else "")
+    (pkg / "helper.py").write_text(
+        "import numba as nb\n\n@nb.njit(inline='always')\ndef step(x):\n    return x + 1\n"
+    )
+    (pkg / "kernel.py").write_text(textwrap.dedent(KERNEL.format(pkg=name)))
+    return pkg
+
+
+def run_kernel(tmp: Path, name: str) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])}
+    env.pop("NUMBA_CACHE_DIR", None)
+    code = f"from {name}.kernel import kernel; print(kernel(1))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def cached_files(pkg: Path) -> list[str]:
+    return sorted(p.name for p in (pkg / "__pycache__").glob("*.nb[ic]"))
+
+
+def test_a_kernel_compiles_again_when_a_module_it_inlines_changes(tmp_path):
+    checked = make_package(tmp_path, "checked_pkg", checked=True)
+    plain = make_package(tmp_path, "plain_pkg", checked=False)
+    assert run_kernel(tmp_path, "checked_pkg") == 2
+    assert run_kernel(tmp_path, "plain_pkg") == 2
+    assert cached_files(checked) and cached_files(plain)  # both kernels were cached
+    for pkg in (checked, plain):  # the helper changes; the kernel's own file does not
+        (pkg / "helper.py").write_text(
+            "import numba as nb\n\n@nb.njit(inline='always')\ndef step(x):\n    return x + 2\n"
+        )
+    # numba alone loads the machine code of the old helper: the hazard the check removes
+    assert run_kernel(tmp_path, "plain_pkg") == 2
+    assert run_kernel(tmp_path, "checked_pkg") == 3
+    assert run_kernel(tmp_path, "checked_pkg") == 3  # and caches the new one
+
+
+def test_caches_stay_when_no_module_changed_and_go_when_one_did(tmp_path):
+    pkg = make_package(tmp_path, "pkg", checked=False)
+    cache = pkg / "__pycache__"
+    cache.mkdir()
+    assert check_kernel_caches(pkg) is True  # no stamp yet: whatever is cached was built unchecked
+    (cache / "kernel.kernel-5.py311.nbi").write_bytes(b"index")
+    (cache / "kernel.kernel-5.py311.1.nbc").write_bytes(b"code")
+    (cache / "kernel.cpython-311.pyc").write_bytes(b"pyc")
+    assert check_kernel_caches(pkg) is False
+    os.utime(pkg / "helper.py", ns=(1, 1))  # touched, same contents: the digest decides
+    assert check_kernel_caches(pkg) is False
+    assert len(cached_files(pkg)) == 2
+    with open(pkg / "helper.py", "a") as f:
+        f.write("# changed\n")
+    assert check_kernel_caches(pkg) is True
+    assert cached_files(pkg) == []
+    assert (cache / "kernel.cpython-311.pyc").exists()  # Python's own caches are left alone
+    assert check_kernel_caches(pkg) is False
+    (pkg / "sub").mkdir()  # a new module counts too
+    (pkg / "sub" / "__init__.py").write_text("LIMIT = 3\n")
+    assert check_kernel_caches(pkg) is True
+
+
+def test_a_package_whose_caches_cannot_be_written_is_checked_without_an_error(tmp_path):
+    pkg = make_package(tmp_path, "pkg", checked=False)
+    (pkg / "__pycache__").write_text("a file where the folder would be")  # no stamp can be kept
+    assert check_kernel_caches(pkg) is True  # nothing recorded, nothing to remove, no error
+    assert check_kernel_caches(pkg) is True
+    assert (pkg / "__pycache__").read_text() == "a file where the folder would be"
