@@ -67,9 +67,41 @@ STREAM_ENV = "OMICSIO_JAX_STREAM_MIN_BYTES"  # a fixed threshold instead of the 
 _LINE = 64
 _scratch = threading.local()
 _PROBE_ROUNDS = 7
-_reach: list[int] = []  # `cache_reach`'s answer, once measured
-_probe: list[threading.Thread] = []  # the thread measuring it, once started
-_reach_lock = threading.Lock()
+
+
+class _Reach:
+    """`cache_reach`'s answer for this process: measured once, on a thread of its own started by the
+    first output that asks."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def get(self, *, wait: bool) -> int | None:
+        """The answer, or None while it is being measured (``wait``: wait for it)."""
+        if self.value is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._measure, name="omicsio-cache-reach", daemon=True
+                    )
+                    self._thread.start()
+            if wait:
+                self._thread.join()
+        return self.value
+
+    def _measure(self) -> None:
+        self.value = cache_reach()
+
+
+_REACH = _Reach()
+
+
+def _fixed_threshold() -> int | None:
+    """``$OMICSIO_JAX_STREAM_MIN_BYTES``, if set."""
+    fixed = os.environ.get(STREAM_ENV)
+    return int(fixed) if fixed else None
 
 
 def stream_threshold(*, wait: bool = False) -> int:
@@ -77,25 +109,11 @@ def stream_threshold(*, wait: bool = False) -> int:
     `cache_reach`, at most `STREAM_MIN_BYTES`. `cache_reach` runs once per process, on a thread of
     its own started when an output first asks: until it answers (``wait``: wait for it), outputs of
     `STREAM_MIN_BYTES` and more are streamed, so a loader's first batch does not wait for it."""
-    fixed = os.environ.get(STREAM_ENV)
-    if fixed:
-        return int(fixed)
-    if not _reach:
-        with _reach_lock:
-            if not _probe:
-                _probe.append(
-                    threading.Thread(target=_measure_reach, name="omicsio-cache-reach", daemon=True)
-                )
-                _probe[0].start()
-        if wait:
-            _probe[0].join()
-        if not _reach:
-            return STREAM_MIN_BYTES
-    return min(_reach[0], STREAM_MIN_BYTES)
-
-
-def _measure_reach() -> None:
-    _reach.append(cache_reach())
+    fixed = _fixed_threshold()
+    if fixed is not None:
+        return fixed
+    reach = _REACH.get(wait=wait)
+    return STREAM_MIN_BYTES if reach is None else min(reach, STREAM_MIN_BYTES)
 
 
 def cache_reach() -> int:
@@ -144,9 +162,10 @@ def streamed(out: np.ndarray) -> bool:
         return False
     if out.nbytes >= STREAM_MIN_BYTES:
         return True
-    if out.nbytes < STREAM_PROBE_MIN_BYTES and not os.environ.get(STREAM_ENV):
-        return False
-    return out.nbytes >= stream_threshold()
+    fixed = _fixed_threshold()
+    if fixed is not None:
+        return out.nbytes >= fixed
+    return out.nbytes >= STREAM_PROBE_MIN_BYTES and out.nbytes >= stream_threshold()
 
 
 def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
