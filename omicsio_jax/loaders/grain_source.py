@@ -43,7 +43,7 @@ class GrainWorkersWarning(UserWarning):
 
 # What the warning quotes, from benchmarks/results/grain.json (a test keeps the two equal):
 # make_grain_loader with 2 worker processes ÷ make_loader, cells/s of batches of 1,024 cells
-GRAIN_WORKERS_MEASURED = {"dense": 0.11, "csr": 0.36, "when": "2026-11-25, commit d417e3a, 2-core AMD EPYC"}
+GRAIN_WORKERS_MEASURED = {"dense": 0.06, "csr": 0.29, "when": "2026-12-02, commit e2130f2, 2-core AMD EPYC"}
 _workers_warned = threading.Event()
 
 
