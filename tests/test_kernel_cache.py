@@ -92,3 +92,22 @@ def test_a_package_whose_caches_cannot_be_written_is_checked_without_an_error(tm
     assert check_kernel_caches(pkg) is True  # nothing recorded, nothing to remove, no error
     assert check_kernel_caches(pkg) is True
     assert (pkg / "__pycache__").read_text() == "a file where the folder would be"
+
+
+def test_a_module_gone_while_checking_leaves_the_decision_to_the_next_import(tmp_path, monkeypatch):
+    from omicsio_jax.core import kernel_cache
+
+    pkg = make_package(tmp_path, "pkg", checked=False)
+    assert check_kernel_caches(pkg) is True
+    (pkg / "__pycache__" / "kernel.kernel-5.py311.nbi").write_bytes(b"index")
+    (pkg / "helper.py").write_text("# changed\n")
+
+    def vanished(root, modules=None):
+        raise FileNotFoundError(str(pkg / "helper.py"))
+
+    monkeypatch.setattr(kernel_cache, "kernel_digest", vanished)
+    assert check_kernel_caches(pkg) is False  # no error at import, nothing removed yet
+    assert cached_files(pkg) == ["kernel.kernel-5.py311.nbi"]
+    monkeypatch.undo()
+    assert check_kernel_caches(pkg) is True
+    assert cached_files(pkg) == []

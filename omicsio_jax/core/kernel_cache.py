@@ -72,21 +72,24 @@ def check_kernel_caches(root: str | os.PathLike) -> bool:
         recorded = [""]
     if recorded[1:] == modules:
         return False
-    digest = kernel_digest(root, modules)
+    try:
+        digest = kernel_digest(root, modules)
+    except OSError:  # a module went away meanwhile (a checkout under way): the next import decides
+        return False
     cleared = recorded[0] != digest
     if cleared:
-        for folder, dirs, files in os.walk(root):
+        for here, dirs, files in os.walk(root):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
-            if os.path.basename(folder) != "__pycache__":
+            if os.path.basename(here) != "__pycache__":
                 continue
             for name in files:
                 if name.endswith(_CACHE_SUFFIXES):
                     try:
-                        os.unlink(os.path.join(folder, name))
+                        os.unlink(os.path.join(here, name))
                     except OSError:
                         pass  # removed by another process meanwhile, or not ours to remove
     try:
-        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         tmp = f"{stamp}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("\n".join([digest, *modules]))
