@@ -110,8 +110,11 @@ def stream_threshold(*, wait: bool = False) -> int:
     its own started when an output first asks: until it answers (``wait``: wait for it), outputs of
     `STREAM_MIN_BYTES` and more are streamed, so a loader's first batch does not wait for it."""
     fixed = _fixed_threshold()
-    if fixed is not None:
-        return fixed
+    return _measured_threshold(wait=wait) if fixed is None else fixed
+
+
+def _measured_threshold(*, wait: bool) -> int:
+    """`cache_reach`'s answer, at most `STREAM_MIN_BYTES`; `STREAM_MIN_BYTES` until it answers."""
     reach = _REACH.get(wait=wait)
     return STREAM_MIN_BYTES if reach is None else min(reach, STREAM_MIN_BYTES)
 
@@ -165,7 +168,7 @@ def streamed(out: np.ndarray) -> bool:
     fixed = _fixed_threshold()
     if fixed is not None:
         return out.nbytes >= fixed
-    return out.nbytes >= STREAM_PROBE_MIN_BYTES and out.nbytes >= stream_threshold()
+    return out.nbytes >= STREAM_PROBE_MIN_BYTES and out.nbytes >= _measured_threshold(wait=False)
 
 
 def rows_scratch(out: np.ndarray, threads: int | None = None) -> np.ndarray:
