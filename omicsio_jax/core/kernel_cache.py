@@ -8,7 +8,7 @@ machine code built from the helper's previous version after that module changed:
 Results would then be wrong without an error.
 
 `check_kernel_caches` keeps a stamp in the package's ``__pycache__``: the size and modification time
-of every module of the package (a stat each, about a millisecond in all), and a digest of their
+of every module of the package (a stat each, a few milliseconds in all), and a digest of their
 contents. When the modules' stat differs from the stamp, the digest is taken again; when it differs
 too, every ``*.nbi`` and ``*.nbc`` file in the package's ``__pycache__`` folders is removed, so each
 kernel compiles once more on first use. Every module counts, not only those that use numba: a kernel
