@@ -168,7 +168,7 @@ def bench_grain_stock(
     paths = [str(ds.path / shard.path) for shard in ds.manifest.shards]
 
     def to_dense(records: Sequence[bytes]) -> np.ndarray:
-        indptr, indices, values = codec.decode_csr(*codec.join_records(list(records)), num_genes)
+        indptr, indices, values = codec.decode_csr(codec.Records.of(list(records), num_genes))
         return _densify(indptr, indices, values, num_genes)
 
     source = grain.sources.ArrayRecordDataSource(paths)

@@ -76,12 +76,12 @@ def measure(
 
     def block() -> int:
         b = int(rng.integers(n // 16))
-        codec.decode_csr(*codec.join_records(reader.read(b * 16, b * 16 + 16)), NUM_COLUMNS)
+        codec.decode_csr(codec.Records.of(reader.read(b * 16, b * 16 + 16), NUM_COLUMNS))
         return 16
 
     def single() -> int:
         c = int(rng.integers(n))
-        codec.decode_csr(*codec.join_records(reader.read(c, c + 1)), NUM_COLUMNS)
+        codec.decode_csr(codec.Records.of(reader.read(c, c + 1), NUM_COLUMNS))
         return 1
 
     runs = [
@@ -116,7 +116,7 @@ def main() -> None:
     records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
     raw = sum(len(r) for r in records) / len(records)
     # warm up the numba kernels
-    codec.decode_csr(*codec.join_records(records[:16]), NUM_COLUMNS)
+    codec.decode_csr(codec.Records.of(records[:16], NUM_COLUMNS))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for group_size in args.group_sizes:

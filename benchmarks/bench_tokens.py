@@ -98,12 +98,12 @@ def child_kernels(cells: int, rounds: int, seconds: float) -> dict:
     import numpy as np
 
     import omicsio_jax as oj
-    from omicsio_jax.format.codec import join_records
+    from omicsio_jax.format.codec import Records
     from omicsio_jax.outputs.base import OutputContext, RowKeys
 
     numba.set_num_threads(1)
     ds = oj.open_dataset(DATASET)
-    buf, starts = join_records(ds.read_records(0, cells))
+    records = Records.of(ds.read_records(0, cells), ds.num_genes)  # checked once, as a loader does
     keys = RowKeys(np.arange(cells))
     reused: dict = {}
 
@@ -114,10 +114,10 @@ def child_kernels(cells: int, rounds: int, seconds: float) -> dict:
     for kind in ("csr", "geneformer", "scgpt"):
         spec = _output(kind)
         bound = (oj.CSR() if spec == "csr" else spec).bind(OutputContext.of_dataset(ds, rows=cells))
-        bound.from_records(buf, starts, empty, keys)
+        bound.from_records(records, empty, keys)
 
         def step(bound=bound) -> int:
-            bound.from_records(buf, starts, empty, keys)
+            bound.from_records(records, empty, keys)
             return cells
 
         runs = [window(step, seconds=seconds) for _ in range(rounds)]

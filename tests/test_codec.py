@@ -54,7 +54,7 @@ def test_sparse_round_trip_is_exact(batch):
     buf, starts = codec.encode_csr(*batch)
     assert all(s % 4 == 0 for s in starts)
     records = [buf[starts[i] : starts[i + 1]].tobytes() for i in range(len(starts) - 1)]
-    assert_csr_equal(codec.decode_csr(*codec.join_records(records), 200_000), batch)
+    assert_csr_equal(codec.decode_csr(codec.Records.of(records, 200_000)), batch)
 
 
 def _reference_record(cols: list[int], values: list[float]) -> bytes:
@@ -137,7 +137,7 @@ def test_dense_round_trip_is_exact(num_rows, width, kind, seed):
     elif kind == "float":
         dense *= rng.normal(size=(num_rows, width)).astype(np.float32)
     buf, starts = codec.encode_dense_rows(dense)
-    indptr, indices, values = codec.decode_csr(buf, starts, width)
+    indptr, indices, values = codec.decode_csr(codec.Records.check(buf, starts, width))
     rows, cols = np.nonzero(dense)
     np.testing.assert_array_equal(indices, cols)
     np.testing.assert_array_equal(values, dense[rows, cols])
@@ -162,7 +162,7 @@ def test_negative_zero_is_kept_bit_exact():
     indptr = np.array([0, 2], dtype=np.int64)
     values = np.array([-0.0, 3.0], dtype=np.float32)
     buf, starts = codec.encode_csr(indptr, np.array([1, 2], dtype=np.int32), values)
-    _, _, decoded = codec.decode_csr(buf, starts, 3)
+    _, _, decoded = codec.decode_csr(codec.Records.check(buf, starts, 3))
     assert decoded.view(np.uint32).tolist() == values.view(np.uint32).tolist()
 
 
@@ -170,7 +170,7 @@ def test_empty_batch_and_empty_rows():
     indptr = np.zeros(4, dtype=np.int64)
     buf, starts = codec.encode_csr(indptr, np.zeros(0, np.int32), np.zeros(0, np.float32))
     assert np.diff(starts).tolist() == [codec.HEADER_BYTES] * 3
-    out = codec.decode_csr(buf, starts, 1)
+    out = codec.decode_csr(codec.Records.check(buf, starts, 1))
     assert_csr_equal(out, (indptr, np.zeros(0, np.int32), np.zeros(0, np.float32)))
 
 
@@ -180,15 +180,15 @@ def test_corrupted_header_is_detected():
     bad = buf.copy()
     bad[4] ^= 0x01  # the stored length no longer matches the record size
     with pytest.raises(codec.MalformedRecordError, match="record 0 of the batch is malformed"):
-        codec.decode_csr(bad, starts, 10)
+        codec.decode_csr(codec.Records.check(bad, starts, 10))
     bad = buf.copy()
     bad[0] = 99  # unknown codec version
     with pytest.raises(codec.MalformedRecordError, match="unknown codec version"):
-        codec.decode_csr(bad, starts, 10)
+        codec.decode_csr(codec.Records.check(bad, starts, 10))
     with pytest.raises(
         codec.MalformedRecordError, match="not strictly ascending within the dataset's columns"
     ):
-        codec.decode_csr(buf, starts, 9)  # column 9 is past a 9-column dataset
+        codec.decode_csr(codec.Records.check(buf, starts, 9))  # column 9 is past a 9-column dataset
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,10 @@ def test_tokens_are_mapped_to_columns_and_float64_narrowed():
     token_to_col = np.full(31, -1, dtype=np.int32)
     token_to_col[[10, 20, 30]] = [0, 1, 2]
     buf, starts = codec.encode_csr(indptr, tokens, np.array([1.5, 2.0, 3.0]), token_to_col=token_to_col)
-    assert_csr_equal(codec.decode_csr(buf, starts, 3), (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)))
+    assert_csr_equal(
+        codec.decode_csr(codec.Records.check(buf, starts, 3)),
+        (indptr, [0, 1, 2], np.array([1.5, 2, 3], np.float32)),
+    )
 
 
 def test_encoding_is_deterministic_padding_included():
@@ -244,27 +247,34 @@ def test_decode_rows_and_slabs_match_csr():
     rows, cols = np.nonzero(dense)
     buf, starts = codec.encode_csr(indptr, cols.astype(np.int32), dense[rows, cols])
     out = np.full((12, 300), 7.0, np.float32)  # dirty, and two padding rows
-    codec.decode_rows(buf, starts, out)
+    codec.decode_rows(codec.Records.check(buf, starts, 300), out)
     np.testing.assert_array_equal(out[:10], dense)
     assert not out[10:].any()
     row_ids, idx, val = codec.decode_slabs(
-        buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=300
+        codec.Records.check(buf, starts, 300), num_rows=12, num_slabs=3, capacity=400, num_columns=300
     )
     rebuilt = np.zeros((12, 300), np.float32)
     for s in range(3):
         np.add.at(rebuilt, (s * 4 + row_ids[s], idx[s]), val[s])
     np.testing.assert_array_equal(rebuilt[:10], dense)
     assert (row_ids.dtype, idx.dtype) == (np.int16, np.uint16)  # the narrowest that hold them
-    wide = codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=400, num_columns=70_000)
+    wide = codec.decode_slabs(
+        codec.Records.check(buf, starts, 300), num_rows=12, num_slabs=3, capacity=400, num_columns=70_000
+    )
     assert wide[1].dtype == np.int32
     np.testing.assert_array_equal(wide[1], idx)
     dense_buf, dense_starts = codec.encode_dense_rows(dense[:, :40])
     narrow = np.zeros((10, 40), np.float32)
-    np.testing.assert_array_equal(codec.decode_rows(dense_buf, dense_starts, narrow), dense[:, :40])
+    dense_records = codec.Records.check(dense_buf, dense_starts, 40)
+    np.testing.assert_array_equal(codec.decode_rows(dense_records, narrow), dense[:, :40])
     with pytest.raises(codec.MalformedRecordError, match="a dense record of the wrong width"):
-        codec.decode_rows(dense_buf, dense_starts, np.zeros((10, 39), np.float32))
+        codec.Records.check(dense_buf, dense_starts, 39)
+    with pytest.raises(codec.MalformedRecordError, match="a dense record of the wrong width"):
+        codec.decode_rows(dense_records, np.zeros((10, 39), np.float32))  # checked again: 39 columns
     with pytest.raises(ValueError, match="pass nnz_capacity >= "):
-        codec.decode_slabs(buf, starts, num_rows=12, num_slabs=3, capacity=5, num_columns=300)
+        codec.decode_slabs(
+            codec.Records.check(buf, starts, 300), num_rows=12, num_slabs=3, capacity=5, num_columns=300
+        )
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -295,13 +305,15 @@ def test_rows_streamed_around_the_caches_are_the_rows_written_in_place(threads):
             assert out.ctypes.data % 64 != 0
             with streaming(0):
                 assert kernels.rows_scratch(out).shape[1] >= cols_out
-                codec.decode_rows(*records, out)
+                codec.decode_rows(codec.Records.check(*records, cols_out), out)
                 scratch = kernels.rows_scratch(out)
             np.testing.assert_array_equal(out[: len(expected)], expected)
             assert not out[len(expected) :].any()
             assert raw[0] == 7.0  # nothing written before the output
             assert not scratch.any()
-            in_place = codec.decode_rows(*records, np.full((rows, cols_out), 7.0, np.float32))
+            in_place = codec.decode_rows(
+                codec.Records.check(*records, cols_out), np.full((rows, cols_out), 7.0, np.float32)
+            )
             np.testing.assert_array_equal(out, in_place)
     finally:
         numba.set_num_threads(previous)

@@ -133,33 +133,34 @@ def _as_dense(decoded: list, width: int = NUM_COLUMNS) -> np.ndarray:
 @given(mutated())
 @settings(max_examples=400, deadline=None)
 def test_every_decoder_refuses_a_damaged_record_or_returns_exactly_what_it_says(case):
-    """Either `MalformedRecordError` naming the damaged record, or — when the damage still spells a
-    record the writer makes — exactly what the reference reading of the bytes says, in every decoder."""
+    """Either `MalformedRecordError` naming the damaged record, from the check every record passes
+    before a decoder reads it, or — when the damage still spells a record the writer makes —
+    exactly what the reference reading of the bytes says, in every decoder."""
     recs, damaged = case
     buf, starts = codec.join_records(recs)
     expected = _expected(recs)
+    if expected is None:
+        with pytest.raises(codec.MalformedRecordError) as info:
+            codec.Records.check(buf, starts, NUM_COLUMNS)
+        assert info.value.index == damaged
+        return
+    records = codec.Records.check(buf, starts, NUM_COLUMNS)
     decoders = {
-        "csr": lambda: codec.decode_csr(buf, starts, NUM_COLUMNS),
-        "rows": lambda: codec.decode_rows(buf, starts, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
+        "csr": lambda: codec.decode_csr(records),
+        "rows": lambda: codec.decode_rows(records, np.full((len(recs), NUM_COLUMNS), 7, np.float32)),
         "slabs": lambda: codec.decode_slabs(
-            buf, starts, num_rows=len(recs), num_slabs=1, capacity=4096, num_columns=NUM_COLUMNS
+            records, num_rows=len(recs), num_slabs=1, capacity=4096, num_columns=NUM_COLUMNS
         ),
         "log1p": lambda: scatter.decode_scatter(
-            buf, starts, np.empty((len(recs), NUM_COLUMNS), np.float32), normalize="log1p"
+            records, np.empty((len(recs), NUM_COLUMNS), np.float32), normalize="log1p"
         ),
         "panel": lambda: scatter.decode_scatter(
-            buf,
-            starts,
+            records,
             np.empty((len(recs), 3), np.float32),
             gene_to_col=scatter.make_gene_to_col(NUM_COLUMNS, [5, 0, 299]),
         ),
     }
     for name, decode in decoders.items():
-        if expected is None:
-            with pytest.raises(codec.MalformedRecordError) as info:
-                decode()
-            assert info.value.index == damaged, name
-            continue
         got = decode()
         dense = _as_dense(expected)
         if name == "csr":
@@ -209,14 +210,22 @@ def test_token_outputs_refuse_a_damaged_record_or_tokenize_it(small_dataset, cas
     buf, starts = codec.join_records(recs)
     ctx = OutputContext.of_dataset(small_dataset, rows=len(recs))
     keys = RowKeys(np.arange(len(recs), dtype=np.int64))
+    try:  # checked against far more columns than the tables have: each output checks them again
+        wide = codec.Records.check(buf, starts, 1 << 20)
+    except codec.MalformedRecordError:  # damage any width refuses, or a dense record
+        wide = None
+
+    def records() -> codec.Records:  # a refusal here is the check's, before any kernel runs
+        return wide if wide is not None else codec.Records.check(buf, starts, NUM_COLUMNS)
+
     for output in (oj.GeneformerTokens(max_len=16), oj.ScGPTTokens(max_len=16)):
         bound = output.bind(ctx)
         if _expected(recs) is None:
             with pytest.raises(codec.MalformedRecordError) as info:
-                bound.from_records(buf, starts, np.empty, keys)
+                bound.from_records(records(), np.empty, keys)
             assert info.value.index == damaged
         else:
-            out = bound.from_records(buf, starts, np.empty, keys)
+            out = bound.from_records(records(), np.empty, keys)
             assert all(v.shape[0] == len(recs) for v in out.values())
 
 

@@ -165,10 +165,13 @@ def test_decode_scatter_is_decode_csr_then_scatter(
     rows = len(indptr) - 1 + padding
     with streaming(0 if streamed else kernels.STREAM_MIN_BYTES):
         got = scatter.decode_scatter(
-            buf, starts, dirty((rows, width)), gene_to_col=gene_to_col, normalize=normalize
+            codec.Records.check(buf, starts, num_genes),
+            dirty((rows, width)),
+            gene_to_col=gene_to_col,
+            normalize=normalize,
         )
         assert not kernels.rows_scratch(got).any()  # left zero for the next batch
-    ptr, idx, val = codec.decode_csr(buf, starts, num_genes)
+    ptr, idx, val = codec.decode_csr(codec.Records.check(buf, starts, num_genes))
     ptr = np.concatenate([ptr, np.full(padding, ptr[-1])])
     if gene_to_col is None:
         expected = scatter.scatter_dense(ptr, idx, val, num_genes, normalize=normalize)
@@ -184,9 +187,13 @@ def test_decode_scatter_refuses_a_malformed_record():
     buf, starts = codec.encode_csr(
         np.array([0, 2], np.int64), np.array([1, 3], np.int32), np.array([1.0, 2.0], np.float32)
     )
-    buf[1] = 9  # an unknown index code
+    good, buf[1] = buf[1], 9  # an unknown index code
     with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
-        scatter.decode_scatter(buf, starts, np.empty((1, 5), np.float32), normalize="log1p")
+        codec.Records.check(buf, starts, 5)
+    buf[1] = good  # columns 1 and 3: fine for 5 columns, and checked again for an output of 3
+    records = codec.Records.check(buf, starts, 5)
+    with pytest.raises(ValueError, match="record 0 of the batch is malformed"):
+        scatter.decode_scatter(records, np.empty((1, 3), np.float32), normalize="log1p")
 
 
 def test_make_gene_to_col():

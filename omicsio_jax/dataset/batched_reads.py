@@ -2,8 +2,9 @@
 
 `FetchReader` reads the records of any list of rows (in serving order): the distinct rows sorted,
 one read per run of consecutive rows (for a dataset on object storage, the chunks of all runs are
-fetched first, together: see `runs.read_runs`), kept as one buffer (`Fetched`), from which
-each minibatch's records are gathered in serving order. `SegmentCache` makes sure each segment
+fetched first, together: see `runs.read_runs`), kept as one buffer and checked once, on the thread
+that read it (`Fetched`); each minibatch's records are picked from it in serving order where they
+lie, neither copied nor checked again (`codec.Records`). `SegmentCache` makes sure each segment
 (a fetch, see `schedule`) is read once per process however many threads ask for its
 minibatches, and reads the next ones ahead on its own threads while the current one is decoded
 (for a remote dataset, that read-ahead is the prefetch of the next fetches' chunks).
@@ -23,23 +24,23 @@ import numpy as np
 
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.dataset.dataset import Dataset
-from omicsio_jax.format.codec import EMPTY_RECORD
+from omicsio_jax.format.codec import EMPTY_RECORD, Records
 from omicsio_jax.records.chunk_reader import copy_bytes
-from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs
+from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
 
 T = TypeVar("T")
 _EMPTY = np.frombuffer(EMPTY_RECORD, np.uint8)
 
 
 @nb.njit(nogil=True, cache=True)
-def _gather(buf, starts, positions, empty):
-    """Records ``positions[i]`` of ``(buf, starts)`` (-1: ``empty``) concatenated: ``(buf, starts)``."""
+def _gather(buf, begins, ends, positions, empty):
+    """Records ``positions[i]`` of ``buf`` (-1: ``empty``) concatenated: ``(buf, starts)``."""
     n = positions.shape[0]
     out_starts = np.empty(n + 1, np.int64)
     out_starts[0] = 0
     for i in range(n):
         p = positions[i]
-        size = empty.shape[0] if p < 0 else starts[p + 1] - starts[p]
+        size = empty.shape[0] if p < 0 else ends[p] - begins[p]
         out_starts[i + 1] = out_starts[i] + size
     out = np.empty(out_starts[n], np.uint8)
     for i in range(n):
@@ -47,23 +48,28 @@ def _gather(buf, starts, positions, empty):
         if p < 0:
             copy_bytes(out, out_starts[i], empty, 0, empty.shape[0])
         else:
-            copy_bytes(out, out_starts[i], buf, starts[p], starts[p + 1] - starts[p])
+            copy_bytes(out, out_starts[i], buf, begins[p], ends[p] - begins[p])
     return out, out_starts
 
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:
-    """The records of a list of rows: those of its distinct rows, ascending, in one buffer (``buf``,
-    ``starts``), and for each row of the list its record (``positions``, -1 for padding)."""
+    """The records of a list of rows: those of its distinct rows, ascending, checked (``records``),
+    and for each row of the list its record (``positions``, -1 for padding)."""
 
-    buf: np.ndarray
-    starts: np.ndarray
+    records: Records
     positions: np.ndarray
 
-    def take(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(buf, starts)`` of the records of rows ``[lo, hi)`` of the list, in its order (padding
-        rows get `EMPTY_RECORD`): what the decoders take."""
-        return _gather(self.buf, self.starts, self.positions[lo:hi], _EMPTY)
+    def take(self, lo: int, hi: int) -> Records:
+        """The records of rows ``[lo, hi)`` of the list, in its order: where they lie in the fetch's
+        buffer; a minibatch with padding rows (an epoch's last, a host's share of one) gets its
+        records copied, with `EMPTY_RECORD` for each padding row."""
+        positions = self.positions[lo:hi]
+        if not len(positions) or positions.min() >= 0:
+            return self.records.select(positions)
+        r = self.records
+        buf, starts = _gather(r.buf, r.begins, r.ends, positions, _EMPTY)
+        return Records.check(buf, starts, r.num_columns)
 
 
 class FetchReader:
@@ -91,13 +97,16 @@ class FetchReader:
         )
 
     def __call__(self, rows: np.ndarray, *, announce_first: bool = True) -> Fetched:
-        """The records of ``rows`` (in any order; rows may repeat; -1 is padding), each distinct row read once."""
+        """The records of ``rows`` (in any order; rows may repeat; -1 is padding), each distinct row
+        read once and checked (a malformed one: `DatasetFormatError` naming its shard and cell)."""
         real = rows >= 0
         unique, inverse = np.unique(rows[real], return_inverse=True)
         buf, starts = self.read_sorted(unique, announce_first=announce_first)
+        with records_checked(self.dataset, unique):
+            records = Records.check(buf, starts, self.dataset.num_genes)
         positions = np.full(len(rows), -1, np.int64)
         positions[real] = inverse
-        return Fetched(buf, starts, positions)
+        return Fetched(records, positions)
 
 
 class OutputRecords:
@@ -114,12 +123,11 @@ class OutputRecords:
             return self._readers[None](rows, announce_first=announce_first)
         return {name: read(rows, announce_first=announce_first) for name, read in self._readers.items()}
 
-    def join(self, records, lo: int, hi: int):
-        """``(buf, starts)`` of the records of rows ``[lo, hi)`` (`Fetched.take`), or dicts of them by modality."""
+    def join(self, records, lo: int, hi: int) -> Records | dict[str, Records]:
+        """The `Records` of rows ``[lo, hi)`` (`Fetched.take`), or a dict of them by modality."""
         if self.single:
             return records.take(lo, hi)
-        joined = {name: recs.take(lo, hi) for name, recs in records.items()}
-        return {n: j[0] for n, j in joined.items()}, {n: j[1] for n, j in joined.items()}
+        return {name: recs.take(lo, hi) for name, recs in records.items()}
 
 
 _CLOSED = "the loader was closed while this batch was being read"

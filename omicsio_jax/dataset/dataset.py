@@ -454,7 +454,7 @@ class Dataset:
 
         >>> buf, starts = ds.read_buffer(0, 8192)                              # doctest: +SKIP
         >>> with ds.records_checked(np.arange(0, 8192)):                        # doctest: +SKIP
-        ...     indptr, indices, values = decode_csr(buf, starts, ds.num_genes)
+        ...     indptr, indices, values = decode_csr(Records.check(buf, starts, ds.num_genes))
         """
         return records_checked(self, rows)
 
@@ -480,7 +480,7 @@ class Dataset:
         if len(starts) == 1:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
         with records_checked(self, unique):
-            indptr, indices, values = codec.decode_csr(buf, starts, self.num_genes)
+            indptr, indices, values = codec.decode_csr(codec.Records.check(buf, starts, self.num_genes))
         if len(unique) == len(rows) and np.array_equal(unique, rows):
             return indptr, indices, values
         return take_rows(indptr, indices, values, inverse.astype(np.int64))

@@ -20,11 +20,14 @@ decoding always returns exactly the float32 values that were written.
 
 Every kernel here works on a whole batch of records at once (numba, ``prange``, ``nogil``):
 records are concatenated into one buffer with 4-aligned starts, so one call decodes a whole
-fetch without a Python loop per cell.
+fetch without a Python loop per cell. The decoders take `Records`: records checked once where they
+were read (`Records.check`), then picked for each minibatch where they lie (`Records.select`),
+neither copied nor checked again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import namedtuple
 from collections.abc import Callable
@@ -616,16 +619,68 @@ def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def checked_views(
     buf: np.ndarray, starts: np.ndarray, num_columns: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`views` of a batch of records, after `check_records` (columns below ``num_columns``).
+    """`views` of a batch of records, after `check_records` (columns below ``num_columns``)."""
+    return Records.check(buf, starts, num_columns).views(num_columns)
 
-    Raises `MalformedRecordError` for the first malformed record: no decoder ever reads past a
-    record, or writes past its output, or returns what the writer could not have written.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Records:
+    """Records the decoders read: record ``i`` is ``buf[begins[i]:ends[i]]`` (``buf`` a read-only,
+    4-aligned uint8 buffer, which may hold other records too), every one checked by `check_records`
+    against ``num_columns`` columns, so no decoder reads past a record, or writes past its output,
+    or returns what the writer could not have written.
+
+    Made by `check` (a loader: once per fetch, on the thread that read it) and `select` (each
+    minibatch's records where they lie in their fetch: not copied, not checked again).
+
+    >>> records = Records.check(*ds.read_buffer(0, 1024), ds.num_genes)     # doctest: +SKIP
+    >>> indptr, indices, values = decode_csr(records)                      # doctest: +SKIP
     """
-    u8, u32, f32 = views(read_only(buf))
-    bad, problem = check_records(u8, u32, f32, starts[:-1], starts[1:], np.int64(num_columns))
-    if bad >= 0:
-        raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
-    return u8, u32, f32
+
+    buf: np.ndarray
+    begins: np.ndarray
+    ends: np.ndarray
+    num_columns: int
+
+    @classmethod
+    def check(cls, buf: np.ndarray, starts: np.ndarray, num_columns: int) -> Records:
+        """The records ``buf[starts[i]:starts[i + 1]]`` (``starts``: one entry per record plus the end),
+        checked against ``num_columns`` columns. Raises `MalformedRecordError` for the first
+        malformed one."""
+        u8, u32, f32 = views(read_only(buf))
+        begins, ends = starts[:-1], starts[1:]
+        bad, problem = check_records(u8, u32, f32, begins, ends, np.int64(num_columns))
+        if bad >= 0:
+            raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
+        return cls(u8, begins, ends, int(num_columns))
+
+    @classmethod
+    def of(cls, records: list[bytes], num_columns: int) -> Records:
+        """``records`` joined (`join_records`) and checked."""
+        return cls.check(*join_records(records), num_columns)
+
+    @classmethod
+    def padding(cls, n: int) -> Records:
+        """``n`` empty records (padding rows)."""
+        return cls.of([EMPTY_RECORD] * n, 0)
+
+    def __len__(self) -> int:
+        return self.begins.shape[0]
+
+    def views(self, num_columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The buffer's uint8/uint32/float32 views, for a decoder of ``num_columns`` columns: records
+        checked against another number of columns are checked again against these (a column past
+        them, or a dense record of another width, is malformed here)."""
+        if num_columns != self.num_columns:
+            u8, u32, f32 = views(self.buf)
+            bad, problem = check_records(u8, u32, f32, self.begins, self.ends, np.int64(num_columns))
+            if bad >= 0:
+                raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
+        return views(self.buf)
+
+    def select(self, positions: np.ndarray) -> Records:
+        """Records ``positions`` (each ``>= 0``), in that order: where they lie, not copied."""
+        return Records(self.buf, self.begins[positions], self.ends[positions], self.num_columns)
 
 
 class MalformedRecordError(ValueError):
@@ -651,21 +706,16 @@ def join_records(records: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return buf, starts
 
 
-def decode_csr(
-    buf: np.ndarray, starts: np.ndarray, num_columns: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decode concatenated records into CSR ``(indptr int64, indices int32, values float32)``.
-
-    ``starts`` has one entry per record plus the end of the buffer; dense records come back as
-    their nonzero entries.
-    """
-    u8, u32, f32 = checked_views(buf, starts, num_columns)
-    nnz = _stored_nnz(u8, u32, f32, starts[:-1])
+def decode_csr(records: Records) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode records into CSR ``(indptr int64, indices int32, values float32)``; dense records
+    come back as their nonzero entries."""
+    u8, u32, f32 = records.views(records.num_columns)
+    nnz = _stored_nnz(u8, u32, f32, records.begins)
     indptr = np.zeros(len(nnz) + 1, dtype=np.int64)
     np.cumsum(nnz, out=indptr[1:])
     indices = np.empty(indptr[-1], dtype=np.int32)
     values = np.empty(indptr[-1], dtype=np.float32)
-    _decode_into_csr(u8, u32, f32, starts[:-1], indptr, indices, values)
+    _decode_into_csr(u8, u32, f32, records.begins, indptr, indices, values)
     return indptr, indices, values
 
 
@@ -746,8 +796,7 @@ def slab_dtypes(rows_per_slab: int, num_columns: int) -> tuple[np.dtype, np.dtyp
 
 
 def decode_slabs(
-    buf: np.ndarray,
-    starts: np.ndarray,
+    records: Records,
     *,
     num_rows: int,
     num_slabs: int,
@@ -764,14 +813,14 @@ def decode_slabs(
     of columns): a third less to write and to move than int32. Raises ValueError when a slab
     holds more than ``capacity`` nonzeros. ``empty(shape, dtype)`` allocates the outputs.
     """
-    n = len(starts) - 1
+    n = len(records)
     rows_per_slab = num_rows // num_slabs
     row_dtype, index_dtype = slab_dtypes(rows_per_slab, num_columns)
     if n == 0:
         return tuple(np.zeros((num_slabs, capacity), dtype) for dtype in (row_dtype, index_dtype, np.float32))
-    u8, u32, f32 = checked_views(buf, starts, num_columns)
+    u8, u32, f32 = records.views(num_columns)
     nnz = np.zeros(num_rows, np.int64)
-    nnz[:n] = _stored_nnz(u8, u32, f32, starts[:-1])
+    nnz[:n] = _stored_nnz(u8, u32, f32, records.begins)
     per_slab = nnz.reshape(num_slabs, rows_per_slab)
     totals = per_slab.sum(axis=1)
     if totals.max() > capacity:
@@ -796,7 +845,7 @@ def decode_slabs(
         u8,
         u32,
         f32,
-        starts[:-1],
+        records.begins,
         nnz,
         positions,
         rows_per_slab,
@@ -807,11 +856,11 @@ def decode_slabs(
     return row_ids, indices, values
 
 
-def decode_rows(buf: np.ndarray, starts: np.ndarray, out: np.ndarray) -> np.ndarray:
+def decode_rows(records: Records, out: np.ndarray) -> np.ndarray:
     """Decode records straight into dense rows ``out`` (n ≥ records; extra rows are zeroed).
 
     One pass, no CSR in between: the fast path for dense output without normalization, and for
     datasets of the dense (gene panel) layout.
     """
-    _decode_into_rows(*checked_views(buf, starts, out.shape[1]), starts[:-1], out, rows_scratch(out))
+    _decode_into_rows(*records.views(out.shape[1]), records.begins, out, rows_scratch(out))
     return out

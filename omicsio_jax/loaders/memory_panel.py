@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from omicsio_jax.core.buffers import aligned_empty
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.format.codec import Records
 from omicsio_jax.outputs.base import OutputContext
 from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.outputs.panel import Panel
@@ -120,9 +121,9 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
         for begin, end in consecutive_runs(ids):
             for lo in range(begin, end, _READ_CELLS):
                 hi = min(lo + _READ_CELLS, end)
-                buf, starts = ds.read_buffer(lo, hi)
                 with records_checked(ds, np.arange(lo, hi)):
-                    output.from_records(buf, starts, lambda shape, dtype, at=pos: x[at : at + shape[0]])
+                    records = Records.check(*ds.read_buffer(lo, hi), ds.num_genes)
+                    output.from_records(records, lambda shape, dtype, at=pos: x[at : at + shape[0]])
                 pos += hi - lo
                 bar.update(hi - lo)
     obs_arrays, categories = {}, {}

@@ -229,24 +229,24 @@ class MinibatchReader:
             alone and not self.dataset.is_remote
         ):  # the first batch reads only its own cells (a quarter of the chunks)
             rows = self.schedule.rows(seg)[lo : lo + b]
-            buf, starts = self._read.join(
+            records = self._read.join(
                 self._read(rows, announce_first=False), 0, len(rows)
             )  # warm: not a moment lost
         else:
-            rows, records = self._segments.get(seg)
+            rows, fetched = self._segments.get(seg)
             rows = rows[lo : lo + b]
-            buf, starts = self._read.join(records, lo, lo + b)
-            del records
+            records = self._read.join(fetched, lo, lo + b)
+            del fetched
         self._segments.used(seg, seg.num_steps)  # all its steps joined: the segment's records can go
         keys = RowKeys(rows, epoch, self.schedule.plan.seed)
         with records_checked(self.dataset, rows):
             if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
-                x = self.output.from_records(buf, starts, self._buffers.empty, keys)
+                x = self.output.from_records(records, self._buffers.empty, keys)
             else:
                 previous = numba.get_num_threads()  # thread-local in numba: only this thread
                 numba.set_num_threads(self.decode_threads)
                 try:
-                    x = self.output.from_records(buf, starts, self._buffers.empty, keys)
+                    x = self.output.from_records(records, self._buffers.empty, keys)
                 finally:
                     numba.set_num_threads(previous)
         mask = rows >= 0

@@ -16,11 +16,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
+
+if TYPE_CHECKING:
+    from omicsio_jax.format.codec import Records
 
 Empty = Callable[[tuple[int, ...], Any], np.ndarray]  # allocates an uninitialized output array
 
@@ -96,10 +99,8 @@ class Output(abc.ABC):
         """JSON of everything that decides ``x``, compared on restore (``"output"`` names the kind)."""
 
     @abc.abstractmethod
-    def from_records(
-        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
-    ) -> Any:
-        """``x`` of the records ``buf[starts[i]:starts[i+1]]``, one per row of the host batch."""
+    def from_records(self, records: Records, empty: Empty, keys: RowKeys | None = None) -> Any:
+        """``x`` of the records (`Records`, checked), one per row of the host batch."""
 
     def warm_up(self) -> None:
         """Run `from_records` once on empty records (padding rows), so that numba's one-time start in
@@ -108,9 +109,10 @@ class Output(abc.ABC):
         from omicsio_jax.format import codec
 
         rows = getattr(self, "num_slabs", 1)  # a csr batch splits into its device slabs
-        buf, starts = codec.join_records([codec.EMPTY_RECORD] * rows)
         self.from_records(
-            buf, starts, lambda shape, dtype: np.zeros(shape, dtype), RowKeys(np.full(rows, -1, np.int64))
+            codec.Records.padding(rows),
+            lambda shape, dtype: np.zeros(shape, dtype),
+            RowKeys(np.full(rows, -1, np.int64)),
         )
 
     def from_csr(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, empty: Empty) -> Any:

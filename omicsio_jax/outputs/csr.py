@@ -89,19 +89,16 @@ class CSR(Output):
             **({"measured": True} if self.measured else {}),
         }
 
-    def from_records(
-        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
-    ) -> SparseBatch:
+    def from_records(self, records: codec.Records, empty: Empty, keys: RowKeys | None = None) -> SparseBatch:
         sources = None
         if self.measured:
-            rows = keys.rows if keys is not None else np.full(len(starts) - 1, -1)
+            rows = keys.rows if keys is not None else np.full(len(records), -1)
             sources = self.presence.sources_of(rows)
         try:
             return SparseBatch(
                 *codec.decode_slabs(
-                    buf,
-                    starts,
-                    num_rows=len(starts) - 1,
+                    records,
+                    num_rows=len(records),
                     num_slabs=self.num_slabs,
                     capacity=self.nnz_capacity,
                     num_columns=self.num_columns,

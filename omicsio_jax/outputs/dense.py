@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -16,6 +16,9 @@ from omicsio_jax.outputs.batch import DeviceStep, SparseBatch
 from omicsio_jax.outputs.csr import CSR
 from omicsio_jax.outputs.measured import MeasuredRows, PresenceTable, presence_table
 from omicsio_jax.outputs.normalize import Normalization
+
+if TYPE_CHECKING:
+    from omicsio_jax.format.codec import Records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +90,16 @@ class Dense(Output):
         }
 
     def from_records(
-        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+        self, records: Records, empty: Empty, keys: RowKeys | None = None
     ) -> np.ndarray | MeasuredRows | SlabRows:
         sources = None
         if self.measured:
-            rows = keys.rows if keys is not None else np.full(len(starts) - 1, -1)
+            rows = keys.rows if keys is not None else np.full(len(records), -1)
             sources = self.presence.sources_of(rows)
         if self.on_device:
-            return SlabRows(self.slabs.from_records(buf, starts, empty), sources, self.slabs, self.table)
-        out = empty((len(starts) - 1, self.num_columns), np.float32)
-        x = scatter.decode_scatter(buf, starts, out, normalize=self.normalize, target_sum=self.target_sum)
+            return SlabRows(self.slabs.from_records(records, empty), sources, self.slabs, self.table)
+        out = empty((len(records), self.num_columns), np.float32)
+        x = scatter.decode_scatter(records, out, normalize=self.normalize, target_sum=self.target_sum)
         return x if sources is None else MeasuredRows(x, sources, self.table)
 
     def from_csr(self, indptr, indices, values, empty: Empty) -> np.ndarray:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.csr import CSR
 from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.records.runs import records_checked
+
+if TYPE_CHECKING:
+    from omicsio_jax.format.codec import Records
 
 _SHORTHANDS = {"dense": Dense, "csr": CSR}
 
@@ -103,22 +104,18 @@ class Modalities(Output):
         return {"output": self.kind, "modalities": {name: output.config() for name, output in self.outputs}}
 
     def from_records(
-        self,
-        buf: Mapping[str, np.ndarray],
-        starts: Mapping[str, np.ndarray],
-        empty: Empty,
-        keys: RowKeys | None = None,
+        self, records: Mapping[str, Records], empty: Empty, keys: RowKeys | None = None
     ) -> dict[str, Any]:
-        """``buf`` / ``starts``: each modality's records of the same rows."""
+        """``records``: each modality's records of the same rows."""
         out = {}
         for name, output in self.outputs:
             if keys is None:
-                out[name] = output.from_records(buf[name], starts[name], empty, keys)
+                out[name] = output.from_records(records[name], empty, keys)
                 continue
             with records_checked(
                 self.datasets[name], keys.rows
             ):  # a damaged record names its modality's shard
-                out[name] = output.from_records(buf[name], starts[name], empty, keys)
+                out[name] = output.from_records(records[name], empty, keys)
         return out
 
     def warm_up(self) -> None:

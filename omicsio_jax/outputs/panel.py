@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.normalize import Normalization
+
+if TYPE_CHECKING:
+    from omicsio_jax.format.codec import Records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +58,10 @@ class Panel(Output):
             "target_sum": self.target_sum,
         }
 
-    def from_records(
-        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
-    ) -> np.ndarray:
-        out = empty((len(starts) - 1, self.num_columns), np.float32)
+    def from_records(self, records: Records, empty: Empty, keys: RowKeys | None = None) -> np.ndarray:
+        out = empty((len(records), self.num_columns), np.float32)
         return scatter.decode_scatter(
-            buf,
-            starts,
+            records,
             out,
             gene_to_col=self.gene_to_col,
             normalize=self.normalize,

@@ -241,15 +241,14 @@ def scatter_dense(
 
 
 def decode_scatter(
-    buf: np.ndarray,
-    starts: np.ndarray,
+    records: codec.Records,
     out: np.ndarray,
     *,
     gene_to_col: np.ndarray | None = None,
     normalize: str | None = None,
     target_sum: float = 1e4,
 ) -> np.ndarray:
-    """Decode records ``buf[starts[i]:starts[i+1]]`` straight into the rows of ``out``, one pass.
+    """Decode records straight into the rows of ``out``, one pass.
 
     The same result as `decode_csr` followed by `scatter_dense` (or `scatter_panel` with
     ``gene_to_col``), without the CSR in between; rows of ``out`` past the records are zeroed.
@@ -257,14 +256,14 @@ def decode_scatter(
     ``gene_to_col``'s genes).
     """
     if gene_to_col is None and normalize is None:
-        return codec.decode_rows(buf, starts, out)
+        return codec.decode_rows(records, out)
     mode = Normalization(normalize, target_sum).code
     num_columns = out.shape[1] if gene_to_col is None else len(gene_to_col)  # of the records
-    u8, u32, f32 = codec.checked_views(buf, starts, num_columns)
+    u8, u32, f32 = records.views(num_columns)
     mapped = gene_to_col is not None
     table = gene_to_col if mapped else np.zeros(0, np.int32)
     _decode_scatter_kernel(
-        u8, u32, f32, starts[:-1], table, mapped, mode, np.float32(target_sum), out, rows_scratch(out)
+        u8, u32, f32, records.begins, table, mapped, mode, np.float32(target_sum), out, rows_scratch(out)
     )
     return out
 

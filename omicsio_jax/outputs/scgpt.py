@@ -108,10 +108,10 @@ class ScGPTTokens(Output):
         }
 
     def from_records(
-        self, buf: np.ndarray, starts: np.ndarray, empty: Empty, keys: RowKeys | None = None
+        self, records: codec.Records, empty: Empty, keys: RowKeys | None = None
     ) -> dict[str, np.ndarray]:
         keys = needs_keys(self, keys)
-        n, length = len(starts) - 1, self.max_len
+        n, length = len(records), self.max_len
         out = {
             "gene_ids": empty((n, length), np.int32),
             "values": empty((n, length), np.float32),
@@ -120,13 +120,13 @@ class ScGPTTokens(Output):
             "pad_mask": empty((n, length), np.bool_),
         }
         v = self.vocabulary
-        u8, u32, f32 = codec.checked_views(buf, starts, len(v.tok))
+        u8, u32, f32 = records.views(len(v.tok))
         token_kernels.scgpt_kernel(
             numba.get_num_threads(),
             u8,
             u32,
             f32,
-            starts[:-1],
+            records.begins,
             keys.rows.astype(np.int64),
             keys.seed,
             keys.epoch,

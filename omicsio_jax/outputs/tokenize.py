@@ -39,6 +39,6 @@ def tokenize(
         ds.check_rows(real)
     bound = resolve_output(output).bind(OutputContext.of_dataset(ds, rows=max(len(rows), 1)))
     read = OutputRecords(ds, bound.modalities)
-    buf, starts = read.join(read(rows), 0, len(rows))
+    records = read.join(read(rows), 0, len(rows))
     with records_checked(ds, rows):
-        return bound.from_records(buf, starts, np.empty, RowKeys(rows, epoch, seed))
+        return bound.from_records(records, np.empty, RowKeys(rows, epoch, seed))
