@@ -530,18 +530,26 @@ def decode_one(u8, u32, f32, start, indices, values, out):
                 written += 1
         return written
     # columns and values in loops of their own: the running sum of gaps is serial, the value
-    # conversion then vectorizes
+    # conversion then vectorizes. The sum in uint32 (it stays below the checked columns) and counts
+    # of one byte (the common value code) in a loop of their own: 15% less time per entry than an
+    # int64 sum and `value_at` in every loop (csr slabs of 1,024 cells, one thread, 2-core EPYC)
     cols, vals = indices[out : out + n], values[out : out + n]
     if fields.index_code == INDEX_DELTA_U16:
-        col = np.int64(0)
+        low, high = fields.gap_low, fields.gap_high
+        col = np.uint32(0)
         for k in range(n):
-            col += gap_at(fields, k)
+            col += np.uint32(low[k]) | (np.uint32(high[k]) << np.uint32(8))
             cols[k] = col
     else:
         for k in range(n):
             cols[k] = fields.columns[k]
-    for k in range(n):
-        vals[k] = value_at(fields, k)
+    if fields.value_code == VALUE_U8:
+        counts = fields.value_low
+        for k in range(n):
+            vals[k] = np.float32(counts[k])
+    else:
+        for k in range(n):
+            vals[k] = value_at(fields, k)
     return n
 
 
