@@ -656,12 +656,9 @@ class Records:
         """The records ``buf[starts[i]:starts[i + 1]]`` (``starts``: one entry per record plus the end),
         checked against ``num_columns`` columns. Raises `MalformedRecordError` for the first
         malformed one."""
-        u8, u32, f32 = views(read_only(buf))
-        begins, ends = starts[:-1], starts[1:]
-        bad, problem = check_records(u8, u32, f32, begins, ends, np.int64(num_columns))
-        if bad >= 0:
-            raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
-        return cls(u8, begins, ends, int(num_columns))
+        records = cls(read_only(buf), starts[:-1], starts[1:], int(num_columns))
+        records._check(records.num_columns)
+        return records
 
     @classmethod
     def of(cls, records: list[bytes], num_columns: int) -> Records:
@@ -681,11 +678,14 @@ class Records:
         checked against another number of columns are checked again against these (a column past
         them, or a dense record of another width, is malformed here)."""
         if num_columns != self.num_columns:
-            u8, u32, f32 = views(self.buf)
-            bad, problem = check_records(u8, u32, f32, self.begins, self.ends, np.int64(num_columns))
-            if bad >= 0:
-                raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
+            self._check(num_columns)
         return views(self.buf)
+
+    def _check(self, num_columns: int) -> None:
+        """Raise `MalformedRecordError` for the first record `check_records` refuses for ``num_columns``."""
+        bad, problem = check_records(*views(self.buf), self.begins, self.ends, np.int64(num_columns))
+        if bad >= 0:
+            raise MalformedRecordError(int(bad), RECORD_PROBLEMS[problem])
 
     def select(self, positions: np.ndarray) -> Records:
         """Records ``positions`` (each ``>= 0``), in that order: where they lie, not copied."""
