@@ -50,6 +50,8 @@ class GeneformerTokens(Output):
     vocabulary: Vocabulary | None = dataclasses.field(default=None, compare=False, repr=False)  # set by bind
     inv_median: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     scale: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)  # 0: not kept
+    # (columns, 2) int32: each column's scale (float32 bits) beside its token, as the kernel reads them
+    gene: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     source: str = ""
 
     kind = "geneformer"
@@ -85,7 +87,10 @@ class GeneformerTokens(Output):
         inv = np.zeros(len(medians), np.float32)
         inv[known] = (1.0 / medians[known]).astype(np.float32)
         scale = np.where(vocab.tok >= 0, inv, np.float32(0))  # a gene is kept where its scale is > 0
-        return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, scale=scale, source=ctx.source)
+        gene = np.stack([scale.view(np.int32), vocab.tok.astype(np.int32)], axis=1)
+        return dataclasses.replace(
+            self, vocabulary=vocab, inv_median=inv, scale=scale, gene=gene, source=ctx.source
+        )
 
     def config(self) -> dict:
         digest = (
@@ -122,10 +127,10 @@ class GeneformerTokens(Output):
             keys.rows.astype(np.int64),
             keys.seed,
             keys.epoch,
-            v.tok,
+            self.gene,
+            self.gene.view(np.float32),
             v.canon,
             v.has_duplicates,
-            self.scale,
             v.gene_tokens,
             self.special_tokens,
             float(self.mask_prob),

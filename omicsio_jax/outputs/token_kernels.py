@@ -362,10 +362,10 @@ def _geneformer_rows(
     rows,
     seed,
     epoch,
-    tok,
+    gene,
+    gene_scale,
     canon,
     has_dups,
-    scale,
     gene_tokens,
     special,
     mask_prob,
@@ -378,8 +378,9 @@ def _geneformer_rows(
     labels,
     length,
 ):
-    """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``scale[g]``: ``1 / median_g``
-    for a column with a token and a median, else 0 (not kept)."""
+    """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``gene[g]``: column ``g``'s scale
+    (float32 bits: ``1 / median_g`` for a column with a token and a median, else 0, not kept) and
+    token side by side, one cache line for both (``gene_scale``: the same memory as float32)."""
     width = max(_max_count(u32, starts), 1)
     n_rows, L = input_ids.shape
     log_keep = np.log1p(-mask_prob)
@@ -413,8 +414,8 @@ def _geneformer_rows(
         # compacted to the kept ones
         for j in range(count):
             g = np.uint32(cols[j])  # unsigned: no test for wrapping around (`_bucket`)
-            keys[j] = _descending_key(vals[j], scale[g])
-            kept_tok[j] = tok[g]
+            keys[j] = _descending_key(vals[j], gene_scale[g, 0])
+            kept_tok[j] = gene[g, 1]
         kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
         for j in range(count):
             kmin, kmax = min(kmin, keys[j]), max(kmax, keys[j])
@@ -428,7 +429,7 @@ def _geneformer_rows(
             for j in range(count):
                 key = keys[j]
                 keys[kept], kept_tok[kept] = key, kept_tok[j]
-                keep = (scale[cols[j]] > 0) & (vals[j] > 0)
+                keep = (gene_scale[np.uint32(cols[j]), 0] > 0) & (vals[j] > 0)
                 kmin = min(kmin, key) if keep else kmin
                 kmax = max(kmax, key) if keep else kmax
                 kept += keep
@@ -458,12 +459,15 @@ def _geneformer_rows(
         for q in range(m):
             # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
             # the random gene's draw is made either way, and a draw is a pure function of its
-            # counter, so the tokens are those of drawing it only when used
+            # counter, so the tokens are those of drawing it only when used; the gene table is
+            # read at that gene only when it is used, else at 0 (a cache line already at hand,
+            # not a miss in a table of every gene)
             p = masked[q]
             token = ids[p]
             lab[p] = token
             u = u_kind[q]
-            random_token = gene_tokens[min(np.int64(u_token[q] * n_genes), n_genes - 1)]
+            used = (u >= 0.8) & (u < 0.9)
+            random_token = gene_tokens[min(np.int64(u_token[q] * n_genes), n_genes - 1) if used else 0]
             ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
 
 
