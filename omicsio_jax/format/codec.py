@@ -625,13 +625,6 @@ def views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return buf, buf.view(np.uint32), buf.view(np.float32)
 
 
-def checked_views(
-    buf: np.ndarray, starts: np.ndarray, num_columns: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`views` of a batch of records, after `check_records` (columns below ``num_columns``)."""
-    return Records.check(buf, starts, num_columns).views(num_columns)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Records:
     """Records the decoders read: record ``i`` is ``buf[begins[i]:ends[i]]`` (``buf`` a read-only,

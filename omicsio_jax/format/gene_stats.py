@@ -586,7 +586,7 @@ class StatsAccumulator:
         ``check=False`` skips `codec.check_records` for records this process has just encoded
         (materialize: a second pass over every entry, ~0.2 ns each, that cannot find a fault)."""
         if check:
-            u8, u32, f32 = codec.checked_views(buf, starts, self.hist.shape[0])
+            u8, u32, f32 = codec.Records.check(buf, starts, self.hist.shape[0]).views(self.hist.shape[0])
         else:
             u8, u32, f32 = codec.views(read_only(buf))
         n = len(starts) - 1

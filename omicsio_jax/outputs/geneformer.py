@@ -49,8 +49,8 @@ class GeneformerTokens(Output):
     allow_non_counts: bool = False
     vocabulary: Vocabulary | None = dataclasses.field(default=None, compare=False, repr=False)  # set by bind
     inv_median: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
-    scale: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)  # 0: not kept
-    # (columns, 2) int32: each column's scale (float32 bits) beside its token, as the kernel reads them
+    # (columns, 2) int32: each column's scale (float32 bits; 0: not kept) beside its token, as the
+    # kernel reads them
     gene: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     source: str = ""
 
@@ -88,9 +88,13 @@ class GeneformerTokens(Output):
         inv[known] = (1.0 / medians[known]).astype(np.float32)
         scale = np.where(vocab.tok >= 0, inv, np.float32(0))  # a gene is kept where its scale is > 0
         gene = np.stack([scale.view(np.int32), vocab.tok.astype(np.int32)], axis=1)
-        return dataclasses.replace(
-            self, vocabulary=vocab, inv_median=inv, scale=scale, gene=gene, source=ctx.source
-        )
+        return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, gene=gene, source=ctx.source)
+
+    @property
+    def scale(self) -> np.ndarray | None:
+        """Each column's ``1 / median`` where it has a token and a median, else 0 (not kept): the
+        first column of ``gene``, as float32; None before `bind`."""
+        return None if self.gene is None else self.gene[:, 0].view(np.float32)
 
     def config(self) -> dict:
         digest = (
