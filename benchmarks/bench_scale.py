@@ -24,6 +24,9 @@ reverse order), on the same corpus:
   start, the finalizer's tail).
 - ``materialize --workers 1 --no-stats`` on one core: the same without the corpus statistics, so
   that the fraction of the limit is reported with and without them, and what they cost on top.
+- ``materialize --workers 1 --no-stats --compression uncompressed`` on one core: the same with
+  shards stored uncompressed, so that what the default compression (``zstd:-1``) costs a core is
+  reported beside the rest.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
 - With ``--baseline CHECKOUT`` (a git worktree of another commit): that checkout's ``--workers 1``
   conversions, with and without statistics, in the same rounds, and this commit's cells/s ÷ its.
@@ -67,6 +70,8 @@ from _provenance import (  # noqa: E402
     run_json,
     write_result,
 )
+
+UNCOMPRESSED = "uncompressed"  # the ArrayRecord compression of the row that prices the default's
 
 _DECODE = """
 import json, os, resource, sys, time
@@ -116,7 +121,10 @@ cells = conversions = 0
 while conversions == 0 or seconds < window:  # whole conversions, at least the window
     shutil.rmtree(sys.argv[2], ignore_errors=True)
     start, cpu0 = time.perf_counter(), cpu()
-    result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=Layout(shard_cells=int(sys.argv[5])),
+    layout = Layout(shard_cells=int(sys.argv[5]))
+    if sys.argv[8] != "default":
+        layout = Layout(shard_cells=int(sys.argv[5]), compression=sys.argv[8])
+    result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=layout,
                          stats=sys.argv[6] == "stats", progress=False)
     seconds += time.perf_counter() - start
     cpu_seconds += cpu() - cpu0
@@ -177,6 +185,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         }
     one = rows["materialize 1 worker(s)"]["cells_per_s"]
     lean = rows["materialize 1 worker(s), no stats"]["cells_per_s"]
+    raw = rows.get(f"materialize 1 worker(s), no stats, {UNCOMPRESSED}", {}).get("cells_per_s")
     summary = {
         f"speedup 1 -> {n} workers": rows[f"materialize {n} worker(s)"]["cells_per_s"] / one
         for n in counts
@@ -187,7 +196,15 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         summary[f"materialize per core / decode limit per core ({reader})"] = one / decode
         summary[f"materialize without statistics per core / decode limit per core ({reader})"] = lean / decode
         summary[f"decode limit cells/s per core ({reader})"] = decode
+        if raw is not None:
+            summary[
+                f"materialize without statistics, shards uncompressed, per core / decode limit per core ({reader})"
+            ] = raw / decode
     summary["statistics cost on one core (time with ÷ time without - 1)"] = lean / one - 1
+    if raw is not None:
+        summary["compression cost on one core without statistics (time zstd:-1 ÷ time uncompressed - 1)"] = (
+            raw / lean - 1
+        )
     copies = next((label for label in rows if label.startswith("decode pyarrow ×")), None)
     if copies is not None:
         n = rows[copies]["copies"]
@@ -265,7 +282,7 @@ def main() -> None:
         [("decode", reader) for reader in args.readers]
         + ([("decode copies", max(counts))] if max(counts) > 1 else [])
         + [("workers", n) for n in counts]
-        + [("no stats", 1)]
+        + [("no stats", 1), ("uncompressed", 1)]
         + ([] if args.weak else [("default", 0)])
         + ([] if args.baseline is None else [("baseline", "stats"), ("baseline", "no stats")])
     )
@@ -286,12 +303,18 @@ def main() -> None:
                     (copies / f"cells_{k:03d}.parquet").symlink_to(parquet)
             return str(copies / "cells_*.parquet")
 
-        def convert(workers: int | str, stats: str, seconds: float, checkout: str | None = None) -> dict:
+        def convert(
+            workers: int | str,
+            stats: str,
+            seconds: float,
+            checkout: str | None = None,
+            compression: str = "default",
+        ) -> dict:
             """Conversions of ``workers`` (pinned to as many cores; "default": not pinned) for ``seconds``."""
             shutil.rmtree(out, ignore_errors=True)
             pinned = [] if workers == "default" else cores[:workers]
             result = _run(_MATERIALIZE, source(workers), out, workers, json.dumps(pinned), args.shard_cells, stats,
-                          seconds, checkout=checkout)  # fmt: skip
+                          seconds, compression, checkout=checkout)  # fmt: skip
             result["input_cells"] = result["cells"] // result["conversions"]
             return result
 
@@ -329,11 +352,13 @@ def main() -> None:
                     label = {
                         "default": "materialize default",
                         "no stats": f"materialize {value} worker(s), no stats",
+                        "uncompressed": f"materialize {value} worker(s), no stats, {UNCOMPRESSED}",
                     }.get(kind, f"materialize {value} worker(s)")
                     result = convert(
                         "default" if kind == "default" else value,
-                        "no stats" if kind == "no stats" else "stats",
+                        "no stats" if kind in ("no stats", "uncompressed") else "stats",
                         window,
+                        compression=UNCOMPRESSED if kind == "uncompressed" else "default",
                     )
                 result.setdefault("cells_per_s", result["cells"] / result["seconds"])
                 runs.setdefault(label, []).append(result)
