@@ -99,7 +99,9 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "bench_scale": (
         "Materialize on every core",
         "Partitioned materialize pinned to one, two and more cores, against the parquet input-decode "
-        "limit (pyarrow and DuckDB delivering the list columns on one core, nothing encoded).",
+        "limit (pyarrow and DuckDB delivering the list columns on one core, nothing encoded); on one "
+        "core also without the corpus statistics, and in the newer files without them with the shards "
+        "uncompressed, which prices the default compression.",
     ),
     "bench_stats": (
         "Corpus statistics on their own",
