@@ -121,9 +121,8 @@ cells = conversions = 0
 while conversions == 0 or seconds < window:  # whole conversions, at least the window
     shutil.rmtree(sys.argv[2], ignore_errors=True)
     start, cpu0 = time.perf_counter(), cpu()
-    layout = Layout(shard_cells=int(sys.argv[5]))
-    if sys.argv[8] != "default":
-        layout = Layout(shard_cells=int(sys.argv[5]), compression=sys.argv[8])
+    compression = {} if sys.argv[8] == "default" else {"compression": sys.argv[8]}
+    layout = Layout(shard_cells=int(sys.argv[5]), **compression)
     result = materialize(sys.argv[1], sys.argv[2], workers=workers, layout=layout,
                          stats=sys.argv[6] == "stats", progress=False)
     seconds += time.perf_counter() - start
