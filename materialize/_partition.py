@@ -12,6 +12,7 @@ that partition's redo and nothing else.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -120,13 +121,16 @@ def part_dir(index: int) -> str:
 class Scratch:
     """What one process keeps from one partition to the next: the statistics accumulator, whose
     histogram table (genes × 1,120 bins of uint16: 140 MB at 62,710 genes) would otherwise be
-    allocated and page-faulted in anew for every partition, and the shard writer's child process
-    with its shared-memory slots (a Python start and ~100 MB of fresh slots per partition). A
-    partition that fails gives back neither. `close` stops the kept writer process."""
+    allocated and page-faulted in anew for every partition; the shard writer's child process
+    with its shared-memory slots (a Python start and ~100 MB of fresh slots per partition); and
+    the reading and statistics threads, whose allocator heaps (Arrow's mimalloc keeps one per
+    thread) a new thread would fault in anew (`Background`). A partition that fails gives back
+    neither the accumulator nor the writer. `close` stops the kept writer process and threads."""
 
     def __init__(self):
         self._stats: StatsAccumulator | None = None
         self._writer: ShardWriterProcess | None = None
+        self._threads: dict[str, ThreadPoolExecutor] = {}
 
     def __enter__(self) -> Scratch:
         return self
@@ -135,6 +139,19 @@ class Scratch:
         self.close()
 
     def close(self) -> None:
+        self._drop_writer()
+        threads, self._threads = self._threads, {}
+        for executor in threads.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def thread(self, name: str) -> ThreadPoolExecutor:
+        """The kept thread called ``name`` (an executor of one thread), started on first use."""
+        executor = self._threads.get(name)
+        if executor is None:
+            executor = self._threads[name] = ThreadPoolExecutor(1, thread_name_prefix=name)
+        return executor
+
+    def _drop_writer(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.abort()  # it has nothing open: it was given back after `finish`
@@ -153,7 +170,7 @@ class Scratch:
     def give_back_shard_writer(self, writer) -> None:
         """``writer`` has finished its shards (`finish`): the next partition may open it again."""
         if isinstance(writer, ShardWriterProcess):  # the in-process writer keeps nothing
-            self.close()
+            self._drop_writer()
             self._writer = writer
 
     def take_stats(self, num_genes: int, shard_cells: int) -> StatsAccumulator:
@@ -226,11 +243,15 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shards.abort)
         cleanup.callback(cells.close)
-        # statistics on their own thread (numba releases the GIL), in batch order, beside encoding
-        statistics = cleanup.enter_context(ThreadPoolExecutor(1, thread_name_prefix="materialize-stats"))
+        # statistics on their own thread (numba releases the GIL), in batch order, beside encoding;
+        # what is still queued there is waited for before the writers close
+        statistics = scratch.thread("materialize-stats")
         pending: collections.deque = collections.deque()
+        cleanup.callback(lambda: concurrent.futures.wait(list(pending)))
         reader = Background(
-            lambda: job.source.batches(list(job.obs), part, threads=job.threads), 2, name="materialize-reader"
+            lambda: job.source.batches(list(job.obs), part, threads=job.threads),
+            2,
+            executor=scratch.thread("materialize-reader"),
         )
         cleanup.callback(reader.close)
         # numba's start (the first kernel call of a process: ~0.3 s) here, beside the reader's first

@@ -643,16 +643,27 @@ def test_pyarrow_reading_names_the_file_and_its_row(corpus_table, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partitions(corpus, tmp_path):
+def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partitions(
+    corpus, tmp_path, monkeypatch
+):
     """`Scratch` hands the next partition the statistics accumulator the last one emptied (its 281 MB
-    table at 62,710 genes stays mapped) and the shard writer's child process: every partition's
-    files are those of a fresh accumulator and writer, the table is all zeros between partitions,
-    and one writer process serves them all. A partition that fails keeps neither."""
+    table at 62,710 genes stays mapped), the shard writer's child process and the reading thread:
+    every partition's files are those of a fresh accumulator and writer, the table is all zeros
+    between partitions, one writer process serves them all and one thread reads their input. A
+    partition that fails keeps neither accumulator nor writer."""
     from materialize._partition import Scratch
     from materialize._shards import ShardWriterProcess
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)
+    readers = []  # the thread that reads each partition's input, in the order they were written
+    read = type(src).batches
+
+    def batches(self, *args, **kwargs):
+        readers.append(threading.get_native_id())  # a kernel id: a new thread never has an old one's
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(src), "batches", batches)
     job = _job(src, tmp_path / "a")
     fresh = dataclasses.replace(job, staging=str(tmp_path / "b"))
     scratch = Scratch()
@@ -669,6 +680,8 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
         pids.add(writer.pid)
         scratch.give_back_shard_writer(writer)
     assert len(pids) == 1
+    assert len(readers) == 8 and len(set(readers[0::2])) == 1  # the scratch's partitions: one thread
+    assert threading.get_native_id() not in readers
     assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
     used = scratch.take_stats(job.num_columns, SHARD)
     scratch.give_back_stats(used)

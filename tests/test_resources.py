@@ -309,6 +309,30 @@ def test_a_background_producer_failure_reaches_the_consumer_with_its_traceback()
     items.close()
 
 
+def test_background_producers_on_a_kept_thread_run_there_one_after_another():
+    """``executor``: the producer runs on that executor's thread (materialize keeps one per process
+    for its reads); `close` stops one mid-way, and the next runs on the same thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omicsio_jax.core.producer import Background
+
+    ran = []
+
+    def make():
+        ran.append(threading.get_native_id())
+        yield from range(100)
+
+    with ThreadPoolExecutor(1) as kept:
+        first = Background(make, executor=kept)
+        assert next(first) == 0
+        first.close()
+        assert list(Background(make, executor=kept)) == list(range(100))
+        failing = Background(lambda: iter([1, {}["shard 7"]]), executor=kept)
+        with pytest.raises(KeyError, match="shard 7"):
+            next(failing)
+    assert len(ran) == 2 and ran[0] == ran[1] != threading.get_native_id()
+
+
 # -- extras ------------------------------------------------------------------------------------
 
 

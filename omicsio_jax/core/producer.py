@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import weakref
@@ -38,22 +39,43 @@ def _produce(make: Callable[[], Iterator], q: queue.Queue, stop: threading.Event
 
 class Background(Generic[T]):
     """Iterate ``make()`` in a daemon thread, up to ``depth`` items ahead. The producer's
-    exceptions surface in `__next__`; `close` (also run when collected) stops the thread."""
+    exceptions surface in `__next__`; `close` (also run when collected) stops the producer.
 
-    def __init__(self, make: Callable[[], Iterator[T]], depth: int = 2, name: str = "omicsio-jax-prefetch"):
+    ``executor``: run the producer on that executor's thread instead of a new one, so that a
+    process reading one input after another keeps one reading thread. A new thread starts with
+    empty per-thread allocator heaps (Arrow's mimalloc): every buffer it decodes into is fresh
+    memory, faulted in and zeroed by the kernel, where a kept thread reuses its pages (measured:
+    30–50% more CPU to read a parquet file of 16 row groups on a new thread for each)."""
+
+    def __init__(
+        self,
+        make: Callable[[], Iterator[T]],
+        depth: int = 2,
+        name: str = "omicsio-jax-prefetch",
+        *,
+        executor: concurrent.futures.Executor | None = None,
+    ):
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_produce, args=(make, self._q, self._stop), daemon=True, name=name
-        )
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, Background._shutdown, self._stop, self._thread)
+        if executor is None:
+            thread = threading.Thread(
+                target=_produce, args=(make, self._q, self._stop), daemon=True, name=name
+            )
+            thread.start()
+            join = thread.join
+        else:
+            future = executor.submit(_produce, make, self._q, self._stop)
+
+            def join(timeout: float) -> None:
+                concurrent.futures.wait([future], timeout=timeout)
+
+        self._finalizer = weakref.finalize(self, Background._shutdown, self._stop, join)
         self._finished = False
 
     @staticmethod
-    def _shutdown(stop: threading.Event, thread: threading.Thread) -> None:
+    def _shutdown(stop: threading.Event, join: Callable[[float], None]) -> None:
         stop.set()
-        thread.join(timeout=10)
+        join(10)
 
     def __iter__(self) -> Iterator[T]:
         return self
