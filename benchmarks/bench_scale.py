@@ -28,6 +28,14 @@ reverse order), on the same corpus:
   shards stored uncompressed, so that what the default compression (``zstd:-1``) costs a core is
   reported beside the rest.
 - ``materialize`` with its defaults on every core (what a user runs), for reference.
+- Two parts of a conversion timed alone on one core, to say where its time goes: ``decode +
+  encode`` (the decode above, then each batch encoded into records by `codec.encode_csr` on one
+  numba thread, into a reused buffer), and ``write`` (the records of the corpus's first two
+  shards, encoded once before the clock, written into shards as materialize's writer does: each
+  record copied out of the batch's buffer, ArrayRecord with the default layout's options, each
+  finished file's sha256). With the decode they price what a conversion cannot avoid; the summary
+  gives each part's CPU-seconds per 10^5 cells, what the conversion spends besides them, and the
+  fraction of the decode limit a conversion would reach if it spent nothing else.
 - With ``--baseline CHECKOUT`` (a git worktree of another commit): that checkout's ``--workers 1``
   conversions, with and without statistics, in the same rounds, and this commit's cells/s ÷ its.
 
@@ -101,6 +109,85 @@ while passes == 0 or time.perf_counter() - start < window:  # whole passes over 
     passes += 1
 print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu0, "cells": cells,
                   "passes": passes}))
+"""
+
+_ENCODE = """
+import json, os, sys, time
+os.sched_setaffinity(0, {0})
+path, window = sys.argv[1], float(sys.argv[2])
+import numba
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from omicsio_jax.format.arrow import list_to_csr
+from omicsio_jax.format.codec import encode_csr
+numba.set_num_threads(1)
+pa.set_cpu_count(1); pa.set_io_thread_count(1)
+genes = pq.read_table(os.path.join(os.path.dirname(path), "gene_metadata.parquet"), columns=["gene_token_id"])
+token_to_col = np.arange(int(genes.column(0).to_numpy().max()) + 1, dtype=np.int32)
+buf = np.empty(1, np.uint8)
+
+def out(nbytes):  # one buffer, grown when a batch needs more (as materialize's shard slots)
+    global buf
+    if len(buf) < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
+
+def batches():
+    return pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
+                                                 use_threads=False)
+list_to_csr(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))]))  # numba's start, before the clock
+encode_csr(np.array([0, 1]), np.array([1], np.int32), np.array([1.0], np.float32), token_to_col=token_to_col,
+           allow_negative=False, out=out)  # its compile, before the clock
+start, cpu0 = time.perf_counter(), time.process_time()
+cells = passes = 0
+while passes == 0 or time.perf_counter() - start < window:
+    for rb in batches():
+        indptr, tokens = list_to_csr(rb.column(1)); _, values = list_to_csr(rb.column(2))
+        encode_csr(indptr, tokens.to_numpy(), values.to_numpy(), token_to_col=token_to_col, allow_negative=False,
+                   out=out)
+        cells += rb.num_rows
+    passes += 1
+print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu0, "cells": cells,
+                  "passes": passes}))
+"""
+
+_WRITE = """
+import hashlib, json, os, sys, tempfile, time
+os.sched_setaffinity(0, {0})
+path, window, shard_cells, options = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from array_record.python.array_record_module import ArrayRecordWriter
+from omicsio_jax.format.arrow import list_to_csr
+from omicsio_jax.format.codec import encode_csr
+genes = pq.read_table(os.path.join(os.path.dirname(path), "gene_metadata.parquet"), columns=["gene_token_id"])
+token_to_col = np.arange(int(genes.column(0).to_numpy().max()) + 1, dtype=np.int32)
+rows = pq.ParquetFile(path).iter_batches(batch_size=2 * shard_cells, columns=["gene_token_id", "gene_expression"])
+rb = next(rows)  # two shards' cells, encoded once before the clock
+indptr, tokens = list_to_csr(rb.column(0)); _, values = list_to_csr(rb.column(1))
+buf, starts = encode_csr(indptr, tokens.to_numpy(), values.to_numpy(), token_to_col=token_to_col, allow_negative=False)
+view = memoryview(buf)
+folder = tempfile.mkdtemp(dir=sys.argv[5])
+start, cpu0 = time.perf_counter(), time.process_time()
+cells = shards = 0
+while shards < 2 or time.perf_counter() - start < window:
+    first = (shards % 2) * shard_cells
+    name = os.path.join(folder, f"shard-{shards % 2}.arrayrecord")
+    writer = ArrayRecordWriter(name, options)
+    for i in range(first, first + shard_cells):  # as materialize's writer: each record a bytes copy
+        writer.write(bytes(view[starts[i]:starts[i + 1]]))
+    writer.close()
+    with open(name, "rb") as f:
+        hashlib.file_digest(f, "sha256").hexdigest()
+    cells += shard_cells
+    shards += 1
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
+for n in os.listdir(folder):
+    os.unlink(os.path.join(folder, n))
+os.rmdir(folder)
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "cells": cells, "shards": shards}))
 """
 
 _MATERIALIZE = """
@@ -204,6 +291,19 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         summary["compression cost on one core without statistics (time zstd:-1 ÷ time uncompressed - 1)"] = (
             raw / lean - 1
         )
+    encode, write = rows.get("decode + encode (one core)"), rows.get("write (one core)")
+    if encode is not None and write is not None:  # where a one-core conversion's CPU goes
+        cpu = {label: rows[label]["cpu_s_per_1e5_cells"] for label in rows}
+        decode_cpu = cpu["decode pyarrow"]
+        parts = cpu["decode + encode (one core)"] + cpu["write (one core)"]
+        lean_cpu = cpu["materialize 1 worker(s), no stats"]
+        summary["CPU-s per 1e5 cells: decode (pyarrow)"] = decode_cpu
+        summary["CPU-s per 1e5 cells: encode"] = cpu["decode + encode (one core)"] - decode_cpu
+        summary["CPU-s per 1e5 cells: write (records to shards, sha256)"] = cpu["write (one core)"]
+        summary["CPU-s per 1e5 cells: materialize without statistics, besides those parts"] = lean_cpu - parts
+        summary["decode limit ÷ (decode + encode + write): the most a conversion could reach"] = (
+            decode_cpu / parts
+        )
     copies = next((label for label in rows if label.startswith("decode pyarrow ×")), None)
     if copies is not None:
         n = rows[copies]["copies"]
@@ -281,7 +381,7 @@ def main() -> None:
         [("decode", reader) for reader in args.readers]
         + ([("decode copies", max(counts))] if max(counts) > 1 else [])
         + [("workers", n) for n in counts]
-        + [("no stats", 1), ("uncompressed", 1)]
+        + [("no stats", 1), ("uncompressed", 1), ("part", "decode + encode"), ("part", "write")]
         + ([] if args.weak else [("default", 0)])
         + ([] if args.baseline is None else [("baseline", "stats"), ("baseline", "no stats")])
     )
@@ -341,6 +441,19 @@ def main() -> None:
                         # each copy's own rate, summed: they do not end together
                         "cells_per_s": sum(r["cells"] / r["seconds"] for r in together),
                     }
+                elif kind == "part":
+                    label = f"{value} (one core)"
+                    pin = f"{{{cores[0]}}}"
+                    if value == "write":
+                        from materialize import Layout
+
+                        layout = Layout()
+                        options = f"group_size:{layout.group_size},{layout.compression}"
+                        result = _run(
+                            _WRITE.replace("{0}", pin), parquet, window, args.shard_cells, options, tmp
+                        )
+                    else:
+                        result = _run(_ENCODE.replace("{0}", pin), parquet, window)
                 elif kind == "baseline":
                     label = (
                         f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} "

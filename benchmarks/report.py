@@ -101,7 +101,10 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "Partitioned materialize pinned to one, two and more cores, against the parquet input-decode "
         "limit (pyarrow and DuckDB delivering the list columns on one core, nothing encoded); on one "
         "core also without the corpus statistics, and in the newer files without them with the shards "
-        "uncompressed, which prices the default compression.",
+        "uncompressed, which prices the default compression. The newest also time two parts of a "
+        "conversion alone on one core (the decode with each batch encoded into records; a shard's "
+        "records written out and hashed), so that the summary says where a conversion's CPU goes "
+        "and the most of the decode limit a conversion could reach if it spent nothing else.",
     ),
     "bench_stats": (
         "Corpus statistics on their own",
