@@ -101,59 +101,39 @@ else:
         return pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
                                                  use_threads=False)
 list_to_csr(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))]))  # numba's start, before the clock
+encode = kind == "pyarrow+encode"  # each batch also encoded into records, on one numba thread
+if encode:
+    import numba
+    import numpy as np
+    from omicsio_jax.format.codec import encode_csr
+    numba.set_num_threads(1)
+    genes = pq.read_table(os.path.join(os.path.dirname(path), "gene_metadata.parquet"), columns=["gene_token_id"])
+    token_to_col = np.arange(int(genes.column(0).to_numpy().max()) + 1, dtype=np.int32)
+    buf = np.empty(1, np.uint8)
+
+    def out(nbytes):  # one buffer, grown when a batch needs more (as materialize's shard slots)
+        global buf
+        if len(buf) < nbytes:
+            buf = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    encode_csr(np.array([0, 1]), np.array([1], np.int32), np.array([1.0], np.float32), token_to_col=token_to_col,
+               allow_negative=False, out=out)  # its compile, before the clock
 start, cpu0 = time.perf_counter(), time.process_time()
 cells = passes = 0
 while passes == 0 or time.perf_counter() - start < window:  # whole passes over the file, at least the window
     for rb in batches():
-        list_to_csr(rb.column(1)); list_to_csr(rb.column(2)); cells += rb.num_rows
-    passes += 1
-print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu0, "cells": cells,
-                  "passes": passes}))
-"""
-
-_ENCODE = """
-import json, os, sys, time
-os.sched_setaffinity(0, {0})
-path, window = sys.argv[1], float(sys.argv[2])
-import numba
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from omicsio_jax.format.arrow import list_to_csr
-from omicsio_jax.format.codec import encode_csr
-numba.set_num_threads(1)
-pa.set_cpu_count(1); pa.set_io_thread_count(1)
-genes = pq.read_table(os.path.join(os.path.dirname(path), "gene_metadata.parquet"), columns=["gene_token_id"])
-token_to_col = np.arange(int(genes.column(0).to_numpy().max()) + 1, dtype=np.int32)
-buf = np.empty(1, np.uint8)
-
-def out(nbytes):  # one buffer, grown when a batch needs more (as materialize's shard slots)
-    global buf
-    if len(buf) < nbytes:
-        buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]
-
-def batches():
-    return pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
-                                                 use_threads=False)
-list_to_csr(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))]))  # numba's start, before the clock
-encode_csr(np.array([0, 1]), np.array([1], np.int32), np.array([1.0], np.float32), token_to_col=token_to_col,
-           allow_negative=False, out=out)  # its compile, before the clock
-start, cpu0 = time.perf_counter(), time.process_time()
-cells = passes = 0
-while passes == 0 or time.perf_counter() - start < window:
-    for rb in batches():
-        indptr, tokens = list_to_csr(rb.column(1)); _, values = list_to_csr(rb.column(2))
-        encode_csr(indptr, tokens.to_numpy(), values.to_numpy(), token_to_col=token_to_col, allow_negative=False,
-                   out=out)
-        cells += rb.num_rows
+        indptr, tokens = list_to_csr(rb.column(1)); _, values = list_to_csr(rb.column(2)); cells += rb.num_rows
+        if encode:
+            encode_csr(indptr, tokens.to_numpy(), values.to_numpy(), token_to_col=token_to_col, allow_negative=False,
+                       out=out)
     passes += 1
 print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu0, "cells": cells,
                   "passes": passes}))
 """
 
 _WRITE = """
-import hashlib, json, os, sys, tempfile, time
+import hashlib, json, os, shutil, sys, tempfile, time
 os.sched_setaffinity(0, {0})
 path, window, shard_cells, options = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 import numpy as np
@@ -184,9 +164,7 @@ while shards < 2 or time.perf_counter() - start < window:
     cells += shard_cells
     shards += 1
 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
-for n in os.listdir(folder):
-    os.unlink(os.path.join(folder, n))
-os.rmdir(folder)
+shutil.rmtree(folder)
 print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "cells": cells, "shards": shards}))
 """
 
@@ -453,7 +431,7 @@ def main() -> None:
                             _WRITE.replace("{0}", pin), parquet, window, args.shard_cells, options, tmp
                         )
                     else:
-                        result = _run(_ENCODE.replace("{0}", pin), parquet, window)
+                        result = _run(_DECODE.replace("{0}", pin), "pyarrow+encode", parquet, window)
                 elif kind == "baseline":
                     label = (
                         f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} "
