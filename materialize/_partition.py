@@ -18,7 +18,8 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,6 +132,9 @@ class Scratch:
         self._stats: StatsAccumulator | None = None
         self._writer: ShardWriterProcess | None = None
         self._threads: dict[str, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+        self._users = 0  # partitions writing with it now (`in_use`)
+        self._closing = False  # `close` was called while one was
 
     def __enter__(self) -> Scratch:
         return self
@@ -138,11 +142,36 @@ class Scratch:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[Scratch]:
+        """Held while a partition writes with it: a `close` meanwhile (a Dask run's end reaching a
+        task the scheduler has given up on) waits for the partition to end, so that its threads
+        are never shut down under it."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                close = self._closing and not self._users
+            if close:
+                self._close_now()
+
     def close(self) -> None:
+        """Stop the kept writer process and threads, now or, while a partition writes, when it ends.
+        Work already queued on the threads still runs (nothing waiting on it is left hanging)."""
+        with self._lock:
+            if self._users:
+                self._closing = True
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
         self._drop_writer()
         threads, self._threads = self._threads, {}
         for executor in threads.values():
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=False)
 
     def thread(self, name: str) -> ThreadPoolExecutor:
         """The kept thread called ``name`` (an executor of one thread), started on first use."""
@@ -207,7 +236,8 @@ def write_partition(
         own = (
             stack.enter_context(Scratch()) if scratch is None else scratch
         )  # a lone partition's: closed here
-        result = _write_local(job, part, local, progress, own)
+        with own.in_use():
+            result = _write_local(job, part, local, progress, own)
         if store.local_root is None:
             names = [s.path for s in result.shards] + [f.path for f in result.files]
             names += [f"{part_dir(part.index)}/{name}" for name in (*job.sidecars, PART_DONE)]

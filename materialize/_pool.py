@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import secrets
 import socket
 import subprocess
 import sys
@@ -417,7 +418,10 @@ def run_on_dask(
         raise OmicsIOError(msg) from e
     try:
         shared = client.scatter(job, broadcast=True)
-        keys = [f"omicsio-materialize-{job.token}-p{p.index:05d}" for p in partitions]
+        # keys of this run alone: a run's modalities share the job's token and partition numbers, and
+        # a key the scheduler still holds from the run before would be taken for that task's result
+        run = secrets.token_hex(4)
+        keys = [f"omicsio-materialize-{job.token}-{run}-p{p.index:05d}" for p in partitions]
         futures = client.map(
             dask_task, [shared] * len(partitions), partitions, key=keys, retries=retries, pure=False
         )

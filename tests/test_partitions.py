@@ -707,6 +707,56 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
         os.kill(replacement.pid, 0)
 
 
+def test_a_scratch_closed_while_its_partition_writes_closes_once_the_partition_ends(
+    corpus, tmp_path, monkeypatch
+):
+    """A Dask run's end closes its workers' scratches, and may reach a task the scheduler gave up on
+    while that task still writes. The close waits for the partition: the statistics queued behind a
+    busy thread still run, the partition completes with the bytes of a fresh one (no hang on work the
+    close would have cancelled), and only then do the kept threads and the writer process stop."""
+    import materialize._partition as partition
+    from materialize._partition import Scratch
+
+    src = open_source(str(corpus.cells_parquet))
+    part = src.plan(SHARD)[0]
+    job = _job(src, tmp_path / "a")
+    busy, closed = threading.Event(), threading.Event()
+    add_stats = partition._add_stats
+
+    def slow_stats(*args):
+        busy.wait(30)  # the statistics thread held until the scratch is closed: the next task queued
+        return add_stats(*args)
+
+    monkeypatch.setattr(partition, "_add_stats", slow_stats)
+    scratch = Scratch()
+    before = set(threading.enumerate())
+
+    kept = []  # the scratch's threads, seen while the partition writes
+
+    def progress(cells):
+        if not closed.is_set():
+            kept.extend(t for t in set(threading.enumerate()) - before if t.name.startswith("materialize-"))
+            scratch.close()
+            closed.set()
+            busy.set()
+
+    outcome = []
+    writing = threading.Thread(
+        target=lambda: outcome.append(write_partition(job, part, progress, scratch=scratch)), daemon=True
+    )
+    writing.start()
+    writing.join(60)
+    assert not writing.is_alive(), "the partition hung on statistics its scratch's close cancelled"
+    assert closed.is_set() and len(outcome) == 1 and outcome[0].num_cells == part.num_cells
+    monkeypatch.undo()
+    write_partition(dataclasses.replace(job, staging=str(tmp_path / "b")), part)
+    assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
+    assert {t.name.rsplit("_", 1)[0] for t in kept} >= {"materialize-stats", "materialize-reader"}
+    for t in kept:
+        t.join(10)
+    assert not [t.name for t in kept if t.is_alive()]
+
+
 def test_a_pool_converts_parquet_without_importing_pandas(corpus, tmp_path):
     """pyarrow imports pandas (~0.7 s) on its first ``pa.array``, ``pa.scalar`` or ``to_numpy`` in
     a process: the parent, every pool worker and the shard writers of a parquet conversion (with
