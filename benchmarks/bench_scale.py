@@ -425,10 +425,13 @@ def main() -> None:
                     if value == "write":
                         from materialize import Layout
 
-                        layout = Layout()
-                        options = f"group_size:{layout.group_size},{layout.compression}"
                         result = _run(
-                            _WRITE.replace("{0}", pin), parquet, window, args.shard_cells, options, tmp
+                            _WRITE.replace("{0}", pin),
+                            parquet,
+                            window,
+                            args.shard_cells,
+                            Layout().writer_options,
+                            tmp,
                         )
                     else:
                         result = _run(_DECODE.replace("{0}", pin), "pyarrow+encode", parquet, window)

@@ -44,7 +44,7 @@ from ._options import Dask, InputOptions, Layout, Multimodal
 from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
 from ._pool import Pool, default_workers, run_in_process, run_on_dask, usable_cores
-from ._shards import atomic_output_dir, writer_options
+from ._shards import atomic_output_dir
 from ._source import Source
 from ._validate import GeneIndex
 
@@ -330,7 +330,7 @@ def materialize(
         if dask or num_workers > 1:  # one process goes on from where its last partition stopped
             for note in src.plan_notes(partitions):
                 print(f"materialize: {note}", file=sys.stderr)
-        options = writer_options(group_size, compression)
+        options = layout.writer_options
         with _staging(store, overwrite) as staging, contextlib.ExitStack() as stack:
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             job = Job(

@@ -88,6 +88,12 @@ class Layout:
             msg = f"group_size must be a power of two ≤ shard_cells ({self.shard_cells:,}), got {self.group_size!r}"
             raise OmicsIOError(msg)
 
+    @property
+    def writer_options(self) -> str:
+        """The ArrayRecord writer options of these shards, ``group_size:N,COMPRESSION``: always
+        explicit (the library's default is group_size 65536 with brotli)."""
+        return f"group_size:{self.group_size},{self.compression}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Multimodal:

@@ -25,11 +25,6 @@ from omicsio_jax.format import MANIFEST_NAME, ShardEntry, fsync_path
 from ._shardfiles import ShardFiles
 
 
-def writer_options(group_size: int, compression: str) -> str:
-    """The ArrayRecord writer options, always explicit (the library default is group_size 65536 + brotli)."""
-    return f"group_size:{group_size},{compression}"
-
-
 class ShardWriter:
     """Writes records to ``shard-NNNNN.arrayrecord`` files of exactly ``shard_cells`` records each,
     in this process (see `ShardWriterProcess` for the faster child-process writer)."""

@@ -27,7 +27,6 @@ from materialize._cli import main
 from materialize._finalize import finalize
 from materialize._materialize import open_source
 from materialize._partition import Job, PartResult, write_partition
-from materialize._shards import writer_options
 from materialize._validate import GeneIndex
 
 SHARD = 256  # 3,000 cells: 12 partitions
@@ -44,7 +43,7 @@ def _digests(root: Path) -> dict[str, str]:
 def _job(src, staging, obs=("drug",)) -> Job:
     """A materialize job over ``src`` writing under ``staging`` (token "run1"), as `materialize` makes one."""
     genes = GeneIndex.from_tokens(src.genes.column("gene_token_id").to_numpy(), "genes")
-    options = writer_options(16, "zstd:-1")
+    options = Layout(group_size=16, compression="zstd:-1").writer_options
     return Job(src, tuple(obs), genes, None, False, SHARD, options, str(staging), "run1")
 
 

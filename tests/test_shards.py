@@ -10,10 +10,11 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 import omicsio_jax as oj
-from materialize._shards import ShardWriter, ShardWriterProcess, writer_options
+from materialize import Layout
+from materialize._shards import ShardWriter, ShardWriterProcess
 from omicsio_jax.format.manifest import ShardEntry, sha256_file
 
-OPTIONS = writer_options(4, "zstd:-1")
+OPTIONS = Layout(group_size=4, compression="zstd:-1").writer_options
 
 
 def _batch(rng, sizes):
