@@ -144,9 +144,9 @@ class Scratch:
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[Scratch]:
-        """Held while a partition writes with it: a `close` meanwhile (a Dask run's end reaching a
-        task the scheduler has given up on) waits for the partition to end, so that its threads
-        are never shut down under it."""
+        """Held while a partition writes with it: a `close` meanwhile (a Dask run's end closes every
+        worker's scratches of the run, whatever its threads are doing) waits for the partition to
+        end, so that its threads are never shut down under it."""
         with self._lock:
             self._users += 1
         try:

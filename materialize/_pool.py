@@ -419,7 +419,7 @@ def run_on_dask(
     try:
         shared = client.scatter(job, broadcast=True)
         # keys of this run alone: a run's modalities share the job's token and partition numbers, and
-        # a key the scheduler still holds from the run before would be taken for that task's result
+        # a key the scheduler still held from the run before could be taken for that task's result
         run = secrets.token_hex(4)
         keys = [f"omicsio-materialize-{job.token}-{run}-p{p.index:05d}" for p in partitions]
         futures = client.map(
