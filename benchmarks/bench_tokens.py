@@ -6,7 +6,11 @@ Every configuration runs in a fresh process, one after another, on the same 50k-
 SLAF's tokenized loader (``slafdb``, its own converter, its ``geneformer`` / ``scgpt`` token modes,
 its default training config) on the h5ad of the same cells, in its own virtualenv. Also the
 tokenizers' kernel cost alone (µs per cell, one thread, a fresh process per round; with
-``--kernel-baseline``, that checkout's rounds alternate with this tree's) and materialize's
+``--kernel-baseline``, that checkout's rounds alternate with this tree's), Geneformer's also with a
+median per gene (``geneformer-dictionary``: ``medians=`` a file of Ensembl id → median, as a
+published ``gene_median_dictionary.pkl`` gives them, here the corpus medians each moved at random
+within its histogram bin, seed 0; the corpus medians are bin centres, so many genes share one and
+a cell's ranking keys tie far more than with a published dictionary), and materialize's
 throughput with and without the corpus statistics (``--baseline`` = a checkout of the code before
 them). Every loader and kernel figure is the median of ``--rounds`` windows of at least
 ``--seconds`` each (SLAF's peer is timed the same way); materialize's, of ``--rounds`` whole
@@ -47,6 +51,8 @@ from _provenance import (  # noqa: E402
 
 DATA = HERE / "data"
 CORPUS, DATASET, SLAF = DATA / "corpus_50k", DATA / "ds_50k", DATA / "slaf_50k.slaf"
+MEDIANS = DATA / "ds_50k_median_dictionary.pkl"  # a median per gene (`median_dictionary`)
+KERNEL_KINDS = ("csr", "geneformer", "geneformer-dictionary", "scgpt")
 SLAF_PYTHON = ROOT / ".venv-slaf" / "bin" / "python"
 
 
@@ -57,10 +63,33 @@ def ensure_data() -> None:
         make_synthetic_corpus(CORPUS, num_cells=50_000, seed=1, write_h5ad=True, progress=True)
     if not (DATASET / "manifest.json").exists():
         materialize(CORPUS / "cells.parquet", DATASET, overwrite=True)
+    if not MEDIANS.exists():
+        median_dictionary(DATASET, MEDIANS)
     if SLAF_PYTHON.exists() and not SLAF.exists():
         subprocess.run(
             [SLAF_PYTHON, HERE / "_slaf_peer.py", "convert", CORPUS / "cells.h5ad", SLAF], check=True
         )
+
+
+def median_dictionary(dataset: Path, out: Path, seed: int = 0) -> None:
+    """A pickled ``{Ensembl id: median}`` with a median of its own for every gene, as a published
+    dictionary has: the dataset's corpus medians (bin centres of its statistics' histograms, 40 per
+    octave), each multiplied by ``2 ** u / 80`` for a uniform ``u`` in [-1, 1): still within its bin."""
+    import pickle
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    import omicsio_jax as oj
+    from omicsio_jax.format.gene_stats import read_gene_medians
+
+    ds = oj.open_dataset(dataset)
+    medians = read_gene_medians(ds)
+    ids = pq.read_table(Path(dataset) / "features.parquet", columns=["ensembl_id"]).column(0).to_pylist()
+    moved = medians * 2.0 ** (np.random.default_rng(seed).uniform(-1.0, 1.0, len(medians)) / 80)
+    known = np.isfinite(moved) & (moved > 0)
+    table = {str(i): float(m) for i, m, k in zip(ids, moved, known, strict=True) if k and i is not None}
+    out.write_bytes(pickle.dumps(table))
 
 
 def _output(kind: str):
@@ -69,6 +98,7 @@ def _output(kind: str):
     return {
         "csr": "csr",
         "geneformer": oj.GeneformerTokens(max_len=2048),
+        "geneformer-dictionary": oj.GeneformerTokens(max_len=2048, medians=str(MEDIANS)),
         "scgpt": oj.ScGPTTokens(max_len=1201),
     }[kind]
 
@@ -114,7 +144,7 @@ def child_kernels(cells: int, rounds: int, seconds: float) -> dict:
         return reused.setdefault((tuple(shape), np.dtype(dtype).str), np.zeros(shape, dtype))
 
     out = {}
-    for kind in ("csr", "geneformer", "scgpt"):
+    for kind in KERNEL_KINDS:
         spec = _output(kind)
         bound = (oj.CSR() if spec == "csr" else spec).bind(OutputContext.of_dataset(ds, rows=cells))
         bound.from_records(*records, empty, keys)
@@ -168,7 +198,7 @@ def kernel_rounds(rounds: int, seconds: float, baseline: str | None) -> tuple[di
 
     def merged(per_round: list[dict]) -> dict:
         out = {}
-        for kind in ("csr", "geneformer", "scgpt"):
+        for kind in KERNEL_KINDS:
             out[kind] = statistics.median(r[kind] for r in per_round)
             out[f"{kind}_runs"] = [r[kind] for r in per_round]
         return out
@@ -266,7 +296,12 @@ def main() -> None:
             str(DATA / "tmp_mat_old"), args.rounds, pythonpath=args.baseline
         )
     print(json.dumps({"materialize": mat}), flush=True)
-    ratios = {}
+    ratios = {
+        "geneformer kernel: a median per gene (geneformer-dictionary) vs the corpus medians": (
+            kernels["geneformer-dictionary"] / kernels["geneformer"]
+        ),
+        "geneformer-dictionary kernel: time vs csr's": kernels["geneformer-dictionary"] / kernels["csr"],
+    }
     by = {(r["kind"], r["batch_size"], r.get("num_threads")): r["cells_per_s"] for r in rows}
     best: dict[tuple[str, int], dict] = {}  # (kind, batch) -> the row of the fastest setting
     for r in rows:
@@ -307,7 +342,7 @@ def main() -> None:
     if args.kernel_baseline:
         result["kernel_us_per_cell_baseline"] = kernels_baseline
         result["kernel_baseline_commit"] = kernel_baseline_commit
-        for kind in ("csr", "geneformer", "scgpt"):
+        for kind in KERNEL_KINDS:
             ratios[f"{kind} kernel: time vs {kernel_baseline_commit[:7]}'s"] = (
                 kernels[kind] / kernels_baseline[kind]
             )
