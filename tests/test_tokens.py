@@ -30,6 +30,7 @@ from omicsio_jax.outputs.token_kernels import (
     STREAM_TIES,
     finish_by_insertion,
     radix_sort,
+    rank_sort,
     sort_into,
     uniforms,
 )
@@ -267,6 +268,25 @@ def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
     assert bound.vocabulary.report.summed == 2 and bound.vocabulary.report.missing > 0
 
 
+@pytest.mark.parametrize("L", [8, 400])
+def test_geneformer_with_a_median_per_gene_matches_reference(token_ds, tmp_path, L):
+    """A median of its own for every gene (as a published dictionary gives): the ranking keys seldom
+    tie and the sort takes its passes on every bit (`rank_sort`); the corpus medians, histogram bin
+    centres that genes share, keep the bucket pass. The tokens are the reference's either way."""
+    medians = token_ds.gene_stats["median"].to_numpy().copy()
+    ens = [e.split(".")[0] for e in token_ds.features["ensembl_id"]]
+    medians *= 2.0 ** (np.random.default_rng(0).uniform(-1, 1, len(medians)) / 80)  # within the bin
+    given = dict(zip(ens, medians.tolist(), strict=True))  # an Ensembl id twice: its last median
+    (tmp_path / "medians.json").write_text(json.dumps(given))
+    out = oj.GeneformerTokens(max_len=L, medians=tmp_path / "medians.json")
+    ctx = OutputContext.of_dataset(token_ds)
+    assert out.bind(ctx).distinct_scales and not oj.GeneformerTokens(max_len=L).bind(ctx).distinct_scales
+    got = oj.tokenize(token_ds, ROWS, out, seed=4)
+    per_column = np.array([given[e] for e in ens])
+    want = ref_geneformer(token_ds, ROWS, L=L, special=True, p=0.15, seed=4, epoch=0, medians=per_column)
+    assert_tokens_equal(got, want)
+
+
 @pytest.mark.parametrize("binning", ["scgpt", "tahoe"])
 @pytest.mark.parametrize("mask_mode", ["bernoulli", "exact"])
 @pytest.mark.parametrize("L", [6, 101, 400])
@@ -491,6 +511,31 @@ def test_radix_sort_limited_to_its_first_keys_orders_them_as_a_full_sort(bits, d
         keys[:2] = (0, 2**32 - 1)
     keys = keys.astype(np.uint32)
     got_keys, order = _first_by_radix(keys, limit)
+    want = np.argsort(keys, kind="stable")[:limit]
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(got_keys, keys[want])
+
+
+@numba.njit
+def _first_by_rank(keys, limit, distinct):
+    n = keys.shape[0]
+    k, order = keys.copy(), np.arange(n).astype(np.int32)
+    out_k, out_order = np.empty(n, np.uint32), np.empty(n, np.int32)
+    hist = np.empty((3, 2048), np.int32)
+    if n and rank_sort(k, order, n, k.min(), k.max(), out_k, out_order, hist, limit, distinct):
+        return out_k[:limit], out_order[:limit]
+    return k[:limit], order[:limit]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 32), st.lists(st.integers(0, 2**32 - 1), max_size=600), st.integers(1, 700), st.booleans()
+)
+def test_rank_sort_orders_its_first_keys_as_a_full_sort_either_way(bits, draws, limit, distinct):
+    """Geneformer's ranking sort, told its keys seldom tie (passes on every bit) or not (the bucket
+    pass): the first ``limit`` keys out are a full stable sort's, at every span and with ties."""
+    keys = (np.array(draws, np.uint64) % (1 << bits)).astype(np.uint32)
+    got_keys, order = _first_by_rank(keys, limit, distinct)
     want = np.argsort(keys, kind="stable")[:limit]
     np.testing.assert_array_equal(order, want)
     np.testing.assert_array_equal(got_keys, keys[want])

@@ -52,6 +52,9 @@ class GeneformerTokens(Output):
     # (columns, 2) int32: each column's scale (float32 bits; 0: not kept) beside its token, as the
     # kernel reads them
     gene: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # the kept genes' scales mostly distinct (a median per gene, as a published dictionary gives;
+    # the corpus medians are histogram bin centres that many genes share): the ranking sort's choice
+    distinct_scales: bool = dataclasses.field(default=False, compare=False, repr=False)
     source: str = ""
 
     kind = "geneformer"
@@ -88,7 +91,11 @@ class GeneformerTokens(Output):
         inv[known] = (1.0 / medians[known]).astype(np.float32)
         scale = np.where(vocab.tok >= 0, inv, np.float32(0))  # a gene is kept where its scale is > 0
         gene = np.stack([scale.view(np.int32), vocab.tok.astype(np.int32)], axis=1)
-        return dataclasses.replace(self, vocabulary=vocab, inv_median=inv, gene=gene, source=ctx.source)
+        kept = scale[scale > 0]
+        distinct = 2 * len(np.unique(kept)) >= len(kept)
+        return dataclasses.replace(
+            self, vocabulary=vocab, inv_median=inv, gene=gene, distinct_scales=distinct, source=ctx.source
+        )
 
     @property
     def scale(self) -> np.ndarray | None:
@@ -133,6 +140,7 @@ class GeneformerTokens(Output):
             keys.epoch,
             self.gene,
             self.gene.view(np.float32),
+            self.distinct_scales,
             v.canon,
             v.has_duplicates,
             v.gene_tokens,

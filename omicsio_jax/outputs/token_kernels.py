@@ -278,6 +278,24 @@ def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit):
 
 
 @nb.njit(inline="always")
+def rank_sort(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit, distinct):
+    """`sort_into`, or with ``distinct`` (keys seldom equal: a median of its own per gene) and a
+    whole sort of keys wider than one bucket pass, `_lsd_passes` on every bit straight away (in
+    place: returns False). Distinct keys crowd the bucket pass's buckets wherever the bulk of a
+    cell's keys sits in a small part of their span, and its insertion pass then moves keys at
+    unpredictable branches; equal keys (the corpus medians, bin centres shared by many genes) need
+    no move, and there the bucket pass is the faster. Either way the same stable order."""
+    span = np.int64(kmax) - np.int64(kmin)
+    if distinct and n >= 2 and limit >= n and span >> BUCKET_BITS:
+        bits = 0
+        while bits < 32 and (span >> bits) != 0:
+            bits += 1
+        _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)
+        return False
+    return sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit)
+
+
+@nb.njit(inline="always")
 def radix_sort(keys, vals, n, tmp_keys, tmp_vals, hist):
     """Stable sort of ``keys[:n]`` (uint32, ascending) carrying ``vals``, in place (`sort_into`,
     with ``tmp_*`` as its scratch)."""
@@ -364,6 +382,7 @@ def _geneformer_rows(
     epoch,
     gene,
     gene_scale,
+    distinct,
     canon,
     has_dups,
     gene_tokens,
@@ -380,7 +399,8 @@ def _geneformer_rows(
 ):
     """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``gene[g]``: column ``g``'s scale
     (float32 bits: ``1 / median_g`` for a column with a token and a median, else 0, not kept) and
-    token side by side, one cache line for both (``gene_scale``: the same memory as float32)."""
+    token side by side, one cache line for both (``gene_scale``: the same memory as float32);
+    ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`)."""
     width = max(_max_count(u32, starts), 1)
     n_rows, L = input_ids.shape
     log_keep = np.log1p(-mask_prob)
@@ -434,7 +454,9 @@ def _geneformer_rows(
                 kmax = max(kmax, key) if keep else kmax
                 kept += keep
         ranked = kept_tok
-        if sort_into(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, L - 2 * first):
+        if rank_sort(
+            keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, L - 2 * first, distinct
+        ):
             ranked = sorted_tok
         k = min(kept, L - 2 * first)
         end = k + 2 * first
