@@ -78,14 +78,13 @@ def median_dictionary(dataset: Path, out: Path, seed: int = 0) -> None:
     import pickle
 
     import numpy as np
-    import pyarrow.parquet as pq
 
     import omicsio_jax as oj
     from omicsio_jax.format.gene_stats import read_gene_medians
 
     ds = oj.open_dataset(dataset)
     medians = read_gene_medians(ds)
-    ids = pq.read_table(Path(dataset) / "features.parquet", columns=["ensembl_id"]).column(0).to_pylist()
+    ids = ds.features["ensembl_id"].tolist()
     moved = medians * 2.0 ** (np.random.default_rng(seed).uniform(-1.0, 1.0, len(medians)) / 80)
     known = np.isfinite(moved) & (moved > 0)
     table = {str(i): float(m) for i, m, k in zip(ids, moved, known, strict=True) if k and i is not None}

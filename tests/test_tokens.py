@@ -31,7 +31,6 @@ from omicsio_jax.outputs.token_kernels import (
     finish_by_insertion,
     radix_sort,
     rank_sort,
-    sort_into,
     uniforms,
 )
 
@@ -484,12 +483,13 @@ def test_radix_sort_orders_keys_crowded_below_its_radix_bits(centers, window_bit
 
 
 @numba.njit
-def _first_by_radix(keys, limit):
+def _first_by_radix(keys, limit, distinct=False):
+    """The first ``limit`` keys of `rank_sort` (without ``distinct``: `sort_into`) and their order."""
     n = keys.shape[0]
     k, order = keys.copy(), np.arange(n).astype(np.int32)
     out_k, out_order = np.empty(n, np.uint32), np.empty(n, np.int32)
     hist = np.empty((3, 2048), np.int32)
-    if n and sort_into(k, order, n, k.min(), k.max(), out_k, out_order, hist, limit):
+    if n and rank_sort(k, order, n, k.min(), k.max(), out_k, out_order, hist, limit, distinct):
         return out_k[:limit], out_order[:limit]
     return k[:limit], order[:limit]
 
@@ -516,17 +516,6 @@ def test_radix_sort_limited_to_its_first_keys_orders_them_as_a_full_sort(bits, d
     np.testing.assert_array_equal(got_keys, keys[want])
 
 
-@numba.njit
-def _first_by_rank(keys, limit, distinct):
-    n = keys.shape[0]
-    k, order = keys.copy(), np.arange(n).astype(np.int32)
-    out_k, out_order = np.empty(n, np.uint32), np.empty(n, np.int32)
-    hist = np.empty((3, 2048), np.int32)
-    if n and rank_sort(k, order, n, k.min(), k.max(), out_k, out_order, hist, limit, distinct):
-        return out_k[:limit], out_order[:limit]
-    return k[:limit], order[:limit]
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 32), st.lists(st.integers(0, 2**32 - 1), max_size=600), st.integers(1, 700), st.booleans()
@@ -535,7 +524,7 @@ def test_rank_sort_orders_its_first_keys_as_a_full_sort_either_way(bits, draws, 
     """Geneformer's ranking sort, told its keys seldom tie (passes on every bit) or not (the bucket
     pass): the first ``limit`` keys out are a full stable sort's, at every span and with ties."""
     keys = (np.array(draws, np.uint64) % (1 << bits)).astype(np.uint32)
-    got_keys, order = _first_by_rank(keys, limit, distinct)
+    got_keys, order = _first_by_radix(keys, limit, distinct)
     want = np.argsort(keys, kind="stable")[:limit]
     np.testing.assert_array_equal(order, want)
     np.testing.assert_array_equal(got_keys, keys[want])

@@ -231,6 +231,16 @@ def _scatter_first(src_k, src_v, dst_k, dst_v, n, counts, base, shift, cut):
 
 
 @nb.njit(inline="always")
+def _span_bits(kmin, kmax):
+    """The bits of ``kmax - kmin`` (0 when they are equal): what the sorts' passes work on."""
+    span = np.int64(kmax) - np.int64(kmin)
+    bits = 0
+    while bits < 32 and (span >> bits) != 0:
+        bits += 1
+    return bits
+
+
+@nb.njit(inline="always")
 def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit):
     """Stable sort of ``keys[:n]`` (uint32 between ``kmin`` and ``kmax``, ascending) carrying
     ``vals``, into ``out_*`` where it says True, else in place (``keys`` and ``vals``; ``hist``: at
@@ -243,10 +253,7 @@ def sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit):
     that crowd one bucket (more than `INSERTION_BUDGET` moves per key) get LSD passes on every bit
     instead. Copies go element by element (`_copy`): numba's slice copies check for overlap and
     may allocate."""
-    span = np.int64(kmax) - np.int64(kmin)
-    bits = 0
-    while bits < 32 and (span >> bits) != 0:
-        bits += 1
+    bits = _span_bits(kmin, kmax)
     if n < 2 or bits == 0:
         return False  # all keys equal: already in order
     width = min(bits, BUCKET_BITS)
@@ -285,11 +292,8 @@ def rank_sort(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit, distin
     cell's keys sits in a small part of their span, and its insertion pass then moves keys at
     unpredictable branches; equal keys (the corpus medians, bin centres shared by many genes) need
     no move, and there the bucket pass is the faster. Either way the same stable order."""
-    span = np.int64(kmax) - np.int64(kmin)
-    if distinct and n >= 2 and limit >= n and span >> BUCKET_BITS:
-        bits = 0
-        while bits < 32 and (span >> bits) != 0:
-            bits += 1
+    bits = _span_bits(kmin, kmax)
+    if distinct and n >= 2 and limit >= n and bits > BUCKET_BITS:
         _lsd_passes(keys, vals, n, out_keys, out_vals, hist, kmin, bits)
         return False
     return sort_into(keys, vals, n, kmin, kmax, out_keys, out_vals, hist, limit)
