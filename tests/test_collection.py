@@ -402,6 +402,45 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
         source.remap(indptr, unknown, values, str)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_of_a_shuffled_source_sum_the_genes_of_one_id_in_the_order_given(dtype):
+    """Rows of 1,200 to 2,800 genes of a shuffled source over 70,000 columns (wider than 16 bits),
+    beside rows of 2 to 40 genes: each row's columns rise, and genes of one id are summed in the order
+    the row gives them, in the values' type (three genes to each of 10,000 ids: values that are not
+    integers show another order of the sums in their last bits)."""
+    from materialize._genespace import member_map
+
+    rng = np.random.default_rng(7)
+    num_columns = 70_000
+    tokens = np.arange(60_000)
+    distinct = rng.choice(num_columns, 40_000, replace=False)  # random columns: the source is shuffled
+    cols = np.concatenate([np.repeat(distinct[:10_000], 3), distinct[10_000:]])  # tokens 3g..3g+2: one id
+    source = member_map(tokens, cols, num_columns)
+    rows = []
+    for r in range(30):
+        n = int(rng.integers(200, 700)) if r % 3 else int(rng.integers(1, 20))
+        triples = 3 * rng.choice(10_000, n, replace=False)
+        rows.append(
+            np.sort(np.concatenate([triples, triples + 1, triples + 2, rng.choice(30_000, n) + 30_000]))
+        )
+        rows[-1] = np.unique(rows[-1])
+    indptr = np.concatenate([[0], np.cumsum([len(row) for row in rows])])
+    row_tokens = np.concatenate(rows).astype(np.int32)
+    values = rng.random(len(row_tokens)).astype(dtype)
+    out_ptr, out_cols, out_values = source.remap(indptr, row_tokens, values, str)
+    assert out_values.dtype == dtype
+    for r in range(len(rows)):
+        want: dict[int, np.floating] = {}
+        for t, v in zip(
+            row_tokens[indptr[r] : indptr[r + 1]], values[indptr[r] : indptr[r + 1]], strict=True
+        ):
+            c = int(cols[t])
+            want[c] = want[c] + v if c in want else v  # in the row's order, in the values' type
+        got = slice(out_ptr[r], out_ptr[r + 1])
+        np.testing.assert_array_equal(out_cols[got], sorted(want))
+        np.testing.assert_array_equal(out_values[got], np.array([want[c] for c in sorted(want)], dtype))
+
+
 def test_the_union_keeps_every_order_that_agrees_and_sets_the_others_aside():
     """`union_order`: sources listing subsets of one reference order (unrelated to the ids) each keep
     their order in the union (their rows are copied, not sorted); a source listing genes the other
