@@ -1,6 +1,6 @@
 """Tokenized loading: Geneformer / scGPT token batches against the csr output and SLAF, same cells, one run.
 
-Every configuration runs in a fresh process, one after another, on the same 50k-cell synthetic corpus
+Every configuration runs in a fresh process on the same 50k-cell synthetic corpus
 (62,710 genes, ~1,500 expressed per cell): omicsio_jax's ``make_loader`` with ``output="csr"``,
 ``oj.GeneformerTokens(max_len=2048)`` and ``oj.ScGPTTokens(max_len=1201)`` at batch 64 and 256, and
 SLAF's tokenized loader (``slafdb``, its own converter, its ``geneformer`` / ``scgpt`` token modes,
@@ -13,8 +13,11 @@ within its histogram bin, seed 0; the corpus medians are bin centres, so many ge
 a cell's ranking keys tie far more than with a published dictionary), and materialize's
 throughput with and without the corpus statistics (``--baseline`` = a checkout of the code before
 them). Every loader and kernel figure is the median of ``--rounds`` windows of at least
-``--seconds`` each (SLAF's peer is timed the same way); materialize's, of ``--rounds`` whole
-conversions.
+``--seconds`` each; materialize's, of ``--rounds`` whole conversions. omicsio_jax's loader
+configurations run round-robin: each round runs every one of them once, each in a fresh process,
+the order reversed every other round, so that the machine's drift over the minutes of the run
+falls alike on a token output and on the csr output it is divided by (SLAF's peer runs its rounds
+in one process of its virtualenv).
 
     scripts/setup-slaf.sh                                    # .venv-slaf with slafdb 0.5.2
     git worktree add /tmp/before-stats 7f83aa4               # optional: materialize A/B
@@ -173,6 +176,28 @@ def materialize_rounds(out_dir: str, rounds: int, *, pythonpath: str | None = No
     return {**medians(runs, ("cells_per_s", "seconds")), "window": "one whole conversion per round"}
 
 
+def loader_rounds(configs: list[tuple[str, int, int]], rounds: int, seconds: float) -> list[dict]:
+    """One row per loader configuration ``(kind, batch_size, num_threads)``: the medians of ``rounds``
+    rounds, each running every configuration once, in a fresh process (`child_loader`, one window),
+    in the order given on even rounds and reversed on odd ones, so that the machine's drift over the
+    minutes of the run falls on the token outputs and the csr output they are divided by alike."""
+    keys = ("cells_per_s", "cells_per_cpu_s", "seconds", "batches")
+    windows: dict[tuple[str, int, int], list[dict]] = {c: [] for c in configs}
+    for r in range(rounds):
+        for kind, b, t in configs if r % 2 == 0 else configs[::-1]:
+            w = run_child(["loader", kind, str(b), "1", repr(seconds), str(t)])
+            windows[kind, b, t].append({k: w[k] for k in keys})
+            print(
+                f"round {r + 1}/{rounds}: {_label(kind, b, t)}: {w['cells_per_s']:,.0f} cells/s", flush=True
+            )
+    rows = []
+    for kind, b, t in configs:
+        row = {"label": _label(kind, b, t), "kind": kind, "batch_size": b, "num_threads": t}
+        rows.append({**row, **medians(windows[kind, b, t], keys)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def run_child(args: list[str], *, pythonpath: str | None = None) -> dict:
     env = dict(os.environ)
     if pythonpath:
@@ -269,15 +294,14 @@ def main() -> None:
     check_window(args)
     kernel_baseline_commit = baseline_commit(args.kernel_baseline) if args.kernel_baseline else None
     ensure_data()
-    rows = []
+    configs = [
+        (kind, b, t)
+        for b in args.batch_sizes
+        for kind in ("csr", "geneformer", "scgpt")
+        for t in args.threads
+    ]
+    rows = loader_rounds(configs, args.rounds, args.seconds)
     for b in args.batch_sizes:
-        for kind in ("csr", "geneformer", "scgpt"):
-            for t in args.threads:
-                r = run_child(["loader", kind, str(b), str(args.rounds), repr(args.seconds), str(t)])
-                rows.append(
-                    {"label": _label(kind, b, t), "kind": kind, "batch_size": b, "num_threads": t, **r}
-                )
-                print(json.dumps(rows[-1]), flush=True)
         if SLAF_PYTHON.exists():
             for tokenizer in ("geneformer", "scgpt"):
                 r = run_slaf(tokenizer, b, args.rounds, args.seconds)
