@@ -344,14 +344,19 @@ def open_collection(
     genes: str | Path | None = None,
     id_column: str | None = None,
     report: Callable[[str], None] | None = None,
+    opened: Callable[[int], None] | None = None,
 ) -> CollectionSource:
     """Open every source (``open_member(path, its own reading options, a DuckDB connection)``),
     unify their genes (``genes``: ``"union"``, the default, ``"intersection"`` or a gene table /
-    vocabulary) and report what was matched how."""
+    vocabulary) and report what was matched how. ``opened(num_cells)`` is called with the sources'
+    cells once every one is open, before their genes are unified (`materialize` starts its
+    workers there, so that their start overlaps the unifying)."""
     database = connect()  # closed last: closing it closes the members' connections to it
     try:
         members = _open_members(sources, open_member, database)
         try:
+            if opened is not None:
+                opened(sum(m.num_cells for m in members))
             labels = [f"{i} ({p})" for i, p in zip(sources.dataset_ids, sources.paths, strict=False)]
             space = GeneSpace.build(
                 [m.genes for m in members],

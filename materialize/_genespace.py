@@ -197,6 +197,7 @@ class MemberMap:
 
 
 _BUCKETS_PER_COLUMN = 4  # `_sort_row`'s buckets per column of a row
+_RADIX_FROM = 2  # rows of at least this many times `_radix_row`'s buckets per digit go to it
 
 
 def _pooled(n: int, dtype) -> np.ndarray:
@@ -210,8 +211,8 @@ def _pooled(n: int, dtype) -> np.ndarray:
 @nb.njit(cache=True, nogil=True)
 def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pragma: no cover
     """Rows into unified columns, written straight to the output; a row whose columns do not rise is
-    sorted there (`_sort_row`) and genes of one column summed. Returns -1, or the position of the
-    first token that is unknown or not above the one before it.
+    sorted there (`_radix_row` if it is long, else `_sort_row`) and genes of one column summed.
+    Returns -1, or the position of the first token that is unknown or not above the one before it.
 
     A row is moved by plain loops (a gather of its columns, a copy of its values) and checked after,
     by loops without branches; only a row that fails a check (a token out of order or unknown, or a
@@ -219,8 +220,11 @@ def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pr
     longest = 0
     for r in range(len(indptr) - 1):
         longest = max(longest, indptr[r + 1] - indptr[r])
+    bits = 1  # `_radix_row`'s digit: half the bits of the highest column, rounded up
+    while (np.int64(1) << (2 * bits)) <= max(np.int64(col_of.max()) if len(col_of) else 0, 1):
+        bits += 1
     cols_b, vals_b = np.empty(longest, np.int32), np.empty(longest, out_values.dtype)
-    hist = np.empty(max(_BUCKETS_PER_COLUMN * longest, 1), np.int32)
+    hist = np.empty(max(_BUCKETS_PER_COLUMN * longest, 2 << bits, 1), np.int32)
     n = len(col_of)
     out_ptr[0] = 0
     k = 0
@@ -255,7 +259,9 @@ def _remap(indptr, tokens, values, col_of, out_ptr, out_cols, out_values):  # pr
                 last_col, top = c, max(top, c)
                 out_cols[k + m], out_values[k + m] = c, values[j]
                 m += 1
-        if falls:
+        if falls and m >= _RADIX_FROM << bits:
+            m = _radix_row(out_cols[k : k + m], out_values[k : k + m], bits, cols_b, vals_b, hist)
+        elif falls:
             m = _sort_row(out_cols[k : k + m], out_values[k : k + m], top, cols_b, vals_b, hist)
         k += m
         out_ptr[r + 1] = k
@@ -302,12 +308,57 @@ def _sort_row(cols, values, top, cols_b, vals_b, hist):  # pragma: no cover
                 cols_b[j + 1], vals_b[j + 1] = cols_b[j], vals_b[j]
                 j -= 1
             cols_b[j + 1], vals_b[j + 1] = c, x
-    w = 0
+    return _summed(cols_b[:m], vals_b[:m], cols, values)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _radix_row(cols, values, bits, cols_b, vals_b, hist):  # pragma: no cover
+    """`_sort_row` for a long row: two counting passes, by the low ``bits`` of the columns and then by
+    the rest (``2 * bits`` in all cover every column), both counted in one pass first; stable, so
+    the genes of one column are summed in the order given, and sorted in place.
+
+    Measured on rows of random columns (2-core AMD EPYC, ns per nonzero, `_sort_row` against this):
+    62,710 columns (8-bit digits), 5.9 / 4.8 at 512 genes a row, 6.6 / 4.5 at 1,000, 9.3 / 9.6 at
+    128; 70,000 columns (9-bit digits), 8.4 / 7.8 at 1,000, 8.3 / 6.5 at 3,000. So rows of at least
+    `_RADIX_FROM` times a digit's buckets come here."""
+    m = len(cols)
+    size = np.uint32(1) << np.uint32(bits)
+    low, shift = size - np.uint32(1), np.uint32(bits)
+    hist[: 2 * size] = 0
     for i in range(m):
-        if w > 0 and cols[w - 1] == cols_b[i]:  # two genes of one id: summed
-            values[w - 1] += vals_b[i]
+        c = np.uint32(cols[i])
+        hist[c & low] += 1
+        hist[size + (c >> shift)] += 1
+    below_low, below_high = 0, 0
+    for d in range(size):
+        count_low, count_high = hist[d], hist[size + d]
+        hist[d], hist[size + d] = below_low, below_high
+        below_low += count_low
+        below_high += count_high
+    for i in range(m):
+        c = np.uint32(cols[i])
+        at = np.uint32(hist[c & low])
+        hist[c & low] = at + 1
+        cols_b[at], vals_b[at] = c, values[i]
+    for i in range(m):
+        c = np.uint32(cols_b[i])
+        d = size + (c >> shift)
+        at = np.uint32(hist[d])
+        hist[d] = at + 1
+        cols[at], values[at] = c, vals_b[i]
+    return _summed(cols, values, cols, values)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _summed(sorted_cols, sorted_values, cols, values):  # pragma: no cover
+    """``sorted_cols`` and their values written to ``cols`` / ``values`` (the same arrays, or others),
+    those of one column summed in the order given; returns how many are left."""
+    w = 0
+    for i in range(len(sorted_cols)):
+        if w > 0 and cols[w - 1] == sorted_cols[i]:  # two genes of one id: summed
+            values[w - 1] += sorted_values[i]
         else:
-            cols[w], values[w] = cols_b[i], vals_b[i]
+            cols[w], values[w] = sorted_cols[i], sorted_values[i]
             w += 1
     return w
 

@@ -276,6 +276,16 @@ def materialize(
     # asked for by number: started first, so the workers import while the input is opened and planned;
     # by default they start once the plan shows the input is large enough to pay for them
     pool = Pool(wanted) if workers is not None and wanted > 1 else None
+
+    def start_pool(num_cells: int) -> None:
+        """By default, a collection's workers start once its sources are open and their cells are
+        counted, not after the plan: their start (each imports pyarrow, numba and the package)
+        then overlaps the unifying of the sources' genes, on this process's serial path."""
+        nonlocal pool
+        count = min(wanted, default_workers(num_cells))
+        if pool is None and not dask and count > 1:
+            pool = Pool(count)
+
     src = None
     try:
         src = (
@@ -293,6 +303,7 @@ def materialize(
                 genes=genes,
                 id_column=read.gene_id_column,
                 report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+                opened=start_pool,
             )
             if sources is not None
             else open_source(

@@ -169,6 +169,45 @@ def test_the_same_sources_give_the_same_bytes_whatever_the_workers(collection, s
     assert a.fingerprint == b.fingerprint
 
 
+def test_a_large_collections_workers_start_before_its_genes_are_unified(
+    collection, sources, tmp_path, monkeypatch
+):
+    """By default a collection worth two workers or more starts them once its sources are open, so
+    that their start overlaps the unifying of the genes (after the plan, they would start only once
+    it is done); a small one starts none; the bytes are those of one process either way."""
+    import materialize._collection as collection_module
+    import materialize._materialize as materialize_module
+    from materialize import _pool
+
+    events = []
+    real_pool, real_build = _pool.Pool, collection_module.GeneSpace.build
+
+    class RecordingPool(real_pool):
+        def __init__(self, workers):
+            events.append(("pool", workers))
+            super().__init__(workers)
+
+    def recording_build(*args, **kwargs):
+        events.append(("genes",))
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(materialize_module, "Pool", RecordingPool)
+    monkeypatch.setattr(collection_module.GeneSpace, "build", recording_build)
+    monkeypatch.setattr(materialize_module, "usable_cores", lambda: 2)
+    d, _ = sources
+    layout = Layout(shard_cells=128)
+    materialize(Sources.read(_sources_file(d)), tmp_path / "small", layout=layout, progress=False)
+    assert events == [("genes",)]  # 450 cells: one process
+    events.clear()
+    monkeypatch.setattr(_pool, "MIN_CELLS_PER_WORKER", 128)  # the same cells, now worth 2 workers
+    result = materialize(Sources.read(_sources_file(d)), tmp_path / "large", layout=layout, progress=False)
+    assert events == [("pool", 2), ("genes",)] and result.workers == 2
+    for out in ("small", "large"):
+        a, b = oj.open_dataset(collection).manifest, oj.open_dataset(tmp_path / out).manifest
+        assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+        assert a.fingerprint == b.fingerprint
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["written in place", "streamed"])
 def test_dense_measured_masks_what_the_source_did_not_measure(collection, streamed):
     """Values and masks written in place, or streamed around the caches as a batch larger than a
@@ -405,9 +444,10 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rows_of_a_shuffled_source_sum_the_genes_of_one_id_in_the_order_given(dtype):
     """Rows of up to 2,800 genes of a shuffled source over 70,000 columns (wider than 16 bits), beside
-    rows of a few dozen at most: each row's columns rise, and genes of one id are summed in the order
-    the row gives them, in the values' type (three genes to each of 10,000 ids: values that are not
-    integers show another order of the sums in their last bits)."""
+    rows of a few dozen at most (the long rows sorted by radix passes, the others by buckets): each
+    row's columns rise, and genes of one id are summed in the order the row gives them, in the
+    values' type (three genes to each of 10,000 ids: values that are not integers show another order
+    of the sums in their last bits)."""
     from materialize._genespace import member_map
 
     rng = np.random.default_rng(7)
