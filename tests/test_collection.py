@@ -441,6 +441,32 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
         source.remap(indptr, unknown, values, str)
 
 
+def test_a_remapped_batch_keeps_its_memory_while_held_and_gives_it_to_a_later_one_after():
+    """`MemberMap.remap`'s outputs are never handed out again while an array refers to them (a batch
+    queued behind the reader is intact after the next ones are made), and once nothing does, a later
+    batch's outputs take their memory instead of fresh pages."""
+    from materialize._genespace import member_map
+
+    rng = np.random.default_rng(11)
+    source = member_map(np.arange(5_000), rng.permutation(5_000), 5_000)
+    rows = [np.sort(rng.choice(5_000, 400, replace=False)) for _ in range(50)]
+    indptr = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    tokens = np.concatenate(rows).astype(np.int32)
+
+    def batch(seed):
+        return source.remap(indptr, tokens, np.random.default_rng(seed).random(len(tokens)), str)
+
+    held = [batch(k) for k in range(12)]  # more batches than the memory kept for reuse holds
+    for k in range(12):
+        for got, want in zip(held[k], batch(k), strict=True):
+            np.testing.assert_array_equal(got, want)
+            assert not np.shares_memory(got, want)
+    first = {a.ctypes.data for b in held[:4] for a in b[1:]}  # the 8 buffers kept: the first ones
+    del held
+    again = batch(12)
+    assert {again[1].ctypes.data, again[2].ctypes.data} <= first
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rows_of_a_shuffled_source_sum_the_genes_of_one_id_in_the_order_given(dtype):
     """Rows of up to 2,800 genes of a shuffled source over 70,000 columns (wider than 16 bits), beside
