@@ -26,8 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.core.buffers import RowBuffers
-from omicsio_jax.format import from_numpy, text_array, to_numpy, to_numpy_filled
+from omicsio_jax.format import RowBuffers, from_numpy, text_array, to_numpy, to_numpy_filled
 
 ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")

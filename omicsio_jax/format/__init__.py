@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from omicsio_jax.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from omicsio_jax.core.buffers import RowBuffers as RowBuffers
     from omicsio_jax.core.errors import require as require
     from omicsio_jax.core.producer import Background as Background
     from omicsio_jax.format.arrow import from_numpy as from_numpy
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from omicsio_jax.storage.store import open_store as open_store
 
 _WRITER_API = {
+    "omicsio_jax.core.buffers": ("RowBuffers",),
     "omicsio_jax.core.errors": ("require",),
     "omicsio_jax.core.producer": ("Background",),
     "omicsio_jax.format.chunk_index": ("CHUNK_INDEX_DIR", "chunk_index_path"),
