@@ -310,8 +310,8 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                 statistics.submit(_add_stats, stats, cells, schema, columns, buf, starts),
                 statistics.submit(kinds.add_records, buf, starts),
             )
+            pending.extend(readers)  # before the write: if it raises, the cleanup still waits for them
             shards.write(buf, starts, readers=readers)  # the buffer is not reused before they are done
-            pending.extend(readers)
             while pending and (pending[0].done() or len(pending) > 2):  # at most 2 batches behind
                 pending.popleft().result()  # raises what the statistics thread raised
             if progress is not None:

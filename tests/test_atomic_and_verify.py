@@ -56,6 +56,38 @@ def test_interrupted_run_leaves_nothing(corpus, tmp_path, monkeypatch):
     assert writers[0]._proc.poll() is not None  # the writer process was stopped, not left behind
 
 
+def test_an_interrupted_write_waits_for_its_statistics_before_closing_their_file(
+    corpus, tmp_path, monkeypatch
+):
+    """A shard write that raises (Ctrl-C) while its batch's statistics are still being added on their
+    thread: the partition's cells file is closed only once they are done (closed under a write in
+    progress, pyarrow's writer crashed the process)."""
+    from materialize import _partition
+
+    real_write, real_add_stats = _shards.ShardWriterProcess.write, _partition._add_stats
+    open_at_write = []
+
+    def write_then_interrupt(self, buf, starts, **kw):
+        real_write(self, buf, starts, **kw)
+        raise KeyboardInterrupt
+
+    def slow_add_stats(stats, cells, *args):
+        time.sleep(0.5)  # still running when the write has raised and the cleanup begins
+        open_at_write.append(cells.is_open)
+        if cells.is_open:
+            real_add_stats(stats, cells, *args)
+
+    monkeypatch.setattr(_shards.ShardWriterProcess, "write", write_then_interrupt)
+    monkeypatch.setattr(_partition, "_add_stats", slow_add_stats)
+    with pytest.raises(KeyboardInterrupt):
+        materialize(
+            corpus.cells_parquet, tmp_path / "out", progress=False, read=InputOptions(batch_cells=500)
+        )
+    assert open_at_write == [True]
+    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path) == []
+
+
 def test_in_process_writer_writes_the_same_bytes(corpus, tmp_path, monkeypatch):
     """Without memfd (not Linux) the shards are written in-process: byte-identical output."""
     child = materialize(
