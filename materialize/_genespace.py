@@ -172,9 +172,9 @@ class MemberMap:
         """A batch's rows in unified columns, sorted within rows, genes of one id summed; a token that
         is no gene of the source, or that does not follow the one before it, is a
         `DataValidationError` naming the row."""
-        out_values = _pooled(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
+        out_values = _OUTPUTS.array(len(tokens), np.float32 if values.dtype == np.float32 else np.float64)
         out_ptr = np.empty(len(indptr), np.int64)
-        out_cols = _pooled(len(tokens), np.int32)
+        out_cols = _OUTPUTS.array(len(tokens), np.int32)
         bad = _remap(
             np.asarray(indptr, np.int64),
             np.asarray(tokens),
@@ -200,18 +200,13 @@ _BUCKETS_PER_COLUMN = 4  # `_sort_row`'s buckets per column of a row
 _RADIX_FROM = 2  # rows of at least this many times `_radix_row`'s buckets per digit go to it
 
 
-# A batch's remapped columns and values, in memory used again once nothing refers to it: up to 4
-# batches are alive at once (2 queued behind the reader, the one it makes, the one being encoded).
+# A batch's remapped columns and values (`RowBuffers.array`), in memory used again once nothing
+# refers to it: up to 4 batches are alive at once (2 queued behind the reader, the one it makes, the
+# one being encoded). A source's batch of 6M nonzeros takes 48 MB. In Arrow's pool, which held them
+# before, the workers faulted in fresh pages for them, each zeroed by the kernel (50 sources of 6,000
+# cells materialized with 2 workers, 5 alternating runs on a 2-core AMD EPYC: the workers' system time
+# 2.9-3.8 s here, 3.2-6.5 s there).
 _OUTPUTS = RowBuffers(keep=8)
-
-
-def _pooled(n: int, dtype) -> np.ndarray:
-    """An uninitialized array of ``n`` items in `_OUTPUTS`' memory. A source's batch of 6M nonzeros
-    takes 48 MB of it. In Arrow's pool, which held them before, the workers faulted in fresh pages
-    for them, each zeroed by the kernel (50 sources of 6,000 cells materialized with 2 workers, 5
-    alternating runs on a 2-core AMD EPYC: the workers' system time 2.9-3.8 s here, 3.2-6.5 s there)."""
-    dtype = np.dtype(dtype)
-    return _OUTPUTS.at_least(max(n, 1) * dtype.itemsize).view(dtype)[:n]
 
 
 @nb.njit(cache=True, nogil=True)

@@ -116,6 +116,13 @@ class RowBuffers:
                 del free
         return _aligned_view(raw, (size,), np.dtype(np.uint8))
 
+    def array(self, n: int, dtype) -> np.ndarray:
+        """An uninitialized array of ``n`` items of ``dtype`` in `at_least`'s memory: a kept buffer that
+        nothing refers to any more, where it can (a fresh array of tens of MB costs its page faults
+        each time: NumPy asks for huge pages past 4 MB, and the kernel zeroes every one)."""
+        dtype = np.dtype(dtype)
+        return self.at_least(n * dtype.itemsize).view(dtype)
+
     def _smallest_fitting(self, need: int) -> np.ndarray | None:
         with self._lock:
             fits = [r for r in self._spans if len(r) >= need and self._refs(r) <= self._baseline]

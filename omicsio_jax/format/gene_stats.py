@@ -257,14 +257,6 @@ def empty_span(num_genes: int) -> np.ndarray:
     return span
 
 
-def _scratch(buffers: RowBuffers, n: int, dtype) -> np.ndarray:
-    """``n`` items of ``dtype`` in memory of ``buffers`` that nothing refers to any more (a fresh array
-    of tens of MB costs its page faults each time: NumPy asks for huge pages past 4 MB, and the
-    kernel zeroes every one)."""
-    dtype = np.dtype(dtype)
-    return buffers.at_least(n * dtype.itemsize).view(dtype)
-
-
 def _dense_to_csr(
     hist: np.ndarray, span: np.ndarray | None = None, buffers: RowBuffers | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -280,7 +272,7 @@ def _dense_to_csr(
     if buffers is None:
         bins, counts = np.empty(n + 1, np.uint16), np.empty(n + 1, _count_dtype(top))
     else:
-        bins, counts = _scratch(buffers, n + 1, np.uint16), _scratch(buffers, n + 1, _count_dtype(top))
+        bins, counts = buffers.array(n + 1, np.uint16), buffers.array(n + 1, _count_dtype(top))
     _fill_csr(hist, span, ptr, bins, counts)
     return ptr, bins[:n], counts[:n]
 
@@ -593,8 +585,8 @@ class StatsAccumulator:
         n_counts = np.empty(n, np.float64)
         n_genes = np.empty(n, np.int32)
         need = int(u32[starts[:-1] // 4 + 1].sum()) if n else 0  # entries per record header: ≥ the nonzeros
-        codes, tmp = _scratch(self._buffers, need, np.uint32), _scratch(self._buffers, need, np.uint32)
-        spill = _scratch(self._buffers, need, np.uint32)
+        codes, tmp = self._buffers.array(need, np.uint32), self._buffers.array(need, np.uint32)
+        spill = self._buffers.array(need, np.uint32)
         done = 0
         while done < n:
             room = self.shard_cells - self.rows % self.shard_cells
