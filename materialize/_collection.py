@@ -244,15 +244,15 @@ class CollectionSource(Source):
         """One row per source: its dataset id, its cells (``first_cell``, ``num_cells``: sources are
         contiguous), how many genes it measured and their bits (packed, little-endian bit order, over
         the dataset's columns)."""
-        maps = self.space.maps
+        measured = [m.measured for m in self.space.maps]
         return pa.table(
             {
                 DATASET_ID: text_array(list(self.sources.dataset_ids)),
                 "first_cell": from_numpy(self._firsts[:-1]),
                 "num_cells": from_numpy(np.diff(self._firsts)),
-                "num_measured": from_numpy(np.array([int(m.measured.sum()) for m in maps], np.int64)),
+                "num_measured": from_numpy(np.array([int(m.sum()) for m in measured], np.int64)),
                 "measured": text_array(
-                    [np.packbits(m.measured, bitorder="little").tobytes() for m in maps], binary=True
+                    [np.packbits(m, bitorder="little").tobytes() for m in measured], binary=True
                 ),
             }
         )

@@ -355,6 +355,22 @@ def test_a_mixture_over_the_sources(collection):
         assert shares[categories.index(name)] == pytest.approx(weight, abs=0.04)
 
 
+def test_version_suffixes_are_stripped_wherever_they_are_and_only_there():
+    """`_stripped` returns ids without a "." unchanged after a scan of their bytes, and strips the
+    versions of those with one, in arrays that are slices of others (whose bytes outside the slice
+    may hold a "." or not)."""
+    from materialize._genespace import _stripped
+
+    ids = pa.array([_ensg(1, ".4"), _ensg(2), "MT-ND1", _ensg(3, ".12"), _ensg(4), "RP11-1.2"])
+    assert _stripped(ids).to_pylist() == [_ensg(1), _ensg(2), "MT-ND1", _ensg(3), _ensg(4), "RP11-1.2"]
+    plain = ids.slice(1, 2)  # its buffer holds the dots of its neighbours
+    assert _stripped(plain).to_pylist() == [_ensg(2), "MT-ND1"]
+    assert _stripped(ids.slice(3, 2)).to_pylist() == [_ensg(3), _ensg(4)]
+    unversioned = pa.array([_ensg(5), _ensg(6), None])
+    assert _stripped(unversioned) is unversioned  # nothing to strip: the same array back
+    assert _stripped(pa.array([], pa.string())).to_pylist() == []
+
+
 def test_one_source_versions_and_duplicates(tmp_path, capsys):
     """Two columns of one Ensembl id (two versions) are summed and reported; intersection keeps the
     genes every source measured; a given gene list fixes genes and order."""
