@@ -371,6 +371,29 @@ def test_version_suffixes_are_stripped_wherever_they_are_and_only_there():
     assert _stripped(pa.array([], pa.string())).to_pylist() == []
 
 
+def test_the_sources_ids_are_coded_as_one_encode_of_them_all_would_code_them():
+    """`first_seen_codes` (the sources' ids as chunks of one column) gives the dictionary, in order of
+    first appearance, and the codes that one dictionary encode of the ids copied into one array gives:
+    nulls, repeats within and across sources, empty and sliced sources."""
+    import pyarrow.compute as pc
+
+    from materialize._genespace import first_seen_codes
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        arrays = []
+        for _ in range(int(rng.integers(0, 7))):
+            values = [
+                None if rng.random() < 0.1 else f"g{rng.integers(40)}" for _ in range(rng.integers(0, 30))
+            ]
+            array = pa.array(values, pa.string())
+            arrays.append(array.slice(1, len(array) - 2) if len(array) > 2 and rng.random() < 0.3 else array)
+        whole = pc.dictionary_encode(pa.concat_arrays([pa.nulls(0, pa.string()), *arrays]))
+        seen, codes = first_seen_codes(arrays)
+        assert seen.equals(whole.dictionary)
+        np.testing.assert_array_equal(codes, whole.indices.fill_null(-1).to_numpy().astype(np.int64))
+
+
 def test_one_source_versions_and_duplicates(tmp_path, capsys):
     """Two columns of one Ensembl id (two versions) are summed and reported; intersection keeps the
     genes every source measured; a given gene list fixes genes and order."""
