@@ -169,6 +169,34 @@ def test_the_same_sources_give_the_same_bytes_whatever_the_workers(collection, s
     assert a.fingerprint == b.fingerprint
 
 
+def test_an_open_collection_keeps_one_gene_table_not_one_per_source(sources):
+    """Once the genes are unified, the sources' own gene tables are let go (a 1,500-source atlas of
+    60k genes each would keep ~1.5 GB of them through the run, and send them to every worker): the
+    collection's members hold none, and its pickle (a worker's job) is smaller than their tables."""
+    import pickle
+
+    from materialize._collection import open_collection
+    from materialize._materialize import open_source
+
+    d, _ = sources
+    paths = [str(d / "current.h5ad"), str(d / "legacy.h5ad"), str(d / "plate.parquet")]
+    tables = []
+
+    def opened(path, own, con):
+        member = open_source(path, con=con)
+        tables.append(member.genes)
+        return member
+
+    src = open_collection(Sources(tuple(paths)), opened)
+    try:
+        assert all(m.genes is None for m in src.members)
+        pickled = len(pickle.dumps(src))
+        own_tables = sum(t.nbytes for t in tables)
+        assert pickled < own_tables + src.genes.nbytes, (pickled, own_tables)
+    finally:
+        src.close()
+
+
 def test_a_large_collections_workers_start_before_its_genes_are_unified(
     collection, sources, tmp_path, monkeypatch
 ):
