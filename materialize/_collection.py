@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import connect, from_numpy, is_remote, text_array
+from omicsio_jax.format import connect, from_numpy, is_remote, one_array, text_array
 
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
@@ -184,8 +184,7 @@ def _repeated(value, n: int) -> pa.Array:
 
 
 def _as(array: pa.Array | pa.ChunkedArray, dtype: pa.DataType) -> pa.Array:
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
+    array = one_array(array)
     if pa.types.is_dictionary(array.type):
         array = array.dictionary_decode()
     return array if array.type == dtype else pc.cast(array, dtype)

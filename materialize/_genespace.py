@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import RowBuffers, from_numpy, text_array, to_numpy, to_numpy_filled
+from omicsio_jax.format import RowBuffers, from_numpy, one_array, text_array, to_numpy, to_numpy_filled
 
 ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")
@@ -39,9 +39,7 @@ _UNKNOWN, _DROPPED = -1, -2  # `MemberMap.col_of` codes of tokens that are no ge
 
 
 def _text(table: pa.Table, name: str) -> pa.Array:
-    column = table.column(name)
-    # one chunk as it is: `combine_chunks` copies even that (a collection's gene tables twice over)
-    column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    column = one_array(table.column(name))  # not a copy of each gene table (`combine_chunks` made one)
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
     return column.cast(pa.string())
@@ -517,10 +515,7 @@ def _first_of(keys: pa.ChunkedArray, values: pa.ChunkedArray) -> tuple[pa.Array,
     paired with each, and how many distinct values each is paired with: Arrow's ``group_by`` without
     its Acero engine, whose import brings pyarrow.dataset and pandas (~0.9 s on a collection's
     serial path)."""
-    keys, values = (
-        pc.dictionary_encode(c.combine_chunks() if c.num_chunks else pa.nulls(0, c.type))  # 0 chunks: pandas
-        for c in (keys, values)
-    )
+    keys, values = (pc.dictionary_encode(one_array(c)) for c in (keys, values))
     key, value = to_numpy(keys.indices).astype(np.int64), to_numpy(values.indices).astype(np.int64)
     # a dictionary's codes are given in order of first appearance, so code order is that order
     _, first = np.unique(key, return_index=True)

@@ -117,3 +117,23 @@ def test_text_array_is_pa_arrays_strings_and_bytes():
         assert got.equals(pa.array(values, pa.string())) and got.validate(full=True) is None
     packed = [b"\x00\x01", b"", b"\xff" * 9]
     assert text_array(packed, binary=True).equals(pa.array(packed, pa.binary()))
+
+
+def test_one_array_takes_a_lone_chunk_as_it_is_and_combines_the_rest():
+    """`one_array`: an array as it is, a lone chunk without a copy, several chunks combined, none an
+    empty array of the column's type."""
+    from omicsio_jax.format.arrow import one_array
+
+    ids = pa.array(["ENSG1", "ENSG2", None])
+    assert one_array(ids) is ids
+    lone = one_array(pa.chunked_array([ids]))
+    assert lone.buffers()[2].address == ids.buffers()[2].address  # the chunk's own characters
+    assert one_array(pa.chunked_array([ids, ids.slice(1)])).to_pylist() == [
+        "ENSG1",
+        "ENSG2",
+        None,
+        "ENSG2",
+        None,
+    ]
+    empty = one_array(pa.chunked_array([], pa.int32()))
+    assert isinstance(empty, pa.Array) and empty.type == pa.int32() and len(empty) == 0

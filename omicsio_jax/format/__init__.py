@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.arrow import from_numpy as from_numpy
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
+    from omicsio_jax.format.arrow import one_array as one_array
     from omicsio_jax.format.arrow import text_array as text_array
     from omicsio_jax.format.arrow import to_numpy as to_numpy
     from omicsio_jax.format.arrow import to_numpy_filled as to_numpy_filled
@@ -104,6 +105,7 @@ _WRITER_API = {
         "from_numpy",
         "is_list_type",
         "list_to_csr",
+        "one_array",
         "text_array",
         "to_numpy",
         "to_numpy_filled",

@@ -74,12 +74,22 @@ def _data(array: pa.Array, dtype) -> np.ndarray:
     return view
 
 
+def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A column as one array: an array as it is, a chunked one of one chunk its chunk (``combine_chunks``
+    copies even that), of none an empty array of its type (``combine_chunks`` of none imports pandas),
+    else its chunks combined."""
+    if not isinstance(column, pa.ChunkedArray):
+        return column
+    if column.num_chunks == 1:
+        return column.chunk(0)
+    return column.combine_chunks() if column.num_chunks else pa.nulls(0, column.type)
+
+
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A column as NumPy; one of fixed-width numbers without nulls is its data buffer viewed in place
     (read-only), not converted through pyarrow's pandas bridge, whose first use in a process
     imports pandas (~0.9 s: a loader's first batch pays it)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    column = one_array(column)
     dtype = _FIXED_WIDTH.get(column.type)
     if dtype is None or column.null_count:
         return column.to_numpy(zero_copy_only=False)
