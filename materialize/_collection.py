@@ -308,25 +308,32 @@ def _without_genes(source: Source) -> Source:
 
 
 def _open_members(
-    sources: Sources, open_member: Callable[[str, dict, object], Source], database
+    sources: Sources,
+    open_member: Callable[[str, dict, object], Source],
+    database,
+    opened: Callable[[int, bool], None] | None = None,
 ) -> list[Source]:
     """Every source opened, in order, on a few threads: opening reads a source's metadata, schema
-    and gene table (DuckDB, pyarrow and object-store reads, outside the GIL), ~50 ms a local
+    and gene table (DuckDB, pyarrow and object-store reads, outside the GIL), ~10 ms a local
     parquet source and a round trip or more a remote one. Table sources share one DuckDB
     ``database``, each on a connection of its own to it (a database of its own costs ~12 ms to
-    make). The first failing source's error (in the sources' order) is raised once every other has
-    opened, and those are closed again."""
+    make). ``opened(num_cells, every)`` is called as each source opens, in the sources' order, with
+    the cells of those open so far (``every``: all of them). The first failing source's error (in
+    the sources' order) is raised once every other has opened, and those are closed again."""
+    members, error, cells = [], None, 0
     with ThreadPoolExecutor(min(len(sources.paths), _OPEN_THREADS) or 1) as pool:
         futures = [
             pool.submit(open_member, p, sources.reading_of(k), database.cursor())
             for k, p in enumerate(sources.paths)
         ]
-    members, error = [], None
-    for future in futures:
-        try:
-            members.append(future.result())
-        except BaseException as e:  # raised below, once the others are closed
-            error = error or e
+        for k, future in enumerate(futures):
+            try:
+                members.append(future.result())
+                cells += members[-1].num_cells
+                if opened is not None and error is None:
+                    opened(cells, k == len(futures) - 1)
+            except BaseException as e:  # raised below, once the others are closed
+                error = error or e
     if error is not None:
         for m in members:
             m.close()
@@ -341,19 +348,18 @@ def open_collection(
     genes: str | Path | None = None,
     id_column: str | None = None,
     report: Callable[[str], None] | None = None,
-    opened: Callable[[int], None] | None = None,
+    opened: Callable[[int, bool], None] | None = None,
 ) -> CollectionSource:
     """Open every source (``open_member(path, its own reading options, a DuckDB connection)``),
     unify their genes (``genes``: ``"union"``, the default, ``"intersection"`` or a gene table /
-    vocabulary) and report what was matched how. ``opened(num_cells)`` is called with the sources'
-    cells once every one is open, before their genes are unified (`materialize` starts its
-    workers there, so that their start overlaps the unifying)."""
+    vocabulary) and report what was matched how. ``opened(num_cells, every)`` is called as the
+    sources open, with the cells of those open so far (``every``: all, before their genes are
+    unified): `materialize` starts its workers as soon as the cells are worth them all, so that
+    their start overlaps the opening of the rest and the unifying."""
     database = connect()  # closed last: closing it closes the members' connections to it
     try:
-        members = _open_members(sources, open_member, database)
+        members = _open_members(sources, open_member, database, opened)
         try:
-            if opened is not None:
-                opened(sum(m.num_cells for m in members))
             labels = [f"{i} ({p})" for i, p in zip(sources.dataset_ids, sources.paths, strict=False)]
             space = GeneSpace.build(
                 [m.genes for m in members],

@@ -277,13 +277,14 @@ def materialize(
     # by default they start once the plan shows the input is large enough to pay for them
     pool = Pool(wanted) if workers is not None and wanted > 1 else None
 
-    def start_pool(num_cells: int) -> None:
-        """By default, a collection's workers start once its sources are open and their cells are
-        counted, not after the plan: their start (each imports pyarrow, numba and the package)
-        then overlaps the unifying of the sources' genes, on this process's serial path."""
+    def start_pool(num_cells: int, every: bool) -> None:
+        """By default, a collection's workers start as its sources open, once the cells open so far
+        are worth them all (else once all are open), not after the plan: their start (each imports
+        pyarrow, numba and the package) then overlaps the opening of the other sources and the
+        unifying of their genes, on this process's serial path."""
         nonlocal pool
         count = min(wanted, default_workers(num_cells))
-        if pool is None and not dask and count > 1:
+        if pool is None and not dask and count > 1 and (count == wanted or every):
             pool = Pool(count)
 
     src = None

@@ -161,6 +161,8 @@ def gene_table_from_arrow(table: pa.Table, label: str) -> pa.Table:
     if tokens.null_count:
         msg = f"gene table {label} has null gene_token_id values"
         raise DataValidationError(msg)
-    table = table.sort_by("gene_token_id")
+    order = to_numpy(tokens)
+    if len(order) > 1 and not (order[1:] >= order[:-1]).all():  # a table in token order is kept as it is
+        table = table.sort_by("gene_token_id")
     index = table.column_names.index("gene_token_id")
     return table.set_column(index, "gene_token_id", pc.cast(table.column("gene_token_id"), pa.int64()))

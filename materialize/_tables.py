@@ -186,8 +186,8 @@ class TableSource(Source):
                 f"{self.label} has no list column(s) {', '.join(absent)}; it has {', '.join(published.names)}"
             )
             raise DataValidationError(msg)
-        sql = self._shaped(sql)
-        self._sql = sql
+        shaped = self._shaped(sql)
+        self._sql = shaped
         self.description = {
             "kind": "table",
             "input": spec,
@@ -196,7 +196,8 @@ class TableSource(Source):
             "query": query,
             "layout": self.layout,
         }
-        schema = self._schema_of(sql)
+        # the published columns, unless a filter or renamed list columns make another query of them
+        schema = published if shaped == sql and not where else self._schema_of(shaped)
         names = set(schema.names)
         if (
             self.layout == TAHOE_LAYOUT
@@ -277,6 +278,9 @@ class TableSource(Source):
         return pa.table({GENE_COLUMN: pa.array(tokens)})
 
     def _count(self) -> int:
+        if self._query is None and self._where is None and self.files:  # every row a cell: the footers'
+            self._counts = self._row_counts()  # counts (kept for `part_of`), not a scan by DuckDB
+            return sum(self._counts)
         try:
             return int(self._con.execute(f"SELECT count(*) FROM ({self._sql})").fetchall()[0][0])
         except duckdb.Error as e:
@@ -300,7 +304,7 @@ class TableSource(Source):
         if self._query is not None or not self.files:
             return [Partition(0, 0, self.num_cells)]  # one partition, however many shards
         if self._where is None:
-            return partitions_from_counts(self._row_counts(), shard_cells)
+            return partitions_from_counts(self._counts or self._row_counts(), shard_cells)
         index = {str(f): i for i, f in enumerate(self.files)}
         sql = (
             f"SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN} FROM (SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN}, "

@@ -200,8 +200,9 @@ def test_an_open_collection_keeps_one_gene_table_not_one_per_source(sources):
 def test_a_large_collections_workers_start_before_its_genes_are_unified(
     collection, sources, tmp_path, monkeypatch
 ):
-    """By default a collection worth two workers or more starts them once its sources are open, so
-    that their start overlaps the unifying of the genes (after the plan, they would start only once
+    """By default a collection worth two workers or more starts them as its sources open, once the
+    cells open so far are worth them all (else once all are open), so that their start overlaps the
+    opening of the rest and the unifying of the genes (after the plan, they would start only once
     it is done); a small one starts none; the bytes are those of one process either way."""
     import materialize._collection as collection_module
     import materialize._materialize as materialize_module
@@ -225,11 +226,19 @@ def test_a_large_collections_workers_start_before_its_genes_are_unified(
     d, _ = sources
     layout = Layout(shard_cells=128)
     materialize(Sources.read(_sources_file(d)), tmp_path / "small", layout=layout, progress=False)
-    assert events == [("genes",)]  # 450 cells: one process
+    assert events == [("genes",)]  # 470 cells: one process
     events.clear()
     monkeypatch.setattr(_pool, "MIN_CELLS_PER_WORKER", 128)  # the same cells, now worth 2 workers
     result = materialize(Sources.read(_sources_file(d)), tmp_path / "large", layout=layout, progress=False)
     assert events == [("pool", 2), ("genes",)] and result.workers == 2
+    counted = []  # the cells open so far, as the sources open in their order
+    src = collection_module.open_collection(
+        Sources.read(_sources_file(d)),
+        lambda path, own, con: materialize_module.open_source(path, con=con, use_raw=bool(own.get("raw"))),
+        opened=lambda cells, every: counted.append((cells, every)),
+    )
+    src.close()
+    assert counted == [(200, False), (320, False), (470, True)]  # 2 workers' worth after the first two
     for out in ("small", "large"):
         a, b = oj.open_dataset(collection).manifest, oj.open_dataset(tmp_path / out).manifest
         assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]

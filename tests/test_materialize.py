@@ -350,6 +350,49 @@ def test_null_lists_mean_no_expressed_genes(tmp_path):
     assert_csr_equal(_all_rows(ds), ([0, 2, 2, 3], [0, 2, 1], [1.0, 2.0, 3.0]))
 
 
+def test_opening_a_plain_parquet_input_asks_duckdb_for_its_columns_once(tmp_path):
+    """Opening a source of a collection is on materialize's serial path, once per source: its cells
+    are counted from the files' footers and its columns asked of DuckDB once, unless a filter needs
+    a query of its own (then checked, and its cells counted, by DuckDB)."""
+    from materialize._materialize import open_source
+    from omicsio_jax.format import connect
+
+    class Recording:  # a DuckDB connection that keeps the SQL it is given
+        def __init__(self, con):
+            self.con, self.queries = con, []
+
+        def sql(self, query, *args, **kwargs):
+            self.queries.append(query)
+            return self.con.sql(query, *args, **kwargs)
+
+        def execute(self, query, *args, **kwargs):
+            self.queries.append(query)
+            return self.con.execute(query, *args, **kwargs)
+
+        def close(self):
+            self.con.close()
+
+    lists = {
+        "gene_token_id": pa.array([[0, 2], [1], [0, 1, 2]] * 2, pa.list_(pa.int32())),
+        "gene_expression": pa.array([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0]] * 2, pa.list_(pa.float32())),
+    }
+    for k in range(2):
+        pq.write_table(
+            pa.table({"cell_id": [f"{k}_{i}" for i in range(6)], **lists}), tmp_path / f"{k}.parquet"
+        )
+    plain = Recording(connect())
+    source = open_source(str(tmp_path / "*.parquet"), con=plain)
+    assert source.num_cells == 12
+    assert sum("LIMIT 0" in q for q in plain.queries) == 1
+    assert not any("count(" in q.lower() for q in plain.queries)
+    filtered = Recording(connect())
+    source = open_source(str(tmp_path / "*.parquet"), where="cell_id LIKE '1_%'", con=filtered)
+    assert source.num_cells == 6
+    assert sum("LIMIT 0" in q for q in filtered.queries) == 2
+    with pytest.raises(oj.DataValidationError, match="no_such_column"):
+        open_source(str(tmp_path / "*.parquet"), where="no_such_column > 1", con=connect())
+
+
 def test_non_contiguous_gene_tokens_map_to_columns(tmp_path):
     genes = pa.table({"gene_token_id": pa.array([30, 10, 20], pa.int32()), "gene_name": ["C", "A", "B"]})
     cells = pa.table(

@@ -104,6 +104,8 @@ def row_counts(files: list[Path]) -> list[int]:
                     return pq.read_metadata(handle).num_rows
             return pq.read_metadata(f).num_rows
 
+    if len(files) == 1:  # no threads to start for one footer
+        return [count(files[0])]
     with ThreadPoolExecutor(min(16, len(files))) as pool:
         return list(pool.map(count, files))
 
