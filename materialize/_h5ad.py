@@ -21,6 +21,7 @@ import h5py
 import numba as nb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import is_remote
@@ -65,10 +66,31 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _strings(dataset, lo: int, hi: int) -> list[str]:
-    if isinstance(dataset, h5py.Dataset):
-        return list(dataset.asstr()[lo:hi])
-    return _decoded(np.asarray(dataset[lo:hi]))  # zarr
+def _strings(dataset, lo: int, hi: int) -> pa.StringArray:
+    """Rows ``[lo, hi)`` of a string array (h5py Dataset, zarr Array) as Arrow strings."""
+    return _text_array(np.asarray(dataset[lo:hi]))
+
+
+def _text_array(values: np.ndarray) -> pa.StringArray:
+    """A string array's values as Arrow strings. Bytes (h5py's variable- and fixed-length strings)
+    are joined into Arrow's buffers and checked as UTF-8 at once, rather than decoded one by one
+    (a var index of 60,000 ids: ~15 → ~7 ms beside h5py's read of them); anything else (zarr's str
+    values) and bytes that are not UTF-8 (`_decoded` raises the decoder's error) go through Python."""
+    items = values.tolist()
+    try:
+        data = b"".join(items)
+    except TypeError:  # not bytes
+        return pa.array(_decoded(values), pa.string())
+    if len(data) < 2**31:
+        offsets = np.zeros(len(items) + 1, np.int32)
+        np.cumsum(np.fromiter(map(len, items), np.int32, len(items)), out=offsets[1:])
+        array = pa.StringArray.from_buffers(len(items), pa.py_buffer(offsets), pa.py_buffer(data))
+        try:
+            array.validate(full=True)
+            return array
+        except pa.ArrowInvalid:
+            pass
+    return pa.array(_decoded(values), pa.string())
 
 
 class _ObsColumn:
@@ -78,7 +100,7 @@ class _ObsColumn:
         self.node, self.kind = node, _encoding(node)
         if self.kind == "categorical":
             categories = node["categories"]
-            self.categories = pa.array(_strings(categories, 0, categories.shape[0]), pa.string())
+            self.categories = _strings(categories, 0, categories.shape[0])
             self.type = pa.dictionary(pa.int32(), pa.string())
         elif self.kind in ("string-array", "nullable-string-array"):
             self.type = pa.string()
@@ -111,13 +133,13 @@ class _ObsColumn:
             codes = node["codes"][lo:hi].astype(np.int32)
             return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
         if self.kind == "string-array":
-            return pa.array(_strings(node, lo, hi), pa.string())
+            return _strings(node, lo, hi)
         if self.kind == "array":
             return pa.array(node[lo:hi])
         mask = node["mask"][lo:hi].astype(bool)
         values = node["values"]
         if self.kind == "nullable-string-array":
-            return pa.array(_strings(values, lo, hi), pa.string(), mask=mask)
+            return pc.if_else(pa.array(mask), pa.nulls(len(mask), pa.string()), _strings(values, lo, hi))
         return pa.array(values[lo:hi], mask=mask)
 
 
@@ -152,7 +174,7 @@ class _LegacyColumn:
             codes = values.astype(np.int32)
             return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
         if self.type == pa.string():
-            return pa.array(_decoded(values), pa.string())
+            return _text_array(values)
         return pa.array(values)
 
 
@@ -177,10 +199,10 @@ class _Frame:
             for f in fields[1:]
         }
 
-    def index(self, lo: int, hi: int) -> list[str]:
+    def index(self, lo: int, hi: int) -> pa.StringArray:
         if self._field is None:
             return _strings(self._index, lo, hi)
-        return _decoded(self._index.fields(self._field)[lo:hi])
+        return _text_array(self._index.fields(self._field)[lo:hi])
 
 
 def is_zarr(path) -> bool:
@@ -341,7 +363,7 @@ class H5adSource(Source):
             if col.type is not None:
                 array = col.read(0, num_vars)
                 columns[name] = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
-        index = pa.array(var.index(0, num_vars), pa.string())
+        index = var.index(0, num_vars)
         tokens = columns.pop("gene_token_id", None)
         if tokens is not None:
             values = tokens.to_numpy(zero_copy_only=False)
@@ -429,7 +451,7 @@ class H5adSource(Source):
         if self._file is None:
             self._open()
         try:
-            return pa.array(self._obs_frame.index(lo, hi), pa.string())
+            return self._obs_frame.index(lo, hi)
         except OSError as e:
             raise self._unreadable(lo, hi, e) from e
 

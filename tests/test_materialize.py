@@ -227,6 +227,69 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
     assert (noted in capsys.readouterr().err) is not use_raw
 
 
+@pytest.mark.parametrize("store", ["h5ad", "zarr"])
+def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
+    """Cell ids, string and categorical obs columns (a nullable one with a missing value), the var
+    index and a var column of text beyond ASCII: what anndata reads, whatever the store."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0], [4, 0, 0]], np.float32))
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(["β-Zelle", "T", "β-Zelle"]),
+            "note": ["é", "細胞", ""],
+            "site": pd.array(["Zürich", None, "Genève"], dtype="string"),
+        },
+        index=["zellé-1", "細胞-2", "c3"],
+    )
+    var = pd.DataFrame({"feature_name": ["Gène", "ÄB", "γ"]}, index=[f"ENSG0000000000{i}" for i in range(3)])
+    path = tmp_path / f"text.{store}"
+    adata = ad.AnnData(X=x, obs=obs, var=var)
+    if store == "h5ad":
+        adata.write_h5ad(path)
+        back = ad.read_h5ad(path)
+    else:
+        before = ad.settings.zarr_write_format
+        ad.settings.zarr_write_format = 3
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
+                warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
+                adata.write_zarr(path)
+                back = ad.read_zarr(path)
+        finally:
+            ad.settings.zarr_write_format = before
+    materialize(path, tmp_path / "out", obs=["cell_type", "note", "site"], progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.cell_ids.tolist() == back.obs_names.tolist() == ["zellé-1", "細胞-2", "c3"]
+    assert ds.obs["cell_type"].labels().tolist() == back.obs["cell_type"].tolist()
+    assert ds.obs["note"].labels().tolist() == back.obs["note"].tolist() == ["é", "細胞", ""]
+    assert ds.obs["site"].labels().tolist() == ["Zürich", None, "Genève"]  # the missing value: no label
+    assert ds.features["feature_name"].tolist() == back.var["feature_name"].tolist()
+    assert_csr_equal(_all_rows(ds), (x.indptr, x.indices, x.data))
+
+
+def test_anndata_strings_become_arrow_strings_as_decoding_each_would_make_them():
+    """`_text_array`: h5py's variable-length (bytes objects) and fixed-length strings, zarr's str
+    values and an empty array, as decoding each value would give them; bytes that are not UTF-8
+    raise the decoder's error, as decoding them one by one did."""
+    from materialize._h5ad import _text_array
+
+    words = ["", "cell", "Zürich", "細胞", "β"]
+    for values in (
+        np.array([w.encode() for w in words], object),
+        np.array([w.encode() for w in words]),  # fixed length: trailing NULs are padding
+        np.array(words, object),
+        np.array(words),
+        np.array([], object),
+    ):
+        array = _text_array(values)
+        assert array.type == pa.string() and array.to_pylist() == words[: len(values)]
+    with pytest.raises(UnicodeDecodeError):
+        _text_array(np.array([b"ok", b"\xff\xfe"], object))
+
+
 def test_token_outputs_refuse_values_that_are_not_counts_unless_allowed(tmp_path):
     legacy = tmp_path / "legacy.h5ad"
     write_legacy_h5ad(legacy, np.random.default_rng(0))
