@@ -80,8 +80,8 @@ def _text_array(values: np.ndarray) -> pa.StringArray:
     try:
         data = b"".join(items)
     except TypeError:  # not bytes
-        return pa.array(_decoded(values), pa.string())
-    if len(data) < 2**31:
+        data = None
+    if data is not None and len(data) < 2**31:
         offsets = np.zeros(len(items) + 1, np.int32)
         np.cumsum(np.fromiter(map(len, items), np.int32, len(items)), out=offsets[1:])
         array = pa.StringArray.from_buffers(len(items), pa.py_buffer(offsets), pa.py_buffer(data))
@@ -156,9 +156,9 @@ class _LegacyColumn:
         dtype = node.dtype.fields[field][0]
         self.categories = None
         if categories is not None and np.issubdtype(dtype, np.integer):
-            cats = _decoded(np.atleast_1d(categories[()]))
+            cats = _text_array(np.atleast_1d(categories[()]))
             if int(node.fields(field)[()].max(initial=-1)) < len(cats):  # anndata's test of which axis
-                self.categories = pa.array(cats, pa.string())
+                self.categories = cats
         if self.categories is not None:
             self.type = pa.dictionary(pa.int32(), pa.string())
         elif dtype.kind in "SU" or h5py.check_string_dtype(dtype) is not None:

@@ -166,7 +166,7 @@ class TableSource(Source):
         self._batch_cells = batch_cells
         self._cell_id_column = cell_id_column
         self._where, self._query = where, query
-        self._counts: list[int] | None = None  # rows per file, once a member is read by cell range
+        self._counts: list[int] | None = None  # rows per file, of an input whose every row is a cell
         self._row_groups: dict[int, np.ndarray | None] = {}  # row group starts per file, once asked
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
@@ -279,8 +279,8 @@ class TableSource(Source):
 
     def _count(self) -> int:
         if self._query is None and self._where is None and self.files:  # every row a cell: the footers'
-            self._counts = self._row_counts()  # counts (kept for `part_of`), not a scan by DuckDB
-            return sum(self._counts)
+            self._counts = self._row_counts()  # counts (kept for `plan` and `part_of`, pickled along
+            return sum(self._counts)  # to the workers), not a scan by DuckDB
         try:
             return int(self._con.execute(f"SELECT count(*) FROM ({self._sql})").fetchall()[0][0])
         except duckdb.Error as e:
@@ -304,7 +304,7 @@ class TableSource(Source):
         if self._query is not None or not self.files:
             return [Partition(0, 0, self.num_cells)]  # one partition, however many shards
         if self._where is None:
-            return partitions_from_counts(self._counts or self._row_counts(), shard_cells)
+            return partitions_from_counts(self._counts, shard_cells)
         index = {str(f): i for i, f in enumerate(self.files)}
         sql = (
             f"SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN} FROM (SELECT {FILENAME_COLUMN}, {FILE_ROW_COLUMN}, "
@@ -361,8 +361,6 @@ class TableSource(Source):
                 "inputs cannot be; materialize the filtered cells first, or query the whole collection"
             )
             raise DataValidationError(msg)
-        if self._counts is None:
-            self._counts = self._row_counts()  # kept: pickled along to the workers
         return range_of_counts(self._counts, first, num_cells)
 
     def _row_counts(self) -> list[int]:
