@@ -46,7 +46,6 @@ from ._ducklake_read import LakeReader, Run
 from ._plan import Partition
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
 
-DEFAULT_BATCH_CELLS = 8192
 GENE_TABLE = "gene_metadata"
 
 
@@ -66,7 +65,7 @@ class DuckLakeSource(Source):
         where: str | None = None,
         genes: str | None = None,
         cell_id_column: str = CELL_ID_COLUMN,
-        batch_cells: int = DEFAULT_BATCH_CELLS,
+        batch_cells: int | None = None,
     ):
         catalog_spec, named = split_spec(spec)
         if table is not None and named is not None and table != named:

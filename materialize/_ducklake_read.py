@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import as_input_path, is_remote, sql_ident
+from omicsio_jax.format import GENE_COLUMN, as_input_path, is_remote, sql_ident
 
 from ._ducklake_catalog import ROW_ID, Column, DataFile, LakeTable, empty_table
-from ._tables import row_group_starts
+from ._tables import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
 FIELD_ID = b"PARQUET:field_id"
@@ -238,15 +238,17 @@ class LakeReader:
         hi: int | None,
         names: list[str],
         *,
-        batch_cells: int = 8192,
+        batch_cells: int | None = None,
         threads: int | None = None,
     ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        """Positions ``[lo, hi)`` of a piece as (first position, batch of the columns ``names``)."""
+        """Positions ``[lo, hi)`` of a piece as (first position, batch of the columns ``names``),
+        ``batch_cells`` rows at a time (None: a data file's by its row width, `cells_per_batch`)."""
         if piece == self.inlined:
             table = self.lake.inlined.select(names)
             end = table.num_rows if hi is None else hi
-            for a in range(lo, end, batch_cells):
-                for rb in table.slice(a, min(batch_cells, end - a)).combine_chunks().to_batches():
+            step = batch_cells or DEFAULT_BATCH_CELLS
+            for a in range(lo, end, step):
+                for rb in table.slice(a, min(step, end - a)).combine_chunks().to_batches():
                     yield a, rb
                     a += rb.num_rows
             return
@@ -259,7 +261,7 @@ class LakeReader:
             msg = f"cannot read {f.path} of {self.lake.describe()}: {e}"
             raise DataValidationError(msg) from e
 
-    def _read_file(self, f: DataFile, lo: int, hi: int, names: list[str], batch_cells: int, threads):
+    def _read_file(self, f: DataFile, lo: int, hi: int, names: list[str], batch_cells: int | None, threads):
         # read, not mapped: a file cut short raises, not SIGBUS; pre-buffered (ranges coalesced into
         # fewer requests) on object storage only: pyarrow keeps pre-buffered row groups' raw bytes
         # until the file is closed, fresh memory per row group that a local read does not need
@@ -273,6 +275,12 @@ class LakeReader:
         starts = row_group_starts(reader.metadata)
         groups = [g for g in range(len(starts) - 1) if starts[g] < hi and starts[g + 1] > lo]
         row = int(starts[groups[0]]) if groups else lo
+        if batch_cells is None:
+            genes = by_name.get(GENE_COLUMN)
+            stored_genes = None if genes is None else stored.get(genes.column_id)
+            batch_cells = DEFAULT_BATCH_CELLS
+            if stored_genes is not None:
+                batch_cells = cells_per_batch(reader.metadata, stored_genes)
         batches = reader.iter_batches(
             batch_cells, row_groups=groups, columns=read, use_threads=threads is None or threads > 1
         )

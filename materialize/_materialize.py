@@ -132,7 +132,7 @@ def open_source(
         if query:
             msg = "--query does not apply to a ducklake: input; select its cells with --where"
             raise OmicsIOError(msg)
-        from ._ducklake import DEFAULT_BATCH_CELLS, DuckLakeSource
+        from ._ducklake import DuckLakeSource
 
         return DuckLakeSource(
             str(source),
@@ -141,12 +141,12 @@ def open_source(
             where=where,
             genes=None if genes is None else str(genes),
             cell_id_column=cell_id,
-            batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+            batch_cells=batch_cells,
         )
     if source is None and query is None:
         msg = "give an input path/glob, or a DuckDB --query"
         raise OmicsIOError(msg)
-    from ._tables import DEFAULT_BATCH_CELLS, TableSource
+    from ._tables import TableSource
 
     return TableSource(
         None if source is None else str(source),
@@ -154,7 +154,7 @@ def open_source(
         query=query,
         genes=None if genes is None else str(genes),
         cell_id_column=cell_id,
-        batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+        batch_cells=batch_cells,
         con=con,
     )
 

@@ -456,6 +456,44 @@ def test_opening_a_plain_parquet_input_asks_duckdb_for_its_columns_once(tmp_path
         open_source(str(tmp_path / "*.parquet"), where="no_such_column > 1", con=connect())
 
 
+def test_parquet_files_are_read_in_batches_by_their_row_width(tmp_path):
+    """A plain parquet file is decoded about 4M values at a time by default (cells in powers of two,
+    256 to 8,192, from its footer's count of values): wide rows in small batches, narrow ones in
+    large; an explicit ``batch_cells`` wins, and the dataset's bytes do not depend on the batches."""
+    from materialize._materialize import open_source
+    from materialize._tables import cells_per_batch
+
+    rng = np.random.default_rng(0)
+
+    def write(path, rows, width):
+        flat = pa.array(np.tile(np.arange(width, dtype=np.int32), rows))
+        offsets = pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32))
+        table = pa.table(
+            {
+                "cell_id": [f"c{i}" for i in range(rows)],
+                "gene_token_id": pa.ListArray.from_arrays(offsets, flat),
+                "gene_expression": pa.ListArray.from_arrays(
+                    offsets, pa.array(rng.integers(1, 9, rows * width).astype(np.float32))
+                ),
+            }
+        )
+        pq.write_table(table, path, row_group_size=rows // 2)
+        return path
+
+    wide, narrow = write(tmp_path / "wide.parquet", 1200, 5000), write(tmp_path / "narrow.parquet", 600, 3)
+    assert cells_per_batch(pq.read_metadata(wide), "gene_token_id") == 512  # 2 * 512 * 5,000 > 4M
+    assert cells_per_batch(pq.read_metadata(narrow), "gene_token_id") == 8192
+    assert cells_per_batch(pq.read_metadata(wide), "no_such_list") == 8192
+    sizes = [b.num_cells for b in open_source(str(wide)).batches([])]
+    assert sizes == [512, 512, 176]
+    assert [b.num_cells for b in open_source(str(wide), batch_cells=100).batches([])] == [100] * 12
+    by_width = materialize(wide, tmp_path / "by_width", progress=False, workers=1)
+    fixed = materialize(
+        wide, tmp_path / "fixed", progress=False, workers=1, read=InputOptions(batch_cells=8192)
+    )
+    assert [s.sha256 for s in by_width.manifest.shards] == [s.sha256 for s in fixed.manifest.shards]
+
+
 def test_non_contiguous_gene_tokens_map_to_columns(tmp_path):
     genes = pa.table({"gene_token_id": pa.array([30, 10, 20], pa.int32()), "gene_name": ["C", "A", "B"]})
     cells = pa.table(
