@@ -6,8 +6,9 @@ reverse order), on the same corpus:
 
 - ``decode``: the parquet input-decode limit — pyarrow delivering the list columns (``cell_id``,
   ``gene_token_id``, ``gene_expression``) as CSR batches, nothing encoded, on one core, the file
-  read without pre-buffering (how materialize reads plain local parquet); and DuckDB delivering
-  the same (how it reads every other table input). Whole passes over the file, after the imports
+  read without pre-buffering and in materialize's batches (``cells_per_batch``: by its row width),
+  as materialize reads plain local parquet; and DuckDB delivering the same in batches of 8,192
+  cells (how it reads every other table input). Whole passes over the file, after the imports
   and numba's start, until at least 10 s have passed. Reported as CPU-seconds per 10^5 cells and
   cells/s per core.
 - ``decode pyarrow ×N at once`` (N: the largest worker count): N copies of the pyarrow decode, one
@@ -97,8 +98,11 @@ if kind == "duckdb":
 else:
     import pyarrow.parquet as pq
     pa.set_cpu_count(1); pa.set_io_thread_count(1)
+    from materialize._tables import cells_per_batch
+    batch_cells = cells_per_batch(pq.read_metadata(path), "gene_token_id")  # as materialize reads the file
+
     def batches():
-        return pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=8192, columns=["cell_id", "gene_token_id", "gene_expression"],
+        return pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=batch_cells, columns=["cell_id", "gene_token_id", "gene_expression"],
                                                  use_threads=False)
 list_to_csr(pa.chunked_array([pa.array([[1, 2]], pa.list_(pa.int32()))]))  # numba's start, before the clock
 encode = kind == "pyarrow+encode"  # each batch also encoded into records, on one numba thread
