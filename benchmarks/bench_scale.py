@@ -98,7 +98,7 @@ if kind == "duckdb":
 else:
     import pyarrow.parquet as pq
     pa.set_cpu_count(1); pa.set_io_thread_count(1)
-    from materialize._tables import cells_per_batch
+    from materialize import cells_per_batch
     batch_cells = cells_per_batch(pq.read_metadata(path), "gene_token_id")  # as materialize reads the file
 
     def batches():

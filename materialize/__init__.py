@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._options import Multimodal as Multimodal
     from ._synthetic import SyntheticCorpus as SyntheticCorpus
     from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
+    from ._tables import cells_per_batch as cells_per_batch
 
 _PUBLIC = {
     "build_gene_index": "._index",
@@ -37,6 +38,7 @@ _PUBLIC = {
     "Sources": "._collection",
     "SyntheticCorpus": "._synthetic",
     "make_synthetic_corpus": "._synthetic",
+    "cells_per_batch": "._tables",
 }
 __all__ = list(_PUBLIC)
 

@@ -159,9 +159,10 @@ class TableSource(Source):
     ):
         """``lists`` names the token and value list columns (read as ``gene_token_id`` /
         ``gene_expression``); ``batch_cells`` the cells read at a time (default: `DEFAULT_BATCH_CELLS`
-        through DuckDB, by each file's row width through pyarrow: `cells_per_batch`); ``genes`` is the gene table's path or the table itself (sorted, as
-        `gene_table_from_arrow` makes it); without one it is
-        looked for beside the input (unless not ``find_genes``), else the tokens seen make the columns."""
+        through DuckDB, by each file's row width through pyarrow: `cells_per_batch`); ``genes`` is
+        the gene table's path or the table itself (sorted, as `gene_table_from_arrow` makes it);
+        without one it is looked for beside the input (unless not ``find_genes``), else the tokens
+        seen make the columns."""
         self._lists = lists
         self._remote = (spec is not None and is_remote(spec)) or (query is not None and "s3://" in query)
         self._con = connect(remote=self._remote) if con is None else con
