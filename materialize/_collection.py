@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import connect, from_numpy, is_remote, one_array, text_array
+from omicsio_jax.format import connect, from_numpy, is_remote, one_array, repeated_text, text_array
 
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
@@ -177,7 +177,7 @@ def _repeated(value, n: int) -> pa.Array:
     """``n`` copies of a source's own obs value, as Arrow (without ``pa.array`` for text and
     numbers: see `text_array`)."""
     if isinstance(value, str):
-        return text_array([value] * n)
+        return repeated_text(value, n)
     if isinstance(value, int | float) and not isinstance(value, bool):
         return from_numpy(np.full(n, value))
     return pa.array([value] * n)
@@ -287,7 +287,7 @@ class CollectionSource(Source):
         for name in obs:
             dtype = self.obs_columns[name]
             if name == DATASET_ID:
-                columns[name] = text_array([self.sources.dataset_ids[k]] * n)
+                columns[name] = repeated_text(self.sources.dataset_ids[k], n)
             elif (value := self._given(name, k)) is not None:
                 columns[name] = _as(_repeated(value, n), dtype)
             elif name in batch.obs:

@@ -119,6 +119,15 @@ def test_text_array_is_pa_arrays_strings_and_bytes():
     assert text_array(packed, binary=True).equals(pa.array(packed, pa.binary()))
 
 
+def test_repeated_text_is_pa_arrays_of_copies():
+    """``repeated_text(v, n)`` builds what ``pa.array([v] * n)`` does (unicode, empty, no copies)."""
+    from omicsio_jax.format.arrow import repeated_text
+
+    for value, n in (("plate_01", 6000), ("Ångström", 3), ("", 4), ("x", 0)):
+        got = repeated_text(value, n)
+        assert got.equals(pa.array([value] * n, pa.string())) and got.validate(full=True) is None
+
+
 def test_one_array_takes_a_lone_chunk_as_it_is_and_combines_the_rest():
     """`one_array`: an array as it is, a lone chunk without a copy, several chunks combined, none an
     empty array of the column's type."""

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
     from omicsio_jax.format.arrow import one_array as one_array
+    from omicsio_jax.format.arrow import repeated_text as repeated_text
     from omicsio_jax.format.arrow import text_array as text_array
     from omicsio_jax.format.arrow import to_numpy as to_numpy
     from omicsio_jax.format.arrow import to_numpy_filled as to_numpy_filled
@@ -106,6 +107,7 @@ _WRITER_API = {
         "is_list_type",
         "list_to_csr",
         "one_array",
+        "repeated_text",
         "text_array",
         "to_numpy",
         "to_numpy_filled",

@@ -139,3 +139,20 @@ def text_array(values: list[str] | list[bytes], binary: bool = False) -> pa.Arra
         len(encoded),
         [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))],
     )
+
+
+def repeated_text(value: str, n: int) -> pa.Array:
+    """``n`` copies of one string as an Arrow string array, made from its buffers: no Python object
+    per copy (`text_array` of a source's 6,000 cells took ~1.5 ms, this ~0.1 ms).
+
+    >>> repeated_text("plate_01", 2).to_pylist()
+    ['plate_01', 'plate_01']
+    """
+    data = value.encode()
+    offsets = np.arange(n + 1, dtype=np.int64) * len(data)
+    large = bool(offsets[-1] >= 2**31)
+    return pa.Array.from_buffers(
+        pa.large_string() if large else pa.string(),
+        n,
+        [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(data * n)],
+    )
