@@ -175,7 +175,7 @@ def _unified_type(types: list[pa.DataType]) -> pa.DataType:
 
 def _repeated(value, n: int) -> pa.Array:
     """``n`` copies of a source's own obs value, as Arrow (without ``pa.array`` for text and
-    numbers: see `text_array`)."""
+    numbers, which imports pandas: see `text_array`)."""
     if isinstance(value, str):
         return repeated_text(value, n)
     if isinstance(value, int | float) and not isinstance(value, bool):

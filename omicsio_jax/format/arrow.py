@@ -128,17 +128,7 @@ def text_array(values: list[str] | list[bytes], binary: bool = False) -> pa.Arra
     encoded = [v if isinstance(v, bytes) else v.encode() for v in values]
     offsets = np.zeros(len(encoded) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
-    large = bool(offsets[-1] >= 2**31)
-    dtype = (
-        (pa.large_binary() if large else pa.binary())
-        if binary
-        else (pa.large_string() if large else pa.string())
-    )
-    return pa.Array.from_buffers(
-        dtype,
-        len(encoded),
-        [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))],
-    )
+    return _from_offsets(offsets, b"".join(encoded), binary)
 
 
 def repeated_text(value: str, n: int) -> pa.Array:
@@ -149,10 +139,16 @@ def repeated_text(value: str, n: int) -> pa.Array:
     ['plate_01', 'plate_01']
     """
     data = value.encode()
-    offsets = np.arange(n + 1, dtype=np.int64) * len(data)
+    return _from_offsets(np.arange(n + 1, dtype=np.int64) * len(data), data * n, binary=False)
+
+
+def _from_offsets(offsets: np.ndarray, data: bytes, binary: bool) -> pa.Array:
+    """A string (binary) array of ``len(offsets) - 1`` values from its int64 ``offsets`` and ``data``:
+    the large type where the offsets pass 32 bits."""
     large = bool(offsets[-1] >= 2**31)
-    return pa.Array.from_buffers(
-        pa.large_string() if large else pa.string(),
-        n,
-        [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(data * n)],
-    )
+    if binary:
+        dtype = pa.large_binary() if large else pa.binary()
+    else:
+        dtype = pa.large_string() if large else pa.string()
+    buffers = [None, pa.py_buffer(offsets if large else offsets.astype(np.int32)), pa.py_buffer(data)]
+    return pa.Array.from_buffers(dtype, len(offsets) - 1, buffers)
