@@ -4,15 +4,21 @@ Every kernel is ``@njit(cache=True)``: a process loads its machine code from the
 source (``__pycache__``), or compiles it and writes it there. A fresh checkout or install has no
 cache, so the first processes to run compile the same kernels at the same time (the test suite's
 two workers and the processes they start; a job's hosts and Grain workers). This runs the kernels
-once, one after the other, on a small synthetic corpus: materialize from parquet, and a collection
-of the parquet and the h5ad (its h5ad reader is the one a single h5ad input uses), then a batch of every output kind from the disk loader. Kernels called
-later with other argument types (e.g. float64 values) still compile on their first call.
+once each on a small synthetic corpus: materialize from parquet, and a collection of the parquet and
+the h5ad (its h5ad reader is the one a single h5ad input uses), then a batch of every output kind
+from the disk loader. Kernels called later with other argument types (e.g. float64 values) still
+compile on their first call.
+
+Compiling is single-threaded, so once the first dataset is written, the loaders' kernels compile
+in two processes of their own (the token outputs; the others and the collection's) while this one
+goes on with the inputs of other types: disjoint sets of kernels, each compiled once.
 
     .venv/bin/python scripts/warm_kernels.py      # scripts/test.sh runs it before the suite
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +29,9 @@ import numpy as np
 import omicsio_jax as oj
 from materialize import Layout, make_synthetic_corpus, materialize
 
+# the loaders' kernels, in processes of their own (`main`): each part's outputs over dataset ``ds``
+_PARTS = ("tokens", "outputs")
+
 
 def main() -> None:
     start = time.perf_counter()
@@ -32,39 +41,56 @@ def main() -> None:
         layout = Layout(shard_cells=512)
         kw = {"progress": False, "layout": layout, "workers": 1}  # one process: each kernel compiled once
         materialize(corpus.cells_parquet, root / "ds", obs=("cell_type",), **kw)
-        (root / "second").mkdir()
-        second = root / "second" / "second.h5ad"  # a dataset id of its own: the file's name
-        second.symlink_to(corpus.h5ad)
-        materialize([corpus.cells_parquet, second], root / "collection", **kw)
-        ds = oj.open_dataset(root / "ds")
-        outputs = [
-            "dense",
-            "csr",
-            oj.Dense(normalize="log1p"),
-            oj.Panel(genes=list(range(0, 500, 10))),
-            oj.GeneformerTokens(max_len=64),
-            oj.ScGPTTokens(max_len=48),
-        ]
-        for output in outputs:
-            loader = oj.make_loader(ds, batch_size=64, output=output, obs=("cell_type",), seed=0)
-            next(iter(loader))
-            loader.close()
-        collection = oj.open_dataset(root / "collection")
-        for output in (oj.Dense(measured=True), oj.CSR(measured=True)):
-            loader = oj.make_loader(collection, batch_size=64, output=output, seed=0)
-            x = next(iter(loader)).x
-            if isinstance(output, oj.CSR):
-                np.asarray(loader.densify(x))
-            loader.close()
-        _other_types(root, corpus, kw)
+        parts = [subprocess.Popen([sys.executable, __file__, part, str(root)]) for part in _PARTS]
+        try:
+            (root / "second").mkdir()
+            second = root / "second" / "second.h5ad"  # a dataset id of its own: the file's name
+            second.symlink_to(corpus.h5ad)
+            materialize([corpus.cells_parquet, second], root / "collection", **kw)
+            _other_types(root, corpus, kw)
+        finally:
+            failed = [part for part, proc in zip(_PARTS, parts, strict=True) if proc.wait() != 0]
+        if failed:
+            raise SystemExit(f"warm_kernels: the {' and '.join(failed)} part failed")
+        _readers(root)  # after the parts: the chunk reader's kernels are theirs too
     print(f"numba kernels compiled into their caches in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def _loaders(part: str, root: Path) -> None:
+    """A batch of each output of ``part`` over ``root/ds`` (and for ``outputs``, then the
+    collection's masks once ``root/collection`` is written)."""
+    ds = oj.open_dataset(root / "ds")
+    outputs = (
+        [oj.GeneformerTokens(max_len=64), oj.ScGPTTokens(max_len=48)]
+        if part == "tokens"
+        else ["dense", "csr", oj.Dense(normalize="log1p"), oj.Panel(genes=list(range(0, 500, 10)))]
+    )
+    for output in outputs:
+        loader = oj.make_loader(ds, batch_size=64, output=output, obs=("cell_type",), seed=0)
+        next(iter(loader))
+        loader.close()
+    if part != "outputs":
+        return
+    manifest = root / "collection" / "manifest.json"  # written last: the dataset is whole
+    deadline = time.monotonic() + 600
+    while not manifest.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"warm_kernels: {manifest} did not appear")
+        time.sleep(0.2)
+    collection = oj.open_dataset(root / "collection")
+    for output in (oj.Dense(measured=True), oj.CSR(measured=True)):
+        loader = oj.make_loader(collection, batch_size=64, output=output, seed=0)
+        x = next(iter(loader)).x
+        if isinstance(output, oj.CSR):
+            np.asarray(loader.densify(x))
+        loader.close()
 
 
 def _other_types(root: Path, corpus, kw: dict) -> None:
     """The kernels again for the argument types other inputs bring: list columns of int64 tokens
     (what pyarrow makes of Python ints) with float32 or float64 values, a collection whose first source
     lists its genes in an order of its own (the union's ordering kernel, and the rows of the other
-    source re-sorted), a panel layout, rows read by position and a panel loaded into memory."""
+    source re-sorted) and a panel layout."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -126,6 +152,10 @@ def _other_types(root: Path, corpus, kw: dict) -> None:
     materialize(
         corpus.cells_parquet, root / "panel", **{**kw, "layout": Layout(shard_cells=512, panel=panel)}
     )
+
+
+def _readers(root: Path) -> None:
+    """Rows of the int64-token dataset read by position, and a panel loaded into memory."""
     ds = oj.open_dataset(root / "ds_long")
     ds.read_csr(np.arange(0, ds.num_cells, 3))
     loader = oj.make_memory_loader(oj.load_panel(ds, progress=False), batch_size=64)
@@ -134,4 +164,7 @@ def _other_types(root: Path, corpus, kw: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] in _PARTS:
+        _loaders(sys.argv[1], Path(sys.argv[2]))
+    else:
+        main()
