@@ -48,6 +48,10 @@ def main() -> None:
             second.symlink_to(corpus.h5ad)
             materialize([corpus.cells_parquet, second], root / "collection", **kw)
             _other_types(root, corpus, kw)
+        except BaseException:
+            for proc in parts:  # (the outputs part would wait for a collection that never comes)
+                proc.kill()
+            raise
         finally:
             failed = [part for part, proc in zip(_PARTS, parts, strict=True) if proc.wait() != 0]
         if failed:
