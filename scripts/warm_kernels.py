@@ -9,9 +9,10 @@ the h5ad (its h5ad reader is the one a single h5ad input uses), then a batch of 
 from the disk loader. Kernels called later with other argument types (e.g. float64 values) still
 compile on their first call.
 
-Compiling is single-threaded, so once the first dataset is written, the loaders' kernels compile
-in two processes of their own (the token outputs; the others and the collection's) while this one
-goes on with the inputs of other types: disjoint sets of kernels, each compiled once.
+Compiling is single-threaded, so the loaders' kernels compile in two processes of their own while
+this one goes on with the inputs of other types: the token outputs once the first dataset is written,
+the other outputs and the collection's masks once the collection is. Only the chunk reader's few
+kernels are compiled by both at once.
 
     .venv/bin/python scripts/warm_kernels.py      # scripts/test.sh runs it before the suite
 """
@@ -33,6 +34,10 @@ from materialize import Layout, make_synthetic_corpus, materialize
 _PARTS = ("tokens", "outputs")
 
 
+def _start(part: str, root: Path) -> tuple[str, subprocess.Popen]:
+    return part, subprocess.Popen([sys.executable, __file__, part, str(root)])
+
+
 def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="omicsio-warm-") as tmp:
@@ -41,19 +46,20 @@ def main() -> None:
         layout = Layout(shard_cells=512)
         kw = {"progress": False, "layout": layout, "workers": 1}  # one process: each kernel compiled once
         materialize(corpus.cells_parquet, root / "ds", obs=("cell_type",), **kw)
-        parts = [subprocess.Popen([sys.executable, __file__, part, str(root)]) for part in _PARTS]
+        parts = [_start("tokens", root)]
         try:
             (root / "second").mkdir()
             second = root / "second" / "second.h5ad"  # a dataset id of its own: the file's name
             second.symlink_to(corpus.h5ad)
             materialize([corpus.cells_parquet, second], root / "collection", **kw)
+            parts.append(_start("outputs", root))
             _other_types(root, corpus, kw)
         except BaseException:
-            for proc in parts:  # (the outputs part would wait for a collection that never comes)
+            for _, proc in parts:
                 proc.kill()
             raise
         finally:
-            failed = [part for part, proc in zip(_PARTS, parts, strict=True) if proc.wait() != 0]
+            failed = [part for part, proc in parts if proc.wait() != 0]
         if failed:
             raise SystemExit(f"warm_kernels: the {' and '.join(failed)} part failed")
         _readers(root)  # after the parts: the chunk reader's kernels are theirs too
@@ -62,7 +68,7 @@ def main() -> None:
 
 def _loaders(part: str, root: Path) -> None:
     """A batch of each output of ``part`` over ``root/ds`` (and for ``outputs``, then the
-    collection's masks once ``root/collection`` is written)."""
+    collection's masks over ``root/collection``)."""
     ds = oj.open_dataset(root / "ds")
     outputs = (
         [oj.GeneformerTokens(max_len=64), oj.ScGPTTokens(max_len=48)]
@@ -75,12 +81,6 @@ def _loaders(part: str, root: Path) -> None:
         loader.close()
     if part != "outputs":
         return
-    manifest = root / "collection" / "manifest.json"  # written last: the dataset is whole
-    deadline = time.monotonic() + 600
-    while not manifest.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"warm_kernels: {manifest} did not appear")
-        time.sleep(0.2)
     collection = oj.open_dataset(root / "collection")
     for output in (oj.Dense(measured=True), oj.CSR(measured=True)):
         loader = oj.make_loader(collection, batch_size=64, output=output, seed=0)
