@@ -56,6 +56,11 @@ def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
     return pc.sum(pc.match_substring_regex(present, _ENSEMBL_RE2)).as_py() / len(present)
 
 
+def ensembl_like(values: pa.Array) -> bool:
+    """Whether most non-empty values of a text array are Ensembl ids (``ENSG…``, ``ENSMUSG…``)."""
+    return _ensembl_share(values) >= 0.5
+
+
 def _stripped(values: pa.Array) -> pa.Array:
     """Ensembl ids without their version suffix (``ENSG….12`` → ``ENSG…``); other values unchanged.
     Values without a "." anywhere (most gene tables) are returned after one scan of their bytes:

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import is_remote
 
+from ._genespace import SYMBOL_COLUMNS, ensembl_like
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, gene_table_from_arrow, obs_kind
 
@@ -205,6 +206,21 @@ class _Frame:
         return _text_array(self._index.fields(self._field)[lo:hi])
 
 
+def _gene_names(index: pa.Array, columns: dict[str, pa.Array]) -> pa.Array:
+    """The genes' names: ``var``'s index, unless it holds Ensembl ids and a symbol column is there
+    (CELLxGENE: ids in the index, symbols in ``feature_name``), whose symbols are the names then."""
+    if not ensembl_like(index):
+        return index
+    for name in SYMBOL_COLUMNS:
+        column = columns.get(name)
+        text = column is not None and (
+            pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        )
+        if text and not ensembl_like(column):
+            return column
+    return index
+
+
 def is_zarr(path) -> bool:
     """An AnnData zarr store (``.zarr``, zarr v2 or v3), local or ``s3://``."""
     return str(path).rstrip("/").endswith(".zarr")
@@ -380,7 +396,7 @@ class H5adSource(Source):
         if "ensembl_id" not in columns:
             table["ensembl_id"] = columns.pop("gene_ids", index)
         if "gene_name" not in columns:
-            table["gene_name"] = index
+            table["gene_name"] = _gene_names(index, columns)
         table.update(columns)
         return gene_table_from_arrow(pa.table(table), f"var of {self.path}")
 

@@ -270,6 +270,31 @@ def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
     assert_csr_equal(_all_rows(ds), (x.indptr, x.indices, x.data))
 
 
+def test_h5ad_genes_named_by_their_symbols_and_found_by_id_with_or_without_version(tmp_path):
+    """CELLxGENE's var: versioned Ensembl ids in the index, symbols in ``feature_name``; a 10x-style var:
+    symbols in the index, ids in ``gene_ids``. Either way ``gene_name`` holds the symbols, and a panel
+    names its genes by symbol or by Ensembl id with any version or none."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0]], np.float32))
+    ids, symbols = [f"ENSG0000000000{i}.{i + 4}" for i in range(3)], ["CD3E", "MS4A1", "NKG7"]
+    layouts = {
+        "cellxgene": pd.DataFrame({"feature_name": pd.Categorical(symbols)}, index=ids),
+        "10x": pd.DataFrame({"gene_ids": ids}, index=symbols),
+    }
+    for name, var in layouts.items():
+        ad.AnnData(X=x, var=var).write_h5ad(tmp_path / f"{name}.h5ad")
+        materialize(tmp_path / f"{name}.h5ad", tmp_path / name, progress=False)
+        ds = oj.open_dataset(tmp_path / name)
+        assert ds.features["gene_name"].tolist() == symbols, name
+        assert ds.features["ensembl_id"].tolist() == ids, name
+        wanted = ["NKG7", "ENSG00000000000", "ENSG00000000001.5", "ensg00000000002.9", 1]
+        assert ds.gene_columns(wanted).tolist() == [2, 0, 1, 2, 1], name
+        with pytest.raises(oj.OmicsIOError, match="1 panel gene.*: cd3e"):
+            ds.gene_columns(["cd3e"])  # symbols match as written
+
+
 def test_anndata_strings_become_arrow_strings_as_decoding_each_would_make_them():
     """`_text_array`: h5py's variable-length (bytes objects) and fixed-length strings, zarr's str
     values and an empty array, as decoding each value would give them; bytes that are not UTF-8

@@ -19,6 +19,7 @@ from omicsio_jax.dataset.presence import GenePresence, read_presence, require_pr
 from omicsio_jax.format import codec
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, load_chunk_index
 from omicsio_jax.format.csr import take_rows
+from omicsio_jax.format.genes import fold_ensembl
 from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
 from omicsio_jax.records.chunk_reader import supported as chunks_readable
@@ -386,8 +387,8 @@ class Dataset:
         return np.flatnonzero(~keep if invert else keep)
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
-        """Columns of ``genes`` (names, Ensembl ids or column numbers; for a peak modality, peak names),
-        in the order given.
+        """Columns of ``genes`` (names, Ensembl ids with or without their version, or column numbers;
+        for a peak modality, peak names), in the order given.
 
         >>> ds.gene_columns(["CD3E", "ENSG00000167286", 17])       # doctest: +SKIP
         >>> ds.modality("atac").gene_columns(["chr1:10010-10460"])  # doctest: +SKIP
@@ -398,16 +399,21 @@ class Dataset:
             if key in features:
                 for col, value in enumerate(features[key].astype(str)):
                     lookup.setdefault(value, col)
+        by_id: dict[str, int] = {}  # Ensembl ids without their version
+        if "ensembl_id" in features:
+            for col, value in enumerate(features["ensembl_id"].astype(str)):
+                by_id.setdefault(fold_ensembl(value), col)
         cols, unknown = [], []
         for g in genes:
             if isinstance(g, (int, np.integer)):
                 if not 0 <= int(g) < self.num_genes:
                     unknown.append(str(g))
                 cols.append(int(g))
-            elif str(g) in lookup:
-                cols.append(lookup[str(g)])
-            else:
+                continue
+            col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
+            if col is None:
                 unknown.append(str(g))
+            cols.append(col)
         if unknown:
             msg = (
                 f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"

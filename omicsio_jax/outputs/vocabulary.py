@@ -17,12 +17,12 @@ import functools
 import io
 import json
 import pickle
-import re
 from pathlib import Path
 
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.format.genes import fold_ensembl
 from omicsio_jax.outputs.token_kernels import CLS, EOC, PAD
 
 SPECIAL_NAMES = {
@@ -31,7 +31,6 @@ SPECIAL_NAMES = {
     "eos": ("<eos>", "<eoc>", "[SEP]", "[EOS]"),
     "mask": ("<mask>", "[MASK]"),
 }
-_VERSION = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
 _PICKLE_SUFFIXES = (".pkl", ".pickle")
 
 
@@ -105,12 +104,6 @@ def read_gene_mapping(path: str | Path, *, what: str) -> dict[str, float]:
             msg = f"{path}:{n + 1}: {parts[1]!r} is not a {what}"
             raise OmicsIOError(msg) from None
     return out
-
-
-def fold_ensembl(key: str) -> str:
-    """``ENSG00000141510.17`` → ``ENSG00000141510`` (upper case); other keys unchanged."""
-    match = _VERSION.match(key)
-    return match.group(1).upper() if match else key.upper()
 
 
 @dataclasses.dataclass(frozen=True)

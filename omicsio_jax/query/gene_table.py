@@ -12,7 +12,6 @@ import difflib
 import hashlib
 import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,10 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.format.genes import fold_ensembl
 from omicsio_jax.format.tables import GENE_COLUMN, connect, sql_str
 from omicsio_jax.storage.store import default_cache_dir, is_remote, open_store
-
-_ENSEMBL_VERSION = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
 
 
 class UnknownGeneError(OmicsIOError, KeyError):
@@ -72,14 +70,9 @@ class GeneTable:
                     self.token_ids.tolist(), self.table.column(column).to_pylist(), strict=True
                 ):
                     if key is not None:
-                        folded = self._fold(key)
+                        folded = fold_ensembl(key)
                         if token not in self._by_name.setdefault(folded, []):
                             self._by_name[folded].append(token)
-
-    @staticmethod
-    def _fold(key: str) -> str:
-        match = _ENSEMBL_VERSION.match(key)
-        return (match.group(1) if match else key).upper()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -115,7 +108,7 @@ class GeneTable:
                 else:
                     problems.append(f"token id {int(g)} (not in {self.source})")
                 continue
-            hits = self._by_name.get(self._fold(str(g)), [])
+            hits = self._by_name.get(fold_ensembl(str(g)), [])
             if len(hits) == 1:
                 out.append(hits[0])
             elif hits:
@@ -125,7 +118,7 @@ class GeneTable:
                 )
             else:
                 close = difflib.get_close_matches(
-                    self._fold(str(g)), self._candidates(str(g)), n=3, cutoff=0.75
+                    fold_ensembl(str(g)), self._candidates(str(g)), n=3, cutoff=0.75
                 )
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 problems.append(f"{g!r}{hint}")
@@ -135,7 +128,7 @@ class GeneTable:
         return np.asarray(out, dtype=np.int32)
 
     def _candidates(self, gene: str) -> list[str]:
-        prefix = self._fold(gene)[:2]
+        prefix = fold_ensembl(gene)[:2]
         return [k for k in self._by_name if k.startswith(prefix)]
 
     @classmethod

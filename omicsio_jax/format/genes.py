@@ -1,0 +1,13 @@
+"""Gene identifiers: Ensembl ids compared as stable ids, without their version suffix."""
+
+from __future__ import annotations
+
+import re
+
+_VERSIONED = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
+
+
+def fold_ensembl(key: str) -> str:
+    """``ENSG00000141510.17`` → ``ENSG00000141510`` (upper case); other keys upper-cased only."""
+    match = _VERSIONED.match(key)
+    return match.group(1).upper() if match else key.upper()
