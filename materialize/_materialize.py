@@ -45,7 +45,7 @@ from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
 from ._pool import Pool, default_workers, run_in_process, run_on_dask, usable_cores
 from ._shards import atomic_output_dir
-from ._source import Source
+from ._source import Source, require_file
 from ._validate import GeneIndex
 
 
@@ -108,6 +108,7 @@ def open_source(
         from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
         from ._modalities import h5mu_modalities
 
+        require_file(source)
         group = ""
         if kind == "h5mu":
             names = h5mu_modalities(as_input_path(str(source)))

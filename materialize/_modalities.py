@@ -57,7 +57,7 @@ from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
 from ._h5ad import H5adSource
 from ._plan import Partition, whole_partitions
 from ._reorder import Spill, spill_by_partition
-from ._source import Batch, Source, gene_table_from_arrow
+from ._source import Batch, Source, gene_table_from_arrow, require_file
 from ._tables import DEFAULT_BATCH_CELLS, TableSource
 
 LAYER, OWN = "primary", "own"  # a modality's columns: the primary's genes, or its own features
@@ -495,6 +495,7 @@ class _SourceLocator:
 
 def h5mu_modalities(path) -> list[str]:
     """The modality names of an ``.h5mu`` file (``mod/<name>``), in the file's ``mod-order``."""
+    require_file(path)
     try:
         with h5py.File(str(path), "r") as f:
             mod = f["mod"]

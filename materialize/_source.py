@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import to_numpy
+from omicsio_jax.format import is_remote, to_numpy
 
 from ._plan import Partition
 
@@ -113,6 +114,13 @@ class Source:
 
 
 _DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, worth a note
+
+
+def require_file(path) -> None:
+    """A one-line error for a local input file (or zarr store) that is not there, rather than what a
+    reader makes of opening it (h5py's errno text and a guess that the file is damaged)."""
+    if not is_remote(str(path)) and not Path(path).exists():
+        raise DataValidationError(f"cannot read {path}: no such file or directory")
 
 
 def decoded_again_note(label: str, partitions: Sequence[Partition], again: int, largest: int) -> str | None:

@@ -194,6 +194,12 @@ def test_truncated_h5ad(corpus, capsys, tmp_path):
     assert "truncated.h5ad" in err and "cannot read" in err
 
 
+@pytest.mark.parametrize("name", ["absent.h5ad", "absent.zarr", "absent.h5mu"])
+def test_anndata_input_that_is_not_there(name, capsys, tmp_path):
+    err = _run_bad(capsys, tmp_path, tmp_path / name)
+    assert err.endswith(f"cannot read {tmp_path / name}: no such file or directory"), err
+
+
 def test_bad_layout_parameters(write, capsys, tmp_path):
     path = write(_cells(GOOD, _values_like(GOOD)))
     assert "shard_cells must be a power of two" in _run_bad(capsys, tmp_path, path, "--shard-cells", "1000")
