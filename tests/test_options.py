@@ -192,6 +192,11 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
     assert (
         f"read=ReadOptions(num_threads={threads}, prefetch={default_prefetch()}, decode_threads=1)" in shown
     )
+    with oj.open_dataset(dataset_dir) as ds:
+        panel = oj.make_loader(ds, batch_size=64, output=oj.Panel([3, 1, 4]))
+        shown = repr(panel)
+        panel.close()
+    assert "output='dense' (panel of 3 genes)," in shown  # not a full-width dense output
 
 
 def test_materialize_options_reach_the_dataset(corpus, tmp_path):

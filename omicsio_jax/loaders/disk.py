@@ -67,9 +67,7 @@ class Loader(grain.DatasetIterator):
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     def __repr__(self) -> str:
-        output = repr(self.output.kind)
-        if self.output.decoding != self.output.kind:  # Dense(on_device=True): shipped as csr slabs
-            output += f" (on_device: {self.output.decoding} slabs)"
+        output = self.output.describe()
         return (
             f"Loader({str(self.dataset.path)!r}, batch_size={self.spec.batch_size}, sampling={self.spec.sampling}, "
             f"output={output}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
