@@ -28,6 +28,7 @@ from omicsio_jax.format import connect, from_numpy, is_remote, one_array, repeat
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, decoded_again_note, obs_kind
+from ._validate import GeneIndex
 
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
@@ -279,9 +280,14 @@ class CollectionSource(Source):
         return None if values is None else values[k]
 
     def _in_space(self, k: int, batch: Batch, obs: list[str]) -> Batch:
-        indptr, cols, values = self.space.maps[k].remap(
-            batch.indptr, batch.tokens, batch.values, batch.locate
-        )
+        source = self.space.maps[k]
+        if source.in_order:  # rows stay sorted as their tokens are mapped: the encoder maps them
+            indptr, cols, values = batch.indptr, batch.tokens, batch.values
+            description = f"source {self.sources.dataset_ids[k]} ({self.sources.paths[k]})"
+            genes = GeneIndex(source.col_of, source.num_columns, description)
+        else:  # moved into the unified columns here, each row sorted again
+            indptr, cols, values = source.remap(batch.indptr, batch.tokens, batch.values, batch.locate)
+            genes = None
         n = batch.num_cells
         columns = {}
         for name in obs:
@@ -294,7 +300,7 @@ class CollectionSource(Source):
                 columns[name] = _as(batch.obs[name], dtype)
             else:
                 columns[name] = pa.nulls(n, dtype)
-        return Batch(indptr, cols, values, batch.cell_ids, columns, batch.locate)
+        return Batch(indptr, cols, values, batch.cell_ids, columns, batch.locate, genes=genes)
 
     def close(self) -> None:
         for member in self.members:

@@ -10,7 +10,9 @@ unifies the sources' genes: the union (`union_order`: in an order that keeps eac
 wherever the sources agree, so sources listing their genes in one common order move into it by
 copies alone), the genes every source measured, or a given gene table / vocabulary; two genes of
 one source with the same id are summed. `MemberMap.remap` moves a batch of a source's rows into the
-unified columns, sorted within each row, in one numba pass.
+unified columns, sorted within each row, in one numba pass; a source whose genes keep their order
+among the unified ones (`MemberMap.in_order`) needs no move: its tokens go to the encoder with the
+map from tokens to columns, as a single input's do.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class MemberMap:
 
     col_of: np.ndarray
     num_columns: int
+    in_order: bool = False  # every gene kept, in rising columns: rows stay sorted as they are mapped
 
     @property
     def measured(self) -> np.ndarray:
@@ -382,7 +385,9 @@ def member_map(tokens: np.ndarray, cols: np.ndarray, num_columns: int) -> Member
     tokens = np.asarray(tokens, np.int64)
     col_of = np.full(int(tokens.max()) + 1 if len(tokens) else 0, _UNKNOWN, np.int32)
     col_of[tokens] = np.where(np.asarray(cols) >= 0, cols, _DROPPED)
-    return MemberMap(col_of, num_columns)
+    known = col_of[col_of != _UNKNOWN]  # in token order
+    in_order = bool(np.all(known >= 0) and np.all(np.diff(known) > 0))
+    return MemberMap(col_of, num_columns, in_order)
 
 
 @dataclasses.dataclass(frozen=True)

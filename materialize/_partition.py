@@ -292,7 +292,7 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                 batch.indptr,
                 batch.tokens,
                 batch.values,
-                job.gene_index,
+                job.gene_index if batch.genes is None else batch.genes,
                 allow_negative=job.allow_negative,
                 locate=batch.locate,
                 panel=job.panel,

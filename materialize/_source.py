@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +16,9 @@ from omicsio_jax.format import is_remote, to_numpy
 
 from ._plan import Partition
 
+if TYPE_CHECKING:
+    from ._validate import GeneIndex
+
 CATEGORICAL = "categorical"
 NUMERIC = "numeric"
 
@@ -23,7 +26,9 @@ NUMERIC = "numeric"
 @dataclasses.dataclass
 class Batch:
     """Consecutive cells as raw CSR (gene tokens, not yet validated) plus ids and obs; a further
-    modality's batch also says which cells have it (``present``; an absent cell's row is empty)."""
+    modality's batch also says which cells have it (``present``; an absent cell's row is empty).
+    ``genes`` maps its tokens to the dataset's columns where the run's gene index does not (a
+    collection's source whose genes keep their order in the unified ones, passed on unmoved)."""
 
     indptr: np.ndarray
     tokens: np.ndarray
@@ -32,6 +37,7 @@ class Batch:
     obs: dict[str, pa.Array]
     locate: Callable[[int], str]
     present: np.ndarray | None = None
+    genes: GeneIndex | None = None
 
     @property
     def num_cells(self) -> int:

@@ -675,6 +675,67 @@ def test_list_column_sources_each_in_its_own_gene_order(tmp_path):
         np.testing.assert_array_equal(dense[row], want)
 
 
+def test_sources_in_the_unified_order_go_to_the_encoder_unmoved_with_the_same_bytes(tmp_path, monkeypatch):
+    """A source whose genes keep their order among the unified ones (every gene kept, one column
+    each) is not moved into the unified columns first: the encoder maps its tokens. Its shards are
+    those of the row sort, and a token outside its gene table is the encoder's one-line error."""
+    import dataclasses
+
+    import materialize._genespace as genespace
+
+    rng = np.random.default_rng(5)
+    paths = []
+    for k, genes in enumerate([np.arange(0, 300), rng.permutation(np.arange(100, 400)), np.arange(200, 500)]):
+        folder = tmp_path / f"plate_{k}"
+        folder.mkdir()
+        pq.write_table(
+            pa.table({"gene_token_id": np.arange(len(genes)), "ensembl_id": [_ensg(int(g)) for g in genes]}),
+            folder / "gene_metadata.parquet",
+        )
+        tokens = [
+            np.sort(rng.choice(len(genes), int(rng.integers(0, 60)), replace=False)) for _ in range(300)
+        ]
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [f"p{k}_{i}" for i in range(len(tokens))],
+                    "gene_token_id": pa.array(tokens, pa.list_(pa.int32())),
+                    "gene_expression": pa.array(
+                        [rng.integers(1, 50, len(t)).astype(np.float32) for t in tokens],
+                        pa.list_(pa.float32()),
+                    ),
+                }
+            ),
+            folder / "cells.parquet",
+            row_group_size=256,
+        )
+        paths.append(folder / "cells.parquet")
+    space = genespace.GeneSpace.build(
+        [pq.read_table(p.parent / "gene_metadata.parquet") for p in paths], ["0", "1", "2"]
+    )
+    assert [m.in_order for m in space.maps] == [True, False, True]
+    fast = materialize(paths, tmp_path / "fast", layout=Layout(shard_cells=256), progress=False, workers=2)
+    member_map = genespace.member_map
+    monkeypatch.setattr(
+        genespace, "member_map", lambda *a: dataclasses.replace(member_map(*a), in_order=False)
+    )
+    sorted_ = materialize(
+        paths, tmp_path / "sorted", layout=Layout(shard_cells=256), progress=False, workers=2
+    )
+    assert [s.sha256 for s in fast.manifest.shards] == [s.sha256 for s in sorted_.manifest.shards]
+    monkeypatch.undo()
+    bad = pq.read_table(paths[2]).to_pylist()
+    bad[7]["gene_token_id"] = [*bad[7]["gene_token_id"], 300]  # past its gene table's 300 genes
+    bad[7]["gene_expression"] = [*bad[7]["gene_expression"], 1.0]
+    pq.write_table(pa.Table.from_pylist(bad, pq.read_schema(paths[2])), paths[2])
+    with pytest.raises(
+        oj.DataValidationError,
+        match=r"gene_token_id 300 in row 7 \(cell_id p2_7\) of .*is not in the gene table",
+    ):
+        materialize(paths, tmp_path / "bad", progress=False, workers=1)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_per_source_obs_given_in_python_take_the_type_of_their_values(sources, tmp_path):
     """``Sources(paths, obs=...)`` without ``obs_types``: each column's type comes from its values
     (None: not given for that source); a column without one value per source is a one-line error."""
