@@ -71,8 +71,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "A collection of sources with different gene sets",
         "Parquet sources, each measuring a random subset of the genes of a human-sized universe (half "
         "listing them in an order of their own), materialized as one collection (genes unified by Ensembl id, presence "
-        "bitmaps) against the same cells as one source over all the genes, each round one whole "
-        "conversion in a fresh process; then the loader over the collection with a mixture of its "
+        "bitmaps) against the same cells as one source over all the genes, each round whole "
+        "conversions in a fresh process until they took the window (its `window` says which); then the loader over the collection with a mixture of its "
         "sources and measured-gene masks against the loader over the single dataset at its defaults.",
     ),
     "bench_ducklake": (
