@@ -265,7 +265,7 @@ def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypat
         assert len(started) > 1  # the race started and stopped several
         for t in started:
             t.join(timeout=10)
-        assert not any(t.is_alive() for t in started)
+        assert not [t.name for t in started if t.is_alive()]
 
 
 def test_a_dropped_readahead_stops_its_thread(dataset_dir):
@@ -354,3 +354,32 @@ def test_a_missing_extra_is_one_line_naming_the_extra(monkeypatch):
         oj.MissingExtraError, match=r"^--checkpoint-format orbax needs orbax.checkpoint .*\[orbax\]'$"
     ):
         _ocp()
+
+
+def test_a_with_block_closes_the_loaders_and_their_threads_even_when_it_raises(dataset_dir):
+    def running(name: str) -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == name}
+
+    before = running("omicsio-jax-read")
+    with oj.open_dataset(dataset_dir) as ds:
+        with oj.make_loader(ds, batch_size=32, num_epochs=1) as loader:
+            assert next(loader).x.shape[0] == 32
+            readers = running("omicsio-jax-read") - before
+        assert readers  # the loader's reading threads ran while the block did, and stop with it
+        for t in readers:
+            t.join(timeout=10)
+        assert not [t for t in readers if t.is_alive()]
+        with pytest.raises(ValueError, match="closed"):
+            next(loader)
+
+        panel = oj.load_panel(ds, list(range(8)))
+        with pytest.raises(KeyError, match="inside"):  # the block's own error comes out, the loaders closed
+            with (
+                oj.make_memory_loader(panel, batch_size=16, num_epochs=1) as memory_loader,
+                oj.prefetch_to_device(oj.make_loader(ds, batch_size=32, num_epochs=1)) as placed,
+            ):
+                next(memory_loader), next(placed)
+                raise KeyError("inside")
+        for closed in (memory_loader, placed):
+            with pytest.raises(ValueError, match="closed"):
+                next(closed)

@@ -24,6 +24,7 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.loaders import mixtures
+from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
 from omicsio_jax.loaders.options import Placement, ReadOptions, default_num_threads, default_prefetch
@@ -46,7 +47,7 @@ def _stop(iterator, reader) -> None:
         reader.close()
 
 
-class Loader(grain.DatasetIterator):
+class Loader(ClosingIterator):
     """Iterator of `Batch`es; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
 
     def __init__(self, ds: Dataset, spec: DiskSpec, *, placement: Placement, read: ReadOptions):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 
-import grain
 import jax
 import jax.numpy as jnp
 import numba as nb
@@ -31,6 +30,7 @@ import numpy as np
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
+from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
 from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state, reads_state
@@ -63,7 +63,7 @@ def _draw(arrays, perm, step, acc, *, rows):
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked), acc
 
 
-class MemoryLoader(grain.DatasetIterator):
+class MemoryLoader(ClosingIterator):
     """Batches from an `InMemoryPanel`; `get_state`/`set_state` resume exactly. Use `make_memory_loader`."""
 
     def __init__(

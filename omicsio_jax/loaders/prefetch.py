@@ -15,12 +15,11 @@ import json
 import weakref
 from typing import Any
 
-import grain
-
+from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.outputs.batch import Batch, place_batch
 
 
-class DevicePrefetch(grain.DatasetIterator):
+class DevicePrefetch(ClosingIterator):
     """See `prefetch_to_device`."""
 
     def __init__(

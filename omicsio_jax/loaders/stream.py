@@ -23,7 +23,6 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 
-import grain
 import jax
 import numpy as np
 
@@ -31,6 +30,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
+from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.options import Placement, ReadOptions
 from omicsio_jax.loaders.state import check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
@@ -242,7 +242,7 @@ class StreamLoader:
         return HostBatch(out, obs, index, mask)
 
 
-class StreamIterator(grain.DatasetIterator):
+class StreamIterator(ClosingIterator):
     """One pass of a `StreamLoader` (epoch ``epoch``): `Batch`es, with Grain's state protocol."""
 
     def __init__(self, loader: StreamLoader, epoch: int):
