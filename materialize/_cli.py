@@ -46,8 +46,8 @@ from ._options import (
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omicsio-materialize",
-        description="Convert list-column single-cell tables (parquet, vortex, a DuckDB query) or an "
-        "AnnData .h5ad into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `stats OUT`, `index INPUT OUT`, `synth DIR`.",
+        description="Convert list-column single-cell tables (parquet, vortex, a DuckDB query, a DuckLake "
+        "catalog), AnnData (.h5ad, .zarr) or MuData (.h5mu) into a validated ArrayRecord dataset. Subcommands: `verify OUT`, `stats OUT`, `index INPUT OUT`, `synth DIR`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
     )
@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         "paths",
         nargs="+",
         metavar="INPUT OUT",
-        help="input (file, directory, glob, .vortex or .h5ad) and output directory; several inputs make "
+        help="input (file, directory, glob, .vortex, .h5ad, .zarr, .h5mu, ducklake:CATALOG; local or "
+        "s3://) and output directory; several inputs make "
         "one collection (cells one source after the other, obs dataset_id, genes unified by Ensembl id); "
         "with --query the input is optional (if given it is the view `cells`)",
     )
