@@ -11,7 +11,10 @@ of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the u
    main process and of its largest child.
 2. **Load**, each in a fresh process, round-robin: the collection's dataset with a mixture over its
    sources (equal weights) and ``measured=True`` against the single dataset with `make_loader`'s
-   defaults, dense and csr at batch 1,024, a window of ``--seconds`` after warm-up.
+   defaults, dense and csr at batch 1,024, a window of ``--seconds`` after warm-up. A third
+   loader, the same as the collection's, reads the single source materialized as a collection of
+   one (its mask all True): the masks' own cost (a dense batch's mask is a byte a gene beside the
+   values' four) set apart from what the collection's many sources cost.
 
     .venv/bin/python benchmarks/bench_collection.py
 """
@@ -215,13 +218,16 @@ def main() -> None:
             }
             for what, runs in rows.items()
         }
+        measured = "one source, measured"  # the single source as a collection of one (untimed)
+        outs[measured] = Path(tmp) / "one_measured"
+        materialize_round([one], outs[measured], 0.0)
         loads: dict[str, list[dict]] = {}
         for _ in range(args.rounds):
             for output in ("dense", "csr"):
-                for what in ("collection", "one source"):
+                for what in ("collection", "one source", measured):
                     spec = {
                         "dataset": str(outs[what]),
-                        "collection": what == "collection",
+                        "collection": what != "one source",
                         "output": output,
                         "batch_size": args.batch_size,
                         "warmup": args.warmup,
@@ -252,6 +258,14 @@ def main() -> None:
                     f"{o} b{args.batch_size}: collection (mixture, measured) / one source",
                     loaded[f"{o} b{args.batch_size}, collection"],
                     loaded[f"{o} b{args.batch_size}, one source"],
+                )
+                for o in ("dense", "csr")
+            ),
+            *(
+                compare(
+                    f"{o} b{args.batch_size}: collection / one source, both with a mixture and measured",
+                    loaded[f"{o} b{args.batch_size}, collection"],
+                    loaded[f"{o} b{args.batch_size}, {measured}"],
                 )
                 for o in ("dense", "csr")
             ),

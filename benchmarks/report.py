@@ -73,7 +73,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "listing them in an order of their own), materialized as one collection (genes unified by Ensembl id, presence "
         "bitmaps) against the same cells as one source over all the genes, each round whole "
         "conversions in a fresh process until they took the window (its `window` says which); then the loader over the collection with a mixture of its "
-        "sources and measured-gene masks against the loader over the single dataset at its defaults.",
+        "sources and measured-gene masks against the loader over the single dataset at its defaults, and "
+        "against the same loader (mixture, masks) over the single source materialized as a collection of one.",
     ),
     "bench_ducklake": (
         "DuckLake catalog against its parquet files",
