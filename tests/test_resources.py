@@ -265,7 +265,7 @@ def test_readahead_queue_is_bounded_and_close_races_start(dataset_dir, monkeypat
         assert len(started) > 1  # the race started and stopped several
         for t in started:
             t.join(timeout=10)
-        assert not [t.name for t in started if t.is_alive()]
+        assert not any(t.is_alive() for t in started)
 
 
 def test_a_dropped_readahead_stops_its_thread(dataset_dir):
