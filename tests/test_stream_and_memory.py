@@ -107,6 +107,39 @@ def test_stream_loader_refuses_bad_arguments(table, mesh):
         oj.make_stream_loader(table, batch_size=8, output=oj.Panel(["NOPE"]))
 
 
+def test_a_pass_left_by_break_frees_the_table_for_the_next_and_a_with_block_closes_all(corpus, reference):
+    import threading
+
+    def running() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "omicsio-jax-prefetch"}
+
+    before = running()
+    with (
+        oj.open_table(corpus.cells_parquet) as table,
+        oj.make_stream_loader(table, batch_size=64, read=oj.ReadOptions(prefetch=2)) as loader,
+    ):
+        for _ in loader:  # left while its query still reads ahead
+            break
+        # the pass let go of is collected at once and frees the table's connection for the next
+        for step, batch in enumerate(loader):
+            np.testing.assert_array_equal(host(batch.x), reference[64 * step : 64 * (step + 1)])
+            if step == 2:
+                break
+        held = iter(loader)
+        next(held)
+        with pytest.raises(oj.OmicsIOError, match="still being streamed by another pass"):
+            next(loader.epoch(1))  # two passes at once on one table: a one-line error naming the fix
+        readers = running() - before
+        assert readers  # the held pass's query thread runs while the block does, and stops with it
+    for t in readers:
+        t.join(timeout=10)
+    assert not [t for t in readers if t.is_alive()]
+    with pytest.raises(ValueError, match="closed"):
+        next(held)
+    with pytest.raises(oj.OmicsIOError, match="is closed"):
+        table.select("true")
+
+
 # ----- loading a panel into RAM ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def panel_dataset(corpus, tmp_path_factory):

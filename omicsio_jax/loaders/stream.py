@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -99,6 +100,10 @@ class StreamLoader:
     ``for batch in loader`` runs one pass (epoch 0); ``loader.epoch(e)`` runs pass ``e`` with
     its own shuffle. Each `Batch` has ``x`` (``(batch_size, features)`` float32), ``obs``,
     ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
+
+    A context manager: leaving ``with oj.make_stream_loader(...) as loader:`` closes every pass it
+    has started (their query threads stop), as `close` does; a ``for`` loop left by ``break``
+    otherwise keeps its pass reading ahead until the pass is collected.
     """
 
     def __init__(
@@ -126,13 +131,27 @@ class StreamLoader:
         # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
         self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
         self._buffers = RowBuffers()
+        self._passes: weakref.WeakSet[StreamIterator] = weakref.WeakSet()  # for `close`
 
     def __iter__(self) -> StreamIterator:
         return self.epoch(0)
 
     def epoch(self, epoch: int) -> StreamIterator:
         """One pass over the query's cells, shuffled (when ``shuffle_buffer`` > 0) for ``epoch``."""
-        return StreamIterator(self, epoch)
+        one = StreamIterator(self, epoch)
+        self._passes.add(one)
+        return one
+
+    def close(self) -> None:
+        """Close every pass this loader has started and not yet let go of (`StreamIterator.close`)."""
+        for one in list(self._passes):
+            one.close()
+
+    def __enter__(self) -> StreamLoader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def config(self) -> dict:
         """What decides the batches: the table's files, the query, the output and the shuffle."""
@@ -256,8 +275,11 @@ class StreamIterator(ClosingIterator):
         if self._done:
             raise StopIteration
         if self._stream is None:
-            start = (self._epoch, self._step)
-            self._stream = Background(lambda: self.loader._host_batches(*start), depth=self.loader.prefetch)
+            # the producer holds the loader, not this pass: a pass let go of (a ``for`` loop left by
+            # ``break``) is then collected at once, and its collection stops the producer and frees
+            # the query's open result, which the table's one connection needs for the next pass
+            loader, start = self.loader, (self._epoch, self._step)
+            self._stream = Background(lambda: loader._host_batches(*start), depth=loader.prefetch)
         try:
             hb = next(self._stream)
         except StopIteration:

@@ -149,6 +149,7 @@ class CellTable:
         self.spec = str(spec)
         self.files = expand_files(self.spec)
         self.con = connect(threads)
+        self.closed = False
         self._bases = create_cells_view(self.con, self.files, label=self.spec, rowid=True)
         self._prunable = self.files[0].suffix != ".vortex"
         self.schema = self.con.sql("SELECT * FROM cells LIMIT 0").to_arrow_table().schema
@@ -177,6 +178,17 @@ class CellTable:
         if index is not None:
             self.attach_index(index)
 
+    def close(self) -> None:
+        """Close the table's DuckDB connection (idempotent); a query afterwards is an `OmicsIOError`."""
+        self.closed = True
+        self.con.close()
+
+    def __enter__(self) -> CellTable:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"CellTable({self.spec!r}, {self.num_cells} cells, {len(self.files)} file(s), {len(self.genes)} genes)"
 
@@ -191,6 +203,11 @@ class CellTable:
         return self._run(query).to_arrow_table()
 
     def _run(self, query: str) -> duckdb.DuckDBPyRelation:
+        if self.closed:
+            msg = (
+                f"the table {self.spec} is closed (its with block ended, or close was called); open it again"
+            )
+            raise OmicsIOError(msg)
         try:
             return self.con.sql(query)
         except duckdb.Error as e:
@@ -387,6 +404,12 @@ class CellTable:
                     yield batch.slice(start, batch_rows)
         except duckdb.Error as e:
             msg = f"streaming {self.spec} failed: {str(e).strip().splitlines()[0]}"
+            if "open result" in str(e):  # DuckDB's ResourceInUseException (1.1 has no such class)
+                msg = (
+                    f"{self.spec} is still being streamed by another pass over the same table: close that "
+                    "pass first (a with block around its loader does), or open the table again to read "
+                    "two passes at once"
+                )
             raise OmicsIOError(msg) from e
 
     def stream_csr(
