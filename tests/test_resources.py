@@ -293,6 +293,22 @@ def test_a_device_prefetch_dropped_without_close_stops_its_threads(dataset_dir):
         assert not any(t.is_alive() for t in threads)
 
 
+def test_a_memory_loader_dropped_without_close_stops_its_prefetch_thread(dataset_dir):
+    with oj.open_dataset(dataset_dir) as ds:
+        panel = oj.load_panel(ds, list(range(8)))
+    before = {t for t in threading.enumerate() if t.name == "omicsio-jax-prefetch"}
+    loader = oj.make_memory_loader(panel, batch_size=16, num_epochs=None, read=oj.ReadOptions(prefetch=2))
+    first = next(loader)
+    threads = {t for t in threading.enumerate() if t.name == "omicsio-jax-prefetch"} - before
+    assert threads  # gathering ahead, its queue full: it waits to hand over a batch
+    del loader
+    gc.collect()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)  # it held the loader (and its panel) forever
+    assert first.x.shape == (16, 8)
+
+
 def test_a_background_producer_failure_reaches_the_consumer_with_its_traceback():
     from omicsio_jax.core.producer import Background
 

@@ -233,7 +233,8 @@ def test_host_loader_hosts_take_disjoint_slices_of_the_global_batch(panel):
         return [b.index for b in loader._host_batches(0, 0)]
 
     a, b = stream(0), stream(1)
-    single = [hb.index for hb in oj.make_memory_loader(panel, batch_size=256, seed=4)._host_batches(0, 0)]
+    whole = oj.make_memory_loader(panel, batch_size=256, seed=4)  # held: its batches are made while it is
+    single = [hb.index for hb in whole._host_batches(0, 0)]
     assert len(a) == len(b) == len(single)
     for x, y, z in zip(a, b, single, strict=True):
         np.testing.assert_array_equal(np.concatenate([x, y]), z)

@@ -18,7 +18,9 @@ class _Failure:
         self.error = error
 
 
-def _produce(make: Callable[[], Iterator], q: queue.Queue, stop: threading.Event) -> None:
+def _produce(make: Callable[[], Iterator], q: queue.Queue, stop: threading.Event, on: list[int]) -> None:
+    on.append(threading.get_ident())  # the thread producing: `Background._shutdown` may run on it
+
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -57,25 +59,30 @@ class Background(Generic[T]):
     ):
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
+        on: list[int] = []
         if executor is None:
             thread = threading.Thread(
-                target=_produce, args=(make, self._q, self._stop), daemon=True, name=name
+                target=_produce, args=(make, self._q, self._stop, on), daemon=True, name=name
             )
             thread.start()
             join = thread.join
         else:
-            future = executor.submit(_produce, make, self._q, self._stop)
+            future = executor.submit(_produce, make, self._q, self._stop, on)
 
             def join(timeout: float) -> None:
                 concurrent.futures.wait([future], timeout=timeout)
 
-        self._finalizer = weakref.finalize(self, Background._shutdown, self._stop, join)
+        self._finalizer = weakref.finalize(self, Background._shutdown, self._stop, join, on)
         self._finished = False
 
     @staticmethod
-    def _shutdown(stop: threading.Event, join: Callable[[float], None]) -> None:
+    def _shutdown(stop: threading.Event, join: Callable[[float], None], on: list[int]) -> None:
+        """Stop the producer and wait for it, unless this is its own thread: a producer that holds
+        its consumer only weakly (`make_memory_loader`'s) may drop the last reference to it, and so
+        collect this, between two items; it then sees ``stop`` once its item is out."""
         stop.set()
-        join(10)
+        if threading.get_ident() not in on:
+            join(10)
 
     def __iter__(self) -> Iterator[T]:
         return self

@@ -20,6 +20,7 @@ of data and config, and audit their coverage (on the devices for ``on_device=Tru
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -207,8 +208,9 @@ class MemoryLoader(ClosingIterator):
                 hb = self._host_batch(self._rows(self._epoch, self._step))
             else:
                 if self._stream is None:
-                    start = (self._epoch, self._step)
-                    self._stream = Background(lambda: self._host_batches(*start), depth=self.prefetch)
+                    # the producer holds the loader weakly (`_host_batches`), not through a method of it
+                    ref, epoch, step = weakref.ref(self), self._epoch, self._step
+                    self._stream = Background(lambda: _host_batches(ref, epoch, step), depth=self.prefetch)
                 hb = next(self._stream)
             self._served = self._served + Tally.of(hb.index)
             batch = self.placement.place(hb)
@@ -244,10 +246,8 @@ class MemoryLoader(ClosingIterator):
         return self._permutation(epoch)[lo : lo + self.local_batch]
 
     def _host_batches(self, epoch: int, step: int) -> Iterator[HostBatch]:
-        while self.num_epochs is None or epoch < self.num_epochs:
-            for s in range(step, self.steps_per_epoch):
-                yield self._host_batch(self._rows(epoch, s))
-            epoch, step = epoch + 1, 0
+        """The host batches from ``(epoch, step)`` on, while this loader is held (`_host_batches`)."""
+        return _host_batches(weakref.ref(self), epoch, step)
 
     def _host_batch(self, rows: np.ndarray) -> HostBatch:
         n, b = len(rows), self.local_batch
@@ -318,6 +318,24 @@ class MemoryLoader(ClosingIterator):
             self._perm_epoch = epoch
         out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
         return Batch(out["x"], out["obs"], out["index"], self._mask)
+
+
+def _host_batches(ref: weakref.ref[MemoryLoader], epoch: int, step: int) -> Iterator[HostBatch]:
+    """The host batches of ``ref``'s loader from ``(epoch, step)`` on, for its prefetch thread. The
+    thread holds the loader only while it gathers a batch: a loader let go of without `close` is
+    then collected, which stops the thread (holding it, the thread kept the loader and its panel
+    alive, waiting to hand over a batch nobody would take)."""
+    while True:
+        loader = ref()
+        if loader is None or (loader.num_epochs is not None and epoch >= loader.num_epochs):
+            return
+        if step >= loader.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+            continue
+        batch = loader._host_batch(loader._rows(epoch, step))
+        epoch, step = (epoch + 1, 0) if step + 1 >= loader.steps_per_epoch else (epoch, step + 1)
+        del loader
+        yield batch
 
 
 def make_memory_loader(
