@@ -295,6 +295,27 @@ def test_h5ad_genes_named_by_their_symbols_and_found_by_id_with_or_without_versi
             ds.gene_columns(["cd3e"])  # symbols match as written
 
 
+def test_a_bool_obs_column_selects_its_rows_by_true_or_false(tmp_path):
+    """CELLxGENE's ``is_primary_data``: stored as the categories "false" / "true" (a cell of a
+    collection's source without the column has none), selected by ``True`` / ``False`` as the
+    presence flags ``has_<modality>`` are."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    primary = np.array([True, False, True, True, False])
+    obs = pd.DataFrame({"is_primary_data": primary}, index=[f"c{i}" for i in range(5)])
+    x = sp.csr_matrix(np.eye(5, 3, dtype=np.float32))
+    ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / "p.h5ad")
+    materialize(tmp_path / "p.h5ad", tmp_path / "p", progress=False)
+    ds = oj.open_dataset(tmp_path / "p")
+    assert ds.obs["is_primary_data"].categories == ("false", "true")
+    np.testing.assert_array_equal(ds.rows_where("is_primary_data", [True]), np.flatnonzero(primary))
+    np.testing.assert_array_equal(ds.rows_where("is_primary_data", [np.False_]), np.flatnonzero(~primary))
+    np.testing.assert_array_equal(ds.rows_where("is_primary_data", ["true"]), np.flatnonzero(primary))
+    with pytest.raises(KeyError, match="not among the categories"):
+        ds.rows_where("is_primary_data", [1])
+
+
 def test_anndata_strings_become_arrow_strings_as_decoding_each_would_make_them():
     """`_text_array`: h5py's variable-length (bytes objects) and fixed-length strings, zarr's str
     values and an empty array, as decoding each value would give them; bytes that are not UTF-8

@@ -367,8 +367,11 @@ class Dataset:
         return _ObsColumns(self)
 
     def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
-        """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``).
+        """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``). A bool
+        column of the input (stored as the categories ``"false"`` / ``"true"``, so that a cell may
+        have none) takes ``True`` / ``False`` as well.
 
+        >>> primary = ds.rows_where("is_primary_data", [True])          # doctest: +SKIP
         >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
         >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
         """
@@ -377,6 +380,8 @@ class Dataset:
             raise KeyError(msg)
         data = self.obs[column]
         if isinstance(data, Categorical):
+            if set(data.categories) <= {"false", "true"}:  # a bool column (kept as a categorical: nulls)
+                values = [str(v).lower() if isinstance(v, (bool, np.bool_)) else v for v in values]
             unknown = [v for v in values if v not in data.categories]
             if unknown:
                 msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
