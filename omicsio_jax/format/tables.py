@@ -120,6 +120,7 @@ def create_cells_view(
     name: str = "cells",
     file_rows: bool = False,
     spans: dict[int, tuple[int, int | None]] | None = None,
+    bases: list[int] | None = None,
 ) -> list[int]:
     """Create view ``name`` over ``files``: hive partition columns included, union by column name.
 
@@ -130,18 +131,21 @@ def create_cells_view(
     position in the concatenation of the files in sorted order (from each file's row count, so
     it stays right under any filter), and returns the first ``cell_rowid`` of each file. For
     parquet, ``rowid`` also creates ``<name>_all``: the same rows with ``filename`` and
-    ``file_row_number``, on which DuckDB skips row groups (see `rowid_pruning`).
+    ``file_row_number``, on which DuckDB skips row groups (see `rowid_pruning`). ``bases``: those
+    first ``cell_rowid``s, known already (the same view made again on another connection), so
+    the files' rows are not counted again.
     """
     vortex = [f for f in files if f.suffix == ".vortex"]
     if vortex and len(vortex) != len(files):
         msg = f"{label!r} mixes .vortex and other files; use them separately"
         raise DataValidationError(msg)
-    try:
-        counts = row_counts(files) if rowid else []
-    except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
-        msg = f"cannot read {label}: {e}"
-        raise DataValidationError(msg) from e
-    bases = [sum(counts[:i]) for i in range(len(counts))]
+    if bases is None:
+        try:
+            counts = row_counts(files) if rowid else []
+        except Exception as e:  # pyarrow and vortex raise their own errors for unreadable files
+            msg = f"cannot read {label}: {e}"
+            raise DataValidationError(msg) from e
+        bases = [sum(counts[:i]) for i in range(len(counts))]
     if any(is_remote(f) for f in files):
         register_s3(con)
     if vortex:

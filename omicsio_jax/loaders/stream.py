@@ -102,8 +102,8 @@ class StreamLoader:
     ``index`` (each cell's ``cell_rowid``, -1 for padding) and ``mask``.
 
     A context manager: leaving ``with oj.make_stream_loader(...) as loader:`` closes every pass it
-    has started (their query threads stop), as `close` does; a ``for`` loop left by ``break``
-    otherwise keeps its pass reading ahead until the pass is collected.
+    has started and still holds (their query threads stop, their connections close), as `close`
+    does.
     """
 
     def __init__(
@@ -276,8 +276,8 @@ class StreamIterator(ClosingIterator):
             raise StopIteration
         if self._stream is None:
             # the producer holds the loader, not this pass: a pass let go of (a ``for`` loop left by
-            # ``break``) is then collected at once, and its collection stops the producer and frees
-            # the query's open result, which the table's one connection needs for the next pass
+            # ``break``) is then collected at once, and its collection stops the producer, whose
+            # query's connection closes (`CellTable.stream`)
             loader, start = self.loader, (self._epoch, self._step)
             self._stream = Background(lambda: loader._host_batches(*start), depth=loader.prefetch)
         try:

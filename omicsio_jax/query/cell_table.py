@@ -202,19 +202,28 @@ class CellTable:
         """Run any SQL over ``cells`` / ``gene_metadata`` / ``gene_cell_index`` and return Arrow."""
         return self._run(query).to_arrow_table()
 
-    def _run(self, query: str) -> duckdb.DuckDBPyRelation:
+    def _require_open(self) -> None:
         if self.closed:
             msg = (
                 f"the table {self.spec} is closed (its with block ended, or close was called); open it again"
             )
             raise OmicsIOError(msg)
+
+    def _run(self, query: str) -> duckdb.DuckDBPyRelation:
+        self._require_open()
         try:
             return self.con.sql(query)
         except duckdb.Error as e:
             msg = f"query over {self.spec} failed: {str(e).strip().splitlines()[0]}"
             raise OmicsIOError(msg) from e
 
-    def _from(self, where: str | None, rowids: Sequence[int] | np.ndarray | None, *extra: str) -> str:
+    def _from(
+        self,
+        where: str | None,
+        rowids: Sequence[int] | np.ndarray | None,
+        *extra: str,
+        con: duckdb.DuckDBPyConnection | None = None,
+    ) -> str:
         """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
         against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
         lets DuckDB read only the row groups holding them."""
@@ -223,7 +232,7 @@ class CellTable:
         if rowids is not None:
             ids = np.unique(np.asarray(rowids, dtype=np.int64))
             name = f"_rowids_{next(_counter)}"
-            self.con.register(name, pa.table({ROWID_COLUMN: ids}))
+            (self.con if con is None else con).register(name, pa.table({ROWID_COLUMN: ids}))
             clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
             if self._prunable:
                 source = "cells_all"
@@ -389,28 +398,37 @@ class CellTable:
         batch_rows: int = 8192,
     ) -> Iterator[pa.RecordBatch]:
         """Record batches of at most ``batch_rows`` rows in row order (``cell_rowid`` first), in
-        bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``)."""
+        bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``), on a connection of
+        the stream's own (`_reading_connection`), so that queries, and other streams, run while it
+        is open (on the table's one connection each failed with DuckDB's "open result")."""
         cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
         cols = self.require_columns([c for c in cols if c != ROWID_COLUMN])
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
-        query = f"SELECT {select}{self._from(where, rowids)}"
-        if rowids is not None:  # a semi-join may reorder rows
-            query += f" ORDER BY {ROWID_COLUMN}"
+        con = self._reading_connection()
         try:
-            reader = self._run(query).to_arrow_reader(batch_rows)
+            query = f"SELECT {select}{self._from(where, rowids, con=con)}"
+            if rowids is not None:  # a semi-join may reorder rows
+                query += f" ORDER BY {ROWID_COLUMN}"
+            reader = con.sql(query).to_arrow_reader(batch_rows)
             for batch in reader:
                 # DuckDB yields record batches of a fixed vector multiple; re-slice to batch_rows.
                 for start in range(0, batch.num_rows, batch_rows):
                     yield batch.slice(start, batch_rows)
         except duckdb.Error as e:
             msg = f"streaming {self.spec} failed: {str(e).strip().splitlines()[0]}"
-            if "open result" in str(e):  # DuckDB's ResourceInUseException (1.1 has no such class)
-                msg = (
-                    f"{self.spec} is still being streamed by another pass over the same table: close that "
-                    "pass first (a with block around its loader does), or open the table again to read "
-                    "two passes at once"
-                )
             raise OmicsIOError(msg) from e
+        finally:
+            con.close()
+
+    def _reading_connection(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to the table's database with its ``cells`` views made again (a view and
+        a registered table belong to the connection that made them; the files' rows are not
+        counted again)."""
+        self._require_open()
+        con = self.con.cursor()
+        con.execute("SET enable_progress_bar = false")
+        create_cells_view(con, self.files, label=self.spec, rowid=True, bases=self._bases)
+        return con
 
     def stream_csr(
         self,
