@@ -127,6 +127,14 @@ def test_passes_and_queries_run_at_once_and_a_with_block_closes_them_all(corpus,
         # queries while both stream (on the table's one connection they failed: "open result")
         assert len(table.select("true")) == len(reference)
         assert table.sql("SELECT count(*) AS n FROM cells").column("n")[0].as_py() == len(reference)
+        # a stream's where may name the table's other views, made again on the stream's connection
+        where = "list_contains(gene_token_id, (SELECT min(gene_token_id) FROM gene_metadata))"
+        near = oj.make_stream_loader(
+            table, batch_size=8, where=where, sampling=oj.Stream(drop_remainder=True)
+        )
+        rows = np.concatenate([np.asarray(b.index) for b in near])
+        np.testing.assert_array_equal(rows, table.select(where)[: len(rows)])
+        assert len(rows) == len(table.select(where)) // 8 * 8 > 0
         readers = running() - before
         assert len(readers) >= 2  # the held passes' query threads run while the block does
     for t in readers:

@@ -168,11 +168,13 @@ class CellTable:
             self.genes = GeneTable.from_token_ids(0 if top is None else int(top) + 1)
         self.con.register("gene_metadata", self.genes.table)
         self.modalities: dict[str, str] = {}
+        self._modality_files: dict[str, list[Path]] = {}  # made again on each stream's connection
         for name, table in (modalities or {}).items():
             if not name.isidentifier() or name in ("cells", "cells_all", "gene_metadata", "gene_cell_index"):
                 msg = f"modality view name {name!r}: use a SQL identifier other than cells, gene_metadata, gene_cell_index"
                 raise OmicsIOError(msg)
-            create_cells_view(self.con, expand_files(str(table)), label=str(table), name=name)
+            self._modality_files[name] = expand_files(str(table))
+            create_cells_view(self.con, self._modality_files[name], label=str(table), name=name)
             self.modalities[name] = str(table)
         self.index_path: Path | None = None
         if index is not None:
@@ -421,13 +423,17 @@ class CellTable:
             con.close()
 
     def _reading_connection(self) -> duckdb.DuckDBPyConnection:
-        """A new connection to the table's database with its ``cells`` views made again (a view and
-        a registered table belong to the connection that made them; the files' rows are not
-        counted again)."""
+        """A new connection to the table's database with the views a ``where`` may name made again
+        there: ``cells``, ``gene_metadata`` and the modalities' (a TEMP view and a registered table
+        belong to the connection that made them; ``gene_cell_index`` is the database's). The files'
+        rows are not counted again."""
         self._require_open()
         con = self.con.cursor()
         con.execute("SET enable_progress_bar = false")
         create_cells_view(con, self.files, label=self.spec, rowid=True, bases=self._bases)
+        con.register("gene_metadata", self.genes.table)
+        for name, files in self._modality_files.items():
+            create_cells_view(con, files, label=self.modalities[name], name=name)
         return con
 
     def stream_csr(
