@@ -166,16 +166,15 @@ class CellTable:
         else:
             top = self.con.execute(f"SELECT max(list_max({GENE_COLUMN})) FROM cells").fetchall()[0][0]
             self.genes = GeneTable.from_token_ids(0 if top is None else int(top) + 1)
-        self.con.register("gene_metadata", self.genes.table)
         self.modalities: dict[str, str] = {}
-        self._modality_files: dict[str, list[Path]] = {}  # made again on each stream's connection
+        self._modality_files: dict[str, list[Path]] = {}
         for name, table in (modalities or {}).items():
             if not name.isidentifier() or name in ("cells", "cells_all", "gene_metadata", "gene_cell_index"):
                 msg = f"modality view name {name!r}: use a SQL identifier other than cells, gene_metadata, gene_cell_index"
                 raise OmicsIOError(msg)
             self._modality_files[name] = expand_files(str(table))
-            create_cells_view(self.con, self._modality_files[name], label=str(table), name=name)
             self.modalities[name] = str(table)
+        self._add_views(self.con)
         self.index_path: Path | None = None
         if index is not None:
             self.attach_index(index)
@@ -431,10 +430,15 @@ class CellTable:
         con = self.con.cursor()
         con.execute("SET enable_progress_bar = false")
         create_cells_view(con, self.files, label=self.spec, rowid=True, bases=self._bases)
+        self._add_views(con)
+        return con
+
+    def _add_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        """``gene_metadata`` and the modalities' views on ``con``, beside its ``cells``: the table's
+        connection, and each stream's again (`_reading_connection`)."""
         con.register("gene_metadata", self.genes.table)
         for name, files in self._modality_files.items():
             create_cells_view(con, files, label=self.modalities[name], name=name)
-        return con
 
     def stream_csr(
         self,
