@@ -76,6 +76,13 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "sources and measured-gene masks against the loader over the single dataset at its defaults, and "
         "against the same loader (mixture, masks) over the single source materialized as a collection of one.",
     ),
+    "bench_open": (
+        "A collection of many small .h5ad files: opening its sources",
+        "CELLxGENE-style .h5ad sources, each measuring a random subset of a human-sized gene universe "
+        "(half listing them in an order of their own), materialized as one collection at the defaults, "
+        "their sources opened on threads (h5py reads one file at a time in a process) against on the "
+        "pool's worker processes; each round whole conversions in a fresh process until they took the window.",
+    ),
     "bench_ducklake": (
         "DuckLake catalog against its parquet files",
         "The synthetic corpus written into a DuckLake table by DuckDB's ducklake extension, then "

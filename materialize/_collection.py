@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from ._validate import GeneIndex
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
 _OPEN_THREADS = 8  # sources opened at once (`_open_members`)
+_POOL_OPEN_FROM = 48  # .h5ad / .h5mu sources from which they open on a pool's workers (`opens_on_workers`)
 _SUFFIXES = (".h5ad", ".h5mu", ".parquet", ".vortex", ".zarr", ".csv")
 
 
@@ -313,31 +315,81 @@ def _without_genes(source: Source) -> Source:
     return light
 
 
+def opens_on_workers(sources: Sources) -> bool:
+    """Whether `_open_members` opens a collection's ``.h5ad`` / ``.h5mu`` sources on a pool's worker
+    processes, given one: from `_POOL_OPEN_FROM` of them. h5py reads under one lock per process, so
+    threads open them one at a time, ~40 ms each (mostly the var table's strings): about a minute
+    for CELLxGENE's ~1,500 files, on the serial path before any cell is written."""
+    return sum(_h5py_bound(p) for p in sources.paths) >= _POOL_OPEN_FROM
+
+
+def _h5py_bound(path: str) -> bool:
+    return Path(path).suffix in (".h5ad", ".h5mu")
+
+
+def _picklable(fn: object) -> bool:
+    try:
+        pickle.dumps(fn)
+    except Exception:  # noqa: BLE001 - a lambda, a closure: not for another process
+        return False
+    return True
+
+
+def _open_closed(item: tuple[Callable[[str, dict, object], Source], str, dict]) -> Source:
+    """A source opened on a pool worker (`Pool.map`), closed again and sent back: its pickled form
+    holds no open file, and it opens its file again where its cells are read."""
+    open_member, path, own = item
+    source = open_member(path, own, None)
+    source.close()
+    return source
+
+
 def _open_members(
     sources: Sources,
     open_member: Callable[[str, dict, object], Source],
     database,
     opened: Callable[[int, bool], None] | None = None,
+    pool=None,
 ) -> list[Source]:
     """Every source opened, in order, on a few threads: opening reads a source's metadata, schema
     and gene table (DuckDB, pyarrow and object-store reads, outside the GIL), ~10 ms a local
     parquet source and a round trip or more a remote one. Table sources share one DuckDB
     ``database``, each on a connection of its own to it (a database of its own costs ~12 ms to
-    make). ``opened(num_cells, every)`` is called as each source opens, in the sources' order, with
-    the cells of those open so far (``every``: all of them). The first failing source's error (in
-    the sources' order) is raised once every other has opened, and those are closed again."""
+    make). With a ``pool`` of worker processes (`materialize._pool.Pool`), a picklable
+    ``open_member`` and enough ``.h5ad`` / ``.h5mu`` sources (`opens_on_workers`), those open on
+    its workers meanwhile, one per worker at a time (h5py holds one lock per process).
+    ``opened(num_cells, every)`` is called as each source opens, in the sources' order, with the
+    cells of those open so far (``every``: all of them). The first failing source's error (in the
+    sources' order) is raised once every other has opened, and those are closed again."""
+    paths = sources.paths
+    elsewhere = set()
+    if pool is not None and pool.workers and opens_on_workers(sources) and _picklable(open_member):
+        elsewhere = {k for k, p in enumerate(paths) if _h5py_bound(p)}
     members, error, cells = [], None, 0
-    with ThreadPoolExecutor(min(len(sources.paths), _OPEN_THREADS) or 1) as pool:
-        futures = [
-            pool.submit(open_member, p, sources.reading_of(k), database.cursor())
-            for k, p in enumerate(sources.paths)
-        ]
-        for k, future in enumerate(futures):
+    with ThreadPoolExecutor(min(len(paths) - len(elsewhere), _OPEN_THREADS) or 1) as threads:
+        futures = {
+            k: threads.submit(open_member, p, sources.reading_of(k), database.cursor())
+            for k, p in enumerate(paths)
+            if k not in elsewhere
+        }
+        opening = (
+            pool.map(
+                _open_closed,
+                [(open_member, paths[k], sources.reading_of(k)) for k in sorted(elsewhere)],
+                "opening a source",
+            )
+            if elsewhere
+            else iter(())
+        )
+        for k in range(len(paths)):
             try:
-                members.append(future.result())
+                member = next(opening) if k in elsewhere else futures[k].result()
+                if isinstance(member, BaseException):
+                    raise member
+                members.append(member)
                 cells += members[-1].num_cells
                 if opened is not None and error is None:
-                    opened(cells, k == len(futures) - 1)
+                    opened(cells, k == len(paths) - 1)
             except BaseException as e:  # raised below, once the others are closed
                 error = error or e
     if error is not None:
@@ -355,16 +407,18 @@ def open_collection(
     id_column: str | None = None,
     report: Callable[[str], None] | None = None,
     opened: Callable[[int, bool], None] | None = None,
+    pool=None,
 ) -> CollectionSource:
     """Open every source (``open_member(path, its own reading options, a DuckDB connection)``),
     unify their genes (``genes``: ``"union"``, the default, ``"intersection"`` or a gene table /
     vocabulary) and report what was matched how. ``opened(num_cells, every)`` is called as the
     sources open, with the cells of those open so far (``every``: all, before their genes are
     unified): `materialize` starts its workers as soon as the cells are worth them all, so that
-    their start overlaps the opening of the rest and the unifying."""
+    their start overlaps the opening of the rest and the unifying. With a ``pool`` of worker
+    processes, many ``.h5ad`` / ``.h5mu`` sources open on its workers (`_open_members`)."""
     database = connect()  # closed last: closing it closes the members' connections to it
     try:
-        members = _open_members(sources, open_member, database, opened)
+        members = _open_members(sources, open_member, database, opened, pool)
         try:
             labels = [f"{i} ({p})" for i, p in zip(sources.dataset_ids, sources.paths, strict=False)]
             space = GeneSpace.build(

@@ -425,8 +425,14 @@ class GeneSpace:
                 "symbol": pa.concat_arrays([k.symbols for k in named] or [pa.nulls(0, pa.string())]),
             }
         ).drop_null()
-        # each Ensembl id's first symbol, in the order the sources give them
-        named_ids, first_symbols, mixed = _first_of(pairs.column("id"), pairs.column("symbol"))
+        symbol_only = any(k.by == "symbol" for k in keys)
+        with ThreadPoolExecutor(3) as pool:
+            # each Ensembl id's first symbol, in the order the sources give them, and (unless
+            # sources matched by symbol need these first) the ids' codes: three dictionary encodings
+            # of every gene listed (~60 ns each) on threads at once (Arrow releases the GIL)
+            coded = None if symbol_only else pool.submit(first_seen_codes, [k.ids for k in keys])
+            named_ids, first_symbols, mixed = _first_of(pairs.column("id"), pairs.column("symbol"), pool)
+            seen_and_codes = None if coded is None else coded.result()
         conflicts = np.flatnonzero(mixed)
         if len(conflicts):
             gene_id, first = named_ids[int(conflicts[0])].as_py(), first_symbols[int(conflicts[0])].as_py()
@@ -442,7 +448,7 @@ class GeneSpace:
                 f"by id, first symbol kept), e.g. {gene_id} is {first} before, {other} in {where}"
             )
         resolved = []
-        if any(k.by == "symbol" for k in keys):  # each symbol's first Ensembl id, for the symbol-only sources
+        if symbol_only:  # each symbol's first Ensembl id, for the symbol-only sources
             named_symbols, first_ids, _ = _first_of(pairs.column("symbol"), pairs.column("id"))
         for k, label in zip(keys, labels, strict=True):
             if k.by != "symbol":
@@ -456,7 +462,7 @@ class GeneSpace:
                 f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
             )
             resolved.append(ids)
-        seen, code = first_seen_codes(resolved)
+        seen, code = first_seen_codes(resolved) if seen_and_codes is None else seen_and_codes
         ends = np.cumsum([len(ids) for ids in resolved])
         if genes == UNION:
             by_id = np.empty(len(seen), np.int64)  # each gene's place among the ids sorted
@@ -520,14 +526,22 @@ def first_seen_codes(arrays: list[pa.Array]) -> tuple[pa.Array, np.ndarray]:
     return seen, np.concatenate([to_numpy_filled(c.indices, -1).astype(np.int64) for c in encoded.chunks])
 
 
-def _first_of(keys: pa.ChunkedArray, values: pa.ChunkedArray) -> tuple[pa.Array, pa.Array, np.ndarray]:
+def _first_of(
+    keys: pa.ChunkedArray, values: pa.ChunkedArray, pool: ThreadPoolExecutor | None = None
+) -> tuple[pa.Array, pa.Array, np.ndarray]:
     """The distinct ``keys`` (no nulls) in order of first appearance, the first of the ``values``
     paired with each, and whether each is paired with more than one value: Arrow's ``group_by``
     without its Acero engine, whose import brings pyarrow.dataset and pandas (~0.9 s on a
     collection's serial path). In passes over the pairs, without sorting them: 300 sources of
     20k–40k genes (9M pairs) took 3.0 s with `np.unique` of the pairs, 1.4 s so (2-core Intel Xeon),
-    most of it now the two dictionary encodings."""
-    keys, values = (pc.dictionary_encode(one_array(c)) for c in (keys, values))
+    most of it now the two dictionary encodings, which run at once with a ``pool``."""
+    encoded = [
+        pool.submit(pc.dictionary_encode, one_array(c))
+        if pool is not None
+        else pc.dictionary_encode(one_array(c))
+        for c in (keys, values)
+    ]
+    keys, values = (e.result() if pool is not None else e for e in encoded)
     key, value = to_numpy(keys.indices).astype(np.int64), to_numpy(values.indices).astype(np.int64)
     # a dictionary's codes are given in order of first appearance, so code order is that order; each
     # key's first pair is its smallest position (`minimum.at`: defined whatever the order of updates)

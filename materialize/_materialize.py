@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import secrets
@@ -37,7 +38,7 @@ from omicsio_jax.format import (
     to_numpy,
 )
 
-from ._collection import CollectionSource, Sources, open_collection
+from ._collection import CollectionSource, Sources, open_collection, opens_on_workers
 from ._finalize import Finalizer
 from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
 from ._options import Dask, InputOptions, Layout, Multimodal
@@ -161,6 +162,41 @@ def open_source(
 
 
 CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
+
+
+def _open_member(path: str, own: dict, con, **reading) -> Source:
+    """One source of a collection, its own ``layer`` / ``raw`` (a sources file's columns) over the
+    run's (``reading``: `open_source`'s keywords); a function of the module, so a pool's worker can
+    be handed it (`open_collection`)."""
+    layer = own.get("layer", reading.pop("layer"))
+    use_raw = bool(own.get("raw", reading.pop("use_raw")))
+    return open_source(path, con=con, layer=layer, use_raw=use_raw, **reading)
+
+
+def _open_collection(sources: Sources, open_member, *, opened, progress: bool, **options) -> CollectionSource:
+    """`open_collection` with a bar of the sources opened (shown for a long opening only: a
+    collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
+    with tqdm(
+        total=len(sources.paths),
+        unit="sources",
+        disable=not progress,
+        desc="opening sources",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        delay=2.0,
+    ) as bar:
+
+        def on_open(num_cells: int, every: bool) -> None:
+            bar.update(1)
+            opened(num_cells, every)
+
+        return open_collection(
+            sources,
+            open_member,
+            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+            opened=on_open,
+            **options,
+        )
 
 
 def as_sources(source) -> Sources | None:
@@ -288,24 +324,27 @@ def materialize(
         if pool is None and not dask and count > 1 and (count == wanted or every):
             pool = Pool(count)
 
+    if sources is not None and pool is None and not dask and wanted > 1 and opens_on_workers(sources):
+        pool = Pool(wanted)  # the sources open on its workers (h5py reads one file at a time per process)
+
     src = None
     try:
         src = (
-            open_collection(
+            _open_collection(
                 sources,
-                lambda path, own, con: open_source(
-                    path,
-                    con=con,
-                    layer=own.get("layer", layer),
-                    use_raw=bool(own.get("raw", use_raw)),
+                functools.partial(
+                    _open_member,
+                    layer=layer,
+                    use_raw=use_raw,
                     cell_id=cell_id,
                     batch_cells=batch_cells,
                     primary=primary,
                 ),
                 genes=genes,
                 id_column=read.gene_id_column,
-                report=lambda note: print(f"materialize: {note}", file=sys.stderr),
                 opened=start_pool,
+                pool=pool,
+                progress=progress,
             )
             if sources is not None
             else open_source(

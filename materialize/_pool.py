@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 
 from omicsio_jax import DataValidationError, OmicsIOError
@@ -92,7 +92,9 @@ def _error_reply(e: BaseException) -> tuple:
 
 def serve(fd: int) -> None:
     """A pool worker: ``("job", job)`` once, then ``("run", partition)`` answered by ``("progress", n)``
-    messages and ``("done", result)`` or ``("error", kind, text)``. EOF from the parent stops it."""
+    messages and ``("done", result)`` or ``("error", kind, text)``; or ``("call", (fn, item))``
+    answered by ``("value", fn(item))`` or ``("error", kind, text)`` (`Pool.map`). EOF from the
+    parent stops it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
@@ -104,6 +106,14 @@ def serve(fd: int) -> None:
             message = conn.recv()
             if message[0] == "job":
                 job = pickle.loads(message[1])
+                continue
+            if message[0] == "call":  # `Pool.map`: one call, its value or its error sent back
+                try:
+                    fn, item = pickle.loads(message[1])
+                    reply = ("value", fn(item))
+                except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+                    reply = _error_reply(e)
+                conn.send(reply)
                 continue
             part = message[1]
             try:
@@ -298,6 +308,43 @@ class Pool:
             raise
         return report
 
+    def map(self, fn: Callable[[object], object], items: Sequence[object], what: str) -> Iterator[object]:
+        """``fn(item)`` for each of ``items`` on the workers, one item at a time per worker (``fn``
+        and the items are pickled: a function of a module, not a lambda). Yields the results in the
+        items' order, each once it and those before it are back: a value, or the error the call
+        raised as an exception object, not raised, so the caller chooses which to raise (``what``:
+        what one call does, for the message of an error that is not ours). A worker that dies
+        stops the pool and raises `OmicsIOError`."""
+        pending = deque(enumerate(items))
+        results: dict[int, object] = {}
+        busy: dict[_Worker, int] = {}
+        following = 0
+        try:
+            while following < len(items):
+                for worker in self.workers:
+                    if worker not in busy and pending:
+                        k, item = pending.popleft()
+                        worker.conn.send(("call", pickle.dumps((fn, item))))
+                        busy[worker] = k
+                if not busy:
+                    msg = f"{what}: the pool has no workers"
+                    raise OmicsIOError(msg)
+                ready = wait([w.conn for w in busy])
+                for worker in [w for w in busy if w.conn in ready]:
+                    k = busy.pop(worker)
+                    try:
+                        message = worker.conn.recv()
+                    except (EOFError, OSError):
+                        msg = f"{what}: a worker process died (exit code {worker.proc.wait()})"
+                        raise OmicsIOError(msg) from None
+                    results[k] = message[1] if message[0] == "value" else _error(message[1], message[2], what)
+                while following in results:
+                    yield results.pop(following)
+                    following += 1
+        except BaseException:
+            self.close()  # workers may be mid-call; their answers would come out of turn
+            raise
+
 
 def _assign(worker: _Worker, queue: Schedule) -> None:
     part = queue.next(worker)
@@ -344,13 +391,18 @@ class Schedule:
 
 
 def _raise(kind: str, text: str, part: Partition | None):
-    if kind == "data":
-        raise DataValidationError(text)
-    if kind == "omicsio":
-        raise OmicsIOError(text)
     where = part.describe() if part is not None else "a partition"
-    msg = f"writing {where} failed in a worker process:\n{text}"
-    raise OmicsIOError(msg)
+    raise _error(kind, text, f"writing {where}")
+
+
+def _error(kind: str, text: str, what: str) -> Exception:
+    """A worker's ``("error", kind, text)`` as the exception to raise here: ours with their message,
+    any other with its traceback (``what``: what the worker was doing)."""
+    if kind == "data":
+        return DataValidationError(text)
+    if kind == "omicsio":
+        return OmicsIOError(text)
+    return OmicsIOError(f"{what} failed in a worker process:\n{text}")
 
 
 # -- Dask --------------------------------------------------------------------------------------------

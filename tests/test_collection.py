@@ -4,6 +4,7 @@ what each source measured kept and served beside the values."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -243,6 +244,44 @@ def test_a_large_collections_workers_start_before_its_genes_are_unified(
         a, b = oj.open_dataset(collection).manifest, oj.open_dataset(tmp_path / out).manifest
         assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
         assert a.fingerprint == b.fingerprint
+
+
+def test_many_h5ad_sources_open_on_the_pools_workers_with_the_same_bytes(
+    collection, sources, tmp_path, monkeypatch
+):
+    """From `_POOL_OPEN_FROM` .h5ad sources, a collection starts its pool before opening them and
+    opens them on its workers (h5py reads one file at a time in a process), each with its own
+    reading options (legacy: ``raw``), even when the cells are then written in this process; the
+    bytes are those of opening on threads. A file that is no .h5ad among them is still the one-line
+    error naming it, and nothing is written."""
+    import materialize._collection as collection_module
+    import materialize._materialize as materialize_module
+    from materialize import _pool
+
+    opened_on_workers = []
+    real_map = _pool.Pool.map
+
+    def recording_map(self, fn, items, what):
+        opened_on_workers.extend(Path(path).name for _, path, _ in items)
+        return real_map(self, fn, items, what)
+
+    monkeypatch.setattr(_pool.Pool, "map", recording_map)
+    monkeypatch.setattr(materialize_module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(collection_module, "_POOL_OPEN_FROM", 2)
+    d, _ = sources
+    out = tmp_path / "pooled"
+    result = materialize(Sources.read(_sources_file(d)), out, layout=Layout(shard_cells=128), progress=False)
+    assert opened_on_workers == ["current.h5ad", "legacy.h5ad"] and result.workers == 1
+    a, b = oj.open_dataset(collection).manifest, oj.open_dataset(out).manifest
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+    assert a.fingerprint == b.fingerprint
+
+    (tmp_path / "broken.h5ad").write_bytes(b"not an HDF5 file")
+    bad = tmp_path / "bad"
+    with pytest.raises(oj.DataValidationError, match=r"cannot read .*broken\.h5ad: ") as e:
+        materialize([d / "current.h5ad", tmp_path / "broken.h5ad", d / "plate.parquet"], bad, progress=False)
+    assert "\n" not in str(e.value) and not bad.exists()
+    assert opened_on_workers[-2:] == ["current.h5ad", "broken.h5ad"]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["written in place", "streamed"])
