@@ -140,6 +140,7 @@ def main() -> None:
         for way in WAYS
     }
     result = {
+        "benchmark": "bench_open",
         **provenance(),
         "rounds": args.rounds,
         "window": "whole conversions, at least --seconds per round (seconds: the window)",
