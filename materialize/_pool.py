@@ -248,6 +248,9 @@ class Pool:
         """Write ``partitions``, calling ``on_done(index)`` as each completes. A worker that dies
         mid-partition is replaced and its partition written again (at most ``retries`` times each);
         on any error every worker is stopped."""
+        if not self.workers:  # closed: nothing would ever answer
+            msg = "internal error: a run on a pool without workers (closed)"
+            raise OmicsIOError(msg)
         job_bytes = pickle.dumps(job)
         queue = Schedule(partitions, run_length(len(partitions), len(self.workers)))
         attempts: dict[int, int] = {}
@@ -314,7 +317,8 @@ class Pool:
         items' order, each once it and those before it are back: a value, or the error the call
         raised as an exception object, not raised, so the caller chooses which to raise (``what``:
         what one call does, for the message of an error that is not ours). A worker that dies
-        stops the pool and raises `OmicsIOError`."""
+        stops the pool and raises `OmicsIOError`; so does letting go of the results while calls are
+        still out (once every result is in, the pool goes on, ready for a run)."""
         pending = deque(enumerate(items))
         results: dict[int, object] = {}
         busy: dict[_Worker, int] = {}
@@ -341,8 +345,12 @@ class Pool:
                 while following in results:
                     yield results.pop(following)
                     following += 1
+        except GeneratorExit:  # let go of: the pool goes on unless calls are still out
+            if busy:
+                self.close()  # their answers would come to whatever the pool does next
+            raise
         except BaseException:
-            self.close()  # workers may be mid-call; their answers would come out of turn
+            self.close()  # workers may be mid-call, or dead
             raise
 
 

@@ -269,19 +269,23 @@ def test_many_h5ad_sources_open_on_the_pools_workers_with_the_same_bytes(
     monkeypatch.setattr(materialize_module, "usable_cores", lambda: 2)
     monkeypatch.setattr(collection_module, "_POOL_OPEN_FROM", 2)
     d, _ = sources
-    out = tmp_path / "pooled"
-    result = materialize(Sources.read(_sources_file(d)), out, layout=Layout(shard_cells=128), progress=False)
-    assert opened_on_workers == ["current.h5ad", "legacy.h5ad"] and result.workers == 1
-    a, b = oj.open_dataset(collection).manifest, oj.open_dataset(out).manifest
-    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
-    assert a.fingerprint == b.fingerprint
+    for workers, cells_per_worker in ((1, _pool.MIN_CELLS_PER_WORKER), (2, 128)):
+        monkeypatch.setattr(_pool, "MIN_CELLS_PER_WORKER", cells_per_worker)  # 470 cells: 1, then 2 workers
+        out = tmp_path / f"pooled_{workers}"
+        layout = Layout(shard_cells=128)
+        result = materialize(Sources.read(_sources_file(d)), out, layout=layout, progress=False)
+        assert opened_on_workers == ["current.h5ad", "legacy.h5ad"] and result.workers == workers
+        opened_on_workers.clear()
+        a, b = oj.open_dataset(collection).manifest, oj.open_dataset(out).manifest
+        assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+        assert a.fingerprint == b.fingerprint
 
     (tmp_path / "broken.h5ad").write_bytes(b"not an HDF5 file")
     bad = tmp_path / "bad"
     with pytest.raises(oj.DataValidationError, match=r"cannot read .*broken\.h5ad: ") as e:
         materialize([d / "current.h5ad", tmp_path / "broken.h5ad", d / "plate.parquet"], bad, progress=False)
     assert "\n" not in str(e.value) and not bad.exists()
-    assert opened_on_workers[-2:] == ["current.h5ad", "broken.h5ad"]
+    assert opened_on_workers == ["current.h5ad", "broken.h5ad"]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["written in place", "streamed"])

@@ -79,8 +79,8 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
 
     On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
     and each batch it hands over wakes the consumer: slabs, and dense or panel batches of up to
-    `SMALL_BATCH` rows, decode on the consumer's thread (0), faster and for less CPU
-    (``benchmarks/results/layout.json``). Larger dense batches, and token batches (whose kernel is
+    `SMALL_BATCH` rows, decode on the consumer's thread (0): slabs faster and for less CPU, dense
+    rows of 64 7% slower for 18% less CPU per cell (``benchmarks/results/layout.json``). Larger dense batches, and token batches (whose kernel is
     most of the work), still decode on every core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
