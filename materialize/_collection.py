@@ -376,7 +376,7 @@ def _open_members(
             pool.map(
                 _open_closed,
                 [(open_member, paths[k], sources.reading_of(k)) for k in sorted(elsewhere)],
-                "opening a source",
+                lambda item: f"opening {item[1]}",
             )
             if elsewhere
             else iter(())

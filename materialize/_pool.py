@@ -311,14 +311,17 @@ class Pool:
             raise
         return report
 
-    def map(self, fn: Callable[[object], object], items: Sequence[object], what: str) -> Iterator[object]:
+    def map(
+        self, fn: Callable[[object], object], items: Sequence[object], what: Callable[[object], str]
+    ) -> Iterator[object]:
         """``fn(item)`` for each of ``items`` on the workers, one item at a time per worker (``fn``
         and the items are pickled: a function of a module, not a lambda). Yields the results in the
         items' order, each once it and those before it are back: a value, or the error the call
         raised as an exception object, not raised, so the caller chooses which to raise (``what``:
-        what one call does, for the message of an error that is not ours). A worker that dies
-        stops the pool and raises `OmicsIOError`; so does letting go of the results while calls are
-        still out (once every result is in, the pool goes on, ready for a run)."""
+        what a call does to its item, e.g. ``opening a.h5ad``, for the message of an error that is
+        not ours). A worker that dies stops the pool and raises `OmicsIOError` naming its item; so
+        does letting go of the results while calls are still out (once every result is in, the
+        pool goes on, ready for a run)."""
         pending = deque(enumerate(items))
         results: dict[int, object] = {}
         busy: dict[_Worker, int] = {}
@@ -331,7 +334,7 @@ class Pool:
                         worker.conn.send(("call", pickle.dumps((fn, item))))
                         busy[worker] = k
                 if not busy:
-                    msg = f"{what}: the pool has no workers"
+                    msg = f"{what(items[following])}: the pool has no workers (closed)"
                     raise OmicsIOError(msg)
                 ready = wait([w.conn for w in busy])
                 for worker in [w for w in busy if w.conn in ready]:
@@ -339,9 +342,12 @@ class Pool:
                     try:
                         message = worker.conn.recv()
                     except (EOFError, OSError):
-                        msg = f"{what}: a worker process died (exit code {worker.proc.wait()})"
+                        msg = f"{what(items[k])}: its worker process died (exit code {worker.proc.wait()})"
                         raise OmicsIOError(msg) from None
-                    results[k] = message[1] if message[0] == "value" else _error(message[1], message[2], what)
+                    if message[0] == "value":
+                        results[k] = message[1]
+                    else:
+                        results[k] = _error(message[1], message[2], what(items[k]))
                 while following in results:
                     yield results.pop(following)
                     following += 1

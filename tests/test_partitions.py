@@ -233,6 +233,25 @@ def test_by_default_a_small_input_is_written_here_and_a_large_one_on_every_core(
     assert _digests(tmp_path / "small") == _digests(tmp_path / "large")
 
 
+def test_pool_map_answers_in_order_and_names_the_item_of_a_dead_worker():
+    """`Pool.map` on 2 workers: results in the items' order, a call's error returned in its place (ours
+    with its message, any other with what the call did and the traceback), and the pool ready for
+    more once every result is in; a worker that dies stops the pool with an error naming its item."""
+    from materialize._pool import Pool
+
+    what = lambda item: f"reading {item!r}"  # noqa: E731
+    with Pool(2) as pool:
+        results = list(pool.map(int, ["1", "x", "3", "4"], what))
+        assert results[0] == 1 and results[2:] == [3, 4]
+        assert isinstance(results[1], oj.OmicsIOError)
+        assert str(results[1]).startswith("reading 'x' failed in a worker process:\n")
+        assert "ValueError: invalid literal for int()" in str(results[1])
+        assert list(pool.map(abs, [-2, 5], what)) == [2, 5] and len(pool.workers) == 2
+        with pytest.raises(oj.OmicsIOError, match=r"^reading 7: its worker process died \(exit code 7\)$"):
+            list(pool.map(os._exit, [7], what))
+        assert pool.workers == []
+
+
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
     """The default pool (a worker per usable core) pins worker k to core k, so a worker's threads share
     one core's caches; a pool of any other size leaves the workers to the scheduler."""
