@@ -12,7 +12,8 @@ universe of 62,710 Ensembl ids, each measuring a random 20k–40k of them (half 
 shuffled), with ``--cells`` cells of ~2% nonzero counts, obs ``donor_id`` and ``is_primary_data``
 and var ``feature_name``, as CELLxGENE writes them. Each round converts the collection once with
 each way of opening, each in a fresh process (the order alternating from round to round), with
-`materialize`'s defaults; a round's figure is whole conversions until they took ``--seconds``.
+`materialize`'s defaults; a round's figure is whole conversions until they took ``--seconds``, and
+the peak RSS of the process that ran them (the pool's workers apart).
 
     .venv/bin/python benchmarks/bench_open.py
 """
@@ -59,8 +60,9 @@ while conversions == 0 or seconds < window:  # whole conversions, at least the w
     result = materialize(paths, out, progress=False)
     seconds += time.perf_counter() - start
     conversions += 1
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "conversions": conversions, "num_cells": result.manifest.num_cells,
-                  "workers": result.workers}))
+                  "workers": result.workers, "peak_rss_bytes": peak}))
 """
 
 
@@ -110,7 +112,12 @@ def convert_round(paths: list[str], out: Path, seconds: float, way: str) -> dict
     shutil.rmtree(out, ignore_errors=True)
     r = run_json(["-c", _CONVERT, json.dumps(paths), str(out), str(seconds), way])
     per = r["seconds"] / r["conversions"]
-    return {**r, "seconds_per_conversion": per, "sources_per_s": len(paths) / per}
+    return {
+        **r,
+        "seconds_per_conversion": per,
+        "sources_per_s": len(paths) / per,
+        "peak_rss_mib": r["peak_rss_bytes"] / 2**20,
+    }
 
 
 def main() -> None:
@@ -135,7 +142,7 @@ def main() -> None:
             "label": f"materialize, {WAYS[way]}",
             "num_cells": runs[way][0]["num_cells"],
             "workers": runs[way][0]["workers"],
-            **medians(runs[way], ["sources_per_s", "seconds_per_conversion", "seconds"]),
+            **medians(runs[way], ["sources_per_s", "seconds_per_conversion", "seconds", "peak_rss_mib"]),
         }
         for way in WAYS
     }
