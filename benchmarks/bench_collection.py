@@ -50,6 +50,7 @@ _MATERIALIZE = """
 import json, resource, shutil, sys, time
 from pathlib import Path
 from materialize import materialize
+exec(sys.argv[4])  # what the round sets first (`materialize_round`'s ``before``)
 sources, window = json.loads(sys.argv[1]), float(sys.argv[3])
 seconds, conversions = 0.0, 0
 while conversions == 0 or seconds < window:  # whole conversions, at least the window
@@ -132,11 +133,12 @@ def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]
     return paths, str(one / "cells.parquet")
 
 
-def materialize_round(source, out: Path, seconds: float) -> dict:
-    """Whole conversions of ``source`` in one fresh process until they took ``seconds`` together."""
+def materialize_round(source, out: Path, seconds: float, *, before: str = "") -> dict:
+    """Whole conversions of ``source`` in one fresh process until they took ``seconds`` together
+    (``before``: Python that process runs first, e.g. a module setting patched)."""
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(
-        [sys.executable, "-c", _MATERIALIZE, json.dumps(source), str(out), str(seconds)],
+        [sys.executable, "-c", _MATERIALIZE, json.dumps(source), str(out), str(seconds), before],
         capture_output=True,
         text=True,
     )

@@ -39,31 +39,14 @@ from _provenance import (  # noqa: E402
     compare,
     medians,
     provenance,
-    run_json,
     write_result,
 )
+from bench_collection import UNIVERSE, materialize_round  # noqa: E402
 
-UNIVERSE = 62_710
 WAYS = {"threads": "sources opened on threads", "workers": "sources opened on the pool's workers"}
 
-_CONVERT = """
-import json, shutil, sys, time
-import materialize._collection as collection
-from materialize import materialize
-paths, out, window, way = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
-if way == "threads":
-    collection._POOL_OPEN_FROM = len(paths) + 1  # never worth the pool: threads, as before it
-seconds, conversions = 0.0, 0
-while conversions == 0 or seconds < window:  # whole conversions, at least the window
-    shutil.rmtree(out, ignore_errors=True)
-    start = time.perf_counter()
-    result = materialize(paths, out, progress=False)
-    seconds += time.perf_counter() - start
-    conversions += 1
-peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"seconds": seconds, "conversions": conversions, "num_cells": result.manifest.num_cells,
-                  "workers": result.workers, "peak_rss_bytes": peak}))
-"""
+# how each way is asked for: threads by making no collection worth the pool
+BEFORE = {"threads": "import materialize._collection as c; c._POOL_OPEN_FROM = 1 << 62", "workers": ""}
 
 
 def _make_source(args: tuple[Path, int, int]) -> str:
@@ -109,8 +92,7 @@ def make_data(root: Path, num_sources: int, cells: int) -> list[str]:
 
 def convert_round(paths: list[str], out: Path, seconds: float, way: str) -> dict:
     """Whole conversions in one fresh process until they took ``seconds`` together."""
-    shutil.rmtree(out, ignore_errors=True)
-    r = run_json(["-c", _CONVERT, json.dumps(paths), str(out), str(seconds), way])
+    r = materialize_round(paths, out, seconds, before=BEFORE[way])
     per = r["seconds"] / r["conversions"]
     return {
         **r,
