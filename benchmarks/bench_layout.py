@@ -2,14 +2,18 @@
 (``num_threads=0``) against threads decoding ahead (half the cores for slabs, every core up to 8 for
 rows built on the host), on this machine's cores.
 
-The figures `default_num_threads` chooses from. For each output (``csr`` slabs, ``dense`` rows,
-Geneformer tokens), batch size and ``ReadOptions(num_threads=...)`` setting, a fresh process runs
+The figures `default_num_threads` and `default_decode_threads` choose from. For each output
+(``csr`` slabs, ``dense`` rows, a ``panel`` of the 2,000 genes detected in most cells, Geneformer
+tokens), batch size and ``ReadOptions(num_threads=...)`` setting, a fresh process runs
 `make_loader` on the 200k-cell dataset (``Block(16, 64)``, its default sampling) and times a
 window of at least ``--seconds`` after a warm-up; the settings take turns, ``--rounds`` times, and
-each figure is the median. Reported per row: cells/s and cells per CPU-second (every thread of the
-process), and the setting `make_loader`'s default resolves to on this machine.
+each figure is the median. Where the consumer decodes (``num_threads=0``), the numba threads per
+batch are compared too: the default's (every core for a large dense batch) against one, or against
+every core where the default is one (the panel). Reported per row: cells/s and cells per
+CPU-second (every thread of the process), the decode threads the row ran with, and the setting
+`make_loader`'s default resolves to on this machine.
 
-    .venv/bin/python benchmarks/bench_layout.py               # 3 rounds of 10 s: ~11 minutes
+    .venv/bin/python benchmarks/bench_layout.py               # 3 rounds of 10 s: ~16 minutes
 """
 
 from __future__ import annotations
@@ -27,17 +31,28 @@ sys.path.insert(0, str(HERE))
 from _provenance import add_window_options, check_window, loader_windows, medians, provenance, write_result  # noqa: E402
 
 # (output, batch sizes): dense rows and slabs at the sizes the README quotes, tokens at scDataset's
-CASES = (("csr", (64, 256, 1024)), ("dense", (64, 256, 1024)), ("geneformer", (64, 256)))
+CASES = (
+    ("csr", (64, 256, 1024)),
+    ("dense", (64, 256, 1024)),
+    ("panel", (64,)),
+    ("geneformer", (64, 256)),
+)
+CORPUS = HERE / "data" / "corpus_200k"  # the dataset's parquet: the panel's genes (`top_genes`)
 
 
 def _output(kind: str):
     import omicsio_jax as oj
 
+    if kind == "panel":
+        from bench_loader import top_genes
+
+        return oj.Panel(top_genes(CORPUS, 2000))
     return {"csr": oj.CSR(), "dense": oj.Dense(), "geneformer": oj.GeneformerTokens(max_len=2048)}[kind]
 
 
-def child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
-    """One window of `make_loader` with ``num_threads`` decoding threads, after a warm-up."""
+def child(kind: str, batch_size: int, num_threads: int, decode_threads: int | None, seconds: float) -> dict:
+    """One window of `make_loader` with ``num_threads`` decoding threads ahead and ``decode_threads``
+    numba threads per batch (None: the default's), after a warm-up."""
     import omicsio_jax as oj
 
     ds = oj.open_dataset(DATASET)
@@ -46,16 +61,19 @@ def child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
         batch_size=batch_size,
         output=_output(kind),
         num_epochs=None,
-        read=oj.ReadOptions(num_threads=num_threads),
+        read=oj.ReadOptions(num_threads=num_threads, decode_threads=decode_threads),
     )
     (timed,) = loader_windows(loader, batch_size, seconds=seconds)
     loader.close()
-    return timed
+    return {**timed, "decode_threads": loader.decode_threads}
 
 
-def run_child(kind: str, batch_size: int, num_threads: int, seconds: float) -> dict:
+def run_child(
+    kind: str, batch_size: int, num_threads: int, decode_threads: int | None, seconds: float
+) -> dict:
+    decode = "default" if decode_threads is None else str(decode_threads)
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, str(batch_size), str(num_threads), repr(seconds)],
+        [sys.executable, __file__, "--child", kind, str(batch_size), str(num_threads), decode, repr(seconds)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -67,44 +85,69 @@ def run_child(kind: str, batch_size: int, num_threads: int, seconds: float) -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "layout.json"))
     args = p.parse_args()
     if args.child:
-        kind, b, t, seconds = args.child
-        print(json.dumps(child(kind, int(b), int(t), float(seconds))))
+        kind, b, t, decode, seconds = args.child
+        print(
+            json.dumps(
+                child(kind, int(b), int(t), None if decode == "default" else int(decode), float(seconds))
+            )
+        )
         return
     check_window(args)
     if not (DATASET / "manifest.json").exists():
         raise SystemExit(
             f"{DATASET} is missing: make it with benchmarks/bench_loader.py (see benchmarks/README.md)"
         )
-    from omicsio_jax.loaders.options import ahead_threads, default_num_threads, usable_cores
+    import omicsio_jax as oj
+    from omicsio_jax.loaders.options import (
+        ahead_threads,
+        default_decode_threads,
+        default_num_threads,
+        usable_cores,
+    )
 
     cores = usable_cores()
+    genes = oj.open_dataset(DATASET).num_genes
+    widths = {"dense": genes, "panel": 2000}  # float32 columns of a host batch's rows
+
+    def decode_default(kind: str, b: int, t: int) -> int:
+        rows = "dense" if kind == "panel" else kind  # a panel is a dense output over fewer columns
+        return default_decode_threads(rows, t, b * widths.get(kind, 0) * 4, cores)
+
     # the consumer decoding (0) against the threads the rule gives on more than 2 cores: half of
-    # them for slabs, every one (up to 8) for rows built on the host
-    settings = [(kind, b, t) for kind, sizes in CASES for b in sizes for t in (0, ahead_threads(kind, cores))]
+    # them for slabs, every one (up to 8) for rows built on the host; with the consumer decoding,
+    # the default's numba threads per batch against the other choice (one, or every core)
+    settings = [
+        (kind, b, t, None) for kind, sizes in CASES for b in sizes for t in (0, ahead_threads(kind, cores))
+    ]
+    settings += [
+        (kind, b, 0, 1 if decode_default(kind, b, 0) > 1 else min(cores, 8))
+        for kind, sizes in CASES
+        if kind in widths and cores > 1
+        for b in sizes
+        if decode_default(kind, b, 0) > 1 or kind == "panel"
+    ]
     runs: dict[tuple, list[dict]] = {s: [] for s in settings}
     for r in range(args.rounds):  # round-robin: every setting once per round
         for s in settings:
             runs[s].append(run_child(*s, args.seconds))
-            print(
-                f"round {r + 1}: {s[0]} b{s[1]} num_threads={s[2]}: {runs[s][-1]['cells_per_s']:,.0f} cells/s",
-                flush=True,
-            )
+            print(f"round {r + 1}: {_label(*s)}: {runs[s][-1]['cells_per_s']:,.0f} cells/s", flush=True)
     rows = []
-    for kind, b, t in settings:
-        default = default_num_threads(kind, cores, batch_size=b)
+    for kind, b, t, d in settings:
+        default = default_num_threads("dense" if kind == "panel" else kind, cores, batch_size=b)
         rows.append(
             {
-                "label": f"{kind} b{b} ReadOptions(num_threads={t})",
+                "label": _label(kind, b, t, d),
                 "kind": kind,
                 "batch_size": b,
                 "num_threads": t,
-                "is_default": t == default,
-                **medians(runs[kind, b, t], ("cells_per_s", "cells_per_cpu_s", "seconds", "cpu_per_wall")),
+                "decode_threads": runs[kind, b, t, d][0]["decode_threads"],
+                "is_default": t == default and d is None,
+                **medians(runs[kind, b, t, d], ("cells_per_s", "cells_per_cpu_s", "seconds", "cpu_per_wall")),
             }
         )
     best, default = {}, {}  # (kind, batch) -> the fastest row, the default's row
@@ -117,7 +160,9 @@ def main() -> None:
     summary = {
         f"{kind} b{b}": {
             "default": row["num_threads"],
+            "default decode_threads": row["decode_threads"],
             "fastest": best[kind, b]["num_threads"],
+            "fastest decode_threads": best[kind, b]["decode_threads"],
             "default / fastest cells/s": row["cells_per_s"] / best[kind, b]["cells_per_s"],
         }
         for (kind, b), row in default.items()
@@ -135,6 +180,12 @@ def main() -> None:
     }
     write_result(args.out, result, quick=args.quick)
     print(json.dumps(summary, indent=1))
+
+
+def _label(kind: str, b: int, t: int, d: int | None) -> str:
+    """A row's label: the `ReadOptions` it ran with (its decode threads where given)."""
+    decode = "" if d is None else f", decode_threads={d}"
+    return f"{kind} b{b} ReadOptions(num_threads={t}{decode})"
 
 
 if __name__ == "__main__":

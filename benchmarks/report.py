@@ -152,8 +152,9 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "bench_layout": (
         "make_loader's decoding threads",
         "For each output kind and batch size, the loader with the consumer decoding every batch itself "
-        "against threads decoding ahead, each setting in a fresh process in turn: cells per second and "
-        "per CPU-second, and which setting make_loader's default resolves to on the machine.",
+        "against threads decoding ahead, and, where the consumer decodes, one numba thread per batch "
+        "against every core; each setting in a fresh process in turn: cells per second and per "
+        "CPU-second, and which setting make_loader's default resolves to on the machine.",
     ),
     "bench_tune": (
         "oj.tune checked",
@@ -770,6 +771,7 @@ def render_layout(d: dict) -> list[str]:
                 [
                     ("setting", "label", ""),
                     ("make_loader's default", lambda r: "yes" if r.get("is_default") else "", ""),
+                    ("decode threads", "decode_threads", ""),
                     ("cells/s", "cells_per_s", ",.0f"),
                     ("rounds (cells/s)", "cells_per_s_runs", ",.0f"),
                     ("cells/CPU-s", "cells_per_cpu_s", ",.0f"),

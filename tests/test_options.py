@@ -13,6 +13,8 @@ from omicsio_jax.loaders import options
 from omicsio_jax.loaders.options import (
     MAX_DEFAULT_THREADS,
     SMALL_BATCH,
+    SPLIT_BATCH_BYTES,
+    default_decode_threads,
     default_num_threads,
     default_prefetch,
     usable_cores,
@@ -113,6 +115,43 @@ def test_the_loader_takes_its_default_threads_from_the_output_and_keeps_an_expli
         loader = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0))
         assert loader.num_threads == 0
         loader.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_threads", "batch_bytes", "cores", "decode"),
+    [
+        ("dense", 0, SPLIT_BATCH_BYTES, 2, 2),  # the consumer decodes a large dense batch: every core
+        ("dense", 0, SPLIT_BATCH_BYTES, 1, 1),
+        ("dense", 0, SPLIT_BATCH_BYTES, 64, MAX_DEFAULT_THREADS),
+        ("dense", 0, SPLIT_BATCH_BYTES - 1, 2, 1),  # a small one (a panel's): one thread
+        ("dense", 2, SPLIT_BATCH_BYTES, 2, 1),  # batches decode ahead, one thread each
+        ("csr", 0, SPLIT_BATCH_BYTES, 2, 1),  # slabs: a copy, not rows to write
+        ("geneformer", 0, SPLIT_BATCH_BYTES, 2, 1),
+    ],
+)
+def test_default_decode_threads_split_only_a_large_dense_batch_the_consumer_decodes(
+    kind, num_threads, batch_bytes, cores, decode
+):
+    assert default_decode_threads(kind, num_threads, batch_bytes, cores) == decode
+
+
+def test_the_loader_splits_a_large_dense_batch_over_the_cores_unless_told(dataset_dir, monkeypatch):
+    with oj.open_dataset(dataset_dir) as ds:
+        batch_bytes = 64 * ds.num_genes * 4
+        monkeypatch.setattr(
+            options, "SPLIT_BATCH_BYTES", batch_bytes
+        )  # the test dataset's dense batch is "large"
+        dense = oj.make_loader(ds, batch_size=64, output=oj.Dense(), read=oj.ReadOptions(num_threads=0))
+        told = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0, decode_threads=1))
+        ahead = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=2))
+        smaller = oj.make_loader(ds, batch_size=32, read=oj.ReadOptions(num_threads=0))
+        try:
+            assert dense.decode_threads == min(usable_cores(), MAX_DEFAULT_THREADS)
+            assert f"decode_threads={dense.decode_threads})" in repr(dense)
+            assert told.decode_threads == ahead.decode_threads == smaller.decode_threads == 1
+        finally:
+            for loader in (dense, told, ahead, smaller):
+                loader.close()
 
 
 @pytest.mark.parametrize(("cores", "prefetch"), [(1, 2), (2, 2), (8, 2), (12, 3), (16, 4), (32, 8), (128, 8)])

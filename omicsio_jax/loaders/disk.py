@@ -27,7 +27,13 @@ from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
-from omicsio_jax.loaders.options import Placement, ReadOptions, default_num_threads, default_prefetch
+from omicsio_jax.loaders.options import (
+    Placement,
+    ReadOptions,
+    default_decode_threads,
+    default_num_threads,
+    default_prefetch,
+)
 from omicsio_jax.loaders.state import check_positions, check_state, read_loader_states, reads_state
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
@@ -57,10 +63,16 @@ class Loader(ClosingIterator):
         self.dataset, self.spec, self.num_epochs = ds, spec, spec.num_epochs
         self.placement, self.host = placement, placement.host
         self.plan, self.output = spec.resolve(ds)
+        kind, rows = self.output.decoding, self.plan.local_batch
         self.read = read.with_defaults(
-            num_threads=default_num_threads(self.output.decoding, batch_size=self.plan.local_batch),
-            prefetch=default_prefetch(),
-            decode_threads=1,
+            num_threads=default_num_threads(kind, batch_size=rows), prefetch=default_prefetch()
+        )
+        self.read = self.read.with_defaults(
+            decode_threads=default_decode_threads(
+                kind,
+                self.read.num_threads,
+                rows * (getattr(self.output, "num_columns", None) or 0) * 4,  # float32 rows
+            )
         )
         self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
@@ -90,7 +102,8 @@ class Loader(ClosingIterator):
 
     @property
     def decode_threads(self) -> int:
-        """Numba threads that decode one batch (default 1: ``num_threads`` batches decode at once)."""
+        """Numba threads that decode one batch (`default_decode_threads`: 1, as ``num_threads``
+        batches decode at once, or every core for large dense batches decoded on the consumer's thread)."""
         return self.read.decode_threads
 
     @property

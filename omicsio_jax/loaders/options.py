@@ -41,7 +41,8 @@ class ReadOptions:
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`: 2, more on many cores, `default_prefetch`; `GrainSource`,
     `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for);
-    ``decode_threads`` numba threads decode one batch (1).
+    ``decode_threads`` numba threads decode one batch (`make_loader`: 1, or every core for large
+    dense batches decoded on the consumer's thread, `default_decode_threads`; elsewhere 1).
     """
 
     num_threads: int | None = None
@@ -60,6 +61,9 @@ class ReadOptions:
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
 SMALL_BATCH = 64  # on 1–2 cores, dense or panel batches up to this many rows decode on the consumer
+SPLIT_BATCH_BYTES = (
+    4 << 20
+)  # a dense batch decoded on the consumer's thread is split over every core from this size
 
 
 def usable_cores() -> int:
@@ -93,6 +97,29 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     if cores <= 2 and (kind == "csr" or rows):
         return 0
     return ahead_threads(kind, cores)
+
+
+def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores: int | None = None) -> int:
+    """`make_loader`'s numba threads per batch where ``ReadOptions(decode_threads=None)``, for an
+    output of ``kind`` whose host batch holds ``batch_bytes``, with ``num_threads`` decoding threads
+    ahead, on ``cores`` usable cores (default: this process's).
+
+    1 (``num_threads`` batches decode at once, one thread each), except dense rows decoded on the
+    consumer's thread (``num_threads=0``: the one caller of the kernels) in batches of at least
+    `SPLIT_BATCH_BYTES`: their rows are split over every core, up to `MAX_DEFAULT_THREADS`.
+    Writing a full-width batch is the work, and one core's stores reach about half of what two
+    reach; a panel's small batch decodes faster on one thread, as two wake for little
+    (``benchmarks/results/layout.json``: ``decode_threads`` rows).
+
+    >>> default_decode_threads("dense", 0, 16 << 20, cores=2), default_decode_threads("dense", 2, 16 << 20, cores=2)
+    (2, 1)
+    >>> default_decode_threads("dense", 0, 512 << 10, cores=2), default_decode_threads("csr", 0, 16 << 20, cores=2)
+    (1, 1)
+    """
+    cores = usable_cores() if cores is None else cores
+    if kind == "dense" and num_threads == 0 and batch_bytes >= SPLIT_BATCH_BYTES:
+        return max(1, min(cores, MAX_DEFAULT_THREADS))
+    return 1
 
 
 def default_prefetch(cores: int | None = None) -> int:
