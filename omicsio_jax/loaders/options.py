@@ -83,9 +83,12 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
 
     On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
     and each batch it hands over wakes the consumer: slabs, and dense or panel batches of up to
-    `SMALL_BATCH` rows, decode on the consumer's thread (0): slabs faster and for less CPU, dense
-    rows of 64 7% slower for 18% less CPU per cell (``benchmarks/results/layout.json``). Larger dense batches, and token batches (whose kernel is
-    most of the work), still decode on every core. `oj.tune` measures the choice on a machine.
+    `SMALL_BATCH` rows, decode on the consumer's thread (0): slabs faster and for less CPU; a
+    panel's batch of 64 rows 3% slower for 12% less CPU per cell; a full-width dense batch of 64
+    rows, split over both cores there (`default_decode_threads`), 10% slower than on two threads
+    ahead, for about the CPU per cell of either (``benchmarks/results/layout.json``; one thread
+    on the consumer took 18% less at d6e31e0, ``archive/layout_d6e31e0.json``). Larger dense batches, and token batches (whose kernel
+    is most of the work), still decode on every core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 0)
@@ -107,9 +110,10 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     1 (``num_threads`` batches decode at once, one thread each), except dense rows decoded on the
     consumer's thread (``num_threads=0``: the one caller of the kernels) in batches of at least
     `SPLIT_BATCH_BYTES`: their rows are split over every core, up to `MAX_DEFAULT_THREADS`.
-    Writing a full-width batch is the work, and one core's stores reach about half of what two
-    reach; a panel's small batch decodes faster on one thread, as two wake for little
-    (``benchmarks/results/layout.json``: ``decode_threads`` rows).
+    Writing a full-width batch is the work: dense batches of 64 rows (16 MB) at 59,677 cells/s
+    split over 2 cores, 51,564 on one, for 3% more CPU per cell; a 2,000-gene panel's batch of 64
+    rows (0.5 MB) no faster on two (77,766 against 77,425 cells/s), for 3% more CPU
+    (``benchmarks/results/layout.json``).
 
     >>> default_decode_threads("dense", 0, 16 << 20, cores=2), default_decode_threads("dense", 2, 16 << 20, cores=2)
     (2, 1)
