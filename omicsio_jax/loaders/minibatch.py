@@ -159,8 +159,9 @@ class MinibatchReader:
     threads; ``decode_threads`` numba threads decode a batch (default 1: the callers decode
     several batches at once on their own threads, and numba's parallel kernels called from two
     threads at once on 2 cores stalled for ~0.5 s at random, full-transcriptome dense batch 1,024:
-    39–42k cells/s in 2 runs of 6, against a steady 51–53k with one); ``keep_buffers`` batch
-    buffers of each size are recycled.
+    39–42k cells/s in 2 runs of 6, against a steady 51–53k with one; a caller that is the only one,
+    the consumer's thread, may split a batch over several: `default_decode_threads`);
+    ``keep_buffers`` batch buffers of each size are recycled.
 
     The first batch asked for is served first and alone: it reads only its own cells (not its
     whole fetch, a quarter of the chunks at block 16), while numba starts up on another thread
