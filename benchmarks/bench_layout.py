@@ -38,6 +38,7 @@ CASES = (
     ("geneformer", (64, 256)),
 )
 CORPUS = HERE / "data" / "corpus_200k"  # the dataset's parquet: the panel's genes (`top_genes`)
+PANEL_GENES = 2000
 
 
 def _output(kind: str):
@@ -46,7 +47,7 @@ def _output(kind: str):
     if kind == "panel":
         from bench_loader import top_genes
 
-        return oj.Panel(top_genes(CORPUS, 2000))
+        return oj.Panel(top_genes(CORPUS, PANEL_GENES))
     return {"csr": oj.CSR(), "dense": oj.Dense(), "geneformer": oj.GeneformerTokens(max_len=2048)}[kind]
 
 
@@ -104,6 +105,7 @@ def main() -> None:
         )
     import omicsio_jax as oj
     from omicsio_jax.loaders.options import (
+        MAX_DEFAULT_THREADS,
         ahead_threads,
         default_decode_threads,
         default_num_threads,
@@ -112,11 +114,10 @@ def main() -> None:
 
     cores = usable_cores()
     genes = oj.open_dataset(DATASET).num_genes
-    widths = {"dense": genes, "panel": 2000}  # float32 columns of a host batch's rows
+    widths = {"dense": genes, "panel": PANEL_GENES}  # float32 columns of a host batch's rows
 
     def decode_default(kind: str, b: int, t: int) -> int:
-        rows = "dense" if kind == "panel" else kind  # a panel is a dense output over fewer columns
-        return default_decode_threads(rows, t, b * widths.get(kind, 0) * 4, cores)
+        return default_decode_threads(_decoding(kind), t, b * widths.get(kind, 0) * 4, cores)
 
     # the consumer decoding (0) against the threads the rule gives on more than 2 cores: half of
     # them for slabs, every one (up to 8) for rows built on the host; with the consumer decoding,
@@ -125,7 +126,7 @@ def main() -> None:
         (kind, b, t, None) for kind, sizes in CASES for b in sizes for t in (0, ahead_threads(kind, cores))
     ]
     settings += [
-        (kind, b, 0, 1 if decode_default(kind, b, 0) > 1 else min(cores, 8))
+        (kind, b, 0, 1 if decode_default(kind, b, 0) > 1 else min(cores, MAX_DEFAULT_THREADS))
         for kind, sizes in CASES
         if kind in widths and cores > 1
         for b in sizes
@@ -138,7 +139,7 @@ def main() -> None:
             print(f"round {r + 1}: {_label(*s)}: {runs[s][-1]['cells_per_s']:,.0f} cells/s", flush=True)
     rows = []
     for kind, b, t, d in settings:
-        default = default_num_threads("dense" if kind == "panel" else kind, cores, batch_size=b)
+        default = default_num_threads(_decoding(kind), cores, batch_size=b)
         rows.append(
             {
                 "label": _label(kind, b, t, d),
@@ -180,6 +181,11 @@ def main() -> None:
     }
     write_result(args.out, result, quick=args.quick)
     print(json.dumps(summary, indent=1))
+
+
+def _decoding(kind: str) -> str:
+    """The output kind the thread defaults take a case for: a panel is a dense output over fewer columns."""
+    return "dense" if kind == "panel" else kind
 
 
 def _label(kind: str, b: int, t: int, d: int | None) -> str:
