@@ -12,9 +12,7 @@ is read by cell range (`Source.part_of`) on whatever worker writes the shard.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
-import functools
 import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +24,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import connect, from_numpy, is_remote, one_array, repeated_text, text_array
+from omicsio_jax.format import (
+    connect,
+    from_numpy,
+    is_remote,
+    one_array,
+    release_freed_memory,
+    repeated_text,
+    text_array,
+)
 
 from ._genespace import UNION, GeneSpace
 from ._plan import Partition, whole_partitions
@@ -346,8 +352,10 @@ def _open_closed(item: tuple[Callable[[str, dict, object], Source], str, dict]) 
 
 def _opened(open_member: Callable[[str, dict, object], Source], path: str, own: dict, con) -> Source:
     """``open_member(path, own, con)``, an ``.h5ad`` / ``.h5mu`` closed again at once, and the heap
-    freed given back (`_release_freed_heap`). An open h5py file keeps ~6 MiB of caches: 300
-    sources open together until their genes were unified took 2.6 GB of RSS (1,500 would take
+    freed given back (`release_freed_memory`: glibc keeps the ~6 MiB an ``.h5ad`` opened and closed
+    leaves freed rather than reusing it for the next one, so a worker that opened its share of 1,500
+    sources would keep gigabytes while it writes cells). An open h5py file keeps ~6 MiB of caches:
+    300 sources open together until their genes were unified took 2.6 GB of RSS (1,500 would take
     ~12 GB); a source opens its file again where its cells are read."""
     try:
         source = open_member(path, own, con)
@@ -355,25 +363,7 @@ def _opened(open_member: Callable[[str, dict, object], Source], path: str, own: 
             source.close()
         return source
     finally:
-        _release_freed_heap()
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def _release_freed_heap() -> None:
-    """Give the whole free pages of glibc's heap back to the system (``malloc_trim(0)``, ~0.5 ms;
-    elsewhere nothing): an ``.h5ad`` opened and closed leaves ~6 MiB freed that glibc keeps rather
-    than reuses for the next one, so a worker that opened its share of 1,500 sources would keep
-    gigabytes while it writes cells."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+        release_freed_memory()
 
 
 def _open_members(
