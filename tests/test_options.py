@@ -138,9 +138,8 @@ def test_default_decode_threads_split_only_a_large_dense_batch_the_consumer_deco
 def test_the_loader_splits_a_large_dense_batch_over_the_cores_unless_told(dataset_dir, monkeypatch):
     with oj.open_dataset(dataset_dir) as ds:
         batch_bytes = 64 * ds.num_genes * 4
-        monkeypatch.setattr(
-            options, "SPLIT_BATCH_BYTES", batch_bytes
-        )  # the test dataset's dense batch is "large"
+        # the test dataset's dense batch is "large"
+        monkeypatch.setattr(options, "SPLIT_BATCH_BYTES", batch_bytes)
         dense = oj.make_loader(ds, batch_size=64, output=oj.Dense(), read=oj.ReadOptions(num_threads=0))
         told = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0, decode_threads=1))
         ahead = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=2))

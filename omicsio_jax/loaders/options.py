@@ -61,9 +61,8 @@ class ReadOptions:
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
 SMALL_BATCH = 64  # on 1–2 cores, dense or panel batches up to this many rows decode on the consumer
-SPLIT_BATCH_BYTES = (
-    4 << 20
-)  # a dense batch decoded on the consumer's thread is split over every core from this size
+# a dense batch decoded on the consumer's thread is split over every core from this size
+SPLIT_BATCH_BYTES = 4 << 20
 
 
 def usable_cores() -> int:
@@ -87,8 +86,9 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     panel's batch of 64 rows 3% slower for 12% less CPU per cell; a full-width dense batch of 64
     rows, split over both cores there (`default_decode_threads`), 10% slower than on two threads
     ahead, for about the CPU per cell of either (``benchmarks/results/layout.json``; one thread
-    on the consumer took 18% less at d6e31e0, ``archive/layout_d6e31e0.json``). Larger dense batches, and token batches (whose kernel
-    is most of the work), still decode on every core. `oj.tune` measures the choice on a machine.
+    on the consumer took 18% less at d6e31e0, ``archive/layout_d6e31e0.json``). Larger dense
+    batches, and token batches (whose kernel is most of the work), still decode on every core.
+    `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 0)
