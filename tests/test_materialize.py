@@ -17,6 +17,7 @@ from conftest import assert_csr_equal, table_csr, write_legacy_h5ad
 
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, materialize
+from train import parse_predicate
 
 
 def _all_rows(ds):
@@ -314,6 +315,9 @@ def test_a_bool_obs_column_selects_its_rows_by_true_or_false(tmp_path):
     np.testing.assert_array_equal(ds.rows_where("is_primary_data", ["true"]), np.flatnonzero(primary))
     with pytest.raises(KeyError, match="not among the categories"):
         ds.rows_where("is_primary_data", [1])
+    # a held-out set by predicate (`omicsio-train --eval-where`) names the column's values as bools
+    held_out = parse_predicate("is_primary_data = FALSE").rows(ds)
+    np.testing.assert_array_equal(held_out, np.flatnonzero(~primary))
 
 
 def test_anndata_strings_become_arrow_strings_as_decoding_each_would_make_them():

@@ -83,6 +83,9 @@ def _leaves(model) -> list[np.ndarray]:
         ("  drug not in ( 'DMSO_TF' , 'a''b' ) ", train.Predicate("drug", ("DMSO_TF", "a'b"), invert=True)),
         ("\"cell type\" = 'T cell'", train.Predicate("cell type", ("T cell",))),
         ("n_genes IN (1, 2.5, -3e2)", train.Predicate("n_genes", (1.0, 2.5, -300.0))),
+        ("is_primary_data = TRUE", train.Predicate("is_primary_data", (True,))),
+        ("is_primary_data != false", train.Predicate("is_primary_data", (False,), invert=True)),
+        ("flag IN (True, 'true', 1)", train.Predicate("flag", (True, "true", 1.0))),
     ],
 )
 def test_predicates_parse(text, expected):
@@ -93,11 +96,14 @@ def test_predicates_parse(text, expected):
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("batch = plate_13", r"expected a quoted value or a number, got 'plate_13' at position 8"),
+        (
+            "batch = plate_13",
+            r"expected a quoted value, a number, TRUE or FALSE, got 'plate_13' at position 8",
+        ),
         ("batch = 'plate_13", r"""unexpected "'plate_13" at position 8"""),
         ("batch IN 'a'", r"expected '\(', got \"'a'\" at position 9"),
         ("batch IN ('a' 'b')", r"expected ',' or '\)', got \"'b'\" at position 14"),
-        ("batch IN ('a',)", r"expected a quoted value or a number, got '\)'"),
+        ("batch IN ('a',)", r"expected a quoted value, a number, TRUE or FALSE, got '\)'"),
         ("batch = 'a' OR batch = 'b'", r"expected the end of the predicate, got 'OR' at position 12"),
         ("batch LIKE 'a%'", r"expected =, !=, IN or NOT IN, got 'LIKE'"),
         ("batch NOT 'a'", r"expected IN, got \"'a'\""),
@@ -360,7 +366,7 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
         "numeric label": ([str(dataset_dir), "--label", "n_genes"], r"\(numeric\); categorical columns: "),
         "bad predicate": (
             [str(dataset_dir), "--label", "drug", "--eval-where", "batch = plate_00"],
-            r"expected a quoted value or a number",
+            r"expected a quoted value, a number, TRUE or FALSE",
         ),
         "bad rows file": (
             [str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "x.npy")],

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--eval-where",
         metavar="PREDICATE",
-        help="held-out cells: col = 'v', col != 'v', col IN ('a', 'b') or col NOT IN (...)",
+        help="held-out cells: col = 'v', col != 'v', col IN ('a', 'b') or col NOT IN (...); values quoted, numbers or TRUE / FALSE",
     )
     g.add_argument("--eval-rows", metavar="FILE.npy", help="held-out global rows")
     g = p.add_argument_group("checkpoints and logging")

@@ -1,10 +1,13 @@
 """A small parser for held-out-set predicates: ``col = 'v'``, ``col != 'v'``, ``col IN ('a', 'b')``,
-``col NOT IN (...)``. No ``eval``: a tokenizer and a three-rule grammar.
+``col NOT IN (...)``, the values quoted strings, numbers or ``TRUE`` / ``FALSE`` (a bool column such
+as CELLxGENE's ``is_primary_data``). No ``eval``: a tokenizer and a three-rule grammar.
 
 >>> parse_predicate("batch = 'plate_13'")
 Predicate(column='batch', values=('plate_13',), invert=False)
 >>> parse_predicate("drug NOT IN ('DMSO_TF', 'drug_01')")
 Predicate(column='drug', values=('DMSO_TF', 'drug_01'), invert=True)
+>>> parse_predicate("is_primary_data = true")
+Predicate(column='is_primary_data', values=(True,), invert=False)
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Predicate:
     """Cells whose obs ``column`` takes one of ``values`` (all other cells with ``invert``)."""
 
     column: str
-    values: tuple[str | float, ...]
+    values: tuple[str | float | bool, ...]
     invert: bool = False
 
     def rows(self, ds: oj.Dataset) -> np.ndarray:
@@ -51,7 +54,7 @@ class Predicate:
         return rows
 
     def __str__(self) -> str:
-        shown = ", ".join(_quote(v) if isinstance(v, str) else f"{v:g}" for v in self.values)
+        shown = ", ".join(_shown(v) for v in self.values)
         column = self.column if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", self.column) else f'"{self.column}"'
         if len(self.values) == 1:
             return f"{column} {'!=' if self.invert else '='} {shown}"
@@ -79,17 +82,25 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _value(kind: str, raw: str) -> str | float:
+def _shown(value: str | float | bool) -> str:
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    return _quote(value) if isinstance(value, str) else f"{value:g}"
+
+
+def _value(kind: str, raw: str) -> str | float | bool:
     if kind == "str":
         return raw[1:-1].replace("''", "'")
+    if kind == "word":
+        return raw.upper() == "TRUE"
     return float(raw)
 
 
 def parse_predicate(text: str) -> Predicate:
     """Parse ``col = 'v'``, ``col != 'v'`` (or ``<>``), ``col IN ('a', 'b')``, ``col NOT IN (...)``.
 
-    Values are single-quoted strings or numbers; keywords are case-insensitive; a column name
-    with unusual characters may be double-quoted.
+    Values are single-quoted strings, numbers or ``TRUE`` / ``FALSE``; keywords are
+    case-insensitive; a column name with unusual characters may be double-quoted.
     """
     tokens = _tokenize(text)
     pos = 0
@@ -105,6 +116,13 @@ def parse_predicate(text: str) -> Predicate:
             return tokens[pos - 1]
         return None
 
+    def literal() -> tuple[str, str, int] | None:
+        at = take("str", "num")
+        if at is None and pos < len(tokens) and tokens[pos][0] == "word":
+            if tokens[pos][1].upper() in ("TRUE", "FALSE"):
+                at = take("word")
+        return at
+
     def keyword(word: str) -> bool:
         nonlocal pos
         if pos < len(tokens) and tokens[pos][0] == "word" and tokens[pos][1].upper() == word:
@@ -119,9 +137,9 @@ def parse_predicate(text: str) -> Predicate:
     if pos < len(tokens) and tokens[pos][0] == "op" and tokens[pos][1] in ("=", "==", "!=", "<>"):
         invert = tokens[pos][1] in ("!=", "<>")
         pos += 1
-        value = take("str", "num")
+        value = literal()
         if value is None:
-            raise fail("a quoted value or a number")
+            raise fail("a quoted value, a number, TRUE or FALSE")
         values = [_value(value[0], value[1])]
     else:
         invert = keyword("NOT")
@@ -133,9 +151,9 @@ def parse_predicate(text: str) -> Predicate:
             raise fail("'('")
         values = []
         while True:
-            value = take("str", "num")
+            value = literal()
             if value is None:
-                raise fail("a quoted value or a number")
+                raise fail("a quoted value, a number, TRUE or FALSE")
             values.append(_value(value[0], value[1]))
             sep = take("op")
             if sep is None or sep[1] not in (",", ")"):
