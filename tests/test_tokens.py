@@ -118,8 +118,10 @@ def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=
 
 def ref_scgpt(ds, rows, *, L, n_bins, binning, p, mask_mode, seed, epoch, vocab=None, genes=None):
     tok, canon, (pad, cls, _, _) = _vocab_arrays(ds, vocab)
-    if genes is not None:
-        tok = np.where(np.isin(np.arange(ds.num_genes), genes), tok, -1)
+    if genes is not None:  # a gene is chosen by any of its columns (they are summed into canon's)
+        chosen = np.zeros(ds.num_genes, bool)
+        chosen[canon[genes]] = True
+        tok = np.where(chosen[canon], tok, -1)
     n = len(rows)
     gene_ids = np.full((n, L), pad, np.int32)
     values = np.full((n, L), -2, np.float32)
@@ -301,9 +303,12 @@ def test_scgpt_matches_reference(token_ds, binning, mask_mode, L):
     assert real[0] == -2 and set(np.unique(real[real > 0])) <= set(range(1, 51))
 
 
-def test_scgpt_user_vocab_and_gene_subset(token_ds, vocab_file):
+@pytest.mark.parametrize("first", [0, 1], ids=["even-columns", "odd-columns"])
+def test_scgpt_user_vocab_and_gene_subset(token_ds, vocab_file, first):
+    """Odd columns name column 25 and not column 10, which shares its Ensembl id: the gene (their
+    summed counts, under column 10's token) is kept, as it is when named by column 10."""
     path, vocab = vocab_file
-    genes = list(range(0, NUM_GENES, 2))
+    genes = list(range(first, NUM_GENES, 2))
     out = oj.ScGPTTokens(max_len=80, n_bins=11, vocab=path, genes=genes)
     got = oj.tokenize(token_ds, ROWS, out, seed=9)
     assert_tokens_equal(
@@ -403,6 +408,72 @@ def test_bad_token_arguments(token_ds, tmp_path):
         oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=other))
     with pytest.raises(oj.OmicsIOError, match=r"medians in .*other.json cover none"):
         oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=other))
+
+
+def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, tmp_path):
+    """A vocabulary without <pad> / <cls> / <eos> gets their defaults (0, 1, 2) only where no token of
+    its own has them: Geneformer V1's dictionary (<pad> 0, <mask> 1, genes from 2) tokenizes without
+    CLS and EOS, and with them names the entry to add; genes numbered from 0 are refused outright."""
+    ens = list(dict.fromkeys(e.split(".")[0] for e in token_ds.features["ensembl_id"]))
+    v1 = tmp_path / "v1.json"
+    v1.write_text(json.dumps({"<pad>": 0, "<mask>": 1, **{e: 2 + k for k, e in enumerate(ens)}}))
+    got = oj.tokenize(token_ds, [5, 6], oj.GeneformerTokens(max_len=64, special_tokens=False, mask_prob=0.0, vocab=v1))
+    assert got["length"].min() > 0 and got["input_ids"][got["attention_mask"]].min() >= 2
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=r"v1.json names no <cls> token, and its default id 1 is the token of <mask>: add <cls> to the vocabulary, or pass special_tokens=False",
+    ):
+        oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, vocab=v1))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({e: k for k, e in enumerate(ens)}))
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=rf"plain.json names no <pad> token, and its default id 0 is the token of '{ens[0]}'",
+    ):
+        oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, special_tokens=False, vocab=plain))
+    with pytest.raises(oj.OmicsIOError, match=r"plain.json names no <pad> token"):
+        oj.tokenize(token_ds, [5], oj.ScGPTTokens(vocab=plain))
+    named = tmp_path / "named.json"
+    named.write_text(
+        json.dumps({"<pad>": 0, "<cls>": 1, "<eos>": 2, **{e: 3 + k for k, e in enumerate(ens)}})
+    )
+    assert oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, vocab=named))["length"][0] > 0
+
+
+def test_columns_of_one_gene_rank_by_a_median_of_the_gene_whichever_comes_first(tmp_path):
+    """Columns sharing an Ensembl id are summed into the first; ranked by the dataset's own medians,
+    which are per column, the sum takes the first column's median, or where that column was never
+    expressed (no median), the next one's: the tokens do not depend on which column comes first."""
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    x = np.array([[0, 5, 3, 1], [0, 2, 4, 0], [0, 1, 1, 1]], np.float32)
+    ens = ["ENSG00000000001.1", "ENSG00000000002", "ENSG00000000001.2", "ENSG00000000004"]
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(
+        json.dumps(
+            {
+                "<pad>": 0,
+                "<mask>": 1,
+                "<cls>": 2,
+                "<eos>": 3,
+                "ENSG00000000001": 10,
+                "ENSG00000000002": 11,
+                "ENSG00000000004": 12,
+            }
+        )
+    )
+    out = oj.GeneformerTokens(max_len=8, mask_prob=0.0, vocab=vocab)
+    got = []
+    for name, order in (("unexpressed-first", [0, 1, 2, 3]), ("expressed-first", [2, 1, 0, 3])):
+        var = pd.DataFrame({"ensembl_id": [ens[j] for j in order]}, index=[f"G{j}" for j in order])
+        obs = pd.DataFrame(index=[f"c{i}" for i in range(3)])
+        ad.AnnData(X=sp.csr_matrix(x[:, order]), obs=obs, var=var).write_h5ad(tmp_path / f"{name}.h5ad")
+        materialize(tmp_path / f"{name}.h5ad", tmp_path / name, progress=False)
+        got.append(oj.tokenize(oj.open_dataset(tmp_path / name), [0, 1, 2], out)["input_ids"])
+    assert (got[0] == 10).any(axis=1).all()  # the gene is ranked in every cell
+    np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_pickles_are_never_executed(token_ds, tmp_path):

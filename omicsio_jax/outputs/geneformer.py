@@ -76,11 +76,25 @@ class GeneformerTokens(Output):
         vocab = (
             vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
         )
+        vocab.check_specials(
+            ("pad", "cls", "eos") if self.special_tokens else ("pad",),
+            ", or pass special_tokens=False (Geneformer V1: no CLS or EOS)",
+        )
         if self.medians is None:
             medians = read_gene_medians(ds)
         else:
             medians = medians_by_column(self.medians, ensembl_ids(ds, self.medians), dataset=str(ds.path))
         known = np.isfinite(medians) & (medians > 0)
+        if vocab.has_duplicates:
+            # columns of one Ensembl id are summed into the first (``canon``) and ranked by its scale:
+            # where that column has no median of its own (the dataset's statistics are per column, and
+            # it may never be expressed), the first of its columns that has one
+            donor = np.full(len(medians), len(medians), np.int64)
+            np.minimum.at(donor, vocab.canon[known], np.flatnonzero(known))
+            lent = ~known & (donor < len(medians))
+            medians = medians.copy()
+            medians[lent] = medians[donor[lent]]
+            known |= lent
         if not np.any(known & (vocab.tok >= 0)):
             msg = (
                 f"no gene of {ds.path} has both a token and a median "

@@ -83,10 +83,13 @@ class ScGPTTokens(Output):
         vocab = (
             vocabulary_of(self.vocab, ds) if self.vocab is not None else default_vocabulary(ctx.num_columns)
         )
+        vocab.check_specials(("pad", "cls"), "")
         if self.genes is not None:
-            keep = np.zeros(ctx.num_columns, bool)
-            keep[ctx.gene_columns(list(self.genes))] = True
-            tok = np.where(keep, vocab.tok, -1).astype(np.int32)
+            # a gene is kept whichever of its columns names it: columns of one Ensembl id are summed
+            # into the first (``canon``), whose token decides whether the sum is kept
+            chosen = np.zeros(ctx.num_columns, bool)
+            chosen[vocab.canon[ctx.gene_columns(list(self.genes))]] = True
+            tok = np.where(chosen[vocab.canon], vocab.tok, -1).astype(np.int32)
             if not np.any(tok >= 0):
                 msg = f"none of the {len(self.genes)} genes= has a token in the vocabulary ({vocab.source})"
                 raise OmicsIOError(msg)

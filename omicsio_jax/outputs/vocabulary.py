@@ -128,7 +128,9 @@ class Vocabulary:
 
     ``tok[g]``: token of column ``g`` (-1: skipped); ``canon[g]``: the column whose counts ``g``'s are
     added to (``g`` itself unless it shares an Ensembl id with a smaller column); ``size``: embedding
-    rows (a multiple of 64); ``gene_tokens``: the sorted gene token ids (MLM's random replacements).
+    rows (a multiple of 64); ``gene_tokens``: the sorted gene token ids (MLM's random replacements);
+    ``clashes``: the special tokens a user vocabulary does not name whose default id is another
+    token's, and whose (`check_specials`: an output that emits one refuses the vocabulary).
     """
 
     tok: np.ndarray
@@ -140,6 +142,20 @@ class Vocabulary:
     size: int
     source: str
     report: VocabReport
+    clashes: tuple[tuple[str, str], ...] = ()
+
+    def check_specials(self, roles: tuple[str, ...], fix: str) -> None:
+        """Raise if a special token among ``roles`` (``"pad"``, ``"cls"``, ``"eos"``) took a default id
+        that is another token's: the output would emit a token it cannot be told from. ``fix``: what
+        else the caller may do, besides naming the token in the file."""
+        for role, other in self.clashes:
+            if role in roles:
+                name = SPECIAL_NAMES[role][0]
+                msg = (
+                    f"{self.source} names no {name} token, and its default id {getattr(self, role)} is "
+                    f"the token of {other}: add {name} to the vocabulary{fix}"
+                )
+                raise OmicsIOError(msg)
 
     @functools.cached_property
     def has_duplicates(self) -> bool:
@@ -206,6 +222,12 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
     cls = specials.get("cls", CLS)
     eos = specials.get("eos", EOC)
     mask = specials.get("mask", top + 1)
+    owner = {value: repr(key) for key, value in genes.items()}
+    owner.update({value: SPECIAL_NAMES[role][0] for role, value in specials.items()})
+    defaults = {"pad": pad, "cls": cls, "eos": eos}
+    clashes = tuple(
+        (role, owner[value]) for role, value in defaults.items() if role not in specials and value in owner
+    )
     tok = np.full(len(ensembl_ids), -1, dtype=np.int32)
     canon = np.arange(len(ensembl_ids), dtype=np.int32)
     first: dict[str, int] = {}
@@ -229,7 +251,9 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
         )
         raise OmicsIOError(msg)
     report = VocabReport(len(ensembl_ids), matched, len(ensembl_ids) - matched, summed)
-    return Vocabulary(tok, canon, pad, cls, eos, mask, round_up(max(top, mask) + 1), str(path), report)
+    return Vocabulary(
+        tok, canon, pad, cls, eos, mask, round_up(max(top, mask) + 1), str(path), report, clashes
+    )
 
 
 def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> np.ndarray:
