@@ -417,7 +417,9 @@ def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, 
     ens = list(dict.fromkeys(e.split(".")[0] for e in token_ds.features["ensembl_id"]))
     v1 = tmp_path / "v1.json"
     v1.write_text(json.dumps({"<pad>": 0, "<mask>": 1, **{e: 2 + k for k, e in enumerate(ens)}}))
-    got = oj.tokenize(token_ds, [5, 6], oj.GeneformerTokens(max_len=64, special_tokens=False, mask_prob=0.0, vocab=v1))
+    got = oj.tokenize(
+        token_ds, [5, 6], oj.GeneformerTokens(max_len=64, special_tokens=False, mask_prob=0.0, vocab=v1)
+    )
     assert got["length"].min() > 0 and got["input_ids"][got["attention_mask"]].min() >= 2
     with pytest.raises(
         oj.OmicsIOError,
@@ -494,6 +496,38 @@ def test_pickles_are_never_executed(token_ds, tmp_path):
     listed.write_bytes(pickle.dumps([1, 2]))
     with pytest.raises(oj.OmicsIOError, match=r"list.pkl: holds list, not a dict"):
         oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=listed))
+
+    class ObjectScalar:  # a NumPy scalar of dtype object would hold whatever the file builds
+        def __reduce__(self):
+            return (np._core.multiarray.scalar, (np.dtype(object), "anything"))
+
+    hidden = tmp_path / "hidden.pkl"
+    hidden.write_bytes(pickle.dumps({"ENSG00000000001": ObjectScalar()}))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"hidden.pkl: refused to unpickle numpy scalar of dtype object"
+    ):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(vocab=hidden))
+    array = tmp_path / "array.pkl"
+    array.write_bytes(pickle.dumps({"ENSG00000000001": np.arange(3)}))
+    with pytest.raises(oj.OmicsIOError, match=r"array.pkl: refused to unpickle numpy.*_reconstruct"):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(vocab=array))
+    assert not marker.exists()
+
+
+def test_geneformers_published_pickles_of_numpy_scalars_are_read(token_ds, vocab_file, tmp_path):
+    """Geneformer's published token and median dictionaries hold numpy.int64 / numpy.float64 values
+    (pickled as ``numpy.core.multiarray.scalar``): read as the same dictionaries of Python numbers."""
+    path, vocab = vocab_file
+    ens = [e.split(".")[0] for e in token_ds.features["ensembl_id"]]
+    medians = {e: 0.5 + (k % 7) for k, e in enumerate(dict.fromkeys(ens))}
+    plain, numpy_ = tmp_path / "plain.pkl", tmp_path / "numpy.pkl"
+    plain.write_bytes(pickle.dumps(medians))
+    numpy_.write_bytes(pickle.dumps({e: np.float64(m) for e, m in medians.items()}))
+    numpy_vocab = tmp_path / "numpy_vocab.pkl"
+    numpy_vocab.write_bytes(pickle.dumps({k: np.int64(v) for k, v in vocab.items()}))
+    want = oj.tokenize(token_ds, ROWS, oj.GeneformerTokens(max_len=64, vocab=path, medians=plain))
+    got = oj.tokenize(token_ds, ROWS, oj.GeneformerTokens(max_len=64, vocab=numpy_vocab, medians=numpy_))
+    assert_tokens_equal(got, want)
 
 
 def test_dataset_without_statistics_names_the_command(token_ds, tmp_path):

@@ -6,8 +6,9 @@ maps Ensembl ids to token ids (TSV, JSON, parquet, or Geneformer's pickles), so 
 an existing checkpoint: dataset genes it lacks are skipped (and counted in the report), and
 dataset columns sharing one Ensembl id are summed into one token, as Geneformer's tokenizer does.
 
-Pickles are read by a restricted unpickler that builds dicts, strings, ints and floats and
-refuses everything else (a pickle can otherwise run arbitrary code).
+Pickles are read by a restricted unpickler that builds dicts, strings, ints and floats, and NumPy's
+numeric scalars (Geneformer's published dictionaries hold ``numpy.int64`` / ``numpy.float64``
+values), and refuses everything else (a pickle can otherwise run arbitrary code).
 """
 
 from __future__ import annotations
@@ -34,16 +35,36 @@ SPECIAL_NAMES = {
 _PICKLE_SUFFIXES = (".pkl", ".pickle")
 
 
+# What a pickled NumPy scalar names: ``scalar(dtype, bytes)`` makes the value from its bytes, ``dtype``
+# its type (``numpy.core`` before NumPy 2, ``numpy._core`` since); neither runs code of the file's
+_NUMPY_SCALAR = {("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+
 class _PlainUnpickler(pickle.Unpickler):
-    """Builds only the built-in containers and scalars; any class or function is refused."""
+    """Builds only the built-in containers and scalars, and NumPy scalars (`_NUMPY_SCALAR`) of a
+    numeric type; any other class or function is refused."""
 
     def find_class(self, module: str, name: str):
+        if (module, name) in _NUMPY_SCALAR:
+            return _numeric_scalar
+        if (module, name) == ("numpy", "dtype"):
+            return np.dtype
         msg = f"{module}.{name}"
         raise pickle.UnpicklingError(msg)
 
 
+def _numeric_scalar(dtype: np.dtype, data: bytes) -> np.generic:
+    """``numpy.core.multiarray.scalar`` for a bool, integer or float ``dtype`` alone (an object
+    scalar would hold whatever the file builds)."""
+    if not isinstance(dtype, np.dtype) or dtype.kind not in "biuf" or not isinstance(data, bytes):
+        msg = f"numpy scalar of dtype {dtype}"
+        raise pickle.UnpicklingError(msg)
+    return np.frombuffer(data, dtype, count=1)[0]
+
+
 def load_plain_pickle(path: str | Path) -> dict:
-    """A pickled ``dict`` of str → int/float, read without running code from the file."""
+    """A pickled ``dict`` of str → int/float (NumPy's numeric scalars read as Python numbers), read
+    without running code from the file."""
     path = Path(path)
     try:
         obj = _PlainUnpickler(io.BytesIO(path.read_bytes())).load()
@@ -56,6 +77,8 @@ def load_plain_pickle(path: str | Path) -> dict:
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the same one-line error
         msg = f"{path}: not a readable pickle ({type(e).__name__}: {e}); give a TSV, JSON or parquet file instead"
         raise OmicsIOError(msg) from None
+    if isinstance(obj, dict):
+        obj = {k: v.item() if isinstance(v, np.generic) else v for k, v in obj.items()}
     if not isinstance(obj, dict) or not all(
         isinstance(k, str) and type(v) in (int, float, bool) for k, v in obj.items()
     ):
