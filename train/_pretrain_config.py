@@ -237,24 +237,12 @@ def with_init_vocab(config: PretrainConfig, ckpt: PublishedCheckpoint) -> Pretra
 
 def check_vocabulary(config: PretrainConfig, vocabulary: oj.Vocabulary, ckpt: PublishedCheckpoint, ds) -> str:
     """One-line errors where the dataset's token space does not fit the checkpoint (token ids past its
-    embedding rows; CLS/EOS rows asked of a vocabulary without them); else a line saying how many of
-    the dataset's genes the vocabulary covers and naming the first missing ones."""
+    embedding rows); else a line saying how many of the dataset's genes the vocabulary covers and
+    naming the first missing ones."""
     specials = {"pad": vocabulary.pad, "mask": vocabulary.mask}
     if config.tokens == "scgpt" or config.special_tokens:
         specials.update(cls=vocabulary.cls, eos=vocabulary.eos)
-    genes = set(vocabulary.gene_tokens.tolist())
-    if config.tokens == "geneformer" and config.special_tokens:
-        clash = [
-            name
-            for name in ("cls", "eos")
-            if specials[name] in genes or specials[name] in (vocabulary.pad, vocabulary.mask)
-        ]
-        if clash:
-            msg = (
-                f"the vocabulary {vocabulary.source} has no {'/'.join(f'<{c}>' for c in clash)} token of its own "
-                "(Geneformer V1): pass --no-special-tokens"
-            )
-            raise TrainError(msg)
+    # (CLS / EOS asked of a vocabulary without them, Geneformer V1's: the token output refuses it)
     top_gene = int(vocabulary.tok.max())
     name, top = max(
         [("a gene", top_gene), *((f"<{k}>", v) for k, v in specials.items())], key=lambda kv: kv[1]

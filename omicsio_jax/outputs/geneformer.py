@@ -78,7 +78,7 @@ class GeneformerTokens(Output):
         )
         vocab.check_specials(
             ("pad", "cls", "eos") if self.special_tokens else ("pad",),
-            ", or pass special_tokens=False (Geneformer V1: no CLS or EOS)",
+            ", or pass special_tokens=False (omicsio-train: --no-special-tokens; Geneformer V1 has no CLS or EOS)",
         )
         if self.medians is None:
             medians = read_gene_medians(ds)

@@ -247,6 +247,7 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
     mask = specials.get("mask", top + 1)
     owner = {value: repr(key) for key, value in genes.items()}
     owner.update({value: SPECIAL_NAMES[role][0] for role, value in specials.items()})
+    owner.setdefault(mask, SPECIAL_NAMES["mask"][0])
     defaults = {"pad": pad, "cls": cls, "eos": eos}
     clashes = tuple(
         (role, owner[value]) for role, value in defaults.items() if role not in specials and value in owner
