@@ -273,7 +273,8 @@ def test_embed_command_writes_geneformer_cell_embeddings(reference, small_datase
     assert main([*argv, "--max-len", "200", "--batch-size", "64", "--out", str(emb_path)]) == 0
     printed = capsys.readouterr().out
     assert (
-        "1,714 of 2,000 dataset genes have a token; 286 skipped" in printed and "missing e.g. ENSG" in printed
+        "1,714 of 2,000 dataset genes have a token (by Ensembl id); 286 skipped" in printed
+        and "missing e.g. ENSG" in printed
     )
     emb = np.load(emb_path)
     assert emb.dtype == np.float32 and emb.shape == (200, 64)
@@ -282,6 +283,31 @@ def test_embed_command_writes_geneformer_cell_embeddings(reference, small_datase
     cls_path = tmp_path / "cls.npy"
     assert main([*argv, "--max-len", "200", "--pool", "cls", "--out", str(cls_path)]) == 0
     assert _max_diff(np.load(cls_path), np.load(out / "embed_hidden.npy")[:, 0]) < TOL
+
+
+def test_an_scgpt_checkpoints_own_vocab_of_gene_symbols_is_its_default_vocabulary(
+    reference, small_dataset, tmp_path, capsys
+):
+    """scGPT publishes vocab.json keyed on gene symbols: with no --vocab, `--init scgpt:DIR` matches it
+    to the dataset's gene names, and embeds as the same ids keyed on Ensembl ids given as --vocab."""
+    out, _, _ = reference["scgpt"]
+    ckpt = out / "ckpt"
+    features = oj.open_dataset(small_dataset).features
+    symbol_of = dict(zip(features["ensembl_id"], features["gene_name"], strict=True))
+    by_id = json.loads((out.parent / "scgpt.json").read_text())
+    own = tmp_path / "ckpt"
+    own.mkdir()
+    for name in ("args.json", "best_model.pt"):
+        (own / name).symlink_to(ckpt / name)
+    symbols = {symbol_of.get(k, k): v for k, v in json.loads((ckpt / "vocab.json").read_text()).items()}
+    (own / "vocab.json").write_text(json.dumps(symbols))
+    argv = ["embed", str(small_dataset), "--max-len", "201", "--batch-size", "100"]
+    assert main([*argv, "--init", f"scgpt:{own}", "--out", str(tmp_path / "own.npy")]) == 0
+    assert "(by gene symbol)" in capsys.readouterr().out
+    given = ["--init", f"scgpt:{ckpt}", "--vocab", str(out.parent / "scgpt.json")]
+    assert main([*argv, *given, "--out", str(tmp_path / "given.npy")]) == 0
+    assert len(by_id) > 1_000
+    np.testing.assert_array_equal(np.load(tmp_path / "own.npy"), np.load(tmp_path / "given.npy"))
 
 
 def test_pretrain_starts_from_the_published_checkpoint(reference, small_dataset):

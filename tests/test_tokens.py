@@ -478,6 +478,28 @@ def test_columns_of_one_gene_rank_by_a_median_of_the_gene_whichever_comes_first(
     np.testing.assert_array_equal(got[0], got[1])
 
 
+def test_a_vocabulary_keyed_on_gene_symbols_matches_the_dataset_gene_names(token_ds, tmp_path):
+    """scGPT's vocab.json maps gene symbols to ids: matched to the dataset's gene_name (here G0, G1,
+    ...), it gives the tokens of the same ids keyed on the columns' Ensembl ids; the report says so."""
+    ens = [e.split(".")[0] for e in token_ds.features["ensembl_id"]]
+    names = token_ds.features["gene_name"].tolist()
+    unique = [c for c in range(NUM_GENES) if ens.count(ens[c]) == 1 and c % 4]  # a quarter not in either
+    specials = {"<pad>": 0, "<cls>": 1, "<eoc>": 2}
+    by_symbol, by_id = tmp_path / "vocab.json", tmp_path / "by_id.json"
+    by_symbol.write_text(json.dumps({**specials, **{names[c]: 10 + c for c in unique}}))
+    by_id.write_text(json.dumps({**specials, **{ens[c]: 10 + c for c in unique}}))
+    got = oj.tokenize(token_ds, ROWS, oj.ScGPTTokens(max_len=80, vocab=by_symbol), seed=2)
+    assert_tokens_equal(got, oj.tokenize(token_ds, ROWS, oj.ScGPTTokens(max_len=80, vocab=by_id), seed=2))
+    bound = oj.ScGPTTokens(vocab=by_symbol).bind(OutputContext.of_dataset(token_ds)).vocabulary
+    assert str(bound.report).startswith(f"{len(unique)} of 300 dataset genes have a token (by gene symbol)")
+    lower = tmp_path / "lower.json"  # symbols compare as written
+    lower.write_text(json.dumps({**specials, **{names[c].lower(): 10 + c for c in unique}}))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"lower.json shares no gene with .* \(compared on gene symbols, as written\)"
+    ):
+        oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=lower))
+
+
 def test_pickles_are_never_executed(token_ds, tmp_path):
     marker = tmp_path / "pwned"
 

@@ -144,7 +144,10 @@ def _pretrain_parser() -> argparse.ArgumentParser:
         default=None,
         help="share of positions masked (default: 0.15 for geneformer, as BERT; 0.4 for scgpt, as its pretraining script)",
     )
-    g.add_argument("--vocab", help="vocabulary keyed on Ensembl id (TSV, JSON, parquet or Geneformer pickle)")
+    g.add_argument(
+        "--vocab",
+        help="vocabulary keyed on Ensembl id or gene symbol (TSV, JSON, parquet or Geneformer pickle)",
+    )
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     _special_tokens_argument(g)
     g.add_argument(
@@ -281,7 +284,10 @@ def _embed(argv: list[str]) -> int:
     g = p.add_argument_group("tokens (with --init)")
     g.add_argument("--tokens", choices=KINDS, default=None, help="default: the checkpoint's family")
     g.add_argument("--max-len", type=int, default=None, help="default: 2048 geneformer, 1201 scgpt")
-    g.add_argument("--vocab", help="the checkpoint's token dictionary keyed on Ensembl id")
+    g.add_argument(
+        "--vocab",
+        help="the checkpoint's token dictionary keyed on Ensembl id or gene symbol (scgpt:DIR: its vocab.json)",
+    )
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     _special_tokens_argument(g)
     args = p.parse_args(argv)

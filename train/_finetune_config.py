@@ -154,7 +154,10 @@ def finetune_parser(prog: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("tokens (with hf:DIR or scgpt:DIR)")
     g.add_argument("--tokens", choices=KINDS, default=None, help="default: the checkpoint's family")
     g.add_argument("--max-len", type=int, default=None, help="default: 2048 geneformer, 1201 scgpt")
-    g.add_argument("--vocab", help="the checkpoint's token dictionary keyed on Ensembl id")
+    g.add_argument(
+        "--vocab",
+        help="the checkpoint's token dictionary keyed on Ensembl id or gene symbol (scgpt:DIR: its vocab.json)",
+    )
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     g.add_argument(
         "--no-special-tokens",

@@ -32,7 +32,8 @@ _BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 class PublishedCheckpoint:
     """A loaded checkpoint: the model, its family (``"geneformer"`` or ``"scgpt"``), encoder shape,
     embedding rows, longest input, the weight file it came from and its token vocabulary file
-    (``None`` where the directory holds none keyed on Ensembl ids)."""
+    (``None`` where the directory holds none: a Geneformer directory without a
+    ``token_dictionary*.pkl``)."""
 
     kind: str
     model: eqx.Module

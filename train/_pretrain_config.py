@@ -239,9 +239,13 @@ def check_vocabulary(config: PretrainConfig, vocabulary: oj.Vocabulary, ckpt: Pu
     """One-line errors where the dataset's token space does not fit the checkpoint (token ids past its
     embedding rows); else a line saying how many of the dataset's genes the vocabulary covers and
     naming the first missing ones."""
-    specials = {"pad": vocabulary.pad, "mask": vocabulary.mask}
-    if config.tokens == "scgpt" or config.special_tokens:
-        specials.update(cls=vocabulary.cls, eos=vocabulary.eos)
+    specials = {"pad": vocabulary.pad}
+    if config.tokens == "scgpt":  # scGPT masks values, not tokens, and ends no row with EOS
+        specials.update(cls=vocabulary.cls)
+    else:
+        specials.update(mask=vocabulary.mask)
+        if config.special_tokens:
+            specials.update(cls=vocabulary.cls, eos=vocabulary.eos)
     # (CLS / EOS asked of a vocabulary without them, Geneformer V1's: the token output refuses it)
     top_gene = int(vocabulary.tok.max())
     name, top = max(

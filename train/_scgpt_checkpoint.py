@@ -130,4 +130,7 @@ def load_scgpt(
         stacked = [take(f"transformer_encoder.layers.{i}.{theirs}", shape) for i in range(cfg.num_layers)]
         values[f"encoder.layers.{ours}"] = np.stack(stacked)
     take.finish(family="scGPT TransformerModel", ignore=_HEADS)
-    return PublishedCheckpoint("scgpt", fill(abstract, values), cfg, num_tokens, length, path, None)
+    # vocab.json (gene symbols → ids) is the default vocabulary: matched to the dataset's gene names
+    return PublishedCheckpoint(
+        "scgpt", fill(abstract, values), cfg, num_tokens, length, path, directory / "vocab.json"
+    )

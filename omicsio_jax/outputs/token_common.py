@@ -18,8 +18,13 @@ def ensembl_ids(ds, path) -> np.ndarray:
 
 
 def vocabulary_of(path, ds) -> Vocabulary:
-    """The user vocabulary in ``path`` bound to the dataset's Ensembl ids."""
-    return user_vocabulary(path, ensembl_ids(ds, path), dataset=str(ds.path))
+    """The user vocabulary in ``path`` bound to the dataset's Ensembl ids, or to its gene names where
+    the file is keyed on symbols (`user_vocabulary`)."""
+    features = ds.features
+    ids, names = (
+        features[c].to_numpy(dtype=object) if c in features else None for c in ("ensembl_id", "gene_name")
+    )
+    return user_vocabulary(path, ids, dataset=str(ds.path), symbols=names)
 
 
 def needs_dataset(output, ctx: OutputContext):

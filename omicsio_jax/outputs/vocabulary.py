@@ -2,9 +2,10 @@
 
 The default layout is Tahoe-100M's: ``PAD 0, CLS 1, EOC 2``, gene column ``g`` → ``g + 3``,
 ``MASK`` right after the genes, embedding rows rounded up to a multiple of 64. A user vocabulary
-maps Ensembl ids to token ids (TSV, JSON, parquet, or Geneformer's pickles), so that tokens match
-an existing checkpoint: dataset genes it lacks are skipped (and counted in the report), and
-dataset columns sharing one Ensembl id are summed into one token, as Geneformer's tokenizer does.
+maps Ensembl ids to token ids (TSV, JSON, parquet, or Geneformer's pickles), or gene symbols to
+them (scGPT's ``vocab.json``: matched to the dataset's ``gene_name``), so that tokens match an
+existing checkpoint: dataset genes it lacks are skipped (and counted in the report), and dataset
+columns sharing one key are summed into one token, as Geneformer's tokenizer does.
 
 Pickles are read by a restricted unpickler that builds dicts, strings, ints and floats, and NumPy's
 numeric scalars (Geneformer's published dictionaries hold ``numpy.int64`` / ``numpy.float64``
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.format.genes import fold_ensembl
+from omicsio_jax.format.genes import fold_ensembl, is_ensembl_id
 from omicsio_jax.outputs.token_kernels import CLS, EOC, PAD
 
 SPECIAL_NAMES = {
@@ -137,11 +138,13 @@ class VocabReport:
     matched: int
     missing: int
     summed: int
+    key: str = "Ensembl id"  # what the vocabulary's genes are matched on ("gene symbol": scGPT's)
 
     def __str__(self) -> str:
         return (
-            f"{self.matched:,} of {self.num_columns:,} dataset genes have a token; {self.missing:,} skipped "
-            f"(not in the vocabulary); {self.summed:,} summed into a column with the same Ensembl id"
+            f"{self.matched:,} of {self.num_columns:,} dataset genes have a token (by {self.key}); "
+            f"{self.missing:,} skipped (not in the vocabulary); {self.summed:,} summed into a column "
+            f"with the same {self.key}"
         )
 
 
@@ -217,12 +220,16 @@ def default_vocabulary(num_columns: int) -> Vocabulary:
     )
 
 
-def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> Vocabulary:
+def user_vocabulary(
+    path: str | Path, ensembl_ids: np.ndarray | None, *, dataset: str, symbols: np.ndarray | None = None
+) -> Vocabulary:
     """The vocabulary in ``path`` (Ensembl id → token id, special tokens by name) bound to the
-    dataset columns' ``ensembl_ids``."""
+    dataset columns' ``ensembl_ids``; a file whose genes are mostly not Ensembl ids (scGPT's
+    ``vocab.json``: symbols) is bound to the columns' ``symbols`` instead, compared as written.
+    Either is None where the dataset has no such column."""
     raw = read_gene_mapping(path, what="token id")
     specials: dict[str, int] = {}
-    genes: dict[str, int] = {}
+    keyed: dict[str, int] = {}
     for key, value in raw.items():
         if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
             msg = f"{path}: token id of {key!r} is {value!r}; token ids must be non-negative integers"
@@ -231,7 +238,17 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
         if role is not None:
             specials[role] = int(value)
         else:
-            genes[fold_ensembl(str(key))] = int(value)
+            keyed[str(key)] = int(value)
+    by_symbol = 2 * sum(map(is_ensembl_id, keyed)) < len(keyed)
+    if by_symbol:
+        what, names, fold = "gene symbol", symbols, str
+    else:
+        what, names, fold = "Ensembl id", ensembl_ids, fold_ensembl
+    if names is None:
+        column = "gene_name" if by_symbol else "ensembl_id"
+        msg = f"{path} is keyed on {what}s but {dataset}/features.parquet has no {column} column"
+        raise OmicsIOError(msg)
+    genes = {fold(key): value for key, value in keyed.items()}
     ids = list(genes.values()) + list(specials.values())
     if len(set(ids)) != len(ids):
         seen: dict[int, str] = {}
@@ -252,14 +269,14 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
     clashes = tuple(
         (role, owner[value]) for role, value in defaults.items() if role not in specials and value in owner
     )
-    tok = np.full(len(ensembl_ids), -1, dtype=np.int32)
-    canon = np.arange(len(ensembl_ids), dtype=np.int32)
+    tok = np.full(len(names), -1, dtype=np.int32)
+    canon = np.arange(len(names), dtype=np.int32)
     first: dict[str, int] = {}
     summed = 0
-    for col, ens in enumerate(ensembl_ids):
-        if ens is None:
+    for col, name in enumerate(names):
+        if name is None:
             continue
-        key = fold_ensembl(str(ens))
+        key = fold(str(name))
         if key in genes:
             tok[col] = genes[key]
             if key in first:
@@ -269,12 +286,13 @@ def user_vocabulary(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) 
                 first[key] = col
     matched = int(np.count_nonzero(tok >= 0))
     if matched == 0:
+        how = "gene symbols, as written" if by_symbol else "Ensembl ids, versions ignored"
         msg = (
-            f"the vocabulary {path} shares no gene with {dataset} (compared on Ensembl ids, versions ignored); "
-            "check that it is keyed on Ensembl ids"
+            f"the vocabulary {path} shares no gene with {dataset} (compared on {how}); "
+            "check that it is keyed on Ensembl ids or on the dataset's gene names"
         )
         raise OmicsIOError(msg)
-    report = VocabReport(len(ensembl_ids), matched, len(ensembl_ids) - matched, summed)
+    report = VocabReport(len(names), matched, len(names) - matched, summed, what)
     return Vocabulary(
         tok, canon, pad, cls, eos, mask, round_up(max(top, mask) + 1), str(path), report, clashes
     )
