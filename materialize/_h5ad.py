@@ -9,7 +9,10 @@ ascending gene ids); duplicates stay an error.
 Files written before anndata 0.7 are read too, as ``anndata.read_h5ad`` reads them: ``obs`` and
 ``var`` as one compound dataset each (the index its first field, fixed-length strings, a
 categorical column's codes with its categories in ``uns/<column>_categories``), sparse matrices
-marked ``h5sparse_format`` / ``h5sparse_shape``, and ``raw.X`` / ``raw.var`` at the top level.
+marked ``h5sparse_format`` / ``h5sparse_shape``, and ``raw.X`` / ``raw.var`` at the top level;
+and those of anndata 0.7 (dataframe encoding 0.1.0): a categorical column its codes, whose attribute
+``categories`` refers to ``__categories/<column>``, a text column strings with no encoding. Arrays
+stored big-endian are read in native byte order.
 """
 
 from __future__ import annotations
@@ -114,14 +117,21 @@ def _text_array(values: np.ndarray) -> pa.StringArray:
 
 
 class _ObsColumn:
-    """Slices one AnnData obs column into Arrow arrays."""
+    """Slices one AnnData obs column into Arrow arrays. ``frame`` is the dataframe group holding it:
+    in anndata 0.7's layout a categorical column is its codes, an array whose attribute
+    ``categories`` names the categories' array in that group (an HDF5 object reference, a zarr path
+    such as ``__categories/<column>``), as anndata's ``read_series`` finds them."""
 
-    def __init__(self, node):
+    def __init__(self, node, frame=None):
         self.node, self.kind = node, _encoding(node)
-        if self.kind == "categorical":
-            categories = node["categories"]
-            self.categories = _strings(categories, 0, categories.shape[0])
+        if self.kind == "array" and "categories" in node.attrs and frame is not None:
+            self.kind, self.categories = "codes", _labels(_categories_of(node, frame))
             self.type = pa.dictionary(pa.int32(), pa.string())
+        elif self.kind == "categorical":
+            self.categories = _labels(node["categories"])
+            self.type = pa.dictionary(pa.int32(), pa.string())
+        elif self.kind == "array" and node.ndim == 1 and node.dtype.kind in "OSUT":
+            self.kind, self.type = "string-array", pa.string()  # anndata 0.7's strings: no encoding
         elif self.kind in ("string-array", "nullable-string-array"):
             self.type = pa.string()
         elif self.kind in ("array", "nullable-integer", "nullable-boolean") or self.kind == "nullable-float":
@@ -149,18 +159,46 @@ class _ObsColumn:
         node = self.node
         if self.kind == "read by anndata":
             return self._values.slice(lo, hi - lo)
-        if self.kind == "categorical":
-            codes = node["codes"][lo:hi].astype(np.int32)
+        if self.kind in ("categorical", "codes"):
+            codes = (node["codes"] if self.kind == "categorical" else node)[lo:hi].astype(np.int32)
             return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
         if self.kind == "string-array":
             return _strings(node, lo, hi)
         if self.kind == "array":
-            return pa.array(node[lo:hi])
+            return pa.array(_native(node[lo:hi]))
         mask = node["mask"][lo:hi].astype(bool)
         values = node["values"]
         if self.kind == "nullable-string-array":
             return pc.if_else(pa.array(mask), pa.nulls(len(mask), pa.string()), _strings(values, lo, hi))
-        return pa.array(values[lo:hi], mask=mask)
+        return pa.array(_native(values[lo:hi]), mask=mask)
+
+
+def _categories_of(codes, frame):
+    """The categories' array of anndata 0.7's codes ``codes`` in the dataframe group ``frame``."""
+    ref = codes.attrs["categories"]
+    try:
+        return frame[ref.decode() if isinstance(ref, bytes) else ref]
+    except (KeyError, ValueError) as e:  # h5py: ValueError for a reference to nothing
+        msg = f"the categories of {codes.name} ({ref!r}) are not in the file"
+        raise KeyError(msg) from e
+
+
+def _labels(node) -> pa.StringArray:
+    """A categorical's categories as text: strings as they are; bools and numbers as Arrow casts
+    them to text (``"false"``/``"true"``, ``"2"``, ``"1.5"``), the labels a bool column gets, and a
+    numeric one where a collection casts it to text beside a source's strings."""
+    if node.ndim == 1 and node.dtype.kind not in "biuf":
+        return _strings(node, 0, node.shape[0])
+    values = _native(np.atleast_1d(node[...]))
+    if values.dtype.kind not in "biuf":
+        return _text_array(values)
+    return pc.cast(pa.array(values.astype(np.float32) if values.dtype == np.float16 else values), pa.string())
+
+
+def _native(values: np.ndarray) -> np.ndarray:
+    """``values`` in this machine's byte order: h5py keeps a file's (``>f8``), which numba's kernels
+    and Arrow do not take."""
+    return values if values.dtype.isnative else values.astype(values.dtype.newbyteorder("="))
 
 
 def _decoded(values: np.ndarray) -> list[str]:
@@ -176,7 +214,7 @@ class _LegacyColumn:
         dtype = node.dtype.fields[field][0]
         self.categories = None
         if categories is not None and np.issubdtype(dtype, np.integer):
-            cats = _text_array(np.atleast_1d(categories[()]))
+            cats = _labels(categories)
             if int(node.fields(field)[()].max(initial=-1)) < len(cats):  # anndata's test of which axis
                 self.categories = cats
         if self.categories is not None:
@@ -207,7 +245,7 @@ class _Frame:
             name = node.attrs["_index"]
             self._index = node[name.decode() if isinstance(name, bytes) else name]
             self._field = None
-            self.columns = {n: _ObsColumn(node[n]) for n in node.attrs.get("column-order", [])}
+            self.columns = {n: _ObsColumn(node[n], node) for n in node.attrs.get("column-order", [])}
             return
         fields = node.dtype.names
         if not fields:
@@ -422,7 +460,7 @@ class H5adSource(Source):
     def _read_csr(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = self._matrix
         if _is_array(m):
-            dense = np.asarray(m[lo:hi])
+            dense = _native(np.asarray(m[lo:hi]))
             rows, cols = np.nonzero(dense)
             indptr = np.zeros(hi - lo + 1, dtype=np.int64)
             np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
@@ -430,7 +468,7 @@ class H5adSource(Source):
         if self._sparse == "csr_matrix":
             indptr = m["indptr"][lo : hi + 1].astype(np.int64)
             a, b = int(indptr[0]), int(indptr[-1])
-            indices, data = m["indices"][a:b].astype(np.int32, copy=False), m["data"][a:b]
+            indices, data = m["indices"][a:b].astype(np.int32, copy=False), _native(m["data"][a:b])
             indptr -= a
             _sort_rows(indptr, indices, data)
             return indptr, indices, data
@@ -439,18 +477,19 @@ class H5adSource(Source):
     def _read_csc_rows(self, lo: int, hi: int, col_chunk: int = 4096):
         """Rows [lo, hi) of a CSC matrix: one pass over the columns per chunk of rows."""
         m = self._matrix
-        indptr_all = m["indptr"]
-        rows_parts, cols_parts, vals_parts = [], [], []
-        num_cols = len(indptr_all) - 1
+        indptr_all, indices, data = m["indptr"], m["indices"], m["data"]
+        rows_parts, cols_parts = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        vals_parts = [np.empty(0, data.dtype.newbyteorder("="))]  # no columns: no rows' values
+        num_cols = indptr_all.shape[0] - 1  # a zarr array has no len()
         for c0 in range(0, num_cols, col_chunk):
             c1 = min(num_cols, c0 + col_chunk)
             ptr = indptr_all[c0 : c1 + 1].astype(np.int64)
-            rows = m["indices"][ptr[0] : ptr[-1]].astype(np.int64)
+            rows = indices[ptr[0] : ptr[-1]].astype(np.int64)
             keep = (rows >= lo) & (rows < hi)
             cols = np.repeat(np.arange(c0, c1, dtype=np.int64), np.diff(ptr))
             rows_parts.append(rows[keep] - lo)
             cols_parts.append(cols[keep])
-            vals_parts.append(m["data"][ptr[0] : ptr[-1]][keep])
+            vals_parts.append(_native(data[ptr[0] : ptr[-1]][keep]))
         rows, cols, vals = (np.concatenate(p) for p in (rows_parts, cols_parts, vals_parts))
         order = np.lexsort((cols, rows))
         indptr = np.zeros(hi - lo + 1, dtype=np.int64)

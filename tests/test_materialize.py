@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 
@@ -678,3 +679,208 @@ def test_a_matrix_in_an_encoding_not_read_is_a_one_line_error(tmp_path):
     ) as e:
         materialize(tmp_path / "x.h5ad", tmp_path / "out", progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def _write_anndata_0_7(path, x, obs: pd.DataFrame, var: pd.DataFrame) -> None:
+    """An AnnData as anndata 0.7 wrote it (dataframe ``encoding-version`` 0.1.0, `.h5ad` or zarr v2):
+    a categorical column is its integer codes (-1: missing) whose attribute ``categories`` points at
+    ``__categories/<column>`` (an HDF5 object reference, in zarr its path); strings are arrays with
+    no encoding."""
+    import h5py
+    import zarr
+
+    def put(group, name, values):
+        values = np.asarray(values)
+        if isinstance(group, h5py.Group):
+            text = h5py.special_dtype(vlen=str) if values.dtype.kind in "OU" else None
+            return group.create_dataset(name, data=values.astype(object) if text else values, dtype=text)
+        return group.create_array(name, data=values.astype(str) if values.dtype.kind == "O" else values)
+
+    def frame(group, df):
+        group.attrs.update({"encoding-type": "dataframe", "encoding-version": "0.1.0", "_index": "_index"})
+        group.attrs["column-order"] = list(df.columns)
+        put(group, "_index", df.index.to_numpy(str))
+        for name, column in df.items():
+            if isinstance(column.dtype, pd.CategoricalDtype):
+                categories = put(group, f"__categories/{name}", column.cat.categories.to_numpy())
+                codes = put(group, name, column.cat.codes.to_numpy())
+                h5 = isinstance(group, h5py.Group)
+                codes.attrs["categories"] = categories.ref if h5 else f"__categories/{name}"
+            else:
+                put(group, name, column.to_numpy())
+
+    with h5py.File(path, "w") if str(path).endswith(".h5ad") else contextlib.nullcontext() as root:
+        root = zarr.open_group(str(path), mode="w", zarr_format=2) if root is None else root
+        root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+        matrix = root.create_group("X")
+        matrix.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0"})
+        matrix.attrs["shape"] = list(x.shape)
+        for name in ("data", "indices", "indptr"):
+            put(matrix, name, getattr(x, name))
+        frame(root.create_group("obs"), obs)
+        frame(root.create_group("var"), var)
+        for name in ("uns", "obsm", "varm", "layers"):
+            root.create_group(name)
+
+
+@pytest.mark.parametrize("store", ["h5ad", "zarr"])
+def test_anndata_0_7_categoricals_read_as_anndata_reads_them(tmp_path, store):
+    """anndata 0.7's categoricals (codes and a reference to their categories): obs labels with -1
+    as missing, bool categories as a bool column's, and var's symbols naming the genes, as anndata
+    reads them."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0], [4, 0, 0], [0, 0, 5]], np.float32))
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(["T", None, "B", "T"]),
+            "is_primary": pd.Categorical([True, False, False, True]),
+            "note": ["a", "b", "c", "é"],  # all different: 0.7 kept them as strings
+            "score": [0.5, 1.5, 2.0, 3.0],
+        },
+        index=[f"c{i}" for i in range(4)],
+    )
+    var = pd.DataFrame(
+        {"feature_name": pd.Categorical(["NKG7", "MS4A1", "CD3E"])},  # codes 2, 1, 0
+        index=[f"ENSG{i:011d}" for i in range(3)],
+    )
+    path = tmp_path / f"old.{store}"
+    _write_anndata_0_7(path, x, obs, var)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ad.OldFormatWarning)  # the old layout, on purpose
+        back = ad.read_h5ad(path) if store == "h5ad" else ad.read_zarr(path)
+    assert back.obs["cell_type"].tolist()[:2] == ["T", np.nan]
+    materialize(path, tmp_path / "out", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.cell_ids.tolist() == back.obs_names.tolist()
+    assert (
+        ds.obs["cell_type"].labels().tolist()
+        == back.obs["cell_type"].astype(object).where(back.obs["cell_type"].notna(), None).tolist()
+    )
+    assert ds.obs["is_primary"].categories == ("false", "true")
+    np.testing.assert_array_equal(
+        ds.rows_where("is_primary", [True]), np.flatnonzero(back.obs["is_primary"].astype(bool))
+    )
+    assert ds.obs["note"].labels().tolist() == back.obs["note"].tolist()
+    np.testing.assert_array_equal(ds.obs["score"], back.obs["score"].to_numpy())
+    assert ds.features["gene_name"].tolist() == back.var["feature_name"].tolist()
+    assert ds.features["ensembl_id"].tolist() == back.var_names.tolist()
+    assert_csr_equal(_all_rows(ds), (back.X.indptr, back.X.indices, back.X.data))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_csc_matrix_in_a_zarr_store_reads_as_anndata_reads_it(tmp_path, zarr_format):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.random(20, 5, density=0.5, format="csc", random_state=0, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    before = ad.settings.zarr_write_format
+    ad.settings.zarr_write_format = zarr_format
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Writing zarr v2 data", UserWarning)  # v2: on purpose
+            warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
+            warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
+            ad.AnnData(X=x).write_zarr(tmp_path / "x.zarr")
+            back = ad.read_zarr(tmp_path / "x.zarr")
+    finally:
+        ad.settings.zarr_write_format = before
+    assert sp.issparse(back.X) and back.X.format == "csc"
+    materialize(tmp_path / "x.zarr", tmp_path / "out", progress=False, read=InputOptions(batch_cells=8))
+    expected = back.X.tocsr()
+    assert_csr_equal(
+        _all_rows(oj.open_dataset(tmp_path / "out")), (expected.indptr, expected.indices, expected.data)
+    )
+
+
+def test_a_file_of_no_genes_gives_its_cells_whatever_the_matrix_format(tmp_path):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(20)])
+    matrices = {
+        "csr": sp.csr_matrix((20, 0), dtype=np.float32),
+        "csc": sp.csc_matrix((20, 0), dtype=np.float32),
+        "dense": np.zeros((20, 0), np.float32),
+    }
+    shards = {}
+    for fmt, x in matrices.items():
+        ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
+        back = ad.read_h5ad(tmp_path / f"{fmt}.h5ad")
+        materialize(tmp_path / f"{fmt}.h5ad", tmp_path / fmt, progress=False)
+        ds = oj.open_dataset(tmp_path / fmt)
+        assert (ds.num_cells, ds.num_genes) == back.shape == (20, 0), fmt
+        assert ds.cell_ids.tolist() == back.obs_names.tolist(), fmt
+        assert_csr_equal(_all_rows(ds), (np.zeros(21), [], []))
+        shards[fmt] = [s.sha256 for s in ds.manifest.shards]
+    assert shards["csc"] == shards["csr"] == shards["dense"]
+
+
+def test_a_categorical_of_bools_or_numbers_is_labelled_as_a_bool_or_number_column(tmp_path):
+    """A categorical of bools takes the categories "false" / "true" of a bool column, and one of
+    floats the labels of a float column cast to text: a collection mixing either with the plain
+    column has each value once, and rows are selected by ``True``."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    primary, dose = [True, False, True], [1.0, 2.5, 1.0]
+    columns = {
+        "a": {"is_primary": primary, "dose": dose},  # a bool and a float column
+        "b": {"is_primary": pd.Categorical(primary), "dose": pd.Categorical(dose)},
+    }
+    x = sp.csr_matrix(np.eye(3, 2, dtype=np.float32))
+    var = pd.DataFrame(index=["ENSG00000000001", "ENSG00000000002"])
+    for name, obs in columns.items():
+        obs = pd.DataFrame(obs, index=[f"{name}{i}" for i in range(3)])
+        ad.AnnData(X=x, obs=obs, var=var).write_h5ad(tmp_path / f"{name}.h5ad")
+    back = pd.concat([ad.read_h5ad(tmp_path / f"{n}.h5ad").obs.astype(object) for n in columns])
+
+    materialize(tmp_path / "b.h5ad", tmp_path / "one", progress=False)
+    one = oj.open_dataset(tmp_path / "one")
+    assert one.obs["is_primary"].categories == ("false", "true")
+    np.testing.assert_array_equal(one.rows_where("is_primary", [True]), np.flatnonzero(primary))
+    assert one.obs["dose"].labels().tolist() == ["1", "2.5", "1"]
+
+    materialize([tmp_path / "a.h5ad", tmp_path / "b.h5ad"], tmp_path / "both", progress=False)
+    both = oj.open_dataset(tmp_path / "both")
+    assert both.obs["is_primary"].categories == ("false", "true")
+    selected = both.rows_where("is_primary", [True])
+    np.testing.assert_array_equal(selected, np.flatnonzero(back["is_primary"].to_numpy(bool)))
+    assert both.obs["dose"].categories == ("1", "2.5")
+    assert [float(v) for v in both.obs["dose"].labels()] == back["dose"].tolist()
+
+
+@pytest.mark.parametrize("fmt", ["csr", "csc", "dense"])
+def test_a_matrix_stored_big_endian_reads_as_in_native_byte_order(tmp_path, fmt):
+    """h5py keeps a file's byte order (``>f8``, ``>i4``): the values, indices and an obs column read
+    as the same file in native order does, which anndata reads."""
+    import shutil
+
+    import anndata as ad
+    import h5py
+    import scipy.sparse as sp
+
+    x = sp.random(30, 6, density=0.5, format="csr", random_state=0, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    matrix = {"csr": x, "csc": x.tocsc(), "dense": x.toarray().astype(np.float64)}[fmt]
+    obs = pd.DataFrame({"score": np.linspace(0, 1, 30)}, index=[f"c{i}" for i in range(30)])
+    ad.AnnData(X=matrix, obs=obs).write_h5ad(tmp_path / "native.h5ad")
+    shutil.copy(tmp_path / "native.h5ad", tmp_path / "swapped.h5ad")
+    with h5py.File(tmp_path / "swapped.h5ad", "r+") as f:
+        names = ["X"] if fmt == "dense" else ["X/data", "X/indices", "X/indptr"]
+        for name in [*names, "obs/score"]:
+            values, attrs = f[name][...], dict(f[name].attrs)
+            del f[name]
+            swapped = values.dtype.newbyteorder(">")
+            f.create_dataset(name, data=values.astype(swapped), dtype=swapped).attrs.update(attrs)
+        assert not f[names[0]].dtype.isnative
+    back = ad.read_h5ad(tmp_path / "native.h5ad")
+    for name in ("native", "swapped"):
+        materialize(tmp_path / f"{name}.h5ad", tmp_path / name, progress=False)
+    native, ds = oj.open_dataset(tmp_path / "native"), oj.open_dataset(tmp_path / "swapped")
+    expected = sp.csr_matrix(back.X)
+    assert_csr_equal(_all_rows(ds), (expected.indptr, expected.indices, expected.data))
+    assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in native.manifest.shards]
+    np.testing.assert_array_equal(ds.obs["score"], back.obs["score"].to_numpy())
