@@ -195,6 +195,17 @@ def _labels(node) -> pa.StringArray:
     return pc.cast(pa.array(values.astype(np.float32) if values.dtype == np.float16 else values), pa.string())
 
 
+def _without_stored_zeros(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray) -> tuple:
+    """Sparse rows without the zeros their matrix stores (an operation on an AnnData may leave explicit
+    zeros): the entries a dense matrix's nonzeros give, and the records' "nonzeros only"."""
+    keep = data != 0
+    if keep.all():
+        return indptr, indices, data
+    kept = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(keep, out=kept[1:])
+    return kept[indptr], indices[keep], data[keep]
+
+
 def _native(values: np.ndarray) -> np.ndarray:
     """``values`` in this machine's byte order: h5py keeps a file's (``>f8``), which numba's kernels
     and Arrow do not take."""
@@ -471,8 +482,8 @@ class H5adSource(Source):
             indices, data = m["indices"][a:b].astype(np.int32, copy=False), _native(m["data"][a:b])
             indptr -= a
             _sort_rows(indptr, indices, data)
-            return indptr, indices, data
-        return self._read_csc_rows(lo, hi)
+            return _without_stored_zeros(indptr, indices, data)
+        return _without_stored_zeros(*self._read_csc_rows(lo, hi))
 
     def _read_csc_rows(self, lo: int, hi: int, col_chunk: int = 4096):
         """Rows [lo, hi) of a CSC matrix: one pass over the columns per chunk of rows."""

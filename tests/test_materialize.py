@@ -818,6 +818,34 @@ def test_a_file_of_no_genes_gives_its_cells_whatever_the_matrix_format(tmp_path)
     assert shards["csc"] == shards["csr"] == shards["dense"]
 
 
+def test_zeros_a_sparse_matrix_stores_are_not_written_as_entries(tmp_path):
+    """A sparse X may store explicit zeros (an operation on it left them): the dataset holds the
+    nonzeros alone, the same records as the dense matrix gives, whichever sparse format."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(3)
+    pattern = (rng.random((30, 12)) < 0.3) * rng.integers(1, 9, (30, 12)).astype(np.float32)
+    stored = np.where(rng.random(pattern.shape) < 0.2, np.float32(0), pattern)
+    rows, cols = np.nonzero(pattern)  # the sparse matrices store every entry of the pattern ...
+    vals = stored[rows, cols]  # ... a fifth of them zeros
+    matrices = {
+        "dense": stored,
+        "csr": sp.csr_matrix((vals, (rows, cols)), shape=stored.shape),
+        "csc": sp.csc_matrix((vals, (rows, cols)), shape=stored.shape),
+    }
+    assert matrices["csr"].nnz > np.count_nonzero(stored)  # explicit zeros are stored
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(30)])
+    shards = {}
+    for fmt, x in matrices.items():
+        ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
+        materialize(tmp_path / f"{fmt}.h5ad", tmp_path / fmt, progress=False)
+        ds = oj.open_dataset(tmp_path / fmt)
+        assert ds.manifest.nnz == np.count_nonzero(stored), fmt
+        shards[fmt] = [s.sha256 for s in ds.manifest.shards]
+    assert shards["csr"] == shards["csc"] == shards["dense"]
+
+
 def test_a_categorical_of_bools_or_numbers_is_labelled_as_a_bool_or_number_column(tmp_path):
     """A categorical of bools takes the categories "false" / "true" of a bool column, and one of
     floats the labels of a float column cast to text: a collection mixing either with the plain
