@@ -153,3 +153,23 @@ def test_memory_loader_restores_onto_another_number_of_hosts(ds):
     rest = [np.concatenate([np.asarray(b.index) for b in bs]) for bs in zip(*new, strict=True)]
     rows = np.concatenate(served + rest)
     np.testing.assert_array_equal(np.sort(rows[rows >= 0]), np.sort(panel.rowids))
+
+
+def test_weighted_restore_onto_another_number_of_hosts_serves_only_real_cells(ds):
+    """Weighted sampling whose short last block is drawn again and again still fills every global
+    batch with real cells, before and after a restore from 2 hosts onto 3, and each host's audit passes."""
+    weights = np.full(1000, 1e-6)
+    weights[-8:] = 1.0  # nearly all on the last block: 8 cells of 16
+    kw = {"rows": np.arange(1000), "sampling": oj.Weighted(weights, 16, 2)}
+    reference = [_global(bs) for bs in zip(*_hosts(ds, 2, **kw), strict=True)]
+    old = _hosts(ds, 2, **kw)
+    served = [_global([next(loader) for loader in old]) for _ in range(5)]  # mid-round
+    states = [loader.get_state() for loader in old]
+    new = _hosts(ds, 3, **kw)
+    for loader in new:
+        loader.set_state(states)
+    rest = [_global(bs) for bs in zip(*new, strict=True)]
+    batches = served + rest
+    assert len(batches) == len(reference) == new[0].steps_per_epoch
+    assert all(len(b) == KW["batch_size"] and (b >= 0).all() for b in batches)
+    np.testing.assert_array_equal(rest[0], reference[5])  # the old round ends as it began

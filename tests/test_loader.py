@@ -357,6 +357,57 @@ def test_subset_and_class_balanced(ds):
     assert counts.min() > 0.5 * counts.mean()  # drugs are far from balanced in the data itself
 
 
+def test_weighted_epochs_serve_only_whole_batches_of_real_cells_and_resume_exactly(ds):
+    """A short last block drawn (more than once) does not shorten the epoch: with drop_remainder
+    every batch is ``batch_size`` real cells, as many steps as the plan says, and a restore replays."""
+    kw = {"obs": (), "read": oj.ReadOptions(num_threads=0)}
+    tiny = _loader(ds, batch_size=4, rows=[10, 11, 12, 13, 14], sampling=oj.Weighted(np.ones(5), 64, 1), **kw)
+    batches = [np.asarray(b.index) for b in tiny]
+    assert len(batches) == tiny.steps_per_epoch == 16  # one block of 64 cells' worth
+    assert all(np.isin(b, [10, 11, 12, 13, 14]).all() for b in batches)
+    weights = np.full(1000, 1e-6)
+    weights[-8:] = 1.0  # nearly all on the last block, 8 cells of 16
+    make = lambda: _loader(  # noqa: E731
+        ds, batch_size=100, rows=np.arange(1000), sampling=oj.Weighted(weights, 16, 1), num_epochs=2, **kw
+    )
+    loader = make()
+    states, served = [], []
+    for batch in loader:
+        assert np.asarray(batch.mask).all() and (np.asarray(batch.index) >= 0).all()
+        served.append(np.asarray(batch.index))
+        states.append(loader.get_state())
+    assert len(served) == 2 * loader.steps_per_epoch == 20
+    assert np.mean(np.concatenate(served) >= 992) > 0.9  # the weights hold
+    again = make()
+    again.set_state(states[6])
+    for a, b in zip(again, served[7:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a.index), b)
+
+
+def test_weights_follow_their_rows_in_any_order(ds):
+    """``Weighted(weights)`` weighs ``rows[i]`` by ``weights[i]``, whatever order ``rows`` lists them in:
+    unsorted rows serve the batches of the same rows sorted with their weights; repeated rows are refused."""
+    rows = np.arange(2000, 3000)[::-1].copy()  # 2999, ..., 2000
+    weights = np.zeros(len(rows))
+    weights[:160] = 1.0  # rows 2999 .. 2840
+    only = _loader(ds, batch_size=32, rows=rows, sampling=oj.Weighted(weights, 1, 2), obs=())
+    served = np.concatenate([np.asarray(b.index) for b in only])
+    assert served.min() >= 2840 and len(served) == only.steps_per_epoch * 32
+    unsorted = _loader(ds, batch_size=32, rows=rows, sampling=oj.Weighted(weights, 16, 2), obs=())
+    ascending = _loader(
+        ds, batch_size=32, rows=rows[::-1], sampling=oj.Weighted(weights[::-1], 16, 2), obs=()
+    )
+    assert unsorted.config() == ascending.config()
+    for a, b in zip(unsorted, ascending, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"rows lists row 5 2 times, and Weighted takes one weight per entry"
+    ):
+        _loader(ds, rows=np.r_[np.arange(100), 5], sampling=oj.Weighted(np.ones(101), 16, 2))
+    with pytest.raises(oj.OmicsIOError, match="Weighted has 99 weights for 100 rows"):
+        _loader(ds, rows=np.arange(100), sampling=oj.Weighted(np.ones(99), 16, 2))
+
+
 def test_a_mixture_draws_its_groups_in_proportion_and_resumes_exactly(ds):
     mixture = oj.Mixture(by="tissue", weights={"brain": 3, "lung": 1}, block_size=1, fetch_factor=4)
     loader = _loader(ds, sampling=mixture, num_epochs=3, obs=("tissue",))
@@ -429,6 +480,34 @@ def test_a_new_mixture_at_resume_takes_effect_with_the_next_epoch(ds):
         np.concatenate([np.asarray(b.index) for b in replayed[1:] + later]),
     )
     assert third.get_state()["mixtures"] == recorded
+    # that checkpoint restored with the old weights keeps them: its history does not switch either
+    kept = _loader(ds, sampling=mixture(first), **kw)
+    kept.set_state(middle)
+    pure = _loader(ds, sampling=mixture(first), **kw)
+    for a, b in zip(kept, list(pure)[6:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+        assert kept.get_state()["mixtures"] == [{"from_epoch": 0, "weights": {"brain": 3.0, "lung": 1.0}}]
+
+
+def test_a_new_mixture_at_an_epoch_boundary_still_checks_the_state(ds):
+    """At step 0 nothing of the checkpoint's epoch is left to finish, but its state is checked all the
+    same against the config it was written with: other rows or another version are refused."""
+
+    def make(weights, rows):
+        mixture = oj.Mixture(by="tissue", weights=weights, block_size=4, fetch_factor=4)
+        return _loader(ds, sampling=mixture, rows=rows, num_epochs=3, obs=())
+
+    first, second = {"brain": 3, "lung": 1}, {"brain": 1, "lung": 1}
+    loader = make(first, np.arange(2800))
+    for _ in range(loader.steps_per_epoch):
+        next(loader)
+    state = json.loads(json.dumps(loader.get_state()))
+    assert (state["epoch"], state["step"]) == (1, 0)
+    make(second, np.arange(2800)).set_state(state)  # the same rows: the new mixture from epoch 1
+    with pytest.raises(oj.StateMismatchError, match="rows: in checkpoint"):
+        make(second, np.arange(200, 3000)).set_state(state)
+    with pytest.raises(oj.StateMismatchError, match="version 99 is not"):
+        make(second, np.arange(2800)).set_state({**state, "version": 99})
 
 
 @pytest.mark.parametrize(
@@ -459,7 +538,18 @@ def test_a_bad_mixture_is_a_one_line_error(ds, mixture, match):
         (lambda: {"output": oj.Panel(["NOT_A_GENE"])}, oj.OmicsIOError, "panel gene"),
         (lambda: {"sampling": "shuffled"}, oj.OmicsIOError, "sampling must be an option"),
         (lambda: {"sampling": oj.ClassBalanced("")}, oj.OmicsIOError, "takes a categorical obs column"),
-        (lambda: {"rows": [5, 3000]}, IndexError, "rows must lie in"),
+        (lambda: {"rows": [5, 3000]}, IndexError, "row 3000 is out of range for a dataset of 3,000 cells"),
+        (
+            lambda: {"rows": np.arange(3000) < 100},
+            TypeError,
+            r"not a boolean mask: pass rows=np.flatnonzero\(mask\)",
+        ),
+        (lambda: {"rows": [10.9, 20.5]}, TypeError, "rows must be integers, got dtype float64"),
+        (
+            lambda: {"rows": [[1, 2], [3, 4]]},
+            TypeError,
+            r"1-D sequence of ints, got an array of shape \(2, 2\)",
+        ),
     ],
 )
 def test_bad_arguments(ds, kwargs, error, match):

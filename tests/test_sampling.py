@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import omicsio_jax as oj
 from omicsio_jax import OmicsIOError
 from omicsio_jax.sampling.plan import AllRows, SamplingPlan, class_weights
 
@@ -138,7 +139,7 @@ def test_bad_plans(kwargs, match):
 @pytest.mark.parametrize("sampling", ["block", "weighted", "stream"])
 def test_slices_of_an_epoch_order_are_those_of_the_whole_order(sampling):
     """`order_of(epoch)[a:b]` makes only the cells asked for; they are the whole order's, built here
-    from the block draw itself (the last block short), for any slice."""
+    from the block draw itself (the last block short; weighted: cut at the epoch's cells), for any slice."""
     rng = np.random.default_rng(11)
     for _ in range(40):
         n, b = int(rng.integers(1, 400)), int(rng.integers(1, 20))
@@ -149,9 +150,9 @@ def test_slices_of_an_epoch_order_are_those_of_the_whole_order(sampling):
         whole = (
             rows
             if order.blocks is None
-            else np.concatenate([rows[k * b : (k + 1) * b] for k in order.blocks])
+            else np.concatenate([rows[k * b : (k + 1) * b] for k in order.blocks])[: plan.epoch_cells]
         )
-        assert len(order) == len(whole) and np.array_equal(order[:], whole)
+        assert len(order) == len(whole) == plan.epoch_cells and np.array_equal(order[:], whole)
         assert np.array_equal(plan.epoch_order(3), whole)
         for _ in range(6):
             lo = int(rng.integers(0, len(whole) + 1))
@@ -189,3 +190,78 @@ def test_a_plan_over_every_cell_holds_no_row_array_and_samples_as_one_over_arang
             np.testing.assert_array_equal(
                 lazy.serving_rows(lazy.fetch(1, index, 1)), eager.serving_rows(eager.fetch(1, index, 1))
             )
+
+
+@st.composite
+def weighted_plans(draw):
+    """Weighted plans whose last block is often short, and often the one most drawn."""
+    hosts = draw(st.sampled_from([1, 2, 3]))
+    n = draw(st.integers(1, 300))
+    block_size = draw(st.sampled_from([1, 3, 16, 64]))
+    kind = draw(st.sampled_from(["ones", "last_block", "random"]))
+    weights = np.ones(n)
+    if kind == "last_block":  # nearly all the weight on the last (short) block
+        weights[: n - (n - 1) % block_size - 1] = 1e-6
+    elif kind == "random":
+        weights = np.random.default_rng(draw(st.integers(0, 99))).random(n) + 1e-3
+    return SamplingPlan(
+        rows=np.arange(5, 5 + 2 * n, 2, dtype=np.int64),
+        batch_size=hosts * draw(st.sampled_from([1, 4, 7])),
+        block_size=block_size,
+        fetch_factor=draw(st.sampled_from([1, 2, 5])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        sampling=draw(st.sampled_from(["weighted", "class_balanced"])),
+        num_hosts=hosts,
+        drop_remainder=draw(st.booleans()),
+        weights=weights,
+    )
+
+
+@given(weighted_plans(), st.integers(0, 3))
+@settings(max_examples=200, deadline=None)
+def test_weighted_epochs_serve_whole_batches_of_real_cells_whatever_blocks_are_drawn(plan, epoch):
+    """A drawn short last block does not shorten the epoch: it holds ``epoch_cells`` cells whatever was
+    drawn, so with drop_remainder every batch of every host is whole, never a padding row."""
+    order = plan.order_of(epoch)
+    assert len(order) == plan.epoch_cells == -(-len(plan.rows) // plan.block_size) * plan.block_size
+    real = 0
+    for host in range(plan.num_hosts):
+        served = [
+            plan.serving_rows(plan.fetch(epoch, j, host, order=order)) for j in range(plan.fetches_per_epoch)
+        ]
+        served = np.concatenate(served) if served else np.zeros(0, np.int64)
+        assert len(served) == plan.steps_per_epoch * plan.local_batch
+        cells = served[served >= 0]
+        assert np.isin(cells, plan.rows).all()
+        if plan.drop_remainder:
+            assert len(cells) == len(served)  # no padding
+        else:  # padding only at the end of the host's last batch
+            assert (served[: len(cells)] >= 0).all() and len(served) - len(cells) <= plan.local_batch
+        real += len(cells)
+    if plan.drop_remainder:
+        assert 0 <= plan.epoch_cells - real < plan.batch_size + plan.num_hosts
+    else:
+        assert real == plan.epoch_cells
+    again = SamplingPlan(**plan.__dict__).order_of(epoch)  # a pure function of (seed, epoch)
+    np.testing.assert_array_equal(order[:], again[:])
+
+
+def test_class_balanced_never_serves_an_unlabelled_cell_whatever_the_block_size():
+    """Unlabelled cells are not drawn: blocks are runs of the labelled cells (as a Mixture's are of its
+    groups'), so no block brings one along."""
+    codes = np.where(np.arange(600) % 3 == 0, -1, np.arange(600) % 4)  # every third cell unlabelled
+    rows = np.arange(100, 600)
+    for block_size in (1, 16):
+        option = oj.ClassBalanced("label", block_size=block_size, fetch_factor=2)
+        plan = option.to_plan(rows, batch_size=20, seed=1, num_hosts=1, obs={"label": codes}.get)
+        np.testing.assert_array_equal(plan.rows, rows[codes[rows] >= 0])
+        for epoch in range(3):
+            order = plan.order_of(epoch)
+            served = np.concatenate(
+                [plan.serving_rows(plan.fetch(epoch, j, 0, order)) for j in range(plan.fetches_per_epoch)]
+            )
+            assert len(served) == plan.steps_per_epoch * 20 and (codes[served] >= 0).all()
+    with pytest.raises(
+        OmicsIOError, match=r"ClassBalanced\(by='label'\): no cell among the rows sampled has a label"
+    ):
+        option.to_plan(rows[codes[rows] < 0], batch_size=20, seed=1, num_hosts=1, obs={"label": codes}.get)

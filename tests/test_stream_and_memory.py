@@ -275,6 +275,20 @@ def test_memory_loader_replays_bit_exactly(panel, mesh, placement, prefetch):
     loader.close()
 
 
+def test_device_loader_on_a_2d_mesh_counts_each_cell_once(panel):
+    """Batches sharded along "data" and replicated along "model": the coverage tally counts each data
+    shard once, not once per replica, so the state's tally is the cells served and the audit passes."""
+    mesh2 = jax.make_mesh((4, 2), ("data", "model"))
+    placement = oj.Placement(mesh2, data_axis="data")
+    loader = oj.make_memory_loader(panel, batch_size=256, seed=3, on_device=True, placement=placement)
+    first = host(next(loader).index)
+    assert loader.coverage().served == oj.Tally.of(first)
+    assert loader.get_state()["served"] == oj.Tally.of(first).to_json()
+    rest = [host(b.index) for b in loader]  # the epoch's audit passes at its last step
+    seen = np.concatenate([first, *rest])
+    assert len(seen) == loader.steps_per_epoch * 256 and len(np.unique(seen)) == len(seen)
+
+
 def test_memory_loader_refuses_state_from_another_config(panel, mesh):
     state = oj.make_memory_loader(panel, batch_size=256, seed=7, placement=mesh).get_state()
     other = oj.make_memory_loader(panel, batch_size=256, seed=8, placement=mesh)

@@ -276,9 +276,12 @@ class Loader(ClosingIterator):
         if old is not None:
             self._resume_with_new_mixture(states, old)
             return
-        self._mixtures = states[0].get("mixtures")
         for s in states:
             check_state(s, STATE_VERSION, self._config)
+        # the mixtures in effect up to the state's epoch: one the saving run was to switch to later is
+        # not this loader's, which keeps the state's weights (its own) from there on
+        recorded = states[0].get("mixtures")
+        self._mixtures = mixtures.history(states[0], states[0]["epoch"] + 1) if recorded else None
         count = states[0]["process"][1]
         hosts = self.plan.num_hosts
         if len(states) == 1 and count == hosts:
@@ -320,17 +323,25 @@ class Loader(ClosingIterator):
         """Finish the checkpoint's epoch with its ``weights`` (a loader of its own), then this loader's."""
         epoch, step = states[0]["epoch"], states[0]["step"]
         switch = epoch if step == 0 else epoch + 1  # nothing of the epoch served yet: the new one now
+        old = dataclasses.replace(
+            self.spec, sampling=dataclasses.replace(self.spec.sampling, weights=weights)
+        )
+        try:
+            plan = old.plan(self.dataset)
+        except OmicsIOError as e:
+            msg = f"the checkpoint's mixture {weights} does not fit this loader's rows: {e}"
+            raise StateMismatchError(msg) from e
+        if step:
+            before = Loader(self.dataset, old, placement=self.placement, read=self.read)
+            before.set_state(states)  # checks the states against the config they were written with
+            self._before = before
+        else:  # nothing left to finish, but the states are checked all the same (version, rows, ...)
+            for s in states:
+                check_state(s, STATE_VERSION, old.config(self.dataset, plan, self.output))
         self._mixtures = [
             *mixtures.history(states[0], switch),
             {"from_epoch": switch, "weights": dict(sorted(self.spec.sampling.weights.items()))},
         ]
-        if step:
-            old = dataclasses.replace(
-                self.spec, sampling=dataclasses.replace(self.spec.sampling, weights=weights)
-            )
-            before = Loader(self.dataset, old, placement=self.placement, read=self.read)
-            before.set_state(states)
-            self._before = before
         self._start(switch, 0, Anchor(switch, 0, self.plan.num_hosts), Tally())
 
     async def load(self, directory):

@@ -162,8 +162,11 @@ class MemoryLoader(ClosingIterator):
         """This process's served and planned cells of the current epoch (see `Coverage`)."""
         served = self._served
         if self.resident == "device":
+            # one shard per data-axis index: on a mesh with more axes, a shard's replicas (along
+            # the others) hold the same tally, and `_planned` counts each data shard once
+            shards = {s.index[0].start or 0: s for s in self._acc.addressable_shards}
             local = sum(
-                (np.asarray(s.data, np.uint64).reshape(-1, 3) for s in self._acc.addressable_shards),
+                (np.asarray(s.data, np.uint64).reshape(-1, 3) for s in shards.values()),
                 np.zeros(3, np.uint64),
             ).reshape(-1)
             served = self._served + tally_from_device(*local.tolist())

@@ -65,7 +65,7 @@ class DiskSpec:
             sampling=as_sampling(sampling),
             seed=seed,
             num_epochs=num_epochs,
-            rows=None if rows is None else np.asarray(rows, np.int64),
+            rows=None if rows is None else np.asarray(rows),  # checked against the dataset by `plan`
             obs=tuple(obs),
             num_hosts=placement.num_hosts,
             num_slabs=placement.num_slabs,
@@ -73,12 +73,14 @@ class DiskSpec:
 
     def plan(self, ds: Dataset) -> SamplingPlan:
         """The sampling plan over ``ds`` (raises for a bad knob, naming it and the fix)."""
-        # every cell: AllRows, not np.arange (0.8 GB at 10^8 cells)
-        rows = AllRows(ds.num_cells) if self.rows is None else np.unique(np.asarray(self.rows, np.int64))
-        if len(rows) and (rows[0] < 0 or rows[-1] >= ds.num_cells):
-            msg = f"rows must lie in 0..{ds.num_cells - 1}"
-            raise IndexError(msg)
-        plan = self.sampling.to_plan(
+        if self.rows is None:  # every cell: AllRows, not np.arange (0.8 GB at 10^8 cells)
+            rows, sampling = AllRows(ds.num_cells), self.sampling
+        else:
+            if self.rows.dtype == np.bool_:
+                msg = "rows takes row numbers, not a boolean mask: pass rows=np.flatnonzero(mask)"
+                raise TypeError(msg)
+            rows, sampling = self.sampling.for_rows(ds.check_rows(self.rows))
+        plan = sampling.to_plan(
             rows,
             batch_size=self.batch_size,
             seed=self.seed,

@@ -56,6 +56,11 @@ class Sampling:
             msg = f"{type(self).__name__}(by=...) takes a categorical obs column, e.g. {example}; got {by!r}"
             raise OmicsIOError(msg)
 
+    def for_rows(self, rows: np.ndarray) -> tuple[np.ndarray, Sampling]:
+        """A loader's ``rows=`` (checked row numbers, in any order, maybe repeated) as the plan samples
+        from them, ascending and each once, and this option for those rows."""
+        return np.unique(rows), self
+
     def cell_weights(self, rows: np.ndarray | AllRows, obs: Callable[[str], np.ndarray]) -> np.ndarray | None:
         """Per-cell weights of ``rows`` (None: no weights); ``obs(name)`` gives an obs column."""
         return None
@@ -71,6 +76,15 @@ class Sampling:
     ) -> SamplingPlan:
         """The sampling plan over ``rows`` (global rows, ascending) for a global ``batch_size``."""
         return self._plan(rows, self.cell_weights(rows, obs), batch_size, seed, num_hosts)
+
+    def _plan_over_weighted_cells(
+        self, rows, weights: np.ndarray, batch_size: int, seed: int, num_hosts: int
+    ) -> SamplingPlan:
+        """The plan over the cells of ``rows`` with a weight above 0 (blocks are runs of those cells,
+        so a drawn block brings none of weight 0)."""
+        keep = weights > 0
+        kept = np.flatnonzero(keep) if isinstance(rows, AllRows) else np.asarray(rows)[keep]
+        return self._plan(kept.astype(np.int64), weights[keep], batch_size, seed, num_hosts)
 
     def _plan(self, rows, weights, batch_size: int, seed: int, num_hosts: int) -> SamplingPlan:
         return SamplingPlan(
@@ -139,7 +153,12 @@ class Stream(Sampling):
 class Weighted(Sampling):
     """scDataset's weighted block sampling: blocks drawn with replacement with probability
     proportional to the sum of their cells' ``weights`` (one per sampled cell: per entry of the
-    loader's ``rows``, else per cell of the dataset), as many blocks as the data holds."""
+    loader's ``rows``, else per cell of the dataset), as many cells as the data's blocks hold.
+
+    ``weights[i]`` is the weight of ``rows[i]`` in whatever order ``rows`` lists them (the plan
+    samples from them ascending, each weight moved with its row); ``rows`` then lists each row
+    once: a row listed twice is refused (its two weights would be ambiguous).
+    """
 
     kind: ClassVar[str] = "weighted"
     weights: np.ndarray
@@ -150,6 +169,24 @@ class Weighted(Sampling):
     def __post_init__(self) -> None:
         self._check("block_size")
 
+    def for_rows(self, rows: np.ndarray) -> tuple[np.ndarray, Weighted]:
+        weights = np.asarray(self.weights, dtype=np.float64)
+        if weights.shape != rows.shape:
+            msg = (
+                f"Weighted has {weights.size} weights for {len(rows)} rows: pass one weight per entry of rows"
+            )
+            raise OmicsIOError(msg)
+        unique, first, counts = np.unique(rows, return_index=True, return_counts=True)
+        if len(unique) < len(rows):
+            twice = unique[np.argmax(counts > 1)]
+            msg = (
+                f"rows lists row {twice} {counts.max()} times, and Weighted takes one weight per entry of rows: "
+                "list each row once with its weight, e.g. rows, first = np.unique(rows, return_index=True) "
+                "and weights[first] (or their sum per row)"
+            )
+            raise OmicsIOError(msg)
+        return unique, dataclasses.replace(self, weights=weights[first])
+
     def cell_weights(self, rows, obs) -> np.ndarray:
         return np.asarray(self.weights, dtype=np.float64)
 
@@ -157,7 +194,8 @@ class Weighted(Sampling):
 @dataclasses.dataclass(frozen=True)
 class ClassBalanced(Sampling):
     """Weighted block sampling with each cell weighted by 1 / (cells of its class in the obs column
-    ``by``), so that every class is drawn about equally often; cells without a label are never drawn."""
+    ``by``), so that every class is drawn about equally often; cells without a label are never drawn
+    (blocks are runs of the labelled cells, as `Mixture`'s are of its groups')."""
 
     kind: ClassVar[str] = "class_balanced"
     by: str
@@ -172,6 +210,14 @@ class ClassBalanced(Sampling):
     def cell_weights(self, rows, obs) -> np.ndarray:
         labels = np.asarray(obs(self.by))
         return class_weights(labels if isinstance(rows, AllRows) else labels[rows])
+
+    def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
+        """Weighted block sampling over the labelled cells (blocks are runs of those cells)."""
+        weights = self.cell_weights(rows, obs)
+        if not np.any(weights > 0):
+            msg = f"ClassBalanced(by={self.by!r}): no cell among the rows sampled has a label in obs {self.by!r}"
+            raise OmicsIOError(msg)
+        return self._plan_over_weighted_cells(rows, weights, batch_size, seed, num_hosts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,10 +280,7 @@ class Mixture(Sampling):
     def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
         """Weighted block sampling over the cells of the groups named (blocks are runs of those
         cells, so a drawn block brings no cell of another group)."""
-        weights = self.cell_weights(rows, obs)
-        keep = weights > 0
-        kept = np.flatnonzero(keep) if isinstance(rows, AllRows) else np.asarray(rows)[keep]
-        return self._plan(kept.astype(np.int64), weights[keep], batch_size, seed, num_hosts)
+        return self._plan_over_weighted_cells(rows, self.cell_weights(rows, obs), batch_size, seed, num_hosts)
 
 
 def obs_categories(obs: Callable[[str], np.ndarray], name: str) -> list[str]:

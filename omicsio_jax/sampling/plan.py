@@ -7,7 +7,9 @@ An epoch is a global *order* of cells, identical on every host:
 - ``stream``: file order, nothing shuffled. ``stream_buffer``: file order, shuffled inside each
   fetch (a shuffle buffer of ``fetch_factor × batch_size`` cells).
 - ``weighted``: blocks drawn with replacement, with probability proportional to the sum of
-  their cells' weights (scDataset's BlockWeightedSampling), as many blocks as the data holds.
+  their cells' weights (scDataset's BlockWeightedSampling): as many cells as the data's blocks
+  hold (``ceil(n / block_size) × block_size``), drawn until the order holds that many (a drawn
+  short last block falls short) and cut there.
 - ``class_balanced``: ``weighted`` with each cell weighted by 1 / (cells of its class).
 
 The order is cut into fetches of ``fetch_factor × local_batch`` cells, dealt round-robin to the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 
 import numpy as np
 
@@ -90,10 +93,13 @@ class AllRows:
 
 class EpochOrder:
     """An epoch's order of ``rows``: the cells of ``blocks`` (block numbers, in order; a block is
-    ``block_size`` consecutive entries of ``rows``, the last one maybe shorter), or ``rows`` as they
-    are (``blocks=None``). ``order[a:b]`` makes only the cells asked for."""
+    ``block_size`` consecutive entries of ``rows``, the last one maybe shorter), the first
+    ``num_cells`` of them if given, or ``rows`` as they are (``blocks=None``). ``order[a:b]`` makes
+    only the cells asked for."""
 
-    def __init__(self, rows: np.ndarray, blocks: np.ndarray | None, block_size: int):
+    def __init__(
+        self, rows: np.ndarray, blocks: np.ndarray | None, block_size: int, num_cells: int | None = None
+    ):
         self.rows, self.blocks, self.block_size = rows, blocks, block_size
         if blocks is None:
             self._ends = None
@@ -101,6 +107,8 @@ class EpochOrder:
         else:
             self._ends = np.cumsum(self._lengths(blocks))  # position after each chosen block
             self._len = int(self._ends[-1]) if len(blocks) else 0
+        if num_cells is not None:
+            self._len = min(self._len, num_cells)
 
     def _lengths(self, blocks: np.ndarray) -> np.ndarray:
         starts = blocks * self.block_size
@@ -183,7 +191,8 @@ class SamplingPlan:
 
     @property
     def epoch_cells(self) -> int:
-        """Length of an epoch's order (for weighted sampling: as many blocks as the data holds)."""
+        """Length of an epoch's order (for weighted sampling: as many cells as the data's blocks hold,
+        ``ceil(n / block_size) × block_size``, whichever blocks are drawn)."""
         n = len(self.rows)
         if self.sampling in ("weighted", "class_balanced"):
             return -(-n // self.block_size) * self.block_size
@@ -227,10 +236,10 @@ class SamplingPlan:
             blocks = rng.permutation(num_blocks)
         else:
             block_weight = np.add.reduceat(self.weights.astype(np.float64), np.arange(0, n, b))
-            blocks = rng.choice(
-                num_blocks, size=num_blocks, replace=True, p=block_weight / block_weight.sum()
+            blocks = _draw_blocks(
+                rng, block_weight / block_weight.sum(), num_blocks * b - n, b, self.epoch_cells
             )
-        return EpochOrder(self.rows, blocks, b)
+        return EpochOrder(self.rows, blocks, b, self.epoch_cells)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The global order of cells (rows) for ``epoch``, whole; identical on every host."""
@@ -289,6 +298,26 @@ class SamplingPlan:
             "rows": digest(self.rows),
             "weights": digest(self.weights),
         }
+
+
+def _draw_blocks(
+    rng: np.random.Generator, p: np.ndarray, short: int, block_size: int, cells: int
+) -> np.ndarray:
+    """Blocks drawn with replacement with probabilities ``p``: one per block, then more until they hold
+    ``cells`` cells (the last block lacks ``short`` cells: each time it is drawn, the order falls short).
+    Without a short block this is the single draw it always was."""
+    num_blocks = len(p)
+    blocks = rng.choice(num_blocks, size=num_blocks, replace=True, p=p)
+    if not short:
+        return blocks
+    mean = block_size - short * float(p[-1])  # cells a drawn block holds, on average (at least 1)
+    held = len(blocks) * block_size - short * np.count_nonzero(blocks == num_blocks - 1)
+    drawn = [blocks]
+    while held < cells:
+        more = rng.choice(num_blocks, size=math.ceil((cells - held) / mean), replace=True, p=p)
+        held += len(more) * block_size - short * np.count_nonzero(more == num_blocks - 1)
+        drawn.append(more)
+    return np.concatenate(drawn)
 
 
 def class_weights(codes: np.ndarray) -> np.ndarray:
