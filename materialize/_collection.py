@@ -74,7 +74,8 @@ class Sources:
     """The sources of a collection: ``paths``, their ``dataset_ids`` (default: the file names) and
     per-source ``obs`` (column → one value per source, None: not given), of ``obs_types`` (default:
     bool, int64, float64 or string, from the values); ``reading`` may give an AnnData source its own
-    ``layer`` or ``raw`` (column → one value per source, None: the run's).
+    ``layer`` or ``raw`` (column → one value per source, None: the run's; ``raw`` a bool, or true /
+    false, yes / no, 1 / 0 as text), which replace the run's ``layer`` and ``use_raw`` for it.
 
     >>> materialize(Sources.read("sources.csv"), "atlas/")                    # doctest: +SKIP
     >>> materialize(Sources(("a.h5ad", "b.h5ad"), obs={"assay": ("10x 3' v3", "Smart-seq2")}), "atlas/")  # doctest: +SKIP
@@ -102,6 +103,7 @@ class Sources:
             if len(values) != len(paths):
                 msg = f"obs {name!r} gives {len(values)} value(s) for {len(paths)} sources: give one per source (None: not known)"
                 raise OmicsIOError(msg)
+        self._check_reading()
         inferred = {n: _value_type(v) for n, v in self.obs.items() if n not in self.obs_types}
         object.__setattr__(self, "obs_types", {**inferred, **self.obs_types})
         repeated = sorted({i for i in ids if ids.count(i) > 1})
@@ -115,7 +117,9 @@ class Sources:
     @classmethod
     def read(cls, path: str | Path) -> Sources:
         """A sources file (CSV, TSV or parquet): column ``path`` (relative to the file's folder), optional
-        ``dataset_id``, and any per-source obs columns."""
+        ``dataset_id``, ``layer`` and ``raw``, and any per-source obs columns. A CSV / TSV file's values
+        are read as written (``001`` stays ``001``, ``1.10`` is not ``1.1``); an obs column of one is
+        numbers only where every value reads back as written (`_text_obs`)."""
         path = Path(path)
         try:
             if path.suffix == ".parquet":
@@ -123,10 +127,7 @@ class Sources:
 
                 table = pq.read_table(path)
             else:
-                import pyarrow.csv as pacsv
-
-                delimiter = "\t" if path.suffix == ".tsv" else ","
-                table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter))
+                table = _read_text_table(path, "\t" if path.suffix == ".tsv" else ",")
         except (OSError, pa.ArrowException) as e:
             msg = f"cannot read the sources file {path}: {e}"
             raise OmicsIOError(msg) from e
@@ -138,6 +139,7 @@ class Sources:
             if not p:
                 msg = f"sources file {path} has a row without a path"
                 raise OmicsIOError(msg)
+            p = str(p)
             paths.append(p if is_remote(p) or Path(p).is_absolute() else str(path.parent / p))
         ids = (
             ()
@@ -145,14 +147,113 @@ class Sources:
             else tuple(str(i) for i in table.column(DATASET_ID).to_pylist())
         )
         extra = [n for n in table.column_names if n not in ("path", DATASET_ID, *READING)]
-        obs = {n: tuple(None if v == "" else v for v in table.column(n).to_pylist()) for n in extra}
-        types = {n: table.schema.field(n).type for n in extra}
+        obs, types = {}, {}
+        for n in extra:
+            values = tuple(None if v == "" else v for v in table.column(n).to_pylist())
+            dtype = table.schema.field(n).type
+            obs[n], types[n] = _text_obs(values) if path.suffix != ".parquet" else (values, dtype)
         reading = {n: tuple(table.column(n).to_pylist()) for n in READING if n in table.column_names}
         return cls(tuple(paths), ids, obs, types, reading)
 
     def reading_of(self, k: int) -> dict:
-        """Source ``k``'s own reading options (``layer``, ``raw``) where the sources file gives them."""
+        """Source ``k``'s own reading options (``layer``, ``raw``: a bool) where the sources file gives
+        them."""
         return {n: v[k] for n, v in self.reading.items() if v[k] is not None and v[k] != ""}
+
+    def _check_reading(self) -> None:
+        """Each source's ``raw`` as a bool (True / False, or their spellings in text: true / false, yes /
+        no, 1 / 0, in any case; empty or None: the run's), anything else a one-line error naming the
+        source; ``layer`` as text."""
+        reading = dict(self.reading)
+        for name, values in reading.items():
+            if len(values) != len(self.paths):
+                msg = (
+                    f"{name} gives {len(values)} value(s) for {len(self.paths)} sources: give one per "
+                    "source (None: the run's)"
+                )
+                raise OmicsIOError(msg)
+        if "raw" in reading:
+            reading["raw"] = tuple(
+                _raw_flag(v, f"{i} ({p})")
+                for v, i, p in zip(reading["raw"], self.dataset_ids, self.paths, strict=True)
+            )
+        if "layer" in reading:
+            reading["layer"] = tuple(None if v is None or v == "" else str(v) for v in reading["layer"])
+        object.__setattr__(self, "reading", reading)
+
+
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def _raw_flag(value, source: str) -> bool | None:
+    """A sources file's ``raw`` value as a bool (None: not given, the run's); see `Sources._check_reading`."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, float | np.floating) and np.isnan(value):  # a null of a column of numbers
+        return None
+    if isinstance(value, int | float | np.integer | np.floating) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    msg = (
+        f"raw of source {source} is {value!r}: give true or false (also yes / no, 1 / 0), or leave it "
+        "empty for the run's --raw"
+    )
+    raise OmicsIOError(msg)
+
+
+def _read_text_table(path: Path, delimiter: str) -> pa.Table:
+    """A CSV / TSV file with every column as text, as written (no type inference)."""
+    import pyarrow.csv as pacsv
+
+    parse = pacsv.ParseOptions(delimiter=delimiter)
+    with pacsv.open_csv(path, parse_options=parse) as reader:  # the column names
+        names = reader.schema.names
+    text = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()))
+    return pacsv.read_csv(path, parse_options=parse, convert_options=text)
+
+
+_BOOLS = {"true": True, "false": False}
+
+
+def _text_obs(values: tuple) -> tuple[tuple, pa.DataType]:
+    """A per-source obs column given as text (None: not given) as values and their type: bools where
+    every value is true or false (in any case), integers where every value reads back as written
+    (``7``, not ``007`` or ``+7``), floats where every value reads back as written as a float or an
+    integer (``1.5`` and ``2``, not ``1.50`` or ``1e3``), else the text itself (dates included)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return values, pa.null()
+    if all(v.lower() in _BOOLS for v in present):
+        return tuple(None if v is None else _BOOLS[v.lower()] for v in values), pa.bool_()
+    numbers = dict.fromkeys(present)
+    for text in numbers:
+        numbers[text] = _number(text)
+        if numbers[text] is None:
+            return values, pa.string()
+    if all(isinstance(n, int) for n in numbers.values()):
+        return tuple(None if v is None else numbers[v] for v in values), pa.int64()
+    if any(float(n) != n for n in numbers.values()):  # an integer a float64 does not hold
+        return values, pa.string()
+    return tuple(None if v is None else float(numbers[v]) for v in values), pa.float64()
+
+
+def _number(text: str) -> int | float | None:
+    """``text`` as the int64 or the finite float it is written as (``str(int)``, ``repr(float)``),
+    else None."""
+    try:
+        value = int(text)
+    except ValueError:
+        pass
+    else:
+        return value if str(value) == text and -(2**63) <= value < 2**63 else None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if np.isfinite(value) and repr(value) == text else None
 
 
 def _value_type(values: Sequence) -> pa.DataType:
@@ -172,11 +273,22 @@ def _value_type(values: Sequence) -> pa.DataType:
     return pa.string()
 
 
+def _kept_type(dtype: pa.DataType) -> pa.DataType | None:
+    """The type a per-source obs of Arrow type ``dtype`` is kept as: its own (numbers, bools, text),
+    text (no value given, dates, times, decimals: as Arrow writes them), or None (lists, structs, ...)."""
+    if pa.types.is_null(dtype) or pa.types.is_temporal(dtype) or pa.types.is_decimal(dtype):
+        return pa.string()
+    return dtype if obs_kind(dtype) is not None else None
+
+
 def _unified_type(types: list[pa.DataType]) -> pa.DataType:
-    """One Arrow type for an obs column the sources give in ``types``."""
+    """One Arrow type for an obs column the sources give in ``types`` (uint64 where every one is
+    unsigned and one is uint64: its values need not fit int64)."""
     plain = [t.value_type if pa.types.is_dictionary(t) else t for t in types]
     if all(pa.types.is_boolean(t) for t in plain):
         return pa.bool_()
+    if all(pa.types.is_unsigned_integer(t) for t in plain) and pa.uint64() in plain:
+        return pa.uint64()
     if all(pa.types.is_integer(t) for t in plain):
         return pa.int64()
     if all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in plain):
@@ -213,7 +325,7 @@ class CollectionSource(Source):
         self.genes = space.genes
         self._firsts = np.concatenate([[0], np.cumsum([m.num_cells for m in members])]).astype(np.int64)
         self.num_cells = int(self._firsts[-1])
-        self.obs_columns = self._obs_types()
+        self.obs_columns, self.notes = self._obs_types()
         self.description = {
             "kind": "collection",
             "genes": "the sources' genes, unified by Ensembl id",
@@ -225,16 +337,25 @@ class CollectionSource(Source):
             ],
         }
 
-    def _obs_types(self) -> dict[str, pa.DataType]:
+    def _obs_types(self) -> tuple[dict[str, pa.DataType], list[str]]:
+        """The obs columns' types (the sources' own and the per-source ones, unified), and a note for
+        each per-source obs of a type no obs column can hold (left out)."""
         given: dict[str, list[pa.DataType]] = {}
         for m in self.members:
             for name, dtype in m.obs_columns.items():
                 given.setdefault(name, []).append(dtype)
+        notes = []
         for name, dtype in self.sources.obs_types.items():
-            if obs_kind(dtype) is not None or pa.types.is_null(dtype):
-                given.setdefault(name, []).append(pa.string() if pa.types.is_null(dtype) else dtype)
+            kept = _kept_type(dtype)
+            if kept is None:
+                notes.append(
+                    f"per-source obs {name!r} is of type {dtype}, which no obs column holds (numbers, bools, "
+                    "text, dates and times): left out; give its values as text"
+                )
+            else:
+                given.setdefault(name, []).append(kept)
         given.pop(DATASET_ID, None)
-        return {DATASET_ID: pa.string(), **{n: _unified_type(ts) for n, ts in given.items()}}
+        return {DATASET_ID: pa.string(), **{n: _unified_type(ts) for n, ts in given.items()}}, notes
 
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
@@ -452,9 +573,10 @@ def open_collection(
         finally:
             for m in members:  # each source's files and connections open again where its cells are read
                 m.close()
-        for note in space.notes:
+        collection = CollectionSource(sources, members, space)
+        for note in (*space.notes, *collection.notes):
             if report is not None:
                 report(note)
-        return CollectionSource(sources, members, space)
+        return collection
     finally:
         database.close()

@@ -13,6 +13,10 @@ one source with the same id are summed. `MemberMap.remap` moves a batch of a sou
 unified columns, sorted within each row, in one numba pass; a source whose genes keep their order
 among the unified ones (`MemberMap.in_order`) needs no move: its tokens go to the encoder with the
 map from tokens to columns, as a single input's do.
+
+A gene without an id (null or empty: spike-ins, transgenes) is keyed by its symbol (``symbol:GFP``),
+a gene of its own without an Ensembl id, as a symbol-only source's unmatched genes are; one without
+a symbol either is dropped. Both are reported; no two genes are ever one because they share "".
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ def _text(table: pa.Table, name: str) -> pa.Array:
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
     return column.cast(pa.string())
+
+
+def _present(values: pa.Array) -> pa.Array:
+    """A text array with its empty values made null: an empty id or symbol names no gene (genes
+    sharing "" are not one gene). The array itself when it has none (most gene tables)."""
+    lengths = pc.binary_length(values)
+    if not np.any(to_numpy_filled(lengths, 1) == 0):
+        return values
+    # compared with an array of zeros, not a scalar (``pa.scalar`` imports pandas: see `text_array`)
+    empty = pc.equal(lengths, from_numpy(np.zeros(len(values), np.int32), lengths.type))
+    return pc.if_else(empty, pa.nulls(len(values), values.type), values)
 
 
 def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
@@ -86,7 +101,8 @@ def strip_version(gene_id: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class GeneKeys:
     """A source's genes in gene-table order: ``ids`` (Ensembl ids without version, or symbols when
-    ``by == "symbol"``; null: no id), ``symbols`` (null where unknown) and the column read."""
+    ``by == "symbol"``; null: no id, empty ids made null), ``symbols`` (null where unknown or empty)
+    and the column read."""
 
     ids: pa.Array
     symbols: pa.Array
@@ -100,7 +116,7 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> Gene
     names = [n for n in genes.column_names if n != "gene_token_id"]
     texts = {n: _text(genes, n) for n in names if _is_text(genes.schema.field(n).type)}
     symbols_of = next(
-        (texts[n] for n in SYMBOL_COLUMNS if n in texts and _ensembl_share(texts[n]) < 0.5),
+        (_present(texts[n]) for n in SYMBOL_COLUMNS if n in texts and _ensembl_share(texts[n]) < 0.5),
         pa.nulls(genes.num_rows, pa.string()),
     )
     if id_column is not None:
@@ -112,14 +128,14 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> Gene
             raise DataValidationError(msg)
         ids = texts[id_column]
         by = "ensembl" if _ensembl_share(ids) >= 0.5 else "id"
-        return GeneKeys(_stripped(ids), symbols_of, by, id_column)
+        return GeneKeys(_present(_stripped(ids)), symbols_of, by, id_column)
     candidates = [n for n in ID_COLUMNS if n in texts] + [n for n in texts if n not in ID_COLUMNS]
     for name in candidates:
         if _ensembl_share(texts[name]) >= 0.5:
-            return GeneKeys(_stripped(texts[name]), symbols_of, "ensembl", name)
+            return GeneKeys(_present(_stripped(texts[name])), symbols_of, "ensembl", name)
     for name in SYMBOL_COLUMNS:
         if name in texts and pc.max(pc.binary_length(texts[name])).as_py():
-            return GeneKeys(texts[name], texts[name], "symbol", name)
+            return GeneKeys(_present(texts[name]), _present(texts[name]), "symbol", name)
     msg = (
         f"{label} has no gene id column: none of {', '.join(ID_COLUMNS)} holds Ensembl ids (ENSG…) and "
         f"no symbol column ({', '.join(SYMBOL_COLUMNS)}) is there (it has {', '.join(names) or 'none'}); "
@@ -140,6 +156,12 @@ def read_gene_list(path: str | Path) -> list[str]:
     dictionary, in token order) or a text file of one id per line."""
     path = Path(path)
     suffix = path.suffix.lower()
+    if not path.is_file():
+        msg = (
+            f"gene list {path} not found: --genes (genes=) takes union, intersection, or a gene table / "
+            "vocabulary (.parquet, .csv, .tsv, .json, or a text file of one id per line)"
+        )
+        raise OmicsIOError(msg)
     try:
         if suffix == ".json":
             vocab = json.loads(path.read_text())
@@ -426,11 +448,15 @@ class GeneSpace:
             }
         ).drop_null()
         symbol_only = any(k.by == "symbol" for k in keys)
+        without_id = any(k.by != "symbol" and k.ids.null_count for k in keys)
         with ThreadPoolExecutor(3) as pool:
             # each Ensembl id's first symbol, in the order the sources give them, and (unless
-            # sources matched by symbol need these first) the ids' codes: three dictionary encodings
-            # of every gene listed (~60 ns each) on threads at once (Arrow releases the GIL)
-            coded = None if symbol_only else pool.submit(first_seen_codes, [k.ids for k in keys])
+            # sources matched by symbol, or genes without an id, need these first) the ids' codes:
+            # three dictionary encodings of every gene listed (~60 ns each) on threads at once
+            # (Arrow releases the GIL)
+            coded = (
+                None if symbol_only or without_id else pool.submit(first_seen_codes, [k.ids for k in keys])
+            )
             named_ids, first_symbols, mixed = _first_of(pairs.column("id"), pairs.column("symbol"), pool)
             seen_and_codes = None if coded is None else coded.result()
         conflicts = np.flatnonzero(mixed)
@@ -452,7 +478,7 @@ class GeneSpace:
             named_symbols, first_ids, _ = _first_of(pairs.column("symbol"), pairs.column("id"))
         for k, label in zip(keys, labels, strict=True):
             if k.by != "symbol":
-                resolved.append(k.ids)
+                resolved.append(k.ids if not k.ids.null_count else _by_symbol_where_null(k, label, notes))
                 continue
             found = pc.take(first_ids, pc.index_in(k.symbols, value_set=named_symbols))
             own = pc.utf8_replace_slice(k.symbols, 0, 0, "symbol:")
@@ -461,6 +487,11 @@ class GeneSpace:
                 f"{label} has no Ensembl ids: its {len(ids):,} genes were matched by symbol ({k.column}), "
                 f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
             )
+            if ids.null_count:
+                notes.append(
+                    f"{label}: {ids.null_count:,} gene(s) without a symbol in {k.column}, which it is "
+                    "matched by: dropped (give every gene a symbol, or ids with --gene-id-column)"
+                )
             resolved.append(ids)
         seen, code = first_seen_codes(resolved) if seen_and_codes is None else seen_and_codes
         ends = np.cumsum([len(ids) for ids in resolved])
@@ -508,6 +539,29 @@ class GeneSpace:
             }
         )
         return cls(table, tuple(maps), tuple(members), tuple(notes))
+
+
+def _by_symbol_where_null(keys: GeneKeys, label: str, notes: list[str]) -> pa.Array:
+    """A source's ids where its genes without one (null or empty: spike-ins, transgenes) are keyed by
+    their symbol (``symbol:GFP``, a gene of its own without an Ensembl id, as a symbol-only source's
+    unmatched genes are; not matched to another source's Ensembl id through its symbol), the genes
+    left without either null (not kept); both said in ``notes``."""
+    symbol_keys = pc.utf8_replace_slice(keys.symbols, 0, 0, "symbol:")
+    ids = pc.if_else(pc.is_valid(keys.ids), keys.ids, symbol_keys)
+    by_symbol = keys.ids.null_count - ids.null_count
+    if by_symbol:
+        named = pc.filter(keys.symbols, pc.is_null(keys.ids)).drop_null()
+        shown = ", ".join(named.slice(0, 3).to_pylist()) + (", ..." if len(named) > 3 else "")
+        notes.append(
+            f"{label}: {by_symbol:,} gene(s) without an id in {keys.column} ({shown}) kept under their "
+            "symbol, as genes without an Ensembl id"
+        )
+    if ids.null_count:
+        notes.append(
+            f"{label}: {ids.null_count:,} gene(s) with neither an id in {keys.column} nor a symbol: "
+            "dropped (give them an id or a symbol in its gene table)"
+        )
+    return ids
 
 
 def first_seen_codes(arrays: list[pa.Array]) -> tuple[pa.Array, np.ndarray]:

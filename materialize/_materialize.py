@@ -165,11 +165,25 @@ CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
 
 
 def _open_member(path: str, own: dict, con, **reading) -> Source:
-    """One source of a collection, its own ``layer`` / ``raw`` (a sources file's columns) over the
-    run's (``reading``: `open_source`'s keywords); a function of the module, so a pool's worker can
-    be handed it (`open_collection`)."""
-    layer = own.get("layer", reading.pop("layer"))
-    use_raw = bool(own.get("raw", reading.pop("use_raw")))
+    """One source of a collection (``reading``: `open_source`'s keywords). Its own ``layer`` / ``raw``
+    (a sources file's columns) replace the run's, both of them (a source's layer clears the run's
+    ``--raw``, its ``raw`` the run's ``--layer``); the run's apply to the AnnData sources (``.h5ad``,
+    ``.zarr``, ``.h5mu``) only. A function of the module, so a pool's worker can be handed it
+    (`open_collection`)."""
+    layer, use_raw = reading.pop("layer"), reading.pop("use_raw")
+    if own:
+        layer, use_raw = own.get("layer"), bool(own.get("raw", False))
+        if layer is not None and use_raw:
+            msg = f"source {path} is given both a layer ({layer!r}) and raw in the sources file: leave one empty"
+            raise OmicsIOError(msg)
+    if input_kind(path) == "table":
+        if own and (layer is not None or use_raw):
+            msg = (
+                f"source {path} is given {'a layer' if layer is not None else 'raw'} in the sources file, "
+                "but layer / raw apply to AnnData sources (.h5ad, .zarr, .h5mu) only: leave it empty in its row"
+            )
+            raise OmicsIOError(msg)
+        layer, use_raw = None, False
     return open_source(path, con=con, layer=layer, use_raw=use_raw, **reading)
 
 
@@ -205,6 +219,43 @@ def as_sources(source) -> Sources | None:
         return source
     if isinstance(source, Sequence) and not isinstance(source, str):
         return Sources(tuple(str(s) for s in source))
+    return None
+
+
+def _one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:
+    """A single AnnData input (``.h5ad``, ``.zarr``) given ``genes`` or ``gene_id_column``: a collection
+    of one, so that its genes are unified as a collection's (ids found, versions stripped, genes of one
+    id summed; ``genes``: union, intersection or a gene table / vocabulary fixing genes and order).
+    ``gene_id_column`` with a single table, and either with an ``.h5mu``, are one-line errors naming
+    the collection of one that takes them; None otherwise."""
+    if read.genes is None and read.gene_id_column is None:
+        return None
+    kind, options = input_kind(source), "--genes/--gene-id-column (genes=, gene_id_column=)"
+    if kind == "h5ad":
+        if read.where or read.query:
+            return None  # refused by `open_source`
+        if multimodal.layers or multimodal.modalities:
+            msg = (
+                f"{options} make the AnnData input {source} a collection of one, which takes no "
+                "--layers/--modality; materialize its layers or modalities without them"
+            )
+            raise OmicsIOError(msg)
+        return Sources((str(source),))
+    if kind == "h5mu":
+        require_file(source)  # a missing input first
+        msg = (
+            f"{options} do not apply to the .h5mu input {source} (its modalities' genes come from their "
+            f"var); to unify its {multimodal.primary} genes, give it as a collection of one: "
+            f"materialize([{str(source)!r}], ...) (--sources with one row)"
+        )
+        raise OmicsIOError(msg)
+    if read.gene_id_column is not None:
+        msg = (
+            f"--gene-id-column (gene_id_column=) applies to a collection's sources and AnnData inputs, not "
+            f"to the single input {source} (whose genes are its gene table's token ids); give it as a "
+            f"collection of one: materialize([{str(source)!r}], ...) (--sources with one row)"
+        )
+        raise OmicsIOError(msg)
     return None
 
 
@@ -297,6 +348,8 @@ def materialize(
         raise OmicsIOError(msg)
     store = open_store(out)
     sources = as_sources(source)
+    if sources is None:
+        sources = _one_anndata_as_collection(source, read, multimodal)
     if sources is not None and (layers or modalities or where or query):
         msg = (
             "a collection takes no --where/--query/--layers/--modality; materialize its sources' cells "

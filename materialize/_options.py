@@ -37,7 +37,9 @@ class InputOptions:
 
     For a collection (several sources), ``genes`` is ``"union"`` (default: every gene any source
     measured), ``"intersection"`` (the genes all measured) or a gene table / vocabulary fixing the
-    genes and their order; ``gene_id_column`` names the column of Ensembl ids (default: found).
+    genes and their order; ``gene_id_column`` names the column of Ensembl ids (default: found). A
+    single AnnData input (``.h5ad``, ``.zarr``) given either is a collection of one; with a single
+    table ``gene_id_column`` is refused (give the table as a collection of one: ``[path]``).
 
     A DuckLake catalog (``ducklake:lake.ducklake``) reads ``table`` at ``snapshot``: a snapshot id,
     a time (a `datetime` or ISO text: the last snapshot at or before it) or None, the latest.

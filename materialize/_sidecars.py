@@ -95,7 +95,8 @@ class CategoricalWriter:
 
 
 class NumericWriter:
-    """Integers or floats → one ``.npy``; integer columns with missing values become float64 with NaN."""
+    """Integers or floats → one ``.npy``: integers as int64, or uint64 for a uint64 column (its values
+    need not fit int64: hashed ids); integer columns with missing values become float64 with NaN."""
 
     kind = "numeric"
     num_categories = None
@@ -103,7 +104,8 @@ class NumericWriter:
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
         self.name, self.directory = name, directory
         self._is_int = pa.types.is_integer(dtype)
-        self._dtype = np.dtype(np.int64 if self._is_int else dtype.to_pandas_dtype())
+        integers = np.uint64 if pa.types.is_uint64(dtype) else np.int64
+        self._dtype = np.dtype(integers if self._is_int else dtype.to_pandas_dtype())
         self._raw = directory / f"{name}.raw"
         self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
         self._missing: list[np.ndarray] = []
@@ -139,7 +141,7 @@ class NumericWriter:
             out[here - first_row] = np.nan
             return out
 
-        _write_npy(dest, self._raw, np.int64, np.float64, self.num_rows, with_nan)
+        _write_npy(dest, self._raw, self._dtype, np.float64, self.num_rows, with_nan)
         return "float64"
 
     def files(self) -> list[str]:

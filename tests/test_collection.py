@@ -3,6 +3,7 @@ what each source measured kept and served beside the values."""
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from pathlib import Path
 
@@ -961,3 +962,234 @@ def test_the_command_line_takes_several_inputs_or_a_sources_file(sources, tmp_pa
         main([str(d / "plate.parquet"), str(d / "plate.parquet"), str(tmp_path / "x"), "--no-progress"]) == 2
     )
     assert "name more than one source" in capsys.readouterr().err
+
+
+def _h5ad(path, x, var, obs_names=None, **parts):
+    """An .h5ad of ``x`` (dense counts) with ``var``; ``parts``: ``raw`` / ``layers`` / ``obs``."""
+    import anndata as ad
+
+    obs = parts.pop("obs", pd.DataFrame(index=obs_names or [f"{path.stem}_{i}" for i in range(len(x))]))
+    a = ad.AnnData(X=sp.csr_matrix(np.asarray(x, np.float32)), obs=obs, var=var)
+    if "raw" in parts:
+        a.raw = ad.AnnData(X=sp.csr_matrix(np.asarray(parts.pop("raw"), np.float32)), obs=a.obs, var=a.var)
+    for name, layer in parts.pop("layers", {}).items():
+        a.layers[name] = sp.csr_matrix(np.asarray(layer, np.float32))
+    a.write_h5ad(path)
+    return path
+
+
+@pytest.mark.parametrize("missing", [np.nan, ""], ids=["null", "empty"])
+def test_genes_without_an_id_are_kept_under_their_symbol_each_its_own(tmp_path, capsys, missing):
+    """Spike-ins and transgenes without an Ensembl id (null, or "") are genes of their own, keyed by
+    their symbol like a symbol-only source's unmatched genes: not dropped, not summed into one gene
+    of id "", and matched across sources by that symbol; reported."""
+    a = np.array([[1, 2, 3, 4], [0, 5, 0, 6], [7, 0, 8, 0]], np.float32)
+    var = pd.DataFrame(
+        {"gene_ids": [_ensg(0), _ensg(1), missing, missing]}, index=["S0", "S1", "ERCC-2", "GFP"]
+    )
+    b = np.array([[9, 1], [0, 2]], np.float32)
+    var_b = pd.DataFrame({"gene_ids": [_ensg(1), missing]}, index=["S1", "GFP"])
+    paths = [_h5ad(tmp_path / "a.h5ad", a, var), _h5ad(tmp_path / "b.h5ad", b, var_b)]
+    materialize(paths, tmp_path / "out", progress=False, workers=1)
+    err = capsys.readouterr().err
+    assert (
+        "a (" in err and "2 gene(s) without an id in ensembl_id (ERCC-2, GFP) kept under their symbol" in err
+    )
+    assert "carry different symbols" not in err and "share an id" not in err
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(0), _ensg(1), None, None]
+    assert ds.features["gene_name"].tolist() == ["S0", "S1", "ERCC-2", "GFP"]
+    np.testing.assert_array_equal(_dense(ds, range(5)), np.vstack([a, [[0, 9, 0, 1], [0, 0, 0, 2]]]))
+    assert ds.measured_genes("a").tolist() == [True] * 4
+    assert ds.measured_genes("b").tolist() == [False, True, False, True]
+
+
+def test_genes_with_neither_an_id_nor_a_symbol_are_dropped_and_reported(tmp_path, capsys):
+    for k, ids in enumerate([[_ensg(0), None, _ensg(2)], [_ensg(2), ""]]):
+        folder = tmp_path / f"plate_{k}"
+        folder.mkdir()
+        pq.write_table(
+            pa.table({"gene_token_id": np.arange(len(ids)), "ensembl_id": pa.array(ids, pa.string())}),
+            folder / "gene_metadata.parquet",
+        )
+        tokens = [list(range(len(ids)))]
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [f"p{k}"],
+                    "gene_token_id": pa.array(tokens, pa.list_(pa.int32())),
+                    "gene_expression": pa.array([[1.0, 2.0, 3.0][: len(ids)]], pa.list_(pa.float32())),
+                }
+            ),
+            folder / "cells.parquet",
+        )
+    paths = [tmp_path / "plate_0/cells.parquet", tmp_path / "plate_1/cells.parquet"]
+    materialize(paths, tmp_path / "out", progress=False, workers=1)
+    err = capsys.readouterr().err
+    for k in range(2):
+        assert f"plate_{k} (" in err
+    assert err.count("1 gene(s) with neither an id in ensembl_id nor a symbol: dropped") == 2
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(0), _ensg(2)]  # never one gene of id ""
+    np.testing.assert_array_equal(_dense(ds, [0, 1]), [[1, 3], [0, 1]])
+
+
+def test_a_sources_file_is_read_as_written(sources, tmp_path, capsys):
+    """A CSV sources file's ids and text keep their characters (001, 1.10 beside 1.1, 007); an obs
+    column is numbers only when every value reads back as written; dates stay, as text. A parquet
+    sources file's dates are kept as text, and a column no obs can hold is reported, not lost."""
+    d, expected = sources
+    (d / "typed.csv").write_text(
+        "path,dataset_id,donor_id,collection_date,depth,plate_no,lot,sorted\n"
+        "plate.parquet,001,007,2021-05-01,1.5,3,1.50,True\n"
+        "plate.parquet,1.10,012,2022-11-30,2,4,1.5,false\n"
+        "current.h5ad,1.1,,2023-01-02,,5,,\n"
+    )
+    materialize(Sources.read(d / "typed.csv"), tmp_path / "csv", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "csv")
+    assert ds.presence.dataset_ids == ("001", "1.10", "1.1")
+    n, m = 150, 200
+    assert ds.obs["dataset_id"].labels().tolist() == ["001"] * n + ["1.10"] * n + ["1.1"] * m
+    donor = ds.obs["donor_id"].labels()
+    assert donor[: 2 * n].tolist() == ["007"] * n + ["012"] * n
+    assert set(donor[2 * n :]) == {"d1", "d2"}  # the source's own
+    dates = ["2021-05-01"] * n + ["2022-11-30"] * n + ["2023-01-02"] * m
+    assert ds.obs["collection_date"].labels().tolist() == dates
+    np.testing.assert_array_equal(ds.obs["depth"], [1.5] * n + [2.0] * n + [np.nan] * m)
+    np.testing.assert_array_equal(ds.obs["plate_no"], [3] * n + [4] * n + [5] * m)
+    assert ds.obs["lot"].labels().tolist() == ["1.50"] * n + ["1.5"] * n + [None] * m
+    assert ds.obs["sorted"].labels().tolist() == ["true"] * n + ["false"] * n + [None] * m
+    pq.write_table(
+        pa.table(
+            {
+                "path": ["plate.parquet", "current.h5ad"],
+                "day": pa.array([datetime.date(2021, 5, 1), None], pa.date32()),
+                "tags": pa.array([["a", "b"], ["c"]]),
+            }
+        ),
+        d / "typed.parquet",
+    )
+    materialize(Sources.read(d / "typed.parquet"), tmp_path / "pq", progress=False, workers=1)
+    assert "per-source obs 'tags' is of type list<element: string>, which no obs" in capsys.readouterr().err
+    ds = oj.open_dataset(tmp_path / "pq")
+    assert ds.obs["day"].labels().tolist() == ["2021-05-01"] * n + [None] * m
+    assert "tags" not in ds.obs
+
+
+def _normalized_with_counts(path):
+    """An .h5ad whose X is normalized (counts / 2), raw/X the counts and layer ``counts`` 3× them."""
+    counts = np.array([[1, 0, 4], [2, 3, 0]], np.float32)
+    var = pd.DataFrame(index=[_ensg(i) for i in range(3)])
+    _h5ad(path, counts / 2, var, raw=counts, layers={"counts": counts * 3})
+    return counts
+
+
+def test_a_sources_files_raw_is_read_as_true_or_false_and_anything_else_refused(tmp_path):
+    counts = _normalized_with_counts(tmp_path / "n.h5ad")
+    (tmp_path / "s.csv").write_text(
+        "path,dataset_id,raw\nn.h5ad,a,no\nn.h5ad,b,YES\nn.h5ad,c,False\nn.h5ad,d,1\nn.h5ad,e,\n"
+    )
+    sources = Sources.read(tmp_path / "s.csv")
+    assert sources.reading["raw"] == (False, True, False, True, None)
+    materialize(sources, tmp_path / "out", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "out")
+    x, raw = counts / 2, counts
+    np.testing.assert_array_equal(_dense(ds, range(10)), np.vstack([x, raw, x, raw, x]))
+    pq.write_table(pa.table({"path": ["n.h5ad"], "raw": ["false"]}), tmp_path / "s.parquet")
+    assert Sources.read(tmp_path / "s.parquet").reading["raw"] == (False,)
+    (tmp_path / "bad.csv").write_text("path,dataset_id,raw\nn.h5ad,a,\nn.h5ad,b,maybe\n")
+    with pytest.raises(oj.OmicsIOError, match=r"raw of source b \(.*n.h5ad\) is 'maybe': give true or false"):
+        Sources.read(tmp_path / "bad.csv")
+
+
+def test_a_sources_own_layer_or_raw_replaces_the_runs_which_apply_to_anndata_only(sources, tmp_path):
+    """A source's own layer clears the run's --raw (and its raw the run's --layer); the run's
+    --raw / --layer leave a parquet source of the collection alone; a parquet source given a layer
+    of its own, or a source given both, is a one-line error naming it."""
+    d, expected = sources
+    counts = _normalized_with_counts(tmp_path / "n.h5ad")
+    (tmp_path / "s.csv").write_text(
+        f"path,dataset_id,layer,raw\nn.h5ad,run,,\nn.h5ad,layer,counts,\nn.h5ad,x,,false\n{d / 'plate.parquet'},plate,,\n"
+    )
+    materialize(
+        Sources.read(tmp_path / "s.csv"),
+        tmp_path / "out",
+        read=InputOptions(use_raw=True),
+        progress=False,
+        workers=1,
+    )
+    ds = oj.open_dataset(tmp_path / "out")
+    _, plate_genes, plate = expected["plate"]
+    columns = [ds.features["ensembl_id"].tolist().index(g) for g in plate_genes]
+    np.testing.assert_array_equal(_dense(ds, range(6))[:, :3], np.vstack([counts, counts * 3, counts / 2]))
+    np.testing.assert_array_equal(_dense(ds, range(6, 156))[:, columns], plate.toarray())
+    materialize(
+        [tmp_path / "n.h5ad", d / "plate.parquet"],
+        tmp_path / "layer",
+        read=InputOptions(layer="counts"),
+        progress=False,
+        workers=1,
+    )
+    np.testing.assert_array_equal(_dense(oj.open_dataset(tmp_path / "layer"), [0, 1])[:, :3], counts * 3)
+    (tmp_path / "bad.csv").write_text(f"path,layer\nn.h5ad,\n{d / 'plate.parquet'},counts\n")
+    with pytest.raises(oj.OmicsIOError, match=r"source .*plate.parquet is given a layer in the sources file"):
+        materialize(Sources.read(tmp_path / "bad.csv"), tmp_path / "bad", progress=False, workers=1)
+    (tmp_path / "both.csv").write_text("path,layer,raw\nn.h5ad,counts,true\n")
+    with pytest.raises(oj.OmicsIOError, match=r"source .*n.h5ad is given both a layer \('counts'\) and raw"):
+        materialize(Sources.read(tmp_path / "both.csv"), tmp_path / "bad", progress=False, workers=1)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_one_anndata_input_given_genes_is_a_collection_of_one(sources, tmp_path):
+    """``genes=`` (a gene list, intersection) or ``gene_id_column=`` with a single .h5ad apply to it as
+    to a collection of one; a gene list that is not there is an error, not ignored; gene_id_column with
+    a single table names the collection of one that takes it."""
+    d, expected = sources
+    cell_ids, gene_ids, x = expected["current"]
+    (tmp_path / "genes.txt").write_text(f"{gene_ids[7]}\n{gene_ids[2]}.9\n")
+    read = InputOptions(genes=str(tmp_path / "genes.txt"))
+    materialize(d / "current.h5ad", tmp_path / "list", read=read, progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "list")
+    assert ds.features["ensembl_id"].tolist() == [gene_ids[7], gene_ids[2]]
+    assert ds.cell_ids.tolist() == cell_ids
+    np.testing.assert_array_equal(_dense(ds, range(200)), x.toarray()[:, [7, 2]])
+    assert ds.presence.dataset_ids == ("current",)
+    read = InputOptions(genes="intersection", gene_id_column="ensembl_id")
+    materialize(d / "current.h5ad", tmp_path / "all", read=read, progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "all")
+    assert ds.features["ensembl_id"].tolist() == gene_ids
+    np.testing.assert_array_equal(_dense(ds, range(200)), x.toarray())
+    with pytest.raises(oj.OmicsIOError, match="gene list .*nope.parquet not found: --genes"):
+        materialize(
+            d / "current.h5ad",
+            tmp_path / "bad",
+            read=InputOptions(genes=tmp_path / "nope.parquet"),
+            progress=False,
+        )
+    with pytest.raises(
+        oj.OmicsIOError, match=r"give it as a collection of one: materialize\(\[.*plate.parquet'\]"
+    ):
+        materialize(
+            d / "plate.parquet",
+            tmp_path / "bad",
+            read=InputOptions(gene_id_column="ensembl_id"),
+            progress=False,
+        )
+    assert not (tmp_path / "bad").exists()
+
+
+def test_uint64_obs_keep_their_values_beyond_int64(tmp_path):
+    import anndata as ad
+
+    values = np.arange(3, dtype=np.uint64) + np.uint64(2**63)
+    obs = pd.DataFrame({"hash": values}, index=["a", "b", "c"])
+    path = _h5ad(tmp_path / "u.h5ad", np.eye(3), pd.DataFrame(index=[_ensg(i) for i in range(3)]), obs=obs)
+    assert ad.read_h5ad(path).obs["hash"].dtype == np.uint64
+    materialize(path, tmp_path / "one", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "one")
+    np.testing.assert_array_equal(ds.obs["hash"], values)
+    assert ds.obs["hash"].dtype == np.uint64
+    np.testing.assert_array_equal(ds.rows_where("hash", [int(values[1])]), [1])
+    sources = Sources((str(path), str(path)), ("x", "y"))
+    materialize(sources, tmp_path / "two", progress=False, workers=1)
+    np.testing.assert_array_equal(oj.open_dataset(tmp_path / "two").obs["hash"], np.tile(values, 2))
