@@ -229,6 +229,23 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
     assert (noted in capsys.readouterr().err) is not use_raw
 
 
+def _write_zarr(adata, path, zarr_format: int):
+    """``adata`` written as a zarr store of ``zarr_format`` (2 or 3), and anndata's reading of it."""
+    import anndata as ad
+
+    before = ad.settings.zarr_write_format
+    ad.settings.zarr_write_format = zarr_format
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Writing zarr v2 data", UserWarning)  # v2: on purpose
+            warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
+            warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
+            adata.write_zarr(path)
+            return ad.read_zarr(path)
+    finally:
+        ad.settings.zarr_write_format = before
+
+
 @pytest.mark.parametrize("store", ["h5ad", "zarr"])
 def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
     """Cell ids, string and categorical obs columns (a nullable one with a missing value), the var
@@ -252,16 +269,7 @@ def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
         adata.write_h5ad(path)
         back = ad.read_h5ad(path)
     else:
-        before = ad.settings.zarr_write_format
-        ad.settings.zarr_write_format = 3
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
-                warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
-                adata.write_zarr(path)
-                back = ad.read_zarr(path)
-        finally:
-            ad.settings.zarr_write_format = before
+        back = _write_zarr(adata, path, 3)
     materialize(path, tmp_path / "out", obs=["cell_type", "note", "site"], progress=False)
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.cell_ids.tolist() == back.obs_names.tolist() == ["zellé-1", "細胞-2", "c3"]
@@ -640,17 +648,7 @@ def test_anndata_zarr_stores_read_as_anndata_reads_them(corpus_table, tmp_path, 
         {"gene_ids": [f"ENSG{i:011d}" for i in range(2000)]}, index=[f"G{i}" for i in range(2000)]
     )
     adata = ad.AnnData(X=sp.csr_matrix((values, indices, indptr), shape=(300, 2000)), obs=obs, var=var)
-    before = ad.settings.zarr_write_format
-    ad.settings.zarr_write_format = zarr_format
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Writing zarr v2 data", UserWarning)  # v2: on purpose
-            warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
-            warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
-            adata.write_zarr(tmp_path / "x.zarr")
-            back = ad.read_zarr(tmp_path / "x.zarr")
-    finally:
-        ad.settings.zarr_write_format = before
+    back = _write_zarr(adata, tmp_path / "x.zarr", zarr_format)
     adata.write_h5ad(tmp_path / "x.h5ad")
     materialize(tmp_path / "x.zarr", tmp_path / "z", progress=False, read=InputOptions(batch_cells=128))
     materialize(tmp_path / "x.h5ad", tmp_path / "h", progress=False, read=InputOptions(batch_cells=128))
@@ -776,17 +774,7 @@ def test_a_csc_matrix_in_a_zarr_store_reads_as_anndata_reads_it(tmp_path, zarr_f
 
     x = sp.random(20, 5, density=0.5, format="csc", random_state=0, dtype=np.float32)
     x.data = np.ceil(x.data * 9)
-    before = ad.settings.zarr_write_format
-    ad.settings.zarr_write_format = zarr_format
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Writing zarr v2 data", UserWarning)  # v2: on purpose
-            warnings.filterwarnings("ignore", "zarr v3 autosharding", UserWarning)  # the default, as is
-            warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)  # anndata writes it
-            ad.AnnData(X=x).write_zarr(tmp_path / "x.zarr")
-            back = ad.read_zarr(tmp_path / "x.zarr")
-    finally:
-        ad.settings.zarr_write_format = before
+    back = _write_zarr(ad.AnnData(X=x), tmp_path / "x.zarr", zarr_format)
     assert sp.issparse(back.X) and back.X.format == "csc"
     materialize(tmp_path / "x.zarr", tmp_path / "out", progress=False, read=InputOptions(batch_cells=8))
     expected = back.X.tocsr()
