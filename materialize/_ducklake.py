@@ -45,8 +45,10 @@ from ._ducklake_catalog import PREFIX, Catalog, LakeTable, lineage, resolve, spl
 from ._ducklake_read import LakeReader, Run
 from ._plan import Partition
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
+from ._tables import check_derived_gene_space
 
 GENE_TABLE = "gene_metadata"
+SMALL_BATCH = 256  # cells: smaller batches are joined (each batch costs the writer a fixed overhead)
 
 
 def is_ducklake(spec) -> bool:
@@ -95,8 +97,8 @@ class DuckLakeSource(Source):
             keep = self._reader.kept(piece)
             if keep is not None:
                 self._kept[piece] = np.packbits(keep)
-        for piece, lo, hi in self._runs:
-            counts[(piece, lo)] = self._count(piece, lo, hi)
+        for piece, lo, hi, mask in self._masked_runs():
+            counts[(piece, lo)] = hi - lo if mask is None else int(mask[lo:hi].sum())
         self.num_cells = sum(counts.values())
         self.description = {
             "kind": "ducklake",
@@ -169,6 +171,7 @@ class DuckLakeSource(Source):
         for batch in self.batches([]):
             if len(batch.tokens):
                 top = max(top, int(batch.tokens.max()))
+        check_derived_gene_space(top, self.label)
         return pa.table({GENE_COLUMN: pa.array(np.arange(top + 1, dtype=np.int32))})
 
     def __getstate__(self) -> dict:
@@ -186,20 +189,24 @@ class DuckLakeSource(Source):
         )
         return np.unpackbits(packed, count=piece_rows).astype(bool)
 
-    def _count(self, piece: int, lo: int, hi: int) -> int:
-        mask = self._mask(piece)
-        return hi - lo if mask is None else int(mask[lo:hi].sum())
+    def _masked_runs(self) -> Iterator[tuple[int, int, int, np.ndarray | None]]:
+        """The runs with their piece's kept rows (None: all), each mask unpacked once: a piece's runs
+        need not be adjacent (row ids that interleave)."""
+        last = {piece: n for n, (piece, _, _) in enumerate(self._runs)}
+        masks: dict[int, np.ndarray | None] = {}
+        for n, (piece, lo, hi) in enumerate(self._runs):
+            if piece not in masks:
+                masks[piece] = self._mask(piece)
+            yield piece, lo, hi, masks[piece]
+            if last[piece] == n:
+                del masks[piece]
 
     def plan(self, shard_cells: int) -> list[Partition]:
         """Shard-aligned partitions over the runs: each span is (piece, first position, end position)."""
         out: list[Partition] = []
         spans: list[Run] = []
         first = filled = 0
-        masks: dict[int, np.ndarray | None] = {}
-        for piece, lo, hi in self._runs:
-            if piece not in masks:
-                masks = {piece: self._mask(piece)}
-            mask = masks[piece]
+        for piece, lo, hi, mask in self._masked_runs():
             kept = None if mask is None else np.flatnonzero(mask[lo:hi]) + lo
             left = hi - lo if kept is None else len(kept)
             a, used = lo, 0
@@ -225,34 +232,54 @@ class DuckLakeSource(Source):
             )
         )
         con = connect(threads) if self._where else None
-        deleted: dict[int, np.ndarray] = {}
-        for piece, lo, hi in spans:
-            if piece not in deleted:
-                deleted = {piece: self._dropped(piece)}
-            drop = deleted[piece]
-            for first, rb in self._reader.read(
-                piece, lo, hi, names, batch_cells=self._batch_cells, threads=threads
-            ):
-                positions = np.arange(first, first + rb.num_rows)
-                keep = np.ones(rb.num_rows, bool) if drop is None else ~drop[first : first + rb.num_rows]
-                if self._where:
-                    keep &= self._reader.passes(rb, con)
-                if not keep.all():
-                    rb, positions = rb.filter(pa.array(keep)), positions[keep]
-                if rb.num_rows:
-                    yield self._to_batch(rb, obs, piece, positions)
+        last = {piece: n for n, (piece, _, _) in enumerate(spans)}
+        ends: dict[int, int] = {}
+        for piece, _, hi in spans:
+            ends[piece] = max(ends.get(piece, 0), hi)
+        open_: dict[int, tuple[Cursor, np.ndarray | None]] = {}  # piece → its scan and dropped rows
+        held: list[Batch] = []  # small batches (short spans of pieces that interleave), to be joined
+        held_cells = 0
+        try:
+            for n, (piece, lo, hi) in enumerate(spans):
+                if piece not in open_:
+                    cursor = Cursor(self._reader, piece, names, ends[piece], self._batch_cells, threads)
+                    open_[piece] = (cursor, self._dropped(piece))
+                cursor, drop = open_[piece]
+                for first, rb in cursor.read(lo, hi):
+                    positions = np.arange(first, first + rb.num_rows)
+                    keep = np.ones(rb.num_rows, bool) if drop is None else ~drop[first : first + rb.num_rows]
+                    if self._where:
+                        keep &= self._reader.passes(rb, con)
+                    if not keep.all():
+                        rb, positions = rb.filter(pa.array(keep)), positions[keep]
+                    if not rb.num_rows:
+                        continue
+                    batch = self._to_batch(rb, obs, piece, positions)
+                    if batch.num_cells >= SMALL_BATCH:
+                        if held:
+                            yield _joined_batches(held)
+                            held, held_cells = [], 0
+                        yield batch
+                        continue
+                    held.append(batch)
+                    held_cells += batch.num_cells
+                    if held_cells >= SMALL_BATCH:
+                        yield _joined_batches(held)
+                        held, held_cells = [], 0
+                if last[piece] == n:
+                    open_.pop(piece)[0].close()
+            if held:
+                yield _joined_batches(held)
+        finally:
+            for cursor, _ in open_.values():
+                cursor.close()
 
     def _dropped(self, piece: int) -> np.ndarray | None:
         """The rows of a piece dropped before ``where``: deleted, or committed after the snapshot."""
         if piece == self._reader.inlined:
             return None
-        if self._reader.deletes[piece] is None and not self.lake.files[piece].partial:
-            return None
-        visible = self._reader.visible(piece)
-        keep = np.ones(self.lake.files[piece].record_count, bool) if visible is None else visible
-        if self._reader.deletes[piece] is not None:
-            keep[self._reader.deletes[piece]] = False
-        return ~keep
+        alive = self._reader.alive(piece)
+        return None if alive is None else ~alive
 
     def _to_batch(self, rb: pa.RecordBatch, obs: list[str], piece: int, positions: np.ndarray) -> Batch:
         locate = _Rows(self._reader.label(piece), positions, rb.column(self._cell_id_column))
@@ -268,6 +295,71 @@ class DuckLakeSource(Source):
         return Batch.from_arrow(
             gene_ptr, genes, value_ptr, values, cell_ids, {n: rb.column(n) for n in obs}, locate
         )
+
+
+class Cursor:
+    """One piece's rows ``[.., end)`` read span by span: a span at or after the last one read goes on
+    with the same scan, so the many short spans of pieces whose row ids interleave cost one pass over
+    the piece, not one scan each."""
+
+    def __init__(self, reader: LakeReader, piece: int, names: list[str], end: int, batch_cells, threads):
+        self._reader, self._piece, self._names, self._end = reader, piece, names, end
+        self._batch_cells, self._threads = batch_cells, threads
+        self._scan: Iterator[tuple[int, pa.RecordBatch]] | None = None
+        self._at, self._rb = 0, None  # the first position of the batch held (or of the next one)
+
+    def read(self, lo: int, hi: int) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """Positions ``[lo, hi)`` as (first position, batch)."""
+        if self._scan is None or lo < self._at:
+            self.close()
+            self._scan = self._reader.read(
+                self._piece, lo, self._end, self._names, batch_cells=self._batch_cells, threads=self._threads
+            )
+            self._at, self._rb = lo, None
+        while True:
+            if self._rb is None:
+                got = next(self._scan, None)
+                if got is None:
+                    return
+                self._at, self._rb = got
+            end = self._at + self._rb.num_rows
+            a, b = max(lo, self._at), min(hi, end)
+            if a < b:
+                yield a, self._rb.slice(a - self._at, b - a)
+            if end > hi:
+                return
+            self._at, self._rb = end, None
+            if end == hi:
+                return
+
+    def close(self) -> None:
+        if self._scan is not None:
+            self._scan.close()
+        self._scan, self._rb = None, None
+
+
+def _joined_batches(batches: list[Batch]) -> Batch:
+    """Consecutive batches as one (their columns have the snapshot's types)."""
+    if len(batches) == 1:
+        return batches[0]
+    starts = np.cumsum([0, *(b.num_cells for b in batches)])
+    nnz = np.cumsum([0, *(int(b.indptr[-1]) for b in batches)])
+    indptr = np.concatenate(
+        [np.zeros(1, np.int64), *(b.indptr[1:] + n for b, n in zip(batches, nnz, strict=False))]
+    )
+
+    def locate(i: int) -> str:
+        k = int(np.searchsorted(starts, i, side="right")) - 1
+        return batches[k].locate(i - int(starts[k]))
+
+    return Batch(
+        indptr,
+        np.concatenate([b.tokens for b in batches]),
+        np.concatenate([b.values for b in batches]),
+        pa.concat_arrays([b.cell_ids for b in batches]),
+        {n: pa.concat_arrays([b.obs[n] for b in batches]) for n in batches[0].obs},
+        locate,
+    )
 
 
 def _joined(spans: list[Run]) -> tuple[Run, ...]:

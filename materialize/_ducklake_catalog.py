@@ -100,8 +100,8 @@ class DataFile:
     row_id_start: int | None
     partial: str | None
     names: dict[int, str] | None
-    partition: dict[int, str]
-    constants: dict[str, str]
+    partition: dict[int, str | None]  # None: a NULL partition value
+    constants: dict[str, str | None]
     delete: DeleteFile | None
 
 
@@ -347,7 +347,7 @@ def _files(catalog: Catalog, table_id: int, s: int, folder: str, columns: list[C
         )
     }
     by_id = {c.column_id: c for c in columns}
-    parts: dict[int, dict[int, str]] = {}
+    parts: dict[int, dict[int, str | None]] = {}
     for fid, key, value in catalog.rows(
         "SELECT v.data_file_id, c.column_id, v.partition_value FROM ducklake_file_partition_value v "
         "JOIN ducklake_data_file f USING (data_file_id) JOIN ducklake_partition_column c "

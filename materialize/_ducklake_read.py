@@ -1,14 +1,18 @@
 """The rows of a resolved DuckLake table (`_ducklake_catalog.LakeTable`), read from its parquet files
 and inlined rows by pyarrow, in row-id order.
 
-A table's rows are its data files' rows and its inlined rows. Every row has a row id (a file's
-``row_id_start`` + position, or the ``_ducklake_internal_row_id`` column of a file that merged
-several commits; an inlined row's ``row_id``), unique in the table and unchanged by compaction, so
-reading the rows of a snapshot in row-id order gives the same sequence however the files were
-later rewritten. The order is kept by *runs*: stretches of consecutive positions of one file (or
-of the inlined rows) with consecutive row ids, sorted by their first row id (usually one run per
-file). A row is kept when it is visible at the snapshot (a merged file's rows carry their commit's
-snapshot), not deleted (the file's delete file lists positions) and, with ``where``, passes it.
+A table's rows are its data files' rows and its inlined rows. Every row has a row id (an inlined
+row's ``row_id``; a file's ``_ducklake_internal_row_id`` column where it has one, as the files
+written by UPDATE, ``ducklake_merge_adjacent_files`` and ``ducklake_rewrite_data_files`` do, else
+``row_id_start`` + position), unique among the rows of a snapshot and unchanged by UPDATE and
+compaction, so reading the rows of a snapshot in row-id order gives the same sequence however the
+files were later rewritten. The order is kept by *runs*: stretches of positions of one file (or of
+the inlined rows) with consecutive row ids, sorted by their first row id (usually one run per
+file). Where the row ids of pieces interleave (an UPDATE's new file and the rows it replaced,
+deleted from the old one), those pieces' runs are cut at their dead rows, then rejoined where
+nothing falls between. A row is *alive* when it is visible at the snapshot (a merged file's rows
+carry their commit's snapshot) and not deleted (the file's delete file lists positions); it is
+kept when alive and, with ``where``, passing it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ._tables import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
 FIELD_ID = b"PARQUET:field_id"
 PARQUET_MAGIC = b"PAR1"
+TAIL_BYTES = 1 << 16  # read at the end of a data file: its footer, in one request on object storage
 
 Run = tuple[int, int, int]  # (piece, first position, end position): piece len(files) is the inlined rows
 
@@ -43,6 +48,7 @@ class LakeReader:
         self.where_columns = self._bind_where() if where else []
         self.deletes: list[np.ndarray | None] = [None] * len(lake.files)
         self.pruned: set[int] = set()
+        self.with_row_ids: set[int] = set()  # files whose footer names INTERNAL_ROW_ID (set by check_files)
 
     @property
     def inlined(self) -> int:
@@ -102,28 +108,33 @@ class LakeReader:
 
     def check_files(self) -> None:
         """Every data and delete file still read is there, with the size (and footer size) the
-        catalog recorded; then the deleted positions are read."""
+        catalog recorded; then the deleted positions are read. A data file whose footer names
+        `INTERNAL_ROW_ID` has its row ids there (`runs` reads the column; a name that is only in
+        the footer's metadata reads as absent there)."""
+        marker = INTERNAL_ROW_ID.encode()
         for i, f in enumerate(self.lake.files):
             if i in self.pruned:
                 continue
-            self._check(f.path, f.file_size_bytes, f.footer_size, "data file")
+            if marker in self._check(f.path, f.file_size_bytes, f.footer_size, "data file", TAIL_BYTES):
+                self.with_row_ids.add(i)
             if f.delete is not None:
                 self._check(f.delete.path, f.delete.file_size_bytes, f.delete.footer_size, "delete file")
                 self.deletes[i] = self._read_deletes(f)
 
-    def _check(self, path: str, size: int | None, footer: int | None, what: str) -> None:
+    def _check(
+        self, path: str, size: int | None, footer: int | None, what: str, tail_bytes: int = 8
+    ) -> bytes:
+        """The file's last bytes: its footer too, with ``tail_bytes`` > 8 (one more read where it is longer)."""
         where = f"{what} {path} of {self.lake.describe()}"
         try:
             if is_remote(path):
                 with as_input_path(path).open() as handle:
                     actual = handle.size
-                    handle.seek(max(actual - 8, 0))
-                    tail = handle.read(8)
+                    tail = _tail(handle, actual, tail_bytes)
             else:
                 actual = os.path.getsize(path)
                 with open(path, "rb") as handle:
-                    handle.seek(max(actual - 8, 0))
-                    tail = handle.read(8)
+                    tail = _tail(handle, actual, tail_bytes)
         except (OSError, FileNotFoundError) as e:
             msg = f"{where} is missing ({e.__class__.__name__}); restore it, or materialize a snapshot that does not use it"
             raise DataValidationError(msg) from e
@@ -138,13 +149,16 @@ class LakeReader:
                 "committed; restore the committed file, or materialize a snapshot that does not use it"
             )
             raise DataValidationError(msg)
-        stored = int.from_bytes(tail[:4], "little") if len(tail) == 8 and tail[4:] == PARQUET_MAGIC else None
+        stored = (
+            int.from_bytes(tail[-8:-4], "little") if len(tail) >= 8 and tail[-4:] == PARQUET_MAGIC else None
+        )
         if footer is not None and stored != footer:
             msg = (
                 f"{where} has a parquet footer of {stored} bytes but the catalog recorded {footer}: it changed "
                 "since it was committed; restore the committed file, or materialize a snapshot that does not use it"
             )
             raise DataValidationError(msg)
+        return tail
 
     def _read_deletes(self, f: DataFile) -> np.ndarray:
         try:
@@ -164,21 +178,46 @@ class LakeReader:
     # -- runs and kept rows ------------------------------------------------------------------------
 
     def runs(self) -> list[Run]:
-        """Every (unpruned) piece's runs, in row-id order."""
-        keyed: list[tuple[int, int, Run]] = []
+        """Every (unpruned) piece's runs, in row-id order (after `check_files`)."""
+        pieces: dict[int, np.ndarray | int] = {}  # piece → its row ids, or the first of consecutive ones
         for i, f in enumerate(self.lake.files):
             if i in self.pruned or f.record_count == 0:
                 continue
-            ids = self._internal(i, INTERNAL_ROW_ID) if f.partial else None
-            if ids is None:
-                start = f.row_id_start if f.row_id_start is not None else (1 << 62) + f.data_file_id
-                keyed.append((start, i, (i, 0, f.record_count)))
-            else:
-                keyed += [(int(ids[a]), i, (i, a, b)) for a, b in _consecutive(ids)]
-        ids = self.lake.inlined.column(ROW_ID).to_numpy()
-        keyed += [(int(ids[a]), self.inlined, (self.inlined, a, b)) for a, b in _consecutive(ids)]
+            ids = self._internal(i, INTERNAL_ROW_ID) if i in self.with_row_ids else None
+            if ids is not None:
+                pieces[i] = ids.astype(np.int64, copy=False)
+            elif f.row_id_start is not None:
+                pieces[i] = f.row_id_start
+            else:  # no row ids at all (never written so): after every other row, by file
+                pieces[i] = (1 << 62) + (f.data_file_id << 32)
+        if self.lake.inlined.num_rows:
+            pieces[self.inlined] = self.lake.inlined.column(ROW_ID).to_numpy()
+        spans = {
+            p: (ids, ids + self._rows(p) - 1) if isinstance(ids, int) else (int(ids.min()), int(ids.max()))
+            for p, ids in pieces.items()
+        }
+        interleaved = _overlapping(spans)
+        keyed: list[tuple[int, int, int, Run]] = []  # (first row id, piece, run's index in the piece, run)
+        for p, ids in pieces.items():
+            if isinstance(ids, int) and p not in interleaved:
+                keyed.append((ids, p, 0, (p, 0, self._rows(p))))
+                continue
+            if isinstance(ids, int):
+                ids = np.arange(ids, ids + self._rows(p), dtype=np.int64)
+            alive = self.alive(p) if p in interleaved and p != self.inlined else None
+            runs = _consecutive(ids, alive)
+            keyed += [(int(ids[a]), p, k, (p, a, b)) for k, (a, b) in enumerate(runs)]
         keyed.sort()
-        return [run for _, _, run in keyed]
+        out: list[Run] = []
+        for n, (_, p, k, (_, a, b)) in enumerate(keyed):
+            if out and out[-1][0] == p and keyed[n - 1][2] == k - 1:  # the piece's next run: rejoined
+                out[-1] = (p, out[-1][1], b)
+            else:
+                out.append((p, a, b))
+        return out
+
+    def _rows(self, piece: int) -> int:
+        return self.lake.inlined.num_rows if piece == self.inlined else self.lake.files[piece].record_count
 
     def _internal(self, piece: int, name: str) -> np.ndarray | None:
         f = self.lake.files[piece]
@@ -203,14 +242,17 @@ class LakeReader:
         upto = max((n for s, n in counts if s <= self.lake.snapshot), default=0)
         return np.arange(f.record_count) < upto
 
+    def alive(self, piece: int) -> np.ndarray | None:
+        """The rows of a data file visible at the snapshot and not deleted (None: all)."""
+        keep = self.visible(piece)
+        if self.deletes[piece] is not None:
+            keep = np.ones(self.lake.files[piece].record_count, bool) if keep is None else keep
+            keep[self.deletes[piece]] = False
+        return keep
+
     def kept(self, piece: int) -> np.ndarray | None:
         """The rows of a piece kept (None: all), reading the columns ``where`` needs if it has one."""
-        keep = None
-        if piece < self.inlined:
-            keep = self.visible(piece)
-            if self.deletes[piece] is not None:
-                keep = np.ones(self.lake.files[piece].record_count, bool) if keep is None else keep
-                keep[self.deletes[piece]] = False
+        keep = self.alive(piece) if piece < self.inlined else None
         if self.where:
             passed = [self.passes(rb) for _, rb in self.read(piece, 0, None, self.where_columns)]
             mask = np.concatenate(passed) if passed else np.zeros(0, bool)
@@ -301,10 +343,9 @@ class LakeReader:
         """One value of a column a file does not store: its partition value, else the column's
         initial default (null without one)."""
         value = f.partition.get(column.column_id, column.initial_default)
-        literal = "NULL" if value is None else _literal(value)
         return (
             duckdb.connect()
-            .sql(f"SELECT CAST({literal} AS {column.sql_type}) AS v")
+            .sql(f"SELECT CAST({_literal(value)} AS {column.sql_type}) AS v")
             .to_arrow_table()
             .column(0)
             .combine_chunks()
@@ -313,9 +354,9 @@ class LakeReader:
     def read_all(self, names: list[str] | None = None) -> pa.Table:
         """Every kept row (a small table: the gene table), in row-id order."""
         names = list(self.types) if names is None else names
-        pieces = []
+        pieces, kept = [], {}
         for piece, lo, hi in self.runs():
-            keep = self.kept(piece)
+            keep = kept[piece] if piece in kept else kept.setdefault(piece, self.kept(piece))
             for first, rb in self.read(piece, lo, hi, names):
                 if keep is not None:
                     rb = rb.filter(pa.array(keep[first : first + rb.num_rows]))
@@ -329,8 +370,9 @@ def _open(path: str):
     return as_input_path(path).open() if is_remote(path) else path
 
 
-def _literal(value: str) -> str:
-    return "'" + str(value).replace("'", "''") + "'"
+def _literal(value: str | None) -> str:
+    """A partition value or default as SQL: None (a NULL partition value) is NULL, not 'None'."""
+    return "NULL" if value is None else "'" + str(value).replace("'", "''") + "'"
 
 
 def _field_names(schema: pa.Schema, mapping: dict[int, str] | None) -> dict[int, str]:
@@ -361,10 +403,41 @@ def _conform(array: pa.Array, target: pa.DataType) -> pa.Array:
     return array.cast(target)
 
 
-def _consecutive(ids: np.ndarray) -> list[tuple[int, int]]:
-    """Position ranges over which ``ids`` go up by one."""
+def _tail(handle, size: int, count: int) -> bytes:
+    """The last ``count`` bytes of a file (all of them if fewer), and its whole parquet footer."""
+    handle.seek(max(size - count, 0))
+    tail = handle.read(count)
+    footer = int.from_bytes(tail[-8:-4], "little") + 8 if count > 8 and tail[-4:] == PARQUET_MAGIC else 0
+    if len(tail) < footer <= size:
+        handle.seek(size - footer)
+        tail = handle.read(footer)
+    return tail
+
+
+def _overlapping(spans: dict[int, tuple[int, int]]) -> set[int]:
+    """The pieces whose row-id span (first, last) meets another's."""
+    order = sorted(spans, key=lambda p: spans[p])
+    out, reach = set(), None  # reach: the largest last row id of the pieces before
+    for n, p in enumerate(order):
+        first, last = spans[p]
+        if (reach is not None and reach >= first) or (n + 1 < len(order) and spans[order[n + 1]][0] <= last):
+            out.add(p)
+        reach = last if reach is None else max(reach, last)
+    return out
+
+
+def _consecutive(ids: np.ndarray, alive: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """Position ranges over which ``ids`` go up by one (with ``alive``: of alive rows only, cut at
+    every dead one)."""
     if len(ids) == 0:
         return []
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    edges = [0, *cuts.tolist(), len(ids)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
+    if alive is None:
+        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+        edges = [0, *cuts.tolist(), len(ids)]
+        return list(zip(edges[:-1], edges[1:], strict=True))
+    at = np.flatnonzero(alive)
+    if len(at) == 0:
+        return []
+    cuts = np.flatnonzero((np.diff(at) != 1) | (np.diff(ids[at]) != 1)) + 1
+    starts, ends = at[np.r_[0, cuts]], at[np.r_[cuts - 1, len(at) - 1]] + 1
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))

@@ -20,6 +20,7 @@ gene table, and at last the manifest.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ from omicsio_jax.format import (
 )
 
 from ._partition import (
+    CELL_ID,
     N_COUNTS,
     N_GENES,
     PART_CELLS,
@@ -56,7 +58,7 @@ from ._partition import (
     read_part,
 )
 from ._plan import Partition
-from ._sidecars import CellIdWriter, NumericWriter, make_obs_writer
+from ._sidecars import CellIdWriter, NumericWriter, check_obs_name, make_obs_writer
 
 FEATURES_NAME = "features.parquet"
 
@@ -151,8 +153,19 @@ class Finalizer:
         else:  # object storage: sidecars are downloaded here, the dataset's own files written here
             self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
             self.root = Path(self._scratch.name)
+        fields = job.obs_fields
+        for name in fields.values():
+            check_obs_name(name, job.source.label)
+        if fields.get(CELL_ID, CELL_ID) != CELL_ID:
+            column = job.source.description.get("cell_id_column")
+            ids = f"column {column} (--cell-id)" if column else "its obs index"
+            print(
+                f"materialize: obs column {CELL_ID} of {job.source.label} kept as {fields[CELL_ID]}: "
+                f"the dataset's cell ids come from {ids}",
+                file=sys.stderr,
+            )
         (self.root / "obs").mkdir(parents=True, exist_ok=True)
-        obs_types = {name: job.source.obs_columns[name] for name in job.obs}
+        obs_types = {fields[name]: job.source.obs_columns[name] for name in job.obs}
         if job.stats:  # the cells' own statistics, computed by the partitions
             obs_types |= {N_COUNTS: pa.float64(), N_GENES: pa.int32()}
         self._writers = [make_obs_writer(self.root / "obs", name, kind) for name, kind in obs_types.items()]
@@ -219,7 +232,7 @@ class Finalizer:
             for name in self.job.sidecars:
                 self.store.download(f"{part_dir(done.index)}/{name}", sidecar / name)
         table = pq.ParquetFile(sidecar / PART_CELLS).read()  # read_table would import pyarrow.dataset: 0.2 s
-        self._cell_ids.append(table.column("cell_id").combine_chunks())
+        self._cell_ids.append(table.column(CELL_ID).combine_chunks())
         for writer in self._writers:
             writer.append(table.column(writer.name).combine_chunks())
         if self.job.stats:

@@ -55,6 +55,8 @@ PART_STATS = "gene_stats.bin"
 N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cells
 _NO_ROWS = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))  # indptr, tokens, values
 PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
+CELL_ID = "cell_id"  # the part sidecar's cell id column (whatever the input's is named)
+INPUT_CELL_ID = "input_cell_id"  # the dataset's name of an input obs column named cell_id (`obs_fields`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,21 @@ class Job:
     threads: int | None = None  # DuckDB / numba threads per worker process (None: their defaults)
     presence: bool = False  # a further modality: record which cells have it (`Batch.present`)
     stats: bool = True  # corpus statistics: gene_stats.bin and obs n_counts / n_genes per partition
+
+    @property
+    def obs_fields(self) -> dict[str, str]:
+        """The dataset's name of each obs column, by its name in the input: its own, but for an
+        input column named ``cell_id`` beside the cell id column that ``--cell-id`` chose, kept as
+        ``input_cell_id`` (``input_cell_id_2``, ... if that is taken): the dataset's cell ids are
+        its ``cell_id``, and the part sidecar holds them under that name."""
+        fields = {name: name for name in self.obs}
+        if CELL_ID in fields:
+            taken, renamed, k = {*self.obs, N_COUNTS, N_GENES, PRESENT}, INPUT_CELL_ID, 1
+            while renamed in taken:
+                k += 1
+                renamed = f"{INPUT_CELL_ID}_{k}"
+            fields[CELL_ID] = renamed
+        return fields
 
     @property
     def num_columns(self) -> int:
@@ -250,10 +267,11 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
     sidecar.mkdir(parents=True, exist_ok=True)
     for stale in (sidecar / PART_DONE, sidecar / f".{PART_DONE}.tmp"):
         stale.unlink(missing_ok=True)
-    obs_types = {name: job.source.obs_columns[name] for name in job.obs}
+    fields = job.obs_fields
+    obs_types = {fields[name]: job.source.obs_columns[name] for name in job.obs}
     schema = pa.schema(
         [
-            ("cell_id", pa.string()),
+            (CELL_ID, pa.string()),
             *obs_types.items(),
             *([(N_COUNTS, pa.float64()), (N_GENES, pa.int32())] if job.stats else []),
             *([(PRESENT, pa.bool_())] if job.presence else []),
@@ -299,7 +317,10 @@ def _write_local(job: Job, part: Partition, root: Path, progress, scratch: Scrat
                 out=shards.buffer,  # straight into the memory the shard writer writes out
             )
             nnz += batch_nnz
-            columns = {"cell_id": batch.cell_ids, **{n: _cast(batch.obs[n], t) for n, t in obs_types.items()}}
+            columns = {
+                CELL_ID: batch.cell_ids,
+                **{fields[n]: _cast(batch.obs[n], obs_types[fields[n]]) for n in job.obs},
+            }
             if job.presence:
                 columns[PRESENT] = pa.array(
                     np.ones(batch.num_cells, bool) if batch.present is None else batch.present

@@ -264,6 +264,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     if out.exists() and not overwrite:
         msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
         raise OmicsIOError(msg)
+    if out.exists() and not out.is_dir():
+        msg = f"refusing to overwrite {str(out)!r}: it is a file, not a dataset directory; give another output path"
+        raise OmicsIOError(msg)
     if out.exists() and not (out / manifest).exists() and any(out.iterdir()):
         msg = f"refusing to overwrite {str(out)!r}: it is not empty and has no {manifest}"
         raise OmicsIOError(msg)

@@ -7,6 +7,7 @@ of cells; `finish` turns the raw file into its final form (``.npy``, categories 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from omicsio_jax.format import to_numpy, to_numpy_filled
+from omicsio_jax import OmicsIOError
+from omicsio_jax.format import sql_ident, to_numpy, to_numpy_filled
 
 from ._source import CATEGORICAL, obs_kind
 
@@ -41,12 +43,32 @@ def _write_npy(dest: Path, raw: Path, raw_dtype, out_dtype, num_rows: int, conve
     raw.unlink()
 
 
+def check_obs_name(name: str, label: str) -> None:
+    """An obs column's name is its sidecar's file name (``obs/<name>.npy``, ``obs/<name>.codes.npy``,
+    as the dataset reads it back): refuse a name that is no plain file name, so that nothing is
+    ever written outside ``obs/``."""
+    bad = next((c for c in ("/", "\\", "\0") if c in name), None)
+    too_long = len(f"{name}.categories.json".encode()) > 255
+    if bad is None and not too_long:
+        return
+    why = f"it holds {bad!r}" if bad is not None else "it is too long"
+    new = sql_ident(re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")[:64] or "obs")
+    old = sql_ident(name)
+    msg = (
+        f"obs column {name!r} of {label} cannot be stored: its name is the sidecar's file name "
+        f"(obs/<name>.npy) and {why}; rename it (a table: --query 'SELECT * EXCLUDE ({old}), "
+        f"{old} AS {new} FROM cells') or leave it out (--obs with the columns to keep)"
+    )
+    raise OmicsIOError(msg)
+
+
 class CategoricalWriter:
     """Strings, dictionaries or bools → int32 codes (-1 = missing) + sorted categories."""
 
     kind = CATEGORICAL
 
     def __init__(self, directory: Path, name: str):
+        check_obs_name(name, str(directory))
         self.name, self.directory = name, directory
         self._raw = directory / f"{name}.codes.raw"
         self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
@@ -102,6 +124,7 @@ class NumericWriter:
     num_categories = None
 
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
+        check_obs_name(name, str(directory))
         self.name, self.directory = name, directory
         self._is_int = pa.types.is_integer(dtype)
         integers = np.uint64 if pa.types.is_uint64(dtype) else np.int64

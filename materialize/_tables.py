@@ -112,6 +112,17 @@ def tahoe_gene_table(table: pa.Table) -> pa.Table:
     return table.rename_columns([renames.get(n, n) for n in table.column_names])
 
 
+def check_derived_gene_space(top: int | None, label: str) -> None:
+    """Without a gene table the genes are the token ids 0..``top`` (the largest seen): refuse a
+    ``top`` outside int32 before that gene space is allocated (2^40 would ask for 4 TiB)."""
+    if top is not None and int(top) > np.iinfo(np.int32).max:
+        msg = (
+            f"{GENE_COLUMN} {int(top)} in {label} is outside 0..2^31-1; without a gene table the genes "
+            f"are the ids 0..{int(top)}: give a gene table with --genes, or fix the id"
+        )
+        raise DataValidationError(msg)
+
+
 def check_no_special_tokens(table: pa.Table, label: str) -> None:
     """A Tahoe gene table holding token 0, 1 or 2 is 0-based (or not Tahoe's): columns would shift."""
     tokens = table.column(GENE_COLUMN).to_numpy()
@@ -276,6 +287,7 @@ class TableSource(Source):
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
         first = TAHOE_NUM_SPECIALS if self.layout == TAHOE_LAYOUT else 0
+        check_derived_gene_space(top, self.label)
         self.description["genes"] = None
         tokens = np.arange(first, 0 if top is None else max(first, int(top) + 1), dtype=np.int32)
         return pa.table({GENE_COLUMN: pa.array(tokens)})
@@ -429,7 +441,7 @@ class TableSource(Source):
         located = FILENAME_COLUMN in self.schema.names and FILE_ROW_COLUMN in self.schema.names
         if located:
             columns += [FILENAME_COLUMN, FILE_ROW_COLUMN]
-        select = ", ".join(f'"{c}"' for c in columns)
+        select = ", ".join(sql_ident(c) for c in columns)
         first_row = 0 if part is None else part.first_cell
         try:
             reader = con.sql(f"SELECT {select} FROM ({sql})").to_arrow_reader(

@@ -5,8 +5,10 @@ Run by ``.venv-ducklake/bin/python`` (DuckDB 1.4.4 with the extension, see scrip
     _ducklake_lake.py CATALOG DATA_DIR RECORD_DIR build     the history of `build`, recorded
     _ducklake_lake.py CATALOG DATA_DIR RECORD_DIR more      a later insert (RECORD_DIR/inserted.parquet)
     _ducklake_lake.py CATALOG DATA_DIR - compact            ducklake_merge_adjacent_files
+    _ducklake_lake.py CATALOG DATA_DIR RECORD_DIR updates   the history of `updates`, recorded
+    _ducklake_lake.py CATALOG DATA_DIR RECORD_DIR rewrite   ducklake_rewrite_data_files, recorded
 
-CATALOG is a DuckDB file or ``sqlite:FILE``. After ``build``, RECORD_DIR holds
+CATALOG is a DuckDB file or ``sqlite:FILE``. After ``build`` (or ``updates``, ``rewrite``), RECORD_DIR holds
 ``snapshots.json`` (snapshot id → time, and which snapshots hold ``rna_cells``) and, for every such
 snapshot N, ``rna_cells-N.parquet``: ``SELECT rowid, * FROM rna_cells AT (VERSION => N) ORDER BY
 rowid`` as the extension returns it, plus ``lung-N.parquet`` with ``WHERE organ = 'lung'`` once the
@@ -58,15 +60,20 @@ def insert(con, rows: list[tuple], table: str = "rna_cells") -> None:
     con.execute(f"INSERT INTO {table} VALUES {values}")
 
 
-def build(con) -> None:
-    """Two inserts written as files, deletes, a renamed and an added column, an insert small enough
-    to be inlined in the catalog, a partitioned insert, deletes from files and from inlined rows."""
+def create_tables(con) -> None:
+    """The gene table and the empty cell table every lake starts from."""
     con.execute("CREATE TABLE gene_metadata (gene_token_id INTEGER, gene_name VARCHAR)")
     con.execute(f"INSERT INTO gene_metadata SELECT i, 'G' || i FROM range({NUM_GENES}) r(i)")
     con.execute(
         "CREATE TABLE rna_cells (cell_id VARCHAR, gene_token_id INTEGER[], gene_expression FLOAT[], "
         "tissue VARCHAR, dataset VARCHAR)"
     )
+
+
+def build(con) -> None:
+    """Two inserts written as files, deletes, a renamed and an added column, an insert small enough
+    to be inlined in the catalog, a partitioned insert, deletes from files and from inlined rows."""
+    create_tables(con)
     insert(con, cells(1, "a", 300, ["lung", "liver", "brain"]))
     insert(con, cells(2, "b", 200, ["liver", "lung"]))
     con.execute("DELETE FROM rna_cells WHERE cell_id IN ('a0003', 'a0100', 'a0299', 'b0000', 'b0150')")
@@ -76,6 +83,25 @@ def build(con) -> None:
     con.execute("ALTER TABLE rna_cells SET PARTITIONED BY (organ)")
     insert(con, [(*r, i) for i, r in enumerate(cells(4, "d", 120, ["lung", "liver", "brain"]))])
     con.execute("DELETE FROM rna_cells WHERE cell_id IN ('c0001', 'd0004', 'd0005', 'a0004')")
+
+
+def updates(con) -> None:
+    """Two inserts written as files, a delete, UPDATEs of rows scattered over both (new files that
+    hold their rows' row ids), an UPDATE of a row updated before, one small enough to be inlined."""
+    create_tables(con)
+    insert(con, cells(1, "a", 150, ["lung", "liver", "brain"]))
+    insert(con, cells(2, "b", 100, ["liver", "lung"]))
+    con.execute("DELETE FROM rna_cells WHERE cell_id IN ('a0003', 'b0050')")
+    con.execute("UPDATE rna_cells SET tissue = 'kidney' WHERE right(cell_id, 1) = '7'")
+    con.execute(
+        "UPDATE rna_cells SET dataset = 'ds9', gene_expression = list_transform(gene_expression, v -> v * 2) "
+        "WHERE right(cell_id, 2) IN ('17', '40', '41', '42', '99') OR cell_id = 'a0000'"
+    )
+    con.execute("UPDATE rna_cells SET tissue = 'heart' WHERE cell_id IN ('a0060', 'b0027')")  # inlined
+
+
+def rewrite(con) -> None:
+    con.execute("CALL ducklake_rewrite_data_files('lake', delete_threshold => 0.0)")
 
 
 def more(con, out: pathlib.Path) -> None:
@@ -134,8 +160,9 @@ def main() -> None:
         con.execute(f"LOAD '{extension('sqlite_scanner')}'")
     con.execute(f"ATTACH 'ducklake:{catalog}' AS lake (DATA_PATH '{data}', DATA_INLINING_ROW_LIMIT 10)")
     con.execute("USE lake")
-    if phase == "build":
-        build(con)
+    recorded = {"build": build, "updates": updates, "rewrite": rewrite}
+    if phase in recorded:
+        recorded[phase](con)
         record(con, pathlib.Path(out))
     elif phase == "more":
         more(con, pathlib.Path(out))

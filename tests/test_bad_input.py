@@ -220,3 +220,65 @@ def test_valid_file_passes_for_reference(write, tmp_path):
         == 0
     )
     assert np.load(tmp_path / "out" / "obs" / "drug.codes.npy").tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("command", [[], ["index"]])
+def test_overwrite_onto_a_file_is_refused_and_the_file_kept(write, capsys, tmp_path, command):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a dataset\n")
+    code = main([*command, str(path), str(notes), "--overwrite", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert (
+        err
+        == f"omicsio-materialize: error: refusing to overwrite {str(notes)!r}: it is a file, not a dataset directory; give another output path"
+    )
+    assert notes.read_text() == "not a dataset\n"
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+def test_cell_id_column_beside_another_id_column_is_kept_renamed(write, capsys, tmp_path):
+    table = _cells(GOOD, _values_like(GOOD))
+    table = table.append_column("barcode", pa.array([f"AC{i}" for i in range(4)]))
+    table = table.append_column("input_cell_id", pa.array([7, 8, 9, 10]))  # the first choice is taken
+    path = write(table)
+    out = tmp_path / "out"
+    argv = [str(path), str(out), "--cell-id", "barcode", "--genes", str(tmp_path / "genes.parquet")]
+    assert main([*argv, "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "obs column cell_id of" in err and "kept as input_cell_id_2" in err and "column barcode" in err
+    ds = oj.open_dataset(out)
+    assert ds.cell_ids.tolist() == ["AC0", "AC1", "AC2", "AC3"]
+    assert ds.obs["input_cell_id_2"].labels().tolist() == [f"cell{i:03d}" for i in range(4)]
+    assert np.asarray(ds.obs["input_cell_id"]).tolist() == [7, 8, 9, 10]
+    assert "cell_id" not in ds.obs
+
+
+@pytest.mark.parametrize("name", ["a/b", "../../escape", "x" * 250])
+def test_obs_name_that_is_no_file_name_is_refused(write, capsys, tmp_path, name):
+    table = _cells(GOOD, _values_like(GOOD)).append_column(name, pa.array(["x"] * 4))
+    err = _run_bad(capsys, tmp_path, write(table))
+    assert f"obs column {name!r} of" in err and "--obs" in err and "--query" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells.parquet", "genes.parquet"]
+
+
+def test_huge_gene_id_without_a_gene_table(write, capsys, tmp_path):
+    genes, values = list(GOOD), _values_like(GOOD)
+    genes[3] = [5, 2**40]
+    path = write(_cells(genes, values, gene_type=pa.int64()))
+    out = tmp_path / "out"
+    code = main([str(path), str(out), "--no-progress"])  # no gene table: the genes would be 0..2^40
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"gene_token_id 1099511627776 in {path} is outside 0..2^31-1" in err and "--genes" in err
+    assert not out.exists()
+
+
+def test_quoted_column_name_on_the_duckdb_path(write, tmp_path):
+    table = _cells(GOOD, _values_like(GOOD)).append_column('size "um"', pa.array([1.5, 2.5, 3.5, 4.5]))
+    path = write(table)
+    argv = [str(path), str(tmp_path / "out"), "--where", "cell_id <> 'cell001'", "--no-progress"]
+    assert main(argv) == 0
+    ds = oj.open_dataset(tmp_path / "out")
+    assert np.asarray(ds.obs['size "um"']).tolist() == [1.5, 3.5, 4.5]

@@ -291,3 +291,20 @@ def test_a_truncated_shard_read_by_the_loader_names_the_shard(dataset_dir, tmp_p
         ):
             for _ in loader:
                 pass
+
+
+def test_a_manifest_naming_a_file_outside_the_dataset_is_refused(dataset_dir, tmp_path):
+    """An obs column's name is part of its file's path: a manifest whose obs name climbs out of the
+    dataset (damaged, or not written by materialize) is refused, never read from outside it."""
+    (tmp_path / "escape.npy").write_bytes(b"")  # what a read outside the dataset would find
+    copy = tmp_path / "data" / "ds"
+    shutil.copytree(dataset_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = next(o for o in manifest["obs"] if o["kind"] == "numeric")
+    entry["name"] = "../../escape"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with oj.open_dataset(copy) as ds:
+        with pytest.raises(
+            oj.DatasetFormatError, match=r"names the file 'obs/\.\./\.\./escape\.npy', outside the dataset"
+        ):
+            ds.obs["../../escape"]

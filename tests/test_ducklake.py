@@ -25,6 +25,8 @@ import omicsio_jax as oj
 from materialize import InputOptions, Layout, Multimodal, materialize
 from materialize._cli import main
 from materialize._ducklake import DuckLakeSource
+from materialize._ducklake_catalog import Column, DataFile, LakeTable, empty_table
+from materialize._ducklake_read import LakeReader
 
 PYTHON = ROOT / ".venv-ducklake" / "bin" / "python"
 WRITER = ROOT / "tests" / "_ducklake_lake.py"
@@ -353,3 +355,87 @@ def test_ducklake_options_are_refused_elsewhere(lakes, tmp_path):
             progress=False,
         )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def updated(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("lake-updated")
+    _write(folder, CATALOGS["duckdb"], "updates", "truth")
+    return folder
+
+
+def _file_rows(folder: Path, where: str) -> int:
+    con = duckdb.connect(str(folder / "lake.ducklake"), read_only=True)
+    count = con.execute(
+        "SELECT count(*) FROM ducklake_data_file WHERE table_id = "
+        f"(SELECT table_id FROM ducklake_table WHERE table_name = 'rna_cells') AND {where}"
+    ).fetchall()[0][0]
+    con.close()
+    return count
+
+
+def test_updated_rows_keep_their_place(updated, tmp_path):
+    """UPDATE writes the new rows to files holding their row ids (with a row_id_start of their
+    own): every snapshot reads in the extension's row-id order, also through --where."""
+    having = _snapshots(updated)["rna_cells"]
+    assert len(having) == 7 and not _snapshots(updated)["unreadable"]
+    assert (
+        _file_rows(updated, "row_id_start IS NOT NULL AND partial_file_info IS NULL AND begin_snapshot > 5")
+        == 3
+    )
+    for s in having:
+        _materialize(_spec(updated), tmp_path / f"s{s}", snapshot=s)
+        _assert_matches(tmp_path / f"s{s}", pq.read_table(updated / "truth" / f"rna_cells-{s}.parquet"))
+    truth = pq.read_table(updated / "truth" / f"rna_cells-{having[-1]}.parquet")
+    where = "tissue IN ('kidney', 'heart') OR dataset = 'ds9'"
+    keep = pa.compute.or_(
+        pa.compute.is_in(truth["tissue"], pa.array(["kidney", "heart"])),
+        pa.compute.equal(truth["dataset"], "ds9"),
+    )
+    _materialize(_spec(updated), tmp_path / "where", where=where, workers=2)
+    _assert_matches(tmp_path / "where", truth.filter(keep))
+
+
+def test_a_rewrite_keeps_every_snapshot_byte_for_byte(updated, tmp_path):
+    """ducklake_rewrite_data_files writes files with no row_id_start, their rows' row ids in a
+    column: each snapshot gives the same dataset before and after it, in the extension's order."""
+    folder = _copy(updated, tmp_path)
+    having = _snapshots(folder)["rna_cells"][-3:]
+    before = {}
+    for s in having:
+        _materialize(_spec(folder), tmp_path / f"before-{s}", snapshot=s)
+        before[s] = _bytes(tmp_path / f"before-{s}")
+    _write(folder, CATALOGS["duckdb"], "rewrite", "rewritten")
+    assert _file_rows(folder, "row_id_start IS NULL AND end_snapshot IS NULL") == 1
+    rewritten = _snapshots(folder, "rewritten")["rna_cells"]
+    assert rewritten[-1] == having[-1] + 1 and not _snapshots(folder, "rewritten")["unreadable"]
+    for s in [*having, rewritten[-1]]:
+        out = tmp_path / f"after-{s}"
+        _materialize(_spec(folder), out, snapshot=s)
+        _assert_matches(out, pq.read_table(folder / "rewritten" / f"rna_cells-{s}.parquet"))
+        if s in before:
+            assert _bytes(out) == before[s], s
+    same = before[having[-1]]  # the rewrite's own snapshot: the same rows, its own snapshot id
+    data = {k: v for k, v in _bytes(out).items() if k != "manifest.json"}
+    assert data == {k: v for k, v in same.items() if k != "manifest.json"}
+
+
+def test_a_null_partition_value_is_null_to_where():
+    """A file whose partition value is NULL (DuckDB 1.4.4's extension cannot write one) is kept by
+    ``IS NULL`` and pruned by a comparison, like a file of any other value."""
+    columns = [Column(1, "cell_id", "VARCHAR", None), Column(2, "organ", "VARCHAR", None)]
+
+    def data_file(i: int, organ: str | None) -> DataFile:
+        return DataFile(
+            i, f"f{i}.parquet", 3, None, None, 3 * i, None, None, {2: organ}, {"organ": organ}, None
+        )
+
+    lake = LakeTable("lake.ducklake", "rna_cells", "u", 1, "t", "0.3", columns, [], empty_table(columns))
+    lake.files = [data_file(0, None), data_file(1, "lung"), data_file(2, "None")]
+    expected = {"organ IS NULL": {1, 2}, "organ = 'lung'": {0, 2}, "organ IS NOT NULL": {0}}
+    for where, pruned in expected.items():
+        reader = LakeReader(lake, where=where)
+        reader.prune()
+        assert reader.pruned == pruned, where
+    null = LakeReader(lake)._constant(lake.files[0], columns[1])
+    assert null.to_pylist() == [None]

@@ -341,3 +341,16 @@ def test_gene_table_is_cached_locally_and_refreshed_when_it_changes(corpus, tmp_
     assert len(oj.GeneTable.load(src, cache_dir=cache, refresh=True)) == len(first)
     pq.write_table(pq.read_table(corpus.genes_parquet).slice(0, 10), src)  # the source changed
     assert len(oj.GeneTable.load(src, cache_dir=cache)) == 10
+
+
+def test_huge_gene_id_without_a_gene_table_is_refused(tmp_path):
+    path = tmp_path / "cells.parquet"
+    ids = pa.array([[2**40], [1]], pa.list_(pa.int64()))
+    pq.write_table(
+        pa.table({"cell_id": ["a", "b"], "gene_token_id": ids, "gene_expression": [[1.0], [1.0]]}), path
+    )
+    with pytest.raises(
+        oj.DataValidationError,
+        match=r"gene_token_id 1099511627776 in .*cells.parquet is outside 0..2\^31-1.*genes=",
+    ):
+        oj.open_table(path)

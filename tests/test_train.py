@@ -82,6 +82,7 @@ def _leaves(model) -> list[np.ndarray]:
         ("batch IN ('plate_12','plate_13')", train.Predicate("batch", ("plate_12", "plate_13"))),
         ("  drug not in ( 'DMSO_TF' , 'a''b' ) ", train.Predicate("drug", ("DMSO_TF", "a'b"), invert=True)),
         ("\"cell type\" = 'T cell'", train.Predicate("cell type", ("T cell",))),
+        ('"size ""um""" = 2', train.Predicate('size "um"', (2.0,))),
         ("n_genes IN (1, 2.5, -3e2)", train.Predicate("n_genes", (1.0, 2.5, -300.0))),
         ("is_primary_data = TRUE", train.Predicate("is_primary_data", (True,))),
         ("is_primary_data != false", train.Predicate("is_primary_data", (False,), invert=True)),

@@ -55,7 +55,11 @@ class Predicate:
 
     def __str__(self) -> str:
         shown = ", ".join(_shown(v) for v in self.values)
-        column = self.column if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", self.column) else f'"{self.column}"'
+        column = (
+            self.column
+            if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", self.column)
+            else '"' + self.column.replace('"', '""') + '"'
+        )
         if len(self.values) == 1:
             return f"{column} {'!=' if self.invert else '='} {shown}"
         return f"{column} {'NOT IN' if self.invert else 'IN'} ({shown})"

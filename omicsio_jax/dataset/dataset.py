@@ -207,8 +207,17 @@ class Dataset:
 
         For a remote dataset a file of the manifest's ``files`` is downloaded into the cache on
         first use and checked against its size and SHA-256; a shard's is its sparse local mirror,
-        which holds the chunks that reads have fetched (see `prepared`).
+        which holds the chunks that reads have fetched (see `prepared`). A ``relpath`` outside the
+        dataset (absolute, or through ``..``: a manifest's obs name is part of its files' paths) is
+        a `DatasetFormatError`.
         """
+        parts = relpath.replace("\\", "/").split("/")
+        if relpath.startswith(("/", "\\")) or ".." in parts or "\0" in relpath:
+            msg = (
+                f"{self.path}: its manifest names the file {relpath!r}, outside the dataset; the manifest "
+                "is damaged or was not written by omicsio-materialize: materialize the dataset again"
+            )
+            raise DatasetFormatError(msg)
         if self._remote is None:
             return self.path / relpath
         return self._remote.local_path(relpath)
