@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import omicsio_jax as oj
 from train import TrainError
 from train._cli import main
 from train._finetune import finetune
@@ -106,6 +107,46 @@ def test_freeze_trains_the_head_and_leaves_every_encoder_leaf_bit_identical(
         assert a.tobytes() == b.tobytes()
     assert result.history[-1]["loss"] < result.history[0]["loss"]  # the head did learn
     assert result.to_dict()["freeze"] is True and "frozen encoder" in result.summary()
+
+
+def test_the_finetuned_model_and_the_probe_see_the_same_held_out_tokens(
+    dataset_dir, held_out, tmp_path, monkeypatch
+):
+    """Token batches may draw (scGPT samples and spreads ties by seed): the held-out cells are tokenized
+    with one seed, the encoder's pretraining run's, for the fine-tuned model's score and for the
+    linear probe's embeddings."""
+    pretrained = tmp_path / "pt"
+    argv = ["pretrain", str(dataset_dir), "--tokens", "geneformer", "--max-len", "24", "--preset", "tiny"]
+    argv += ["--batch-size", "16", "--block-size", "4", "--fetch-factor", "4", "--steps", "1", "--seed", "3"]
+    assert main([*argv, "--devices", "1", "--checkpoint-dir", str(pretrained), "--quiet"]) == 0
+    held = np.load(held_out)
+    seeds: list[int] = []
+    make = oj.make_loader
+
+    def recording(ds, **kw):
+        rows, kind = kw.get("rows"), getattr(kw.get("output"), "kind", None)
+        if kind in ("geneformer", "scgpt") and rows is not None and np.isin(rows, held).all():
+            seeds.append(kw.get("seed", 0))
+        return make(ds, **kw)
+
+    monkeypatch.setattr(oj, "make_loader", recording)
+    config = FinetuneConfig(
+        str(dataset_dir),
+        str(pretrained),
+        "cell_type",
+        freeze=True,
+        eval_rows=str(held_out),
+        steps=2,
+        seed=5,  # not the pretraining run's (3)
+        batch_size=64,
+        block_size=4,
+        fetch_factor=4,
+        num_devices=1,
+        probe_cells=100,
+        quiet=True,
+    )
+    finetune(config)
+    assert seeds == [3, 3]  # the fine-tuned model's eval, then the probe's embeddings
 
 
 @pytest.mark.parametrize(

@@ -280,13 +280,14 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
                     f"step {step:>6}/{total}  loss {record['loss']:.4f}  {record['cells_per_s']:>8,.0f} cells/s"
                 )
 
-    eval_loader = oj.make_loader(
+    eval_loader = oj.make_loader(  # tokens of the held-out cells as the probe's `embed` makes them
         ds,
         batch_size=config.eval_batch_size or config.batch_size,
         sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
         output=tok.output(masked=False),
         obs=(config.label,),
         rows=eval_rows,
+        seed=tok.seed,
         num_epochs=1,
         placement=mesh,
         read=oj.ReadOptions(num_threads=config.num_threads),
