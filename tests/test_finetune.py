@@ -41,6 +41,23 @@ def held_out(tmp_path_factory):
     return path
 
 
+def _frozen(dataset_dir, pretrained, held_out, **options) -> FinetuneConfig:
+    """A short fine-tuning of the head alone on the cheap settings, scored on the held-out rows."""
+    return FinetuneConfig(
+        str(dataset_dir),
+        str(pretrained),
+        "cell_type",
+        freeze=True,
+        eval_rows=str(held_out),
+        batch_size=64,
+        block_size=4,
+        fetch_factor=4,
+        num_devices=1,
+        quiet=True,
+        **options,
+    )
+
+
 def _leaves(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
 
@@ -84,22 +101,7 @@ def test_freeze_trains_the_head_and_leaves_every_encoder_leaf_bit_identical(
     dataset_dir, pretrained, held_out
 ):
     loaded, _, _ = load_pretrained(pretrained)
-    config = FinetuneConfig(
-        str(dataset_dir),
-        str(pretrained),
-        "cell_type",
-        freeze=True,
-        eval_rows=str(held_out),
-        steps=8,
-        batch_size=64,
-        block_size=4,
-        fetch_factor=4,
-        num_devices=1,
-        probe_cells=200,
-        lr=3e-3,
-        quiet=True,
-    )
-    result = finetune(config)
+    result = finetune(_frozen(dataset_dir, pretrained, held_out, steps=8, probe_cells=200, lr=3e-3))
     before, after = _leaves(loaded), _leaves(result.model.encoder)
     assert len(before) == len(after) > 0
     for a, b in zip(before, after, strict=True):
@@ -130,22 +132,7 @@ def test_the_finetuned_model_and_the_probe_see_the_same_held_out_tokens(
         return make(ds, **kw)
 
     monkeypatch.setattr(oj, "make_loader", recording)
-    config = FinetuneConfig(
-        str(dataset_dir),
-        str(pretrained),
-        "cell_type",
-        freeze=True,
-        eval_rows=str(held_out),
-        steps=2,
-        seed=5,  # not the pretraining run's (3)
-        batch_size=64,
-        block_size=4,
-        fetch_factor=4,
-        num_devices=1,
-        probe_cells=100,
-        quiet=True,
-    )
-    finetune(config)
+    finetune(_frozen(dataset_dir, pretrained, held_out, steps=2, seed=5, probe_cells=100))  # seed: not 3
     assert seeds == [3, 3]  # the fine-tuned model's eval, then the probe's embeddings
 
 
