@@ -32,6 +32,7 @@ from omicsio_jax.format import (
     CELL_ID_COLUMN,
     GENE_COLUMN,
     VALUE_COLUMN,
+    check_derived_gene_space,
     connect,
     find_gene_table,
     is_list_type,
@@ -45,7 +46,7 @@ from ._ducklake_catalog import PREFIX, Catalog, LakeTable, lineage, resolve, spl
 from ._ducklake_read import LakeReader, Run
 from ._plan import Partition
 from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
-from ._tables import check_derived_gene_space
+from ._tables import NO_GENE_TABLE
 
 GENE_TABLE = "gene_metadata"
 SMALL_BATCH = 256  # cells: smaller batches are joined (each batch costs the writer a fixed overhead)
@@ -171,7 +172,7 @@ class DuckLakeSource(Source):
         for batch in self.batches([]):
             if len(batch.tokens):
                 top = max(top, int(batch.tokens.max()))
-        check_derived_gene_space(top, self.label)
+        check_derived_gene_space(top, self.label, NO_GENE_TABLE)
         return pa.table({GENE_COLUMN: pa.array(np.arange(top + 1, dtype=np.int32))})
 
     def __getstate__(self) -> dict:

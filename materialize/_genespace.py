@@ -42,6 +42,7 @@ _ENSEMBL = re.compile(r"^ENS[A-Z]*G\d{6,}(\.\d+)?$")
 _ENSEMBL_RE2 = r"^ENS[A-Z]*G[0-9]{6,}(\.[0-9]+)?$"  # the same, for Arrow's RE2
 _KEY_THREADS = 8  # sources whose gene keys are found at once (`GeneSpace.build`)
 _UNKNOWN, _DROPPED = -1, -2  # `MemberMap.col_of` codes of tokens that are no gene / not kept
+_BY_SYMBOL = "symbol:"  # the key of a gene without an Ensembl id: its symbol after this (`_symbol_keys`)
 
 
 def _text(table: pa.Table, name: str) -> pa.Array:
@@ -481,8 +482,7 @@ class GeneSpace:
                 resolved.append(k.ids if not k.ids.null_count else _by_symbol_where_null(k, label, notes))
                 continue
             found = pc.take(first_ids, pc.index_in(k.symbols, value_set=named_symbols))
-            own = pc.utf8_replace_slice(k.symbols, 0, 0, "symbol:")
-            ids = pc.if_else(pc.is_valid(found), found, own)
+            ids = pc.if_else(pc.is_valid(found), found, _symbol_keys(k.symbols))
             notes.append(
                 f"{label} has no Ensembl ids: its {len(ids):,} genes were matched by symbol ({k.column}), "
                 f"{pc.sum(pc.is_valid(found)).as_py() or 0:,} to another source's Ensembl id"
@@ -529,16 +529,21 @@ class GeneSpace:
                     "duplicates_summed": duplicates,
                 }
             )
-        by_symbol = pc.starts_with(order, "symbol:")
+        by_symbol = pc.starts_with(order, _BY_SYMBOL)
         symbols = pc.take(first_symbols, pc.index_in(order, value_set=named_ids))
         table = pa.table(
             {
                 "gene_token_id": from_numpy(np.arange(len(order), dtype=np.int64)),
                 "ensembl_id": pc.if_else(by_symbol, pa.nulls(len(order), pa.string()), order),
-                "gene_name": pc.if_else(by_symbol, pc.utf8_slice_codeunits(order, len("symbol:")), symbols),
+                "gene_name": pc.if_else(by_symbol, pc.utf8_slice_codeunits(order, len(_BY_SYMBOL)), symbols),
             }
         )
         return cls(table, tuple(maps), tuple(members), tuple(notes))
+
+
+def _symbol_keys(symbols: pa.Array) -> pa.Array:
+    """The keys of genes known by their symbol alone (``symbol:GFP``; null where the symbol is)."""
+    return pc.utf8_replace_slice(symbols, 0, 0, _BY_SYMBOL)
 
 
 def _by_symbol_where_null(keys: GeneKeys, label: str, notes: list[str]) -> pa.Array:
@@ -546,8 +551,7 @@ def _by_symbol_where_null(keys: GeneKeys, label: str, notes: list[str]) -> pa.Ar
     their symbol (``symbol:GFP``, a gene of its own without an Ensembl id, as a symbol-only source's
     unmatched genes are; not matched to another source's Ensembl id through its symbol), the genes
     left without either null (not kept); both said in ``notes``."""
-    symbol_keys = pc.utf8_replace_slice(keys.symbols, 0, 0, "symbol:")
-    ids = pc.if_else(pc.is_valid(keys.ids), keys.ids, symbol_keys)
+    ids = pc.if_else(pc.is_valid(keys.ids), keys.ids, _symbol_keys(keys.symbols))
     by_symbol = keys.ids.null_count - ids.null_count
     if by_symbol:
         named = pc.filter(keys.symbols, pc.is_null(keys.ids)).drop_null()

@@ -46,7 +46,9 @@ def _write_npy(dest: Path, raw: Path, raw_dtype, out_dtype, num_rows: int, conve
 def check_obs_name(name: str, label: str) -> None:
     """An obs column's name is its sidecar's file name (``obs/<name>.npy``, ``obs/<name>.codes.npy``,
     as the dataset reads it back): refuse a name that is no plain file name, so that nothing is
-    ever written outside ``obs/``."""
+    ever written outside ``obs/`` (the finalizer checks every obs column of the input before it
+    makes their writers; the other writers' names are fixed, or ``has_<modality>`` of a checked
+    modality name)."""
     bad = next((c for c in ("/", "\\", "\0") if c in name), None)
     too_long = len(f"{name}.categories.json".encode()) > 255
     if bad is None and not too_long:
@@ -68,7 +70,6 @@ class CategoricalWriter:
     kind = CATEGORICAL
 
     def __init__(self, directory: Path, name: str):
-        check_obs_name(name, str(directory))
         self.name, self.directory = name, directory
         self._raw = directory / f"{name}.codes.raw"
         self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
@@ -124,7 +125,6 @@ class NumericWriter:
     num_categories = None
 
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
-        check_obs_name(name, str(directory))
         self.name, self.directory = name, directory
         self._is_int = pa.types.is_integer(dtype)
         integers = np.uint64 if pa.types.is_uint64(dtype) else np.int64

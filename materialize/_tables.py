@@ -55,6 +55,7 @@ from omicsio_jax.format import (
     GENE_COLUMN,
     GENE_TABLE_NAME,
     VALUE_COLUMN,
+    check_derived_gene_space,
     connect,
     create_cells_view,
     expand_files,
@@ -112,15 +113,7 @@ def tahoe_gene_table(table: pa.Table) -> pa.Table:
     return table.rename_columns([renames.get(n, n) for n in table.column_names])
 
 
-def check_derived_gene_space(top: int | None, label: str) -> None:
-    """Without a gene table the genes are the token ids 0..``top`` (the largest seen): refuse a
-    ``top`` outside int32 before that gene space is allocated (2^40 would ask for 4 TiB)."""
-    if top is not None and int(top) > np.iinfo(np.int32).max:
-        msg = (
-            f"{GENE_COLUMN} {int(top)} in {label} is outside 0..2^31-1; without a gene table the genes "
-            f"are the ids 0..{int(top)}: give a gene table with --genes, or fix the id"
-        )
-        raise DataValidationError(msg)
+NO_GENE_TABLE = "give a gene table with --genes"  # `check_derived_gene_space`'s fix, for materialize
 
 
 def check_no_special_tokens(table: pa.Table, label: str) -> None:
@@ -287,7 +280,7 @@ class TableSource(Source):
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
         first = TAHOE_NUM_SPECIALS if self.layout == TAHOE_LAYOUT else 0
-        check_derived_gene_space(top, self.label)
+        check_derived_gene_space(top, self.label, NO_GENE_TABLE)
         self.description["genes"] = None
         tokens = np.arange(first, 0 if top is None else max(first, int(top) + 1), dtype=np.int32)
         return pa.table({GENE_COLUMN: pa.array(tokens)})

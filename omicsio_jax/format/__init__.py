@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.tables import GENE_TABLE_NAME as GENE_TABLE_NAME
     from omicsio_jax.format.tables import ROWID_COLUMN as ROWID_COLUMN
     from omicsio_jax.format.tables import VALUE_COLUMN as VALUE_COLUMN
+    from omicsio_jax.format.tables import check_derived_gene_space as check_derived_gene_space
     from omicsio_jax.format.tables import connect as connect
     from omicsio_jax.format.tables import create_cells_view as create_cells_view
     from omicsio_jax.format.tables import expand_files as expand_files
@@ -143,6 +144,7 @@ _WRITER_API = {
         "GENE_TABLE_NAME",
         "ROWID_COLUMN",
         "VALUE_COLUMN",
+        "check_derived_gene_space",
         "connect",
         "create_cells_view",
         "expand_files",

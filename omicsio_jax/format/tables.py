@@ -28,6 +28,18 @@ VALUE_COLUMN = "gene_expression"
 CELL_ID_COLUMN = "cell_id"
 
 
+def check_derived_gene_space(top: int | None, where: str, give: str) -> None:
+    """Without a gene table the genes are the token ids 0..``top`` (the largest seen): refuse a
+    ``top`` outside int32 before that gene space is allocated (2^40 would ask for 4 TiB); ``give``
+    says how the caller takes a gene table (``"give a gene table with --genes"``)."""
+    if top is not None and int(top) > np.iinfo(np.int32).max:
+        msg = (
+            f"{GENE_COLUMN} {int(top)} in {where} is outside 0..2^31-1; without a gene table the genes "
+            f"are the ids 0..{int(top)}: {give}, or fix the id"
+        )
+        raise DataValidationError(msg)
+
+
 def connect(threads: int | None = None, *, remote: bool = False) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection as every reader of cell tables uses one (materialize, `CellTable`, the gene
     table): rows kept in file order, no progress bar, ``threads`` threads (None: DuckDB's default),

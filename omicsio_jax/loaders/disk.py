@@ -326,13 +326,13 @@ class Loader(ClosingIterator):
         old = dataclasses.replace(
             self.spec, sampling=dataclasses.replace(self.spec.sampling, weights=weights)
         )
-        try:
-            plan = old.plan(self.dataset)
+        try:  # the plan of the checkpoint's weights (made once: over 10^8 cells it takes a while)
+            before = Loader(self.dataset, old, placement=self.placement, read=self.read) if step else None
+            plan = None if step else old.plan(self.dataset)
         except OmicsIOError as e:
             msg = f"the checkpoint's mixture {weights} does not fit this loader's rows: {e}"
             raise StateMismatchError(msg) from e
-        if step:
-            before = Loader(self.dataset, old, placement=self.placement, read=self.read)
+        if before is not None:
             before.set_state(states)  # checks the states against the config they were written with
             self._before = before
         else:  # nothing left to finish, but the states are checked all the same (version, rows, ...)

@@ -37,6 +37,7 @@ from omicsio_jax.format.tables import (
     GENE_COLUMN,
     ROWID_COLUMN,
     VALUE_COLUMN,
+    check_derived_gene_space,
     connect,
     create_cells_view,
     expand_files,
@@ -165,12 +166,7 @@ class CellTable:
             self.genes = GeneTable.load(genes, cache_dir=cache_dir)
         else:
             top = self.con.execute(f"SELECT max(list_max({GENE_COLUMN})) FROM cells").fetchall()[0][0]
-            if top is not None and int(top) > np.iinfo(np.int32).max:  # before allocating 0..top
-                msg = (
-                    f"{GENE_COLUMN} {int(top)} in {self.spec} is outside 0..2^31-1; without a gene table "
-                    f"the genes are the ids 0..{int(top)}: pass one with genes=, or fix the id"
-                )
-                raise DataValidationError(msg)
+            check_derived_gene_space(top, self.spec, "pass one with genes=")
             self.genes = GeneTable.from_token_ids(0 if top is None else int(top) + 1)
         self.modalities: dict[str, str] = {}
         self._modality_files: dict[str, list[Path]] = {}
