@@ -117,7 +117,7 @@ class Sources:
     @classmethod
     def read(cls, path: str | Path) -> Sources:
         """A sources file (CSV, TSV or parquet): column ``path`` (relative to the file's folder), optional
-        ``dataset_id``, ``layer`` and ``raw``, and any per-source obs columns. A CSV / TSV file's values
+        ``dataset_id`` (an empty cell: the file's name, as without the column), ``layer`` and ``raw``, and any per-source obs columns. A CSV / TSV file's values
         are read as written (``001`` stays ``001``, ``1.10`` is not ``1.1``); an obs column of one is
         numbers only where every value reads back as written (`_text_obs`)."""
         path = Path(path)
@@ -141,11 +141,13 @@ class Sources:
                 raise OmicsIOError(msg)
             p = str(p)
             paths.append(p if is_remote(p) or Path(p).is_absolute() else str(path.parent / p))
-        ids = (
-            ()
-            if DATASET_ID not in table.column_names
-            else tuple(str(i) for i in table.column(DATASET_ID).to_pylist())
-        )
+        ids = ()
+        if DATASET_ID in table.column_names:  # an empty cell: the source's default id, as without the column
+            given = table.column(DATASET_ID).to_pylist()
+            ids = tuple(
+                str(i) if i is not None and str(i) != "" else default
+                for i, default in zip(given, _default_ids(tuple(paths)), strict=True)
+            )
         extra = [n for n in table.column_names if n not in ("path", DATASET_ID, *READING)]
         obs, types = {}, {}
         for n in extra:

@@ -1193,3 +1193,16 @@ def test_uint64_obs_keep_their_values_beyond_int64(tmp_path):
     sources = Sources((str(path), str(path)), ("x", "y"))
     materialize(sources, tmp_path / "two", progress=False, workers=1)
     np.testing.assert_array_equal(oj.open_dataset(tmp_path / "two").obs["hash"], np.tile(values, 2))
+
+
+def test_a_sources_files_empty_dataset_id_is_the_sources_default_id(tmp_path):
+    """An empty ``dataset_id`` cell (CSV) or a null (parquet) names the source by its file, as a
+    sources file without the column does; it is not the id "" or "None"."""
+    _normalized_with_counts(tmp_path / "n.h5ad")
+    _normalized_with_counts(tmp_path / "m.h5ad")
+    (tmp_path / "s.csv").write_text("path,dataset_id\nn.h5ad,\nm.h5ad,plate_2\n")
+    assert Sources.read(tmp_path / "s.csv").dataset_ids == ("n", "plate_2")
+    pq.write_table(
+        pa.table({"path": ["n.h5ad", "m.h5ad"], "dataset_id": [None, "b"]}), tmp_path / "s.parquet"
+    )
+    assert Sources.read(tmp_path / "s.parquet").dataset_ids == ("n", "b")
