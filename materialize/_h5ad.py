@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import is_remote
 
-from ._genespace import SYMBOL_COLUMNS, ensembl_like
+from ._genekeys import SYMBOL_COLUMNS, ensembl_like
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, gene_table_from_arrow, obs_kind
 

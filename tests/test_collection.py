@@ -440,7 +440,7 @@ def test_version_suffixes_are_stripped_wherever_they_are_and_only_there():
     """`_stripped` returns ids without a "." unchanged after a scan of their bytes, and strips the
     versions of those with one, in arrays that are slices of others (whose bytes outside the slice
     may hold a "." or not)."""
-    from materialize._genespace import _stripped
+    from materialize._genekeys import _stripped
 
     ids = pa.array([_ensg(1, ".4"), _ensg(2), "MT-ND1", _ensg(3, ".12"), _ensg(4), "RP11-1.2"])
     assert _stripped(ids).to_pylist() == [_ensg(1), _ensg(2), "MT-ND1", _ensg(3), _ensg(4), "RP11-1.2"]
@@ -515,7 +515,7 @@ def test_rows_move_into_the_unified_columns_sorted_with_duplicates_summed(num_co
     0 to 300 genes, over few columns or many, spread or crowded into the last tenth); two tokens of
     one id are summed, tokens outside the kept genes dropped; a token out of order or unknown is an
     error naming it."""
-    from materialize._genespace import member_map
+    from materialize._remap import member_map
 
     rng = np.random.default_rng(num_columns)
     tokens = np.arange(0, 3 * num_columns // 2, 3)  # the source's gene tokens: not 0..n-1
@@ -565,7 +565,7 @@ def test_a_remapped_batch_keeps_its_memory_while_held_and_gives_it_to_a_later_on
     """`MemberMap.remap`'s outputs are never handed out again while an array refers to them (a batch
     queued behind the reader is intact after the next ones are made), and once nothing does, a later
     batch's outputs take their memory instead of fresh pages."""
-    from materialize._genespace import member_map
+    from materialize._remap import member_map
 
     rng = np.random.default_rng(11)
     source = member_map(np.arange(5_000), rng.permutation(5_000), 5_000)
@@ -594,7 +594,7 @@ def test_rows_of_a_shuffled_source_sum_the_genes_of_one_id_in_the_order_given(dt
     row's columns rise, and genes of one id are summed in the order the row gives them, in the
     values' type (three genes to each of 10,000 ids: values that are not integers show another order
     of the sums in their last bits)."""
-    from materialize._genespace import member_map
+    from materialize._remap import member_map
 
     rng = np.random.default_rng(7)
     num_columns = 70_000
