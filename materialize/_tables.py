@@ -80,6 +80,7 @@ TAHOE_LAYOUT = "tahoe-100m"
 TAHOE_GENES, TAHOE_VALUES, TAHOE_CELL_ID = "genes", "expressions", "BARCODE_SUB_LIB_ID"
 TAHOE_CLS_TOKEN, TAHOE_CLS_VALUE = 1, -2.0
 TAHOE_NUM_SPECIALS = 3  # <pad>, <cls>, <eoc>: gene g of the vocabulary is token g + 3
+_PART_FILES = "cells_of_files"  # a partition's files as they are, before `_create_part_view`
 _FIRST_GENE, _FIRST_VALUE = "__tahoe_first_gene", "__tahoe_first_expression"  # the CLS pair, checked per row
 
 
@@ -177,9 +178,13 @@ class TableSource(Source):
         self._row_groups: dict[int, np.ndarray | None] = {}  # row group starts per file, once asked
         self.files: list[Path] = []
         self.label = spec if spec is not None else "query"
+        self._view_types: dict[str, str] = {}  # the view's columns over all files, and their DuckDB types
         if spec is not None:
             self.files = expand_files(spec)
             create_cells_view(self._con, self.files, label=spec, filename=True, file_rows=True)
+            self._view_types = dict(
+                self._con.execute("SELECT name, type FROM pragma_table_info('cells')").fetchall()
+            )
         sql = "SELECT * FROM cells" if query is None else query
         published = self._schema_of(sql)
         self.layout = detect_layout(published)
@@ -394,10 +399,12 @@ class TableSource(Source):
             con,
             files,
             label=self.label,
+            name=_PART_FILES,
             filename=True,
             file_rows=True,
             spans={i: (lo, hi) for i, (_, lo, hi) in enumerate(part.spans)},
         )
+        self._create_part_view(con, files)
         arms = []
         for path, (_, lo, hi) in zip(files, part.spans, strict=True):
             rows = f"{FILE_ROW_COLUMN} >= {lo}" + ("" if hi is None else f" AND {FILE_ROW_COLUMN} < {hi}")
@@ -406,6 +413,34 @@ class TableSource(Source):
         if self._where:
             sql = f"SELECT * FROM ({sql}) WHERE {self._where}"
         return con, self._shaped(sql)
+
+    def _create_part_view(self, con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
+        """View ``cells`` over a partition's files with the columns and types of the view over all of
+        them (union by name): a column some other file adds is null here, and a column whose type
+        differs among the files is cast as the whole input's view casts it, whichever files a
+        partition holds. A file without the list columns (no cells: a table of another kind) is
+        refused, rather than read as cells without genes."""
+        stored = {
+            name for (name,) in con.execute(f"SELECT name FROM pragma_table_info('{_PART_FILES}')").fetchall()
+        }
+        lists = (TAHOE_GENES, TAHOE_VALUES) if self.layout == TAHOE_LAYOUT else self._lists
+        if len(files) > 1 and all(f.suffix == ".parquet" for f in files):
+            owned = [(str(path), _parquet_columns(con, path)) for path in files]
+        else:
+            owned = [(", ".join(str(f) for f in files), stored)]
+        for path, own in owned:
+            missing = [n for n in lists if n not in own]
+            if missing:
+                msg = (
+                    f"{path} of {self.label} has no column(s) {', '.join(missing)}, which other files of it "
+                    "have: it holds no cells; leave it out (name the cell files, or a narrower glob)"
+                )
+                raise DataValidationError(msg)
+        columns = ", ".join(
+            f"CAST({sql_ident(n) if n in stored else 'NULL'} AS {kind}) AS {sql_ident(n)}"
+            for n, kind in self._view_types.items()
+        )
+        con.execute(f"CREATE OR REPLACE TEMP VIEW cells AS SELECT {columns} FROM {_PART_FILES}")
 
     def _shaped(self, sql: str) -> str:
         """Rows in the internal layout: Tahoe's lists stripped of their CLS pair, or lists of other
@@ -445,8 +480,8 @@ class TableSource(Source):
                 first_row += record_batch.num_rows
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
-        except pa.ArrowInvalid as e:
-            msg = f"cannot read {self.label}: {e}"
+        except (pa.ArrowException, OSError) as e:  # DuckDB's errors mid-stream come through Arrow's reader
+            msg = f"cannot read {self.label}: {str(e).strip().splitlines()[0]}"
             raise DataValidationError(msg) from e
 
     def reader_for(self, obs: list[str], part: Partition | None = None) -> str:
@@ -550,6 +585,17 @@ class TableSource(Source):
         return Batch.from_arrow(
             gene_ptr, genes, value_ptr, values, cell_ids, {name: rb.column(name) for name in obs}, locate
         )
+
+
+def _parquet_columns(con: duckdb.DuckDBPyConnection, path: Path) -> set[str]:
+    """The column names a parquet file stores (from its footer; nested fields' names among them)."""
+    try:
+        return {
+            n for (n,) in con.execute(f"SELECT name FROM parquet_schema({sql_str(str(path))})").fetchall()
+        }
+    except duckdb.Error as e:
+        msg = f"cannot read {path}: {str(e).strip().splitlines()[0]}"
+        raise DataValidationError(msg) from e
 
 
 def _same_type(stored: pa.DataType, wanted: pa.DataType) -> bool:
