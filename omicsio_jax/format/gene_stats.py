@@ -10,10 +10,13 @@ parts gives the same bits.
 Per gene: ``n_cells`` (cells with a nonzero value), ``sum`` / ``sum_sq`` of the raw values,
 ``norm_sum`` / ``norm_sum_sq`` of ``x = value / n_counts · 1e4`` (scanpy's ``normalize_total``),
 ``log_sum`` / ``log_sum_sq`` of ``log1p(x)``, and a histogram of the positive ``x`` on a log scale
-with 40 bins per octave over [2^-14, 2^14) (values outside are clamped into the end bins). The
-nonzero median read off it (geometric centre of the bin holding each middle rank) is within a
-relative error of ``2^(1/80) − 1 = 0.87%`` of the exact median (`MEDIAN_RELATIVE_ERROR`) whenever
-the middle values lie inside the range; counts ≥ 1 with ``n_counts`` ≤ 1.6·10^8 always do.
+with 40 bins per octave over [2^-14, 2^14) (values outside are clamped into the end bins). Negative
+values (``allow_negative``) count in the sums as scanpy's ``normalize_total`` + ``log1p`` and the
+loader treat them (a row of negative total divides too, ``log1p`` below −1 is NaN; a row of total 0
+adds 0). The nonzero median read off the histogram (geometric centre of the bin holding each
+middle rank) is within a relative error of ``2^(1/80) − 1 = 0.87%`` of the exact median
+(`MEDIAN_RELATIVE_ERROR`) whenever the middle values lie inside the range; counts ≥ 1 with
+``n_counts`` ≤ 1.6·10^8 always do.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, acc, codes)
             positive &= vals[j] > 0
         n_counts[i] = total
         n_genes[i] = nonzero
-        scale = target_sum / total if total > 0 else 0.0
+        scale = target_sum / total if total != 0 else 0.0  # a negative total (negative values) divides too
         if scale > 0:
             for c in range(1, _TABLE + 1):
                 log_table[c] = np.log1p(c * scale)
@@ -164,12 +167,16 @@ def _accumulate(u8, u32, f32, starts, target_sum, n_counts, n_genes, acc, codes)
             if v == 0:
                 continue
             _add_raw(acc, g, v)
-            if scale > 0 and v > 0:
-                x = v * scale
-                lx, b = _log_and_bin(v, x, log_table, bin_table)
-                _add_normalized(acc, g, x, lx)
+            if scale == 0:  # a row whose total is 0 stays 0
+                continue
+            x = v * scale
+            if x > 0:  # the tables hold a positive scale's values
+                lx, b = _log_and_bin(v, x, log_table, bin_table) if scale > 0 else (np.log1p(x), _bin(x))
                 codes[m] = (np.uint32(g) << np.uint32(11)) | np.uint32(b)
                 m += 1
+            else:  # a negative value of a row whose total is positive, or the reverse
+                lx = np.log1p(x)
+            _add_normalized(acc, g, x, lx)
     return m
 
 
@@ -699,6 +706,9 @@ def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) 
     """
     import pandas as pd
 
+    if isinstance(n_top, bool) or not isinstance(n_top, int | np.integer):
+        msg = f"n must be an integer number of genes, got {n_top!r}: e.g. highly_variable_genes({min(2000, len(mean))})"
+        raise TypeError(msg)
     if not 0 < n_top <= len(mean):
         msg = f"n must lie in 1..{len(mean):,} (the number of genes), got {n_top}"
         raise OmicsIOError(msg)
@@ -717,5 +727,8 @@ def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) 
     per_gene = stats.loc[df["mean_bin"]].set_index(df.index)
     norm = ((df["dispersions"] - per_gene["avg"]) / per_gene["dev"]).to_numpy()
     finite = norm[~np.isnan(norm)]
+    if not len(finite):
+        msg = f"none of the {len(mean):,} genes has a normalized dispersion (do any vary across the cells?): no highly variable genes to rank"
+        raise OmicsIOError(msg)
     cutoff = np.sort(finite)[::-1][min(n_top, len(finite)) - 1]
     return np.flatnonzero(np.nan_to_num(norm, nan=-np.inf) >= cutoff)

@@ -48,6 +48,7 @@ class Normalization:
             isinstance(ts, bool)
             or not isinstance(ts, int | float | np.number)
             or not 0 < float(ts) <= _F32_MAX
+            or np.float32(ts) == 0  # below float32's smallest: every value would become 0
         ):
             msg = f"target_sum={ts!r} must be a positive float32-representable number, e.g. target_sum=1e4"
             raise NormalizationError(msg)
