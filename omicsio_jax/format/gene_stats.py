@@ -3,9 +3,10 @@
 Computed from the encoded records in one streaming pass (`StatsAccumulator`: at materialize, or by
 ``omicsio-materialize stats`` from the shards of an older dataset) and stored as
 ``gene_stats.parquet``, one row per gene column (with its median read off the histogram beside it,
-for readers that need no more: `read_gene_medians`). Everything merges exactly: counts and histograms
-add; float sums are added shard by shard in shard order, so any split of the work into shard-aligned
-parts gives the same bits.
+for readers that need no more: `read_gene_medians`). Counts and histograms merge exactly; float sums
+are added shard by shard in shard order, so materialize's partitions (a shard each) give the same
+bits however they are spread over workers. (`GeneStats.merge` of parts of several shards each adds
+their sums, which agree with one pass to rounding only.)
 
 Per gene: ``n_cells`` (cells with a nonzero value), ``sum`` / ``sum_sq`` of the raw values,
 ``norm_sum`` / ``norm_sum_sq`` of ``x = value / n_counts · 1e4`` (scanpy's ``normalize_total``),
