@@ -17,7 +17,12 @@ from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
 from omicsio_jax.dataset.cache import IOStats
 from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
 from omicsio_jax.format import codec
-from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, load_chunk_index
+from omicsio_jax.format.chunk_index import (
+    ChunkIndex,
+    chunk_index_path,
+    chunk_index_problem,
+    load_chunk_index,
+)
 from omicsio_jax.format.csr import take_rows
 from omicsio_jax.format.genes import fold_ensembl
 from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
@@ -181,8 +186,23 @@ class Dataset:
         (16 bytes per chunk); for a remote dataset, downloaded then."""
         index = self._chunk_indexes.get(shard)
         if index is None:
-            rows = load_chunk_index(self.local_path(self.chunk_index_path(shard)))
-            index = ChunkIndex(rows, int(self.manifest.array_record["group_size"]))
+            entry, relpath = self.manifest.shards[shard], self.chunk_index_path(shard)
+            group_size = int(self.manifest.array_record["group_size"])
+            try:
+                rows = load_chunk_index(self.local_path(relpath))
+            except (OSError, ValueError, EOFError) as e:
+                problem = f"cannot be read ({type(e).__name__}: {e})"
+            else:
+                problem = chunk_index_problem(
+                    rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=group_size
+                )
+            if problem is not None:
+                msg = (
+                    f"{self.path}: the chunk index {relpath} of shard {entry.path} is damaged: {problem}; "
+                    f"run `omicsio-materialize verify {self.path}`"
+                )
+                raise DatasetFormatError(msg.replace("\n", " "))
+            index = ChunkIndex(rows, group_size)
             with self._lock:
                 index = self._chunk_indexes.setdefault(shard, index)
         return index

@@ -52,6 +52,7 @@ from omicsio_jax.dataset.cache import Counters, FileCache, write_atomic
 from omicsio_jax.format.chunk_index import (
     ChunkIndex,
     chunk_index_path,
+    chunk_index_problem,
     chunks_of,
     load_chunk_index,
     merge_spans,
@@ -298,12 +299,11 @@ class ShardMirrors:
             raise DatasetFormatError(msg)
         rows = load_chunk_index(self.files.path(chunk_index_path(entry.path)))
         index = ChunkIndex(rows, self.group_size)
-        expected = -(-entry.num_cells // self.group_size)
-        if rows.ndim != 2 or index.num_chunks != expected or int(rows.max(initial=0)) > entry.num_bytes:
-            msg = (
-                f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} "
-                f"({entry.num_cells} cells in {expected} chunks, {entry.num_bytes:,} bytes); {fix}"
-            )
+        problem = chunk_index_problem(
+            rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=self.group_size
+        )
+        if problem is not None:
+            msg = f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} ({problem}); {fix}"
             raise DatasetFormatError(msg)
         path = self.path(shard)
         path.parent.mkdir(parents=True, exist_ok=True)

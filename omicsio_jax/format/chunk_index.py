@@ -41,6 +41,24 @@ def load_chunk_index(path: str | os.PathLike[str]) -> np.ndarray:
     return np.load(path)
 
 
+def chunk_index_problem(rows: np.ndarray, *, num_cells: int, num_bytes: int, group_size: int) -> str | None:
+    """Why ``rows`` cannot be the chunk index of a shard of ``num_cells`` cells in ``num_bytes`` bytes
+    (a damaged or foreign file), or None: one ``[begin, end)`` range per opening range and per data
+    chunk, each within the shard, the data chunks in file order."""
+    expected = _OPEN_ROWS + -(-num_cells // group_size)
+    if rows.ndim != 2 or rows.shape[1] != 2 or rows.dtype.kind not in "iu":
+        return f"a {rows.dtype} array of shape {rows.shape}, not ({expected}, 2) integers"
+    if len(rows) != expected:
+        return f"{len(rows) - _OPEN_ROWS} data chunks, not {expected - _OPEN_ROWS} ({num_cells} cells)"
+    ranges = rows.astype(np.int64)  # a uint64 past 2^63 turns negative: out of range below
+    data = ranges[_OPEN_ROWS:]
+    if (ranges < 0).any() or (ranges[:, 1] < ranges[:, 0]).any() or int(ranges.max(initial=0)) > num_bytes:
+        return f"a byte range outside the shard's {num_bytes:,} bytes"
+    if (data[1:, 0] < data[:-1, 1]).any():
+        return "data chunks out of order"
+    return None
+
+
 def chunk_index_path(shard_path: str) -> str:
     """The chunk index of a shard, relative to the dataset root: ``chunks/shard-00003.npy``."""
     return f"{CHUNK_INDEX_DIR}/{PurePosixPath(shard_path).with_suffix('.npy').name}"

@@ -25,6 +25,8 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
+
 from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.storage.store import is_remote, open_store
 
@@ -269,6 +271,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
     try:
         manifest = Manifest.from_dict(raw)
         _check_types(manifest)
+        _check_layout(manifest)
     except (KeyError, TypeError, ValueError) as e:
         msg = f"{where} is malformed: {e}"
         raise DatasetFormatError(msg.replace("\n", " ")) from e
@@ -296,6 +299,33 @@ def _check_types(entry) -> None:
         if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 0):
             raise TypeError(
                 f"{name} is {value!r}, not {'a non-negative int' if want is int else want.__name__}"
+            )
+
+
+def _check_layout(m: Manifest) -> None:
+    """The shards are what the readers assume (shard ``i`` holds cells ``[i·shard_cells, ...)``, every
+    shard full but the last, together ``num_cells``), and the sizes the decoders take are in range: a
+    hand-edited or damaged manifest would otherwise read a cell from another one's place."""
+    if m.layout not in LAYOUTS:
+        raise ValueError(f"layout is {m.layout!r}, not one of {', '.join(LAYOUTS)}")
+    if m.num_genes > np.iinfo(np.int32).max:  # columns are int32 in every decoder's output
+        raise ValueError(f"num_genes is {m.num_genes:,}, more than int32 columns hold")
+    group_size = m.array_record.get("group_size")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"array_record.group_size is {group_size!r}, not a positive int")
+    if m.shard_cells < 1:
+        raise ValueError(f"shard_cells is {m.shard_cells}, not a positive int")
+    expected = -(-m.num_cells // m.shard_cells)
+    if len(m.shards) != expected:
+        raise ValueError(
+            f"{len(m.shards)} shards for {m.num_cells:,} cells of {m.shard_cells:,} per shard, not {expected}"
+        )
+    for i, shard in enumerate(m.shards):
+        first = i * m.shard_cells
+        cells = min(m.shard_cells, m.num_cells - first)
+        if (shard.first_cell, shard.num_cells) != (first, cells):
+            raise ValueError(
+                f"shard {i} ({shard.path}) holds cells {shard.first_cell:,}+{shard.num_cells:,}, not {first:,}+{cells:,}"
             )
 
 

@@ -11,6 +11,7 @@ and a restore with another number of processes continues the epoch exactly.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import sys
@@ -34,7 +35,13 @@ from omicsio_jax.loaders.options import (
     default_num_threads,
     default_prefetch,
 )
-from omicsio_jax.loaders.state import check_positions, check_state, read_loader_states, reads_state
+from omicsio_jax.loaders.state import (
+    as_json,
+    check_positions,
+    check_state,
+    read_loader_states,
+    reads_state,
+)
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import Batch, HostBatch, SparseBatch
 from omicsio_jax.outputs.csr import CSR
@@ -222,11 +229,11 @@ class Loader(ClosingIterator):
 
     @functools.cached_property
     def _config(self) -> dict:  # on first use (a state asked for): hashing 10^8 rows takes a while
-        return self.spec.config(self.dataset, self.plan, self.output)
+        return as_json(self.spec.config(self.dataset, self.plan, self.output))
 
     def config(self) -> dict:
         """What decides the batches: dataset fingerprint, every sampling and output knob."""
-        return dict(self._config)
+        return copy.deepcopy(self._config)
 
     def coverage(self, epoch: int | None = None) -> Coverage:
         """This process's served and planned cells of the current epoch, or of ``epoch`` if it is the
@@ -243,18 +250,18 @@ class Loader(ClosingIterator):
     def get_state(self) -> dict:
         """Small JSON: where the stream stands (global), and what this process served this epoch."""
         if self._before is not None:
-            return {**self._before.get_state(), "mixtures": self._mixtures}
+            return {**self._before.get_state(), "mixtures": copy.deepcopy(self._mixtures)}
         a = self._schedule.anchor
         anchor = [a.step, a.hosts] if a.epoch == self._epoch else [0, self.plan.num_hosts]
         return {
             "version": STATE_VERSION,
-            "config": self._config,
+            "config": copy.deepcopy(self._config),  # the caller's to edit: not this loader's own
             "epoch": self._epoch,
             "step": self._step,
             "anchor": anchor,
             "process": [self.host, self.plan.num_hosts],
             "served": self._served.to_json(),
-            **({"mixtures": self._mixtures} if self._mixtures else {}),
+            **({"mixtures": copy.deepcopy(self._mixtures)} if self._mixtures else {}),
         }
 
     @reads_state
@@ -306,13 +313,21 @@ class Loader(ClosingIterator):
             )
             raise StateMismatchError(msg)
         epoch, step, (anchor_step, anchor_hosts) = positions.pop()
+        saved = self.plan if count == hosts else self.plan.with_hosts(count)
+        steps = Schedule(saved, 0, Anchor(epoch, anchor_step, anchor_hosts)).steps_in_epoch(epoch)
+        if not anchor_step <= step < steps:  # get_state stands before an epoch's end, after its anchor
+            msg = (
+                f"malformed loader state: step {step} (anchor step {anchor_step}) is not a step of epoch "
+                f"{epoch}, which has {steps} steps: pass what the loader's get_state returned"
+            )
+            raise StateMismatchError(msg)
         if count == hosts:
             own = next(s for s in states if s["process"][0] == self.host)
             self._start(epoch, step, Anchor(epoch, anchor_step, anchor_hosts), Tally.from_json(own["served"]))
             return
         # Elastic: the remainder of the round is served as the saving processes would have served it,
         # split over this run's processes; process 0 carries what they served so far.
-        old = Schedule(self.plan.with_hosts(count), 0, Anchor(epoch, anchor_step, anchor_hosts))
+        old = Schedule(saved, 0, Anchor(epoch, anchor_step, anchor_hosts))
         served = Tally()
         if self.host == 0:
             for s in states:
@@ -337,7 +352,7 @@ class Loader(ClosingIterator):
             self._before = before
         else:  # nothing left to finish, but the states are checked all the same (version, rows, ...)
             for s in states:
-                check_state(s, STATE_VERSION, old.config(self.dataset, plan, self.output))
+                check_state(s, STATE_VERSION, as_json(old.config(self.dataset, plan, self.output)))
         self._mixtures = [
             *mixtures.history(states[0], switch),
             {"from_epoch": switch, "weights": dict(sorted(self.spec.sampling.weights.items()))},

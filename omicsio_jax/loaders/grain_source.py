@@ -28,6 +28,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.options import Placement, ReadOptions
+from omicsio_jax.loaders.state import as_json
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import HostBatch
 from omicsio_jax.sampling.coverage import Tally
@@ -122,7 +123,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
             "num_slabs": self.spec.num_slabs,
             "nnz_capacity": getattr(bound, "nnz_capacity", None),
         }
-        self._config = {**self.spec.config(ds, plan, bound), **layout}
+        self._config = as_json({**self.spec.config(ds, plan, bound), **layout})
         per_pass = self.steps_per_epoch * hosts
         self._length = (
             per_pass * num_epochs if num_epochs is not None else (sys.maxsize // per_pass) * per_pass

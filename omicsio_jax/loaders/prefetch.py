@@ -15,6 +15,7 @@ import json
 import weakref
 from typing import Any
 
+from omicsio_jax.core.errors import StateMismatchError
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.outputs.batch import Batch, place_batch
 
@@ -66,6 +67,13 @@ class DevicePrefetch(ClosingIterator):
         return {"inner": self._state}
 
     def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or "inner" not in state:
+            got = f"keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
+            msg = (
+                f"not a prefetch_to_device state ({got}): pass what its get_state returned, "
+                "{'inner': <the wrapped iterator's state>}"
+            )
+            raise StateMismatchError(msg)
         for future, _ in self._pending:
             future.cancel()
         self._pending.clear()

@@ -17,9 +17,25 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
+
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 
 _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def as_json(config: dict) -> dict:
+    """``config`` as it comes back from JSON (numpy scalars as Python numbers, tuples as lists): a
+    knob given as ``np.int64(3)`` neither breaks a checkpoint's ``json.dumps`` nor differs from the
+    state it was saved into."""
+
+    def plain(value):
+        if isinstance(value, np.generic):
+            return value.item()
+        msg = f"loader config value {value!r} ({type(value).__name__}) is not JSON: pass an int, float or str"
+        raise TypeError(msg)
+
+    return json.loads(json.dumps(config, default=plain))
 
 
 def check_state(state: dict, version: int, config: dict) -> None:

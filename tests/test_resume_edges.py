@@ -1,0 +1,153 @@
+"""Edges of opening a dataset and of resuming a loader: damaged sidecars and manifests, hand-edited
+states, and states handed to the wrong iterator, each refused with one line naming the value."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+
+KW = {"batch_size": 96, "sampling": oj.Block(16, 4), "seed": 1, "num_epochs": 2}
+
+
+@pytest.fixture(scope="module")
+def ds(dataset_dir):
+    with oj.open_dataset(dataset_dir) as dataset:
+        yield dataset
+
+
+def _copy(dataset_dir, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    return copy
+
+
+def _huge_end(rows):
+    rows[5, 1] = 1 << 40  # a flipped high bit: terabytes past the shard's end
+    return rows
+
+
+def _reversed_range(rows):
+    rows[5] = rows[5, ::-1]
+    return rows
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_huge_end, _reversed_range, lambda rows: rows[:10], lambda rows: rows[:, :1]],
+    ids=["huge-end", "reversed-range", "chunks-missing", "one-column"],
+)
+@pytest.mark.parametrize("chunk_reader", [True, False])
+def test_a_damaged_chunk_index_is_one_line_naming_it(dataset_dir, tmp_path, damage, chunk_reader):
+    copy = _copy(dataset_dir, tmp_path)
+    index = copy / "chunks" / "shard-00001.npy"
+    np.save(index, damage(np.load(index).copy()))
+    with oj.open_dataset(copy, chunk_reader=chunk_reader) as ds:
+        ds.read_csr([0, 5])  # other shards read fine
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=r"the chunk index chunks/shard-00001\.npy of shard shard-00001\.arrayrecord is damaged: .*"
+            r"run `omicsio-materialize verify",
+        ):
+            ds.read_csr(np.arange(1024, 1100))
+
+
+def test_a_truncated_chunk_index_is_one_line_naming_it(dataset_dir, tmp_path):
+    copy = _copy(dataset_dir, tmp_path)
+    index = copy / "chunks" / "shard-00002.npy"
+    index.write_bytes(index.read_bytes()[:100])
+    with (
+        oj.open_dataset(copy) as ds,
+        pytest.raises(oj.DatasetFormatError, match=r"chunks/shard-00002\.npy .*damaged"),
+    ):
+        ds.read_csr([2500])
+
+
+def _swap_shards(m):
+    m["shards"][0], m["shards"][1] = m["shards"][1], m["shards"][0]
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (_swap_shards, r"shard 0 \(shard-00001\.arrayrecord\) holds cells 1,024\+1,024, not 0\+1,024"),
+        (lambda m: m.update(num_cells=m["num_cells"] - 1), r"shard 2 .* not 2,048\+951"),
+        (lambda m: m.update(shard_cells=0), r"shard_cells is 0"),
+        (lambda m: m.update(shard_cells=512), r"3 shards for 3,000 cells of 512 per shard, not 6"),
+        (lambda m: m.update(shards=[]), r"0 shards for 3,000 cells"),
+        (lambda m: m["array_record"].pop("group_size"), r"array_record\.group_size is None"),
+        (lambda m: m.update(num_genes=3_000_000_000), r"num_genes is 3,000,000,000"),
+    ],
+    ids=["swapped", "num-cells", "shard-cells-0", "shard-cells", "no-shards", "no-group-size", "num-genes"],
+)
+def test_a_manifest_whose_shards_do_not_tile_the_cells_is_refused(dataset_dir, tmp_path, edit, match):
+    copy = _copy(dataset_dir, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(oj.DatasetFormatError, match=rf"manifest\.json is malformed: {match}"):
+        oj.open_dataset(copy)
+
+
+def test_a_state_at_the_last_step_of_an_epoch_resumes_and_one_past_it_is_refused(ds):
+    loader = oj.make_loader(ds, **KW, output="csr")
+    steps = loader.steps_per_epoch
+    for _ in range(steps - 1):
+        next(loader)
+    state = json.loads(json.dumps(loader.get_state()))
+    assert (state["epoch"], state["step"]) == (0, steps - 1)
+    last = next(loader)
+    again = oj.make_loader(ds, **KW, output="csr")
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again).index, last.index)
+    assert again.coverage(0).complete and again.get_state()["epoch"] == 1
+    for position in ({"step": steps}, {"step": 10**6}, {"anchor": [steps - 1, 1], "step": 3}):
+        edited = {**state, **position}
+        with pytest.raises(
+            oj.StateMismatchError, match=r"malformed loader state: step \d+ .*is not a step of epoch 0"
+        ):
+            oj.make_loader(ds, **KW, output="csr").set_state(edited)
+
+
+def test_prefetch_to_device_refuses_a_state_that_is_not_its_own(ds):
+    loader = oj.make_loader(ds, **KW, output="csr")
+    next(loader)
+    bare = loader.get_state()
+    for state in (bare, [{"inner": bare}], None):
+        batches = oj.prefetch_to_device(oj.make_loader(ds, **KW, output="csr"))
+        with pytest.raises(oj.StateMismatchError, match=r"not a prefetch_to_device state"):
+            batches.set_state(state)
+        batches.close()
+    batches = oj.prefetch_to_device(oj.make_loader(ds, **KW, output="csr"))
+    batches.set_state({"inner": bare})  # its own kind of state restores
+    np.testing.assert_array_equal(next(batches).index, next(loader).index)
+    batches.close()
+
+
+def test_numpy_scalar_knobs_make_a_json_state_that_restores(ds):
+    kw = {"batch_size": np.int64(96), "sampling": oj.Block(np.int64(16), np.int64(4)), "seed": np.int64(1)}
+    loader = oj.make_loader(ds, **kw, num_epochs=np.int64(2), output=oj.Dense(target_sum=np.float32(1e4)))
+    first = next(loader)
+    state = json.loads(json.dumps(loader.get_state()))  # what Grain's CheckpointSave writes
+    assert state["config"] == oj.make_loader(ds, **KW).get_state()["config"]  # the same as with ints
+    again = oj.make_loader(ds, **KW)
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again).index, next(loader).index)
+    assert not np.array_equal(first.index, next(again).index)
+    src = oj.GrainSource(ds, **kw, num_epochs=np.int64(2))
+    assert json.loads(repr(src)[len("GrainSource(") : -1])["seed"] == 1
+
+
+def test_editing_a_returned_state_leaves_the_loader_as_it_was(ds):
+    loader = oj.make_loader(ds, **KW)
+    state = loader.get_state()
+    state["config"]["seed"] = 2  # a migration script edits what it got
+    loader.config()["seed"] = 3
+    assert loader.get_state()["config"]["seed"] == 1
+    other = oj.make_loader(ds, **{**KW, "seed": 2})
+    with pytest.raises(oj.StateMismatchError, match=r"seed: in checkpoint 2, in loader 1"):
+        loader.set_state(other.get_state())
