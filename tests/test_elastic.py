@@ -173,3 +173,19 @@ def test_weighted_restore_onto_another_number_of_hosts_serves_only_real_cells(ds
     assert len(batches) == len(reference) == new[0].steps_per_epoch
     assert all(len(b) == KW["batch_size"] and (b >= 0).all() for b in batches)
     np.testing.assert_array_equal(rest[0], reference[5])  # the old round ends as it began
+
+
+@pytest.mark.parametrize("output", ["csr", oj.CSR(nnz_capacity=16384)])
+def test_a_csr_loader_restores_onto_another_number_of_hosts(ds, output):
+    """A csr batch's slab capacity derived from each host's batch is no part of the state's config, so
+    a 2-host state restores onto 1 host; a capacity asked for is, and is the same on any host count."""
+    old = _hosts(ds, 2, output=output)
+    iters = [iter(loader) for loader in old]
+    for _ in range(5):
+        for it in iters:
+            next(it)
+    states = [json.loads(json.dumps(loader.get_state())) for loader in old]
+    (new,) = _hosts(ds, 1, output=output)
+    new.set_state(states)
+    assert np.asarray(next(iter(new)).index).shape == (KW["batch_size"],)
+    assert states[0]["config"]["nnz_capacity"] == (None if output == "csr" else 16384)

@@ -54,6 +54,9 @@ class CSR(Output):
     source: str = ""
     presence: GenePresence | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
     table: PresenceTable | None = dataclasses.field(default=None, repr=False, compare=False)  # bound
+    # bound: nnz_capacity was derived from the host batch, not asked for (so not part of the config,
+    # which a restore onto another number of processes compares)
+    derived_capacity: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     kind = "csr"
 
@@ -66,13 +69,15 @@ class CSR(Output):
             raise OmicsIOError(msg)
         rows = ctx.rows // ctx.num_slabs
         mean = max(ctx.mean_nnz, 1.0)
-        capacity = self.nnz_capacity or int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
+        asked = None if self.derived_capacity else self.nnz_capacity
+        capacity = asked or int(-(-(rows * mean + 6 * np.sqrt(rows) * mean) // 256) * 256)
         presence = require_presence(ctx.dataset, "CSR(measured=True)") if self.measured else None
         return dataclasses.replace(
             self,
             presence=presence,
             table=presence_table(presence, ctx, "CSR(measured=True)") if self.measured else None,
             nnz_capacity=capacity,
+            derived_capacity=asked is None,
             num_columns=ctx.num_columns,
             num_slabs=ctx.num_slabs,
             rows_per_slab=rows,
@@ -85,7 +90,7 @@ class CSR(Output):
             "panel": None,
             "normalize": self.normalize,
             "target_sum": self.target_sum,
-            "nnz_capacity": self.nnz_capacity,
+            "nnz_capacity": None if self.derived_capacity else self.nnz_capacity,
             **({"measured": True} if self.measured else {}),
         }
 
