@@ -114,7 +114,12 @@ def modality_inputs(
         if isinstance(modalities, Mapping):
             msg = "the modalities of an .h5mu input are named, not given as tables: modalities=['atac', ...]"
             raise OmicsIOError(msg)
-        names = h5mu_modalities(source) if modalities is None else list(modalities)
+        held = h5mu_modalities(source)
+        names = held if modalities is None else [str(n) for n in modalities]
+        missing = [n for n in names if n not in held]
+        if missing:
+            msg = f"{source} has no modality {missing[0]!r} (it has {', '.join(held)}); name one of these"
+            raise OmicsIOError(msg)
         out += [ModalityInput(name) for name in names if name != primary]
     elif modalities:
         if kind == "h5ad":
@@ -174,18 +179,29 @@ def _list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
     return tokens[0], values[0]
 
 
-def _find_features(inp: ModalityInput, files: list[Path]) -> str | None:
+def _find_features(inp: ModalityInput, files: list[Path], token_column: str) -> str | None:
     """The feature table given, else one named like `_FEATURE_TABLES` beside the table's files or
-    in their parent folder (not one of the input files)."""
+    in their parent folder (not one of the input files). A ``peaks.parquet`` / ``features.parquet``
+    without the table's ``token_column`` is another modality's (ATAC's peaks beside a protein table)."""
     if inp.features is not None:
         return inp.features
     folders = dict.fromkeys(folder for f in files for folder in (f.parent, f.parent.parent))
     for folder in folders:
         for pattern in _FEATURE_TABLES:
             candidate = folder / pattern.format(name=inp.name)
-            if candidate not in files and candidate.exists():
+            if candidate in files or not candidate.exists():
+                continue
+            if pattern == _FEATURE_TABLES[0] or token_column in _column_names(candidate):
                 return str(candidate)
     return None
+
+
+def _column_names(path: Path) -> list[str]:
+    """The columns of a parquet file; all of them unknown (``[]``) for one that cannot be read."""
+    try:
+        return pq.read_schema(path).names
+    except (OSError, pa.ArrowException):
+        return []
 
 
 def _read_features(path: str, token_column: str) -> pa.Table:
@@ -242,7 +258,7 @@ class TableModality(Source):
             msg = f"{self.label} has no {CELL_ID_COLUMN} column to align its cells by; it has {', '.join(schema.names)}"
             raise DataValidationError(msg)
         self.list_names = _list_columns(schema, self.label)
-        features = _find_features(inp, files)
+        features = _find_features(inp, files, self.list_names[0])
         if inp.layer:
             genes: pa.Table | None = primary_genes
             if inp.features is not None:
@@ -261,9 +277,18 @@ class TableModality(Source):
         self._reader = TableSource(
             inp.table, genes=genes, find_genes=False, batch_cells=batch_cells, lists=self.list_names
         )
-        self._primary_cells, self._batch_cells, self._shard_cells = primary_cells, batch_cells, shard_cells
+        self._batch_cells, self._shard_cells = batch_cells, shard_cells
         self._spill: Spill | None = None
+        self._parts: list[Partition] = []
+        self._primary_cells: dict[int, str] = {}
         if not self.aligned:
+            # the primary's partitions: one per shard, or one over every shard (a --query primary)
+            first = 0
+            for path in primary_cells:
+                n = _num_rows(path)
+                self._parts.append(Partition(first // shard_cells, first, n))
+                self._primary_cells[first // shard_cells] = path
+                first += n
             spill.mkdir(parents=True, exist_ok=True)
             spill_by_partition(
                 con,
@@ -272,6 +297,7 @@ class TableModality(Source):
                 shard_cells=shard_cells,
                 folder=spill,
                 label=self.label,
+                firsts=np.array([p.first_cell for p in self._parts], np.int64),
             )
             self._spill = Spill(spill)
         self.genes = self._reader.genes
@@ -378,9 +404,7 @@ class TableModality(Source):
             self._spill.publish(url)
 
     def plan(self, shard_cells: int) -> list[Partition]:
-        return (
-            self._reader.plan(shard_cells) if self.aligned else whole_partitions(self.num_cells, shard_cells)
-        )
+        return self._reader.plan(shard_cells) if self.aligned else list(self._parts)
 
     def batches(
         self, obs: list[str], part: Partition | None = None, *, threads: int | None = None
@@ -442,6 +466,11 @@ def _spread(indptr: np.ndarray, positions: np.ndarray, num_rows: int) -> np.ndar
     out = np.zeros(num_rows + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+def _num_rows(path: str) -> int:
+    source = as_input_path(path).open("rb") if is_remote(path) else path
+    return pq.read_metadata(source).num_rows
 
 
 def _read_cell_ids(path: str) -> pa.Array:
@@ -575,6 +604,14 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
     return None if np.array_equal(rows, np.arange(len(rows))) else rows
 
 
+def _same_genes(a: pa.Table, b: pa.Table) -> bool:
+    """Whether two gene tables name the same genes in the same order."""
+    if a.num_rows != b.num_rows:
+        return False
+    keys = [k for k in ("ensembl_id", "gene_name") if k in a.column_names and k in b.column_names]
+    return all(a.column(k).equals(b.column(k)) for k in keys)
+
+
 def _index_name(obs) -> str:
     name = obs.attrs["_index"]
     return name.decode() if isinstance(name, bytes) else str(name)
@@ -597,6 +634,14 @@ class H5Modality(Source):
         self.num_cells = primary.num_cells
         if rows is None and reader.num_cells != primary.num_cells:
             msg = f"{reader.label} has {reader.num_cells:,} rows, the primary {primary.label} {primary.num_cells:,}"
+            raise DataValidationError(msg)
+        if layer and not _same_genes(reader.genes, primary.genes):
+            msg = (
+                f"layer {name} of {reader.label} is over {reader.genes.num_rows:,} genes other than the "
+                f"{primary.genes.num_rows:,} the primary reads (raw/X holds other genes than X and its layers); "
+                "a layer shares the primary's genes: drop --raw (the layers are over X's genes), or materialize "
+                "the layers as a dataset of their own"
+            )
             raise DataValidationError(msg)
         self.genes = reader.genes
         self.features_table = reader.genes

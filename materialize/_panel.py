@@ -12,6 +12,8 @@ import pyarrow as pa
 
 from omicsio_jax import DataValidationError
 
+from ._genekeys import strip_version
+
 # A panel entry may name a gene by any of these gene-table columns.
 _KEY_COLUMNS = ("ensembl_id", "gene_name", "gene_token_id")
 
@@ -62,13 +64,28 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
         msg = f"{label} lists no genes"
         raise DataValidationError(msg)
     lookup: dict[str, int] = {}
+    shared: dict[str, list[int]] = {}  # a gene name held by several genes: ambiguous
     for key in _KEY_COLUMNS:
         if key in genes.column_names:
+            here: dict[str, list[int]] = {}
             for col, value in enumerate(genes.column(key).to_pylist()):
-                lookup.setdefault(str(value), col)
+                here.setdefault(str(value), []).append(col)
+            for value, held in here.items():
+                if value not in lookup:
+                    lookup[value] = held[0]
+                    if len(held) > 1:
+                        shared[value] = held
+    if "ensembl_id" in genes.column_names:  # an Ensembl id with or without its version matches
+        for col, value in enumerate(genes.column("ensembl_id").to_pylist()):
+            lookup.setdefault(strip_version(str(value)), col)
     cols, unknown, seen = [], [], set()
     for entry in entries:
-        col = lookup.get(entry)
+        col = lookup.get(entry, lookup.get(strip_version(entry)))
+        if entry in shared:
+            ids = genes.column("ensembl_id") if "ensembl_id" in genes.column_names else None
+            named = ", ".join(str(c if ids is None else ids[c].as_py()) for c in shared[entry][:5])
+            msg = f"{label} names gene {entry!r}, which {len(shared[entry])} genes share ({named}): give its Ensembl id"
+            raise DataValidationError(msg)
         if col is None:
             unknown.append(entry)
         elif col in seen:

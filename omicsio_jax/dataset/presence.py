@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
 from omicsio_jax.format.manifest import PRESENCE_NAME
 
 
@@ -48,9 +48,25 @@ def read_presence(ds: Any) -> GenePresence | None:
 
     table = pq.read_table(ds.local_path(PRESENCE_NAME))
     bits = [np.frombuffer(b, np.uint8) for b in table.column("measured").to_pylist()]
+    # the bitmaps cover the collection's genes; a dense panel's columns are some of them, each named
+    # by its gene_token_id (the collection's column)
+    columns = None
+    if ds.layout == "dense":
+        features = pq.read_table(ds.local_path("features.parquet"), columns=["gene_token_id"])
+        columns = features.column(0).to_numpy().astype(np.int64)
+        width = min((8 * len(b) for b in bits), default=0)
+        if len(columns) and (columns.min() < 0 or columns.max() >= width):
+            msg = (
+                f"{ds.path}/{PRESENCE_NAME} covers {width} genes, but the panel's gene_token_id reaches "
+                f"{int(columns.max())}; materialize the collection again"
+            )
+            raise DatasetFormatError(msg)
     measured = np.zeros((len(bits), ds.num_genes), bool)
     for k, b in enumerate(bits):
-        measured[k] = np.unpackbits(b, count=ds.num_genes, bitorder="little").astype(bool)
+        if columns is None:
+            measured[k] = np.unpackbits(b, count=ds.num_genes, bitorder="little").astype(bool)
+        else:
+            measured[k] = np.unpackbits(b, bitorder="little").astype(bool)[columns]
     firsts = table.column("first_cell").to_numpy()
     ends = firsts + table.column("num_cells").to_numpy()
     return GenePresence(

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
-from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, file_entry, fsync_path
+from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, file_entry, fsync_path, read_manifest
 
 
 class Dataset(Protocol):
@@ -114,7 +114,17 @@ def split(
     An existing split by ``by`` is kept (and returned) when it is the same, replaced with
     ``overwrite=True``, else refused."""
     where = f"oj.split({dataset.path}, by={by!r})"
-    names, fractions = [str(n) for n in names], [float(f) for f in fractions]
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        msg = f"{where}: seed must be a non-negative integer, e.g. seed=0; got {seed!r}"
+        raise TypeError(msg)
+    if seed < 0:
+        msg = f"{where}: seed must be a non-negative integer, e.g. seed=0; got {seed}"
+        raise OmicsIOError(msg)
+    try:
+        names, fractions = [str(n) for n in names], [float(f) for f in fractions]
+    except (TypeError, ValueError) as e:
+        msg = f"{where}: fractions must be numbers, one per name, e.g. fractions=(0.98, 0.01, 0.01); got {fractions!r}"
+        raise OmicsIOError(msg) from e
     if len(names) != len(fractions) or len(set(names)) != len(names) or not all(names):
         msg = f"{where}: names {names} and fractions {fractions} must pair up, names distinct and non-empty"
         raise OmicsIOError(msg)
@@ -138,7 +148,9 @@ def split(
     size = {c: int(n) for c, n in zip(column.categories, counts, strict=True)}
     order = [present[i] for i in np.random.default_rng(seed).permutation(len(present))]
     total = sum(size[g] for g in order)
-    bounds = np.cumsum(fractions) * total
+    # a bound that should fall on a group's first cell may land a rounding error past it (0.1 + 0.2 is
+    # 0.30000000000000004): compared with a margin far below one cell
+    bounds = np.cumsum(fractions) * total - 1e-9 * max(total, 1)
     groups: dict[str, list[str]] = {n: [] for n in names}
     start = 0
     for g in order:  # a group goes where its first cell falls
@@ -192,10 +204,15 @@ def read_split(dataset: Dataset, by: str | None = None) -> Split:
 def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> None:
     root = Path(dataset.path)
     text = result.to_json()
-    listed = any(f.path == result.path for f in dataset.manifest.files)
+    m = read_manifest(root)  # as it is now: another handle may have listed a split since this one opened
+    if m.fingerprint != dataset.manifest.fingerprint:
+        msg = f"{where}: {root} was materialized again since it was opened; open it again and split that"
+        raise OmicsIOError(msg)
+    listed = any(f.path == result.path for f in m.files)
     target = root / result.path
     if listed and not overwrite:
         if target.exists() and target.read_text() == text:
+            dataset.manifest = m
             return
         msg = (
             f"{where}: {result.path} holds another split by {result.by!r}; pass overwrite=True to replace it"
@@ -206,7 +223,6 @@ def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> N
     staged.write_text(text)
     fsync_path(staged)
     os.replace(staged, target)
-    m = dataset.manifest
     files = tuple(f for f in m.files if f.path != result.path) + (file_entry(root, result.path),)
     manifest = dataclasses.replace(m, files=files)  # splits are derived: the fingerprint stays
     staged = root / f".{MANIFEST_NAME}.{os.getpid()}.tmp"

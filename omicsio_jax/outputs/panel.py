@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.normalize import Normalization
@@ -40,6 +41,12 @@ class Panel(Output):
 
     def bind(self, ctx: OutputContext) -> Panel:
         columns = np.asarray(ctx.gene_columns(self.genes), dtype=np.int64)
+        uniq, counts = np.unique(columns, return_counts=True)
+        if (counts > 1).any():
+            col = uniq[counts > 1][0]
+            named = " and ".join(repr(g) for g, c in zip(self.genes, columns, strict=True) if c == col)
+            msg = f"oj.Panel: {named} name the same gene (column {col} of {ctx.source}); give each gene once"
+            raise OmicsIOError(msg)
         width = max(ctx.num_columns, int(columns.max(initial=-1)) + 1)
         return dataclasses.replace(
             self, gene_to_col=scatter.make_gene_to_col(width, columns), source=ctx.source
