@@ -86,3 +86,13 @@ def test_read_error_while_rows_stream_is_a_one_line_validation_error(tmp_path):
     with pytest.raises(DataValidationError, match=r"^cannot read .*cells\.parquet: [^\n]*$"):
         _convert(path, tmp_path / "out", 4096, where="true")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_glob_leaves_out_the_gene_table_beside_the_cells(tmp_path):
+    """``in/*.parquet`` matches ``gene_metadata.parquet`` too: it is the gene table, found beside the
+    cells as a directory's is, not a file of cells."""
+    a, b = _cells(30, "a", 0), _cells(25, "b", 1)
+    folder = _folder(tmp_path, a=a, b=b)
+    ds = _convert(str(folder / "*.parquet"), tmp_path / "out", 64)
+    assert list(ds.cell_ids) == a["cell_id"].to_pylist() + b["cell_id"].to_pylist()
+    assert ds.num_genes == 30

@@ -65,8 +65,9 @@ def sql_ident(name: str) -> str:
 
 
 def expand_files(spec: str) -> list[Path]:
-    """Files named by a path, a directory (searched recursively) or a glob, sorted; the same for
-    ``s3://`` keys, prefixes and globs (as `ObjectPath`)."""
+    """Files named by a path, a directory (searched recursively) or a glob, sorted, the gene table
+    (``gene_metadata.parquet``) left out of a directory's or a glob's; the same for ``s3://`` keys,
+    prefixes and globs (as `ObjectPath`)."""
     path = Path(spec)
     if is_remote(spec):
         files = expand_objects(spec, (".parquet", ".vortex"), GENE_TABLE_NAME)
@@ -77,7 +78,11 @@ def expand_files(spec: str) -> list[Path]:
             if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME
         )
     elif any(ch in spec for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        files = sorted(
+            Path(p)
+            for p in glob.glob(spec, recursive=True)
+            if Path(p).is_file() and Path(p).name != GENE_TABLE_NAME
+        )
     else:
         files = [path] if path.exists() else []
     if not files:
