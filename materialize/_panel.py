@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
+from omicsio_jax.format import name_lookup
 
 from ._genekeys import strip_version
 
@@ -63,18 +64,9 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
     if not entries:
         msg = f"{label} lists no genes"
         raise DataValidationError(msg)
-    lookup: dict[str, int] = {}
-    shared: dict[str, list[int]] = {}  # a gene name held by several genes: ambiguous
-    for key in _KEY_COLUMNS:
-        if key in genes.column_names:
-            here: dict[str, list[int]] = {}
-            for col, value in enumerate(genes.column(key).to_pylist()):
-                here.setdefault(str(value), []).append(col)
-            for value, held in here.items():
-                if value not in lookup:
-                    lookup[value] = held[0]
-                    if len(held) > 1:
-                        shared[value] = held
+    lookup, shared = name_lookup(
+        genes.column(key).to_pylist() for key in _KEY_COLUMNS if key in genes.column_names
+    )
     if "ensembl_id" in genes.column_names:  # an Ensembl id with or without its version matches
         for col, value in enumerate(genes.column("ensembl_id").to_pylist()):
             lookup.setdefault(strip_version(str(value)), col)

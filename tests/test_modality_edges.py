@@ -131,6 +131,21 @@ def test_a_materialized_panel_refuses_a_symbol_two_genes_share(small_h5ad, tmp_p
     assert not (tmp_path / "ds").exists()
 
 
+def test_a_datasets_gene_columns_refuse_a_symbol_two_genes_share(small_h5ad, tmp_path):
+    """``ds.gene_columns`` and ``oj.Panel`` over a dataset whose genes G3 and G7 both carry the symbol
+    G3: the symbol is refused naming both Ensembl ids (it gave the first silently); either id works."""
+    path, x = small_h5ad
+    materialize(path, tmp_path / "ds", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "ds")
+    assert ds.features["gene_name"].tolist()[3] == ds.features["gene_name"].tolist()[7] == "G3"
+    shared = r"gene 'G3' is the name of 2 genes \(ENSG00000000003.1, ENSG00000000007.2\): give its Ensembl id"
+    with pytest.raises(oj.OmicsIOError, match=shared):
+        ds.gene_columns(["G4", "G3"])
+    with pytest.raises(oj.OmicsIOError, match=shared):
+        oj.make_loader(ds, batch_size=8, output=oj.Panel(["G3"]))
+    assert ds.gene_columns(["G4", "ENSG00000000007", "ENSG00000000003.1"]).tolist() == [4, 7, 3]
+
+
 def test_an_h5mu_modality_not_in_the_file_is_named_before_anything_is_written(truth, tmp_path):
     path = write_h5mu(truth, tmp_path / "multiome.h5mu")
     with pytest.raises(

@@ -24,7 +24,7 @@ from omicsio_jax.format.chunk_index import (
     load_chunk_index,
 )
 from omicsio_jax.format.csr import take_rows
-from omicsio_jax.format.genes import fold_ensembl
+from omicsio_jax.format.genes import fold_ensembl, name_lookup
 from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
 from omicsio_jax.records.chunk_reader import supported as chunks_readable
@@ -428,11 +428,8 @@ class Dataset:
         >>> ds.modality("atac").gene_columns(["chr1:10010-10460"])  # doctest: +SKIP
         """
         features = self.features
-        lookup: dict[str, int] = {}
-        for key in ("ensembl_id", "gene_name", "peak_name"):
-            if key in features:
-                for col, value in enumerate(features[key].astype(str)):
-                    lookup.setdefault(value, col)
+        keys = [key for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
+        lookup, shared = name_lookup(features[key].astype(str) for key in keys)
         by_id: dict[str, int] = {}  # Ensembl ids without their version
         if "ensembl_id" in features:
             for col, value in enumerate(features["ensembl_id"].astype(str)):
@@ -444,6 +441,14 @@ class Dataset:
                     unknown.append(str(g))
                 cols.append(int(g))
                 continue
+            if str(g) in shared:
+                held = shared[str(g)]
+                ids = features["ensembl_id"].astype(str) if "ensembl_id" in features else None
+                named = ", ".join(str(c if ids is None else ids[c]) for c in held[:5])
+                msg = (
+                    f"{self.path}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id"
+                )
+                raise OmicsIOError(msg)
             col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
             if col is None:
                 unknown.append(str(g))

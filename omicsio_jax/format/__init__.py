@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
     from omicsio_jax.format.gene_stats import StatsAccumulator as StatsAccumulator
     from omicsio_jax.format.gene_stats import empty_span as empty_span
+    from omicsio_jax.format.genes import name_lookup as name_lookup
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
     from omicsio_jax.format.manifest import PRESENCE_NAME as PRESENCE_NAME
     from omicsio_jax.format.manifest import FileEntry as FileEntry
@@ -116,6 +117,7 @@ _WRITER_API = {
     ),
     "omicsio_jax.format.csr": ("take_rows",),
     "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
+    "omicsio_jax.format.genes": ("name_lookup",),
     "omicsio_jax.format.gene_stats": (
         "NUM_BINS",
         "STATS_NAME",
