@@ -30,6 +30,7 @@ from omicsio_jax import DataValidationError
 from omicsio_jax.format import is_remote
 
 from ._genekeys import SYMBOL_COLUMNS, ensembl_like
+from ._mudata_obs import file_obs
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, gene_table_from_arrow, obs_kind
 
@@ -268,6 +269,9 @@ class _Frame:
             for f in fields[1:]
         }
 
+    def __len__(self) -> int:
+        return int(self._index.shape[0])
+
     def index(self, lo: int, hi: int) -> pa.StringArray:
         if self._field is None:
             return _strings(self._index, lo, hi)
@@ -354,7 +358,11 @@ class H5adSource(Source):
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
             self._obs_frame = _Frame(self._root["obs"], self._root.get("uns"))
-            self._obs = self._obs_frame.columns
+            self._obs = dict(self._obs_frame.columns)
+            if self.group and "obs" in self._file:  # an .h5mu modality: the file's own obs too
+                mods = list(self._file["mod"].keys()) if "mod" in self._file else []
+                whole = _Frame(self._file["obs"], self._file.get("uns"))
+                self._obs.update(file_obs(whole, self._obs_frame, self._obs, mods))
         except (OSError, KeyError) as e:
             msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e

@@ -294,3 +294,38 @@ def test_a_group_starting_exactly_on_a_fraction_bound_goes_to_the_next_split(tmp
     result = oj.split(ds, by="donor", fractions=(0.1, 0.2, 0.7), seed=1)
     assert result.groups == {"train": ("a",), "val": ("b",), "test": ("c",)}
     assert result.cells == {"train": 10, "val": 20, "test": 70}
+
+
+def test_an_h5mu_files_own_obs_go_with_the_primarys_cells_by_name(tmp_path):
+    """MuData's obs of the whole file (``mdata.obs["donor"]``, over the modalities' cells in the
+    file's order, here ATAC's first) is carried with the primary's cells, matched by obs name, beside
+    the modality's own obs; the file's copies of a modality's columns (``rna:cell_type``) are not."""
+    import mudata as md
+
+    md.set_options(pull_on_update=False)
+    rng = np.random.default_rng(0)
+    ids = [f"c{i}" for i in range(50)]
+    x = sp.random(50, 20, density=0.3, format="csr", dtype=np.float32, random_state=1)
+    x.data = np.ceil(x.data * 5)
+    cell_type = pd.DataFrame({"cell_type": pd.Categorical(rng.choice(["B", "T"], 50))}, index=ids)
+    rna = ad.AnnData(X=x, obs=cell_type, var=pd.DataFrame(index=[f"g{j}" for j in range(20)]))
+    peaks = sp.random(30, 10, density=0.3, format="csr", dtype=np.float32, random_state=2)
+    peaks.data = np.ceil(peaks.data * 5)
+    atac_ids = list(rng.permutation(ids)[:30])
+    atac = ad.AnnData(
+        X=peaks, obs=pd.DataFrame(index=atac_ids), var=pd.DataFrame(index=[f"p{j}" for j in range(10)])
+    )
+    mdata = md.MuData({"atac": atac, "rna": rna})
+    mdata.obs["donor"] = pd.Categorical(rng.choice(["d1", "d2", "d3"], mdata.n_obs))
+    mdata.obs["age"] = rng.integers(20, 80, mdata.n_obs)
+    mdata.obs["rna:cell_type"] = "a copy"
+    assert list(mdata.obs_names[:30]) == atac_ids  # the file's order is not the primary's
+    mdata.write(tmp_path / "x.h5mu")
+    materialize(tmp_path / "x.h5mu", tmp_path / "out", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert list(ds.cell_ids) == ids
+    assert {"cell_type", "donor", "age"} <= {o.name for o in ds.manifest.obs}
+    assert "rna:cell_type" not in {o.name for o in ds.manifest.obs}
+    donor = ds.obs["donor"]
+    assert [donor.categories[c] for c in donor.codes] == mdata.obs.loc[ids, "donor"].astype(str).tolist()
+    np.testing.assert_array_equal(np.asarray(ds.obs["age"]), mdata.obs.loc[ids, "age"].to_numpy())
