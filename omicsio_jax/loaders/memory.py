@@ -33,7 +33,7 @@ from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
-from omicsio_jax.loaders.options import Placement, ReadOptions
+from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
 from omicsio_jax.loaders.state import check_state, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
 from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
@@ -52,7 +52,9 @@ def _gather_rows(x, rows, out):
 def _draw(arrays, perm, step, acc, *, rows):
     """Each device gathers ``rows`` of its own cells: ``arrays`` leaves are (devices, L, ...) and
     ``perm`` is (devices, L), both sharded on axis 0; results are flattened to (devices × rows, ...).
-    ``acc`` (devices, 3) uint32 gets each device's coverage tally of the rows it drew, in the same call."""
+    ``acc`` (devices, 3) uint32 gets each device's coverage tally of the rows it drew, in the same call.
+    Each call makes its own ``mask`` (every row drawn is a cell): a batch's arrays are its own, so a
+    step that donates one batch leaves the next ones whole."""
     idx = jax.lax.dynamic_slice_in_dim(perm, step * rows, rows, axis=1)
 
     def take(a):
@@ -61,7 +63,8 @@ def _draw(arrays, perm, step, acc, *, rows):
     picked = jax.tree.map(take, arrays)
     index = picked["index"]
     acc = acc + jax.vmap(lambda i: jnp.stack(device_tally(i, i >= 0)))(index)
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked), acc
+    drawn = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked)
+    return {**drawn, "mask": drawn["index"] >= 0}, acc
 
 
 class MemoryLoader(ClosingIterator):
@@ -298,8 +301,6 @@ class MemoryLoader(ClosingIterator):
             "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()},
         }
         self._perm_epoch, self._perm = None, None
-        ones = np.ones(self.batch_size, bool)
-        self._mask = jax.make_array_from_callback(ones.shape, sharding, lambda index: ones[index])
         self._set_served(Tally())
 
     def _device_order(self, epoch: int, device: int) -> np.ndarray:
@@ -320,7 +321,7 @@ class MemoryLoader(ClosingIterator):
             )
             self._perm_epoch = epoch
         out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
-        return Batch(out["x"], out["obs"], out["index"], self._mask)
+        return Batch(out["x"], out["obs"], out["index"], out["mask"])
 
 
 def _host_batches(ref: weakref.ref[MemoryLoader], epoch: int, step: int) -> Iterator[HostBatch]:
@@ -366,12 +367,17 @@ def make_memory_loader(
     batches ahead in a thread; the default 0 gathers in the caller's thread (a small copy, which
     JAX's async dispatch already overlaps with the previous step).
     """
-    placement = Placement.of(placement)
+    placement, read = Placement.of(placement), ReadOptions.of(read)
+    check_argument("make_memory_loader", "batch_size", batch_size, minimum=1)
+    check_argument("make_memory_loader", "seed", seed, minimum=0)
+    check_argument("make_memory_loader", "num_epochs", num_epochs, minimum=0, optional=True)
     hosts = placement.num_hosts
     devices = 1 if placement.mesh is None else int(placement.mesh.shape[placement.data_axis])
-    if batch_size <= 0 or batch_size % hosts or batch_size % devices:
+    if batch_size % hosts or batch_size % devices:
         msg = f"batch_size {batch_size} must be a positive multiple of the {hosts} host(s) and {devices} device(s)"
         raise OmicsIOError(msg)
+    if not on_device:
+        placement.check_batch_size(batch_size)  # each host's share over its devices
     if on_device and not drop_remainder:
         msg = "on_device=True always drops the remainder (each device draws only full batches)"
         raise OmicsIOError(msg)

@@ -10,6 +10,7 @@ same two objects, next to a `Sampling` option and an `Output` kind::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import jax
@@ -28,6 +29,18 @@ def _check_count(option: object, name: str, *, minimum: int) -> None:
             f"{type(option).__name__}({name}=...) must be an integer ≥ {minimum} (or None: the loader's "
             f"default), got {value!r}"
         )
+        raise OmicsIOError(msg)
+    if isinstance(value, np.integer):  # a plain int for what takes no other (Grain's thread counts)
+        object.__setattr__(option, name, int(value))
+
+
+def check_argument(where: str, name: str, value: object, *, minimum: int, optional: bool = False) -> None:
+    """Raise unless ``value`` (argument ``name`` of ``where``) is an integer ≥ ``minimum`` (or None if ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        also = " (or None)" if optional else ""
+        msg = f"{where}({name}=...) must be an integer ≥ {minimum}{also}, got {value!r}"
         raise OmicsIOError(msg)
 
 
@@ -53,6 +66,16 @@ class ReadOptions:
         _check_count(self, "num_threads", minimum=0)
         _check_count(self, "prefetch", minimum=0)
         _check_count(self, "decode_threads", minimum=1)
+
+    @staticmethod
+    def of(read: ReadOptions | None) -> ReadOptions:
+        """A loader's ``read=`` argument as `ReadOptions` (None: every knob at the loader's default)."""
+        if read is None:
+            return ReadOptions()
+        if isinstance(read, ReadOptions):
+            return read
+        msg = f"read must be an oj.ReadOptions(num_threads=..., prefetch=...) or None; got {read!r}"
+        raise OmicsIOError(msg)
 
     def with_defaults(self, **defaults: int | None) -> ReadOptions:
         """These options with each knob left at None set to ``defaults[knob]``."""
@@ -156,7 +179,9 @@ class Placement:
 
     A loader takes ``placement=mesh`` as ``Placement(mesh)``. ``process_index`` /
     ``process_count`` stand in for JAX's where one process plays several hosts (tests, elastic
-    restores); every host must serve the same number of equal batches.
+    restores); every host must serve the same number of equal batches. With JAX's processes, each
+    one must hold its own, equal share of the data axis's slices (``process_count=1`` on every
+    process instead loads the same whole batches everywhere, for a data axis the processes share).
     """
 
     mesh: jax.sharding.Mesh | None = None
@@ -165,6 +190,12 @@ class Placement:
     process_count: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
+            msg = (
+                f"Placement(mesh=...) must be a jax.sharding.Mesh or None, got {self.mesh!r}: e.g. "
+                "oj.Placement(jax.make_mesh((jax.device_count(),), ('data',)))"
+            )
+            raise OmicsIOError(msg)
         if self.mesh is not None and self.data_axis not in self.mesh.axis_names:
             msg = f"Placement(data_axis={self.data_axis!r}) is not an axis of the mesh {tuple(self.mesh.axis_names)}"
             raise OmicsIOError(msg)
@@ -173,6 +204,34 @@ class Placement:
         if self.process_index is not None and self.process_index >= self.num_hosts:
             msg = (
                 f"Placement(process_index={self.process_index}) must be below process_count {self.num_hosts}"
+            )
+            raise OmicsIOError(msg)
+        if self.mesh is not None and self.process_count is None:
+            self._check_processes()
+
+    def _check_processes(self) -> None:
+        """Raise unless the mesh's processes (JAX's) each hold their own, equal share of the data axis:
+        every process serves ``batch_size / process_count`` rows of its own, which only its devices hold."""
+        axis = list(self.mesh.axis_names).index(self.data_axis)
+        slices: dict[int, set[int]] = {}
+        for idx, device in np.ndenumerate(self.mesh.devices):
+            slices.setdefault(device.process_index, set()).add(idx[axis])
+        if len(slices) > 1:
+            for p, q in itertools.combinations(sorted(slices), 2):
+                if slices[p] & slices[q] or len(slices[p]) != len(slices[q]):
+                    msg = (
+                        f"mesh axis {self.data_axis!r} must split into equal, disjoint shares of the processes, "
+                        f"but process {p} holds its slices {sorted(slices[p])} and process {q} {sorted(slices[q])}: "
+                        f"order the mesh's devices so that the processes split {self.data_axis!r} (e.g. "
+                        "jax.make_mesh((jax.device_count() // m, m), ('data', 'model')) keeps 'model' within a process), "
+                        "or load the same whole batches on every process: oj.Placement(mesh, process_index=0, process_count=1)"
+                    )
+                    raise OmicsIOError(msg)
+        if len(slices) != jax.process_count():
+            msg = (
+                f"the mesh spans processes {sorted(slices)} of the {jax.process_count()} JAX processes, and each "
+                "serves its share of each batch: use a mesh over every process's devices, or pass "
+                "oj.Placement(mesh, process_index=0, process_count=1) where only this process loads"
             )
             raise OmicsIOError(msg)
 
@@ -203,11 +262,22 @@ class Placement:
         return local_shards(self.mesh, self.data_axis)
 
     def check_batch_size(self, batch_size: int) -> None:
-        """Raise unless ``batch_size`` (global) splits evenly over the mesh's data axis."""
-        if self.mesh is not None and batch_size % self.mesh.shape[self.data_axis]:
+        """Raise unless ``batch_size`` (global) splits evenly over the mesh's data axis, and each host's
+        share over its own devices of it (a process playing one of several hosts holds every device)."""
+        if self.mesh is None:
+            return
+        if batch_size % self.mesh.shape[self.data_axis]:
             msg = (
                 f"batch_size {batch_size} must be divisible by the {self.mesh.shape[self.data_axis]} devices of "
                 f"mesh axis {self.data_axis!r}"
+            )
+            raise OmicsIOError(msg)
+        hosts, slabs = self.num_hosts, self.num_slabs
+        if batch_size % hosts == 0 and (batch_size // hosts) % slabs:
+            msg = (
+                f"batch_size {batch_size} gives each of the {hosts} hosts {batch_size // hosts} rows, which must split "
+                f"evenly over this process's {slabs} devices of mesh axis {self.data_axis!r}: pass a multiple of "
+                f"{hosts * slabs}, e.g. batch_size={max(1, batch_size // (hosts * slabs)) * hosts * slabs}"
             )
             raise OmicsIOError(msg)
 

@@ -32,7 +32,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
 from omicsio_jax.loaders.iterator import ClosingIterator
-from omicsio_jax.loaders.options import Placement, ReadOptions
+from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
 from omicsio_jax.loaders.state import check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
@@ -349,13 +349,12 @@ def make_stream_loader(
     ``prefetch`` batches are made ahead on a thread (default 2). Single-host: every process would
     read the whole query.
     """
-    placement = Placement.of(placement)
+    placement, read = Placement.of(placement), ReadOptions.of(read)
     if placement.num_hosts > 1:
         msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
         raise OmicsIOError(msg)
-    if batch_size <= 0:
-        msg = f"batch_size must be positive, got {batch_size}"
-        raise OmicsIOError(msg)
+    check_argument("make_stream_loader", "batch_size", batch_size, minimum=1)
+    check_argument("make_stream_loader", "seed", seed, minimum=0)
     if not isinstance(sampling, Stream):
         msg = (
             f"make_stream_loader reads a query in table order: sampling must be an oj.Stream (shuffle=True "

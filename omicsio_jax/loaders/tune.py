@@ -17,6 +17,8 @@ cells per second. The result is the fastest, and the table of everything compute
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -76,6 +78,14 @@ class TuneResult:
                 f"{r['entropy_ratio']:>14.4f} {speed}{'  <- chosen' if chosen else ''}"
             )
         return "\n".join(lines)
+
+
+def _check_positive(name: str, values: Sequence[int], what: str) -> None:
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1]
+    if bad or len(values) == 0:
+        shown = values[0] if name in ("batch_size", "entropy_batches") else list(values)
+        msg = f"{name} must be {what}; got {shown!r}"
+        raise OmicsIOError(msg)
 
 
 def _labels(ds: Dataset, label: str) -> np.ndarray:
@@ -161,6 +171,23 @@ def tune(
     """
     if "sampling" in loader_kwargs:
         msg = "tune chooses the sampling (oj.Block(block_size, fetch_factor)): do not pass sampling="
+        raise OmicsIOError(msg)
+    if "num_epochs" in loader_kwargs:
+        msg = "tune runs each setting's loader for its share of seconds (num_epochs=None): do not pass num_epochs="
+        raise OmicsIOError(msg)
+    _check_positive("batch_size", [batch_size], "a positive integer, e.g. 1024")
+    _check_positive("entropy_batches", [entropy_batches], "a positive integer (default 256)")
+    _check_positive("block_sizes", block_sizes, "non-empty, of positive integers, e.g. (4, 16, 64)")
+    _check_positive("fetch_factors", fetch_factors, "non-empty, of positive integers, e.g. (16, 64)")
+    if not (isinstance(seconds, numbers.Real) and 0 <= seconds < math.inf):
+        msg = (
+            f"seconds must be a finite number ≥ 0 (the time shared among the timed settings), got {seconds!r}"
+        )
+        raise OmicsIOError(msg)
+    if num_threads is not None and len(num_threads) == 0:
+        msg = (
+            "num_threads must list at least one thread count to time, e.g. (0, 2), or be None (the defaults)"
+        )
         raise OmicsIOError(msg)
     read = loader_kwargs.pop("read", ReadOptions())
     if not 0 < entropy_target <= 1:

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from omicsio_jax.core.errors import OmicsIOError
+
 
 class SparseBatch(NamedTuple):
     """Fixed-shape padded sparse rows, one slab per device: arrays of shape (num_shards, capacity).
@@ -84,6 +86,15 @@ def data_sharding(mesh, data_axis: str = "data") -> jax.sharding.Sharding:
     """``NamedSharding(mesh, P(data_axis))``, or the first local device when there is no mesh."""
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if not isinstance(mesh, jax.sharding.Mesh):
+        msg = (
+            f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}: for an oj.Placement p, call "
+            "p.place(host_batch) or oj.place_batch(host_batch, p.mesh, p.data_axis)"
+        )
+        raise OmicsIOError(msg)
+    if data_axis not in mesh.axis_names:
+        msg = f"data_axis={data_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}: pass one of them"
+        raise OmicsIOError(msg)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axis))
 
 
