@@ -201,3 +201,27 @@ def test_a_step_that_donates_an_on_device_batch_leaves_the_next_batches_whole(sm
     assert again.mask.sharding.is_equivalent_to(
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")), 1
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 64.0}, r"make_loader\(batch_size=\.\.\.\) must be an integer ≥ 1, got 64.0"),
+        ({"batch_size": True}, r"make_loader\(batch_size=\.\.\.\) must be an integer ≥ 1, got True"),
+        ({"seed": -1}, r"make_loader\(seed=\.\.\.\) must be an integer ≥ 0, got -1"),
+        ({"seed": None}, r"make_loader\(seed=\.\.\.\) must be an integer ≥ 0, got None"),
+        ({"num_epochs": -1}, r"make_loader\(num_epochs=\.\.\.\) must be an integer ≥ 1 \(or None\), got -1"),
+        (
+            {"read": {"prefetch": 2}},
+            r"read must be an oj.ReadOptions\(num_threads=\.\.\., prefetch=\.\.\.\) or None",
+        ),
+    ],
+)
+def test_make_loader_refuses_bad_arguments_with_one_line_errors(dataset_dir, kwargs, match):
+    with pytest.raises(oj.OmicsIOError, match=match):
+        oj.make_loader(oj.open_dataset(dataset_dir), **{"batch_size": 64, **kwargs})
+
+
+def test_make_loader_takes_read_none_as_the_defaults(dataset_dir):
+    loader = oj.make_loader(oj.open_dataset(dataset_dir), batch_size=64, read=None)
+    assert next(iter(loader)).x.shape[0] == 64

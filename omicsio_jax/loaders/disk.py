@@ -31,6 +31,7 @@ from omicsio_jax.loaders.mixtures import changed_mixture
 from omicsio_jax.loaders.options import (
     Placement,
     ReadOptions,
+    check_argument,
     default_decode_threads,
     default_num_threads,
     default_prefetch,
@@ -380,7 +381,7 @@ def make_loader(
     seed: int = 0,
     num_epochs: int | None = 1,
     placement: Placement | jax.sharding.Mesh | None = None,
-    read: ReadOptions = ReadOptions(),
+    read: ReadOptions | None = ReadOptions(),
 ) -> Loader:
     """Batches of cells from ``ds`` by block sampling with batched fetching (scDataset's recipe).
 
@@ -402,7 +403,10 @@ def make_loader(
     ``repr(loader)``; two fetches are read ahead, more on many cores, `default_prefetch`, each
     of ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
-    placement = Placement.of(placement)
+    placement, read = Placement.of(placement), ReadOptions.of(read)
+    check_argument("make_loader", "batch_size", batch_size, minimum=1)
+    check_argument("make_loader", "seed", seed, minimum=0)
+    check_argument("make_loader", "num_epochs", num_epochs, minimum=1, optional=True)
     spec = DiskSpec.of(
         batch_size=batch_size,
         sampling=sampling,
