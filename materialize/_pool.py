@@ -25,20 +25,13 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import require
+from omicsio_jax.format import require, usable_cores
 
 from ._partition import Job, PartResult, Scratch, write_partition
 from ._plan import Partition
 
 Progress = Callable[[int], None]
 Done = Callable[[int], None]  # a partition (its index) is complete
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # The fewest cells a worker of the default pool is given. Starting one (an interpreter importing

@@ -55,6 +55,30 @@ def test_a_cgroup_v1_limit_is_read_and_no_limit_is_ignored(tmp_path):
     assert memory.cgroup_limits(proc, mountinfo) == [512 << 20]
 
 
+def test_a_cgroup_cpu_quota_limits_the_usable_cores(tmp_path, monkeypatch):
+    """A container given 1.5 CPUs' time (v2 ``cpu.max`` above the process's cgroup, or v1's quota
+    and period) on a machine of more cores: the loaders and materialize count 2 usable cores."""
+    point = tmp_path / "cgroup2"
+    (point / "job" / "step").mkdir(parents=True)
+    (point / "job" / "step" / "cpu.max").write_text("max 100000\n")
+    (point / "job" / "cpu.max").write_text("150000 100000\n")
+    mountinfo = f"41 31 0:38 / {point} rw,relatime - cgroup2 cgroup2 rw\n"
+    assert memory.cgroup_cpu_quotas("0::/job/step\n", mountinfo) == [1.5]
+    v1 = tmp_path / "cpu"
+    (v1 / "docker" / "c1").mkdir(parents=True)
+    (v1 / "docker" / "c1" / "cpu.cfs_quota_us").write_text("-1\n")  # none here
+    (v1 / "docker" / "c1" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "docker" / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "docker" / "cpu.cfs_period_us").write_text("100000\n")
+    mountinfo = f"32 31 0:29 / {v1} rw - cgroup cgroup rw,cpu,cpuacct\n"
+    assert memory.cgroup_cpu_quotas("4:memory:/docker/c1\n2:cpu,cpuacct:/docker/c1\n", mountinfo) == [3.0]
+    monkeypatch.setattr(memory, "cpu_quota", lambda: 2)
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert memory.usable_cores() == 2
+    monkeypatch.setattr(memory, "cpu_quota", lambda: None)
+    assert memory.usable_cores() == 16
+
+
 def test_the_memory_limit_is_at_most_the_ram():
     limit = memory.memory_limit()
     assert limit is not None and 0 < limit <= memory._ram()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 
 import jax
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.outputs.batch import Batch, HostBatch, local_shards, place_batch
+from omicsio_jax.storage.memory import usable_cores
 
 
 def _check_count(option: object, name: str, *, minimum: int) -> None:
@@ -86,11 +86,6 @@ MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explici
 SMALL_BATCH = 64  # on 1–2 cores, dense or panel batches up to this many rows decode on the consumer
 # a dense batch decoded on the consumer's thread is split over every core from this size
 SPLIT_BATCH_BYTES = 4 << 20
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the system has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_num_threads(kind: str, cores: int | None = None, batch_size: int | None = None) -> int:

@@ -1,10 +1,13 @@
-"""How much memory this process may use: the machine's RAM, or less where a cgroup limits it.
+"""How much memory, and how many cores' time, this process may use: the machine's, or less where a
+cgroup limits it.
 
 Inside a container with a memory limit, the host's RAM says nothing about what the page cache of
 this process's cgroup can hold: a 30 GB dataset on a 256 GB host is beyond RAM for a job limited
 to 16 GB. `memory_limit` is the smallest of the RAM and every cgroup limit on the way from this
 process's cgroup to the root of its hierarchy (cgroup v2's ``memory.max``, v1's
-``memory.limit_in_bytes``), as the JVM, .NET and Go runtimes read them.
+``memory.limit_in_bytes``), as the JVM, .NET and Go runtimes read them. Likewise a container given
+2 CPUs' time on a 16-core host sees 16 cores: `cpu_quota` reads the smallest CPU quota on the
+same way (v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), in cores.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -48,35 +52,79 @@ def _read_limit(path: Path) -> int | None:
     return value if 0 < value < _UNLIMITED else None
 
 
-def cgroup_limits(proc_cgroup: str, mountinfo: str) -> list[int]:
-    """Every memory limit on this process's cgroups (v2 and v1), from the texts of
+def cgroup_dirs(proc_cgroup: str, mountinfo: str, controller: str) -> list[tuple[str, Path]]:
+    """``(version, folder)`` of each cgroup of this process from its own up to its hierarchy's root,
+    v2's (``"cgroup2"``) and v1's of ``controller`` (``"cgroup"``), from the texts of
     ``/proc/self/cgroup`` and ``/proc/self/mountinfo``."""
-    limits = []
+    found = []
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, group = parts
         if controllers == "":
-            wanted, file = "cgroup2", "memory.max"
-        elif "memory" in controllers.split(","):
-            wanted, file = "cgroup", "memory.limit_in_bytes"
+            wanted = "cgroup2"
+        elif controller in controllers.split(","):
+            wanted = "cgroup"
         else:
             continue
         for root, point, fstype, options in _mounts(mountinfo):
-            if fstype != wanted or (wanted == "cgroup" and "memory" not in options.split(",")):
+            if fstype != wanted or (wanted == "cgroup" and controller not in options.split(",")):
                 continue
             # the cgroup's path is relative to the hierarchy's root; the mount shows the part from `root` down
             relative = os.path.relpath(group, root) if group.startswith(root) else group.lstrip("/")
             here = Path(point) / relative
             while True:
-                limit = _read_limit(here / file)
-                if limit is not None:
-                    limits.append(limit)
+                found.append((wanted, here))
                 if here == Path(point) or here.parent == here:
                     break
                 here = here.parent
+    return found
+
+
+def cgroup_limits(proc_cgroup: str, mountinfo: str) -> list[int]:
+    """Every memory limit on this process's cgroups (v2 and v1), from the texts of
+    ``/proc/self/cgroup`` and ``/proc/self/mountinfo``."""
+    limits = []
+    for version, here in cgroup_dirs(proc_cgroup, mountinfo, "memory"):
+        limit = _read_limit(here / ("memory.max" if version == "cgroup2" else "memory.limit_in_bytes"))
+        if limit is not None:
+            limits.append(limit)
     return limits
+
+
+def _read_quota(version: str, here: Path) -> float | None:
+    """A cgroup's CPU quota in cores (quota ÷ period), or None: none set, or unreadable."""
+    try:
+        if version == "cgroup2":
+            quota, period = (here / "cpu.max").read_text().split()[:2]
+        else:
+            quota = (here / "cpu.cfs_quota_us").read_text().strip()
+            period = (here / "cpu.cfs_period_us").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    if not (quota.isdigit() and period.isdigit()) or int(quota) <= 0 or int(period) <= 0:
+        return None  # "max" (v2) or -1 (v1): no quota
+    return int(quota) / int(period)
+
+
+def cgroup_cpu_quotas(proc_cgroup: str, mountinfo: str) -> list[float]:
+    """Every CPU quota on this process's cgroups (v2 and v1), in cores, from the texts of
+    ``/proc/self/cgroup`` and ``/proc/self/mountinfo``."""
+    quotas = (_read_quota(version, here) for version, here in cgroup_dirs(proc_cgroup, mountinfo, "cpu"))
+    return [q for q in quotas if q is not None]
+
+
+@functools.cache
+def cpu_quota() -> int | None:
+    """The cores' time this process's cgroups allow it (the smallest quota, rounded up, at least 1);
+    None where none is set."""
+    try:
+        texts = Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    quotas = cgroup_cpu_quotas(*texts)
+    return max(1, math.ceil(min(quotas))) if quotas else None
 
 
 def memory_limit() -> int | None:
@@ -88,6 +136,14 @@ def memory_limit() -> int | None:
         texts = None
     known = ([] if texts is None else cgroup_limits(*texts)) + [r for r in (_ram(),) if r]
     return min(known) if known else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one), or fewer where
+    its cgroups give it less CPU time (a container's CPU quota, `cpu_quota`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else min(cores, quota)
 
 
 @functools.cache
