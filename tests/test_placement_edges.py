@@ -5,6 +5,7 @@ loaders and `oj.tune` refuse: each with a one-line error naming the value and th
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -225,3 +226,12 @@ def test_make_loader_refuses_bad_arguments_with_one_line_errors(dataset_dir, kwa
 def test_make_loader_takes_read_none_as_the_defaults(dataset_dir):
     loader = oj.make_loader(oj.open_dataset(dataset_dir), batch_size=64, read=None)
     assert next(iter(loader)).x.shape[0] == 64
+
+
+def test_a_memory_loaders_numpy_seed_makes_a_json_state_that_restores(small_panel):
+    loader = oj.make_memory_loader(small_panel, batch_size=64, seed=np.int64(3), num_epochs=np.int64(2))
+    next(loader)
+    state = json.loads(json.dumps(loader.get_state()))
+    again = oj.make_memory_loader(small_panel, batch_size=64, seed=3, num_epochs=2)
+    again.set_state(state)
+    np.testing.assert_array_equal(np.asarray(next(again).index), np.asarray(next(loader).index))

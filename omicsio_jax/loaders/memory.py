@@ -34,7 +34,7 @@ from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
 from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
-from omicsio_jax.loaders.state import check_state, reads_state
+from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
 from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
 
@@ -105,16 +105,18 @@ class MemoryLoader(ClosingIterator):
     def config(self) -> dict:
         """What decides the batches. Host placement serves the same global batches on any number of
         hosts, so a restore may change it; device placement deals cells to the devices."""
-        return {
-            "panel": self.panel.fingerprint[:16],
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "num_epochs": self.num_epochs,
-            "placement": self.resident,
-            "drop_remainder": self.drop_remainder,
-            "devices": None if self.resident == "host" else self._devices,
-            "hosts": None if self.resident == "host" else self.hosts,
-        }
+        return as_json(
+            {
+                "panel": self.panel.fingerprint[:16],
+                "batch_size": self.batch_size,
+                "seed": self.seed,
+                "num_epochs": self.num_epochs,
+                "placement": self.resident,
+                "drop_remainder": self.drop_remainder,
+                "devices": None if self.resident == "host" else self._devices,
+                "hosts": None if self.resident == "host" else self.hosts,
+            }
+        )
 
     def get_state(self) -> dict:
         """``{"version", "config", "epoch", "step", ...}``: the next batch to serve (< 1 KB of JSON)."""

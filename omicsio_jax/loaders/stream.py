@@ -33,7 +33,7 @@ from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
-from omicsio_jax.loaders.state import check_state, reads_state
+from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
 from omicsio_jax.outputs.resolve import resolve_output
@@ -159,17 +159,19 @@ class StreamLoader:
         def digest(value) -> str:
             return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-        return {
-            "table": digest(self.table.fingerprint()),
-            "where": self.where,
-            "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
-            "obs": [s.name for s in self.obs_specs],
-            **self.output.config(),
-            "batch_size": self.batch_size,
-            "shuffle_buffer": self.shuffle_buffer,
-            "seed": self.seed,
-            "drop_remainder": self.drop_remainder,
-        }
+        return as_json(
+            {
+                "table": digest(self.table.fingerprint()),
+                "where": self.where,
+                "rowids": None if self.rowids is None else digest(np.unique(self.rowids).tolist()),
+                "obs": [s.name for s in self.obs_specs],
+                **self.output.config(),
+                "batch_size": self.batch_size,
+                "shuffle_buffer": self.shuffle_buffer,
+                "seed": self.seed,
+                "drop_remainder": self.drop_remainder,
+            }
+        )
 
     def planned(self, epoch: int) -> Tally:
         """The cells a pass serves: the query's, less the last window's partial batch if dropped."""
