@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import shutil
 import threading
@@ -151,6 +152,7 @@ class FileCache:
             self._fetch(relpath, tmp)
             size, sha = tmp.stat().st_size, sha256_file(tmp)
             if size != entry.num_bytes or sha != entry.sha256:
+                self._raise_if_rewritten(relpath)
                 msg = (
                     f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} bytes "
                     f"with {entry.sha256[:16]}…: the object is corrupted or was rewritten; run "
@@ -171,12 +173,32 @@ class FileCache:
             raise
         except ObjectStoreError as e:
             if self.store.head(relpath) is None:
+                self._raise_if_rewritten(relpath)
                 msg = (
                     f"{self.store.describe(relpath)} is listed in the manifest but missing; run "
                     f"`omicsio-materialize verify {self.store.url}`"
                 )
                 raise DatasetFormatError(msg) from e
             raise
+
+    def _raise_if_rewritten(self, relpath: str) -> None:
+        """Raise `ObjectChangedError` if the prefix's ``manifest.json`` no longer lists ``relpath`` as
+        the manifest this dataset was opened with does (the dataset was rewritten, or replaced by a
+        new generation, since): the object is then another dataset's, not a corrupted one."""
+        entry = self._entries[relpath]
+        text = self.store.read_text("manifest.json")
+        try:
+            current = json.loads(text) if text is not None else {}
+            listed = {f["path"]: f["sha256"] for f in current.get("files", [])}
+            same = not current.get("generation") and listed.get(relpath) == entry.sha256
+        except (ValueError, TypeError, KeyError, AttributeError):
+            same = False
+        if not same:
+            msg = (
+                f"{self.store.describe(relpath)} is no longer the one the dataset's manifest lists: the "
+                f"dataset was rewritten under {self.store.url} since it was opened; open it again"
+            )
+            raise ObjectChangedError(msg)
 
 
 def _marker(dest: Path) -> Path:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 from datetime import timedelta
 
 from omicsio_jax.core.errors import require
-from omicsio_jax.storage.store import S3_SCHEME, is_remote
+from omicsio_jax.storage.store import S3_SCHEME, configured_endpoint, is_remote
 
 
 @functools.cache
@@ -35,7 +34,7 @@ def s3_filesystem(*, asynchronous: bool = False):
                 return PositionalFile(url, self.size(url))
             return super().open(path, mode, block_size=block_size, **kwargs)
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    endpoint = configured_endpoint("an s3:// input")
     client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
     if endpoint.startswith("http://"):
         client["allow_http"] = True

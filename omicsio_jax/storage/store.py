@@ -54,6 +54,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("OMICSIO_JAX_CACHE", Path.home() / ".cache" / "omicsio_jax"))
 
 
+def configured_endpoint(url: str) -> str:
+    """``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` ("" for AWS itself), checked to have a scheme
+    (obstore panics on one without)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        msg = (
+            f"the S3 endpoint {endpoint!r} (for {url}) has no scheme: set AWS_ENDPOINT_URL to "
+            f"http://{endpoint} or https://{endpoint}"
+        )
+        raise ObjectStoreError(msg)
+    return endpoint
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     size: int
@@ -135,9 +148,7 @@ class S3Store:
             raise ObjectStoreError(msg)
         self.url, self.bucket, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
         self.local_root = None
-        self.endpoint = (
-            os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
-        )
+        self.endpoint = configured_endpoint(url) or "AWS S3"
         client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
         if self.endpoint.startswith("http://"):
             client["allow_http"] = True
@@ -182,6 +193,11 @@ class S3Store:
                 "it, or check the URL and AWS_ENDPOINT_URL"
             )
         if isinstance(e, (FileNotFoundError, oe.NotFoundError)):
+            if etag is not None:  # it existed with that ETag when first used
+                return ObjectChangedError(
+                    f"{url} was deleted while in use (it had ETag {etag}): the dataset was "
+                    "rewritten under this prefix; open it again"
+                )
             return ObjectStoreError(f"{url} does not exist")
         if (
             isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError))
