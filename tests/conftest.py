@@ -277,6 +277,17 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.endpoint)
 
 
+def upload_dataset(dataset_dir: Path, url: str) -> None:
+    """A materialized dataset's files under ``url`` (``s3://``), the manifest last, as materialize does."""
+    import json
+
+    from omicsio_jax.storage.store import S3Store
+
+    manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    names = [s["path"] for s in manifest["shards"]] + [f["path"] for f in manifest["files"]]
+    S3Store(url).upload(dataset_dir, [*names, "manifest.json"])
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3 API server (moto) for the whole session; the AWS variables point every client at it

@@ -4,9 +4,9 @@ prefix while open says to open it again, and a bad endpoint is a one-line error.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import upload_dataset
 
 import omicsio_jax as oj
 from omicsio_jax.storage.store import ObjectChangedError, ObjectStoreError, S3Store
@@ -14,15 +14,9 @@ from omicsio_jax.storage.store import ObjectChangedError, ObjectStoreError, S3St
 PREFIX = "atlas/v1/"
 
 
-def _upload(dataset_dir: Path, url: str) -> None:
-    manifest = json.loads((dataset_dir / "manifest.json").read_text())
-    names = [s["path"] for s in manifest["shards"]] + [f["path"] for f in manifest["files"]]
-    S3Store(url).upload(dataset_dir, [*names, "manifest.json"])
-
-
 @pytest.fixture
 def url(s3, dataset_dir):
-    _upload(dataset_dir, s3.url(PREFIX))
+    upload_dataset(dataset_dir, s3.url(PREFIX))
     return s3.url(PREFIX)
 
 

@@ -3,14 +3,13 @@ a bounded cache, changed or corrupted objects reported, one-line errors for a ba
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_csr_equal
+from conftest import assert_csr_equal, upload_dataset
 
 import omicsio_jax as oj
 from omicsio_jax.dataset.mirrors import split_spans
@@ -18,12 +17,6 @@ from omicsio_jax.format.chunk_index import chunk_index_path, merge_spans
 from omicsio_jax.storage.store import ObjectChangedError, ObjectStoreError, S3Store
 
 PREFIX = "atlas/v1/"
-
-
-def _upload(dataset_dir: Path, url: str) -> None:
-    manifest = json.loads((dataset_dir / "manifest.json").read_text())
-    names = [s["path"] for s in manifest["shards"]] + [f["path"] for f in manifest["files"]]
-    S3Store(url).upload(dataset_dir, [*names, "manifest.json"])  # the manifest last, as materialize does
 
 
 @pytest.fixture
@@ -34,7 +27,7 @@ def local(dataset_dir):
 
 @pytest.fixture
 def url(s3, dataset_dir):
-    _upload(dataset_dir, s3.url(PREFIX))
+    upload_dataset(dataset_dir, s3.url(PREFIX))
     return s3.url(PREFIX)
 
 
