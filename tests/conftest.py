@@ -277,6 +277,17 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.endpoint)
 
 
+def write_with_a_nan(table: pa.Table, row: int, path: Path, **options) -> Path:
+    """``table`` written to ``path`` with its first expression value of ``row`` made NaN (a data error)."""
+    values = table.column("gene_expression").to_pylist()
+    values[row][0] = float("nan")
+    index = table.column_names.index("gene_expression")
+    pq.write_table(
+        table.set_column(index, "gene_expression", pa.array(values, pa.list_(pa.float32()))), path, **options
+    )
+    return path
+
+
 def upload_dataset(dataset_dir: Path, url: str) -> None:
     """A materialized dataset's files under ``url`` (``s3://``), the manifest last, as materialize does."""
     import json

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
-from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, table_csr
+from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, table_csr, write_with_a_nan
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
@@ -490,14 +490,7 @@ def test_dask_tasks_of_a_thread_share_one_scratch_per_run(corpus, tmp_path):
 
 
 def test_dask_data_errors_are_not_retried(tmp_path, corpus_table, dask_cluster):
-    values = corpus_table.column("gene_expression").to_pylist()
-    values[300][0] = float("nan")
-    table = corpus_table.set_column(
-        corpus_table.column_names.index("gene_expression"),
-        "gene_expression",
-        pa.array(values, pa.list_(pa.float32())),
-    )
-    pq.write_table(table, tmp_path / "nan.parquet")
+    write_with_a_nan(corpus_table, 300, tmp_path / "nan.parquet")
     with pytest.raises(oj.DataValidationError, match=r"gene_expression is nan \(not finite\) in row 300"):
         materialize(
             tmp_path / "nan.parquet",
