@@ -117,9 +117,10 @@ class Sources:
     @classmethod
     def read(cls, path: str | Path) -> Sources:
         """A sources file (CSV, TSV or parquet): column ``path`` (relative to the file's folder), optional
-        ``dataset_id`` (an empty cell: the file's name, as without the column), ``layer`` and ``raw``, and any per-source obs columns. A CSV / TSV file's values
-        are read as written (``001`` stays ``001``, ``1.10`` is not ``1.1``); an obs column of one is
-        numbers only where every value reads back as written (`_text_obs`)."""
+        ``dataset_id`` (an empty cell: the file's name, as without the column), ``layer`` and ``raw``,
+        and any per-source obs columns. A CSV / TSV file's values are read as written (``001`` stays
+        ``001``, ``1.10`` is not ``1.1``); an obs column of one is numbers only where every value reads
+        back as written (`_text_obs`)."""
         path = Path(path)
         try:
             if path.suffix == ".parquet":

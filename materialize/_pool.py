@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import require, usable_cores
+from omicsio_jax.format import is_remote, require, usable_cores
 
 from ._partition import Job, PartResult, Scratch, write_partition
 from ._plan import Partition
@@ -625,8 +625,8 @@ def _check_paths_on_workers(client, job: Job) -> None:
     it or writes where the finalizer does not look."""
     about = job.source.description
     inputs = about.get("files") or ([about["input"]] if about.get("kind") == "h5ad" else [])
-    local = [str(p) for p in inputs if "://" not in str(p)][:_PATHS_CHECKED]
-    staging = [] if "://" in job.staging else [job.staging]
+    local = [str(p) for p in inputs if not is_remote(str(p))][:_PATHS_CHECKED]
+    staging = [] if is_remote(job.staging) else [job.staging]
     missing = {path for paths in client.run(missing_paths, [*local, *staging]).values() for path in paths}
     for path in [*local, *staging]:
         if path in missing:

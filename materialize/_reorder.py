@@ -50,13 +50,13 @@ def spill_by_partition(
     shard_cells: int,
     folder: Path,
     label: str,
-    firsts: np.ndarray | None = None,
+    firsts: np.ndarray,
 ) -> int:
     """Write the rows of view ``modality`` (``cell_id``, the ``lists``, file and row) whose cell is one
     of view ``primary_cells`` to ``folder/p-NNNNN.arrow`` by the partition of that cell, with its
     primary row (``__row``); return how many were written. ``firsts``: the first primary row of each
-    partition (default: one partition per ``shard_cells`` rows), a partition numbered by its first
-    shard."""
+    partition (one per ``shard_cells`` rows, or one over every shard of a ``--query`` primary), a
+    partition numbered by its first shard."""
     cid = sql_ident(CELL_ID_COLUMN)
     con.execute(f"SET memory_limit = '{JOIN_MEMORY}'")  # the join of cell ids spills beyond it
     targets = np.lib.format.open_memmap(folder / "targets.npy", mode="w+", dtype=np.int64, shape=(num_rows,))
@@ -71,20 +71,14 @@ def spill_by_partition(
         columns = ", ".join(sql_ident(c) for c in (CELL_ID_COLUMN, *lists, FILENAME_COLUMN, FILE_ROW_COLUMN))
         reader = con.sql(f"SELECT {columns} FROM modality").to_arrow_reader(_READ_ROWS)
         writers: dict[int, ipc.RecordBatchFileWriter] = {}
-        if firsts is None:
-            num_parts = -(-int(targets.max(initial=0)) // shard_cells)
-        else:
-            num_parts = len(firsts)
-        _raise_open_files_limit(num_parts + 256)
+        _raise_open_files_limit(len(firsts) + 256)
         first, written = 0, 0
         try:
             for rb in reader:
                 rows = np.asarray(targets[first : first + rb.num_rows])
                 first += rb.num_rows
                 keep = np.flatnonzero(rows >= 0)
-                firsts_of = (
-                    rows if firsts is None else firsts[np.searchsorted(firsts, rows, side="right") - 1]
-                )
+                firsts_of = firsts[np.searchsorted(firsts, rows, side="right") - 1]  # of each row's partition
                 parts = firsts_of[keep] // shard_cells
                 order = keep[np.argsort(parts, kind="stable")]
                 bounds = np.flatnonzero(np.diff(np.sort(parts))) + 1

@@ -13,7 +13,6 @@ The fingerprint does not change (statistics are derived files).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import tempfile
@@ -33,13 +32,14 @@ from omicsio_jax.format import (
     chunk_index_path,
     file_entry,
     fsync_path,
+    read_manifest,
+    sha256_file,
 )
 
 from ._materialize import CELL_STATS
 from ._sidecars import CellIdWriter, make_obs_writer
 
 _CHUNK_CELLS = 8192
-_MODALITIES_DIR = "modalities"
 
 
 def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -> str:
@@ -61,7 +61,7 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
             _write_manifest(sub, _add_files(sub, ds.modality(entry.name), progress))
     # every modality's manifest as it is now (also one a run stopped before this point rewrote)
     modalities = tuple(
-        dataclasses.replace(entry, manifest_sha256=_sha256(root / entry.path / MANIFEST_NAME))
+        dataclasses.replace(entry, manifest_sha256=sha256_file(root / entry.path / MANIFEST_NAME))
         for entry in m.modalities
     )
     top = _add_files(root, ds, progress) if own else m
@@ -76,17 +76,12 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
 
 
 def _dataset_root(path: Path) -> Path:
-    """``path``, or the dataset whose further modality ``path`` is."""
+    """``path``, or the dataset whose further modality ``path`` is (``DATASET/modalities/atac``)."""
     top = path.parent.parent
-    if path.parent.name == _MODALITIES_DIR and (top / MANIFEST_NAME).exists():
-        entries = open_dataset(top).manifest.modalities
-        if any(Path(entry.path) == Path(_MODALITIES_DIR, path.name) for entry in entries):
+    if (top / MANIFEST_NAME).exists():
+        if any((top / entry.path).resolve() == path.resolve() for entry in read_manifest(top).modalities):
             return top
     return path
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _has_stats(m: Manifest) -> bool:

@@ -442,6 +442,7 @@ def test_a_spilled_partition_is_read_from_the_output_store_where_its_folder_is_a
         shard_cells=SHARD,
         folder=folder,
         label="atac",
+        firsts=np.arange(0, len(truth.ids), SHARD),
     )
     assert written == truth.has_atac.sum()
     spill = Spill(folder)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
-from omicsio_jax.format.manifest import Manifest, sha256_file
+from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, sha256_file
 from omicsio_jax.storage.store import ObjectChangedError, ObjectStoreError, S3Store, default_cache_dir
 
 MAX_CACHE_BYTES = 32 << 30
@@ -182,11 +182,11 @@ class FileCache:
             raise
 
     def _raise_if_rewritten(self, relpath: str) -> None:
-        """Raise `ObjectChangedError` if the prefix's ``manifest.json`` no longer lists ``relpath`` as
+        """Raise `ObjectChangedError` if the prefix's manifest no longer lists ``relpath`` as
         the manifest this dataset was opened with does (the dataset was rewritten, or replaced by a
         new generation, since): the object is then another dataset's, not a corrupted one."""
         entry = self._entries[relpath]
-        text = self.store.read_text("manifest.json")
+        text = self.store.read_text(MANIFEST_NAME)
         try:
             current = json.loads(text) if text is not None else {}
             listed = {f["path"]: f["sha256"] for f in current.get("files", [])}

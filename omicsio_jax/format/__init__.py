@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.manifest import file_entry as file_entry
     from omicsio_jax.format.manifest import fsync_path as fsync_path
     from omicsio_jax.format.manifest import read_manifest as read_manifest
+    from omicsio_jax.format.manifest import sha256_file as sha256_file
     from omicsio_jax.format.manifest import verify_dataset as verify_dataset
     from omicsio_jax.format.tables import CELL_ID_COLUMN as CELL_ID_COLUMN
     from omicsio_jax.format.tables import FILE_ROW_COLUMN as FILE_ROW_COLUMN
@@ -137,6 +138,7 @@ _WRITER_API = {
         "file_entry",
         "fsync_path",
         "read_manifest",
+        "sha256_file",
         "verify_dataset",
     ),
     "omicsio_jax.format.tables": (

@@ -20,11 +20,16 @@ from omicsio_jax.outputs.batch import Batch, HostBatch, local_shards, place_batc
 from omicsio_jax.storage.memory import usable_cores
 
 
+def is_count(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer (Python's or NumPy's, not a bool) of at least ``minimum``."""
+    return not isinstance(value, bool) and isinstance(value, int | np.integer) and value >= minimum
+
+
 def _check_count(option: object, name: str, *, minimum: int) -> None:
     value = getattr(option, name)
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    if not is_count(value, minimum):
         msg = (
             f"{type(option).__name__}({name}=...) must be an integer ≥ {minimum} (or None: the loader's "
             f"default), got {value!r}"
@@ -38,7 +43,7 @@ def check_argument(where: str, name: str, value: object, *, minimum: int, option
     """Raise unless ``value`` (argument ``name`` of ``where``) is an integer ≥ ``minimum`` (or None if ``optional``)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    if not is_count(value, minimum):
         also = " (or None)" if optional else ""
         msg = f"{where}({name}=...) must be an integer ≥ {minimum}{also}, got {value!r}"
         raise OmicsIOError(msg)

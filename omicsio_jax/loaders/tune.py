@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.loaders.disk import make_loader
-from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, ReadOptions, usable_cores
+from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, ReadOptions, is_count, usable_cores
 from omicsio_jax.sampling.entropy import minibatch_entropy
 from omicsio_jax.sampling.options import Block
 from omicsio_jax.sampling.plan import SamplingPlan
@@ -81,7 +81,7 @@ class TuneResult:
 
 
 def _check_positive(name: str, values: Sequence[int], what: str) -> None:
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1]
+    bad = [v for v in values if not is_count(v, 1)]
     if bad or len(values) == 0:
         shown = values[0] if name in ("batch_size", "entropy_batches") else list(values)
         msg = f"{name} must be {what}; got {shown!r}"
