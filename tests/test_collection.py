@@ -1212,3 +1212,47 @@ def test_a_sources_files_empty_dataset_id_is_the_sources_default_id(tmp_path):
         pa.table({"path": ["n.h5ad", "m.h5ad"], "dataset_id": [None, "b"]}), tmp_path / "s.parquet"
     )
     assert Sources.read(tmp_path / "s.parquet").dataset_ids == ("n", "b")
+
+
+def test_gene_moments_are_over_the_cells_of_the_sources_that_measured_the_gene(collection, sources):
+    """A gene a source did not measure is unknown in its cells, not zero: its means and variances
+    (and so the highly variable genes) are over the cells of the sources that measured it."""
+    _, expected = sources
+    ds = oj.open_dataset(collection)
+    ensembl = ds.features["ensembl_id"].tolist()
+    norm = np.full((ds.num_cells, ds.num_genes), np.nan)  # NaN: not measured
+    first = 0
+    for cell_ids, gene_ids, matrix in expected.values():
+        x = matrix.toarray().astype(np.float64)
+        totals = x.sum(axis=1, keepdims=True)
+        rows = slice(first, first + len(cell_ids))
+        norm[rows, [ensembl.index(g) for g in gene_ids]] = np.divide(
+            x * 1e4, totals, out=np.zeros_like(x), where=totals > 0
+        )
+        first += len(cell_ids)
+    stats = ds.gene_stats
+    np.testing.assert_array_equal(stats["n_measured"], (~np.isnan(norm)).sum(axis=0))
+    np.testing.assert_allclose(stats["norm_mean"], np.nanmean(norm, axis=0), rtol=1e-10)
+    np.testing.assert_allclose(stats["norm_var"], np.nanvar(norm, axis=0, ddof=1), rtol=1e-8)
+    np.testing.assert_allclose(stats["log_mean"], np.nanmean(np.log1p(norm), axis=0), rtol=1e-10)
+    # genes 20..44 were measured by two sources, 0..19 and 45..99 by one: the divisors differ
+    assert len(set(stats["n_measured"])) > 1
+    hvg = ds.highly_variable_genes(10)
+    from omicsio_jax.format.gene_stats import seurat_hvg
+
+    np.testing.assert_array_equal(
+        hvg, seurat_hvg(np.nanmean(norm, axis=0), np.nanvar(norm, axis=0, ddof=1), 10)
+    )
+
+
+def test_a_gene_no_source_measured_has_no_moments_and_is_never_highly_variable():
+    from omicsio_jax.format.gene_stats import seurat_hvg
+
+    rng = np.random.default_rng(3)
+    mean, var = rng.uniform(0.1, 5, 40), rng.uniform(0.1, 20, 40)
+    with_gap = np.insert(mean, 7, np.nan), np.insert(var, 7, np.nan)
+    chosen = seurat_hvg(*with_gap, 5)
+    want = seurat_hvg(mean, var, 5)
+    np.testing.assert_array_equal(chosen, want + (want >= 7))
+    with pytest.raises(oj.OmicsIOError, match=r"1\.\.40 \(the genes measured in some cell\)"):
+        seurat_hvg(*with_gap, 41)

@@ -188,6 +188,7 @@ def test_a_collection_with_a_dense_panel_knows_which_panel_genes_each_source_mea
     assert ds.layout == "dense" and list(ds.features["ensembl_id"]) == panel
     np.testing.assert_array_equal(ds.measured_genes("a"), [False, True, True])
     np.testing.assert_array_equal(ds.measured_genes("b"), [True, False, True])
+    np.testing.assert_array_equal(ds.gene_stats["n_measured"], [10, 10, 20])  # the moments' divisors
     loader = oj.make_loader(
         ds, batch_size=20, output=oj.Dense(measured=True), sampling=oj.Stream(drop_remainder=False)
     )

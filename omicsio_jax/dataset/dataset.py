@@ -353,17 +353,22 @@ class Dataset:
     @functools.cached_property
     def gene_stats(self):
         """Corpus statistics (a pandas DataFrame, one row per gene column, in column order):
-        ``n_cells`` expressing, sums / means / variances of raw counts, of ``normalize_total(1e4)``
+        ``n_cells`` expressing, ``n_measured`` (the cells whose source measured the gene: a
+        collection's sources measured some genes each, `presence`; else every cell), sums, and
+        means / variances over the ``n_measured`` cells of raw counts, of ``normalize_total(1e4)``
         (``norm_*``) and of its ``log1p`` (``log_*``), and the nonzero ``median`` of
         ``count / n_counts · 1e4`` (within 0.87%). Raises `OmicsIOError` naming
         ``omicsio-materialize stats`` for a dataset made without them."""
         from omicsio_jax.format.gene_stats import read_gene_stats
 
-        return read_gene_stats(self).frame()
+        presence = self.presence
+        return read_gene_stats(self).frame(None if presence is None else presence.measuring_cells())
 
     def highly_variable_genes(self, n: int, *, n_bins: int = 20) -> np.ndarray:
         """Columns (ascending) of the ``n`` most variable genes, scanpy's ``flavor="seurat"`` on the
-        normalized values, from the stored moments (no pass over the cells).
+        normalized values, from the stored moments (no pass over the cells). In a collection, each
+        gene's moments are over the cells of the sources that measured it (`gene_stats`), and a gene
+        no source measured is never chosen.
 
         >>> hvg = ds.highly_variable_genes(2000)                   # doctest: +SKIP
         >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(genes=hvg))  # doctest: +SKIP

@@ -33,6 +33,11 @@ class GenePresence:
             raise KeyError(msg)
         return self.measured[self.dataset_ids.index(dataset_id)]
 
+    def measuring_cells(self) -> np.ndarray:
+        """Per gene column, how many cells of the collection come from a source that measured it
+        (int64): what a gene's mean over the cells that could express it divides by."""
+        return np.diff(self.first_cells).astype(np.int64) @ self.measured.astype(np.int64)
+
     def sources_of(self, rows: np.ndarray) -> np.ndarray:
         """The source (row of ``measured``) of each global row; -1 for padding (a negative row)."""
         rows = np.asarray(rows)

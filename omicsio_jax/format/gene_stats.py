@@ -451,16 +451,29 @@ class GeneStats:
         centres = 2.0 ** ((np.arange(NUM_BINS) + 0.5) / BINS_PER_OCTAVE + LOW_EXPONENT)
         return _medians(np.asarray(self.hist_ptr, np.int64), self.hist_bins, self.hist_counts, centres)
 
-    def frame(self):
-        """A pandas DataFrame, one row per gene column: counts, sums, means, variances (ddof=1), median."""
+    def frame(self, n_measured: np.ndarray | None = None):
+        """A pandas DataFrame, one row per gene column: counts, sums, means, variances (ddof=1), median.
+
+        ``n_measured``: per gene, the cells whose source measured it (a collection's
+        `GenePresence.measuring_cells`; default: every cell). Means and variances are over those
+        cells alone, so a gene some sources did not measure is not read as zero in their cells; NaN
+        for a gene no cell measured."""
         import pandas as pd
 
-        n = max(self.num_cells, 1)
-        df = pd.DataFrame({"n_cells": self.n_cells, **dict(zip(_SUMS, self.sums, strict=True))})
+        if n_measured is None:
+            n_measured = np.full(self.num_genes, self.num_cells, np.int64)
+        n_measured = np.asarray(n_measured, np.int64)
+        if n_measured.shape != (self.num_genes,):
+            msg = f"n_measured holds {n_measured.shape} values for {self.num_genes:,} gene columns"
+            raise OmicsIOError(msg)
+        df = pd.DataFrame(
+            {"n_cells": self.n_cells, "n_measured": n_measured, **dict(zip(_SUMS, self.sums, strict=True))}
+        )
+        n = np.where(n_measured > 0, n_measured, np.nan)
         for prefix in ("", "norm_", "log_"):
             mean = df[f"{prefix}sum"] / n
             df[f"{prefix}mean"] = mean
-            df[f"{prefix}var"] = (df[f"{prefix}sum_sq"] / n - mean**2) * (n / max(n - 1, 1))
+            df[f"{prefix}var"] = (df[f"{prefix}sum_sq"] / n - mean**2) * (n / np.maximum(n - 1, 1))
         df["median"] = self.medians()
         return df
 
@@ -699,7 +712,8 @@ def read_gene_medians(dataset) -> np.ndarray:
 
 def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) -> np.ndarray:
     """Columns of the ``n_top`` most variable genes by scanpy's ``flavor="seurat"`` definition, from
-    the mean and variance (ddof=1) of the normalized values (scanpy's ``expm1`` of the log data).
+    the mean and variance (ddof=1) of the normalized values (scanpy's ``expm1`` of the log data); a
+    gene of NaN mean (measured in no cell) is never chosen.
 
     Dispersion ``log(var / mean)`` is z-scored within 20 equal-width bins of ``log1p(mean)``
     (a bin holding one gene scores it 1); genes at or above the ``n_top``-th highest score are kept,
@@ -710,10 +724,16 @@ def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) 
     if isinstance(n_top, bool) or not isinstance(n_top, int | np.integer):
         msg = f"n must be an integer number of genes, got {n_top!r}: e.g. highly_variable_genes({min(2000, len(mean))})"
         raise TypeError(msg)
+    mean, var = np.array(mean, dtype=np.float64), np.asarray(var, dtype=np.float64)
+    measured = np.flatnonzero(~np.isnan(mean))
+    if len(measured) < len(mean):  # genes no cell measured (a collection's NaN means): never chosen
+        if not 0 < n_top <= len(measured):
+            msg = f"n must lie in 1..{len(measured):,} (the genes measured in some cell), got {n_top}"
+            raise OmicsIOError(msg)
+        return measured[seurat_hvg(mean[measured], var[measured], n_top, n_bins)]
     if not 0 < n_top <= len(mean):
         msg = f"n must lie in 1..{len(mean):,} (the number of genes), got {n_top}"
         raise OmicsIOError(msg)
-    mean = np.array(mean, dtype=np.float64)
     mean[mean == 0] = 1e-12
     with np.errstate(divide="ignore", invalid="ignore"):
         dispersion = var / mean
