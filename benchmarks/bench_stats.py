@@ -59,9 +59,8 @@ def child(partitions: int, seconds: float) -> dict:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from omicsio_jax.format import codec
+    from omicsio_jax.format import NUM_BINS, GeneStats, StatsAccumulator, codec, empty_span
     from omicsio_jax.format.arrow import list_to_csr, to_numpy
-    from omicsio_jax.format.gene_stats import NUM_BINS, GeneStats, StatsAccumulator, empty_span
 
     genes = pq.ParquetFile(CORPUS / "gene_metadata.parquet").metadata.num_rows
     cells = pq.ParquetFile(CORPUS / "cells.parquet")

@@ -1238,7 +1238,7 @@ def test_gene_moments_are_over_the_cells_of_the_sources_that_measured_the_gene(c
     # genes 20..44 were measured by two sources, 0..19 and 45..99 by one: the divisors differ
     assert len(set(stats["n_measured"])) > 1
     hvg = ds.highly_variable_genes(10)
-    from omicsio_jax.format.gene_stats import seurat_hvg
+    from omicsio_jax.format.hvg import seurat_hvg
 
     np.testing.assert_array_equal(
         hvg, seurat_hvg(np.nanmean(norm, axis=0), np.nanvar(norm, axis=0, ddof=1), 10)
@@ -1246,7 +1246,7 @@ def test_gene_moments_are_over_the_cells_of_the_sources_that_measured_the_gene(c
 
 
 def test_a_gene_no_source_measured_has_no_moments_and_is_never_highly_variable():
-    from omicsio_jax.format.gene_stats import seurat_hvg
+    from omicsio_jax.format.hvg import seurat_hvg
 
     rng = np.random.default_rng(3)
     mean, var = rng.uniform(0.1, 5, 40), rng.uniform(0.1, 20, 40)

@@ -304,8 +304,9 @@ def test_accumulator_histograms_are_exact_and_a_reused_one_starts_clean(ds, dens
     """The histogram counts each positive normalized value in its bin, as numpy bins it; an
     accumulator used again after `finish` (a worker's, from one partition to the next) gives the
     next rows' statistics bit for bit as a fresh one does."""
+    from omicsio_jax.format import StatsAccumulator
     from omicsio_jax.format.codec import join_records
-    from omicsio_jax.format.gene_stats import BINS_PER_OCTAVE, LOW_EXPONENT, NUM_BINS, StatsAccumulator
+    from omicsio_jax.format.gene_stats import BINS_PER_OCTAVE, LOW_EXPONENT, NUM_BINS
 
     half = ds.num_cells // 2
     parts = [join_records(ds.read_records(lo, hi)) for lo, hi in ((0, half), (half, ds.num_cells))]
@@ -334,8 +335,8 @@ def test_partition_files_saved_from_one_accumulator_hold_each_partition(ds, tmp_
     """`StatsAccumulator.save` (a worker's: the CSR built in arrays kept from one partition to the
     next) writes each partition's statistics as `finish` returns them; a loaded file (mapped, not
     read) keeps its contents when a retried partition writes the file again."""
+    from omicsio_jax.format import StatsAccumulator
     from omicsio_jax.format.codec import join_records
-    from omicsio_jax.format.gene_stats import StatsAccumulator
 
     half = ds.num_cells // 2
     parts = [join_records(ds.read_records(lo, hi)) for lo, hi in ((0, half), (half, ds.num_cells))]
@@ -361,8 +362,8 @@ def test_a_narrow_histogram_table_keeps_counts_past_its_largest_exact(ds, count_
     """Counts past the table type's largest (255 for uint8 here, on the records read 10 times; 65,535
     for the default uint16, one bin of one gene in 70,000 cells) come out as a uint32 table's, bit
     for bit."""
+    from omicsio_jax.format import StatsAccumulator
     from omicsio_jax.format.codec import encode_csr, join_records
-    from omicsio_jax.format.gene_stats import StatsAccumulator
 
     if count_dtype == np.uint8:
         records, genes = [join_records(ds.read_records(0, ds.num_cells))] * 10, ds.num_genes

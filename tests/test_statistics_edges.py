@@ -12,7 +12,8 @@ import omicsio_jax as oj
 from materialize import Layout, Multimodal, materialize
 from materialize._cli import main as materialize_main
 from omicsio_jax.format.codec import encode_csr
-from omicsio_jax.format.gene_stats import StatsAccumulator, seurat_hvg
+from omicsio_jax.format.hvg import seurat_hvg
+from omicsio_jax.format.stats_accumulator import StatsAccumulator
 
 
 def _accumulate(x: np.ndarray, shard_cells: int = 4):

@@ -373,7 +373,7 @@ class Dataset:
         >>> hvg = ds.highly_variable_genes(2000)                   # doctest: +SKIP
         >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(genes=hvg))  # doctest: +SKIP
         """
-        from omicsio_jax.format.gene_stats import seurat_hvg
+        from omicsio_jax.format.hvg import seurat_hvg
 
         stats = self.gene_stats
         return seurat_hvg(stats["norm_mean"].to_numpy(), stats["norm_var"].to_numpy(), n, n_bins)

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from omicsio_jax.format.gene_stats import NUM_BINS as NUM_BINS
     from omicsio_jax.format.gene_stats import STATS_NAME as STATS_NAME
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
-    from omicsio_jax.format.gene_stats import StatsAccumulator as StatsAccumulator
     from omicsio_jax.format.gene_stats import empty_span as empty_span
     from omicsio_jax.format.genes import name_lookup as name_lookup
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
@@ -66,6 +65,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.manifest import read_manifest as read_manifest
     from omicsio_jax.format.manifest import sha256_file as sha256_file
     from omicsio_jax.format.manifest import verify_dataset as verify_dataset
+    from omicsio_jax.format.stats_accumulator import StatsAccumulator as StatsAccumulator
     from omicsio_jax.format.tables import CELL_ID_COLUMN as CELL_ID_COLUMN
     from omicsio_jax.format.tables import FILE_ROW_COLUMN as FILE_ROW_COLUMN
     from omicsio_jax.format.tables import FILENAME_COLUMN as FILENAME_COLUMN
@@ -124,9 +124,9 @@ _WRITER_API = {
         "NUM_BINS",
         "STATS_NAME",
         "GeneStats",
-        "StatsAccumulator",
         "empty_span",
     ),
+    "omicsio_jax.format.stats_accumulator": ("StatsAccumulator",),
     "omicsio_jax.format.manifest": (
         "MANIFEST_NAME",
         "PRESENCE_NAME",
