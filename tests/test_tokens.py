@@ -22,15 +22,13 @@ from hypothesis import strategies as st
 import omicsio_jax as oj
 from materialize import Layout, materialize
 from omicsio_jax.outputs.base import OutputContext
-from omicsio_jax.outputs.token_kernels import (
+from omicsio_jax.outputs.rank_sort import finish_by_insertion, radix_sort, rank_sort
+from omicsio_jax.outputs.token_draws import (
     STREAM_MASK,
     STREAM_MASK_KIND,
     STREAM_RANDOM_TOKEN,
     STREAM_SUBSAMPLE,
     STREAM_TIES,
-    finish_by_insertion,
-    radix_sort,
-    rank_sort,
     uniforms,
 )
 

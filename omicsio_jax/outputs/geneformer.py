@@ -12,8 +12,8 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format import codec
 from omicsio_jax.format.gene_stats import read_gene_medians
-from omicsio_jax.outputs import token_kernels
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
+from omicsio_jax.outputs.geneformer_kernel import geneformer_kernel
 from omicsio_jax.outputs.token_common import (
     check_mask_prob,
     ensembl_ids,
@@ -143,7 +143,7 @@ class GeneformerTokens(Output):
         }
         v = self.vocabulary
         u8, u32, f32 = records.views(len(v.tok))
-        token_kernels.geneformer_kernel(
+        geneformer_kernel(
             numba.get_num_threads(),
             u8,
             u32,

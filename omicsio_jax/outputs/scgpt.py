@@ -12,8 +12,8 @@ import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format import codec
-from omicsio_jax.outputs import token_kernels
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
+from omicsio_jax.outputs.scgpt_kernel import scgpt_kernel
 from omicsio_jax.outputs.token_common import (
     check_mask_prob,
     needs_counts,
@@ -124,7 +124,7 @@ class ScGPTTokens(Output):
         }
         v = self.vocabulary
         u8, u32, f32 = records.views(len(v.tok))
-        token_kernels.scgpt_kernel(
+        scgpt_kernel(
             numba.get_num_threads(),
             u8,
             u32,

@@ -1,0 +1,160 @@
+"""Geneformer's rank-value tokens from encoded records (`omicsio_jax.outputs.token_kernels` states the
+algorithm)."""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from omicsio_jax.format import codec
+from omicsio_jax.outputs.rank_sort import rank_sort
+from omicsio_jax.outputs.token_draws import (
+    GAP_BLOCK,
+    STREAM_MASK_KIND,
+    STREAM_RANDOM_TOKEN,
+    cell_key,
+    draws_at,
+    selected_positions,
+)
+from omicsio_jax.outputs.token_kernels import IGNORE_INDEX, max_count, sum_duplicates
+
+
+@nb.njit(inline="always")
+def _descending_key(v, im):
+    """uint32 whose ascending order is the descending order of ``v · im`` (float32, non-negative)."""
+    return ~np.uint32(np.float32(v * im).view(np.uint32))
+
+
+_KEY_POSITIVE_MIN = np.uint32(0x807FFFFF)  # `_descending_key` of +inf
+_KEY_POSITIVE_MAX = np.uint32(0xFFFFFFFE)  # `_descending_key` of the smallest positive float32
+
+
+@nb.njit(parallel=True, nogil=True, cache=True)
+def geneformer_kernel(threads, *args):
+    """The rows of a batch on ``threads`` threads; ``args``: `_geneformer_rows`'s after ``t, threads``."""
+    for t in nb.prange(threads):
+        _geneformer_rows(np.int64(t), threads, *args)
+
+
+@nb.njit(nogil=True, cache=True)
+def _geneformer_rows(
+    t,
+    threads,
+    u8,
+    u32,
+    f32,
+    starts,
+    rows,
+    seed,
+    epoch,
+    gene,
+    gene_scale,
+    distinct,
+    canon,
+    has_dups,
+    gene_tokens,
+    special,
+    mask_prob,
+    pad_id,
+    cls_id,
+    eos_id,
+    mask_id,
+    input_ids,
+    attention_mask,
+    labels,
+    length,
+):
+    """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``gene[g]``: column ``g``'s scale
+    (float32 bits: ``1 / median_g`` for a column with a token and a median, else 0, not kept) and
+    token side by side, one cache line for both (``gene_scale``: the same memory as float32);
+    ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`)."""
+    width = max(max_count(u32, starts), 1)
+    n_rows, L = input_ids.shape
+    log_keep = np.log1p(-mask_prob)
+    n_genes = gene_tokens.shape[0]
+    first = 1 if special else 0
+    cols = np.empty(width, np.int32)
+    vals = np.empty(width, np.float32)
+    keys = np.empty(width, np.uint32)
+    kept_tok = np.empty(width, np.int32)
+    sorted_keys = np.empty(width, np.uint32)
+    sorted_tok = np.empty(width, np.int32)
+    hist = np.empty((3, 2048), np.int32)
+    masked = np.empty(L, np.int64)
+    u_kind = np.empty(max(L, GAP_BLOCK), np.float64)
+    u_token = np.empty(L, np.float64)
+    slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
+    for i in range(t, n_rows, threads):
+        ids, att, lab = input_ids[i], attention_mask[i], labels[i]
+        lab[:] = IGNORE_INDEX
+        if rows[i] < 0:  # a padding row of the batch: all PAD, nothing attended
+            ids[:] = pad_id
+            att[:] = False
+            length[i] = 0
+            continue
+        count = codec.decode_one(u8, u32, f32, starts[i], cols, vals, 0)
+        if has_dups:
+            count = sum_duplicates(cols, vals, count, canon, slot)
+        # every entry's descending key and token (the sort carries tokens, so no gather after it),
+        # in a loop without a keep test, then the keys' range for the sort in a loop of its own
+        # (vectorized); a cell with an entry not kept (no token or median, or a stored 0) is then
+        # compacted to the kept ones
+        for j in range(count):
+            g = np.uint32(cols[j])  # unsigned: no test for wrapping around (`_bucket`)
+            keys[j] = _descending_key(vals[j], gene_scale[g, 0])
+            kept_tok[j] = gene[g, 1]
+        kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
+        for j in range(count):
+            kmin, kmax = min(kmin, keys[j]), max(kmax, keys[j])
+        # every product > 0 (keys of positive floats, not 0 nor NaN) means every entry is kept (a
+        # scale is >= 0); otherwise the exact test below decides (a product may underflow to 0)
+        all_kept = (kmin >= _KEY_POSITIVE_MIN) & (kmax <= _KEY_POSITIVE_MAX)
+        kept = count
+        if not all_kept:  # compacted in place to the kept ones (advanced over without a branch)
+            kept = 0
+            kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
+            for j in range(count):
+                key = keys[j]
+                keys[kept], kept_tok[kept] = key, kept_tok[j]
+                keep = (gene_scale[np.uint32(cols[j]), 0] > 0) & (vals[j] > 0)
+                kmin = min(kmin, key) if keep else kmin
+                kmax = max(kmax, key) if keep else kmax
+                kept += keep
+        ranked = kept_tok
+        if rank_sort(
+            keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, L - 2 * first, distinct
+        ):
+            ranked = sorted_tok
+        k = min(kept, L - 2 * first)
+        end = k + 2 * first
+        if special:
+            ids[0] = cls_id
+        for r in range(k):
+            ids[first + r] = ranked[r]
+        if special:
+            ids[first + k] = eos_id
+        ids[end:] = pad_id
+        att[:end] = True
+        att[end:] = False
+        length[i] = k
+        if mask_prob <= 0:
+            continue
+        # the masked positions first (they depend on no token), then the draws of their
+        # replacements (vectorized), then the replacements in a loop of independent iterations
+        key = cell_key(seed, epoch, rows[i])
+        m = selected_positions(key, first, first + k, log_keep, masked, u_kind)
+        draws_at(key, STREAM_MASK_KIND, masked, m, u_kind)
+        draws_at(key, STREAM_RANDOM_TOKEN, masked, m, u_token)
+        for q in range(m):
+            # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
+            # the random gene's draw is made either way, and a draw is a pure function of its
+            # counter, so the tokens are those of drawing it only when used; the gene table is
+            # read at that gene only when it is used, else at 0 (a cache line already at hand,
+            # not a miss in a table of every gene)
+            p = masked[q]
+            token = ids[p]
+            lab[p] = token
+            u = u_kind[q]
+            used = (u >= 0.8) & (u < 0.9)
+            random_token = gene_tokens[min(np.int64(u_token[q] * n_genes), n_genes - 1) if used else 0]
+            ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
