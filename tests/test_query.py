@@ -11,12 +11,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
+from conftest import assert_csr_equal, table_csr
 
 import omicsio_jax as oj
 from materialize import _index as index_module
 from materialize import build_gene_index
 from materialize._cli import main as cli
-from tests.conftest import assert_csr_equal, table_csr
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_prefetch_to_device_refuses_a_state_that_is_not_its_own(ds):
     loader = oj.make_loader(ds, **KW, output="csr")
     next(loader)
     bare = loader.get_state()
-    for state in (bare, [{"inner": bare}], None):
+    for state in (bare, [bare], None):  # a list of its own states ([{"inner": bare}]) restores: elastic
         batches = oj.prefetch_to_device(oj.make_loader(ds, **KW, output="csr"))
         with pytest.raises(oj.StateMismatchError, match=r"not a prefetch_to_device state"):
             batches.set_state(state)

@@ -8,11 +8,11 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import table_csr
 
 import omicsio_jax as oj
 from materialize import Layout, materialize
 from omicsio_jax.loaders import memory, stream
-from tests.conftest import table_csr
 
 PANEL = [0, 3, 17, 40, 41, 500, 1999, 1234]
 

@@ -33,7 +33,13 @@ from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
-from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
+from omicsio_jax.loaders.options import (
+    Placement,
+    ReadOptions,
+    check_argument,
+    numba_threads,
+    numba_threads_in_force,
+)
 from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
 from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
@@ -81,12 +87,15 @@ class MemoryLoader(ClosingIterator):
         drop_remainder: bool,
         placement: Placement,
         prefetch: int,
+        decode_threads: int | None = None,
     ):
         super().__init__()
         self._stream = None
         self.panel, self.batch_size, self.seed, self.num_epochs = panel, batch_size, seed, num_epochs
         self.resident = "device" if on_device else "host"  # where the panel lives
         self.placement, self.drop_remainder, self.prefetch = placement, drop_remainder, prefetch
+        # the numba threads of a host batch's row copy (`numba_threads_in_force`); none on the devices
+        self.decode_threads = None if on_device else numba_threads_in_force(decode_threads)
         self.mesh, self.data_axis = placement.mesh, placement.data_axis
         self.host, self.hosts = placement.host, placement.num_hosts
         hosts = self.hosts
@@ -99,6 +108,20 @@ class MemoryLoader(ClosingIterator):
         n = panel.num_cells
         self.steps_per_epoch = (
             self._device_steps if on_device else (n // batch_size if drop_remainder else -(-n // batch_size))
+        )
+
+    def __repr__(self) -> str:
+        p = self.panel
+        where = (
+            f"devices={self._devices}"
+            if self.resident == "device"
+            else f"read=ReadOptions(prefetch={self.prefetch}, decode_threads={self.decode_threads})"
+        )
+        return (
+            f"MemoryLoader(panel=[{p.num_cells:,} cells × {p.x.shape[1]:,} genes], batch_size={self.batch_size}, "
+            f"on_device={self.resident == 'device'}, seed={self.seed}, num_epochs={self.num_epochs}, "
+            f"drop_remainder={self.drop_remainder}, obs={list(p.obs)}, steps_per_epoch={self.steps_per_epoch}, "
+            f"{where}, hosts={self.hosts})"
         )
 
     # ----- state -------------------------------------------------------------------------------
@@ -260,7 +283,8 @@ class MemoryLoader(ClosingIterator):
     def _host_batch(self, rows: np.ndarray) -> HostBatch:
         n, b = len(rows), self.local_batch
         x = self._buffers.empty((b, self.panel.x.shape[1]))
-        _gather_rows(self.panel.x, rows, x[:n])
+        with numba_threads(self.decode_threads):
+            _gather_rows(self.panel.x, rows, x[:n])
         if n < b:
             x[n:] = 0
         obs = {}
@@ -367,7 +391,9 @@ def make_memory_loader(
     ``drop_remainder=False`` (host only) the last batch of an epoch is padded and masked.
     ``placement`` as in `make_loader`; of ``read``, ``prefetch`` > 0 gathers that many host
     batches ahead in a thread; the default 0 gathers in the caller's thread (a small copy, which
-    JAX's async dispatch already overlaps with the previous step).
+    JAX's async dispatch already overlaps with the previous step); ``decode_threads`` numba
+    threads copy a batch's rows (default: all of numba's). ``num_threads`` is refused: one thread
+    gathers, the caller's or the prefetching one. ``repr(loader)`` shows the settings in force.
     """
     placement, read = Placement.of(placement), ReadOptions.of(read)
     check_argument("make_memory_loader", "batch_size", batch_size, minimum=1)
@@ -383,6 +409,19 @@ def make_memory_loader(
     if on_device and not drop_remainder:
         msg = "on_device=True always drops the remainder (each device draws only full batches)"
         raise OmicsIOError(msg)
+    if read.num_threads is not None:
+        msg = (
+            f"make_memory_loader takes no ReadOptions(num_threads={read.num_threads}): one thread gathers each "
+            "batch (the caller's, or with ReadOptions(prefetch=n) one thread n batches ahead), its rows copied "
+            "on ReadOptions(decode_threads=...) numba threads; leave num_threads None"
+        )
+        raise OmicsIOError(msg)
+    if on_device and read.decode_threads is not None:
+        msg = (
+            f"make_memory_loader(on_device=True) takes no ReadOptions(decode_threads={read.decode_threads}): "
+            "its batches are gathered by a jitted gather on the devices, not by numba; leave decode_threads None"
+        )
+        raise OmicsIOError(msg)
     loader = MemoryLoader(
         panel,
         batch_size=batch_size,
@@ -392,6 +431,7 @@ def make_memory_loader(
         drop_remainder=drop_remainder,
         placement=placement,
         prefetch=read.with_defaults(prefetch=0).prefetch,
+        decode_threads=read.decode_threads,
     )
     if loader.steps_per_epoch == 0:
         msg = f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"

@@ -12,7 +12,6 @@ import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
-import numba
 import numpy as np
 
 from omicsio_jax.core.buffers import RowBuffers
@@ -20,7 +19,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import Fetched, OutputRecords, SegmentCache
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.loaders.mixtures import mixture_config
-from omicsio_jax.loaders.options import Placement
+from omicsio_jax.loaders.options import Placement, numba_threads
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys
 from omicsio_jax.outputs.batch import HostBatch
 from omicsio_jax.outputs.resolve import resolve_output
@@ -243,15 +242,8 @@ class MinibatchReader:
         self._segments.used(seg, seg.num_steps)  # all its steps joined: the segment's records can go
         keys = RowKeys(rows, epoch, self.schedule.plan.seed)
         with records_checked(self.dataset, rows):
-            if self.decode_threads >= numba.config.NUMBA_NUM_THREADS:  # all threads: nothing to set
+            with numba_threads(self.decode_threads):  # numba's count is per thread: only this one's
                 x = self.output.from_records(records, self._buffers.empty, keys)
-            else:
-                previous = numba.get_num_threads()  # thread-local in numba: only this thread
-                numba.set_num_threads(self.decode_threads)
-                try:
-                    x = self.output.from_records(records, self._buffers.empty, keys)
-                finally:
-                    numba.set_num_threads(previous)
         mask = rows >= 0
         safe = np.where(mask, rows, 0)
         obs = {}

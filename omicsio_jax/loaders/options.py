@@ -9,10 +9,13 @@ same two objects, next to a `Sampling` option and an `Output` kind::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Iterator
 
 import jax
+import numba as nb
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
@@ -55,12 +58,14 @@ class ReadOptions:
 
     ``num_threads`` threads decode and place batches ahead of the consumer (`make_loader`: chosen
     per output kind, batch size and machine, `default_num_threads`; 0 decodes each batch on the
-    consumer's thread when asked for; Grain's DataLoader: 2);
+    consumer's thread when asked for; Grain's DataLoader: 2; `make_memory_loader` and
+    `make_stream_loader` refuse it: one thread makes their batches);
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`: 2, more on many cores, `default_prefetch`; `GrainSource`,
     `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for);
-    ``decode_threads`` numba threads decode one batch (`make_loader`: 1, or every core for large
-    dense batches decoded on the consumer's thread, `default_decode_threads`; elsewhere 1).
+    ``decode_threads`` numba threads decode one batch (`make_loader`, `GrainSource`: 1, or every
+    core for large dense batches decoded on the consumer's thread, `default_decode_threads`;
+    `make_memory_loader`'s row copy and `make_stream_loader`'s scatter: all of numba's threads).
     """
 
     num_threads: int | None = None
@@ -284,3 +289,25 @@ class Placement:
     def place(self, host_batch: HostBatch) -> Batch:
         """This host's batch as global jax.Arrays sharded along the data axis (`place_batch`)."""
         return place_batch(host_batch, self.mesh, self.data_axis)
+
+
+def numba_threads_in_force(decode_threads: int | None) -> int:
+    """The numba threads a batch is made on for ``ReadOptions(decode_threads=decode_threads)``: all of
+    numba's (None, the default, or more than it has), else ``decode_threads``."""
+    available = nb.config.NUMBA_NUM_THREADS
+    return available if decode_threads is None else min(decode_threads, available)
+
+
+@contextlib.contextmanager
+def numba_threads(threads: int) -> Iterator[None]:
+    """Run numba's parallel kernels of this thread on ``threads`` threads inside the block (numba's
+    count is per thread: the loader's other threads keep theirs); all of numba's: nothing is set."""
+    if threads >= nb.config.NUMBA_NUM_THREADS:
+        yield
+        return
+    previous = nb.get_num_threads()
+    nb.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        nb.set_num_threads(previous)

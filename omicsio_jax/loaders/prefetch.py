@@ -4,19 +4,24 @@ Grain's DataLoader yields numpy batches in the training loop's thread; placing a
 batch there (257 MB at batch 1,024) stalls the step on a GPU host. This wrapper pulls host
 batches from the iterator, places each on a small thread pool (copies to the devices overlap the
 step and each other) and hands them out in order. Its state is the wrapped iterator's state
-after the last batch *handed out*, not after those prefetched, so checkpoints stay exact.
+after the last batch *handed out*, not after those prefetched, so checkpoints stay exact; every
+process's states restore onto another number of processes wherever the wrapped iterator's do
+(`make_loader`, `make_memory_loader`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import json
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from omicsio_jax.core.errors import StateMismatchError
 from omicsio_jax.loaders.iterator import ClosingIterator
+from omicsio_jax.loaders.state import read_loader_states
 from omicsio_jax.outputs.batch import Batch, place_batch
 
 
@@ -66,23 +71,45 @@ class DevicePrefetch(ClosingIterator):
         """The wrapped iterator's state after the last batch this one returned."""
         return {"inner": self._state}
 
-    def set_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or "inner" not in state:
-            got = f"keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
-            msg = (
-                f"not a prefetch_to_device state ({got}): pass what its get_state returned, "
-                "{'inner': <the wrapped iterator's state>}"
-            )
-            raise StateMismatchError(msg)
+    def set_state(self, state: dict | Sequence[dict]) -> None:
+        """Resume from `get_state` output: this process's, or every process's (a list, as
+        `read_loader_states` returns it), handed to the wrapped iterator as the list of its own
+        states: a wrapped `make_loader` or `make_memory_loader` then restores onto another number
+        of processes (`Loader.set_state`)."""
+        states = list(state) if isinstance(state, list | tuple) and state else [state]
+        for s in states:
+            if not isinstance(s, dict) or "inner" not in s:
+                got = f"keys {sorted(map(str, s))}" if isinstance(s, dict) else type(s).__name__
+                msg = (
+                    f"not a prefetch_to_device state ({got}): pass what its get_state returned, "
+                    "{'inner': <the wrapped iterator's state>}, or every process's (a list of them)"
+                )
+                raise StateMismatchError(msg)
         for future, _ in self._pending:
             future.cancel()
         self._pending.clear()
-        inner = state["inner"]
+        inners = [self._as_inner(s["inner"]) for s in states]
+        self._inner.set_state(inners[0] if len(inners) == 1 else inners)  # one: any iterator takes it
+        self._state, self._exhausted = self._inner_state(), False
+
+    @staticmethod
+    def _as_inner(inner):
+        """A saved wrapped state as the wrapped iterator takes it (a DataLoaderIterator's as bytes)."""
         if isinstance(inner, dict) and set(inner) == {"bytes"}:
-            self._inner.set_state(inner["bytes"].encode())
-        else:
-            self._inner.set_state(json.loads(json.dumps(inner)))
-        self._state, self._exhausted = inner, False
+            return inner["bytes"].encode()
+        return json.loads(json.dumps(inner))
+
+    async def load(self, directory):
+        """Orbax v1 (``ocp.load_checkpointables``): every process's state where the wrapped iterator's
+        names its process (`make_loader`'s, `make_memory_loader`'s: another number of processes
+        restores too), else this process's own (Grain's). Returns the coroutine Orbax awaits."""
+        if not (isinstance(self._state, dict) and "process" in self._state):
+            return await super().load(directory)
+
+        async def restore() -> None:
+            self.set_state(await asyncio.to_thread(read_loader_states, directory))
+
+        return restore()
 
     def close(self) -> None:
         """Stop the placing threads and close the wrapped iterator; idempotent."""

@@ -32,7 +32,13 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
 from omicsio_jax.loaders.iterator import ClosingIterator
-from omicsio_jax.loaders.options import Placement, ReadOptions, check_argument
+from omicsio_jax.loaders.options import (
+    Placement,
+    ReadOptions,
+    check_argument,
+    numba_threads,
+    numba_threads_in_force,
+)
 from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
@@ -122,16 +128,32 @@ class StreamLoader:
         drop_remainder: bool,
         batch_rows: int,
         prefetch: int,
+        decode_threads: int | None = None,
+        sampling: Stream | None = None,
     ):
         self.table, self.batch_size, self.output = table, batch_size, output
         self.where, self.rowids, self.obs_specs = where, rowids, obs
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
         self.batch_rows, self.prefetch = batch_rows, prefetch
+        self.decode_threads = numba_threads_in_force(decode_threads)  # of each batch's scatter
+        self.sampling = sampling  # as given to make_stream_loader, for repr
         # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
         self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
         self._buffers = RowBuffers()
         self._passes: weakref.WeakSet[StreamIterator] = weakref.WeakSet()  # for `close`
+
+    def __repr__(self) -> str:
+        sampling = (
+            self.sampling or f"shuffle_buffer={self.shuffle_buffer}, drop_remainder={self.drop_remainder}"
+        )
+        rows = None if self.rowids is None else f"[{len(self.rowids):,} rowids]"
+        return (
+            f"StreamLoader({self.table.spec!r}, batch_size={self.batch_size}, where={self.where!r}, rowids={rows}, "
+            f"sampling={sampling}, output={self.output.describe()}, obs={[s.name for s in self.obs_specs]}, "
+            f"seed={self.seed}, read=ReadOptions(prefetch={self.prefetch}, decode_threads={self.decode_threads}), "
+            "hosts=1)"
+        )
 
     def __iter__(self) -> StreamIterator:
         return self.epoch(0)
@@ -247,7 +269,8 @@ class StreamLoader:
             )
         if n < b:  # padding rows are empty
             indptr = np.concatenate([indptr, np.full(b - n, indptr[-1], np.int64)])
-        out = self.output.from_csr(indptr, indices, values, self._buffers.empty)
+        with numba_threads(self.decode_threads):
+            out = self.output.from_csr(indptr, indices, values, self._buffers.empty)
         mask = np.arange(b) < n
         index = np.full(b, -1, np.int32)
         index[:n] = window.rowids[order]
@@ -271,6 +294,9 @@ class StreamIterator(ClosingIterator):
         self._stream = None
         self.loader, self._epoch, self._step, self._served = loader, epoch, 0, Tally()
         self._done = False
+
+    def __repr__(self) -> str:
+        return f"StreamIterator(epoch={self._epoch}, step={self._step}, loader={self.loader!r})"
 
     def __next__(self) -> Batch:
         self._assert_not_closed()
@@ -348,12 +374,21 @@ def make_stream_loader(
     Rows come in table order unless ``sampling=oj.Stream(shuffle=True, fetch_factor=f)`` (see the
     module docstring). The last partial batch is padded (``mask`` False) unless the sampling's
     ``drop_remainder``. ``output`` is `Dense` or `Panel` (or ``"dense"``); of ``read``,
-    ``prefetch`` batches are made ahead on a thread (default 2). Single-host: every process would
-    read the whole query.
+    ``prefetch`` batches are made ahead on a thread (default 2), each scattered on
+    ``decode_threads`` numba threads (default: all of numba's); ``num_threads`` is refused (that
+    one thread runs the query and makes the batches). ``repr(loader)`` shows the settings in
+    force. Single-host: every process would read the whole query.
     """
     placement, read = Placement.of(placement), ReadOptions.of(read)
     if placement.num_hosts > 1:
         msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
+        raise OmicsIOError(msg)
+    if read.num_threads is not None:
+        msg = (
+            f"make_stream_loader takes no ReadOptions(num_threads={read.num_threads}): one thread runs the query "
+            "and makes ReadOptions(prefetch=n) batches ahead, each scattered on ReadOptions(decode_threads=...) "
+            "numba threads; leave num_threads None"
+        )
         raise OmicsIOError(msg)
     check_argument("make_stream_loader", "batch_size", batch_size, minimum=1)
     check_argument("make_stream_loader", "seed", seed, minimum=0)
@@ -380,4 +415,6 @@ def make_stream_loader(
         drop_remainder=sampling.drop_remainder,
         batch_rows=QUERY_BATCH_ROWS,
         prefetch=read.with_defaults(prefetch=2).prefetch,
+        decode_threads=read.decode_threads,
+        sampling=sampling,
     )

@@ -42,8 +42,9 @@ _RANDOM_STREAM = 0x7E57  # the true-random reference's own RNG stream, apart fro
 @dataclasses.dataclass(frozen=True)
 class TuneResult:
     """What `tune` chose (``block_size``, ``fetch_factor``, ``num_threads``; `loader_kwargs` passes
-    them on) and every row it computed: ``table`` has one dict per setting with its entropy ratio
-    against true random and, for the settings it timed, ``cells_per_s`` and ``cells_per_cpu_s``."""
+    them on, with the other ``read`` knobs tune ran with) and every row it computed: ``table`` has
+    one dict per setting with its entropy ratio against true random and, for the settings it timed,
+    ``cells_per_s``, ``cells_per_cpu_s`` and the ``prefetch`` and ``decode_threads`` in force."""
 
     block_size: int
     fetch_factor: int
@@ -53,10 +54,15 @@ class TuneResult:
     entropy_target: float
     random_entropy: float
     table: tuple[dict, ...]
+    read: ReadOptions = ReadOptions()  # tune's ``read=`` (its num_threads aside: each setting's own)
 
-    def loader_kwargs(self, read: ReadOptions = ReadOptions()) -> dict:
-        """The chosen ``sampling`` (`Block`) and ``read`` (``read`` with the chosen ``num_threads``) for
-        `make_loader` / `GrainSource`."""
+    def loader_kwargs(self, read: ReadOptions | None = None) -> dict:
+        """The chosen ``sampling`` (`Block`) and ``read`` for `make_loader` / `GrainSource`: the chosen
+        ``num_threads``, the knobs of ``read`` and, where it leaves them None, those tune ran with
+        (knobs left None everywhere are derived by `make_loader` as they were for the timed loader,
+        ``decode_threads`` from the chosen ``num_threads``: `default_decode_threads`)."""
+        ran = self.read
+        read = ReadOptions.of(read).with_defaults(prefetch=ran.prefetch, decode_threads=ran.decode_threads)
         return {
             "sampling": Block(self.block_size, self.fetch_factor),
             "read": dataclasses.replace(read, num_threads=self.num_threads),
@@ -123,6 +129,7 @@ def random_entropy(
 
 def _measure(ds: Dataset, seconds: float, *, batch_size: int, seed: int, **kwargs) -> dict:
     loader = make_loader(ds, batch_size=batch_size, seed=seed, num_epochs=None, **kwargs)
+    read = loader.read  # the knobs in force, the defaults derived
     try:
         batches = iter(loader)
         jax.block_until_ready(next(batches).x)  # the first fetch: not steady state
@@ -136,7 +143,13 @@ def _measure(ds: Dataset, seconds: float, *, batch_size: int, seed: int, **kwarg
         cpu = time.process_time() - cpu
     finally:
         loader.close()
-    return {"cells_per_s": cells / elapsed, "cells_per_cpu_s": cells / max(cpu, 1e-9), "timed_cells": cells}
+    return {
+        "cells_per_s": cells / elapsed,
+        "cells_per_cpu_s": cells / max(cpu, 1e-9),
+        "timed_cells": cells,
+        "prefetch": read.prefetch,
+        "decode_threads": read.decode_threads,
+    }
 
 
 def tune(
@@ -189,7 +202,7 @@ def tune(
             "num_threads must list at least one thread count to time, e.g. (0, 2), or be None (the defaults)"
         )
         raise OmicsIOError(msg)
-    read = loader_kwargs.pop("read", ReadOptions())
+    read = ReadOptions.of(loader_kwargs.pop("read", None))
     if not 0 < entropy_target <= 1:
         msg = (
             f"entropy_target must be in (0, 1] (a fraction of true random's entropy), got {entropy_target!r}"
@@ -266,4 +279,5 @@ def tune(
         entropy_target,
         reference,
         tuple(timed + rest),
+        read,
     )

@@ -1,0 +1,190 @@
+"""The in-memory and stream loaders' repr and read options, `tune`'s loader_kwargs, and an elastic
+restore through `prefetch_to_device` (hosts simulated with process_index/count)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numba
+import numpy as np
+import pytest
+
+import omicsio_jax as oj
+from omicsio_jax.loaders import memory
+from omicsio_jax.outputs import scatter
+
+NUMBA_THREADS = numba.config.NUMBA_NUM_THREADS
+
+
+@pytest.fixture(scope="module")
+def ds(dataset_dir):
+    return oj.open_dataset(dataset_dir)
+
+
+@pytest.fixture(scope="module")
+def panel(ds):
+    return oj.load_panel(ds, [0, 3, 17], obs=("drug",), progress=False)
+
+
+@pytest.fixture(scope="module")
+def table(corpus):
+    return oj.open_table(corpus.cells_parquet)
+
+
+def _threads_of(monkeypatch, module, name: str) -> list[int]:
+    """The numba threads in force at each call of ``module.name`` (numba's count is per thread)."""
+    seen, kernel = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(numba.get_num_threads())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+# ----- repr: the settings in force ---------------------------------------------------------------
+def test_memory_and_stream_loaders_repr_the_settings_in_force(panel, table):
+    loader = oj.make_memory_loader(panel, batch_size=32, seed=3, read=oj.ReadOptions(prefetch=2))
+    assert repr(loader) == (
+        "MemoryLoader(panel=[3,000 cells × 3 genes], batch_size=32, on_device=False, seed=3, num_epochs=1, "
+        f"drop_remainder=True, obs=['drug'], steps_per_epoch=93, "
+        f"read=ReadOptions(prefetch=2, decode_threads={NUMBA_THREADS}), hosts=1)"
+    )
+    loader.close()
+    assert "read=ReadOptions(prefetch=0, decode_threads=1)" in repr(
+        oj.make_memory_loader(panel, batch_size=32, read=oj.ReadOptions(decode_threads=1))
+    )
+    on_device = oj.make_memory_loader(panel, batch_size=32, on_device=True)
+    assert "on_device=True" in repr(on_device) and repr(on_device).endswith("devices=1, hosts=1)")
+    sampling = oj.Stream(shuffle=True, fetch_factor=4)
+    with oj.make_stream_loader(
+        table, batch_size=32, where="tissue = 'lung'", obs=("cell_type",), sampling=sampling, seed=5
+    ) as stream:
+        assert repr(stream) == (
+            f"StreamLoader({table.spec!r}, batch_size=32, where=\"tissue = 'lung'\", rowids=None, "
+            f"sampling={sampling}, output='dense', obs=['cell_type'], seed=5, "
+            f"read=ReadOptions(prefetch=2, decode_threads={NUMBA_THREADS}), hosts=1)"
+        )
+        one = stream.epoch(1)
+        next(one)
+        assert repr(one) == f"StreamIterator(epoch=1, step=1, loader={stream!r})"
+    rows = oj.make_stream_loader(
+        table, batch_size=32, rowids=[4, 2, 9], read=oj.ReadOptions(decode_threads=1)
+    )
+    assert "rowids=[3 rowids]" in repr(rows) and "decode_threads=1)" in repr(rows)
+
+
+# ----- read options: honoured where they mean something, refused elsewhere -----------------------
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_memory_loader_copies_rows_on_decode_threads(panel, monkeypatch, prefetch):
+    seen = _threads_of(monkeypatch, memory, "_gather_rows")
+    read = oj.ReadOptions(prefetch=prefetch)
+    default = [np.asarray(b.x) for b in oj.make_memory_loader(panel, batch_size=512, read=read)]
+    assert seen and set(seen) == {NUMBA_THREADS}  # the default: all of numba's threads, as before
+    seen.clear()
+    one = oj.ReadOptions(prefetch=prefetch, decode_threads=1)
+    got = [np.asarray(b.x) for b in oj.make_memory_loader(panel, batch_size=512, read=one)]
+    assert set(seen) == {1}
+    for a, b in zip(got, default, strict=True):
+        np.testing.assert_array_equal(a, b)
+    many = oj.make_memory_loader(panel, batch_size=512, read=oj.ReadOptions(decode_threads=10**4))
+    assert many.decode_threads == NUMBA_THREADS  # numba has no more: all of them
+
+
+def test_stream_loader_scatters_on_decode_threads(table, monkeypatch):
+    seen = _threads_of(monkeypatch, scatter, "scatter_dense")
+    kw = {"batch_size": 256, "where": "tissue = 'lung'"}
+    default = [np.asarray(b.x) for b in oj.make_stream_loader(table, **kw)]
+    assert seen and set(seen) == {NUMBA_THREADS}
+    seen.clear()
+    got = [np.asarray(b.x) for b in oj.make_stream_loader(table, **kw, read=oj.ReadOptions(decode_threads=1))]
+    assert set(seen) == {1}
+    for a, b in zip(got, default, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_memory_and_stream_loaders_refuse_thread_options_they_have_no_use_for(panel, table):
+    with pytest.raises(oj.OmicsIOError, match=r"make_memory_loader takes no ReadOptions\(num_threads=4\)"):
+        oj.make_memory_loader(panel, batch_size=32, read=oj.ReadOptions(num_threads=4))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"on_device=True\) takes no ReadOptions\(decode_threads=2\): .* jitted gather"
+    ):
+        oj.make_memory_loader(panel, batch_size=32, on_device=True, read=oj.ReadOptions(decode_threads=2))
+    with pytest.raises(oj.OmicsIOError, match=r"make_stream_loader takes no ReadOptions\(num_threads=0\)"):
+        oj.make_stream_loader(table, batch_size=32, read=oj.ReadOptions(num_threads=0))
+
+
+# ----- tune: loader_kwargs runs what was timed ---------------------------------------------------
+def test_tune_loader_kwargs_run_the_read_options_that_were_timed(ds):
+    kw = {"label": "batch", "seconds": 0.1, "block_sizes": (1,), "fetch_factors": (8,), "progress": False}
+    for read, want in (
+        (oj.ReadOptions(prefetch=1, decode_threads=2), {"prefetch": 1, "decode_threads": 2}),
+        (None, {}),  # make_loader's own default: read=None
+    ):
+        result = oj.tune(ds, 64, num_threads=(0, 2), read=read, **kw)
+        loader = oj.make_loader(ds, batch_size=64, **result.loader_kwargs())
+        assert {k: getattr(loader.read, k) for k in want} == want  # the knobs tune was given
+        # exactly the timed loader's knobs, decode_threads derived from the chosen num_threads
+        chosen = next(
+            r for r in result.table if r.get("num_threads") == result.num_threads and "cells_per_s" in r
+        )
+        assert loader.read == oj.ReadOptions(
+            num_threads=result.num_threads,
+            prefetch=chosen["prefetch"],
+            decode_threads=chosen["decode_threads"],
+        )
+        loader.close()
+    # a read given to loader_kwargs wins where it sets a knob; num_threads is always the chosen one
+    mine = result.loader_kwargs(oj.ReadOptions(num_threads=7, prefetch=3))["read"]
+    assert mine == oj.ReadOptions(num_threads=result.num_threads, prefetch=3)
+
+
+# ----- prefetch_to_device: elastic restore --------------------------------------------------------
+KW = {"batch_size": 96, "sampling": oj.Block(16, 4), "seed": 1, "num_epochs": 1, "output": "csr"}
+
+
+def _loader(ds, index: int, count: int):
+    return oj.make_loader(ds, **KW, placement=oj.Placement(process_index=index, process_count=count))
+
+
+def _rest(batches) -> list[np.ndarray]:
+    return [np.asarray(b.index) for b in batches]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3)])
+def test_prefetch_to_device_restores_onto_another_number_of_processes(ds, tmp_path, before, after):
+    old = [oj.prefetch_to_device(_loader(ds, h, before)) for h in range(before)]
+    for _ in range(5):
+        for batches in old:
+            next(batches)
+    states = [json.loads(json.dumps(batches.get_state())) for batches in old]
+    for batches in old:
+        batches.close()
+    for h in range(after):
+        bare = _loader(ds, h, after)  # the wrapped loader's own elastic restore is the reference
+        bare.set_state([s["inner"] for s in states])
+        want = _rest(bare)
+        placed = oj.prefetch_to_device(_loader(ds, h, after), buffer_size=3)
+        placed.set_state(states)
+        assert placed.get_state() == {"inner": _loader_state(ds, h, after, states)}
+        got = _rest(placed)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        # Orbax v1 (load_checkpointables): every process's file is read, as make_loader's own load does
+        directory = tmp_path / f"{before}-{after}"
+        directory.mkdir(exist_ok=True)
+        for i, s in enumerate(states):
+            (directory / f"process_{i}-of-{before}.json").write_text(json.dumps(s))
+        loaded = oj.prefetch_to_device(_loader(ds, h, after))
+        asyncio.run(asyncio.run(loaded.load(directory)))
+        for a, b in zip(_rest(loaded), want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _loader_state(ds, index: int, count: int, states: list[dict]) -> dict:
+    loader = _loader(ds, index, count)
+    loader.set_state([s["inner"] for s in states])
+    return loader.get_state()
