@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import from_numpy, one_array, to_numpy_filled
+from omicsio_jax.format import ENSEMBL_GENE_ID, from_numpy, one_array, to_numpy_filled
 
 ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")
-_ENSEMBL = re.compile(r"^ENS[A-Z]*G\d{6,}(\.\d+)?$")
-_ENSEMBL_RE2 = r"^ENS[A-Z]*G[0-9]{6,}(\.[0-9]+)?$"  # the same, for Arrow's RE2
 
 
 def _text(table: pa.Table, name: str) -> pa.Array:
@@ -55,7 +52,7 @@ def _ensembl_share(values: pa.Array, sample: int = 4096) -> float:
     present = values.take(from_numpy(present))
     if not len(present):
         return 0.0
-    return pc.sum(pc.match_substring_regex(present, _ENSEMBL_RE2)).as_py() / len(present)
+    return pc.sum(pc.match_substring_regex(present, ENSEMBL_GENE_ID.pattern)).as_py() / len(present)
 
 
 def ensembl_like(values: pa.Array) -> bool:
@@ -80,7 +77,7 @@ def _stripped(values: pa.Array) -> pa.Array:
 
 def strip_version(gene_id: str) -> str:
     """``ENSG00000141510.17`` → ``ENSG00000141510``; other ids unchanged."""
-    return gene_id.split(".", 1)[0] if _ENSEMBL.match(gene_id) else gene_id
+    return gene_id.split(".", 1)[0] if ENSEMBL_GENE_ID.fullmatch(gene_id) else gene_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +151,9 @@ def read_gene_list(path: str | Path) -> list[str]:
                 msg = f"gene vocabulary {path} must be a JSON object {{gene id: token}}"
                 raise OmicsIOError(msg)
             return [
-                strip_version(k) for k, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if _ENSEMBL.match(k)
+                strip_version(k)
+                for k, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+                if ENSEMBL_GENE_ID.fullmatch(k)
             ]
         if suffix in (".parquet", ".csv", ".tsv"):
             if suffix == ".parquet":

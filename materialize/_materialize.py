@@ -44,7 +44,7 @@ from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignmen
 from ._options import Dask, InputOptions, Layout, Multimodal
 from ._panel import Panel, read_panel
 from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
-from ._pool import Pool, default_workers, run_in_process, run_on_dask, usable_cores
+from ._pool import Pool, default_workers, run_in_process, usable_cores
 from ._shards import atomic_output_dir
 from ._source import Source, require_file
 from ._validate import GeneIndex
@@ -463,6 +463,8 @@ def materialize(
                     dynamic_ncols=True,
                 ) as bar:
                     if dask:
+                        from ._dask import run_on_dask  # the Dask runner, loaded by the runs that need it
+
                         return run_on_dask(
                             job,
                             parts,

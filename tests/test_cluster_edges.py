@@ -43,13 +43,13 @@ def test_a_missing_scheduler_file_is_a_one_line_error(corpus, tmp_path, monkeypa
     (Dask's Client waits for it forever); one written during the wait is read."""
     import threading
 
-    from materialize import _pool
+    from materialize import _dask
 
-    monkeypatch.setattr(_pool, "SCHEDULER_FILE_WAIT_S", 1.0)
+    monkeypatch.setattr(_dask, "SCHEDULER_FILE_WAIT_S", 1.0)
     late = tmp_path / "late.json"
     writer = threading.Timer(0.3, lambda: late.write_text('{"address": "tcp://10.0.0.7:8786"}'))
     writer.start()
-    assert _pool._address_in(str(late)) == "tcp://10.0.0.7:8786"
+    assert _dask._address_in(str(late)) == "tcp://10.0.0.7:8786"
     writer.join()
     missing = tmp_path / "sched.json"
     error = _in_thread(
@@ -188,8 +188,8 @@ def test_an_output_the_dask_workers_do_not_see_leaves_nothing_anywhere(
 def test_a_dask_run_interrupted_here_returns_once_no_task_writes(s3, corpus, dask_cluster):
     """Ctrl-C in the client during a Dask run: the run's tasks still running on the workers finish
     before it returns, so the output's removal that follows is the last word on S3."""
+    from materialize._dask import run_on_dask
     from materialize._materialize import open_source
-    from materialize._pool import run_on_dask
     from materialize._validate import GeneIndex
 
     src = open_source(str(corpus.cells_parquet), batch_cells=16)
@@ -214,9 +214,9 @@ def _break_partition(index: int, how: str):
     workers receive it by value)."""
 
     def brake():
-        from materialize import _pool
+        from materialize import _dask
 
-        real = _pool.__dict__.setdefault("_unbroken", _pool.write_partition)
+        real = _dask.__dict__.setdefault("_unbroken", _dask.write_partition)
 
         def broken(job, part, scratch=None):
             if part.index == index:
@@ -225,12 +225,12 @@ def _break_partition(index: int, how: str):
                 raise RuntimeError("disk on fire")
             return real(job, part, scratch=scratch)
 
-        _pool.write_partition = broken
+        _dask.write_partition = broken
 
     def mend():
-        from materialize import _pool
+        from materialize import _dask
 
-        _pool.write_partition = _pool.__dict__.pop("_unbroken", _pool.write_partition)
+        _dask.write_partition = _dask.__dict__.pop("_unbroken", _dask.write_partition)
 
     return brake, mend
 

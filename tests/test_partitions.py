@@ -458,17 +458,17 @@ def test_dask_local_cluster_writes_the_same_bytes(hive_input, corpus, corpus_tab
     assert _digests(tmp_path / "v1") == _digests(tmp_path / "v2")
     from distributed import Client
 
-    from materialize import _pool
+    from materialize import _dask
 
     with Client(dask_cluster) as client:  # every run released its workers' scratches at its end
-        assert set(client.run(lambda: len(_pool._DASK_SCRATCH)).values()) == {0}
+        assert set(client.run(lambda: len(_dask._DASK_SCRATCH)).values()) == {0}
 
 
 def test_dask_tasks_of_a_thread_share_one_scratch_per_run(corpus, tmp_path):
     """A Dask worker thread keeps one `Scratch` per run (its partitions reuse the statistics table and
     the shard writer, as a pool worker's do); the run's end releases it, and a thread that starts
     another run closes what an unreleased one left."""
-    from materialize._pool import _DASK_SCRATCH, dask_task, release_dask_scratch
+    from materialize._dask import _DASK_SCRATCH, dask_task, release_dask_scratch
 
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)

@@ -32,7 +32,7 @@ from omicsio_jax.records.readahead import ReadAhead
 from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
 from omicsio_jax.storage import direct_io
 from omicsio_jax.storage.memory import memory_limit, release_freed_memory
-from omicsio_jax.storage.store import is_remote
+from omicsio_jax.storage.store import is_remote, s3_url
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
 # large one wastes I/O on scattered reads: 256 KiB covers a block of cells. Opening a reader reads
@@ -127,7 +127,7 @@ class Dataset:
         if is_remote(path):
             from omicsio_jax.dataset.remote import RemoteDataset
 
-            url = str(path).rstrip("/")
+            url = s3_url(path)  # not str(path).rstrip("/"): "s3://" would become the local "s3:"
             manifest = read_manifest(url)
             # a replaced dataset's current generation: reopening `path` (`open_options`, Grain's
             # workers) reads this one even after a later switch

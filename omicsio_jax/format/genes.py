@@ -5,19 +5,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-_VERSIONED = re.compile(r"^(ENS[A-Z]*G\d+)\.\d+$", re.IGNORECASE)
-_ENSEMBL_GENE = re.compile(r"^ENS[A-Z]*G\d+(\.\d+)?$", re.IGNORECASE)
-
-
-def fold_ensembl(key: str) -> str:
-    """``ENSG00000141510.17`` → ``ENSG00000141510`` (upper case); other keys upper-cased only."""
-    match = _VERSIONED.match(key)
-    return match.group(1).upper() if match else key.upper()
+# An Ensembl gene id as Ensembl writes it: ENS, the species' letters (none for human, MUS for mouse),
+# G, the number (11 digits; 6 at least here, so no symbol like ``ENSG1`` counts) and an optional
+# version suffix (``.12``): ``ENSG00000141510``, ``ENSMUSG00000064370.1``. ASCII digits only and
+# anchored at both ends, so Python (always with ``fullmatch``) and Arrow's RE2 (``.pattern``) read it
+# alike. Stored ids are matched as written (upper case); a user's or a vocabulary's key is upper-cased
+# first (`is_ensembl_id`, `fold_ensembl`).
+ENSEMBL_GENE_ID = re.compile(r"^ENS[A-Z]*G[0-9]{6,}(\.[0-9]+)?$")
 
 
 def is_ensembl_id(key: str) -> bool:
-    """Whether ``key`` is an Ensembl gene id (``ENSG…``, ``ENSMUSG…``; a version suffix allowed)."""
-    return _ENSEMBL_GENE.match(key) is not None
+    """Whether ``key`` is an Ensembl gene id in any case (``ENSG…``, ``ENSMUSG…``, ``ensg…``; a
+    version suffix allowed). Gene symbols (``TP53``, ``ENSA``) and transcript ids (``ENST…``) are not."""
+    return ENSEMBL_GENE_ID.fullmatch(key.upper()) is not None
+
+
+def fold_ensembl(key: str) -> str:
+    """``ENSG00000141510.17`` (in any case) → ``ENSG00000141510``; other keys upper-cased only."""
+    key = key.upper()
+    return key.split(".", 1)[0] if ENSEMBL_GENE_ID.fullmatch(key) else key
 
 
 def name_lookup(columns: Iterable[Sequence[str]]) -> tuple[dict[str, int], dict[str, list[int]]]:

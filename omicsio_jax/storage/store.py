@@ -48,6 +48,19 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
     return str(location).startswith(S3_SCHEME)
 
 
+def s3_url(location: str | os.PathLike[str]) -> str:
+    """The ``s3://bucket/prefix`` URL ``location`` without its trailing slashes; `ObjectStoreError`
+    if it names no bucket (``s3://``, whose slashes stripped would leave a local path ``s3:``)."""
+    url = str(location)
+    if not is_remote(url):
+        msg = f"not an s3:// URL: {url!r}"
+        raise ObjectStoreError(msg)
+    if not url[len(S3_SCHEME) :].partition("/")[0]:
+        msg = f"{url!r} names no bucket; use s3://BUCKET/PREFIX"
+        raise ObjectStoreError(msg)
+    return url.rstrip("/")
+
+
 def default_cache_dir() -> Path:
     """This user's cache of omicsio_jax (gene tables, remote datasets): ``$OMICSIO_JAX_CACHE``, else
     ``~/.cache/omicsio_jax``."""
@@ -133,13 +146,8 @@ class S3Store:
     def __init__(self, url: str, *, threads: int = 16):
         _ObStore = require("obstore.store", "s3", "an s3:// dataset").S3Store
 
-        if not is_remote(url):
-            msg = f"not an s3:// URL: {url!r}"
-            raise ObjectStoreError(msg)
+        s3_url(url)  # names a bucket
         bucket, _, prefix = url[len(S3_SCHEME) :].partition("/")
-        if not bucket:
-            msg = f"{url!r} names no bucket; use s3://BUCKET/PREFIX"
-            raise ObjectStoreError(msg)
         if not any(os.environ.get(v) for v in _CREDENTIAL_VARIABLES):
             msg = (
                 f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
