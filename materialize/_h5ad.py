@@ -32,7 +32,8 @@ from omicsio_jax.format import is_remote
 from ._genekeys import SYMBOL_COLUMNS, ensembl_like
 from ._mudata_obs import file_obs
 from ._plan import Partition, whole_partitions
-from ._source import Batch, Source, gene_table_from_arrow, obs_kind
+from ._sidecars import carried_obs, obs_carried
+from ._source import Batch, Source, gene_table_from_arrow
 
 # h5py reads each batch into fresh arrays; at 2,048 cells they are small enough for the allocator
 # to reuse instead of page-faulting them in anew (52.7k cells/s vs 49.6k at 8,192, medians of 3).
@@ -153,7 +154,7 @@ class _ObsColumn:
             array = pa.array(np.asarray(values) if not hasattr(values, "dtype") or values.ndim == 1 else [])
         except Exception:  # noqa: BLE001 - anndata cannot read it either: the column is left out
             return
-        if len(array) and obs_kind(array.type) is not None:
+        if len(array) and obs_carried(array.type):
             self.kind, self.type, self._values = "read by anndata", array.type, array
 
     def read(self, lo: int, hi: int) -> pa.Array:
@@ -342,7 +343,7 @@ class H5adSource(Source):
         except (OSError, KeyError) as e:
             msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e
-        self.obs_columns = {name: col.type for name, col in self._obs.items() if col.type is not None}
+        self.obs_columns = carried_obs({name: col.type for name, col in self._obs.items()}, self.label)
         self.description = {"kind": "h5ad", "input": str(path), "matrix": self._matrix.name, "genes": "var"}
 
     def _open(self) -> None:

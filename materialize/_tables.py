@@ -70,7 +70,8 @@ from omicsio_jax.format import (
 )
 
 from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
-from ._source import Batch, Source, decoded_again_note, gene_table_from_arrow, obs_columns_of
+from ._sidecars import carried_obs
+from ._source import Batch, Source, decoded_again_note, gene_table_from_arrow
 
 DEFAULT_BATCH_CELLS = 8192  # DuckDB's list decoding prefers large batches (31.8k cells/s vs 30.4k at 2,048)
 BATCH_VALUES = 1 << 22  # the nonzeros a pyarrow read of a parquet file decodes at a time, by default
@@ -230,7 +231,7 @@ class TableSource(Source):
             _FIRST_GENE,
             _FIRST_VALUE,
         }
-        self.obs_columns = obs_columns_of(schema, exclude=hidden)
+        self.obs_columns = carried_obs({f.name: f.type for f in schema if f.name not in hidden}, self.label)
         self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
 

@@ -3,15 +3,18 @@
 The codec's planning pass (numba, parallel) checks every invariant, converts INT64/FLOAT64
 input (with range checks) and maps gene_token_id to the columns of the gene table. The first
 broken row becomes a one-line `DataValidationError` naming the file, the row, the cell_id and
-the invariant.
+the invariant. `UniqueStrings` checks the cell ids are unique as they are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
+import numba as nb
 import numpy as np
+import pyarrow as pa
 
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import (
@@ -125,3 +128,99 @@ def _describe(e: InvalidRowError, tokens, values, genes: GeneIndex, locate) -> s
             "(pass --allow-negative / allow_negative=True for data such as scaled values)"
         )
     return f"{value_name} {value} in {where} at {token_name} {token} overflows float32"
+
+
+_FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+@nb.njit(nogil=True, cache=True)
+def _hash_strings(offsets, data, out):
+    """64-bit FNV-1a of each string ``data[offsets[i]:offsets[i + 1]]``, mixed by splitmix64's
+    finalizer (so that the top bits, which pick a hash's bucket, are spread too)."""
+    for i in range(out.shape[0]):
+        h = _FNV_OFFSET
+        for j in range(offsets[i], offsets[i + 1]):
+            h = (h ^ np.uint64(data[j])) * _FNV_PRIME
+        h = (h ^ (h >> np.uint64(30))) * _MIX1
+        h = (h ^ (h >> np.uint64(27))) * _MIX2
+        out[i] = h ^ (h >> np.uint64(31))
+
+
+def hash_strings(strings: pa.Array) -> np.ndarray:
+    """A uint64 hash of each string of ``strings`` (null: the empty string's)."""
+    if not (pa.types.is_string(strings.type) or pa.types.is_large_string(strings.type)):
+        strings = strings.cast(pa.large_string())
+    _, offsets, data = strings.buffers()
+    width = np.int64 if pa.types.is_large_string(strings.type) else np.int32
+    offsets = np.frombuffer(offsets, width)[strings.offset : strings.offset + len(strings) + 1]
+    data = np.zeros(0, np.uint8) if data is None else np.frombuffer(data, np.uint8)
+    out = np.empty(len(strings), np.uint64)
+    if len(strings):
+        _hash_strings(offsets, data, out)
+    return out
+
+
+class UniqueStrings:
+    """Whether strings added batch by batch (the cell ids, in row order) are all distinct, in memory
+    bounded by a batch: their hashes go to 64 files in ``scratch`` by their top bits, each sorted on
+    its own at the end (1/64 of 8 bytes a string); only equal hashes are checked again, by their
+    strings (`first_repeat`)."""
+
+    _BUCKET_BITS = 6
+
+    def __init__(self, scratch: Path):
+        self.scratch = scratch
+        self._files: dict[int, object] = {}
+        self._edges = (np.arange(1 << self._BUCKET_BITS, dtype=np.uint64) + np.uint64(1)) << np.uint64(
+            64 - self._BUCKET_BITS
+        )
+
+    def add(self, strings: pa.Array) -> None:
+        hashes = np.sort(hash_strings(strings))
+        ends = np.searchsorted(hashes, self._edges[:-1], side="left").tolist() + [len(hashes)]
+        start = 0
+        for bucket, end in enumerate(ends):
+            if end > start:
+                self._file(bucket).write(hashes[start:end].tobytes())
+            start = end
+
+    def _file(self, bucket: int):
+        f = self._files.get(bucket)
+        if f is None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            f = self._files[bucket] = open(self.scratch / f"{bucket:02d}.u64", "wb")  # noqa: SIM115 - closed in close()
+        return f
+
+    def close(self) -> None:
+        """Release the files (idempotent)."""
+        for f in self._files.values():
+            f.close()
+
+    def repeated_hashes(self) -> np.ndarray:
+        """The hashes added more than once (sorted)."""
+        self.close()
+        repeated = []
+        for bucket in sorted(self._files):
+            hashes = np.sort(np.fromfile(self.scratch / f"{bucket:02d}.u64", np.uint64))
+            repeated.append(np.unique(hashes[1:][hashes[1:] == hashes[:-1]]))
+        return np.concatenate(repeated) if repeated else np.zeros(0, np.uint64)
+
+    def first_repeat(self, read_again: Callable[[], Iterable[pa.RecordBatch]]) -> tuple[str, int, int] | None:
+        """The string that occurs again first in row order, with its first row and that row; None if
+        all are distinct. ``read_again()`` gives the strings again (the first column of its batches),
+        read only where two hashes are equal (a repeat, or two strings of one hash)."""
+        suspects = self.repeated_hashes()
+        if not len(suspects):
+            return None
+        first_row: dict[str, int] = {}
+        row = 0
+        for batch in read_again():
+            strings = batch.column(0)
+            for i in np.flatnonzero(np.isin(hash_strings(strings), suspects)).tolist():
+                value = strings[i].as_py()
+                if value in first_row:
+                    return value, first_row[value], row + i
+                first_row[value] = row + i
+            row += len(strings)
+        return None

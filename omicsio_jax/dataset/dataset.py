@@ -403,7 +403,8 @@ class Dataset:
     def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
         """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``). A bool
         column of the input (stored as the categories ``"false"`` / ``"true"``, so that a cell may
-        have none) takes ``True`` / ``False`` as well.
+        have none) takes ``True`` / ``False`` as well; a date or time column (``datetime64`` /
+        ``timedelta64``) takes its values as NumPy reads them (``"2024-05-01"``, `numpy.datetime64`).
 
         >>> primary = ds.rows_where("is_primary_data", [True])          # doctest: +SKIP
         >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
@@ -422,7 +423,15 @@ class Dataset:
                 raise KeyError(msg)
             keep = np.isin(data.codes, [data.categories.index(v) for v in values])
         else:
-            keep = np.isin(np.asarray(data), np.asarray(values))
+            wanted = np.asarray(values)
+            if data.dtype.kind in "mM":  # dates and times: text such as "2024-05-01" is no match for them
+                try:
+                    wanted = np.asarray(values, dtype=data.dtype)
+                except (TypeError, ValueError) as e:
+                    example = '["2024-05-01"]' if data.dtype.kind == "M" else '[np.timedelta64(90, "s")]'
+                    msg = f"{list(values)!r} are not {data.dtype} values of obs {column!r}; e.g. {example}"
+                    raise TypeError(msg) from e
+            keep = np.isin(np.asarray(data), wanted)
         return np.flatnonzero(~keep if invert else keep)
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:

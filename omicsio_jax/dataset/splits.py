@@ -9,7 +9,9 @@ listed (with its SHA-256) in the manifest; `Dataset.split` turns it back into ro
 The groups are shuffled by ``seed`` (from their labels in sorted order, so the result does not
 depend on the order the categories were stored in) and cut where the cumulative cell counts cross
 the fractions: every cell of a group lands in one split, and each split holds about its fraction of
-the cells. Cells without a label are in no split. The sidecar names the groups of each split, so a
+the cells. The groups are a categorical obs's labels, or an integer obs's values (as text: ``"7"``);
+another numeric obs is refused, saying how to make it text. Cells without a label (a missing one,
+or the empty label ``""``) are in no split. The sidecar names the groups of each split, so a
 held-out donor list can be read, reviewed and given to another team as it is; the dataset's
 fingerprint is unchanged by it (splits are derived files).
 """
@@ -93,10 +95,35 @@ class Split:
         if name not in self.groups:
             msg = f"no split {name!r} in {self.path}: its splits are {', '.join(map(repr, self.groups))}"
             raise OmicsIOError(msg)
-        column = dataset.obs[self.by]
+        codes, labels = _groups(dataset.obs[self.by], f"{dataset.path}: obs {self.by!r}")
         wanted = set(self.groups[name])
-        codes = np.array([i for i, c in enumerate(column.categories) if c in wanted], np.int64)
-        return np.flatnonzero(np.isin(column.codes, codes)).astype(np.int64)
+        chosen = np.array([i for i, c in enumerate(labels) if c in wanted], np.int64)
+        return np.flatnonzero(np.isin(codes, chosen)).astype(np.int64)
+
+
+def _groups(column, where: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The cells' groups in obs ``column``: each cell's code (-1: unlabelled) into the labels. A
+    categorical's codes and categories, its empty label ``""`` unlabelled as a missing one is; an
+    integer column's values, as text. Anything else is refused: ``where`` names the column."""
+    if hasattr(column, "categories"):
+        codes, labels = np.asarray(column.codes), tuple(column.categories)
+        if "" in labels:  # no label, as a missing one
+            codes = np.where(codes == labels.index(""), -1, codes)
+        return codes, labels
+    values = np.asarray(column)
+    if values.dtype.kind in "iu":
+        numbers, codes = np.unique(values, return_inverse=True)
+        return codes.astype(np.int64), tuple(str(v) for v in numbers.tolist())
+    kind = {"f": "numeric", "b": "numeric", "M": "of dates", "m": "of times"}.get(
+        values.dtype.kind, "no labels"
+    )
+    msg = (
+        f"{where} is {kind} ({values.dtype} values): split by a categorical obs (text such as donor, "
+        "dataset or plate) or an integer one; to group by this one, make it text in the input (a table: "
+        "--query 'SELECT * REPLACE (CAST(<column> AS VARCHAR) AS <column>) FROM cells'; an AnnData: "
+        "adata.obs[<column>] = adata.obs[<column>].astype(str)) and materialize again"
+    )
+    raise OmicsIOError(msg)
 
 
 def split(
@@ -108,7 +135,8 @@ def split(
     seed: int = 0,
     overwrite: bool = False,
 ) -> Split:
-    """Split ``dataset``'s cells by the groups of the categorical obs ``by`` into ``names`` holding
+    """Split ``dataset``'s cells by the groups of obs ``by`` (a categorical's labels, an integer
+    column's values; cells without one, or with the empty label ``""``, in no split) into ``names`` holding
     about ``fractions`` of the cells; write ``splits/<by>.json`` beside the dataset and list it in
     the manifest. The same dataset, ``by``, fractions and ``seed`` give the same file, byte for byte.
     An existing split by ``by`` is kept (and returned) when it is the same, replaced with
@@ -137,15 +165,10 @@ def split(
     if by not in dataset.obs:
         msg = f"{where}: no obs {by!r}; obs: {', '.join(dataset.obs) or '(none)'}"
         raise OmicsIOError(msg)
-    column = dataset.obs[by]
-    if not hasattr(column, "categories"):
-        msg = f"{where}: obs {by!r} is numeric; split by a categorical obs (donor, dataset, plate)"
-        raise OmicsIOError(msg)
-
-    codes = np.asarray(column.codes)
-    counts = np.bincount(codes[codes >= 0], minlength=len(column.categories))
-    present = sorted(c for c, n in zip(column.categories, counts, strict=True) if n)
-    size = {c: int(n) for c, n in zip(column.categories, counts, strict=True)}
+    codes, labels = _groups(dataset.obs[by], f"{where}: obs {by!r}")
+    counts = np.bincount(codes[codes >= 0], minlength=len(labels))
+    present = sorted(c for c, n in zip(labels, counts, strict=True) if n)
+    size = {c: int(n) for c, n in zip(labels, counts, strict=True)}
     order = [present[i] for i in np.random.default_rng(seed).permutation(len(present))]
     total = sum(size[g] for g in order)
     # a bound that should fall on a group's first cell may land a rounding error past it (0.1 + 0.2 is

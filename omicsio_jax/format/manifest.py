@@ -10,7 +10,7 @@ A dataset directory looks like::
       cell_ids.parquet          one string per cell, in row order
       obs/<name>.codes.npy      categorical obs: int32 codes (-1 = missing) ...
       obs/<name>.categories.json  ... and their categories
-      obs/<name>.npy            numeric obs
+      obs/<name>.npy            numeric, datetime64 or timedelta64 obs
       modalities/<name>/        a further modality of the same cells (say ATAC, or a splice layer):
                                 a complete dataset of its own, row i the same cell as row i here
       obs/has_<name>.npy        ... and whether each cell has it (bool)
@@ -61,7 +61,8 @@ class ShardEntry:
 
 @dataclasses.dataclass(frozen=True)
 class ObsEntry:
-    """One obs sidecar column: ``kind`` is ``"categorical"`` or ``"numeric"``."""
+    """One obs sidecar column: ``kind`` is ``"categorical"``, ``"numeric"``, ``"datetime"`` (dates
+    and timestamps, ``datetime64``) or ``"timedelta"`` (times of day and durations, ``timedelta64``)."""
 
     name: str
     kind: str

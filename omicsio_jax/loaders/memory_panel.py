@@ -20,6 +20,7 @@ from omicsio_jax.core.buffers import aligned_empty
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Categorical, Dataset
 from omicsio_jax.format.codec import Records
+from omicsio_jax.loaders.minibatch import obs_column
 from omicsio_jax.outputs.base import OutputContext
 from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.outputs.panel import Panel
@@ -128,10 +129,7 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
                 bar.update(hi - lo)
     obs_arrays, categories = {}, {}
     for name in obs:
-        if name not in ds.obs:
-            msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
-            raise OmicsIOError(msg)
-        col = ds.obs[name]
+        col = obs_column(ds, name)
         if isinstance(col, Categorical):
             obs_arrays[name], categories[name] = col.codes[ids].astype(np.int32), tuple(col.categories)
         else:

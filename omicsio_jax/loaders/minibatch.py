@@ -133,23 +133,33 @@ class ObsOf:
         self.ds = ds
 
     def __call__(self, name: str) -> np.ndarray:
-        return obs_column(self.ds, name)
+        return _codes(obs_column(self.ds, name))
 
     def categories(self, name: str) -> tuple[str, ...]:
-        obs_column(self.ds, name)
-        column = self.ds.obs[name]
+        column = obs_column(self.ds, name)
         if not isinstance(column, Categorical):
             msg = f"obs {name!r} of {self.ds.path} is numeric: group by a categorical column"
             raise OmicsIOError(msg)
         return column.categories
 
 
-def obs_column(ds: Dataset, name: str) -> np.ndarray:
-    """Codes of a categorical obs column (-1 = missing) or the values of a numeric one."""
+def obs_column(ds: Dataset, name: str) -> Categorical | np.ndarray:
+    """Obs column ``name`` as a batch carries it: a `Categorical` (its codes, -1 = missing) or the
+    values of a numeric one; dates and times are refused, naming how to look them up instead."""
     if name not in ds.obs:
         msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
         raise OmicsIOError(msg)
     column = ds.obs[name]
+    if not isinstance(column, Categorical) and column.dtype.kind in "mM":
+        msg = (
+            f"obs {name!r} of {ds.path} holds {column.dtype} values, which batches do not carry (they carry "
+            f"categories and numbers): look them up by the batch's rows, ds.obs[{name!r}][np.asarray(batch.index)]"
+        )
+        raise OmicsIOError(msg)
+    return column
+
+
+def _codes(column: Categorical | np.ndarray) -> np.ndarray:
     return column.codes if isinstance(column, Categorical) else column
 
 
@@ -184,7 +194,7 @@ class MinibatchReader:
         keep_buffers: int = 6,
     ):
         self.dataset, self.schedule, self.output, self.num_epochs = ds, schedule, output, num_epochs
-        self._obs = {name: obs_column(ds, name) for name in obs}
+        self._obs = {name: _codes(obs_column(ds, name)) for name in obs}
         self.decode_threads = decode_threads or 1
         self._buffers = RowBuffers(keep=keep_buffers)
         self._lock, self._first, self._first_served = threading.Lock(), True, threading.Event()
