@@ -15,7 +15,7 @@ from omicsio_jax import check_kernel_caches
 check_kernel_caches(os.path.dirname(__file__))  # this package's kernels, as omicsio_jax's own (see there)
 
 if TYPE_CHECKING:
-    from ._collection import Sources as Sources
+    from ._collection_sources import Sources as Sources
     from ._index import build_gene_index as build_gene_index
     from ._materialize import MaterializeResult as MaterializeResult
     from ._materialize import materialize as materialize
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from ._options import InputOptions as InputOptions
     from ._options import Layout as Layout
     from ._options import Multimodal as Multimodal
+    from ._parquet_stream import cells_per_batch as cells_per_batch
     from ._synthetic import SyntheticCorpus as SyntheticCorpus
     from ._synthetic import make_synthetic_corpus as make_synthetic_corpus
-    from ._tables import cells_per_batch as cells_per_batch
 
 _PUBLIC = {
     "build_gene_index": "._index",
@@ -35,10 +35,10 @@ _PUBLIC = {
     "InputOptions": "._options",
     "Layout": "._options",
     "Multimodal": "._options",
-    "Sources": "._collection",
+    "Sources": "._collection_sources",
     "SyntheticCorpus": "._synthetic",
     "make_synthetic_corpus": "._synthetic",
-    "cells_per_batch": "._tables",
+    "cells_per_batch": "._parquet_stream",
 }
 __all__ = list(_PUBLIC)
 

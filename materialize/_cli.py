@@ -30,7 +30,7 @@ import sys
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import read_manifest, verify_dataset
 
-from ._collection import Sources
+from ._collection_sources import Sources
 from ._materialize import materialize
 from ._options import (
     DEFAULT_COMPRESSION,

@@ -13,40 +13,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import json
 import secrets
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import (
-    CODEC_VERSION,
-    MANIFEST_NAME,
-    PRESENCE_NAME,
-    Manifest,
-    ModalityEntry,
-    as_input_path,
-    is_remote,
-    open_store,
-    to_numpy,
-)
+from omicsio_jax import OmicsIOError
+from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, to_numpy
 
-from ._collection import CollectionSource, Sources, open_collection, opens_on_workers
+from ._collection import CollectionSource, Sources, opens_on_workers
 from ._finalize import Finalizer
-from ._modalities import H5Modality, ModalityInput, TableModality, h5mu_alignment, input_kind, modality_inputs
+from ._further_modalities import _codec_description, _open_modality, _write_modality
+from ._modalities import modality_inputs
+from ._open import (
+    _choose_obs,
+    _one_anndata_as_collection,
+    _open_collection,
+    _open_member,
+    as_sources,
+    open_source,
+)
 from ._options import Dask, InputOptions, Layout, Multimodal
-from ._panel import Panel, read_panel
-from ._partition import N_COUNTS, N_GENES, PART_CELLS, PARTS_DIR, Job, part_dir
+from ._output import _check_output, _scratch, _staging
+from ._panel import read_panel
+from ._partition import Job
 from ._pool import Pool, default_workers, run_in_process, usable_cores
-from ._shards import atomic_output_dir
-from ._source import Source, require_file
 from ._validate import GeneIndex
 
 
@@ -76,207 +70,6 @@ class MaterializeResult:
             f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s){further}, {self.seconds:.1f} s "
             f"({self.cells_per_second:,.0f} cells/s, {self.workers} worker(s)) → {self.path}"
         )
-
-
-def open_source(
-    source: str | Path | None,
-    *,
-    where: str | None = None,
-    query: str | None = None,
-    genes: str | Path | None = None,
-    layer: str | None = None,
-    use_raw: bool = False,
-    cell_id: str = "cell_id",
-    batch_cells: int | None = None,
-    primary: str = "rna",
-    table: str | None = None,
-    snapshot=None,
-    con=None,
-) -> Source:
-    """Open any supported input: ``.h5ad`` files (and modality ``primary`` of an ``.h5mu``) go to the
-    AnnData reader, ``ducklake:`` catalogs to `DuckLakeSource` (``table`` at ``snapshot``), the rest
-    to DuckDB (on ``con``, a connection to a database opened already, if given)."""
-    from ._ducklake import is_ducklake
-
-    if (table is not None or snapshot is not None) and not is_ducklake(source):
-        msg = f"--table/--snapshot/--at apply to ducklake:CATALOG inputs, not to {source}"
-        raise OmicsIOError(msg)
-    kind = input_kind(source)
-    if kind in ("h5ad", "h5mu"):
-        if where or query:
-            msg = f"--where/--query apply to list-column tables; for .{kind}, subset the data first"
-            raise OmicsIOError(msg)
-        from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
-        from ._modalities import h5mu_modalities
-
-        require_file(source)
-        group = ""
-        if kind == "h5mu":
-            names = h5mu_modalities(as_input_path(str(source)))
-            if primary not in names:
-                msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
-                raise OmicsIOError(msg)
-            group = f"mod/{primary}"
-        src = H5adSource(
-            as_input_path(str(source)),
-            layer=layer,
-            use_raw=use_raw,
-            batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
-            group=group,
-        )
-        if (hint := src.raw_counts_hint()) is not None:
-            print(f"materialize: {hint}", file=sys.stderr)
-        return src
-    if layer or use_raw:
-        msg = "--layer/--raw apply to .h5ad inputs only"
-        raise OmicsIOError(msg)
-    if is_ducklake(source):
-        if query:
-            msg = "--query does not apply to a ducklake: input; select its cells with --where"
-            raise OmicsIOError(msg)
-        from ._ducklake import DuckLakeSource
-
-        return DuckLakeSource(
-            str(source),
-            table=table,
-            snapshot=snapshot,
-            where=where,
-            genes=None if genes is None else str(genes),
-            cell_id_column=cell_id,
-            batch_cells=batch_cells,
-        )
-    if source is None and query is None:
-        msg = "give an input path/glob, or a DuckDB --query"
-        raise OmicsIOError(msg)
-    from ._tables import TableSource
-
-    return TableSource(
-        None if source is None else str(source),
-        where=where,
-        query=query,
-        genes=None if genes is None else str(genes),
-        cell_id_column=cell_id,
-        batch_cells=batch_cells,
-        con=con,
-    )
-
-
-CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
-
-
-def _open_member(path: str, own: dict, con, **reading) -> Source:
-    """One source of a collection (``reading``: `open_source`'s keywords). Its own ``layer`` / ``raw``
-    (a sources file's columns) replace the run's, both of them (a source's layer clears the run's
-    ``--raw``, its ``raw`` the run's ``--layer``); the run's apply to the AnnData sources (``.h5ad``,
-    ``.zarr``, ``.h5mu``) only. A function of the module, so a pool's worker can be handed it
-    (`open_collection`)."""
-    layer, use_raw = reading.pop("layer"), reading.pop("use_raw")
-    if own:
-        layer, use_raw = own.get("layer"), bool(own.get("raw", False))
-        if layer is not None and use_raw:
-            msg = f"source {path} is given both a layer ({layer!r}) and raw in the sources file: leave one empty"
-            raise OmicsIOError(msg)
-    if input_kind(path) == "table":
-        if own and (layer is not None or use_raw):
-            msg = (
-                f"source {path} is given {'a layer' if layer is not None else 'raw'} in the sources file, "
-                "but layer / raw apply to AnnData sources (.h5ad, .zarr, .h5mu) only: leave it empty in its row"
-            )
-            raise OmicsIOError(msg)
-        layer, use_raw = None, False
-    return open_source(path, con=con, layer=layer, use_raw=use_raw, **reading)
-
-
-def _open_collection(sources: Sources, open_member, *, opened, progress: bool, **options) -> CollectionSource:
-    """`open_collection` with a bar of the sources opened (shown for a long opening only: a
-    collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
-    with tqdm(
-        total=len(sources.paths),
-        unit="sources",
-        disable=not progress,
-        desc="opening sources",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        delay=2.0,
-    ) as bar:
-
-        def on_open(num_cells: int, every: bool) -> None:
-            bar.update(1)
-            opened(num_cells, every)
-
-        return open_collection(
-            sources,
-            open_member,
-            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
-            opened=on_open,
-            **options,
-        )
-
-
-def as_sources(source) -> Sources | None:
-    """The collection ``source`` names (a `Sources`, or a list of inputs), or None for one input."""
-    if isinstance(source, Sources):
-        return source
-    if isinstance(source, Sequence) and not isinstance(source, str):
-        return Sources(tuple(str(s) for s in source))
-    return None
-
-
-def _one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:
-    """A single AnnData input (``.h5ad``, ``.zarr``) given ``genes`` or ``gene_id_column``: a collection
-    of one, so that its genes are unified as a collection's (ids found, versions stripped, genes of one
-    id summed; ``genes``: union, intersection or a gene table / vocabulary fixing genes and order).
-    ``gene_id_column`` with a single table, and either with an ``.h5mu``, are one-line errors naming
-    the collection of one that takes them; None otherwise."""
-    if read.genes is None and read.gene_id_column is None:
-        return None
-    kind, options = input_kind(source), "--genes/--gene-id-column (genes=, gene_id_column=)"
-    if kind == "h5ad":
-        if read.where or read.query:
-            return None  # refused by `open_source`
-        if multimodal.layers or multimodal.modalities:
-            msg = (
-                f"{options} make the AnnData input {source} a collection of one, which takes no "
-                "--layers/--modality; materialize its layers or modalities without them"
-            )
-            raise OmicsIOError(msg)
-        return Sources((str(source),))
-    if kind == "h5mu":
-        require_file(source)  # a missing input first
-        msg = (
-            f"{options} do not apply to the .h5mu input {source} (its modalities' genes come from their "
-            f"var); to unify its {multimodal.primary} genes, give it as a collection of one: "
-            f"materialize([{str(source)!r}], ...) (--sources with one row)"
-        )
-        raise OmicsIOError(msg)
-    if read.gene_id_column is not None:
-        msg = (
-            f"--gene-id-column (gene_id_column=) applies to a collection's sources and AnnData inputs, not "
-            f"to the single input {source} (whose genes are its gene table's token ids); give it as a "
-            f"collection of one: materialize([{str(source)!r}], ...) (--sources with one row)"
-        )
-        raise OmicsIOError(msg)
-    return None
-
-
-def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
-    if obs is None:
-        return [name for name in src.obs_columns if name not in CELL_STATS]
-    unknown = [name for name in obs if name not in src.obs_columns]
-    if unknown:
-        msg = (
-            f"obs column(s) {', '.join(unknown)} not found (or not scalar) in {src.label}; "
-            f"available: {', '.join(src.obs_columns) or '(none)'}"
-        )
-        raise DataValidationError(msg)
-    shadowed = [name for name in obs if name in CELL_STATS]
-    if shadowed:
-        print(
-            f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
-            f"{', '.join(CELL_STATS)} are computed from its cells",
-            file=sys.stderr,
-        )
-    return [name for name in obs if name not in CELL_STATS]
 
 
 def materialize(
@@ -525,214 +318,6 @@ def materialize(
             pool.close()
         if src is not None:
             src.close()  # an .h5ad/.h5mu stays open otherwise until collected
-
-
-def _open_modality(
-    inp: ModalityInput,
-    src: Source,
-    job: Job,
-    partitions,
-    *,
-    primary: str,
-    require_all: bool,
-    check_primary: bool,
-    subset: bool,
-    scratch: str,
-) -> Source:
-    """The further modality ``inp`` as a source in the primary's row order (the primary written);
-    ``scratch``: a local folder for a table that must be put in that order."""
-    if inp.table is None:  # a layer or a modality of the primary's own .h5ad / .h5mu
-        from ._h5ad import H5adSource
-
-        if inp.layer:
-            reader = H5adSource(src.path, layer=inp.name, group=src.group)
-            return H5Modality(inp.name, reader, src, None, layer=True)
-        reader = H5adSource(src.path, group=f"mod/{inp.name}")
-        rows = h5mu_alignment(src.path, primary, inp.name, require_all=require_all)
-        return H5Modality(inp.name, reader, src, rows, layer=False)
-    store = open_store(job.staging)
-    cells = [f"{job.staging}/{part_dir(p.index)}/{PART_CELLS}" for p in partitions]
-    spill = Path(scratch) / f"align-{inp.name}"
-    further = TableModality(
-        inp,
-        primary=primary,
-        primary_label=src.label,
-        primary_cells=cells,
-        primary_genes=src.genes,
-        num_cells=src.num_cells,
-        shard_cells=job.shard_cells,
-        spill=spill,
-        require_all=require_all,
-        check_primary=check_primary,
-        subset=subset,
-    )
-    if store.local_root is None:  # workers elsewhere read the spilled partitions from the output's store
-        further.publish(f"{job.staging}/{PARTS_DIR}/align-{inp.name}")
-    return further
-
-
-def _write_modality(
-    inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str, cell_id: str
-) -> ModalityEntry:
-    """Write a further modality as the dataset ``modalities/<name>`` beside the primary's; its entry."""
-    from ._validate import GeneIndex
-
-    if inp.layer:
-        index = job.gene_index
-    else:
-        tokens = further.genes.column("gene_token_id").to_numpy()
-        index = GeneIndex.from_tokens(
-            tokens, f"the features of modality {inp.name}: {len(tokens):,}", further.list_names
-        )
-    path = f"modalities/{inp.name}"
-    staging = f"{job.staging}/{path}"
-    mjob = dataclasses.replace(
-        job, source=further, obs=(), gene_index=index, panel=None, staging=staging, presence=True
-    )
-    parts = further.plan(job.shard_cells)
-    with Finalizer(mjob, open_store(staging), parts) as finalizer:
-        run(mjob, parts, f"materialize {inp.name}", finalizer.add)
-        manifest = finalizer.finish(
-            features=further.features_table,
-            codec=_codec_description(None),
-            array_record=array_record,
-            source={**further.description, "cell_id": cell_id},
-            created_by=created_by,
-            modality=inp.name,
-        )
-    sha = hashlib.sha256(manifest.to_json().encode()).hexdigest()
-    return ModalityEntry(
-        inp.name,
-        path,
-        manifest.num_genes,
-        manifest.layout,
-        manifest.nnz,
-        inp.features_kind,
-        manifest.fingerprint,
-        sha,
-    )
-
-
-@contextlib.contextmanager
-def _scratch(staging: str) -> Iterator[str]:
-    """A local folder for intermediate files: in the staging directory (removed with the partitions'
-    sidecars), or a temporary one when the output is on object storage."""
-    store = open_store(staging)
-    if store.local_root is not None:
-        folder = store.local_root / PARTS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        yield str(folder)
-        return
-    with tempfile.TemporaryDirectory(prefix="omicsio-scratch-") as folder:
-        yield folder
-
-
-def _check_output(store, overwrite: bool) -> None:
-    """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset."""
-    if store.local_root is not None:
-        out = store.local_root
-        if out.exists() and not overwrite:
-            msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
-            raise OmicsIOError(msg)
-        return
-    objects = store.list()
-    if not objects:
-        return
-    if not any(key == MANIFEST_NAME for key, _ in objects):
-        msg = (
-            f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
-            "choose an empty prefix (or delete these objects)"
-        )
-        if not overwrite or any(not _ours(key) for key, _ in objects):
-            raise OmicsIOError(msg)
-    elif not overwrite:
-        msg = f"output {store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it"
-        raise OmicsIOError(msg)
-
-
-# the top-level names a materialize run writes under its output (besides shards and generations)
-_WRITTEN = (
-    PARTS_DIR,
-    "obs",
-    "chunks",
-    "modalities",
-    MANIFEST_NAME,
-    "features.parquet",
-    "cell_ids.parquet",
-    "gene_stats.parquet",
-)
-
-
-def _ours(key: str) -> bool:
-    """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
-    top = key.split("/", 1)[0]
-    return (
-        top in _WRITTEN
-        or top.startswith("gen-")
-        or (top.startswith("shard-") and top.endswith(".arrayrecord"))
-    )
-
-
-@contextlib.contextmanager
-def _staging(store, overwrite: bool) -> Iterator[str]:
-    """Where the partitions and the finished files go: a hidden sibling directory renamed into place;
-    on object storage the prefix itself when it holds no dataset, else a new generation under it
-    (``gen-...``), made current by rewriting the prefix's manifest (one PUT) once it is complete,
-    the old generation deleted only after (`omicsio_jax.format.dataset_root`). A run killed at
-    any point leaves the old dataset whole and current."""
-    if store.local_root is not None:
-        with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
-            yield str(tmp)
-            for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
-                shutil.rmtree(parts, ignore_errors=True)
-        return
-    if store.head(MANIFEST_NAME) is None:  # nothing to replace: written in place
-        try:
-            yield store.url
-        except BaseException:
-            with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
-                store.delete([k for k, _ in store.list() if _ours(k)])
-            raise
-        keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))
-        store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
-        return
-    generation = f"gen-{secrets.token_hex(8)}"
-    staged = open_store(f"{store.url.rstrip('/')}/{generation}")
-    try:
-        yield staged.url
-    except BaseException:
-        with contextlib.suppress(OmicsIOError):  # best effort: the old generation is untouched either way
-            staged.delete([k for k, _ in staged.list()])
-        raise
-    manifest = Manifest.from_dict(json.loads(staged.read_text(MANIFEST_NAME)))
-    keep = {MANIFEST_NAME, *(f"{generation}/{k}" for k in _listed(staged, manifest))}
-    store.write_bytes(MANIFEST_NAME, dataclasses.replace(manifest, generation=generation).to_json().encode())
-    store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
-
-
-def _listed(store, manifest: Manifest) -> set[str]:
-    """The keys of a dataset's files (its manifest, shards, files, and its modalities' own)."""
-    keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
-    for entry in manifest.modalities:
-        sub = Manifest.from_dict(json.loads(store.read_text(f"{entry.path}/{MANIFEST_NAME}")))
-        keep |= {
-            f"{entry.path}/{name}"
-            for name in (MANIFEST_NAME, *(s.path for s in sub.shards), *(f.path for f in sub.files))
-        }
-    return keep
-
-
-def _codec_description(panel: Panel | None) -> dict:
-    return {
-        "name": "omicsio-cell",
-        "version": CODEC_VERSION,
-        "records": "one per cell",
-        "indices": "dense row"
-        if panel is not None
-        else "per record: u16 gaps if every gap ≤ 65535, else u32",
-        "values": "per record: narrowest lossless of u8/u16/u32 (integer counts) or f32",
-        "dense_width": None if panel is None else panel.features.num_rows,
-    }
 
 
 def _version() -> str:

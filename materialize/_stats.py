@@ -36,7 +36,7 @@ from omicsio_jax.format import (
     sha256_file,
 )
 
-from ._materialize import CELL_STATS
+from ._open import CELL_STATS
 from ._sidecars import CellIdWriter, make_obs_writer
 
 _CHUNK_CELLS = 8192

@@ -520,7 +520,7 @@ def test_parquet_files_are_read_in_batches_by_their_row_width(tmp_path):
     256 to 8,192, from its footer's count of values): wide rows in small batches, narrow ones in
     large; an explicit ``batch_cells`` wins, and the dataset's bytes do not depend on the batches."""
     from materialize._materialize import open_source
-    from materialize._tables import cells_per_batch
+    from materialize._parquet_stream import cells_per_batch
 
     rng = np.random.default_rng(0)
 

@@ -1,0 +1,221 @@
+"""A run's input: one source opened by its kind (`open_source`), or a collection of them opened as
+its members; and the obs columns the run keeps.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax.format import as_input_path
+
+from ._collection import CollectionSource, Sources, open_collection
+from ._modalities import input_kind
+from ._options import InputOptions, Multimodal
+from ._partition import N_COUNTS, N_GENES
+from ._source import Source, require_file
+
+
+def open_source(
+    source: str | Path | None,
+    *,
+    where: str | None = None,
+    query: str | None = None,
+    genes: str | Path | None = None,
+    layer: str | None = None,
+    use_raw: bool = False,
+    cell_id: str = "cell_id",
+    batch_cells: int | None = None,
+    primary: str = "rna",
+    table: str | None = None,
+    snapshot=None,
+    con=None,
+) -> Source:
+    """Open any supported input: ``.h5ad`` files (and modality ``primary`` of an ``.h5mu``) go to the
+    AnnData reader, ``ducklake:`` catalogs to `DuckLakeSource` (``table`` at ``snapshot``), the rest
+    to DuckDB (on ``con``, a connection to a database opened already, if given)."""
+    from ._ducklake import is_ducklake
+
+    if (table is not None or snapshot is not None) and not is_ducklake(source):
+        msg = f"--table/--snapshot/--at apply to ducklake:CATALOG inputs, not to {source}"
+        raise OmicsIOError(msg)
+    kind = input_kind(source)
+    if kind in ("h5ad", "h5mu"):
+        if where or query:
+            msg = f"--where/--query apply to list-column tables; for .{kind}, subset the data first"
+            raise OmicsIOError(msg)
+        from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
+        from ._modalities import h5mu_modalities
+
+        require_file(source)
+        group = ""
+        if kind == "h5mu":
+            names = h5mu_modalities(as_input_path(str(source)))
+            if primary not in names:
+                msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
+                raise OmicsIOError(msg)
+            group = f"mod/{primary}"
+        src = H5adSource(
+            as_input_path(str(source)),
+            layer=layer,
+            use_raw=use_raw,
+            batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
+            group=group,
+        )
+        if (hint := src.raw_counts_hint()) is not None:
+            print(f"materialize: {hint}", file=sys.stderr)
+        return src
+    if layer or use_raw:
+        msg = "--layer/--raw apply to .h5ad inputs only"
+        raise OmicsIOError(msg)
+    if is_ducklake(source):
+        if query:
+            msg = "--query does not apply to a ducklake: input; select its cells with --where"
+            raise OmicsIOError(msg)
+        from ._ducklake import DuckLakeSource
+
+        return DuckLakeSource(
+            str(source),
+            table=table,
+            snapshot=snapshot,
+            where=where,
+            genes=None if genes is None else str(genes),
+            cell_id_column=cell_id,
+            batch_cells=batch_cells,
+        )
+    if source is None and query is None:
+        msg = "give an input path/glob, or a DuckDB --query"
+        raise OmicsIOError(msg)
+    from ._tables import TableSource
+
+    return TableSource(
+        None if source is None else str(source),
+        where=where,
+        query=query,
+        genes=None if genes is None else str(genes),
+        cell_id_column=cell_id,
+        batch_cells=batch_cells,
+        con=con,
+    )
+
+
+CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
+
+
+def _open_member(path: str, own: dict, con, **reading) -> Source:
+    """One source of a collection (``reading``: `open_source`'s keywords). Its own ``layer`` / ``raw``
+    (a sources file's columns) replace the run's, both of them (a source's layer clears the run's
+    ``--raw``, its ``raw`` the run's ``--layer``); the run's apply to the AnnData sources (``.h5ad``,
+    ``.zarr``, ``.h5mu``) only. A function of the module, so a pool's worker can be handed it
+    (`open_collection`)."""
+    layer, use_raw = reading.pop("layer"), reading.pop("use_raw")
+    if own:
+        layer, use_raw = own.get("layer"), bool(own.get("raw", False))
+        if layer is not None and use_raw:
+            msg = f"source {path} is given both a layer ({layer!r}) and raw in the sources file: leave one empty"
+            raise OmicsIOError(msg)
+    if input_kind(path) == "table":
+        if own and (layer is not None or use_raw):
+            msg = (
+                f"source {path} is given {'a layer' if layer is not None else 'raw'} in the sources file, "
+                "but layer / raw apply to AnnData sources (.h5ad, .zarr, .h5mu) only: leave it empty in its row"
+            )
+            raise OmicsIOError(msg)
+        layer, use_raw = None, False
+    return open_source(path, con=con, layer=layer, use_raw=use_raw, **reading)
+
+
+def _open_collection(sources: Sources, open_member, *, opened, progress: bool, **options) -> CollectionSource:
+    """`open_collection` with a bar of the sources opened (shown for a long opening only: a
+    collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
+    with tqdm(
+        total=len(sources.paths),
+        unit="sources",
+        disable=not progress,
+        desc="opening sources",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        delay=2.0,
+    ) as bar:
+
+        def on_open(num_cells: int, every: bool) -> None:
+            bar.update(1)
+            opened(num_cells, every)
+
+        return open_collection(
+            sources,
+            open_member,
+            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
+            opened=on_open,
+            **options,
+        )
+
+
+def as_sources(source) -> Sources | None:
+    """The collection ``source`` names (a `Sources`, or a list of inputs), or None for one input."""
+    if isinstance(source, Sources):
+        return source
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        return Sources(tuple(str(s) for s in source))
+    return None
+
+
+def _one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:
+    """A single AnnData input (``.h5ad``, ``.zarr``) given ``genes`` or ``gene_id_column``: a collection
+    of one, so that its genes are unified as a collection's (ids found, versions stripped, genes of one
+    id summed; ``genes``: union, intersection or a gene table / vocabulary fixing genes and order).
+    ``gene_id_column`` with a single table, and either with an ``.h5mu``, are one-line errors naming
+    the collection of one that takes them; None otherwise."""
+    if read.genes is None and read.gene_id_column is None:
+        return None
+    kind, options = input_kind(source), "--genes/--gene-id-column (genes=, gene_id_column=)"
+    if kind == "h5ad":
+        if read.where or read.query:
+            return None  # refused by `open_source`
+        if multimodal.layers or multimodal.modalities:
+            msg = (
+                f"{options} make the AnnData input {source} a collection of one, which takes no "
+                "--layers/--modality; materialize its layers or modalities without them"
+            )
+            raise OmicsIOError(msg)
+        return Sources((str(source),))
+    if kind == "h5mu":
+        require_file(source)  # a missing input first
+        msg = (
+            f"{options} do not apply to the .h5mu input {source} (its modalities' genes come from their "
+            f"var); to unify its {multimodal.primary} genes, give it as a collection of one: "
+            f"materialize([{str(source)!r}], ...) (--sources with one row)"
+        )
+        raise OmicsIOError(msg)
+    if read.gene_id_column is not None:
+        msg = (
+            f"--gene-id-column (gene_id_column=) applies to a collection's sources and AnnData inputs, not "
+            f"to the single input {source} (whose genes are its gene table's token ids); give it as a "
+            f"collection of one: materialize([{str(source)!r}], ...) (--sources with one row)"
+        )
+        raise OmicsIOError(msg)
+    return None
+
+
+def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
+    if obs is None:
+        return [name for name in src.obs_columns if name not in CELL_STATS]
+    unknown = [name for name in obs if name not in src.obs_columns]
+    if unknown:
+        msg = (
+            f"obs column(s) {', '.join(unknown)} not found (or not scalar) in {src.label}; "
+            f"available: {', '.join(src.obs_columns) or '(none)'}"
+        )
+        raise DataValidationError(msg)
+    shadowed = [name for name in obs if name in CELL_STATS]
+    if shadowed:
+        print(
+            f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
+            f"{', '.join(CELL_STATS)} are computed from its cells",
+            file=sys.stderr,
+        )
+    return [name for name in obs if name not in CELL_STATS]

@@ -1,0 +1,128 @@
+"""Where a run writes: refusing an output it must not replace, staging the run beside it (or in a new
+generation on object storage), and putting the finished dataset in place whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from omicsio_jax import OmicsIOError
+from omicsio_jax.format import MANIFEST_NAME, Manifest, open_store
+
+from ._partition import PARTS_DIR
+from ._shards import atomic_output_dir
+
+
+@contextlib.contextmanager
+def _scratch(staging: str) -> Iterator[str]:
+    """A local folder for intermediate files: in the staging directory (removed with the partitions'
+    sidecars), or a temporary one when the output is on object storage."""
+    store = open_store(staging)
+    if store.local_root is not None:
+        folder = store.local_root / PARTS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        yield str(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="omicsio-scratch-") as folder:
+        yield folder
+
+
+def _check_output(store, overwrite: bool) -> None:
+    """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset."""
+    if store.local_root is not None:
+        out = store.local_root
+        if out.exists() and not overwrite:
+            msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
+            raise OmicsIOError(msg)
+        return
+    objects = store.list()
+    if not objects:
+        return
+    if not any(key == MANIFEST_NAME for key, _ in objects):
+        msg = (
+            f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
+            "choose an empty prefix (or delete these objects)"
+        )
+        if not overwrite or any(not _ours(key) for key, _ in objects):
+            raise OmicsIOError(msg)
+    elif not overwrite:
+        msg = f"output {store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it"
+        raise OmicsIOError(msg)
+
+
+# the top-level names a materialize run writes under its output (besides shards and generations)
+_WRITTEN = (
+    PARTS_DIR,
+    "obs",
+    "chunks",
+    "modalities",
+    MANIFEST_NAME,
+    "features.parquet",
+    "cell_ids.parquet",
+    "gene_stats.parquet",
+)
+
+
+def _ours(key: str) -> bool:
+    """Objects a materialize run writes (a dataset's, or an unfinished run's)."""
+    top = key.split("/", 1)[0]
+    return (
+        top in _WRITTEN
+        or top.startswith("gen-")
+        or (top.startswith("shard-") and top.endswith(".arrayrecord"))
+    )
+
+
+@contextlib.contextmanager
+def _staging(store, overwrite: bool) -> Iterator[str]:
+    """Where the partitions and the finished files go: a hidden sibling directory renamed into place;
+    on object storage the prefix itself when it holds no dataset, else a new generation under it
+    (``gen-...``), made current by rewriting the prefix's manifest (one PUT) once it is complete,
+    the old generation deleted only after (`omicsio_jax.format.dataset_root`). A run killed at
+    any point leaves the old dataset whole and current."""
+    if store.local_root is not None:
+        with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
+            yield str(tmp)
+            for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
+                shutil.rmtree(parts, ignore_errors=True)
+        return
+    if store.head(MANIFEST_NAME) is None:  # nothing to replace: written in place
+        try:
+            yield store.url
+        except BaseException:
+            with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
+                store.delete([k for k, _ in store.list() if _ours(k)])
+            raise
+        keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))
+        store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+        return
+    generation = f"gen-{secrets.token_hex(8)}"
+    staged = open_store(f"{store.url.rstrip('/')}/{generation}")
+    try:
+        yield staged.url
+    except BaseException:
+        with contextlib.suppress(OmicsIOError):  # best effort: the old generation is untouched either way
+            staged.delete([k for k, _ in staged.list()])
+        raise
+    manifest = Manifest.from_dict(json.loads(staged.read_text(MANIFEST_NAME)))
+    keep = {MANIFEST_NAME, *(f"{generation}/{k}" for k in _listed(staged, manifest))}
+    store.write_bytes(MANIFEST_NAME, dataclasses.replace(manifest, generation=generation).to_json().encode())
+    store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+
+
+def _listed(store, manifest: Manifest) -> set[str]:
+    """The keys of a dataset's files (its manifest, shards, files, and its modalities' own)."""
+    keep = {MANIFEST_NAME, *(s.path for s in manifest.shards), *(f.path for f in manifest.files)}
+    for entry in manifest.modalities:
+        sub = Manifest.from_dict(json.loads(store.read_text(f"{entry.path}/{MANIFEST_NAME}")))
+        keep |= {
+            f"{entry.path}/{name}"
+            for name in (MANIFEST_NAME, *(s.path for s in sub.shards), *(f.path for f in sub.files))
+        }
+    return keep
