@@ -45,7 +45,8 @@ from omicsio_jax.format import (
 from ._ducklake_catalog import PREFIX, Catalog, LakeTable, lineage, resolve, split_spec
 from ._ducklake_read import LakeReader, Run
 from ._plan import Partition
-from ._source import Batch, Source, gene_table_from_arrow, obs_columns_of
+from ._sidecars import carried_obs
+from ._source import Batch, Source, gene_table_from_arrow
 from ._tables import NO_GENE_TABLE
 
 GENE_TABLE = "gene_metadata"
@@ -87,7 +88,8 @@ class DuckLakeSource(Source):
         schema = pa.schema(list(self._reader.types.items()))
         self._check_schema(schema)
         self.schema = schema
-        self.obs_columns = obs_columns_of(schema, exclude={cell_id_column, GENE_COLUMN, VALUE_COLUMN})
+        hidden = {cell_id_column, GENE_COLUMN, VALUE_COLUMN}
+        self.obs_columns = carried_obs({f.name: f.type for f in schema if f.name not in hidden}, self.label)
         if where:
             self._reader.prune()
         self._reader.check_files()

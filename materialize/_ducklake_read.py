@@ -29,7 +29,7 @@ from omicsio_jax import DataValidationError
 from omicsio_jax.format import GENE_COLUMN, as_input_path, is_remote, sql_ident
 
 from ._ducklake_catalog import ROW_ID, Column, DataFile, LakeTable, empty_table
-from ._tables import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
+from ._parquet_stream import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
 FIELD_ID = b"PARQUET:field_id"

@@ -20,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import ENSEMBL_GENE_ID, from_numpy, one_array, to_numpy_filled
+from omicsio_jax.format import (
+    ENSEMBL_GENE_ID,
+    VERSION_SUFFIX,
+    from_numpy,
+    one_array,
+    strip_version,
+    to_numpy_filled,
+)
 
 ID_COLUMNS = ("ensembl_id", "gene_ids", "gene_id", "feature_id")
 SYMBOL_COLUMNS = ("feature_name", "gene_symbol", "gene_symbols", "symbol", "gene_name")
@@ -61,23 +68,18 @@ def ensembl_like(values: pa.Array) -> bool:
 
 
 def _stripped(values: pa.Array) -> pa.Array:
-    """Ensembl ids without their version suffix (``ENSG….12`` → ``ENSG…``); other values unchanged.
-    Values without a "." anywhere (most gene tables) are returned after one scan of their bytes:
-    Arrow's ``match_substring`` took ~45 ns a value (2 ms a source of 40k genes, the largest share of
-    a collection's serial setup)."""
+    """Ensembl ids without their version suffix, as `strip_version` writes them (``ENSG….12`` →
+    ``ENSG…``, ``ENSG….14_PAR_Y`` → ``ENSG…_PAR_Y``); other values unchanged. Values without a "."
+    anywhere (most gene tables) are returned after one scan of their bytes: Arrow's ``match_substring``
+    took ~45 ns a value (2 ms a source of 40k genes, the largest share of a collection's serial setup)."""
     data = values.buffers()[2]  # the characters of a string array (and maybe more: then just slower)
     if data is None or not np.any(np.frombuffer(data, np.uint8) == ord(".")):
         return values
-    versioned = pc.and_(pc.starts_with(values, "ENS"), pc.match_substring(values, "."))
-    if not pc.any(versioned).as_py():
+    ensembl = pc.match_substring_regex(values, ENSEMBL_GENE_ID.pattern)
+    if not pc.any(ensembl).as_py():
         return values
-    head = pc.replace_substring_regex(values, r"(?s)\..*", "", max_replacements=1)  # up to the first "."
-    return pc.if_else(versioned, head, values)
-
-
-def strip_version(gene_id: str) -> str:
-    """``ENSG00000141510.17`` → ``ENSG00000141510``; other ids unchanged."""
-    return gene_id.split(".", 1)[0] if ENSEMBL_GENE_ID.fullmatch(gene_id) else gene_id
+    unversioned = pc.replace_substring_regex(values, VERSION_SUFFIX.pattern, "", max_replacements=1)
+    return pc.if_else(ensembl, unversioned, values)
 
 
 @dataclasses.dataclass(frozen=True)

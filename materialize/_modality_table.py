@@ -31,10 +31,11 @@ from omicsio_jax.format import (
 
 from ._modality_features import _check_same_genes, _find_features, _list_columns, _read_features
 from ._modality_inputs import ModalityInput
+from ._parquet_stream import DEFAULT_BATCH_CELLS
 from ._plan import Partition
 from ._reorder import Spill, spill_by_partition
 from ._source import Batch, Source
-from ._tables import DEFAULT_BATCH_CELLS, TableSource
+from ._tables import TableSource
 
 
 class TableModality(Source):

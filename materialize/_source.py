@@ -158,11 +158,6 @@ def obs_kind(dtype: pa.DataType) -> str | None:
     return None
 
 
-def obs_columns_of(schema: pa.Schema, *, exclude: set[str]) -> dict[str, pa.DataType]:
-    """The scalar columns of a schema usable as obs sidecars, with their Arrow type."""
-    return {f.name: f.type for f in schema if f.name not in exclude and obs_kind(f.type) is not None}
-
-
 def gene_table_from_arrow(table: pa.Table, label: str) -> pa.Table:
     """Check a gene table and sort it by gene_token_id (column order of the dataset)."""
     if "gene_token_id" not in table.column_names:

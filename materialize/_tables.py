@@ -46,8 +46,6 @@ from omicsio_jax.format import (
 )
 
 from ._parquet_stream import _STREAMS, group_of, row_group_starts
-from ._parquet_stream import DEFAULT_BATCH_CELLS as DEFAULT_BATCH_CELLS
-from ._parquet_stream import cells_per_batch as cells_per_batch
 from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
 from ._sidecars import carried_obs
 from ._source import Source, decoded_again_note, gene_table_from_arrow

@@ -152,7 +152,7 @@ class FileCache:
             self._fetch(relpath, tmp)
             size, sha = tmp.stat().st_size, sha256_file(tmp)
             if size != entry.num_bytes or sha != entry.sha256:
-                self._raise_if_rewritten(relpath)
+                raise_if_rewritten(self.store, "files", relpath, sha256=entry.sha256)
                 msg = (
                     f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} bytes "
                     f"with {entry.sha256[:16]}…: the object is corrupted or was rewritten; run "
@@ -173,7 +173,7 @@ class FileCache:
             raise
         except ObjectStoreError as e:
             if self.store.head(relpath) is None:
-                self._raise_if_rewritten(relpath)
+                raise_if_rewritten(self.store, "files", relpath, sha256=self._entries[relpath].sha256)
                 msg = (
                     f"{self.store.describe(relpath)} is listed in the manifest but missing; run "
                     f"`omicsio-materialize verify {self.store.url}`"
@@ -181,24 +181,27 @@ class FileCache:
                 raise DatasetFormatError(msg) from e
             raise
 
-    def _raise_if_rewritten(self, relpath: str) -> None:
-        """Raise `ObjectChangedError` if the prefix's manifest no longer lists ``relpath`` as
-        the manifest this dataset was opened with does (the dataset was rewritten, or replaced by a
-        new generation, since): the object is then another dataset's, not a corrupted one."""
-        entry = self._entries[relpath]
-        text = self.store.read_text(MANIFEST_NAME)
-        try:
-            current = json.loads(text) if text is not None else {}
-            listed = {f["path"]: f["sha256"] for f in current.get("files", [])}
-            same = not current.get("generation") and listed.get(relpath) == entry.sha256
-        except (ValueError, TypeError, KeyError, AttributeError):
-            same = False
-        if not same:
-            msg = (
-                f"{self.store.describe(relpath)} is no longer the one the dataset's manifest lists: the "
-                f"dataset was rewritten under {self.store.url} since it was opened; open it again"
-            )
-            raise ObjectChangedError(msg)
+
+def raise_if_rewritten(store: S3Store, listing: str, relpath: str, **expected: object) -> None:
+    """Raise `ObjectChangedError` if the prefix's manifest no longer lists ``relpath`` in its
+    ``listing`` (``"files"``, ``"shards"``) with the ``expected`` fields (``sha256=...``, and
+    ``num_bytes=...`` for a shard) of the manifest the dataset was opened with (the dataset was
+    rewritten, or replaced by a new generation, since it was opened): an object missing or changed is
+    then another dataset's, not a damaged one. Used by `FileCache` for the small files and by the
+    shard mirrors (`mirrors`)."""
+    text = store.read_text(MANIFEST_NAME)
+    try:
+        current = json.loads(text) if text is not None else {}
+        listed = {e["path"]: tuple(e[k] for k in expected) for e in current.get(listing, [])}
+        same = not current.get("generation") and listed.get(relpath) == tuple(expected.values())
+    except (ValueError, TypeError, KeyError, AttributeError):
+        same = False
+    if not same:
+        msg = (
+            f"{store.describe(relpath)} is no longer the one the dataset's manifest lists: the "
+            f"dataset was rewritten under {store.url} since it was opened; open it again"
+        )
+        raise ObjectChangedError(msg)
 
 
 def _marker(dest: Path) -> Path:

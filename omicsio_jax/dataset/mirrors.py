@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import threading
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
-from omicsio_jax.dataset.cache import Counters, FileCache, write_atomic
+from omicsio_jax.dataset.cache import Counters, FileCache, raise_if_rewritten, write_atomic
 from omicsio_jax.format.chunk_index import (
     ChunkIndex,
     chunk_index_path,
@@ -58,8 +57,8 @@ from omicsio_jax.format.chunk_index import (
     load_chunk_index,
     merge_spans,
 )
-from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, ShardEntry
-from omicsio_jax.storage.store import ObjectChangedError, S3Store
+from omicsio_jax.format.manifest import Manifest
+from omicsio_jax.storage.store import S3Store
 
 READ_SLACK = 0.1  # a GET may cover up to 10% more bytes than its needed chunks, to save GETs
 MAX_GET_BYTES = 16 << 20  # longer ranges are split into concurrent GETs
@@ -84,26 +83,6 @@ def _empty_keeping(fd: int, size: int, opening: list[tuple[int, bytes]]) -> None
     os.ftruncate(fd, size)
     for b, blob in opening:
         os.pwrite(fd, blob, b)
-
-
-def _raise_if_rewritten(store: S3Store, entry: ShardEntry) -> None:
-    """Raise `ObjectChangedError` if the prefix's manifest no longer lists the shard ``entry`` as
-    the manifest the dataset was opened with does (the dataset was rewritten, or replaced by a new
-    generation, since it was opened): a shard missing or of another size is then another dataset's,
-    not a damaged one. As `cache.FileCache` does for the small files."""
-    text = store.read_text(MANIFEST_NAME)
-    try:
-        current = json.loads(text) if text is not None else {}
-        listed = {s["path"]: (s["num_bytes"], s["sha256"]) for s in current.get("shards", [])}
-        same = not current.get("generation") and listed.get(entry.path) == (entry.num_bytes, entry.sha256)
-    except (ValueError, TypeError, KeyError, AttributeError):
-        same = False
-    if not same:
-        msg = (
-            f"{store.describe(entry.path)} is no longer the one the dataset's manifest lists: the "
-            f"dataset was rewritten under {store.url} since it was opened; open it again"
-        )
-        raise ObjectChangedError(msg)
 
 
 def _data_ranges(index: ChunkIndex) -> np.ndarray:
@@ -313,7 +292,9 @@ class ShardMirrors:
         self.counters.add(head_requests=1)
         fix = f"run `omicsio-materialize verify {self.store.url}`"
         if info is None or info.size != entry.num_bytes:
-            _raise_if_rewritten(self.store, entry)
+            raise_if_rewritten(
+                self.store, "shards", entry.path, num_bytes=entry.num_bytes, sha256=entry.sha256
+            )
         if info is None:
             msg = f"{url} is listed in the manifest but missing; {fix}"
             raise DatasetFormatError(msg)

@@ -53,7 +53,9 @@ if TYPE_CHECKING:
     from omicsio_jax.format.gene_stats import GeneStats as GeneStats
     from omicsio_jax.format.gene_stats import empty_span as empty_span
     from omicsio_jax.format.genes import ENSEMBL_GENE_ID as ENSEMBL_GENE_ID
+    from omicsio_jax.format.genes import VERSION_SUFFIX as VERSION_SUFFIX
     from omicsio_jax.format.genes import name_lookup as name_lookup
+    from omicsio_jax.format.genes import strip_version as strip_version
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
     from omicsio_jax.format.manifest import PRESENCE_NAME as PRESENCE_NAME
     from omicsio_jax.format.manifest import FileEntry as FileEntry
@@ -120,7 +122,7 @@ _WRITER_API = {
     ),
     "omicsio_jax.format.csr": ("take_rows",),
     "omicsio_jax.format.gene_index": ("INDEX_FILE", "INDEX_FORMAT", "INDEX_MANIFEST"),
-    "omicsio_jax.format.genes": ("ENSEMBL_GENE_ID", "name_lookup"),
+    "omicsio_jax.format.genes": ("ENSEMBL_GENE_ID", "VERSION_SUFFIX", "name_lookup", "strip_version"),
     "omicsio_jax.format.gene_stats": (
         "NUM_BINS",
         "STATS_NAME",

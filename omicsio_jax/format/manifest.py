@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
-from omicsio_jax.storage.store import is_remote, open_store
+from omicsio_jax.storage.store import is_remote, open_store, s3_url
 
 FORMAT_NAME = "omicsio_jax.dataset"
 FORMAT_VERSION = 1
@@ -207,7 +207,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check ``<path>/manifest.json`` (``path`` a directory or an ``s3://`` URL); raise
     `DatasetFormatError` with a fix if absent or foreign."""
     if is_remote(path):
-        url = str(path).rstrip("/")
+        url = s3_url(path)
         text = open_store(url).read_text(MANIFEST_NAME)
         if text is None:
             msg = (
@@ -249,7 +249,7 @@ def dataset_root(path: str | os.PathLike[str], manifest: Manifest) -> str | os.P
     if not is_remote(path) or len(generation.parts) != 1 or not manifest.generation.startswith("gen-"):
         msg = f"{path}: {MANIFEST_NAME} names generation {manifest.generation!r}, which is not one of its prefixes"
         raise DatasetFormatError(msg)
-    return f"{str(path).rstrip('/')}/{manifest.generation}"
+    return f"{s3_url(path)}/{manifest.generation}"
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
@@ -371,7 +371,7 @@ def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
 
 def _verify_modality(path: str | os.PathLike[str], entry: ModalityEntry) -> list[str]:
     """A further modality's own dataset, checked through and against its entry in the primary's manifest."""
-    sub = f"{str(path).rstrip('/')}/{entry.path}" if is_remote(path) else Path(path) / entry.path
+    sub = f"{s3_url(path)}/{entry.path}" if is_remote(path) else Path(path) / entry.path
     manifest_path = f"{entry.path}/{MANIFEST_NAME}"
     if is_remote(path):
         text = open_store(str(sub)).read_text(MANIFEST_NAME)
