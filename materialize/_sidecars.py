@@ -184,25 +184,41 @@ class CategoricalWriter:
         return [f"obs/{self.name}.codes.npy", f"obs/{self.name}.categories.json"]
 
 
-class NumericWriter:
+class _RawColumn:
+    """A column's values appended to a raw file ``<name>.raw``, one batch at a time; `finish` (each
+    writer's) turns it into ``obs/<name>.npy``."""
+
+    num_categories = None
+
+    def __init__(self, directory: Path, name: str):
+        self.name, self.directory = name, directory
+        self._raw = directory / f"{name}.raw"
+        self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
+        self.num_rows = 0
+
+    def close(self) -> None:
+        """Release the raw file (idempotent; `finish` calls it too)."""
+        self._file.close()
+
+    def files(self) -> list[str]:
+        return [f"obs/{self.name}.npy"]
+
+
+class NumericWriter(_RawColumn):
     """Integers, floats or decimals → one ``.npy``: integers as int64, or uint64 for a uint64 column
     (its values need not fit int64: hashed ids); integer columns with missing values become float64
     with NaN; decimals float64 (each the nearest double)."""
 
     kind = NUMERIC
-    num_categories = None
 
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
-        self.name, self.directory = name, directory
+        super().__init__(directory, name)
         self._is_int = pa.types.is_integer(dtype)
         self._cast = pa.float64() if pa.types.is_decimal(dtype) else None
         integers = np.uint64 if pa.types.is_uint64(dtype) else np.int64
         floats = np.float64 if self._cast is not None else dtype.to_pandas_dtype()
         self._dtype = np.dtype(integers if self._is_int else floats)
-        self._raw = directory / f"{name}.raw"
-        self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
         self._missing: list[np.ndarray] = []
-        self.num_rows = 0
 
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
         if self._cast is not None:
@@ -217,10 +233,6 @@ class NumericWriter:
                 array = pc.fill_null(array, float("nan"))
         self._file.write(np.asarray(to_numpy(array), dtype=self._dtype).tobytes())
         self.num_rows += len(array)
-
-    def close(self) -> None:
-        """Release the raw file (idempotent; `finish` calls it too)."""
-        self._file.close()
 
     def finish(self) -> str:
         self.close()
@@ -239,23 +251,15 @@ class NumericWriter:
         _write_npy(dest, self._raw, self._dtype, np.float64, self.num_rows, with_nan)
         return "float64"
 
-    def files(self) -> list[str]:
-        return [f"obs/{self.name}.npy"]
 
-
-class TemporalWriter:
+class TemporalWriter(_RawColumn):
     """Dates, timestamps, times of day or durations → one ``.npy`` of `temporal_dtype` (NaT where
     missing): ``datetime64`` (kind ``"datetime"``) or ``timedelta64`` (kind ``"timedelta"``)."""
 
-    num_categories = None
-
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
-        self.name, self.directory = name, directory
+        super().__init__(directory, name)
         self._dtype = temporal_dtype(dtype)
         self.kind = DATETIME if self._dtype.kind == "M" else TIMEDELTA
-        self._raw = directory / f"{name}.raw"
-        self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
-        self.num_rows = 0
 
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
         if isinstance(array, pa.ChunkedArray):
@@ -269,18 +273,11 @@ class TemporalWriter:
         self._file.write(values.tobytes())
         self.num_rows += len(array)
 
-    def close(self) -> None:
-        """Release the raw file (idempotent; `finish` calls it too)."""
-        self._file.close()
-
     def finish(self) -> str:
         self.close()
         dest = self.directory / f"{self.name}.npy"
         _write_npy(dest, self._raw, np.int64, self._dtype, self.num_rows, lambda v, _: v.view(self._dtype))
         return str(self._dtype)
-
-    def files(self) -> list[str]:
-        return [f"obs/{self.name}.npy"]
 
 
 def make_obs_writer(
