@@ -112,6 +112,10 @@ def test_memory_and_stream_loaders_refuse_thread_options_they_have_no_use_for(pa
         oj.OmicsIOError, match=r"on_device=True\) takes no ReadOptions\(decode_threads=2\): .* jitted gather"
     ):
         oj.make_memory_loader(panel, batch_size=32, on_device=True, read=oj.ReadOptions(decode_threads=2))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"on_device=True\) takes no ReadOptions\(prefetch=2\): .* jitted gather"
+    ):
+        oj.make_memory_loader(panel, batch_size=32, on_device=True, read=oj.ReadOptions(prefetch=2))
     with pytest.raises(oj.OmicsIOError, match=r"make_stream_loader takes no ReadOptions\(num_threads=0\)"):
         oj.make_stream_loader(table, batch_size=32, read=oj.ReadOptions(num_threads=0))
 

@@ -416,12 +416,14 @@ def make_memory_loader(
             "on ReadOptions(decode_threads=...) numba threads; leave num_threads None"
         )
         raise OmicsIOError(msg)
-    if on_device and read.decode_threads is not None:
-        msg = (
-            f"make_memory_loader(on_device=True) takes no ReadOptions(decode_threads={read.decode_threads}): "
-            "its batches are gathered by a jitted gather on the devices, not by numba; leave decode_threads None"
-        )
-        raise OmicsIOError(msg)
+    for knob in ("decode_threads", "prefetch"):
+        if on_device and getattr(read, knob):
+            msg = (
+                f"make_memory_loader(on_device=True) takes no ReadOptions({knob}={getattr(read, knob)}): its "
+                "batches are gathered by a jitted gather on the devices, dispatched as the step asks for them "
+                f"(no host batch to make ahead, no numba); leave {knob} None"
+            )
+            raise OmicsIOError(msg)
     loader = MemoryLoader(
         panel,
         batch_size=batch_size,
