@@ -128,8 +128,8 @@ class StreamLoader:
         drop_remainder: bool,
         batch_rows: int,
         prefetch: int,
-        decode_threads: int | None = None,
-        sampling: Stream | None = None,
+        decode_threads: int | None,
+        sampling: Stream,
     ):
         self.table, self.batch_size, self.output = table, batch_size, output
         self.where, self.rowids, self.obs_specs = where, rowids, obs
@@ -137,20 +137,17 @@ class StreamLoader:
         self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
         self.batch_rows, self.prefetch = batch_rows, prefetch
         self.decode_threads = numba_threads_in_force(decode_threads)  # of each batch's scatter
-        self.sampling = sampling  # as given to make_stream_loader, for repr
+        self.sampling = sampling  # as given to make_stream_loader (shuffle_buffer, drop_remainder: its)
         # the shuffle window, rounded up to whole batches so only the last window leaves a remainder
         self.window_rows = -(-max(shuffle_buffer, batch_size) // batch_size) * batch_size
         self._buffers = RowBuffers()
         self._passes: weakref.WeakSet[StreamIterator] = weakref.WeakSet()  # for `close`
 
     def __repr__(self) -> str:
-        sampling = (
-            self.sampling or f"shuffle_buffer={self.shuffle_buffer}, drop_remainder={self.drop_remainder}"
-        )
         rows = None if self.rowids is None else f"[{len(self.rowids):,} rowids]"
         return (
             f"StreamLoader({self.table.spec!r}, batch_size={self.batch_size}, where={self.where!r}, rowids={rows}, "
-            f"sampling={sampling}, output={self.output.describe()}, obs={[s.name for s in self.obs_specs]}, "
+            f"sampling={self.sampling}, output={self.output.describe()}, obs={[s.name for s in self.obs_specs]}, "
             f"seed={self.seed}, read=ReadOptions(prefetch={self.prefetch}, decode_threads={self.decode_threads}), "
             "hosts=1)"
         )
