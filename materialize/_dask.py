@@ -19,7 +19,7 @@ from omicsio_jax.format import is_remote, require
 
 from ._partition import Job, PartResult, Scratch, write_partition
 from ._plan import Partition
-from ._pool import Done, Progress, RunReport, _error_reply, _raise
+from ._pool import Done, Progress, RunReport, error_reply, raise_worker_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def dask_task(job: Job, part: Partition) -> PartResult | TaskError:
         scratch = _DASK_SCRATCH.setdefault((job.token, thread), Scratch())  # this thread's alone
         return write_partition(job, part, scratch=scratch)
     except (DataValidationError, OmicsIOError) as e:
-        return TaskError(*_error_reply(e)[1:])
+        return TaskError(*error_reply(e)[1:])
     finally:
         with _DASK_LOCK:
             _DASK_RUNNING[job.token] -= 1
@@ -145,7 +145,7 @@ def run_on_dask(
                 raise OmicsIOError(msg) from e
             if isinstance(result, TaskError):
                 client.cancel(futures)
-                _raise(result.kind, result.text, by_key[future.key])
+                raise_worker_error(result.kind, result.text, by_key[future.key])
             progress(by_key[future.key].num_cells)
             if on_done is not None:
                 on_done(by_key[future.key].index)

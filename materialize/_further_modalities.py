@@ -18,7 +18,7 @@ from ._partition import PART_CELLS, PARTS_DIR, Job, part_dir
 from ._source import Source
 
 
-def _open_modality(
+def open_modality(
     inp: ModalityInput,
     src: Source,
     job: Job,
@@ -62,7 +62,7 @@ def _open_modality(
     return further
 
 
-def _write_modality(
+def write_modality(
     inp: ModalityInput, further: Source, job: Job, run, array_record: dict, created_by: str, cell_id: str
 ) -> ModalityEntry:
     """Write a further modality as the dataset ``modalities/<name>`` beside the primary's; its entry."""
@@ -85,7 +85,7 @@ def _write_modality(
         run(mjob, parts, f"materialize {inp.name}", finalizer.add)
         manifest = finalizer.finish(
             features=further.features_table,
-            codec=_codec_description(None),
+            codec=codec_description(None),
             array_record=array_record,
             source={**further.description, "cell_id": cell_id},
             created_by=created_by,
@@ -104,7 +104,7 @@ def _write_modality(
     )
 
 
-def _codec_description(panel: Panel | None) -> dict:
+def codec_description(panel: Panel | None) -> dict:
     return {
         "name": "omicsio-cell",
         "version": CODEC_VERSION,

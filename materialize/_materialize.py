@@ -26,18 +26,18 @@ from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, t
 
 from ._collection import CollectionSource, Sources, opens_on_workers
 from ._finalize import Finalizer
-from ._further_modalities import _codec_description, _open_modality, _write_modality
+from ._further_modalities import codec_description, open_modality, write_modality
 from ._modalities import modality_inputs
 from ._open import (
-    _choose_obs,
-    _one_anndata_as_collection,
-    _open_collection,
-    _open_member,
     as_sources,
+    choose_obs,
+    one_anndata_as_collection,
+    open_collection_source,
+    open_member_source,
     open_source,
 )
 from ._options import Dask, InputOptions, Layout, Multimodal
-from ._output import _check_output, _scratch, _staging
+from ._output import check_output, scratch_dir, staging_dir
 from ._panel import read_panel
 from ._partition import Job
 from ._pool import Pool, default_workers, run_in_process, usable_cores
@@ -142,7 +142,7 @@ def materialize(
     store = open_store(out)
     sources = as_sources(source)
     if sources is None:
-        sources = _one_anndata_as_collection(source, read, multimodal)
+        sources = one_anndata_as_collection(source, read, multimodal)
     if sources is not None and (layers or modalities or where or query):
         msg = (
             "a collection takes no --where/--query/--layers/--modality; materialize its sources' cells "
@@ -154,7 +154,7 @@ def materialize(
         if sources is not None
         else modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     )
-    _check_output(store, overwrite)
+    check_output(store, overwrite)
     wanted = 1 if dask else workers or usable_cores()
     # asked for by number: started first, so the workers import while the input is opened and planned;
     # by default they start once the plan shows the input is large enough to pay for them
@@ -176,10 +176,10 @@ def materialize(
     src = None
     try:
         src = (
-            _open_collection(
+            open_collection_source(
                 sources,
                 functools.partial(
-                    _open_member,
+                    open_member_source,
                     layer=layer,
                     use_raw=use_raw,
                     cell_id=cell_id,
@@ -212,7 +212,7 @@ def materialize(
             f"{src.description.get('genes') or 'token ids seen in the data'}: {src.genes.num_rows:,} genes",
         )
         chosen_panel = None if panel is None else read_panel(panel, src.genes)
-        obs_names = _choose_obs(src, obs)
+        obs_names = choose_obs(src, obs)
         clash = [f"has_{inp.name}" for inp in inputs if f"has_{inp.name}" in obs_names]
         if clash:
             msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
@@ -229,7 +229,7 @@ def materialize(
             for note in src.plan_notes(partitions):
                 print(f"materialize: {note}", file=sys.stderr)
         options = layout.writer_options
-        with _staging(store, overwrite) as staging, contextlib.ExitStack() as stack:
+        with staging_dir(store, overwrite) as staging, contextlib.ExitStack() as stack:
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             job = Job(
                 src,
@@ -275,9 +275,9 @@ def materialize(
             array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
             created_by = f"omicsio_jax {_version()}"
             entries = []
-            with _scratch(staging) as scratch:
+            with scratch_dir(staging) as scratch:
                 for k, inp in enumerate(inputs):
-                    further = _open_modality(
+                    further = open_modality(
                         inp,
                         src,
                         job,
@@ -290,14 +290,14 @@ def materialize(
                     )
                     try:
                         entries.append(
-                            _write_modality(inp, further, job, run, array_record, created_by, cell_id)
+                            write_modality(inp, further, job, run, array_record, created_by, cell_id)
                         )
                     finally:
                         further.close()
             features = src.genes if chosen_panel is None else chosen_panel.features
             manifest = finalizer.finish(
                 features=features,
-                codec=_codec_description(chosen_panel),
+                codec=codec_description(chosen_panel),
                 array_record=array_record,
                 source={**src.description, "cell_id": cell_id, "allow_negative": allow_negative},
                 created_by=created_by,

@@ -26,7 +26,7 @@ from ._source import gene_table_from_arrow
 _FEATURE_TABLES = ("{name}_features.parquet", "peaks.parquet", "features.parquet")
 
 
-def _list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
+def list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
     """The token and value list columns of a modality table: ``gene_token_id`` / ``gene_expression``,
     else the one ``*_token_id`` list column and the one other list column (``peak_accessibility``)."""
     if GENE_COLUMN in schema.names:
@@ -44,7 +44,7 @@ def _list_columns(schema: pa.Schema, label: str) -> tuple[str, str]:
     return tokens[0], values[0]
 
 
-def _find_features(inp: ModalityInput, files: list[Path], token_column: str) -> str | None:
+def find_features(inp: ModalityInput, files: list[Path], token_column: str) -> str | None:
     """The feature table given, else one named like `_FEATURE_TABLES` beside the table's files or
     in their parent folder (not one of the input files). A ``peaks.parquet`` / ``features.parquet``
     without the table's ``token_column`` is another modality's (ATAC's peaks beside a protein table)."""
@@ -69,7 +69,7 @@ def _column_names(path: Path) -> list[str]:
         return []
 
 
-def _read_features(path: str, token_column: str) -> pa.Table:
+def read_features(path: str, token_column: str) -> pa.Table:
     """A feature table keyed by ``token_column`` (``peak_token_id``), as a gene table (``gene_token_id``)."""
     try:
         table = connect(remote=is_remote(path)).sql(f"SELECT * FROM {sql_str(path)}").to_arrow_table()
@@ -84,7 +84,7 @@ def _read_features(path: str, token_column: str) -> pa.Table:
     return gene_table_from_arrow(table, path)
 
 
-def _check_same_genes(inp: ModalityInput, features: pa.Table, primary_genes: pa.Table, primary: str) -> None:
+def check_same_genes(inp: ModalityInput, features: pa.Table, primary_genes: pa.Table, primary: str) -> None:
     tokens = features.column(GENE_COLUMN).to_numpy()
     ours = primary_genes.column(GENE_COLUMN).to_numpy()
     if not np.array_equal(np.sort(tokens), np.sort(ours)):

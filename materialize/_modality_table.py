@@ -29,7 +29,7 @@ from omicsio_jax.format import (
     sql_str,
 )
 
-from ._modality_features import _check_same_genes, _find_features, _list_columns, _read_features
+from ._modality_features import check_same_genes, find_features, list_columns, read_features
 from ._modality_inputs import ModalityInput
 from ._parquet_stream import DEFAULT_BATCH_CELLS
 from ._plan import Partition
@@ -76,16 +76,14 @@ class TableModality(Source):
         if CELL_ID_COLUMN not in schema.names:
             msg = f"{self.label} has no {CELL_ID_COLUMN} column to align its cells by; it has {', '.join(schema.names)}"
             raise DataValidationError(msg)
-        self.list_names = _list_columns(schema, self.label)
-        features = _find_features(inp, files, self.list_names[0])
+        self.list_names = list_columns(schema, self.label)
+        features = find_features(inp, files, self.list_names[0])
         if inp.layer:
             genes: pa.Table | None = primary_genes
             if inp.features is not None:
-                _check_same_genes(
-                    inp, _read_features(inp.features, self.list_names[0]), primary_genes, primary
-                )
+                check_same_genes(inp, read_features(inp.features, self.list_names[0]), primary_genes, primary)
         else:
-            genes = None if features is None else _read_features(features, self.list_names[0])
+            genes = None if features is None else read_features(features, self.list_names[0])
         self._require_all, self._subset = require_all, subset
         names = ", ".join(sql_str(p) for p in primary_cells)
         con.execute(

@@ -106,7 +106,7 @@ def open_source(
 CELL_STATS = (N_COUNTS, N_GENES)  # obs sidecars computed from the cells
 
 
-def _open_member(path: str, own: dict, con, **reading) -> Source:
+def open_member_source(path: str, own: dict, con, **reading) -> Source:
     """One source of a collection (``reading``: `open_source`'s keywords). Its own ``layer`` / ``raw``
     (a sources file's columns) replace the run's, both of them (a source's layer clears the run's
     ``--raw``, its ``raw`` the run's ``--layer``); the run's apply to the AnnData sources (``.h5ad``,
@@ -129,7 +129,9 @@ def _open_member(path: str, own: dict, con, **reading) -> Source:
     return open_source(path, con=con, layer=layer, use_raw=use_raw, **reading)
 
 
-def _open_collection(sources: Sources, open_member, *, opened, progress: bool, **options) -> CollectionSource:
+def open_collection_source(
+    sources: Sources, open_member, *, opened, progress: bool, **options
+) -> CollectionSource:
     """`open_collection` with a bar of the sources opened (shown for a long opening only: a
     collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
     with tqdm(
@@ -164,7 +166,7 @@ def as_sources(source) -> Sources | None:
     return None
 
 
-def _one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:
+def one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:
     """A single AnnData input (``.h5ad``, ``.zarr``) given ``genes`` or ``gene_id_column``: a collection
     of one, so that its genes are unified as a collection's (ids found, versions stripped, genes of one
     id summed; ``genes``: union, intersection or a gene table / vocabulary fixing genes and order).
@@ -201,7 +203,7 @@ def _one_anndata_as_collection(source, read: InputOptions, multimodal: Multimoda
     return None
 
 
-def _choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
+def choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     if obs is None:
         return [name for name in src.obs_columns if name not in CELL_STATS]
     unknown = [name for name in obs if name not in src.obs_columns]

@@ -20,7 +20,7 @@ from ._shards import atomic_output_dir
 
 
 @contextlib.contextmanager
-def _scratch(staging: str) -> Iterator[str]:
+def scratch_dir(staging: str) -> Iterator[str]:
     """A local folder for intermediate files: in the staging directory (removed with the partitions'
     sidecars), or a temporary one when the output is on object storage."""
     store = open_store(staging)
@@ -33,7 +33,7 @@ def _scratch(staging: str) -> Iterator[str]:
         yield folder
 
 
-def _check_output(store, overwrite: bool) -> None:
+def check_output(store, overwrite: bool) -> None:
     """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset."""
     if store.local_root is not None:
         out = store.local_root
@@ -80,7 +80,7 @@ def _ours(key: str) -> bool:
 
 
 @contextlib.contextmanager
-def _staging(store, overwrite: bool) -> Iterator[str]:
+def staging_dir(store, overwrite: bool) -> Iterator[str]:
     """Where the partitions and the finished files go: a hidden sibling directory renamed into place;
     on object storage the prefix itself when it holds no dataset, else a new generation under it
     (``gen-...``), made current by rewriting the prefix's manifest (one PUT) once it is complete,

@@ -52,7 +52,7 @@ def group_of(starts: np.ndarray, row: int) -> int:
     return int(np.searchsorted(starts, row, side="right")) - 1
 
 
-class _Stream:
+class ParquetStream:
     """An open read of a parquet file's rows from ``row`` on (``key``: whose read, of which file and
     columns): the batches still to come, and the rest of the batch last taken."""
 
@@ -108,13 +108,13 @@ class _Streams:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._open: _Stream | None = None
+        self._open: ParquetStream | None = None
 
-    def keep(self, stream: _Stream) -> None:
+    def keep(self, stream: ParquetStream) -> None:
         with self._lock:
             self._open = stream
 
-    def take(self, key: tuple, row: int) -> _Stream | None:
+    def take(self, key: tuple, row: int) -> ParquetStream | None:
         with self._lock:
             stream, self._open = self._open, None
         if stream is None or stream.key != key or row < stream.row:
@@ -130,4 +130,4 @@ class _Streams:
                 self._open = None
 
 
-_STREAMS = _Streams()
+PARQUET_STREAMS = _Streams()

@@ -70,7 +70,7 @@ def run_in_process(
 # -- the local process pool -------------------------------------------------------------------------
 
 
-def _error_reply(e: BaseException) -> tuple:
+def error_reply(e: BaseException) -> tuple:
     kind = (
         "data"
         if isinstance(e, DataValidationError)
@@ -104,7 +104,7 @@ def serve(fd: int) -> None:
                     fn, item = pickle.loads(message[1])
                     reply = ("value", fn(item))
                 except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
-                    reply = _error_reply(e)
+                    reply = error_reply(e)
                 conn.send(reply)
                 continue
             part = message[1]
@@ -113,7 +113,7 @@ def serve(fd: int) -> None:
             except (EOFError, BrokenPipeError, ConnectionResetError):
                 return
             except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-                conn.send(_error_reply(e))
+                conn.send(error_reply(e))
                 continue
             conn.send(("done", result))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
@@ -280,7 +280,7 @@ class Pool:
                         if on_done is not None:
                             on_done(index)
                     elif message[0] == "error":
-                        _raise(message[1], message[2], worker.part)
+                        raise_worker_error(message[1], message[2], worker.part)
                     else:  # the worker died: replace it, write its partition again
                         part = worker.part
                         attempts[part.index] = attempts.get(part.index, 0) + 1
@@ -396,7 +396,7 @@ class Schedule:
             self._queue.appendleft(p)
 
 
-def _raise(kind: str, text: str, part: Partition | None):
+def raise_worker_error(kind: str, text: str, part: Partition | None):
     where = part.describe() if part is not None else "a partition"
     raise _error(kind, text, f"writing {where}")
 

@@ -30,10 +30,10 @@ from omicsio_jax.format import (
     sql_str,
 )
 
-from ._parquet_stream import _STREAMS, DEFAULT_BATCH_CELLS, _Stream
+from ._parquet_stream import DEFAULT_BATCH_CELLS, PARQUET_STREAMS, ParquetStream
 from ._plan import Partition
 from ._source import Batch
-from ._tahoe import _FIRST_GENE, _FIRST_VALUE, TAHOE_GENES, TAHOE_LAYOUT, TAHOE_VALUES, check_cls_pairs
+from ._tahoe import FIRST_GENE, FIRST_VALUE, TAHOE_GENES, TAHOE_LAYOUT, TAHOE_VALUES, check_cls_pairs
 
 _PART_FILES = "cells_of_files"  # a partition's files as they are, before `_create_part_view`
 
@@ -111,7 +111,7 @@ class TableReads:
         con, sql = self._partition_sql(part, threads)
         columns = [self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, *obs]
         if self.layout == TAHOE_LAYOUT:
-            columns += [_FIRST_GENE, _FIRST_VALUE]
+            columns += [FIRST_GENE, FIRST_VALUE]
         located = FILENAME_COLUMN in self.schema.names and FILE_ROW_COLUMN in self.schema.names
         if located:
             columns += [FILENAME_COLUMN, FILE_ROW_COLUMN]
@@ -189,7 +189,7 @@ class TableReads:
 
         pyarrow decodes a row group from its first row, and a file written with its defaults is one
         row group of up to a million rows: a read that stops inside a row group leaves its stream
-        open (`_STREAMS`, one per process), and the next read of this process that starts further
+        open (`PARQUET_STREAMS`, one per process), and the next read of this process that starts further
         on in the same row group (the next partition this process writes) goes on from there,
         decoding only the rows between, instead of decoding the group again from its first row."""
         names = [self._cell_id_column, GENE_COLUMN, VALUE_COLUMN, *obs]
@@ -200,7 +200,7 @@ class TableReads:
             try:
                 stat = os.stat(path)  # a file written again since is another stream
                 key = (id(self), str(path), stat.st_size, stat.st_mtime_ns, tuple(columns), self._batch_cells)
-                stream = _STREAMS.take(key, lo) or _Stream(
+                stream = PARQUET_STREAMS.take(key, lo) or ParquetStream(
                     key, path, lo, self._batch_cells, columns, use_threads
                 )
                 hi = stream.num_rows if hi is None else hi
@@ -209,7 +209,7 @@ class TableReads:
                     yield self._to_batch(rows, obs, first_row, _FileRows(str(path), row))
                     first_row += rb.num_rows
                 if stream.row < stream.num_rows:
-                    _STREAMS.keep(stream)
+                    PARQUET_STREAMS.keep(stream)
             except (OSError, pa.ArrowException) as e:
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
@@ -225,7 +225,7 @@ class TableReads:
         cell_ids = cell_ids.cast(pa.string()) if not pa.types.is_string(cell_ids.type) else cell_ids
         locate = _Locator(self.label, first_row, cell_ids, rb, located)
         if self.layout == TAHOE_LAYOUT:
-            check_cls_pairs(rb.column(_FIRST_GENE), rb.column(_FIRST_VALUE), locate, self._cell_id_column)
+            check_cls_pairs(rb.column(FIRST_GENE), rb.column(FIRST_VALUE), locate, self._cell_id_column)
         gene_ptr, genes = list_to_csr(rb.column(GENE_COLUMN))
         value_ptr, values = list_to_csr(rb.column(VALUE_COLUMN))
         return Batch.from_arrow(

@@ -45,14 +45,14 @@ from omicsio_jax.format import (
     sql_str,
 )
 
-from ._parquet_stream import _STREAMS, group_of, row_group_starts
+from ._parquet_stream import PARQUET_STREAMS, group_of, row_group_starts
 from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
 from ._sidecars import carried_obs
 from ._source import Source, decoded_again_note, gene_table_from_arrow
 from ._table_read import TableReads
 from ._tahoe import (
-    _FIRST_GENE,
-    _FIRST_VALUE,
+    FIRST_GENE,
+    FIRST_VALUE,
     TAHOE_CELL_ID,
     TAHOE_LAYOUT,
     TAHOE_NUM_SPECIALS,
@@ -147,8 +147,8 @@ class TableSource(TableReads, Source):
             VALUE_COLUMN,
             FILENAME_COLUMN,
             FILE_ROW_COLUMN,
-            _FIRST_GENE,
-            _FIRST_VALUE,
+            FIRST_GENE,
+            FIRST_VALUE,
         }
         self.obs_columns = carried_obs({f.name: f.type for f in schema if f.name not in hidden}, self.label)
         self.genes = self._gene_table(genes, find_genes)
@@ -226,7 +226,7 @@ class TableSource(TableReads, Source):
     def close(self) -> None:
         """Release the DuckDB connection (a read opens another where it needs one) and the parquet
         stream a read left open."""
-        _STREAMS.drop(id(self))
+        PARQUET_STREAMS.drop(id(self))
         if self._con is not None:
             self._con.close()
             self._con = None

@@ -46,7 +46,7 @@ TAHOE_LAYOUT = "tahoe-100m"
 TAHOE_GENES, TAHOE_VALUES, TAHOE_CELL_ID = "genes", "expressions", "BARCODE_SUB_LIB_ID"
 TAHOE_CLS_TOKEN, TAHOE_CLS_VALUE = 1, -2.0
 TAHOE_NUM_SPECIALS = 3  # <pad>, <cls>, <eoc>: gene g of the vocabulary is token g + 3
-_FIRST_GENE, _FIRST_VALUE = "__tahoe_first_gene", "__tahoe_first_expression"  # the CLS pair, checked per row
+FIRST_GENE, FIRST_VALUE = "__tahoe_first_gene", "__tahoe_first_expression"  # the CLS pair, checked per row
 
 
 def detect_layout(schema: pa.Schema) -> str:
@@ -65,7 +65,7 @@ def tahoe_sql(sql: str) -> str:
     return (
         f"SELECT * EXCLUDE ({genes}, {values}), "
         f"{genes}[2:] AS {GENE_COLUMN}, {values}[2:] AS {VALUE_COLUMN}, "
-        f"{genes}[1] AS {_FIRST_GENE}, {values}[1] AS {_FIRST_VALUE} FROM ({sql})"
+        f"{genes}[1] AS {FIRST_GENE}, {values}[1] AS {FIRST_VALUE} FROM ({sql})"
     )
 
 
