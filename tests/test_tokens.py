@@ -24,11 +24,13 @@ from materialize import Layout, materialize
 from omicsio_jax.outputs.base import OutputContext
 from omicsio_jax.outputs.rank_sort import finish_by_insertion, radix_sort, rank_sort
 from omicsio_jax.outputs.token_draws import (
+    GAP_BLOCK,
     STREAM_MASK,
     STREAM_MASK_KIND,
     STREAM_RANDOM_TOKEN,
     STREAM_SUBSAMPLE,
     STREAM_TIES,
+    gaps,
     uniforms,
 )
 
@@ -671,3 +673,36 @@ def test_radix_sort_gives_up_insertion_past_its_budget_and_still_sorts():
     got_keys, order = _first_by_radix(keys, 300)  # the partial selection gives up alike
     np.testing.assert_array_equal(order, want[:300])
     np.testing.assert_array_equal(got_keys, keys[want[:300]])
+
+
+@numba.njit
+def _gaps_of(u, log_keep):
+    """The integer gaps `selected_positions` walks for the draws ``u`` (a multiple of `GAP_BLOCK`)."""
+    block, out = np.empty(3 * GAP_BLOCK), np.empty(len(u), np.int64)
+    for start in range(0, len(u), GAP_BLOCK):
+        block[:GAP_BLOCK] = u[start : start + GAP_BLOCK]
+        gaps(block, log_keep)
+        for b in range(GAP_BLOCK):
+            out[start + b] = np.int64(min(block[GAP_BLOCK + b], 4.0e18))
+    return out
+
+
+@pytest.mark.parametrize("p", [0.15, 0.5, 0.01, 1e-6, 0.999, 1 - 2**-40])
+def test_mask_gaps_are_those_of_libms_log(p):
+    """The masking's gaps, from a vectorized series for the log, are ``int(log(u) / log1p(-p))`` with
+    libm's log for every draw: 96,000 at random, the draws 0 and just below 1, and draws on the 2**-53
+    grid whose quotient is a whole number or next to one (``u = (1 - p)**k`` rounded, and its
+    neighbours), where the series' error could move the integer part and libm's log is taken."""
+    lk = math.log1p(-p)
+    rng = np.random.default_rng(0)
+    grid = 2.0**53
+    k = np.arange(1, 4000)
+    k = k[lk * k > math.log(1 / grid)]  # (1 - p)**k above the smallest draw but 0
+    whole = np.floor(np.exp(lk * k) * grid)
+    crafted = np.unique(np.concatenate([whole + d for d in (-2, -1, 0, 1, 2)]).clip(0, grid - 1)) / grid
+    u = np.concatenate([rng.integers(0, 2**53, 96_000) / grid, [0.0, 1 - 1 / grid], crafted])
+    u = np.concatenate([u, np.zeros(-len(u) % GAP_BLOCK)])
+    want = [int(min(math.log(max(x, 2.0**-53)) / lk, 4.0e18)) for x in u]
+    np.testing.assert_array_equal(_gaps_of(u, lk), want)
+    quotients = np.array([math.log(max(x, 2.0**-53)) / lk for x in crafted])
+    assert np.any(np.abs(quotients - np.round(quotients)) <= 1e-12 * quotients)  # the fallback was taken

@@ -81,7 +81,7 @@ def _geneformer_rows(
     sorted_tok = np.empty(width, np.int32)
     hist = np.empty((3, 2048), np.int32)
     masked = np.empty(L, np.int64)
-    u_kind = np.empty(max(L, GAP_BLOCK), np.float64)
+    u_kind = np.empty(max(L, 3 * GAP_BLOCK), np.float64)
     u_token = np.empty(L, np.float64)
     slot = np.full(canon.shape[0] if has_dups else 1, -1, np.int32)
     for i in range(t, n_rows, threads):

@@ -103,7 +103,7 @@ def _scgpt_rows(
     tmp_keys = np.empty(width, np.uint32)
     tmp_order = np.empty(width, np.int32)
     pick = np.empty(width, np.int32)
-    u = np.empty(max(width, GAP_BLOCK), np.float64)  # a cell's draws of one stream
+    u = np.empty(max(width, 3 * GAP_BLOCK), np.float64)  # a cell's draws of one stream
     hist = np.empty((3, 2048), np.int32)
     edges = np.empty(n_edges, np.float64)
     tally = np.empty(_TALLY, np.int32)

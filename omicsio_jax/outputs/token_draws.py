@@ -39,7 +39,7 @@ def uniform(key, stream, i):
     return np.float64(_mix(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-GAP_BLOCK = 32  # `selected_positions` makes its draws this many at a time
+GAP_BLOCK = 32  # `selected_positions` makes its draws this many at a time (its ``u`` holds 3 times this)
 
 
 @nb.njit(inline="always")
@@ -57,21 +57,85 @@ def draws_from(key, stream, start, n, out):
         out[q] = uniform(key, stream, start + q)
 
 
+_SQRT2 = 1.4142135623730951
+_LN2 = 0.6931471805599453
+_MANTISSA = 0x000FFFFFFFFFFFFF
+_ONE = 0x3FF0000000000000  # the bits of 1.0
+# `_series` is within 5e-16 of libm's log relatively (its first term left out: 2·s**21/21, s**2 <= 0.0295),
+# the gap's product by 1/log_keep within 3e-16 of the quotient: a gap within this share of itself from a
+# whole number is taken again with libm's log and a division
+_NEAR = 1e-12
+_SMALLEST = 1.0 / 9007199254740992.0  # 2**-53: the smallest draw but 0, which stands in for 0
+_SMALLEST_BITS = 0x3CA0000000000000  # its bits
+
+
+@nb.njit(inline="always")
+def _series(m, e):
+    """``log(m·2**e)`` for ``m`` in [1, 2): ``m`` brought to [√½, √2), ``log m = 2·atanh(s)``, ``s = (m -
+    1)/(m + 1)``, by its series to ``s**19`` (within 5e-16 of libm's log relatively). Without a
+    branch and dividing by ``np.divide`` (``/`` tests for a zero divisor), so that a loop over it
+    vectorizes."""
+    big = np.float64(m > _SQRT2)
+    m = m * (1.0 - 0.5 * big)
+    s = np.divide(m - 1.0, m + 1.0)
+    z = s * s
+    t = 1.0 / 17 + z * (1.0 / 19)
+    t = 1.0 / 15 + z * t
+    t = 1.0 / 13 + z * t
+    t = 1.0 / 11 + z * t
+    t = 1.0 / 9 + z * t
+    t = 1.0 / 7 + z * t
+    t = 1.0 / 5 + z * t
+    t = 1.0 / 3 + z * t
+    t = 1.0 + z * t
+    return (e + big) * _LN2 + 2.0 * s * t
+
+
+@nb.njit(inline="always")
+def gaps(u, log_keep):
+    """``u[GAP_BLOCK + b] = log(max(u[b], 2**-53)) / log_keep`` for ``b < GAP_BLOCK`` (``u``: ``3 *
+    GAP_BLOCK`` float64, the last third scratch), up to an error that never moves a quotient's integer
+    part: the gaps `selected_positions` walks are exactly those of libm's log and a division. numba's
+    ``np.log`` is a call of libm's per value; `_series` in a loop over the block vectorizes instead
+    (each draw split into exponent and mantissa through its bits). Should a quotient lie so near a
+    whole number that the error could move its integer part (about one draw in 10**11), or be NaN,
+    the block is taken again with libm's log and a division."""
+    bits = u.view(np.uint64)
+    q, e = u[GAP_BLOCK : 2 * GAP_BLOCK], u[2 * GAP_BLOCK : 3 * GAP_BLOCK]
+    for b in range(GAP_BLOCK):  # mantissas (as 1.m) into q, exponents into e
+        x = max(bits[b], np.uint64(_SMALLEST_BITS))  # a positive float's bits rise with it
+        bits[GAP_BLOCK + b] = (x & np.uint64(_MANTISSA)) | np.uint64(_ONE)
+        e[b] = np.float64(np.int64(x >> np.uint64(52)) - 1023)
+    inverse = np.divide(1.0, log_keep)
+    near = False
+    for b in range(GAP_BLOCK):
+        x = _series(q[b], e[b]) * inverse
+        q[b] = x
+        frac = x - np.floor(x)
+        tol = _NEAR * x
+        near |= not ((frac > tol) & (frac < 1.0 - tol))
+    if near:
+        for b in range(GAP_BLOCK):
+            q[b] = np.log(max(u[b], _SMALLEST)) / log_keep
+
+
 @nb.njit(inline="always")
 def selected_positions(key, first, end, log_keep, positions, u):
     """The positions of ``[first, end)`` selected each with probability p (``log_keep =
     log1p(-p)``) written to ``positions``; returns how many. A Geometric(p) gap of positions
     skipped per draw of `STREAM_MASK` (draw ``d`` after the ``d``-th selected position): the same
     law as one Bernoulli(p) per position, with ~p·n draws instead of n. The draws are made
-    `GAP_BLOCK` at a time into ``u`` (`draws_from`), the gaps' serial walk then reads them."""
+    `GAP_BLOCK` at a time, turned into gaps (`gaps`; ``u``: ``3 * GAP_BLOCK`` float64 of scratch), which
+    the serial walk then reads."""
     m = 0
     p = np.int64(first) - 1
     start = 0
+    q = u[GAP_BLOCK : 2 * GAP_BLOCK]
     while True:
         draws_from(key, STREAM_MASK, start, GAP_BLOCK, u)
+        gaps(u, log_keep)
         for b in range(GAP_BLOCK):
-            gap = np.log(max(u[b], 1.0 / 9007199254740992.0)) / log_keep
-            p += 1 + np.int64(min(gap, 4.0e18))
+            p += 1 + np.int64(min(q[b], 4.0e18))
             if p >= end:
                 return m
             positions[m] = p
