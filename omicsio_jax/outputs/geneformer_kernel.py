@@ -150,11 +150,12 @@ def _geneformer_rows(
             # the random gene's draw is made either way, and a draw is a pure function of its
             # counter, so the tokens are those of drawing it only when used; the gene table is
             # read at that gene only when it is used, else at 0 (a cache line already at hand,
-            # not a miss in a table of every gene)
+            # not a miss in a table of every gene), at an index chosen by arithmetic (a read
+            # under a condition is a branch, mispredicted for one draw in ten)
             p = masked[q]
             token = ids[p]
             lab[p] = token
             u = u_kind[q]
             used = (u >= 0.8) & (u < 0.9)
-            random_token = gene_tokens[min(np.int64(u_token[q] * n_genes), n_genes - 1) if used else 0]
+            random_token = gene_tokens[np.uint64(min(np.int64(u_token[q] * n_genes), n_genes - 1) * used)]
             ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
