@@ -14,6 +14,8 @@ import pandas as pd
 import pyarrow as pa
 from numba import njit, prange
 
+from omicsio_jax.format import mix64
+
 CHUNK_CELLS = 8192
 SUB_BATCH = 2048  # cells per kernel call; bounds the random pool to ~30 MB
 _SETUP_STREAM = 2**32 - 1  # rng stream of the global structure (never a chunk index)
@@ -66,10 +68,8 @@ def _count(mu: float, bits: int) -> float:
             p *= lam / k
             cdf += p
         return 1.0 + k
-    z = np.uint64(bits) * np.uint64(0x9E3779B97F4A7C15)  # a second uniform: bits hashed (splitmix64)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    u = (np.float64((z ^ (z >> np.uint64(31))) >> np.uint64(11)) + 0.5) * 2.0**-53
+    z = mix64(np.uint64(bits) * np.uint64(0x9E3779B97F4A7C15))  # a second uniform: bits hashed (splitmix64)
+    u = (np.float64(z >> np.uint64(11)) + 0.5) * 2.0**-53
     normal = np.sqrt(-2.0 * np.log(w)) * np.cos(2.0 * np.pi * u)
     return 1.0 + max(0.0, np.floor(lam + np.sqrt(lam) * normal + 0.5))
 

@@ -31,6 +31,8 @@ import pyarrow.parquet as pq
 from numba import njit, prange
 from tqdm import tqdm
 
+from omicsio_jax.format import mix64
+
 from ._synthetic_model import SUB_BATCH, Model, append_csr, cell_ids_at, create_csr, radix_sort
 
 LAYERS = ("spliced", "unspliced", "ambiguous")
@@ -206,14 +208,6 @@ def split_layers(
 # --------------------------------------------------------------------------- ATAC
 
 
-@njit(inline="always")
-def _mix64(z: np.uint64) -> np.uint64:
-    """SplitMix64 output function."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _atac_targets(
     cells: np.ndarray, key: np.uint64, log_mean: float, sigma: float, lo: int, hi: int
@@ -221,9 +215,9 @@ def _atac_targets(
     """Accessible peaks wanted by each cell: log-normal from draws 0 and 1 of its stream, clipped."""
     out = np.empty(cells.size, np.int64)
     for i in prange(cells.size):
-        s = _mix64(key ^ (np.uint64(cells[i]) * _PHI))
-        u1 = (np.float64(_mix64(s) >> np.uint64(11)) + 0.5) * 2.0**-53
-        u2 = np.float64(_mix64(s + _PHI) >> np.uint64(11)) * 2.0**-53
+        s = mix64(key ^ (np.uint64(cells[i]) * _PHI))
+        u1 = (np.float64(mix64(s) >> np.uint64(11)) + 0.5) * 2.0**-53
+        u2 = np.float64(mix64(s + _PHI) >> np.uint64(11)) * 2.0**-53
         z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
         out[i] = min(max(np.int64(np.rint(np.exp(log_mean + sigma * z))), lo), hi)
     return out
@@ -266,11 +260,11 @@ def _atac_cells(
         keys, tmp = np.empty(size, np.int32), np.empty(size, np.int32)
         for i in range(b * n // n_blocks, (b + 1) * n // n_blocks):
             k, c, d = targets[i], 0, 0
-            s0 = _mix64(key ^ (np.uint64(cells[i]) * _PHI))
+            s0 = mix64(key ^ (np.uint64(cells[i]) * _PHI))
             s = s0 + np.uint64(2) * _PHI
             limit = 32 * k + 1024
             while c < k and d < limit:  # branch-free dedup, as in the RNA kernel
-                x = _mix64(s)
+                x = mix64(s)
                 s += _PHI
                 d += 1
                 high = np.int64(x >> np.uint64(32))
@@ -286,10 +280,10 @@ def _atac_cells(
             for j in range(c):
                 keys[j] = rank_to_peak[keys[j]]
             chosen = radix_sort(keys, tmp, c, bits)
-            o, sv = out_offsets[i], _mix64(s0 ^ _VALUE_SALT)
+            o, sv = out_offsets[i], mix64(s0 ^ _VALUE_SALT)
             for j in range(c):
                 peaks[o + j] = chosen[j]
-                u = np.int64(_mix64(sv + np.uint64(j) * _PHI) >> np.uint64(32))
+                u = np.int64(mix64(sv + np.uint64(j) * _PHI) >> np.uint64(32))
                 v = 1.0
                 for t in thresholds:
                     v += u >= t

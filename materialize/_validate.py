@@ -26,6 +26,7 @@ from omicsio_jax.format import (
     InvalidRowError,
     encode_csr,
     encode_dense_rows,
+    mix64,
     plan_sparse,
 )
 
@@ -131,7 +132,6 @@ def _describe(e: InvalidRowError, tokens, values, genes: GeneIndex, locate) -> s
 
 
 _FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 @nb.njit(nogil=True, cache=True)
@@ -142,9 +142,7 @@ def _hash_strings(offsets, data, out):
         h = _FNV_OFFSET
         for j in range(offsets[i], offsets[i + 1]):
             h = (h ^ np.uint64(data[j])) * _FNV_PRIME
-        h = (h ^ (h >> np.uint64(30))) * _MIX1
-        h = (h ^ (h >> np.uint64(27))) * _MIX2
-        out[i] = h ^ (h >> np.uint64(31))
+        out[i] = mix64(h)
 
 
 def hash_strings(strings: pa.Array) -> np.ndarray:

@@ -1,5 +1,6 @@
 """numba helpers the kernels share: `prefetch`, LLVM's cache-line prefetch as a function numba
-compiles, and `stream_row`, rows written to memory around the caches."""
+compiles, `stream_row`, rows written to memory around the caches, and `mix64`, splitmix64's
+finalizer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from omicsio_jax.core.buffers import aligned_empty
+
+
+@nb.njit(inline="always")
+def mix64(z):
+    """splitmix64's finalizer of a uint64 ``z``: every bit of the result depends on every bit of ``z``
+    (the token outputs' draws, the cell-id hashes of materialize, the synthetic data's hashed bits)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 @intrinsic

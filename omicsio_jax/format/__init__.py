@@ -22,6 +22,7 @@ from omicsio_jax.core.lazy import lazy_exports
 if TYPE_CHECKING:
     from omicsio_jax.core.buffers import RowBuffers as RowBuffers
     from omicsio_jax.core.errors import require as require
+    from omicsio_jax.core.kernels import mix64 as mix64
     from omicsio_jax.core.producer import Background as Background
     from omicsio_jax.format.arrow import from_numpy as from_numpy
     from omicsio_jax.format.arrow import is_list_type as is_list_type
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
 _WRITER_API = {
     "omicsio_jax.core.buffers": ("RowBuffers",),
     "omicsio_jax.core.errors": ("require",),
+    "omicsio_jax.core.kernels": ("mix64",),
     "omicsio_jax.core.producer": ("Background",),
     "omicsio_jax.format.chunk_index": ("CHUNK_INDEX_DIR", "chunk_index_path"),
     "omicsio_jax.format.codec": (

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from omicsio_jax.core.kernels import mix64
+
 # random streams (the counter's high bits): one per kind of choice
 STREAM_SUBSAMPLE, STREAM_TIES, STREAM_MASK, STREAM_MASK_KIND, STREAM_RANDOM_TOKEN = 1, 2, 3, 4, 5
 
@@ -17,26 +19,19 @@ _MASK64 = (1 << 64) - 1
 
 
 @nb.njit(inline="always")
-def _mix(z):
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
-    return z ^ (z >> np.uint64(31))
-
-
-@nb.njit(inline="always")
 def cell_key(seed, epoch, row):
     """The key of one cell's draws: splitmix64 chained over ``seed``, ``epoch`` and ``row``."""
     golden = np.uint64(_GOLDEN)
-    z = _mix(np.uint64(seed) + golden)
-    z = _mix(z ^ (np.uint64(epoch) + golden))
-    return _mix(z ^ (np.uint64(row) + golden))
+    z = mix64(np.uint64(seed) + golden)
+    z = mix64(z ^ (np.uint64(epoch) + golden))
+    return mix64(z ^ (np.uint64(row) + golden))
 
 
 @nb.njit(inline="always")
 def uniform(key, stream, i):
     """Draw ``i`` of ``stream`` for the cell ``key``: a float64 in [0, 1) with 53 random bits."""
     counter = (np.uint64(stream) << np.uint64(40)) + np.uint64(i) + np.uint64(1)
-    return np.float64(_mix(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return np.float64(mix64(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
 GAP_BLOCK = 32  # `selected_positions` makes its draws this many at a time (its ``u`` holds 3 times this)
