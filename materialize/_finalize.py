@@ -170,7 +170,7 @@ class Finalizer:
             obs_types |= {N_COUNTS: pa.float64(), N_GENES: pa.int32()}
         self._writers = [make_obs_writer(self.root / "obs", name, kind) for name, kind in obs_types.items()]
         one_input = job.source.description.get("kind") != "collection"  # sources may share cell ids
-        self._cell_ids = CellIdWriter(self.root, unique_in=job.source.label if one_input else None)
+        self._cell_ids = CellIdWriter(self.root, unique_in=job.source.row_in_file if one_input else None)
         self._n_cells = np.zeros(job.num_columns, np.int64)
         self._sums = np.zeros((6, job.num_columns), np.float64)
         self._hist = np.zeros((job.num_columns, NUM_BINS), np.uint32) if job.stats else None

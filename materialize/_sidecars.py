@@ -18,7 +18,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -296,12 +296,13 @@ def make_obs_writer(
 
 class CellIdWriter:
     """Cell ids in row order, streamed into ``cell_ids.parquet``. With ``unique_in`` (the input's
-    label), `finish` refuses a cell id that occurs twice, naming it, its rows and the input
+    ``row_in_file``: a dataset row's file and row there), `finish` refuses a cell id that occurs
+    twice, naming it and the files and rows of both
     (`UniqueStrings`: 8 bytes a cell on disk beside the dataset while it is written, none in memory)."""
 
     path = "cell_ids.parquet"
 
-    def __init__(self, root: Path, *, unique_in: str | None = None):
+    def __init__(self, root: Path, *, unique_in: Callable[[int], tuple[str, int]] | None = None):
         self.root, self.unique_in = root, unique_in
         schema = pa.schema([("cell_id", pa.string())])
         self._writer = pq.ParquetWriter(root / self.path, schema, compression="zstd", use_dictionary=False)
@@ -331,9 +332,14 @@ class CellIdWriter:
             shutil.rmtree(self._unique.scratch, ignore_errors=True)
         if twice is not None:
             cell_id, first, again = twice
+            (file, a), (other, b) = self.unique_in(first), self.unique_in(again)
+            where = (
+                f"rows {a} and {b} of {file}"
+                if file == other
+                else f"row {a} of {file} and row {b} of {other}"
+            )
             msg = (
-                f"duplicate cell_id {cell_id} in rows {first} and {again} of {self.unique_in}: a dataset's "
-                "cell ids must be unique; make them unique in the input, or name a unique column with "
-                "--cell-id (InputOptions(cell_id=...))"
+                f"duplicate cell_id {cell_id} in {where}: a dataset's cell ids must be unique; make them "
+                "unique in the input, or name a unique column with --cell-id (InputOptions(cell_id=...))"
             )
             raise DataValidationError(msg)

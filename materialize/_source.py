@@ -102,6 +102,11 @@ class Source:
         """The most rows its reads decode at once from a row group's start (0: no such unit)."""
         return 0
 
+    def row_in_file(self, row: int) -> tuple[str, int]:
+        """Where the dataset's ``row`` came from, for messages: the file (or the input) and the row
+        counted there; by default the input and ``row``."""
+        return self.label, row
+
     def part_of(self, first: int, num_cells: int) -> Partition:
         """Cells ``[first, first + num_cells)`` as a partition `batches` reads (a collection's member
         read from within a shard of the collection)."""

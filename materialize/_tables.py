@@ -219,6 +219,16 @@ class TableSource(TableReads, Source):
         except duckdb.Error as e:
             raise DataValidationError(self._explain(e)) from e
 
+    def row_in_file(self, row: int) -> tuple[str, int]:
+        """The file of the dataset's ``row`` and its row there, where every row of the files is a cell
+        (no ``--where`` or ``--query``); else the input, and ``row`` counted among its cells."""
+        if self._counts is None:
+            label = self.label if self._where is None else f"the cells of {self.label} that pass --where"
+            return label, row
+        ends = np.cumsum(self._counts)
+        f = int(np.searchsorted(ends, row, side="right"))
+        return str(self.files[f]), row - int(ends[f] - self._counts[f])
+
     def __getstate__(self) -> dict:
         """Pickled for partition workers without the DuckDB connection (each worker opens its own)."""
         return {**self.__dict__, "_con": None}

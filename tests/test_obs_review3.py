@@ -19,7 +19,7 @@ import pytest
 import scipy.sparse as sp
 
 import omicsio_jax as oj
-from materialize import Layout, _validate, materialize
+from materialize import InputOptions, Layout, _validate, materialize
 
 LAYOUT = Layout(shard_cells=16, group_size=16)
 
@@ -131,6 +131,37 @@ def test_a_duplicate_cell_id_is_refused_naming_it_and_leaves_nothing(tmp_path, w
             str(tmp_path / "cells.parquet"), tmp_path / "out", workers=workers, progress=False, layout=LAYOUT
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cells.parquet"]
+
+
+def test_a_duplicate_cell_id_across_the_files_of_a_glob_names_each_file_and_its_own_row(tmp_path):
+    """Rows are counted within each file of a glob (the dataset's rows, counted across the files,
+    named neither file); with ``--where``, rows among the cells that pass it, and the message says so."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    first, second = _cells(20), _cells(30)
+    ids = [f"d{i:03d}" for i in range(30)]
+    ids[12] = "c005"  # row 5 of a.parquet
+    pq.write_table(first, folder / "a.parquet", row_group_size=16)
+    pq.write_table(second.set_column(0, "cell_id", pa.array(ids)), folder / "b.parquet", row_group_size=16)
+    with pytest.raises(
+        oj.DataValidationError,
+        match=r"^duplicate cell_id c005 in row 5 of .*a\.parquet and row 12 of .*b\.parquet: ",
+    ):
+        materialize(str(folder / "*.parquet"), tmp_path / "out", workers=2, progress=False, layout=LAYOUT)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(
+        oj.DataValidationError,
+        match=r"^duplicate cell_id c005 in rows 4 and 31 of the cells of .*\*\.parquet that pass --where: ",
+    ):
+        materialize(
+            str(folder / "*.parquet"),
+            tmp_path / "out",
+            read=InputOptions(where="cell_id <> 'c000'"),
+            workers=1,
+            progress=False,
+            layout=LAYOUT,
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_distinct_ids_of_one_hash_are_no_duplicates(tmp_path, monkeypatch):
