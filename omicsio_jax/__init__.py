@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from omicsio_jax.core.errors import OmicsIOError as OmicsIOError
     from omicsio_jax.core.errors import StateMismatchError as StateMismatchError
     from omicsio_jax.dataset.cache import IOStats as IOStats
-    from omicsio_jax.dataset.dataset import Categorical as Categorical
     from omicsio_jax.dataset.dataset import Dataset as Dataset
     from omicsio_jax.dataset.dataset import open_dataset as open_dataset
+    from omicsio_jax.dataset.obs import Categorical as Categorical
     from omicsio_jax.dataset.presence import GenePresence as GenePresence
     from omicsio_jax.dataset.splits import Split as Split
     from omicsio_jax.dataset.splits import split as split
@@ -100,7 +100,7 @@ _PUBLIC = {
     "Placement": "omicsio_jax.loaders.options",
     "ReadOptions": "omicsio_jax.loaders.options",
     "Normalization": "omicsio_jax.outputs.normalize",
-    "Categorical": "omicsio_jax.dataset.dataset",
+    "Categorical": "omicsio_jax.dataset.obs",
     "Dataset": "omicsio_jax.dataset.dataset",
     "open_dataset": "omicsio_jax.dataset.dataset",
     "GenePresence": "omicsio_jax.dataset.presence",

@@ -5,16 +5,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
+from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.dataset.cache import IOStats
+from omicsio_jax.dataset.gene_columns import gene_columns
+from omicsio_jax.dataset.obs import Categorical, ObsColumns, rows_where
 from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
 from omicsio_jax.format import codec
 from omicsio_jax.format.chunk_index import (
@@ -24,7 +25,6 @@ from omicsio_jax.format.chunk_index import (
     load_chunk_index,
 )
 from omicsio_jax.format.csr import take_rows
-from omicsio_jax.format.genes import fold_ensembl, name_lookup
 from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
 from omicsio_jax.records.chunk_reader import supported as chunks_readable
@@ -40,56 +40,6 @@ from omicsio_jax.storage.store import is_remote, s3_url
 # measured), where a 16,384-cell shard's footer and postscript are ~12 KB: 64 KiB makes it 116 KB
 # and 0.1 ms, which is what a first fetch that touches every shard of a big dataset pays per shard.
 DEFAULT_READER_OPTIONS = "readahead_buffer_size:256K,max_parallelism:0,footer_prefetch_bytes:65536"
-
-
-@dataclasses.dataclass(frozen=True)
-class Categorical:
-    """A categorical obs column: ``codes[i]`` indexes ``categories`` (-1 = missing)."""
-
-    codes: np.ndarray
-    categories: tuple[str, ...]
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def labels(self) -> np.ndarray:
-        """The labels as a numpy object array (``None`` where missing)."""
-        table = np.array([*self.categories, None], dtype=object)
-        return table[np.where(self.codes < 0, len(self.categories), self.codes)]
-
-
-class _ObsColumns(Mapping):
-    """A dataset's obs columns by name, each loaded on first access (a remote one's downloaded then)."""
-
-    def __init__(self, dataset: Dataset):
-        self._dataset, self._entries = dataset, {e.name: e for e in dataset.manifest.obs}
-        self._loaded: dict[str, Categorical | np.ndarray] = {}
-
-    def __getitem__(self, name: str) -> Categorical | np.ndarray:
-        column = self._loaded.get(name)
-        if column is None:
-            entry, path = self._entries[name], self._dataset.local_path
-            if entry.kind == "categorical":
-                codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
-                column = Categorical(
-                    codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text()))
-                )
-            else:
-                column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
-            column = self._loaded.setdefault(name, column)
-        return column
-
-    def __contains__(self, name: object) -> bool:  # without loading it
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __repr__(self) -> str:
-        return f"obs({', '.join(self._entries)})"
 
 
 class Dataset:
@@ -398,7 +348,7 @@ class Dataset:
     def obs(self) -> Mapping[str, Categorical | np.ndarray]:
         """Obs sidecars by name: `Categorical` (codes + categories) or a numeric array (memory-mapped),
         each read on first access (for a remote dataset: downloaded then)."""
-        return _ObsColumns(self)
+        return ObsColumns(self.manifest.obs, self.local_path)
 
     def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
         """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``). A bool
@@ -410,29 +360,7 @@ class Dataset:
         >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
         >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
         """
-        if column not in self.obs:
-            msg = f"obs column {column!r} not in {self.path}; available: {', '.join(self.obs)}"
-            raise KeyError(msg)
-        data = self.obs[column]
-        if isinstance(data, Categorical):
-            if set(data.categories) <= {"false", "true"}:  # a bool column (kept as a categorical: nulls)
-                values = [str(v).lower() if isinstance(v, (bool, np.bool_)) else v for v in values]
-            unknown = [v for v in values if v not in data.categories]
-            if unknown:
-                msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
-                raise KeyError(msg)
-            keep = np.isin(data.codes, [data.categories.index(v) for v in values])
-        else:
-            wanted = np.asarray(values)
-            if data.dtype.kind in "mM":  # dates and times: text such as "2024-05-01" is no match for them
-                try:
-                    wanted = np.asarray(values, dtype=data.dtype)
-                except (TypeError, ValueError) as e:
-                    example = '["2024-05-01"]' if data.dtype.kind == "M" else '[np.timedelta64(90, "s")]'
-                    msg = f"{list(values)!r} are not {data.dtype} values of obs {column!r}; e.g. {example}"
-                    raise TypeError(msg) from e
-            keep = np.isin(np.asarray(data), wanted)
-        return np.flatnonzero(~keep if invert else keep)
+        return rows_where(self.obs, column, values, invert=invert, where=str(self.path))
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
         """Columns of ``genes`` (names, Ensembl ids with or without their version, or column numbers;
@@ -441,38 +369,7 @@ class Dataset:
         >>> ds.gene_columns(["CD3E", "ENSG00000167286", 17])       # doctest: +SKIP
         >>> ds.modality("atac").gene_columns(["chr1:10010-10460"])  # doctest: +SKIP
         """
-        features = self.features
-        keys = [key for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
-        lookup, shared = name_lookup(features[key].astype(str) for key in keys)
-        by_id: dict[str, int] = {}  # Ensembl ids without their version
-        if "ensembl_id" in features:
-            for col, value in enumerate(features["ensembl_id"].astype(str)):
-                by_id.setdefault(fold_ensembl(value), col)
-        cols, unknown = [], []
-        for g in genes:
-            if isinstance(g, (int, np.integer)):
-                if not 0 <= int(g) < self.num_genes:
-                    unknown.append(str(g))
-                cols.append(int(g))
-                continue
-            if str(g) in shared:
-                held = shared[str(g)]
-                ids = features["ensembl_id"].astype(str) if "ensembl_id" in features else None
-                named = ", ".join(str(c if ids is None else ids[c]) for c in held[:5])
-                msg = (
-                    f"{self.path}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id"
-                )
-                raise OmicsIOError(msg)
-            col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
-            if col is None:
-                unknown.append(str(g))
-            cols.append(col)
-        if unknown:
-            msg = (
-                f"{len(unknown)} panel gene(s) not in {self.path}/features.parquet: {', '.join(unknown[:5])}"
-            )
-            raise OmicsIOError(msg)
-        return np.asarray(cols, dtype=np.int64)
+        return gene_columns(self.features, self.num_genes, genes, str(self.path))
 
     def check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """``rows`` as an int64 array, checked to be a 1-D sequence of valid row numbers."""

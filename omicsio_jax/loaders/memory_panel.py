@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from omicsio_jax.core.buffers import aligned_empty
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.dataset.dataset import Dataset
+from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.format.codec import Records
 from omicsio_jax.loaders.minibatch import obs_column
 from omicsio_jax.outputs.base import OutputContext

@@ -17,7 +17,8 @@ import numpy as np
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import Fetched, OutputRecords, SegmentCache
-from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.dataset.dataset import Dataset
+from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.loaders.mixtures import mixture_config
 from omicsio_jax.loaders.options import Placement, numba_threads
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys

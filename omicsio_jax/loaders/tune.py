@@ -27,7 +27,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.dataset.dataset import Categorical, Dataset
+from omicsio_jax.dataset.dataset import Dataset
+from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.loaders.disk import make_loader
 from omicsio_jax.loaders.options import MAX_DEFAULT_THREADS, ReadOptions, is_count, usable_cores
 from omicsio_jax.sampling.entropy import minibatch_entropy

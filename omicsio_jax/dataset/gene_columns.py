@@ -1,0 +1,49 @@
+"""Columns of a dataset's genes named by their names, Ensembl ids (with or without a version) or
+column numbers (`omicsio_jax.Dataset.gene_columns`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.format.genes import fold_ensembl, name_lookup
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def gene_columns(
+    features: pd.DataFrame, num_genes: int, genes: Sequence[str | int], where: str
+) -> np.ndarray:
+    """`omicsio_jax.Dataset.gene_columns` over a dataset's ``features`` table (``where``: the dataset,
+    for messages)."""
+    keys = [key for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
+    lookup, shared = name_lookup(features[key].astype(str) for key in keys)
+    by_id: dict[str, int] = {}  # Ensembl ids without their version
+    if "ensembl_id" in features:
+        for col, value in enumerate(features["ensembl_id"].astype(str)):
+            by_id.setdefault(fold_ensembl(value), col)
+    cols, unknown = [], []
+    for g in genes:
+        if isinstance(g, (int, np.integer)):
+            if not 0 <= int(g) < num_genes:
+                unknown.append(str(g))
+            cols.append(int(g))
+            continue
+        if str(g) in shared:
+            held = shared[str(g)]
+            ids = features["ensembl_id"].astype(str) if "ensembl_id" in features else None
+            named = ", ".join(str(c if ids is None else ids[c]) for c in held[:5])
+            msg = f"{where}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id"
+            raise OmicsIOError(msg)
+        col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
+        if col is None:
+            unknown.append(str(g))
+        cols.append(col)
+    if unknown:
+        msg = f"{len(unknown)} panel gene(s) not in {where}/features.parquet: {', '.join(unknown[:5])}"
+        raise OmicsIOError(msg)
+    return np.asarray(cols, dtype=np.int64)

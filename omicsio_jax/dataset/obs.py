@@ -1,0 +1,98 @@
+"""A dataset's obs sidecars: `Categorical` columns, `ObsColumns` (each column loaded on first access)
+and `rows_where` (the rows whose column takes given values)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from omicsio_jax.format.manifest import ObsEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class Categorical:
+    """A categorical obs column: ``codes[i]`` indexes ``categories`` (-1 = missing)."""
+
+    codes: np.ndarray
+    categories: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def labels(self) -> np.ndarray:
+        """The labels as a numpy object array (``None`` where missing)."""
+        table = np.array([*self.categories, None], dtype=object)
+        return table[np.where(self.codes < 0, len(self.categories), self.codes)]
+
+
+class ObsColumns(Mapping):
+    """A dataset's obs columns by name, each loaded on first access (``local_path``: the local file of
+    one of the dataset's files; a remote dataset's is downloaded then)."""
+
+    def __init__(self, entries: Sequence[ObsEntry], local_path: Callable[[str], Path]):
+        self._entries, self._local_path = {e.name: e for e in entries}, local_path
+        self._loaded: dict[str, Categorical | np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> Categorical | np.ndarray:
+        column = self._loaded.get(name)
+        if column is None:
+            entry, path = self._entries[name], self._local_path
+            if entry.kind == "categorical":
+                codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
+                column = Categorical(
+                    codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text()))
+                )
+            else:
+                column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
+            column = self._loaded.setdefault(name, column)
+        return column
+
+    def __contains__(self, name: object) -> bool:  # without loading it
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"obs({', '.join(self._entries)})"
+
+
+def rows_where(
+    obs: Mapping[str, Categorical | np.ndarray],
+    column: str,
+    values: Sequence[str | float],
+    *,
+    invert: bool = False,
+    where: str = "the dataset",
+) -> np.ndarray:
+    """`omicsio_jax.Dataset.rows_where` over ``obs`` (``where``: the dataset, for messages)."""
+    if column not in obs:
+        msg = f"obs column {column!r} not in {where}; available: {', '.join(obs)}"
+        raise KeyError(msg)
+    data = obs[column]
+    if isinstance(data, Categorical):
+        if set(data.categories) <= {"false", "true"}:  # a bool column (kept as a categorical: nulls)
+            values = [str(v).lower() if isinstance(v, (bool, np.bool_)) else v for v in values]
+        unknown = [v for v in values if v not in data.categories]
+        if unknown:
+            msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
+            raise KeyError(msg)
+        keep = np.isin(data.codes, [data.categories.index(v) for v in values])
+    else:
+        wanted = np.asarray(values)
+        if data.dtype.kind in "mM":  # dates and times: text such as "2024-05-01" is no match for them
+            try:
+                wanted = np.asarray(values, dtype=data.dtype)
+            except (TypeError, ValueError) as e:
+                example = '["2024-05-01"]' if data.dtype.kind == "M" else '[np.timedelta64(90, "s")]'
+                msg = f"{list(values)!r} are not {data.dtype} values of obs {column!r}; e.g. {example}"
+                raise TypeError(msg) from e
+        keep = np.isin(np.asarray(data), wanted)
+    return np.flatnonzero(~keep if invert else keep)
