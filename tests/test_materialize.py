@@ -333,7 +333,7 @@ def test_anndata_strings_become_arrow_strings_as_decoding_each_would_make_them()
     """`_text_array`: h5py's variable-length (bytes objects) and fixed-length strings, zarr's str
     values and an empty array, as decoding each value would give them; bytes that are not UTF-8
     raise the decoder's error, as decoding them one by one did."""
-    from materialize._h5ad import _text_array
+    from materialize._anndata_elements import _text_array
 
     words = ["", "cell", "Zürich", "細胞", "β"]
     for values in (
