@@ -66,12 +66,12 @@ if TYPE_CHECKING:
     from omicsio_jax.outputs.vocabulary import Vocabulary as Vocabulary
     from omicsio_jax.outputs.vocabulary import default_vocabulary as default_vocabulary
     from omicsio_jax.query.cell_table import CellTable as CellTable
-    from omicsio_jax.query.cell_table import CSRBatch as CSRBatch
-    from omicsio_jax.query.cell_table import PanelResult as PanelResult
-    from omicsio_jax.query.cell_table import arrow_csr as arrow_csr
     from omicsio_jax.query.cell_table import open_table as open_table
     from omicsio_jax.query.gene_table import GeneTable as GeneTable
     from omicsio_jax.query.gene_table import UnknownGeneError as UnknownGeneError
+    from omicsio_jax.query.results import CSRBatch as CSRBatch
+    from omicsio_jax.query.results import PanelResult as PanelResult
+    from omicsio_jax.query.results import arrow_csr as arrow_csr
     from omicsio_jax.sampling.coverage import Coverage as Coverage
     from omicsio_jax.sampling.coverage import CoverageError as CoverageError
     from omicsio_jax.sampling.coverage import Tally as Tally
@@ -154,9 +154,9 @@ _PUBLIC = {
     "load_panel": "omicsio_jax.loaders.memory_panel",
     "verify_dataset": "omicsio_jax.format.manifest",
     "CellTable": "omicsio_jax.query.cell_table",
-    "CSRBatch": "omicsio_jax.query.cell_table",
-    "PanelResult": "omicsio_jax.query.cell_table",
-    "arrow_csr": "omicsio_jax.query.cell_table",
+    "CSRBatch": "omicsio_jax.query.results",
+    "PanelResult": "omicsio_jax.query.results",
+    "arrow_csr": "omicsio_jax.query.results",
     "open_table": "omicsio_jax.query.cell_table",
     "SamplingPlan": "omicsio_jax.sampling.plan",
     "scatter_dense": "omicsio_jax.outputs.scatter",

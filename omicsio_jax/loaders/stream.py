@@ -43,7 +43,8 @@ from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
 from omicsio_jax.outputs.resolve import resolve_output
-from omicsio_jax.query.cell_table import CellTable, ObsSpec
+from omicsio_jax.query.cell_table import CellTable
+from omicsio_jax.query.results import ObsSpec
 from omicsio_jax.sampling.coverage import Coverage, Tally
 from omicsio_jax.sampling.options import Stream
 
