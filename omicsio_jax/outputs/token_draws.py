@@ -16,6 +16,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
+_STEP = 1.0 / 9007199254740992.0  # 2**-53: a draw's 53 random bits as a float in [0, 1)
 
 
 @nb.njit(inline="always")
@@ -31,7 +32,7 @@ def cell_key(seed, epoch, row):
 def uniform(key, stream, i):
     """Draw ``i`` of ``stream`` for the cell ``key``: a float64 in [0, 1) with 53 random bits."""
     counter = (np.uint64(stream) << np.uint64(40)) + np.uint64(i) + np.uint64(1)
-    return np.float64(mix64(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return np.float64(mix64(key + counter * np.uint64(_GOLDEN)) >> np.uint64(11)) * _STEP
 
 
 GAP_BLOCK = 32  # `selected_positions` makes its draws this many at a time (its ``u`` holds 3 times this)
@@ -60,8 +61,7 @@ _ONE = 0x3FF0000000000000  # the bits of 1.0
 # 2·s, with s**2 <= 0.0295), the gap's product by 1/log_keep within 3e-16 of the quotient: a gap within
 # this share of itself from a whole number is taken again with libm's log and a division
 _NEAR = 1e-7
-_SMALLEST = 1.0 / 9007199254740992.0  # 2**-53: the smallest draw but 0, which stands in for 0
-_SMALLEST_BITS = 0x3CA0000000000000  # its bits
+_SMALLEST_BITS = 0x3CA0000000000000  # the bits of `_STEP`, the smallest draw but 0, which stands in for 0
 
 
 @nb.njit(inline="always")
@@ -106,7 +106,7 @@ def gaps(u, log_keep):
         near |= not ((frac > tol) & (frac < 1.0 - tol))
     if near:
         for b in range(GAP_BLOCK):
-            q[b] = np.log(max(u[b], _SMALLEST)) / log_keep
+            q[b] = np.log(max(u[b], _STEP)) / log_keep
 
 
 @nb.njit(inline="always")
@@ -149,5 +149,5 @@ def uniforms(seed: int, epoch: int, row: int, stream: int, count: int) -> np.nda
     out = np.empty(count, np.float64)
     for i in range(count):
         counter = ((stream << 40) + i + 1) & _MASK64
-        out[i] = (_mix_py((key + counter * g) & _MASK64) >> 11) * (1.0 / 9007199254740992.0)
+        out[i] = (_mix_py((key + counter * g) & _MASK64) >> 11) * _STEP
     return out
