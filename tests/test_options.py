@@ -14,6 +14,7 @@ from omicsio_jax.loaders.options import (
     MAX_DEFAULT_THREADS,
     SMALL_BATCH,
     SPLIT_BATCH_BYTES,
+    default_batches_ahead,
     default_decode_threads,
     default_num_threads,
     default_prefetch,
@@ -151,6 +152,37 @@ def test_the_loader_splits_a_large_dense_batch_over_the_cores_unless_told(datase
         finally:
             for loader in (dense, told, ahead, smaller):
                 loader.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_threads", "batch_bytes", "ahead"),
+    [
+        ("geneformer", 2, 0, 8),  # small batches: up to four per thread ahead of the consumer
+        ("scgpt", 1, 0, 4),
+        ("csr", 2, SPLIT_BATCH_BYTES, 8),  # (a csr batch is no float32 rows: its size says nothing)
+        ("dense", 2, SPLIT_BATCH_BYTES - 1, 8),  # a panel's rows
+        ("geneformer", 8, 0, 14),  # at most MAX_EXTRA_AHEAD beyond the threads
+        ("dense", 2, SPLIT_BATCH_BYTES, 2),  # full-width dense rows: memory-bound, one per thread
+        ("dense", 0, SPLIT_BATCH_BYTES, 1),  # made on the consumer's thread: none ahead
+        ("geneformer", 0, 0, 1),
+    ],
+)
+def test_default_batches_ahead_runs_deeper_for_batches_that_are_compute_not_memory(
+    kind, num_threads, batch_bytes, ahead
+):
+    assert default_batches_ahead(kind, num_threads, batch_bytes) == ahead
+
+
+def test_the_loader_makes_batches_ahead_as_its_default_says_and_serves_the_same_ones(dataset_dir):
+    with oj.open_dataset(dataset_dir) as ds:
+        kw = {"batch_size": 16, "seed": 1, "num_epochs": 1, "output": oj.GeneformerTokens(max_len=64)}
+        deep = oj.make_loader(ds, **kw, read=oj.ReadOptions(num_threads=2))
+        alone = oj.make_loader(ds, **kw, read=oj.ReadOptions(num_threads=0))
+        assert deep.batches_ahead == 8 and "batches_ahead=8" in repr(deep)
+        assert alone.batches_ahead == 1
+        for a, b in zip(deep, alone, strict=True):  # how far ahead batches are made changes no batch
+            np.testing.assert_array_equal(np.asarray(a.x["input_ids"]), np.asarray(b.x["input_ids"]))
+            np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
 
 
 @pytest.mark.parametrize(("cores", "prefetch"), [(1, 2), (2, 2), (8, 2), (12, 3), (16, 4), (32, 8), (128, 8)])

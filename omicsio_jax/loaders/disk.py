@@ -32,6 +32,7 @@ from omicsio_jax.loaders.options import (
     Placement,
     ReadOptions,
     check_argument,
+    default_batches_ahead,
     default_decode_threads,
     default_num_threads,
     default_prefetch,
@@ -75,14 +76,12 @@ class Loader(ClosingIterator):
         self.read = read.with_defaults(
             num_threads=default_num_threads(kind, batch_size=rows), prefetch=default_prefetch()
         )
+        row_bytes = rows * (getattr(self.output, "num_columns", None) or 0) * 4  # as float32 rows
         self.read = self.read.with_defaults(
-            decode_threads=default_decode_threads(
-                kind,
-                self.read.num_threads,
-                rows * (getattr(self.output, "num_columns", None) or 0) * 4,  # float32 rows
-            )
+            decode_threads=default_decode_threads(kind, self.read.num_threads, row_bytes)
         )
         self.num_threads, self.prefetch = self.read.num_threads, self.read.prefetch
+        self.batches_ahead = default_batches_ahead(kind, self.num_threads, row_bytes)
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._mixtures: list[dict] | None = None  # every mixture and the epoch it took effect at
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
@@ -92,7 +91,8 @@ class Loader(ClosingIterator):
         return (
             f"Loader({str(self.dataset.path)!r}, batch_size={self.spec.batch_size}, sampling={self.spec.sampling}, "
             f"output={output}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
-            f"num_epochs={self.num_epochs}, read={self.read}, hosts={self.plan.num_hosts})"
+            f"num_epochs={self.num_epochs}, read={self.read}, batches_ahead={self.batches_ahead}, "
+            f"hosts={self.plan.num_hosts})"
         )
 
     # ----- the stream --------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class Loader(ClosingIterator):
             num_epochs=self.num_epochs,
             prefetch=self.prefetch,
             decode_threads=self.read.decode_threads,
-            keep_buffers=self._buffer_size + self.num_threads + 4,
+            keep_buffers=self.batches_ahead + self.num_threads + 4,
         )
 
     @property
@@ -113,10 +113,6 @@ class Loader(ClosingIterator):
         """Numba threads that decode one batch (`default_decode_threads`: 1, as ``num_threads``
         batches decode at once, or every core for large dense batches decoded on the consumer's thread)."""
         return self.read.decode_threads
-
-    @property
-    def _buffer_size(self) -> int:
-        return max(self.num_threads, 1)
 
     def _host_stream(self, schedule: Schedule, reader: MinibatchReader, start: tuple[int, int]):
         """The host batches from ``start`` to the end (endless without ``num_epochs``) as a Grain dataset."""
@@ -145,7 +141,7 @@ class Loader(ClosingIterator):
             return placement.place(hb), Tally.of(hb.index)
 
         stream = self._host_stream(self._schedule, reader, (self._epoch, self._step)).map(place)
-        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self._buffer_size)
+        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self.batches_ahead)
         self._iterator = iter(stream.to_iter_dataset(options))
         # Stop the threads when the loader goes away or, at the latest, before the interpreter
         # shuts down: a thread still inside a numba or ArrayRecord call then aborts it.
@@ -198,7 +194,7 @@ class Loader(ClosingIterator):
         before device placement: compose transforms on it and checkpoint it with Grain's own state."""
         schedule = Schedule(self.plan, self.host)
         reader = self._new_reader(schedule)
-        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self._buffer_size)
+        options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self.batches_ahead)
         return self._host_stream(schedule, reader, (0, 0)).to_iter_dataset(options)
 
     # ----- device side -------------------------------------------------------------------------
@@ -400,8 +396,9 @@ def make_loader(
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
     threads chosen for the output kind, the batch size and the machine's cores decode and place
     batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by
-    ``repr(loader)``; two fetches are read ahead, more on many cores, `default_prefetch`, each
-    of ``fetch_factor × batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
+    ``repr(loader)``, with up to ``loader.batches_ahead`` batches made ahead, `default_batches_ahead`;
+    two fetches are read ahead, more on many cores, `default_prefetch`, each of ``fetch_factor ×
+    batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
     placement, read = Placement.of(placement), ReadOptions.of(read)
     check_argument("make_loader", "batch_size", batch_size, minimum=1)
