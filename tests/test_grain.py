@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import omicsio_jax as oj
+from omicsio_jax.loaders import options
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,16 @@ def test_planned_coverage_matches_what_the_dataloader_serves(ds):
     for batch in grain.DataLoader(data_source=src, sampler=src.sampler(), read_options=src.read_options()):
         served = served + oj.Tally.of(batch.index)
     assert served == src.planned(0)
+
+
+def test_read_options_let_the_threads_run_ahead_unless_the_records_are_full_width_dense_rows(ds, monkeypatch):
+    tokens = oj.GrainSource(ds, **{**BASE, "output": oj.GeneformerTokens(max_len=64)})
+    assert tokens.read_options().prefetch_buffer_size == 8  # 2 threads, 4 batches each ahead
+    assert tokens.read_options(num_threads=1).prefetch_buffer_size == 4
+    assert tokens.read_options(prefetch_buffer_size=5).prefetch_buffer_size == 5
+    monkeypatch.setattr(options, "SPLIT_BATCH_BYTES", 1)  # every dense batch "full width"
+    dense = oj.GrainSource(ds, **{**BASE, "output": "dense"})
+    assert dense.read_options().prefetch_buffer_size == 3  # a record or so ahead per thread
 
 
 def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):

@@ -27,7 +27,7 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
-from omicsio_jax.loaders.options import Placement, ReadOptions
+from omicsio_jax.loaders.options import Placement, ReadOptions, default_batches_ahead
 from omicsio_jax.loaders.state import as_json
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import HostBatch
@@ -118,6 +118,9 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         self.num_hosts, self.steps_per_epoch = hosts, plan.steps_per_epoch
         self.read = read.with_defaults(num_threads=2, prefetch=2, decode_threads=1)
         self.prefetch, self.decode_threads = self.read.prefetch, self.read.decode_threads
+        # what `read_options` sizes Grain's buffer by: the output kind, a batch's bytes as float32 rows
+        self._kind = bound.decoding
+        self._row_bytes = plan.local_batch * (getattr(bound, "num_columns", None) or 0) * 4
         layout = {
             "num_hosts": hosts,
             "num_slabs": self.spec.num_slabs,
@@ -210,13 +213,13 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         self, num_threads: int | None = None, prefetch_buffer_size: int | None = None
     ) -> grain.ReadOptions:
         """Grain's read options sized for minibatch records: ``num_threads`` threads (default: the
-        source's ``read.num_threads``, 2) decode, each a record or so ahead (Grain's default buffer
-        of 500 records would hold gigabytes of batches)."""
+        source's ``read.num_threads``, 2) decode, each a record or so ahead, up to four for records
+        that are not full-width dense rows (`default_batches_ahead`, as `make_loader`'s threads; Grain's
+        default buffer of 500 records would hold gigabytes of batches)."""
         if num_threads is None:
             num_threads = self.read.num_threads
-        return grain.ReadOptions(
-            num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or max(num_threads, 1) + 1
-        )
+        ahead = max(default_batches_ahead(self._kind, num_threads, self._row_bytes), max(num_threads, 1) + 1)
+        return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or ahead)
 
     def planned(self, epoch: int, process_index: int = 0) -> Tally:
         """What process ``process_index`` serves in ``epoch`` (compare a `Tally` of its batches' ``index``)."""
