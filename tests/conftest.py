@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
-import tempfile
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ["OMICSIO_JAX_CACHE"] = tempfile.mkdtemp(prefix="omicsio-jax-cache-")  # the gene-table cache
-# One XLA compilation cache for the session, shared with every process the tests start (they inherit
-# the environment): a train step, a model or a placement compiled once is read back after, not
-# compiled again in each subprocess. Set before anything imports jax, which reads these once.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="omicsio-jax-xla-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +19,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from materialize import Layout, make_synthetic_corpus, materialize
+# Set before anything imports jax, which reads these once. The temporary folders this process makes
+# are removed when it exits (`_MADE`).
+_MADE = [tempfile.mkdtemp(prefix="omicsio-jax-cache-")]
+atexit.register(lambda: [shutil.rmtree(path, ignore_errors=True) for path in _MADE])
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["OMICSIO_JAX_CACHE"] = _MADE[0]  # the gene-table cache
+# One XLA compilation cache for the session, shared with every process the tests start (they inherit
+# the environment): a train step, a model or a placement compiled once is read back after, not
+# compiled again in each subprocess.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _MADE.append(tempfile.mkdtemp(prefix="omicsio-jax-xla-"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _MADE[-1]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+from materialize import Layout, make_synthetic_corpus, materialize  # noqa: E402 (after the environment)
 
 ROOT = Path(__file__).resolve().parents[1]
 

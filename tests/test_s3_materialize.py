@@ -227,7 +227,8 @@ def test_a_writer_killed_at_any_stage_of_an_overwrite_leaves_a_whole_dataset(
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        # (its scratch under tmp_path: a process killed mid-run cannot remove its temporary folders)
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "TMPDIR": str(tmp_path)},
     )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert oj.verify_dataset(out) == []
