@@ -167,8 +167,9 @@ def default_batches_ahead(kind: str, num_threads: int, batch_bytes: int) -> int:
     batch 64 and 1,024 on 2 cores). Otherwise four per thread, at most `MAX_EXTRA_AHEAD` more than
     the threads: with one per thread, a thread that finished its batch before the one the consumer
     waits for had nothing to do until that one was taken, and the threads of Geneformer token
-    batches of 64 kept 1.55 of 2 cores busy, 1.7 with four each, for 8–14% more cells/s (scGPT
-    batch 64 +9%, csr slabs of 64 rows on 2 threads +7%, token batches of 256 +2–4%).
+    batches of 64 kept 1.55 of 2 cores busy, 1.7 with four each, for ~11% more cells/s (scGPT
+    batch 64 +9%, csr slabs of 64 rows on 2 threads +7%, token batches of 256 +1.5% and +4.5%;
+    8 s A/B windows; `benchmarks/results/tokens.json` holds the loaders with it).
 
     >>> default_batches_ahead("geneformer", 2, 0), default_batches_ahead("dense", 2, 256 << 20)
     (8, 2)
