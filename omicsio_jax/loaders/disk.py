@@ -36,6 +36,7 @@ from omicsio_jax.loaders.options import (
     default_decode_threads,
     default_num_threads,
     default_prefetch,
+    float32_batch_bytes,
 )
 from omicsio_jax.loaders.state import (
     as_json,
@@ -76,7 +77,7 @@ class Loader(ClosingIterator):
         self.read = read.with_defaults(
             num_threads=default_num_threads(kind, batch_size=rows), prefetch=default_prefetch()
         )
-        row_bytes = rows * (getattr(self.output, "num_columns", None) or 0) * 4  # as float32 rows
+        row_bytes = float32_batch_bytes(self.output, rows)
         self.read = self.read.with_defaults(
             decode_threads=default_decode_threads(kind, self.read.num_threads, row_bytes)
         )

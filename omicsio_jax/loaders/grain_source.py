@@ -27,7 +27,7 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
-from omicsio_jax.loaders.options import Placement, ReadOptions, default_batches_ahead
+from omicsio_jax.loaders.options import Placement, ReadOptions, default_batches_ahead, float32_batch_bytes
 from omicsio_jax.loaders.state import as_json
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import HostBatch
@@ -120,7 +120,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         self.prefetch, self.decode_threads = self.read.prefetch, self.read.decode_threads
         # what `read_options` sizes Grain's buffer by: the output kind, a batch's bytes as float32 rows
         self._kind = bound.decoding
-        self._row_bytes = plan.local_batch * (getattr(bound, "num_columns", None) or 0) * 4
+        self._row_bytes = float32_batch_bytes(bound, plan.local_batch)
         layout = {
             "num_hosts": hosts,
             "num_slabs": self.spec.num_slabs,

@@ -154,6 +154,12 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     return 1
 
 
+def float32_batch_bytes(output, rows: int) -> int:
+    """The bytes of ``rows`` of ``output``'s columns as float32: what `default_decode_threads` and
+    `default_batches_ahead` size a dense batch by (0 for an output without ``num_columns``)."""
+    return rows * (getattr(output, "num_columns", None) or 0) * 4
+
+
 MAX_EXTRA_AHEAD = 6  # host batches in flight beyond one per decoding thread, at most
 
 
@@ -162,9 +168,9 @@ def default_batches_ahead(kind: str, num_threads: int, batch_bytes: int) -> int:
     handed to the consumer (Grain's prefetch buffer), for an output of ``kind`` whose host batch
     holds ``batch_bytes`` as float32 rows.
 
-    One per thread (1 without threads) for full-width dense rows (``kind`` ``"dense"``, `SPLIT_BATCH_BYTES` or more):
-    writing them is bound by memory, and a deeper buffer measured no faster, only larger (dense
-    batch 64 and 1,024 on 2 cores). Otherwise four per thread, at most `MAX_EXTRA_AHEAD` more than
+    One per thread (1 without threads) for full-width dense rows (``kind`` ``"dense"``,
+    `SPLIT_BATCH_BYTES` or more): writing them is bound by memory, and a deeper buffer measured no
+    faster, only larger (dense batch 64 and 1,024 on 2 cores). Otherwise four per thread, at most `MAX_EXTRA_AHEAD` more than
     the threads: with one per thread, a thread that finished its batch before the one the consumer
     waits for had nothing to do until that one was taken, and the threads of Geneformer token
     batches of 64 kept 1.55 of 2 cores busy, 1.7 with four each, for ~11% more cells/s (scGPT
