@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 from omicsio_jax.core.kernel_cache import check_kernel_caches
 from omicsio_jax.core.lazy import lazy_exports
+from omicsio_jax.core.openmp import passive_waits
 
 check_kernel_caches(os.path.dirname(__file__))  # before any kernel loads a cache built from older modules
+passive_waits()  # before numba's first parallel kernel starts OpenMP's threads
 
 if TYPE_CHECKING:
     from omicsio_jax.core.errors import DatasetFormatError as DatasetFormatError

@@ -96,3 +96,52 @@ def test_a_glob_leaves_out_the_gene_table_beside_the_cells(tmp_path):
     ds = _convert(str(folder / "*.parquet"), tmp_path / "out", 64)
     assert list(ds.cell_ids) == a["cell_id"].to_pylist() + b["cell_id"].to_pylist()
     assert ds.num_genes == 30
+
+
+def test_a_gene_table_read_by_pyarrow_is_the_table_duckdb_reads(tmp_path, monkeypatch):
+    """Plain local gene tables skip DuckDB (`_plain_parquet`): same columns, types, values and
+    nullability, so the dataset's features file keeps its bytes; other column types go to DuckDB."""
+    import duckdb
+
+    import materialize._tables as tables
+
+    folder = _folder(tmp_path, cells=_cells(40, "c", 0))
+    genes = pa.table(
+        {
+            "gene_token_id": pa.array(np.arange(30), pa.int64()),
+            "ensembl_id": pa.array([f"ENSG{i:011d}" for i in range(29)] + [None], pa.large_string()),
+            "gene_name": pa.array([f"G{i % 7}" for i in range(30)]).dictionary_encode(),
+            "length": pa.array(np.arange(30), pa.uint16()),
+            "gc": pa.array(np.linspace(0, 1, 30), pa.float32()),
+            "is_mito": pa.array([i % 5 == 0 for i in range(30)]),
+        },
+        schema=pa.schema(
+            [
+                pa.field("gene_token_id", pa.int64(), nullable=False),
+                ("ensembl_id", pa.large_string()),
+                ("gene_name", pa.dictionary(pa.int32(), pa.string())),
+                ("length", pa.uint16()),
+                ("gc", pa.float32()),
+                ("is_mito", pa.bool_()),
+            ],
+            metadata={"made_by": "a test"},
+        ),
+    )
+    path = folder / "gene_metadata.parquet"
+    pq.write_table(genes, path)
+    read = tables._plain_parquet(str(path))
+    by_duckdb = duckdb.connect().sql(f"SELECT * FROM '{path}'").to_arrow_table()
+    assert read is not None
+    assert read.equals(by_duckdb, check_metadata=True)
+    assert read.schema.equals(by_duckdb.schema, check_metadata=True)
+
+    features = []
+    for k, plain in enumerate((tables._plain_parquet, lambda _: None)):
+        monkeypatch.setattr(tables, "_plain_parquet", plain)
+        _convert(folder, tmp_path / f"out{k}", 16)
+        features.append((tmp_path / f"out{k}" / "features.parquet").read_bytes())
+    assert features[0] == features[1]
+
+    dated = genes.append_column("added", pa.array(np.full(30, 18262, np.int32), pa.int32()).cast(pa.date32()))
+    pq.write_table(dated, path)
+    assert tables._plain_parquet(str(path)) is None
