@@ -66,36 +66,6 @@ from ._tahoe import (
 NO_GENE_TABLE = "give a gene table with --genes"  # `check_derived_gene_space`'s fix, for materialize
 
 
-def _as_duckdb_reads(dtype: pa.DataType) -> pa.DataType | None:
-    """The Arrow type DuckDB reads a parquet column of pyarrow's type ``dtype`` as, for the plain
-    ones (numbers, bools, text, dictionaries of text); None for any other."""
-    if pa.types.is_dictionary(dtype):
-        return _as_duckdb_reads(dtype.value_type)
-    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype):
-        return pa.string()
-    if pa.types.is_integer(dtype) or pa.types.is_boolean(dtype) or dtype in (pa.float32(), pa.float64()):
-        return dtype
-    return None
-
-
-def _plain_parquet(path: str) -> pa.Table | None:
-    """A local ``.parquet`` gene table read by pyarrow as DuckDB reads it (text as ``string``,
-    dictionaries decoded, every field nullable, no metadata, one chunk a column), or None where a
-    column is of another type or names repeat (DuckDB then reads it). A collection opens one per
-    source on its serial path: 50 sources of 20k–60k genes, 0.26 s through DuckDB and 0.06 s so
-    (one thread, 2-core Intel Xeon)."""
-    if is_remote(path) or Path(path).suffix != ".parquet" or not Path(path).is_file():
-        return None
-    with pq.ParquetFile(path) as file:  # not `pq.read_table`: its datasets import pandas
-        table = file.read()
-    types = [_as_duckdb_reads(f.type) for f in table.schema]
-    if any(t is None for t in types) or len({n.lower() for n in table.column_names}) < table.num_columns:
-        return None  # DuckDB's names are case-insensitive: it renames a repeated one
-    columns = [c.cast(t) if c.type != t else c for c, t in zip(table.columns, types, strict=True)]
-    schema = pa.schema([pa.field(n, t) for n, t in zip(table.column_names, types, strict=True)])
-    return pa.Table.from_arrays([c.combine_chunks() for c in columns], schema=schema)
-
-
 class TableSource(TableReads, Source):
     """Cells from list-column tables, read through DuckDB (plain local parquet files: by pyarrow)."""
 
@@ -219,10 +189,8 @@ class TableSource(TableReads, Source):
             if is_remote(genes):
                 register_s3(self._con)
             try:
-                table = _plain_parquet(genes)
-                if table is None:
-                    table = self._con.sql(f"SELECT * FROM {sql_str(str(genes))}").to_arrow_table()
-            except (duckdb.Error, pa.ArrowException) as e:
+                table = self._con.sql(f"SELECT * FROM {sql_str(str(genes))}").to_arrow_table()
+            except duckdb.Error as e:
                 msg = f"cannot read gene table {genes}: {str(e).splitlines()[0]}"
                 raise DataValidationError(msg) from e
             self.description["genes"] = genes
