@@ -20,7 +20,7 @@ def passive_waits() -> None:
     numba's first parallel kernel loads it (so only if none ran before, nor another library loaded
     libgomp). Child processes inherit it: materialize's workers, Grain's.
 
-    Measured on a 2-core Intel Xeon (6 s windows, two rounds each, spinning → passive): dense
+    Measured on a 2-core AMD EPYC (6 s windows, two rounds each, spinning → passive): dense
     batches of 64 at 81k / 73k → 91k / 76k cells/s, of 1,024 at 119k / 127k → 138k / 141k, csr
     slabs of 1,024 at 282k / 248k → 289k / 260k; a collection of 300,000 cells materialized in one
     process, 10.2 / 9.9 s → 8.7 / 8.7 s. A pool of one-thread workers spins no thread, and
