@@ -19,7 +19,8 @@ encode_csr(np.array([0, 2]), np.array([1, 3], np.int32), np.array([1.0, 2.0], np
 
 
 def _spin_count_libgomp_reports(env_policy: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    # the runner's own settings left out: libgomp takes GOMP_SPINCOUNT before any policy
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if env_policy is not None:
         env["OMP_WAIT_POLICY"] = env_policy
     env["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints its settings when it loads
