@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, to_numpy
+from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, small_pages, to_numpy
 
 from ._collection import CollectionSource, Sources, opens_on_workers
 from ._finalize import Finalizer
@@ -230,6 +230,7 @@ def materialize(
                 print(f"materialize: {note}", file=sys.stderr)
         options = layout.writer_options
         with staging_dir(store, overwrite) as staging, contextlib.ExitStack() as stack:
+            stack.enter_context(small_pages())  # the partitions' merge, and those written here
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             job = Job(
                 src,

@@ -39,6 +39,7 @@ from omicsio_jax.format import (
     file_entry,
     from_numpy,
     open_store,
+    small_pages,
 )
 
 from ._panel import Panel
@@ -247,6 +248,7 @@ def write_partition(
     if job.threads is not None:
         _limit_threads(job.threads)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(small_pages())  # its batches' arrays, made and let go of one by one
         local = store.local_root
         if local is None:  # object storage: write here, then upload
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="omicsio-part-")))

@@ -34,6 +34,7 @@ from omicsio_jax.format import (
     fsync_path,
     read_manifest,
     sha256_file,
+    small_pages,
 )
 
 from ._open import CELL_STATS
@@ -98,7 +99,8 @@ def _add_files(root: Path, ds, progress: bool) -> Manifest:
         msg = f"{root}: obs {', '.join(clash)} already exist and are not statistics; rename them first"
         raise OmicsIOError(msg)
     acc = StatsAccumulator(m.num_genes, m.shard_cells)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
+    # `small_pages`: each chunk's records are a fresh read
+    with small_pages(), tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
         tmp = Path(tmp_name)
         writers = [
             make_obs_writer(tmp, "n_counts", pa.float64()),
@@ -171,7 +173,8 @@ def _in_order(m: Manifest, stats: list, obs: list) -> tuple:
 
 def _write_manifest(root: Path, manifest: Manifest) -> None:
     """``root``'s manifest replaced by ``manifest`` atomically."""
-    with tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
+    # `small_pages`: each chunk's records are a fresh read
+    with small_pages(), tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
         staged = Path(tmp_name) / MANIFEST_NAME
         staged.write_text(manifest.to_json())
         fsync_path(staged)

@@ -367,6 +367,35 @@ def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.parquet"]
 
 
+def test_partitions_and_their_merge_make_arrays_without_numpy_huge_pages(corpus, tmp_path, monkeypatch):
+    # `small_pages`: a partition's batches (on a pool's or Dask's worker, or here) and the merge of
+    # the partitions' statistics in the main process
+    huge_pages = pytest.importorskip("numpy._core.multiarray")._get_madvise_hugepage
+    from materialize import _finalize, _partition
+
+    seen = {"write": [], "merge": []}
+    add, merge = _partition.StatsAccumulator.add, _finalize.Finalizer._merge
+
+    def spy_add(self, *a, **k):
+        seen["write"].append(huge_pages())
+        return add(self, *a, **k)
+
+    def spy_merge(self, *a, **k):
+        seen["merge"].append(huge_pages())
+        return merge(self, *a, **k)
+
+    monkeypatch.setattr(_partition.StatsAccumulator, "add", spy_add)
+    monkeypatch.setattr(_finalize.Finalizer, "_merge", spy_merge)
+    before = huge_pages()
+    src = open_source(str(corpus.cells_parquet))
+    write_partition(_job(src, tmp_path / "staging"), src.plan(SHARD)[0])
+    assert seen["write"] and not any(seen["write"]) and huge_pages() is before
+    seen["write"].clear()
+    materialize(corpus.cells_parquet, tmp_path / "ds", workers=1, progress=False)
+    assert seen["merge"] and not any(seen["merge"]) and not any(seen["write"])
+    assert huge_pages() is before
+
+
 def test_finalize_refuses_a_missing_partition_sidecar(corpus, tmp_path):
     src = open_source(str(corpus.cells_parquet))
     parts = src.plan(SHARD)

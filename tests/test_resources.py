@@ -102,6 +102,32 @@ def test_freed_heap_goes_back_to_the_system_when_a_dataset_closes(dataset_dir, m
     assert calls == [1]
 
 
+huge_pages = pytest.importorskip("numpy._core.multiarray")._get_madvise_hugepage
+
+
+def test_small_pages_turn_numpy_huge_pages_off_until_the_last_thread_leaves():
+    before = huge_pages()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with memory.small_pages():
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    with memory.small_pages():
+        assert huge_pages() is False
+        with memory.small_pages():  # reentrant
+            assert huge_pages() is False
+        assert huge_pages() is False
+        thread.start()
+        assert entered.wait(10)
+    assert huge_pages() is False  # the other thread is still inside
+    leave.set()
+    thread.join(10)
+    assert huge_pages() is before
+
+
 def test_an_unknown_memory_size_never_means_direct_reads(dataset_dir, monkeypatch):
     monkeypatch.setattr(dataset_module, "memory_limit", lambda: None)
     with oj.open_dataset(dataset_dir) as ds:

@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from omicsio_jax.storage.input_files import register_s3 as register_s3
     from omicsio_jax.storage.input_files import s3_filesystem as s3_filesystem
     from omicsio_jax.storage.memory import release_freed_memory as release_freed_memory
+    from omicsio_jax.storage.memory import small_pages as small_pages
     from omicsio_jax.storage.memory import usable_cores as usable_cores
     from omicsio_jax.storage.store import is_remote as is_remote
     from omicsio_jax.storage.store import open_store as open_store
@@ -164,7 +165,7 @@ _WRITER_API = {
         "sql_str",
     ),
     "omicsio_jax.storage.input_files": ("as_input_path", "register_s3", "s3_filesystem"),
-    "omicsio_jax.storage.memory": ("release_freed_memory", "usable_cores"),
+    "omicsio_jax.storage.memory": ("release_freed_memory", "small_pages", "usable_cores"),
     "omicsio_jax.storage.store": ("is_remote", "open_store"),
 }
 _EXPORTS = {name: module for module, names in _WRITER_API.items() for name in names}

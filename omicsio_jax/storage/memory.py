@@ -12,11 +12,14 @@ same way (v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import math
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as the largest page-aligned int64
@@ -170,3 +173,54 @@ def release_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _huge_page_switch():
+    """NumPy's switch of ``madvise(MADV_HUGEPAGE)`` for new arrays, or None where it has none (not
+    Linux, or a NumPy that moved it)."""
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            module = __import__(name, fromlist=["_set_madvise_hugepage"])
+        except ImportError:
+            continue
+        switch = getattr(module, "_set_madvise_hugepage", None)
+        if switch is not None:
+            return switch
+    return None
+
+
+_small_pages_lock = threading.Lock()
+_small_pages_users = 0
+_small_pages_before = True
+
+
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """New NumPy arrays without transparent huge pages while any thread is inside (reentrant); NumPy's
+    own setting is back once the last one leaves.
+
+    NumPy asks the kernel for huge pages for every array past 4 MB (``NUMPY_MADVISE_HUGEPAGE``, on
+    by default), and the kernel zeroes each 2 MB page as it is first touched, all of it, and with
+    the common ``defrag=madvise`` setting finds it at once. That suits a buffer made once and used
+    for a long time; a job that makes arrays of tens of MB a batch and lets them go (materialize:
+    the shards' read, remapped and encoded batches, the statistics' codes, the partitions' merged
+    statistics) pays it at every batch. Measured on a 2-core AMD EPYC, a 50-source collection of
+    300,000 cells, 2 workers, both runs once each: 20.5 CPU-s with huge pages, 17.7 without, 2.6
+    s of them in the kernel zeroing pages against 0.9 s (not a results file)."""
+    global _small_pages_users, _small_pages_before
+    switch = _huge_page_switch()
+    if switch is None:
+        yield
+        return
+    with _small_pages_lock:
+        if _small_pages_users == 0:
+            _small_pages_before = switch(False)
+        _small_pages_users += 1
+    try:
+        yield
+    finally:
+        with _small_pages_lock:
+            _small_pages_users -= 1
+            if _small_pages_users == 0:
+                switch(_small_pages_before)
