@@ -8,7 +8,8 @@ of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the u
 1. **Materialize**, each in a fresh process, ``--rounds`` rounds, alternating: the collection
    (genes unified by Ensembl id, presence bitmaps) against the single source; cells/s (whole
    conversions in one process until they took ``--seconds``, each round) and the peak RSS of the
-   main process and of its largest child.
+   main process and of its largest child; one conversion of each, untimed, before the rounds
+   (numba compiles its kernels into a fresh checkout's cache).
 2. **Load**, each in a fresh process, round-robin: the collection's dataset with a mixture over its
    sources (equal weights) and ``measured=True`` against the single dataset with `make_loader`'s
    defaults, dense and csr at batch 1,024, a window of ``--seconds`` after warm-up. A third
@@ -203,6 +204,9 @@ def main() -> None:
     rows: dict[str, list[dict]] = {"collection": [], "one source": []}
     with tempfile.TemporaryDirectory(dir=DATA) as tmp:
         outs = {"collection": Path(tmp) / "collection", "one source": Path(tmp) / "one"}
+        for what, source in (("collection", sources), ("one source", one)):
+            # one conversion each first, not timed: numba compiles into a fresh checkout's cache
+            materialize_round(source, outs[what], 0.0)
         for r in range(args.rounds):
             order = ["collection", "one source"] if r % 2 == 0 else ["one source", "collection"]
             for what in order:
