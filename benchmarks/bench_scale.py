@@ -38,7 +38,8 @@ reverse order), on the same corpus:
   gives each part's CPU-seconds per 10^5 cells, what the conversion spends besides them, and the
   fraction of the decode limit a conversion would reach if it spent nothing else.
 - With ``--baseline CHECKOUT`` (a git worktree of another commit): that checkout's ``--workers 1``
-  conversions, with and without statistics, in the same rounds, and this commit's cells/s ÷ its.
+  conversions, with and without statistics, and with the largest ``--workers``, in the same rounds,
+  and this commit's cells/s ÷ its.
 
 A round times whole decodes or conversions, repeated until at least 10 s have passed (a conversion on
 16 cores takes a second or two); ``window_s`` records how long a round took (the median, and every
@@ -302,6 +303,12 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         summary[f"materialize 1 worker(s): this commit ÷ {sha}"] = one / base_one
         summary[f"materialize 1 worker(s), no stats: this commit ÷ {sha}"] = lean / base_lean
         summary[f"statistics cost on one core at {sha}"] = base_lean / base_one - 1
+        if max(counts) > 1:
+            n = max(counts)
+            summary[f"materialize {n} worker(s): this commit ÷ {sha}"] = (
+                rows[f"materialize {n} worker(s)"]["cells_per_s"]
+                / rows[f"materialize {n} worker(s) @ {sha}"]["cells_per_s"]
+            )
     result = {
         "benchmark": "bench_scale",
         **provenance(),
@@ -365,7 +372,12 @@ def main() -> None:
         + [("workers", n) for n in counts]
         + [("no stats", 1), ("uncompressed", 1), ("part", "decode + encode"), ("part", "write")]
         + ([] if args.weak else [("default", 0)])
-        + ([] if args.baseline is None else [("baseline", "stats"), ("baseline", "no stats")])
+        + (
+            []
+            if args.baseline is None
+            else [("baseline", ("stats", 1)), ("baseline", ("no stats", 1))]
+            + ([("baseline", ("stats", max(counts)))] if max(counts) > 1 else [])
+        )
     )
     runs: dict[str, list[dict]] = {}
     window = 1.0 if args.quick else MIN_WINDOW_S  # --quick: a smoke run
@@ -440,11 +452,12 @@ def main() -> None:
                     else:
                         result = _run(_DECODE.replace("{0}", pin), "pyarrow+encode", parquet, window)
                 elif kind == "baseline":
+                    stats, n = value
                     label = (
-                        f"materialize 1 worker(s){', no stats' if value == 'no stats' else ''} "
+                        f"materialize {n} worker(s){', no stats' if stats == 'no stats' else ''} "
                         f"@ {args.baseline_commit[:7]}"
                     )
-                    result = convert(1, value, window, args.baseline)
+                    result = convert(n, stats, window, args.baseline)
                 else:
                     label = {
                         "default": "materialize default",
