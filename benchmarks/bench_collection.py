@@ -9,7 +9,9 @@ of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the u
    (genes unified by Ensembl id, presence bitmaps) against the single source; cells/s (whole
    conversions in one process until they took ``--seconds``, each round) and the peak RSS of the
    main process and of its largest child; one conversion of each, untimed, before the rounds
-   (numba compiles its kernels into a fresh checkout's cache).
+   (numba compiles its kernels into a fresh checkout's cache). With ``--baseline CHECKOUT`` (a git
+   worktree of another commit), that checkout converts both inputs too, in the same rounds, and
+   the comparisons give this commit's cells/s ÷ its.
 2. **Load**, each in a fresh process, round-robin: the collection's dataset with a mixture over its
    sources (equal weights) and ``measured=True`` against the single dataset with `make_loader`'s
    defaults, dense and csr at batch 1,024, a window of ``--seconds`` after warm-up. A third
@@ -37,10 +39,12 @@ DATA = HERE / "data"
 sys.path.insert(0, str(HERE))
 from _provenance import (  # noqa: E402
     add_window_options,
+    baseline_commit,
     check_window,
     compare,
     medians,
     provenance,
+    run_json,
     window,
     write_result,
 )
@@ -134,18 +138,20 @@ def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]
     return paths, str(one / "cells.parquet")
 
 
-def materialize_round(source, out: Path, seconds: float, *, before: str = "") -> dict:
+def materialize_round(
+    source, out: Path, seconds: float, *, before: str = "", checkout: str | None = None
+) -> dict:
     """Whole conversions of ``source`` in one fresh process until they took ``seconds`` together
-    (``before``: Python that process runs first, e.g. a module setting patched)."""
+    (``before``: Python that process runs first, e.g. a module setting patched; ``checkout``: a
+    ``--baseline``'s, whose packages that process imports)."""
+    out = Path(out).resolve()
     shutil.rmtree(out, ignore_errors=True)
-    proc = subprocess.run(
-        [sys.executable, "-c", _MATERIALIZE, json.dumps(source), str(out), str(seconds), before],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode:
-        raise SystemExit(f"materialize failed: {proc.stderr.strip().splitlines()[-1]}")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        r = run_json(
+            ["-c", _MATERIALIZE, json.dumps(source), str(out), str(seconds), before], checkout=checkout
+        )
+    except RuntimeError as e:
+        raise SystemExit(f"materialize failed: {str(e).strip().splitlines()[-1]}") from None
     return {**r, "cells_per_s": r["cells"] / r["seconds"]}
 
 
@@ -196,22 +202,38 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=4)
     add_window_options(p)
+    p.add_argument(
+        "--baseline",
+        help="a git worktree of another commit: its conversions of both inputs in the same rounds, "
+        "and this commit's cells/s ÷ its",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "collection.json"))
     args = p.parse_args()
     check_window(args)
+    base = None
+    if args.baseline is not None:
+        args.baseline = str(Path(args.baseline).resolve())
+        base = baseline_commit(args.baseline)[:7]  # not a checkout: fails here, before anything
     root = DATA / f"collection_{args.sources}x{args.cells}"
     sources, one = make_data(root, args.sources, args.cells)
-    rows: dict[str, list[dict]] = {"collection": [], "one source": []}
+    inputs = {"collection": sources, "one source": one}
+    checkouts = {what: None for what in inputs}
+    if base is not None:
+        checkouts.update({f"{what} @ {base}": args.baseline for what in inputs})
+    rows: dict[str, list[dict]] = {what: [] for what in checkouts}
     with tempfile.TemporaryDirectory(dir=DATA) as tmp:
         outs = {"collection": Path(tmp) / "collection", "one source": Path(tmp) / "one"}
-        for what, source in (("collection", sources), ("one source", one)):
+        for what, checkout in checkouts.items():
             # one conversion each first, not timed: numba compiles into a fresh checkout's cache
-            materialize_round(source, outs[what], 0.0)
+            materialize_round(inputs[what.split(" @ ")[0]], Path(tmp) / "warm", 0.0, checkout=checkout)
         for r in range(args.rounds):
-            order = ["collection", "one source"] if r % 2 == 0 else ["one source", "collection"]
+            order = list(checkouts) if r % 2 == 0 else list(checkouts)[::-1]
             for what in order:
-                source = sources if what == "collection" else one
-                rows[what].append(materialize_round(source, outs[what], args.seconds))
+                plain = what.split(" @ ")[0]
+                out = outs[plain] if what == plain else Path(tmp) / "baseline"
+                rows[what].append(
+                    materialize_round(inputs[plain], out, args.seconds, checkout=checkouts[what])
+                )
                 print(f"materialize {what}: {rows[what][-1]['cells_per_s']:,.0f} cells/s", flush=True)
         materialized = {
             what: {
@@ -275,7 +297,20 @@ def main() -> None:
                 )
                 for o in ("dense", "csr")
             ),
+            *(
+                compare(
+                    f"materialize {what}: this commit / {base}",
+                    materialized[what],
+                    materialized[f"{what} @ {base}"],
+                )
+                for what in (inputs if base is not None else ())
+            ),
         ],
+        **(
+            {}
+            if base is None
+            else {"baseline": {"checkout": args.baseline, "commit": baseline_commit(args.baseline)}}
+        ),
     }
     write_result(args.out, result, quick=args.quick)
 
