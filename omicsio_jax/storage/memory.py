@@ -201,13 +201,13 @@ def small_pages() -> Iterator[None]:
     own setting is back once the last one leaves.
 
     NumPy asks the kernel for huge pages for every array past 4 MB (``NUMPY_MADVISE_HUGEPAGE``, on
-    by default), and the kernel zeroes each 2 MB page as it is first touched, all of it, and with
-    the common ``defrag=madvise`` setting finds it at once. That suits a buffer made once and used
-    for a long time; a job that makes arrays of tens of MB a batch and lets them go (materialize:
-    the shards' read, remapped and encoded batches, the statistics' codes, the partitions' merged
-    statistics) pays it at every batch. Measured on a 2-core AMD EPYC, a 50-source collection of
-    300,000 cells, 2 workers, both runs once each: 20.5 CPU-s with huge pages, 17.7 without, 2.6
-    s of them in the kernel zeroing pages against 0.9 s (not a results file)."""
+    by default), and the kernel zeroes each 2 MB page whole as it is first touched. That suits a
+    buffer made once and used long (a loader's); a job that makes arrays of tens of MB and lets them
+    go batch after batch (materialize's reading, remapping, statistics and merge) pays it again and
+    again. Against the same code with huge pages,
+    in the same rounds (`benchmarks/results/collection.json`, 2 workers on a 2-core AMD EPYC): a
+    50-source collection 1.07× the cells/s, its cells as one source 1.03×.
+    """
     global _small_pages_users, _small_pages_before
     switch = _huge_page_switch()
     if switch is None:
