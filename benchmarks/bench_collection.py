@@ -210,10 +210,11 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "results" / "collection.json"))
     args = p.parse_args()
     check_window(args)
-    base = None
+    base = base_commit = None
     if args.baseline is not None:
         args.baseline = str(Path(args.baseline).resolve())
-        base = baseline_commit(args.baseline)[:7]  # not a checkout: fails here, before anything
+        base_commit = baseline_commit(args.baseline)  # not a checkout: fails here, before anything
+        base = base_commit[:7]
     root = DATA / f"collection_{args.sources}x{args.cells}"
     sources, one = make_data(root, args.sources, args.cells)
     inputs = {"collection": sources, "one source": one}
@@ -309,7 +310,7 @@ def main() -> None:
         **(
             {}
             if base is None
-            else {"baseline": {"checkout": args.baseline, "commit": baseline_commit(args.baseline)}}
+            else {"baseline": {"checkout": args.baseline, "commit": base_commit}}
         ),
     }
     write_result(args.out, result, quick=args.quick)

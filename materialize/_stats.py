@@ -173,8 +173,7 @@ def _in_order(m: Manifest, stats: list, obs: list) -> tuple:
 
 def _write_manifest(root: Path, manifest: Manifest) -> None:
     """``root``'s manifest replaced by ``manifest`` atomically."""
-    # `small_pages`: each chunk's records are a fresh read
-    with small_pages(), tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
+    with tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
         staged = Path(tmp_name) / MANIFEST_NAME
         staged.write_text(manifest.to_json())
         fsync_path(staged)
