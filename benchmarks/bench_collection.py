@@ -307,11 +307,7 @@ def main() -> None:
                 for what in (inputs if base is not None else ())
             ),
         ],
-        **(
-            {}
-            if base is None
-            else {"baseline": {"checkout": args.baseline, "commit": base_commit}}
-        ),
+        **({} if base is None else {"baseline": {"checkout": args.baseline, "commit": base_commit}}),
     }
     write_result(args.out, result, quick=args.quick)
 
