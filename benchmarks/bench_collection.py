@@ -8,7 +8,9 @@ of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the u
 1. **Materialize**, each in a fresh process, ``--rounds`` rounds, alternating: the collection
    (genes unified by Ensembl id, presence bitmaps) against the single source; cells/s (whole
    conversions in one process until they took ``--seconds``, each round) and the peak RSS of the
-   main process and of its largest child; one conversion of each, untimed, before the rounds
+   main process and of its largest child; the seconds a conversion spends opening its input (the
+   sources read, their genes unified) and the rest, with the split of the collection's extra
+   seconds between them (``materialize_split``); one conversion of each, untimed, before the rounds
    (numba compiles its kernels into a fresh checkout's cache). With ``--baseline CHECKOUT`` (a git
    worktree of another commit), that checkout converts both inputs too, in the same rounds, and
    the comparisons give this commit's cells/s ÷ its.
@@ -55,9 +57,24 @@ _MATERIALIZE = """
 import json, resource, shutil, sys, time
 from pathlib import Path
 from materialize import materialize
+import materialize._materialize as phases
 exec(sys.argv[4])  # what the round sets first (`materialize_round`'s ``before``)
 sources, window = json.loads(sys.argv[1]), float(sys.argv[3])
-seconds, conversions = 0.0, 0
+seconds, conversions, opening = 0.0, 0, 0.0
+
+def timed(open_input):  # the seconds until the input is open (its sources read, genes unified)
+    def run(*args, **kwargs):
+        global opening
+        start = time.perf_counter()
+        try:
+            return open_input(*args, **kwargs)
+        finally:
+            opening += time.perf_counter() - start
+    return run
+
+for name in ("open_collection_source", "open_source"):
+    if hasattr(phases, name):
+        setattr(phases, name, timed(getattr(phases, name)))
 while conversions == 0 or seconds < window:  # whole conversions, at least the window
     shutil.rmtree(sys.argv[2], ignore_errors=True)
     start = time.perf_counter()
@@ -65,6 +82,7 @@ while conversions == 0 or seconds < window:  # whole conversions, at least the w
     seconds += time.perf_counter() - start
     conversions += 1
 print(json.dumps({"seconds": seconds, "conversions": conversions, "num_cells": result.manifest.num_cells,
+                  "open_s": opening / conversions, "rest_s": (seconds - opening) / conversions,
                   "cells": conversions * result.manifest.num_cells, "workers": result.workers,
                   "child_peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                   "peak_rss_bytes": next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
@@ -192,6 +210,20 @@ def load_once(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def split(collection: dict, one: dict) -> dict:
+    """Where the collection's extra seconds per conversion go (medians over the rounds): opening its
+    input (its sources' metadata and gene tables read, their genes unified) and the rest (the
+    partitions written and merged)."""
+    return {
+        f"{part} s a conversion: {what}": source[f"{key}_s"]
+        for key, part in (("open", "open"), ("rest", "the rest"))
+        for what, source in (("collection", collection), ("one source", one))
+    } | {
+        f"{part} s a conversion: collection - one source": collection[f"{key}_s"] - one[f"{key}_s"]
+        for key, part in (("open", "open"), ("rest", "the rest"))
+    }
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         print(json.dumps(_load(json.loads(sys.argv[2]))))
@@ -241,7 +273,7 @@ def main() -> None:
                 "label": f"materialize, {what}",
                 "num_cells": runs[0]["num_cells"],
                 "workers": runs[0]["workers"],
-                **medians(runs, ["cells_per_s", "seconds"]),
+                **medians(runs, ["cells_per_s", "seconds", "open_s", "rest_s"]),
                 "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in runs) / 2**20,
                 "child_peak_rss_mib_max": max(r["child_peak_rss_bytes"] for r in runs) / 2**20,
             }
@@ -277,6 +309,7 @@ def main() -> None:
         "quick": args.quick,
         "data": {"sources": args.sources, "cells_per_source": args.cells, "universe_genes": UNIVERSE},
         "materialize": materialized,
+        "materialize_split": split(materialized["collection"], materialized["one source"]),
         "load": loaded,
         "comparisons": [
             compare(

@@ -513,11 +513,17 @@ def render_collection(d: dict) -> list[str]:
                     ("cells/s", "cells_per_s", ",.0f"),
                     ("rounds (cells/s)", _runs("cells_per_s"), ",.0f"),
                     ("window (s)", "seconds", ".1f"),
+                    ("open (s a conversion)", "open_s", ".2f"),
+                    ("the rest (s a conversion)", "rest_s", ".2f"),
                     ("peak RSS (MiB)", "peak_rss_mib_max", ",.0f"),
                     ("largest child (MiB)", "child_peak_rss_mib_max", ",.0f"),
                     ("workers", "workers", ".0f"),
                 ],
             ),
+        ),
+        *sub(
+            "Materialize: seconds a conversion (medians, and the differences of the medians)",
+            pairs((name, value, ".2f") for name, value in d.get("materialize_split", {}).items()),
         ),
         *sub(
             "Loader (medians)",
