@@ -205,8 +205,8 @@ def small_pages() -> Iterator[None]:
     buffer made once and used long (a loader's); a job that makes arrays of tens of MB and lets them
     go batch after batch (materialize's reading, remapping, statistics and merge) pays it again and
     again. Against the same code with huge pages, in the same rounds
-    (`benchmarks/results/collection.json`, 2 workers on a 2-core AMD EPYC): a 50-source collection
-    1.07× the cells/s, its cells as one source 1.03×.
+    (`benchmarks/results/archive/collection_a884835.json`, 2 workers on a 2-core AMD EPYC): a
+    50-source collection 1.07× the cells/s, its cells as one source 1.03×.
     """
     global _small_pages_users, _small_pages_before
     switch = _huge_page_switch()
