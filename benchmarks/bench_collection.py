@@ -10,7 +10,9 @@ of ~1,000 nonzeros; and ``one/``, the same cells as one parquet table over the u
    conversions in one process until they took ``--seconds``, each round) and the peak RSS of the
    main process and of its largest child; the seconds a conversion spends opening its input (the
    sources read, their genes unified) and the rest, with the split of the collection's extra
-   seconds between them (``materialize_split``); one conversion of each, untimed, before the rounds
+   seconds between them (``materialize_split``: the workers start while the input opens, so their
+   start falls in a collection's long opening but in a single source's rest, and the split
+   overstates the opening's own cost); one conversion of each, untimed, before the rounds
    (numba compiles its kernels into a fresh checkout's cache). With ``--baseline CHECKOUT`` (a git
    worktree of another commit), that checkout converts both inputs too, in the same rounds, and
    the comparisons give this commit's cells/s ÷ its.
