@@ -1,5 +1,6 @@
 """A damaged dataset never crashes, hangs or lies: mutated records fuzzed through every decoder,
-and corrupted or truncated shards read by the loaders, each a clean `DatasetFormatError`."""
+corrupted or truncated shards read by the loaders, and obs sidecars cut short or replaced, each a
+clean `DatasetFormatError`."""
 
 from __future__ import annotations
 
@@ -308,3 +309,61 @@ def test_a_manifest_naming_a_file_outside_the_dataset_is_refused(dataset_dir, tm
             oj.DatasetFormatError, match=r"names the file 'obs/\.\./\.\./escape\.npy', outside the dataset"
         ):
             ds.obs["../../escape"]
+
+
+def _numeric_and_categorical(ds) -> tuple[str, str]:
+    kinds = {e.name: e.kind for e in ds.manifest.obs}
+    return (
+        next(n for n, k in kinds.items() if k == "numeric"),
+        next(n for n, k in kinds.items() if k == "categorical"),
+    )
+
+
+def test_a_truncated_obs_sidecar_is_refused_on_access_naming_the_file(dataset_dir, tmp_path):
+    """An obs column is checked as it loads: a file cut short (or grown) is a `DatasetFormatError`
+    naming it and `verify`, never a column read short nor NumPy's own mmap error."""
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    with oj.open_dataset(copy) as ds:
+        numeric, categorical = _numeric_and_categorical(ds)
+    for relpath in (f"obs/{numeric}.npy", f"obs/{categorical}.codes.npy"):
+        path = copy / relpath
+        whole = path.read_bytes()
+        path.write_bytes(whole[:-8])
+        with oj.open_dataset(copy) as ds:
+            name = relpath.removeprefix("obs/").split(".")[0]
+            with pytest.raises(
+                oj.DatasetFormatError,
+                match=rf"the obs sidecar {relpath} is damaged: {len(whole) - 8:,} bytes, the manifest says "
+                rf"{len(whole):,}; run `omicsio-materialize verify {copy}`",
+            ):
+                ds.obs[name]
+        path.write_bytes(whole)
+    with oj.open_dataset(copy) as ds:  # whole again: read as before
+        assert len(ds.obs[numeric]) == len(ds.obs[categorical]) == ds.num_cells
+
+
+def test_an_obs_sidecar_of_another_length_or_categories_is_refused(dataset_dir, tmp_path):
+    """A sidecar replaced by one with other rows or other categories (a manifest listing no size for
+    it, as one edited by hand would) is refused by its row count and its categories' count."""
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    with oj.open_dataset(copy) as ds:
+        numeric, categorical = _numeric_and_categorical(ds)
+        num_cells = ds.num_cells
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"] = [f for f in manifest["files"] if not f["path"].startswith("obs/")]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    np.save(copy / f"obs/{numeric}.npy", np.zeros(num_cells - 1))
+    categories = copy / f"obs/{categorical}.categories.json"
+    categories.write_text(json.dumps([*json.loads(categories.read_text()), "one more"]))
+    with oj.open_dataset(copy) as ds:
+        with pytest.raises(
+            oj.DatasetFormatError,
+            match=rf"obs/{numeric}\.npy is damaged: {num_cells - 1:,} rows, the dataset has {num_cells:,} cells",
+        ):
+            ds.obs[numeric]
+        with pytest.raises(
+            oj.DatasetFormatError, match=rf"obs/{categorical}\.categories\.json is damaged: \d+ categories, "
+        ):
+            ds.obs[categorical]

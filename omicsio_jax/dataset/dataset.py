@@ -348,7 +348,13 @@ class Dataset:
     def obs(self) -> Mapping[str, Categorical | np.ndarray]:
         """Obs sidecars by name: `Categorical` (codes + categories) or a numeric array (memory-mapped),
         each read on first access (for a remote dataset: downloaded then)."""
-        return ObsColumns(self.manifest.obs, self.local_path)
+        return ObsColumns(
+            self.manifest.obs,
+            self.local_path,
+            num_cells=self.manifest.num_cells,
+            sizes={f.path: f.num_bytes for f in self.manifest.files},
+            where=str(self.path),
+        )
 
     def rows_where(self, column: str, values: Sequence[str | float], *, invert: bool = False) -> np.ndarray:
         """Global rows whose obs ``column`` takes one of ``values`` (all others with ``invert``). A bool

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.format.manifest import ObsEntry
 
 
@@ -31,25 +32,71 @@ class Categorical:
 
 class ObsColumns(Mapping):
     """A dataset's obs columns by name, each loaded on first access (``local_path``: the local file of
-    one of the dataset's files; a remote dataset's is downloaded then)."""
+    one of the dataset's files; a remote dataset's is downloaded then).
 
-    def __init__(self, entries: Sequence[ObsEntry], local_path: Callable[[str], Path]):
+    A column is checked as it loads, at the cost of a ``stat`` and its header: each of its files has
+    the size the manifest gives it (``sizes``: path → bytes), the column holds ``num_cells`` rows,
+    and a categorical column has the manifest's number of categories. A column cut short, or
+    replaced by one of another size, length or set of categories, is a `DatasetFormatError` naming
+    the file and ``omicsio-materialize verify`` (which checks every byte against its SHA-256), not
+    NumPy's own error nor rows that are not the dataset's cells. Its values are not hashed here: a
+    column of 10⁸ cells is memory-mapped, and read only where the loaders gather from it."""
+
+    def __init__(
+        self,
+        entries: Sequence[ObsEntry],
+        local_path: Callable[[str], Path],
+        *,
+        num_cells: int | None = None,
+        sizes: Mapping[str, int] | None = None,
+        where: str = "the dataset",
+    ):
         self._entries, self._local_path = {e.name: e for e in entries}, local_path
+        self._num_cells, self._sizes, self._where = num_cells, dict(sizes or {}), where
         self._loaded: dict[str, Categorical | np.ndarray] = {}
 
     def __getitem__(self, name: str) -> Categorical | np.ndarray:
         column = self._loaded.get(name)
         if column is None:
-            entry, path = self._entries[name], self._local_path
+            entry = self._entries[name]
             if entry.kind == "categorical":
-                codes = np.load(path(f"obs/{name}.codes.npy"), mmap_mode="r")
-                column = Categorical(
-                    codes, tuple(json.loads(path(f"obs/{name}.categories.json").read_text()))
-                )
+                codes = np.load(self._file(f"obs/{name}.codes.npy"), mmap_mode="r")
+                text = self._file(f"obs/{name}.categories.json").read_text()
+                column = Categorical(codes, tuple(json.loads(text)))
+                found = len(column.categories)
+                if entry.num_categories is not None and found != entry.num_categories:
+                    self._damaged(
+                        f"obs/{name}.categories.json",
+                        f"{found} categories, the manifest says {entry.num_categories}",
+                    )
             else:
-                column = np.load(path(f"obs/{name}.npy"), mmap_mode="r")
+                column = np.load(self._file(f"obs/{name}.npy"), mmap_mode="r")
+            rows = len(column)
+            if self._num_cells is not None and rows != self._num_cells:
+                relpath = f"obs/{name}.codes.npy" if entry.kind == "categorical" else f"obs/{name}.npy"
+                self._damaged(relpath, f"{rows:,} rows, the dataset has {self._num_cells:,} cells")
             column = self._loaded.setdefault(name, column)
         return column
+
+    def _file(self, relpath: str) -> Path:
+        """The local file of ``relpath``, refused unless it has the manifest's size."""
+        path = self._local_path(relpath)
+        expected = self._sizes.get(relpath)
+        if expected is not None:
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                self._damaged(relpath, f"cannot be read ({type(e).__name__}: {e})")
+            if size != expected:
+                self._damaged(relpath, f"{size:,} bytes, the manifest says {expected:,}")
+        return path
+
+    def _damaged(self, relpath: str, problem: str) -> None:
+        msg = (
+            f"{self._where}: the obs sidecar {relpath} is damaged: {problem}; "
+            f"run `omicsio-materialize verify {self._where}`"
+        )
+        raise DatasetFormatError(msg)
 
     def __contains__(self, name: object) -> bool:  # without loading it
         return name in self._entries
