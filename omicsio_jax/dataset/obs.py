@@ -59,22 +59,21 @@ class ObsColumns(Mapping):
         column = self._loaded.get(name)
         if column is None:
             entry = self._entries[name]
-            if entry.kind == "categorical":
-                codes = np.load(self._file(f"obs/{name}.codes.npy"), mmap_mode="r")
-                text = self._file(f"obs/{name}.categories.json").read_text()
-                column = Categorical(codes, tuple(json.loads(text)))
-                found = len(column.categories)
-                if entry.num_categories is not None and found != entry.num_categories:
+            categorical = entry.kind == "categorical"
+            rows_path = f"obs/{name}.codes.npy" if categorical else f"obs/{name}.npy"
+            values = np.load(self._file(rows_path), mmap_mode="r")
+            if self._num_cells is not None and len(values) != self._num_cells:
+                self._damaged(rows_path, f"{len(values):,} rows, the dataset has {self._num_cells:,} cells")
+            column = values
+            if categorical:
+                categories_path = f"obs/{name}.categories.json"
+                categories = tuple(json.loads(self._file(categories_path).read_text()))
+                if entry.num_categories is not None and len(categories) != entry.num_categories:
                     self._damaged(
-                        f"obs/{name}.categories.json",
-                        f"{found} categories, the manifest says {entry.num_categories}",
+                        categories_path,
+                        f"{len(categories)} categories, the manifest says {entry.num_categories}",
                     )
-            else:
-                column = np.load(self._file(f"obs/{name}.npy"), mmap_mode="r")
-            rows = len(column)
-            if self._num_cells is not None and rows != self._num_cells:
-                relpath = f"obs/{name}.codes.npy" if entry.kind == "categorical" else f"obs/{name}.npy"
-                self._damaged(relpath, f"{rows:,} rows, the dataset has {self._num_cells:,} cells")
+                column = Categorical(values, categories)
             column = self._loaded.setdefault(name, column)
         return column
 
