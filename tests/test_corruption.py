@@ -1,6 +1,6 @@
 """A damaged dataset never crashes, hangs or lies: mutated records fuzzed through every decoder,
-corrupted or truncated shards read by the loaders, and obs sidecars cut short or replaced, each a
-clean `DatasetFormatError`."""
+corrupted or truncated shards read by the loaders, and the manifest's other files (gene table, cell
+ids, statistics, chunk indexes, obs sidecars) cut short or replaced, each a clean `DatasetFormatError`."""
 
 from __future__ import annotations
 
@@ -319,28 +319,56 @@ def _numeric_and_categorical(ds) -> tuple[str, str]:
     )
 
 
-def test_a_truncated_obs_sidecar_is_refused_on_access_naming_the_file(dataset_dir, tmp_path):
-    """An obs column is checked as it loads: a file cut short (or grown) is a `DatasetFormatError`
-    naming it and `verify`, never a column read short nor NumPy's own mmap error."""
+def _read_listed_file(ds, relpath: str) -> tuple[int, int]:
+    """Read the dataset's file ``relpath`` the way its users do: (rows read, rows it should hold)."""
+    if relpath == "features.parquet":
+        return len(ds.features), ds.num_genes
+    if relpath == "cell_ids.parquet":
+        return len(ds.cell_ids), ds.num_cells
+    if relpath == "gene_stats.parquet":
+        return len(ds.gene_stats), ds.num_genes
+    if relpath.startswith("chunks/"):
+        batch = next(iter(oj.make_loader(ds, batch_size=256, output="csr", seed=0)))
+        return len(batch.index), 256
+    return len(ds.obs[relpath.removeprefix("obs/").split(".")[0]]), ds.num_cells
+
+
+def test_a_truncated_listed_file_is_refused_on_first_use_naming_it(dataset_dir, tmp_path):
+    """Every file the manifest lists is checked against its size as it is first opened: one cut
+    short (or grown) is a `DatasetFormatError` naming it and `verify`, never Arrow's or NumPy's own
+    error nor values read short; whole again, it reads as before."""
     copy = tmp_path / "ds"
     shutil.copytree(dataset_dir, copy)
     with oj.open_dataset(copy) as ds:
         numeric, categorical = _numeric_and_categorical(ds)
-    for relpath in (f"obs/{numeric}.npy", f"obs/{categorical}.codes.npy"):
+        listed = {f.path for f in ds.manifest.files}
+    relpaths = [
+        "features.parquet",
+        "cell_ids.parquet",
+        "gene_stats.parquet",
+        chunk_index_path("shard-00000.arrayrecord"),
+        f"obs/{numeric}.npy",
+        f"obs/{categorical}.codes.npy",
+        f"obs/{categorical}.categories.json",
+    ]
+    assert set(relpaths) <= listed
+    for relpath in relpaths:
         path = copy / relpath
         whole = path.read_bytes()
-        path.write_bytes(whole[:-8])
-        with oj.open_dataset(copy) as ds:
-            name = relpath.removeprefix("obs/").split(".")[0]
-            with pytest.raises(
-                oj.DatasetFormatError,
-                match=rf"the obs sidecar {relpath} is damaged: {len(whole) - 8:,} bytes, the manifest says "
-                rf"{len(whole):,}; run `omicsio-materialize verify {copy}`",
-            ):
-                ds.obs[name]
+        for damaged in (whole[:-8], whole + b"\0" * 8):
+            path.write_bytes(damaged)
+            with oj.open_dataset(copy) as ds:
+                with pytest.raises(
+                    oj.DatasetFormatError,
+                    match=rf"{copy}: its file {relpath} is damaged: {len(damaged):,} bytes, the manifest says "
+                    rf"{len(whole):,}; run `omicsio-materialize verify {copy}`",
+                ):
+                    _read_listed_file(ds, relpath)
         path.write_bytes(whole)
     with oj.open_dataset(copy) as ds:  # whole again: read as before
-        assert len(ds.obs[numeric]) == len(ds.obs[categorical]) == ds.num_cells
+        for relpath in relpaths:
+            rows, expected = _read_listed_file(ds, relpath)
+            assert rows == expected, relpath
 
 
 def test_an_obs_sidecar_of_another_length_or_categories_is_refused(dataset_dir, tmp_path):

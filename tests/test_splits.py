@@ -114,6 +114,12 @@ def test_a_missing_unknown_or_damaged_split_is_a_one_line_error(ds_path):
     with pytest.raises(oj.OmicsIOError, match=r"has no split by 'tissue'"):
         ds.split("train", by="tissue")
     sidecar = ds_path / "splits" / "drug.json"
-    sidecar.write_text(sidecar.read_text().replace('"train"', '"tr"', 1))
+    whole = sidecar.read_text()
+    sidecar.write_text(whole.replace('"train"', '"tr"', 1))  # another size: refused as it is opened
+    with pytest.raises(
+        oj.DatasetFormatError, match=r"its file splits/drug.json is damaged: .* the manifest says"
+    ):
+        oj.open_dataset(ds_path).split("train")
+    sidecar.write_text(whole.replace('"train"', '"trian"', 1))  # the same size: by its checksum
     with pytest.raises(oj.DatasetFormatError, match=r"does not match its checksum in the manifest"):
         oj.open_dataset(ds_path).split("train")

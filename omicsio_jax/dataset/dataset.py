@@ -15,6 +15,7 @@ import numpy as np
 from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.dataset.cache import IOStats
 from omicsio_jax.dataset.gene_columns import gene_columns
+from omicsio_jax.dataset.listed_files import ListedFiles
 from omicsio_jax.dataset.obs import Categorical, ObsColumns, rows_where
 from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
 from omicsio_jax.format import codec
@@ -94,6 +95,7 @@ class Dataset:
         else:
             self.path = Path(path)
             self.manifest = read_manifest(self.path)
+            self._listed = ListedFiles(self.path)
             for shard in self.manifest.shards:
                 if not (self.path / shard.path).exists():
                     msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
@@ -175,8 +177,9 @@ class Dataset:
     def local_path(self, relpath: str) -> Path:
         """The local file of the dataset's file ``relpath`` (``"features.parquet"``, ``"obs/drug.codes.npy"``).
 
-        For a remote dataset a file of the manifest's ``files`` is downloaded into the cache on
-        first use and checked against its size and SHA-256; a shard's is its sparse local mirror,
+        A local dataset's file of the manifest's ``files`` is checked against its size when first
+        asked for (`ListedFiles`); a remote dataset's is downloaded into the cache on first use and
+        checked against its size and SHA-256. A shard's is, remotely, its sparse local mirror,
         which holds the chunks that reads have fetched (see `prepared`). A ``relpath`` outside the
         dataset (absolute, or through ``..``: a manifest's obs name is part of its files' paths) is
         a `DatasetFormatError`.
@@ -189,7 +192,7 @@ class Dataset:
             )
             raise DatasetFormatError(msg)
         if self._remote is None:
-            return self.path / relpath
+            return self._listed.checked(self.manifest, relpath)
         return self._remote.local_path(relpath)
 
     def prepared(
@@ -352,7 +355,6 @@ class Dataset:
             self.manifest.obs,
             self.local_path,
             num_cells=self.manifest.num_cells,
-            sizes={f.path: f.num_bytes for f in self.manifest.files},
             where=str(self.path),
         )
 

@@ -32,15 +32,15 @@ class Categorical:
 
 class ObsColumns(Mapping):
     """A dataset's obs columns by name, each loaded on first access (``local_path``: the local file of
-    one of the dataset's files; a remote dataset's is downloaded then).
+    one of the dataset's files, checked against the manifest's size, `Dataset.local_path`; a remote
+    dataset's is downloaded then).
 
-    A column is checked as it loads, at the cost of a ``stat`` and its header: each of its files has
-    the size the manifest gives it (``sizes``: path → bytes), the column holds ``num_cells`` rows,
-    and a categorical column has the manifest's number of categories. A column cut short, or
-    replaced by one of another size, length or set of categories, is a `DatasetFormatError` naming
-    the file and ``omicsio-materialize verify`` (which checks every byte against its SHA-256), not
-    NumPy's own error nor rows that are not the dataset's cells. Its values are not hashed here: a
-    column of 10⁸ cells is memory-mapped, and read only where the loaders gather from it."""
+    A column is checked as it loads, at the cost of its header: it holds ``num_cells`` rows, and a
+    categorical column has the manifest's number of categories. A column replaced by one of
+    another length or set of categories is a `DatasetFormatError` naming the file and
+    ``omicsio-materialize verify`` (which checks every byte against its SHA-256), not rows that are
+    not the dataset's cells. Its values are not hashed here: a column of 10⁸ cells is
+    memory-mapped, and read only where the loaders gather from it."""
 
     def __init__(
         self,
@@ -48,11 +48,10 @@ class ObsColumns(Mapping):
         local_path: Callable[[str], Path],
         *,
         num_cells: int | None = None,
-        sizes: Mapping[str, int] | None = None,
         where: str = "the dataset",
     ):
         self._entries, self._local_path = {e.name: e for e in entries}, local_path
-        self._num_cells, self._sizes, self._where = num_cells, dict(sizes or {}), where
+        self._num_cells, self._where = num_cells, where
         self._loaded: dict[str, Categorical | np.ndarray] = {}
 
     def __getitem__(self, name: str) -> Categorical | np.ndarray:
@@ -61,13 +60,13 @@ class ObsColumns(Mapping):
             entry = self._entries[name]
             categorical = entry.kind == "categorical"
             rows_path = f"obs/{name}.codes.npy" if categorical else f"obs/{name}.npy"
-            values = np.load(self._file(rows_path), mmap_mode="r")
+            values = np.load(self._local_path(rows_path), mmap_mode="r")
             if self._num_cells is not None and len(values) != self._num_cells:
                 self._damaged(rows_path, f"{len(values):,} rows, the dataset has {self._num_cells:,} cells")
             column = values
             if categorical:
                 categories_path = f"obs/{name}.categories.json"
-                categories = tuple(json.loads(self._file(categories_path).read_text()))
+                categories = tuple(json.loads(self._local_path(categories_path).read_text()))
                 if entry.num_categories is not None and len(categories) != entry.num_categories:
                     self._damaged(
                         categories_path,
@@ -76,19 +75,6 @@ class ObsColumns(Mapping):
                 column = Categorical(values, categories)
             column = self._loaded.setdefault(name, column)
         return column
-
-    def _file(self, relpath: str) -> Path:
-        """The local file of ``relpath``, refused unless it has the manifest's size."""
-        path = self._local_path(relpath)
-        expected = self._sizes.get(relpath)
-        if expected is not None:
-            try:
-                size = path.stat().st_size
-            except OSError as e:
-                self._damaged(relpath, f"cannot be read ({type(e).__name__}: {e})")
-            if size != expected:
-                self._damaged(relpath, f"{size:,} bytes, the manifest says {expected:,}")
-        return path
 
     def _damaged(self, relpath: str, problem: str) -> None:
         msg = (
