@@ -121,13 +121,14 @@ def test_the_loader_takes_its_default_threads_from_the_output_and_keeps_an_expli
 @pytest.mark.parametrize(
     ("kind", "num_threads", "batch_bytes", "cores", "decode"),
     [
-        ("dense", 0, SPLIT_BATCH_BYTES, 2, 2),  # the consumer decodes a large dense batch: every core
+        ("dense", 0, SPLIT_BATCH_BYTES, 4, 4),  # the consumer decodes a large dense batch: every core
+        ("dense", 0, SPLIT_BATCH_BYTES, 2, 1),  # ... but on 2 cores the other reads ahead
         ("dense", 0, SPLIT_BATCH_BYTES, 1, 1),
         ("dense", 0, SPLIT_BATCH_BYTES, 64, MAX_DEFAULT_THREADS),
-        ("dense", 0, SPLIT_BATCH_BYTES - 1, 2, 1),  # a small one (a panel's): one thread
-        ("dense", 2, SPLIT_BATCH_BYTES, 2, 1),  # batches decode ahead, one thread each
-        ("csr", 0, SPLIT_BATCH_BYTES, 2, 1),  # slabs: a copy, not rows to write
-        ("geneformer", 0, SPLIT_BATCH_BYTES, 2, 1),
+        ("dense", 0, SPLIT_BATCH_BYTES - 1, 4, 1),  # a small one (a panel's): one thread
+        ("dense", 2, SPLIT_BATCH_BYTES, 4, 1),  # batches decode ahead, one thread each
+        ("csr", 0, SPLIT_BATCH_BYTES, 4, 1),  # slabs: a copy, not rows to write
+        ("geneformer", 0, SPLIT_BATCH_BYTES, 4, 1),
     ],
 )
 def test_default_decode_threads_split_only_a_large_dense_batch_the_consumer_decodes(
@@ -136,18 +137,22 @@ def test_default_decode_threads_split_only_a_large_dense_batch_the_consumer_deco
     assert default_decode_threads(kind, num_threads, batch_bytes, cores) == decode
 
 
-def test_the_loader_splits_a_large_dense_batch_over_the_cores_unless_told(dataset_dir, monkeypatch):
+@pytest.mark.parametrize(("cores", "split"), [(4, 4), (2, 1)])
+def test_the_loader_splits_a_large_dense_batch_over_the_cores_unless_told(
+    dataset_dir, monkeypatch, cores, split
+):
     with oj.open_dataset(dataset_dir) as ds:
         batch_bytes = 64 * ds.num_genes * 4
-        # the test dataset's dense batch is "large"
+        # the test dataset's dense batch is "large", on a machine of `cores` cores
         monkeypatch.setattr(options, "SPLIT_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(options, "usable_cores", lambda: cores)
         dense = oj.make_loader(ds, batch_size=64, output=oj.Dense(), read=oj.ReadOptions(num_threads=0))
         told = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=0, decode_threads=1))
         ahead = oj.make_loader(ds, batch_size=64, read=oj.ReadOptions(num_threads=2))
         smaller = oj.make_loader(ds, batch_size=32, read=oj.ReadOptions(num_threads=0))
         try:
-            assert dense.decode_threads == min(usable_cores(), MAX_DEFAULT_THREADS)
-            assert f"decode_threads={dense.decode_threads})" in repr(dense)
+            assert dense.decode_threads == split
+            assert f"decode_threads={split})" in repr(dense)
             assert told.decode_threads == ahead.decode_threads == smaller.decode_threads == 1
         finally:
             for loader in (dense, told, ahead, smaller):

@@ -112,7 +112,8 @@ class Loader(ClosingIterator):
     @property
     def decode_threads(self) -> int:
         """Numba threads that decode one batch (`default_decode_threads`: 1, as ``num_threads``
-        batches decode at once, or every core for large dense batches decoded on the consumer's thread)."""
+        batches decode at once, or on more than 2 cores every core for large dense batches decoded
+        on the consumer's thread)."""
         return self.read.decode_threads
 
     def _host_stream(self, schedule: Schedule, reader: MinibatchReader, start: tuple[int, int]):

@@ -63,8 +63,9 @@ class ReadOptions:
     ``prefetch`` fetches (segments of ``fetch_factor × batch_size`` cells) are read ahead on as
     many threads (`make_loader`: 2, more on many cores, `default_prefetch`; `GrainSource`,
     `make_stream_loader`: 2; `make_memory_loader`: 0, batches gathered when asked for);
-    ``decode_threads`` numba threads decode one batch (`make_loader`, `GrainSource`: 1, or every
-    core for large dense batches decoded on the consumer's thread, `default_decode_threads`;
+    ``decode_threads`` numba threads decode one batch (`make_loader`, `GrainSource`: 1, or on more
+    than 2 cores every core for large dense batches decoded on the consumer's thread,
+    `default_decode_threads`;
     `make_memory_loader`'s row copy and `make_stream_loader`'s scatter: all of numba's threads).
     """
 
@@ -94,7 +95,7 @@ class ReadOptions:
 
 MAX_DEFAULT_THREADS = 8  # more decoding threads than this are asked for explicitly
 SMALL_BATCH = 64  # on 1–2 cores, dense or panel batches up to this many rows decode on the consumer
-# a dense batch decoded on the consumer's thread is split over every core from this size
+# a dense batch decoded on the consumer's thread is split over every core (more than 2) from this size
 SPLIT_BATCH_BYTES = 4 << 20
 
 
@@ -110,13 +111,12 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
 
     On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
     and each batch it hands over wakes the consumer: slabs, and dense or panel batches of up to
-    `SMALL_BATCH` rows, decode on the consumer's thread (0): slabs faster and for less CPU; a
-    panel's batch of 64 rows 3% slower for 12% less CPU per cell; a full-width dense batch of 64
-    rows, split over both cores there (`default_decode_threads`), 10% slower than on two threads
-    ahead, for about the CPU per cell of either (``benchmarks/results/layout.json``; one thread
-    on the consumer took 18% less at d6e31e0, ``archive/layout_d6e31e0.json``). Larger dense
-    batches, and token batches (whose kernel is most of the work), still decode on every core.
-    `oj.tune` measures the choice on a machine.
+    `SMALL_BATCH` rows, decode on the consumer's thread (0). Measured on a 2-core AMD EPYC
+    (``benchmarks/results/layout.json``): slabs faster and for less CPU; a full-width dense batch
+    of 64 rows, on one thread (`default_decode_threads`), 13% faster than on two threads ahead,
+    for 30% more cells per CPU-second; a panel's batch of 64 rows 11% slower for 9% more cells
+    per CPU-second. Larger dense batches, and token batches (whose kernel is most of the work),
+    still decode on every core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 0)
@@ -137,20 +137,24 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
 
     1 (``num_threads`` batches decode at once, one thread each), except dense rows decoded on the
     consumer's thread (``num_threads=0``: the one caller of the kernels) in batches of at least
-    `SPLIT_BATCH_BYTES`: their rows are split over every core, up to `MAX_DEFAULT_THREADS`.
-    Writing a full-width batch is the work: dense batches of 64 rows (16 MB) at 59,677 cells/s
-    split over 2 cores, 51,564 on one, for 3% more CPU per cell; a 2,000-gene panel's batch of 64
-    rows (0.5 MB) no faster on two (77,766 against 77,425 cells/s), for 3% more CPU
-    (``benchmarks/results/layout.json``).
+    `SPLIT_BATCH_BYTES` on more than 2 cores: their rows are split over every core, up to
+    `MAX_DEFAULT_THREADS`. Writing a full-width batch is the work, bound by memory once its rows
+    are streamed past the caches (`omicsio_jax.core.kernels.streamed`). On 2 cores the second one
+    serves the threads that read the fetches ahead: on a 2-core AMD EPYC (32 MB of L3, batches of
+    64 rows streamed) dense batches of 64 rows (16 MB) came at 67,878 cells/s on one thread against
+    60,498 split over both, and 49,643 against 43,661 cells per CPU-second
+    (``benchmarks/results/layout.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came 16% faster
+    (59,677 against 51,564, ``archive/layout_43d6a3a.json``): ``ReadOptions(decode_threads=2)``
+    asks for it, and `oj.tune` measures a machine.
 
-    >>> default_decode_threads("dense", 0, 16 << 20, cores=2), default_decode_threads("dense", 2, 16 << 20, cores=2)
-    (2, 1)
+    >>> default_decode_threads("dense", 0, 16 << 20, cores=8), default_decode_threads("dense", 0, 16 << 20, cores=2)
+    (8, 1)
     >>> default_decode_threads("dense", 0, 512 << 10, cores=2), default_decode_threads("csr", 0, 16 << 20, cores=2)
     (1, 1)
     """
     cores = usable_cores() if cores is None else cores
-    if kind == "dense" and num_threads == 0 and batch_bytes >= SPLIT_BATCH_BYTES:
-        return max(1, min(cores, MAX_DEFAULT_THREADS))
+    if kind == "dense" and num_threads == 0 and batch_bytes >= SPLIT_BATCH_BYTES and cores > 2:
+        return min(cores, MAX_DEFAULT_THREADS)
     return 1
 
 
