@@ -170,6 +170,7 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
             stderr=subprocess.PIPE,
             stdout=subprocess.PIPE,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a SIGABRT prints every thread's stack
         )
     deadline = time.time() + 60
     while time.time() < deadline and not any(
@@ -178,7 +179,14 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
         time.sleep(0.01)
     children = _children(proc.pid)  # the shard writer process
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where it waits, for the failure to show
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(
+            f"materialize still ran 60 s after signal {sig!r}; its threads then:\n{err.decode()[-8000:]}"
+        )
     assert proc.returncode != 0
     assert not out.exists()
     assert children, "materialize should run its shard writer in a child process"
