@@ -145,7 +145,7 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     60,498 split over both, and 49,643 against 43,661 cells per CPU-second
     (``benchmarks/results/layout.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came 16% faster
     (59,677 against 51,564, ``archive/layout_43d6a3a.json``): ``ReadOptions(decode_threads=2)``
-    asks for it, and `oj.tune` measures a machine.
+    asks for it (`oj.tune` measures the threads decoding ahead, not this).
 
     >>> default_decode_threads("dense", 0, 16 << 20, cores=8), default_decode_threads("dense", 0, 16 << 20, cores=2)
     (8, 1)
