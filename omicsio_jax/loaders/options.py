@@ -143,9 +143,10 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     serves the threads that read the fetches ahead: on a 2-core AMD EPYC (32 MB of L3, batches of
     64 rows streamed) dense batches of 64 rows (16 MB) came at 67,878 cells/s on one thread against
     60,498 split over both, and 49,643 against 43,661 cells per CPU-second
-    (``benchmarks/results/layout.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came 16% faster
-    (59,677 against 51,564, ``archive/layout_43d6a3a.json``): ``ReadOptions(decode_threads=2)``
-    asks for it (`oj.tune` measures the threads decoding ahead, not this).
+    (``benchmarks/results/layout.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came
+    16% faster (59,677 against 51,564, ``archive/layout_43d6a3a.json``):
+    ``ReadOptions(decode_threads=2)`` asks for it (`oj.tune` measures the threads decoding ahead,
+    not this).
 
     >>> default_decode_threads("dense", 0, 16 << 20, cores=8), default_decode_threads("dense", 0, 16 << 20, cores=2)
     (8, 1)
