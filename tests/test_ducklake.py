@@ -439,3 +439,77 @@ def test_a_null_partition_value_is_null_to_where():
         assert reader.pruned == pruned, where
     null = LakeReader(lake)._constant(lake.files[0], columns[1])
     assert null.to_pylist() == [None]
+
+
+# Run by .venv-ducklake's python (DuckDB's own ducklake extension) in the lake's folder: 20 cells written
+# as a data file, then 2 small enough to be inlined in the catalog (one of them all nulls).
+_WRITE_LAKE = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import duckdb
+from _ducklake_lake import extension
+
+con = duckdb.connect(config={{"allow_unsigned_extensions": "true"}})
+con.execute("SET TimeZone = 'UTC'")
+con.execute(f"LOAD '{{extension('ducklake')}}'")
+con.execute("ATTACH 'ducklake:lake.ducklake' AS lake (DATA_PATH 'data/', DATA_INLINING_ROW_LIMIT 10)")
+con.execute("USE lake")
+con.execute("CREATE TABLE gene_metadata (gene_token_id INTEGER, gene_name VARCHAR)")
+con.execute("INSERT INTO gene_metadata SELECT i, 'G' || i FROM range(5) r(i)")
+con.execute(
+    "CREATE TABLE rna_cells (cell_id VARCHAR, gene_token_id INTEGER[], gene_expression FLOAT[], "
+    "seen TIMESTAMP, seen_at TIMESTAMPTZ, born DATE, dose DECIMAL(9, 3), raw BLOB, tissue VARCHAR)"
+)
+con.execute(
+    "INSERT INTO rna_cells SELECT 'c' || lpad(i::VARCHAR, 2, '0'), [i % 5], [1.0 + i], "
+    "TIMESTAMP '2024-01-02 03:04:05' + INTERVAL (i) HOUR, TIMESTAMPTZ '2024-05-06 07:08:09+00' + INTERVAL (i) MINUTE, "
+    "DATE '2020-02-29' + i::INTEGER, (i * 1.25)::DECIMAL(9, 3), 'x'::BLOB, 'lung' FROM range(20) r(i)"
+)
+con.execute(
+    "INSERT INTO rna_cells VALUES ('i0', [1], [2.0], TIMESTAMP '1999-12-31 23:59:59', "
+    "TIMESTAMPTZ '2000-01-01 00:00:00+00', DATE '1999-12-31', 0.125, 'y'::BLOB, 'liver'), "
+    "('i1', [2], [3.0], NULL, NULL, NULL, NULL, NULL, NULL)"
+)
+"""
+
+
+def test_a_ducklake_table_carries_its_timestamp_date_and_decimal_obs(tmp_path, capsys):
+    """DuckLake inputs choose their obs as the other inputs do (`carried_obs`): dates and timestamps
+    become datetime64 sidecars (NaT where null), decimals float64, from data files and inlined rows
+    alike; a column no sidecar holds (BLOB) is left out with a note naming it."""
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    done = subprocess.run(
+        [str(PYTHON), "-c", _WRITE_LAKE], cwd=lake, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    materialize(
+        f"ducklake:{lake / 'lake.ducklake'}",
+        tmp_path / "ds",
+        read=InputOptions(table="rna_cells"),
+        progress=False,
+        workers=1,
+    )
+    err = capsys.readouterr().err
+    assert "obs column 'raw' of DuckLake table rna_cells" in err and "left out" in err
+    ds = oj.open_dataset(tmp_path / "ds")
+    assert ds.cell_ids.tolist() == [f"c{i:02d}" for i in range(20)] + ["i0", "i1"]
+    assert {"seen", "seen_at", "born", "dose", "tissue"} <= set(ds.obs) and "raw" not in ds.obs
+    hours = np.datetime64("2024-01-02T03:04:05", "us") + np.arange(20) * np.timedelta64(1, "h")
+    expected = np.concatenate(
+        [hours, [np.datetime64("1999-12-31T23:59:59", "us"), np.datetime64("NaT", "us")]]
+    )
+    np.testing.assert_array_equal(np.asarray(ds.obs["seen"]), expected)
+    assert np.asarray(ds.obs["seen"]).dtype == np.dtype("datetime64[us]")
+    minutes = np.datetime64("2024-05-06T07:08:09", "us") + np.arange(20) * np.timedelta64(1, "m")
+    expected = np.concatenate(
+        [minutes, [np.datetime64("2000-01-01T00:00:00", "us"), np.datetime64("NaT", "us")]]
+    )
+    np.testing.assert_array_equal(np.asarray(ds.obs["seen_at"]), expected)  # the UTC instant
+    days = np.datetime64("2020-02-29") + np.arange(20)
+    expected = np.concatenate([days, [np.datetime64("1999-12-31"), np.datetime64("NaT", "D")]])
+    np.testing.assert_array_equal(np.asarray(ds.obs["born"]), expected)
+    assert np.asarray(ds.obs["born"]).dtype == np.dtype("datetime64[D]")
+    dose = np.asarray(ds.obs["dose"])
+    assert dose.dtype == np.float64
+    np.testing.assert_array_equal(dose, [*(np.arange(20) * 1.25), 0.125, np.nan])
