@@ -58,6 +58,9 @@ class InputOptions:
     snapshot: int | str | datetime | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cell_id, str) or not self.cell_id:
+            msg = f"InputOptions(cell_id=...) names the cell id column (default 'cell_id'), got {self.cell_id!r}"
+            raise OmicsIOError(msg)
         if isinstance(self.snapshot, bool) or (isinstance(self.snapshot, int) and self.snapshot < 0):
             msg = f"InputOptions(snapshot=...) is a snapshot id ≥ 0, a time or None, got {self.snapshot!r}"
             raise OmicsIOError(msg)

@@ -282,3 +282,19 @@ def test_quoted_column_name_on_the_duckdb_path(write, tmp_path):
     assert main(argv) == 0
     ds = oj.open_dataset(tmp_path / "out")
     assert np.asarray(ds.obs['size "um"']).tolist() == [1.5, 3.5, 4.5]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"cell_id": None}, r"InputOptions\(cell_id=...\) names the cell id column .* got None"),
+        ({"cell_id": ""}, r"InputOptions\(cell_id=...\) names the cell id column .* got ''"),
+        ({"batch_cells": 0}, r"InputOptions\(batch_cells=...\) must be a positive integer or None, got 0"),
+    ],
+)
+def test_input_options_out_of_their_domain_are_one_line_errors(options, expected):
+    from materialize import InputOptions
+
+    with pytest.raises(oj.OmicsIOError, match=expected) as e:
+        InputOptions(**options)
+    assert "\n" not in str(e.value)

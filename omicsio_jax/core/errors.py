@@ -19,6 +19,12 @@ class DataValidationError(OmicsIOError, ValueError):
 class DatasetFormatError(OmicsIOError):
     """A materialized dataset directory is missing, incomplete or corrupted."""
 
+    @classmethod
+    def run_verify(cls, dataset: object, problem: str) -> DatasetFormatError:
+        """The error of a damaged file or shard of ``dataset`` (a folder or URL): ``problem``, then the
+        command that checks every byte of it, on one line."""
+        return cls(f"{problem}; run `omicsio-materialize verify {dataset}`".replace("\n", " "))
+
 
 class StateMismatchError(OmicsIOError, ValueError):
     """Restored loader/trainer state does not match the live dataset or config."""

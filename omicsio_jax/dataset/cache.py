@@ -153,12 +153,11 @@ class FileCache:
             size, sha = tmp.stat().st_size, sha256_file(tmp)
             if size != entry.num_bytes or sha != entry.sha256:
                 raise_if_rewritten(self.store, "files", relpath, sha256=entry.sha256)
-                msg = (
-                    f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} bytes "
-                    f"with {entry.sha256[:16]}…: the object is corrupted or was rewritten; run "
-                    f"`omicsio-materialize verify {self.store.url}`"
+                raise DatasetFormatError.run_verify(
+                    self.store.url,
+                    f"{url}: {size:,} bytes with sha256 {sha[:16]}…, the manifest says {entry.num_bytes:,} "
+                    f"bytes with {entry.sha256[:16]}…: the object is corrupted or was rewritten",
                 )
-                raise DatasetFormatError(msg)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -174,11 +173,8 @@ class FileCache:
         except ObjectStoreError as e:
             if self.store.head(relpath) is None:
                 raise_if_rewritten(self.store, "files", relpath, sha256=self._entries[relpath].sha256)
-                msg = (
-                    f"{self.store.describe(relpath)} is listed in the manifest but missing; run "
-                    f"`omicsio-materialize verify {self.store.url}`"
-                )
-                raise DatasetFormatError(msg) from e
+                missing = f"{self.store.describe(relpath)} is listed in the manifest but missing"
+                raise DatasetFormatError.run_verify(self.store.url, missing) from e
             raise
 
 

@@ -149,11 +149,10 @@ class Dataset:
                     rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=group_size
                 )
             if problem is not None:
-                msg = (
-                    f"{self.path}: the chunk index {relpath} of shard {entry.path} is damaged: {problem}; "
-                    f"run `omicsio-materialize verify {self.path}`"
+                raise DatasetFormatError.run_verify(
+                    self.path,
+                    f"{self.path}: the chunk index {relpath} of shard {entry.path} is damaged: {problem}",
                 )
-                raise DatasetFormatError(msg.replace("\n", " "))
             index = ChunkIndex(rows, group_size)
             with self._lock:
                 index = self._chunk_indexes.setdefault(shard, index)
@@ -275,12 +274,11 @@ class Dataset:
             raise DatasetFormatError(msg) from e
         if sub.fingerprint != entry.fingerprint or sub.num_cells != self.num_cells:
             sub.close()
-            msg = (
+            raise DatasetFormatError.run_verify(
+                self.path,
                 f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
-                f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…); "
-                f"run `omicsio-materialize verify {self.path}`"
+                f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…)",
             )
-            raise DatasetFormatError(msg)
         return self._modalities.setdefault(name, sub)
 
     @property

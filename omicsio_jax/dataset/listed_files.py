@@ -42,10 +42,9 @@ class ListedFiles:
         except OSError:
             return path  # missing or unreadable: its reader's own error names the file and the cause
         if size != expected:
-            msg = (
-                f"{self._root}: its file {relpath} is damaged: {size:,} bytes, the manifest says "
-                f"{expected:,}; run `omicsio-materialize verify {self._root}`"
+            raise DatasetFormatError.run_verify(
+                self._root,
+                f"{self._root}: its file {relpath} is damaged: {size:,} bytes, the manifest says {expected:,}",
             )
-            raise DatasetFormatError(msg)
         self._passed.add(relpath)
         return path

@@ -290,25 +290,29 @@ class ShardMirrors:
         entry, url = self.manifest.shards[shard], self.store.describe(self.manifest.shards[shard].path)
         info = self.store.head(entry.path)
         self.counters.add(head_requests=1)
-        fix = f"run `omicsio-materialize verify {self.store.url}`"
         if info is None or info.size != entry.num_bytes:
             raise_if_rewritten(
                 self.store, "shards", entry.path, num_bytes=entry.num_bytes, sha256=entry.sha256
             )
         if info is None:
-            msg = f"{url} is listed in the manifest but missing; {fix}"
-            raise DatasetFormatError(msg)
+            raise DatasetFormatError.run_verify(
+                self.store.url, f"{url} is listed in the manifest but missing"
+            )
         if info.size != entry.num_bytes:
-            msg = f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten; {fix}"
-            raise DatasetFormatError(msg)
+            raise DatasetFormatError.run_verify(
+                self.store.url,
+                f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten",
+            )
         rows = load_chunk_index(self.files.path(chunk_index_path(entry.path)))
         index = ChunkIndex(rows, self.group_size)
         problem = chunk_index_problem(
             rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=self.group_size
         )
         if problem is not None:
-            msg = f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} ({problem}); {fix}"
-            raise DatasetFormatError(msg)
+            raise DatasetFormatError.run_verify(
+                self.store.url,
+                f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} ({problem})",
+            )
         path = self.path(shard)
         path.parent.mkdir(parents=True, exist_ok=True)
         stamp_path, present_path = path.with_name(path.name + ".etag"), path.with_name(path.name + ".present")

@@ -77,11 +77,9 @@ class ObsColumns(Mapping):
         return column
 
     def _damaged(self, relpath: str, problem: str) -> None:
-        msg = (
-            f"{self._where}: the obs sidecar {relpath} is damaged: {problem}; "
-            f"run `omicsio-materialize verify {self._where}`"
+        raise DatasetFormatError.run_verify(
+            self._where, f"{self._where}: the obs sidecar {relpath} is damaged: {problem}"
         )
-        raise DatasetFormatError(msg)
 
     def __contains__(self, name: object) -> bool:  # without loading it
         return name in self._entries

@@ -171,8 +171,6 @@ def _corrupted(dataset: ShardFiles, failed: ReadFailed) -> DatasetFormatError:
             f"cells {shard.first_cell + failed.begin}..{shard.first_cell + failed.end - 1} "
             f"(records {failed.begin}..{failed.end - 1}) cannot be read"
         )
-    msg = (
-        f"{dataset.path}: shard {shard.path}: {where}: {failed.reason}; "
-        f"run `omicsio-materialize verify {dataset.path}`"
+    return DatasetFormatError.run_verify(
+        dataset.path, f"{dataset.path}: shard {shard.path}: {where}: {failed.reason}"
     )
-    return DatasetFormatError(msg)
