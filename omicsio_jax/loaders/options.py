@@ -112,11 +112,12 @@ def default_num_threads(kind: str, cores: int | None = None, batch_size: int | N
     On 1–2 cores a decoding thread has no core of its own (the fetches read ahead on two more),
     and each batch it hands over wakes the consumer: slabs, and dense or panel batches of up to
     `SMALL_BATCH` rows, decode on the consumer's thread (0). Measured on a 2-core AMD EPYC
-    (``benchmarks/results/layout.json``): slabs faster and for less CPU; a full-width dense batch
-    of 64 rows, on one thread (`default_decode_threads`), 13% faster than on two threads ahead,
-    for 30% more cells per CPU-second; a panel's batch of 64 rows 11% slower for 9% more cells
-    per CPU-second. Larger dense batches, and token batches (whose kernel is most of the work),
-    still decode on every core. `oj.tune` measures the choice on a machine.
+    (``benchmarks/results/layout.json``): slabs faster and for less CPU at batch 64 and 256 (4%
+    slower, for 5% fewer cells per CPU-second, at 1,024); a full-width dense batch of 64 rows, on
+    one thread (`default_decode_threads`), 7% faster than on two threads ahead, for 22% more cells
+    per CPU-second; a panel's batch of 64 rows 5% slower for 16% more cells per CPU-second. Larger
+    dense batches, and token batches (whose kernel is most of the work; at batch 64 within 5% either
+    way), still decode on every core. `oj.tune` measures the choice on a machine.
 
     >>> default_num_threads("dense", cores=16), default_num_threads("csr", cores=2)
     (8, 0)
@@ -141,9 +142,10 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     `MAX_DEFAULT_THREADS`. Writing a full-width batch is the work, bound by memory once its rows
     are streamed past the caches (`omicsio_jax.core.kernels.streamed`). On 2 cores the second one
     serves the threads that read the fetches ahead: on a 2-core AMD EPYC (32 MB of L3, batches of
-    64 rows streamed) dense batches of 64 rows (16 MB) came at 67,878 cells/s on one thread against
-    60,498 split over both, and 49,643 against 43,661 cells per CPU-second
-    (``benchmarks/results/layout.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came
+    64 rows streamed) dense batches of 64 rows (16 MB) came at 63,026 cells/s on one thread against
+    61,046 split over both, and 46,421 against 44,467 cells per CPU-second, ahead in 2 of 3 rounds
+    (``benchmarks/results/layout.json``; the run before, 67,878 against 60,498:
+    ``archive/layout_9008611.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came
     16% faster (59,677 against 51,564, ``archive/layout_43d6a3a.json``):
     ``ReadOptions(decode_threads=2)`` asks for it (`oj.tune` measures the threads decoding ahead,
     not this).
