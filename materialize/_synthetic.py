@@ -241,8 +241,9 @@ def make_synthetic_corpus(
     mm = None
     if multimodal:
         from . import _synthetic_multimodal as mm
+        from ._synthetic_atac import AtacModel
 
-        atac = mm.AtacModel(model, num_peaks, atac_mean_nnz, atac_fraction, atac_shuffle)
+        atac = AtacModel(model, num_peaks, atac_mean_nnz, atac_fraction, atac_shuffle)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     genes_path = out / "gene_metadata.parquet"
