@@ -171,13 +171,13 @@ class _Store:
 
 
 def test_one_check_says_whether_a_file_or_a_shard_was_rewritten():
-    """The small files (`FileCache`) and the shards (`mirrors`) share one check: an object the
+    """The small files (`FileCache`) and the shards (`mirror_files`) share one check: an object the
     prefix's manifest lists as the opened manifest does is not rewritten; one listed otherwise, not
     listed, under a new generation, or with no or a broken manifest is, and says to open again."""
-    from omicsio_jax.dataset import cache, mirrors
+    from omicsio_jax.dataset import cache, mirror_files
     from omicsio_jax.storage.store import ObjectChangedError
 
-    assert mirrors.raise_if_rewritten is cache.raise_if_rewritten
+    assert mirror_files.raise_if_rewritten is cache.raise_if_rewritten
     check = cache.raise_if_rewritten
     files = {"files": [{"path": "obs/a.npy", "sha256": "aa", "num_bytes": 3}]}
     shards = {"shards": [{"path": "shards/0.arecord", "sha256": "ss", "num_bytes": 10}]}

@@ -7,7 +7,8 @@ what ArrayRecord's reader reads when it opens a file; not fetched for a dataset 
 and the data chunks reads have needed, fetched with
 range GETs (``If-Match``: the ETag seen when this process first used the shard) and written at
 their offsets. The stock reader then reads the mirror as if it were whole: a read that reaches a
-chunk never fetched fails on the chunk's header hash, it cannot return wrong records.
+chunk never fetched fails on the chunk's header hash, it cannot return wrong records. One mirror
+on disk (its file, its sidecars, its locks) is `omicsio_jax.dataset.mirror_files`'s.
 
 ``<mirror>.present`` (one byte per data chunk, memory-mapped) says which chunks are there; a byte
 is set only after its chunk's bytes are written and cleared before they are dropped, so a later
@@ -48,11 +49,20 @@ from pathlib import Path
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
-from omicsio_jax.dataset.cache import Counters, FileCache, raise_if_rewritten, write_atomic
+from omicsio_jax.dataset.cache import Counters, FileCache
+from omicsio_jax.dataset.mirror_files import (
+    Mirror,
+    data_ranges,
+    drop_files,
+    empty_keeping,
+    flock,
+    get_opening,
+    open_mirror,
+    sidecar,
+)
 from omicsio_jax.format.chunk_index import (
     ChunkIndex,
     chunk_index_path,
-    chunk_index_problem,
     chunks_of,
     load_chunk_index,
     merge_spans,
@@ -64,54 +74,6 @@ READ_SLACK = 0.1  # a GET may cover up to 10% more bytes than its needed chunks,
 MAX_GET_BYTES = 16 << 20  # longer ranges are split into concurrent GETs
 
 
-def _flock(fd: int, operation: int) -> bool:
-    """``flock(fd, operation)``; False if another process holds a conflicting lock (with
-    ``LOCK_NB``). A file system without locks counts as granting them."""
-    try:
-        fcntl.flock(fd, operation)
-    except BlockingIOError:
-        return False
-    except OSError:
-        pass
-    return True
-
-
-def _empty_keeping(fd: int, size: int, opening: list[tuple[int, bytes]]) -> None:
-    """Drop a mirror's data in place (its inode kept, for the readers open on it): truncated to
-    zero and back to ``size``, then its ``opening`` ranges ((offset, bytes)) written again."""
-    os.ftruncate(fd, 0)
-    os.ftruncate(fd, size)
-    for b, blob in opening:
-        os.pwrite(fd, blob, b)
-
-
-def _data_ranges(index: ChunkIndex) -> np.ndarray:
-    return index.chunk_bytes(np.arange(index.num_chunks))
-
-
-class _Mirror:
-    """A shard's mirror in this process: its fd, bitmaps and bookkeeping (guarded by the lock)."""
-
-    def __init__(
-        self,
-        key: str,
-        size: int,
-        index: ChunkIndex,
-        etag: str | None,
-        fd: int,
-        present: np.ndarray,
-        opening: list[tuple[int, bytes]],
-    ):
-        self.key, self.size, self.index, self.etag = key, size, index, etag
-        self.fd, self.present, self.opening = fd, present, opening
-        self.sizes = np.diff(_data_ranges(index), axis=1)[:, 0]
-        self.inflight = np.zeros(index.num_chunks, bool)
-        self.cached = int(self.sizes[present.astype(bool)].sum())
-        self.pins = 0
-        self.last_used = 0
-        self.retired = False  # replaced by a mirror opened again (`ShardMirrors._retire_if_replaced`)
-
-
 def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) -> list[tuple[int, int]]:
     """``spans`` cut into GETs of at most ``max_bytes`` (fetched concurrently)."""
     return [(b, min(b + max_bytes, end)) for begin, end in spans for b in range(begin, end, max_bytes)]
@@ -119,7 +81,7 @@ def split_spans(spans: list[tuple[int, int]], max_bytes: int = MAX_GET_BYTES) ->
 
 def covered_chunks(index: ChunkIndex, spans: list[tuple[int, int]]) -> np.ndarray:
     """Data chunks lying wholly inside ``spans`` (the needed ones and those of the gaps merged in)."""
-    data = _data_ranges(index)
+    data = data_ranges(index)
     parts = [
         np.arange(np.searchsorted(data[:, 0], b, "left"), np.searchsorted(data[:, 1], e, "right"))
         for b, e in spans
@@ -152,7 +114,7 @@ class ShardMirrors:
         self.opening = opening  # fetch each shard's opening ranges (ArrayRecord's reader reads them; the chunk reader not)
         self.cache_bytes, self.group_size = cache_bytes, int(manifest.array_record["group_size"])
         self._lock = threading.Condition()
-        self._live: dict[int, _Mirror] = {}
+        self._live: dict[int, Mirror] = {}
         self._opening: dict[int, Future] = {}
         self._tick = 0
         self._threads, self._pool = threads, None
@@ -184,7 +146,7 @@ class ShardMirrors:
                 for m in mirrors.values():
                     m.pins -= 1
                     if not m.pins:
-                        _flock(m.fd, fcntl.LOCK_UN)
+                        flock(m.fd, fcntl.LOCK_UN)
                         if m.retired:
                             os.close(m.fd)
                 self._make_room(0)
@@ -229,7 +191,7 @@ class ShardMirrors:
     def _scan(self) -> None:
         """Account for the chunks an earlier process left in the cache (`dormant` until used)."""
         for shard, entry in enumerate(self.manifest.shards):
-            present = self.path(shard).with_name(self.path(shard).name + ".present")
+            present = sidecar(self.path(shard), ".present")
             if not present.exists():
                 continue
             index_path = chunk_index_path(entry.path)
@@ -237,7 +199,7 @@ class ShardMirrors:
             if local is None:
                 self._drop_files(shard)
                 continue
-            sizes = np.diff(_data_ranges(ChunkIndex(load_chunk_index(local), self.group_size)), axis=1)[:, 0]
+            sizes = np.diff(data_ranges(ChunkIndex(load_chunk_index(local), self.group_size)), axis=1)[:, 0]
             bits = np.fromfile(present, np.uint8)
             if len(bits) != len(sizes):
                 self._drop_files(shard)
@@ -245,11 +207,9 @@ class ShardMirrors:
             self._dormant[shard] = (present.stat().st_mtime, int(sizes[bits.astype(bool)].sum()))
 
     def _drop_files(self, shard: int) -> None:
-        base = self.path(shard)
-        for path in (base.with_name(base.name + ".etag"), base.with_name(base.name + ".present"), base):
-            path.unlink(missing_ok=True)
+        drop_files(self.path(shard))
 
-    def _pin(self, shards: list[int]) -> dict[int, _Mirror]:
+    def _pin(self, shards: list[int]) -> dict[int, Mirror]:
         with self._lock:
             futures = {}
             for s in shards:
@@ -266,13 +226,18 @@ class ShardMirrors:
             for m in mirrors.values():
                 m.pins += 1
                 if m.pins == 1:  # no other process drops its chunks while this one reads them
-                    _flock(m.fd, fcntl.LOCK_SH)
+                    flock(m.fd, fcntl.LOCK_SH)
                 m.last_used = self._tick
             return mirrors
 
     def _open(self, shard: int, dormant: tuple[float, int]) -> None:
+        """Open ``shard``'s mirror (`open_mirror`) on a pool thread; ``dormant``: what an earlier
+        process left of it, counted back if the opening fails."""
         try:
-            m = self._open_mirror(shard)
+            entry, path = self.manifest.shards[shard], self.path(shard)
+            m = open_mirror(
+                self.store, self.counters, self.files, entry, path, self.group_size, opening=self.opening
+            )
         except BaseException:
             with self._lock:
                 del self._opening[shard]
@@ -284,81 +249,8 @@ class ShardMirrors:
             del self._opening[shard]
             self.cached += m.cached - dormant[1]
 
-    def _open_mirror(self, shard: int) -> _Mirror:
-        """HEAD the shard (its size must match the manifest), load its chunk index, reuse or create
-        its mirror (writing the opening ranges)."""
-        entry, url = self.manifest.shards[shard], self.store.describe(self.manifest.shards[shard].path)
-        info = self.store.head(entry.path)
-        self.counters.add(head_requests=1)
-        if info is None or info.size != entry.num_bytes:
-            raise_if_rewritten(
-                self.store, "shards", entry.path, num_bytes=entry.num_bytes, sha256=entry.sha256
-            )
-        if info is None:
-            raise DatasetFormatError.run_verify(
-                self.store.url, f"{url} is listed in the manifest but missing"
-            )
-        if info.size != entry.num_bytes:
-            raise DatasetFormatError.run_verify(
-                self.store.url,
-                f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten",
-            )
-        rows = load_chunk_index(self.files.path(chunk_index_path(entry.path)))
-        index = ChunkIndex(rows, self.group_size)
-        problem = chunk_index_problem(
-            rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=self.group_size
-        )
-        if problem is not None:
-            raise DatasetFormatError.run_verify(
-                self.store.url,
-                f"{chunk_index_path(entry.path)} of {self.store.url} does not describe {entry.path} ({problem})",
-            )
-        path = self.path(shard)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stamp_path, present_path = path.with_name(path.name + ".etag"), path.with_name(path.name + ".present")
-        stamp = f"{info.etag} {info.size}\n"
-        try:
-            reuse = (
-                stamp_path.read_text() == stamp
-                and path.stat().st_size == info.size
-                and present_path.stat().st_size == index.num_chunks
-            )
-        except OSError:
-            reuse = False
-        opening = [(int(b), int(e)) for b, e in index.opening] if self.opening else []
-        if reuse:
-            fd = os.open(path, os.O_RDWR)
-            blobs = [os.pread(fd, e - b, b) for b, e in opening]
-        else:  # new files renamed into place: a process still using the old ones keeps them whole
-            stamp_path.unlink(missing_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-            np.zeros(index.num_chunks, np.uint8).tofile(tmp)
-            os.replace(tmp, present_path)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, info.size)
-                blobs = self._get_opening(entry.path, fd, opening, info.etag)
-                os.replace(tmp, path)
-            except BaseException:
-                os.close(fd)
-                tmp.unlink(missing_ok=True)
-                raise
-            write_atomic(stamp_path, stamp)
-        present = np.memmap(present_path, np.uint8, mode="r+") if index.num_chunks else np.zeros(0, np.uint8)
-        blobs = list(zip([b for b, _ in opening], blobs, strict=True))
-        return _Mirror(entry.path, info.size, index, info.etag, fd, present, blobs)
-
-    def _get_opening(
-        self, key: str, fd: int, opening: list[tuple[int, int]], etag: str | None
-    ) -> list[bytes]:
-        blobs = self.store.get_ranges(key, opening, etag)
-        for (b, _), blob in zip(opening, blobs, strict=True):
-            os.pwrite(fd, blob, b)
-        self.counters.add(opening_gets=len(opening), opening_bytes=sum(len(x) for x in blobs))
-        return blobs
-
     # ----- fetching chunks -----------------------------------------------------------------------
-    def _fetch(self, mirrors: dict[int, _Mirror], chunks: dict[int, np.ndarray], refetch: int | None) -> None:
+    def _fetch(self, mirrors: dict[int, Mirror], chunks: dict[int, np.ndarray], refetch: int | None) -> None:
         first = True
         while True:
             mine: dict[int, np.ndarray] = {}
@@ -404,7 +296,7 @@ class ShardMirrors:
             first = False  # another call failed to fetch some of ours: fetch them ourselves
 
     def _get_chunks(
-        self, mirrors: dict[int, _Mirror], mine: dict[int, np.ndarray], refetch: int | None
+        self, mirrors: dict[int, Mirror], mine: dict[int, np.ndarray], refetch: int | None
     ) -> dict[int, np.ndarray]:
         """GET the chunks ``mine`` (coalesced, concurrently) into the mirrors, and ``refetch``'s
         opening ranges; return the chunks now written per shard (``mine`` and merged gaps')."""
@@ -414,7 +306,7 @@ class ShardMirrors:
         if refetch is not None:  # the opening ranges too: the mirror's may be damaged (or never fetched)
             m = mirrors[refetch]
             opening = [(int(b), int(e)) for b, e in m.index.opening]
-            futures.append(self._submit(self._get_opening, m.key, m.fd, opening, m.etag))
+            futures.append(self._submit(get_opening, self.store, self.counters, m.key, m.fd, opening, m.etag))
         for f in futures:
             f.result()
         if refetch is not None:
@@ -425,7 +317,7 @@ class ShardMirrors:
         )
         return {s: covered_chunks(mirrors[s].index, sp) for s, sp in spans.items()}
 
-    def _get_into(self, m: _Mirror, ranges: list[tuple[int, int]]) -> None:
+    def _get_into(self, m: Mirror, ranges: list[tuple[int, int]]) -> None:
         blobs = self.store.get_ranges(m.key, ranges, m.etag)
         for (b, e), blob in zip(ranges, blobs, strict=True):
             if len(blob) != e - b:
@@ -447,12 +339,12 @@ class ShardMirrors:
                 break
             excess -= self._evict_dormant(s) if s in self._dormant else self._evict(self._live[s])
 
-    def _evict(self, m: _Mirror) -> int:
-        if not _flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+    def _evict(self, m: Mirror) -> int:
+        if not flock(m.fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
             return 0  # another process sharing the cache is reading this shard: drop another
         m.present[:] = 0  # first: a chunk is never marked present without its bytes
-        _empty_keeping(m.fd, m.size, m.opening)
-        _flock(m.fd, fcntl.LOCK_UN)
+        empty_keeping(m.fd, m.size, m.opening)
+        flock(m.fd, fcntl.LOCK_UN)
         freed, m.cached = m.cached, 0
         self.cached -= freed
         self.counters.add(evictions=1)
@@ -468,7 +360,7 @@ class ShardMirrors:
         except FileNotFoundError:
             fd = None
         try:
-            if fd is not None and not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            if fd is not None and not flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 return 0  # in use by another process: stays dormant here
             _, freed = self._dormant.pop(shard)
             local = self.files.cached(chunk_index_path(self.manifest.shards[shard].path))
@@ -478,9 +370,9 @@ class ShardMirrors:
                 index = ChunkIndex(load_chunk_index(local), self.group_size)
                 opening = [(int(b), int(e)) for b, e in index.opening]
                 kept = [(b, os.pread(fd, e - b, b)) for b, e in opening]
-                with open(path.with_name(path.name + ".present"), "r+b") as f:
+                with open(sidecar(path, ".present"), "r+b") as f:
                     f.write(bytes(index.num_chunks))  # first: no chunk marked present without its bytes
-                _empty_keeping(fd, os.fstat(fd).st_size, kept)
+                empty_keeping(fd, os.fstat(fd).st_size, kept)
         finally:
             if fd is not None:
                 os.close(fd)
