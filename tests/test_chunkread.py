@@ -18,7 +18,7 @@ from materialize._shardfiles import chunk_ranges
 from omicsio_jax.dataset.batched_reads import FetchReader
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
 from omicsio_jax.format.codec import join_records
-from omicsio_jax.records import chunk_reader, zstd
+from omicsio_jax.records import chunk_reader, riegeli_chunks, zstd
 from omicsio_jax.records.highwayhash import RIEGELI_KEY, highway64
 
 # HighwayHash-64 of bytes 0, 1, ..., n-1 under the key 0x0706050403020100, ..., 0x1F1E1D1C1B1A1918,
@@ -111,7 +111,7 @@ def test_every_chunk_of_a_shard_hashes_to_what_riegeli_stored(dataset_dir):
     ranges = np.load(dataset_dir / chunk_index_path(path.name))[3:].astype(np.int64)
     header = np.empty(40, np.uint8)
     for begin, end in ranges:
-        assert chunk_reader._logical_copy(data, begin, begin, end, header, 40)
+        assert riegeli_chunks._logical_copy(data, begin, begin, end, header, 40)
         assert highway64(header, 8, 32, RIEGELI_KEY) == header[:8].view(np.uint64)[0]
 
 
@@ -307,8 +307,9 @@ def test_a_short_read_is_reported_as_truncated(dataset_dir):
         finally:
             os.close(fd)
         ends[1] = ranges[1, 0] + 30  # as if the file had ended inside chunk 1's header
-        _, _, problem, k = chunk_reader._headers(raw, base, ranges[:, 0], ends, np.full(3, 16))
-        assert (chunk_reader._PROBLEMS[problem], k) == ("the file ends inside the chunk (truncated)", 1)
+        _, _, problem, k = riegeli_chunks.check_headers(raw, base, ranges[:, 0], ends, np.full(3, 16))
+        assert k == 1
+        assert riegeli_chunks.CHUNK_PROBLEMS[problem] == "the file ends inside the chunk (truncated)"
 
 
 def test_without_a_zstd_library_arrayrecord_reads_them(dataset_dir, corpus, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ import numpy as np
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.format.codec import EMPTY_RECORD, Records
-from omicsio_jax.records.chunk_reader import copy_bytes
+from omicsio_jax.records.riegeli_chunks import copy_bytes
 from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
 
 T = TypeVar("T")

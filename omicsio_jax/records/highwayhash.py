@@ -1,8 +1,8 @@
 """HighwayHash-64 with riegeli's key: the hash every riegeli chunk header and chunk body carries.
 
 `chunk_reader` reads ArrayRecord shards without ArrayRecord's reader and checks each chunk as
-that reader does: the 32 bytes after a chunk header's hash field against the header hash, the
-chunk's data against its data hash. The algorithm is HighwayHash (github.com/google/highwayhash),
+that reader does (`riegeli_chunks`): the 32 bytes after a chunk header's hash field against the
+header hash, the chunk's data against its data hash. The algorithm is HighwayHash (github.com/google/highwayhash),
 64-bit output: a state of four 4-lane vectors (v0, v1, mul0, mul1), one update per 32-byte
 packet, a padded last packet, four permute-and-update rounds to finish. The packets go through
 one loop written in LLVM IR on <4 x i64> vectors (`_packets`: the 32×32-bit multiplies and the
