@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import omicsio_jax as oj
-from omicsio_jax.storage import direct_io
+from omicsio_jax.storage import aio, direct_io
 
 THREADS = 8
 
@@ -59,7 +59,7 @@ def main(dataset_dir: str, ready_dir: str, index: int, processes: int) -> None:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps({"failures": failures, "contexts": direct_io._CONTEXTS._count}))
+    print(json.dumps({"failures": failures, "contexts": aio.contexts()._count}))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import omicsio_jax as oj
 from omicsio_jax.dataset import dataset as dataset_module
-from omicsio_jax.storage import direct_io
+from omicsio_jax.storage import aio, direct_io
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,25 +101,25 @@ def test_a_damaged_chunk_read_directly_is_named_by_its_cells(dataset_dir, tmp_pa
 def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
     _, direct = pair
     expected = direct.read_csr([5, 2000])
-    parent = direct_io._CONTEXTS.lease()  # the one that read leased, given back
-    direct_io._CONTEXTS.give_back(parent)
+    parent = aio.contexts().lease()  # the one that read leased, given back
+    aio.contexts().give_back(parent)
     real_pid = os.getpid()
     # a forked child (not forked here: numba's OpenMP refuses it) inherits the pool, but the kernel's
     # contexts belong to the parent's address space
     monkeypatch.setattr(os, "getpid", lambda: real_pid + 1)
-    child = direct_io._CONTEXTS.lease()
+    child = aio.contexts().lease()
     assert child is not parent and child.id != parent.id
-    direct_io._CONTEXTS.give_back(child)
+    aio.contexts().give_back(child)
     for a, b in zip(direct.read_csr([5, 2000]), expected, strict=True):
         np.testing.assert_array_equal(a, b)
     monkeypatch.undo()
-    assert direct_io._CONTEXTS.lease() is not child  # back in the parent: its own pool again
+    assert aio.contexts().lease() is not child  # back in the parent: its own pool again
 
 
 @nb.njit
 def _completions_waiting(fn, number, ctx, events):
     """How many completed reads sit in the context's ring, taken without waiting (min_nr 0)."""
-    return direct_io._syscall(
+    return aio._syscall(
         fn,
         number,
         np.uint64(ctx),
@@ -134,36 +134,36 @@ def test_reads_submitted_before_a_refusal_are_waited_for(pair, monkeypatch):
     _, direct = pair
     path = direct.local_path(direct.manifest.shards[0].path)
     ranges = direct.chunk_index(0).chunk_bytes(np.arange(0, 64, 4))  # 16 separate spans
-    real = direct_io._submit
+    real = aio.submit
 
     def refused_part_way(fn, errno_fn, number, ctx, iocbs, pointers, first, stop, *rest):
         done, _ = real(fn, errno_fn, number, ctx, iocbs, pointers, first, first + (stop - first) // 2, *rest)
         return done, errno.EBADF
 
-    monkeypatch.setattr(direct_io, "_submit", refused_part_way)
+    monkeypatch.setattr(aio, "submit", refused_part_way)
     with pytest.raises(direct_io.ReadError, match="refused .*Bad file descriptor") as caught:
         next(direct_io.DirectReads().read_groups([path], [(np.zeros(len(ranges), np.int64), ranges)]))
     assert caught.value.errno == errno.EBADF and caught.value.filename == str(path)
     time.sleep(0.2)  # long enough for any read left in flight to complete into the ring
-    _, _, getevents, _ = direct_io._SYSCALLS[platform.machine()]
-    context = direct_io._CONTEXTS.lease()  # the one that read: given back idle
+    _, _, getevents, _ = aio.SYSCALLS[platform.machine()]
+    context = aio.contexts().lease()  # the one that read: given back idle
     try:
         waiting = _completions_waiting(
-            np.uint64(direct_io._syscall_address()), getevents, context.id, np.zeros((64, 4), np.int64)
+            np.uint64(aio.syscall_address()), getevents, context.id, np.zeros((64, 4), np.int64)
         )
     finally:
-        direct_io._CONTEXTS.give_back(context)
+        aio.contexts().give_back(context)
     assert waiting == 0  # each was waited for: none is left to land in the context's next read
 
 
 def test_an_error_the_kernel_reports_is_not_tried_again():
-    _, _, _, submit = direct_io._SYSCALLS[platform.machine()]
+    _, _, _, submit = aio.SYSCALLS[platform.machine()]
     spans = np.array([[0, 4096]], np.int64)
     args = (np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), 0, 1, np.zeros(1, np.int64), spans)
     started = time.perf_counter()
-    done, err = direct_io._submit(
-        np.uint64(direct_io._syscall_address()),
-        np.uint64(direct_io._errno_address()),
+    done, err = aio.submit(
+        np.uint64(aio.syscall_address()),
+        np.uint64(aio.errno_address()),
         submit,
         0,  # no such context
         *args,

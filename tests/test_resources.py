@@ -19,7 +19,7 @@ import omicsio_jax as oj
 from omicsio_jax.core.errors import require
 from omicsio_jax.dataset import dataset as dataset_module
 from omicsio_jax.records.readahead import ReadAhead
-from omicsio_jax.storage import direct_io, memory
+from omicsio_jax.storage import aio, direct_io, memory
 
 TESTS = Path(__file__).parent
 
@@ -171,13 +171,13 @@ def direct_ds(dataset_dir):
 
 @pytest.fixture
 def fresh_pool(monkeypatch):
-    pool = direct_io._Contexts()
-    monkeypatch.setattr(direct_io, "_CONTEXTS", pool)
+    pool = aio.ContextPool()
+    monkeypatch.setattr(aio, "_CONTEXTS", pool)
     return pool
 
 
 def test_without_aio_headroom_reads_are_buffered_with_one_warning(direct_ds, fresh_pool, monkeypatch):
-    monkeypatch.setattr(direct_io, "aio_headroom", lambda: 100)
+    monkeypatch.setattr(aio, "aio_headroom", lambda: 100)
     paths, groups = _groups(direct_ds)
     with pytest.warns(RuntimeWarning, match=r"buffered instead of with O_DIRECT: .*aio-max-nr headroom 100"):
         _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
@@ -188,15 +188,15 @@ def test_without_aio_headroom_reads_are_buffered_with_one_warning(direct_ds, fre
 
 
 def test_a_refused_io_setup_falls_back_to_buffered_reads(direct_ds, fresh_pool, monkeypatch):
-    monkeypatch.setattr(direct_io, "aio_headroom", lambda: None)
-    monkeypatch.setattr(direct_io, "_EVENTS", 1 << 40)  # more than any host allows: the kernel says no
+    monkeypatch.setattr(aio, "aio_headroom", lambda: None)
+    monkeypatch.setattr(aio, "_EVENTS", 1 << 40)  # more than any host allows: the kernel says no
     paths, groups = _groups(direct_ds)
     with pytest.warns(RuntimeWarning, match="io_setup"):
         _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
 
 
 def test_contexts_are_leased_per_read_and_reused(direct_ds, fresh_pool, monkeypatch):
-    monkeypatch.setattr(direct_io, "MAX_CONTEXTS", 1)
+    monkeypatch.setattr(aio, "MAX_CONTEXTS", 1)
     paths, groups = _groups(direct_ds)
     reads = direct_io.DirectReads()
     for _ in range(3):  # one after another: one context, reused
@@ -211,8 +211,8 @@ def test_contexts_are_leased_per_read_and_reused(direct_ds, fresh_pool, monkeypa
 
 
 def test_a_context_smaller_than_a_group_reads_it_in_turns(direct_ds, fresh_pool, monkeypatch):
-    monkeypatch.setattr(direct_io, "aio_headroom", lambda: 4 * 8)  # contexts of 8 reads
-    monkeypatch.setattr(direct_io, "_MIN_EVENTS", 4)
+    monkeypatch.setattr(aio, "aio_headroom", lambda: 4 * 8)  # contexts of 8 reads
+    monkeypatch.setattr(aio, "_MIN_EVENTS", 4)
     paths = [direct_ds.local_path(s.path) for s in direct_ds.manifest.shards[:2]]
     ranges = [direct_ds.chunk_index(f).chunk_bytes(np.arange(0, 64, 4)) for f in range(2)]
     groups = [(np.full(len(ranges[f]), f, np.int64), ranges[f]) for f in (0, 1, 0)]
