@@ -42,8 +42,9 @@ from omicsio_jax.format import (
     sql_str,
 )
 
-from ._ducklake_catalog import PREFIX, Catalog, LakeTable, lineage, resolve, split_spec
+from ._ducklake_catalog import PREFIX, Catalog, lineage, resolve, split_spec
 from ._ducklake_read import LakeReader, Run
+from ._ducklake_table import LakeTable
 from ._plan import Partition
 from ._sidecars import carried_obs
 from ._source import Batch, Source, gene_table_from_arrow

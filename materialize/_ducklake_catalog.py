@@ -13,12 +13,11 @@ column added later reads as its ``initial_default`` (null without one) from file
 
 This module reads those tables with the runtime's own DuckDB (a DuckDB file, read only; never the
 ducklake extension) or Python's ``sqlite3`` and resolves one table at one snapshot into a
-`LakeTable`: plain, picklable data. `_ducklake` reads the rows.
+`LakeTable` (`_ducklake_table`): plain, picklable data. `_ducklake` reads the rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import sqlite3
@@ -31,10 +30,11 @@ import pyarrow as pa
 from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import is_remote, sql_ident
 
+from ._ducklake_table import ROW_ID, Column, DataFile, DeleteFile, LakeTable, empty_table
+
 PREFIX = "ducklake:"
 VERSIONS = ("0.1", "0.2", "0.3")  # the specification versions whose tables this module reads
 SQLITE_HEADER = b"SQLite format 3\x00"
-ROW_ID = "__ducklake_row_id"
 
 _TYPES = {
     "boolean": "BOOLEAN",
@@ -65,62 +65,6 @@ _TYPES = {
     "json": "JSON",
 }
 _NUMERIC = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Column:
-    """A top-level column of the table at the snapshot: its field id, name and DuckDB type."""
-
-    column_id: int
-    name: str
-    sql_type: str
-    initial_default: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class DeleteFile:
-    path: str
-    file_size_bytes: int | None
-    footer_size: int | None
-    delete_count: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """A data file of the table at the snapshot. ``partial``: ``partial_file_info`` of a file that
-    merged several commits (its rows carry their snapshot); ``names``: field id → column name of a
-    file registered without field ids; ``constants``: column → the one value every row holds
-    (identity partition value, or equal min/max statistics of a number), for pruning."""
-
-    data_file_id: int
-    path: str
-    record_count: int
-    file_size_bytes: int | None
-    footer_size: int | None
-    row_id_start: int | None
-    partial: str | None
-    names: dict[int, str] | None
-    partition: dict[int, str | None]  # None: a NULL partition value
-    constants: dict[str, str | None]
-    delete: DeleteFile | None
-
-
-@dataclasses.dataclass
-class LakeTable:
-    """One table of a catalog as of one snapshot."""
-
-    catalog: str
-    table: str
-    table_uuid: str
-    snapshot: int
-    snapshot_time: str
-    version: str
-    columns: list[Column]
-    files: list[DataFile]
-    inlined: pa.Table  # visible inlined rows (the columns above, then ROW_ID), by row id
-
-    def describe(self) -> str:
-        return f"DuckLake table {self.table} of {self.catalog} at snapshot {self.snapshot}"
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -447,16 +391,6 @@ def _inlined(catalog: Catalog, table_id: int, s: int, columns: list[Column]) -> 
 
 def _literal(value: str | None) -> str:
     return "NULL" if value is None else "'" + value.replace("'", "''") + "'"
-
-
-def empty_table(columns: list[Column]) -> pa.Table:
-    """No rows, the columns' Arrow types (as DuckDB gives them) and the row id."""
-    select = [f"CAST(NULL AS {c.sql_type}) AS {sql_ident(c.name)}" for c in columns]
-    return (
-        duckdb.connect()
-        .sql(f"SELECT {', '.join([*select, f'0::BIGINT AS {ROW_ID}'])} LIMIT 0")
-        .to_arrow_table()
-    )
 
 
 def lineage(catalog: Catalog, lake: LakeTable) -> str:

@@ -1,4 +1,4 @@
-"""The rows of a resolved DuckLake table (`_ducklake_catalog.LakeTable`), read from its parquet files
+"""The rows of a resolved DuckLake table (`_ducklake_table.LakeTable`), read from its parquet files
 and inlined rows by pyarrow, in row-id order.
 
 A table's rows are its data files' rows and its inlined rows. Every row has a row id (an inlined
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import GENE_COLUMN, as_input_path, is_remote, sql_ident
 
-from ._ducklake_catalog import ROW_ID, Column, DataFile, LakeTable, empty_table
+from ._ducklake_table import ROW_ID, Column, DataFile, LakeTable, empty_table
 from ._parquet_stream import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"

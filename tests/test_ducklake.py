@@ -25,8 +25,8 @@ import omicsio_jax as oj
 from materialize import InputOptions, Layout, Multimodal, materialize
 from materialize._cli import main
 from materialize._ducklake import DuckLakeSource
-from materialize._ducklake_catalog import Column, DataFile, LakeTable, empty_table
 from materialize._ducklake_read import LakeReader
+from materialize._ducklake_table import Column, DataFile, LakeTable, empty_table
 
 PYTHON = ROOT / ".venv-ducklake" / "bin" / "python"
 WRITER = ROOT / "tests" / "_ducklake_lake.py"
