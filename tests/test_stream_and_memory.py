@@ -12,7 +12,7 @@ from conftest import table_csr
 
 import omicsio_jax as oj
 from materialize import Layout, materialize
-from omicsio_jax.loaders import memory, stream
+from omicsio_jax.loaders import memory_device, stream
 
 PANEL = [0, 3, 17, 40, 41, 500, 1999, 1234]
 
@@ -299,14 +299,15 @@ def test_memory_loader_refuses_state_from_another_config(panel, mesh):
 def test_device_draw_stays_on_each_device(panel, mesh):
     loader = oj.make_memory_loader(panel, batch_size=256, seed=0, on_device=True, placement=mesh)
     next(loader)
+    placed = loader._device_panel
     hlo = (
-        memory._draw.lower(loader._arrays, loader._perm, 0, loader._acc, rows=loader._rows_local)
+        memory_device._draw.lower(placed.arrays, placed._perm, 0, placed._acc, rows=placed.rows_local)
         .compile()
         .as_text()
     )
     for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
         assert collective not in hlo
-    x = loader._arrays["x"]
+    x = placed.arrays["x"]
     assert x.shape[0] == 8 and [s.data.shape for s in x.addressable_shards][0] == (1, x.shape[1], len(PANEL))
 
 

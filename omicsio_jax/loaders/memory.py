@@ -14,17 +14,16 @@
   slice sit out that epoch (a different few each epoch).
 
 Both are `grain.DatasetIterator`s that replay exactly from ``(epoch, step)`` plus a fingerprint
-of data and config, and audit their coverage (on the devices for ``on_device=True``).
+of data and config, and audit their coverage (on the devices for ``on_device=True``). The panel on
+the devices, its placement and its gather, is `DevicePanel` (`loaders.memory_device`).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numba as nb
 import numpy as np
 
@@ -32,6 +31,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.iterator import ClosingIterator
+from omicsio_jax.loaders.memory_device import DevicePanel
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
 from omicsio_jax.loaders.options import (
     Placement,
@@ -41,36 +41,16 @@ from omicsio_jax.loaders.options import (
     numba_threads_in_force,
 )
 from omicsio_jax.loaders.state import as_json, check_state, reads_state
-from omicsio_jax.outputs.batch import Batch, HostBatch, data_sharding
-from omicsio_jax.sampling.coverage import Coverage, Tally, device_tally, tally_from_device
+from omicsio_jax.outputs.batch import Batch, HostBatch
+from omicsio_jax.sampling.coverage import Coverage, Tally
 
 STATE_VERSION = 2
-PLACEMENT_STREAM = 0x5EED  # the rng stream that deals cells to devices (on_device=True)
 
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def _gather_rows(x, rows, out):
     for i in nb.prange(rows.shape[0]):
         out[i, :] = x[rows[i], :]
-
-
-@functools.partial(jax.jit, static_argnames=("rows",), donate_argnums=3)
-def _draw(arrays, perm, step, acc, *, rows):
-    """Each device gathers ``rows`` of its own cells: ``arrays`` leaves are (devices, L, ...) and
-    ``perm`` is (devices, L), both sharded on axis 0; results are flattened to (devices × rows, ...).
-    ``acc`` (devices, 3) uint32 gets each device's coverage tally of the rows it drew, in the same call.
-    Each call makes its own ``mask`` (every row drawn is a cell): a batch's arrays are its own, so a
-    step that donates one batch leaves the next ones whole."""
-    idx = jax.lax.dynamic_slice_in_dim(perm, step * rows, rows, axis=1)
-
-    def take(a):
-        return jax.vmap(lambda local, i: jnp.take(local, i, axis=0, mode="clip"))(a, idx)  # in bounds
-
-    picked = jax.tree.map(take, arrays)
-    index = picked["index"]
-    acc = acc + jax.vmap(lambda i: jnp.stack(device_tally(i, i >= 0)))(index)
-    drawn = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), picked)
-    return {**drawn, "mask": drawn["index"] >= 0}, acc
 
 
 class MemoryLoader(ClosingIterator):
@@ -103,18 +83,21 @@ class MemoryLoader(ClosingIterator):
         self._epoch, self._step, self._anchor, self._served = 0, 0, 0, Tally()
         self._perm_cache: tuple[int | None, np.ndarray | None] = (None, None)
         self._buffers = RowBuffers(keep=prefetch + 4)
-        if on_device:
-            self._place_on_devices()
+        self._device_panel = (
+            DevicePanel(panel, batch_size=batch_size, seed=seed, placement=placement) if on_device else None
+        )
         n = panel.num_cells
         self.steps_per_epoch = (
-            self._device_steps if on_device else (n // batch_size if drop_remainder else -(-n // batch_size))
+            self._device_panel.steps_per_epoch
+            if self._device_panel is not None
+            else (n // batch_size if drop_remainder else -(-n // batch_size))
         )
 
     def __repr__(self) -> str:
         p = self.panel
         where = (
-            f"devices={self._devices}"
-            if self.resident == "device"
+            f"devices={self._device_panel.num_devices}"
+            if self._device_panel is not None
             else f"read=ReadOptions(prefetch={self.prefetch}, decode_threads={self.decode_threads})"
         )
         return (
@@ -136,7 +119,7 @@ class MemoryLoader(ClosingIterator):
                 "num_epochs": self.num_epochs,
                 "placement": self.resident,
                 "drop_remainder": self.drop_remainder,
-                "devices": None if self.resident == "host" else self._devices,
+                "devices": None if self._device_panel is None else self._device_panel.num_devices,
                 "hosts": None if self.resident == "host" else self.hosts,
             }
         )
@@ -189,34 +172,18 @@ class MemoryLoader(ClosingIterator):
     def coverage(self) -> Coverage:
         """This process's served and planned cells of the current epoch (see `Coverage`)."""
         served = self._served
-        if self.resident == "device":
-            # one shard per data-axis index: on a mesh with more axes, a shard's replicas (along
-            # the others) hold the same tally, and `_planned` counts each data shard once
-            shards = {s.index[0].start or 0: s for s in self._acc.addressable_shards}
-            local = sum(
-                (np.asarray(s.data, np.uint64).reshape(-1, 3) for s in shards.values()),
-                np.zeros(3, np.uint64),
-            ).reshape(-1)
-            served = self._served + tally_from_device(*local.tolist())
+        if self._device_panel is not None:
+            served = self._served + self._device_panel.served()
         return Coverage(self._epoch, served, self._planned(self._epoch))
 
     def _set_served(self, served: Tally) -> None:
         self._served = served
-        if self.resident == "device":
-            zeros = np.zeros((self._devices, 3), np.uint32)
-            self._acc = jax.make_array_from_callback(
-                zeros.shape, data_sharding(self.mesh, self.data_axis), lambda index: zeros[index]
-            )
+        if self._device_panel is not None:
+            self._device_panel.reset_tally()
 
     def _planned(self, epoch: int) -> Tally:
-        if self.resident == "device":
-            rows = np.concatenate(
-                [
-                    self._device_rows(epoch, d)[: self._device_steps * self._rows_local]
-                    for d in self._local_devices
-                ]
-            )
-            return Tally.of(self.panel.rowids[rows])
+        if self._device_panel is not None:
+            return self._device_panel.planned(epoch)
         perm = self._permutation(epoch)
         b, B = self.local_batch, self.batch_size
         start = self._anchor if epoch == self._epoch else 0
@@ -232,8 +199,8 @@ class MemoryLoader(ClosingIterator):
         self._assert_not_closed()
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
-        if self.resident == "device":
-            batch = self._device_batch(self._epoch, self._step)
+        if self._device_panel is not None:
+            batch = self._device_panel.batch(self._epoch, self._step)
         else:
             if self.prefetch <= 0:  # gather in the caller's thread
                 hb = self._host_batch(self._rows(self._epoch, self._step))
@@ -295,59 +262,6 @@ class MemoryLoader(ClosingIterator):
         index = np.full(b, -1, np.int32)
         index[:n] = self.panel.rowids[rows]
         return HostBatch(x, obs, index, np.arange(b) < n)
-
-    # ----- device placement --------------------------------------------------------------------
-    def _place_on_devices(self) -> None:
-        n = self.panel.num_cells
-        devices = 1 if self.mesh is None else int(self.mesh.shape[self.data_axis])
-        deal = np.random.default_rng([self.seed, PLACEMENT_STREAM]).permutation(n)
-        self._parts = parts = np.array_split(deal, devices)
-        self._valid = np.array([len(p) for p in parts])
-        rows_local = self.batch_size // devices
-        self._device_steps = int(self._valid.min()) // rows_local
-        self._devices, self._rows_local, self._length = devices, rows_local, max(int(self._valid.max()), 1)
-        sharding = data_sharding(self.mesh, self.data_axis)
-        self._local_devices = sorted(
-            {index[0].start or 0 for index in sharding.addressable_devices_indices_map((devices,)).values()}
-        )
-
-        def put(column: np.ndarray, fill) -> jax.Array:
-            def shard(index) -> np.ndarray:
-                d = index[0].start or 0
-                part = parts[d]
-                out = np.full((1, self._length, *column.shape[1:]), fill, column.dtype)
-                out[0, : len(part)] = column[part]
-                return out
-
-            return jax.make_array_from_callback((devices, self._length, *column.shape[1:]), sharding, shard)
-
-        self._arrays = {
-            "x": put(self.panel.x, 0),
-            "index": put(self.panel.rowids.astype(np.int32), -1),
-            "obs": {k: put(v, -1 if v.dtype.kind in "iu" else np.nan) for k, v in self.panel.obs.items()},
-        }
-        self._perm_epoch, self._perm = None, None
-        self._set_served(Tally())
-
-    def _device_order(self, epoch: int, device: int) -> np.ndarray:
-        """The order in which device ``device`` draws its own cells in ``epoch`` (positions in its share)."""
-        return np.random.default_rng([self.seed, epoch, device]).permutation(self._valid[device])
-
-    def _device_rows(self, epoch: int, device: int) -> np.ndarray:
-        """Panel rows device ``device`` draws in ``epoch``, in order."""
-        return self._parts[device][self._device_order(epoch, device)]
-
-    def _device_batch(self, epoch: int, step: int) -> Batch:
-        if self._perm_epoch != epoch:
-            perms = np.zeros((self._devices, self._length), np.int32)
-            for d in range(self._devices):
-                perms[d, : self._valid[d]] = self._device_order(epoch, d)
-            self._perm = jax.make_array_from_callback(
-                perms.shape, data_sharding(self.mesh, self.data_axis), lambda index: perms[index]
-            )
-            self._perm_epoch = epoch
-        out, self._acc = _draw(self._arrays, self._perm, step, self._acc, rows=self._rows_local)
-        return Batch(out["x"], out["obs"], out["index"], out["mask"])
 
 
 def _host_batches(ref: weakref.ref[MemoryLoader], epoch: int, step: int) -> Iterator[HostBatch]:
