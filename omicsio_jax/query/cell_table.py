@@ -15,11 +15,13 @@ expensive columns:
 
 Every row carries ``cell_rowid``, its position in the files taken in sorted order: the stable
 handle the stages pass to each other (and the row of a dataset materialized from the same files).
+
+`CellTable` runs the stages; the SQL that picks a query's cells is built in `cell_filter`, and a
+panel's matrix in `panel_matrix`.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -40,16 +42,17 @@ from omicsio_jax.format.tables import (
     create_cells_view,
     expand_files,
     find_gene_table,
-    rowid_pruning,
     sql_ident,
 )
-from omicsio_jax.outputs.scatter import make_gene_to_col, scatter_panel
+from omicsio_jax.query.cell_filter import from_clause, presence_test
 from omicsio_jax.query.gene_table import GeneTable
+from omicsio_jax.query.panel_matrix import (
+    SQL_PANEL_MAX,
+    panel_expression,
+    panel_from_rows,
+    scatter_panel_batches,
+)
 from omicsio_jax.query.results import CSRBatch, ObsSpec, PanelResult, arrow_csr
-
-SQL_PANEL_MAX = 64  # above this many genes, stage 3 streams rows through the numba panel scatter
-_CHAIN_MAX = 32  # up to this many genes, stage 2 tests presence with one list_contains per gene
-_counter = itertools.count()
 
 
 class CellTable:
@@ -161,21 +164,17 @@ class CellTable:
         *extra: str,
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> str:
-        """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
-        against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
-        lets DuckDB read only the row groups holding them."""
-        clauses = [f"({where})"] if where else []
-        source = "cells"
-        if rowids is not None:
-            ids = np.unique(np.asarray(rowids, dtype=np.int64))
-            name = f"_rowids_{next(_counter)}"
-            (self.con if con is None else con).register(name, pa.table({ROWID_COLUMN: ids}))
-            clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
-            if self._prunable:
-                source = "cells_all"
-                clauses.append(rowid_pruning(self.files, self._bases, ids))
-        clauses.extend(extra)
-        return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+        """`from_clause` over the table's files, ``rowids`` registered on ``con`` (default: the
+        table's connection)."""
+        return from_clause(
+            self.con if con is None else con,
+            where,
+            rowids,
+            *extra,
+            files=self.files,
+            bases=self._bases,
+            prunable=self._prunable,
+        )
 
     def obs_specs(self, names: Sequence[str]) -> list[ObsSpec]:
         """How each named obs column becomes an array, categories taken from the whole table (so
@@ -259,14 +258,7 @@ class CellTable:
             if rowids is not None:
                 hits = np.intersect1d(hits, np.asarray(rowids, dtype=np.int64))
             return hits if where is None else self.select(where, rowids=hits)
-        if len(tokens) <= _CHAIN_MAX:  # list_contains chains are ~10x faster than list_has_any/all
-            test = (" OR " if mode == "any" else " AND ").join(
-                f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()
-            ) or "false"
-            test = f"({test})"
-        else:
-            literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
-            test = f"list_has_{mode}({GENE_COLUMN}, {literal})"
+        test = presence_test(tokens, mode)
         table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids, test)} ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
 
@@ -295,35 +287,16 @@ class CellTable:
         if method == "auto":
             method = "sql" if len(tokens) <= SQL_PANEL_MAX else "scatter"
         if method == "sql":
-            literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
-            expr = (
-                f"list_transform({literal}, lambda g: coalesce("
-                f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]"
-            )
+            expr = panel_expression(tokens)
             table = self.sql(
                 f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}"
             )
-            x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-            x = np.ascontiguousarray(x, dtype=np.float32).reshape(table.num_rows, len(tokens))
-            return PanelResult(x, table.column(ROWID_COLUMN).to_numpy().astype(np.int64), tokens, names)
+            return panel_from_rows(table, tokens, names)
         if method != "scatter":
             msg = f"method must be 'auto', 'sql' or 'scatter', got {method!r}"
             raise OmicsIOError(msg)
-        gene_to_col = make_gene_to_col(max(self.genes.num_tokens, int(tokens.max(initial=-1)) + 1), tokens)
-        parts, ids = [], []
-        for b in self.stream_csr(where=where, rowids=rowids, batch_rows=batch_rows):
-            parts.append(
-                scatter_panel(
-                    b.indptr,
-                    b.indices,
-                    b.values,
-                    gene_to_col,
-                    out=np.empty((b.num_rows, len(tokens)), np.float32),
-                )
-            )
-            ids.append(b.rowids)
-        x = np.concatenate(parts) if parts else np.zeros((0, len(tokens)), np.float32)
-        return PanelResult(x, np.concatenate(ids) if ids else np.zeros(0, np.int64), tokens, names)
+        batches = self.stream_csr(where=where, rowids=rowids, batch_rows=batch_rows)
+        return scatter_panel_batches(batches, tokens, names, num_tokens=self.genes.num_tokens)
 
     # ----- stage 4 ---------------------------------------------------------------------------
     def stream(

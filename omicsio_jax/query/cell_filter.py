@@ -1,0 +1,61 @@
+"""Which cells a query over a cell table reads, as SQL: `from_clause` (a predicate, further tests
+and chosen ``cell_rowid``, with the row-group pruning of parquet files) and `presence_test` (stage
+2's test for a set of genes on ``gene_token_id``, which never reads ``gene_expression``).
+
+Plain functions of the files, their first ``cell_rowid``s and the connection, so that `CellTable`
+builds every stage's ``FROM cells WHERE ...`` the same way, on its own connection and on each
+stream's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from omicsio_jax.format.tables import GENE_COLUMN, ROWID_COLUMN, rowid_pruning
+
+_CHAIN_MAX = 32  # up to this many genes, stage 2 tests presence with one list_contains per gene
+_counter = itertools.count()
+
+
+def from_clause(
+    con: duckdb.DuckDBPyConnection,
+    where: str | None,
+    rowids: Sequence[int] | np.ndarray | None,
+    *extra: str,
+    files: list[Path],
+    bases: list[int],
+    prunable: bool,
+) -> str:
+    """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
+    against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
+    lets DuckDB read only the row groups holding them."""
+    clauses = [f"({where})"] if where else []
+    source = "cells"
+    if rowids is not None:
+        ids = np.unique(np.asarray(rowids, dtype=np.int64))
+        name = f"_rowids_{next(_counter)}"
+        con.register(name, pa.table({ROWID_COLUMN: ids}))
+        clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
+        if prunable:
+            source = "cells_all"
+            clauses.append(rowid_pruning(files, bases, ids))
+    clauses.extend(extra)
+    return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+
+
+def presence_test(tokens: np.ndarray, mode: str) -> str:
+    """The SQL test that a row's ``gene_token_id`` holds any (``mode="any"``) or every (``"all"``)
+    of the sorted unique token ids ``tokens``."""
+    if len(tokens) <= _CHAIN_MAX:  # list_contains chains are ~10x faster than list_has_any/all
+        test = (" OR " if mode == "any" else " AND ").join(
+            f"list_contains({GENE_COLUMN}, {t})" for t in tokens.tolist()
+        ) or "false"
+        return f"({test})"
+    literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
+    return f"list_has_{mode}({GENE_COLUMN}, {literal})"
