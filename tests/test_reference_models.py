@@ -31,8 +31,10 @@ import omicsio_jax as oj
 from materialize import make_synthetic_corpus, materialize
 from train._cli import main
 from train._errors import TrainError
+from train._geneformer_model import GeneformerModel
 from train._published import load_checkpoint
-from train._transformer import PRESETS, GeneformerModel, ScGPTModel
+from train._scgpt_model import ScGPTModel
+from train._transformer import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PYTHON = ROOT / ".venv-reference" / "bin" / "python"

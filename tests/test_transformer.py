@@ -17,10 +17,10 @@ import pytest
 
 from train import _layers
 from train._errors import TrainError
+from train._geneformer_model import GeneformerModel
+from train._scgpt_model import ScGPTModel
 from train._transformer import (
     PRESETS,
-    GeneformerModel,
-    ScGPTModel,
     _decay_mask,
     flops_per_cell,
     make_optimizer,
