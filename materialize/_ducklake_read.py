@@ -12,12 +12,12 @@ file). Where the row ids of pieces interleave (an UPDATE's new file and the rows
 deleted from the old one), those pieces' runs are cut at their dead rows, then rejoined where
 nothing falls between. A row is *alive* when it is visible at the snapshot (a merged file's rows
 carry their commit's snapshot) and not deleted (the file's delete file lists positions); it is
-kept when alive and, with ``where``, passing it.
+kept when alive and, with ``where``, passing it. The files are opened, and checked against the
+catalog before they are read, by `_ducklake_files`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import duckdb
@@ -26,14 +26,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import GENE_COLUMN, as_input_path, is_remote, sql_ident
+from omicsio_jax.format import GENE_COLUMN, is_remote, sql_ident
 
+from ._ducklake_files import check_file, open_file, read_deletes
 from ._ducklake_table import ROW_ID, Column, DataFile, LakeTable, empty_table
 from ._parquet_stream import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
 FIELD_ID = b"PARQUET:field_id"
-PARQUET_MAGIC = b"PAR1"
 TAIL_BYTES = 1 << 16  # read at the end of a data file: its footer, in one request on object storage
 
 Run = tuple[int, int, int]  # (piece, first position, end position): piece len(files) is the inlined rows
@@ -115,65 +115,15 @@ class LakeReader:
         for i, f in enumerate(self.lake.files):
             if i in self.pruned:
                 continue
-            if marker in self._check(f.path, f.file_size_bytes, f.footer_size, "data file", TAIL_BYTES):
+            if marker in check_file(
+                self.lake, f.path, f.file_size_bytes, f.footer_size, "data file", TAIL_BYTES
+            ):
                 self.with_row_ids.add(i)
             if f.delete is not None:
-                self._check(f.delete.path, f.delete.file_size_bytes, f.delete.footer_size, "delete file")
-                self.deletes[i] = self._read_deletes(f)
-
-    def _check(
-        self, path: str, size: int | None, footer: int | None, what: str, tail_bytes: int = 8
-    ) -> bytes:
-        """The file's last bytes: its footer too, with ``tail_bytes`` > 8 (one more read where it is longer)."""
-        where = f"{what} {path} of {self.lake.describe()}"
-        try:
-            if is_remote(path):
-                with as_input_path(path).open() as handle:
-                    actual = handle.size
-                    tail = _tail(handle, actual, tail_bytes)
-            else:
-                actual = os.path.getsize(path)
-                with open(path, "rb") as handle:
-                    tail = _tail(handle, actual, tail_bytes)
-        except (OSError, FileNotFoundError) as e:
-            msg = f"{where} is missing ({e.__class__.__name__}); restore it, or materialize a snapshot that does not use it"
-            raise DataValidationError(msg) from e
-        except Exception as e:  # the object store's own errors
-            if "not found" not in str(e).lower():
-                raise
-            msg = f"{where} is missing; restore it, or materialize a snapshot that does not use it"
-            raise DataValidationError(msg) from e
-        if size is not None and actual != size:
-            msg = (
-                f"{where} is {actual:,} bytes but the catalog recorded {size:,}: it changed since it was "
-                "committed; restore the committed file, or materialize a snapshot that does not use it"
-            )
-            raise DataValidationError(msg)
-        stored = (
-            int.from_bytes(tail[-8:-4], "little") if len(tail) >= 8 and tail[-4:] == PARQUET_MAGIC else None
-        )
-        if footer is not None and stored != footer:
-            msg = (
-                f"{where} has a parquet footer of {stored} bytes but the catalog recorded {footer}: it changed "
-                "since it was committed; restore the committed file, or materialize a snapshot that does not use it"
-            )
-            raise DataValidationError(msg)
-        return tail
-
-    def _read_deletes(self, f: DataFile) -> np.ndarray:
-        try:
-            pos = pq.read_table(_open(f.delete.path), columns=["pos"]).column("pos").to_numpy()
-        except (OSError, pa.ArrowException, KeyError) as e:
-            msg = f"cannot read delete file {f.delete.path} of {self.lake.describe()}: {e}"
-            raise DataValidationError(msg) from e
-        pos = np.unique(pos.astype(np.int64))
-        if len(pos) != f.delete.delete_count or (len(pos) and (pos[0] < 0 or pos[-1] >= f.record_count)):
-            msg = (
-                f"delete file {f.delete.path} of {self.lake.describe()} lists {len(pos):,} positions in "
-                f"0..{f.record_count - 1:,} where the catalog counts {f.delete.delete_count:,}; restore the committed file"
-            )
-            raise DataValidationError(msg)
-        return pos
+                check_file(
+                    self.lake, f.delete.path, f.delete.file_size_bytes, f.delete.footer_size, "delete file"
+                )
+                self.deletes[i] = read_deletes(self.lake, f)
 
     # -- runs and kept rows ------------------------------------------------------------------------
 
@@ -222,7 +172,7 @@ class LakeReader:
     def _internal(self, piece: int, name: str) -> np.ndarray | None:
         f = self.lake.files[piece]
         try:
-            reader = pq.ParquetFile(_open(f.path))
+            reader = pq.ParquetFile(open_file(f.path))
             if name not in reader.schema_arrow.names:
                 return None
             return reader.read(columns=[name]).column(name).to_numpy()
@@ -307,7 +257,7 @@ class LakeReader:
         # read, not mapped: a file cut short raises, not SIGBUS; pre-buffered (ranges coalesced into
         # fewer requests) on object storage only: pyarrow keeps pre-buffered row groups' raw bytes
         # until the file is closed, fresh memory per row group that a local read does not need
-        reader = pq.ParquetFile(_open(f.path), pre_buffer=is_remote(f.path))
+        reader = pq.ParquetFile(open_file(f.path), pre_buffer=is_remote(f.path))
         stored = _field_names(reader.schema_arrow, f.names)
         by_name = {c.name: c for c in self.lake.columns}
         read = list(
@@ -366,10 +316,6 @@ class LakeReader:
         return pa.Table.from_batches(pieces)
 
 
-def _open(path: str):
-    return as_input_path(path).open() if is_remote(path) else path
-
-
 def _literal(value: str | None) -> str:
     """A partition value or default as SQL: None (a NULL partition value) is NULL, not 'None'."""
     return "NULL" if value is None else "'" + str(value).replace("'", "''") + "'"
@@ -401,17 +347,6 @@ def _conform(array: pa.Array, target: pa.DataType) -> pa.Array:
     ):
         return array
     return array.cast(target)
-
-
-def _tail(handle, size: int, count: int) -> bytes:
-    """The last ``count`` bytes of a file (all of them if fewer), and its whole parquet footer."""
-    handle.seek(max(size - count, 0))
-    tail = handle.read(count)
-    footer = int.from_bytes(tail[-8:-4], "little") + 8 if count > 8 and tail[-4:] == PARQUET_MAGIC else 0
-    if len(tail) < footer <= size:
-        handle.seek(size - footer)
-        tail = handle.read(footer)
-    return tail
 
 
 def _overlapping(spans: dict[int, tuple[int, int]]) -> set[int]:
