@@ -636,7 +636,7 @@ def test_the_union_keeps_every_order_that_agrees_and_sets_the_others_aside():
     their order in the union (their rows are copied, not sorted); a source listing genes the other
     way round from the first is set aside, its own genes last in its order; the first source always
     keeps its order; of a cycle through three sources, two keep theirs."""
-    from materialize._genespace import union_order
+    from materialize._union_order import union_order
 
     rng = np.random.default_rng(3)
     reference = rng.permutation(1_000)  # the order the agreeing sources share
@@ -664,7 +664,7 @@ def test_sources_listed_in_id_order_get_the_ordering_kernels_order_without_it():
     the topological kernel; that is the kernel's own answer (each source's genes follow each other
     in key order, so the smallest key free to come next is always the smallest left), ties in key
     included, and sources in other orders are still set aside."""
-    from materialize._genespace import _first_listed, _topological, union_order
+    from materialize._union_order import _first_listed, _topological, union_order
 
     rng = np.random.default_rng(5)
     for case in range(30):
