@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import is_remote, require
 
-from ._partition import Job, PartResult, Scratch, write_partition
+from ._partition import Job, PartResult, write_partition
 from ._plan import Partition
 from ._pool import Done, Progress, RunReport, error_reply, raise_worker_error
+from ._scratch import Scratch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,9 @@ from multiprocessing.connection import Connection, wait
 from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import usable_cores
 
-from ._partition import Job, Scratch, write_partition
+from ._partition import Job, write_partition
 from ._plan import Partition
+from ._scratch import Scratch
 
 Progress = Callable[[int], None]
 Done = Callable[[int], None]  # a partition (its index) is complete

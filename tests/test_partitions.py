@@ -691,7 +691,7 @@ def test_a_process_reuses_its_statistics_table_and_shard_writer_across_partition
     every partition's files are those of a fresh accumulator and writer, the table is all zeros
     between partitions, one writer process serves them all and one thread reads their input. A
     partition that fails keeps neither accumulator nor writer."""
-    from materialize._partition import Scratch
+    from materialize._scratch import Scratch
     from materialize._shards import ShardWriterProcess
 
     src = open_source(str(corpus.cells_parquet))
@@ -755,7 +755,7 @@ def test_a_scratch_closed_while_its_partition_writes_closes_once_the_partition_e
     busy thread still run, the partition completes with the bytes of a fresh one (no hang on work the
     close would have cancelled), and only then do the kept threads and the writer process stop."""
     import materialize._partition as partition
-    from materialize._partition import Scratch
+    from materialize._scratch import Scratch
 
     src = open_source(str(corpus.cells_parquet))
     part = src.plan(SHARD)[0]
