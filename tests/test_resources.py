@@ -239,10 +239,16 @@ def test_64_reader_threads_in_8_processes_read_correctly(dataset_dir, tmp_path):
         for i in range(8)
     ]
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for i, p in enumerate(procs):
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"process {i} exited with {p.returncode}: {err[-2000:]}"
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:  # a failure above reports itself, not the other processes' pipes left open
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
     assert [r["failures"] for r in results] == [[]] * 8
     assert sum(r["contexts"] for r in results) >= 1  # direct reads were among them
 
