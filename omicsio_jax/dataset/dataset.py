@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -14,23 +13,19 @@ import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.dataset.cache import IOStats
+from omicsio_jax.dataset.chunk_indexes import ChunkIndexes
+from omicsio_jax.dataset.exact_reads import check_rows, read_csr
 from omicsio_jax.dataset.gene_columns import gene_columns
 from omicsio_jax.dataset.listed_files import ListedFiles
+from omicsio_jax.dataset.modalities import FurtherModalities
 from omicsio_jax.dataset.obs import Categorical, ObsColumns, rows_where
 from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
-from omicsio_jax.format import codec
-from omicsio_jax.format.chunk_index import (
-    ChunkIndex,
-    chunk_index_path,
-    chunk_index_problem,
-    load_chunk_index,
-)
-from omicsio_jax.format.csr import take_rows
+from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
 from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
 from omicsio_jax.records.chunk_reader import supported as chunks_readable
 from omicsio_jax.records.readahead import ReadAhead
-from omicsio_jax.records.runs import ShardReaders, consecutive_runs, read_runs, records_checked
+from omicsio_jax.records.runs import ShardReaders, read_runs, records_checked
 from omicsio_jax.storage import direct_io
 from omicsio_jax.storage.memory import memory_limit, release_freed_memory
 from omicsio_jax.storage.store import is_remote, s3_url
@@ -70,11 +65,9 @@ class Dataset:
             "chunk_reader": chunk_reader,
             "direct_io": direct_io,
         }
-        self._modalities: dict[str, Dataset] = {}
+        self._modalities = FurtherModalities(self, self._options, Dataset)
         self._remote = None
         self._readahead: ReadAhead | None = None
-        self._chunk_indexes: dict[int, ChunkIndex] = {}
-        self._lock = threading.Lock()
         if is_remote(path):
             from omicsio_jax.dataset.remote import RemoteDataset
 
@@ -104,6 +97,7 @@ class Dataset:
             direct_io = chunk_reader and self._direct_io(direct_io)
             if readahead and not direct_io:  # a direct read has no use for the page cache's read-ahead
                 self._readahead = ReadAhead(self)
+        self._chunk_indexes = ChunkIndexes(self.path, self.local_path)
         self._readers = ShardReaders(self, reader_options)
         # read straight from the chunks (`chunk_reader`) where the shards allow it, else by ArrayRecord's reader
         self.chunk_reader = ChunkReader(self, direct=bool(direct_io)) if chunk_reader else None
@@ -136,27 +130,7 @@ class Dataset:
     def chunk_index(self, shard: int) -> ChunkIndex:
         """Shard ``shard``'s chunk index (the byte ranges of its chunks), loaded on first use and kept
         (16 bytes per chunk); for a remote dataset, downloaded then."""
-        index = self._chunk_indexes.get(shard)
-        if index is None:
-            entry, relpath = self.manifest.shards[shard], self.chunk_index_path(shard)
-            group_size = int(self.manifest.array_record["group_size"])
-            try:
-                rows = load_chunk_index(self.local_path(relpath))
-            except (OSError, ValueError, EOFError) as e:
-                problem = f"cannot be read ({type(e).__name__}: {e})"
-            else:
-                problem = chunk_index_problem(
-                    rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=group_size
-                )
-            if problem is not None:
-                raise DatasetFormatError.run_verify(
-                    self.path,
-                    f"{self.path}: the chunk index {relpath} of shard {entry.path} is damaged: {problem}",
-                )
-            index = ChunkIndex(rows, group_size)
-            with self._lock:
-                index = self._chunk_indexes.setdefault(shard, index)
-        return index
+        return self._chunk_indexes.get(self.manifest, shard)
 
     @property
     def is_remote(self) -> bool:
@@ -259,27 +233,7 @@ class Dataset:
         """
         if name is None or name == self.manifest.modality:
             return self
-        opened = self._modalities.get(name)
-        if opened is not None:
-            return opened
-        entry = self.manifest.modality_entry(name)
-        options = dict(self._options)
-        if options["cache_dir"] is not None:
-            options["cache_dir"] = Path(options["cache_dir"]) / entry.path
-        path = f"{self.path}/{entry.path}" if self.is_remote else self.path / entry.path
-        try:
-            sub = Dataset(path, **options)
-        except DatasetFormatError as e:
-            msg = f"{self.path}: modality {name!r} ({entry.path}) cannot be opened: {e}"
-            raise DatasetFormatError(msg) from e
-        if sub.fingerprint != entry.fingerprint or sub.num_cells != self.num_cells:
-            sub.close()
-            raise DatasetFormatError.run_verify(
-                self.path,
-                f"{self.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
-                f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…)",
-            )
-        return self._modalities.setdefault(name, sub)
+        return self._modalities.get(name)
 
     @property
     def num_genes(self) -> int:
@@ -379,22 +333,7 @@ class Dataset:
 
     def check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """``rows`` as an int64 array, checked to be a 1-D sequence of valid row numbers."""
-        arr = np.asarray(rows)
-        if arr.ndim != 1:
-            msg = f"rows must be a 1-D sequence of ints, got an array of shape {arr.shape}"
-            raise TypeError(msg)
-        if arr.size == 0:
-            return arr.astype(np.int64)
-        if not np.issubdtype(arr.dtype, np.integer):
-            msg = f"rows must be integers, got dtype {arr.dtype}"
-            raise TypeError(msg)
-        arr = arr.astype(np.int64, copy=False)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.num_cells:
-            bad = lo if lo < 0 else hi
-            msg = f"row {bad} is out of range for a dataset of {self.num_cells:,} cells (valid: 0..{self.num_cells - 1})"
-            raise IndexError(msg)
-        return arr
+        return check_rows(rows, self.num_cells)
 
     def read_records(self, begin: int, end: int) -> list[bytes]:
         """Raw records of cells ``[begin, end)``, one ``bytes`` each (see `read_buffer`)."""
@@ -434,24 +373,12 @@ class Dataset:
         """
         if modality is not None and modality != self.manifest.modality:
             return self.modality(modality).read_csr(rows)
-        rows = self.check_rows(rows)
-        unique, inverse = np.unique(rows, return_inverse=True)
-        buf, starts = read_runs(
-            self, self._readers, consecutive_runs(unique)
-        )  # a remote dataset: one fetch for all
-        if len(starts) == 1:
-            return np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-        with records_checked(self, unique):
-            indptr, indices, values = codec.decode_csr(codec.Records.check(buf, starts, self.num_genes))
-        if len(unique) == len(rows) and np.array_equal(unique, rows):
-            return indptr, indices, values
-        return take_rows(indptr, indices, values, inverse.astype(np.int64))
+        return read_csr(self, self._readers, self.check_rows(rows))
 
     def close(self) -> None:
         """Close the shard files, read-ahead and remote store, and hand the freed heap back to the
         system (`release_freed_memory`), so that a job reopening datasets keeps a flat footprint."""
-        for sub in self._modalities.values():
-            sub.close()
+        self._modalities.close()
         self._readers.close()
         if self._readahead is not None:
             self._readahead.close()
