@@ -1,6 +1,6 @@
 """Running partitions on a Dask cluster: one task per partition, each calling `write_partition` on a
 worker thread with that thread's `Scratch` for the run; a data error is returned (not raised, so
-Dask does not retry it) and raised here as the local pool raises a worker's (`_pool`).
+Dask does not retry it) and raised here as the local pool raises a worker's (`_run`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from omicsio_jax.format import is_remote, require
 
 from ._partition import Job, PartResult, write_partition
 from ._plan import Partition
-from ._pool import Done, Progress, RunReport, error_reply, raise_worker_error
+from ._run import Done, Progress, RunReport, error_reply, raise_worker_error
 from ._scratch import Scratch
 
 

@@ -40,7 +40,8 @@ from ._options import Dask, InputOptions, Layout, Multimodal
 from ._output import check_output, scratch_dir, staging_dir
 from ._panel import read_panel
 from ._partition import Job
-from ._pool import Pool, default_workers, run_in_process, usable_cores
+from ._pool import Pool, default_workers, usable_cores
+from ._run import run_in_process
 from ._validate import GeneIndex
 
 

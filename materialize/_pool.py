@@ -1,5 +1,5 @@
-"""Running partitions: in this process, or on a pool of local worker processes (a Dask cluster's
-runner, `_dask`, takes this module's replies and progress).
+"""Running partitions on a pool of local worker processes (running them in this process, and what
+every runner shares, is `_run`'s).
 
 Every runner calls the same `write_partition` and reports cells to one progress callback. The
 local pool starts its workers as plain child processes (``python -c ...``, each in its own
@@ -12,27 +12,22 @@ written again by a fresh worker, up to ``retries`` times. A `DataValidationError
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import socket
 import subprocess
 import sys
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 
-from omicsio_jax import DataValidationError, OmicsIOError
+from omicsio_jax import OmicsIOError
 from omicsio_jax.format import usable_cores
 
 from ._partition import Job, write_partition
 from ._plan import Partition
+from ._run import Done, Progress, RunReport, error_reply, raise_worker_error, worker_error
 from ._scratch import Scratch
-
-Progress = Callable[[int], None]
-Done = Callable[[int], None]  # a partition (its index) is complete
-
 
 # The fewest cells a worker of the default pool is given. Starting one (an interpreter importing
 # pyarrow, numba and the package, and its compression child) costs seconds, and one process already
@@ -49,38 +44,7 @@ def default_workers(num_cells: int) -> int:
     return max(1, min(usable_cores(), num_cells // MIN_CELLS_PER_WORKER))
 
 
-@dataclasses.dataclass
-class RunReport:
-    """How the partitions were run: by how many workers, and which were written again."""
-
-    workers: int
-    redone: list[int] = dataclasses.field(default_factory=list)
-
-
-def run_in_process(
-    job: Job, partitions: Sequence[Partition], progress: Progress, *, on_done: Done | None = None
-) -> RunReport:
-    with Scratch() as scratch:
-        for part in partitions:
-            write_partition(job, part, progress, scratch=scratch)
-            if on_done is not None:
-                on_done(part.index)
-    return RunReport(1)
-
-
 # -- the local process pool -------------------------------------------------------------------------
-
-
-def error_reply(e: BaseException) -> tuple:
-    kind = (
-        "data"
-        if isinstance(e, DataValidationError)
-        else "omicsio"
-        if isinstance(e, OmicsIOError)
-        else "crash"
-    )
-    text = str(e) if kind != "crash" else "".join(traceback.format_exception(e)).strip()
-    return ("error", kind, text)
 
 
 def serve(fd: int) -> None:
@@ -340,7 +304,7 @@ class Pool:
                     if message[0] == "value":
                         results[k] = message[1]
                     else:
-                        results[k] = _error(message[1], message[2], what(items[k]))
+                        results[k] = worker_error(message[1], message[2], what(items[k]))
                 while following in results:
                     yield results.pop(following)
                     following += 1
@@ -395,18 +359,3 @@ class Schedule:
     def give_back(self, worker: object, part: Partition) -> None:
         for p in reversed([part, *self._reserved.pop(worker, ())]):
             self._queue.appendleft(p)
-
-
-def raise_worker_error(kind: str, text: str, part: Partition | None):
-    where = part.describe() if part is not None else "a partition"
-    raise _error(kind, text, f"writing {where}")
-
-
-def _error(kind: str, text: str, what: str) -> Exception:
-    """A worker's ``("error", kind, text)`` as the exception to raise here: ours with their message,
-    any other with its traceback (``what``: what the worker was doing)."""
-    if kind == "data":
-        return DataValidationError(text)
-    if kind == "omicsio":
-        return OmicsIOError(text)
-    return OmicsIOError(f"{what} failed in a worker process:\n{text}")

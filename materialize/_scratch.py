@@ -1,8 +1,8 @@
 """`Scratch`: what a worker keeps from one partition to the next (the statistics accumulator, the
 shard writer's child process, the reading and statistics threads), so that writing many partitions
 pays once for what each would otherwise set up anew. `write_partition` takes them and gives them
-back; the runners (`_pool`, `_dask`) make one per worker (a Dask worker's: per thread and run) and
-close it when the run ends; a partition written without one has its own, closed when it ends.
+back; the runners (`_run`, `_pool`, `_dask`) make one per worker (a Dask worker's: per thread and
+run) and close it when the run ends; a partition written without one has its own, closed when it ends.
 """
 
 from __future__ import annotations
