@@ -97,7 +97,12 @@ class Dataset:
             direct_io = chunk_reader and self._direct_io(direct_io)
             if readahead and not direct_io:  # a direct read has no use for the page cache's read-ahead
                 self._readahead = ReadAhead(self)
-        self._chunk_indexes = ChunkIndexes(self.path, self.local_path)
+        # one set of chunk indexes per dataset: a remote one's are its mirrors' (loaded and checked once)
+        self._chunk_indexes = (
+            ChunkIndexes(self.path, self.local_path)
+            if self._remote is None
+            else self._remote.mirrors.chunk_indexes
+        )
         self._readers = ShardReaders(self, reader_options)
         # read straight from the chunks (`chunk_reader`) where the shards allow it, else by ArrayRecord's reader
         self.chunk_reader = ChunkReader(self, direct=bool(direct_io)) if chunk_reader else None

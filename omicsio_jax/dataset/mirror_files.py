@@ -13,13 +13,14 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
-from omicsio_jax.dataset.cache import Counters, FileCache, raise_if_rewritten, write_atomic
-from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path, chunk_index_problem, load_chunk_index
+from omicsio_jax.dataset.cache import Counters, raise_if_rewritten, write_atomic
+from omicsio_jax.format.chunk_index import ChunkIndex
 from omicsio_jax.format.manifest import ShardEntry
 from omicsio_jax.storage.store import S3Store
 
@@ -100,15 +101,15 @@ def get_opening(
 def open_mirror(
     store: S3Store,
     counters: Counters,
-    files: FileCache,
     entry: ShardEntry,
     path: Path,
-    group_size: int,
+    chunk_index: Callable[[], ChunkIndex],
     *,
     opening: bool,
 ) -> Mirror:
-    """HEAD the shard ``entry`` (its size must match the manifest), load its chunk index, reuse or
-    create its mirror at ``path`` (writing the opening ranges if ``opening``)."""
+    """HEAD the shard ``entry`` (its size must match the manifest), then take its chunk index
+    (``chunk_index()``: loaded and checked once, `ChunkIndexes`), reuse or create its mirror at
+    ``path`` (writing the opening ranges if ``opening``)."""
     url = store.describe(entry.path)
     info = store.head(entry.path)
     counters.add(head_requests=1)
@@ -121,16 +122,7 @@ def open_mirror(
             store.url,
             f"{url}: {info.size:,} bytes, the manifest says {entry.num_bytes:,}: the shard was rewritten",
         )
-    rows = load_chunk_index(files.path(chunk_index_path(entry.path)))
-    index = ChunkIndex(rows, group_size)
-    problem = chunk_index_problem(
-        rows, num_cells=entry.num_cells, num_bytes=entry.num_bytes, group_size=group_size
-    )
-    if problem is not None:
-        raise DatasetFormatError.run_verify(
-            store.url,
-            f"{chunk_index_path(entry.path)} of {store.url} does not describe {entry.path} ({problem})",
-        )
+    index = chunk_index()
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp_path, present_path = sidecar(path, ".etag"), sidecar(path, ".present")
     stamp = f"{info.etag} {info.size}\n"

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import threading
 import time
@@ -50,6 +51,7 @@ import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.dataset.cache import Counters, FileCache
+from omicsio_jax.dataset.chunk_indexes import ChunkIndexes
 from omicsio_jax.dataset.mirror_files import (
     Mirror,
     data_ranges,
@@ -113,6 +115,8 @@ class ShardMirrors:
         )
         self.opening = opening  # fetch each shard's opening ranges (ArrayRecord's reader reads them; the chunk reader not)
         self.cache_bytes, self.group_size = cache_bytes, int(manifest.array_record["group_size"])
+        # each shard's chunk index, loaded and checked once: the dataset's readers take it from here too
+        self.chunk_indexes = ChunkIndexes(store.url, files.path)
         self._lock = threading.Condition()
         self._live: dict[int, Mirror] = {}
         self._opening: dict[int, Future] = {}
@@ -235,9 +239,8 @@ class ShardMirrors:
         process left of it, counted back if the opening fails."""
         try:
             entry, path = self.manifest.shards[shard], self.path(shard)
-            m = open_mirror(
-                self.store, self.counters, self.files, entry, path, self.group_size, opening=self.opening
-            )
+            index = functools.partial(self.chunk_indexes.get, self.manifest, shard)
+            m = open_mirror(self.store, self.counters, entry, path, index, opening=self.opening)
         except BaseException:
             with self._lock:
                 del self._opening[shard]
