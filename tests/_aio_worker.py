@@ -59,7 +59,7 @@ def main(dataset_dir: str, ready_dir: str, index: int, processes: int) -> None:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps({"failures": failures, "contexts": aio.contexts()._count}))
+    print(json.dumps({"failures": failures, "contexts": aio.contexts().made}))
 
 
 if __name__ == "__main__":

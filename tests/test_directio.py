@@ -119,7 +119,7 @@ def test_a_context_copied_by_a_fork_is_replaced(pair, monkeypatch):
 @nb.njit
 def _completions_waiting(fn, number, ctx, events):
     """How many completed reads sit in the context's ring, taken without waiting (min_nr 0)."""
-    return aio._syscall(
+    return aio.syscall(
         fn,
         number,
         np.uint64(ctx),

@@ -184,7 +184,7 @@ def test_without_aio_headroom_reads_are_buffered_with_one_warning(direct_ds, fre
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
-    assert fresh_pool._count == 0
+    assert fresh_pool.made == 0
 
 
 def test_a_refused_io_setup_falls_back_to_buffered_reads(direct_ds, fresh_pool, monkeypatch):
@@ -201,13 +201,13 @@ def test_contexts_are_leased_per_read_and_reused(direct_ds, fresh_pool, monkeypa
     reads = direct_io.DirectReads()
     for _ in range(3):  # one after another: one context, reused
         _check(paths, groups, reads.read_groups(paths, groups))
-    assert fresh_pool._count == 1 and len(fresh_pool._free) == 1
+    assert fresh_pool.made == 1 and fresh_pool.idle == 1
     held = reads.read_groups(paths, groups)
     first = next(held)  # holds the only context
     with pytest.warns(RuntimeWarning, match="1 threads of this process already read"):
         _check(paths, groups, reads.read_groups(paths, groups))  # read buffered meanwhile
     _check(paths, groups, [first, *held])
-    assert fresh_pool._count == 1 and len(fresh_pool._free) == 1
+    assert fresh_pool.made == 1 and fresh_pool.idle == 1
 
 
 def test_a_context_smaller_than_a_group_reads_it_in_turns(direct_ds, fresh_pool, monkeypatch):
@@ -218,7 +218,9 @@ def test_a_context_smaller_than_a_group_reads_it_in_turns(direct_ds, fresh_pool,
     groups = [(np.full(len(ranges[f]), f, np.int64), ranges[f]) for f in (0, 1, 0)]
     assert len(direct_io.spans_of(ranges[0])[0]) > 8  # more reads than the context holds
     _check(paths, groups, direct_io.DirectReads().read_groups(paths, groups))
-    assert fresh_pool._free[0].events == 8
+    context = fresh_pool.lease()  # the one that read, given back
+    assert fresh_pool.made == 1 and context.events == 8
+    fresh_pool.give_back(context)
 
 
 def test_64_reader_threads_in_8_processes_read_correctly(dataset_dir, tmp_path):

@@ -64,7 +64,7 @@ def _errno(typingctx, fn):
 
 
 @intrinsic
-def _syscall(typingctx, fn, number, a, b, c, d, e):
+def syscall(typingctx, fn, number, a, b, c, d, e):
     """``long syscall(long number, ...)`` at address ``fn``, with five integer arguments (all
     passed: the kernel reads as many as the call has, and a missing one would be a stray register)."""
 
@@ -96,7 +96,7 @@ def submit(fn, errno_fn, number, ctx, iocbs, pointers, first, stop, fds, spans, 
         pointers[i] = np.uint64(iocbs.ctypes.data) + np.uint64(64 * i)
     i, tries = first, 0
     while i < stop:
-        n = _syscall(
+        n = syscall(
             fn,
             number,
             np.uint64(ctx),
@@ -124,7 +124,7 @@ def reap(fn, errno_fn, number, ctx, events, got, first, stop):
     tries = 0
     for i in range(first, stop):
         while got[i] == PENDING:
-            n = _syscall(
+            n = syscall(
                 fn,
                 number,
                 np.uint64(ctx),
@@ -215,6 +215,16 @@ class ContextPool:
                 stacklevel=4,
             )
         return None
+
+    @property
+    def made(self) -> int:
+        """How many contexts this process holds (leased or free)."""
+        return self._count
+
+    @property
+    def idle(self) -> int:
+        """How many of them are free (not leased)."""
+        return len(self._free)
 
     def give_back(self, context: Context) -> None:
         """``context`` is free again (dropped if a read left it in doubt, or if it is a parent's)."""
