@@ -38,6 +38,7 @@ from omicsio_jax.loaders.options import (
     default_prefetch,
     float32_batch_bytes,
 )
+from omicsio_jax.loaders.resume import resume_point
 from omicsio_jax.loaders.state import (
     as_json,
     check_positions,
@@ -288,50 +289,7 @@ class Loader(ClosingIterator):
         # not this loader's, which keeps the state's weights (its own) from there on
         recorded = states[0].get("mixtures")
         self._mixtures = mixtures.history(states[0], states[0]["epoch"] + 1) if recorded else None
-        count = states[0]["process"][1]
-        hosts = self.plan.num_hosts
-        if len(states) == 1 and count == hosts:
-            mine = states[0]
-            if mine["process"][0] != self.host:
-                msg = (
-                    f"this is the state of process {mine['process'][0]}, and this loader is process {self.host}: "
-                    "restore each process's own state (Grain's CheckpointRestore does), or pass every "
-                    "process's (oj.read_loader_states(directory))"
-                )
-                raise StateMismatchError(msg)
-        elif len(states) != count or sorted(s["process"][0] for s in states) != list(range(count)):
-            msg = (
-                f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
-                "states to set_state (oj.read_loader_states(directory) reads them)"
-            )
-            raise StateMismatchError(msg)
-        positions = {(s["epoch"], s["step"], tuple(s["anchor"])) for s in states}
-        if len(positions) > 1:
-            msg = (
-                f"the processes' states stand at different positions {sorted(positions)}: not one checkpoint"
-            )
-            raise StateMismatchError(msg)
-        epoch, step, (anchor_step, anchor_hosts) = positions.pop()
-        saved = self.plan if count == hosts else self.plan.with_hosts(count)
-        steps = Schedule(saved, 0, Anchor(epoch, anchor_step, anchor_hosts)).steps_in_epoch(epoch)
-        if not anchor_step <= step < steps:  # get_state stands before an epoch's end, after its anchor
-            msg = (
-                f"malformed loader state: step {step} (anchor step {anchor_step}) is not a step of epoch "
-                f"{epoch}, which has {steps} steps: pass what the loader's get_state returned"
-            )
-            raise StateMismatchError(msg)
-        if count == hosts:
-            own = next(s for s in states if s["process"][0] == self.host)
-            self._start(epoch, step, Anchor(epoch, anchor_step, anchor_hosts), Tally.from_json(own["served"]))
-            return
-        # Elastic: the remainder of the round is served as the saving processes would have served it,
-        # split over this run's processes; process 0 carries what they served so far.
-        old = Schedule(saved, 0, Anchor(epoch, anchor_step, anchor_hosts))
-        served = Tally()
-        if self.host == 0:
-            for s in states:
-                served = served + Tally.from_json(s["served"])
-        self._start(epoch, step, Anchor(epoch, step, old.round_hosts(epoch, step)), served)
+        self._start(*resume_point(states, self.plan, self.host))
 
     def _resume_with_new_mixture(self, states: list[dict], weights: dict[str, float]) -> None:
         """Finish the checkpoint's epoch with its ``weights`` (a loader of its own), then this loader's."""

@@ -18,7 +18,6 @@ decoding them. At the end of a pass the cells served are checked against the que
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import weakref
@@ -40,6 +39,7 @@ from omicsio_jax.loaders.options import (
     numba_threads_in_force,
 )
 from omicsio_jax.loaders.state import as_json, check_state, reads_state
+from omicsio_jax.loaders.windows import Window, cut_windows
 from omicsio_jax.outputs.base import Output, OutputContext
 from omicsio_jax.outputs.batch import Batch, HostBatch, place_batch
 from omicsio_jax.outputs.resolve import resolve_output
@@ -52,53 +52,6 @@ STATE_VERSION = 1
 QUERY_BATCH_ROWS = 8192  # rows per Arrow record batch of the query
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-@dataclasses.dataclass
-class _Window:
-    indptr: np.ndarray
-    indices: np.ndarray
-    values: np.ndarray
-    rowids: np.ndarray
-    obs: dict[str, np.ndarray]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rowids)
-
-    def split(self, n: int) -> tuple[_Window, _Window]:
-        """The first ``n`` rows and the rest, as views."""
-        return (
-            _Window(
-                self.indptr[: n + 1],
-                self.indices,
-                self.values,
-                self.rowids[:n],
-                {k: v[:n] for k, v in self.obs.items()},
-            ),
-            _Window(
-                self.indptr[n:],
-                self.indices,
-                self.values,
-                self.rowids[n:],
-                {k: v[n:] for k, v in self.obs.items()},
-            ),
-        )
-
-    @staticmethod
-    def concat(parts: list[_Window]) -> _Window:
-        if len(parts) == 1:
-            return parts[0]
-        lengths = np.concatenate([np.diff(p.indptr) for p in parts])
-        indptr = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=indptr[1:])
-        return _Window(
-            indptr,
-            np.concatenate([p.indices[p.indptr[0] : p.indptr[-1]] for p in parts]),
-            np.concatenate([p.values[p.indptr[0] : p.indptr[-1]] for p in parts]),
-            np.concatenate([p.rowids for p in parts]),
-            {k: np.concatenate([p.obs[k] for p in parts]) for k in parts[0].obs},
-        )
 
 
 class StreamLoader:
@@ -204,14 +157,14 @@ class StreamLoader:
         return Tally.of(rows[:full]) + Tally.of(last)
 
     # ----- host side -------------------------------------------------------------------------
-    def _windows(self) -> Iterator[_Window]:
+    def _windows(self) -> Iterator[Window]:
         for b in self.table.stream_csr(
             [s.name for s in self.obs_specs], where=self.where, rowids=self.rowids, batch_rows=self.batch_rows
         ):
             if len(b.rowids) and b.rowids.max() > _INT32_MAX:
                 msg = f"cell_rowid {int(b.rowids.max())} does not fit the int32 batch index"
                 raise OmicsIOError(msg)
-            yield _Window(
+            yield Window(
                 b.indptr,
                 b.indices,
                 b.values,
@@ -219,24 +172,10 @@ class StreamLoader:
                 {s.name: s.encode(b.columns[s.name]) for s in self.obs_specs},
             )
 
-    def _window_stream(self) -> Iterator[_Window]:
-        """Windows of exactly ``window_rows`` consecutive rows (the last one shorter)."""
-        pending: list[_Window] = []
-        held = 0
-        for part in self._windows():
-            pending.append(part)
-            held += part.num_rows
-            while held >= self.window_rows:
-                head, tail = _Window.concat(pending).split(self.window_rows)
-                yield head
-                pending, held = ([tail] if tail.num_rows else []), tail.num_rows
-        if held:
-            yield _Window.concat(pending)
-
     def _host_batches(self, epoch: int, skip: int = 0) -> Iterator[HostBatch]:
         """The pass's host batches after the first ``skip`` (whole windows skipped undecoded)."""
         per_window = self.window_rows // self.batch_size
-        for number, window in enumerate(self._window_stream()):
+        for number, window in enumerate(cut_windows(self._windows(), self.window_rows)):
             if skip >= per_window and window.num_rows == self.window_rows:
                 skip -= per_window
                 continue
@@ -252,11 +191,11 @@ class StreamLoader:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, window]).permutation(n)
 
-    def _serve(self, window: _Window, order: np.ndarray) -> Iterator[HostBatch]:
+    def _serve(self, window: Window, order: np.ndarray) -> Iterator[HostBatch]:
         for start in range(0, len(order), self.batch_size):
             yield self._batch(window, order[start : start + self.batch_size])
 
-    def _batch(self, window: _Window, order: np.ndarray) -> HostBatch:
+    def _batch(self, window: Window, order: np.ndarray) -> HostBatch:
         n, b = len(order), self.batch_size
         if self.shuffle_buffer <= 0 and (n == 0 or order[-1] - order[0] == n - 1):  # contiguous: no copy
             indptr = window.indptr[order[0] : order[0] + n + 1] if n else window.indptr[:1]
