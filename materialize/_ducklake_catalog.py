@@ -13,7 +13,8 @@ column added later reads as its ``initial_default`` (null without one) from file
 
 This module reads those tables with the runtime's own DuckDB (a DuckDB file, read only; never the
 ducklake extension) or Python's ``sqlite3`` and resolves one table at one snapshot into a
-`LakeTable` (`_ducklake_table`): plain, picklable data. `_ducklake` reads the rows.
+`LakeTable` (`_ducklake_table`; its columns' types as DuckDB's, `_ducklake_types`): plain,
+picklable data. `_ducklake` reads the rows.
 """
 
 from __future__ import annotations
@@ -31,40 +32,11 @@ from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import is_remote, sql_ident
 
 from ._ducklake_table import ROW_ID, Column, DataFile, DeleteFile, LakeTable, empty_table
+from ._ducklake_types import NUMERIC_SQL_TYPES, sql_literal, sql_type
 
 PREFIX = "ducklake:"
 VERSIONS = ("0.1", "0.2", "0.3")  # the specification versions whose tables this module reads
 SQLITE_HEADER = b"SQLite format 3\x00"
-
-_TYPES = {
-    "boolean": "BOOLEAN",
-    "int8": "TINYINT",
-    "int16": "SMALLINT",
-    "int32": "INTEGER",
-    "int64": "BIGINT",
-    "int128": "HUGEINT",
-    "uint8": "UTINYINT",
-    "uint16": "USMALLINT",
-    "uint32": "UINTEGER",
-    "uint64": "UBIGINT",
-    "uint128": "UHUGEINT",
-    "float32": "FLOAT",
-    "float64": "DOUBLE",
-    "date": "DATE",
-    "time": "TIME",
-    "timetz": "TIMETZ",
-    "timestamp": "TIMESTAMP",
-    "timestamptz": "TIMESTAMPTZ",
-    "timestamp_s": "TIMESTAMP_S",
-    "timestamp_ms": "TIMESTAMP_MS",
-    "timestamp_ns": "TIMESTAMP_NS",
-    "interval": "INTERVAL",
-    "varchar": "VARCHAR",
-    "blob": "BLOB",
-    "uuid": "UUID",
-    "json": "JSON",
-}
-_NUMERIC = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64"}
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -242,20 +214,6 @@ def _join(base: str, path: str | None, relative) -> str:
     return base.rstrip("/") + "/" + path
 
 
-def sql_type(catalog_type: str, children: list[tuple[str, str]]) -> str:
-    """The DuckDB type of a DuckLake column type (``children``: name and type of a nested one's parts)."""
-    kind = catalog_type.lower()
-    if kind == "list":
-        return f"{children[0][1]}[]"
-    if kind == "struct":
-        return "STRUCT(" + ", ".join(f"{sql_ident(n)} {t}" for n, t in children) + ")"
-    if kind == "map":
-        return f"MAP({children[0][1]}, {children[1][1]})"
-    if kind.startswith("decimal"):
-        return kind.upper()
-    return _TYPES.get(kind, "VARCHAR")
-
-
 def _columns(catalog: Catalog, table_id: int, s: int) -> list[Column]:
     rows = catalog.rows(
         "SELECT column_id, column_name, column_type, initial_default, parent_column FROM ducklake_column "
@@ -301,8 +259,7 @@ def _files(catalog: Catalog, table_id: int, s: int, folder: str, columns: list[C
     ):
         parts.setdefault(fid, {})[key] = value
     stats: dict[int, dict[str, str]] = {}
-    numbers = {_TYPES[t] for t in _NUMERIC}
-    numeric = {c.column_id: c.name for c in columns if c.sql_type in numbers}
+    numeric = {c.column_id: c.name for c in columns if c.sql_type in NUMERIC_SQL_TYPES}
     for fid, cid, low, high, nulls, nan in catalog.rows(
         "SELECT data_file_id, column_id, min_value, max_value, null_count, contains_nan "
         "FROM ducklake_file_column_stats WHERE table_id = ?",
@@ -378,7 +335,7 @@ def _inlined(catalog: Catalog, table_id: int, s: int, columns: list[Column]) -> 
         select = []
         for c in columns:
             stored = then.get(c.column_id)
-            value = sql_ident(stored) if stored in raw.column_names else _literal(c.initial_default)
+            value = sql_ident(stored) if stored in raw.column_names else sql_literal(c.initial_default)
             select.append(f"CAST({value} AS {c.sql_type}) AS {sql_ident(c.name)}")
         select.append(f"CAST(row_id AS BIGINT) AS {ROW_ID}")
         con.register("inlined", raw)
@@ -387,10 +344,6 @@ def _inlined(catalog: Catalog, table_id: int, s: int, columns: list[Column]) -> 
     if not pieces:
         return empty_table(columns)
     return pa.concat_tables(pieces).sort_by(ROW_ID)
-
-
-def _literal(value: str | None) -> str:
-    return "NULL" if value is None else "'" + value.replace("'", "''") + "'"
 
 
 def lineage(catalog: Catalog, lake: LakeTable) -> str:

@@ -30,6 +30,7 @@ from omicsio_jax.format import GENE_COLUMN, is_remote, sql_ident
 
 from ._ducklake_files import check_file, open_file, read_deletes
 from ._ducklake_table import ROW_ID, Column, DataFile, LakeTable, empty_table
+from ._ducklake_types import sql_literal
 from ._parquet_stream import DEFAULT_BATCH_CELLS, cells_per_batch, row_group_starts
 
 INTERNAL_ROW_ID, INTERNAL_SNAPSHOT = "_ducklake_internal_row_id", "_ducklake_internal_snapshot_id"
@@ -91,7 +92,10 @@ class LakeReader:
                 + ", ".join(
                     [
                         str(i),
-                        *(f"CAST({_literal(self.lake.files[i].constants[n])} AS {types[n]})" for n in names),
+                        *(
+                            f"CAST({sql_literal(self.lake.files[i].constants[n])} AS {types[n]})"
+                            for n in names
+                        ),
                     ]
                 )
                 + ")"
@@ -295,7 +299,7 @@ class LakeReader:
         value = f.partition.get(column.column_id, column.initial_default)
         return (
             duckdb.connect()
-            .sql(f"SELECT CAST({_literal(value)} AS {column.sql_type}) AS v")
+            .sql(f"SELECT CAST({sql_literal(value)} AS {column.sql_type}) AS v")
             .to_arrow_table()
             .column(0)
             .combine_chunks()
@@ -314,11 +318,6 @@ class LakeReader:
         if not pieces:
             return empty_table(self.lake.columns).select(names)
         return pa.Table.from_batches(pieces)
-
-
-def _literal(value: str | None) -> str:
-    """A partition value or default as SQL: None (a NULL partition value) is NULL, not 'None'."""
-    return "NULL" if value is None else "'" + str(value).replace("'", "''") + "'"
 
 
 def _field_names(schema: pa.Schema, mapping: dict[int, str] | None) -> dict[int, str]:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omicsio_jax as oj
-from omicsio_jax.dataset import dataset as dataset_module
+from omicsio_jax.dataset import files as dataset_files
 from omicsio_jax.storage import aio, direct_io
 
 
@@ -63,10 +63,10 @@ def test_direct_reads_are_the_default_beyond_ram(dataset_dir, monkeypatch):
     with oj.open_dataset(dataset_dir) as ds:
         assert not ds.chunk_reader.direct  # a few MB on a machine with GBs: the page cache serves it
         assert ds.open_options["direct_io"] is None
-    monkeypatch.setattr(dataset_module, "memory_limit", lambda: 1 << 20)
+    monkeypatch.setattr(dataset_files, "memory_limit", lambda: 1 << 20)
     with oj.open_dataset(dataset_dir) as ds:
         assert ds.chunk_reader.direct
-        assert ds._readahead is None  # nothing to announce to a page cache it bypasses
+        assert ds._files.readahead is None  # nothing to announce to a page cache it bypasses
     with oj.open_dataset(dataset_dir, direct_io=False) as ds:
         assert not ds.chunk_reader.direct
 

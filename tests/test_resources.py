@@ -17,7 +17,7 @@ import pytest
 
 import omicsio_jax as oj
 from omicsio_jax.core.errors import require
-from omicsio_jax.dataset import dataset as dataset_module
+from omicsio_jax.dataset import files as dataset_files
 from omicsio_jax.records.readahead import ReadAhead
 from omicsio_jax.storage import aio, direct_io, memory
 
@@ -97,7 +97,7 @@ def test_freed_heap_goes_back_to_the_system_when_a_dataset_closes(dataset_dir, m
     released, freed = out.stdout.split()
     assert released == "True" and int(freed) > 200e6  # of the ~300 MB freed, nearly all returned
     calls = []
-    monkeypatch.setattr(dataset_module, "release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(dataset_files, "release_freed_memory", lambda: calls.append(1))
     oj.open_dataset(dataset_dir).close()
     assert calls == [1]
 
@@ -129,10 +129,10 @@ def test_small_pages_turn_numpy_huge_pages_off_until_the_last_thread_leaves():
 
 
 def test_an_unknown_memory_size_never_means_direct_reads(dataset_dir, monkeypatch):
-    monkeypatch.setattr(dataset_module, "memory_limit", lambda: None)
+    monkeypatch.setattr(dataset_files, "memory_limit", lambda: None)
     with oj.open_dataset(dataset_dir) as ds:
         assert not ds.chunk_reader.direct
-    monkeypatch.setattr(dataset_module, "memory_limit", lambda: 1 << 20)  # a 1 MiB cgroup: beyond it
+    monkeypatch.setattr(dataset_files, "memory_limit", lambda: 1 << 20)  # a 1 MiB cgroup: beyond it
     if direct_io.supported(dataset_dir / "manifest.json"):
         with oj.open_dataset(dataset_dir) as ds:
             assert ds.chunk_reader.direct

@@ -3,32 +3,27 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.dataset.cache import IOStats
-from omicsio_jax.dataset.chunk_indexes import ChunkIndexes
-from omicsio_jax.dataset.exact_reads import check_rows, read_csr
+from omicsio_jax.dataset.exact_reads import check_rows, read_csr, read_range
+from omicsio_jax.dataset.files import DatasetFiles, locate
 from omicsio_jax.dataset.gene_columns import gene_columns
-from omicsio_jax.dataset.listed_files import ListedFiles
 from omicsio_jax.dataset.modalities import FurtherModalities
 from omicsio_jax.dataset.obs import Categorical, ObsColumns, rows_where
 from omicsio_jax.dataset.presence import GenePresence, read_presence, require_presence
 from omicsio_jax.format.chunk_index import ChunkIndex, chunk_index_path
-from omicsio_jax.format.manifest import Manifest, dataset_root, read_manifest
 from omicsio_jax.records.chunk_reader import ChunkReader
-from omicsio_jax.records.chunk_reader import supported as chunks_readable
-from omicsio_jax.records.readahead import ReadAhead
-from omicsio_jax.records.runs import ShardReaders, read_runs, records_checked
-from omicsio_jax.storage import direct_io
-from omicsio_jax.storage.memory import memory_limit, release_freed_memory
-from omicsio_jax.storage.store import is_remote, s3_url
+from omicsio_jax.records.runs import ShardReaders, records_checked
+
+if TYPE_CHECKING:
+    from omicsio_jax.dataset.remote import RemoteDataset
 
 # Range reads need a readahead buffer (readahead 0 makes them several times slower), but a
 # large one wastes I/O on scattered reads: 256 KiB covers a block of cells. Opening a reader reads
@@ -66,58 +61,15 @@ class Dataset:
             "direct_io": direct_io,
         }
         self._modalities = FurtherModalities(self, self._options, Dataset)
-        self._remote = None
-        self._readahead: ReadAhead | None = None
-        if is_remote(path):
-            from omicsio_jax.dataset.remote import RemoteDataset
-
-            url = s3_url(path)  # not str(path).rstrip("/"): "s3://" would become the local "s3:"
-            manifest = read_manifest(url)
-            # a replaced dataset's current generation: reopening `path` (`open_options`, Grain's
-            # workers) reads this one even after a later switch
-            self.path: Path | str = dataset_root(url, manifest)
-            self.manifest: Manifest = dataclasses.replace(manifest, generation="")
-            chunk_reader = chunk_reader and chunks_readable(self)
-            self._remote = RemoteDataset(
-                self.path,
-                self.manifest,
-                cache_dir=cache_dir,
-                cache_bytes=cache_bytes,
-                opening=not chunk_reader,
-            )  # the chunk reader reads no footer
-        else:
-            self.path = Path(path)
-            self.manifest = read_manifest(self.path)
-            self._listed = ListedFiles(self.path)
-            for shard in self.manifest.shards:
-                if not (self.path / shard.path).exists():
-                    msg = f"{self.path}: shard {shard.path} listed in the manifest is missing"
-                    raise DatasetFormatError(msg)
-            chunk_reader = chunk_reader and chunks_readable(self)
-            direct_io = chunk_reader and self._direct_io(direct_io)
-            if readahead and not direct_io:  # a direct read has no use for the page cache's read-ahead
-                self._readahead = ReadAhead(self)
-        # one set of chunk indexes per dataset: a remote one's are its mirrors' (loaded and checked once)
-        self._chunk_indexes = (
-            ChunkIndexes(self.path, self.local_path)
-            if self._remote is None
-            else self._remote.mirrors.chunk_indexes
-        )
+        self.path, self.manifest = locate(path)
+        self._files = DatasetFiles(self, self._options)
         self._readers = ShardReaders(self, reader_options)
-        # read straight from the chunks (`chunk_reader`) where the shards allow it, else by ArrayRecord's reader
-        self.chunk_reader = ChunkReader(self, direct=bool(direct_io)) if chunk_reader else None
+        self.chunk_reader = ChunkReader(self, direct=self._files.direct) if self._files.chunks else None
 
-    def _direct_io(self, wanted: bool | None) -> bool:
-        """Whether to read the shards with ``O_DIRECT`` (`direct_io`): if asked, or by default if they
-        add up to more than the memory this process may use (`memory_limit`: RAM, or a container's
-        cgroup limit; the page cache cannot hold them); and if their file system allows it."""
-        if wanted is False or not self.manifest.shards:
-            return False
-        if wanted is None:  # beyond the memory this process may use; an unknown size is never "beyond"
-            limit = memory_limit()
-            if limit is None or sum(s.num_bytes for s in self.manifest.shards) <= limit:
-                return False
-        return direct_io.supported(self.path / self.manifest.shards[0].path)
+    @property
+    def _remote(self) -> RemoteDataset | None:
+        """The local side of a dataset on object storage: its cache and shard mirrors (None for a local one)."""
+        return self._files.remote
 
     @property
     def open_options(self) -> dict:
@@ -135,7 +87,7 @@ class Dataset:
     def chunk_index(self, shard: int) -> ChunkIndex:
         """Shard ``shard``'s chunk index (the byte ranges of its chunks), loaded on first use and kept
         (16 bytes per chunk); for a remote dataset, downloaded then."""
-        return self._chunk_indexes.get(self.manifest, shard)
+        return self._files.chunk_indexes.get(self.manifest, shard)
 
     @property
     def is_remote(self) -> bool:
@@ -162,16 +114,7 @@ class Dataset:
         dataset (absolute, or through ``..``: a manifest's obs name is part of its files' paths) is
         a `DatasetFormatError`.
         """
-        parts = relpath.replace("\\", "/").split("/")
-        if relpath.startswith(("/", "\\")) or ".." in parts or "\0" in relpath:
-            msg = (
-                f"{self.path}: its manifest names the file {relpath!r}, outside the dataset; the manifest "
-                "is damaged or was not written by omicsio-materialize: materialize the dataset again"
-            )
-            raise DatasetFormatError(msg)
-        if self._remote is None:
-            return self._listed.checked(self.manifest, relpath)
-        return self._remote.local_path(relpath)
+        return self._files.local_path(self.manifest, relpath)
 
     def prepared(
         self,
@@ -185,11 +128,7 @@ class Dataset:
         together) and kept until it ends; for a local one their byte ranges are announced to the
         kernel, which starts reading them all at once (`ReadAhead`): before the reads begin, or
         (``announce_first=False``) on a thread of its own while they do."""
-        if self._remote is None:
-            if self._readahead is not None:
-                (self._readahead.advise if announce_first else self._readahead.start)(pieces)
-            return contextlib.nullcontext()
-        return self._remote.mirrors.prepared(pieces, refetch=refetch)
+        return self._files.prepared(pieces, refetch=refetch, announce_first=announce_first)
 
     def split(self, name: str, *, by: str | None = None) -> np.ndarray:
         """The rows (ascending) of split ``name`` of the split written by `oj.split` (by obs ``by``;
@@ -348,10 +287,7 @@ class Dataset:
     def read_buffer(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Raw records of cells ``[begin, end)`` concatenated, ``(buf uint8, starts int64)`` (record
         ``i`` is ``buf[starts[i]:starts[i + 1]]``): what the codec's decoders take. One read per shard touched."""
-        if not 0 <= begin <= end <= self.num_cells:
-            msg = f"cells [{begin}, {end}) are not a range within the {self.num_cells:,} cells of {self.path}"
-            raise IndexError(msg)
-        return read_runs(self, self._readers, [(begin, end)] if end > begin else [])
+        return read_range(self, self._readers, begin, end)
 
     def records_checked(self, rows: np.ndarray) -> contextlib.AbstractContextManager[None]:
         """A context that reports a malformed record among the decoded records of ``rows`` (global
@@ -385,11 +321,7 @@ class Dataset:
         system (`release_freed_memory`), so that a job reopening datasets keeps a flat footprint."""
         self._modalities.close()
         self._readers.close()
-        if self._readahead is not None:
-            self._readahead.close()
-        if self._remote is not None:
-            self._remote.close()
-        release_freed_memory()
+        self._files.close()
 
     def __enter__(self) -> Dataset:
         return self

@@ -1,6 +1,6 @@
-"""Reading exact cells by row number (`Dataset.check_rows`, `Dataset.read_csr`): the rows a user or
-a loader asks for, checked (`check_rows`), and their records read as CSR in the order asked
-(`read_csr`).
+"""Reading exact cells by row number (`Dataset.check_rows`, `Dataset.read_buffer`, `Dataset.read_csr`):
+the rows a user or a loader asks for, checked (`check_rows`), a range of cells' raw records
+(`read_range`), and rows' records read as CSR in the order asked (`read_csr`).
 
 The distinct rows are read sorted, one range read per run of consecutive rows (for a dataset on
 object storage, the chunks of all runs fetched together: see `runs.read_runs`), decoded once, and
@@ -37,6 +37,19 @@ def check_rows(rows: Sequence[int] | np.ndarray, num_cells: int) -> np.ndarray:
         msg = f"row {bad} is out of range for a dataset of {num_cells:,} cells (valid: 0..{num_cells - 1})"
         raise IndexError(msg)
     return arr
+
+
+def read_range(
+    dataset: RecordSource, readers: ShardReaders, begin: int, end: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Raw records of ``dataset``'s cells ``[begin, end)`` concatenated, ``(buf uint8, starts int64)``
+    (see `Dataset.read_buffer`), with one read per shard touched; a range that is not within its cells
+    is an `IndexError`."""
+    num_cells = dataset.manifest.num_cells
+    if not 0 <= begin <= end <= num_cells:
+        msg = f"cells [{begin}, {end}) are not a range within the {num_cells:,} cells of {dataset.path}"
+        raise IndexError(msg)
+    return read_runs(dataset, readers, [(begin, end)] if end > begin else [])
 
 
 def read_csr(
