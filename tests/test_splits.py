@@ -9,8 +9,11 @@ import shutil
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import omicsio_jax as oj
+from omicsio_jax.dataset.splits import _ends
 
 
 @pytest.fixture
@@ -89,7 +92,7 @@ def test_two_splits_are_named_by_their_obs(ds_path):
         ({"by": "total_counts"}, r"obs 'total_counts' is numeric"),
         (
             {"by": "batch", "fractions": (0.98, 0.01, 0.01)},
-            r"split 'val' gets no group: 2 groups of 'batch'",
+            r"2 group\(s\) of 'batch' cannot give each of the 3 splits 0.98/0.01/0.01 a group",
         ),
     ],
 )
@@ -123,3 +126,30 @@ def test_a_missing_unknown_or_damaged_split_is_a_one_line_error(ds_path):
     sidecar.write_text(whole.replace('"train"', '"trian"', 1))  # the same size: by its checksum
     with pytest.raises(oj.DatasetFormatError, match=r"does not match its checksum in the manifest"):
         oj.open_dataset(ds_path).split("train")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_five_donors_split_three_ways_give_every_split_a_donor_whatever_the_seed(seed):
+    """Five donors of about a fifth each, 0.6/0.2/0.2: a group goes where its middle cell falls, and
+    every split asked for gets a group (cut where the first cells fall, seeds 0, 2, 3, 5 and 6 left
+    the test split empty)."""
+    sizes = np.array([539, 501, 488, 494, 478])[np.random.default_rng(seed).permutation(5)]
+    ends = _ends(sizes, (0.6, 0.2, 0.2))
+    assert ends == [3, 4, 5]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=30),
+    weights=st.lists(st.integers(0, 20), min_size=1, max_size=5).filter(any),
+)
+def test_each_split_asked_for_gets_a_group_and_the_cuts_are_runs(sizes, weights):
+    fractions = [w / sum(weights) for w in weights]
+    wanted = sum(f > 0 for f in fractions)
+    if len(sizes) < wanted:
+        return  # refused by oj.split before the cut
+    ends = _ends(np.array(sizes, np.int64), fractions)
+    starts = [0, *ends[:-1]]
+    assert ends[-1] == len(sizes) and all(a <= b for a, b in zip(starts, ends, strict=True))
+    for f, a, b in zip(fractions, starts, ends, strict=True):
+        assert (b > a) if f > 0 else (b == a)

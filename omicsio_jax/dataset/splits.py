@@ -170,23 +170,16 @@ def split(
     present = sorted(c for c, n in zip(labels, counts, strict=True) if n)
     size = {c: int(n) for c, n in zip(labels, counts, strict=True)}
     order = [present[i] for i in np.random.default_rng(seed).permutation(len(present))]
-    total = sum(size[g] for g in order)
-    # a bound that should fall on a group's first cell may land a rounding error past it (0.1 + 0.2 is
-    # 0.30000000000000004): compared with a margin far below one cell
-    bounds = np.cumsum(fractions) * total - 1e-9 * max(total, 1)
-    groups: dict[str, list[str]] = {n: [] for n in names}
-    start = 0
-    for g in order:  # a group goes where its first cell falls
-        j = min(int(np.searchsorted(bounds, start, side="right")), len(names) - 1)
-        groups[names[j]].append(g)
-        start += size[g]
-    empty = [n for n, f in zip(names, fractions, strict=True) if f > 0 and not groups[n]]
-    if empty:
+    wanted = [f > 0 for f in fractions]
+    if len(order) < sum(wanted):
         msg = (
-            f"{where}: split {empty[0]!r} gets no group: {len(present)} groups of {by!r} cannot be split "
-            f"{'/'.join(f'{f:g}' for f in fractions)}; use larger fractions or a finer grouping"
+            f"{where}: {len(order)} group(s) of {by!r} cannot give each of the {sum(wanted)} splits "
+            f"{'/'.join(f'{f:g}' for f in fractions)} a group; use fewer splits or a finer grouping"
         )
         raise OmicsIOError(msg)
+    sizes = np.array([size[g] for g in order], np.int64)
+    ends = _ends(sizes, fractions)
+    groups = {n: order[a:b] for n, a, b in zip(names, [0, *ends[:-1]], ends, strict=True)}
     result = Split(
         by=by,
         seed=int(seed),
@@ -197,6 +190,27 @@ def split(
     )
     _write(dataset, result, overwrite=overwrite, where=where)
     return result
+
+
+def _ends(sizes: np.ndarray, fractions: Sequence[float]) -> list[int]:
+    """Where each split's run of the shuffled groups (of ``sizes`` cells) ends: a group goes to the
+    split its middle cell falls in, so each split holds about its fraction of the cells; then each
+    split of a fraction above 0 is given at least one group, the cuts moved by as few groups as
+    that needs (there are at least as many groups as such splits)."""
+    total = int(sizes.sum())
+    middles = np.cumsum(sizes) - sizes / 2
+    # a bound that should fall on a group's middle may land a rounding error past it (0.1 + 0.2 is
+    # 0.30000000000000004): compared with a margin far below one cell
+    bounds = np.cumsum(fractions) * total - 1e-9 * max(total, 1)
+    split_of = np.minimum(np.searchsorted(bounds, middles, side="right"), len(fractions) - 1)
+    ends = [int(np.count_nonzero(split_of <= j)) for j in range(len(fractions))]
+    wanted = [int(f > 0) for f in fractions]
+    for j in range(len(ends)):  # each wanted split at least one group past the previous end
+        ends[j] = max(ends[j], (ends[j - 1] if j else 0) + wanted[j])
+    ends[-1] = len(sizes)
+    for j in range(len(ends) - 2, -1, -1):  # and the later ones still room for theirs
+        ends[j] = min(ends[j], ends[j + 1] - wanted[j + 1])
+    return ends
 
 
 def read_split(dataset: Dataset, by: str | None = None) -> Split:
