@@ -52,13 +52,18 @@ def _parser() -> argparse.ArgumentParser:
         epilog="A null gene list means 'no expressed genes' and becomes an empty row.",
     )
     p.add_argument(
-        "paths",
-        nargs="+",
-        metavar="INPUT OUT",
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
         help="input (file, directory, glob, .vortex, .h5ad, .zarr, .h5mu, ducklake:CATALOG; local or "
-        "s3://) and output directory; several inputs make "
+        "s3://); several inputs make "
         "one collection (cells one source after the other, obs dataset_id, genes unified by Ensembl id); "
-        "with --query the input is optional (if given it is the view `cells`)",
+        "with --query the input is optional (if given it is the view `cells`); none with --sources",
+    )
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        help="output directory (absent or empty; an existing dataset with --overwrite) or s3:// prefix",
     )
     p.add_argument("--where", help="SQL predicate: materialize only the matching cells")
     p.add_argument("--query", help="a DuckDB SELECT producing the rna_cells columns")
@@ -248,16 +253,17 @@ def _stats(argv: list[str]) -> int:
 def _materialize(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_intermixed_args(argv)
+    inputs, out = args.inputs, args.out
     if args.sources is not None:
-        if len(args.paths) != 1:
+        if inputs:
             p.error("with --sources, give OUT alone (the sources file lists the inputs)")
-        source, out = Sources.read(args.sources), args.paths[0]
-    elif args.query is not None and len(args.paths) == 1:
-        source, out = None, args.paths[0]
-    elif len(args.paths) == 2:
-        source, out = args.paths
-    elif len(args.paths) > 2:  # a collection
-        source, out = args.paths[:-1], args.paths[-1]
+        source = Sources.read(args.sources)
+    elif args.query is not None and not inputs:
+        source = None
+    elif len(inputs) == 1:
+        source = inputs[0]
+    elif len(inputs) > 1:  # a collection
+        source = inputs
     else:
         p.error("give INPUT and OUT (several inputs: a collection; OUT alone with --query or --sources)")
     layers, modalities = _modality_args(p, args)
@@ -333,14 +339,17 @@ def _modality_args(p: argparse.ArgumentParser, args) -> tuple:
     return layers, modalities
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code. User mistakes print one line, not a traceback."""
+    """Entry point; returns the exit code: 2 for a user mistake (one line, not a traceback), 128 + the
+    signal's number for a run stopped by SIGINT (Ctrl-C, 130) or SIGTERM (143)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _is_main_thread() else None
+    received = []
+
+    def terminate(signum, frame):  # a SIGTERM unwinds the run as Ctrl-C does, cleaning up
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate) if _is_main_thread() else None
     try:
         if argv[:1] == ["verify"]:
             return _verify(argv[1:])
@@ -360,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _interrupted(e):
             raise
         print("omicsio-materialize: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return 128 + (received[0] if received else signal.SIGINT)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -36,7 +36,7 @@ from ._open import (
     open_member_source,
     open_source,
 )
-from ._options import Dask, InputOptions, Layout, Multimodal
+from ._options import Dask, InputOptions, Layout, Multimodal, as_names
 from ._output import check_output, scratch_dir, staging_dir
 from ._panel import read_panel
 from ._partition import Job
@@ -78,7 +78,7 @@ def materialize(
     out: str | Path,
     *,
     read: InputOptions = InputOptions(),
-    obs: Sequence[str] | None = None,
+    obs: str | Sequence[str] | None = None,
     layout: Layout = Layout(),
     multimodal: Multimodal = Multimodal(),
     workers: int | Dask | None = None,
@@ -95,23 +95,23 @@ def materialize(
     >>> materialize("s3://atlas/cells/", "s3://datasets/atlas/", workers=16)  # doctest: +SKIP
 
     ``read`` says how the input is read (`InputOptions`: ``where``, ``query``, ``genes``, an AnnData
-    ``layer``, ...), ``obs`` which obs columns to keep (default: every scalar column), ``layout``
-    how the shards are laid out (`Layout`: ``shard_cells``, ``group_size``, ``compression``, a dense
-    gene ``panel``). Several modalities of the same cells come with ``multimodal`` (`Multimodal`; see
-    `omicsio_jax.Dataset.modality`):
+    ``layer``, ...), ``obs`` which obs columns to keep (a name or names; default: every scalar column),
+    ``layout`` how the shards are laid out (`Layout`: ``shard_cells``, ``group_size``, ``compression``,
+    a dense gene ``panel``). Several modalities of the same cells come with ``multimodal``
+    (`Multimodal`; see `omicsio_jax.Dataset.modality`):
 
     >>> materialize("rna_cells.parquet", "multiome/", multimodal=Multimodal(            # doctest: +SKIP
     ...     modalities={"atac": "atac_cells.parquet"}, layers={"spliced": "rna_layers_spliced.parquet"}))
     >>> materialize("multiome.h5mu", "multiome/")            # rna + atac          # doctest: +SKIP
 
-    Partitions run on ``workers`` local processes (default: the usable cores, but at most one per
-    32,768 cells, so a smaller input is written here; 1 runs them here), or on a Dask cluster
-    (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at ``out`` or nothing
-    does (an existing ``out`` is replaced only with ``overwrite``). ``stats`` computes the corpus
-    statistics as the cells are written (``gene_stats.parquet``, obs ``n_counts`` / ``n_genes``: what
-    normalization, Geneformer's gene medians and highly variable genes read); ``stats=False`` leaves
-    them out, for ``omicsio-materialize stats OUT`` to add. Raises `DataValidationError` naming the
-    file, row and cell_id of the first cell that breaks the schema.
+    Partitions run on ``workers`` local processes (default: the usable cores, but at most one per 32,768
+    cells, so a smaller input is written here; 1 runs them here), or on a Dask cluster
+    (``workers=Dask("tcp://host:8786")``). Either the whole dataset appears at ``out`` or nothing does
+    (an existing dataset at ``out`` is replaced only with ``overwrite``; an empty folder needs none).
+    ``stats`` computes the corpus statistics as the cells are written (``gene_stats.parquet``, obs
+    ``n_counts`` / ``n_genes``: what normalization, Geneformer's gene medians and highly variable genes
+    read); ``stats=False`` leaves them out, for ``omicsio-materialize stats OUT`` to add. Raises
+    `DataValidationError` naming the file, row and cell_id of the first cell that breaks the schema.
     """
     where, query, genes, layer, use_raw, cell_id, batch_cells, allow_negative = (
         read.where,
@@ -129,7 +129,7 @@ def materialize(
         layout.compression,
         layout.panel,
     )
-    layers, modalities = multimodal.layers, multimodal.modalities
+    obs, layers, modalities = map(as_names, (obs, multimodal.layers, multimodal.modalities))
     primary, require_all_modalities = multimodal.primary, multimodal.require_all
     dask = workers if isinstance(workers, Dask) else None
     dask_scheduler, dask_scheduler_file = (

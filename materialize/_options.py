@@ -8,6 +8,7 @@ modalities come along and where the partitions run. Each validates itself when m
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,24 @@ DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads faster than z
 
 def _is_power_of_two(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+# the fields of `InputOptions` of a plain type: (name, the types it takes, those types in words)
+_INPUT_TYPES = (
+    *(
+        (name, (str, type(None)), "a string or None")
+        for name in ("where", "query", "layer", "gene_id_column", "table")
+    ),
+    ("genes", (str, os.PathLike, type(None)), "a string, a path or None"),
+    ("use_raw", bool, "True or False"),
+    ("allow_negative", bool, "True or False"),
+)
+
+
+def as_names(names):
+    """``names`` (a sequence of names, a mapping or None), with a single name given as a string read as
+    one name, not as the names of its letters: ``obs="cell_type"`` is ``obs=("cell_type",)``."""
+    return (names,) if isinstance(names, str) else names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +77,22 @@ class InputOptions:
     snapshot: int | str | datetime | None = None
 
     def __post_init__(self) -> None:
+        for name, types, what in _INPUT_TYPES:
+            value = getattr(self, name)
+            if not isinstance(value, types):
+                msg = f"InputOptions({name}=...) must be {what}, got {value!r}"
+                raise TypeError(msg)
         if not isinstance(self.cell_id, str) or not self.cell_id:
             msg = f"InputOptions(cell_id=...) names the cell id column (default 'cell_id'), got {self.cell_id!r}"
             raise OmicsIOError(msg)
         if isinstance(self.snapshot, bool) or (isinstance(self.snapshot, int) and self.snapshot < 0):
             msg = f"InputOptions(snapshot=...) is a snapshot id ≥ 0, a time or None, got {self.snapshot!r}"
             raise OmicsIOError(msg)
-        if self.batch_cells is not None and (not isinstance(self.batch_cells, int) or self.batch_cells < 1):
+        if self.batch_cells is not None and (
+            not isinstance(self.batch_cells, int)
+            or isinstance(self.batch_cells, bool)
+            or self.batch_cells < 1
+        ):
             msg = (
                 f"InputOptions(batch_cells=...) must be a positive integer or None, got {self.batch_cells!r}"
             )
@@ -108,13 +136,13 @@ class Multimodal:
     ``layers`` are matrices over the primary's genes (splice layers: names of ``.h5ad`` / ``.h5mu``
     layers, or ``{name: table}`` for list-column tables); ``modalities`` have features of their own
     (``.h5mu``: names of its modalities, default all; tables: ``{name: table}`` or ``{name: (table,
-    feature table)}``), aligned by ``cell_id`` with the primary, named ``primary``. A cell a further
-    modality lacks gets an empty row there and ``obs["has_<name>"] = False``, or with
-    ``require_all`` an error.
+    feature table)}``), aligned by ``cell_id`` with the primary, named ``primary``. One name may be
+    given as a string (``layers="spliced"``). A cell a further modality lacks gets an empty row there
+    and ``obs["has_<name>"] = False``, or with ``require_all`` an error.
     """
 
-    layers: Sequence[str] | Mapping[str, str] | None = None
-    modalities: Sequence[str] | Mapping[str, str | tuple[str, str]] | None = None
+    layers: str | Sequence[str] | Mapping[str, str] | None = None
+    modalities: str | Sequence[str] | Mapping[str, str | tuple[str, str]] | None = None
     primary: str = "rna"
     require_all: bool = False
 

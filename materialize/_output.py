@@ -16,7 +16,7 @@ from omicsio_jax import OmicsIOError
 from omicsio_jax.format import MANIFEST_NAME, Manifest, open_store
 
 from ._partition import PARTS_DIR
-from ._shards import atomic_output_dir
+from ._shards import atomic_output_dir, check_output_dir
 
 
 @contextlib.contextmanager
@@ -34,12 +34,10 @@ def scratch_dir(staging: str) -> Iterator[str]:
 
 
 def check_output(store, overwrite: bool) -> None:
-    """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset."""
+    """Refuse to replace an existing dataset without ``overwrite``, and anything that is not a dataset
+    (an empty local folder is one to write)."""
     if store.local_root is not None:
-        out = store.local_root
-        if out.exists() and not overwrite:
-            msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
-            raise OmicsIOError(msg)
+        check_output_dir(store.local_root, overwrite=overwrite)
         return
     objects = store.list()
     if not objects:

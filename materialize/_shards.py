@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -252,25 +253,72 @@ def make_shard_writer(
     return ShardWriter(root, **kwargs)
 
 
+def check_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NAME) -> None:
+    """Refuse an output that is not free: a dataset (``manifest`` present) without ``overwrite``,
+    and at once, ``overwrite`` or not, a file or a non-empty folder that is not a dataset. An
+    absent output or an empty folder is free."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        msg = f"refusing to overwrite {str(out)!r}: it is a file, not a dataset directory; give another output path"
+        raise OmicsIOError(msg)
+    if (out / manifest).exists():
+        if not overwrite:
+            msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
+            raise OmicsIOError(msg)
+    elif any(out.iterdir()):
+        msg = (
+            f"refusing to write into {str(out)!r}: it is not empty and has no {manifest} (it is not a "
+            "dataset); give another output path, or an empty directory"
+        )
+        raise OmicsIOError(msg)
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove the partial directories of ``out`` that runs killed outright (SIGKILL) left behind: those
+    whose process no longer runs on this host. A running process's may be a run in progress."""
+    # as `atomic_output_dir` names them
+    stale = re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)-[0-9a-f]{{8}}")
+    for folder in out.parent.iterdir() if out.parent.is_dir() else ():
+        match = stale.fullmatch(folder.name)
+        if match is None or folder.is_symlink() or not folder.is_dir() or _running(int(match[1])):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            print(
+                f"materialize: removed {str(folder)!r}, left by an earlier run into {str(out)!r} "
+                f"(process {match[1]}, no longer running)",
+                file=sys.stderr,
+            )
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):  # a number no process can have
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NAME) -> Iterator[Path]:
     """Yield a hidden temporary sibling of ``out``; on success it replaces ``out`` by rename.
 
+    ``out`` may be absent, an empty folder, or with ``overwrite`` a dataset (`check_output_dir`).
     On any exception (Ctrl-C included) the temporary directory is removed and an existing
-    ``out`` is left untouched. A hard kill can leave only a hidden ``.<name>.partial-*`` sibling
-    without a manifest, which `open_dataset` refuses and the next run ignores.
+    ``out`` is left untouched. A hard kill can leave only a hidden ``.<name>.partial-<pid>-<hex>``
+    sibling without a manifest, which `open_dataset` refuses and the next run into ``out``
+    removes once its process has ended.
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        msg = f"output {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it"
-        raise OmicsIOError(msg)
-    if out.exists() and not out.is_dir():
-        msg = f"refusing to overwrite {str(out)!r}: it is a file, not a dataset directory; give another output path"
-        raise OmicsIOError(msg)
-    if out.exists() and not (out / manifest).exists() and any(out.iterdir()):
-        msg = f"refusing to overwrite {str(out)!r}: it is not empty and has no {manifest}"
-        raise OmicsIOError(msg)
+    check_output_dir(out, overwrite=overwrite, manifest=manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -281,13 +329,18 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
         if not (tmp / manifest).exists():
             msg = f"internal error: the output was finished without {manifest}"
             raise OmicsIOError(msg)
-        if out.exists():
+        check_output_dir(out, overwrite=overwrite, manifest=manifest)  # as it is now, after the run
+        if (out / manifest).exists():
             old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        else:  # absent or an empty folder: one rename, which refuses a folder written into since the check
+            try:
+                tmp.rename(out)
+            except OSError as e:
+                msg = f"cannot move the finished output into {str(out)!r}: {e.strerror or e}; give another output path"
+                raise OmicsIOError(msg) from e
         fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -126,13 +126,81 @@ def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
 
 def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
+    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
+    before = oj.open_dataset(out).fingerprint
     assert main([str(corpus.cells_parquet), str(out), "--no-progress"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 2
-    assert "not empty and has no manifest.json" in capsys.readouterr().err
+    assert oj.open_dataset(out).fingerprint == before
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_folder_that_is_no_dataset_is_refused_at_once_without_suggesting_overwrite(
+    corpus, tmp_path, capsys, overwrite
+):
+    """Not replaceable even with --overwrite: the first message says so, not "pass --overwrite"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", *overwrite]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"omicsio-materialize: error: refusing to write into {str(out)!r}: it is not empty and has no "
+        "manifest.json (it is not a dataset); give another output path, or an empty directory"
+    )
     assert (out / "precious.txt").read_text() == "keep me"
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_existing_empty_directory_is_an_output_without_overwrite(corpus, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = materialize(corpus.cells_parquet, out, progress=False)
+    assert oj.open_dataset(out).fingerprint == result.manifest.fingerprint
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_empty_directory_written_into_during_the_run_is_kept_and_the_run_fails(
+    corpus, tmp_path, monkeypatch
+):
+    """The finished dataset replaces an empty directory by one rename, which refuses a directory
+    that is no longer empty: what appeared there is kept, no half-written dataset is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_write = _shards.ShardWriterProcess.write
+
+    def write_and_meddle(self, buf, starts, **kw):
+        real_write(self, buf, starts, **kw)
+        (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(_shards.ShardWriterProcess, "write", write_and_meddle)
+    with pytest.raises(
+        oj.OmicsIOError, match=r"refusing to write into .*: it is not empty and has no manifest"
+    ):
+        materialize(corpus.cells_parquet, out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_stale_partial_directory_of_a_dead_run_is_removed_and_said(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid now names no running process (reused only after the pid space wraps)
+    stale = tmp_path / f".out.partial-{dead.pid}-0123abcd"
+    live = tmp_path / f".out.partial-{os.getpid()}-89abcdef"  # a run in progress: this process
+    other = tmp_path / f".out2.partial-{dead.pid}-0123abcd"  # another output's
+    odd = tmp_path / f".out.partial-{dead.pid}-notours"  # not the name a run makes
+    for folder in (stale, live, other, odd):
+        folder.mkdir()
+        (folder / "shard-00000.arrayrecord").write_bytes(b"half")
+    materialize(corpus.cells_parquet, out, progress=False)
+    assert not stale.exists() and live.exists() and other.exists() and odd.exists()
+    err = capsys.readouterr().err
+    assert (
+        f"materialize: removed {str(stale)!r}, left by an earlier run into {str(out)!r} "
+        f"(process {dead.pid}, no longer running)"
+    ) in err
+    assert err.count("materialize: removed") == 1
+    assert oj.open_dataset(out).num_cells == 3000
 
 
 def test_overwrite_replaces_a_dataset(corpus, tmp_path):
@@ -201,6 +269,32 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     if sig != signal.SIGKILL:  # a catchable signal cleans up completely
         assert _leftovers(tmp_path) == [], err.decode()
         assert b"interrupted; nothing was written" in err
+        assert proc.returncode == 128 + sig  # 130 for SIGINT, 143 for SIGTERM: the shell's convention
+
+
+@pytest.mark.parametrize(
+    ("stop", "status"),
+    [
+        (lambda: os.kill(os.getpid(), signal.SIGTERM), 128 + signal.SIGTERM),
+        (lambda: signal.raise_signal(signal.SIGINT), 128 + signal.SIGINT),
+    ],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_the_exit_status_follows_the_signal_received(corpus, tmp_path, monkeypatch, capsys, stop, status):
+    from materialize import _cli
+
+    def stopped(*args, **kwargs):
+        stop()
+        time.sleep(30)  # the signal's handler raises here
+        pytest.fail("the signal did not stop the run")
+
+    monkeypatch.setattr(_cli, "materialize", stopped)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main([str(corpus.cells_parquet), str(tmp_path / "out"), "--no-progress"]) == status
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted; nothing was written" in capsys.readouterr().err
 
 
 def test_verify_catches_a_flipped_byte(dataset_dir, tmp_path, capsys):
@@ -234,6 +328,28 @@ def test_open_dataset_refuses_non_datasets(tmp_path):
         oj.open_dataset(tmp_path / "nope")
     with pytest.raises(oj.DatasetFormatError, match="has no manifest.json"):
         oj.open_dataset(tmp_path)
+
+
+def test_opening_a_folder_of_inputs_says_to_materialize_it_first(corpus, tmp_path):
+    tables = tmp_path / "corpus"
+    (tables / "plate=1").mkdir(parents=True)
+    shutil.copy(corpus.cells_parquet, tables / "plate=1" / "cells.parquet")
+    with pytest.raises(oj.DatasetFormatError) as e:
+        oj.open_dataset(tables)
+    assert str(e.value) == (
+        f"{str(tables)!r} has no manifest.json: it holds input files (.parquet), not a materialized "
+        f"dataset; materialize it first: `omicsio-materialize {tables}/ OUT/`, then open OUT/"
+    )
+    anndata = tmp_path / "atlas"
+    anndata.mkdir()
+    shutil.copy(corpus.h5ad, anndata / "a.h5ad")
+    with pytest.raises(oj.DatasetFormatError, match=rf"`omicsio-materialize {anndata}/\*\.h5ad OUT/`"):
+        oj.open_dataset(anndata)
+    dataset = tmp_path / "dataset"  # a dataset that lost its manifest holds parquet files too
+    materialize(corpus.cells_parquet, dataset, progress=False)
+    (dataset / "manifest.json").unlink()
+    with pytest.raises(oj.DatasetFormatError, match="its materialization did not finish"):
+        oj.open_dataset(dataset)
 
 
 def test_console_script_end_to_end(corpus, tmp_path):

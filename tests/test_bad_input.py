@@ -222,12 +222,14 @@ def test_valid_file_passes_for_reference(write, tmp_path):
     assert np.load(tmp_path / "out" / "obs" / "drug.codes.npy").tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 @pytest.mark.parametrize("command", [[], ["index"]])
-def test_overwrite_onto_a_file_is_refused_and_the_file_kept(write, capsys, tmp_path, command):
+def test_overwrite_onto_a_file_is_refused_and_the_file_kept(write, capsys, tmp_path, command, overwrite):
+    """Refused as a file at once: the first message does not suggest an --overwrite that is refused too."""
     path = write(_cells(GOOD, _values_like(GOOD)))
     notes = tmp_path / "notes.txt"
     notes.write_text("not a dataset\n")
-    code = main([*command, str(path), str(notes), "--overwrite", "--no-progress"])
+    code = main([*command, str(path), str(notes), *overwrite, "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert (
@@ -290,6 +292,10 @@ def test_quoted_column_name_on_the_duckdb_path(write, tmp_path):
         ({"cell_id": None}, r"InputOptions\(cell_id=...\) names the cell id column .* got None"),
         ({"cell_id": ""}, r"InputOptions\(cell_id=...\) names the cell id column .* got ''"),
         ({"batch_cells": 0}, r"InputOptions\(batch_cells=...\) must be a positive integer or None, got 0"),
+        (
+            {"batch_cells": True},
+            r"InputOptions\(batch_cells=...\) must be a positive integer or None, got True",
+        ),
     ],
 )
 def test_input_options_out_of_their_domain_are_one_line_errors(options, expected):
@@ -298,3 +304,36 @@ def test_input_options_out_of_their_domain_are_one_line_errors(options, expected
     with pytest.raises(oj.OmicsIOError, match=expected) as e:
         InputOptions(**options)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"layer": 3}, r"^InputOptions\(layer=...\) must be a string or None, got 3$"),
+        ({"where": ["a > 1"]}, r"^InputOptions\(where=...\) must be a string or None, got \['a > 1'\]$"),
+        ({"query": b"SELECT 1"}, r"^InputOptions\(query=...\) must be a string or None, got b'SELECT 1'$"),
+        ({"table": 1}, r"^InputOptions\(table=...\) must be a string or None, got 1$"),
+        ({"gene_id_column": 0}, r"^InputOptions\(gene_id_column=...\) must be a string or None, got 0$"),
+        ({"genes": 5}, r"^InputOptions\(genes=...\) must be a string, a path or None, got 5$"),
+        ({"use_raw": "yes"}, r"^InputOptions\(use_raw=...\) must be True or False, got 'yes'$"),
+        ({"allow_negative": None}, r"^InputOptions\(allow_negative=...\) must be True or False, got None$"),
+    ],
+)
+def test_input_options_of_the_wrong_type_are_one_line_type_errors(options, expected):
+    """Refused when made, not deep in a reader (h5py's "A name should be string or bytes")."""
+    from materialize import InputOptions
+
+    with pytest.raises(TypeError, match=expected):
+        InputOptions(**options)
+
+
+def test_the_usage_line_shows_the_inputs_then_the_output(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split("\n\n", 1)[0].split())
+    assert usage.startswith("usage: omicsio-materialize ") and usage.endswith(" [INPUT ...] OUT"), usage
+    with pytest.raises(SystemExit) as e:
+        main(["--no-progress"])
+    assert e.value.code == 2
+    assert "required: OUT" in capsys.readouterr().err

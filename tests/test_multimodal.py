@@ -398,6 +398,29 @@ def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs
     assert not out.exists()
 
 
+def test_one_name_given_as_a_string_is_one_name(inputs, truth, tmp_path):
+    """``obs="cell_type"``, ``layers="spliced"``, ``modalities="atac"`` mean what the lists of one
+    name mean, not the names of their letters."""
+    common = {"layout": Layout(shard_cells=SHARD), "progress": False, "workers": 1}
+    ds = oj.open_dataset(
+        materialize(
+            inputs["h5ad"],
+            tmp_path / "h5ad",
+            obs="cell_type",
+            multimodal=Multimodal(layers="spliced"),
+            **common,
+        ).path
+    )
+    assert set(ds.obs) == {"cell_type", "n_counts", "n_genes", "has_spliced"}
+    assert ds.modalities == ("rna", "spliced")
+    ds = oj.open_dataset(
+        materialize(
+            inputs["h5mu"], tmp_path / "h5mu", multimodal=Multimodal(modalities="atac"), **common
+        ).path
+    )
+    assert ds.modalities == ("rna", "atac")
+
+
 # -- object storage ----------------------------------------------------------------------------------------
 
 

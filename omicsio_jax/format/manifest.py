@@ -222,6 +222,19 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise DatasetFormatError(msg)
     mpath = root / MANIFEST_NAME
     if not mpath.exists():
+        # inputs of `omicsio-materialize` (a glance at the first entries), not a dataset that lost its manifest
+        inputs = (".parquet", ".vortex", ".h5ad", ".h5mu", ".zarr")
+        found = [p for _, p in zip(range(1000), root.rglob("*"), strict=False) if p.suffix in inputs]
+        if found and not any(root.glob("shard-*.arrayrecord")):
+            suffixes = sorted({p.suffix for p in found})
+            # a folder of tables is one input; AnnData files are each one
+            tables = {".parquet", ".vortex"} & set(suffixes)
+            arg = f"{root}/" if tables else f"{root}/*{suffixes[0]}"
+            msg = (
+                f"{str(root)!r} has no {MANIFEST_NAME}: it holds input files ({', '.join(suffixes)}), not a "
+                f"materialized dataset; materialize it first: `omicsio-materialize {arg} OUT/`, then open OUT/"
+            )
+            raise DatasetFormatError(msg)
         msg = (
             f"{str(root)!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its "
             "materialization did not finish (re-run `omicsio-materialize ... --overwrite`)"
