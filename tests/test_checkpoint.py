@@ -155,11 +155,12 @@ def test_readme_orbax_loop_resumes_bit_exactly_after_sigkill(dataset_dir, tmp_pa
     script.write_text(_readme_loop())
     assert len(_readme_loop().splitlines()) <= 40
     steps = "300"
-    subprocess.run(
-        [sys.executable, str(script), str(dataset_dir), str(tmp_path / "ref"), steps],
+    subprocess.run(  # a relative checkpoint directory, which Orbax refuses unless made absolute
+        [sys.executable, str(script), str(dataset_dir), "ref", steps],
         check=True,
         timeout=300,
         capture_output=True,
+        cwd=tmp_path,
     )
     killed = tmp_path / "killed"
     run = subprocess.Popen(

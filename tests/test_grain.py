@@ -209,6 +209,33 @@ def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
     assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
 
 
+def test_a_dataloader_built_by_hand_runs_workers_in_a_plain_script(ds, dataset_dir, tmp_path):
+    """docs/grain.md's "build the DataLoader yourself": the source applies the absl-flags workaround
+    (grain#1355) itself. In a script of its own, as a user runs it: pytest may have parsed the flags."""
+    script = tmp_path / "by_hand.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import grain
+        import omicsio_jax as oj
+
+        if __name__ == "__main__":
+            src = oj.GrainSource({str(dataset_dir)!r}, batch_size=64, seed=3, num_epochs=None)
+            loader = grain.DataLoader(
+                data_source=src,
+                sampler=src.sampler(),
+                read_options=src.read_options(),
+                operations=[],
+                worker_count=1,
+            )
+            print(next(iter(loader)).index[:3].tolist())
+    """)
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    first = next(iter(oj.make_loader(ds, batch_size=64, seed=3)))
+    assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
+
+
 def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):
     mesh = jax.make_mesh((8,), ("data",))
     expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1), 10**6)

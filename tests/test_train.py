@@ -385,3 +385,61 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
         assert re.search(match, err), (name, err)
     assert main([str(dataset_dir), "--label", "drug", "--resume"]) == 2  # argparse: needs --checkpoint-dir
     assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_path_options_that_cannot_be_what_they_name_are_one_line_errors(dataset_dir, tmp_path, capsys):
+    afile, adir = tmp_path / "afile", tmp_path / "adir"
+    afile.write_text("")
+    adir.mkdir()
+    data, under = str(dataset_dir), f"{afile}/sub"
+    not_a_dir = f"{afile} is a file, not a directory"
+    finetune = ["finetune", data, "--init", str(tmp_path / "pt"), "--label", "drug", "--eval-where", EVAL]
+    embed = ["embed", data, "--out", str(tmp_path / "e.npy")]
+    mistakes = {
+        "classifier --checkpoint-dir a file": (
+            [data, "--label", "drug", "--checkpoint-dir", str(afile)],
+            f"--checkpoint-dir {afile}: {not_a_dir}",
+        ),
+        "classifier --metrics under a file": (
+            [data, "--label", "drug", "--metrics", under],
+            f"--metrics {under}: {not_a_dir}",
+        ),
+        "classifier --metrics a directory": (
+            [data, "--label", "drug", "--metrics", str(adir)],
+            f"--metrics {adir} is a directory, not a file",
+        ),
+        "pretrain --checkpoint-dir under a file": (
+            ["pretrain", data, "--checkpoint-dir", under],
+            f"--checkpoint-dir {under}: {not_a_dir}",
+        ),
+        "pretrain --vocab a directory": (
+            ["pretrain", data, "--vocab", str(adir)],
+            f"--vocab {adir} is a directory",
+        ),
+        "embed --checkpoint-dir a file": (
+            [*embed, "--checkpoint-dir", str(afile)],
+            f"--checkpoint-dir {afile}: {not_a_dir}",
+        ),
+        "embed --out a directory": (
+            ["embed", data, "--checkpoint-dir", str(tmp_path / "pt"), "--out", str(adir)],
+            f"--out {adir} is a directory",
+        ),
+        "finetune --out-metrics under a file": (
+            [*finetune, "--out-metrics", under],
+            f"--out-metrics {under}: {not_a_dir}",
+        ),
+    }
+    for name, (argv, message) in mistakes.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"omicsio-train: error: {message}"), (name, err)
+    assert afile.read_text() == "" and not any(adir.iterdir())
+
+
+def test_help_lists_the_subcommands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("pretrain", "embed", "finetune"):
+        line = next(s for s in out.splitlines() if s.split()[:1] == [command])
+        assert len(line.split()) > 3, line  # the command and what it does, on one line
+    assert main(["pretrain", "--help"]) == 0 and "--preset" in capsys.readouterr().out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import omicsio_jax as oj
 
@@ -25,16 +26,26 @@ from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig
 from ._finetune_config import add_batch_arguments
 from ._loop import fit
 from ._model import MODELS
+from ._paths import check_paths
 
 PROG = "omicsio-train"
+# the subcommands, as the top-level --help lists them (each has its own --help)
+SUBCOMMANDS = {
+    "pretrain": "pretrain a Geneformer- or scGPT-style transformer on token batches",
+    "embed": "write one embedding per cell from a pretraining or published checkpoint",
+    "finetune": "fine-tune a pretrained encoder with a linear head; report held-out accuracy",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     d = TrainConfig("", "")
+    commands = "\n".join(f"  {name:<9} {what}" for name, what in SUBCOMMANDS.items())
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Train a cell classifier (Equinox + optax) on a materialized dataset, with "
-        "deterministic checkpoint/resume, JSONL metrics and held-out accuracy / macro-F1.",
+        description="Train a cell classifier (Equinox + optax) on a materialized dataset, with\n"
+        "deterministic checkpoint/resume, JSONL metrics and held-out accuracy / macro-F1.\n\n"
+        f"Subcommands ({PROG} COMMAND DATASET ..., each with its own --help):\n{commands}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Resuming refuses a checkpoint written with another dataset or other training options.",
     )
     p.add_argument("dataset", help="dataset directory written by omicsio-materialize")
@@ -291,6 +302,7 @@ def _embed(argv: list[str]) -> int:
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     _special_tokens_argument(g)
     args = p.parse_args(argv)
+    check_paths(args)
     ds = oj.open_dataset(args.dataset)
     model, config, source, coverage = load_encoder(
         args.checkpoint_dir or args.init,
@@ -304,6 +316,7 @@ def _embed(argv: list[str]) -> int:
     if coverage is not None:
         print(coverage)
     emb = embed(model, ds, config, batch_size=args.batch_size, pool=args.pool)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, emb)
     print(
         f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({source}), "

@@ -8,6 +8,7 @@ import omicsio_jax as oj
 
 from ._errors import TrainError
 from ._model import MODELS
+from ._paths import check_paths
 
 SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
 # Not saved in a checkpoint's config: how this invocation runs, not what it trains.
@@ -105,6 +106,7 @@ class TrainConfig:
         if self.eval_where is not None and self.eval_rows is not None:
             msg = "give either eval_where or eval_rows, not both"
             raise TrainError(msg)
+        check_paths(self)
 
     def saved(self) -> dict:
         """The options recorded in a checkpoint (all but resume, checkpoint dir and progress)."""

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from ._errors import TrainError
+from ._paths import check_paths
 from ._transformer import KINDS
 
 POOLS = ("mean", "cls")
@@ -87,6 +88,7 @@ class FinetuneConfig:
         if self.eval_where is not None and self.eval_rows is not None:
             msg = "give either --eval-where or --eval-rows, not both"
             raise TrainError(msg)
+        check_paths(self)
 
     @property
     def encoder_rate(self) -> float:

@@ -18,6 +18,7 @@ import omicsio_jax as oj
 from ._errors import TrainError
 from ._hf import PublishedCheckpoint
 from ._layers import with_dropout
+from ._paths import check_paths
 from ._published import load_checkpoint
 from ._transformer import KINDS, PRESETS, make_optimizer, make_pretrain_model
 
@@ -117,6 +118,7 @@ class PretrainConfig:
             if getattr(self, name) < 1:
                 msg = f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 raise TrainError(msg)
+        check_paths(self)
 
     @property
     def length(self) -> int:

@@ -66,6 +66,19 @@ def _warn_workers(worker_count: int) -> None:
     )
 
 
+def _mark_absl_flags_parsed() -> None:
+    """The workaround for grain#1355 (fixed after grain 0.2.18): jax imports absl, and without
+    ``absl.app`` nothing parses its flags, so Grain's worker processes fail reading theirs
+    (``UnparsedFlagAccessError``). Every `GrainSource` applies it where flags are unparsed, so a
+    ``grain.DataLoader`` built from one by hand gets it as `make_grain_loader`'s does."""
+    try:
+        from absl import flags
+    except ImportError:
+        return
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 class GrainSource(grain.sources.RandomAccessDataSource):
     """A Grain ``RandomAccessDataSource`` of host minibatches, with the knobs of `make_loader`.
 
@@ -99,6 +112,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         placement: Placement | jax.sharding.Mesh | None = None,
         read: ReadOptions = ReadOptions(),
     ):
+        _mark_absl_flags_parsed()  # before any DataLoader starts workers from this source
         ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
         placement = Placement.of(placement)
         self.spec = DiskSpec.of(
@@ -260,7 +274,7 @@ def check_operations(operations: Sequence) -> None:
 def check_worker_setup(operations: Sequence) -> None:
     """The usual failures of Grain worker processes, turned into one-line errors that say the fix:
     a script without ``if __name__ == "__main__":`` (spawned workers re-run it), an operation that
-    cannot be pickled. Also applies the absl-flags workaround (grain#1355) where flags are unparsed."""
+    cannot be pickled."""
     main = sys.modules.get("__main__")
     frame = sys._getframe(1)
     while frame is not None and not (
@@ -285,12 +299,6 @@ def check_worker_setup(operations: Sequence) -> None:
                 "module level, holding no lock, open file or loader (or pass worker_count=0)"
             )
             raise OmicsIOError(msg) from e
-    try:
-        from absl import flags
-    except ImportError:
-        return
-    if not flags.FLAGS.is_parsed():  # jax imports absl; without absl.app nothing parses them (grain#1355)
-        flags.FLAGS.mark_as_parsed()
 
 
 def make_grain_loader(
