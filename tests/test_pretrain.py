@@ -69,7 +69,7 @@ def test_pretraining_resumes_bit_identically_after_sigkill(dataset_dir, tmp_path
 def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
     ckpt = tmp_path / "pt"
     assert main([*_args(dataset_dir, "geneformer", "--steps", "4"), "--checkpoint-dir", str(ckpt)]) == 0
-    out = tmp_path / "emb.npy"
+    out = tmp_path / "new" / "emb"  # a folder not there yet; np.save's suffix added, and said
     assert (
         main(
             [
@@ -85,8 +85,8 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
         )
         == 0
     )
-    assert "3,000 cells × 64" in capsys.readouterr().out
-    emb = np.load(out)
+    assert f"{out}.npy: 3,000 cells × 64" in capsys.readouterr().out
+    emb = np.load(f"{out}.npy")
     assert emb.shape == (3000, 64) and emb.dtype == np.float32 and np.isfinite(emb).all()
     model, config, _ = load_pretrained(ckpt)
     ds = oj.open_dataset(dataset_dir)

@@ -316,10 +316,12 @@ def _embed(argv: list[str]) -> int:
     if coverage is not None:
         print(coverage)
     emb = embed(model, ds, config, batch_size=args.batch_size, pool=args.pool)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.save(args.out, emb)
+    out = Path(args.out)
+    out = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")  # as np.save names it
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, emb)
     print(
-        f"{args.out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({source}), "
+        f"{out}: {emb.shape[0]:,} cells × {emb.shape[1]} ({source}), "
         f"rows aligned with {ds.path}/cell_ids.parquet"
     )
     return 0
