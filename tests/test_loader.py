@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 import omicsio_jax as oj
@@ -540,6 +541,11 @@ def test_a_bad_mixture_is_a_one_line_error(ds, mixture, match):
         (lambda: {"sampling": oj.ClassBalanced("")}, oj.OmicsIOError, "takes a categorical obs column"),
         (lambda: {"rows": [5, 3000]}, IndexError, "row 3000 is out of range for a dataset of 3,000 cells"),
         (
+            lambda: {"rows": np.array([], np.int64)},
+            oj.OmicsIOError,
+            r"^cannot sample from an empty set of cells: rows= selects none of the 3,000 cells of .*out; pass",
+        ),
+        (
             lambda: {"rows": np.arange(3000) < 100},
             TypeError,
             r"not a boolean mask: pass rows=np.flatnonzero\(mask\)",
@@ -555,6 +561,17 @@ def test_a_bad_mixture_is_a_one_line_error(ds, mixture, match):
 def test_bad_arguments(ds, kwargs, error, match):
     with pytest.raises(error, match=match):
         _loader(ds, **kwargs())
+
+
+def test_a_dataset_of_no_cells_is_named_by_the_loader(corpus_table, tmp_path):
+    pq.write_table(corpus_table.slice(0, 0), tmp_path / "cells.parquet")
+    materialize(str(tmp_path / "cells.parquet"), tmp_path / "empty", workers=1, progress=False)
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=r"^cannot sample from an empty set of cells: .*empty holds 0 cells; materialize",
+    ) as caught:
+        oj.make_loader(oj.open_dataset(tmp_path / "empty"), batch_size=8)
+    assert "\n" not in str(caught.value)
 
 
 def test_batch_must_split_over_the_mesh(ds, mesh):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 
 import omicsio_jax as oj
 from omicsio_jax.loaders import memory
+from omicsio_jax.loaders.output_repr import describe_output
 from omicsio_jax.outputs import scatter
+from omicsio_jax.outputs.resolve import resolve_output
 
 NUMBA_THREADS = numba.config.NUMBA_NUM_THREADS
 
@@ -74,6 +77,54 @@ def test_memory_and_stream_loaders_repr_the_settings_in_force(panel, table):
         table, batch_size=32, rowids=[4, 2, 9], read=oj.ReadOptions(decode_threads=1)
     )
     assert "rowids=[3 rowids]" in repr(rows) and "decode_threads=1)" in repr(rows)
+
+
+def test_the_disk_and_stream_loaders_repr_the_output_settings_that_differ_from_its_defaults(ds, table):
+    with oj.make_loader(ds, batch_size=32, output=oj.Dense(normalize="log1p")) as loader:
+        assert ", output=Dense(normalize='log1p'), obs=[]," in repr(loader)
+    with oj.make_loader(ds, batch_size=32, output=oj.Panel([3, 1, 4], target_sum=1e6)) as loader:
+        assert ", output=Panel(genes=[3 genes], target_sum=1000000.0), " in repr(loader)
+    with oj.make_loader(ds, batch_size=32) as loader:
+        assert ", output='dense', " in repr(loader)  # at its defaults: the shorthand, as before
+    panel = oj.Panel(table.genes.names([5, 9]), normalize="normalize_log1p")
+    with oj.make_stream_loader(table, batch_size=32, output=panel) as stream:
+        assert ", output=Panel(genes=[2 genes], normalize='normalize_log1p'), " in repr(stream)
+
+
+@pytest.mark.parametrize(
+    ("output", "shown"),
+    [
+        ("csr", "'csr'"),
+        (oj.CSR(nnz_capacity=4096, measured=True), "CSR(nnz_capacity=4096, measured=True)"),
+        (oj.Dense(normalize="log1p", on_device=True), "Dense(normalize='log1p', on_device=True)"),
+        (oj.GeneformerTokens(), "'geneformer'"),
+        (
+            oj.GeneformerTokens(max_len=512, vocab=Path("v.pkl")),
+            "GeneformerTokens(max_len=512, vocab='v.pkl')",
+        ),
+        (oj.ScGPTTokens(n_bins=31, genes=["A", "B"]), "ScGPTTokens(n_bins=31, genes=[2 genes])"),
+        (
+            {"rna": oj.Panel([1, 2], normalize="log1p"), "atac": "csr"},
+            "{'rna': Panel(genes=[2 genes], normalize='log1p'), 'atac': 'csr'}",
+        ),
+    ],
+)
+def test_every_output_kind_is_shown_with_its_settings_briefly(output, shown):
+    assert describe_output(resolve_output(output)) == shown
+
+
+def test_every_loader_takes_one_obs_name_as_that_column(ds, table):
+    """``obs="drug"`` is the column drug, not the columns d, r, u, g."""
+    with oj.make_loader(ds, batch_size=32, obs="drug") as loader:
+        assert list(next(loader).obs) == ["drug"] and "obs=['drug']" in repr(loader)
+    assert json.loads(repr(oj.GrainSource(ds, batch_size=32, obs="drug"))[len("GrainSource(") : -1])[
+        "obs"
+    ] == ["drug"]
+    assert list(oj.load_panel(ds, [0, 3], obs="drug", progress=False).obs) == ["drug"]
+    with oj.make_stream_loader(table, batch_size=32, obs="cell_type") as stream:
+        assert list(next(iter(stream)).obs) == ["cell_type"]
+    with pytest.raises(TypeError, match=r"^obs takes obs column names, e\.g\. obs='cell_type' .*; got 3 in"):
+        oj.make_loader(ds, batch_size=32, obs=["drug", 3])
 
 
 # ----- read options: honoured where they mean something, refused elsewhere -----------------------

@@ -212,3 +212,62 @@ def test_a_split_by_an_integer_obs_groups_its_values_and_a_float_one_says_how(gr
         match=r"obs 'dose' is numeric \(float64 values\): split by a categorical obs .* or an integer one; .*CAST",
     ):
         oj.split(grouped, by="dose")
+
+
+@pytest.fixture
+def numbered(tmp_path) -> oj.Dataset:
+    """Integer obs as users have them: ids past int32, counts past float32's exact integers, a level in
+    which -1 is a value like any other, and a float dose."""
+    n = 64
+    table = _cells(
+        n,
+        barcode=pa.array([10**12 + i for i in range(n)], pa.int64()),
+        reads=pa.array([2**24 + 1 + i for i in range(n)], pa.int64()),
+        level=pa.array([[-1, 10**12, 7, 7, 7, 7, 7, 7][i % 8] for i in range(n)], pa.int64()),
+        dose=pa.array([i / 7 for i in range(n)]),
+    )
+    pq.write_table(table, tmp_path / "cells.parquet")
+    materialize(str(tmp_path / "cells.parquet"), tmp_path / "out", workers=1, progress=False)
+    return oj.open_dataset(tmp_path / "out")
+
+
+def test_an_integer_obs_the_batch_cannot_hold_is_refused_naming_it_and_how_to_read_it(numbered):
+    """int64 ids past int32 would wrap in a batch's int32 (10¹² to -727379968), counts past 2²⁴ would
+    round in a panel's float32: refused as the loader is built, saying how to read them instead."""
+    beyond = (
+        r"^obs 'barcode' of .*out holds int64 values from 1000000000000 to 1000000000063, which do not fit "
+        r"the int32 batch \(-2147483648 to 2147483647\): .*ds\.obs\['barcode'\]\[np\.asarray\(batch\.index\)\]"
+        r", or store it as a categorical \(text\) column$"
+    )
+    with pytest.raises(oj.OmicsIOError, match=beyond):
+        oj.make_loader(numbered, batch_size=8, obs=["barcode"])
+    with pytest.raises(oj.OmicsIOError, match=beyond):
+        oj.GrainSource(numbered, batch_size=8, obs=["barcode"])
+    with pytest.raises(
+        oj.OmicsIOError, match=r"^obs 'reads' of .* do not fit the float32 batch \(-16777216 to "
+    ):
+        oj.load_panel(numbered, obs=["reads"], progress=False)
+    # within int32 the batches carry every value exactly, -1 on padding
+    loader = oj.make_loader(numbered, batch_size=48, sampling=oj.Stream(drop_remainder=False), obs=["reads"])
+    for batch in loader:
+        index, mask, reads = (np.asarray(a) for a in (batch.index, batch.mask, batch.obs["reads"]))
+        np.testing.assert_array_equal(reads[mask], numbered.obs["reads"][index[mask]])
+        assert reads.dtype == np.int32 and (reads[~mask] == -1).all()
+
+
+def test_class_balanced_by_an_integer_obs_balances_its_values_and_a_float_one_says_how(numbered):
+    """As `split` groups them: each value of an integer column is a class (-1 and 10¹² too, no 7 TiB
+    count of 0 … 10¹²); a float column is refused in one line."""
+    loader = oj.make_loader(
+        numbered, batch_size=8, sampling=oj.ClassBalanced("level", block_size=1, fetch_factor=1)
+    )
+    np.testing.assert_array_equal(loader.plan.rows, np.arange(64))  # the cells of level -1 are drawn too
+    cells = {-1: 8, 10**12: 8, 7: 48}
+    expected = [1 / cells[v] for v in numbered.obs["level"].tolist()]
+    np.testing.assert_allclose(loader.plan.weights, expected)
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=r"^ClassBalanced\(by='dose'\): obs 'dose' of .*out is numeric \(float64 values\), not classes: "
+        r"balance by a categorical obs or an integer one .*oj\.Weighted\(weights\)$",
+    ):
+        oj.make_loader(numbered, batch_size=8, sampling=oj.ClassBalanced("dose"))

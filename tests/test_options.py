@@ -271,7 +271,7 @@ def test_the_loader_shows_the_settings_it_runs_with(dataset_dir):
         panel = oj.make_loader(ds, batch_size=64, output=oj.Panel([3, 1, 4]))
         shown = repr(panel)
         panel.close()
-    assert "output='dense' (panel of 3 genes)," in shown  # not a full-width dense output
+    assert "output=Panel(genes=[3 genes])," in shown  # not a full-width dense output
 
 
 def test_materialize_options_reach_the_dataset(corpus, tmp_path):

@@ -318,3 +318,16 @@ def test_memory_loader_argument_errors(panel, mesh):
         oj.make_memory_loader(panel, batch_size=256, on_device=True, drop_remainder=False)
     with pytest.raises(oj.OmicsIOError, match="placement must be"):
         oj.make_memory_loader(panel, batch_size=256, placement="gpu")
+
+
+def test_a_numeric_obs_float32_batches_cannot_hold_is_a_one_line_error(corpus, corpus_table, tmp_path):
+    """An integer obs past ±2²⁴ read from a table: refused naming the column, not Arrow's cast error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = pa.array(10**12 + np.arange(len(corpus_table), dtype=np.int64))
+    pq.write_table(corpus_table.append_column("barcode", big), tmp_path / "cells.parquet")
+    table = oj.open_table(tmp_path / "cells.parquet", genes=corpus.genes_parquet)
+    with pytest.raises(oj.OmicsIOError, match=r"obs 'barcode' holds int64 values that float32") as caught:
+        next(iter(oj.make_stream_loader(table, batch_size=64, obs="barcode")))
+    assert "\n" not in str(caught.value)

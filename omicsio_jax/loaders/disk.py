@@ -38,6 +38,7 @@ from omicsio_jax.loaders.options import (
     default_prefetch,
     float32_batch_bytes,
 )
+from omicsio_jax.loaders.output_repr import describe_output
 from omicsio_jax.loaders.resume import resume_point
 from omicsio_jax.loaders.state import (
     as_json,
@@ -89,7 +90,7 @@ class Loader(ClosingIterator):
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     def __repr__(self) -> str:
-        output = self.output.describe()
+        output = describe_output(self.spec.output)
         return (
             f"Loader({str(self.dataset.path)!r}, batch_size={self.spec.batch_size}, sampling={self.spec.sampling}, "
             f"output={output}, obs={list(self.spec.obs)}, seed={self.spec.seed}, "
@@ -332,7 +333,7 @@ def make_loader(
     batch_size: int,
     sampling: Sampling | str = Block(),
     output: str | Output | Mapping[str, str | Output] = "dense",
-    obs: Sequence[str] = (),
+    obs: str | Sequence[str] = (),
     rows: np.ndarray | Sequence[int] | None = None,
     seed: int = 0,
     num_epochs: int | None = 1,
@@ -351,8 +352,8 @@ def make_loader(
     `Stream`, `Weighted`, `ClassBalanced`, `Mixture` (or the names ``"block"``, ``"random"``, ``"stream"``);
     ``output`` an output kind: `Dense`, `Panel`, `CSR`, `GeneformerTokens`, `ScGPTTokens`, a dict
     of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
-    each batch carries; ``rows`` restricts sampling to a subset (e.g. ``ds.rows_where("batch",
-    ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
+    each batch carries (a name or a list of them); ``rows`` restricts sampling to a subset (e.g.
+    ``ds.rows_where("batch", ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
     threads chosen for the output kind, the batch size and the machine's cores decode and place
     batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by

@@ -21,7 +21,7 @@ from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.format.codec import Records
-from omicsio_jax.loaders.minibatch import obs_column
+from omicsio_jax.loaders.batch_obs import carried_column, obs_names
 from omicsio_jax.outputs.base import OutputContext
 from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.outputs.panel import Panel
@@ -78,7 +78,7 @@ def load_panel(
     *,
     rows: Sequence[int] | np.ndarray | None = None,
     where: str | None = None,
-    obs: Sequence[str] = (),
+    obs: str | Sequence[str] = (),
     normalize: str | None = None,
     target_sum: float = 1e4,
     progress: bool = True,
@@ -90,6 +90,7 @@ def load_panel(
     and/or ``rows`` as ``cell_rowid``s select cells; ``genes`` is required). ``normalize`` as
     in `make_loader` (the row total of a sparse source covers every gene, as in scanpy).
     """
+    obs = obs_names(obs)
     if isinstance(source, CellTable):
         if genes is None:
             msg = "load_panel from a table needs genes=[...]: a full-transcriptome table does not fit in RAM densely"
@@ -110,6 +111,7 @@ def _dense(genes, normalize: str | None, target_sum: float) -> Dense | Panel:
 
 def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress) -> InMemoryPanel:
     ids = np.arange(ds.num_cells, dtype=np.int64) if rows is None else np.unique(ds.check_rows(rows))
+    columns = {name: carried_column(ds, name, np.float32) for name in obs}  # refused before the read
     output = _dense(genes, normalize, target_sum)
     output = output.bind(OutputContext.of_dataset(ds))
     _check_memory(len(ids), output.num_columns)
@@ -129,8 +131,7 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
                 pos += hi - lo
                 bar.update(hi - lo)
     obs_arrays, categories = {}, {}
-    for name in obs:
-        col = obs_column(ds, name)
+    for name, col in columns.items():
         if isinstance(col, Categorical):
             obs_arrays[name], categories[name] = col.codes[ids].astype(np.int32), tuple(col.categories)
         else:

@@ -18,7 +18,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import Fetched, OutputRecords, SegmentCache
 from omicsio_jax.dataset.dataset import Dataset
-from omicsio_jax.dataset.obs import Categorical
+from omicsio_jax.loaders.batch_obs import ObsOf, carried_column, codes, obs_column, obs_names
 from omicsio_jax.loaders.mixtures import mixture_config
 from omicsio_jax.loaders.options import Placement, numba_threads
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys
@@ -28,6 +28,8 @@ from omicsio_jax.records.runs import records_checked
 from omicsio_jax.sampling.options import Block, Sampling, as_sampling
 from omicsio_jax.sampling.plan import AllRows, SamplingPlan
 from omicsio_jax.sampling.schedule import Schedule, Segment
+
+OBS_INTEGERS = np.int32  # the dtype batches carry categorical codes and integer obs as (JAX's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ class DiskSpec:
         batch_size: int,
         sampling: Sampling | str,
         output: str | Output | Mapping[str, str | Output],
-        obs: Sequence[str],
+        obs: str | Sequence[str],
         rows: np.ndarray | Sequence[int] | None,
         seed: int,
         num_epochs: int | None,
@@ -66,7 +68,7 @@ class DiskSpec:
             seed=seed,
             num_epochs=num_epochs,
             rows=None if rows is None else np.asarray(rows),  # checked against the dataset by `plan`
-            obs=tuple(obs),
+            obs=obs_names(obs),
             num_hosts=placement.num_hosts,
             num_slabs=placement.num_slabs,
         )
@@ -80,6 +82,14 @@ class DiskSpec:
                 msg = "rows takes row numbers, not a boolean mask: pass rows=np.flatnonzero(mask)"
                 raise TypeError(msg)
             rows, sampling = self.sampling.for_rows(ds.check_rows(self.rows))
+        if len(rows) == 0:
+            empty = "cannot sample from an empty set of cells"
+            msg = (
+                f"{empty}: {ds.path} holds 0 cells; materialize an input that has cells"
+                if self.rows is None
+                else f"{empty}: rows= selects none of the {ds.num_cells:,} cells of {ds.path}; pass at least one row"
+            )
+            raise OmicsIOError(msg)
         plan = sampling.to_plan(
             rows,
             batch_size=self.batch_size,
@@ -97,11 +107,11 @@ class DiskSpec:
         return plan
 
     def resolve(self, ds: Dataset) -> tuple[SamplingPlan, Output]:
-        """The sampling plan and the output bound to ``ds``, after checking every obs column exists
-        (raises for a bad knob, naming it and the fix)."""
+        """The sampling plan and the output bound to ``ds``, after checking every obs column exists and
+        fits the batch (integers as int32) (raises for a bad knob, naming it and the fix)."""
         plan = self.plan(ds)
         for name in self.obs:
-            obs_column(ds, name)
+            carried_column(ds, name, OBS_INTEGERS)
         return plan, self.output.bind(
             OutputContext.of_dataset(ds, rows=plan.local_batch, num_slabs=self.num_slabs)
         )
@@ -124,44 +134,6 @@ def _warm_up(output: Output) -> None:
         output.warm_up()
     except Exception:  # noqa: BLE001, S110 - only a head start: the first batch's own call raises what this would
         pass
-
-
-class ObsOf:
-    """A dataset's obs as sampling options see them: ``obs(name)`` the codes of a categorical column
-    (or a numeric one's values), ``obs.categories(name)`` a categorical column's labels."""
-
-    def __init__(self, ds: Dataset):
-        self.ds = ds
-
-    def __call__(self, name: str) -> np.ndarray:
-        return _codes(obs_column(self.ds, name))
-
-    def categories(self, name: str) -> tuple[str, ...]:
-        column = obs_column(self.ds, name)
-        if not isinstance(column, Categorical):
-            msg = f"obs {name!r} of {self.ds.path} is numeric: group by a categorical column"
-            raise OmicsIOError(msg)
-        return column.categories
-
-
-def obs_column(ds: Dataset, name: str) -> Categorical | np.ndarray:
-    """Obs column ``name`` as a batch carries it: a `Categorical` (its codes, -1 = missing) or the
-    values of a numeric one; dates and times are refused, naming how to look them up instead."""
-    if name not in ds.obs:
-        msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
-        raise OmicsIOError(msg)
-    column = ds.obs[name]
-    if not isinstance(column, Categorical) and column.dtype.kind in "mM":
-        msg = (
-            f"obs {name!r} of {ds.path} holds {column.dtype} values, which batches do not carry (they carry "
-            f"categories and numbers): look them up by the batch's rows, ds.obs[{name!r}][np.asarray(batch.index)]"
-        )
-        raise OmicsIOError(msg)
-    return column
-
-
-def _codes(column: Categorical | np.ndarray) -> np.ndarray:
-    return column.codes if isinstance(column, Categorical) else column
 
 
 class MinibatchReader:
@@ -195,7 +167,7 @@ class MinibatchReader:
         keep_buffers: int = 6,
     ):
         self.dataset, self.schedule, self.output, self.num_epochs = ds, schedule, output, num_epochs
-        self._obs = {name: _codes(obs_column(ds, name)) for name in obs}
+        self._obs = {name: codes(obs_column(ds, name)) for name in obs}
         self.decode_threads = decode_threads or 1
         self._buffers = RowBuffers(keep=keep_buffers)
         self._lock, self._first, self._first_served = threading.Lock(), True, threading.Event()
@@ -259,8 +231,8 @@ class MinibatchReader:
         safe = np.where(mask, rows, 0)
         obs = {}
         for name, column in self._obs.items():  # categorical codes: -1 on padding; numerics: NaN
-            if column.dtype.kind in "iu":
-                obs[name] = np.where(mask, column[safe], -1).astype(np.int32)
+            if column.dtype.kind in "iu":  # integers that fit: `DiskSpec.resolve` checked them
+                obs[name] = np.where(mask, column[safe], -1).astype(OBS_INTEGERS)
             else:
                 obs[name] = np.where(mask, column[safe], np.nan).astype(np.float32)
         return HostBatch(x, obs, rows.astype(np.int32), mask)

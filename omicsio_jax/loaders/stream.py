@@ -30,6 +30,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.format.csr import take_rows
+from omicsio_jax.loaders.batch_obs import obs_names
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.options import (
     Placement,
@@ -38,6 +39,7 @@ from omicsio_jax.loaders.options import (
     numba_threads,
     numba_threads_in_force,
 )
+from omicsio_jax.loaders.output_repr import describe_output
 from omicsio_jax.loaders.state import as_json, check_state, reads_state
 from omicsio_jax.loaders.windows import Window, cut_windows
 from omicsio_jax.outputs.base import Output, OutputContext
@@ -85,7 +87,8 @@ class StreamLoader:
         decode_threads: int | None,
         sampling: Stream,
     ):
-        self.table, self.batch_size, self.output = table, batch_size, output
+        self.table, self.batch_size, self.given_output = table, batch_size, output  # repr shows it as given
+        self.output = output.bind(OutputContext.of_table(table, rows=batch_size))
         self.where, self.rowids, self.obs_specs = where, rowids, obs
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.mesh, self.data_axis, self.drop_remainder = mesh, data_axis, drop_remainder
@@ -99,9 +102,10 @@ class StreamLoader:
 
     def __repr__(self) -> str:
         rows = None if self.rowids is None else f"[{len(self.rowids):,} rowids]"
+        output = describe_output(self.given_output)
         return (
             f"StreamLoader({self.table.spec!r}, batch_size={self.batch_size}, where={self.where!r}, rowids={rows}, "
-            f"sampling={self.sampling}, output={self.output.describe()}, obs={[s.name for s in self.obs_specs]}, "
+            f"sampling={self.sampling}, output={output}, obs={[s.name for s in self.obs_specs]}, "
             f"seed={self.seed}, read=ReadOptions(prefetch={self.prefetch}, decode_threads={self.decode_threads}), "
             "hosts=1)"
         )
@@ -293,7 +297,7 @@ def make_stream_loader(
     batch_size: int,
     where: str | None = None,
     rowids: Sequence[int] | np.ndarray | None = None,
-    obs: Sequence[str] = (),
+    obs: str | Sequence[str] = (),
     output: str | Output = "dense",
     sampling: Stream = Stream(drop_remainder=False),
     seed: int = 0,
@@ -336,15 +340,14 @@ def make_stream_loader(
         )
         raise OmicsIOError(msg)
     placement.check_batch_size(batch_size)
-    out = resolve_output(output).bind(OutputContext.of_table(table, rows=batch_size))
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
     return StreamLoader(
         table,
         batch_size=batch_size,
-        output=out,
+        output=resolve_output(output),
         where=where,
         rowids=rows,
-        obs=table.obs_specs(obs),
+        obs=table.obs_specs(obs_names(obs)),
         shuffle_buffer=sampling.fetch_factor * batch_size if sampling.shuffle else 0,
         seed=seed,
         mesh=placement.mesh,

@@ -90,13 +90,6 @@ class Output(abc.ABC):
         (`default_num_threads`): its ``kind``, or ``"csr"`` for rows shipped as slabs."""
         return self.kind
 
-    def describe(self) -> str:
-        """How ``repr(loader)`` names it: its ``kind``, and how its batches travel when they go as
-        another kind (``Dense(on_device=True)``: csr slabs, made dense on the devices)."""
-        if self.decoding != self.kind:
-            return f"{self.kind!r} (on_device: {self.decoding} slabs)"
-        return repr(self.kind)
-
     def bind(self, ctx: OutputContext) -> Output:
         """A copy resolved against ``ctx`` (gene columns, capacities); the unbound spec is unchanged."""
         return self

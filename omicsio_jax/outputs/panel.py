@@ -56,9 +56,6 @@ class Panel(Output):
     def num_columns(self) -> int:
         return len(self.genes)
 
-    def describe(self) -> str:
-        return f"{self.kind!r} (panel of {len(self.genes):,} genes)"
-
     def config(self) -> dict:
         digest = hashlib.sha256(self.gene_to_col.tobytes()).hexdigest()[:16]
         return {

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from omicsio_jax.core.errors import DataValidationError
+from omicsio_jax.core.errors import DataValidationError, OmicsIOError
 from omicsio_jax.format.arrow import list_to_csr
 from omicsio_jax.format.tables import GENE_COLUMN, VALUE_COLUMN
 
@@ -75,6 +75,15 @@ class ObsSpec:
 
     def encode(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         if self.categories is None:
-            return pc.fill_null(pc.cast(column, pa.float32()), np.nan).to_numpy(zero_copy_only=False)
+            try:
+                numbers = pc.cast(column, pa.float32())  # an integer float32 does not hold exactly is refused
+            except pa.ArrowInvalid as e:
+                msg = (
+                    f"obs {self.name!r} holds {column.type} values that float32 batches cannot hold exactly "
+                    f"({str(e).splitlines()[0]}): leave it out of obs= and look it up by the batch's index "
+                    "(its cells' cell_rowid)"
+                )
+                raise OmicsIOError(msg) from e
+            return pc.fill_null(numbers, np.nan).to_numpy(zero_copy_only=False)
         codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
         return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)

@@ -195,7 +195,9 @@ class Weighted(Sampling):
 class ClassBalanced(Sampling):
     """Weighted block sampling with each cell weighted by 1 / (cells of its class in the obs column
     ``by``), so that every class is drawn about equally often; cells without a label are never drawn
-    (blocks are runs of the labelled cells, as `Mixture`'s are of its groups')."""
+    (blocks are runs of the labelled cells, as `Mixture`'s are of its groups'). The classes are a
+    categorical column's labels (a missing one: no label) or an integer column's values, each one a
+    class (-1 too), as `split` groups them; a float column is refused."""
 
     kind: ClassVar[str] = "class_balanced"
     by: str
@@ -208,7 +210,8 @@ class ClassBalanced(Sampling):
         self._check_by("ClassBalanced(by='cell_type')")
 
     def cell_weights(self, rows, obs) -> np.ndarray:
-        labels = np.asarray(obs(self.by))
+        # the loaders' obs gives each cell's class (`ObsOf.classes`); a plain callable, the classes' codes
+        labels = np.asarray(getattr(obs, "classes", obs)(self.by))
         return class_weights(labels if isinstance(rows, AllRows) else labels[rows])
 
     def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
