@@ -87,6 +87,9 @@ def test_coverage_reports_served_and_planned_and_checks_the_epoch(ds):
     last = np.asarray(next(loader).index)
     assert loader.coverage().epoch == 1  # the epoch ended, and its audit passed
     assert oj.Tally.of(np.concatenate([*batches, last])) == first.planned
+    assert loader.coverage(0).complete  # the epoch that just ended is kept
+    list(loader)  # the last epoch: served, the loader exhausted
+    assert loader.coverage().epoch == 1 and loader.coverage().complete  # the last one, not an epoch 2
     assert set(first.to_dict()) == {
         "epoch",
         "served_cells",

@@ -237,10 +237,13 @@ class Loader(ClosingIterator):
         return copy.deepcopy(self._config)
 
     def coverage(self, epoch: int | None = None) -> Coverage:
-        """This process's served and planned cells of the current epoch, or of ``epoch`` if it is the
-        one that just ended (see `Coverage`)."""
+        """This process's served and planned cells of the current epoch (once every epoch is served,
+        of the last one), or of ``epoch`` if it is the one that just ended (see `Coverage`)."""
         if self._before is not None:
             return self._before.coverage(epoch)
+        done = self.num_epochs is not None and self._epoch >= self.num_epochs
+        if epoch is None and done and self._finished is not None:
+            return self._finished
         if epoch is not None and epoch != self._epoch:
             if self._finished is None or self._finished.epoch != epoch:
                 msg = f"coverage of epoch {epoch} is not kept: the loader is in epoch {self._epoch}"
