@@ -155,7 +155,7 @@ def test_presence_says_which_genes_each_source_measured(collection, sources):
     for name, (_, gene_ids, _) in expected.items():
         measured = ds.measured_genes(name)
         assert sorted(np.flatnonzero(measured)) == sorted(ensembl.index(g) for g in gene_ids)
-    with pytest.raises(KeyError, match="no source 'other' in this collection; it has current, legacy, plate"):
+    with pytest.raises(oj.OmicsIOError, match="no source 'other' in this collection; it has current, legacy, plate"):
         ds.measured_genes("other")
     assert oj.verify_dataset(collection) == []
 

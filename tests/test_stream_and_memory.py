@@ -331,3 +331,11 @@ def test_a_numeric_obs_float32_batches_cannot_hold_is_a_one_line_error(corpus, c
     with pytest.raises(oj.OmicsIOError, match=r"obs 'barcode' holds int64 values that float32") as caught:
         next(iter(oj.make_stream_loader(table, batch_size=64, obs="barcode")))
     assert "\n" not in str(caught.value)
+
+
+def test_a_list_column_as_obs_is_refused_when_the_loader_is_built(table):
+    for column in ("gene_token_id", "gene_expression"):
+        with pytest.raises(
+            oj.OmicsIOError, match=rf"obs '{column}' of .* holds list<.*not one value per cell"
+        ):
+            oj.make_stream_loader(table, batch_size=8, obs=column)

@@ -408,6 +408,10 @@ def test_bad_token_arguments(token_ds, tmp_path):
         oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=other))
     with pytest.raises(oj.OmicsIOError, match=r"medians in .*other.json cover none"):
         oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=other))
+    for rows, error in (([-2], IndexError), ([0.5], TypeError), ([[0, 1]], TypeError)):
+        with pytest.raises(error):  # -1 alone is a padding row; other rows are the dataset's
+            oj.tokenize(token_ds, rows, oj.ScGPTTokens())
+    assert oj.tokenize(token_ds, [-1], oj.ScGPTTokens())["pad_mask"].all()
 
 
 def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, tmp_path):

@@ -30,7 +30,7 @@ class GenePresence:
         """The genes ``dataset_id`` measured (bool over the dataset's columns)."""
         if dataset_id not in self.dataset_ids:
             msg = f"no source {dataset_id!r} in this collection; it has {', '.join(self.dataset_ids)}"
-            raise KeyError(msg)
+            raise OmicsIOError(msg)
         return self.measured[self.dataset_ids.index(dataset_id)]
 
     def measuring_cells(self) -> np.ndarray:

@@ -33,10 +33,9 @@ def tokenize(
     >>> x = oj.tokenize(ds, [0, 5], {"spliced": oj.ScGPTTokens(), "unspliced": oj.ScGPTTokens()})  # doctest: +SKIP
     """
     ds = ds if isinstance(ds, Dataset) else open_dataset(ds)
-    rows = np.asarray(rows, dtype=np.int64)
-    real = rows[rows >= 0]
-    if len(real):
-        ds.check_rows(real)
+    given = np.asarray(rows)
+    ds.check_rows(given[given != -1] if given.ndim == 1 else given)  # within the dataset; -1: padding
+    rows = given.astype(np.int64)
     bound = resolve_output(output).bind(OutputContext.of_dataset(ds, rows=max(len(rows), 1)))
     read = OutputRecords(ds, bound.modalities)
     records = read.join(read(rows), 0, len(rows))

@@ -52,7 +52,7 @@ from omicsio_jax.query.panel_matrix import (
     panel_from_rows,
     scatter_panel_batches,
 )
-from omicsio_jax.query.results import CSRBatch, ObsSpec, PanelResult, arrow_csr
+from omicsio_jax.query.results import CSRBatch, ObsSpec, PanelResult, arrow_csr, is_numeric_obs
 
 
 class CellTable:
@@ -182,8 +182,7 @@ class CellTable:
         specs = []
         for name in names:
             self.require_columns([name])
-            dtype = self.schema.field(name).type
-            numeric = pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+            numeric = is_numeric_obs(name, self.schema.field(name).type, self.spec)
             specs.append(ObsSpec(name, None if numeric else tuple(self.categories(name))))
         return specs
 

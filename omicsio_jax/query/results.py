@@ -65,6 +65,15 @@ def arrow_csr(batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, np.ndarray,
     return gene_ptr, indices, values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
 
 
+def is_numeric_obs(name: str, dtype: pa.DataType, where: str) -> bool:
+    """Whether a table's obs column ``name`` of ``dtype`` goes into batches as numbers (else as the
+    codes of its categories); a column of lists or structs (the genes and values) is refused."""
+    if pa.types.is_nested(dtype):
+        msg = f"obs {name!r} of {where} holds {dtype}, not one value per cell: pass obs columns"
+        raise OmicsIOError(msg)
+    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObsSpec:
     """How an obs column becomes an array: categorical (int32 codes into ``categories``, -1 =
