@@ -153,6 +153,8 @@ class GeneSpace:
                     "duplicates_summed": duplicates,
                 }
             )
+        if genes not in (UNION, INTERSECTION):
+            _check_given(genes, order, members)
         by_symbol = pc.starts_with(order, _BY_SYMBOL)
         symbols = pc.take(first_symbols, pc.index_in(order, value_set=named_ids))
         table = pa.table(
@@ -229,6 +231,16 @@ def _first_of(
     mixed = np.zeros(len(keys.dictionary), bool)
     mixed[key[value != first_value[key]]] = True
     return keys.dictionary, values.dictionary.take(from_numpy(first_value)), mixed
+
+
+def _check_given(genes: str | Path, order: pa.Array, members: list[dict]) -> None:
+    """Refuse a given gene list that no source measured a gene of (every cell would be empty)."""
+    if not any(m["measured"] for m in members):
+        msg = (
+            f"--genes {genes}: none of its {len(order):,} gene(s) is among the sources' genes (matched by "
+            "Ensembl id, version dropped): give a gene table keyed by the same ids, or --genes union"
+        )
+        raise DataValidationError(msg)
 
 
 def _unified_order(resolved: list[pa.Array], genes: str | Path) -> pa.Array:

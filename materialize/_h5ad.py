@@ -179,10 +179,11 @@ class H5adSource(Source):
                 raise DataValidationError(msg)
             return layers[layer]
         if use_raw:
-            if "raw" not in self._root and "raw.X" not in self._root:
+            matrix = legacy_raw(self._root, "X")
+            if matrix not in self._root:  # (anndata writes an empty raw group into a zarr store without one)
                 msg = f"{self.label} has no .raw"
                 raise DataValidationError(msg)
-            return self._root[legacy_raw(self._root, "X")]
+            return self._root[matrix]
         return self._root["X"]
 
     def _shape(self) -> tuple[int, int]:

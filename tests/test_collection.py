@@ -155,7 +155,9 @@ def test_presence_says_which_genes_each_source_measured(collection, sources):
     for name, (_, gene_ids, _) in expected.items():
         measured = ds.measured_genes(name)
         assert sorted(np.flatnonzero(measured)) == sorted(ensembl.index(g) for g in gene_ids)
-    with pytest.raises(oj.OmicsIOError, match="no source 'other' in this collection; it has current, legacy, plate"):
+    with pytest.raises(
+        oj.OmicsIOError, match="no source 'other' in this collection; it has current, legacy, plate"
+    ):
         ds.measured_genes("other")
     assert oj.verify_dataset(collection) == []
 
@@ -1165,6 +1167,18 @@ def test_one_anndata_input_given_genes_is_a_collection_of_one(sources, tmp_path)
     ds = oj.open_dataset(tmp_path / "all")
     assert ds.features["ensembl_id"].tolist() == gene_ids
     np.testing.assert_array_equal(_dense(ds, range(200)), x.toarray())
+    (tmp_path / "foreign.txt").write_text("ENSMUSG00000000001\n")
+    with pytest.raises(
+        oj.DataValidationError, match=r"foreign.txt: none of its 1 gene\(s\) is among the sources"
+    ):
+        materialize(
+            d / "current.h5ad",
+            tmp_path / "foreign",
+            read=InputOptions(genes=str(tmp_path / "foreign.txt")),
+            progress=False,
+            workers=1,
+        )
+    assert not (tmp_path / "foreign").exists()
     with pytest.raises(oj.OmicsIOError, match="gene list .*nope.parquet not found: --genes"):
         materialize(
             d / "current.h5ad",

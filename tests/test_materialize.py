@@ -783,6 +783,19 @@ def test_a_csc_matrix_in_a_zarr_store_reads_as_anndata_reads_it(tmp_path, zarr_f
     )
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_raw_asked_of_a_zarr_store_without_one_says_it_has_none(tmp_path, zarr_format):
+    """anndata writes an empty raw group into a zarr store of an AnnData without .raw."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.random(20, 5, density=0.5, format="csr", random_state=0, dtype=np.float32)
+    _write_zarr(ad.AnnData(X=x), tmp_path / "x.zarr", zarr_format)
+    with pytest.raises(oj.DataValidationError, match=r"x.zarr has no .raw$"):
+        materialize(tmp_path / "x.zarr", tmp_path / "out", progress=False, read=InputOptions(use_raw=True))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_of_no_genes_gives_its_cells_whatever_the_matrix_format(tmp_path):
     import anndata as ad
     import scipy.sparse as sp

@@ -11,6 +11,7 @@ import pytest
 from conftest import kill_at
 
 import omicsio_jax as oj
+from materialize import materialize
 from train import logistic_probe
 from train._cli import main, parse_pretrain_config
 from train._pretrain import embed, load_pretrained, pretrain
@@ -92,6 +93,44 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
     ds = oj.open_dataset(dataset_dir)
     rows = np.array([5, 17, 2999])  # ascending: embed returns rows in row order
     np.testing.assert_allclose(embed(model, ds, config, rows), emb[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_embed_refuses_a_dataset_whose_genes_are_in_another_column_order(
+    dataset_dir, corpus, tmp_path, capsys
+):
+    """The default vocabulary's token g + 3 is gene column g: a checkpoint of it records its
+    dataset's gene ids in column order and refuses, in one line, a dataset whose genes differ in that
+    order (here reversed); the same genes in the same order, or an older checkpoint, still embed."""
+    import anndata as ad
+
+    ckpt = tmp_path / "pt"
+    assert main([*_args(dataset_dir, "geneformer", "--steps", "2"), "--checkpoint-dir", str(ckpt)]) == 0
+    cells = ad.read_h5ad(corpus.h5ad)[:40]
+    for name, genes in (("same", slice(None)), ("reversed", slice(None, None, -1))):
+        cells[:, genes].copy().write_h5ad(tmp_path / f"{name}.h5ad")
+        materialize(tmp_path / f"{name}.h5ad", tmp_path / name, progress=False)
+
+    def embed_cli(ds) -> int:
+        return main(["embed", str(ds), "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "e.npy")])
+
+    capsys.readouterr()
+    assert embed_cli(tmp_path / "reversed") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"pretrained with the default vocabulary (token = gene column + 3) on {dataset_dir}" in err
+    assert f"ensembl_ids of {tmp_path / 'reversed'} (2,000 genes) differ from them in column order" in err
+    assert "pretrain with --vocab FILE keyed on Ensembl id" in err
+    assert not (tmp_path / "e.npy").exists()
+    assert embed_cli(dataset_dir) == 0
+    assert embed_cli(tmp_path / "same") == 0
+    assert np.load(tmp_path / "e.npy").shape == (40, 64)
+    meta = next(ckpt.glob("step-*")) / "meta.json"  # a checkpoint written before the record: a note
+    old = json.loads(meta.read_text())
+    del old["gene_order"]
+    meta.write_text(json.dumps(old))
+    capsys.readouterr()
+    assert embed_cli(tmp_path / "reversed") == 0
+    assert "records no gene order" in capsys.readouterr().err
 
 
 def test_the_probe_separates_what_embeddings_carry_and_nothing_else():

@@ -408,6 +408,17 @@ def test_bad_token_arguments(token_ds, tmp_path):
         oj.tokenize(token_ds, [4], oj.ScGPTTokens(vocab=other))
     with pytest.raises(oj.OmicsIOError, match=r"medians in .*other.json cover none"):
         oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=other))
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"ENSG00000000001": 0.0, "ENSG00000000002": -1.0}))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"zero.json of the 2 genes .* it lists are none of them positive"
+    ):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=zero))
+    zero.write_text(json.dumps({"ENSG00000000001": 0.0, "ENSG00000000002": 2.0}))
+    with pytest.warns(
+        UserWarning, match=r"1 gene\(s\) of .* have a median in .*zero.json that is not positive"
+    ):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=zero))
     for rows, error in (([-2], IndexError), ([0.5], TypeError), ([[0, 1]], TypeError)):
         with pytest.raises(error):  # -1 alone is a padding row; other rows are the dataset's
             oj.tokenize(token_ds, rows, oj.ScGPTTokens())

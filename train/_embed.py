@@ -14,6 +14,7 @@ import optax
 import omicsio_jax as oj
 
 from ._errors import TrainError
+from ._gene_order import check_gene_order
 from ._loop import label_column, make_data_mesh, open_checkpoints
 from ._pretrain_config import (
     PretrainConfig,
@@ -277,6 +278,7 @@ def load_encoder(
             )
             raise TrainError(msg)
         model, config, meta = load_pretrained(spec)
+        check_gene_order(meta, ds, spec)
         return model, config, f"{config.tokens} {config.init or config.preset}, step {meta['step']}", None
     config = PretrainConfig(
         str(ds.path),

@@ -31,6 +31,7 @@ from ._embed import embed as embed
 from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
 from ._embed import probe_pretraining
+from ._gene_order import gene_order
 from ._loop import label_column, make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
 from ._preempt import Preemption
@@ -88,6 +89,8 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
     if init is not None:
         config = with_init_vocab(config, init)
     identity = config.identity(ds.fingerprint)
+    # default vocabulary: token g + 3 is column g, so the checkpoint records which gene each column is
+    genes = {"gene_order": gene_order(ds)} if config.vocab is None else {}
     store = open_checkpoints(config)
     with contextlib.ExitStack() as cleanup:
         preemption = cleanup.enter_context(Preemption())  # SIGTERM: stop at a step boundary, saved
@@ -184,6 +187,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
                 "config": dataclasses.asdict(config),
                 "identity": identity,
                 "dataset_fingerprint": ds.fingerprint,
+                **genes,
             }
             return store.save(step, (model, opt_state), meta, loader)
 

@@ -19,6 +19,7 @@ import functools
 import io
 import json
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -305,10 +306,25 @@ def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str
     out = np.array(
         [by_id.get(fold_ensembl(str(e)), np.nan) if e is not None else np.nan for e in ensembl_ids]
     )
-    if not np.any(np.isfinite(out) & (out > 0)):
+    listed = ~np.isnan(out)
+    if not np.any(listed):
         msg = (
             f"the medians in {path} cover none of the genes of {dataset} (compared on Ensembl ids); "
             "check that the file is keyed on Ensembl ids, or omit medians= to use the dataset's own"
         )
         raise OmicsIOError(msg)
+    bad = listed & ~(np.isfinite(out) & (out > 0))
+    if np.all(bad[listed]):
+        msg = (
+            f"the medians in {path} of the {int(listed.sum()):,} genes of {dataset} it lists are none of them "
+            "positive (a gene is ranked by count / median): check the file"
+        )
+        raise OmicsIOError(msg)
+    if np.any(bad):  # those genes are left out of the ranking, as genes without a median
+        warnings.warn(
+            f"omicsio_jax: {int(bad.sum()):,} gene(s) of {dataset} have a median in {path} that is not positive "
+            "(0, negative or infinite): left out of the ranking, as genes without a median",
+            UserWarning,
+            stacklevel=2,
+        )
     return out
