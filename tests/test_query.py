@@ -354,3 +354,23 @@ def test_huge_gene_id_without_a_gene_table_is_refused(tmp_path):
         match=r"gene_token_id 1099511627776 in .*cells.parquet is outside 0..2\^31-1.*genes=",
     ):
         oj.open_table(path)
+
+
+def test_rowids_outside_the_table_or_not_integers_are_one_line_errors(corpus):
+    table = oj.open_table(corpus.cells_parquet)
+    for rowids, message in (
+        (
+            [0, table.num_cells],
+            rf"cell_rowid {table.num_cells:,}, outside the table's {table.num_cells:,} cells",
+        ),
+        ([-1, 3], r"cell_rowid -1, outside the table's"),
+        ([0.5], r"integer cell_rowids, got float64"),
+    ):
+        for stage in (
+            lambda ids: table.metadata(["cell_id"], rowids=ids),
+            lambda ids: table.panel([0, 1], rowids=ids),
+        ):
+            with pytest.raises(oj.OmicsIOError, match=message) as caught:
+                stage(rowids)
+            assert "\n" not in str(caught.value)
+    assert table.metadata(["cell_id"], rowids=[]).num_rows == 0  # none asked: none given

@@ -17,6 +17,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.format.tables import GENE_COLUMN, ROWID_COLUMN, rowid_pruning
 
 _CHAIN_MAX = 32  # up to this many genes, stage 2 tests presence with one list_contains per gene
@@ -31,14 +32,24 @@ def from_clause(
     files: list[Path],
     bases: list[int],
     prunable: bool,
+    num_cells: int,
 ) -> str:
     """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
     against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
-    lets DuckDB read only the row groups holding them."""
+    lets DuckDB read only the row groups holding them. ``rowids`` must be integers below
+    ``num_cells``, the table's cells (one outside would select nothing, silently)."""
     clauses = [f"({where})"] if where else []
     source = "cells"
     if rowids is not None:
-        ids = np.unique(np.asarray(rowids, dtype=np.int64))
+        given = np.asarray(rowids)
+        if given.size and (given.ndim != 1 or not np.issubdtype(given.dtype, np.integer)):
+            msg = f"rowids must be a 1-D sequence of integer cell_rowids, got {given.dtype} of shape {given.shape}"
+            raise OmicsIOError(msg)
+        ids = np.unique(given.astype(np.int64))
+        if len(ids) and (ids[0] < 0 or ids[-1] >= num_cells):
+            bad = int(ids[0] if ids[0] < 0 else ids[-1])
+            msg = f"rowids hold cell_rowid {bad:,}, outside the table's {num_cells:,} cells (0..{num_cells - 1:,})"
+            raise OmicsIOError(msg)
         name = f"_rowids_{next(_counter)}"
         con.register(name, pa.table({ROWID_COLUMN: ids}))
         clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")

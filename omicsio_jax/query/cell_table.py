@@ -174,6 +174,7 @@ class CellTable:
             files=self.files,
             bases=self._bases,
             prunable=self._prunable,
+            num_cells=self.num_cells,
         )
 
     def obs_specs(self, names: Sequence[str]) -> list[ObsSpec]:
