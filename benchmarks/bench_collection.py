@@ -54,6 +54,20 @@ from _provenance import (  # noqa: E402
 )
 
 UNIVERSE = 62_710
+_ROW_GROUP = 8192
+
+
+def _one_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("cell_id", pa.string()),
+            ("gene_token_id", pa.list_(pa.int32())),
+            ("gene_expression", pa.list_(pa.float32())),
+        ]
+    )
+
 
 _MATERIALIZE = """
 import json, resource, shutil, sys, time
@@ -104,7 +118,10 @@ def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]
     shutil.rmtree(root, ignore_errors=True)
     rng = np.random.default_rng(0)
     ids = np.array([f"ENSG{i:011d}" for i in range(UNIVERSE)])
-    one_rows: list[pa.Table] = []
+    (root / "one").mkdir(parents=True)
+    one_schema = _one_schema()
+    one = pq.ParquetWriter(root / "one" / "cells.parquet", one_schema)
+    pending: list[pa.Table] = []  # the single source's rows not yet written: row groups of 8,192 over sources
     paths = []
     for k in range(num_sources):
         width = int(rng.integers(20_000, 60_001))
@@ -132,7 +149,7 @@ def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]
         }
         pq.write_table(pa.table(lists), folder / "cells.parquet", row_group_size=8192)
         order = [np.argsort(u) for u in universe_tokens]
-        one_rows.append(
+        pending.append(
             pa.table(
                 {
                     "cell_id": cell_ids,
@@ -143,19 +160,34 @@ def make_data(root: Path, num_sources: int, cells: int) -> tuple[list[str], str]
                     "gene_expression": pa.array(
                         [v[o] for v, o in zip(values, order, strict=True)], pa.list_(pa.float32())
                     ),
-                }
+                },
+                schema=one_schema,
             )
         )
+        pending = _write_groups(one, pending, final=k == num_sources - 1)
         paths.append(str(folder / "cells.parquet"))
         print(f"source {k}: {width:,} genes, {cells:,} cells", flush=True)
-    one = root / "one"
-    one.mkdir()
-    pq.write_table(pa.concat_tables(one_rows), one / "cells.parquet", row_group_size=8192)
+    one.close()
     pq.write_table(
-        pa.table({"gene_token_id": np.arange(UNIVERSE), "ensembl_id": ids}), one / "gene_metadata.parquet"
+        pa.table({"gene_token_id": np.arange(UNIVERSE), "ensembl_id": ids}),
+        root / "one" / "gene_metadata.parquet",
     )
-    done.write_text(json.dumps({"sources": paths, "one": str(one / "cells.parquet")}))
-    return paths, str(one / "cells.parquet")
+    done.write_text(json.dumps({"sources": paths, "one": str(root / "one" / "cells.parquet")}))
+    return paths, str(root / "one" / "cells.parquet")
+
+
+def _write_groups(writer, pending: list, *, final: bool) -> list:
+    """Write ``pending``'s rows in row groups of 8,192 (the last one shorter when ``final``); the rows
+    left over. The single source is written as it is made, never held whole (a collection of 1M cells
+    is ~8 GB of lists)."""
+    import pyarrow as pa
+
+    rows = pa.concat_tables(pending)
+    start = 0
+    while rows.num_rows - start >= _ROW_GROUP or (final and start < rows.num_rows):
+        writer.write_table(rows.slice(start, _ROW_GROUP), row_group_size=_ROW_GROUP)
+        start += _ROW_GROUP
+    return [rows.slice(start)] if start < rows.num_rows else []
 
 
 def materialize_round(

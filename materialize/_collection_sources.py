@@ -29,16 +29,29 @@ def dataset_id_of(path: str) -> str:
     return name
 
 
+def _parents(path: str) -> list[str]:
+    """The folders above what `dataset_id_of` names (a glob's: above its folder)."""
+    text = re.split(r"[*?\[]", path, maxsplit=1)[0] if re.search(r"[*?\[]", path) else path
+    return [part for part in text.rstrip("/").split("/")[:-1] if part not in ("", ".")]
+
+
 def _default_ids(paths: tuple[str, ...]) -> tuple[str, ...]:
-    """The file names (``a.h5ad`` → ``a``), or the folders' where the names repeat
-    (``plate_1/cells.parquet`` → ``plate_1``)."""
+    """The file names (``a.h5ad`` → ``a``); where names repeat, the folders' (``plate_1/cells.parquet``
+    → ``plate_1``) if every source has one of its own, else the shortest ends of the paths that tell
+    the sources apart (``a.h5ad``, ``d2/a.h5ad`` → ``a``, ``d2/a``). A path given twice keeps its
+    repeated id (refused by `Sources`)."""
     ids = tuple(dataset_id_of(p) for p in paths)
-    if len(set(ids)) < len(ids):
-        folders = tuple(
-            dataset_id_of(p.rstrip("/").rsplit("/", 1)[0]) if "/" in p.rstrip("/") else p for p in paths
-        )
+    if len(set(ids)) == len(ids):
+        return ids
+    parents = [_parents(p) for p in paths]
+    if all(parents):
+        folders = tuple(dataset_id_of(q[-1]) for q in parents)
         if len(set(folders)) == len(folders):
             return folders
+    for depth in range(1, max(map(len, parents)) + 1):
+        ends = tuple("/".join([*q[-depth:], i]) for q, i in zip(parents, ids, strict=True))
+        if len(set(ends)) == len(ends):
+            return ends
     return ids
 
 

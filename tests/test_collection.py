@@ -1228,6 +1228,28 @@ def test_a_sources_files_empty_dataset_id_is_the_sources_default_id(tmp_path):
     assert Sources.read(tmp_path / "s.parquet").dataset_ids == ("n", "b")
 
 
+@pytest.mark.parametrize(
+    ("paths", "ids"),
+    [
+        (("a.h5ad", "b.h5ad", "plates/*.parquet"), ("a", "b", "plates")),
+        (("x/plate_1/cells.parquet", "x/plate_2/cells.parquet"), ("plate_1", "plate_2")),
+        (("a.h5ad", "d2/a.h5ad"), ("a", "d2/a")),
+        (("/data/a.h5ad", "/data/b/a.h5ad"), ("data", "b")),
+        (("r1/s/a.h5ad", "r2/s/a.h5ad"), ("r1/s/a", "r2/s/a")),
+        (("a/plates/*.parquet", "b/plates/*.parquet"), ("a", "b")),
+    ],
+)
+def test_default_dataset_ids_are_the_shortest_names_that_tell_the_sources_apart(paths, ids):
+    """File names; where they repeat, the folders' if each source has one of its own, else the
+    shortest ends of the paths that differ (never a folder for one source and a file for another)."""
+    assert Sources(paths).dataset_ids == ids
+
+
+def test_a_source_given_twice_without_ids_is_refused():
+    with pytest.raises(oj.OmicsIOError, match="dataset id.*a name more than one source"):
+        Sources(("a.h5ad", "./a.h5ad"))
+
+
 def test_gene_moments_are_over_the_cells_of_the_sources_that_measured_the_gene(collection, sources):
     """A gene a source did not measure is unknown in its cells, not zero: its means and variances
     (and so the highly variable genes) are over the cells of the sources that measured it."""

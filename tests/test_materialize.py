@@ -145,6 +145,20 @@ def test_obs_sidecars_hold_codes_and_sorted_categories(dataset_dir, corpus_table
     np.testing.assert_array_equal(ds.obs["total_counts"], corpus_table.column("total_counts").to_numpy())
 
 
+def test_a_categorical_column_is_indexed_as_its_labels_are(dataset_dir, corpus_table):
+    """A cell gives its label; a slice, a mask or rows a `Categorical` of those cells; missing is None."""
+    drug = oj.open_dataset(dataset_dir).obs["drug"]
+    labels = np.array(corpus_table.column("drug").to_pylist(), dtype=object)
+    assert drug[3] == labels[3] and drug[-1] == labels[-1]
+    rows = np.array([5, 0, 17])
+    for index in (slice(10, 20), rows, drug.codes == drug.codes[0]):
+        part = drug[index]
+        assert isinstance(part, oj.Categorical) and part.categories == drug.categories
+        assert part.labels().tolist() == labels[index].tolist()
+    assert oj.Categorical(np.array([-1, 0], np.int32), ("a",))[0] is None
+    assert list(drug[:4]) == labels[:4].tolist()
+
+
 def test_features_and_manifest(dataset_dir, corpus):
     ds = oj.open_dataset(dataset_dir)
     genes = pq.read_table(corpus.genes_parquet).to_pandas()

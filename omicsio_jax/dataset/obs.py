@@ -16,13 +16,25 @@ from omicsio_jax.format.manifest import ObsEntry
 
 @dataclasses.dataclass(frozen=True)
 class Categorical:
-    """A categorical obs column: ``codes[i]`` indexes ``categories`` (-1 = missing)."""
+    """A categorical obs column: ``codes[i]`` indexes ``categories`` (-1 = missing). Indexed as a
+    numpy array is: a cell gives its label (``None`` where missing), a slice, a mask or an array of
+    rows a `Categorical` of those cells with the same categories.
+
+    >>> cell_type = ds.obs["cell_type"]                      # doctest: +SKIP
+    >>> cell_type[0], cell_type[:100].labels()               # doctest: +SKIP
+    """
 
     codes: np.ndarray
     categories: tuple[str, ...]
 
     def __len__(self) -> int:
         return len(self.codes)
+
+    def __getitem__(self, rows) -> str | None | Categorical:
+        codes = self.codes[rows]
+        if np.ndim(codes) == 0:
+            return None if codes < 0 else self.categories[int(codes)]
+        return Categorical(codes, self.categories)
 
     def labels(self) -> np.ndarray:
         """The labels as a numpy object array (``None`` where missing)."""
