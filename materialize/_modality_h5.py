@@ -3,28 +3,45 @@ modalities aligned with the primary through MuData's ``obsmap`` (or by obs names
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import take_rows
+from omicsio_jax.format import as_input_path, is_remote, take_rows
 
+from ._anndata_elements import Frame
 from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
 from ._h5ad import H5adSource
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, require_file
+from ._validate import UniqueStrings
 
 _GAP_ROWS = 64  # .h5mu rows closer than this are read in one range
+_NAME_ROWS = 1 << 18  # obs names read at once when checking they are unique
+
+
+@contextlib.contextmanager
+def _h5(path) -> Iterator[h5py.File]:
+    """The ``.h5mu`` at ``path`` open for reading: an ``s3://`` object through fsspec in 8 MiB ranges,
+    as `H5adSource` reads one."""
+    with contextlib.ExitStack() as stack:
+        source = str(path)
+        if is_remote(source):
+            source = stack.enter_context(as_input_path(source).open("rb", block_size=8 << 20))
+        yield stack.enter_context(h5py.File(source, "r"))
 
 
 def h5mu_modalities(path) -> list[str]:
     """The modality names of an ``.h5mu`` file (``mod/<name>``), in the file's ``mod-order``."""
     require_file(path)
     try:
-        with h5py.File(str(path), "r") as f:
+        with _h5(path) as f:
             mod = f["mod"]
             order = [n.decode() if isinstance(n, bytes) else str(n) for n in mod.attrs.get("mod-order", [])]
             return [n for n in order if n in mod] + sorted(n for n in mod if n not in order)
@@ -37,13 +54,47 @@ def _strings(node) -> np.ndarray:
     return np.asarray(node.asstr()[:], dtype=object)
 
 
+def _refuse_repeated_names(f, path, mod: str, primary: str) -> None:
+    """Raise `DataValidationError` for an obs name (cell_id) that occurs twice in modality ``mod``,
+    naming its first two rows (`UniqueStrings`: 8 bytes a cell in a scratch folder, none in memory)."""
+    group = f["mod"][mod]
+    obs = Frame(group["obs"], group.get("uns"))
+    n = len(obs)
+
+    def names() -> Iterator[pa.RecordBatch]:
+        for lo in range(0, n, _NAME_ROWS):
+            yield pa.record_batch([obs.index(lo, min(n, lo + _NAME_ROWS))], names=["cell_id"])
+
+    with tempfile.TemporaryDirectory(prefix="omicsio-h5mu-names-") as scratch:
+        unique = UniqueStrings(Path(scratch))
+        try:
+            for batch in names():
+                unique.add(batch.column(0))
+            twice = unique.first_repeat(names)
+        finally:
+            unique.close()
+    if twice is not None:
+        cell, a, b = twice
+        where = f"rows {a} and {b} of {path}:mod/{mod}"
+        said = (
+            f"duplicate cell_id {cell} in the primary modality {mod} ({where})"
+            if mod == primary
+            else f"modality {mod}: duplicate cell_id {cell} in {where}"
+        )
+        msg = f"{said}: modalities are aligned by cell_id, which must be unique"
+        raise DataValidationError(msg)
+
+
 def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.ndarray | None:
     """For each cell of the primary modality, its row in modality ``name`` (-1: absent); None when
     the rows are the same cells in the same order. From MuData's ``obsmap`` (1-based rows, 0 for
-    absent), else by obs names."""
+    absent), else by obs names. Refuses an obs name that occurs twice in either modality first:
+    MuData gives the second its own cell, which would otherwise read as a cell the primary lacks."""
     label = f"{path}"
     try:
-        with h5py.File(str(path), "r") as f:
+        with _h5(path) as f:
+            for mod in (primary, name):
+                _refuse_repeated_names(f, path, mod, primary)
             if "obsmap" in f and primary in f["obsmap"] and name in f["obsmap"]:
                 p_map = f["obsmap"][primary][:].astype(np.int64) - 1
                 m_map = f["obsmap"][name][:].astype(np.int64) - 1
@@ -66,16 +117,6 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
             else:
                 p_ids = _strings(f["mod"][primary]["obs"][_index_name(f["mod"][primary]["obs"])])
                 m_ids = _strings(f["mod"][name]["obs"][_index_name(f["mod"][name]["obs"])])
-                for mod, ids_ in ((primary, p_ids), (name, m_ids)):
-                    uniq, counts = np.unique(ids_, return_counts=True)
-                    if (counts > 1).any():
-                        dup = uniq[counts > 1][0]
-                        msg = (
-                            f"{label}: modality {mod} has duplicate obs name {dup} (rows "
-                            f"{', '.join(map(str, np.flatnonzero(ids_ == dup)[:2]))}) and the file has no obsmap: "
-                            "its modalities cannot be aligned"
-                        )
-                        raise DataValidationError(msg)
                 lookup = {cell: i for i, cell in enumerate(m_ids)}
                 rows = np.array([lookup.get(cell, -1) for cell in p_ids], np.int64)
                 seen = set(p_ids)
@@ -155,6 +196,10 @@ class H5Modality(Source):
 
     def plan(self, shard_cells: int) -> list[Partition]:
         return whole_partitions(self.num_cells, shard_cells)
+
+    def row_in_file(self, row: int) -> tuple[str, int]:
+        """The primary's: a further modality's cells (and cell ids) are the primary's rows."""
+        return self._primary.row_in_file(row)
 
     def close(self) -> None:
         self._reader.close()

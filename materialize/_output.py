@@ -43,12 +43,20 @@ def check_output(store, overwrite: bool) -> None:
     if not objects:
         return
     if not any(key == MANIFEST_NAME for key, _ in objects):
+        if all(_ours(key) for key, _ in objects):
+            if not overwrite:  # a killed run's parts, or a dataset whose manifest was deleted
+                msg = (
+                    f"refusing to write into {store.url}: it holds {len(objects)} object(s) of an unfinished "
+                    f"materialize run and no {MANIFEST_NAME}; pass --overwrite (overwrite=True) to remove "
+                    "them and write the dataset"
+                )
+                raise OmicsIOError(msg)
+            return
         msg = (
             f"refusing to write into {store.url}: it holds {len(objects)} object(s) and no {MANIFEST_NAME}; "
             "choose an empty prefix (or delete these objects)"
         )
-        if not overwrite or any(not _ours(key) for key, _ in objects):
-            raise OmicsIOError(msg)
+        raise OmicsIOError(msg)
     elif not overwrite:
         msg = f"output {store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it"
         raise OmicsIOError(msg)

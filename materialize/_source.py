@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import is_remote, to_numpy
+from omicsio_jax.format import as_input_path, is_remote, to_numpy
 
 from ._plan import Partition
 
@@ -128,10 +128,13 @@ _DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, wor
 
 
 def require_file(path) -> None:
-    """A one-line error for a local input file (or zarr store) that is not there, rather than what a
-    reader makes of opening it (h5py's errno text and a guess that the file is damaged)."""
-    if not is_remote(str(path)) and not Path(path).exists():
-        raise DataValidationError(f"cannot read {path}: no such file or directory")
+    """A one-line error for an input file or zarr store (local or ``s3://``) that is not there, rather
+    than what a reader makes of opening it (h5py's errno text and a guess that the file is damaged)."""
+    if not is_remote(str(path)):
+        if not Path(path).exists():
+            raise DataValidationError(f"cannot read {path}: no such file or directory")
+    elif not as_input_path(str(path)).exists():  # a missing bucket or no access: the storage layer's error
+        raise DataValidationError(f"cannot read {path}: no such object")
 
 
 def decoded_again_note(label: str, partitions: Sequence[Partition], again: int, largest: int) -> str | None:

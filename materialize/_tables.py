@@ -32,6 +32,7 @@ from omicsio_jax.format import (
     FILENAME_COLUMN,
     GENE_COLUMN,
     VALUE_COLUMN,
+    as_input_path,
     check_derived_gene_space,
     connect,
     create_cells_view,
@@ -188,6 +189,10 @@ class TableSource(TableReads, Source):
         if genes is not None:
             if is_remote(genes):
                 register_s3(self._con)
+                # a missing bucket, an unreachable endpoint or bad credentials: the storage layer's
+                # one-line error, not DuckDB's (whose text starts with the traceback of the
+                # filesystem it called); a missing key is DuckDB's to report ("No files found")
+                as_input_path(genes).exists()
             try:
                 table = self._con.sql(f"SELECT * FROM {sql_str(str(genes))}").to_arrow_table()
             except duckdb.Error as e:

@@ -143,3 +143,52 @@ def test_a_collection_keeps_the_par_y_copy_of_a_gene_apart(tmp_path):
     dense = np.zeros((3, 2), np.float32)
     dense[np.repeat(np.arange(3), np.diff(indptr)), indices] = values
     np.testing.assert_array_equal(dense, [[2, 1], [5, 0], [1, 0]])
+
+
+def test_peaks_are_named_by_their_coordinates_where_the_peak_table_gives_them(tmp_path):
+    """A peak table of ``chrom``, ``start``, ``end`` (no names): ``gene_columns`` and a panel take a
+    peak as ``chr1:10010-10460`` (10x) or ``chr1-10010-10460`` (Signac, ArchR); others are unknown."""
+    import pyarrow.parquet as pq
+    import pytest
+
+    from materialize import Multimodal, materialize
+
+    ids = [f"c{i}" for i in range(4)]
+    tokens, values = pa.list_(pa.int32()), pa.list_(pa.float32())
+    rna = {"cell_id": ids, "gene_token_id": pa.array([[0, 1]] * 4, tokens)}
+    pq.write_table(
+        pa.table({**rna, "gene_expression": pa.array([[1, 2]] * 4, values)}), tmp_path / "rna.parquet"
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "gene_token_id": pa.array([0, 1], pa.int32()),
+                "ensembl_id": ["ENSG00000141510", "ENSG00000141511"],
+            }
+        ),
+        tmp_path / "gene_metadata.parquet",
+    )
+    atac = {"cell_id": ids, "peak_token_id": pa.array([[0, 2], [1], [2], []], tokens)}
+    accessibility = pa.array([[1, 3], [2], [4], []], values)
+    pq.write_table(pa.table({**atac, "peak_accessibility": accessibility}), tmp_path / "atac.parquet")
+    peaks = {"peak_token_id": pa.array([0, 1, 2], pa.int32()), "chrom": ["chr1", "chr1", "chr2"]}
+    peaks |= {"start": [10010.0, 20000.0, 10010.0], "end": [10460.0, 20500.0, 10460.0]}
+    pq.write_table(pa.table(peaks), tmp_path / "peaks.parquet")
+    atac_input = (str(tmp_path / "atac.parquet"), str(tmp_path / "peaks.parquet"))
+    multimodal = Multimodal(modalities={"atac": atac_input})
+    materialize(str(tmp_path / "rna.parquet"), tmp_path / "ds", progress=False, multimodal=multimodal)
+    ds = oj.open_dataset(tmp_path / "ds")
+    atac_ds = ds.modality("atac")
+    assert atac_ds.gene_columns(["chr2:10010-10460", "chr1-20000-20500", "chr1:10010-10460"]).tolist() == [
+        2,
+        1,
+        0,
+    ]
+    with pytest.raises(oj.OmicsIOError, match="chr3:1-2"):
+        atac_ds.gene_columns(["chr3:1-2"])
+    loader = oj.make_loader(
+        ds, batch_size=4, output={"atac": oj.Panel(["chr2:10010-10460", "chr1:10010-10460"])}
+    )
+    batch = next(iter(loader))
+    expected = np.array([[3, 1], [0, 0], [4, 0], [0, 0]])[np.asarray(batch.index)]
+    np.testing.assert_array_equal(np.asarray(batch.x["atac"]), expected)

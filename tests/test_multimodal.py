@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import h5py
@@ -368,9 +369,78 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
         f["mod/atac/obs"].create_dataset(index, data=names.astype(object), dtype=h5py.string_dtype())
     _refused(
         out,
-        r"bad2.h5mu: modality atac has duplicate obs name .* and the file has no obsmap",
+        r"^modality atac: duplicate cell_id cell-\d+ in rows 0 and 1 of .*bad2.h5mu:mod/atac: ",
         lambda: materialize(bad, out, progress=False, workers=1, layout=Layout(shard_cells=SHARD)),
     )
+
+
+def _small_h5mu(path: Path, rna: list[str], atac: list[str], *, obsmap: bool) -> Path:
+    """An .h5mu of ``rna`` and ``atac`` cells (obs names) written by MuData, which gives an obs name
+    repeated in one modality a cell of its own in ``obsmap`` (absent from the other modality); rna
+    with a layer ``spliced``. Without ``obsmap``: the file's obsmap removed (aligned by obs names)."""
+    import anndata as ad
+    import mudata as md
+    import pandas as pd
+
+    md.set_options(pull_on_update=False)
+
+    def modality(ids: list[str], feature: str, seed: int, layers: tuple[str, ...] = ()) -> ad.AnnData:
+        x = sp.random(len(ids), 8, density=0.5, format="csr", dtype=np.float32, random_state=seed)
+        x.data = np.ceil(x.data * 5)
+        var = pd.DataFrame(index=[f"{feature}{j}" for j in range(8)])
+        return ad.AnnData(X=x, obs=pd.DataFrame(index=ids), var=var, layers={n: x.copy() for n in layers})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata / MuData warn of the repeated obs name
+        mdata = md.MuData({"rna": modality(rna, "g", 1, ("spliced",)), "atac": modality(atac, "p", 2)})
+        mdata.write(path)
+    with h5py.File(path, "r+") as f:
+        if obsmap:
+            assert (f["obsmap/rna"][:] > 0).sum() == len(rna)  # the repeat has a cell of its own
+        else:
+            del f["obsmap"]
+    return path
+
+
+_CELLS = [f"c{i}" for i in range(10)]
+
+
+@pytest.mark.parametrize("obsmap", [True, False], ids=["obsmap", "no-obsmap"])
+def test_a_duplicate_obs_name_in_an_h5mu_modality_names_that_modality(obsmap, tmp_path):
+    """A repeated obs name is refused, naming the modality it is in, the file, both rows and the
+    cell, before any further modality is written: not as a duplicate in another modality (rna's
+    repeat was found in ATAC's cells, which are rna's), nor as a cell the primary lacks (MuData gives
+    ATAC's repeat a cell of its own, without rna)."""
+    out = tmp_path / "out"
+    run = lambda path: lambda: materialize(path, out, progress=False, workers=1)  # noqa: E731
+    rna_twice = _small_h5mu(tmp_path / "duprna.h5mu", [*_CELLS, "c5"], _CELLS[:5], obsmap=obsmap)
+    _refused(
+        out,
+        r"^duplicate cell_id c5 in the primary modality rna \(rows 5 and 10 of .*duprna.h5mu:mod/rna\): "
+        "modalities are aligned by cell_id, which must be unique$",
+        run(rna_twice),
+    )
+    atac_twice = _small_h5mu(tmp_path / "dupatac.h5mu", _CELLS, [*_CELLS[:5], "c3"], obsmap=obsmap)
+    _refused(
+        out,
+        r"^modality atac: duplicate cell_id c3 in rows 3 and 5 of .*dupatac.h5mu:mod/atac: "
+        "modalities are aligned by cell_id, which must be unique$",
+        run(atac_twice),
+    )
+    # no further modality: the primary's own check, named as for rna alone or an .h5ad (not the layer)
+    _refused(
+        out,
+        r"^duplicate cell_id c5 in rows 5 and 10 of .*duprna.h5mu:mod/rna: a dataset's cell ids must be unique",
+        lambda: materialize(
+            rna_twice,
+            out,
+            progress=False,
+            workers=1,
+            multimodal=Multimodal(layers=["spliced"], modalities=[]),
+        ),
+    )
+    materialize(_small_h5mu(tmp_path / "ok.h5mu", _CELLS, _CELLS[:5], obsmap=obsmap), out, progress=False)
+    assert oj.open_dataset(out).modalities == ("rna", "atac")
 
 
 def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs, tmp_path):

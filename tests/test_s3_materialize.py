@@ -262,6 +262,72 @@ def test_object_storage_errors_are_one_line(s3, corpus, tmp_path, monkeypatch, c
     )
 
 
+def _no_bucket(s3, url: str) -> str:
+    return (
+        f"bucket 'nosuchbucket' does not exist at {s3.endpoint} (for {url}): create it, or check the "
+        "URL and AWS_ENDPOINT_URL"
+    )
+
+
+def _tiny_cells(tmp_path) -> str:
+    path = tmp_path / "cells.parquet"
+    table = {
+        "cell_id": ["a", "b"],
+        "gene_token_id": pa.array([[0, 2], [1]], pa.list_(pa.int32())),
+        "gene_expression": pa.array([[1.0, 2.0], [3.0]], pa.list_(pa.float32())),
+    }
+    pq.write_table(pa.table(table), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["s3://nosuchbucket/data/*.parquet"],
+        ["s3://nosuchbucket/data/cells.parquet"],
+        ["s3://nosuchbucket/cells.h5ad"],
+        ["CELLS", "--genes", "s3://nosuchbucket/g.parquet"],
+    ],
+    ids=["glob", "parquet", "h5ad", "genes"],
+)
+def test_an_input_in_a_missing_bucket_is_a_one_line_error(s3, tmp_path, monkeypatch, capsys, args):
+    import gc
+
+    unraisable = []  # e.g. fsspec's "Exception ignored in: AbstractBufferedFile.__del__"
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    args = [_tiny_cells(tmp_path) if a == "CELLS" else a for a in args]
+    out = tmp_path / "out"
+    assert main([args[0], str(out), *args[1:], "--no-progress"]) == 2
+    gc.collect()
+    url = next(a for a in args if a.startswith("s3://"))
+    assert capsys.readouterr().err == f"omicsio-materialize: error: {_no_bucket(s3, url)}\n"
+    assert not out.exists() and unraisable == []
+
+
+def test_open_table_on_a_missing_bucket_is_a_one_line_error(s3):
+    with pytest.raises(oj.ObjectStoreError) as e:
+        oj.open_table("s3://nosuchbucket/data/")
+    assert str(e.value) == _no_bucket(s3, "s3://nosuchbucket/data/")
+
+
+def test_an_unreachable_input_endpoint_is_a_one_line_error(s3, tmp_path, monkeypatch, capsys):
+    from omicsio_jax.storage.input_files import s3_filesystem
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    s3_filesystem.cache_clear()  # made for the server's endpoint by an earlier test
+    out = tmp_path / "out"
+    try:
+        for args in ([s3.url("data/cells.parquet")], [_tiny_cells(tmp_path), "--genes", s3.url("g.parquet")]):
+            assert main([args[0], str(out), *args[1:], "--no-progress"]) == 2
+            assert capsys.readouterr().err == (
+                f"omicsio-materialize: error: cannot reach the S3 endpoint http://127.0.0.1:9 (for "
+                f"{args[-1]}): check AWS_ENDPOINT_URL and the network\n"
+            )
+            assert not out.exists()
+    finally:
+        s3_filesystem.cache_clear()
+
+
 def test_open_table_over_s3_gives_the_local_answers(s3, corpus, corpus_table, tmp_path):
     _upload_inputs(s3, corpus, corpus_table, tmp_path)
     local, remote = oj.open_table(str(tmp_path / "in" / "pq")), oj.open_table(s3.url("in/pq/"))
@@ -296,3 +362,47 @@ def test_an_anndata_zarr_store_on_s3(s3, corpus, tmp_path):
     local_ds, remote_ds = oj.open_dataset(tmp_path / "local"), oj.open_dataset(tmp_path / "remote")
     assert [s.sha256 for s in remote_ds.manifest.shards] == [s.sha256 for s in local_ds.manifest.shards]
     assert remote_ds.cell_ids.tolist() == local_ds.cell_ids.tolist()
+
+
+def test_an_h5mu_on_s3_materializes_as_the_local_file_does(s3, tmp_path):
+    """An ``s3://`` ``.h5mu``: its modalities listed, aligned and read through fsspec's ranges, as an
+    ``.h5ad`` is; the same bytes as from the local file."""
+    from _multimodal_data import Truth, write_h5mu
+
+    local = write_h5mu(Truth(seed=3), tmp_path / "multiome.h5mu")
+    s3.client().put_object(Bucket=s3.bucket, Key="in/multiome.h5mu", Body=local.read_bytes())
+    materialize(str(local), tmp_path / "local", progress=False, workers=1, layout=Layout(shard_cells=SHARD))
+    remote = s3.url("in/multiome.h5mu")
+    materialize(remote, tmp_path / "remote", progress=False, workers=1, layout=Layout(shard_cells=SHARD))
+    assert oj.open_dataset(tmp_path / "remote").modalities == ("rna", "atac")
+    digests = {}
+    for where in ("local", "remote"):  # a manifest by its fingerprint (it also names the input)
+        digests[where] = _digests(tmp_path / where)
+        for key in [k for k in digests[where] if k.endswith("/manifest.json")]:
+            digests[where][key] = json.loads((tmp_path / where / key).read_text())["fingerprint"]
+    assert digests["remote"] == digests["local"]
+
+
+@pytest.mark.parametrize("name", ["cells.h5ad", "multiome.h5mu"])
+def test_a_missing_anndata_object_in_a_bucket_is_named_as_missing(s3, tmp_path, capsys, name):
+    out = tmp_path / "out"
+    assert main([s3.url(f"in/{name}"), str(out), "--no-progress"]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"omicsio-materialize: error: cannot read {s3.url(f'in/{name}')}: no such object\n"
+    )
+    assert not out.exists()
+
+
+def test_a_prefix_left_by_a_killed_run_asks_for_overwrite(s3, corpus, tmp_path):
+    """Only a run's own objects (its parts) and no manifest: refused without --overwrite, which it
+    names; with it, they are removed and the dataset written."""
+    s3.client().put_object(Bucket=s3.bucket, Key="ds/_parts/p-000.shard", Body=b"partial")
+    cells = _tiny_cells(tmp_path)
+    with pytest.raises(
+        oj.OmicsIOError, match=r"1 object\(s\) of an unfinished materialize run .* pass --overwrite"
+    ):
+        materialize(cells, s3.url("ds"), progress=False)
+    materialize(cells, s3.url("ds"), progress=False, overwrite=True)
+    assert oj.verify_dataset(s3.url("ds")) == []
+    assert not [key for key, _ in S3Store(s3.url("ds")).list() if key.startswith("_parts/")]

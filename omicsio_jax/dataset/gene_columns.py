@@ -1,5 +1,6 @@
 """Columns of a dataset's genes named by their names, Ensembl ids (with or without a version) or
-column numbers (`omicsio_jax.Dataset.gene_columns`)."""
+column numbers (`omicsio_jax.Dataset.gene_columns`); a peak table's peaks also by their coordinates
+(``chr1:10010-10460`` or ``chr1-10010-10460``) where it has ``chrom``, ``start`` and ``end``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def gene_columns(
     """`omicsio_jax.Dataset.gene_columns` over a dataset's ``features`` table (``where``: the dataset,
     for messages)."""
     keys = [key for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
-    lookup, shared = name_lookup(features[key].astype(str) for key in keys)
+    lookup, shared = name_lookup([*(features[key].astype(str) for key in keys), *_coordinates(features)])
     by_id: dict[str, int] = {}  # Ensembl ids without their version
     if "ensembl_id" in features:
         for col, value in enumerate(features["ensembl_id"].astype(str)):
@@ -47,3 +48,20 @@ def gene_columns(
         msg = f"{len(unknown)} panel gene(s) not in {where}/features.parquet: {', '.join(unknown[:5])}"
         raise OmicsIOError(msg)
     return np.asarray(cols, dtype=np.int64)
+
+
+def _coordinates(features: pd.DataFrame) -> list:
+    """A peak table's names from its ``chrom``, ``start`` and ``end`` (none without them): 10x's
+    ``chr1:10010-10460`` and Signac / ArchR's ``chr1-10010-10460``."""
+    if not {"chrom", "start", "end"} <= set(features.columns):
+        return []
+    chrom, start, end = (_text(features[c]) for c in ("chrom", "start", "end"))
+    return [chrom + ":" + start + "-" + end, chrom + "-" + start + "-" + end]
+
+
+def _text(column: pd.Series) -> pd.Series:
+    """A column's values as text, whole floats as integers (``10010.0`` → ``10010``)."""
+    values = column.to_numpy()
+    if values.dtype.kind == "f" and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+        return column.astype("int64").astype(str)
+    return column.astype(str)

@@ -6,16 +6,26 @@ install, none pinning DuckDB's version (``httpfs`` is built for one DuckDB relea
 configured by the standard AWS variables, like `omicsio_jax.storage.store.S3Store`. `ObjectPath` is an
 ``s3://`` URL with the few ``pathlib`` operations the input code uses (``suffix``, ``name``,
 ``parent(s)``, ``/``, ``exists``), so local paths and object keys travel the same code.
+Failures other than a missing key (an unreachable endpoint, missing credentials, a missing bucket)
+are the storage layer's one-line `ObjectStoreError`s (`object_store_error`), as on the output side;
+a missing key is a `FileNotFoundError` (or ``exists()`` False), as for a local path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from datetime import timedelta
 
 from omicsio_jax.core.errors import require
-from omicsio_jax.storage.store import S3_SCHEME, configured_endpoint, is_remote
+from omicsio_jax.storage.store import (
+    S3_SCHEME,
+    configured_endpoint,
+    is_remote,
+    object_store_error,
+    require_credentials,
+)
 
 
 @functools.cache
@@ -28,10 +38,16 @@ def s3_filesystem(*, asynchronous: bool = False):
         protocol = ("s3", "s3a")  # the base class says "abstract", and DuckDB matches URLs by it
 
         def open(self, path, mode="rb", block_size=None, **kwargs):
-            """Unbuffered reads are `PositionalFile`s, safe for DuckDB's threads; buffered (h5py) as usual."""
-            if mode == "rb" and block_size is None:
+            """Unbuffered reads are `PositionalFile`s, safe for DuckDB's threads; buffered (h5py) as usual.
+            The size is looked up first: a failure then leaves no half-made file object behind (whose
+            ``__del__`` would print an ``AttributeError``)."""
+            if mode == "rb":
                 url = path if str(path).startswith(S3_SCHEME) else S3_SCHEME + str(path)
-                return PositionalFile(url, self.size(url))
+                with _translated(url):
+                    size = self.size(url)
+                if block_size is None:
+                    return PositionalFile(url, size)
+                kwargs["size"] = size
             return super().open(path, mode, block_size=block_size, **kwargs)
 
     endpoint = configured_endpoint("an s3:// input")
@@ -95,6 +111,30 @@ class PositionalFile:
         self.close()
 
 
+@contextlib.contextmanager
+def _translated(url: str):
+    """obstore's failures on ``url`` (and none of the AWS credential variables set) as the storage
+    layer's one-line `ObjectStoreError`; a missing key stays a `FileNotFoundError`."""
+    require_credentials(url)
+    try:
+        yield
+    except Exception as e:
+        import obstore.exceptions as oe
+
+        if not isinstance(e, oe.BaseError):
+            raise
+        raise object_store_error(e, url) from e
+
+
+def _info(url: str) -> dict | None:
+    """fsspec's ``info`` of ``url`` (an object or a prefix), None where there is nothing."""
+    with _translated(url):
+        try:
+            return s3_filesystem().info(url)
+        except FileNotFoundError:
+            return None
+
+
 @functools.cache
 def _bucket_store(bucket: str):
     from omicsio_jax.storage.store import S3Store
@@ -141,10 +181,12 @@ class ObjectPath(str):
         return ObjectPath(f"{self.rstrip('/')}/{other}")
 
     def exists(self) -> bool:
-        return s3_filesystem().exists(str(self))
+        """Whether an object or a prefix is there; an `ObjectStoreError` where that cannot be told."""
+        return _info(str(self)) is not None
 
     def is_file(self) -> bool:
-        return s3_filesystem().isfile(str(self))
+        info = _info(str(self))
+        return info is not None and info["type"] == "file"
 
     def open(self, mode: str = "rb", **kwargs):
         return s3_filesystem().open(str(self), mode, **kwargs)
@@ -160,15 +202,16 @@ def as_input_path(spec: str):
 def expand_objects(spec: str, suffixes: tuple[str, ...], exclude: str) -> list[ObjectPath]:
     """Objects named by an ``s3://`` key, a prefix (searched recursively) or a glob, sorted."""
     fs = s3_filesystem()
-    if any(ch in spec for ch in "*?["):
-        keys = fs.glob(spec)
-        found = [k for k in keys if not k.endswith("/")]
-    elif spec.endswith(suffixes) and fs.isfile(spec):
-        found = [spec[len(S3_SCHEME) :]]
-    else:
-        found = [
-            k
-            for k in fs.find(spec.rstrip("/") + "/")
-            if k.endswith(suffixes) and not fnmatch.fnmatch(k.rsplit("/", 1)[-1], exclude)
-        ]
+    with _translated(spec):
+        if any(ch in spec for ch in "*?["):
+            keys = fs.glob(spec)
+            found = [k for k in keys if not k.endswith("/")]
+        elif spec.endswith(suffixes) and ObjectPath(spec).is_file():
+            found = [spec[len(S3_SCHEME) :]]
+        else:
+            found = [
+                k
+                for k in fs.find(spec.rstrip("/") + "/")
+                if k.endswith(suffixes) and not fnmatch.fnmatch(k.rsplit("/", 1)[-1], exclude)
+            ]
     return sorted(ObjectPath(S3_SCHEME + k.removeprefix(S3_SCHEME)) for k in found)

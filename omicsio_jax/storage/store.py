@@ -80,6 +80,62 @@ def configured_endpoint(url: str) -> str:
     return endpoint
 
 
+def require_credentials(url: str) -> None:
+    """`ObjectStoreError` naming the variables to set where none of the AWS credential variables is
+    (rather than obstore's search of the instance metadata service, whose failure names neither)."""
+    if not any(os.environ.get(v) for v in _CREDENTIAL_VARIABLES):
+        msg = (
+            f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+            "AWS_PROFILE, or AWS_SKIP_SIGNATURE=true for a public bucket)"
+        )
+        raise ObjectStoreError(msg)
+
+
+def object_store_error(
+    e: Exception, url: str, *, etag: str | None = None, endpoint: str | None = None
+) -> ObjectStoreError:
+    """``e``, obstore's failure on the object or prefix ``url`` (``s3://bucket/key``), as the one-line
+    `ObjectStoreError` that names it and the fix: an `ObjectChangedError` where ``etag`` (its ETag
+    when first used) no longer holds. ``endpoint`` is the S3 endpoint's name (default: the configured
+    one)."""
+    import obstore.exceptions as oe
+
+    bucket = url[len(S3_SCHEME) :].partition("/")[0]
+    endpoint = endpoint or configured_endpoint(url) or "AWS S3"
+    text = str(e)
+    if isinstance(e, oe.PreconditionError) or "precondition fail" in text.lower():
+        # (a retry inside a body's read that met the changed object is a GenericError)
+        return ObjectChangedError(
+            f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
+            "rewritten under this prefix; open it again"
+        )
+    if "NoSuchBucket" in text:
+        return ObjectStoreError(
+            f"bucket {bucket!r} does not exist at {endpoint} (for {url}): create "
+            "it, or check the URL and AWS_ENDPOINT_URL"
+        )
+    if isinstance(e, (FileNotFoundError, oe.NotFoundError)):
+        if etag is not None:  # it existed with that ETag when first used
+            return ObjectChangedError(
+                f"{url} was deleted while in use (it had ETag {etag}): the dataset was "
+                "rewritten under this prefix; open it again"
+            )
+        return ObjectStoreError(f"{url} does not exist")
+    if (
+        isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError))
+        or "AccessDenied" in text
+        or "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
+    ):
+        return ObjectStoreError(f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    if "error sending request" in text or "Connection refused" in text or "dns error" in text:
+        return ObjectStoreError(
+            f"cannot reach the S3 endpoint {endpoint} (for {url}): check AWS_ENDPOINT_URL and the network"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return ObjectStoreError(f"{url}: {first}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     size: int
@@ -148,12 +204,7 @@ class S3Store:
 
         s3_url(url)  # names a bucket
         bucket, _, prefix = url[len(S3_SCHEME) :].partition("/")
-        if not any(os.environ.get(v) for v in _CREDENTIAL_VARIABLES):
-            msg = (
-                f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                "AWS_PROFILE, or AWS_SKIP_SIGNATURE=true for a public bucket)"
-            )
-            raise ObjectStoreError(msg)
+        require_credentials(url)
         self.url, self.bucket, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
         self.local_root = None
         self.endpoint = configured_endpoint(url) or "AWS S3"
@@ -186,43 +237,7 @@ class S3Store:
         return join(self.url, key)
 
     def _fail(self, e: Exception, key: str, etag: str | None = None) -> ObjectStoreError:
-        import obstore.exceptions as oe
-
-        url, text = self.describe(key), str(e)
-        if isinstance(e, oe.PreconditionError) or "precondition fail" in text.lower():
-            # (a retry inside a body's read that met the changed object is a GenericError)
-            return ObjectChangedError(
-                f"{url} changed while in use (its ETag is no longer {etag}): the dataset was "
-                "rewritten under this prefix; open it again"
-            )
-        if "NoSuchBucket" in text:
-            return ObjectStoreError(
-                f"bucket {self.bucket!r} does not exist at {self.endpoint} (for {url}): create "
-                "it, or check the URL and AWS_ENDPOINT_URL"
-            )
-        if isinstance(e, (FileNotFoundError, oe.NotFoundError)):
-            if etag is not None:  # it existed with that ETag when first used
-                return ObjectChangedError(
-                    f"{url} was deleted while in use (it had ETag {etag}): the dataset was "
-                    "rewritten under this prefix; open it again"
-                )
-            return ObjectStoreError(f"{url} does not exist")
-        if (
-            isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError))
-            or "AccessDenied" in text
-            or "InvalidAccessKeyId" in text
-            or "SignatureDoesNotMatch" in text
-        ):
-            return ObjectStoreError(
-                f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-            )
-        if "error sending request" in text or "Connection refused" in text or "dns error" in text:
-            return ObjectStoreError(
-                f"cannot reach the S3 endpoint {self.endpoint} (for {url}): check "
-                "AWS_ENDPOINT_URL and the network"
-            )
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        return ObjectStoreError(f"{url}: {first}")
+        return object_store_error(e, self.describe(key), etag=etag, endpoint=self.endpoint)
 
     def _call(self, fn, key: str, *args, etag: str | None = None, **kwargs):
         try:
