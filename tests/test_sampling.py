@@ -108,6 +108,31 @@ def test_weighted_blocks_follow_their_weight():
     assert np.array_equal(order, plan.epoch_order(0))  # deterministic
 
 
+@pytest.mark.parametrize("block_size", [1, 7, 16, 64])
+def test_a_mixtures_shares_hold_whatever_the_groups_sizes_and_block_size(block_size):
+    """Groups of 20, 2,000 and 130 cells (none a multiple of the block) at 0.5 / 0.3 / 0.2: every
+    block holds one group's cells, and the groups' shares of many epochs are their weights (blocks
+    cut across group ends, drawn by their cells' summed weight, gave the small group 0.43 of a
+    0.5 / 0.5 mixture with 20 and 2,000 cells at block_size 16)."""
+    sizes, share = np.array([20, 2000, 130]), np.array([0.5, 0.3, 0.2])
+    group = np.repeat(np.arange(3), sizes)
+    plan = SamplingPlan(
+        np.arange(len(group)), 64, block_size, 4, seed=3, sampling="mixture", weights=(share / sizes)[group]
+    )
+    orders = [plan.order_of(epoch) for epoch in range(200)]
+    for order in orders[:3]:
+        starts = order.block_starts[order.blocks]
+        ends = order.block_starts[order.blocks + 1]
+        assert (group[starts] == group[ends - 1]).all() and (ends - starts <= block_size).all()
+    served = np.concatenate([order[:] for order in orders])
+    assert all(len(order) == len(group) for order in orders)
+    np.testing.assert_allclose(np.bincount(group[served]) / len(served), share, atol=0.01)
+    served_once = np.bincount(served, minlength=len(group))  # cells of one group alike
+    for g in range(3):
+        cells = served_once[group == g]
+        assert abs(cells.mean() - share[g] / sizes[g] * len(served)) < 0.05 * cells.mean()
+
+
 def test_class_balanced_weights():
     codes = np.array([0, 0, 0, 1, -1, 2, 2])
     weights = class_weights(codes)

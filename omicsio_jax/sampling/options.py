@@ -227,15 +227,16 @@ class ClassBalanced(Sampling):
 class Mixture(Sampling):
     """A mixture of the groups of a categorical obs column (datasets, plates, assays): weighted
     block sampling over the cells of the groups named, each cell weighted ``weights[g] / (cells of
-    g)``, so group ``g`` is drawn with probability ``weights[g] / sum(weights)``; groups not named
-    are not drawn. Blocks are runs of the named groups' cells: where a group's cells are contiguous
-    (each source of a collection is) the shares hold for any ``block_size``, elsewhere a block
-    mixing groups brings them together.
+    g)``, so group ``g`` is drawn with probability ``weights[g] / sum(weights)``, whatever the
+    groups' sizes and ``block_size``; groups not named are not drawn. A block holds cells of one
+    weight (up to ``block_size`` of a run of one group's cells): where a group's cells are contiguous
+    (each source of a collection is) its blocks are whole but for its last; where groups
+    interleave, blocks are as short as their runs.
 
     >>> sampling = oj.Mixture(by="dataset_id", weights={"atlas_a": 0.6, "atlas_b": 0.4})  # doctest: +SKIP
     """
 
-    kind: ClassVar[str] = "weighted"
+    kind: ClassVar[str] = "mixture"
     by: str
     weights: Mapping[str, float]
     block_size: int = 16
@@ -281,8 +282,8 @@ class Mixture(Sampling):
         return (per_group / np.maximum(size, 1))[np.where(codes < 0, len(categories), codes)]
 
     def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
-        """Weighted block sampling over the cells of the groups named (blocks are runs of those
-        cells, so a drawn block brings no cell of another group)."""
+        """Weighted block sampling over the cells of the groups named, blocks cut within each group's
+        runs (`SamplingPlan`'s ``mixture``: a drawn block brings no cell of another group)."""
         return self._plan_over_weighted_cells(rows, self.cell_weights(rows, obs), batch_size, seed, num_hosts)
 
 

@@ -11,6 +11,13 @@ An epoch is a global *order* of cells, identical on every host:
   hold (``ceil(n / block_size) × block_size``), drawn until the order holds that many (a drawn
   short last block falls short) and cut there.
 - ``class_balanced``: ``weighted`` with each cell weighted by 1 / (cells of its class).
+- ``mixture``: ``weighted`` whose blocks never hold cells of two weights: runs of cells of one
+  weight (a group's cells, each weighted ``weights[g] / cells of g``) cut into blocks of up to
+  ``block_size``, each drawn with probability proportional to its cells' weight, so every cell is
+  drawn in proportion to its weight whatever the block size and the groups' sizes (a block across
+  two groups would bring the cells of the lighter one with the heavier one's weight, and a group's
+  short last block would be drawn as if whole); as many cells as ``rows``, drawn until the order
+  holds that many and cut there.
 
 The order is cut into fetches of ``fetch_factor × local_batch`` cells, dealt round-robin to the
 hosts (fetch ``k`` goes to host ``k % num_hosts``, as in scDataset's Appendix B), so every host
@@ -27,6 +34,7 @@ Randomness comes from ``np.random.default_rng([seed, stream, epoch, ...])`` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 
@@ -34,7 +42,8 @@ import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
 
-SAMPLINGS = ("block", "stream", "stream_buffer", "weighted", "class_balanced")
+SAMPLINGS = ("block", "stream", "stream_buffer", "weighted", "class_balanced", "mixture")
+_WEIGHTED = ("weighted", "class_balanced", "mixture")  # the samplings that take one weight per cell
 _ORDER_STREAM = 0
 _FETCH_STREAM = 1
 
@@ -93,14 +102,21 @@ class AllRows:
 
 class EpochOrder:
     """An epoch's order of ``rows``: the cells of ``blocks`` (block numbers, in order; a block is
-    ``block_size`` consecutive entries of ``rows``, the last one maybe shorter), the first
+    ``block_size`` consecutive entries of ``rows``, the last one maybe shorter, or with
+    ``block_starts`` the entries from ``block_starts[k]`` to ``block_starts[k + 1]``), the first
     ``num_cells`` of them if given, or ``rows`` as they are (``blocks=None``). ``order[a:b]`` makes
     only the cells asked for."""
 
     def __init__(
-        self, rows: np.ndarray, blocks: np.ndarray | None, block_size: int, num_cells: int | None = None
+        self,
+        rows: np.ndarray,
+        blocks: np.ndarray | None,
+        block_size: int,
+        num_cells: int | None = None,
+        block_starts: np.ndarray | None = None,
     ):
         self.rows, self.blocks, self.block_size = rows, blocks, block_size
+        self.block_starts = block_starts
         if blocks is None:
             self._ends = None
             self._len = len(rows)
@@ -110,7 +126,12 @@ class EpochOrder:
         if num_cells is not None:
             self._len = min(self._len, num_cells)
 
+    def _starts(self, blocks: np.ndarray) -> np.ndarray:
+        return blocks * self.block_size if self.block_starts is None else self.block_starts[blocks]
+
     def _lengths(self, blocks: np.ndarray) -> np.ndarray:
+        if self.block_starts is not None:
+            return self.block_starts[blocks + 1] - self.block_starts[blocks]
         starts = blocks * self.block_size
         return np.minimum(starts + self.block_size, len(self.rows)) - starts
 
@@ -128,7 +149,7 @@ class EpochOrder:
             return self.rows[:0]
         first = int(np.searchsorted(self._ends, begin, side="right"))  # the block holding position begin
         last = int(np.searchsorted(self._ends, end - 1, side="right"))  # ... and end - 1
-        starts = self.blocks[first : last + 1] * self.block_size
+        starts = self._starts(self.blocks[first : last + 1])
         lengths = self._lengths(self.blocks[first : last + 1])
         # positions in rows of every cell of these blocks, in block order
         offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
@@ -168,7 +189,7 @@ class SamplingPlan:
         if len(self.rows) == 0:
             msg = "cannot sample from an empty set of cells"
             raise OmicsIOError(msg)
-        if self.sampling in ("weighted", "class_balanced"):
+        if self.sampling in _WEIGHTED:
             if self.weights is None or len(self.weights) != len(self.rows):
                 msg = f"sampling={self.sampling!r} needs one weight per cell ({len(self.rows)})"
                 raise OmicsIOError(msg)
@@ -197,6 +218,17 @@ class SamplingPlan:
         if self.sampling in ("weighted", "class_balanced"):
             return -(-n // self.block_size) * self.block_size
         return n
+
+    @functools.cached_property
+    def _run_blocks(self) -> np.ndarray:
+        """A ``mixture``'s blocks: where each starts among ``rows`` (and ``len(rows)`` last), every run
+        of cells of one weight cut into blocks of up to ``block_size``."""
+        n, b = len(self.weights), self.block_size
+        change = np.flatnonzero(self.weights[1:] != self.weights[:-1]) + 1
+        run_starts = np.concatenate(([0], change)).astype(np.int64)
+        blocks = -(-(np.append(change, n) - run_starts) // b)  # per run
+        within = np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+        return np.append(np.repeat(run_starts, blocks) + within * b, n)
 
     @property
     def full_rounds(self) -> int:
@@ -234,6 +266,11 @@ class SamplingPlan:
         num_blocks = -(-n // b)
         if self.sampling == "block":
             blocks = rng.permutation(num_blocks)
+        elif self.sampling == "mixture":
+            starts = self._run_blocks
+            p = self.weights[starts[:-1]].astype(np.float64)  # a block's cells share one weight
+            blocks = _draw_runs(rng, p / p.sum(), np.diff(starts), n)
+            return EpochOrder(self.rows, blocks, b, n, block_starts=starts)
         else:
             block_weight = np.add.reduceat(self.weights.astype(np.float64), np.arange(0, n, b))
             blocks = _draw_blocks(
@@ -316,6 +353,19 @@ def _draw_blocks(
     while held < cells:
         more = rng.choice(num_blocks, size=math.ceil((cells - held) / mean), replace=True, p=p)
         held += len(more) * block_size - short * np.count_nonzero(more == num_blocks - 1)
+        drawn.append(more)
+    return np.concatenate(drawn)
+
+
+def _draw_runs(rng: np.random.Generator, p: np.ndarray, lengths: np.ndarray, cells: int) -> np.ndarray:
+    """`_draw_blocks` for blocks of any ``lengths``: one draw per block, then more until they hold
+    ``cells`` cells."""
+    blocks = rng.choice(len(p), size=len(p), replace=True, p=p)
+    held, mean = int(lengths[blocks].sum()), max(float(p @ lengths), 1.0)
+    drawn = [blocks]
+    while held < cells:
+        more = rng.choice(len(p), size=math.ceil((cells - held) / mean), replace=True, p=p)
+        held += int(lengths[more].sum())
         drawn.append(more)
     return np.concatenate(drawn)
 
