@@ -2,11 +2,13 @@
 
 The cells are the sources' cells one source after the other, in the order given; each gets the obs
 ``dataset_id`` of its source (and the per-source obs of a sources file: ``assay``, ``donor_id``,
-...). The genes are one space (`_genespace.GeneSpace`), and what each source measured is kept:
-``presence.parquet``, one bitmap over the dataset's genes per source, listed in the manifest like
-every other file (`omicsio_jax.Dataset.presence`). Shards are cut from the concatenated cells as
-from one input, so a shard may hold the end of one source and the start of the next; each source
-is read by cell range (`Source.part_of`) on whatever worker writes the shard.
+...); a source's own obs ``dataset_id`` (CELLxGENE's files carry one) is kept as
+``input_dataset_id`` (`CollectionSource._obs_types`). The genes are one space
+(`_genespace.GeneSpace`), and what each source measured is kept: ``presence.parquet``, one bitmap
+over the dataset's genes per source, listed in the manifest like every other file
+(`omicsio_jax.Dataset.presence`). Shards are cut from the concatenated cells as from one input, so
+a shard may hold the end of one source and the start of the next; each source is read by cell
+range (`Source.part_of`) on whatever worker writes the shard.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, decoded_again_note, obs_kind
 from ._validate import GeneIndex
 
+INPUT_DATASET_ID = "input_dataset_id"  # the dataset's name of a source's own obs column dataset_id
 _OPEN_THREADS = 8  # sources opened at once (`_open_members`)
 _POOL_OPEN_FROM = 48  # .h5ad / .h5mu sources from which they open on a pool's workers (`opens_on_workers`)
 
@@ -92,6 +95,7 @@ class CollectionSource(Source):
         self.genes = space.genes
         self._firsts = np.concatenate([[0], np.cumsum([m.num_cells for m in members])]).astype(np.int64)
         self.num_cells = int(self._firsts[-1])
+        self._inputs: dict[str, str] = {}  # obs kept under another name: the dataset's name -> the sources'
         self.obs_columns, self.notes = self._obs_types()
         self.description = {
             "kind": "collection",
@@ -106,12 +110,32 @@ class CollectionSource(Source):
 
     def _obs_types(self) -> tuple[dict[str, pa.DataType], list[str]]:
         """The obs columns' types (the sources' own and the per-source ones, unified), and a note for
-        each per-source obs of a type no obs column can hold (left out)."""
+        each per-source obs of a type no obs column can hold (left out). A source's own obs
+        ``dataset_id`` is kept as ``input_dataset_id`` (``input_dataset_id_2``, ... if that is taken),
+        said in a note: the dataset's ``dataset_id`` is the collection's id of each source."""
         given: dict[str, list[pa.DataType]] = {}
         for m in self.members:
             for name, dtype in m.obs_columns.items():
                 given.setdefault(name, []).append(dtype)
         notes = []
+        if DATASET_ID in given:
+            taken, renamed, k = {*given, *self.sources.obs}, INPUT_DATASET_ID, 1
+            while renamed in taken:
+                k += 1
+                renamed = f"{INPUT_DATASET_ID}_{k}"
+            given = {renamed if n == DATASET_ID else n: ts for n, ts in given.items()}
+            self._inputs[renamed] = DATASET_ID
+            having = [
+                i
+                for i, m in zip(self.sources.dataset_ids, self.members, strict=True)
+                if DATASET_ID in m.obs_columns
+            ]
+            shown = ", ".join(having[:3]) + (", ..." if len(having) > 3 else "")
+            notes.append(
+                f"obs column {DATASET_ID} of {len(having):,} source(s) ({shown}) kept as {renamed}: the "
+                f"dataset's {DATASET_ID} is the collection's id of each source (from its path, or the "
+                "sources file's dataset_id)"
+            )
         for name, dtype in self.sources.obs_types.items():
             kept = _kept_type(dtype)
             if kept is None:
@@ -167,7 +191,11 @@ class CollectionSource(Source):
             if lo >= hi:
                 continue
             own = [
-                n for n in obs if n in member.obs_columns and self._given(n, k) is None and n != DATASET_ID
+                self._inputs.get(n, n)
+                for n in obs
+                if self._inputs.get(n, n) in member.obs_columns
+                and self._given(n, k) is None
+                and n != DATASET_ID
             ]
             local = member.part_of(lo - int(self._firsts[k]), hi - lo)
             for batch in member.batches(own, local, threads=threads):
@@ -194,8 +222,8 @@ class CollectionSource(Source):
                 columns[name] = repeated_text(self.sources.dataset_ids[k], n)
             elif (value := self._given(name, k)) is not None:
                 columns[name] = _as(_repeated(value, n), dtype)
-            elif name in batch.obs:
-                columns[name] = _as(batch.obs[name], dtype)
+            elif (own := self._inputs.get(name, name)) in batch.obs:
+                columns[name] = _as(batch.obs[own], dtype)
             else:
                 columns[name] = pa.nulls(n, dtype)
         return Batch(indptr, cols, values, batch.cell_ids, columns, batch.locate, genes=genes)

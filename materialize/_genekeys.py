@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from omicsio_jax import DataValidationError, OmicsIOError
 from omicsio_jax.format import (
     ENSEMBL_GENE_ID,
+    GENE_TABLE_NAME,
     VERSION_SUFFIX,
     from_numpy,
     one_array,
@@ -94,10 +95,18 @@ class GeneKeys:
     column: str
 
 
-def gene_keys(genes: pa.Table, label: str, id_column: str | None = None) -> GeneKeys:
+def gene_keys(genes: pa.Table, label: str, id_column: str | None = None, *, source: bool = True) -> GeneKeys:
     """How a source's genes are matched (see the module docstring); a one-line error naming the source,
-    its columns and the fix when it has no gene id."""
+    its columns and the fix when it has no gene id, or (a ``source``: not a given gene list) no gene
+    table (a list-column table without one: its genes are token ids only)."""
     names = [n for n in genes.column_names if n != "gene_token_id"]
+    if source and not names:
+        msg = (
+            f"{label} has no gene table: its genes are token ids only, which a collection cannot match "
+            f"across sources; put its gene table beside it as {GENE_TABLE_NAME} (columns gene_token_id, "
+            "ensembl_id), in its folder or one above"
+        )
+        raise DataValidationError(msg)
     texts = {n: _text(genes, n) for n in names if _is_text(genes.schema.field(n).type)}
     symbols_of = next(
         (_present(texts[n]) for n in SYMBOL_COLUMNS if n in texts and _ensembl_share(texts[n]) < 0.5),
@@ -168,7 +177,7 @@ def read_gene_list(path: str | Path) -> list[str]:
                 table = pacsv.read_csv(
                     path, parse_options=pacsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",")
                 )
-            keys = gene_keys(table, f"gene table {path}")
+            keys = gene_keys(table, f"gene table {path}", source=False)
             return [k for k in keys.ids.to_pylist() if k]
         return [strip_version(line.strip()) for line in path.read_text().splitlines() if line.strip()]
     except OSError as e:

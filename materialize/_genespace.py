@@ -34,6 +34,7 @@ from ._union_order import union_order
 
 UNION, INTERSECTION = "union", "intersection"
 _KEY_THREADS = 8  # sources whose gene keys are found at once (`GeneSpace.build`)
+_SHOWN = 3  # the sources, genes a note names at most (then "...")
 _BY_SYMBOL = "symbol:"  # the key of a gene without an Ensembl id: its symbol after this (`_symbol_keys`)
 
 
@@ -131,13 +132,17 @@ class GeneSpace:
         else:
             order = _unified_order(resolved, genes)
             col_of_seen = to_numpy_filled(pc.index_in(seen, value_set=order), -1).astype(np.int64)
-        maps, members = [], []
+        maps, members, left_out, losing = [], [], [], 0  # losing: the sources with genes not in a given list
         for t, k, ids, label, end in zip(tables, keys, resolved, labels, ends, strict=True):
             own = code[end - len(ids) : end]
             known = own >= 0
             hit = own[known]
             cols = np.full(len(own), -1, np.int64)
             cols[known] = col_of_seen[hit]
+            if genes not in (UNION, INTERSECTION) and np.any(lost := known & (cols < 0)):
+                losing += 1
+                if len(left_out) < _SHOWN:
+                    left_out.append(_shown(label, ids.filter(from_numpy(lost))))
             distinct = np.zeros(len(seen), bool)
             distinct[hit] = True
             duplicates = len(hit) - int(np.count_nonzero(distinct))
@@ -155,6 +160,9 @@ class GeneSpace:
             )
         if genes not in (UNION, INTERSECTION):
             _check_given(genes, order, members)
+            dropped = int(np.count_nonzero(col_of_seen < 0))
+            left_out += ["..."] if losing > len(left_out) else []
+            notes.extend(_given_notes(genes, order, (dropped, len(seen)), left_out, maps))
         by_symbol = pc.starts_with(order, _BY_SYMBOL)
         symbols = pc.take(first_symbols, pc.index_in(order, value_set=named_ids))
         table = pa.table(
@@ -181,10 +189,9 @@ def _by_symbol_where_null(keys: GeneKeys, label: str, notes: list[str]) -> pa.Ar
     by_symbol = keys.ids.null_count - ids.null_count
     if by_symbol:
         named = pc.filter(keys.symbols, pc.is_null(keys.ids)).drop_null()
-        shown = ", ".join(named.slice(0, 3).to_pylist()) + (", ..." if len(named) > 3 else "")
         notes.append(
-            f"{label}: {by_symbol:,} gene(s) without an id in {keys.column} ({shown}) kept under their "
-            "symbol, as genes without an Ensembl id"
+            f"{label}: {by_symbol:,} gene(s) without an id in {keys.column} ({_first_few(named)}) kept "
+            "under their symbol, as genes without an Ensembl id"
         )
     if ids.null_count:
         notes.append(
@@ -241,6 +248,39 @@ def _check_given(genes: str | Path, order: pa.Array, members: list[dict]) -> Non
             "Ensembl id, version dropped): give a gene table keyed by the same ids, or --genes union"
         )
         raise DataValidationError(msg)
+
+
+def _first_few(values: pa.Array) -> str:
+    """The first `_SHOWN` of the text ``values``, as a note names them (``A, B, C, ...``)."""
+    return ", ".join(values.slice(0, _SHOWN).to_pylist()) + (", ..." if len(values) > _SHOWN else "")
+
+
+def _shown(label: str, genes: pa.Array) -> str:
+    """A source and the first of its ``genes`` a note names: ``a (a.h5ad): 296 (ENSG…, ENSG…, ...)``."""
+    return f"{label}: {len(genes):,} ({_first_few(genes)})"
+
+
+def _given_notes(
+    genes: str | Path, order: pa.Array, dropped: tuple[int, int], left_out: list[str], maps: list[MemberMap]
+) -> list[str]:
+    """The notes on a given gene list: how many of the sources' distinct genes it drops (``dropped``:
+    those, and all of them; ``left_out``: the first sources that had some, as `_shown` names them),
+    and its genes no source measured. Genes only: the nonzeros dropped are not counted (a pass over
+    the cells)."""
+    notes = []
+    if dropped[0]:
+        notes.append(
+            f"--genes {genes}: {dropped[0]:,} of the sources' {dropped[1]:,} genes are not in it and were "
+            f"dropped, with their values: {'; '.join(left_out)}"
+        )
+    unmeasured = np.flatnonzero(~np.logical_or.reduce([m.measured for m in maps]))
+    if len(unmeasured):
+        notes.append(
+            f"--genes {genes}: {len(unmeasured):,} of its {len(order):,} gene(s) measured by no source "
+            f"({_first_few(order.take(from_numpy(unmeasured)))}): their columns are all zeros, and "
+            "presence marks them unmeasured"
+        )
+    return notes
 
 
 def _unified_order(resolved: list[pa.Array], genes: str | Path) -> pa.Array:

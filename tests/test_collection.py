@@ -937,9 +937,7 @@ def test_bad_collections_say_what_and_write_nothing(sources, tmp_path):
         tmp_path / "bare.parquet",
     )
     out = tmp_path / "out"
-    with pytest.raises(
-        oj.DataValidationError, match=r"bare \(.*\) has no gene id column: .*--gene-id-column"
-    ):
+    with pytest.raises(oj.DataValidationError, match=r"bare \(.*\) has no gene table: .*gene_metadata"):
         materialize([d / "plate.parquet", tmp_path / "bare.parquet"], out, progress=False)
     with pytest.raises(oj.OmicsIOError, match="dataset id.* plate name more than one source"):
         materialize([d / "plate.parquet", d / "plate.parquet"], out, progress=False)
@@ -1196,6 +1194,76 @@ def test_one_anndata_input_given_genes_is_a_collection_of_one(sources, tmp_path)
             progress=False,
         )
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_sources_own_obs_dataset_id_is_kept_as_input_dataset_id_and_said(tmp_path, capsys):
+    """CELLxGENE's files carry an obs ``dataset_id`` of their own: kept as ``input_dataset_id`` (with a
+    note), not overwritten by the collection's ``dataset_id`` of each source (here from a sources
+    file, its ids; a source without the column gets nulls there)."""
+    genes = pd.DataFrame(index=[_ensg(i) for i in range(3)])
+    for name in ("x", "y"):
+        obs = pd.DataFrame({"dataset_id": [f"cxg-{name}"] * 2}, index=[f"{name}0", f"{name}1"])
+        _h5ad(tmp_path / f"{name}.h5ad", np.ones((2, 3)), genes, obs=obs)
+    _h5ad(tmp_path / "z.h5ad", np.ones((1, 3)), genes)
+    (tmp_path / "s.csv").write_text("path,dataset_id\nx.h5ad,X\ny.h5ad,Y\nz.h5ad,Z\n")
+    assert main(["--sources", str(tmp_path / "s.csv"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert (
+        "materialize: obs column dataset_id of 2 source(s) (X, Y) kept as input_dataset_id: the dataset's "
+        "dataset_id is the collection's id of each source (from its path, or the sources file's dataset_id)\n"
+        in capsys.readouterr().err
+    )
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.obs["dataset_id"].labels().tolist() == ["X", "X", "Y", "Y", "Z"]
+    assert ds.obs["input_dataset_id"].labels().tolist() == ["cxg-x", "cxg-x", "cxg-y", "cxg-y", None]
+
+
+def test_a_given_gene_list_reports_the_genes_it_drops_and_those_no_source_measured(tmp_path, capsys):
+    """``--genes`` a gene list: the sources' genes not in it are dropped, those of it no source
+    measured are columns of zeros; one note each (genes counted, not nonzeros)."""
+    _h5ad(tmp_path / "a.h5ad", np.eye(4), pd.DataFrame(index=[_ensg(i) for i in range(4)]))
+    _h5ad(tmp_path / "b.h5ad", np.eye(3), pd.DataFrame(index=[_ensg(i) for i in (3, 5, 6)]))
+    (tmp_path / "genes.txt").write_text(f"{_ensg(1)}\n{_ensg(5)}\n{_ensg(9)}\n")
+    genes = str(tmp_path / "genes.txt")
+    args = [str(tmp_path / "a.h5ad"), str(tmp_path / "b.h5ad"), str(tmp_path / "out"), "--genes", genes]
+    assert main([*args, "--no-progress"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--genes" in line]
+    assert notes == [
+        f"materialize: --genes {genes}: 4 of the sources' 6 genes are not in it and were dropped, with their "
+        f"values: a ({tmp_path / 'a.h5ad'}): 3 ({_ensg(0)}, {_ensg(2)}, {_ensg(3)}); "
+        f"b ({tmp_path / 'b.h5ad'}): 2 ({_ensg(3)}, {_ensg(6)})",
+        f"materialize: --genes {genes}: 1 of its 3 gene(s) measured by no source ({_ensg(9)}): their "
+        "columns are all zeros, and presence marks them unmeasured",
+    ]
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["ensembl_id"].tolist() == [_ensg(1), _ensg(5), _ensg(9)]
+    assert ds.measured_genes("a").tolist() == [True, False, False]
+    assert main([*args[:2], str(tmp_path / "both"), "--genes", "intersection", "--no-progress"]) == 0
+    assert "dropped" not in capsys.readouterr().err  # dropping them is the point of an intersection
+
+
+def test_a_table_source_without_a_gene_table_is_told_where_to_put_one(tmp_path, capsys):
+    """A list-column source without a gene table has token ids only, which a collection cannot
+    match across sources: the error says so and names the file to put beside it."""
+    for name in ("small", "big"):
+        (tmp_path / name).mkdir()
+        pq.write_table(
+            pa.table(
+                {
+                    "cell_id": [f"{name}0"],
+                    "gene_token_id": pa.array([[0, 1]], pa.list_(pa.int32())),
+                    "gene_expression": pa.array([[1.0, 2.0]], pa.list_(pa.float32())),
+                }
+            ),
+            tmp_path / name / "cells.parquet",
+        )
+    paths = [str(tmp_path / n / "cells.parquet") for n in ("small", "big")]
+    assert main([*paths, str(tmp_path / "ds"), "--no-progress"]) == 2
+    assert (
+        f"error: small ({paths[0]}) has no gene table: its genes are token ids only, which a collection "
+        "cannot match across sources; put its gene table beside it as gene_metadata.parquet (columns "
+        "gene_token_id, ensembl_id), in its folder or one above\n" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "ds").exists()
 
 
 def test_uint64_obs_keep_their_values_beyond_int64(tmp_path):
