@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -234,6 +237,52 @@ def test_a_dataloader_built_by_hand_runs_workers_in_a_plain_script(ds, dataset_d
     assert run.returncode == 0, run.stderr[-2000:]
     first = next(iter(oj.make_loader(ds, batch_size=64, seed=3)))
     assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, which an init that does not reap leaves, has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_workers_end_when_the_process_that_started_them_is_killed(dataset_dir, tmp_path):
+    """A training process killed outright (SIGKILL, OOM, a preempted job) leaves no Grain worker
+    behind: Grain's own workers block forever on their full queue, re-parented to init."""
+    script = tmp_path / "killed.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import multiprocessing, os, signal
+        import grain
+        import omicsio_jax as oj
+
+        if __name__ == "__main__":
+            src = oj.GrainSource({str(dataset_dir)!r}, batch_size=16, seed=3, num_epochs=None)
+            loader = grain.DataLoader(
+                data_source=src, sampler=src.sampler(), read_options=src.read_options(), worker_count=2
+            )
+            it = iter(loader)
+            for _ in range(3):
+                next(it)
+            with open({str(tmp_path / "workers.txt")!r}, "w") as f:
+                print(*[p.pid for p in multiprocessing.active_children()], file=f)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    )
+    with open(tmp_path / "stderr.txt", "w") as stderr:  # a file: a worker left alive holds no pipe open
+        run = subprocess.run([sys.executable, str(script)], stdout=stderr, stderr=stderr, timeout=180)
+    assert run.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
+    workers = [int(pid) for pid in (tmp_path / "workers.txt").read_text().split()]
+    assert len(workers) >= 2  # the two workers (and Grain's resource tracker, if it started one)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(map(_running, workers)):
+        time.sleep(0.2)
+    alive = [pid for pid in workers if _running(pid)]
+    for pid in alive:  # not to leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []
 
 
 def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -35,6 +36,27 @@ from omicsio_jax.sampling.coverage import Tally
 from omicsio_jax.sampling.options import Block, Sampling
 from omicsio_jax.sampling.schedule import Schedule
 from omicsio_jax.storage.store import is_remote
+
+_watching = threading.Event()
+
+
+def _end_with_parent() -> None:
+    """In a child process that a `GrainSource` was pickled to (a Grain worker), a daemon thread that
+    ends the process once its parent is gone (waiting on the parent's sentinel, nothing polled).
+    Grain's workers outlive a parent that was killed (SIGKILL, OOM, a preempted job): each blocks
+    forever putting its next batch into a queue nobody reads, holds its memory and the parent's
+    stdout, and is re-parented to init (as Grain's own sources' workers are; PyTorch's DataLoader
+    workers watch their parent for the same reason)."""
+    parent = multiprocessing.parent_process()
+    if parent is None or _watching.is_set():
+        return
+    _watching.set()
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="omicsio-jax-parent-watch", daemon=True).start()
 
 
 class GrainWorkersWarning(UserWarning):
@@ -157,6 +179,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _end_with_parent()
 
     @property
     def cache_dir(self):
