@@ -216,3 +216,133 @@ def test_the_loop_fetches_metrics_once_per_window_not_per_step(dataset_dir, monk
     assert len(set(window)) == 1 and window[0] > 0
     assert all(0 <= r["data_wait_s"] <= r["step_time_s"] * 4 for r in lagged.history)
     assert all(r["tokens_per_s"] > 0 and r["padded_slots_per_s"] >= 0 for r in lagged.history)
+
+
+def _one_line_error(capsys) -> str:
+    """The one error line a refused command printed, without its ``omicsio-train: error: `` prefix."""
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("omicsio-train: error: "), err
+    return err.strip().removeprefix("omicsio-train: error: ")
+
+
+def test_pretrain_refuses_bad_counts_and_the_other_token_familys_options(dataset_dir, tmp_path, capsys):
+    """The counts the classifier refuses (its `check_counts`) are refused by pretrain too, named by
+    their flag, before anything is written: ``--keep 0`` kept no checkpoint (Orbax) or one (Equinox),
+    ``--checkpoint-every -1`` saved every step, ``--log-every 0`` divided by zero, ``--steps 0``
+    trained an epoch and ``--steps -1`` blamed the warm-up. An option of one token family given
+    with the other's tokens is refused, not ignored."""
+    ckpt = tmp_path / "k0"
+    orbax = ["--checkpoint-dir", str(ckpt), "--checkpoint-format", "orbax", "--checkpoint-every", "2"]
+    scgpt = ["--tokens", "scgpt"]
+    mistakes = {
+        "--keep must be a positive integer, got 0": [*orbax, "--keep", "0"],
+        "--checkpoint-every must be >= 0 (0: only at the end), got -1": ["--checkpoint-every", "-1"],
+        "--log-every must be a positive integer, got 0": ["--log-every", "0"],
+        "--sync-every must be a positive integer, got 0": ["--sync-every", "0"],
+        "--steps must be a positive integer, got 0": ["--steps", "0"],
+        "--steps must be a positive integer, got -1": ["--steps", "-1"],
+        "--max-len must be a positive integer, got 0": ["--max-len", "0"],
+        "--devices must be a positive integer, got 0": ["--devices", "0"],
+        "--binning tahoe is an option of scgpt tokens, but the tokens are geneformer: drop --binning": [
+            "--binning",
+            "tahoe",
+        ],
+        "--mask-mode exact is an option of scgpt tokens, but the tokens are geneformer: drop --mask-mode": [
+            "--mask-mode",
+            "exact",
+        ],
+        "--n-bins 11 is an option of scgpt tokens, but the tokens are geneformer: drop --n-bins": [
+            "--n-bins",
+            "11",
+        ],
+        "--medians m.tsv is an option of geneformer tokens, but the tokens are scgpt: drop --medians": [
+            *scgpt,
+            "--medians",
+            "m.tsv",
+        ],
+        "--no-special-tokens is an option of geneformer tokens, but the tokens are scgpt: drop "
+        "--no-special-tokens": [*scgpt, "--no-special-tokens"],
+    }
+    for message, extra in mistakes.items():
+        argv = ["pretrain", str(dataset_dir), *TINY, "--max-len", "16", "--steps", "4", *extra]
+        assert main(argv) == 2, message
+        assert _one_line_error(capsys) == message
+    assert not ckpt.exists()
+    config = parse_pretrain_config([str(dataset_dir), *scgpt, "--binning", "tahoe", "--mask-mode", "exact"])
+    config.validate()  # scGPT's own options pass
+
+
+def test_pretrain_metrics_carry_each_epochs_coverage_audit(tmp_path):
+    """As the classifier's, pretrain's metrics line of each epoch's last step carries the loader's
+    coverage audit of that epoch, also when one window of unsynced steps spans several epochs."""
+    from materialize import make_synthetic_corpus
+
+    corpus = make_synthetic_corpus(tmp_path / "c", num_cells=96, num_genes=300, seed=3, progress=False)
+    materialize(corpus.cells_parquet, tmp_path / "ds", progress=False)
+    ckpt = tmp_path / "pt"
+    argv = [*_args(tmp_path / "ds", "geneformer", "--epochs", "3", "--sync-every", "20"), "--checkpoint-dir"]
+    assert main([*argv, str(ckpt)]) == 0  # 6 steps an epoch, all 18 in one window after step 1
+    records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 19))
+    audited = [(r["step"], r["coverage"]) for r in records if "coverage" in r]
+    assert [(step, c["epoch"]) for step, c in audited] == [(6, 0), (12, 1), (18, 2)]
+    assert all(c["complete"] and c["served_cells"] == c["planned_cells"] == 96 for _, c in audited)
+    meta = json.loads(next(ckpt.glob("step-*/meta.json")).read_text())
+    assert meta["coverage"] == audited[-1][1]  # the final checkpoint's audit: the last epoch's
+
+
+def test_embed_and_finetune_refuse_options_a_pretraining_checkpoint_decides(dataset_dir, tmp_path, capsys):
+    """A pretraining checkpoint tokenizes as its run did: the token options (for published checkpoints)
+    are refused, naming the run's value, not ignored; an error names the flag that gave the
+    checkpoint; a batch size of 0 is refused, not read as "the run's"."""
+    ckpt, out = tmp_path / "pt", str(tmp_path / "e.npy")
+    assert main([*_args(dataset_dir, "geneformer", "--steps", "1"), "--checkpoint-dir", str(ckpt)]) == 0
+    embed_ = ["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", out]
+    finetune = ["finetune", str(dataset_dir), "--init", str(ckpt), "--label", "drug"]
+    finetune += ["--eval-where", "batch = 'plate_00'", "--steps", "1", "--quiet"]
+    run = f"{ckpt} is an omicsio-train pretrain checkpoint, which tokenizes as its run did"
+    options = "the token options are for a published checkpoint (--init hf:DIR or scgpt:DIR)"
+    mistakes = {
+        f"--tokens scgpt: {run} (tokens: geneformer); {options}: drop --tokens": [
+            *embed_,
+            "--tokens",
+            "scgpt",
+            "--max-len",
+            "32",
+        ],
+        f"--max-len 32: {run} (max_len: 24); {options}: drop --max-len": [*embed_, "--max-len", "32"],
+        f"--vocab v.tsv: {run} (vocab: the default); {options}: drop --vocab": [
+            *finetune,
+            "--vocab",
+            "v.tsv",
+        ],
+        f"--no-special-tokens: {run} (special_tokens: True); {options}: drop --no-special-tokens": [
+            *finetune,
+            "--no-special-tokens",
+        ],
+        "--batch-size must be a positive integer, got 0": [*embed_, "--batch-size", "0"],
+        "--checkpoint-dir nowhere: not a directory of omicsio-train pretrain checkpoints (a published "
+        "checkpoint goes in --init hf:DIR or scgpt:DIR)": [
+            "embed",
+            str(dataset_dir),
+            "--checkpoint-dir",
+            "nowhere",
+            "--out",
+            out,
+        ],
+        "--no-special-tokens is an option of geneformer tokens, but the tokens are scgpt: drop "
+        "--no-special-tokens": [
+            "embed",
+            str(dataset_dir),
+            "--init",
+            "scgpt:nowhere",
+            "--no-special-tokens",
+            "--out",
+            out,
+        ],
+    }
+    capsys.readouterr()
+    for message, argv in mistakes.items():
+        assert main(argv) == 2, message
+        assert _one_line_error(capsys) == message
+    assert not (tmp_path / "e.npy").exists()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import omicsio_jax as oj
 
-from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig
+from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig, check_counts
 from ._finetune_config import add_batch_arguments
 from ._loop import fit
 from ._model import MODELS
@@ -292,7 +292,7 @@ def _embed(argv: list[str]) -> int:
         "embedding); cls: position 0 (scGPT's) (default: mean for geneformer, cls for scgpt)",
     )
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's (64 with --init)")
-    g = p.add_argument_group("tokens (with --init)")
+    g = p.add_argument_group("tokens (with --init only: a --checkpoint-dir run tokenizes as it did)")
     g.add_argument("--tokens", choices=KINDS, default=None, help="default: the checkpoint's family")
     g.add_argument("--max-len", type=int, default=None, help="default: 2048 geneformer, 1201 scgpt")
     g.add_argument(
@@ -302,11 +302,13 @@ def _embed(argv: list[str]) -> int:
     g.add_argument("--medians", help="Geneformer gene medians keyed on Ensembl id (default: the dataset's)")
     _special_tokens_argument(g)
     args = p.parse_args(argv)
+    check_counts(args, (), ("batch_size", "max_len"), flags=True)
     check_paths(args)
     ds = oj.open_dataset(args.dataset)
     model, config, source, coverage = load_encoder(
         args.checkpoint_dir or args.init,
         ds,
+        flag="--init" if args.checkpoint_dir is None else "--checkpoint-dir",
         tokens=args.tokens,
         max_len=args.max_len,
         vocab=args.vocab,

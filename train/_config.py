@@ -27,6 +27,45 @@ _FREE_ON_RESUME = (
 )
 
 
+# the counts every training command with checkpoints shares: positive integers, and
+# ``checkpoint_every`` >= 0 (`check_counts`)
+COUNTS = ("batch_size", "block_size", "fetch_factor", "epochs", "keep", "log_every")
+# what 0 means for the counts that may be 0 (`check_counts`)
+_ZERO_MEANS = {"checkpoint_every": "only at the end"}
+# options whose command-line flag is not their name
+_FLAGS = {"num_devices": "--devices", "special_tokens": "--no-special-tokens"}
+
+
+def option_name(name: str, *, flags: bool) -> str:
+    """How an error names the option ``name``: its command-line flag (``flags``), else the name."""
+    return _FLAGS.get(name, f"--{name.replace('_', '-')}") if flags else name
+
+
+def given_option(name: str, value: object) -> str:
+    """The command-line words that give option ``name`` this ``value``: ``--binning tahoe``, or the
+    flag alone for a switch (``--no-special-tokens``)."""
+    flag = option_name(name, flags=True)
+    return flag if isinstance(value, bool) else f"{flag} {value}"
+
+
+def check_counts(
+    options: object, positive: tuple[str, ...], optional: tuple[str, ...] = (), *, flags: bool = False
+) -> None:
+    """Raise `TrainError` for the first of ``positive`` that is not a positive integer, of ``optional``
+    that is neither None nor one, or a ``checkpoint_every`` (where ``options`` has one) below 0;
+    naming the option as `option_name` does."""
+    for name in (*positive, *optional):
+        value = getattr(options, name)
+        if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
+            msg = f"{option_name(name, flags=flags)} must be a positive integer, got {value!r}"
+            raise TrainError(msg)
+    for name, zero in _ZERO_MEANS.items():
+        value = getattr(options, name, 0)
+        if not isinstance(value, int) or value < 0:
+            msg = f"{option_name(name, flags=flags)} must be >= 0 (0: {zero}), got {value!r}"
+            raise TrainError(msg)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A training run. ``dataset`` is a directory written by ``omicsio-materialize``; ``label`` a
@@ -75,25 +114,11 @@ class TrainConfig:
         if self.sampling not in SAMPLINGS:
             msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"
             raise TrainError(msg)
-        positive = (
-            "batch_size",
-            "block_size",
-            "fetch_factor",
-            "epochs",
-            "hidden",
-            "keep",
-            "log_every",
-            "num_threads",
-            "prefetch",
+        check_counts(
+            self,
+            (*COUNTS, "hidden", "num_threads", "prefetch"),
+            ("steps", "eval_batch_size", "num_devices"),
         )
-        for name in positive + ("steps", "eval_batch_size", "num_devices"):
-            value = getattr(self, name)
-            if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
-                msg = f"{name} must be a positive integer, got {value!r}"
-                raise TrainError(msg)
-        if self.checkpoint_every < 0:
-            msg = f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}"
-            raise TrainError(msg)
         if self.auto_tune < 0:
             msg = f"auto_tune must be >= 0 seconds (0: off), got {self.auto_tune!r}"
             raise TrainError(msg)

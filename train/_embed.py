@@ -13,6 +13,7 @@ import optax
 
 import omicsio_jax as oj
 
+from ._config import given_option, option_name
 from ._errors import TrainError
 from ._gene_order import check_gene_order
 from ._loop import label_column, make_data_mesh, open_checkpoints
@@ -47,7 +48,7 @@ def embed(
     rows = np.arange(ds.num_cells) if rows is None else np.asarray(rows, np.int64)
     loader = oj.make_loader(
         ds,
-        batch_size=batch_size or config.batch_size,
+        batch_size=config.batch_size if batch_size is None else batch_size,
         sampling=oj.Stream(fetch_factor=config.fetch_factor, drop_remainder=False),
         output=config.output(masked=False),
         rows=rows,
@@ -264,20 +265,28 @@ def load_encoder(
     vocab: str | None = None,
     medians: str | None = None,
     special_tokens: bool = True,
+    flag: str = "--init",
 ) -> tuple[eqx.Module, PretrainConfig, str, str | None]:
     """The pretrained model of ``spec`` — ``"hf:DIR"``, ``"scgpt:DIR"`` or an ``omicsio-train pretrain``
     checkpoint directory — with the `PretrainConfig` whose ``output(masked=False)`` tokenizes
     ``ds`` for it, a description of where it came from, and (published checkpoints) the line saying
-    how many of the dataset's genes the vocabulary covers. The token options apply to published
-    checkpoints; a pretraining checkpoint keeps its run's."""
-    if not spec.startswith(("hf:", "scgpt:")):
+    how many of the dataset's genes the vocabulary covers. ``flag``: the option that gave ``spec``
+    (errors name it); ``"--checkpoint-dir"`` takes a pretraining checkpoint directory only. The token
+    options apply to published checkpoints: a pretraining checkpoint tokenizes as its run did, and
+    refuses them (`_refuse_token_options`)."""
+    if flag == "--checkpoint-dir" or not spec.startswith(("hf:", "scgpt:")):
         if not Path(spec).is_dir():
-            msg = (
-                f"--init {spec}: not hf:DIR (Geneformer), scgpt:DIR or a directory of "
-                "omicsio-train pretrain checkpoints"
+            what = (
+                "not a directory of omicsio-train pretrain checkpoints (a published checkpoint goes in "
+                "--init hf:DIR or scgpt:DIR)"
+                if flag == "--checkpoint-dir"
+                else "not hf:DIR (Geneformer), scgpt:DIR or a directory of omicsio-train pretrain checkpoints"
             )
+            msg = f"{flag} {spec}: {what}"
             raise TrainError(msg)
         model, config, meta = load_pretrained(spec)
+        given = {"tokens": tokens, "max_len": max_len, "vocab": vocab, "medians": medians}
+        _refuse_token_options(config, spec, {**given, "special_tokens": None if special_tokens else False})
         check_gene_order(meta, ds, spec)
         return model, config, f"{config.tokens} {config.init or config.preset}, step {meta['step']}", None
     config = PretrainConfig(
@@ -290,6 +299,7 @@ def load_encoder(
         special_tokens=special_tokens,
         init=spec,
     )
+    config.check_token_options()
     ckpt = open_init(config)
     config = with_init_vocab(config, ckpt)
     probe = oj.make_loader(ds, batch_size=1, output=config.output(masked=False))
@@ -298,3 +308,18 @@ def load_encoder(
     finally:
         probe.close()
     return ckpt.model, config, f"{config.tokens} from {ckpt.path}", line
+
+
+def _refuse_token_options(config: PretrainConfig, spec: str, given: dict) -> None:
+    """A one-line error naming the first token option of ``given`` (None: not given) and the value the
+    pretraining checkpoint ``spec``'s run tokenized with (``config``): such a checkpoint decides them."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        saved = config.length if name == "max_len" else getattr(config, name)
+        msg = (
+            f"{given_option(name, value)}: {spec} is an omicsio-train pretrain checkpoint, which tokenizes "
+            f"as its run did ({name}: {'the default' if saved is None else saved}); the token options are "
+            f"for a published checkpoint (--init hf:DIR or scgpt:DIR): drop {option_name(name, flags=True)}"
+        )
+        raise TrainError(msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ._config import check_counts
 from ._errors import TrainError
 from ._paths import check_paths
 from ._transformer import KINDS
@@ -62,12 +63,12 @@ class FinetuneConfig:
         if self.tokens is not None and self.tokens not in KINDS:
             msg = f"--tokens must be one of {', '.join(KINDS)}; got {self.tokens!r}"
             raise TrainError(msg)
-        positive = ("batch_size", "block_size", "fetch_factor", "epochs", "probe_cells", "log_every")
-        for name in (*positive, "steps", "eval_batch_size", "num_devices", "num_threads", "max_len"):
-            value = getattr(self, name)
-            if (value is not None or name in positive) and (not isinstance(value, int) or value < 1):
-                msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
-                raise TrainError(msg)
+        check_counts(
+            self,
+            ("batch_size", "block_size", "fetch_factor", "epochs", "probe_cells", "log_every"),
+            ("steps", "eval_batch_size", "num_devices", "num_threads", "max_len"),
+            flags=True,
+        )
         for name in ("lr", "encoder_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -138,6 +138,14 @@ def _output(config: TrainConfig) -> oj.Dense:
     return oj.Dense(normalize=None if config.normalize_on_device else "normalize_log1p")
 
 
+def epoch_coverage(loader, step: int, per_epoch: int) -> dict:
+    """``{"coverage": ...}``, the loader's audit of the epoch that ``step`` ends, for the metrics record
+    of each epoch's last step (taken right after that step's batch); ``{}`` for the other steps."""
+    if step % per_epoch:
+        return {}
+    return {"coverage": loader.coverage((step - 1) // per_epoch).to_dict()}
+
+
 def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | None, store, say) -> TrainConfig:
     """``config`` with the block size, fetch factor and threads `oj.tune` measures fastest at 0.98 × true
     random's label entropy; a resumed run keeps its checkpoint's (they decide the batches)."""
@@ -282,8 +290,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
                 "cells_per_s": round(config.batch_size / elapsed, 1),
                 "data_wait_s": round(t1 - t0, 6),
             }
-            if step % per_epoch == 0:  # the loader audited the epoch that just ended
-                record["coverage"] = loader.coverage(record["epoch"]).to_dict()
+            record.update(epoch_coverage(loader, step, per_epoch))
             history.append(record)
             timings.append((elapsed, t1 - t0))
             if log is not None:

@@ -32,7 +32,7 @@ from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
 from ._embed import probe_pretraining
 from ._gene_order import gene_order
-from ._loop import label_column, make_data_mesh, open_checkpoints, restorable
+from ._loop import epoch_coverage, label_column, make_data_mesh, open_checkpoints, restorable
 from ._metrics import MetricsLog
 from ._preempt import Preemption
 from ._pretrain_config import DEFAULT_MAX_LEN as DEFAULT_MAX_LEN
@@ -103,13 +103,13 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             sampling=oj.Block(config.block_size, config.fetch_factor),
             output=config.output(),
             seed=config.seed,
-            num_epochs=None if config.steps else config.epochs,
+            num_epochs=config.epochs if config.steps is None else None,
             placement=mesh,
             read=oj.ReadOptions(num_threads=config.num_threads, prefetch=config.prefetch),
         )
         cleanup.callback(loader.close)
         per_epoch = loader.steps_per_epoch
-        total = config.steps or config.epochs * per_epoch
+        total = config.epochs * per_epoch if config.steps is None else config.steps
         init_key, key = jax.random.split(jax.random.key(config.seed))
         if init is not None:
             say(check_vocabulary(config, loader.output.vocabulary, init, ds))
@@ -148,7 +148,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             nonlocal window_start
             losses, reals = fetch_metrics(pending)
             elapsed = (time.perf_counter() - window_start) / len(pending)
-            for (step, wait, _, _), loss, real in zip(pending, losses, reals, strict=True):
+            for (step, wait, _, _, coverage), loss, real in zip(pending, losses, reals, strict=True):
                 record = {
                     "step": step,
                     "epoch": (step - 1) // per_epoch,
@@ -162,6 +162,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
                 if config.peak_tflops:
                     mfu = flops * config.batch_size / elapsed / (config.peak_tflops * 1e12)
                     record["mfu"] = round(mfu, 5)
+                record.update(coverage)
                 history.append(record)
                 if log is not None:
                     log.write(record)
@@ -205,7 +206,10 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
             batch = next(batches)
             wait = time.perf_counter() - t0
             model, opt_state, loss = step_fn(model, opt_state, batch.x, key, np.asarray(step, np.uint32))
-            pending.append((step, wait, loss, _count_real(batch.x[real_key], real_is_true)))
+            # the epoch's coverage audit now: the loader keeps only the last ended epoch's, and a
+            # window of pending steps may span several
+            coverage = epoch_coverage(loader, step, per_epoch)
+            pending.append((step, wait, loss, _count_real(batch.x[real_key], real_is_true), coverage))
             saved = config.checkpoint_dir is not None and (
                 step == total or (config.checkpoint_every and step % config.checkpoint_every == 0)
             )

@@ -15,6 +15,7 @@ import optax
 
 import omicsio_jax as oj
 
+from ._config import COUNTS, check_counts, given_option, option_name
 from ._errors import TrainError
 from ._hf import PublishedCheckpoint
 from ._layers import with_dropout
@@ -26,6 +27,14 @@ DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
 # the share of positions masked, as each reference pretrains: Hugging Face's MLM collator (Geneformer)
 # and scGPT's pretraining script (``--mask-ratio 0.4``)
 DEFAULT_MASK_PROB = {"geneformer": 0.15, "scgpt": 0.4}
+# the options of one token family only: given with the other family's tokens, they are refused
+_FAMILY_OPTIONS = {
+    "binning": "scgpt",
+    "mask_mode": "scgpt",
+    "n_bins": "scgpt",
+    "medians": "geneformer",
+    "special_tokens": "geneformer",
+}
 _NOT_IDENTITY = (
     "resume",
     "checkpoint_dir",
@@ -114,11 +123,23 @@ class PretrainConfig:
         if self.compute_dtype not in ("float32", "bfloat16"):
             msg = f"--compute-dtype must be float32 or bfloat16; got {self.compute_dtype!r}"
             raise TrainError(msg)
-        for name in ("batch_size", "epochs", "probe_cells", "sync_every"):
-            if getattr(self, name) < 1:
-                msg = f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                raise TrainError(msg)
+        check_counts(
+            self, (*COUNTS, "sync_every", "probe_cells"), ("steps", "max_len", "num_devices"), flags=True
+        )
+        self.check_token_options()
         check_paths(self)
+
+    def check_token_options(self) -> None:
+        """Raise `TrainError` for an option of the other token family than ``tokens`` given (not at
+        its default): ``binning``, ``mask_mode`` and ``n_bins`` are scGPT's, ``medians`` and
+        ``special_tokens`` Geneformer's."""
+        for name, family in _FAMILY_OPTIONS.items():
+            value = getattr(self, name)
+            if family == self.tokens or value == PretrainConfig.__dataclass_fields__[name].default:
+                continue
+            given, flag = given_option(name, value), option_name(name, flags=True)
+            msg = f"{given} is an option of {family} tokens, but the tokens are {self.tokens}: drop {flag}"
+            raise TrainError(msg)
 
     @property
     def length(self) -> int:
