@@ -17,9 +17,12 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
+
+import numba as nb
 
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import usable_cores
@@ -55,6 +58,7 @@ def serve(fd: int) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    threading.Thread(target=_start_numba, name="omicsio-numba-start", daemon=True).start()
     conn = Connection(fd)
     job = None
     scratch = Scratch()  # this worker's memory and shard writer, reused from one partition to the next
@@ -85,6 +89,19 @@ def serve(fd: int) -> None:
         return
     finally:
         scratch.close()
+
+
+@nb.njit(cache=True)
+def _one(x):  # pragma: no cover - compiled
+    return x + 1
+
+
+def _start_numba() -> None:
+    """numba's start (its compiler's and type registries' setup, ~0.3 s, paid by the first kernel a
+    process calls) while the worker waits for its job and unpickles it; its first partition then
+    loads its kernels from the cache at once. A collection's workers start as its sources open, so
+    this overlaps the opening too."""
+    _one(1)
 
 
 class _Worker:
