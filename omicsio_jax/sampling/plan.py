@@ -340,32 +340,27 @@ class SamplingPlan:
 def _draw_blocks(
     rng: np.random.Generator, p: np.ndarray, short: int, block_size: int, cells: int
 ) -> np.ndarray:
-    """Blocks drawn with replacement with probabilities ``p``: one per block, then more until they hold
-    ``cells`` cells (the last block lacks ``short`` cells: each time it is drawn, the order falls short).
-    Without a short block this is the single draw it always was."""
-    num_blocks = len(p)
-    blocks = rng.choice(num_blocks, size=num_blocks, replace=True, p=p)
-    if not short:
-        return blocks
+    """`_draw` over blocks of ``block_size`` cells but the last, which lacks ``short`` cells (each time
+    it is drawn, the order falls short). Without a short block this is the single draw it always was."""
+    last = len(p) - 1
     mean = block_size - short * float(p[-1])  # cells a drawn block holds, on average (at least 1)
-    held = len(blocks) * block_size - short * np.count_nonzero(blocks == num_blocks - 1)
-    drawn = [blocks]
-    while held < cells:
-        more = rng.choice(num_blocks, size=math.ceil((cells - held) / mean), replace=True, p=p)
-        held += len(more) * block_size - short * np.count_nonzero(more == num_blocks - 1)
-        drawn.append(more)
-    return np.concatenate(drawn)
+    return _draw(rng, p, cells, mean, lambda b: len(b) * block_size - short * np.count_nonzero(b == last))
 
 
 def _draw_runs(rng: np.random.Generator, p: np.ndarray, lengths: np.ndarray, cells: int) -> np.ndarray:
-    """`_draw_blocks` for blocks of any ``lengths``: one draw per block, then more until they hold
-    ``cells`` cells."""
+    """`_draw` over blocks of any ``lengths``."""
+    return _draw(rng, p, cells, max(float(p @ lengths), 1.0), lambda b: int(lengths[b].sum()))
+
+
+def _draw(rng: np.random.Generator, p: np.ndarray, cells: int, mean: float, held_by) -> np.ndarray:
+    """Blocks drawn with replacement with probabilities ``p``: one per block, then more until they hold
+    ``cells`` cells (``held_by(blocks)``: the cells those blocks hold; ``mean``: what a drawn block
+    holds on average, which sizes each further draw)."""
     blocks = rng.choice(len(p), size=len(p), replace=True, p=p)
-    held, mean = int(lengths[blocks].sum()), max(float(p @ lengths), 1.0)
-    drawn = [blocks]
+    held, drawn = held_by(blocks), [blocks]
     while held < cells:
         more = rng.choice(len(p), size=math.ceil((cells - held) / mean), replace=True, p=p)
-        held += int(lengths[more].sum())
+        held += held_by(more)
         drawn.append(more)
     return np.concatenate(drawn)
 
