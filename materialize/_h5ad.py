@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import is_remote
+from omicsio_jax.format import as_input_path, is_remote
 
 from ._anndata_elements import (
     Frame,
@@ -68,6 +68,13 @@ def _sort_rows(indptr, indices, data):
             data[lo:hi] = data[lo:hi][order]
 
 
+def open_h5(path) -> h5py.File:
+    """An HDF5 input (``.h5ad``, ``.h5mu``) open for reading: an ``s3://`` object through fsspec in
+    8 MiB ranges (h5py reads any file-like object)."""
+    remote = is_remote(str(path))
+    return h5py.File(as_input_path(str(path)).open("rb", block_size=8 << 20) if remote else path, "r")
+
+
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
@@ -98,14 +105,7 @@ class H5adSource(Source):
 
     def _open(self) -> None:
         try:
-            # an s3:// object is read through fsspec in 8 MiB ranges (h5py reads any file-like object)
-            self._file = (
-                open_zarr(self.path)
-                if is_zarr(self.path)
-                else h5py.File(
-                    self.path.open("rb", block_size=8 << 20) if is_remote(self.path) else self.path, "r"
-                )
-            )
+            self._file = open_zarr(self.path) if is_zarr(self.path) else open_h5(self.path)
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
             self._obs_frame = Frame(self._root["obs"], self._root.get("uns"))

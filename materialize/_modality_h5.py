@@ -3,21 +3,19 @@ modalities aligned with the primary through MuData's ``obsmap`` (or by obs names
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import DataValidationError
-from omicsio_jax.format import as_input_path, is_remote, take_rows
+from omicsio_jax.format import take_rows
 
 from ._anndata_elements import Frame
 from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
-from ._h5ad import H5adSource
+from ._h5ad import H5adSource, open_h5
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, require_file
 from ._validate import UniqueStrings
@@ -26,22 +24,11 @@ _GAP_ROWS = 64  # .h5mu rows closer than this are read in one range
 _NAME_ROWS = 1 << 18  # obs names read at once when checking they are unique
 
 
-@contextlib.contextmanager
-def _h5(path) -> Iterator[h5py.File]:
-    """The ``.h5mu`` at ``path`` open for reading: an ``s3://`` object through fsspec in 8 MiB ranges,
-    as `H5adSource` reads one."""
-    with contextlib.ExitStack() as stack:
-        source = str(path)
-        if is_remote(source):
-            source = stack.enter_context(as_input_path(source).open("rb", block_size=8 << 20))
-        yield stack.enter_context(h5py.File(source, "r"))
-
-
 def h5mu_modalities(path) -> list[str]:
     """The modality names of an ``.h5mu`` file (``mod/<name>``), in the file's ``mod-order``."""
     require_file(path)
     try:
-        with _h5(path) as f:
+        with open_h5(path) as f:
             mod = f["mod"]
             order = [n.decode() if isinstance(n, bytes) else str(n) for n in mod.attrs.get("mod-order", [])]
             return [n for n in order if n in mod] + sorted(n for n in mod if n not in order)
@@ -92,7 +79,7 @@ def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.nd
     MuData gives the second its own cell, which would otherwise read as a cell the primary lacks."""
     label = f"{path}"
     try:
-        with _h5(path) as f:
+        with open_h5(path) as f:
             for mod in (primary, name):
                 _refuse_repeated_names(f, path, mod, primary)
             if "obsmap" in f and primary in f["obsmap"] and name in f["obsmap"]:
