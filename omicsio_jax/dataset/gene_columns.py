@@ -21,8 +21,12 @@ def gene_columns(
 ) -> np.ndarray:
     """`omicsio_jax.Dataset.gene_columns` over a dataset's ``features`` table (``where``: the dataset,
     for messages)."""
-    keys = [key for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
-    lookup, shared = name_lookup([*(features[key].astype(str) for key in keys), *_coordinates(features)])
+    names = [features[key].astype(str) for key in ("ensembl_id", "gene_name", "peak_name") if key in features]
+    lookup, shared = name_lookup(names)
+    if any(not isinstance(g, (int, np.integer)) and str(g) not in lookup for g in genes):
+        # peaks by their coordinates: made only where a name is none of the table's own (a peak
+        # table's 10^5-10^6 of them, a gene table with chrom / start / end as well)
+        lookup, shared = name_lookup([*names, *_coordinates(features)])
     by_id: dict[str, int] = {}  # Ensembl ids without their version
     if "ensembl_id" in features:
         for col, value in enumerate(features["ensembl_id"].astype(str)):
