@@ -212,26 +212,36 @@ def test_worker_mistakes_become_one_line_errors(ds, dataset_dir, tmp_path):
     assert run.stdout.strip() == str(np.asarray(first.index)[:3].tolist())
 
 
-def test_a_dataloader_built_by_hand_runs_workers_in_a_plain_script(ds, dataset_dir, tmp_path):
-    """docs/grain.md's "build the DataLoader yourself": the source applies the absl-flags workaround
-    (grain#1355) itself. In a script of its own, as a user runs it: pytest may have parsed the flags."""
-    script = tmp_path / "by_hand.py"
+def _by_hand(script: Path, dataset_dir, batch_size: int, worker_count: int, then: str) -> Path:
+    """A script of its own, as a user writes one: a ``grain.DataLoader`` built by hand over a
+    `GrainSource` (seed 3, endless) with ``worker_count`` workers, then the lines ``then`` (which see
+    ``loader``)."""
     script.write_text(
         textwrap.dedent(f"""
         import grain
         import omicsio_jax as oj
 
         if __name__ == "__main__":
-            src = oj.GrainSource({str(dataset_dir)!r}, batch_size=64, seed=3, num_epochs=None)
+            src = oj.GrainSource({str(dataset_dir)!r}, batch_size={batch_size}, seed=3, num_epochs=None)
             loader = grain.DataLoader(
                 data_source=src,
                 sampler=src.sampler(),
                 read_options=src.read_options(),
                 operations=[],
-                worker_count=1,
+                worker_count={worker_count},
             )
-            print(next(iter(loader)).index[:3].tolist())
-    """)
+        """)
+        + textwrap.indent(textwrap.dedent(then).strip(), "    ")
+        + "\n"
+    )
+    return script
+
+
+def test_a_dataloader_built_by_hand_runs_workers_in_a_plain_script(ds, dataset_dir, tmp_path):
+    """docs/grain.md's "build the DataLoader yourself": the source applies the absl-flags workaround
+    (grain#1355) itself. In a script of its own, as a user runs it: pytest may have parsed the flags."""
+    script = _by_hand(
+        tmp_path / "by_hand.py", dataset_dir, 64, 1, "print(next(iter(loader)).index[:3].tolist())"
     )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -251,26 +261,16 @@ def _running(pid: int) -> bool:
 def test_workers_end_when_the_process_that_started_them_is_killed(dataset_dir, tmp_path):
     """A training process killed outright (SIGKILL, OOM, a preempted job) leaves no Grain worker
     behind: Grain's own workers block forever on their full queue, re-parented to init."""
-    script = tmp_path / "killed.py"
-    script.write_text(
-        textwrap.dedent(f"""
+    then = f"""
         import multiprocessing, os, signal
-        import grain
-        import omicsio_jax as oj
-
-        if __name__ == "__main__":
-            src = oj.GrainSource({str(dataset_dir)!r}, batch_size=16, seed=3, num_epochs=None)
-            loader = grain.DataLoader(
-                data_source=src, sampler=src.sampler(), read_options=src.read_options(), worker_count=2
-            )
-            it = iter(loader)
-            for _ in range(3):
-                next(it)
-            with open({str(tmp_path / "workers.txt")!r}, "w") as f:
-                print(*[p.pid for p in multiprocessing.active_children()], file=f)
-            os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    )
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        with open({str(tmp_path / "workers.txt")!r}, "w") as f:
+            print(*[p.pid for p in multiprocessing.active_children()], file=f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    script = _by_hand(tmp_path / "killed.py", dataset_dir, 16, 2, then)
     with open(tmp_path / "stderr.txt", "w") as stderr:  # a file: a worker left alive holds no pipe open
         run = subprocess.run([sys.executable, str(script)], stdout=stderr, stderr=stderr, timeout=180)
     assert run.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
