@@ -33,7 +33,7 @@ from omicsio_jax.format import (
 )
 
 from ._collection_sources import DATASET_ID, Sources
-from ._genespace import UNION, GeneSpace
+from ._genespace import UNION, GeneSpace, first_few
 from ._plan import Partition, whole_partitions
 from ._source import Batch, Source, decoded_again_note, obs_kind
 from ._validate import GeneIndex
@@ -130,9 +130,8 @@ class CollectionSource(Source):
                 for i, m in zip(self.sources.dataset_ids, self.members, strict=True)
                 if DATASET_ID in m.obs_columns
             ]
-            shown = ", ".join(having[:3]) + (", ..." if len(having) > 3 else "")
             notes.append(
-                f"obs column {DATASET_ID} of {len(having):,} source(s) ({shown}) kept as {renamed}: the "
+                f"obs column {DATASET_ID} of {len(having):,} source(s) ({first_few(having)}) kept as {renamed}: the "
                 f"dataset's {DATASET_ID} is the collection's id of each source (from its path, or the "
                 "sources file's dataset_id)"
             )

@@ -190,7 +190,7 @@ def _by_symbol_where_null(keys: GeneKeys, label: str, notes: list[str]) -> pa.Ar
     if by_symbol:
         named = pc.filter(keys.symbols, pc.is_null(keys.ids)).drop_null()
         notes.append(
-            f"{label}: {by_symbol:,} gene(s) without an id in {keys.column} ({_first_few(named)}) kept "
+            f"{label}: {by_symbol:,} gene(s) without an id in {keys.column} ({first_few(named)}) kept "
             "under their symbol, as genes without an Ensembl id"
         )
     if ids.null_count:
@@ -250,14 +250,15 @@ def _check_given(genes: str | Path, order: pa.Array, members: list[dict]) -> Non
         raise DataValidationError(msg)
 
 
-def _first_few(values: pa.Array) -> str:
+def first_few(values: pa.Array | list[str]) -> str:
     """The first `_SHOWN` of the text ``values``, as a note names them (``A, B, C, ...``)."""
-    return ", ".join(values.slice(0, _SHOWN).to_pylist()) + (", ..." if len(values) > _SHOWN else "")
+    shown = values.slice(0, _SHOWN).to_pylist() if isinstance(values, pa.Array) else values[:_SHOWN]
+    return ", ".join(shown) + (", ..." if len(values) > _SHOWN else "")
 
 
 def _shown(label: str, genes: pa.Array) -> str:
     """A source and the first of its ``genes`` a note names: ``a (a.h5ad): 296 (ENSG…, ENSG…, ...)``."""
-    return f"{label}: {len(genes):,} ({_first_few(genes)})"
+    return f"{label}: {len(genes):,} ({first_few(genes)})"
 
 
 def _given_notes(
@@ -277,7 +278,7 @@ def _given_notes(
     if len(unmeasured):
         notes.append(
             f"--genes {genes}: {len(unmeasured):,} of its {len(order):,} gene(s) measured by no source "
-            f"({_first_few(order.take(from_numpy(unmeasured)))}): their columns are all zeros, and "
+            f"({first_few(order.take(from_numpy(unmeasured)))}): their columns are all zeros, and "
             "presence marks them unmeasured"
         )
     return notes
