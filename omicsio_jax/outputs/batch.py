@@ -150,7 +150,10 @@ def put_arrays(arrays: list, sharding: jax.sharding.Sharding) -> list[jax.Array]
         return None
     out = []
     for a in arrays:
-        aval = _ShapedArray(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+        dtype = jax.dtypes.canonicalize_dtype(a.dtype)  # int64 → int32 unless x64 is on, as jax's calls do
+        if dtype != a.dtype:  # converted here: not every jax's last call converts
+            a = a.astype(dtype)
+        aval = _ShapedArray(a.shape, dtype)
         where = sharding.addressable_devices_indices_map(a.shape)  # device → its slice of ``a``
         shards = [a] if len(where) == 1 else [a[i] for i in where.values()]
         out.append(_device_put(aval, sharding, shards, list(where)))
@@ -162,7 +165,7 @@ _PLAIN_KINDS = frozenset("biuf")  # bool, integers, floats: what a host batch ho
 
 def _private_device_put():
     """jax's ``pxla.batched_device_put`` and ``core.ShapedArray``, if this jax has them with the
-    signature `put_arrays` calls (jax >= 0.4.35 has); else ``(None, None)``."""
+    signature `put_arrays` calls (unchanged from jax 0.4.3x to 0.10); else ``(None, None)``."""
     try:
         from jax._src.core import ShapedArray
         from jax._src.interpreters.pxla import batched_device_put
