@@ -96,6 +96,7 @@ class CollectionSource(Source):
         self._firsts = np.concatenate([[0], np.cumsum([m.num_cells for m in members])]).astype(np.int64)
         self.num_cells = int(self._firsts[-1])
         self._inputs: dict[str, str] = {}  # obs kept under another name: the dataset's name -> the sources'
+        self.obs_notes: dict[str, str] = {}
         self.obs_columns, self.notes = self._obs_types()
         self.description = {
             "kind": "collection",
@@ -112,7 +113,8 @@ class CollectionSource(Source):
         """The obs columns' types (the sources' own and the per-source ones, unified), and a note for
         each per-source obs of a type no obs column can hold (left out). A source's own obs
         ``dataset_id`` is kept as ``input_dataset_id`` (``input_dataset_id_2``, ... if that is taken),
-        said in a note: the dataset's ``dataset_id`` is the collection's id of each source."""
+        said in ``obs_notes`` (where that column is kept): the dataset's ``dataset_id`` is the
+        collection's id of each source."""
         given: dict[str, list[pa.DataType]] = {}
         for m in self.members:
             for name, dtype in m.obs_columns.items():
@@ -130,7 +132,7 @@ class CollectionSource(Source):
                 for i, m in zip(self.sources.dataset_ids, self.members, strict=True)
                 if DATASET_ID in m.obs_columns
             ]
-            notes.append(
+            self.obs_notes[renamed] = (
                 f"obs column {DATASET_ID} of {len(having):,} source(s) ({first_few(having)}) kept as {renamed}: the "
                 f"dataset's {DATASET_ID} is the collection's id of each source (from its path, or the "
                 "sources file's dataset_id)"

@@ -204,6 +204,17 @@ def one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal
 
 
 def choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
+    """The obs columns to write: ``obs`` (checked against the source's), or every one of the
+    source's but the cell statistics; a note of the source's (`Source.obs_notes`) goes to stderr
+    for each column kept."""
+    chosen = _chosen_obs(src, obs)
+    for name in chosen:
+        if name in src.obs_notes:
+            print(f"materialize: {src.obs_notes[name]}", file=sys.stderr)
+    return chosen
+
+
+def _chosen_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     if obs is None:
         return [name for name in src.obs_columns if name not in CELL_STATS]
     unknown = [name for name in obs if name not in src.obs_columns]

@@ -72,7 +72,8 @@ class Batch:
 
 
 class Source:
-    """An input: ``genes`` (gene table), ``num_cells``, ``obs_columns`` (name → Arrow type), its
+    """An input: ``genes`` (gene table), ``num_cells``, ``obs_columns`` (name → Arrow type) and
+    ``obs_notes`` (name → what to say if that column is kept, `choose_obs`), its
     partitions (`plan`) and the cells of one of them (`batches`). A source pickles without its open
     files or connections, to be read by partition workers in other processes."""
 
@@ -81,6 +82,7 @@ class Source:
     genes: pa.Table
     num_cells: int
     obs_columns: dict[str, pa.DataType]
+    obs_notes: dict[str, str] = {}  # noqa: RUF012 - read only: a note said only if its obs column is kept
     list_names: tuple[str, str] = (
         "gene_token_id",
         "gene_expression",

@@ -1199,7 +1199,7 @@ def test_one_anndata_input_given_genes_is_a_collection_of_one(sources, tmp_path)
 def test_a_sources_own_obs_dataset_id_is_kept_as_input_dataset_id_and_said(tmp_path, capsys):
     """CELLxGENE's files carry an obs ``dataset_id`` of their own: kept as ``input_dataset_id`` (with a
     note), not overwritten by the collection's ``dataset_id`` of each source (here from a sources
-    file, its ids; a source without the column gets nulls there)."""
+    file, its ids; a source without the column gets nulls there); left out by ``--obs``, without the note."""
     genes = pd.DataFrame(index=[_ensg(i) for i in range(3)])
     for name in ("x", "y"):
         obs = pd.DataFrame({"dataset_id": [f"cxg-{name}"] * 2}, index=[f"{name}0", f"{name}1"])
@@ -1215,6 +1215,10 @@ def test_a_sources_own_obs_dataset_id_is_kept_as_input_dataset_id_and_said(tmp_p
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.obs["dataset_id"].labels().tolist() == ["X", "X", "Y", "Y", "Z"]
     assert ds.obs["input_dataset_id"].labels().tolist() == ["cxg-x", "cxg-x", "cxg-y", "cxg-y", None]
+    # with --obs leaving it out, nothing is kept and nothing is said of it
+    assert main(["--sources", str(tmp_path / "s.csv"), str(tmp_path / "out2"), "--obs", "dataset_id"]) == 0
+    assert "input_dataset_id" not in capsys.readouterr().err
+    assert "input_dataset_id" not in oj.open_dataset(tmp_path / "out2").obs
 
 
 def test_a_given_gene_list_reports_the_genes_it_drops_and_those_no_source_measured(tmp_path, capsys):
