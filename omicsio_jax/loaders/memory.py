@@ -3,7 +3,7 @@
 - host (the default): each epoch is a permutation ``default_rng([seed, epoch])`` of the
   cells, and global batch ``s`` is its slice ``[s·B, (s+1)·B)`` whatever the number of hosts;
   host ``h`` gathers its ``h``-th share with a parallel numba row copy into a 64-byte aligned
-  buffer that ``make_array_from_process_local_data`` adopts without a copy. A restore onto
+  buffer that `place_batch` hands XLA, which adopts it without a copy. A restore onto
   another number of hosts therefore continues the epoch exactly.
 - ``on_device=True``: the panel is placed once on the devices, sharded along cells with
   ``NamedSharding(mesh, P(axis))`` (cells dealt to devices by the permutation

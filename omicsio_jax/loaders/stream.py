@@ -2,7 +2,7 @@
 
 query → Arrow record batches (stage 4) → CSR views → optional shuffle window → numba scatter
 (full transcriptome or gene panel, optional fused normalize + log1p) → 64-byte aligned host rows
-→ ``make_array_from_process_local_data`` with ``NamedSharding``. A background thread runs the
+→ `place_batch` with ``NamedSharding``. A background thread runs the
 query and the scatter while the consumer computes. For inference and quick experiments; for
 training on more than a few passes, materialize and use `make_loader` (block sampling, replay).
 

@@ -125,7 +125,7 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
     if arrays is not None:
         placed = leaf_tree.unflatten(arrays)
     elif mesh is None:
-        placed = jax.device_put(host_batch, jax.local_devices()[0])
+        placed = jax.device_put(host_batch, sharding)  # the first local device
     else:
         # one call for the whole pytree: half the time of one per array, and one hand-off of the GIL
         # instead of one per array (each can wait a 5 ms switch interval while decoding threads run)
