@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
 from typing import Any, NamedTuple
 
@@ -116,11 +117,12 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
     nodes, treedef = jax.tree.flatten(host_batch, is_leaf=_is_step)
     steps = {i: node for i, node in enumerate(nodes) if isinstance(node, DeviceStep)}
     sharding = data_sharding(mesh, data_axis)
+    leaves, leaf_tree = nodes, treedef  # without a step, the leaves are the nodes
     if steps:
         host_batch = treedef.unflatten(
             [steps[i].to_place(sharding) if i in steps else n for i, n in enumerate(nodes)]
         )
-    leaves, leaf_tree = jax.tree.flatten(host_batch)
+        leaves, leaf_tree = jax.tree.flatten(host_batch)
     arrays = put_arrays(leaves, sharding)
     if arrays is not None:
         placed = leaf_tree.unflatten(arrays)
@@ -153,7 +155,7 @@ def put_arrays(arrays: list, sharding: jax.sharding.Sharding) -> list[jax.Array]
         dtype = jax.dtypes.canonicalize_dtype(a.dtype)  # int64 → int32 unless x64 is on, as jax's calls do
         if dtype != a.dtype:  # converted here: not every jax's last call converts
             a = a.astype(dtype)
-        aval = _ShapedArray(a.shape, dtype)
+        aval = _aval(a.shape, dtype)
         where = sharding.addressable_devices_indices_map(a.shape)  # device → its slice of ``a``
         shards = [a] if len(where) == 1 else [a[i] for i in where.values()]
         out.append(_device_put(aval, sharding, shards, list(where)))
@@ -178,6 +180,12 @@ def _private_device_put():
 
 
 _device_put, _ShapedArray = _private_device_put()
+
+
+@functools.lru_cache(maxsize=256)
+def _aval(shape: tuple[int, ...], dtype: np.dtype):
+    """The ``ShapedArray`` of ``(shape, dtype)``, made once (~4 µs each time; a batch's shapes repeat)."""
+    return _ShapedArray(shape, dtype)
 
 
 def local_shards(mesh, data_axis: str = "data") -> int:
