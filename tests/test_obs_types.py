@@ -247,12 +247,21 @@ def test_an_integer_obs_the_batch_cannot_hold_is_refused_naming_it_and_how_to_re
         oj.OmicsIOError, match=r"^obs 'reads' of .* do not fit the float32 batch \(-16777216 to "
     ):
         oj.load_panel(numbered, obs=["reads"], progress=False)
-    # within int32 the batches carry every value exactly, -1 on padding
-    loader = oj.make_loader(numbered, batch_size=48, sampling=oj.Stream(drop_remainder=False), obs=["reads"])
+    # within int32 the batches carry every value exactly, -1 on padding; a float as float32, NaN on padding
+    loader = oj.make_loader(
+        numbered, batch_size=48, sampling=oj.Stream(drop_remainder=False), obs=["reads", "dose"]
+    )
+    padded = 0
     for batch in loader:
-        index, mask, reads = (np.asarray(a) for a in (batch.index, batch.mask, batch.obs["reads"]))
+        index, mask, reads, dose = (
+            np.asarray(a) for a in (batch.index, batch.mask, batch.obs["reads"], batch.obs["dose"])
+        )
         np.testing.assert_array_equal(reads[mask], numbered.obs["reads"][index[mask]])
         assert reads.dtype == np.int32 and (reads[~mask] == -1).all()
+        np.testing.assert_array_equal(dose[mask], numbered.obs["dose"][index[mask]].astype(np.float32))
+        assert dose.dtype == np.float32 and np.isnan(dose[~mask]).all()
+        padded += int((~mask).sum())
+    assert padded == 32  # 64 cells in batches of 48: the second one 16 cells and 32 padding rows
 
 
 def test_class_balanced_by_an_integer_obs_balances_its_values_and_a_float_one_says_how(numbered):
