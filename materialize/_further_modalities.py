@@ -39,7 +39,9 @@ def open_modality(
             reader = H5adSource(src.path, layer=inp.name, group=src.group)
             return H5Modality(inp.name, reader, src, None, layer=True)
         reader = H5adSource(src.path, group=f"mod/{inp.name}")
-        rows = h5mu_alignment(src.path, primary, inp.name, require_all=require_all)
+        rows = h5mu_alignment(
+            src.path, primary, inp.name, require_all=require_all, check_primary=check_primary
+        )
         return H5Modality(inp.name, reader, src, rows, layer=False)
     store = open_store(job.staging)
     cells = [f"{job.staging}/{part_dir(p.index)}/{PART_CELLS}" for p in partitions]

@@ -277,6 +277,9 @@ def materialize(
             array_record = {"group_size": group_size, "compression": compression, "writer_options": options}
             created_by = f"omicsio_jax {_version()}"
             entries = []
+            # the primary's cell ids are checked for repeats once, by the first input aligned to them
+            # (a layer of the primary's own file is its cells already)
+            aligned = [k for k, inp in enumerate(inputs) if not (inp.table is None and inp.layer)]
             with scratch_dir(staging) as scratch:
                 for k, inp in enumerate(inputs):
                     further = open_modality(
@@ -286,7 +289,7 @@ def materialize(
                         partitions,
                         primary=primary,
                         require_all=require_all_modalities,
-                        check_primary=k == 0,
+                        check_primary=k in aligned[:1],
                         subset=bool(where or query),
                         scratch=scratch,
                     )

@@ -72,15 +72,19 @@ def _refuse_repeated_names(f, path, mod: str, primary: str) -> None:
         raise DataValidationError(msg)
 
 
-def h5mu_alignment(path, primary: str, name: str, *, require_all: bool) -> np.ndarray | None:
+def h5mu_alignment(
+    path, primary: str, name: str, *, require_all: bool, check_primary: bool = True
+) -> np.ndarray | None:
     """For each cell of the primary modality, its row in modality ``name`` (-1: absent); None when
     the rows are the same cells in the same order. From MuData's ``obsmap`` (1-based rows, 0 for
-    absent), else by obs names. Refuses an obs name that occurs twice in either modality first:
-    MuData gives the second its own cell, which would otherwise read as a cell the primary lacks."""
+    absent), else by obs names. Refuses an obs name that occurs twice in either modality first
+    (the primary's only with ``check_primary``: a run checks it once, for its first further
+    modality): MuData gives the second its own cell, which would otherwise read as a cell the
+    primary lacks."""
     label = f"{path}"
     try:
         with open_h5(path) as f:
-            for mod in (primary, name):
+            for mod in (primary, name) if check_primary else (name,):
                 _refuse_repeated_names(f, path, mod, primary)
             if "obsmap" in f and primary in f["obsmap"] and name in f["obsmap"]:
                 p_map = f["obsmap"][primary][:].astype(np.int64) - 1

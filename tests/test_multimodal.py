@@ -374,10 +374,13 @@ def test_an_h5mu_whose_modalities_cannot_be_aligned_is_refused(inputs, tmp_path)
     )
 
 
-def _small_h5mu(path: Path, rna: list[str], atac: list[str], *, obsmap: bool) -> Path:
+def _small_h5mu(
+    path: Path, rna: list[str], atac: list[str], *, obsmap: bool, prot: list[str] | None = None
+) -> Path:
     """An .h5mu of ``rna`` and ``atac`` cells (obs names) written by MuData, which gives an obs name
     repeated in one modality a cell of its own in ``obsmap`` (absent from the other modality); rna
-    with a layer ``spliced``. Without ``obsmap``: the file's obsmap removed (aligned by obs names)."""
+    with a layer ``spliced``; with ``prot``, a third modality of those cells. Without ``obsmap``:
+    the file's obsmap removed (aligned by obs names)."""
     import anndata as ad
     import mudata as md
     import pandas as pd
@@ -392,7 +395,10 @@ def _small_h5mu(path: Path, rna: list[str], atac: list[str], *, obsmap: bool) ->
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anndata / MuData warn of the repeated obs name
-        mdata = md.MuData({"rna": modality(rna, "g", 1, ("spliced",)), "atac": modality(atac, "p", 2)})
+        mods = {"rna": modality(rna, "g", 1, ("spliced",)), "atac": modality(atac, "p", 2)}
+        if prot is not None:
+            mods["prot"] = modality(prot, "a", 3)
+        mdata = md.MuData(mods)
         mdata.write(path)
     with h5py.File(path, "r+") as f:
         if obsmap:
@@ -441,6 +447,27 @@ def test_a_duplicate_obs_name_in_an_h5mu_modality_names_that_modality(obsmap, tm
     )
     materialize(_small_h5mu(tmp_path / "ok.h5mu", _CELLS, _CELLS[:5], obsmap=obsmap), out, progress=False)
     assert oj.open_dataset(out).modalities == ("rna", "atac")
+
+
+@pytest.mark.parametrize("layers", [["spliced"], []], ids=["layer-first", "no-layer"])
+def test_an_h5mu_primary_is_scanned_for_repeated_obs_names_once(layers, tmp_path, monkeypatch):
+    """The primary's obs names are scanned for repeats once in a run (a scan of a million names takes
+    seconds), by its first further modality that is not one of its layers, and each further
+    modality's once."""
+    import materialize._modality_h5 as h5
+
+    scanned, scan = [], h5._refuse_repeated_names
+
+    def counted(f, path, mod, primary):
+        scanned.append(mod)
+        scan(f, path, mod, primary)
+
+    monkeypatch.setattr(h5, "_refuse_repeated_names", counted)
+    path = _small_h5mu(tmp_path / "three.h5mu", _CELLS, _CELLS[:5], obsmap=True, prot=_CELLS[3:])
+    chosen = Multimodal(layers=layers, modalities=["atac", "prot"])
+    materialize(path, tmp_path / "out", progress=False, workers=1, multimodal=chosen)
+    assert oj.open_dataset(tmp_path / "out").modalities == ("rna", *layers, "atac", "prot")
+    assert sorted(scanned) == ["atac", "prot", "rna"]
 
 
 def test_modality_arguments_that_do_not_fit_the_input_are_one_line_errors(inputs, tmp_path):
