@@ -51,9 +51,10 @@ def open_source(
         from ._h5ad import DEFAULT_BATCH_CELLS, H5adSource
         from ._modalities import h5mu_modalities
 
-        require_file(source)
         group = ""
-        if kind == "h5mu":
+        if kind == "h5ad":
+            require_file(source)
+        else:  # (h5mu_modalities says first if the file is not there)
             names = h5mu_modalities(as_input_path(str(source)))
             if primary not in names:
                 msg = f"{source} has no modality {primary!r} (it has {', '.join(names)}); pick the primary with --primary"
