@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from omicsio_jax.core.errors import MissingExtraError as MissingExtraError
     from omicsio_jax.core.errors import OmicsIOError as OmicsIOError
     from omicsio_jax.core.errors import StateMismatchError as StateMismatchError
+    from omicsio_jax.core.errors import UnknownNameError as UnknownNameError
     from omicsio_jax.dataset.cache import IOStats as IOStats
     from omicsio_jax.dataset.dataset import Dataset as Dataset
     from omicsio_jax.dataset.dataset import open_dataset as open_dataset
@@ -117,6 +118,7 @@ _PUBLIC = {
     "DataValidationError": "omicsio_jax.core.errors",
     "OmicsIOError": "omicsio_jax.core.errors",
     "StateMismatchError": "omicsio_jax.core.errors",
+    "UnknownNameError": "omicsio_jax.core.errors",
     "check_kernel_caches": "omicsio_jax.core.kernel_cache",
     "ObjectChangedError": "omicsio_jax.storage.store",
     "ObjectStoreError": "omicsio_jax.storage.store",

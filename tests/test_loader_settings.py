@@ -127,6 +127,57 @@ def test_every_loader_takes_one_obs_name_as_that_column(ds, table):
         oj.make_loader(ds, batch_size=32, obs=["drug", 3])
 
 
+def test_make_loader_takes_a_dataset_or_its_path_and_says_so_for_anything_else(ds, dataset_dir):
+    """A path opens the dataset, as GrainSource's does: the same batches as the opened dataset's."""
+    for given in (str(dataset_dir), Path(dataset_dir)):
+        with (
+            oj.make_loader(given, batch_size=32, obs="drug") as a,
+            oj.make_loader(ds, batch_size=32, obs="drug") as b,
+        ):
+            first, second = next(a), next(b)
+            assert np.array_equal(first.index, second.index) and np.array_equal(first.x, second.x)
+    for wrong, kind in ((42, "int"), (ds.obs, "ObsColumns")):
+        with pytest.raises(
+            oj.OmicsIOError,
+            match=rf"^make_loader takes a dataset \(oj.open_dataset\(path\)\) or its path, got {kind}$",
+        ):
+            oj.make_loader(wrong, batch_size=32)
+
+
+def test_a_name_that_is_not_there_is_a_key_error_naming_those_there_are(ds):
+    """``ds.obs`` is a mapping: a missing column is a KeyError (so ``in`` and ``.get`` hold) that is
+    also an OmicsIOError, its message unquoted and listing the columns; rows_where's too."""
+    assert "nope" not in ds.obs and ds.obs.get("nope") is None
+    for lookup in (lambda: ds.obs["nope"], lambda: ds.rows_where("nope", ["a"])):
+        with pytest.raises(oj.UnknownNameError) as e:
+            lookup()
+        assert isinstance(e.value, KeyError) and isinstance(e.value, oj.OmicsIOError)
+        assert str(e.value).startswith("obs column 'nope' not in ") and ", ".join(ds.obs) in str(e.value)
+    with pytest.raises(KeyError, match=r"^\['no such drug'\] not among the categories of 'drug'"):
+        ds.rows_where("drug", ["no such drug"])
+
+
+@pytest.mark.parametrize("capacity", [0, -8, 2.5, True, "64"])
+def test_a_csr_capacity_that_is_no_positive_count_is_refused(capacity):
+    with pytest.raises(
+        oj.OmicsIOError, match=r"^nnz_capacity must be a positive number of nonzeros per device slab"
+    ):
+        oj.CSR(nnz_capacity=capacity)
+    with pytest.raises(oj.OmicsIOError, match=r"^nnz_capacity must be a positive number"):
+        oj.Dense(on_device=True, nnz_capacity=capacity)
+
+
+def test_coverage_of_an_epoch_no_longer_kept_says_which_are(ds):
+    with oj.make_loader(ds, batch_size=256, num_epochs=3) as loader:
+        for _ in loader:
+            pass
+        assert loader.coverage().epoch == 2 and loader.coverage(2).complete
+        with pytest.raises(
+            oj.OmicsIOError, match=r"^coverage of epoch 0 is not kept: .* the last it has is epoch 2$"
+        ):
+            loader.coverage(0)
+
+
 # ----- read options: honoured where they mean something, refused elsewhere -----------------------
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_memory_loader_copies_rows_on_decode_threads(panel, monkeypatch, prefetch):

@@ -16,6 +16,14 @@ class DataValidationError(OmicsIOError, ValueError):
     """
 
 
+class UnknownNameError(OmicsIOError, KeyError):
+    """A name that is not there (an obs column, a category, a modality, a gene): a ``KeyError``, so
+    that mappings keep their ``in`` and ``.get``, whose message names what there is instead."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0])
+
+
 class DatasetFormatError(OmicsIOError):
     """A materialized dataset directory is missing, incomplete or corrupted."""
 

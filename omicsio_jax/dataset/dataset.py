@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.cache import IOStats
 from omicsio_jax.dataset.exact_reads import check_rows, read_csr, read_range
 from omicsio_jax.dataset.files import DatasetFiles, locate
@@ -376,3 +377,14 @@ def open_dataset(
         chunk_reader=chunk_reader,
         direct_io=direct_io,
     )
+
+
+def as_dataset(dataset: Dataset | str | os.PathLike[str], where: str) -> Dataset:
+    """``dataset`` itself, or the dataset at a path (`open_dataset` with its defaults); anything else
+    is a one-line error naming ``where`` (the call that was given it)."""
+    if isinstance(dataset, Dataset):
+        return dataset
+    if isinstance(dataset, (str, os.PathLike)):
+        return open_dataset(dataset)
+    msg = f"{where} takes a dataset (oj.open_dataset(path)) or its path, got {type(dataset).__name__}"
+    raise OmicsIOError(msg)

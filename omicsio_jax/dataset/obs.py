@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omicsio_jax.core.errors import DatasetFormatError
+from omicsio_jax.core.errors import DatasetFormatError, UnknownNameError
 from omicsio_jax.format.manifest import ObsEntry
 
 
@@ -69,7 +69,10 @@ class ObsColumns(Mapping):
     def __getitem__(self, name: str) -> Categorical | np.ndarray:
         column = self._loaded.get(name)
         if column is None:
-            entry = self._entries[name]
+            entry = self._entries.get(name)
+            if entry is None:
+                msg = f"obs column {name!r} not in {self._where}; available: {', '.join(self._entries) or '(none)'}"
+                raise UnknownNameError(msg)
             categorical = entry.kind == "categorical"
             rows_path = f"obs/{name}.codes.npy" if categorical else f"obs/{name}.npy"
             values = np.load(self._local_path(rows_path), mmap_mode="r")
@@ -116,8 +119,8 @@ def rows_where(
 ) -> np.ndarray:
     """`omicsio_jax.Dataset.rows_where` over ``obs`` (``where``: the dataset, for messages)."""
     if column not in obs:
-        msg = f"obs column {column!r} not in {where}; available: {', '.join(obs)}"
-        raise KeyError(msg)
+        msg = f"obs column {column!r} not in {where}; available: {', '.join(obs) or '(none)'}"
+        raise UnknownNameError(msg)
     data = obs[column]
     if isinstance(data, Categorical):
         if set(data.categories) <= {"false", "true"}:  # a bool column (kept as a categorical: nulls)
@@ -125,7 +128,7 @@ def rows_where(
         unknown = [v for v in values if v not in data.categories]
         if unknown:
             msg = f"{unknown!r} not among the categories of {column!r}: {list(data.categories)[:10]}"
-            raise KeyError(msg)
+            raise UnknownNameError(msg)
         keep = np.isin(data.codes, [data.categories.index(v) for v in values])
     else:
         wanted = np.asarray(values)

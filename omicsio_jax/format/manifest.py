@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from omicsio_jax.core.errors import DatasetFormatError
+from omicsio_jax.core.errors import DatasetFormatError, UnknownNameError
 from omicsio_jax.storage.store import is_remote, open_store, s3_url
 
 FORMAT_NAME = "omicsio_jax.dataset"
@@ -141,7 +141,7 @@ class Manifest:
             if entry.name == name:
                 return entry
         msg = f"no modality {name!r}; this dataset has {', '.join([self.modality, *(m.name for m in self.modalities)])}"
-        raise KeyError(msg)
+        raise UnknownNameError(msg)
 
 
 # Statistics derived from the cells (written at materialize or added later by `omicsio-materialize

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import os
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
-from omicsio_jax.dataset.dataset import Dataset
+from omicsio_jax.dataset.dataset import Dataset, as_dataset
 from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
@@ -246,7 +247,11 @@ class Loader(ClosingIterator):
             return self._finished
         if epoch is not None and epoch != self._epoch:
             if self._finished is None or self._finished.epoch != epoch:
-                msg = f"coverage of epoch {epoch} is not kept: the loader is in epoch {self._epoch}"
+                kept = self._epoch - 1 if done else self._epoch
+                msg = (
+                    f"coverage of epoch {epoch} is not kept: a loader keeps its current epoch's and the one "
+                    f"that just ended, and the last it has is epoch {kept}"
+                )
                 raise OmicsIOError(msg)
             return self._finished
         return Coverage(self._epoch, self._served, self._schedule.planned(self._epoch))
@@ -331,7 +336,7 @@ class Loader(ClosingIterator):
 
 
 def make_loader(
-    ds: Dataset,
+    ds: Dataset | str | os.PathLike[str],
     *,
     batch_size: int,
     sampling: Sampling | str = Block(),
@@ -343,7 +348,8 @@ def make_loader(
     placement: Placement | jax.sharding.Mesh | None = None,
     read: ReadOptions | None = ReadOptions(),
 ) -> Loader:
-    """Batches of cells from ``ds`` by block sampling with batched fetching (scDataset's recipe).
+    """Batches of cells from ``ds`` (a `Dataset`, or its path) by block sampling with batched
+    fetching (scDataset's recipe).
 
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                      # doctest: +SKIP
     >>> loader = oj.make_loader(ds, batch_size=1024, sampling=oj.Block(block_size=16, fetch_factor=64),
@@ -356,7 +362,7 @@ def make_loader(
     ``output`` an output kind: `Dense`, `Panel`, `CSR`, `GeneformerTokens`, `ScGPTTokens`, a dict
     of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
     each batch carries (a name or a list of them); ``rows`` restricts sampling to a subset (e.g.
-    ``ds.rows_where("batch", ["plate_13"], invert=True)``). ``placement`` says where batches go (`Placement`, or a mesh:
+    ``ds.rows_where("batch", ["plate_13"], invert=True)``; a set: a row listed twice is served once). ``placement`` says where batches go (`Placement`, or a mesh:
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
     threads chosen for the output kind, the batch size and the machine's cores decode and place
     batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by
@@ -364,6 +370,7 @@ def make_loader(
     two fetches are read ahead, more on many cores, `default_prefetch`, each of ``fetch_factor ×
     batch_size`` cells held in memory). Measured settings: benchmarks/README.md.
     """
+    ds = as_dataset(ds, "make_loader")
     placement, read = Placement.of(placement), ReadOptions.of(read)
     check_argument("make_loader", "batch_size", batch_size, minimum=1)
     check_argument("make_loader", "seed", seed, minimum=0)

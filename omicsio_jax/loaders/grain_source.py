@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.dataset.dataset import Dataset, open_dataset
+from omicsio_jax.dataset.dataset import Dataset, as_dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.options import Placement, ReadOptions, default_batches_ahead, float32_batch_bytes
 from omicsio_jax.loaders.state import as_json
@@ -135,7 +135,7 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         read: ReadOptions = ReadOptions(),
     ):
         _mark_absl_flags_parsed()  # before any DataLoader starts workers from this source
-        ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
+        ds = as_dataset(dataset, "GrainSource")
         placement = Placement.of(placement)
         self.spec = DiskSpec.of(
             batch_size=batch_size,

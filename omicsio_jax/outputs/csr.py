@@ -30,6 +30,18 @@ def _densify_sharded(row_ids, indices, values, *, rows_per_shard, num_genes, nor
     return jax.vmap(one)(row_ids, indices, values).reshape(-1, num_genes)
 
 
+def check_capacity(capacity) -> None:
+    """A one-line error unless ``capacity`` (nonzeros per device slab) is a positive int or None."""
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1
+    ):
+        msg = (
+            f"nnz_capacity must be a positive number of nonzeros per device slab, or None to size it "
+            f"from the dataset; got {capacity!r}"
+        )
+        raise OmicsIOError(msg)
+
+
 @dataclasses.dataclass(frozen=True)
 class CSR(Output):
     """``x``: a `SparseBatch` of ``(slabs, nnz_capacity)`` arrays, 8 bytes per nonzero (int16 row,
@@ -62,6 +74,7 @@ class CSR(Output):
 
     def __post_init__(self) -> None:
         Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
+        check_capacity(self.nnz_capacity)
 
     def bind(self, ctx: OutputContext) -> CSR:
         if ctx.rows % ctx.num_slabs:

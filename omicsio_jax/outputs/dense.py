@@ -13,7 +13,7 @@ from omicsio_jax.dataset.presence import GenePresence, require_presence
 from omicsio_jax.outputs import scatter
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.batch import DeviceStep, SparseBatch
-from omicsio_jax.outputs.csr import CSR
+from omicsio_jax.outputs.csr import CSR, check_capacity
 from omicsio_jax.outputs.measured import MeasuredRows, PresenceTable, presence_table
 from omicsio_jax.outputs.normalize import Normalization
 
@@ -55,6 +55,7 @@ class Dense(Output):
 
     def __post_init__(self) -> None:
         Normalization(self.normalize, self.target_sum)  # raises for a mode that does not exist
+        check_capacity(self.nnz_capacity)
         if self.nnz_capacity is not None and not self.on_device:
             msg = "Dense(nnz_capacity=...) sizes the slabs of Dense(on_device=True); pass on_device=True too"
             raise OmicsIOError(msg)

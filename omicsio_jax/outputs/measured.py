@@ -26,7 +26,7 @@ import numba as nb
 import numpy as np
 
 from omicsio_jax.core.buffers import RowBuffers
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
 from omicsio_jax.core.kernels import store_fence, stream_row, streamed
 from omicsio_jax.dataset.presence import GenePresence
 from omicsio_jax.outputs.base import OutputContext
@@ -194,7 +194,7 @@ class MeasuredRows(DeviceStep):
         if key == "measured":
             return self.table.host_rows(np.asarray(self.sources))
         msg = f"a measured dense batch has 'values' and 'measured', not {key!r}"
-        raise KeyError(msg)
+        raise UnknownNameError(msg)
 
     def to_place(self, sharding: jax.sharding.Sharding) -> dict[str, Any]:
         if on_cpu(sharding):  # written where XLA adopts it (see the module docstring)

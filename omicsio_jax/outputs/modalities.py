@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.csr import CSR
 from omicsio_jax.outputs.dense import Dense
@@ -73,7 +73,7 @@ class Modalities(Output):
             if key == name:
                 return output
         msg = f"this output has no modality {name!r}; it has {', '.join(self.modalities)}"
-        raise KeyError(msg)
+        raise UnknownNameError(msg)
 
     def bind(self, ctx: OutputContext) -> Modalities:
         if ctx.dataset is None:

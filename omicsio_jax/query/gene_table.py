@@ -20,17 +20,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
 from omicsio_jax.format.genes import fold_ensembl
 from omicsio_jax.format.tables import GENE_COLUMN, connect, sql_str
 from omicsio_jax.storage.store import default_cache_dir, is_remote, open_store
 
 
-class UnknownGeneError(OmicsIOError, KeyError):
+class UnknownGeneError(UnknownNameError):
     """A gene name, Ensembl id or token id that the gene table does not hold (or holds twice)."""
-
-    def __str__(self) -> str:  # KeyError would show the message quoted
-        return str(self.args[0])
 
 
 def _stamp(spec: str) -> dict:
