@@ -41,6 +41,7 @@ from ._options import (
     Layout,
     Multimodal,
 )
+from ._shards import InterruptedAfterWriting
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if not _interrupted(e):
             raise
-        print("omicsio-materialize: interrupted; nothing was written", file=sys.stderr)
+        after = e if isinstance(e, InterruptedAfterWriting) else None
+        print(f"omicsio-materialize: interrupted; {after or 'nothing was written'}", file=sys.stderr)
         return 128 + (received[0] if received else signal.SIGINT)
     finally:
         if previous is not None:

@@ -20,6 +20,28 @@ DEFAULT_GROUP_SIZE = 16
 DEFAULT_COMPRESSION = "zstd:-1"  # see benchmarks/README.md: reads faster than zstd:1, for a few more bytes
 
 
+def _check_writer_options(compression: object, options: str) -> None:
+    """A one-line error, before anything is read, for a compression ArrayRecord's writer refuses: its
+    options are parsed by opening a writer on a scratch file (the writers of the run would refuse
+    them only once their first shard opens, in another process)."""
+    import tempfile
+
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    if not isinstance(compression, str):
+        msg = f"compression must be an ArrayRecord compression such as 'zstd:-1', got {compression!r}"
+        raise OmicsIOError(msg)
+    with tempfile.TemporaryDirectory(prefix="omicsio-options-") as scratch:
+        try:
+            ArrayRecordWriter(os.path.join(scratch, "check.arrayrecord"), options).close()
+        except ValueError as e:
+            msg = (
+                f"compression {compression!r} is not one ArrayRecord takes ({e}); e.g. 'zstd:-1' (the "
+                f"default), 'zstd:3', 'brotli:6', 'snappy' or 'uncompressed' (--compression)"
+            )
+            raise OmicsIOError(msg) from None
+
+
 def _is_power_of_two(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
@@ -121,6 +143,7 @@ class Layout:
         if not _is_power_of_two(self.group_size) or self.group_size > self.shard_cells:
             msg = f"group_size must be a power of two ≤ shard_cells ({self.shard_cells:,}), got {self.group_size!r}"
             raise OmicsIOError(msg)
+        _check_writer_options(self.compression, self.writer_options)
 
     @property
     def writer_options(self) -> str:

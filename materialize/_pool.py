@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
@@ -31,6 +33,7 @@ from ._partition import Job, write_partition
 from ._plan import Partition
 from ._run import Done, Progress, RunReport, error_reply, raise_worker_error, worker_error
 from ._scratch import Scratch
+from ._shards import ShardWriterDied
 
 # The fewest cells a worker of the default pool is given. Starting one (an interpreter importing
 # pyarrow, numba and the package, and its compression child) costs seconds, and one process already
@@ -55,8 +58,6 @@ def serve(fd: int) -> None:
     messages and ``("done", result)`` or ``("error", kind, text)``; or ``("call", (fn, item))``
     answered by ``("value", fn(item))`` or ``("error", kind, text)`` (`Pool.map`). EOF from the
     parent stops it."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     threading.Thread(target=_start_numba, name="omicsio-numba-start", daemon=True).start()
     conn = Connection(fd)
@@ -80,6 +81,8 @@ def serve(fd: int) -> None:
             try:
                 result = write_partition(job, part, lambda n: conn.send(("progress", n)), scratch=scratch)
             except (EOFError, BrokenPipeError, ConnectionResetError):
+                return
+            except ShardWriterDied:  # as if this worker died: the pool writes the partition again
                 return
             except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
                 conn.send(error_reply(e))
@@ -139,28 +142,61 @@ class _Worker:
             self.job = job_bytes
 
     def stop(self) -> None:
+        """Kill the worker and the processes it started (its shard writer, in a session of its own so
+        that Ctrl-C reaches only the worker, is not killed with it), and wait until they are gone: a
+        writer left running would go on finishing a shard in the output's folder while it is removed."""
         if self.proc.poll() is None:
+            started = _children_of(self.proc.pid)
             self.proc.kill()
+            for pid in started:
+                _kill_and_wait(pid)
         self.proc.wait()
         self.conn.close()
+
+
+def _children_of(pid: int) -> list[int]:
+    """The child processes of process ``pid``, from ``/proc`` (none if it has exited)."""
+    found = []
+    for tid in _own_threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _own_threads(pid: int) -> list[int]:
+    try:
+        return sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")), key=lambda t: t != pid)
+    except OSError:  # exited, or no /proc
+        return []
+
+
+def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL process ``pid`` (not a child of this one) and wait until it has ended (gone, or a zombie
+    its new parent has still to reap)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return
+        except OSError:  # gone
+            return
+        time.sleep(0.002)
 
 
 def _threads_of(pid: int) -> list[int]:
     """The threads of process ``pid`` (its main thread first: threads it starts inherit its cores) and
     of its child processes, from ``/proc`` (none if it has exited)."""
-    try:
-        threads = sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")), key=lambda t: t != pid)
-    except OSError:  # exited, or no /proc
-        return []
-    found = list(threads)
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for child in children:
-            found += _threads_of(child)
+    found = _own_threads(pid)
+    for child in _children_of(pid):
+        found += _threads_of(child)
     return found
 
 

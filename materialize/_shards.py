@@ -79,6 +79,11 @@ class _Slot:
         os.close(self.fd)
 
 
+class ShardWriterDied(OmicsIOError):
+    """The shard writer process ended without a word (killed, or out of memory): its partition's
+    worker is as good as dead, and a pool writes the partition again (`materialize._pool.serve`)."""
+
+
 class ShardWriterProcess:
     """`ShardWriter` run in a child process, fed through ``depth`` shared-memory slots.
 
@@ -155,7 +160,8 @@ class ShardWriterProcess:
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
-            message = ("error", f"the shard writer process exited with code {self._proc.wait()}")
+            msg = f"writing shards failed: the shard writer process exited with code {self._proc.wait()}"
+            raise ShardWriterDied(msg) from None
         if message[0] == "error":
             msg = f"writing shards failed: {message[1]}"
             raise OmicsIOError(msg)
@@ -274,11 +280,17 @@ def check_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NAM
         raise OmicsIOError(msg)
 
 
+class InterruptedAfterWriting(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) after the output was complete and in place, while the dataset it replaced was
+    being removed; the message says where its remains are."""
+
+
 def _remove_stale_partials(out: Path) -> None:
-    """Remove the partial directories of ``out`` that runs killed outright (SIGKILL) left behind: those
-    whose process no longer runs on this host. A running process's may be a run in progress."""
+    """Remove the partial directories of ``out`` that runs killed outright (SIGKILL) left behind, and the
+    remains of datasets it replaced that a run was stopped while removing: those whose process no
+    longer runs on this host. A running process's may be a run in progress."""
     # as `atomic_output_dir` names them
-    stale = re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)-[0-9a-f]{{8}}")
+    stale = re.compile(rf"\.{re.escape(out.name)}\.(?:partial|old)-(\d+)-[0-9a-f]{{8}}")
     for folder in out.parent.iterdir() if out.parent.is_dir() else ():
         match = stale.fullmatch(folder.name)
         if match is None or folder.is_symlink() or not folder.is_dir() or _running(int(match[1])):
@@ -313,7 +325,10 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     On any exception (Ctrl-C included) the temporary directory is removed and an existing
     ``out`` is left untouched. A hard kill can leave only a hidden ``.<name>.partial-<pid>-<hex>``
     sibling without a manifest, which `open_dataset` refuses and the next run into ``out``
-    removes once its process has ended.
+    removes once its process has ended. A dataset that ``out`` held is renamed aside
+    (``.<name>.old-<pid>-<hex>``) as the new one takes its place, then removed: a Ctrl-C while it is
+    removed is `InterruptedAfterWriting` (the new output is complete), and the next run into
+    ``out`` removes what is left of it.
     """
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, manifest=manifest)
@@ -321,6 +336,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     _remove_stale_partials(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
+    replaced = None  # the dataset ``out`` held, moved aside once the new one is complete
     try:
         yield tmp
         for name in os.listdir(tmp):
@@ -331,10 +347,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
             raise OmicsIOError(msg)
         check_output_dir(out, overwrite=overwrite, manifest=manifest)  # as it is now, after the run
         if (out / manifest).exists():
-            old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
-            out.rename(old)
+            replaced = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+            out.rename(replaced)
             tmp.rename(out)
-            shutil.rmtree(old)
         else:  # absent or an empty folder: one rename, which refuses a folder written into since the check
             try:
                 tmp.rename(out)
@@ -345,3 +360,12 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if replaced is not None:  # the new output is in place: an interruption now is no failure of it
+        try:
+            shutil.rmtree(replaced)
+        except KeyboardInterrupt as e:
+            msg = (
+                f"{out} is written; what is left of the dataset it replaced, in {replaced}, is removed by the "
+                f"next run into {out}"
+            )
+            raise InterruptedAfterWriting(msg) from e

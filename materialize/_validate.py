@@ -54,8 +54,15 @@ class GeneIndex:
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31):
             msg = f"gene_token_id values in {description} must lie in 0..2^31-1 (found {tokens.min()}..{tokens.max()})"
             raise DataValidationError(msg)
-        if len(np.unique(tokens)) != len(tokens):
-            msg = f"gene_token_id is not unique in {description}"
+        unique, counts = np.unique(tokens, return_counts=True)
+        if len(unique) != len(tokens):
+            repeated = np.flatnonzero(counts > 1)
+            first = repeated[0]
+            more = f" (and {len(repeated) - 1:,} more ids)" if len(repeated) > 1 else ""
+            msg = (
+                f"gene_token_id is not unique in {description}: {int(unique[first])} is listed "
+                f"{int(counts[first])} times{more}; give each gene one id"
+            )
             raise DataValidationError(msg)
         token_to_col = np.full(int(tokens.max()) + 1 if len(tokens) else 0, -1, dtype=np.int32)
         token_to_col[np.sort(tokens)] = np.arange(len(tokens), dtype=np.int32)

@@ -212,6 +212,42 @@ def test_overwrite_replaces_a_dataset(corpus, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_written(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """The new dataset is in place before the old one is removed: a Ctrl-C then is no failure of the
+    run, and says so (not "nothing was written"); the next run into the output removes the rest."""
+    out = tmp_path / "out"
+    where = ["--where", "batch = 'plate_00'"]
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", *where]) == 0
+    small = oj.open_dataset(out).num_cells
+    remove = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        if ".old-" in str(path):
+            raise KeyboardInterrupt
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(_shards.shutil, "rmtree", interrupted)
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 128 + signal.SIGINT
+    monkeypatch.undo()
+    (left,) = _leftovers(tmp_path)
+    assert left.startswith(f".out.old-{os.getpid()}-")
+    assert capsys.readouterr().err == (
+        f"omicsio-materialize: interrupted; {out} is written; what is left of the dataset it replaced, in "
+        f"{tmp_path / left}, is removed by the next run into {out}\n"
+    )
+    assert oj.open_dataset(out).num_cells > small  # the new dataset, complete
+    # ... removed by the next run into it, once this process (which left it) is no longer running
+    monkeypatch.setattr(_shards, "_running", lambda pid: False)
+    materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
+    assert _leftovers(tmp_path) == []
+    assert (
+        f"materialize: removed {str(tmp_path / left)!r}, left by an earlier run into {str(out)!r}"
+        in capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig):
     out = tmp_path / "out"

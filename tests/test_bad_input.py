@@ -77,6 +77,16 @@ def _run_bad(capsys, tmp_path, *args) -> str:
             [1.0, 1.0],
             r"gene_token_id 12 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table",
         ),
+        (  # not taken for a repeat of the row's start, nor for a fall from the last row's genes
+            [-1, 4],
+            [1.0, 1.0],
+            r"gene_token_id -1 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table",
+        ),
+        (
+            [-3],
+            [1.0],
+            r"gene_token_id -3 in row 2 \(cell_id cell002\) of .*cells.parquet is not in the gene table",
+        ),
         (
             [4],
             [1.0, 2.0],
@@ -204,6 +214,26 @@ def test_bad_layout_parameters(write, capsys, tmp_path):
     path = write(_cells(GOOD, _values_like(GOOD)))
     assert "shard_cells must be a power of two" in _run_bad(capsys, tmp_path, path, "--shard-cells", "1000")
     assert "group_size must be a power of two" in _run_bad(capsys, tmp_path, path, "--group-size", "24")
+    for bad, why in (("bogus", "Unknown option bogus"), ("zstd:99", "invalid value: 99")):
+        err = _run_bad(capsys, tmp_path, path, "--compression", bad)
+        assert err.startswith(
+            f"omicsio-materialize: error: compression {bad!r} is not one ArrayRecord takes ("
+        ), err
+        assert why in err and err.endswith("(--compression)")
+
+
+def test_a_gene_table_with_an_id_twice_names_it_and_its_rows(write, capsys, tmp_path):
+    path = write(_cells(GOOD, _values_like(GOOD)))
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 7]
+    names = [f"G{i}" for i in range(len(ids))]
+    pq.write_table(
+        pa.table({"gene_token_id": pa.array(ids, pa.int32()), "gene_name": names}), tmp_path / "genes.parquet"
+    )
+    err = _run_bad(capsys, tmp_path, path)
+    assert re.search(
+        r"gene_token_id is not unique in .*genes.parquet.*: 4 is listed 2 times \(and 1 more ids\); give each gene one id$",
+        err,
+    ), err
 
 
 def test_panel_with_unknown_genes(write, capsys, tmp_path):

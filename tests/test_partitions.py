@@ -3,6 +3,7 @@ killed mid-partition costs that partition only; bad data and missing sidecars st
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import hashlib
 import os
@@ -132,9 +133,9 @@ def test_a_query_is_one_partition_of_many_shards(corpus, tmp_path):
     assert oj.verify_dataset(tmp_path / "q") == []
 
 
-def _worker_writing(partial_parent: Path, marker: bytes = b"materialize._pool") -> int | None:
-    """The worker process (its command line holding ``marker``) whose shard writer (its child) has a
-    shard of a partial output open."""
+def _writing(partial_parent: Path, marker: bytes = b"materialize._pool") -> tuple[int, int] | None:
+    """``(shard writer, worker)``: the process with a shard of a partial output open and its parent,
+    the worker process (its command line holding ``marker``)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -150,50 +151,92 @@ def _worker_writing(partial_parent: Path, marker: bytes = b"materialize._pool") 
                         parent = int(f.read().rsplit(")", 1)[1].split()[1])
                     with open(f"/proc/{parent}/cmdline", "rb") as f:
                         if marker in f.read():
-                            return parent
+                            return int(pid), parent
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
     return None
 
 
-def _kill_one_worker(root: Path, marker: bytes, killed: list[int]) -> threading.Thread:
-    """A thread that SIGKILLs the first worker caught writing a shard under ``root``."""
+def _when_writing(root: Path, act, seen: list[tuple[int, int]], marker: bytes = b"materialize._pool"):
+    """A thread that calls ``act(writer, worker)`` on the first shard writer caught writing a shard
+    under ``root`` (and its worker), and notes them in ``seen``."""
 
-    def kill_one():
+    def watch():
         deadline = time.monotonic() + 60
-        while not killed and time.monotonic() < deadline:
-            pid = _worker_writing(root, marker)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+        while not seen and time.monotonic() < deadline:
+            found = _writing(root, marker)
+            if found is not None:
+                act(*found)
+                seen.append(found)
             time.sleep(0.002)
 
-    killer = threading.Thread(target=kill_one)
-    killer.start()
-    return killer
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    return watcher
 
 
-def test_a_killed_worker_costs_only_its_partition(corpus, tmp_path):
-    out = tmp_path / "out"
-    materialize(
-        corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
-    )
-    killed: list[int] = []
-    killer = _kill_one_worker(tmp_path, b"materialize._pool", killed)
+def _materialize_while(corpus, tmp_path, act) -> tuple[object, list[tuple[int, int]]]:
+    seen: list[tuple[int, int]] = []
+    watcher = _when_writing(tmp_path, act, seen)
     try:
         result = materialize(
             corpus.cells_parquet,
-            out,
+            tmp_path / "out",
             workers=2,
             progress=False,
             read=InputOptions(batch_cells=16),
             layout=Layout(shard_cells=SHARD),
         )
     finally:
-        killer.join()
-    assert killed, "no pool worker was caught writing a shard"
+        watcher.join()
+    assert seen, "no shard writer was caught writing a shard"
+    return result, seen
+
+
+@pytest.mark.parametrize("who", ["worker", "shard writer"])
+def test_a_killed_worker_or_shard_writer_costs_only_its_partition(corpus, tmp_path, who):
+    """A worker killed mid-partition, or its shard writer process (the worker's child), is replaced
+    and the partition written again; the dataset is the same, byte for byte."""
+    materialize(
+        corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
+    )
+    kill = lambda writer, worker: os.kill(worker if who == "worker" else writer, signal.SIGKILL)  # noqa: E731
+    result, _ = _materialize_while(corpus, tmp_path, kill)
     assert len(result.redone) == 1  # that partition, and nothing else, was written again
-    assert _digests(out) == _digests(tmp_path / "ref")
+    assert _digests(tmp_path / "out") == _digests(tmp_path / "ref")
+
+
+def test_ctrl_c_stops_the_workers_and_their_shard_writers_before_the_output_is_removed(corpus, tmp_path):
+    """The workers' shard writers run in sessions of their own (Ctrl-C reaches only the workers): they
+    are killed with their workers and waited for, so none goes on writing a shard into the partial
+    output as it is removed (which left an empty ``chunks/`` behind)."""
+    seen: list[tuple[int, int]] = []
+    watcher = _when_writing(tmp_path, lambda writer, worker: _thread.interrupt_main(), seen)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            materialize(
+                corpus.cells_parquet,
+                tmp_path / "out",
+                workers=2,
+                progress=False,
+                read=InputOptions(batch_cells=16),
+                layout=Layout(shard_cells=SHARD),
+            )
+    finally:
+        watcher.join()
+    assert seen, "no shard writer was caught writing a shard"
+    ((writer, worker),) = seen
+    assert not _alive(writer) and not _alive(worker)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not gone, nor a zombie left for its parent to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def test_by_default_a_small_input_is_written_here_and_a_large_one_on_every_core(
@@ -327,8 +370,9 @@ def test_a_killed_dask_worker_costs_only_a_rerun_of_its_task(corpus, tmp_path, d
     materialize(
         corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
     )
-    killed: list[int] = []
-    killer = _kill_one_worker(tmp_path, b"multiprocessing", killed)  # a Nanny's worker process
+    killed: list[tuple[int, int]] = []
+    kill = lambda writer, worker: os.kill(worker, signal.SIGKILL)  # noqa: E731
+    killer = _when_writing(tmp_path, kill, killed, b"multiprocessing")  # a Nanny's worker process
     try:
         materialize(
             corpus.cells_parquet,

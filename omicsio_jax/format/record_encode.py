@@ -138,10 +138,10 @@ def _find_problem(tokens, values, token_to_col, lo, hi, allow_negative):
     for j in range(lo, hi):
         t = np.int64(tokens[j])
         v = values[j]
+        if t < 0 or t >= num_tokens or token_to_col[t] < 0:  # first: -1 is no repeat of the start's -1
+            return ROW_UNKNOWN_GENE, j
         if t <= prev:
             return (ROW_UNSORTED if t < prev else ROW_DUPLICATE), j
-        if t < 0 or t >= num_tokens or token_to_col[t] < 0:
-            return ROW_UNKNOWN_GENE, j
         if not math.isfinite(v):
             return ROW_NOT_FINITE, j
         if v < 0 and not allow_negative:
