@@ -300,6 +300,12 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     assert not any(map(_running, children)), "the shard writer outlived its parent"
     with pytest.raises(oj.DatasetFormatError, match="no manifest.json"):
         for partial in tmp_path.iterdir():
+            if ".partial-" in partial.name:  # said to be a stopped run's output, not to need --overwrite
+                with pytest.raises(
+                    oj.DatasetFormatError,
+                    match=r"it is the unfinished output of a materialize run that was stopped; open the output",
+                ):
+                    oj.open_dataset(partial)
             oj.open_dataset(partial)
         raise oj.DatasetFormatError(f"{tmp_path}: no manifest.json in any leftover")
     if sig != signal.SIGKILL:  # a catchable signal cleans up completely

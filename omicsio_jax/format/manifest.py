@@ -235,9 +235,14 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                 f"materialized dataset; materialize it first: `omicsio-materialize {arg} OUT/`, then open OUT/"
             )
             raise DatasetFormatError(msg)
+        partial = ".partial-" in root.name
         msg = (
-            f"{str(root)!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its "
-            "materialization did not finish (re-run `omicsio-materialize ... --overwrite`)"
+            f"{str(root)!r} has no {MANIFEST_NAME}: it is the unfinished output of a materialize run that "
+            "was stopped; open the output it was to become, or run the conversion again (a run into that "
+            "output removes this folder)"
+            if partial
+            else f"{str(root)!r} has no {MANIFEST_NAME}: it is not a materialized dataset, or its "
+            "materialization did not finish (run `omicsio-materialize` into it again)"
         )
         raise DatasetFormatError(msg)
     try:
