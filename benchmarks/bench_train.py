@@ -430,7 +430,7 @@ def pbmc_part(args: argparse.Namespace, workdir: Path) -> dict:
                 dataset=str(out),
                 label="bulk_labels",
                 model=model,
-                hidden=args.hidden,
+                **({"hidden": args.hidden} if model == "mlp" else {}),  # a linear model has no hidden layer
                 lr=args.lr,
                 batch_size=args.pbmc_batch_size,
                 block_size=1,

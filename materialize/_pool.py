@@ -88,7 +88,7 @@ def serve(fd: int) -> None:
                 conn.send(error_reply(e))
                 continue
             conn.send(("done", result))
-    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+    except (EOFError, OSError, KeyboardInterrupt):  # the parent has gone (a message cut short included)
         return
     finally:
         scratch.close()

@@ -185,6 +185,12 @@ def test_dropout_overrides_the_presets_rate_and_a_resume_must_keep_it(dataset_di
         main(["pretrain", str(dataset_dir), "--dropout", "1", *TINY, "--max-len", "16", "--steps", "1"]) == 2
     )
     assert "--dropout must be in [0, 1); got 1.0" in capsys.readouterr().err
+    for rate in ("0", "1"):
+        assert main(["pretrain", str(dataset_dir), "--mask-prob", rate, *TINY, "--steps", "1"]) == 2
+        assert (
+            f"--mask-prob must be in (0, 1): pretraining learns from the masked genes, so with none masked its loss is 0 and it learns nothing; got {float(rate)}"
+            in capsys.readouterr().err
+        )
 
 
 def test_the_loop_fetches_metrics_once_per_window_not_per_step(dataset_dir, monkeypatch):

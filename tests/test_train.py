@@ -334,6 +334,7 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
         dataset_dir, "--steps", "6", "--metrics", str(metrics), "--log-every", "2", "--model", "linear"
     )
     argv.remove("--quiet")
+    del argv[argv.index("--hidden") : argv.index("--hidden") + 2]  # the mlp's, refused for the linear model
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "step      6/6" in out and "cells/s" in out and "data wait" in out
@@ -360,6 +361,7 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
     assert by_rows.eval == by_where.eval
 
     capsys.readouterr()
+    np.save(tmp_path / "rows_2d.npy", np.arange(10, dtype=np.int64).reshape(2, 5))
     mistakes = {
         "missing dataset": ([str(tmp_path / "nope"), "--label", "drug"], r"is not a directory"),
         "unknown label": (
@@ -374,6 +376,15 @@ def test_cli_trains_evaluates_and_reports_user_mistakes(dataset_dir, ds, tmp_pat
         "bad rows file": (
             [str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "x.npy")],
             r"cannot read --eval-rows",
+        ),
+        "rows not 1-D": (
+            [str(dataset_dir), "--label", "drug", "--eval-rows", str(tmp_path / "rows_2d.npy")],
+            r"must hold a non-empty 1-D integer array of rows in 0\.\.\d+; got dtype int64, shape \(2, 5\)",
+        ),
+        "a hidden layer's options for the linear model": (
+            [str(dataset_dir), "--label", "drug", "--model", "linear", "--hidden", "7", "--dropout", "0.5"],
+            r"hidden, dropout set for the linear model, which has no hidden layer: drop it, or train "
+            r"model='mlp' \(--model mlp\)$",
         ),
         "bad batch": (
             [str(dataset_dir), "--label", "drug", "--batch-size", "60"],
@@ -431,6 +442,23 @@ def test_path_options_that_cannot_be_what_they_name_are_one_line_errors(dataset_
             f"--out-metrics {under}: {not_a_dir}",
         ),
     }
+    if Path("/proc/self").is_dir():  # a folder no file can be made in, whoever runs (root included)
+        nowhere = "/proc/omicsio-nowhere"
+        cannot = "cannot write in /proc ("
+        mistakes |= {
+            "classifier --metrics where no file can be made": (
+                [data, "--label", "drug", "--metrics", f"{nowhere}/m.jsonl"],
+                f"--metrics {nowhere}/m.jsonl: {cannot}",
+            ),
+            "pretrain --checkpoint-dir where no file can be made": (
+                ["pretrain", data, "--checkpoint-dir", nowhere],
+                f"--checkpoint-dir {nowhere}: {cannot}",
+            ),
+            "embed --out where no file can be made": (
+                ["embed", data, "--checkpoint-dir", str(tmp_path / "pt"), "--out", f"{nowhere}/e.npy"],
+                f"--out {nowhere}/e.npy: {cannot}",
+            ),
+        }
     for name, (argv, message) in mistakes.items():
         assert main(argv) == 2, name
         err = capsys.readouterr().err

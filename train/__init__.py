@@ -13,6 +13,7 @@ from ._checkpoint import save_checkpoint as save_checkpoint
 from ._cli import main as main
 from ._config import TrainConfig as TrainConfig
 from ._embed import embed as embed
+from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
 from ._embed import masked_prediction as masked_prediction
 from ._embed import probe_pretraining as probe_pretraining

@@ -206,8 +206,8 @@ def _pretrain_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation, checkpoints and logging")
     g.add_argument(
         "--probe-label",
-        help="after training: linear probe of this categorical obs column on CLS "
-        "embeddings, pretrained vs random initialization",
+        help="after training: linear probe of this categorical obs column on the cell "
+        "embeddings (mean-pooled for Geneformer, CLS for scGPT), pretrained vs random initialization",
     )
     g.add_argument("--probe-cells", type=int, default=d.probe_cells, help="default: %(default)s")
     g.add_argument("--checkpoint-dir", metavar="DIR")

@@ -131,6 +131,15 @@ class TrainConfig:
         if self.eval_where is not None and self.eval_rows is not None:
             msg = "give either eval_where or eval_rows, not both"
             raise TrainError(msg)
+        if self.model == "linear":  # options of the MLP's hidden layer, which a linear model has none of
+            fields = TrainConfig.__dataclass_fields__
+            given = [n for n in ("hidden", "dropout") if getattr(self, n) != fields[n].default]
+            if given:
+                msg = (
+                    f"{', '.join(option_name(n, flags=False) for n in given)} set for the linear model, which has "
+                    "no hidden layer: drop it, or train model='mlp' (--model mlp)"
+                )
+                raise TrainError(msg)
         check_paths(self)
 
     def saved(self) -> dict:

@@ -97,8 +97,9 @@ def masked_prediction(
     the first ``max_predictions`` of a cell) and ``baseline`` that of always answering the most frequent
     masked gene. scGPT: ``accuracy`` is the share of masked values whose
     prediction rounds to the true bin and ``baseline`` that of always answering the most frequent bin;
-    ``mse`` and ``baseline_mse`` (always the mean) are its training loss and the loss a model that
-    ignores the cell would reach. ``positions``: masked positions scored. ``mesh``: where the batches
+    ``mse`` is the expression decoder's squared error on the masked values (the GEP term of the
+    training loss, to which it adds the GEPC term) and ``baseline_mse`` (always the
+    mean) that of a decoder that ignores the cell. ``positions``: masked positions scored. ``mesh``: where the batches
     go, default the run's (``config.num_devices``); the model is replicated onto it."""
     mesh = make_data_mesh(config.num_devices) if mesh is None else mesh
     loader = oj.make_loader(
@@ -237,6 +238,9 @@ def probe_split(
 def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainConfig, dict]:
     """The model of the latest checkpoint in ``checkpoint_dir`` (either format), its config and meta."""
     root = Path(checkpoint_dir)
+    if root.name.startswith("step-") and any(root.parent.glob("step-*/state.eqx")):
+        msg = f"{root} is one step of a pretraining run: give the run's directory, {root.parent} (its latest step is used)"
+        raise TrainError(msg)
     fmt = "equinox" if any(root.glob("step-*")) else "orbax"
     store = open_checkpoints(PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt))
     try:

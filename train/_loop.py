@@ -64,10 +64,11 @@ def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None,
         held_out = parse_predicate(config.eval_where).rows(ds)
     elif config.eval_rows is not None:
         try:
-            held_out = np.unique(np.load(config.eval_rows, allow_pickle=False))
+            given = np.load(config.eval_rows, allow_pickle=False)
         except (OSError, ValueError) as e:
             msg = f"cannot read --eval-rows {config.eval_rows}: {e}"
             raise TrainError(msg) from e
+        held_out = np.unique(given) if given.ndim == 1 else given  # (unique flattens)
         if (
             held_out.dtype.kind not in "iu"
             or held_out.ndim != 1

@@ -3,6 +3,7 @@ goes (or the reverse) is a one-line `TrainError` naming the option, not an ``OSE
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from ._errors import TrainError
@@ -11,6 +12,7 @@ from ._errors import TrainError
 # that names a local directory or file; ``--init`` and the dataset may be hf:DIR / URLs and are not here
 _DIRECTORIES = ("checkpoint_dir",)
 _FILES = ("metrics", "out", "out_metrics", "eval_rows", "vocab", "medians")
+_OUTPUTS = ("checkpoint_dir", "metrics", "out", "out_metrics")  # written: a file is made there first
 
 
 def check_paths(options: object) -> None:
@@ -30,3 +32,17 @@ def check_paths(options: object) -> None:
         if blocking is not None:
             msg = f"{option} {value}: {blocking} is a file, not a directory; remove it or give another path"
             raise TrainError(msg)
+        if name in _OUTPUTS:
+            _check_writable(option, value, next(p for p in (start, *start.parents) if p.exists()))
+
+
+def _check_writable(option: str, value: object, folder: Path) -> None:
+    """A one-line `TrainError` unless a file can be made in ``folder`` (the output's nearest existing
+    folder), tried with one: a read-only or special file system would otherwise fail the run at its
+    first write, after the work it was to keep (permissions alone do not tell, e.g. for root)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        msg = f"{option} {value}: cannot write in {folder} ({e.strerror or e}); give another path"
+        raise TrainError(msg) from None

@@ -120,6 +120,12 @@ class PretrainConfig:
         if self.dropout is not None and not 0 <= self.dropout < 1:
             msg = f"--dropout must be in [0, 1); got {self.dropout}"
             raise TrainError(msg)
+        if self.mask_prob is not None and not 0 < self.mask_prob < 1:
+            msg = (
+                f"--mask-prob must be in (0, 1): pretraining learns from the masked genes, so with none "
+                f"masked its loss is 0 and it learns nothing; got {self.mask_prob}"
+            )
+            raise TrainError(msg)
         if self.compute_dtype not in ("float32", "bfloat16"):
             msg = f"--compute-dtype must be float32 or bfloat16; got {self.compute_dtype!r}"
             raise TrainError(msg)
