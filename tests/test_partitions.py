@@ -4,6 +4,7 @@ killed mid-partition costs that partition only; bad data and missing sidecars st
 from __future__ import annotations
 
 import _thread
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -175,22 +177,27 @@ def _when_writing(root: Path, act, seen: list[tuple[int, int]], marker: bytes = 
     return watcher
 
 
-def _materialize_while(corpus, tmp_path, act) -> tuple[object, list[tuple[int, int]]]:
+@contextlib.contextmanager
+def _while_writing(root: Path, act) -> Iterator[list[tuple[int, int]]]:
+    """`_when_writing` around the block, which must let it catch a shard writer at work."""
     seen: list[tuple[int, int]] = []
-    watcher = _when_writing(tmp_path, act, seen)
+    watcher = _when_writing(root, act, seen)
     try:
-        result = materialize(
-            corpus.cells_parquet,
-            tmp_path / "out",
-            workers=2,
-            progress=False,
-            read=InputOptions(batch_cells=16),
-            layout=Layout(shard_cells=SHARD),
-        )
+        yield seen
     finally:
         watcher.join()
     assert seen, "no shard writer was caught writing a shard"
-    return result, seen
+
+
+def _materialize_on_two_workers(corpus, tmp_path):
+    return materialize(
+        corpus.cells_parquet,
+        tmp_path / "out",
+        workers=2,
+        progress=False,
+        read=InputOptions(batch_cells=16),
+        layout=Layout(shard_cells=SHARD),
+    )
 
 
 @pytest.mark.parametrize("who", ["worker", "shard writer"])
@@ -201,7 +208,8 @@ def test_a_killed_worker_or_shard_writer_costs_only_its_partition(corpus, tmp_pa
         corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
     )
     kill = lambda writer, worker: os.kill(worker if who == "worker" else writer, signal.SIGKILL)  # noqa: E731
-    result, _ = _materialize_while(corpus, tmp_path, kill)
+    with _while_writing(tmp_path, kill):
+        result = _materialize_on_two_workers(corpus, tmp_path)
     assert len(result.redone) == 1  # that partition, and nothing else, was written again
     assert _digests(tmp_path / "out") == _digests(tmp_path / "ref")
 
@@ -210,21 +218,9 @@ def test_ctrl_c_stops_the_workers_and_their_shard_writers_before_the_output_is_r
     """The workers' shard writers run in sessions of their own (Ctrl-C reaches only the workers): they
     are killed with their workers and waited for, so none goes on writing a shard into the partial
     output as it is removed (which left an empty ``chunks/`` behind)."""
-    seen: list[tuple[int, int]] = []
-    watcher = _when_writing(tmp_path, lambda writer, worker: _thread.interrupt_main(), seen)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            materialize(
-                corpus.cells_parquet,
-                tmp_path / "out",
-                workers=2,
-                progress=False,
-                read=InputOptions(batch_cells=16),
-                layout=Layout(shard_cells=SHARD),
-            )
-    finally:
-        watcher.join()
-    assert seen, "no shard writer was caught writing a shard"
+    interrupt = lambda writer, worker: _thread.interrupt_main()  # noqa: E731
+    with _while_writing(tmp_path, interrupt) as seen, pytest.raises(KeyboardInterrupt):
+        _materialize_on_two_workers(corpus, tmp_path)
     ((writer, worker),) = seen
     assert not _alive(writer) and not _alive(worker)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
