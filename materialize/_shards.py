@@ -285,21 +285,25 @@ class InterruptedAfterWriting(KeyboardInterrupt):
     being removed; the message says where its remains are."""
 
 
-def _remove_stale_partials(out: Path) -> None:
+def _remove_stale_partials(out: Path, manifest: str = MANIFEST_NAME) -> None:
     """Remove the partial directories of ``out`` that runs killed outright (SIGKILL) left behind, and the
-    remains of datasets it replaced that a run was stopped while removing: those whose process no
-    longer runs on this host. A running process's may be a run in progress."""
+    remains of datasets it replaced that a run was stopped while removing (only once ``out`` holds
+    the dataset that replaced them): those whose process no longer runs on this host. A running
+    process's may be a run in progress."""
     # as `atomic_output_dir` names them
-    stale = re.compile(rf"\.{re.escape(out.name)}\.(?:partial|old)-(\d+)-[0-9a-f]{{8}}")
+    stale = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-(\d+)-[0-9a-f]{{8}}")
+    replaced = (out / manifest).exists()
     for folder in out.parent.iterdir() if out.parent.is_dir() else ():
         match = stale.fullmatch(folder.name)
-        if match is None or folder.is_symlink() or not folder.is_dir() or _running(int(match[1])):
+        if match is None or folder.is_symlink() or not folder.is_dir() or _running(int(match[2])):
+            continue
+        if match[1] == "old" and not replaced:  # a swap cut short: the only copy of that dataset
             continue
         shutil.rmtree(folder, ignore_errors=True)
         if not folder.exists():
             print(
                 f"materialize: removed {str(folder)!r}, left by an earlier run into {str(out)!r} "
-                f"(process {match[1]}, no longer running)",
+                f"(process {match[2]}, no longer running)",
                 file=sys.stderr,
             )
 
@@ -333,7 +337,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, manifest=manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
+    _remove_stale_partials(out, manifest)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     replaced = None  # the dataset ``out`` held, moved aside once the new one is complete
@@ -358,6 +362,8 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
                 raise OmicsIOError(msg) from e
         fsync_path(out.parent)
     except BaseException:
+        if replaced is not None and replaced.exists() and not out.exists():  # stopped between the renames
+            replaced.rename(out)  # the old dataset back in its place
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if replaced is not None:  # the new output is in place: an interruption now is no failure of it

@@ -248,6 +248,35 @@ def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_writte
     )
 
 
+def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C after the old dataset was moved aside but before the new one took its place: the old
+    one goes back, and the run wrote nothing. Remains of a replaced dataset are removed by a later
+    run only where the output holds the dataset that replaced them (else they are its only copy)."""
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
+    small = oj.open_dataset(out).num_cells
+    rename = type(out).rename
+
+    def stopped(self, target):
+        if ".partial-" in self.name and type(out)(target) == out:
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(type(out), "rename", stopped)
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 128 + signal.SIGINT
+    monkeypatch.undo()
+    assert capsys.readouterr().err == "omicsio-materialize: interrupted; nothing was written\n"
+    assert oj.open_dataset(out).num_cells == small and _leftovers(tmp_path) == []
+    # an old copy whose swap was cut short by a kill, with no dataset in the output, is kept
+    aside = tmp_path / f".out.old-{os.getpid()}-0123abcd"
+    out.rename(aside)
+    monkeypatch.setattr(_shards, "_running", lambda pid: False)
+    materialize(corpus.cells_parquet, out, progress=False)
+    assert aside.is_dir() and oj.open_dataset(aside).num_cells == small
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig):
     out = tmp_path / "out"
