@@ -138,12 +138,15 @@ def test_a_datasets_gene_columns_refuse_a_symbol_two_genes_share(small_h5ad, tmp
     materialize(path, tmp_path / "ds", progress=False, workers=1)
     ds = oj.open_dataset(tmp_path / "ds")
     assert ds.features["gene_name"].tolist()[3] == ds.features["gene_name"].tolist()[7] == "G3"
-    shared = r"gene 'G3' is the name of 2 genes \(ENSG00000000003.1, ENSG00000000007.2\): give its Ensembl id"
+    shared = (
+        r"gene 'G3' is the name of 2 genes \(ENSG00000000003.1 in column 3, ENSG00000000007.2 in column 7\): "
+        r"give its Ensembl id or its column number$"
+    )
     with pytest.raises(oj.OmicsIOError, match=shared):
         ds.gene_columns(["G4", "G3"])
     with pytest.raises(oj.OmicsIOError, match=shared):
         oj.make_loader(ds, batch_size=8, output=oj.Panel(["G3"]))
-    assert ds.gene_columns(["G4", "ENSG00000000007", "ENSG00000000003.1"]).tolist() == [4, 7, 3]
+    assert ds.gene_columns(["G4", "ENSG00000000007", "ENSG00000000003.1", 7]).tolist() == [4, 7, 3, 7]
 
 
 def test_an_h5mu_modality_not_in_the_file_is_named_before_anything_is_written(truth, tmp_path):

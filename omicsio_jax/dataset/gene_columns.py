@@ -41,8 +41,11 @@ def gene_columns(
         if str(g) in shared:
             held = shared[str(g)]
             ids = features["ensembl_id"].astype(str) if "ensembl_id" in features else None
-            named = ", ".join(str(c if ids is None else ids[c]) for c in held[:5])
-            msg = f"{where}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id"
+            named = ", ".join(f"column {c}" if ids is None else f"{ids[c]} in column {c}" for c in held[:5])
+            msg = (
+                f"{where}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id or "
+                "its column number"
+            )
             raise OmicsIOError(msg)
         col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
         if col is None:
