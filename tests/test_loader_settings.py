@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import numba
@@ -155,6 +156,17 @@ def test_a_name_that_is_not_there_is_a_key_error_naming_those_there_are(ds):
         assert str(e.value).startswith("obs column 'nope' not in ") and ", ".join(ds.obs) in str(e.value)
     with pytest.raises(KeyError, match=r"^\['no such drug'\] not among the categories of 'drug'"):
         ds.rows_where("drug", ["no such drug"])
+    for lookup, said in (
+        (lambda: oj.make_loader(ds, batch_size=32, obs=("nope",)), "obs column 'nope' not in "),
+        (
+            lambda: oj.make_loader(ds, batch_size=32, sampling=oj.ClassBalanced("nope")),
+            "obs column 'nope' not in ",
+        ),
+        (lambda: oj.make_loader(ds, batch_size=32, output=oj.Panel(["NOPE"])), "1 panel gene(s) not in "),
+        (lambda: ds.gene_columns(["NOPE"]), "1 panel gene(s) not in "),
+    ):
+        with pytest.raises(oj.UnknownNameError, match=f"^{re.escape(said)}"):
+            lookup()
 
 
 @pytest.mark.parametrize("capacity", [0, -8, 2.5, True, "64"])

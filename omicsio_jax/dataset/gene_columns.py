@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
 from omicsio_jax.format.genes import fold_ensembl, name_lookup
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def gene_columns(
         cols.append(col)
     if unknown:
         msg = f"{len(unknown)} panel gene(s) not in {where}/features.parquet: {', '.join(unknown[:5])}"
-        raise OmicsIOError(msg)
+        raise UnknownNameError(msg)
     return np.asarray(cols, dtype=np.int64)
 
 

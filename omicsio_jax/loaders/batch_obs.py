@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.dataset.obs import Categorical
 
@@ -36,7 +36,7 @@ def obs_column(ds: Dataset, name: str) -> Categorical | np.ndarray:
     values of a numeric one; dates and times are refused, naming how to look them up instead."""
     if name not in ds.obs:
         msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
-        raise OmicsIOError(msg)
+        raise UnknownNameError(msg)
     column = ds.obs[name]
     if not isinstance(column, Categorical) and column.dtype.kind in "mM":
         msg = (

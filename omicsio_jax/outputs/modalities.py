@@ -83,7 +83,7 @@ class Modalities(Output):
         for name, output in self.outputs:
             if name not in ctx.dataset.modalities:
                 msg = f"{ctx.source} has no modality {name!r}; it has {', '.join(ctx.dataset.modalities)}"
-                raise OmicsIOError(msg)
+                raise UnknownNameError(msg)
             sub = datasets[name] = ctx.dataset.modality(name)
             if (
                 output.needs_genes
