@@ -102,6 +102,61 @@ def test_freed_heap_goes_back_to_the_system_when_a_dataset_closes(dataset_dir, m
     assert calls == [1]
 
 
+def test_closing_a_loader_lets_go_of_what_it_read_and_kept_at_once(dataset_dir, monkeypatch):
+    """Without a garbage collection: the fetches read ahead and the batch and fetch buffers kept for
+    reuse go when the loader closes (its reading threads, stopped mid-read, leave exceptions whose
+    frames refer to the reader, and the read-ahead cache held the reader's bound methods: cycles that
+    kept them all until a collection), and the freed heap is handed back."""
+    from omicsio_jax.loaders import disk
+
+    calls = []
+    monkeypatch.setattr(disk, "release_freed_memory", lambda: calls.append(1))
+    gc.disable()
+    try:
+        ds = oj.open_dataset(dataset_dir)
+        loader = oj.make_loader(ds, batch_size=64, num_epochs=None, read=oj.ReadOptions(num_threads=2))
+        batches = [next(loader) for _ in range(3)]
+        reader = loader._reader
+        segments, kept = reader._segments, reader._buffers
+        assert segments._entries and kept.num_free() + len(kept._spans) + len(kept._pools) > 0
+        loader.close()
+        assert not segments._entries and segments._load is None and segments._following is None
+        assert kept._pools == {} and kept._spans == []
+        assert calls == [1]
+        del batches
+    finally:
+        gc.enable()
+
+
+def _started_since(before: set[threading.Thread]) -> set[threading.Thread]:
+    return set(threading.enumerate()) - before
+
+
+def _named(name: str) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == name}
+
+
+def test_a_loader_read_to_its_end_stops_its_threads_while_it_is_still_referenced(dataset_dir):
+    ds = oj.open_dataset(dataset_dir)
+    before = set(threading.enumerate())
+    loader = oj.make_loader(ds, batch_size=256, num_epochs=2, read=oj.ReadOptions(num_threads=2))
+    served = sum(int(np.asarray(batch.mask).sum()) for batch in loader)
+    assert (
+        served == 2 * 256 * loader.steps_per_epoch
+        and loader.coverage().complete
+        and loader.get_state()["epoch"] == 2
+    )
+    deadline = time.monotonic() + 10  # (the dataset's own read-ahead thread stays with the dataset)
+    while (
+        started := _started_since(before) - _named("omicsio-jax-readahead")
+    ) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not started, sorted(t.name for t in started)
+    with pytest.raises(StopIteration):
+        next(loader)
+    loader.close()
+
+
 huge_pages = pytest.importorskip("numpy._core.multiarray")._get_madvise_hugepage
 
 

@@ -128,6 +128,13 @@ class RowBuffers:
             fits = [r for r in self._spans if len(r) >= need and self._refs(r) <= self._baseline]
             return min(fits, key=len) if fits else None
 
+    def release(self) -> None:
+        """Keep no buffer any more (those in use stay with their users; a later call makes new ones):
+        for an owner that is done, whose memory should go now, not when a garbage collection frees
+        a reference cycle that may hold the owner."""
+        with self._lock:
+            self._pools, self._spans = {}, []
+
     def num_free(self) -> int:
         with self._lock:
             return sum(self._refs(r) <= self._baseline for pool in self._pools.values() for r in pool)

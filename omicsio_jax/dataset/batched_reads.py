@@ -85,6 +85,10 @@ class FetchReader:
         self._readers = ShardReaders(dataset, reader_options or dataset.reader_options, per_thread=True)
         self._buffers = RowBuffers(keep=keep_buffers)  # fetches' memory, reused once a fetch is let go
 
+    def release(self) -> None:
+        """Let go of the fetches' memory kept for reuse (`RowBuffers.release`)."""
+        self._buffers.release()
+
     def read_sorted(self, rows: np.ndarray, *, announce_first: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(buf, starts)`` of ascending ``rows``: one read per run of consecutive rows (a local
         dataset's byte ranges announced to the kernel first, or meanwhile: see `Dataset.prepared`)."""
@@ -122,6 +126,11 @@ class OutputRecords:
         if self.single:
             return self._readers[None](rows, announce_first=announce_first)
         return {name: read(rows, announce_first=announce_first) for name, read in self._readers.items()}
+
+    def release(self) -> None:
+        """Let go of the memory kept for reuse by each modality's reader."""
+        for reader in self._readers.values():
+            reader.release()
 
     def join(self, records, lo: int, hi: int) -> Records | dict[str, Records]:
         """The `Records` of rows ``[lo, hi)`` (`Fetched.take`), or a dict of them by modality."""
@@ -216,9 +225,11 @@ class SegmentCache(Generic[T]):
                 self._newest = key
                 self._read_ahead(key)
         entry.done.wait()
-        if entry.error is not None:
-            raise entry.error
-        return entry.value
+        error, value = entry.error, entry.value
+        del entry  # (raised, the error's traceback holds this frame: not the entry that holds the error)
+        if error is not None:
+            raise error
+        return value
 
     def used(self, key: Hashable, uses: int) -> None:
         """One use of ``key``'s value is over; after ``uses`` of them it is dropped (asked again, it is
@@ -308,6 +319,12 @@ class SegmentCache(Generic[T]):
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=30)
+        with cond:
+            entries.clear()  # the values read (a loader's fetched records) go now, not with the cache
 
     def close(self) -> None:
+        """Stop the threads and let go of the values read. ``load`` and ``following`` are let go of
+        too: they are usually bound methods of the cache's owner, which holds the cache, a cycle that
+        would keep both (and what the owner holds, its batch buffers) until a garbage collection."""
         self._finalizer()
+        self._load = self._following = self._weight = None

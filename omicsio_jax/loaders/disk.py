@@ -55,6 +55,7 @@ from omicsio_jax.outputs.modalities import Modalities
 from omicsio_jax.sampling.coverage import Coverage, Tally
 from omicsio_jax.sampling.options import Block, Sampling
 from omicsio_jax.sampling.schedule import Anchor, Schedule
+from omicsio_jax.storage.memory import release_freed_memory
 
 STATE_VERSION = 2
 
@@ -158,10 +159,13 @@ class Loader(ClosingIterator):
         self._iterator = self._reader = self._finalizer = None
 
     def close(self) -> None:
-        """Stop the background threads (also done when the loader is collected); idempotent."""
+        """Stop the background threads (also done when the loader is collected) and let go of the
+        fetches and batch buffers it kept, handing the freed heap back to the system (a job that
+        makes a loader per evaluation keeps a flat footprint); idempotent."""
         self._drop_before()
         self._halt()
         super().close()
+        release_freed_memory()
 
     def _drop_before(self) -> None:
         if self._before is not None:
@@ -192,6 +196,8 @@ class Loader(ClosingIterator):
             self._finished = self.coverage()
             self._finished.check(f"make_loader on {self.dataset.path} (process {self.host})")
             self._epoch, self._step, self._served = self._epoch + 1, 0, Tally()
+            if self.num_epochs is not None and self._epoch >= self.num_epochs:
+                self._halt()  # the last batch is out: its reading threads and buffers go now
         return batch
 
     def as_grain_dataset(self) -> grain.IterDataset:

@@ -194,7 +194,12 @@ class MinibatchReader:
         return None if self.num_epochs is not None and nxt.epoch >= self.num_epochs else nxt
 
     def close(self) -> None:
+        """Stop reading ahead, and let go of the fetches and buffers kept: a thread stopped mid-read
+        leaves an exception whose frames refer to this reader, a cycle that only a garbage collection
+        frees, so this memory goes now rather than with it."""
         self._segments.close()
+        self._read.release()
+        self._buffers.release()
 
     def __call__(self, epoch: int, step: int) -> HostBatch:
         with self._lock:

@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,7 +168,10 @@ def release_freed_memory() -> bool:
     glibc keeps freed memory in its arenas for reuse; after a dataset's readers, caches and batch
     buffers are freed, a long job that opens datasets again and again (a reopen after an object
     changed, a resume) would otherwise see its resident size creep by the freed-but-kept pages.
+    False while the interpreter shuts down (a loader collected then: its memory goes with the process).
     """
+    if sys.is_finalizing():
+        return False
     trim = _malloc_trim()
     if trim is None:
         return False
