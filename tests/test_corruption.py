@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import struct
 
@@ -395,3 +396,63 @@ def test_an_obs_sidecar_of_another_length_or_categories_is_refused(dataset_dir, 
             oj.DatasetFormatError, match=rf"obs/{categorical}\.categories\.json is damaged: \d+ categories, "
         ):
             ds.obs[categorical]
+
+
+def test_a_missing_file_an_unreadable_table_or_sidecar_and_a_shard_named_out_of_place_are_refused(
+    dataset_dir, tmp_path
+):
+    """Each a one-line `DatasetFormatError` naming the file and `verify` (or, for the manifest, what
+    is wrong in it), not Python's, NumPy's or Arrow's own error: a listed file deleted; a gene table
+    of another dataset (its row count); a sidecar whose header or JSON is not one; a manifest whose
+    shards name each other's files (which served one shard's cells as another's)."""
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    with oj.open_dataset(copy) as ds:
+        numeric, categorical = _numeric_and_categorical(ds)
+    verify = rf"; run `omicsio-materialize verify {copy}`$"
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"] = [f for f in manifest["files"] if f["path"] != "features.parquet"]  # no size to check
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    cases = {
+        "cell_ids.parquet": (None, r"its file cell_ids\.parquet, listed in the manifest, is missing"),
+        "features.parquet": (b"not parquet", r"its file features\.parquet cannot be read \("),
+        f"obs/{numeric}.npy": (
+            lambda whole: re.sub(rb"'descr': '<.", b"'descr': '|O", whole, count=1),  # pickled objects
+            rf"the obs sidecar obs/{numeric}\.npy is damaged: ",
+        ),
+        f"obs/{categorical}.categories.json": (
+            lambda whole: whole[:-1] + b"x",
+            rf"the obs sidecar obs/{categorical}\.categories\.json is damaged: not a JSON list of categories",
+        ),
+    }
+    for relpath, (damage, said) in cases.items():
+        path = copy / relpath
+        whole = path.read_bytes()
+        if damage is None:
+            path.unlink()
+        else:
+            path.write_bytes(damage(whole) if callable(damage) else damage)
+        with oj.open_dataset(copy) as ds, pytest.raises(oj.DatasetFormatError, match=f"{said}.*{verify}"):
+            _read_listed_file(ds, relpath)
+        path.write_bytes(whole)
+    import pyarrow.parquet as pq
+
+    genes = pq.read_table(copy / "features.parquet")  # another dataset's gene table: one gene fewer
+    pq.write_table(genes.slice(1), copy / "features.parquet")
+    with (
+        oj.open_dataset(copy) as ds,
+        pytest.raises(
+            oj.DatasetFormatError,
+            match=rf"its file features\.parquet has {genes.num_rows - 1:,} rows, the dataset {genes.num_rows:,} genes{verify}",
+        ),
+    ):
+        _read_listed_file(ds, "features.parquet")
+    pq.write_table(genes, copy / "features.parquet")
+    shards = manifest["shards"]
+    shards[0]["path"], shards[1]["path"] = shards[1]["path"], shards[0]["path"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        oj.DatasetFormatError,
+        match=r"is malformed: shard 0 is 'shard-00001\.arrayrecord', not shard-00000\.arrayrecord$",
+    ):
+        oj.open_dataset(copy)

@@ -110,7 +110,7 @@ def test_closing_a_loader_lets_go_of_what_it_read_and_kept_at_once(dataset_dir, 
     from omicsio_jax.loaders import disk
 
     calls = []
-    monkeypatch.setattr(disk, "release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(disk.Loader, "_release_freed_memory", staticmethod(lambda: calls.append(1)))
     gc.disable()
     try:
         ds = oj.open_dataset(dataset_dir)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
 from omicsio_jax.dataset.cache import IOStats
 from omicsio_jax.dataset.exact_reads import check_rows, read_csr, read_range
 from omicsio_jax.dataset.files import DatasetFiles, locate
@@ -196,9 +196,25 @@ class Dataset:
     @functools.cached_property
     def features(self):
         """The gene table (a pandas DataFrame), one row per column, in column order."""
+        return self._table("features.parquet", self.num_genes, "genes").to_pandas()
+
+    def _table(self, relpath: str, rows: int, of: str):
+        """The dataset's parquet file ``relpath`` as an Arrow table of ``rows`` rows (one per of its
+        ``of``): one that cannot be read or holds another count is damage, said as such."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.local_path("features.parquet")).to_pandas()
+        try:
+            table = pq.read_table(self.local_path(relpath))
+        except (pa.ArrowException, OSError) as e:
+            problem = f"{self.path}: its file {relpath} cannot be read ({str(e).strip()})"
+            raise DatasetFormatError.run_verify(self.path, problem) from e
+        if table.num_rows != rows:
+            problem = (
+                f"{self.path}: its file {relpath} has {table.num_rows:,} rows, the dataset {rows:,} {of}"
+            )
+            raise DatasetFormatError.run_verify(self.path, problem)
+        return table
 
     @functools.cached_property
     def gene_stats(self):
@@ -240,9 +256,9 @@ class Dataset:
     @functools.cached_property
     def cell_ids(self) -> np.ndarray:
         """Cell ids in row order (numpy object array of str)."""
-        import pyarrow.parquet as pq
-
-        return pq.read_table(self.local_path("cell_ids.parquet")).column(0).to_numpy(zero_copy_only=False)
+        return (
+            self._table("cell_ids.parquet", self.num_cells, "cells").column(0).to_numpy(zero_copy_only=False)
+        )
 
     @functools.cached_property
     def obs(self) -> Mapping[str, Categorical | np.ndarray]:

@@ -39,8 +39,12 @@ class ListedFiles:
             return path
         try:
             size = path.stat().st_size
+        except FileNotFoundError:
+            raise DatasetFormatError.run_verify(
+                self._root, f"{self._root}: its file {relpath}, listed in the manifest, is missing"
+            ) from None
         except OSError:
-            return path  # missing or unreadable: its reader's own error names the file and the cause
+            return path  # unreadable: its reader's own error names the file and the cause
         if size != expected:
             raise DatasetFormatError.run_verify(
                 self._root,

@@ -75,13 +75,21 @@ class ObsColumns(Mapping):
                 raise UnknownNameError(msg)
             categorical = entry.kind == "categorical"
             rows_path = f"obs/{name}.codes.npy" if categorical else f"obs/{name}.npy"
-            values = np.load(self._local_path(rows_path), mmap_mode="r")
+            try:
+                values = np.load(self._local_path(rows_path), mmap_mode="r")
+            except ValueError as e:  # a header that is not numpy's (a pickled array, garbage)
+                self._damaged(rows_path, str(e))
+            if values.ndim != 1:
+                self._damaged(rows_path, f"an array of shape {values.shape}, not one value per cell")
             if self._num_cells is not None and len(values) != self._num_cells:
                 self._damaged(rows_path, f"{len(values):,} rows, the dataset has {self._num_cells:,} cells")
             column = values
             if categorical:
                 categories_path = f"obs/{name}.categories.json"
-                categories = tuple(json.loads(self._local_path(categories_path).read_text()))
+                try:
+                    categories = tuple(json.loads(self._local_path(categories_path).read_text()))
+                except (ValueError, UnicodeDecodeError) as e:
+                    self._damaged(categories_path, f"not a JSON list of categories ({e})")
                 if entry.num_categories is not None and len(categories) != entry.num_categories:
                     self._damaged(
                         categories_path,

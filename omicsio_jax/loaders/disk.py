@@ -165,7 +165,10 @@ class Loader(ClosingIterator):
         self._drop_before()
         self._halt()
         super().close()
-        release_freed_memory()
+        self._release_freed_memory()
+
+    # (held by the class: a loader collected as the interpreter shuts down finds the module's names gone)
+    _release_freed_memory = staticmethod(release_freed_memory)
 
     def _drop_before(self) -> None:
         if self._before is not None:
