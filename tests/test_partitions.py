@@ -3,8 +3,6 @@ killed mid-partition costs that partition only; bad data and missing sidecars st
 
 from __future__ import annotations
 
-import _thread
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -13,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -177,16 +174,24 @@ def _when_writing(root: Path, act, seen: list[tuple[int, int]], marker: bytes = 
     return watcher
 
 
-@contextlib.contextmanager
-def _while_writing(root: Path, act) -> Iterator[list[tuple[int, int]]]:
-    """`_when_writing` around the block, which must let it catch a shard writer at work."""
+def _acting_at_work(monkeypatch, root: Path, act) -> list[tuple[int, int]]:
+    """Once, where a pool's run next waits for its workers after a shard writer is caught writing a
+    shard under ``root``: ``act(writer, worker)`` (in the run's own thread, as a Ctrl-C or a kill
+    arriving then would). The ``(writer, worker)`` acted on are noted in the list returned."""
+    import materialize._pool as pool
+
     seen: list[tuple[int, int]] = []
-    watcher = _when_writing(root, act, seen)
-    try:
-        yield seen
-    finally:
-        watcher.join()
-    assert seen, "no shard writer was caught writing a shard"
+    wait = pool.wait
+
+    def at_work(connections, *args, **kwargs):
+        found = None if seen else _writing(root)
+        if found is not None:
+            seen.append(found)
+            act(*found)
+        return wait(connections, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "wait", at_work)
+    return seen
 
 
 def _materialize_on_two_workers(corpus, tmp_path):
@@ -201,26 +206,34 @@ def _materialize_on_two_workers(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("who", ["worker", "shard writer"])
-def test_a_killed_worker_or_shard_writer_costs_only_its_partition(corpus, tmp_path, who):
+def test_a_killed_worker_or_shard_writer_costs_only_its_partition(corpus, tmp_path, monkeypatch, who):
     """A worker killed mid-partition, or its shard writer process (the worker's child), is replaced
     and the partition written again; the dataset is the same, byte for byte."""
     materialize(
         corpus.cells_parquet, tmp_path / "ref", workers=1, progress=False, layout=Layout(shard_cells=SHARD)
     )
     kill = lambda writer, worker: os.kill(worker if who == "worker" else writer, signal.SIGKILL)  # noqa: E731
-    with _while_writing(tmp_path, kill):
-        result = _materialize_on_two_workers(corpus, tmp_path)
+    seen = _acting_at_work(monkeypatch, tmp_path, kill)
+    result = _materialize_on_two_workers(corpus, tmp_path)
+    assert seen, "no shard writer was caught writing a shard"
     assert len(result.redone) == 1  # that partition, and nothing else, was written again
     assert _digests(tmp_path / "out") == _digests(tmp_path / "ref")
 
 
-def test_ctrl_c_stops_the_workers_and_their_shard_writers_before_the_output_is_removed(corpus, tmp_path):
+def test_ctrl_c_stops_the_workers_and_their_shard_writers_before_the_output_is_removed(
+    corpus, tmp_path, monkeypatch
+):
     """The workers' shard writers run in sessions of their own (Ctrl-C reaches only the workers): they
     are killed with their workers and waited for, so none goes on writing a shard into the partial
     output as it is removed (which left an empty ``chunks/`` behind)."""
-    interrupt = lambda writer, worker: _thread.interrupt_main()  # noqa: E731
-    with _while_writing(tmp_path, interrupt) as seen, pytest.raises(KeyboardInterrupt):
+
+    def ctrl_c(writer, worker):
+        raise KeyboardInterrupt
+
+    seen = _acting_at_work(monkeypatch, tmp_path, ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
         _materialize_on_two_workers(corpus, tmp_path)
+    assert seen, "no shard writer was caught writing a shard"
     ((writer, worker),) = seen
     assert not _alive(writer) and not _alive(worker)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
