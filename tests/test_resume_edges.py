@@ -77,10 +77,16 @@ def _swap_shards(m):
     m["shards"][0], m["shards"][1] = m["shards"][1], m["shards"][0]
 
 
+def _swap_shard_paths(m):
+    first, second = m["shards"][0], m["shards"][1]
+    first["path"], second["path"] = second["path"], first["path"]
+
+
 @pytest.mark.parametrize(
     "edit,match",
     [
         (_swap_shards, r"shard 0 \(shard-00001\.arrayrecord\) holds cells 1,024\+1,024, not 0\+1,024"),
+        (_swap_shard_paths, r"shard 0 is 'shard-00001\.arrayrecord', not shard-00000\.arrayrecord$"),
         (lambda m: m.update(num_cells=m["num_cells"] - 1), r"shard 2 .* not 2,048\+951"),
         (lambda m: m.update(shard_cells=0), r"shard_cells is 0"),
         (lambda m: m.update(shard_cells=512), r"3 shards for 3,000 cells of 512 per shard, not 6"),
@@ -88,7 +94,16 @@ def _swap_shards(m):
         (lambda m: m["array_record"].pop("group_size"), r"array_record\.group_size is None"),
         (lambda m: m.update(num_genes=3_000_000_000), r"num_genes is 3,000,000,000"),
     ],
-    ids=["swapped", "num-cells", "shard-cells-0", "shard-cells", "no-shards", "no-group-size", "num-genes"],
+    ids=[
+        "swapped",
+        "paths-swapped",
+        "num-cells",
+        "shard-cells-0",
+        "shard-cells",
+        "no-shards",
+        "no-group-size",
+        "num-genes",
+    ],
 )
 def test_a_manifest_whose_shards_do_not_tile_the_cells_is_refused(dataset_dir, tmp_path, edit, match):
     copy = _copy(dataset_dir, tmp_path)

@@ -340,14 +340,14 @@ def _check_layout(m: Manifest) -> None:
             f"{len(m.shards)} shards for {m.num_cells:,} cells of {m.shard_cells:,} per shard, not {expected}"
         )
     for i, shard in enumerate(m.shards):
-        if shard.path != f"shard-{i:05d}.arrayrecord":  # the name materialize gives shard i, and no other
-            raise ValueError(f"shard {i} is {shard.path!r}, not shard-{i:05d}.arrayrecord")
         first = i * m.shard_cells
         cells = min(m.shard_cells, m.num_cells - first)
         if (shard.first_cell, shard.num_cells) != (first, cells):
             raise ValueError(
                 f"shard {i} ({shard.path}) holds cells {shard.first_cell:,}+{shard.num_cells:,}, not {first:,}+{cells:,}"
             )
+        if shard.path != f"shard-{i:05d}.arrayrecord":  # the name materialize gives shard i, and no other
+            raise ValueError(f"shard {i} is {shard.path!r}, not shard-{i:05d}.arrayrecord")
 
 
 def verify_dataset(path: str | os.PathLike[str]) -> list[str]:
