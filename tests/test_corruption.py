@@ -456,3 +456,31 @@ def test_a_missing_file_an_unreadable_table_or_sidecar_and_a_shard_named_out_of_
         match=r"is malformed: shard 0 is 'shard-00001\.arrayrecord', not shard-00000\.arrayrecord$",
     ):
         oj.open_dataset(copy)
+
+
+def test_categorical_codes_past_the_categories_are_refused_as_the_column_loads(dataset_dir, tmp_path):
+    """Codes edited in place (the file's size kept) past the categories would reach a model as labels
+    it has no class for; they are refused as the column loads, naming the sidecar."""
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset_dir, copy)
+    with oj.open_dataset(copy) as ds:
+        _, categorical = _numeric_and_categorical(ds)
+        count = len(ds.obs[categorical].categories)
+    path = copy / f"obs/{categorical}.codes.npy"
+    codes = np.load(path)
+    for bad in (count, -2):
+        damaged = codes.copy()
+        damaged[7] = bad
+        np.save(path, damaged)
+        with (
+            oj.open_dataset(copy) as ds,
+            pytest.raises(
+                oj.DatasetFormatError,
+                match=rf"the obs sidecar obs/{categorical}\.codes\.npy is damaged: codes -?\d+\.\.\d+, where "
+                rf"-1\.\.{count - 1} are a cell's categories; run `omicsio-materialize verify",
+            ),
+        ):
+            oj.make_loader(ds, batch_size=64, obs=(categorical,))
+    np.save(path, codes)
+    with oj.open_dataset(copy) as ds:
+        assert len(ds.obs[categorical].codes) == ds.num_cells
