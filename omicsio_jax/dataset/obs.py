@@ -96,7 +96,7 @@ class ObsColumns(Mapping):
                         f"{len(categories)} categories, the manifest says {entry.num_categories}",
                     )
                 # codes past the categories would reach a model as labels it has no class for (one pass
-                # over the codes, once a process: ~0.1 s for 10^8 cells)
+                # over the codes, once a process)
                 low, high = (int(values.min()), int(values.max())) if len(values) else (-1, -1)
                 if low < -1 or high >= len(categories):
                     self._damaged(
