@@ -281,7 +281,7 @@ class Dataset:
         >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
         >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
         """
-        return rows_where(self.obs, column, values, invert=invert, where=str(self.path))
+        return rows_where(self.obs, column, values, invert=invert)
 
     def gene_columns(self, genes: Sequence[str | int]) -> np.ndarray:
         """Columns of ``genes`` (names, Ensembl ids with or without their version, or column numbers;

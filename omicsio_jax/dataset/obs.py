@@ -131,12 +131,9 @@ def rows_where(
     values: Sequence[str | float],
     *,
     invert: bool = False,
-    where: str = "the dataset",
 ) -> np.ndarray:
-    """`omicsio_jax.Dataset.rows_where` over ``obs`` (``where``: the dataset, for messages)."""
-    if column not in obs:
-        msg = f"obs column {column!r} not in {where}; available: {', '.join(obs) or '(none)'}"
-        raise UnknownNameError(msg)
+    """`omicsio_jax.Dataset.rows_where` over ``obs`` (a dataset's `ObsColumns`, which names a missing
+    column)."""
     data = obs[column]
     if isinstance(data, Categorical):
         if set(data.categories) <= {"false", "true"}:  # a bool column (kept as a categorical: nulls)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from omicsio_jax.core.errors import OmicsIOError, UnknownNameError
+from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.dataset.obs import Categorical
 
@@ -34,10 +34,7 @@ def obs_names(obs: str | Sequence[str]) -> tuple[str, ...]:
 def obs_column(ds: Dataset, name: str) -> Categorical | np.ndarray:
     """Obs column ``name`` as a batch carries it: a `Categorical` (its codes, -1 = missing) or the
     values of a numeric one; dates and times are refused, naming how to look them up instead."""
-    if name not in ds.obs:
-        msg = f"obs column {name!r} not in {ds.path}; available: {', '.join(ds.obs)}"
-        raise UnknownNameError(msg)
-    column = ds.obs[name]
+    column = ds.obs[name]  # (a missing one: `UnknownNameError` naming those there are)
     if not isinstance(column, Categorical) and column.dtype.kind in "mM":
         msg = (
             f"obs {name!r} of {ds.path} holds {column.dtype} values, which batches do not carry (they carry "
