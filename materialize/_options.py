@@ -143,7 +143,8 @@ class Layout:
         if not _is_power_of_two(self.group_size) or self.group_size > self.shard_cells:
             msg = f"group_size must be a power of two ≤ shard_cells ({self.shard_cells:,}), got {self.group_size!r}"
             raise OmicsIOError(msg)
-        _check_writer_options(self.compression, self.writer_options)
+        if self.compression != DEFAULT_COMPRESSION:  # (the default's is known good: no check on import)
+            _check_writer_options(self.compression, self.writer_options)
 
     @property
     def writer_options(self) -> str:
