@@ -102,6 +102,19 @@ def test_freed_heap_goes_back_to_the_system_when_a_dataset_closes(dataset_dir, m
     assert calls == [1]
 
 
+def test_a_loader_collected_as_the_interpreter_exits_closes_without_a_word(dataset_dir):
+    # a loader kept in a module global, with grain and orbax imported, is closed by Grain's
+    # iterator finalizer while the interpreter clears modules: `memory`'s own `sys` is None by then
+    code = (
+        "import grain, orbax.checkpoint\n"
+        "import omicsio_jax as oj\n"
+        f"loader = oj.make_loader({str(dataset_dir)!r}, batch_size=8, seed=0, num_epochs=None)\n"
+        "batch = next(loader)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "Exception ignored" not in out.stderr, out.stderr
+
+
 def test_closing_a_loader_lets_go_of_what_it_read_and_kept_at_once(dataset_dir, monkeypatch):
     """Without a garbage collection: the fetches read ahead and the batch and fetch buffers kept for
     reuse go when the loader closes (its reading threads, stopped mid-read, leave exceptions whose

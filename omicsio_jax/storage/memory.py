@@ -161,7 +161,7 @@ def _malloc_trim():
     return trim
 
 
-def release_freed_memory() -> bool:
+def release_freed_memory(*, _finalizing=sys.is_finalizing) -> bool:
     """Hand the heap pages that freed buffers left behind back to the system (glibc's
     ``malloc_trim(0)``); False where the C library has no such call.
 
@@ -169,8 +169,9 @@ def release_freed_memory() -> bool:
     buffers are freed, a long job that opens datasets again and again (a reopen after an object
     changed, a resume) would otherwise see its resident size creep by the freed-but-kept pages.
     False while the interpreter shuts down (a loader collected then: its memory goes with the process).
+    (``_finalizing`` is bound at import: by then this module's globals, ``sys`` among them, may be None.)
     """
-    if sys.is_finalizing():
+    if _finalizing():
         return False
     trim = _malloc_trim()
     if trim is None:
