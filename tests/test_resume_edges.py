@@ -149,6 +149,25 @@ def test_prefetch_to_device_refuses_a_state_that_is_not_its_own(ds):
     batches.close()
 
 
+def test_a_state_that_is_not_a_loaders_names_what_it_is(ds):
+    grain_iterator = iter(oj.make_grain_loader(ds, batch_size=16, seed=1))
+    next(grain_iterator)
+    grain_state = grain_iterator.get_state()  # a Grain DataLoader's own state: JSON bytes
+    assert isinstance(grain_state, bytes)
+    cases = (
+        (grain_state, r"not bytes \(a Grain DataLoader iterator's state\?"),
+        ([], "not an empty list"),
+        ([1, 2], "not a list holding int"),
+        (7, "not int"),
+    )
+    for make in (lambda: oj.make_loader(ds, **KW), lambda: oj.make_memory_loader(ds, batch_size=16)):
+        loader = make()
+        for state, match in cases:
+            with pytest.raises(oj.StateMismatchError, match=match):
+                loader.set_state(state)
+        loader.close()
+
+
 def test_numpy_scalar_knobs_make_a_json_state_that_restores(ds):
     kw = {"batch_size": np.int64(96), "sampling": oj.Block(np.int64(16), np.int64(4)), "seed": np.int64(1)}
     loader = oj.make_loader(ds, **kw, num_epochs=np.int64(2), output=oj.Dense(target_sum=np.float32(1e4)))

@@ -45,6 +45,7 @@ from omicsio_jax.loaders.state import (
     as_json,
     check_positions,
     check_state,
+    process_states,
     read_loader_states,
     reads_state,
 )
@@ -291,10 +292,7 @@ class Loader(ClosingIterator):
         with other weights: the checkpoint's epoch finishes as it began, the new weights take effect
         with the next one (`omicsio_jax.loaders.mixtures`).
         """
-        states = [state] if isinstance(state, dict) else list(state)
-        if not states:
-            msg = "set_state needs a state (or the list of every process's states), got an empty list"
-            raise StateMismatchError(msg)
+        states = process_states(state)
         check_positions(states)
         self._drop_before()
         old = changed_mixture(states[0]["config"], self._config)
@@ -335,8 +333,9 @@ class Loader(ClosingIterator):
         self._start(switch, 0, Anchor(switch, 0, self.plan.num_hosts), Tally())
 
     async def load(self, directory):
-        """Orbax v1 (``ocp.load_checkpointables``): read every process's state, so another number of
-        processes than the checkpoint's restores too. Returns the coroutine Orbax awaits."""
+        """Orbax v1 (``orbax.checkpoint.experimental.v1.load_checkpointables``): read every process's
+        state, so another number of processes than the checkpoint's restores too. Returns the
+        coroutine Orbax awaits."""
 
         async def restore() -> None:
             self.set_state(await asyncio.to_thread(read_loader_states, directory))

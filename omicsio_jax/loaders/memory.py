@@ -40,7 +40,7 @@ from omicsio_jax.loaders.options import (
     numba_threads,
     numba_threads_in_force,
 )
-from omicsio_jax.loaders.state import as_json, check_state, reads_state
+from omicsio_jax.loaders.state import as_json, check_state, process_states, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch
 from omicsio_jax.sampling.coverage import Coverage, Tally
 
@@ -140,7 +140,7 @@ class MemoryLoader(ClosingIterator):
     def set_state(self, state: dict | Sequence[dict]) -> None:
         """Resume at ``state`` (or every process's states, for another number of hosts); refuses a
         state of another panel or config, one line per difference."""
-        states = [state] if isinstance(state, dict) else list(state)
+        states = process_states(state)
         for s in states:
             check_state(s, STATE_VERSION, self.config())
         if len({(s["epoch"], s["step"]) for s in states}) != 1:

@@ -38,10 +38,34 @@ def as_json(config: dict) -> dict:
     return json.loads(json.dumps(config, default=plain))
 
 
+def process_states(state) -> list:
+    """What a loader's ``set_state`` was given (one process's state, or every process's in a list,
+    as `read_loader_states` returns them) as a list of states; a state that is no dict, or bytes or
+    a string in place of one (a Grain DataLoader iterator's own state), is a one-line
+    `StateMismatchError`."""
+    states = [state] if isinstance(state, dict) else state
+    if isinstance(states, list | tuple) and states and all(isinstance(s, dict) for s in states):
+        return list(states)
+    if isinstance(state, bytes | bytearray | str):
+        got = f"{type(state).__name__} (a Grain DataLoader iterator's state? it goes to that iterator's set_state)"
+    elif isinstance(state, list | tuple):
+        got = f"a list holding {_kinds(state)}" if state else "an empty list"
+    else:
+        got = type(state).__name__
+    msg = f"a loader state is the dict its get_state returned (or a list of every process's), not {got}"
+    raise StateMismatchError(msg)
+
+
+def _kinds(items) -> str:
+    return ", ".join(sorted({type(s).__name__ for s in items}))
+
+
 def check_state(state: dict, version: int, config: dict) -> None:
     """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
-    if not isinstance(state, dict) or state.get("version") != version:
-        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+    if not isinstance(state, dict):
+        process_states(state)  # raises, naming what it is
+    if state.get("version") != version:
+        got = state.get("version")
         msg = f"loader state version {got!r} is not {version}: it was written by another loader or release"
         raise StateMismatchError(msg)
     theirs = state["config"]
