@@ -177,6 +177,9 @@ def test_place_batch_refuses_a_placement_or_a_missing_axis_in_one_line():
         oj.place_batch(host, mesh)
     placed = oj.place_batch(host, mesh, "batch")["x"]
     assert placed.sharding.spec == jax.sharding.PartitionSpec("batch") and placed.shape == (16, 3)
+    uneven = f"a batch of 12 rows does not split over the {jax.device_count()} devices of mesh axis 'batch'"
+    with pytest.raises(oj.OmicsIOError, match=uneven):  # the shape of a make_grain_loader batch of 12
+        oj.place_batch({"x": np.ones((12, 3), np.float32), "index": np.arange(12)}, mesh, "batch")
 
 
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, "60"])

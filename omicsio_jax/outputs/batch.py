@@ -123,19 +123,40 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
             [steps[i].to_place(sharding) if i in steps else n for i, n in enumerate(nodes)]
         )
         leaves, leaf_tree = jax.tree.flatten(host_batch)
-    arrays = put_arrays(leaves, sharding)
-    if arrays is not None:
-        placed = leaf_tree.unflatten(arrays)
-    elif mesh is None:
-        placed = jax.device_put(host_batch, sharding)  # the first local device
-    else:
-        # one call for the whole pytree: half the time of one per array, and one hand-off of the GIL
-        # instead of one per array (each can wait a 5 ms switch interval while decoding threads run)
-        placed = jax.make_array_from_process_local_data(sharding, host_batch)
+    try:
+        arrays = put_arrays(leaves, sharding)
+        if arrays is not None:
+            placed = leaf_tree.unflatten(arrays)
+        elif mesh is None:
+            placed = jax.device_put(host_batch, sharding)  # the first local device
+        else:
+            # one call for the whole pytree: half the time of one per array, and one hand-off of the GIL
+            # instead of one per array (each can wait a 5 ms switch interval while decoding threads run)
+            placed = jax.make_array_from_process_local_data(sharding, host_batch)
+    except ValueError:  # JAX's, for a batch its devices do not split evenly: said in our terms
+        _check_divisible(leaves, mesh, data_axis)
+        raise
     if steps:
         parts = treedef.flatten_up_to(placed)
         placed = treedef.unflatten([steps[i].on_device(p) if i in steps else p for i, p in enumerate(parts)])
     return Batch(placed.x, placed.obs, placed.index, placed.mask) if isinstance(placed, HostBatch) else placed
+
+
+def _check_divisible(leaves: list, mesh, data_axis: str) -> None:
+    """Refuse, in one line, a batch whose global leading size (this host's times the processes) the
+    devices of ``data_axis`` do not divide."""
+    if mesh is None:
+        return
+    devices, hosts = mesh.shape[data_axis], jax.process_count()
+    for leaf in leaves:
+        size = np.shape(leaf)[0] if np.ndim(leaf) else 1
+        if (size * hosts) % devices:
+            of = f"{size} rows" if hosts == 1 else f"{size} rows on each of {hosts} processes"
+            msg = (
+                f"place_batch: a batch of {of} does not split over the {devices} devices of mesh axis "
+                f"{data_axis!r}: make the loader's batch_size a multiple of {devices}"
+            )
+            raise OmicsIOError(msg)
 
 
 def put_arrays(arrays: list, sharding: jax.sharding.Sharding) -> list[jax.Array] | None:
