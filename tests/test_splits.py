@@ -56,6 +56,11 @@ def test_the_same_seed_gives_the_same_file_and_another_seed_another_split(ds_pat
     assert json.loads((other / "splits" / "drug.json").read_text())["groups"] != json.loads(first)["groups"]
     with pytest.raises(oj.OmicsIOError, match="holds another split by 'drug'; pass overwrite=True"):
         oj.split(ds, by="drug", seed=1, fractions=(0.5, 0.5), names=("a", "b"))
+    (other / "splits" / "drug.json").unlink()  # removed by hand: still listed in the manifest
+    with pytest.raises(
+        oj.OmicsIOError, match="drug.json is listed in the manifest but missing: it held a split by 'drug'"
+    ):
+        oj.split(oj.open_dataset(other), by="drug", seed=1, fractions=(0.5, 0.5), names=("a", "b"))
 
 
 def test_every_loader_serves_only_its_split(ds_path):

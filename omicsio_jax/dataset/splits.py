@@ -251,9 +251,12 @@ def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> N
         if target.exists() and target.read_text() == text:
             dataset.manifest = m
             return
-        msg = (
-            f"{where}: {result.path} holds another split by {result.by!r}; pass overwrite=True to replace it"
+        held = (
+            "holds another split"
+            if target.exists()
+            else "is listed in the manifest but missing: it held a split"
         )
+        msg = f"{where}: {result.path} {held} by {result.by!r}; pass overwrite=True to replace it"
         raise OmicsIOError(msg)
     target.parent.mkdir(exist_ok=True)
     staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")

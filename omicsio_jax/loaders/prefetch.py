@@ -100,9 +100,10 @@ class DevicePrefetch(ClosingIterator):
         return json.loads(json.dumps(inner))
 
     async def load(self, directory):
-        """Orbax v1 (``ocp.load_checkpointables``): every process's state where the wrapped iterator's
-        names its process (`make_loader`'s, `make_memory_loader`'s: another number of processes
-        restores too), else this process's own (Grain's). Returns the coroutine Orbax awaits."""
+        """Orbax v1 (``orbax.checkpoint.experimental.v1.load_checkpointables``): every process's state
+        where the wrapped iterator's names its process (`make_loader`'s, `make_memory_loader`'s:
+        another number of processes restores too), else this process's own (Grain's). Returns the
+        coroutine Orbax awaits."""
         if not (isinstance(self._state, dict) and "process" in self._state):
             return await super().load(directory)
 
