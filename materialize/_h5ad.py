@@ -181,7 +181,7 @@ class H5adSource(Source):
         if use_raw:
             matrix = legacy_raw(self._root, "X")
             if matrix not in self._root:  # (anndata writes an empty raw group into a zarr store without one)
-                msg = f"{self.label} has no .raw"
+                msg = f"{self.label} has no .raw: leave out --raw (use_raw=True) to materialize its X"
                 raise DataValidationError(msg)
             return self._root[matrix]
         return self._root["X"]
@@ -199,7 +199,36 @@ class H5adSource(Source):
             )
             raise DataValidationError(msg)
         shape = m.attrs["h5sparse_shape" if legacy else "shape"]
+        self._check_pointers(m, int(shape[0] if self._sparse == "csr_matrix" else shape[1]))
         return int(shape[0]), int(shape[1])
+
+    def _check_pointers(self, m, major: int) -> None:
+        """Refuse a sparse matrix whose ``indptr`` does not frame its entries (scipy's own checks: as
+        long as the rows, or columns, plus one; from 0 to the number of entries), which would read as
+        other cells' values or silently lose some. Each batch checks that its part does not fall."""
+        indptr, indices, data = m["indptr"], m["indices"], m["data"]
+        length, entries, values = int(indptr.shape[0]), int(indices.shape[0]), int(data.shape[0])
+        lines = "rows" if self._sparse == "csr_matrix" else "columns"
+        if length != major + 1:
+            problem = f"has {length:,} entries where its {major:,} {lines} need {major + 1:,}"
+        elif int(indptr[0]) != 0:
+            problem = f"starts at {int(indptr[0]):,}, not 0"
+        elif int(indptr[length - 1]) != entries:
+            problem = f"ends at {int(indptr[length - 1]):,} where indices holds {entries:,} entries"
+        elif values != entries:
+            problem = f"frames {entries:,} indices but data holds {values:,} values"
+        else:
+            return
+        msg = f"{self.label}: {m.name}/indptr {problem}: the file is damaged; rewrite it with anndata"
+        raise DataValidationError(msg)
+
+    def _falls(self, indptr: np.ndarray, what: str, first: int) -> None:
+        """Refuse a part of ``indptr`` that falls (a damaged file), naming the first row or column."""
+        steps = np.diff(indptr)
+        if len(steps) and steps.min() < 0:
+            at = first + int(np.argmax(steps < 0))
+            msg = f"{self.label}: {self._matrix.name}/indptr falls at {what} {at}: the file is damaged; rewrite it with anndata"
+            raise DataValidationError(msg)
 
     def _gene_table(self, var: Frame, num_vars: int) -> pa.Table:
         columns = {}
@@ -238,6 +267,7 @@ class H5adSource(Source):
             return indptr, cols.astype(np.int64), dense[rows, cols]
         if self._sparse == "csr_matrix":
             indptr = m["indptr"][lo : hi + 1].astype(np.int64)
+            self._falls(indptr, "row", lo)
             a, b = int(indptr[0]), int(indptr[-1])
             indices, data = m["indices"][a:b].astype(np.int32, copy=False), native_order(m["data"][a:b])
             indptr -= a
@@ -255,6 +285,7 @@ class H5adSource(Source):
         for c0 in range(0, num_cols, col_chunk):
             c1 = min(num_cols, c0 + col_chunk)
             ptr = indptr_all[c0 : c1 + 1].astype(np.int64)
+            self._falls(ptr, "column", c0)
             rows = indices[ptr[0] : ptr[-1]].astype(np.int64)
             keep = (rows >= lo) & (rows < hi)
             cols = np.repeat(np.arange(c0, c1, dtype=np.int64), np.diff(ptr))

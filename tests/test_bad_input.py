@@ -204,6 +204,39 @@ def test_truncated_h5ad(corpus, capsys, tmp_path):
     assert "truncated.h5ad" in err and "cannot read" in err
 
 
+@pytest.mark.parametrize("fmt", ["csr", "csc"])
+@pytest.mark.parametrize(
+    "damage,expected",
+    [
+        (lambda p: p.__setitem__(10, p[9] - 1), r"/X/indptr falls at (row|column) 9: the file is damaged"),
+        (lambda p: p.__setitem__(0, 2), "/X/indptr starts at 2, not 0: the file is damaged"),
+        (lambda p: p.__setitem__(-1, p[-1] - 5), r"/X/indptr ends at \d+ where indices holds \d+ entries"),
+    ],
+)
+def test_a_sparse_matrix_whose_indptr_does_not_frame_its_entries_is_refused(
+    capsys, tmp_path, fmt, damage, expected
+):
+    # scipy refuses such a matrix; read as it is, it lost a cell's first entries or shifted values
+    # between cells without a word
+    import anndata as ad
+    import h5py
+    import scipy.sparse as sp
+
+    x = sp.random(50, 30, density=0.3, format=fmt, random_state=0, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    path = tmp_path / "damaged.h5ad"
+    ad.AnnData(x).write_h5ad(path)
+    with h5py.File(path, "r+") as f:
+        indptr = f["X/indptr"][:]
+        damage(indptr)
+        f["X/indptr"][:] = indptr
+    out = tmp_path / "out"
+    assert main([str(path), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(expected, err), err
+    assert "damaged.h5ad" in err and not out.exists()
+
+
 @pytest.mark.parametrize("name", ["absent.h5ad", "absent.zarr", "absent.h5mu"])
 def test_anndata_input_that_is_not_there(name, capsys, tmp_path):
     err = _run_bad(capsys, tmp_path, tmp_path / name)

@@ -805,7 +805,7 @@ def test_raw_asked_of_a_zarr_store_without_one_says_it_has_none(tmp_path, zarr_f
 
     x = sp.random(20, 5, density=0.5, format="csr", random_state=0, dtype=np.float32)
     _write_zarr(ad.AnnData(X=x), tmp_path / "x.zarr", zarr_format)
-    with pytest.raises(oj.DataValidationError, match=r"x.zarr has no .raw$"):
+    with pytest.raises(oj.DataValidationError, match=r"x.zarr has no .raw: leave out --raw"):
         materialize(tmp_path / "x.zarr", tmp_path / "out", progress=False, read=InputOptions(use_raw=True))
     assert not (tmp_path / "out").exists()
 
