@@ -111,14 +111,20 @@ def h5mu_alignment(
                 lookup = {cell: i for i, cell in enumerate(m_ids)}
                 rows = np.array([lookup.get(cell, -1) for cell in p_ids], np.int64)
                 seen = set(p_ids)
-                stray_ids = [i for i, cell in enumerate(m_ids) if cell not in seen]
-                stray = np.array(stray_ids[:1], np.int64)
+                stray = np.array([i for i, cell in enumerate(m_ids) if cell not in seen], np.int64)
                 ids = m_ids
             if len(stray):
-                cell = ids[stray[0]]
+                cell, count = ids[stray[0]], len(stray)
+                who = (
+                    f"{count:,} of its cells (cell_id {cell} first) have"
+                    if count > 1
+                    else f"cell_id {cell} has"
+                )
                 msg = (
-                    f"modality {name}: cell_id {cell} of {label} has no {primary} (the primary modality); a further "
-                    "modality's cells must be the primary's"
+                    f"modality {name}: {who} no {primary} in {label}, and a dataset holds the cells of its "
+                    f"primary modality ({primary}) only: leave {name} out (--modality NAME for each modality "
+                    f"to keep; --modality {primary} keeps {primary} alone), take as primary a modality that "
+                    f"holds every cell (--primary), or subset the file to the {primary} cells"
                 )
                 raise DataValidationError(msg)
     except (OSError, KeyError) as e:

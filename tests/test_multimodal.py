@@ -449,6 +449,26 @@ def test_a_duplicate_obs_name_in_an_h5mu_modality_names_that_modality(obsmap, tm
     assert oj.open_dataset(out).modalities == ("rna", "atac")
 
 
+@pytest.mark.parametrize("obsmap", [True, False], ids=["obsmap", "no-obsmap"])
+def test_an_h5mu_modality_with_cells_the_primary_lacks_is_refused_with_the_ways_out(obsmap, tmp_path):
+    """MuData's union layout: atac holds 5 cells rna lacks. A dataset holds the primary's cells, so
+    the line counts them and names the fixes; leaving atac out, as it says, materializes rna."""
+    out = tmp_path / "out"
+    union = _small_h5mu(tmp_path / "union.h5mu", _CELLS, [f"c{i}" for i in range(5, 15)], obsmap=obsmap)
+    _refused(
+        out,
+        r"^modality atac: 5 of its cells \(cell_id c10 first\) have no rna in .*union.h5mu, and a dataset holds "
+        r"the cells of its primary modality \(rna\) only: leave atac out \(--modality NAME for each "
+        r"modality to keep; --modality rna keeps rna alone\), take as primary a modality that holds every "
+        r"cell \(--primary\), or subset",
+        lambda: materialize(union, out, progress=False, workers=1),
+    )
+    materialize(
+        union, out, progress=False, workers=1, multimodal=Multimodal(layers=["spliced"], modalities=[])
+    )
+    assert oj.open_dataset(out).modalities == ("rna", "spliced")
+
+
 @pytest.mark.parametrize("layers", [["spliced"], []], ids=["layer-first", "no-layer"])
 def test_an_h5mu_primary_is_scanned_for_repeated_obs_names_once(layers, tmp_path, monkeypatch):
     """The primary's obs names are scanned for repeats once in a run (a scan of a million names takes
