@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from omicsio_jax import OmicsIOError
-from omicsio_jax.format import is_remote
+from omicsio_jax import ObjectStoreError, OmicsIOError
+from omicsio_jax.format import as_input_path, is_remote
 
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
@@ -107,15 +107,17 @@ class Sources:
         and any per-source obs columns. A CSV / TSV file's values are read as written (``001`` stays
         ``001``, ``1.10`` is not ``1.1``); an obs column of one is numbers only where every value reads
         back as written (`_text_obs`)."""
-        path = Path(path)
+        path = as_input_path(str(path))  # a local file or an s3:// object (its paths relative to its prefix)
         try:
+            with path.open("rb") as f:
+                data = pa.py_buffer(f.read())  # a small file, read once
             if path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
-                table = pq.read_table(path)
+                table = pq.read_table(pa.BufferReader(data))
             else:
-                table = _read_text_table(path, "\t" if path.suffix == ".tsv" else ",")
-        except (OSError, pa.ArrowException) as e:
+                table = _read_text_table(data, "\t" if path.suffix == ".tsv" else ",")
+        except (OSError, pa.ArrowException, ObjectStoreError) as e:
             msg = f"cannot read the sources file {path}: {e}"
             raise OmicsIOError(msg) from e
         if "path" not in table.column_names:
@@ -193,15 +195,15 @@ def _raw_flag(value, source: str) -> bool | None:
     raise OmicsIOError(msg)
 
 
-def _read_text_table(path: Path, delimiter: str) -> pa.Table:
-    """A CSV / TSV file with every column as text, as written (no type inference)."""
+def _read_text_table(data: pa.Buffer, delimiter: str) -> pa.Table:
+    """A CSV / TSV file's bytes as a table with every column as text, as written (no type inference)."""
     import pyarrow.csv as pacsv
 
     parse = pacsv.ParseOptions(delimiter=delimiter)
-    with pacsv.open_csv(path, parse_options=parse) as reader:  # the column names
+    with pacsv.open_csv(pa.BufferReader(data), parse_options=parse) as reader:  # the column names
         names = reader.schema.names
     text = pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()))
-    return pacsv.read_csv(path, parse_options=parse, convert_options=text)
+    return pacsv.read_csv(pa.BufferReader(data), parse_options=parse, convert_options=text)
 
 
 _BOOLS = {"true": True, "false": False}

@@ -10,8 +10,8 @@ import numba as nb
 import numpy as np
 import pyarrow as pa
 
-from omicsio_jax import DataValidationError
-from omicsio_jax.format import name_lookup
+from omicsio_jax import DataValidationError, ObjectStoreError
+from omicsio_jax.format import as_input_path, name_lookup
 
 from ._genekeys import strip_version
 
@@ -50,11 +50,12 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
     Each entry may be an Ensembl id, a gene name or a gene_token_id; the panel keeps its order.
     """
     if isinstance(panel, (str, Path)):
-        path = Path(panel)
+        path = as_input_path(str(panel))  # a local file or an s3:// object
         try:
-            lines = path.read_text().splitlines()
-        except OSError as e:
-            msg = f"cannot read panel file {path}: {e.strerror}"
+            with path.open("rb") as f:
+                lines = f.read().decode().splitlines()
+        except (OSError, ObjectStoreError) as e:
+            msg = f"cannot read panel file {path}: {getattr(e, 'strerror', None) or e}"
             raise DataValidationError(msg) from e
         entries = [line.split("#")[0].strip() for line in lines]
         entries = [e for e in entries if e]

@@ -81,6 +81,38 @@ def test_s3_to_s3_is_byte_identical_to_local(s3, corpus, corpus_table, tmp_path)
         np.testing.assert_array_equal(np.asarray(a.x), np.asarray(b.x))
 
 
+def test_a_sources_file_and_a_panel_file_on_s3_read_as_local_ones(s3, corpus, corpus_table, tmp_path):
+    """``--sources`` and ``--panel`` take ``s3://`` files too (a sources file's paths relative to its
+    prefix), and give the bytes their local copies give."""
+    _upload_inputs(s3, corpus, corpus_table, tmp_path)
+    local = tmp_path / "in"
+    (local / "sources.csv").write_text("path,dataset_id\npq/plate=0/cells.parquet,a\ncells.h5ad,b\n")
+    genes = pq.read_table(corpus.genes_parquet)
+    (local / "panel.txt").write_text("\n".join(genes.column("gene_name").to_pylist()[:40:3]) + "\n")
+    S3Store(s3.url("in")).upload(local, ["sources.csv", "panel.txt"])
+    for args, name in (
+        (lambda root: ["--sources", f"{root}/sources.csv"], "collection"),
+        (
+            lambda root: [
+                f"{root}/pq/",
+                "--genes",
+                f"{root}/pq/gene_metadata.parquet",
+                "--panel",
+                f"{root}/panel.txt",
+            ],
+            "panel",
+        ),
+    ):
+        for root, out in (
+            (str(local), tmp_path / f"{name}_local"),
+            (s3.url("in"), tmp_path / f"{name}_remote"),
+        ):
+            assert main([*args(root), str(out), "--shard-cells", str(SHARD), "--no-progress"]) == 0
+        assert _digests(tmp_path / f"{name}_remote") == _digests(tmp_path / f"{name}_local")
+    assert oj.open_dataset(tmp_path / "collection_remote").obs["dataset_id"].categories == ("a", "b")
+    assert oj.open_dataset(tmp_path / "panel_remote").layout == "dense"
+
+
 @pytest.mark.parametrize("kind", ["vortex", "h5ad"])
 def test_vortex_and_h5ad_on_s3(s3, corpus, corpus_table, tmp_path, kind):
     _upload_inputs(s3, corpus, corpus_table, tmp_path)
