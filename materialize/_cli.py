@@ -364,17 +364,23 @@ def main(argv: list[str] | None = None) -> int:
             return synth_main(argv[1:])
         return _materialize(argv)
     except OmicsIOError as e:
-        print(f"omicsio-materialize: error: {e}", file=sys.stderr)
+        print(f"omicsio-materialize: error: {'; '.join([str(e), *_notes(e)])}", file=sys.stderr)
         return 2
     except BaseException as e:
         if not _interrupted(e):
             raise
         after = e if isinstance(e, InterruptedAfterWriting) else None
-        print(f"omicsio-materialize: interrupted; {after or 'nothing was written'}", file=sys.stderr)
+        said = str(after) if after else "; ".join(_notes(e)) or "nothing was written"
+        print(f"omicsio-materialize: interrupted; {said}", file=sys.stderr)
         return 128 + (received[0] if received else signal.SIGINT)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _notes(error: BaseException) -> list[str]:
+    """What the run added to its error on the way out (`_output`: objects it could not remove)."""
+    return list(getattr(error, "__notes__", ()))
 
 
 def _interrupted(error: BaseException | None) -> bool:

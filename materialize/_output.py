@@ -99,27 +99,38 @@ def staging_dir(store, overwrite: bool) -> Iterator[str]:
                 shutil.rmtree(parts, ignore_errors=True)
         return
     if store.head(MANIFEST_NAME) is None:  # nothing to replace: written in place
-        try:
+        with _removed_if_it_fails(store, lambda: [k for k, _ in store.list() if _ours(k)]):
             yield store.url
-        except BaseException:
-            with contextlib.suppress(OmicsIOError):  # best effort: nothing here looks complete anyway
-                store.delete([k for k, _ in store.list() if _ours(k)])
-            raise
         keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))
         store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
         return
     generation = f"gen-{secrets.token_hex(8)}"
     staged = open_store(f"{store.url.rstrip('/')}/{generation}")
-    try:
+    with _removed_if_it_fails(staged, lambda: [k for k, _ in staged.list()]):
         yield staged.url
-    except BaseException:
-        with contextlib.suppress(OmicsIOError):  # best effort: the old generation is untouched either way
-            staged.delete([k for k, _ in staged.list()])
-        raise
     manifest = Manifest.from_dict(json.loads(staged.read_text(MANIFEST_NAME)))
     keep = {MANIFEST_NAME, *(f"{generation}/{k}" for k in _listed(staged, manifest))}
     store.write_bytes(MANIFEST_NAME, dataclasses.replace(manifest, generation=generation).to_json().encode())
     store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
+
+
+@contextlib.contextmanager
+def _removed_if_it_fails(store, written) -> Iterator[None]:
+    """Remove the objects ``written()`` lists if the run fails or is stopped. Best effort: nothing
+    there looks complete (no manifest, or a generation no manifest names), and the next run there
+    asks for ``--overwrite``, which removes them. If they cannot be removed either (the store is
+    what failed), the run's error says so in a note, which the CLI prints on its line."""
+    try:
+        yield
+    except BaseException as failure:
+        try:
+            store.delete(written())
+        except OmicsIOError as e:
+            failure.add_note(
+                f"objects of the unfinished run remain under {store.url} (removing them failed too: "
+                f"{str(e).splitlines()[0]}); the next run there with --overwrite removes them"
+            )
+        raise
 
 
 def _listed(store, manifest: Manifest) -> set[str]:

@@ -205,6 +205,41 @@ def test_a_failed_overwrite_on_s3_leaves_the_old_dataset_whole(s3, corpus, corpu
         )
 
 
+def test_a_failed_run_whose_objects_cannot_be_removed_says_they_remain(
+    s3, corpus_table, tmp_path, monkeypatch, capsys
+):
+    """The store that failed the run may fail its cleanup too (an endpoint gone or stalled): the
+    line then says the unfinished run's objects remain and how they go, not that nothing was written."""
+    pq.write_table(_bad_table(corpus_table), tmp_path / "bad.parquet")
+    pq.write_table(corpus_table, tmp_path / "good.parquet")
+
+    def unreachable(self, keys):
+        raise oj.ObjectStoreError(f"cannot reach the S3 endpoint (for {self.url})")
+
+    monkeypatch.setattr(S3Store, "delete", unreachable)
+    args = ["--shard-cells", str(SHARD), "--workers", "1", "--no-progress"]
+    assert main([str(tmp_path / "bad.parquet"), s3.url("failed"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "negative gene_expression -1.0 in row 2900" in err, err
+    assert (
+        f"; objects of the unfinished run remain under {s3.url('failed')} (removing them failed too: " in err
+    )
+    assert err.rstrip().endswith("the next run there with --overwrite removes them"), err
+    assert S3Store(s3.url("failed")).list()  # they do remain
+
+    from materialize import _finalize
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_finalize.Finalizer, "finish", stopped)  # Ctrl-C once every partition is written
+    assert main([str(tmp_path / "good.parquet"), s3.url("stopped"), *args]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"omicsio-materialize: interrupted; objects of the unfinished run remain under {s3.url('stopped')}"
+    )
+
+
 def test_an_overwrite_on_s3_switches_generations_and_old_readers_never_see_new_bytes(
     s3, corpus, corpus_table, tmp_path
 ):
