@@ -3,6 +3,7 @@ a bounded cache, changed or corrupted objects reported, one-line errors for a ba
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -335,6 +336,42 @@ def test_missing_manifest_bucket_endpoint_or_credentials_are_one_line_errors(url
         one_line(e)
     with pytest.raises(oj.OmicsIOError, match="cache_bytes must be positive"):
         oj.open_dataset(url, cache_dir=tmp_path, cache_bytes=0)
+
+
+def test_an_endpoint_that_stops_answering_fails_within_the_timeout_set(url, s3, tmp_path, monkeypatch):
+    """An endpoint that takes the connection and never answers (a stalled server): each request fails
+    after OMICSIO_S3_TIMEOUT seconds and is retried within a minute of its first try, so the open
+    fails in seconds at 1 (at the default 120, after one try of two minutes)."""
+    import socket
+    import threading
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def accept() -> None:  # takes every connection, reads nothing, answers nothing
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setenv("OMICSIO_S3_TIMEOUT", "1")
+    start = time.monotonic()
+    with pytest.raises(
+        ObjectStoreError, match=r"the S3 endpoint http://127.0.0.1:\d+ did not answer in time"
+    ) as e:
+        oj.open_dataset(url, cache_dir=tmp_path)
+    assert time.monotonic() - start < 40 and "\n" not in str(e.value)
+    silent.close()
+    for connection in held:
+        connection.close()
+    for bad in ("abc", "0", "-5", "inf"):
+        monkeypatch.setenv("OMICSIO_S3_TIMEOUT", bad)
+        with pytest.raises(
+            ObjectStoreError, match=rf"OMICSIO_S3_TIMEOUT='{bad}' is not a number of seconds above 0"
+        ):
+            oj.open_dataset(url, cache_dir=tmp_path)
 
 
 def test_a_missing_shard_is_reported_on_first_use(url, s3, tmp_path):

@@ -24,6 +24,7 @@ from omicsio_jax.storage.store import (
     configured_endpoint,
     is_remote,
     object_store_error,
+    request_timeout,
     require_credentials,
 )
 
@@ -51,7 +52,7 @@ def s3_filesystem(*, asynchronous: bool = False):
             return super().open(path, mode, block_size=block_size, **kwargs)
 
     endpoint = configured_endpoint("an s3:// input")
-    client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
+    client = {"connect_timeout": timedelta(seconds=10), "timeout": request_timeout(300)}
     if endpoint.startswith("http://"):
         client["allow_http"] = True
     return _S3(

@@ -80,6 +80,27 @@ def configured_endpoint(url: str) -> str:
     return endpoint
 
 
+TIMEOUT_VARIABLE = "OMICSIO_S3_TIMEOUT"
+
+
+def request_timeout(default: float) -> timedelta:
+    """How long one S3 request may take in all before it fails (then is retried, within a minute of
+    its first try): ``OMICSIO_S3_TIMEOUT`` seconds, else ``default``. It bounds how long a stalled
+    endpoint goes unnoticed, and must leave a whole range GET or upload part time at the slowest
+    bandwidth the job accepts."""
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return timedelta(seconds=default)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not (0 < seconds < float("inf")):
+        msg = f"{TIMEOUT_VARIABLE}={text!r} is not a number of seconds above 0: set it to, e.g., 30"
+        raise ObjectStoreError(msg)
+    return timedelta(seconds=seconds)
+
+
 def require_credentials(url: str) -> None:
     """`ObjectStoreError` naming the variables to set where none of the AWS credential variables is
     (rather than obstore's search of the instance metadata service, whose failure names neither)."""
@@ -128,6 +149,11 @@ def object_store_error(
         or "SignatureDoesNotMatch" in text
     ):
         return ObjectStoreError(f"access to {url} denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    if "kind: Timeout" in text or "TimedOut" in text:  # connected, but no whole answer in time
+        return ObjectStoreError(
+            f"the S3 endpoint {endpoint} did not answer in time (for {url}): check that it is up and not "
+            f"overloaded ({TIMEOUT_VARIABLE} sets the seconds a request may take)"
+        )
     if "error sending request" in text or "Connection refused" in text or "dns error" in text:
         return ObjectStoreError(
             f"cannot reach the S3 endpoint {endpoint} (for {url}): check AWS_ENDPOINT_URL and the network"
@@ -208,7 +234,7 @@ class S3Store:
         self.url, self.bucket, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
         self.local_root = None
         self.endpoint = configured_endpoint(url) or "AWS S3"
-        client = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+        client = {"connect_timeout": timedelta(seconds=10), "timeout": request_timeout(120)}
         if self.endpoint.startswith("http://"):
             client["allow_http"] = True
         retry = {
