@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
+import warnings
 
 import numba
 import numpy as np
@@ -257,7 +259,9 @@ def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
     (tmp_path / "medians.json").write_text(json.dumps(given))
     per_column = np.array([given.get(e, np.nan) for e in ens])
     out = oj.GeneformerTokens(max_len=96, vocab=path, medians=tmp_path / "medians.json")
-    got = oj.tokenize(token_ds, ROWS, out, seed=1)
+    unlisted = r"gene\(s\) of .* with a token have no median in .*medians.json: left out of the ranking"
+    with pytest.warns(UserWarning, match=unlisted):  # said: Geneformer's own tokenizer stops at them
+        got = oj.tokenize(token_ds, ROWS, out, seed=1)
     assert_tokens_equal(
         got,
         ref_geneformer(
@@ -265,7 +269,8 @@ def test_geneformer_user_vocab_and_medians(token_ds, vocab_file, tmp_path):
         ),
     )
     assert got["input_ids"][5, 0] == 2 and 1 in got["input_ids"]  # Geneformer's <cls> and <mask>
-    bound = out.bind(OutputContext.of_dataset(token_ds))
+    with pytest.warns(UserWarning, match=unlisted):
+        bound = out.bind(OutputContext.of_dataset(token_ds))
     assert bound.vocabulary.report.summed == 2 and bound.vocabulary.report.missing > 0
 
 
@@ -414,11 +419,23 @@ def test_bad_token_arguments(token_ds, tmp_path):
         oj.OmicsIOError, match=r"zero.json of the 2 genes .* it lists are none of them positive"
     ):
         oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=zero))
-    zero.write_text(json.dumps({"ENSG00000000001": 0.0, "ENSG00000000002": 2.0}))
-    with pytest.warns(
-        UserWarning, match=r"1 gene\(s\) of .* have a median in .*zero.json that is not positive"
-    ):
+    listed = {"ENSG00000000001": 0.0, "ENSG00000000002": 2.0, "ENSG00000000003": float("nan")}
+    zero.write_text(json.dumps(listed))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=zero))
+    said = [str(w.message) for w in said]
+    assert len(said) == 2, (
+        said
+    )  # a NaN median is not positive either; the genes the file lacks are counted apart
+    assert re.search(
+        r"2 gene\(s\) of .* have a median in .*zero.json that is not positive \(0, negative, infinite or NaN\)",
+        said[0],
+    )
+    unlisted = sum(e.split(".")[0] not in listed for e in token_ds.features["ensembl_id"])
+    assert re.search(rf"{unlisted:,} gene\(s\) of .* with a token have no median in .*zero.json", said[1]), (
+        said
+    )
     for rows, error in (([-2], IndexError), ([0.5], TypeError), ([[0, 1]], TypeError)):
         with pytest.raises(error):  # -1 alone is a padding row; other rows are the dataset's
             oj.tokenize(token_ds, rows, oj.ScGPTTokens())

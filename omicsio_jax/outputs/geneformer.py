@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from pathlib import Path
 
 import numba
@@ -95,6 +96,17 @@ class GeneformerTokens(Output):
             medians = medians.copy()
             medians[lent] = medians[donor[lent]]
             known |= lent
+        unlisted = int(np.count_nonzero((vocab.tok >= 0) & np.isnan(medians)))
+        if (
+            self.medians is not None and unlisted
+        ):  # (the dataset's own: a gene without one is never expressed)
+            warnings.warn(
+                f"omicsio_jax: {unlisted:,} gene(s) of {ds.path} with a token have no median in {self.medians}: "
+                "left out of the ranking (Geneformer's tokenizer would stop at them); check that the "
+                "vocabulary and the medians are a pair",
+                UserWarning,
+                stacklevel=2,
+            )
         if not np.any(known & (vocab.tok >= 0)):
             msg = (
                 f"no gene of {ds.path} has both a token and a median "

@@ -300,13 +300,13 @@ def user_vocabulary(
 
 
 def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str) -> np.ndarray:
-    """Per-column medians (float64, NaN where unknown) from a file of Ensembl id → median."""
+    """Per-column medians (float64) from a file of Ensembl id → median: NaN where it has none, 0 where
+    the one it has is not positive (0, negative, infinite or NaN; warned of here)."""
     raw = read_gene_mapping(path, what="median")
     by_id = {fold_ensembl(str(k)): float(v) for k, v in raw.items()}
-    out = np.array(
-        [by_id.get(fold_ensembl(str(e)), np.nan) if e is not None else np.nan for e in ensembl_ids]
-    )
-    listed = ~np.isnan(out)
+    keys = [fold_ensembl(str(e)) if e is not None else None for e in ensembl_ids]
+    out = np.array([by_id.get(k, np.nan) for k in keys], dtype=np.float64)
+    listed = np.array([k in by_id for k in keys], dtype=bool)  # a NaN median is listed, and not positive
     if not np.any(listed):
         msg = (
             f"the medians in {path} cover none of the genes of {dataset} (compared on Ensembl ids); "
@@ -321,9 +321,10 @@ def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str
         )
         raise OmicsIOError(msg)
     if np.any(bad):  # those genes are left out of the ranking, as genes without a median
+        out[bad] = 0.0
         warnings.warn(
             f"omicsio_jax: {int(bad.sum()):,} gene(s) of {dataset} have a median in {path} that is not positive "
-            "(0, negative or infinite): left out of the ranking, as genes without a median",
+            "(0, negative, infinite or NaN): left out of the ranking, as genes without a median",
             UserWarning,
             stacklevel=2,
         )
