@@ -374,3 +374,71 @@ def test_rowids_outside_the_table_or_not_integers_are_one_line_errors(corpus):
                 stage(rowids)
             assert "\n" not in str(caught.value)
     assert table.metadata(["cell_id"], rowids=[]).num_rows == 0  # none asked: none given
+
+
+def test_a_where_is_one_expression_that_cannot_reach_past_its_brackets(corpus, tmp_path):
+    """``where`` is a predicate: one that closes the brackets around it (and would select past the
+    ``rowids`` beside it) or adds a statement is refused in one line, before running; a trailing
+    ``--`` comment ends at its line and leaves the ``rowids`` in force."""
+    table = oj.open_table(corpus.cells_parquet)
+    assert table.select("1=1 -- all", rowids=[1, 2]).tolist() == [1, 2]
+    written = tmp_path / "written.csv"
+    for where in (
+        "1=1) OR (1=1",
+        f"tissue = 'lung'); COPY (SELECT 42 AS v) TO '{written}'; SELECT cell_rowid FROM cells WHERE (1=1",
+        "n_genes > 3 /* unterminated",
+    ):
+        with pytest.raises(oj.OmicsIOError, match=r"^where=.* is not one SQL expression \(Parser Error") as e:
+            table.select(where, rowids=[1, 2])
+        assert "\n" not in str(e.value)
+    assert not written.exists()
+    with pytest.raises(oj.OmicsIOError, match="is not one SQL expression"):
+        oj.make_stream_loader(table, batch_size=8, where="1=1) OR (1=1")
+
+
+def test_queries_from_several_threads_take_the_connection_in_turn(corpus):
+    """DuckDB refuses a second call on a busy connection; the table's own calls wait their turn, so
+    threads may query one table, and stream passes end (their coverage check is such a query)
+    while others run. The rowids a query registered are let go of after it."""
+    import threading
+
+    table = oj.open_table(corpus.cells_parquet)
+    loader = oj.make_stream_loader(table, batch_size=64, sampling=oj.Stream(drop_remainder=False))
+    want = {"select": table.select("n_genes > 5"), "panel": table.panel([0, 3, 7], rowids=np.arange(50)).x}
+    errors, served = [], []
+
+    def run(work) -> None:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def one_pass(epoch: int) -> None:
+        served.append(sum(int(np.asarray(b.mask).sum()) for b in loader.epoch(epoch)))
+
+    def queries() -> None:
+        for _ in range(20):
+            np.testing.assert_array_equal(table.select("n_genes > 5"), want["select"])
+            np.testing.assert_array_equal(table.panel([0, 3, 7], rowids=np.arange(50)).x, want["panel"])
+
+    threads = [
+        threading.Thread(target=run, args=(w,))
+        for w in (lambda: one_pass(0), lambda: one_pass(1), queries, queries)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert served == [table.num_cells] * 2
+    names = table.sql("SHOW TABLES").column("name").to_pylist()
+    assert not [n for n in names if n.startswith("_rowids_")], names  # none left behind
+    loader.close()
+
+
+def test_the_stream_loader_refuses_an_output_or_a_column_it_cannot_serve_when_made(corpus):
+    table = oj.open_table(corpus.cells_parquet)
+    with pytest.raises(oj.OmicsIOError, match=r"makes Dense or Panel batches from a query, not 'csr'"):
+        oj.make_stream_loader(table, batch_size=8, output=oj.CSR())
+    with pytest.raises(oj.OmicsIOError, match=r"query over .* failed: Binder Error: .*no_such_column"):
+        oj.make_stream_loader(table, batch_size=8, where="no_such_column = 'x'")

@@ -340,11 +340,19 @@ def make_stream_loader(
         )
         raise OmicsIOError(msg)
     placement.check_batch_size(batch_size)
+    output = resolve_output(output)
+    if type(output).from_csr is Output.from_csr:  # (its own line, here rather than at the first batch)
+        msg = (
+            f"make_stream_loader makes Dense or Panel batches from a query, not {output.kind!r}: "
+            "materialize the data and use make_loader for it"
+        )
+        raise OmicsIOError(msg)
+    table.check_where(where)  # a column it lacks named now, not by the first batch's thread
     rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
     return StreamLoader(
         table,
         batch_size=batch_size,
-        output=resolve_output(output),
+        output=output,
         where=where,
         rowids=rows,
         obs=table.obs_specs(obs_names(obs)),

@@ -33,12 +33,14 @@ def from_clause(
     bases: list[int],
     prunable: bool,
     num_cells: int,
+    registered: list[str] | None = None,
 ) -> str:
-    """`` FROM cells WHERE ...``: ``where``, ``extra`` tests and, for ``rowids``, a semi-join
-    against a registered Arrow table plus (parquet) a ``file_row_number`` range predicate that
-    lets DuckDB read only the row groups holding them. ``rowids`` must be integers below
-    ``num_cells``, the table's cells (one outside would select nothing, silently)."""
-    clauses = [f"({where})"] if where else []
+    """`` FROM cells WHERE ...``: ``where`` (`where_sql`), ``extra`` tests and, for ``rowids``, a
+    semi-join against an Arrow table registered on ``con`` (its name appended to ``registered``, for
+    the caller to unregister once the query has run) plus (parquet) a ``file_row_number`` range
+    predicate that lets DuckDB read only the row groups holding them. ``rowids`` must be integers
+    below ``num_cells``, the table's cells (one outside would select nothing, silently)."""
+    clauses = [where_sql(where)] if where else []
     source = "cells"
     if rowids is not None:
         given = np.asarray(rowids)
@@ -52,12 +54,30 @@ def from_clause(
             raise OmicsIOError(msg)
         name = f"_rowids_{next(_counter)}"
         con.register(name, pa.table({ROWID_COLUMN: ids}))
+        if registered is not None:
+            registered.append(name)
         clauses.append(f"{ROWID_COLUMN} IN (SELECT {ROWID_COLUMN} FROM {name})")
         if prunable:
             source = "cells_all"
             clauses.append(rowid_pruning(files, bases, ids))
     clauses.extend(extra)
     return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+
+
+def where_sql(where: str) -> str:
+    """``where``, a predicate over the table's columns, as the SQL a ``WHERE`` holds, bracketed: it
+    must parse as one expression, so that it cannot close the brackets around it (``1=1) OR (1=1``
+    would select past the ``rowids`` beside it), add a statement, or comment out what follows it
+    (a ``--`` comment ends at the newline after it). A one-line `OmicsIOError` otherwise."""
+    try:
+        duckdb.SQLExpression(where)
+    except duckdb.Error as e:
+        msg = (
+            f"where={where!r} is not one SQL expression ({str(e).strip().splitlines()[0]}): give a "
+            "predicate over the table's columns, such as \"tissue = 'lung' AND n_genes > 200\""
+        )
+        raise OmicsIOError(msg) from None
+    return f"(\n{where}\n)"
 
 
 def presence_test(tokens: np.ndarray, mode: str) -> str:

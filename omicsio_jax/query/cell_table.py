@@ -23,6 +23,7 @@ panel's matrix in `panel_matrix`.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from omicsio_jax.format.tables import (
     find_gene_table,
     sql_ident,
 )
-from omicsio_jax.query.cell_filter import from_clause, presence_test
+from omicsio_jax.query.cell_filter import from_clause, presence_test, where_sql
 from omicsio_jax.query.gene_table import GeneTable
 from omicsio_jax.query.panel_matrix import (
     SQL_PANEL_MAX,
@@ -87,6 +88,9 @@ class CellTable:
         self.spec = str(spec)
         self.files = expand_files(self.spec)
         self.con = connect(threads)
+        # one call on ``con`` at a time: DuckDB refuses a second ("connection is busy") rather than
+        # waiting, and a stream's end checks its coverage with a query here while others run
+        self._lock = threading.RLock()
         self.closed = False
         self._bases = create_cells_view(self.con, self.files, label=self.spec, rowid=True)
         self._prunable = self.files[0].suffix != ".vortex"
@@ -120,8 +124,9 @@ class CellTable:
 
     def close(self) -> None:
         """Close the table's DuckDB connection (idempotent); a query afterwards is an `OmicsIOError`."""
-        self.closed = True
-        self.con.close()
+        with self._lock:
+            self.closed = True
+            self.con.close()
 
     def __enter__(self) -> CellTable:
         return self
@@ -139,8 +144,15 @@ class CellTable:
 
     # ----- helpers ---------------------------------------------------------------------------
     def sql(self, query: str) -> pa.Table:
-        """Run any SQL over ``cells`` / ``gene_metadata`` / ``gene_cell_index`` and return Arrow."""
-        return self._run(query).to_arrow_table()
+        """Run any SQL over ``cells`` / ``gene_metadata`` / ``gene_cell_index`` and return Arrow.
+        Safe from several threads: their queries take the table's connection in turn."""
+        with self._lock:
+            self._require_open()
+            try:
+                return self.con.sql(query).to_arrow_table()
+            except duckdb.Error as e:
+                msg = f"query over {self.spec} failed: {str(e).strip().splitlines()[0]}"
+                raise OmicsIOError(msg) from e
 
     def _require_open(self) -> None:
         if self.closed:
@@ -149,13 +161,24 @@ class CellTable:
             )
             raise OmicsIOError(msg)
 
-    def _run(self, query: str) -> duckdb.DuckDBPyRelation:
-        self._require_open()
-        try:
-            return self.con.sql(query)
-        except duckdb.Error as e:
-            msg = f"query over {self.spec} failed: {str(e).strip().splitlines()[0]}"
-            raise OmicsIOError(msg) from e
+    def _query(
+        self,
+        head: str,
+        where: str | None,
+        rowids: Sequence[int] | np.ndarray | None,
+        *extra: str,
+        tail: str = "",
+    ) -> pa.Table:
+        """``head`` `from_clause` ``tail`` run on the table's connection, the ``rowids`` it registered
+        there let go of after (a job selecting again and again would keep every set it gave)."""
+        with self._lock:
+            self._require_open()
+            registered: list[str] = []
+            try:
+                return self.sql(f"{head}{self._from(where, rowids, *extra, registered=registered)}{tail}")
+            finally:
+                for name in registered:
+                    self.con.unregister(name)
 
     def _from(
         self,
@@ -163,6 +186,7 @@ class CellTable:
         rowids: Sequence[int] | np.ndarray | None,
         *extra: str,
         con: duckdb.DuckDBPyConnection | None = None,
+        registered: list[str] | None = None,
     ) -> str:
         """`from_clause` over the table's files, ``rowids`` registered on ``con`` (default: the
         table's connection)."""
@@ -175,6 +199,7 @@ class CellTable:
             bases=self._bases,
             prunable=self._prunable,
             num_cells=self.num_cells,
+            registered=registered,
         )
 
     def obs_specs(self, names: Sequence[str]) -> list[ObsSpec]:
@@ -186,6 +211,12 @@ class CellTable:
             numeric = is_numeric_obs(name, self.schema.field(name).type, self.spec)
             specs.append(ObsSpec(name, None if numeric else tuple(self.categories(name))))
         return specs
+
+    def check_where(self, where: str | None) -> None:
+        """Refuse, in one line and before reading a row, a ``where`` that is not one expression over
+        the table's columns (`where_sql`) or names a column it lacks."""
+        if where is not None:
+            self.sql(f"SELECT 1 FROM cells WHERE {where_sql(where)} LIMIT 0")
 
     def require_columns(self, columns: Sequence[str]) -> list[str]:
         unknown = [c for c in columns if c not in self.schema.names]
@@ -202,16 +233,16 @@ class CellTable:
         where: str | None = None,
         rowids: Sequence[int] | np.ndarray | None = None,
     ) -> pa.Table:
-        """Scalar columns (default: all) of the matching cells, with ``cell_rowid``, in row order."""
+        """Columns (default: every scalar one) of the matching cells, with ``cell_rowid``, in row order."""
         cols = self.require_columns(self.scalar_columns if columns is None else columns)
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols if c != ROWID_COLUMN)])
-        return self.sql(f"SELECT {select}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
+        return self._query(f"SELECT {select}", where, rowids, tail=f" ORDER BY {ROWID_COLUMN}")
 
     def select(
         self, where: str | None = None, *, rowids: Sequence[int] | np.ndarray | None = None
     ) -> np.ndarray:
         """Sorted ``cell_rowid`` of the cells matching a predicate over scalar columns."""
-        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}")
+        table = self._query(f"SELECT {ROWID_COLUMN}", where, rowids, tail=f" ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
 
     def categories(self, column: str, *, where: str | None = None) -> list:
@@ -219,7 +250,7 @@ class CellTable:
         self.require_columns([column])
         col = sql_ident(column)
         return (
-            self.sql(f"SELECT DISTINCT {col}{self._from(where, None, f'{col} IS NOT NULL')} ORDER BY 1")
+            self._query(f"SELECT DISTINCT {col}", where, None, f"{col} IS NOT NULL", tail=" ORDER BY 1")
             .column(0)
             .to_pylist()
         )
@@ -252,14 +283,16 @@ class CellTable:
             if self.index_path is None:
                 msg = "use_index=True but no index is attached: build one with `omicsio-materialize index`"
                 raise OmicsIOError(msg)
-            hits = lookup(self.con, tokens, mode=mode)
+            with self._lock:
+                self._require_open()
+                hits = lookup(self.con, tokens, mode=mode)
             if where is None and rowids is None:
                 return hits
             if rowids is not None:
                 hits = np.intersect1d(hits, np.asarray(rowids, dtype=np.int64))
             return hits if where is None else self.select(where, rowids=hits)
         test = presence_test(tokens, mode)
-        table = self.sql(f"SELECT {ROWID_COLUMN}{self._from(where, rowids, test)} ORDER BY {ROWID_COLUMN}")
+        table = self._query(f"SELECT {ROWID_COLUMN}", where, rowids, test, tail=f" ORDER BY {ROWID_COLUMN}")
         return table.column(0).to_numpy().astype(np.int64)
 
     # ----- stage 3 ---------------------------------------------------------------------------
@@ -288,8 +321,8 @@ class CellTable:
             method = "sql" if len(tokens) <= SQL_PANEL_MAX else "scatter"
         if method == "sql":
             expr = panel_expression(tokens)
-            table = self.sql(
-                f"SELECT {ROWID_COLUMN}, {expr} AS x{self._from(where, rowids)} ORDER BY {ROWID_COLUMN}"
+            table = self._query(
+                f"SELECT {ROWID_COLUMN}, {expr} AS x", where, rowids, tail=f" ORDER BY {ROWID_COLUMN}"
             )
             return panel_from_rows(table, tokens, names)
         if method != "scatter":
@@ -335,8 +368,9 @@ class CellTable:
         there: ``cells``, ``gene_metadata`` and the modalities' (a TEMP view and a registered table
         belong to the connection that made them; ``gene_cell_index`` is the database's). The files'
         rows are not counted again."""
-        self._require_open()
-        con = self.con.cursor()
+        with self._lock:
+            self._require_open()
+            con = self.con.cursor()
         con.execute("SET enable_progress_bar = false")
         create_cells_view(con, self.files, label=self.spec, rowid=True, bases=self._bases)
         self._add_views(con)
@@ -370,8 +404,9 @@ class CellTable:
         """Use a `build_gene_index` output for gene-centric queries (view ``gene_cell_index``)."""
         from omicsio_jax.format.gene_index import open_index
 
-        open_index(self.con, Path(path), table_spec=self.spec, table_fingerprint=self.fingerprint())
-        self.index_path = Path(path)
+        with self._lock:
+            open_index(self.con, Path(path), table_spec=self.spec, table_fingerprint=self.fingerprint())
+            self.index_path = Path(path)
 
     def fingerprint(self) -> dict:
         """What identifies the table's contents: each file's path, size and modification time."""
