@@ -136,10 +136,10 @@ class DuckLakeSource(Source):
     def _check_schema(self, schema: pa.Schema) -> None:
         missing = [c for c in (self._cell_id_column, GENE_COLUMN, VALUE_COLUMN) if c not in schema.names]
         if missing:
-            msg = (
-                f"{self.label} is missing required column(s) {', '.join(missing)}; it has "
-                f"{', '.join(schema.names)} (use --cell-id to name another cell id column)"
+            hint = (
+                " (use --cell-id to name another cell id column)" if self._cell_id_column in missing else ""
             )
+            msg = f"{self.label} is missing required column(s) {', '.join(missing)}; it has {', '.join(schema.names)}{hint}"
             raise DataValidationError(msg)
         for name in (GENE_COLUMN, VALUE_COLUMN):
             if not is_list_type(schema.field(name).type):

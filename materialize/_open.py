@@ -4,6 +4,7 @@ its members; and the obs columns the run keeps.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -215,9 +216,20 @@ def choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     return chosen
 
 
+# the columns pandas' `to_parquet` writes for an unnamed index (a RangeIndex it keeps in metadata)
+_PANDAS_INDEX = re.compile(r"__index_level_\d+__")
+
+
 def _chosen_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     if obs is None:
-        return [name for name in src.obs_columns if name not in CELL_STATS]
+        index = [name for name in src.obs_columns if _PANDAS_INDEX.fullmatch(name)]
+        if index:
+            print(
+                f"materialize: {', '.join(index)} of {src.label} not copied: pandas' unnamed index, no "
+                "obs (name the index before to_parquet, or give it in --obs, to keep it)",
+                file=sys.stderr,
+            )
+        return [name for name in src.obs_columns if name not in CELL_STATS and name not in index]
     unknown = [name for name in obs if name not in src.obs_columns]
     if unknown:
         msg = (

@@ -23,6 +23,7 @@ from omicsio_jax.format import (
     VALUE_COLUMN,
     connect,
     create_cells_view,
+    damaged_hint,
     is_list_type,
     is_remote,
     list_to_csr,
@@ -240,7 +241,7 @@ def _parquet_columns(con: duckdb.DuckDBPyConnection, path: Path) -> set[str]:
             n for (n,) in con.execute(f"SELECT name FROM parquet_schema({sql_str(str(path))})").fetchall()
         }
     except duckdb.Error as e:
-        msg = f"cannot read {path}: {str(e).strip().splitlines()[0]}"
+        msg = f"cannot read {path}: {str(e).strip().splitlines()[0]}{damaged_hint(e)}"
         raise DataValidationError(msg) from e
 
 

@@ -17,6 +17,7 @@ Two layouts are read, told apart by their columns:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,8 +35,10 @@ from omicsio_jax.format import (
     VALUE_COLUMN,
     as_input_path,
     check_derived_gene_space,
+    common_folder,
     connect,
     create_cells_view,
+    damaged_hint,
     expand_files,
     find_gene_table,
     is_list_type,
@@ -163,16 +166,20 @@ class TableSource(TableReads, Source):
 
     def _explain(self, e: duckdb.Error) -> str:
         text = str(e).strip().splitlines()[0]
-        return f"cannot read {self.label}: {text}"
+        return f"cannot read {self.label}: {text}{damaged_hint(e)}"
 
     def _check_schema(self, schema: pa.Schema, published: pa.Schema) -> None:
         missing = [c for c in (self._cell_id_column, GENE_COLUMN, VALUE_COLUMN) if c not in schema.names]
         if missing:
             tahoe = f"; Tahoe-100M's is {TAHOE_CELL_ID}" if self.layout == TAHOE_LAYOUT else ""
+            hint = (
+                f" (use --cell-id to name another cell id column{tahoe})"
+                if self._cell_id_column in missing
+                else ""
+            )
             msg = (
                 f"{self.label} is missing required column(s) {', '.join(missing)}; it has "
-                f"{', '.join(n for n in published.names if n not in (FILENAME_COLUMN, FILE_ROW_COLUMN))} "
-                f"(use --cell-id to name another cell id column{tahoe})"
+                f"{', '.join(n for n in published.names if n not in (FILENAME_COLUMN, FILE_ROW_COLUMN))}{hint}"
             )
             raise DataValidationError(msg)
         for name in (GENE_COLUMN, VALUE_COLUMN):
@@ -186,6 +193,16 @@ class TableSource(TableReads, Source):
         if genes is None and self.files and find_genes:
             found = (find_tahoe_gene_table if self.layout == TAHOE_LAYOUT else find_gene_table)(self.files)
             genes = None if found is None else str(found)
+            if (
+                found is not None
+                and self.layout != TAHOE_LAYOUT
+                and found.parent != common_folder(self.files)
+            ):
+                print(
+                    f"materialize: genes from {found}, the nearest gene table in a folder above the input's; "
+                    "pass --genes (genes=) to name another",
+                    file=sys.stderr,
+                )
         if genes is not None:
             if is_remote(genes):
                 register_s3(self._con)

@@ -92,7 +92,10 @@ def encode_batch(
     if np.issubdtype(values.dtype, np.integer) or values.dtype == np.float16:
         values = values.astype(np.float64)
     elif not np.issubdtype(values.dtype, np.floating):
-        msg = f"{genes.names[1]} must be a list of numbers, got element type {values.dtype} in {locate(0)}"
+        kind = (
+            "text" if values.dtype.kind in "OUS" else str(values.dtype)
+        )  # (numpy's name for strings: object)
+        msg = f"{genes.names[1]} must be a list of numbers, got elements of type {kind} in {locate(0)}"
         raise DataValidationError(msg)
     if panel is None:
         try:
@@ -127,7 +130,11 @@ def _describe(e: InvalidRowError, tokens, values, genes: GeneIndex, locate) -> s
     if code == ROW_DUPLICATE:
         return f"duplicate {token_name} in {where}: {token} appears twice"
     if code == ROW_UNKNOWN_GENE:
-        return f"{token_name} {token} in {where} is not in the gene table ({genes.description})"
+        table = "--genes" if token_name == "gene_token_id" else "--modality-features"
+        return (
+            f"{token_name} {token} in {where} is not in the gene table ({genes.description}): check that "
+            f"the table is the one its ids come from ({table})"
+        )
     if code == ROW_NOT_FINITE:
         return f"{value_name} is {value} (not finite) in {where} at {token_name} {token}"
     if code == ROW_NEGATIVE:

@@ -400,3 +400,65 @@ def test_the_usage_line_shows_the_inputs_then_the_output(capsys):
         main(["--no-progress"])
     assert e.value.code == 2
     assert "required: OUT" in capsys.readouterr().err
+
+
+def test_a_gene_table_found_above_the_input_is_named_on_stderr(capsys, tmp_path):
+    """The default gene table is the one beside the input, else the nearest in a folder above it:
+    that one, perhaps another dataset's, is named in a note."""
+    genes = pa.table(
+        {"gene_token_id": pa.array(range(10), pa.int32()), "gene_name": [f"G{i}" for i in range(10)]}
+    )
+    pq.write_table(genes, tmp_path / "gene_metadata.parquet")
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    pq.write_table(_cells(GOOD, _values_like(GOOD)), deep / "cells.parquet")
+    assert main([str(deep / "cells.parquet"), str(tmp_path / "out"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"materialize: genes from {tmp_path / 'gene_metadata.parquet'}, the nearest gene table in a folder above"
+        in err
+    )
+    assert oj.open_dataset(tmp_path / "out").num_genes == 10
+    pq.write_table(_cells(GOOD, _values_like(GOOD)), tmp_path / "beside.parquet")
+    assert main([str(tmp_path / "beside.parquet"), str(tmp_path / "out2"), "--no-progress"]) == 0
+    assert "genes from" not in capsys.readouterr().err
+
+
+def test_each_refusal_names_its_own_fix(write, capsys, tmp_path):
+    """A missing value column does not point at --cell-id; a text value column is named as text (not
+    numpy's 'object'); a token outside the gene table points at the table; a truncated file is
+    suspected as such."""
+    err = _run_bad(
+        capsys, tmp_path, write(_cells(GOOD, _values_like(GOOD)).drop_columns(["gene_expression"]))
+    )
+    assert err.endswith("it has cell_id, gene_token_id, drug"), err
+    text = _cells(GOOD, [[str(v) for v in row] for row in _values_like(GOOD)], value_type=pa.string())
+    assert "gene_expression must be a list of numbers, got elements of type text in row 0" in _run_bad(
+        capsys, tmp_path, write(text, "text.parquet")
+    )
+    genes = [list(g) for g in GOOD]
+    genes[2] = [12]
+    err = _run_bad(capsys, tmp_path, write(_cells(genes, _values_like(genes)), "beyond.parquet"))
+    assert err.endswith("check that the table is the one its ids come from (--genes)"), err
+    data = write(_cells(GOOD * 50, _values_like(GOOD * 50)), "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    err = _run_bad(capsys, tmp_path, tmp_path / "cut.parquet")
+    assert "cut.parquet" in err and "(a truncated or damaged file?)" in err, err
+
+
+def test_pandas_unnamed_index_is_no_obs(capsys, tmp_path):
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {
+            "cell_id": [f"c{i}" for i in range(4)],
+            "gene_token_id": [[0, 3], [1], [2, 5], [4]],
+            "gene_expression": [[1.0, 2.0], [3.0], [1.0, 1.0], [7.0]],
+            "donor": ["a", "b", "a", "b"],
+        },
+        index=[10, 11, 12, 13],  # not a RangeIndex: to_parquet writes it as __index_level_0__
+    )
+    frame.to_parquet(tmp_path / "cells.parquet")
+    assert main([str(tmp_path / "cells.parquet"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert "__index_level_0__ of" in capsys.readouterr().err
+    assert sorted(oj.open_dataset(tmp_path / "out").obs) == ["donor", "n_counts", "n_genes"]

@@ -78,8 +78,10 @@ if TYPE_CHECKING:
     from omicsio_jax.format.tables import ROWID_COLUMN as ROWID_COLUMN
     from omicsio_jax.format.tables import VALUE_COLUMN as VALUE_COLUMN
     from omicsio_jax.format.tables import check_derived_gene_space as check_derived_gene_space
+    from omicsio_jax.format.tables import common_folder as common_folder
     from omicsio_jax.format.tables import connect as connect
     from omicsio_jax.format.tables import create_cells_view as create_cells_view
+    from omicsio_jax.format.tables import damaged_hint as damaged_hint
     from omicsio_jax.format.tables import expand_files as expand_files
     from omicsio_jax.format.tables import find_gene_table as find_gene_table
     from omicsio_jax.format.tables import row_counts as row_counts
@@ -156,8 +158,10 @@ _WRITER_API = {
         "ROWID_COLUMN",
         "VALUE_COLUMN",
         "check_derived_gene_space",
+        "common_folder",
         "connect",
         "create_cells_view",
+        "damaged_hint",
         "expand_files",
         "find_gene_table",
         "row_counts",

@@ -91,12 +91,24 @@ def expand_files(spec: str) -> list[Path]:
     return files
 
 
-def find_gene_table(files: list[Path]) -> Path | None:
-    """``gene_metadata.parquet`` in the inputs' common folder or one of its parents."""
+def damaged_hint(e: duckdb.Error) -> str:
+    """What to suspect of a file DuckDB could not read: a truncated or damaged one where it failed
+    on the bytes themselves (not on a query or a column)."""
+    damaged = isinstance(e, duckdb.IOException) or "magic bytes" in str(e)
+    return " (a truncated or damaged file?)" if damaged else ""
+
+
+def common_folder(files: list[Path]) -> Path:
+    """The innermost folder that holds every one of ``files`` (in it or below it)."""
     roots = {f.parent for f in files}
     while len(roots) > 1 and {r.parent for r in roots} != roots:
         roots = {r.parent for r in roots}
-    for root in [roots.pop(), *files[0].parents]:
+    return roots.pop()
+
+
+def find_gene_table(files: list[Path]) -> Path | None:
+    """``gene_metadata.parquet`` in the inputs' common folder or one of its parents."""
+    for root in [common_folder(files), *files[0].parents]:
         candidate = root / GENE_TABLE_NAME
         if candidate.exists():
             return candidate
@@ -209,7 +221,7 @@ def create_cells_view(
         if rowid:
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT *{extra} FROM {source}")
     except duckdb.Error as e:
-        msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}"
+        msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}{damaged_hint(e)}"
         raise DataValidationError(msg) from e
     return bases
 
