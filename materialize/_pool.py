@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -112,13 +114,20 @@ class _Worker:
         parent, child = socket.socketpair()
         pin = "" if core is None else f"import os; os.sched_setaffinity(0, {{{core}}}); "
         code = f"{pin}from materialize._pool import serve; serve({child.fileno()})"
+        # the worker's temporary files (an object-storage run's partitions before their upload) go to
+        # a folder of its own, removed when it stops: killed mid-partition, it cannot remove them
+        self.tmp = tempfile.mkdtemp(prefix="omicsio-worker-")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, "TMPDIR": self.tmp},
             )
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         finally:
             child.close()
         self.conn = Connection(parent.detach())
@@ -152,6 +161,7 @@ class _Worker:
                 _kill_and_wait(pid)
         self.proc.wait()
         self.conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _children_of(pid: int) -> list[int]:

@@ -304,6 +304,25 @@ def test_pool_map_answers_in_order_and_names_the_item_of_a_dead_worker():
         assert pool.workers == []
 
 
+def test_a_workers_temporary_files_go_with_it_even_when_it_is_killed():
+    """A worker writes an object-storage run's partitions to its temporary folder before uploading
+    them; killed mid-partition (Ctrl-C, an error elsewhere), it cannot remove them, so each worker's
+    temporary files live in a folder of its own that stopping it removes."""
+    import tempfile
+
+    from materialize._pool import Pool
+
+    with Pool(2) as pool:
+        made = list(pool.map(tempfile.mkdtemp, ["-a", "-b"], lambda item: f"making {item}"))
+        folders = {w.tmp for w in pool.workers}
+        assert all(os.path.isdir(m) and os.path.dirname(m) in folders for m in made)
+        pool.shrink(1)  # one stopped while the pool goes on
+        kept = pool.workers[0].tmp
+        assert all(os.path.isdir(m) == (os.path.dirname(m) == kept) for m in made)
+        assert all(os.path.isdir(f) == (f == kept) for f in folders)
+    assert not any(os.path.exists(p) for p in [*made, *folders])  # the other gone with the pool
+
+
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
     """The default pool (a worker per usable core) pins worker k to core k, so a worker's threads share
     one core's caches; a pool of any other size leaves the workers to the scheduler."""
