@@ -347,6 +347,14 @@ def require_window(seconds: float, flag: str, *, quick: bool) -> None:
         )
 
 
+def require_input(path: str | os.PathLike[str], made_by: str, option: str) -> None:
+    """Stop, in one line, where the data a benchmark reads is not there yet: which script makes it
+    (``made_by``) and which option (``option``) points at another."""
+    if not Path(path).exists():
+        prog = Path(sys.argv[0]).name
+        raise SystemExit(f"{prog}: {path} is missing: make it with {made_by} first, or pass {option}")
+
+
 def result_path(out: str | os.PathLike[str], *, quick: bool) -> Path:
     """``out``, except that a ``--quick`` run never writes under ``benchmarks/results/``: its file goes
     to `QUICK_RESULTS` instead."""

@@ -31,6 +31,7 @@ from _provenance import (  # noqa: E402
     check_window,
     medians,
     provenance,
+    require_input,
     window,
     write_result,
 )
@@ -112,6 +113,11 @@ def main() -> None:
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "format.json"))
     args = p.parse_args()
+    require_input(
+        Path(args.corpus) / "cells.parquet",
+        "benchmarks/bench_materialize.py --sizes 200000 (data/corpus_200k)",
+        "--corpus",
+    )
     check_window(args)
     records = load_records(Path(args.corpus) / "cells.parquet", args.cells)
     raw = sum(len(r) for r in records) / len(records)

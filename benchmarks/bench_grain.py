@@ -32,6 +32,7 @@ from _provenance import (  # noqa: E402
     check_window,
     medians,
     provenance,
+    require_input,
     window,
     write_result,
 )
@@ -181,6 +182,11 @@ def main() -> None:
         return
     check_window(args)
     dataset = str(ensure_data(200_000)) if args.make_data else args.dataset
+    require_input(
+        Path(dataset) / "manifest.json",
+        "benchmarks/bench_loader.py (data/ds_200k) or this script's --make-data",
+        "--dataset",
+    )
     plan = []
     for output in ("dense", "csr"):
         base = {

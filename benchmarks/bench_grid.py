@@ -27,6 +27,7 @@ from _provenance import (  # noqa: E402
     check_window,
     medians,
     provenance,
+    require_input,
     window,
     write_result,
 )
@@ -105,6 +106,9 @@ def main() -> None:
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "grid.json"))
     args = p.parse_args()
+    require_input(
+        Path(args.dataset) / "manifest.json", "benchmarks/bench_loader.py (data/ds_200k)", "--dataset"
+    )
     check_window(args)
     ds = oj.open_dataset(args.dataset)
     plates = ds.obs["batch"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _provenance import add_window_options, check_window, medians, provenance, write_result  # noqa: E402
+from _provenance import add_window_options, check_window, medians, provenance, require_input, write_result  # noqa: E402
 
 from train import TrainConfig, fit  # noqa: E402
 
@@ -59,6 +59,9 @@ def main() -> None:
     add_window_options(p, rounds_flag="--repeats")
     p.add_argument("--out", default=str(HERE / "results" / "normalize.json"))
     args = p.parse_args()
+    require_input(
+        Path(args.dataset) / "manifest.json", "benchmarks/bench_loader.py (data/ds_200k)", "--dataset"
+    )
     check_window(args, rounds_attr="repeats", rounds_flag="--repeats")
     steps = args.steps
     if steps is None:

@@ -10,6 +10,7 @@ process's ``ru_maxrss``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
@@ -43,8 +44,13 @@ def _child(variant: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(_child(sys.argv[2])))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(HERE / "results" / "plan_memory.json"))
+    p.add_argument("--quick", action="store_true", help="a smoke run: results in a temporary folder")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child)))
         return
     results = []
     for variant in ("np.arange", "AllRows"):
@@ -56,8 +62,14 @@ def main() -> None:
             f"{variant:>9}: peak RSS {results[-1]['peak_rss_mib']:,.0f} MiB, {results[-1]['seconds']:.2f} s"
         )
     assert results[0]["rows_digest"] == results[1]["rows_digest"], "the config digest must not change"
-    result = {"benchmark": "bench_plan_memory", **provenance(), "num_cells": NUM_CELLS, "results": results}
-    write_result(HERE / "results" / "plan_memory.json", result)
+    result = {
+        "benchmark": "bench_plan_memory",
+        **provenance(),
+        "quick": args.quick,
+        "num_cells": NUM_CELLS,
+        "results": results,
+    }
+    write_result(args.out, result, quick=args.quick)
 
 
 if __name__ == "__main__":

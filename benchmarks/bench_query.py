@@ -38,6 +38,7 @@ from _provenance import (  # noqa: E402
     check_window,
     medians,
     provenance,
+    require_input,
     window,
     write_result,
 )
@@ -275,6 +276,9 @@ def main() -> None:
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "query.json"))
     args = p.parse_args()
+    require_input(
+        args.corpus, "benchmarks/bench_materialize.py --sizes 200000 (data/corpus_200k)", "--corpus"
+    )
     check_window(args)
 
     import omicsio_jax as oj

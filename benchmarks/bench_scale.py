@@ -314,7 +314,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         **provenance(),
         "rounds": rounds,
         **({} if rounds == args.repeats else {"rounds_asked": args.repeats}),
-        "window": "whole decodes or conversions per round, at least 10 s (window_s: its seconds)",
+        "window": f"whole decodes or conversions per round, at least {1.0 if args.quick else MIN_WINDOW_S:g} s (window_s: its seconds)",
         "quick": args.quick,
         "input": str(parquet.relative_to(HERE.resolve())),
         "scaling": "weak: N workers convert N copies of the input" if args.weak else "strong: one input",

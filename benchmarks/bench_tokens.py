@@ -301,6 +301,8 @@ def main() -> None:
         for t in args.threads
     ]
     rows = loader_rounds(configs, args.rounds, args.seconds)
+    if not SLAF_PYTHON.exists():
+        print(f"no SLAF rows: {SLAF_PYTHON} is missing (scripts/setup-slaf.sh makes it)", flush=True)
     for b in args.batch_sizes:
         if SLAF_PYTHON.exists():
             for tokenizer in ("geneformer", "scgpt"):

@@ -24,7 +24,7 @@ import numpy as np
 HERE = Path(__file__).parent
 DATASET = HERE / "data" / "ds_200k"
 sys.path.insert(0, str(HERE))
-from _provenance import add_window_options, check_window, provenance, window, write_result  # noqa: E402
+from _provenance import add_window_options, check_window, provenance, require_input, window, write_result  # noqa: E402
 
 
 def _child(spec: dict) -> dict:
@@ -62,6 +62,9 @@ def main() -> None:
     add_window_options(p, seconds_flag="--verify-seconds")
     p.add_argument("--out", default=str(HERE / "results" / "tune.json"))
     args = p.parse_args()
+    require_input(
+        Path(args.dataset) / "manifest.json", "benchmarks/bench_loader.py (data/ds_200k)", "--dataset"
+    )
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return

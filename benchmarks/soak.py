@@ -406,18 +406,19 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
         "rss_peak_over_warm": (peak / warm - 1) if warm else None,
         "rss_every_10s": rss,
     }
-    out["passed"] = (
-        not errors
-        and flipped is not None
-        and flipped.get("read_back_exact") is True
-        and out["mismatches"] == 0
-        and audited >= 2
-        and all(h.recovered == h.killed_workers > 0 for h in hosts)
-        and hosts[0].resumes == hosts[0].sigterms > 0
-        and not orphans
-        and out["rss_growth"] is not None
-        and out["rss_growth"] < 0.05
-    )
+    checks = {
+        "no errors": not errors,
+        "a changed object read back exactly": flipped is not None and flipped.get("read_back_exact") is True,
+        "no mismatches": out["mismatches"] == 0,
+        "two epochs audited": audited >= 2,
+        "every killed worker recovered": all(h.recovered == h.killed_workers > 0 for h in hosts),
+        "every SIGTERM resumed": hosts[0].resumes == hosts[0].sigterms > 0,
+        "no Grain worker left running": not orphans,
+        "RSS growth measured (a run long enough to warm up)": out["rss_growth"] is not None,
+        "RSS growth under 5%": out["rss_growth"] is not None and out["rss_growth"] < 0.05,
+    }
+    out["failed_checks"] = [name for name, ok in checks.items() if not ok]
+    out["passed"] = not out["failed_checks"]
     return out
 
 
@@ -434,6 +435,7 @@ def main() -> None:
         result = {
             "benchmark": "soak",
             **provenance(),
+            "quick": args.quick,
             **soak(args.minutes, args.cells, args.rate, args.seed, Path(tmp)),
         }
     path = write_result(args.out, result, quick=args.quick)
@@ -442,6 +444,7 @@ def main() -> None:
         f"epochs audited, {result['mismatches']} mismatches, workers killed {result['workers_killed']}, "
         f"SIGTERMs {result['sigterms']}, Orbax resumes {result['orbax_resumes']}, faults {result['faults_injected']} of "
         f"{result['requests']:,} requests, errors {result['errors']}, RSS growth {result['rss_growth']}; {path}"
+        + (f"\nfailed: {'; '.join(result['failed_checks'])}" if result["failed_checks"] else "")
     )
     sys.exit(0 if result["passed"] else 1)
 
