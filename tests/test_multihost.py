@@ -172,3 +172,56 @@ def test_elastic_restore_with_real_processes_and_orbax(dataset_dir, tmp_path, be
     np.testing.assert_array_equal(np.sort(rows), np.arange(oj.open_dataset(dataset_dir).num_cells))
     for report in saved:  # Grain's DataLoader, in this process of a real multi-process run
         assert report["grain_w0_equal"] and report["grain_w2_equal"], report.keys()
+
+
+_DISAGREEING = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process, port, dataset, out, seed, batch = sys.argv[1:7]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process),
+                           initialization_timeout=120)
+import omicsio_jax as oj
+mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+try:
+    oj.make_loader(dataset, batch_size=int(batch), seed=int(seed), num_epochs=1, placement=mesh)
+    said = None
+except oj.OmicsIOError as e:
+    said = str(e)
+open(out, "w").write(json.dumps({"said": said}))
+"""
+
+
+@pytest.mark.parametrize("settings", [((3, 32), (4, 32)), ((3, 32), (3, 64))], ids=["seed", "batch_size"])
+def test_processes_that_made_different_loaders_are_refused_when_made(dataset_dir, tmp_path, settings):
+    """Two processes that disagree on a setting that decides the batches would serve shares of
+    different batches (cells twice, others never, each audit complete) or wait forever for a step
+    the other never takes: both refuse, naming the setting, when the loader is made."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _DISAGREEING,
+                str(i),
+                str(port),
+                str(dataset_dir),
+                str(tmp_path / f"{i}.json"),
+            ]
+            + [str(v) for v in settings[i]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    name = "seed" if settings[0][0] != settings[1][0] else "batch_size"
+    for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, log[-3000:]
+        said = json.loads((tmp_path / f"{i}.json").read_text())["said"]
+        assert said is not None and "the JAX processes made different loaders" in said, (said, log[-2000:])
+        assert f": {name} differ between this process ({i}: " in said and f"process(es) {1 - i};" in said, (
+            said
+        )

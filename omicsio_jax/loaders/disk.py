@@ -26,6 +26,7 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset, as_dataset
 from omicsio_jax.loaders import mixtures
+from omicsio_jax.loaders.agreement import check_processes_agree
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
@@ -90,6 +91,8 @@ class Loader(ClosingIterator):
         self.batches_ahead = default_batches_ahead(kind, self.num_threads, row_bytes)
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._mixtures: list[dict] | None = None  # every mixture and the epoch it took effect at
+        if placement.process_count is None:  # JAX's processes: each must have made this loader
+            check_processes_agree(self._config, f"make_loader on {ds.path}")
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 
     def __repr__(self) -> str:
@@ -359,7 +362,8 @@ def make_loader(
     """Batches of cells from ``ds`` (a `Dataset`, or its path) by block sampling with batched
     fetching (scDataset's recipe).
 
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                      # doctest: +SKIP
+    >>> auto = (jax.sharding.AxisType.Auto,)  # a train step's gradients need Auto axes    # doctest: +SKIP
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)    # doctest: +SKIP
     >>> loader = oj.make_loader(ds, batch_size=1024, sampling=oj.Block(block_size=16, fetch_factor=64),
     ...                         output=oj.Dense(normalize="log1p"), obs=("drug",), placement=mesh)  # doctest: +SKIP
     >>> for batch in loader: ...        # batch.x: (1024, num_genes) float32, sharded P("data")

@@ -307,7 +307,8 @@ def make_stream_loader(
     """Stream a query's cells to the devices as dense batches (full transcriptome or a panel).
 
     >>> table = oj.open_table("atlas/")                                         # doctest: +SKIP
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))                  # doctest: +SKIP
+    >>> auto = (jax.sharding.AxisType.Auto,)  # a train step's gradients need Auto axes    # doctest: +SKIP
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)    # doctest: +SKIP
     >>> loader = oj.make_stream_loader(table, batch_size=1024, where="tissue = 'lung'",
     ...                                output=oj.Panel(panel), obs=("cell_type",), placement=mesh)  # doctest: +SKIP
     >>> for batch in loader: ...        # batch.x: (1024, len(panel)) float32, sharded P("data")

@@ -103,7 +103,8 @@ def data_sharding(mesh, data_axis: str = "data") -> jax.sharding.Sharding:
 def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data") -> Batch | dict:
     """This host's batch (a `HostBatch` or a dict of numpy arrays) → global jax.Arrays sharded on ``data_axis``.
 
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))              # doctest: +SKIP
+    >>> auto = (jax.sharding.AxisType.Auto,)  # a train step's gradients need Auto axes    # doctest: +SKIP
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)    # doctest: +SKIP
     >>> for host_batch in grain_loader:                                     # doctest: +SKIP
     ...     batch = oj.place_batch(host_batch, mesh)     # batch.x: (global batch, genes), P("data")
 
