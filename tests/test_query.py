@@ -394,6 +394,14 @@ def test_a_where_is_one_expression_that_cannot_reach_past_its_brackets(corpus, t
     assert not written.exists()
     with pytest.raises(oj.OmicsIOError, match="is not one SQL expression"):
         oj.make_stream_loader(table, batch_size=8, where="1=1) OR (1=1")
+    assert len(table.select("")) == table.num_cells  # an empty where is none, everywhere
+    loader = oj.make_stream_loader(table, batch_size=8, where="")
+    one = loader.epoch(0)
+    next(one)
+    state = one.get_state()
+    with pytest.raises(oj.StateMismatchError, match=r"restores from one state .* not a list of 1"):
+        loader.epoch(0).set_state([state])
+    loader.close()
 
 
 def test_queries_from_several_threads_take_the_connection_in_turn(corpus):

@@ -91,10 +91,16 @@ def expand_files(spec: str) -> list[Path]:
     return files
 
 
+# what DuckDB says of a file whose bytes are not a whole parquet file (not of a missing one, a
+# refused request or a bad query)
+_DAMAGED = ("magic bytes", "too small to be a Parquet file", "Could not read enough bytes", "orrupt")
+
+
 def damaged_hint(e: duckdb.Error) -> str:
     """What to suspect of a file DuckDB could not read: a truncated or damaged one where it failed
     on the bytes themselves (not on a query or a column)."""
-    damaged = isinstance(e, duckdb.IOException) or "magic bytes" in str(e)
+    text = str(e)
+    damaged = any(s in text for s in _DAMAGED)
     return " (a truncated or damaged file?)" if damaged else ""
 
 

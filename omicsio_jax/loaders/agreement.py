@@ -4,8 +4,9 @@ Each process of a multi-host job makes its own loader and serves its share of ea
 Processes that disagree on what decides the batches (another seed, batch size, sampling, dataset or
 output) serve shares of different batches: cells twice and others never, with every process's own
 audit complete, or a process waiting forever in a collective for a step the others never take. So a
-loader of several JAX processes compares its config with the others' once, when it is made (one
-small all-gather of fixed size), and refuses in one line, naming the settings that differ.
+loader placed on a mesh over several JAX processes compares its config with the others' once, when
+it is made (one small all-gather of fixed size), and refuses in one line, naming the settings that
+differ.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def _digests(config: dict) -> np.ndarray:
 
     rest = {k: v for k, v in config.items() if k not in _NAMED}
     return np.array([*(digest(config.get(k)) for k in _NAMED), digest(rest)], np.uint32)
+
+
+def processes_share(placement) -> bool:
+    """Whether a loader's batches are global arrays over several JAX processes (a mesh, JAX's
+    processes): every process must then make it, and they are compared. A loader without a mesh
+    may be one process's alone (an evaluation on process 0), where a collective would wait forever."""
+    return placement.mesh is not None and placement.process_count is None and jax.process_count() > 1
 
 
 def check_processes_agree(config: dict, what: str) -> None:

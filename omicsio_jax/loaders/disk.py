@@ -26,7 +26,7 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset, as_dataset
 from omicsio_jax.loaders import mixtures
-from omicsio_jax.loaders.agreement import check_processes_agree
+from omicsio_jax.loaders.agreement import check_processes_agree, processes_share
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
@@ -91,7 +91,7 @@ class Loader(ClosingIterator):
         self.batches_ahead = default_batches_ahead(kind, self.num_threads, row_bytes)
         self._finished: Coverage | None = None  # the audit of the last epoch that ended
         self._mixtures: list[dict] | None = None  # every mixture and the epoch it took effect at
-        if placement.process_count is None:  # JAX's processes: each must have made this loader
+        if processes_share(placement):  # each JAX process must have made this loader
             check_processes_agree(self._config, f"make_loader on {ds.path}")
         self._start(0, 0, Anchor(0, 0, self.plan.num_hosts), Tally())
 

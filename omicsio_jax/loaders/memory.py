@@ -30,7 +30,7 @@ import numpy as np
 from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
-from omicsio_jax.loaders.agreement import check_processes_agree
+from omicsio_jax.loaders.agreement import check_processes_agree, processes_share
 from omicsio_jax.loaders.iterator import ClosingIterator
 from omicsio_jax.loaders.memory_device import DevicePanel
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
@@ -93,7 +93,7 @@ class MemoryLoader(ClosingIterator):
             if self._device_panel is not None
             else (n // batch_size if drop_remainder else -(-n // batch_size))
         )
-        if placement.process_count is None:  # JAX's processes: each must have made this loader
+        if processes_share(placement):  # each JAX process must have made this loader
             check_processes_agree(self.config(), "make_memory_loader")
 
     def __repr__(self) -> str:

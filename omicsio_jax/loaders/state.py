@@ -63,7 +63,9 @@ def _kinds(items) -> str:
 def check_state(state: dict, version: int, config: dict) -> None:
     """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
     if not isinstance(state, dict):
-        process_states(state)  # raises, naming what it is
+        states = process_states(state)  # raises, naming what it is, unless a list of states
+        msg = f"this loader restores from one state (the dict its get_state returned), not a list of {len(states)}"
+        raise StateMismatchError(msg)
     if state.get("version") != version:
         got = state.get("version")
         msg = f"loader state version {got!r} is not {version}: it was written by another loader or release"

@@ -215,7 +215,7 @@ class CellTable:
     def check_where(self, where: str | None) -> None:
         """Refuse, in one line and before reading a row, a ``where`` that is not one expression over
         the table's columns (`where_sql`) or names a column it lacks."""
-        if where is not None:
+        if where:  # (an empty one is none, as in `from_clause`)
             self.sql(f"SELECT 1 FROM cells WHERE {where_sql(where)} LIMIT 0")
 
     def require_columns(self, columns: Sequence[str]) -> list[str]:
