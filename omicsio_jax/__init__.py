@@ -18,6 +18,7 @@ passive_waits()  # before numba's first parallel kernel starts OpenMP's threads
 
 if TYPE_CHECKING:
     from omicsio_jax.core.errors import DatasetFormatError as DatasetFormatError
+    from omicsio_jax.core.errors import DatasetReplacedError as DatasetReplacedError
     from omicsio_jax.core.errors import DataValidationError as DataValidationError
     from omicsio_jax.core.errors import MissingExtraError as MissingExtraError
     from omicsio_jax.core.errors import OmicsIOError as OmicsIOError
@@ -114,6 +115,7 @@ _PUBLIC = {
     "entropy_bounds": "omicsio_jax.sampling.entropy",
     "minibatch_entropy": "omicsio_jax.sampling.entropy",
     "DatasetFormatError": "omicsio_jax.core.errors",
+    "DatasetReplacedError": "omicsio_jax.core.errors",
     "MissingExtraError": "omicsio_jax.core.errors",
     "DataValidationError": "omicsio_jax.core.errors",
     "OmicsIOError": "omicsio_jax.core.errors",

@@ -124,6 +124,45 @@ def test_failed_overwrite_keeps_the_old_dataset(corpus, tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
 
 
+def test_a_dataset_replaced_while_open_is_refused_not_read_as_the_new_one(corpus, corpus_table, tmp_path):
+    """--overwrite renames a new folder into the dataset's place. A handle or loader opened before
+    opens its files by path, so it would read the new dataset's files by the old manifest (the same
+    number of cells: silently other values): it stops with `DatasetReplacedError` instead, after
+    serving the old cells it had already read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    materialize(corpus.cells_parquet, out, progress=False, layout=Layout(shard_cells=512))
+    old = oj.open_dataset(out)
+    indptr, cols, values = old.read_csr(np.arange(old.num_cells))
+    dense = np.zeros((old.num_cells, old.num_genes), np.float32)
+    dense[np.repeat(np.arange(old.num_cells), np.diff(indptr)), cols] = values
+    loader = oj.make_loader(old, batch_size=32, sampling=oj.Block(16, 2), seed=0, num_epochs=1)
+    served = [next(loader)]
+    other = corpus_table.take(pa.array(np.arange(corpus_table.num_rows)[::-1]))  # the same cells, reversed
+    ids = other.column_names.index("cell_id")
+    other = other.set_column(ids, "cell_id", pa.array([f"other{i}" for i in range(other.num_rows)]))
+    pq.write_table(other, tmp_path / "other.parquet")
+    shutil.copy(corpus.genes_parquet, tmp_path / "gene_metadata.parquet")
+    materialize(
+        tmp_path / "other.parquet", out, progress=False, overwrite=True, layout=Layout(shard_cells=512)
+    )
+    with pytest.raises(
+        oj.DatasetReplacedError, match=r"out was replaced or removed since it was opened .*open it again"
+    ):
+        old.read_csr([0, 5])
+    with pytest.raises(oj.DatasetReplacedError):
+        for batch in loader:  # what it had read ahead, then the error
+            served.append(batch)
+    for batch in served:  # only ever the old dataset's cells
+        keep = np.asarray(batch.mask)
+        np.testing.assert_array_equal(np.asarray(batch.x)[keep], dense[np.asarray(batch.index)[keep]])
+    loader.close()
+    again = oj.open_dataset(out)  # opened again: the new dataset
+    assert again.cell_ids[0] == "other0"
+
+
 def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))

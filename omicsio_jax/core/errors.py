@@ -34,6 +34,13 @@ class DatasetFormatError(OmicsIOError):
         return cls(f"{problem}; run `omicsio-materialize verify {dataset}`".replace("\n", " "))
 
 
+class DatasetReplacedError(OmicsIOError):
+    """A local dataset was replaced (``omicsio-materialize --overwrite``) or removed while open: its
+    folder is another, and the files there are not the ones the open handle's manifest lists. Open
+    it again. (On object storage a handle keeps the generation it opened: `ObjectChangedError` once
+    that is deleted.)"""
+
+
 class StateMismatchError(OmicsIOError, ValueError):
     """Restored loader/trainer state does not match the live dataset or config."""
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from omicsio_jax.core.errors import DatasetFormatError
+from omicsio_jax.core.errors import DatasetFormatError, DatasetReplacedError
 from omicsio_jax.format.manifest import Manifest
 
 
@@ -23,13 +24,23 @@ class ListedFiles:
 
     def __init__(self, root: Path):
         self._root = root
+        self._identity = _identity(root)  # the folder opened: an --overwrite renames another into place
         self._manifest: Manifest | None = None
         self._sizes: dict[str, int] = {}
         self._passed: set[str] = set()
 
     def checked(self, manifest: Manifest, relpath: str) -> Path:
         """The local file of ``relpath``, refused unless it has the size ``manifest`` lists for it
-        (a file the manifest does not list is not checked)."""
+        (a file the manifest does not list is not checked). Every call first checks that the
+        dataset's folder is still the one opened (one ``stat``): every read of a local dataset opens
+        its files by path, so after ``--overwrite`` it would read the new dataset's files, by the
+        old manifest (same-size files pass, other sizes look damaged): `DatasetReplacedError`."""
+        if _identity(self._root) != self._identity:
+            msg = (
+                f"{self._root} was replaced or removed since it was opened (omicsio-materialize --overwrite "
+                "writes a new dataset in its place): open it again"
+            )
+            raise DatasetReplacedError(msg)
         path = self._root / relpath
         if manifest is not self._manifest:  # opened, or a split written through this handle since
             self._sizes = {f.path: f.num_bytes for f in manifest.files}
@@ -52,3 +63,12 @@ class ListedFiles:
             )
         self._passed.add(relpath)
         return path
+
+
+def _identity(root: Path) -> tuple[int, int] | None:
+    """The folder's device and inode (None if it is gone)."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
