@@ -337,10 +337,20 @@ def make_synthetic_corpus(
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: generate a corpus and print one summary line."""
-    parser = argparse.ArgumentParser(description="Write a synthetic Tahoe-like single-cell corpus.")
-    parser.add_argument("out_dir", type=Path)
-    for flag, default in (("--cells", 20_000), ("--genes", 62_710), ("--seed", 0), ("--plates", None)):
-        parser.add_argument(flag, type=int, default=default)
+    parser = argparse.ArgumentParser(
+        prog="omicsio-materialize synth", description="Write a synthetic Tahoe-like single-cell corpus."
+    )
+    parser.add_argument(
+        "out_dir", type=Path, help="the folder to write (cells.parquet, gene table, cells.h5ad)"
+    )
+    for flag, default, what in (
+        ("--cells", 20_000, "cells"),
+        ("--genes", 62_710, "genes (Ensembl ids of a human-sized gene space)"),
+        ("--seed", 0, "seed of every draw: the same seed writes the same bytes"),
+        ("--plates", None, "contiguous plates (obs batch); default max(2, min(14, cells // 2000))"),
+    ):
+        shown = "" if default is None else " (default %(default)s)"
+        parser.add_argument(flag, type=int, default=default, help=f"{what}{shown}")
     parser.add_argument("--peaks", type=int, default=200_000, help="ATAC peaks (with --multimodal)")
     parser.add_argument(
         "--program-fraction",
@@ -348,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         default=PROGRAM_FRACTION,
         help="how far the cell types' expression programs differ (0: one program; default %(default)s)",
     )
-    for flag in ("--no-h5ad", "--no-parquet", "--no-progress"):
-        parser.add_argument(flag, action="store_true")
+    for flag, what in (
+        ("--no-h5ad", "write no cells.h5ad"),
+        ("--no-parquet", "write no cells.parquet"),
+        ("--no-progress", "no progress bar"),
+    ):
+        parser.add_argument(flag, action="store_true", help=what)
     parser.add_argument(
         "--multimodal", action="store_true", help="also write splice layers and an ATAC modality"
     )
