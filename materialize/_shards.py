@@ -337,6 +337,51 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, manifest=manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _output_lock(out):
+        yield from _atomic_output_dir(out, overwrite=overwrite, manifest=manifest)
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``out`` (``flock``) while a run writes it: a second run into the
+    same output at once is refused in one line, where both would write and the one that renamed last
+    would win, each saying it had materialized its dataset there. The lock file goes when the run
+    ends (removed while held, and taken again if another run removed it meanwhile). On a file system
+    without ``flock`` (some network ones) runs are not kept apart."""
+    import fcntl
+
+    lock = out.parent / f".{out.name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            msg = (
+                f"another materialize run is writing {str(out)!r} (it holds {lock.name}); wait for it to end, "
+                "or give another output"
+            )
+            raise OmicsIOError(msg) from None
+        except OSError:  # no flock here: no lock
+            os.close(fd)
+            yield
+            return
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the run that held it removed it as we took it: take the new one
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _atomic_output_dir(out: Path, *, overwrite: bool, manifest: str) -> Iterator[Path]:
     _remove_stale_partials(out, manifest)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()

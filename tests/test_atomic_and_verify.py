@@ -163,6 +163,22 @@ def test_a_dataset_replaced_while_open_is_refused_not_read_as_the_new_one(corpus
     assert again.cell_ids[0] == "other0"
 
 
+def test_a_second_run_into_an_output_being_written_is_refused(corpus, tmp_path, capsys):
+    """Two runs into one output at once both wrote, and the one that renamed last won, each saying
+    it had materialized its dataset there: the second is refused while the first holds the output's
+    lock, and the lock file goes with the run that held it."""
+    out = tmp_path / "out"
+    args = [str(corpus.cells_parquet), str(out), "--no-progress"]
+    with _shards._output_lock(out):  # a run writing out, as far as another can tell
+        for extra in ([], ["--overwrite"]):
+            assert main([*args, *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"another materialize run is writing '{out}' (it holds .out.lock); wait" in err, err
+    assert not out.exists() and _leftovers(tmp_path) == []
+    assert main(args) == 0 and oj.verify_dataset(out) == []
+    assert not (tmp_path / ".out.lock").exists()
+
+
 def test_existing_output_is_refused_without_overwrite(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
@@ -368,6 +384,8 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     assert not any(map(_running, children)), "the shard writer outlived its parent"
     with pytest.raises(oj.DatasetFormatError, match="no manifest.json"):
         for partial in tmp_path.iterdir():
+            if partial.name == ".out.lock":  # (empty; a SIGKILL leaves it, unlocked, to the next run)
+                continue
             if ".partial-" in partial.name:  # said to be a stopped run's output, not to need --overwrite
                 with pytest.raises(
                     oj.DatasetFormatError,
