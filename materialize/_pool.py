@@ -55,6 +55,9 @@ def default_workers(num_cells: int) -> int:
 # -- the local process pool -------------------------------------------------------------------------
 
 
+_WORKER_TMP = "omicsio-worker-"  # a worker's own temporary folder (its TMPDIR)
+
+
 def serve(fd: int) -> None:
     """A pool worker: ``("job", job)`` once, then ``("run", partition)`` answered by ``("progress", n)``
     messages and ``("done", result)`` or ``("error", kind, text)``; or ``("call", (fn, item))``
@@ -94,6 +97,9 @@ def serve(fd: int) -> None:
         return
     finally:
         scratch.close()
+        own = tempfile.gettempdir()  # its folder (`_Worker`), removed here too: a parent killed cannot
+        if os.path.basename(own).startswith(_WORKER_TMP):
+            shutil.rmtree(own, ignore_errors=True)
 
 
 @nb.njit(cache=True)
@@ -116,7 +122,7 @@ class _Worker:
         code = f"{pin}from materialize._pool import serve; serve({child.fileno()})"
         # the worker's temporary files (an object-storage run's partitions before their upload) go to
         # a folder of its own, removed when it stops: killed mid-partition, it cannot remove them
-        self.tmp = tempfile.mkdtemp(prefix="omicsio-worker-")
+        self.tmp = tempfile.mkdtemp(prefix=_WORKER_TMP)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code],

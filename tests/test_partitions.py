@@ -321,6 +321,14 @@ def test_a_workers_temporary_files_go_with_it_even_when_it_is_killed():
         assert all(os.path.isdir(m) == (os.path.dirname(m) == kept) for m in made)
         assert all(os.path.isdir(f) == (f == kept) for f in folders)
     assert not any(os.path.exists(p) for p in [*made, *folders])  # the other gone with the pool
+    # a pool whose parent is killed cannot remove its workers' folders: each worker removes its own
+    # as it sees the parent gone
+    orphan = Pool(1)
+    worker = orphan.workers[0]
+    made = next(iter(orphan.map(tempfile.mkdtemp, ["-c"], lambda item: f"making {item}")))
+    worker.conn.close()  # the parent's end gone, as when it is killed
+    worker.proc.wait(timeout=60)
+    assert not os.path.exists(made) and not os.path.exists(worker.tmp)
 
 
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
