@@ -47,7 +47,7 @@ from ._ducklake_read import LakeReader, Run
 from ._ducklake_table import LakeTable
 from ._plan import Partition
 from ._sidecars import carried_obs
-from ._source import Batch, Source, gene_table_from_arrow
+from ._source import Batch, Source, gene_table_from_arrow, missing_columns
 from ._tables import NO_GENE_TABLE
 
 GENE_TABLE = "gene_metadata"
@@ -136,11 +136,7 @@ class DuckLakeSource(Source):
     def _check_schema(self, schema: pa.Schema) -> None:
         missing = [c for c in (self._cell_id_column, GENE_COLUMN, VALUE_COLUMN) if c not in schema.names]
         if missing:
-            hint = (
-                " (use --cell-id to name another cell id column)" if self._cell_id_column in missing else ""
-            )
-            msg = f"{self.label} is missing required column(s) {', '.join(missing)}; it has {', '.join(schema.names)}{hint}"
-            raise DataValidationError(msg)
+            raise missing_columns(self.label, missing, schema.names, self._cell_id_column)
         for name in (GENE_COLUMN, VALUE_COLUMN):
             if not is_list_type(schema.field(name).type):
                 msg = f"column {name} of {self.label} must be a list column, got {schema.field(name).type}"

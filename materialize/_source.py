@@ -139,6 +139,18 @@ def require_file(path) -> None:
         raise DataValidationError(f"cannot read {path}: no such object")
 
 
+def missing_columns(
+    label: str, missing: Sequence[str], names: Sequence[str], cell_id_column: str, tahoe: str = ""
+) -> DataValidationError:
+    """The error of a table input (``label``, its columns ``names``) that lacks the required columns
+    ``missing``; ``--cell-id`` is named only where the cell id column is among them (``tahoe``: what
+    to add to that hint)."""
+    hint = f" (use --cell-id to name another cell id column{tahoe})" if cell_id_column in missing else ""
+    return DataValidationError(
+        f"{label} is missing required column(s) {', '.join(missing)}; it has {', '.join(names)}{hint}"
+    )
+
+
 def decoded_again_note(label: str, partitions: Sequence[Partition], again: int, largest: int) -> str | None:
     """The note for partitions whose reads decode ``again`` rows before their first ones (row groups
     of up to ``largest`` rows, decoded from their first row), when row groups span partitions and

@@ -52,7 +52,7 @@ from omicsio_jax.format import (
 from ._parquet_stream import PARQUET_STREAMS, group_of, row_group_starts
 from ._plan import Partition, partitions_from_boundaries, partitions_from_counts, range_of_counts
 from ._sidecars import carried_obs
-from ._source import Source, decoded_again_note, gene_table_from_arrow
+from ._source import Source, decoded_again_note, gene_table_from_arrow, missing_columns
 from ._table_read import TableReads
 from ._tahoe import (
     FIRST_GENE,
@@ -172,16 +172,8 @@ class TableSource(TableReads, Source):
         missing = [c for c in (self._cell_id_column, GENE_COLUMN, VALUE_COLUMN) if c not in schema.names]
         if missing:
             tahoe = f"; Tahoe-100M's is {TAHOE_CELL_ID}" if self.layout == TAHOE_LAYOUT else ""
-            hint = (
-                f" (use --cell-id to name another cell id column{tahoe})"
-                if self._cell_id_column in missing
-                else ""
-            )
-            msg = (
-                f"{self.label} is missing required column(s) {', '.join(missing)}; it has "
-                f"{', '.join(n for n in published.names if n not in (FILENAME_COLUMN, FILE_ROW_COLUMN))}{hint}"
-            )
-            raise DataValidationError(msg)
+            names = [n for n in published.names if n not in (FILENAME_COLUMN, FILE_ROW_COLUMN)]
+            raise missing_columns(self.label, missing, names, self._cell_id_column, tahoe)
         for name in (GENE_COLUMN, VALUE_COLUMN):
             if not is_list_type(schema.field(name).type):
                 msg = f"column {name} of {self.label} must be a list column, got {schema.field(name).type}"
