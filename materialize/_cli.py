@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--genes",
         help="gene table (parquet) with gene_token_id; default: gene_metadata.parquet "
-        "beside the input or in the nearest folder above it, else the token ids seen in the data. A collection: union (default, every "
-        "gene a source measured), intersection, or a gene table / vocabulary (.parquet, .csv, .json, .txt)",
+        "beside the input or in the nearest folder above it, else the token ids seen in the data. "
+        "A collection: union (default, every gene a source measured), intersection, or a gene table / "
+        "vocabulary (.parquet, .csv, .json, .txt)",
     )
     p.add_argument(
         "--sources",

@@ -213,9 +213,8 @@ class H5adSource(Source):
             problem = f"has {length:,} entries where its {major:,} {lines} need {major + 1:,}"
         elif int(indptr[0]) != 0:
             problem = f"starts at {int(indptr[0]):,}, not 0"
-        elif (
-            int(indptr[length - 1]) > entries
-        ):  # (short of them: entries past the end, unused, as scipy allows)
+        # (an end short of the entries leaves some past it unused, which scipy allows)
+        elif int(indptr[length - 1]) > entries:
             problem = f"ends at {int(indptr[length - 1]):,} where indices holds {entries:,} entries"
         elif values != entries:
             problem = f"frames {entries:,} indices but data holds {values:,} values"
@@ -229,7 +228,10 @@ class H5adSource(Source):
         steps = np.diff(indptr)
         if len(steps) and steps.min() < 0:
             at = first + int(np.argmax(steps < 0))
-            msg = f"{self.label}: {self._matrix.name}/indptr falls at {what} {at}: the file is damaged; rewrite it with anndata"
+            msg = (
+                f"{self.label}: {self._matrix.name}/indptr falls at {what} {at}: the file is damaged; "
+                "rewrite it with anndata"
+            )
             raise DataValidationError(msg)
 
     def _gene_table(self, var: Frame, num_vars: int) -> pa.Table:

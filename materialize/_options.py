@@ -71,8 +71,8 @@ class InputOptions:
     ``where`` keeps the cells a SQL predicate selects (a hive partition column prunes whole files);
     ``query`` is any DuckDB SELECT instead of a table (with an input: over its view ``cells``);
     ``genes`` the gene table (default: ``gene_metadata.parquet`` beside the input or in the nearest
-    folder above it, or an AnnData's ``var``); ``layer`` / ``use_raw`` pick an AnnData matrix other than ``X``; ``cell_id`` names the
-    cell id column; ``batch_cells`` cells are read at a time (default: by a parquet file's row width,
+    folder above it, or an AnnData's ``var``); ``layer`` / ``use_raw`` pick an AnnData matrix other
+    than ``X``; ``cell_id`` names the cell id column; ``batch_cells`` cells are read at a time (default: by a parquet file's row width,
     about 4M values a batch; 8,192 through DuckDB, 2,048 from an AnnData file);
     ``allow_negative`` admits negative values (the default refuses them, as counts).
 

@@ -348,9 +348,23 @@ def _output_lock(out: Path) -> Iterator[None]:
     would win, each saying it had materialized its dataset there. The lock file goes when the run
     ends (removed while held, and taken again if another run removed it meanwhile). On a file system
     without ``flock`` (some network ones) runs are not kept apart."""
+    lock = out.parent / f".{out.name}.lock"
+    fd = _take_lock(lock, out)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+            os.close(fd)
+
+
+def _take_lock(lock: Path, out: Path) -> int | None:
+    """A descriptor of ``lock`` under an exclusive ``flock``, or None where the file system has no
+    ``flock``; `OmicsIOError` while another run holds it. A lock file its holder removed as this
+    run took it is taken again, anew."""
     import fcntl
 
-    lock = out.parent / f".{out.name}.lock"
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -364,20 +378,12 @@ def _output_lock(out: Path) -> Iterator[None]:
             raise OmicsIOError(msg) from None
         except OSError:  # no flock here: no lock
             os.close(fd)
-            yield
-            return
+            return None
         try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                return fd
         except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the run that held it removed it as we took it: take the new one
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)
+            pass
         os.close(fd)
 
 

@@ -92,9 +92,8 @@ def encode_batch(
     if np.issubdtype(values.dtype, np.integer) or values.dtype == np.float16:
         values = values.astype(np.float64)
     elif not np.issubdtype(values.dtype, np.floating):
-        kind = (
-            "text" if values.dtype.kind in "OUS" else str(values.dtype)
-        )  # (numpy's name for strings: object)
+        # strings by their kind, not numpy's name for them (object)
+        kind = "text" if values.dtype.kind in "OUS" else str(values.dtype)
         msg = f"{genes.names[1]} must be a list of numbers, got elements of type {kind} in {locate(0)}"
         raise DataValidationError(msg)
     if panel is None:

@@ -97,9 +97,8 @@ class GeneformerTokens(Output):
             medians[lent] = medians[donor[lent]]
             known |= lent
         unlisted = int(np.count_nonzero((vocab.tok >= 0) & np.isnan(medians)))
-        if (
-            self.medians is not None and unlisted
-        ):  # (the dataset's own: a gene without one is never expressed)
+        # (with the dataset's own medians, a gene without one is a gene never expressed: no warning)
+        if self.medians is not None and unlisted:
             warnings.warn(
                 f"omicsio_jax: {unlisted:,} gene(s) of {ds.path} with a token have no median in {self.medians}: "
                 "left out of the ranking (Geneformer's tokenizer would stop at them); check that the "
