@@ -155,10 +155,24 @@ def _labels(node) -> pa.StringArray:
     return pc.cast(pa.array(values.astype(np.float32) if values.dtype == np.float16 else values), pa.string())
 
 
+# The largest magnitude float32 rounds to 0: half its smallest subnormal, 2^-149 (a tie, to even)
+_FLOAT32_ZERO_BELOW = 2.0**-150
+
+
+def nonzero_in_float32(values: np.ndarray) -> np.ndarray:
+    """Where ``values`` stay nonzero as the float32 the records hold: a float64 of magnitude at most
+    2^-150 (1e-300, say) becomes 0 there, and is no entry of a "nonzeros only" record (NaN is kept,
+    for the checks that refuse it)."""
+    if values.dtype.kind == "f" and values.dtype.itemsize > 4:
+        return ~(np.abs(values) <= _FLOAT32_ZERO_BELOW)
+    return values != 0
+
+
 def without_stored_zeros(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray) -> tuple:
     """Sparse rows without the zeros their matrix stores (an operation on an AnnData may leave explicit
-    zeros): the entries a dense matrix's nonzeros give, and the records' "nonzeros only"."""
-    keep = data != 0
+    zeros) or that become zeros as float32 (`nonzero_in_float32`): the entries a dense matrix's
+    nonzeros give, and the records' "nonzeros only"."""
+    keep = nonzero_in_float32(data)
     if keep.all():
         return indptr, indices, data
     kept = np.zeros(len(keep) + 1, np.int64)

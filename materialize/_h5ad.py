@@ -37,6 +37,7 @@ from ._anndata_elements import (
     is_zarr,
     legacy_raw,
     native_order,
+    nonzero_in_float32,
     open_zarr,
     without_stored_zeros,
 )
@@ -265,7 +266,7 @@ class H5adSource(Source):
         m = self._matrix
         if is_array(m):
             dense = native_order(np.asarray(m[lo:hi]))
-            rows, cols = np.nonzero(dense)
+            rows, cols = np.nonzero(nonzero_in_float32(dense))
             indptr = np.zeros(hi - lo + 1, dtype=np.int64)
             np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
             return indptr, cols.astype(np.int64), dense[rows, cols]

@@ -4,7 +4,8 @@ Each writer appends one batch at a time to a raw file, so memory stays constant 
 of cells; `finish` turns the raw file into its final form (``.npy``, categories sorted). Which
 input columns become obs sidecars, and as what, is `carried_obs` / `make_obs_writer`:
 
-- text, dictionaries and bools: categorical (int32 codes + sorted categories);
+- text, dictionaries and bools: categorical (int32 codes + sorted categories; a bool column has
+  both of ``false`` and ``true``, so its codes are 0 / 1);
 - integers and floats: numeric (`NumericWriter`); decimals as float64 (the nearest double);
 - timestamps and dates: ``datetime64`` in the input's unit (a timezone-aware timestamp as UTC,
   dates as ``datetime64[D]``), times of day (since midnight) and durations as ``timedelta64``;
@@ -27,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import sql_ident, to_numpy, to_numpy_filled
+from omicsio_jax.format import BOOL_CATEGORIES, sql_ident, to_numpy, to_numpy_filled
 
 from ._source import CATEGORICAL, NUMERIC, obs_kind
 from ._validate import UniqueStrings
@@ -145,6 +146,11 @@ class CategoricalWriter:
 
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
         if pa.types.is_boolean(array.type):
+            # both categories whatever the cells hold, so that a code means the same in every
+            # dataset: 0 False, 1 True (sorted), -1 missing. Only the values seen, an all-True
+            # column's True was code 0, as False is elsewhere.
+            for label in BOOL_CATEGORIES:
+                self._codes.setdefault(label, len(self._codes))
             array = pc.cast(array, pa.string())
         if not pa.types.is_dictionary(array.type):
             array = pc.dictionary_encode(array)

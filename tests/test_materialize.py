@@ -861,6 +861,55 @@ def test_zeros_a_sparse_matrix_stores_are_not_written_as_entries(tmp_path):
     assert shards["csr"] == shards["csc"] == shards["dense"]
 
 
+def test_float64_values_that_are_zero_as_float32_are_not_written_as_entries(tmp_path):
+    """A float64 X holds values the records' float32 rounds to 0 (1e-300): they are no entries, as
+    stored zeros are not, in a sparse or a dense X; their counts and statistics agree with the
+    records. The smallest float32 (2^-149) stays, as does NaN, which is refused."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = np.array([[1e-300, 3, 0], [2, 2.0**-150, 2.0**-149], [0, 0, 0]])
+    kept = x.astype(np.float32)
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(3)])
+    for fmt, matrix in {"dense": x, "csr": sp.csr_matrix(x), "csc": sp.csc_matrix(x)}.items():
+        ad.AnnData(X=matrix, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
+        materialize(tmp_path / f"{fmt}.h5ad", tmp_path / fmt, progress=False)
+        ds = oj.open_dataset(tmp_path / fmt)
+        assert ds.manifest.nnz == np.count_nonzero(kept) == 3, fmt
+        expected = sp.csr_matrix(kept)
+        assert_csr_equal(_all_rows(ds), (expected.indptr, expected.indices, expected.data))
+        np.testing.assert_array_equal(ds.obs["n_genes"], np.count_nonzero(kept, axis=1))
+    x[2, 0] = np.nan
+    ad.AnnData(X=sp.csr_matrix(x), obs=obs).write_h5ad(tmp_path / "nan.h5ad")
+    with pytest.raises(oj.DataValidationError, match="not finite|NaN"):
+        materialize(tmp_path / "nan.h5ad", tmp_path / "nan", progress=False)
+
+
+def test_a_bool_obs_column_has_both_categories_whatever_its_cells_hold(tmp_path):
+    """A column of only True (CELLxGENE's ``is_primary_data`` in most files) or only False: codes 0
+    False, 1 True in the dataset and in the batches, as in a column that holds both. With only the
+    values seen, an all-True column's cells were code 0, False's code elsewhere."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    obs = pd.DataFrame(
+        {"yes": [True] * 3, "no": [False] * 3, "some": pd.array([True, None, False], dtype="boolean")},
+        index=[f"c{i}" for i in range(3)],
+    )
+    ad.AnnData(X=sp.csr_matrix(np.eye(3, 4, dtype=np.float32)), obs=obs).write_h5ad(tmp_path / "b.h5ad")
+    materialize(tmp_path / "b.h5ad", tmp_path / "b", progress=False)
+    ds = oj.open_dataset(tmp_path / "b")
+    expected = {"yes": [1, 1, 1], "no": [0, 0, 0], "some": [1, -1, 0]}
+    for name, codes in expected.items():
+        assert ds.obs[name].categories == ("false", "true"), name
+        np.testing.assert_array_equal(ds.obs[name].codes, codes, err_msg=name)
+    np.testing.assert_array_equal(ds.rows_where("no", [True]), [])
+    loader = oj.make_loader(ds, batch_size=4, sampling=oj.Stream(drop_remainder=False), obs=list(expected))
+    batch = next(iter(loader))
+    for name, codes in expected.items():  # the fourth row pads the batch
+        np.testing.assert_array_equal(np.asarray(batch.obs[name]), [*codes, -1], err_msg=name)
+
+
 def test_a_categorical_of_bools_or_numbers_is_labelled_as_a_bool_or_number_column(tmp_path):
     """A categorical of bools takes the categories "false" / "true" of a bool column, and one of
     floats the labels of a float column cast to text: a collection mixing either with the plain

@@ -37,6 +37,8 @@ MANIFEST_NAME = "manifest.json"
 # measured: the genes' bits, packed little-endian); listed among the manifest's files like any other
 PRESENCE_NAME = "presence.parquet"
 LAYOUTS = ("sparse", "dense")
+# a bool obs column's categories, both always (its codes 0 False, 1 True, -1 missing)
+BOOL_CATEGORIES = ("false", "true")
 
 
 @dataclasses.dataclass(frozen=True)
