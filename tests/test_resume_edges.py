@@ -191,3 +191,57 @@ def test_editing_a_returned_state_leaves_the_loader_as_it_was(ds):
     other = oj.make_loader(ds, **{**KW, "seed": 2})
     with pytest.raises(oj.StateMismatchError, match=r"seed: in checkpoint 2, in loader 1"):
         loader.set_state(other.get_state())
+
+
+def test_a_run_resumes_with_more_epochs_and_not_past_its_end(ds):
+    """How many epochs a run goes decides no batch: a run of 2 resumes with 3 (or endless) and goes
+    on exactly; a state past the end of the loader it is given to is refused, naming num_epochs."""
+    loader = oj.make_loader(ds, **KW, output="csr")
+    steps = loader.steps_per_epoch
+    for _ in range(steps + 2):
+        next(loader)
+    state = json.loads(json.dumps(loader.get_state()))
+    rest = [np.asarray(b.index) for b in loader]  # the second epoch's remainder
+    for num_epochs in (3, None):
+        longer = oj.make_loader(ds, **{**KW, "num_epochs": num_epochs}, output="csr")
+        longer.set_state(state)
+        for expected in rest:
+            np.testing.assert_array_equal(next(longer).index, expected)
+        assert longer.coverage(1).complete
+        assert next(longer).index.shape == (KW["batch_size"],)  # a third epoch
+    finished = loader.get_state()
+    assert (finished["epoch"], finished["step"]) == (2, 0)
+    oj.make_loader(ds, **KW, output="csr").set_state(finished)  # at the end: nothing left, no error
+    for edited, epochs in (({**state}, 1), ({**finished, "epoch": 7}, 2), ({**finished, "step": 1}, 2)):
+        with pytest.raises(oj.StateMismatchError, match=r"past the end of this loader's num_epochs=\d"):
+            oj.make_loader(ds, **{**KW, "num_epochs": epochs}, output="csr").set_state(edited)
+
+
+def test_hand_edited_anchors_served_tallies_and_repeated_states_are_refused_at_set_state(ds):
+    """Values `get_state` never writes are refused when restored, naming the field, not an epoch
+    later as a batch size or as cells skipped or repeated."""
+    loader = oj.make_loader(ds, **KW, output="csr")
+    for _ in range(5):
+        next(loader)
+    state = loader.get_state()
+    count, checksum = state["served"]
+    cases = (
+        ({"anchor": [1, 5]}, r"malformed loader state: anchor \[1, 5\]: batch_size 96 .* divisible"),
+        ({"anchor": [1, 0]}, r"malformed loader state: anchor \[1, 0\] names no process"),
+        ({"served": [count, float(checksum)]}, r"served must be a count and a checksum"),
+        ({"served": [-1, checksum]}, r"served must be"),
+        ({"served": [count, 1 << 80]}, r"served must be"),
+        ({"served": [count]}, r"served must be"),
+    )
+    for edit, match in cases:
+        with pytest.raises(oj.StateMismatchError, match=match):
+            oj.make_loader(ds, **KW, output="csr").set_state({**state, **edit})
+    with pytest.raises(oj.StateMismatchError, match=r"repeat process 0's: pass each process's state once"):
+        oj.make_loader(ds, **KW, output="csr").set_state([state, state])
+    batches = oj.prefetch_to_device(oj.make_loader(ds, **KW, output="csr"))
+    wrapped = batches.get_state()
+    batches.close()
+    with pytest.raises(
+        oj.StateMismatchError, match=r"prefetch_to_device iterator's state .* state\['inner'\]"
+    ):
+        oj.make_loader(ds, **KW, output="csr").set_state(wrapped)

@@ -46,6 +46,7 @@ from omicsio_jax.loaders.state import (
     as_json,
     check_positions,
     check_state,
+    check_within_run,
     process_states,
     read_loader_states,
     reads_state,
@@ -297,6 +298,7 @@ class Loader(ClosingIterator):
         """
         states = process_states(state)
         check_positions(states)
+        check_within_run(states[0], self.num_epochs)
         self._drop_before()
         old = changed_mixture(states[0]["config"], self._config)
         if old is not None:

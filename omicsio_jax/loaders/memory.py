@@ -41,7 +41,7 @@ from omicsio_jax.loaders.options import (
     numba_threads,
     numba_threads_in_force,
 )
-from omicsio_jax.loaders.state import as_json, check_state, process_states, reads_state
+from omicsio_jax.loaders.state import as_json, check_state, check_within_run, process_states, reads_state
 from omicsio_jax.outputs.batch import Batch, HostBatch
 from omicsio_jax.sampling.coverage import Coverage, Tally
 
@@ -146,6 +146,7 @@ class MemoryLoader(ClosingIterator):
         states = process_states(state)
         for s in states:
             check_state(s, STATE_VERSION, self.config())
+        check_within_run(states[0], self.num_epochs)
         if len({(s["epoch"], s["step"]) for s in states}) != 1:
             msg = "the processes' states stand at different steps: not one checkpoint"
             raise StateMismatchError(msg)

@@ -5,6 +5,7 @@ state records every mixture and the epoch it took effect at (``"mixtures"``)."""
 
 from __future__ import annotations
 
+from omicsio_jax.loaders.state import RUN_LENGTH_KEYS
 from omicsio_jax.sampling.options import Mixture, Sampling
 
 # what a Mixture's weights decide in a loader's config: the weights, and the rows they keep
@@ -24,7 +25,7 @@ def changed_mixture(theirs: dict, ours: dict) -> dict[str, float] | None:
     a, b = theirs.get("mixture"), ours.get("mixture")
     if not a or not b or a.get("by") != b.get("by") or a.get("weights") == b.get("weights"):
         return None
-    differ = {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)}
+    differ = {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} - RUN_LENGTH_KEYS
     return dict(a["weights"]) if differ <= _MIXTURE_KEYS else None
 
 

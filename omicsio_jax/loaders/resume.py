@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from omicsio_jax.core.errors import StateMismatchError
+from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.sampling.coverage import Tally
 from omicsio_jax.sampling.plan import SamplingPlan
 from omicsio_jax.sampling.schedule import Anchor, Schedule
@@ -42,10 +42,18 @@ def resume_point(states: list[dict], plan: SamplingPlan, host: int) -> ResumePoi
             )
             raise StateMismatchError(msg)
     elif len(states) != count or sorted(s["process"][0] for s in states) != list(range(count)):
-        msg = (
-            f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
-            "states to set_state (oj.read_loader_states(directory) reads them)"
-        )
+        ids = [s["process"][0] for s in states]
+        repeated = sorted({p for p in ids if ids.count(p) > 1})
+        if repeated:
+            msg = (
+                f"the states passed repeat process {', '.join(map(str, repeated))}'s: pass each process's "
+                f"state once (the checkpoint's {count}, as oj.read_loader_states(directory) reads them)"
+            )
+        else:
+            msg = (
+                f"the checkpoint was written by {count} processes and this run has {hosts}: pass all {count} "
+                "states to set_state (oj.read_loader_states(directory) reads them)"
+            )
         raise StateMismatchError(msg)
     positions = {(s["epoch"], s["step"], tuple(s["anchor"])) for s in states}
     if len(positions) > 1:
@@ -53,6 +61,11 @@ def resume_point(states: list[dict], plan: SamplingPlan, host: int) -> ResumePoi
         raise StateMismatchError(msg)
     epoch, step, (anchor_step, anchor_hosts) = positions.pop()
     saved = plan if count == hosts else plan.with_hosts(count)
+    try:  # the processes that began the anchor's round must be able to have split its batches
+        saved.with_hosts(anchor_hosts)
+    except OmicsIOError as e:
+        msg = f"malformed loader state: anchor [{anchor_step}, {anchor_hosts}]: {e}"
+        raise StateMismatchError(msg) from e
     steps = Schedule(saved, 0, Anchor(epoch, anchor_step, anchor_hosts)).steps_in_epoch(epoch)
     if not anchor_step <= step < steps:  # get_state stands before an epoch's end, after its anchor
         msg = (

@@ -60,8 +60,14 @@ def _kinds(items) -> str:
     return ", ".join(sorted({type(s).__name__ for s in items}))
 
 
+# config keys a state may differ in: how many epochs a run goes decides no batch, so a run resumes
+# with more (or endless) epochs; `check_within_run` refuses a state past the new end
+RUN_LENGTH_KEYS = frozenset({"num_epochs"})
+
+
 def check_state(state: dict, version: int, config: dict) -> None:
-    """Refuse a loader state of another version, or one whose config differs (showing both sides)."""
+    """Refuse a loader state of another version, or one whose config differs (showing both sides),
+    `RUN_LENGTH_KEYS` aside."""
     if not isinstance(state, dict):
         states = process_states(state)  # raises, naming what it is, unless a list of states
         msg = f"this loader restores from one state (the dict its get_state returned), not a list of {len(states)}"
@@ -74,7 +80,7 @@ def check_state(state: dict, version: int, config: dict) -> None:
     diffs = [  # keys as JSON writes them: a control character in a damaged key breaks no line
         f"  {json.dumps(str(k))[1:-1]}: in checkpoint {theirs.get(k)!r}, in loader {config.get(k)!r}"
         for k in sorted(set(config) | set(theirs))
-        if config.get(k) != theirs.get(k)
+        if config.get(k) != theirs.get(k) and k not in RUN_LENGTH_KEYS
     ]
     if diffs:
         msg = "loader state does not match this loader:\n" + "\n".join(diffs)
@@ -85,13 +91,32 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_within_run(state: dict, num_epochs: int | None) -> None:
+    """Refuse a state that stands past the end of a run of ``num_epochs`` (None: endless): a run
+    resumes with more epochs than it was saved with, not with fewer than it has served."""
+    epoch, step = state["epoch"], state["step"]
+    if num_epochs is not None and (epoch > num_epochs or (epoch == num_epochs and step > 0)):
+        msg = (
+            f"the loader state stands at epoch {epoch}, step {step}, past the end of this loader's "
+            f"num_epochs={num_epochs}: pass num_epochs={epoch + 1} or more (None: endless) to go on from it"
+        )
+        raise StateMismatchError(msg)
+
+
 def check_positions(states: list) -> None:
     """Refuse, in one line, a state whose position fields are not what `get_state` writes: ``epoch``
-    and ``step`` non-negative integers, ``anchor`` and ``process`` pairs of integers (values that
-    would otherwise reach a message or an index as they are)."""
+    and ``step`` non-negative integers, ``anchor`` and ``process`` pairs of integers (the anchor's
+    hosts at least 1), ``served`` a count and a 64-bit checksum (values that would otherwise reach a
+    message or an index as they are, or fail an epoch's audit later as cells not served)."""
     for s in states:
         if not isinstance(s, dict):
             msg = f"malformed loader state: a dict, not {type(s).__name__}"
+            raise StateMismatchError(msg)
+        if "inner" in s and "epoch" not in s:
+            msg = (
+                "this is a prefetch_to_device iterator's state (the loader's is its 'inner'): give it to "
+                "that iterator's set_state, or pass state['inner'] to the loader's"
+            )
             raise StateMismatchError(msg)
         for name in ("epoch", "step"):
             if not _is_int(s.get(name)) or s[name] < 0:
@@ -104,6 +129,20 @@ def check_positions(states: list) -> None:
                 raise StateMismatchError(msg)
         if s["process"][0] >= s["process"][1]:
             msg = f"malformed loader state: process {s['process'][0]} of {s['process'][1]}"
+            raise StateMismatchError(msg)
+        if s["anchor"][1] < 1:
+            msg = f"malformed loader state: anchor {s['anchor']} names no process that began its round"
+            raise StateMismatchError(msg)
+        served = s.get("served")
+        if (
+            not isinstance(served, list)
+            or len(served) != 2
+            or not all(_is_int(v) and 0 <= v < 1 << 64 for v in served)
+        ):
+            msg = (
+                f"malformed loader state: served must be a count and a checksum, two integers in "
+                f"[0, 2**64), got {served!r} (a JSON reader that made them floats loses the checksum's digits)"
+            )
             raise StateMismatchError(msg)
 
 
