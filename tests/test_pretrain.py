@@ -12,7 +12,7 @@ from conftest import kill_at
 
 import omicsio_jax as oj
 from materialize import materialize
-from train import logistic_probe
+from train import TrainError, logistic_probe
 from train._cli import main, parse_pretrain_config
 from train._pretrain import embed, load_pretrained, pretrain
 
@@ -91,8 +91,8 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
     assert emb.shape == (3000, 64) and emb.dtype == np.float32 and np.isfinite(emb).all()
     model, config, _ = load_pretrained(ckpt)
     ds = oj.open_dataset(dataset_dir)
-    rows = np.array([5, 17, 2999])  # ascending: embed returns rows in row order
-    np.testing.assert_allclose(embed(model, ds, config, rows), emb[rows], rtol=1e-5, atol=1e-6)
+    for rows in ([5, 17, 2999], [2999, 5, 17, 5]):  # in the order given, a row given twice twice
+        np.testing.assert_allclose(embed(model, ds, config, np.array(rows)), emb[rows], rtol=1e-5, atol=1e-6)
 
 
 def test_embed_refuses_a_dataset_whose_genes_are_in_another_column_order(
@@ -249,6 +249,11 @@ def test_pretrain_refuses_bad_counts_and_the_other_token_familys_options(dataset
         "--steps must be a positive integer, got -1": ["--steps", "-1"],
         "--max-len must be a positive integer, got 0": ["--max-len", "0"],
         "--devices must be a positive integer, got 0": ["--devices", "0"],
+        "--lr must be a non-negative number, got -1.0": ["--lr", "-1"],
+        "--lr must be a non-negative number, got nan": ["--lr", "nan"],
+        "--clip-norm must be a positive number, got 0.0": ["--clip-norm", "0"],
+        "--weight-decay must be a non-negative number, got -5.0": ["--weight-decay", "-5"],
+        "--warmup-steps must be >= 0, got -1": ["--warmup-steps", "-1"],
         "--binning tahoe is an option of scgpt tokens, but the tokens are geneformer: drop --binning": [
             "--binning",
             "tahoe",
@@ -352,3 +357,30 @@ def test_embed_and_finetune_refuse_options_a_pretraining_checkpoint_decides(data
         assert main(argv) == 2, message
         assert _one_line_error(capsys) == message
     assert not (tmp_path / "e.npy").exists()
+
+
+def test_a_checkpoint_folder_of_the_other_format_is_refused_not_read_as_empty(dataset_dir, tmp_path, capsys):
+    """A run asked for one checkpoint format over a folder of the other's steps: refused before
+    anything is written, naming the format to pass (read as empty, it started over, wrote its steps
+    beside the others' and replaced their metrics). ``load_pretrained`` of a folder that is not
+    there says so and makes none."""
+    runs = {"equinox": tmp_path / "eqx", "orbax": tmp_path / "obx"}
+    for fmt, folder in runs.items():
+        argv = [*_args(dataset_dir, "geneformer", "--steps", "2"), "--checkpoint-dir", str(folder)]
+        assert main([*argv, "--checkpoint-format", fmt]) == 0
+    for fmt, folder in runs.items():
+        other = "orbax" if fmt == "equinox" else "equinox"
+        before = sorted(p.name for p in folder.iterdir())
+        metrics = (folder / "metrics.jsonl").read_text()
+        for resume in ([], ["--resume"]):
+            argv = [*_args(dataset_dir, "geneformer", "--steps", "2"), "--checkpoint-dir", str(folder)]
+            assert main([*argv, "--checkpoint-format", other, *resume]) == 2
+            assert _one_line_error(capsys) == (
+                f"{folder} holds {fmt} checkpoints, and this run writes {other}: pass --checkpoint-format "
+                f"{fmt} to resume them, or choose another --checkpoint-dir"
+            )
+        assert sorted(p.name for p in folder.iterdir()) == before
+        assert (folder / "metrics.jsonl").read_text() == metrics
+    with pytest.raises(TrainError, match="is no folder"):
+        load_pretrained(tmp_path / "nope")
+    assert not (tmp_path / "nope").exists()

@@ -492,3 +492,30 @@ def test_vocabulary_must_fit_the_checkpoint(reference, small_dataset, tmp_path, 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-s"]))
+
+
+def test_an_scgpt_checkpoint_trained_with_other_inputs_or_pooling_is_refused(reference, tmp_path):
+    """scGPT run arguments this model does not implement (its bins, mask and pad values, input
+    style, cell embedding): refused in one line naming the key, not loaded and fed inputs the run
+    never saw (a checkpoint trained on 11 bins embedded exactly as one on 51)."""
+    out, _, _ = reference["scgpt"]
+    ckpt = out / "ckpt"
+    args = json.loads((ckpt / "args.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("best_model.pt", "vocab.json"):
+        (other / name).symlink_to(ckpt / name)
+    published = {
+        "input_style": "binned",
+        "n_bins": 51,
+        "mask_value": -1,
+        "pad_value": -2,
+        "cell_emb_style": "cls",
+    }
+    (other / "args.json").write_text(json.dumps({**args, **published}))
+    load_checkpoint(f"scgpt:{other}")  # scGPT's defaults, written out, load
+    for key, value in {"input_style": "log1p", "n_bins": 11, "mask_value": -3, "pad_value": 0,
+                       "cell_emb_style": "avg-pool"}.items():  # fmt: skip
+        (other / "args.json").write_text(json.dumps({**args, **published, key: value}))
+        with pytest.raises(TrainError, match=rf"args.json: {key} is {value!r}; ScGPTModel implements only"):
+            load_checkpoint(f"scgpt:{other}")

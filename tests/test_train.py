@@ -473,3 +473,20 @@ def test_help_lists_the_subcommands(capsys):
         line = next(s for s in out.splitlines() if s.split()[:1] == [command])
         assert len(line.split()) > 3, line  # the command and what it does, on one line
     assert main(["pretrain", "--help"]) == 0 and "--preset" in capsys.readouterr().out
+
+
+def test_an_eval_batch_size_the_devices_do_not_split_is_refused_before_training(
+    dataset_dir, tmp_path, capsys
+):
+    """``--eval-batch-size`` is checked against the mesh when the run starts, as ``--batch-size`` is:
+    the held-out cells are read after training, so the error came after every step, naming
+    ``batch_size``. (The tests run on 8 CPU devices.)"""
+    ckpt = tmp_path / "ck"
+    argv = [*_args(dataset_dir, "--steps", "2", "--eval-batch-size", "30"), "--checkpoint-dir", str(ckpt)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "omicsio-train: error: --eval-batch-size 30 must be divisible by the 8 devices of the mesh: pass a "
+        "multiple of 8, e.g. --eval-batch-size 24"
+    )
+    assert not ckpt.exists()  # nothing trained, nothing written

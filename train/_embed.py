@@ -40,8 +40,8 @@ def embed(
     pool: str | None = None,
     mesh=None,
 ) -> np.ndarray:
-    """Cell embeddings ``(len(rows), width)`` float32 of ``rows`` (default: every cell, in row order)
-    from unmasked token batches read in order: the last layer's hidden states averaged over the
+    """Cell embeddings ``(len(rows), width)`` float32 of ``rows`` (default: every cell, in row order),
+    row ``i`` that of cell ``rows[i]`` (in the order given, a cell given twice twice), from unmasked token batches read in order: the last layer's hidden states averaged over the
     cell's gene tokens (``pool="mean"``: padding, CLS and EOS left out; Geneformer's cell embedding,
     its default) or at position 0 (``pool="cls"``: scGPT's cell embedding, its default)."""
     pool = pool or DEFAULT_POOL[config.tokens]
@@ -73,7 +73,8 @@ def embed(
     finally:
         loader.close()
     emb, index = np.concatenate(chunks), np.concatenate(index)
-    return emb[np.argsort(index, kind="stable")]
+    order = np.argsort(index, kind="stable")  # the loader serves each row once, in dataset order
+    return emb[order][np.searchsorted(index[order], rows)]  # back to the rows' order, repeats kept
 
 
 def special_ids(config: PretrainConfig, vocabulary: oj.Vocabulary, pool: str) -> tuple[int, ...]:
@@ -240,6 +241,9 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
     root = Path(checkpoint_dir)
     if root.name.startswith("step-") and any(root.parent.glob("step-*/state.eqx")):
         msg = f"{root} is one step of a pretraining run: give the run's directory, {root.parent} (its latest step is used)"
+        raise TrainError(msg)
+    if not root.is_dir():  # before Orbax's store, which would make the folder
+        msg = f"{root} is no folder: give a pretraining run's --checkpoint-dir"
         raise TrainError(msg)
     fmt = "equinox" if any(root.glob("step-*")) else "orbax"
     store = open_checkpoints(PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt))

@@ -31,7 +31,7 @@ from ._config import TrainConfig
 from ._embed import DEFAULT_POOL, embed, load_encoder, logistic_predict, special_ids
 from ._errors import TrainError
 from ._finetune_config import FinetuneConfig
-from ._loop import _split_rows, fit, label_column, make_data_mesh
+from ._loop import _split_rows, check_eval_batch, fit, label_column, make_data_mesh
 from ._metrics import EvalResult, accuracy, macro_f1
 from ._step import evaluate, loss_fn, replicate
 
@@ -216,6 +216,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     train_rows, eval_rows = _split_rows(config, ds)
     _training_classes(codes, train_rows, classes, config.label)
     mesh = make_data_mesh(config.num_devices)
+    check_eval_batch(mesh, config.eval_batch_size)
     encoder, tok, source, coverage = load_encoder(
         config.init,
         ds,

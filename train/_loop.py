@@ -58,6 +58,18 @@ def make_data_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices[:n]), ("data",))
 
 
+def check_eval_batch(mesh: jax.sharding.Mesh, eval_batch_size: int | None) -> None:
+    """Refuse, before any training, an ``eval_batch_size`` that the mesh's devices do not split (the
+    held-out set is read only after training)."""
+    devices = mesh.shape["data"]
+    if eval_batch_size is not None and eval_batch_size % devices:
+        msg = (
+            f"--eval-batch-size {eval_batch_size} must be divisible by the {devices} devices of the mesh: "
+            f"pass a multiple of {devices}, e.g. --eval-batch-size {max(1, eval_batch_size // devices) * devices}"
+        )
+        raise TrainError(msg)
+
+
 def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(training rows, held-out rows), or (None, None) without a held-out set."""
     if config.eval_where is not None:
@@ -113,11 +125,33 @@ def open_checkpoints(config: TrainConfig):
     """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a directory."""
     if config.checkpoint_dir is None:
         return None
+    other = _other_format(Path(config.checkpoint_dir), config.checkpoint_format)
+    if other is not None:  # read as empty, the run would start over and write its steps beside them
+        msg = (
+            f"{config.checkpoint_dir} holds {other} checkpoints, and this run writes "
+            f"{config.checkpoint_format}: pass --checkpoint-format {other} to resume them, or choose "
+            "another --checkpoint-dir"
+        )
+        raise TrainError(msg)
     if config.checkpoint_format == "orbax":
         from ._orbax import OrbaxCheckpoints
 
         return OrbaxCheckpoints(config.checkpoint_dir, keep=config.keep)
     return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep)
+
+
+def _other_format(root: Path, fmt: str) -> str | None:
+    """The other checkpoint format whose steps ``root`` holds (Equinox's ``step-*`` folders, Orbax's
+    numbered ones), if it holds no step of ``fmt``'s: else None."""
+    if not root.is_dir():
+        return None
+    equinox = any(p.is_dir() and p.name.startswith("step-") for p in root.iterdir())
+    orbax = any(p.is_dir() and p.name.isdigit() for p in root.iterdir())
+    if fmt == "orbax" and equinox and not orbax:
+        return "equinox"
+    if fmt != "orbax" and orbax and not equinox:
+        return "orbax"
+    return None
 
 
 def restorable(config: TrainConfig, store, identity: dict):
@@ -187,6 +221,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     classes = label_column(ds, config.label).categories
     train_rows, eval_rows = _split_rows(config, ds)
     mesh = make_data_mesh(config.num_devices)
+    check_eval_batch(mesh, config.eval_batch_size)
     store = open_checkpoints(config)
     if config.auto_tune:
         config = auto_tuned(config, ds, train_rows, store, say)

@@ -129,6 +129,18 @@ class PretrainConfig:
         if self.compute_dtype not in ("float32", "bfloat16"):
             msg = f"--compute-dtype must be float32 or bfloat16; got {self.compute_dtype!r}"
             raise TrainError(msg)
+        # the optimizer's numbers: a negative or NaN rate trained (rc 0) into a model of NaNs
+        for flag, value, positive in (
+            ("--lr", self.lr, False),  # 0: the weights stay as they start (a published checkpoint's)
+            ("--clip-norm", self.clip_norm, True),
+            ("--weight-decay", self.weight_decay, False),
+        ):
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                msg = f"{flag} must be a {'positive' if positive else 'non-negative'} number, got {value!r}"
+                raise TrainError(msg)
+        if self.warmup_steps < 0:
+            msg = f"--warmup-steps must be >= 0, got {self.warmup_steps!r}"
+            raise TrainError(msg)
         check_counts(
             self, (*COUNTS, "sync_every", "probe_cells"), ("steps", "max_len", "num_devices"), flags=True
         )

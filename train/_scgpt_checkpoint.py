@@ -50,7 +50,19 @@ def _check_args(args: dict, path: Path) -> None:
             "a Hugging Face checkpoint (config.json with model_type) loads with hf:DIR"
         )
         raise TrainError(msg)
-    rules = {"input_emb_style": "continuous", "pre_norm": False, "use_batch_labels": False, "DSBN": False}
+    # what the model and its inputs implement (scGPT's defaults); a run trained otherwise would be fed
+    # inputs it never saw (its bins, mask and pad values) or pooled otherwise, with no error
+    rules = {
+        "input_emb_style": "continuous",
+        "pre_norm": False,
+        "use_batch_labels": False,
+        "DSBN": False,
+        "input_style": "binned",
+        "n_bins": 51,
+        "mask_value": -1,
+        "pad_value": -2,
+        "cell_emb_style": "cls",
+    }
     for key, allowed in rules.items():
         if key in args and args[key] != allowed:
             msg = f"{path}: {key} is {args[key]!r}; ScGPTModel implements only {allowed!r} (scGPT's default)"
