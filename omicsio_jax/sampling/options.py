@@ -194,8 +194,11 @@ class Weighted(Sampling):
 @dataclasses.dataclass(frozen=True)
 class ClassBalanced(Sampling):
     """Weighted block sampling with each cell weighted by 1 / (cells of its class in the obs column
-    ``by``), so that every class is drawn about equally often; cells without a label are never drawn
-    (blocks are runs of the labelled cells, as `Mixture`'s are of its groups'). The classes are a
+    ``by``), so that every class is drawn about equally often; cells without a label are never drawn.
+    A block holds cells of one class (up to ``block_size`` of a run of them, as `Mixture`'s blocks
+    hold one group's): where a class's cells are contiguous its blocks are whole, where classes
+    interleave (cell types within a sample) blocks are as short as their runs and reads come nearer
+    one cell at a time. The classes are a
     categorical column's labels (a missing one: no label) or an integer column's values, each one a
     class (-1 too), as `split` groups them; a float column is refused."""
 
