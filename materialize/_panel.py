@@ -75,9 +75,24 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
     for entry in entries:
         col = lookup.get(entry, lookup.get(strip_version(entry)))
         if entry in shared:
-            ids = genes.column("ensembl_id") if "ensembl_id" in genes.column_names else None
-            named = ", ".join(str(c if ids is None else ids[c].as_py()) for c in shared[entry][:5])
-            msg = f"{label} names gene {entry!r}, which {len(shared[entry])} genes share ({named}): give its Ensembl id"
+            held = shared[entry]
+            ids = genes.column("ensembl_id").to_pylist() if "ensembl_id" in genes.column_names else None
+            tokens = (
+                genes.column("gene_token_id").to_pylist() if "gene_token_id" in genes.column_names else None
+            )
+            distinct = ids is not None and len({ids[c] for c in held}) == len(held)
+            named = ", ".join(
+                " ".join(
+                    [
+                        *([str(ids[c])] if distinct else []),
+                        *([f"gene_token_id {tokens[c]}"] if tokens else []),
+                    ]
+                )
+                or f"row {c} of the gene table"
+                for c in held[:5]
+            )
+            fix = "its Ensembl id or its gene_token_id" if distinct else "its gene_token_id"
+            msg = f"{label} names gene {entry!r}, which {len(held)} genes share ({named}): give {fix}"
             raise DataValidationError(msg)
         if col is None:
             unknown.append(entry)

@@ -125,10 +125,39 @@ def test_a_materialized_panel_refuses_a_symbol_two_genes_share(small_h5ad, tmp_p
     path, _ = small_h5ad
     with pytest.raises(
         oj.DataValidationError,
-        match=r"names gene 'G3', which 2 genes share \(ENSG00000000003.1, ENSG00000000007.2\): give its Ensembl id",
+        match=r"names gene 'G3', which 2 genes share \(ENSG00000000003.1 gene_token_id 3, ENSG00000000007.2 "
+        r"gene_token_id 7\): give its Ensembl id or its gene_token_id$",
     ):
         materialize(path, tmp_path / "ds", layout=Layout(panel=["G3", "G4"]), progress=False, workers=1)
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_name_two_genes_share_with_no_ids_of_their_own_is_told_the_fix_that_works(tmp_path):
+    """A var index with a name twice and no gene id column: the Ensembl ids are the names, so the
+    messages point to what does tell the genes apart (a gene_token_id, a column number), and it works."""
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    x = np.arange(1, 10, dtype=np.float32).reshape(3, 3)
+    obs, var = pd.DataFrame(index=["a", "b", "c"]), pd.DataFrame(index=["G", "G", "H"])
+    with pytest.warns(UserWarning, match="Variable names are not unique"):  # anndata's, as it should
+        ad.AnnData(X=sp.csr_matrix(x), obs=obs, var=var).write_h5ad(tmp_path / "dup.h5ad")
+    with pytest.raises(
+        oj.DataValidationError, match=r"\(gene_token_id 0, gene_token_id 1\): give its gene_token_id$"
+    ):
+        materialize(
+            tmp_path / "dup.h5ad", tmp_path / "p", layout=Layout(panel=["G"]), progress=False, workers=1
+        )
+    materialize(tmp_path / "dup.h5ad", tmp_path / "p", layout=Layout(panel=["1"]), progress=False, workers=1)
+    np.testing.assert_array_equal(
+        _dense(oj.open_dataset(tmp_path / "p").read_csr(np.arange(3)), 1), x[:, [1]]
+    )
+    materialize(tmp_path / "dup.h5ad", tmp_path / "ds", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "ds")
+    with pytest.raises(oj.OmicsIOError, match=r"\(column 0, column 1\): give its column number$"):
+        ds.gene_columns(["G"])
+    assert ds.gene_columns([1, "H"]).tolist() == [1, 2]
 
 
 def test_a_datasets_gene_columns_refuse_a_symbol_two_genes_share(small_h5ad, tmp_path):

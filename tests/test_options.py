@@ -308,3 +308,18 @@ def test_materialize_options_reach_the_dataset(corpus, tmp_path):
     assert ds.manifest.shard_cells == 512
     assert ds.manifest.array_record["group_size"] == 8
     assert ds.manifest.array_record["compression"] == "uncompressed"
+
+
+def test_weighted_never_draws_a_cell_of_weight_0():
+    """A group given weight 0 is never drawn, not even its cells that share a block with weighted
+    ones (rows 9,000-9,007 of a zero-weight group beside a weighted one came in 224 of 235,520
+    cells drawn): the plan holds the weighted cells alone, in blocks among themselves."""
+    weights = np.ones(12_000)
+    weights[9_000:11_000] = 0.0  # a group that starts and ends inside blocks of 16
+    plan = oj.Weighted(weights, 16, 4).to_plan(AllRows(12_000), batch_size=64, seed=0, num_hosts=1, obs=None)
+    drawn = np.concatenate([plan.epoch_order(e) for e in range(5)])
+    assert not np.isin(drawn, np.arange(9_000, 11_000)).any()
+    assert np.isin(np.arange(8_990, 9_000), drawn).all() and np.isin(np.arange(11_000, 11_010), drawn).all()
+    assert plan.epoch_cells == 10_000  # the weighted cells' blocks
+    with pytest.raises(oj.OmicsIOError, match="not all zero"):
+        oj.Weighted(np.zeros(5), 4, 1).to_plan(AllRows(5), batch_size=4, seed=0, num_hosts=1, obs=None)

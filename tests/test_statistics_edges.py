@@ -177,3 +177,33 @@ def test_highly_variable_genes_of_cells_where_no_gene_varies_is_a_one_line_error
     so instead of an IndexError."""
     with pytest.raises(oj.OmicsIOError, match="none of the 4 genes has a normalized dispersion"):
         seurat_hvg(np.zeros(4), np.zeros(4), 2)
+
+
+def test_highly_variable_genes_leave_out_a_bin_whose_genes_share_one_dispersion():
+    """Three copies of a gene (one gene under three ids) alone in their mean bin: their z-scores are
+    0 / 0, NaN, as in scanpy, and they are never chosen. The bin's mean came out an ulp below their
+    dispersion, so they scored +inf: the n-th highest score, and no gene passed it."""
+    d = 5.447788772179534  # the copies' dispersion, whose mean over three is not itself in float64
+    rng = np.random.default_rng(0)
+    others = np.geomspace(0.05, 400.0, 40)
+    others = others[np.abs(np.log1p(others) - np.log1p(2.0)) > 0.4]  # none in the copies' bin
+    mean = np.concatenate([[2.0, 2.0, 2.0], others])
+    var = np.concatenate([np.full(3, 2.0 * np.exp(d)), others * np.exp(rng.normal(1.0, 1.0, len(others)))])
+    assert np.log(var[:3] / mean[:3]).mean() != d  # the ulp the bin's mean is off by
+    for n in (1, 2, 5):
+        chosen = seurat_hvg(mean, var, n)
+        assert len(chosen) >= n and not np.isin([0, 1, 2], chosen).any(), n
+
+
+def test_the_variance_of_a_constant_gene_is_0_not_a_rounding_below_it():
+    """A gene at 0.3 in every cell: its one-pass variance rounded to -1.65e-15 (a NaN standard
+    deviation for whoever takes the root); it is 0, and every variance is at least 0."""
+    x = np.ones((3000, 4))
+    x[:, 0] = 0.3
+    x[:, 1:] = np.random.default_rng(1).poisson(5, (3000, 3)) + 1.0
+    stats, _ = _accumulate(x, shard_cells=1000)
+    frame = stats.frame()
+    raw = stats.sums[1][0] / 3000 - (stats.sums[0][0] / 3000) ** 2
+    assert raw < 0  # the rounding this guards against
+    assert frame["var"][0] == 0.0 and (frame[["var", "norm_var", "log_var"]] >= 0).all().all()
+    np.testing.assert_allclose(frame["var"][1:], x[:, 1:].var(0, ddof=1), rtol=1e-9)

@@ -41,11 +41,11 @@ def gene_columns(
         if str(g) in shared:
             held = shared[str(g)]
             ids = features["ensembl_id"].astype(str) if "ensembl_id" in features else None
+            if ids is not None and len({ids[c] for c in held}) < len(held):  # ids no better than names
+                ids = None
             named = ", ".join(f"column {c}" if ids is None else f"{ids[c]} in column {c}" for c in held[:5])
-            msg = (
-                f"{where}: gene {g!r} is the name of {len(held)} genes ({named}): give its Ensembl id or "
-                "its column number"
-            )
+            fix = "its column number" if ids is None else "its Ensembl id or its column number"
+            msg = f"{where}: gene {g!r} is the name of {len(held)} genes ({named}): give {fix}"
             raise OmicsIOError(msg)
         col = lookup.get(str(g), by_id.get(fold_ensembl(str(g))))
         if col is None:

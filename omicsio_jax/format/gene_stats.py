@@ -184,7 +184,10 @@ class GeneStats:
         for prefix in ("", "norm_", "log_"):
             mean = df[f"{prefix}sum"] / n
             df[f"{prefix}mean"] = mean
-            df[f"{prefix}var"] = (df[f"{prefix}sum_sq"] / n - mean**2) * (n / np.maximum(n - 1, 1))
+            # from one pass's sums: clamped at 0, where a constant gene's rounding left -1e-15 (a NaN
+            # standard deviation); the cancellation's relative error grows as var / mean² shrinks
+            var = (df[f"{prefix}sum_sq"] / n - mean**2) * (n / np.maximum(n - 1, 1))
+            df[f"{prefix}var"] = var.clip(lower=0)
         df["median"] = self.medians()
         return df
 

@@ -44,6 +44,9 @@ def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) 
     stats.loc[single, "avg"] = 0
     per_gene = stats.loc[df["mean_bin"]].set_index(df.index)
     norm = ((df["dispersions"] - per_gene["avg"]) / per_gene["dev"]).to_numpy()
+    # a bin whose dispersions are all equal (dev 0) scores 0 / 0, NaN, as in scanpy, even where its mean
+    # came out an ulp off them: ±inf there became the cutoff, and no gene (or only those) passed
+    norm[per_gene["dev"].to_numpy() == 0] = np.nan
     finite = norm[~np.isnan(norm)]
     if not len(finite):
         msg = f"none of the {len(mean):,} genes has a normalized dispersion (do any vary across the cells?): no highly variable genes to rank"

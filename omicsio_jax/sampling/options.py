@@ -153,7 +153,9 @@ class Stream(Sampling):
 class Weighted(Sampling):
     """scDataset's weighted block sampling: blocks drawn with replacement with probability
     proportional to the sum of their cells' ``weights`` (one per sampled cell: per entry of the
-    loader's ``rows``, else per cell of the dataset), as many cells as the data's blocks hold.
+    loader's ``rows``, else per cell of the dataset), as many cells as the data's blocks hold. A
+    cell of weight 0 is no cell of the plan (never drawn, and its block's neighbours are the weighted
+    cells around it), so an epoch holds as many cells as the blocks of the weighted cells.
 
     ``weights[i]`` is the weight of ``rows[i]`` in whatever order ``rows`` lists them (the plan
     samples from them ascending, each weight moved with its row); ``rows`` then lists each row
@@ -189,6 +191,14 @@ class Weighted(Sampling):
 
     def cell_weights(self, rows, obs) -> np.ndarray:
         return np.asarray(self.weights, dtype=np.float64)
+
+    def to_plan(self, rows, *, batch_size, seed, num_hosts, obs) -> SamplingPlan:
+        """Weighted block sampling over the cells of weight above 0: a cell of weight 0 is never
+        drawn, not even with the block of weighted cells it would otherwise share."""
+        weights = self.cell_weights(rows, obs)
+        if weights.shape != (len(rows),) or not np.all(np.isfinite(weights)) or not np.any(weights > 0):
+            return self._plan(rows, weights, batch_size, seed, num_hosts)  # the plan says what is wrong
+        return self._plan_over_weighted_cells(rows, weights, batch_size, seed, num_hosts)
 
 
 @dataclasses.dataclass(frozen=True)
