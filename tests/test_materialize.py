@@ -833,6 +833,45 @@ def test_a_file_of_no_genes_gives_its_cells_whatever_the_matrix_format(tmp_path)
     assert shards["csc"] == shards["csr"] == shards["dense"]
 
 
+def test_a_csc_matrix_is_read_a_bounded_number_of_entries_at_a_time(tmp_path, monkeypatch, capsys):
+    """A CSC X is read in chunks of entries, not of columns (4,096 columns held every cell's entries
+    of them: memory grew with the cells); chunks of 7 entries cut columns anywhere, and the records
+    are those of the same matrix stored by row. Reading it by batches of rows passes over it whole
+    each time, which the run says, with the fix."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    import materialize._h5ad as h5ad_module
+
+    rng = np.random.default_rng(5)
+    x = (rng.random((50, 9)) < 0.4) * rng.integers(1, 9, (50, 9)).astype(np.float32)
+    x[:, 4] = rng.integers(1, 9, 50)  # a column longer than a chunk
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(50)])
+    for fmt, matrix in {"csr": sp.csr_matrix(x), "csc": sp.csc_matrix(x)}.items():
+        ad.AnnData(X=matrix, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
+    monkeypatch.setattr(h5ad_module, "_CSC_CHUNK_ENTRIES", 7)
+    shards = {}
+    for fmt in ("csr", "csc"):
+        materialize(
+            tmp_path / f"{fmt}.h5ad",
+            tmp_path / fmt,
+            read=InputOptions(batch_cells=16),
+            progress=False,
+            workers=1,
+        )
+        ds = oj.open_dataset(tmp_path / fmt)
+        expected = sp.csr_matrix(x)
+        assert_csr_equal(_all_rows(ds), (expected.indptr, expected.indices, expected.data))
+        shards[fmt] = [s.sha256 for s in ds.manifest.shards]
+    assert shards["csc"] == shards["csr"]
+    err = capsys.readouterr().err
+    assert (
+        "is stored by column (CSC), so each batch of 16 cells reads every entry of the matrix (4 passes"
+        in err
+    )
+    assert "adata.X = adata.X.tocsr()" in err and err.count("stored by column") == 1
+
+
 def test_zeros_a_sparse_matrix_stores_are_not_written_as_entries(tmp_path):
     """A sparse X may store explicit zeros (an operation on it left them): the dataset holds the
     nonzeros alone, the same records as the dense matrix gives, whichever sparse format."""
