@@ -100,11 +100,15 @@ def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh
     assert not np.array_equal(other, index)
 
 
-def test_stream_loader_refuses_bad_arguments(table, mesh):
+def test_stream_loader_refuses_bad_arguments(table, mesh, dataset_dir):
     with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
         oj.make_stream_loader(table, batch_size=100, placement=mesh)
     with pytest.raises(oj.UnknownGeneError):
         oj.make_stream_loader(table, batch_size=8, output=oj.Panel(["NOPE"]))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"a cell table, oj.open_table\(path\), not Dataset: .* oj.make_loader"
+    ):
+        oj.make_stream_loader(oj.open_dataset(dataset_dir), batch_size=8)  # was an AttributeError
 
 
 def test_passes_and_queries_run_at_once_and_a_with_block_closes_them_all(corpus, reference):

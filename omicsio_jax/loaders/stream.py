@@ -321,6 +321,12 @@ def make_stream_loader(
     one thread runs the query and makes the batches). ``repr(loader)`` shows the settings in
     force. Single-host: every process would read the whole query.
     """
+    if not isinstance(table, CellTable):
+        msg = (
+            f"make_stream_loader streams a query of a cell table, oj.open_table(path), not "
+            f"{type(table).__name__}: a materialized dataset (oj.open_dataset) is read by oj.make_loader"
+        )
+        raise OmicsIOError(msg)
     placement, read = Placement.of(placement), ReadOptions.of(read)
     if placement.num_hosts > 1:
         msg = "make_stream_loader is single-host; materialize the data and use make_loader on several hosts"
