@@ -314,9 +314,10 @@ class H5adSource(Source):
             return None
         passes = -(-self.num_cells // self._batch_cells)
         return (
-            f"X of {self.label} is stored by column (CSC), so each batch of {self._batch_cells:,} cells reads "
-            f"every entry of the matrix ({passes:,} passes over it); rewrite it by row for a conversion in one "
-            "pass: adata.X = adata.X.tocsr(); adata.write_h5ad(...)"
+            f"{self._matrix.name} of {self.label} is stored by column (CSC), so each batch of "
+            f"{self._batch_cells:,} cells reads every entry of the matrix ({passes:,} passes over it); store it by "
+            "row (CSR) for a conversion in one pass, e.g. adata.X = adata.X.tocsr() (or the layer read) and write "
+            "the file again"
         )
 
     def batches(

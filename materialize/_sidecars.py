@@ -172,6 +172,9 @@ class CategoricalWriter:
 
     def finish(self) -> str:
         self.close()
+        if self._codes and set(self._codes) <= set(BOOL_CATEGORIES):  # bools, maybe as a categorical's
+            for label in BOOL_CATEGORIES:  # labels (pandas' of True alone): both, as a bool column's
+                self._codes.setdefault(label, len(self._codes))
         categories = sorted(self._codes)
         remap = np.empty(len(categories) + 1, dtype=np.int32)
         for rank, label in enumerate(categories):

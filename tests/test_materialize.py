@@ -932,13 +932,18 @@ def test_a_bool_obs_column_has_both_categories_whatever_its_cells_hold(tmp_path)
     import scipy.sparse as sp
 
     obs = pd.DataFrame(
-        {"yes": [True] * 3, "no": [False] * 3, "some": pd.array([True, None, False], dtype="boolean")},
+        {
+            "yes": [True] * 3,
+            "no": [False] * 3,
+            "some": pd.array([True, None, False], dtype="boolean"),
+            "categorical": pd.Categorical([True] * 3),  # pandas' categorical of bools: text labels
+        },
         index=[f"c{i}" for i in range(3)],
     )
     ad.AnnData(X=sp.csr_matrix(np.eye(3, 4, dtype=np.float32)), obs=obs).write_h5ad(tmp_path / "b.h5ad")
     materialize(tmp_path / "b.h5ad", tmp_path / "b", progress=False)
     ds = oj.open_dataset(tmp_path / "b")
-    expected = {"yes": [1, 1, 1], "no": [0, 0, 0], "some": [1, -1, 0]}
+    expected = {"yes": [1, 1, 1], "no": [0, 0, 0], "some": [1, -1, 0], "categorical": [1, 1, 1]}
     for name, codes in expected.items():
         assert ds.obs[name].categories == ("false", "true"), name
         np.testing.assert_array_equal(ds.obs[name].codes, codes, err_msg=name)

@@ -256,6 +256,8 @@ def test_class_balanced_balances_interleaved_classes_at_any_block_size():
         starts = plan._run_blocks
         for lo, hi in zip(starts[:-1], starts[1:], strict=True):
             assert hi - lo <= block_size and len(set(labels[lo:hi])) == 1
+        # a state saved with fixed blocks (no such key) stands in another order: it is refused
+        assert plan.describe()["blocks"] == "one class each"
 
 
 @pytest.mark.parametrize("mode", [None, "log1p", "normalize_log1p"])
@@ -321,5 +323,6 @@ def test_weighted_never_draws_a_cell_of_weight_0():
     assert not np.isin(drawn, np.arange(9_000, 11_000)).any()
     assert np.isin(np.arange(8_990, 9_000), drawn).all() and np.isin(np.arange(11_000, 11_010), drawn).all()
     assert plan.epoch_cells == 10_000  # the weighted cells' blocks
-    with pytest.raises(oj.OmicsIOError, match="not all zero"):
-        oj.Weighted(np.zeros(5), 4, 1).to_plan(AllRows(5), batch_size=4, seed=0, num_hosts=1, obs=None)
+    for bad in (np.zeros(5), np.array([1.0, -1.0, 1.0, 1.0, 1.0])):  # refused, not planned without them
+        with pytest.raises(oj.OmicsIOError, match="finite, non-negative and not all zero"):
+            oj.Weighted(bad, 4, 1).to_plan(AllRows(5), batch_size=4, seed=0, num_hosts=1, obs=None)

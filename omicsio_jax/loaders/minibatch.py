@@ -99,7 +99,7 @@ class DiskSpec:
         )
         if plan.steps_per_epoch == 0:
             msg = (
-                f"{len(rows)} cells make no batch of {self.batch_size} (per host: {plan.local_batch}); "
+                f"{len(plan.rows)} cells make no batch of {self.batch_size} (per host: {plan.local_batch}); "
                 f"lower batch_size or serve a partial batch: sampling={type(self.sampling).__name__}(..., "
                 "drop_remainder=False)"
             )

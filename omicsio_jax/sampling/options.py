@@ -196,7 +196,8 @@ class Weighted(Sampling):
         """Weighted block sampling over the cells of weight above 0: a cell of weight 0 is never
         drawn, not even with the block of weighted cells it would otherwise share."""
         weights = self.cell_weights(rows, obs)
-        if weights.shape != (len(rows),) or not np.all(np.isfinite(weights)) or not np.any(weights > 0):
+        valid = np.all(np.isfinite(weights)) and np.all(weights >= 0) and np.any(weights > 0)
+        if weights.shape != (len(rows),) or not valid:
             return self._plan(rows, weights, batch_size, seed, num_hosts)  # the plan says what is wrong
         return self._plan_over_weighted_cells(rows, weights, batch_size, seed, num_hosts)
 

@@ -340,6 +340,9 @@ class SamplingPlan:
             "num_rows": len(self.rows),
             "rows": digest(self.rows),
             "weights": digest(self.weights),
+            # class-balanced blocks are runs of one class (before, fixed blocks across classes): a
+            # state saved with the old blocks stands in another order, and is refused
+            **({"blocks": "one class each"} if self.sampling == "class_balanced" else {}),
         }
 
 
