@@ -241,7 +241,9 @@ def test_hand_edited_anchors_served_tallies_and_repeated_states_are_refused_at_s
     batches = oj.prefetch_to_device(oj.make_loader(ds, **KW, output="csr"))
     wrapped = batches.get_state()
     batches.close()
-    with pytest.raises(
-        oj.StateMismatchError, match=r"prefetch_to_device iterator's state .* state\['inner'\]"
-    ):
-        oj.make_loader(ds, **KW, output="csr").set_state(wrapped)
+    for loader in (oj.make_loader(ds, **KW, output="csr"), oj.make_memory_loader(ds, batch_size=16)):
+        with pytest.raises(
+            oj.StateMismatchError, match=r"prefetch_to_device iterator's state .* state\['inner'\]"
+        ):
+            loader.set_state(wrapped)
+        loader.close()

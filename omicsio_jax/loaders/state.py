@@ -45,6 +45,12 @@ def process_states(state) -> list:
     `StateMismatchError`."""
     states = [state] if isinstance(state, dict) else state
     if isinstance(states, list | tuple) and states and all(isinstance(s, dict) for s in states):
+        if any("inner" in s and "epoch" not in s for s in states):
+            msg = (
+                "this is a prefetch_to_device iterator's state (the loader's is its 'inner'): give it to "
+                "that iterator's set_state, or pass state['inner'] to the loader's"
+            )
+            raise StateMismatchError(msg)
         return list(states)
     if isinstance(state, bytes | bytearray | str):
         got = f"{type(state).__name__} (a Grain DataLoader iterator's state? it goes to that iterator's set_state)"
@@ -111,12 +117,6 @@ def check_positions(states: list) -> None:
     for s in states:
         if not isinstance(s, dict):
             msg = f"malformed loader state: a dict, not {type(s).__name__}"
-            raise StateMismatchError(msg)
-        if "inner" in s and "epoch" not in s:
-            msg = (
-                "this is a prefetch_to_device iterator's state (the loader's is its 'inner'): give it to "
-                "that iterator's set_state, or pass state['inner'] to the loader's"
-            )
             raise StateMismatchError(msg)
         for name in ("epoch", "step"):
             if not _is_int(s.get(name)) or s[name] < 0:
