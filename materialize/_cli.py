@@ -28,7 +28,7 @@ import signal
 import sys
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import read_manifest, verify_dataset
+from omicsio_jax.format import DERIVED_FILES, read_manifest, verify_dataset
 
 from ._collection_sources import Sources
 from ._materialize import materialize
@@ -196,6 +196,13 @@ def _verify(argv: list[str]) -> int:
     if problems:
         for problem in problems:
             print(f"omicsio-materialize verify: {args.dataset}: {problem}", file=sys.stderr)
+        derived = all(any(name in p for name in DERIVED_FILES) for p in problems)
+        fix = (
+            f"omicsio-materialize stats {args.dataset} --force writes the statistics again"
+            if derived
+            else "materialize it again from its input (--overwrite)"
+        )
+        print(f"omicsio-materialize verify: {args.dataset} is damaged: {fix}", file=sys.stderr)
         return 1
     further = f", modalities {', '.join(m.name for m in manifest.modalities)}" if manifest.modalities else ""
     print(
@@ -220,6 +227,8 @@ def _index(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing index")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.memory_mib < 1:
+        p.error(f"--memory-mib must be at least 1, got {args.memory_mib}")
     from omicsio_jax import CellTable
 
     info = build_gene_index(

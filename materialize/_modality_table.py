@@ -271,6 +271,7 @@ class TableModality(Source):
                     cell_ids,
                     {},
                     locate,
+                    (tokens_column, values_column),
                 )
                 yield dataclasses.replace(batch, present=present)
 

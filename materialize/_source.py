@@ -53,16 +53,18 @@ class Batch:
         cell_ids: pa.Array,
         obs: dict[str, pa.Array],
         locate: Callable[[int], str],
+        names: tuple[str, str] = ("gene_token_id", "gene_expression"),
     ) -> Batch:
-        """Check the parallel lists line up and hold no nulls, then expose them as numpy."""
+        """Check the parallel lists line up and hold no nulls, then expose them as numpy (``names``:
+        the two list columns' names in the input, for messages)."""
         if not np.array_equal(gene_ptr, value_ptr):
             i = int(np.flatnonzero(np.diff(gene_ptr) != np.diff(value_ptr))[0])
             msg = (
-                f"unequal list lengths in {locate(i)}: gene_token_id has {gene_ptr[i + 1] - gene_ptr[i]} "
-                f"entries, gene_expression has {value_ptr[i + 1] - value_ptr[i]}"
+                f"unequal list lengths in {locate(i)}: {names[0]} has {gene_ptr[i + 1] - gene_ptr[i]} "
+                f"entries, {names[1]} has {value_ptr[i + 1] - value_ptr[i]}"
             )
             raise DataValidationError(msg)
-        for name, flat in (("gene_token_id", genes), ("gene_expression", values)):
+        for name, flat in zip(names, (genes, values), strict=True):
             if flat.null_count:
                 j = int(np.flatnonzero(pc.is_null(flat).to_numpy(zero_copy_only=False))[0])
                 i = int(np.searchsorted(gene_ptr, j, side="right") - 1)

@@ -55,6 +55,11 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
     ]
     own = force or not _has_stats(m)
     if not own and not names:
+        if not (root / STATS_NAME).is_file():  # listed, but gone: not statistics it has
+            msg = (
+                f"{path}: its manifest lists {STATS_NAME}, which is missing: pass --force to compute it again"
+            )
+            raise OmicsIOError(msg)
         return f"{path}: already has statistics ({STATS_NAME}); pass --force to recompute them"
     for entry in m.modalities:
         if entry.name in names:

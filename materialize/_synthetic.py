@@ -371,6 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.h5mu and not args.multimodal:
         parser.error("--h5mu needs --multimodal")
+    # the model's own checks raise ValueError (a traceback here): said in the flags' words first
+    for flag, value, low in (
+        ("--cells", args.cells, 1),
+        ("--genes", args.genes, 1),
+        ("--peaks", args.peaks, 1),
+    ):
+        if value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
+    if args.plates is not None and not 1 <= args.plates <= args.cells:
+        parser.error(f"--plates must lie in 1..--cells ({args.cells}), got {args.plates}")
+    if not 0 <= args.program_fraction <= 1:
+        parser.error(f"--program-fraction must lie in [0, 1], got {args.program_fraction}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"{args.out_dir} is a file: give a folder to write the corpus in")
     t0 = time.perf_counter()
     corpus = make_synthetic_corpus(
         args.out_dir,

@@ -437,6 +437,21 @@ def test_verify_catches_a_flipped_byte(dataset_dir, tmp_path, capsys):
     assert main(["verify", str(copy)]) == 1
     err = capsys.readouterr().err
     assert "shard-00001.arrayrecord: sha256" in err and "manifest says" in err
+    assert err.strip().endswith("is damaged: materialize it again from its input (--overwrite)")
+
+
+def test_verify_and_stats_name_the_fix_for_missing_statistics(dataset_dir, tmp_path, capsys):
+    """Statistics files gone: verify says `stats --force` writes them again, and `stats` says they are
+    missing (it said the dataset already had them) until --force writes them."""
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    (copy / "gene_stats.parquet").unlink()
+    assert main(["verify", str(copy)]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"stats {copy} --force writes the statistics again")
+    assert main(["stats", str(copy), "--no-progress"]) == 2
+    assert "lists gene_stats.parquet, which is missing: pass --force" in capsys.readouterr().err
+    assert main(["stats", str(copy), "--force", "--no-progress"]) == 0
+    assert main(["verify", str(copy)]) == 0
 
 
 def test_verify_catches_sidecar_damage_and_missing_files(dataset_dir, tmp_path, capsys):

@@ -309,6 +309,23 @@ def test_unsorted_or_unknown_feature_ids_name_the_modality_file_row_and_cell(ord
         _tables_run(root, out),
     )
 
+    def shorten(t: pa.Table) -> pa.Table:  # one accessibility list a value short
+        values = t.column("peak_accessibility").to_pylist()
+        values[row] = values[row][:-1]
+        return t.set_column(
+            2, "peak_accessibility", pa.array(values, t.schema.field("peak_accessibility").type)
+        )
+
+    if order == "shuffled":  # a modality read by cell id (aligned ones are read as the primary table is)
+        shutil.copy(inputs[order] / "atac_cells.parquet", root / "atac_cells.parquet")
+        _edit_table(root / "atac_cells.parquet", shorten)
+        _refused(  # the modality's own columns named (it said gene_token_id and gene_expression)
+            out,
+            rf"unequal list lengths in modality atac: row {row} \(cell_id {cell}\) of .*atac_cells.parquet: "
+            r"peak_token_id has \d+ entries, peak_accessibility has \d+",
+            _tables_run(root, out),
+        )
+
     shutil.copy(inputs[order] / "atac_cells.parquet", root / "atac_cells.parquet")
     _edit_table(root / "atac_cells.parquet", lambda t: _appended(t, 6, PEAKS + 5))
     cell = pq.read_table(root / "atac_cells.parquet").column("cell_id")[6].as_py()

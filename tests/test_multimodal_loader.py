@@ -198,3 +198,12 @@ def test_mistakes_in_an_output_per_modality_are_one_line_errors(ds):
         loader.densify(None)
     with pytest.raises(oj.OmicsIOError, match="densify needs modality 'rna' to have output 'csr'"):
         loader.densify(None, "rna")
+    with pytest.raises(oj.OmicsIOError, match="names modality 'rna' twice: give each modality one output"):
+        oj.Modalities([("rna", "dense"), ("rna", "csr")])  # the first was dropped without a word
+    single = oj.make_loader(ds, batch_size=64, output="csr")
+    x = next(iter(single)).x
+    np.testing.assert_array_equal(np.asarray(single.densify(x, "rna")), np.asarray(single.densify(x)))
+    for other in ("atac", "nope"):  # the rna rows came back, named as atac's
+        with pytest.raises(oj.OmicsIOError, match=rf"output is of modality 'rna', not '{other}'"):
+            single.densify(x, other)
+    single.close()

@@ -254,6 +254,10 @@ def test_pretrain_refuses_bad_counts_and_the_other_token_familys_options(dataset
         "--clip-norm must be a positive number, got 0.0": ["--clip-norm", "0"],
         "--weight-decay must be a non-negative number, got -5.0": ["--weight-decay", "-5"],
         "--warmup-steps must be >= 0, got -1": ["--warmup-steps", "-1"],
+        "--peak-tflops must be a positive number (the device's peak, e.g. 989 for an H100), got -1.0": [
+            "--peak-tflops",
+            "-1",
+        ],
         "--binning tahoe is an option of scgpt tokens, but the tokens are geneformer: drop --binning": [
             "--binning",
             "tahoe",

@@ -512,3 +512,36 @@ def test_cli_multimodal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert name in line and (tmp_path / name).exists(), name
     assert pq.read_table(tmp_path / "peaks.parquet").num_rows == 3000
     assert read_mudata(tmp_path / "cells.h5mu").mod["atac"].shape[1] == 3000
+
+
+def test_synth_and_index_refuse_bad_numbers_in_one_line_naming_the_flag(tmp_path, capsys):
+    """A count out of range is refused by argparse in the flag's words (the model's ValueError came
+    out as a traceback), before anything is written; so is a folder that is a file."""
+    from materialize._cli import main as cli
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = {
+        ("synth", str(tmp_path / "s"), "--cells", "0"): "--cells must be at least 1, got 0",
+        ("synth", str(tmp_path / "s"), "--plates", "0"): "--plates must lie in 1..--cells (20000), got 0",
+        (
+            "synth",
+            str(tmp_path / "s"),
+            "--program-fraction",
+            "2",
+        ): "--program-fraction must lie in [0, 1], got 2.0",
+        ("synth", str(afile)): f"{afile} is a file: give a folder to write the corpus in",
+        (
+            "index",
+            "in.parquet",
+            str(tmp_path / "i"),
+            "--memory-mib",
+            "-5",
+        ): "--memory-mib must be at least 1, got -5",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as exit_:
+            cli(list(argv))
+        assert exit_.value.code == 2, argv
+        assert capsys.readouterr().err.strip().endswith(f"error: {message}"), argv
+    assert not (tmp_path / "s").exists() and not (tmp_path / "i").exists()

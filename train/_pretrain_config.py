@@ -141,6 +141,9 @@ class PretrainConfig:
         if self.warmup_steps < 0:
             msg = f"--warmup-steps must be >= 0, got {self.warmup_steps!r}"
             raise TrainError(msg)
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
+            msg = f"--peak-tflops must be a positive number (the device's peak, e.g. 989 for an H100), got {self.peak_tflops!r}"
+            raise TrainError(msg)
         check_counts(
             self, (*COUNTS, "sync_every", "probe_cells"), ("steps", "max_len", "num_devices"), flags=True
         )

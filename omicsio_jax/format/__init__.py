@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.genes import name_lookup as name_lookup
     from omicsio_jax.format.genes import strip_version as strip_version
     from omicsio_jax.format.manifest import BOOL_CATEGORIES as BOOL_CATEGORIES
+    from omicsio_jax.format.manifest import DERIVED_FILES as DERIVED_FILES
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
     from omicsio_jax.format.manifest import PRESENCE_NAME as PRESENCE_NAME
     from omicsio_jax.format.manifest import FileEntry as FileEntry
@@ -138,6 +139,7 @@ _WRITER_API = {
     "omicsio_jax.format.stats_accumulator": ("StatsAccumulator",),
     "omicsio_jax.format.manifest": (
         "BOOL_CATEGORIES",
+        "DERIVED_FILES",
         "MANIFEST_NAME",
         "PRESENCE_NAME",
         "FileEntry",

@@ -225,6 +225,13 @@ class Loader(ClosingIterator):
                 msg = f"this loader has an output per modality: name the one to densify ({', '.join(self.output.modalities)})"
                 raise OmicsIOError(msg)
             return self.output.densify(x, modality)
+        own = self.dataset.modalities[0]
+        if modality is not None and modality != own:  # one output, of the dataset's own modality
+            msg = (
+                f"this loader's output is of modality {own!r}, not {modality!r}: densify(x) (for another "
+                "modality, make the loader with an output per modality, output={...})"
+            )
+            raise OmicsIOError(msg)
         if not isinstance(self.output, CSR):
             msg = f"densify needs output='csr'; this loader's output is {self.output.kind!r}"
             raise OmicsIOError(msg)

@@ -61,6 +61,11 @@ class Modalities(Output):
         if not outputs:
             msg = "output={...} needs at least one modality, e.g. {'rna': 'dense', 'atac': 'csr'}"
             raise OmicsIOError(msg)
+        names = [name for name, _ in outputs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a batch's x holds one array per modality: the second would replace the first
+            msg = f"oj.Modalities names modality {', '.join(map(repr, twice))} twice: give each modality one output"
+            raise OmicsIOError(msg)
         object.__setattr__(self, "outputs", outputs)
 
     @property
