@@ -92,6 +92,23 @@ def test_every_modality_round_trips_exactly_over_random_rows(kind, datasets, tru
     ds.close()
 
 
+@pytest.mark.parametrize("kind", ["shuffled", "h5mu"])
+def test_a_modality_some_cells_lack_has_statistics_over_the_cells_that_have_it(kind, datasets, truth):
+    """ATAC in some cells only: its peaks' means and variances are over those cells (`n_measured`),
+    not over every cell with the others' counted as zeros (a protein panel in 240 of 400 cells had
+    its means at 0.6 of theirs); the primary's statistics are over every cell."""
+    ds = oj.open_dataset(datasets[kind])
+    has = truth.has_atac
+    assert 0 < has.sum() < N
+    stats = ds.modality("atac").gene_stats
+    assert (stats["n_measured"] == has.sum()).all()
+    x = truth.atac[np.flatnonzero(has)].toarray().astype(np.float64)
+    np.testing.assert_allclose(stats["mean"], x.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(stats["var"], x.var(0, ddof=1), rtol=1e-4, atol=1e-9)
+    assert (ds.gene_stats["n_measured"] == N).all()
+    ds.close()
+
+
 def test_manifest_lists_modalities_and_tables_keep_their_feature_table(datasets):
     manifest = json.loads((datasets["shuffled"] / "manifest.json").read_text())
     assert manifest["modality"] == "rna"

@@ -62,6 +62,9 @@ class Dataset:
             "direct_io": direct_io,
         }
         self._modalities = FurtherModalities(self, self._options, Dataset)
+        # a further modality's dataset opened by its primary (`modality`): the cells that have the
+        # modality (obs has_<name>), over which its genes' means and variances are taken
+        self.modality_cells: int | None = None
         self.path, self.manifest = locate(path)
         self._files = DatasetFiles(self, self._options)
         self._readers = ShardReaders(self, reader_options)
@@ -221,14 +224,21 @@ class Dataset:
         """Corpus statistics (a pandas DataFrame, one row per gene column, in column order):
         ``n_cells`` expressing, ``n_measured`` (the cells whose source measured the gene: a
         collection's sources measured some genes each, `presence`; else every cell), sums, and
-        means / variances over the ``n_measured`` cells of raw counts, of ``normalize_total(1e4)``
+        means / variances over the ``n_measured`` cells (a further modality's dataset, from
+        ``ds.modality(name)``: the cells that have the modality) of raw counts, of ``normalize_total(1e4)``
         (``norm_*``) and of its ``log1p`` (``log_*``), and the nonzero ``median`` of
         ``count / n_counts · 1e4`` (within 0.87%). Raises `OmicsIOError` naming
         ``omicsio-materialize stats`` for a dataset made without them."""
         from omicsio_jax.format.gene_stats import read_gene_stats
 
         presence = self.presence
-        return read_gene_stats(self).frame(None if presence is None else presence.measuring_cells())
+        if presence is not None:
+            measuring = presence.measuring_cells()
+        elif self.modality_cells is not None:  # a cell without the modality measured none of its genes
+            measuring = np.full(self.num_genes, self.modality_cells, np.int64)
+        else:
+            measuring = None
+        return read_gene_stats(self).frame(measuring)
 
     def highly_variable_genes(self, n: int, *, n_bins: int = 20) -> np.ndarray:
         """Columns (ascending) of the ``n`` most variable genes, scanpy's ``flavor="seurat"`` on the

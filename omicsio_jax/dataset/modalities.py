@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from omicsio_jax.core.errors import DatasetFormatError
 from omicsio_jax.format.manifest import Manifest
 
@@ -27,6 +29,8 @@ class Opened(Protocol):
     is_remote: bool
     num_cells: int
     fingerprint: str
+    obs: Mapping[str, Any]
+    modality_cells: int | None
 
     def close(self) -> None: ...
 
@@ -62,6 +66,9 @@ class FurtherModalities:
                 f"{primary.path}: modality {name!r} ({entry.path}) is not the one the manifest lists "
                 f"(fingerprint {sub.fingerprint[:12]}…, manifest says {entry.fingerprint[:12]}…)",
             )
+        has = primary.obs[f"has_{name}"] if f"has_{name}" in primary.obs else None
+        if has is not None and not hasattr(has, "categories"):  # bool per cell (a numeric sidecar)
+            sub.modality_cells = int(np.count_nonzero(np.asarray(has)))
         return self._opened.setdefault(name, sub)
 
     def close(self) -> None:
