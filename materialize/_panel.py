@@ -75,25 +75,7 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
     for entry in entries:
         col = lookup.get(entry, lookup.get(strip_version(entry)))
         if entry in shared:
-            held = shared[entry]
-            ids = genes.column("ensembl_id").to_pylist() if "ensembl_id" in genes.column_names else None
-            tokens = (
-                genes.column("gene_token_id").to_pylist() if "gene_token_id" in genes.column_names else None
-            )
-            distinct = ids is not None and len({ids[c] for c in held}) == len(held)
-            named = ", ".join(
-                " ".join(
-                    [
-                        *([str(ids[c])] if distinct else []),
-                        *([f"gene_token_id {tokens[c]}"] if tokens else []),
-                    ]
-                )
-                or f"row {c} of the gene table"
-                for c in held[:5]
-            )
-            fix = "its Ensembl id or its gene_token_id" if distinct else "its gene_token_id"
-            msg = f"{label} names gene {entry!r}, which {len(held)} genes share ({named}): give {fix}"
-            raise DataValidationError(msg)
+            raise _shared_name(label, entry, shared[entry], genes)
         if col is None:
             unknown.append(entry)
         elif col in seen:
@@ -112,3 +94,22 @@ def read_panel(panel: str | Path | Sequence[str], genes: pa.Table) -> Panel:
     col_to_panel = np.full(genes.num_rows, -1, dtype=np.int32)
     col_to_panel[cols] = np.arange(len(cols), dtype=np.int32)
     return Panel(genes.take(pa.array(cols)), col_to_panel)
+
+
+def _shared_name(label: str, entry: str, held: list[int], genes: pa.Table) -> DataValidationError:
+    """The error of a panel ``entry`` that names the genes ``held`` (rows of ``genes``): each named by
+    its Ensembl id where those tell them apart (a var index without gene ids has the names as ids)
+    and its gene_token_id, and the fix that works."""
+    ids = genes.column("ensembl_id").to_pylist() if "ensembl_id" in genes.column_names else None
+    tokens = genes.column("gene_token_id").to_pylist() if "gene_token_id" in genes.column_names else None
+    distinct = ids is not None and len({ids[c] for c in held}) == len(held)
+
+    def named_by(c: int) -> str:
+        words = ([str(ids[c])] if distinct else []) + ([f"gene_token_id {tokens[c]}"] if tokens else [])
+        return " ".join(words) or f"row {c} of the gene table"
+
+    named = ", ".join(named_by(c) for c in held[:5])
+    fix = "its Ensembl id or its gene_token_id" if distinct else "its gene_token_id"
+    return DataValidationError(
+        f"{label} names gene {entry!r}, which {len(held)} genes share ({named}): give {fix}"
+    )

@@ -142,15 +142,12 @@ class CategoricalWriter:
         self._raw = directory / f"{name}.codes.raw"
         self._file = open(self._raw, "wb")  # noqa: SIM115 - closed in finish()
         self._codes: dict[str, int] = {}
+        self._bools = False  # a bool column was appended (`finish` gives it both categories)
         self.num_rows = 0
 
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
         if pa.types.is_boolean(array.type):
-            # both categories whatever the cells hold, so that a code means the same in every
-            # dataset: 0 False, 1 True (sorted), -1 missing. Only the values seen, an all-True
-            # column's True was code 0, as False is elsewhere.
-            for label in BOOL_CATEGORIES:
-                self._codes.setdefault(label, len(self._codes))
+            self._bools = True
             array = pc.cast(array, pa.string())
         if not pa.types.is_dictionary(array.type):
             array = pc.dictionary_encode(array)
@@ -172,8 +169,11 @@ class CategoricalWriter:
 
     def finish(self) -> str:
         self.close()
-        if self._codes and set(self._codes) <= set(BOOL_CATEGORIES):  # bools, maybe as a categorical's
-            for label in BOOL_CATEGORIES:  # labels (pandas' of True alone): both, as a bool column's
+        # bools (a bool column, or a categorical's labels of them: pandas' of True alone) get both
+        # categories whatever the cells hold, so that a code means the same in every dataset: 0 False,
+        # 1 True (sorted), -1 missing. With only the values seen, an all-True column's True was code 0.
+        if self._bools or (self._codes and set(self._codes) <= set(BOOL_CATEGORIES)):
+            for label in BOOL_CATEGORIES:
                 self._codes.setdefault(label, len(self._codes))
         categories = sorted(self._codes)
         remap = np.empty(len(categories) + 1, dtype=np.int32)

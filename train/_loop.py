@@ -145,8 +145,9 @@ def _other_format(root: Path, fmt: str) -> str | None:
     numbered ones), if it holds no step of ``fmt``'s: else None."""
     if not root.is_dir():
         return None
-    equinox = any(p.is_dir() and p.name.startswith("step-") for p in root.iterdir())
-    orbax = any(p.is_dir() and p.name.isdigit() for p in root.iterdir())
+    steps = [p.name for p in root.iterdir() if p.is_dir()]
+    equinox = any(name.startswith("step-") for name in steps)
+    orbax = any(name.isdigit() for name in steps)
     if fmt == "orbax" and equinox and not orbax:
         return "equinox"
     if fmt != "orbax" and orbax and not equinox:

@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.sampling.plan import AllRows, SamplingPlan, class_weights
+from omicsio_jax.sampling.plan import AllRows, SamplingPlan, check_weights, class_weights
 
 
 def _check_positive(option: object, *names: str) -> None:
@@ -196,9 +196,7 @@ class Weighted(Sampling):
         """Weighted block sampling over the cells of weight above 0: a cell of weight 0 is never
         drawn, not even with the block of weighted cells it would otherwise share."""
         weights = self.cell_weights(rows, obs)
-        valid = np.all(np.isfinite(weights)) and np.all(weights >= 0) and np.any(weights > 0)
-        if weights.shape != (len(rows),) or not valid:
-            return self._plan(rows, weights, batch_size, seed, num_hosts)  # the plan says what is wrong
+        check_weights(self.kind, weights, len(rows))  # every cell's, before those of weight 0 go
         return self._plan_over_weighted_cells(rows, weights, batch_size, seed, num_hosts)
 
 

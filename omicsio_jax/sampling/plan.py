@@ -196,16 +196,7 @@ class SamplingPlan:
             msg = "cannot sample from an empty set of cells"
             raise OmicsIOError(msg)
         if self.sampling in _WEIGHTED:
-            if self.weights is None or len(self.weights) != len(self.rows):
-                msg = f"sampling={self.sampling!r} needs one weight per cell ({len(self.rows)})"
-                raise OmicsIOError(msg)
-            if (
-                not np.all(np.isfinite(self.weights))
-                or np.any(self.weights < 0)
-                or not np.any(self.weights > 0)
-            ):
-                msg = "weights must be finite, non-negative and not all zero"
-                raise OmicsIOError(msg)
+            check_weights(self.sampling, self.weights, len(self.rows))
 
     @property
     def local_batch(self) -> int:
@@ -354,6 +345,16 @@ def _draw_blocks(
     last = len(p) - 1
     mean = block_size - short * float(p[-1])  # cells a drawn block holds, on average (at least 1)
     return _draw(rng, p, cells, mean, lambda b: len(b) * block_size - short * np.count_nonzero(b == last))
+
+
+def check_weights(sampling: str, weights: np.ndarray | None, num_rows: int) -> None:
+    """Refuse weights that are not one per sampled cell, finite, non-negative and not all zero."""
+    if weights is None or len(weights) != num_rows:
+        msg = f"sampling={sampling!r} needs one weight per cell ({num_rows})"
+        raise OmicsIOError(msg)
+    if not np.all(np.isfinite(weights)) or np.any(weights < 0) or not np.any(weights > 0):
+        msg = "weights must be finite, non-negative and not all zero"
+        raise OmicsIOError(msg)
 
 
 def _draw_runs(rng: np.random.Generator, p: np.ndarray, lengths: np.ndarray, cells: int) -> np.ndarray:
