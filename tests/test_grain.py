@@ -145,6 +145,85 @@ def test_planned_coverage_matches_what_the_dataloader_serves(ds):
     for batch in grain.DataLoader(data_source=src, sampler=src.sampler(), read_options=src.read_options()):
         served = served + oj.Tally.of(batch.index)
     assert served == src.planned(0)
+    # on another process than 0, by default its own plan, as its sampler's default is its own records
+    three = oj.Placement(process_index=2, process_count=3)
+    src = oj.GrainSource(ds, **{**BASE, "batch_size": 96}, num_epochs=1, placement=three)
+    loader = grain.DataLoader(data_source=src, sampler=src.sampler(), read_options=src.read_options())
+    served = oj.Tally.of(np.concatenate([b.index for b in loader]))
+    assert served == src.planned(0) == src.planned(0, 2) != src.planned(0, 0)
+    with pytest.raises(oj.OmicsIOError, match=r"process_index 3 is not one of this source's 3 process\(es\)"):
+        src.sampler(process_index=3)
+
+
+class Noise(grain.transforms.RandomMap):
+    """A random operation: Grain gives it an rng per record only where the sampler has a seed."""
+
+    def random_map(self, batch, rng):
+        noise = rng.random(batch.x.shape, dtype=np.float32)
+        return oj.HostBatch(batch.x + noise, batch.obs, batch.index, batch.mask)
+
+
+def test_random_operations_draw_from_the_seed_and_replay_at_resume(ds):
+    kw = {**BASE, "num_epochs": 1, "operations": [Noise()]}
+    first = [b.x.copy() for _, b in zip(range(6), oj.make_grain_loader(ds, **kw), strict=False)]
+    again = [b.x.copy() for _, b in zip(range(6), oj.make_grain_loader(ds, **kw), strict=False)]
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    it = iter(oj.make_grain_loader(ds, **kw))
+    for _ in range(3):
+        next(it)
+    resumed = iter(oj.make_grain_loader(ds, **kw))
+    resumed.set_state(it.get_state())
+    for want in first[3:]:
+        np.testing.assert_array_equal(next(resumed).x, want)
+    plain = np.asarray(next(iter(oj.make_loader(ds, **BASE))).x)
+    assert 0 < (first[0] - plain).min() and (first[0] - plain).max() < 1  # the noise was drawn
+
+
+def test_a_dense_checkpoint_restores_onto_another_device_count_and_slabs_name_the_mesh(ds):
+    """A dense record does not depend on the devices; a csr record is one slab per device, so its
+    source's repr holds the count (and a batch of one slab on 8 devices names the fix)."""
+    m8 = jax.make_mesh((8,), ("data",))
+    m4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    kw = {**BASE, "num_epochs": 1}
+    it = iter(oj.make_grain_loader(ds, **kw, placement=m8))
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    rest = _indices(it, 10**6)
+    on_four = iter(oj.make_grain_loader(ds, **kw, placement=m4))
+    on_four.set_state(state)
+    _assert_same(_indices(on_four, 10**6), rest)
+    csr = iter(oj.make_grain_loader(ds, **kw, output="csr", placement=m8))
+    next(csr)
+    with pytest.raises(ValueError, match="DataSource in checkpoint does not match"):
+        iter(oj.make_grain_loader(ds, **kw, output="csr", placement=m4)).set_state(csr.get_state())
+    unslabbed = next(iter(oj.make_grain_loader(ds, **kw, output="csr")))
+    with pytest.raises(oj.OmicsIOError, match=r"built as 1 device slab\(s\).*placement=mesh"):
+        oj.place_batch(unslabbed, m8)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_epochs": True}, r"GrainSource\(num_epochs=...\) must be an integer ≥ 1 \(or None\), got True"),
+        ({"num_epochs": 0}, r"GrainSource\(num_epochs=...\) must be an integer ≥ 1"),
+        ({"seed": None}, r"GrainSource\(seed=...\) must be an integer ≥ 0, got None"),
+        ({"worker_count": -1}, r"make_grain_loader\(worker_count=...\) must be an integer ≥ 0"),
+        ({"worker_count": 1.5}, r"make_grain_loader\(worker_count=...\) must be an integer ≥ 0"),
+    ],
+)
+def test_grain_arguments_are_checked_as_make_loaders_are(ds, options, message):
+    with pytest.raises(oj.OmicsIOError, match=message):
+        oj.make_grain_loader(ds, **{**BASE, **options})
+
+
+def test_a_grain_iterators_state_given_to_make_loader_is_named(ds):
+    it = iter(oj.make_grain_loader(ds, **BASE, num_epochs=1))
+    next(it)
+    state = json.loads(it.get_state())
+    with pytest.raises(oj.StateMismatchError, match="a Grain DataLoader iterator's state"):
+        oj.make_loader(ds, **BASE, num_epochs=1).set_state(state)
 
 
 def test_read_options_let_the_threads_run_ahead_unless_the_records_are_full_width_dense_rows(ds, monkeypatch):

@@ -595,13 +595,14 @@ def test_a_spilled_partition_is_read_from_the_output_store_where_its_folder_is_a
     import duckdb
 
     from materialize._reorder import Spill, spill_by_partition
+    from omicsio_jax.format import FILENAME_COLUMN
 
     root = write_tables(truth, tmp_path / "in", shuffle_atac=True)
     con = duckdb.connect()
     con.execute("SET preserve_insertion_order = true")
     con.execute(
         f"CREATE VIEW modality AS SELECT * FROM read_parquet('{root / 'atac_cells.parquet'}', "
-        "filename = true, file_row_number = true)"
+        f"filename = '{FILENAME_COLUMN}', file_row_number = true)"
     )
     con.execute(
         f"CREATE VIEW primary_cells AS SELECT cell_id, row_number() OVER () - 1 AS __row "

@@ -450,3 +450,146 @@ def test_the_stream_loader_refuses_an_output_or_a_column_it_cannot_serve_when_ma
         oj.make_stream_loader(table, batch_size=8, output=oj.CSR())
     with pytest.raises(oj.OmicsIOError, match=r"query over .* failed: Binder Error: .*no_such_column"):
         oj.make_stream_loader(table, batch_size=8, where="no_such_column = 'x'")
+
+
+def write_cells(folder, **columns):
+    """A small list-column table in ``folder``/cells.parquet (no gene table: token ids name genes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), folder / "cells.parquet")
+    return folder
+
+
+def lists(rows, kind):
+    return pa.array(rows, pa.list_(kind))
+
+
+def test_a_column_named_as_a_views_position_is_refused_and_filename_is_kept(tmp_path):
+    """A table's own ``cell_rowid`` would shadow the row id every query selects by (DuckDB renames
+    the view's), so it is refused, as is ``file_row_number``; ``filename`` is an ordinary column."""
+    genes = lists([[0], [1], [0, 1], [1]], pa.int32())
+    values = lists([[1.0], [2.0], [3.0, 4.0], [5.0]], pa.float32())
+    for column in ("cell_rowid", "file_row_number"):
+        folder = write_cells(
+            tmp_path / column, gene_token_id=genes, gene_expression=values, **{column: [100, 101, 102, 103]}
+        )
+        with pytest.raises(oj.DataValidationError, match=rf"has a column named '{column}'.*RENAME") as e:
+            oj.open_table(folder)
+        assert "\n" not in str(e.value)
+    folder = write_cells(
+        tmp_path / "f",
+        cell_id=list("abcd"),
+        gene_token_id=genes,
+        gene_expression=values,
+        filename=list("wxyz"),
+    )
+    table = oj.open_table(folder)
+    assert table.select(rowids=[1, 2]).tolist() == [1, 2]
+    assert table.metadata(["filename"]).column("filename").to_pylist() == list("wxyz")
+    np.testing.assert_array_equal(table.panel([0], rowids=[0, 2]).x, [[1.0], [3.0]])
+    out = tmp_path / "ds"
+    assert cli([str(folder), str(out), "--no-progress", "--workers", "1"]) == 0
+    ds = oj.open_dataset(out)
+    assert [ds.obs["filename"].categories[c] for c in ds.obs["filename"].codes] == list("wxyz")
+
+
+def test_rowids_are_checked_by_the_stream_loader_and_the_index_too(tmp_path):
+    n = 50
+    folder = write_cells(
+        tmp_path / "t",
+        cell_id=[f"c{i}" for i in range(n)],
+        gene_token_id=lists([[i % 3] for i in range(n)], pa.int32()),
+        gene_expression=lists([[float(i)] for i in range(n)], pa.float32()),
+    )
+    build_gene_index(folder, tmp_path / "idx")
+    table = oj.open_table(folder, index=tmp_path / "idx")
+    mask = np.zeros(n, bool)
+    mask[[10, 20, 30]] = True
+    for rowids, message in ((mask, "integer cell_rowids, got bool"), ([10.9, 20.2], "got float64")):
+        with pytest.raises(oj.OmicsIOError, match=message):
+            oj.make_stream_loader(table, batch_size=4, rowids=rowids)
+        with pytest.raises(oj.OmicsIOError, match=message):
+            table.cells_expressing([0], rowids=rowids, use_index=True)
+    with pytest.raises(oj.OmicsIOError, match=r"cell_rowid 99, outside the table's 50 cells"):
+        table.cells_expressing([0], rowids=[3, 99], use_index=True)
+    assert table.cells_expressing([0], rowids=[3, 4, 6], use_index=True).tolist() == [3, 6]
+    loader = oj.make_stream_loader(table, batch_size=4, rowids=[30, 10, 20, 10])
+    served = np.concatenate([np.asarray(b.index)[np.asarray(b.mask)] for b in loader.epoch(0)])
+    assert sorted(served.tolist()) == [10, 20, 30]
+
+
+def test_decimal_and_bool_obs_come_out_as_a_materialized_datasets_do(tmp_path):
+    """DuckDB writes ``0.5`` as a DECIMAL: numbers, not category codes; a bool: codes into
+    ("false", "true"), missing -1, as make_loader serves the materialized column."""
+    import decimal
+
+    folder = write_cells(
+        tmp_path / "t",
+        cell_id=list("abcd"),
+        gene_token_id=lists([[0]] * 4, pa.int32()),
+        gene_expression=lists([[1.0]] * 4, pa.float32()),
+        frac=pa.array([decimal.Decimal(x) for x in ("0.5", "10.0", "2.5", "0.5")], pa.decimal128(4, 1)),
+        flag=pa.array([True, None, False, True]),
+    )
+    table = oj.open_table(folder)
+    batch = next(iter(oj.make_stream_loader(table, batch_size=4, obs=("frac", "flag")).epoch(0)))
+    np.testing.assert_array_equal(np.asarray(batch.obs["frac"]), [0.5, 10.0, 2.5, 0.5])
+    panel = oj.load_panel(table, [0], obs=("frac", "flag"), progress=False)
+    np.testing.assert_array_equal(panel.obs["frac"], [0.5, 10.0, 2.5, 0.5])
+    out = tmp_path / "ds"
+    assert cli([str(folder), str(out), "--no-progress", "--workers", "1"]) == 0
+    sampling = oj.Stream(drop_remainder=False)
+    with oj.make_loader(
+        oj.open_dataset(out), batch_size=4, obs=("frac", "flag"), sampling=sampling
+    ) as loader:
+        served = next(iter(loader))
+    np.testing.assert_array_equal(np.asarray(served.obs["frac"]), np.asarray(batch.obs["frac"]))
+    assert oj.open_dataset(out).rows_where("frac", [0.5]).tolist() == [0, 3]
+    with pytest.raises(TypeError, match=r"\['0.5'\] are not numbers, and obs 'frac' holds float"):
+        oj.open_dataset(out).rows_where("frac", ["0.5"])  # text is no match for a number: not []
+    np.testing.assert_array_equal(np.asarray(served.obs["flag"]), [1, -1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(batch.obs["flag"]), [1, -1, 0, 1])
+    np.testing.assert_array_equal(panel.obs["flag"], [1, -1, 0, 1])
+    assert tuple(panel.categories["flag"]) == ("false", "true")
+
+
+def test_a_null_inside_the_lists_fails_a_panel_by_either_method(tmp_path):
+    folder = write_cells(
+        tmp_path / "t",
+        cell_id=["a", "b"],
+        gene_token_id=lists([[0, 2], [1]], pa.int32()),
+        gene_expression=lists([[1.0, None], [2.0]], pa.float32()),
+    )
+    table = oj.open_table(folder)
+    for method in ("sql", "scatter"):
+        with pytest.raises(oj.OmicsIOError, match="null elements inside gene_token_id/gene_expression lists"):
+            table.panel([0, 2], method=method)
+
+
+def test_small_query_edges(tmp_path):
+    """``stream()`` on a table without cell ids; an empty panel's loader says so; an exact gene name
+    decides between names that differ in case, and a gene without a name is called by its id."""
+    folder = write_cells(
+        tmp_path / "t",
+        tissue=["lung", "lung"],
+        gene_token_id=lists([[0, 1], [2]], pa.int32()),
+        gene_expression=lists([[1.0, 2.0], [3.0]], pa.float32()),
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "gene_token_id": pa.array([0, 1, 2], pa.int32()),
+                "ensembl_id": ["ENSG00000167286", "ENSMUSG00000032093", "ENSG00000000003"],
+                "gene_name": ["CD3E", "Cd3e", None],
+            }
+        ),
+        folder / "gene_metadata.parquet",
+    )
+    table = oj.open_table(folder)
+    assert next(iter(table.stream())).column_names == ["cell_rowid", "gene_token_id", "gene_expression"]
+    assert table.genes.resolve(["CD3E", "Cd3e", "ENSG00000000003"]).tolist() == [0, 1, 2]
+    with pytest.raises(oj.UnknownGeneError, match="'cd3e' names 2 genes"):
+        table.genes.resolve(["cd3e"])
+    assert table.genes.names([0, 2]) == ["CD3E", "ENSG00000000003"]
+    empty = oj.load_panel(table, [0], where="tissue = 'liver'", progress=False)
+    with pytest.raises(oj.OmicsIOError, match="the panel holds no cells"):
+        oj.make_memory_loader(empty, batch_size=1, seed=0, num_epochs=1)

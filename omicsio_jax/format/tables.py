@@ -19,8 +19,11 @@ from omicsio_jax.core.errors import DataValidationError
 from omicsio_jax.storage.input_files import expand_objects, register_s3
 from omicsio_jax.storage.store import is_remote
 
-FILENAME_COLUMN = "filename"
-FILE_ROW_COLUMN = "file_row_number"  # a row's position inside its file
+# the columns the views add to a table's own: a name of DuckDB's choosing for the source file (not
+# DuckDB's default ``filename``, a name input tables use), DuckDB's fixed name for a row's position
+# in its file, and a cell's position in the whole table
+FILENAME_COLUMN = "omicsio_source_file"
+FILE_ROW_COLUMN = "file_row_number"
 ROWID_COLUMN = "cell_rowid"
 GENE_TABLE_NAME = "gene_metadata.parquet"  # found beside the input when no gene table is given
 GENE_COLUMN = "gene_token_id"
@@ -208,13 +211,14 @@ def create_cells_view(
                 extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
             arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
+        _check_rowid(con, name, label, rowid=rowid)
         if rowid:
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT * FROM {name}")
         return bases
     names = ", ".join(sql_str(str(f)) for f in files)
     source = (
-        f"read_parquet([{names}], filename = true, file_row_number = true, hive_partitioning = true, "
-        "union_by_name = true)"
+        f"read_parquet([{names}], filename = {sql_str(FILENAME_COLUMN)}, file_row_number = true, "
+        "hive_partitioning = true, union_by_name = true)"
     )
     hidden = ([] if file_rows else [FILE_ROW_COLUMN]) + ([] if filename else [FILENAME_COLUMN])
     columns = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
@@ -227,9 +231,28 @@ def create_cells_view(
         if rowid:
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT *{extra} FROM {source}")
     except duckdb.Error as e:
+        if f'adds column "{FILE_ROW_COLUMN}"' in str(e):
+            raise DataValidationError(_reserved(label, FILE_ROW_COLUMN)) from e
         msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}{damaged_hint(e)}"
         raise DataValidationError(msg) from e
+    _check_rowid(con, name, label, rowid=rowid)
     return bases
+
+
+def _reserved(label: str, column: str) -> str:
+    """The error for a table with a column of a name a view adds to each row."""
+    return (
+        f"{label} has a column named {column!r}, a name the tables' views give a row's position; "
+        f"rename it in the files, or materialize from --query "
+        f'"SELECT * RENAME ({column} AS source_{column}) FROM ..."'
+    )
+
+
+def _check_rowid(con: duckdb.DuckDBPyConnection, name: str, label: str, *, rowid: bool) -> None:
+    """Refuse a table with a ``cell_rowid`` column of its own: DuckDB renames the view's (its last
+    column), and every query by ``cell_rowid`` would read the table's values instead."""
+    if rowid and con.execute(f"DESCRIBE {name}").fetchall()[-1][0] != ROWID_COLUMN:
+        raise DataValidationError(_reserved(label, ROWID_COLUMN))
 
 
 def rowid_pruning(

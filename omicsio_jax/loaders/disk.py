@@ -210,7 +210,10 @@ class Loader(ClosingIterator):
 
     def as_grain_dataset(self) -> grain.IterDataset:
         """The host-side stream from the beginning (numpy `HostBatch`es) as a Grain `IterDataset`,
-        before device placement: compose transforms on it and checkpoint it with Grain's own state."""
+        before device placement: compose transforms on it and checkpoint it with Grain's own state.
+        That state is Grain's position alone (``{"next_index": n}``), with no config to check: it
+        restores into a loader of the same dataset and arguments only (for a checked state, use the
+        loader's own, `get_state`, or `make_grain_loader`'s iterator)."""
         schedule = Schedule(self.plan, self.host)
         reader = self._new_reader(schedule)
         options = grain.ReadOptions(num_threads=self.num_threads, prefetch_buffer_size=self.batches_ahead)

@@ -28,7 +28,13 @@ import numpy as np
 from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.dataset import Dataset, as_dataset, open_dataset
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
-from omicsio_jax.loaders.options import Placement, ReadOptions, default_batches_ahead, float32_batch_bytes
+from omicsio_jax.loaders.options import (
+    Placement,
+    ReadOptions,
+    check_argument,
+    default_batches_ahead,
+    float32_batch_bytes,
+)
 from omicsio_jax.loaders.state import as_json
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.batch import HostBatch
@@ -136,6 +142,9 @@ class GrainSource(grain.sources.RandomAccessDataSource):
     ):
         _mark_absl_flags_parsed()  # before any DataLoader starts workers from this source
         ds = as_dataset(dataset, "GrainSource")
+        check_argument("GrainSource", "batch_size", batch_size, minimum=1)
+        check_argument("GrainSource", "seed", seed, minimum=0)
+        check_argument("GrainSource", "num_epochs", num_epochs, minimum=1, optional=True)
         placement = Placement.of(placement)
         self.spec = DiskSpec.of(
             batch_size=batch_size,
@@ -157,9 +166,11 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         # what `read_options` sizes Grain's buffer by: the output kind, a batch's bytes as float32 rows
         self._kind = bound.decoding
         self._row_bytes = float32_batch_bytes(bound, plan.local_batch)
+        # the layout of the records: device slabs only where the output builds them (a dense batch's
+        # rows are the same on 4 devices as on 8, so its checkpoint restores onto either)
         layout = {
             "num_hosts": hosts,
-            "num_slabs": self.spec.num_slabs,
+            "num_slabs": _slabs(bound),
             "nnz_capacity": getattr(bound, "nnz_capacity", None),
         }
         self._config = as_json({**self.spec.config(ds, plan, bound), **layout})
@@ -237,14 +248,21 @@ class GrainSource(grain.sources.RandomAccessDataSource):
             process_index = self.process_index
         index = jax.process_index() if process_index is None else process_index
         count = self.num_hosts if process_count is None else process_count
-        if count != self.num_hosts or not 0 <= index < count:
+        if count != self.num_hosts:
             msg = (
                 f"process {index} of {count}: this source was made for {self.num_hosts} process(es); "
                 f"pass placement=oj.Placement(process_count={count}) to GrainSource"
             )
             raise OmicsIOError(msg)
+        if not 0 <= index < count:
+            msg = f"process_index {index} is not one of this source's {count} process(es) (0..{count - 1})"
+            raise OmicsIOError(msg)
         shards = grain.sharding.ShardOptions(shard_index=index, shard_count=count, drop_remainder=True)
-        return grain.samplers.SequentialSampler(num_records=self._length, shard_options=shards)
+        # seeded with the loader's seed: Grain gives a RandomMap an rng only when its sampler has a seed
+        # (each record's its own, from the seed and the record), so random operations replay at resume
+        return grain.samplers.SequentialSampler(
+            num_records=self._length, shard_options=shards, seed=self.spec.seed
+        )
 
     def read_options(
         self, num_threads: int | None = None, prefetch_buffer_size: int | None = None
@@ -258,10 +276,21 @@ class GrainSource(grain.sources.RandomAccessDataSource):
         ahead = max(default_batches_ahead(self._kind, num_threads, self._row_bytes), max(num_threads, 1) + 1)
         return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size or ahead)
 
-    def planned(self, epoch: int, process_index: int = 0) -> Tally:
-        """What process ``process_index`` serves in ``epoch`` (compare a `Tally` of its batches' ``index``)."""
+    def planned(self, epoch: int, process_index: int | None = None) -> Tally:
+        """What process ``process_index`` serves in ``epoch`` (compare a `Tally` of its batches'
+        ``index``); by default this process, as `sampler` has it."""
+        if process_index is None:
+            process_index = jax.process_index() if self.process_index is None else self.process_index
         reader = self._reader(process_index)
         return reader.schedule.planned(epoch)
+
+
+def _slabs(output: Output) -> int:
+    """How many device slabs a host batch of the bound ``output`` is built as (1: rows alone)."""
+    parts = getattr(output, "outputs", None)  # an output per modality
+    if parts is not None:
+        return max((_slabs(part) for _, part in parts), default=1)
+    return getattr(output, "num_slabs", 1)
 
 
 def _under_main_guard(path: str, line: int) -> bool:
@@ -349,6 +378,8 @@ def make_grain_loader(
     (Orbax) or its ``get_state``.
     """
     check_operations(operations)
+    check_argument("make_grain_loader", "worker_count", worker_count, minimum=0)
+    check_argument("make_grain_loader", "worker_buffer_size", worker_buffer_size, minimum=1)
     if worker_count:
         check_worker_setup(operations)
         _warn_workers(worker_count)

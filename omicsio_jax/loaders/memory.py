@@ -354,6 +354,10 @@ def make_memory_loader(
         decode_threads=read.decode_threads,
     )
     if loader.steps_per_epoch == 0:
-        msg = f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"
+        msg = (
+            "the panel holds no cells: its query selected none"
+            if panel.num_cells == 0
+            else f"{panel.num_cells} cells make no batch of {batch_size}; lower batch_size"
+        )
         raise OmicsIOError(msg)
     return loader

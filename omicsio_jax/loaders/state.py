@@ -51,6 +51,12 @@ def process_states(state) -> list:
                 "that iterator's set_state, or pass state['inner'] to the loader's"
             )
             raise StateMismatchError(msg)
+        if any("last_seen_indices" in s and "epoch" not in s for s in states):
+            msg = (
+                "this is a Grain DataLoader iterator's state (make_grain_loader's): it restores into such an "
+                "iterator; make_loader serves the same batches but keeps a state of its own"
+            )
+            raise StateMismatchError(msg)
         return list(states)
     if isinstance(state, bytes | bytearray | str):
         got = f"{type(state).__name__} (a Grain DataLoader iterator's state? it goes to that iterator's set_state)"

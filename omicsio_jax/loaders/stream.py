@@ -355,7 +355,7 @@ def make_stream_loader(
         )
         raise OmicsIOError(msg)
     table.check_where(where)  # a column it lacks named now, not by the first batch's thread
-    rows = None if rowids is None else np.asarray(rowids, dtype=np.int64)
+    rows = None if rowids is None else table.check_rowids(rowids)
     return StreamLoader(
         table,
         batch_size=batch_size,

@@ -135,7 +135,10 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
             # instead of one per array (each can wait a 5 ms switch interval while decoding threads run)
             placed = jax.make_array_from_process_local_data(sharding, host_batch)
     except ValueError:  # JAX's, for a batch its devices do not split evenly: said in our terms
-        _check_divisible(leaves, mesh, data_axis)
+        slabs = jax.tree.flatten(host_batch, is_leaf=lambda n: isinstance(n, SparseBatch))[0]
+        _check_divisible(
+            leaves, mesh, data_axis, {id(a) for s in slabs if isinstance(s, SparseBatch) for a in s}
+        )
         raise
     if steps:
         parts = treedef.flatten_up_to(placed)
@@ -143,14 +146,23 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
     return Batch(placed.x, placed.obs, placed.index, placed.mask) if isinstance(placed, HostBatch) else placed
 
 
-def _check_divisible(leaves: list, mesh, data_axis: str) -> None:
+def _check_divisible(leaves: list, mesh, data_axis: str, slabs: set[int] = frozenset()) -> None:
     """Refuse, in one line, a batch whose global leading size (this host's times the processes) the
-    devices of ``data_axis`` do not divide."""
+    devices of ``data_axis`` do not divide. ``slabs``: the ids of the leaves of a `SparseBatch`
+    (a csr batch, ``Dense(on_device=True)``'s), whose leading axis is the loader's slab count, not
+    rows."""
     if mesh is None:
         return
     devices, hosts = mesh.shape[data_axis], jax.process_count()
     for leaf in leaves:
         size = np.shape(leaf)[0] if np.ndim(leaf) else 1
+        if id(leaf) in slabs and size % devices:
+            msg = (
+                f"place_batch: the batch was built as {size} device slab(s), not one per device of the "
+                f"{devices} of mesh axis {data_axis!r}: give its loader the mesh (placement=mesh, in "
+                "make_loader, make_grain_loader or GrainSource)"
+            )
+            raise OmicsIOError(msg)
         if (size * hosts) % devices:
             of = f"{size} rows" if hosts == 1 else f"{size} rows on each of {hosts} processes"
             msg = (

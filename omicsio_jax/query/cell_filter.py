@@ -43,15 +43,7 @@ def from_clause(
     clauses = [where_sql(where)] if where else []
     source = "cells"
     if rowids is not None:
-        given = np.asarray(rowids)
-        if given.size and (given.ndim != 1 or not np.issubdtype(given.dtype, np.integer)):
-            msg = f"rowids must be a 1-D sequence of integer cell_rowids, got {given.dtype} of shape {given.shape}"
-            raise OmicsIOError(msg)
-        ids = np.unique(given.astype(np.int64))
-        if len(ids) and (ids[0] < 0 or ids[-1] >= num_cells):
-            bad = int(ids[0] if ids[0] < 0 else ids[-1])
-            msg = f"rowids hold cell_rowid {bad:,}, outside the table's {num_cells:,} cells (0..{num_cells - 1:,})"
-            raise OmicsIOError(msg)
+        ids = checked_rowids(rowids, num_cells)
         name = f"_rowids_{next(_counter)}"
         con.register(name, pa.table({ROWID_COLUMN: ids}))
         if registered is not None:
@@ -62,6 +54,26 @@ def from_clause(
             clauses.append(rowid_pruning(files, bases, ids))
     clauses.extend(extra)
     return f" FROM {source}" + ((" WHERE " + " AND ".join(clauses)) if clauses else "")
+
+
+def checked_rowids(rowids: Sequence[int] | np.ndarray, num_cells: int) -> np.ndarray:
+    """``rowids`` sorted and unique as int64, or a one-line `OmicsIOError` for ids that are not
+    integers (a bool mask, floats) or lie outside the table's ``num_cells`` cells: either would
+    select other cells, or none, without a word."""
+    given = np.asarray(rowids)
+    if given.size and (given.ndim != 1 or not np.issubdtype(given.dtype, np.integer)):
+        msg = (
+            f"rowids must be a 1-D sequence of integer cell_rowids, got {given.dtype} of shape {given.shape}"
+        )
+        raise OmicsIOError(msg)
+    ids = np.unique(given.astype(np.int64))
+    if len(ids) and (ids[0] < 0 or ids[-1] >= num_cells):
+        bad = int(ids[0] if ids[0] < 0 else ids[-1])
+        msg = (
+            f"rowids hold cell_rowid {bad:,}, outside the table's {num_cells:,} cells (0..{num_cells - 1:,})"
+        )
+        raise OmicsIOError(msg)
+    return ids
 
 
 def where_sql(where: str) -> str:

@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from omicsio_jax.core.errors import DataValidationError, OmicsIOError
 from omicsio_jax.format.arrow import is_list_type
+from omicsio_jax.format.manifest import BOOL_CATEGORIES
 from omicsio_jax.format.tables import (
     CELL_ID_COLUMN,
     GENE_COLUMN,
@@ -45,7 +46,7 @@ from omicsio_jax.format.tables import (
     find_gene_table,
     sql_ident,
 )
-from omicsio_jax.query.cell_filter import from_clause, presence_test, where_sql
+from omicsio_jax.query.cell_filter import checked_rowids, from_clause, presence_test, where_sql
 from omicsio_jax.query.gene_table import GeneTable
 from omicsio_jax.query.panel_matrix import (
     SQL_PANEL_MAX,
@@ -208,8 +209,12 @@ class CellTable:
         specs = []
         for name in names:
             self.require_columns([name])
-            numeric = is_numeric_obs(name, self.schema.field(name).type, self.spec)
-            specs.append(ObsSpec(name, None if numeric else tuple(self.categories(name))))
+            dtype = self.schema.field(name).type
+            if is_numeric_obs(name, dtype, self.spec):
+                specs.append(ObsSpec(name, None))
+            else:  # a bool has both categories, as in a materialized dataset, whichever it holds
+                bools = pa.types.is_boolean(dtype)
+                specs.append(ObsSpec(name, BOOL_CATEGORIES if bools else tuple(self.categories(name))))
         return specs
 
     def check_where(self, where: str | None) -> None:
@@ -217,6 +222,11 @@ class CellTable:
         the table's columns (`where_sql`) or names a column it lacks."""
         if where:  # (an empty one is none, as in `from_clause`)
             self.sql(f"SELECT 1 FROM cells WHERE {where_sql(where)} LIMIT 0")
+
+    def check_rowids(self, rowids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``rowids`` sorted and unique, or a one-line error for ids that are not integers or lie
+        outside the table (`checked_rowids`)."""
+        return checked_rowids(rowids, self.num_cells)
 
     def require_columns(self, columns: Sequence[str]) -> list[str]:
         unknown = [c for c in columns if c not in self.schema.names]
@@ -289,7 +299,7 @@ class CellTable:
             if where is None and rowids is None:
                 return hits
             if rowids is not None:
-                hits = np.intersect1d(hits, np.asarray(rowids, dtype=np.int64))
+                hits = np.intersect1d(hits, self.check_rowids(rowids))
             return hits if where is None else self.select(where, rowids=hits)
         test = presence_test(tokens, mode)
         table = self._query(f"SELECT {ROWID_COLUMN}", where, rowids, test, tail=f" ORDER BY {ROWID_COLUMN}")
@@ -344,7 +354,9 @@ class CellTable:
         bounded memory: DuckDB's streaming Arrow reader (``fetch_record_batch``), on a connection of
         the stream's own (`_reading_connection`), so that queries, and other streams, run while it
         is open (on the table's one connection each failed with DuckDB's "open result")."""
-        cols = [GENE_COLUMN, VALUE_COLUMN, CELL_ID_COLUMN] if columns is None else list(columns)
+        if columns is None:  # the lists, and the cells' ids where the table has them
+            columns = [GENE_COLUMN, VALUE_COLUMN, *[CELL_ID_COLUMN] * (CELL_ID_COLUMN in self.schema.names)]
+        cols = list(columns)
         cols = self.require_columns([c for c in cols if c != ROWID_COLUMN])
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
         con = self._reading_connection()

@@ -60,16 +60,17 @@ class GeneTable:
         self.source = source
         self.token_ids = self.table.column(GENE_COLUMN).to_numpy().astype(np.int32)
         self._by_token = {int(t): i for i, t in enumerate(self.token_ids)}
-        self._by_name: dict[str, list[int]] = {}
+        self._by_name: dict[str, list[int]] = {}  # names in any case, Ensembl versions dropped
+        self._by_exact: dict[str, list[int]] = {}  # names as stored: CD3E and Cd3e, two genes
         for column in ("ensembl_id", "gene_name"):
             if column in self.table.column_names:
                 for token, key in zip(
                     self.token_ids.tolist(), self.table.column(column).to_pylist(), strict=True
                 ):
                     if key is not None:
-                        folded = fold_ensembl(key)
-                        if token not in self._by_name.setdefault(folded, []):
-                            self._by_name[folded].append(token)
+                        for by, name in ((self._by_name, fold_ensembl(key)), (self._by_exact, key)):
+                            if token not in by.setdefault(name, []):
+                                by[name].append(token)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -80,17 +81,22 @@ class GeneTable:
         return int(self.token_ids.max()) + 1 if len(self.token_ids) else 0
 
     def names(self, token_ids: Sequence[int] | np.ndarray) -> list[str]:
-        """Gene names (or Ensembl ids, or the token id) of the given token ids."""
-        column = next((c for c in ("gene_name", "ensembl_id") if c in self.table.column_names), None)
-        values = None if column is None else self.table.column(column).to_pylist()
+        """Gene names (or, where a gene has none, Ensembl ids, or the token id) of the given token ids."""
+        columns = [
+            self.table.column(c).to_pylist()
+            for c in ("gene_name", "ensembl_id")
+            if c in self.table.column_names
+        ]
         out = []
         for t in np.asarray(token_ids).tolist():
             i = self._by_token.get(int(t))
-            out.append(str(t) if i is None or values is None or values[i] is None else values[i])
+            named = [] if i is None else [values[i] for values in columns if values[i] is not None]
+            out.append(named[0] if named else str(t))
         return out
 
     def resolve(self, genes: Sequence[str | int] | str | int) -> np.ndarray:
-        """Token ids (int32) of gene names, Ensembl ids (case-insensitive) or token ids, in order.
+        """Token ids (int32) of gene names, Ensembl ids (case-insensitive, the case stored deciding
+        between names that differ only in case) or token ids, in order.
 
         Raises `UnknownGeneError` naming every unknown gene (with close matches) or every name
         shared by several genes (with their token ids to choose from).
@@ -106,6 +112,8 @@ class GeneTable:
                     problems.append(f"token id {int(g)} (not in {self.source})")
                 continue
             hits = self._by_name.get(fold_ensembl(str(g)), [])
+            if len(hits) > 1 and len(self._by_exact.get(str(g), [])) == 1:  # the one written so
+                hits = self._by_exact[str(g)]
             if len(hits) == 1:
                 out.append(hits[0])
             elif hits:

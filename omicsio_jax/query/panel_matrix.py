@@ -15,18 +15,21 @@ import pyarrow as pa
 
 from omicsio_jax.format.tables import GENE_COLUMN, ROWID_COLUMN, VALUE_COLUMN
 from omicsio_jax.outputs.scatter import make_gene_to_col, scatter_panel
-from omicsio_jax.query.results import CSRBatch, PanelResult
+from omicsio_jax.query.results import NULL_ELEMENTS, CSRBatch, PanelResult
 
 SQL_PANEL_MAX = 64  # above this many genes, stage 3 streams rows through the numba panel scatter
 
 
 def panel_expression(tokens: np.ndarray) -> str:
     """The SQL list of a row's expression of each of ``tokens``, in order (0 where not expressed):
-    ``list_position`` then ``gene_expression[pos]``, as ``FLOAT[]``."""
+    ``list_position`` then ``gene_expression[pos]``, as ``FLOAT[]``. A row with a null inside its
+    lists fails the query, as the scatter path refuses it (`arrow_csr`), rather than reading as 0."""
     literal = "[" + ", ".join(map(str, tokens.tolist())) + "]::INTEGER[]"
+    nulls = " OR ".join(f"len({c}) > list_count({c})" for c in (GENE_COLUMN, VALUE_COLUMN))
     return (
+        f"CASE WHEN {nulls} THEN error('{NULL_ELEMENTS}') ELSE "
         f"list_transform({literal}, lambda g: coalesce("
-        f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[]"
+        f"{VALUE_COLUMN}[list_position({GENE_COLUMN}, g)], 0))::FLOAT[] END"
     )
 
 

@@ -54,8 +54,7 @@ def arrow_csr(batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, np.ndarray,
         msg = f"row {row} of the batch has {GENE_COLUMN} and {VALUE_COLUMN} of different lengths"
         raise DataValidationError(msg)
     if genes.null_count or values.null_count:
-        msg = f"null elements inside {GENE_COLUMN}/{VALUE_COLUMN} lists"
-        raise DataValidationError(msg)
+        raise DataValidationError(NULL_ELEMENTS)
     indices = genes.to_numpy(zero_copy_only=False)
     if indices.dtype != np.int32:
         if len(indices) and (indices.min() < 0 or indices.max() > np.iinfo(np.int32).max):
@@ -65,13 +64,18 @@ def arrow_csr(batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, np.ndarray,
     return gene_ptr, indices, values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
 
 
+NULL_ELEMENTS = f"null elements inside {GENE_COLUMN}/{VALUE_COLUMN} lists"
+
+
 def is_numeric_obs(name: str, dtype: pa.DataType, where: str) -> bool:
     """Whether a table's obs column ``name`` of ``dtype`` goes into batches as numbers (else as the
-    codes of its categories); a column of lists or structs (the genes and values) is refused."""
+    codes of its categories), as a materialized dataset's obs do: integers, floats and decimals
+    (DuckDB's type for a literal such as ``0.5``) as numbers, bools as codes into `BOOL_CATEGORIES`;
+    a column of lists or structs (the genes and values) is refused."""
     if pa.types.is_nested(dtype):
         msg = f"obs {name!r} of {where} holds {dtype}, not one value per cell: pass obs columns"
         raise OmicsIOError(msg)
-    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_decimal(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,5 +98,7 @@ class ObsSpec:
                 )
                 raise OmicsIOError(msg) from e
             return pc.fill_null(numbers, np.nan).to_numpy(zero_copy_only=False)
+        if pa.types.is_boolean(column.type):  # codes into BOOL_CATEGORIES: False 0, True 1
+            return pc.fill_null(pc.cast(column, pa.int32()), -1).to_numpy(zero_copy_only=False)
         codes = pc.index_in(column, value_set=pa.array(self.categories, type=column.type))
         return pc.fill_null(codes, -1).to_numpy(zero_copy_only=False).astype(np.int32)
