@@ -68,6 +68,9 @@ def _bert(job: dict, inputs: dict, out: Path) -> None:
     if model.config.tie_word_embeddings:
         assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
     model.save_pretrained(out / "safetensors")
+    if "sharded" in job["formats"]:  # as a model larger than max_shard_size is saved: shards and an index
+        model.save_pretrained(out / "sharded", max_shard_size="100KB")
+        model.save_pretrained(out / "sharded_bin", max_shard_size="100KB", safe_serialization=False)
     if "bin" in job["formats"]:
         (out / "bin").mkdir()
         model.config.to_json_file(out / "bin" / "config.json")

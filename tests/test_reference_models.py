@@ -150,7 +150,7 @@ def reference(small_dataset, tmp_path_factory):
             job = {
                 "family": "bert",
                 "config": CONFIGS[name],
-                "formats": ["bin"] if name == "geneformer_v1" else [],
+                "formats": {"geneformer_v1": ["bin"], "small_untied_gelu": ["sharded"]}.get(name, []),
             }
             if name in embed_rows:
                 job["embed_inputs"] = str(root / "embed_rows.npz")
@@ -238,6 +238,22 @@ def test_untied_gelu_bert(reference):
     out, batch, _ = reference["small_untied_gelu"]
     _check_bert("small_untied_gelu", out / "safetensors", out, batch)
     assert load_checkpoint(f"hf:{out / 'safetensors'}").model.decoder is not None
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "sharded_bin"])
+def test_a_sharded_checkpoint_is_the_same_network(reference, fmt, tmp_path):
+    """save_pretrained splits a model larger than max_shard_size into shards and an index: read
+    through the index, it is the same network; a shard missing is named."""
+    out, batch, _ = reference["small_untied_gelu"]
+    index = next((out / fmt).glob("*.index.json"))
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) > 1  # several shards
+    assert load_checkpoint(f"hf:{out / fmt}").path == index
+    _check_bert("small_untied_gelu", out / fmt, out, batch)
+    partial = _copy(out / fmt, tmp_path / "partial")
+    shard = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+    (partial / shard).unlink()
+    with pytest.raises(TrainError, match=rf"lists shard {shard}, which is not in .*copy every shard"):
+        load_checkpoint(f"hf:{partial}")
 
 
 def test_scgpt_is_the_published_transformer_model(reference):

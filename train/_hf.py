@@ -1,5 +1,5 @@
 """Published checkpoints as Equinox models: a Hugging Face ``BertForMaskedLM`` directory (Geneformer:
-``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) as a `GeneformerModel`, and an
+``config.json`` + ``model.safetensors``, ``pytorch_model.bin`` or the shards of either) as a `GeneformerModel`, and an
 scGPT directory (``args.json`` + ``best_model.pt`` + ``vocab.json``) as a `ScGPTModel`
 (`train._scgpt_checkpoint`). No torch: `train._weights` reads the files.
 

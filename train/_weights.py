@@ -47,6 +47,9 @@ _STORAGES = {
     "BoolStorage": np.bool_,
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# what save_pretrained writes for a model larger than its max_shard_size: an index of which shard
+# holds each tensor (``{"weight_map": {name: file}}``) beside the shards
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -164,11 +167,45 @@ def read_torch_pickle(path: Path) -> dict[str, np.ndarray]:
 
 def read_weights(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
     """The weights of a Hugging Face checkpoint directory and the file they came from:
-    ``model.safetensors`` if present, else ``pytorch_model.bin``."""
+    ``model.safetensors`` if present, else ``pytorch_model.bin``, else the shards an index of
+    either lists (`read_sharded`)."""
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
             reader = read_safetensors if name.endswith(".safetensors") else read_torch_pickle
             return reader(path), path
-    msg = f"{directory} holds neither {' nor '.join(WEIGHT_FILES)}; save the model with save_pretrained(DIR)"
+    for name in INDEX_FILES:
+        path = directory / name
+        if path.is_file():
+            return read_sharded(path), path
+    msg = (
+        f"{directory} holds none of {', '.join(WEIGHT_FILES + INDEX_FILES)}; save the model with "
+        "save_pretrained(DIR)"
+    )
     raise TrainError(msg)
+
+
+def read_sharded(index: Path) -> dict[str, np.ndarray]:
+    """The tensors of a sharded checkpoint: every shard its ``index`` (``*.index.json``) names, each
+    tensor from the shard the index gives it (a shard missing, or without a tensor it should
+    hold, is a one-line error)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        msg = f"{index}: not a checkpoint index with a weight_map ({type(e).__name__}: {e})"
+        raise TrainError(msg) from None
+    out = {}
+    for shard in shards:
+        path = index.parent / shard
+        if not path.is_file():
+            msg = f"{index} lists shard {shard}, which is not in {index.parent}: copy every shard beside it"
+            raise TrainError(msg)
+        tensors = (read_safetensors if shard.endswith(".safetensors") else read_torch_pickle)(path)
+        for name, where in weight_map.items():
+            if where == shard:
+                if name not in tensors:
+                    msg = f"{path} has no tensor {name}, which {index.name} places there"
+                    raise TrainError(msg)
+                out[name] = tensors[name]
+    return out
