@@ -98,9 +98,11 @@ def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=
         if row < 0:
             continue
         cols, vals = _cell(ds, row, canon)
+        total = vals.astype(np.float64).sum()  # n_counts
         keep = (tok[cols] >= 0) & (inv[cols] > 0) & (vals > 0)
-        cols, key = cols[keep], vals[keep] * inv[cols[keep]]
-        assert key.dtype == np.float32
+        cols, vals = cols[keep], vals[keep]
+        # Geneformer's tokenizer's values, in float64 (ties, which its sort leaves to chance, by column)
+        key = vals.astype(np.float64) / total * 10_000 / med[cols]
         order = np.lexsort((cols, -key))
         s = 1 if special else 0
         k = min(len(cols), L - 2 * s)
@@ -472,6 +474,52 @@ def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, 
         json.dumps({"<pad>": 0, "<cls>": 1, "<eos>": 2, **{e: 3 + k for k, e in enumerate(ens)}})
     )
     assert oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, vocab=named))["length"][0] > 0
+
+
+@pytest.mark.parametrize("L", [10, 64, 2048])
+def test_genes_whose_float32_keys_come_close_rank_as_geneformers_float64_values(tmp_path, L):
+    """Geneformer's tokenizer ranks ``v / n * 10,000 / median`` in float64; the sort's float32 keys
+    order genes within ~1e-7 of each other otherwise (here in some cells of log-normal medians, as a
+    published dictionary has). Those are put in float64's order, in full and truncated rankings."""
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(7)
+    cells, genes = 300, 1500
+    ens = [f"ENSG{i:011d}" for i in range(genes)]
+    nnz = rng.integers(40, 600, cells)
+    x = np.zeros((cells, genes), np.float32)
+    for i, k in enumerate(nnz):
+        x[i, rng.choice(genes, k, replace=False)] = rng.integers(1, 30, k)
+    medians = np.exp(rng.normal(0, 1.5, genes))
+    # cell 0's two genes lie 2.4e-8 apart in float64, and their float32 keys the other way round
+    medians[:2] = 6.22406058592401, 1.5560151093777799
+    x[0] = 0
+    x[0, :2] = 8, 2
+    (tmp_path / "medians.pkl").write_bytes(pickle.dumps(dict(zip(ens, medians.tolist(), strict=True))))
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3, **{e: 4 + i for i, e in enumerate(ens)}}
+    (tmp_path / "tokens.pkl").write_bytes(pickle.dumps(tokens))
+    var = pd.DataFrame({"ensembl_id": ens}, index=ens)
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(cells)])
+    ad.AnnData(X=sp.csr_matrix(x), obs=obs, var=var).write_h5ad(tmp_path / "x.h5ad")
+    materialize(tmp_path / "x.h5ad", tmp_path / "ds", progress=False)
+    out = oj.GeneformerTokens(
+        max_len=L, mask_prob=0.0, vocab=tmp_path / "tokens.pkl", medians=tmp_path / "medians.pkl"
+    )
+    got = oj.tokenize(oj.open_dataset(tmp_path / "ds"), np.arange(cells), out)
+    by_float32 = 0
+    for i in range(cells):
+        cols = np.flatnonzero(x[i])
+        v = x[i, cols]
+        exact = v.astype(np.float64) / v.sum(dtype=np.float64) * 10_000 / medians[cols]
+        want = [2, *(cols[np.argsort(-exact, kind="stable")][: L - 2] + 4).tolist(), 3]
+        assert got["input_ids"][i][got["attention_mask"][i]].tolist() == want, i
+        keys = v * (1 / medians[cols]).astype(np.float32)
+        by_float32 += not np.array_equal(
+            np.lexsort((cols, -keys))[: L - 2], np.argsort(-exact, kind="stable")[: L - 2]
+        )
+    assert by_float32 >= 1  # the float32 keys alone rank some cell otherwise
 
 
 def test_columns_of_one_gene_rank_by_a_median_of_the_gene_whichever_comes_first(tmp_path):

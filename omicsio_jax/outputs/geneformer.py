@@ -53,6 +53,9 @@ class GeneformerTokens(Output):
     # (columns, 2) int32: each column's scale (float32 bits; 0: not kept) beside its token, as the
     # kernel reads them
     gene: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # each column's median (float64) and each kept token's column: the float64 ranking of close keys
+    median: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    column_of_token: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     # the kept genes' scales mostly distinct (a median per gene, as a published dictionary gives;
     # the corpus medians are histogram bin centres that many genes share): the ranking sort's choice
     distinct_scales: bool = dataclasses.field(default=False, compare=False, repr=False)
@@ -118,8 +121,20 @@ class GeneformerTokens(Output):
         gene = np.stack([scale.view(np.int32), vocab.tok.astype(np.int32)], axis=1)
         kept = scale[scale > 0]
         distinct = 2 * len(np.unique(kept)) >= len(kept)
+        # a kept token's column (the first of its columns: duplicates are summed into it), for the
+        # kernel's float64 ranking of genes whose keys come close
+        kept_columns = np.flatnonzero(scale > 0)
+        column_of_token = np.full(int(vocab.tok.max(initial=-1)) + 1, -1, np.int32)
+        column_of_token[vocab.tok[kept_columns[::-1]]] = kept_columns[::-1]
         return dataclasses.replace(
-            self, vocabulary=vocab, inv_median=inv, gene=gene, distinct_scales=distinct, source=ctx.source
+            self,
+            vocabulary=vocab,
+            inv_median=inv,
+            gene=gene,
+            median=np.where(scale > 0, medians, np.nan).astype(np.float64),
+            column_of_token=column_of_token,
+            distinct_scales=distinct,
+            source=ctx.source,
         )
 
     @property
@@ -165,6 +180,8 @@ class GeneformerTokens(Output):
             keys.epoch,
             self.gene,
             self.gene.view(np.float32),
+            self.median,
+            self.column_of_token,
             self.distinct_scales,
             v.canon,
             v.has_duplicates,

@@ -28,6 +28,16 @@ def _descending_key(v, im):
 _KEY_POSITIVE_MIN = np.uint32(0x807FFFFF)  # `_descending_key` of +inf
 _KEY_POSITIVE_MAX = np.uint32(0xFFFFFFFE)  # `_descending_key` of the smallest positive float32
 
+# Geneformer's tokenizer ranks ``v / n_counts * 10,000 / median`` in float64; the sort's keys are
+# ``v · (1 / median)`` rounded twice to float32, whose order is that one's except between genes
+# whose values lie within 4·2^-24 of each other (their keys then at most 4 apart: ulps of float32 are
+# 2^-24 to 2^-23 of a value): ranked keys as close as `NEAR_KEYS` are put in float64's order
+# (`_float64_order`). A truncated ranking is sorted `SORT_PAST` ranks past its end, so that a gene
+# just outside it is seen too.
+NEAR_KEYS = 8
+SORT_PAST = 64
+TARGET_SUM = 10_000.0  # Geneformer's normalization (its order is the same for any positive one)
+
 
 @nb.njit(parallel=True, nogil=True, cache=True)
 def geneformer_kernel(threads, *args):
@@ -49,6 +59,8 @@ def _geneformer_rows(
     epoch,
     gene,
     gene_scale,
+    medians,
+    column_of_token,
     distinct,
     canon,
     has_dups,
@@ -67,6 +79,8 @@ def _geneformer_rows(
     """Rows ``t, t + threads, …`` of a batch (`geneformer_kernel`). ``gene[g]``: column ``g``'s scale
     (float32 bits: ``1 / median_g`` for a column with a token and a median, else 0, not kept) and
     token side by side, one cache line for both (``gene_scale``: the same memory as float32);
+    ``medians``: each column's median (float64; what the scale is the inverse of), for the genes
+    whose keys come close (`_float64_order`); ``column_of_token``: each kept token's column (-1: none);
     ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`)."""
     width = max(max_count(u32, starts), 1)
     n_rows, L = input_ids.shape
@@ -79,6 +93,11 @@ def _geneformer_rows(
     kept_tok = np.empty(width, np.int32)
     sorted_keys = np.empty(width, np.uint32)
     sorted_tok = np.empty(width, np.int32)
+    kept_cols = np.empty(width, np.int32)  # the kept entries' columns and values, where some are not
+    kept_vals = np.empty(width, np.float32)
+    entry_of = np.full(gene.shape[0], -1, np.int32)  # a column's kept entry (`_float64_order`)
+    exact = np.empty(width, np.float64)
+    run_cols = np.empty(width, np.int32)
     hist = np.empty((3, 2048), np.int32)
     masked = np.empty(L, np.int64)
     u_kind = np.empty(max(L, 3 * GAP_BLOCK), np.float64)
@@ -110,22 +129,45 @@ def _geneformer_rows(
         # scale is >= 0); otherwise the exact test below decides (a product may underflow to 0)
         all_kept = (kmin >= _KEY_POSITIVE_MIN) & (kmax <= _KEY_POSITIVE_MAX)
         kept = count
+        k_cols, k_vals = cols, vals
         if not all_kept:  # compacted in place to the kept ones (advanced over without a branch)
             kept = 0
             kmin, kmax = np.uint32(0xFFFFFFFF), np.uint32(0)
+            k_cols, k_vals = kept_cols, kept_vals
             for j in range(count):
                 key = keys[j]
                 keys[kept], kept_tok[kept] = key, kept_tok[j]
+                k_cols[kept], k_vals[kept] = cols[j], vals[j]
                 keep = (gene_scale[np.uint32(cols[j]), 0] > 0) & (vals[j] > 0)
                 kmin = min(kmin, key) if keep else kmin
                 kmax = max(kmax, key) if keep else kmax
                 kept += keep
-        ranked = kept_tok
-        if rank_sort(
-            keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, L - 2 * first, distinct
-        ):
-            ranked = sorted_tok
-        k = min(kept, L - 2 * first)
+        limit = L - 2 * first
+        ranked, ranked_keys = kept_tok, keys
+        sorted_to = min(kept, limit + SORT_PAST)
+        if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, sorted_to, distinct):
+            ranked, ranked_keys = sorted_tok, sorted_keys
+        k = min(kept, limit)
+        if _near_end(ranked_keys, k, sorted_to, kept):  # a gene past the sorted ranks may belong in them
+            sorted_to = kept
+            if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, kept, distinct):
+                ranked, ranked_keys = sorted_tok, sorted_keys
+        _float64_order(
+            ranked_keys,
+            ranked,
+            k,
+            sorted_to,
+            k_cols,
+            k_vals,
+            kept,
+            vals,
+            count,
+            medians,
+            column_of_token,
+            entry_of,
+            exact,
+            run_cols,
+        )
         end = k + 2 * first
         if special:
             ids[0] = cls_id
@@ -159,3 +201,80 @@ def _geneformer_rows(
             used = (u >= 0.8) & (u < 0.9)
             random_token = gene_tokens[np.uint64(min(np.int64(u_token[q] * n_genes), n_genes - 1) * used)]
             ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
+
+
+@nb.njit(inline="always")
+def _near_end(ranked_keys, k, sorted_to, kept):
+    """Whether ranks ``k - 1`` to ``sorted_to - 1`` (the sorted ones past the ranking's end) are all
+    within `NEAR_KEYS` of each other, the ranks past them unsorted: a gene among those may lie as
+    close to the last one kept, and only a whole sort says which."""
+    if sorted_to >= kept or k == 0:
+        return False
+    for r in range(k, sorted_to):
+        if ranked_keys[r] - ranked_keys[r - 1] > NEAR_KEYS:
+            return False
+    return True
+
+
+@nb.njit(inline="always")
+def _float64_order(
+    ranked_keys,
+    ranked,
+    k,
+    sorted_to,
+    k_cols,
+    k_vals,
+    kept,
+    vals,
+    count,
+    medians,
+    column_of_token,
+    entry_of,
+    exact,
+    run_cols,
+):
+    """Ranks ``0..k-1`` in the order of Geneformer's float64 values (``v / n * 10,000 / median``,
+    ``n`` the cell's total), where runs of keys at most `NEAR_KEYS` apart (ranks up to
+    ``sorted_to``) may hold them otherwise: each run ordered by those values, descending, ties by
+    ascending column (as the keys' ties are; Geneformer's own sort leaves their order to chance). A run's genes are found through ``column_of_token`` and
+    ``entry_of`` (column → kept entry; the sort moved the tokens, not the entries), filled for the
+    cell at its first run and emptied after."""
+    end = min(sorted_to, kept)
+    mapped = False
+    total = 0.0
+    r = 0
+    while r < k:
+        e = r + 1
+        while e < end and ranked_keys[e] - ranked_keys[e - 1] <= NEAR_KEYS:
+            e += 1
+        if e - r > 1:
+            if not mapped:
+                mapped = True
+                for j in range(kept):
+                    entry_of[k_cols[j]] = j
+                s0, s1, s2, s3 = 0.0, 0.0, 0.0, 0.0  # n_counts: exact for counts, as a sum in order is
+                quads = count >> 2
+                for q in range(quads):
+                    j = q << 2
+                    s0 += vals[j]
+                    s1 += vals[j + 1]
+                    s2 += vals[j + 2]
+                    s3 += vals[j + 3]
+                for j in range(quads << 2, count):
+                    s0 += vals[j]
+                total = (s0 + s1) + (s2 + s3)
+            for p in range(r, e):
+                c = column_of_token[ranked[p]]
+                run_cols[p] = c
+                exact[p] = np.float64(k_vals[entry_of[c]]) / total * TARGET_SUM / medians[c]
+            for p in range(r + 1, e):  # insertion (the run is nearly in order): descending, ties by column
+                x, c, token = exact[p], run_cols[p], ranked[p]
+                q = p - 1
+                while q >= r and (exact[q] < x or (exact[q] == x and run_cols[q] > c)):
+                    exact[q + 1], run_cols[q + 1], ranked[q + 1] = exact[q], run_cols[q], ranked[q]
+                    q -= 1
+                exact[q + 1], run_cols[q + 1], ranked[q + 1] = x, c, token
+        r = e
+    if mapped:
+        for j in range(kept):
+            entry_of[k_cols[j]] = -1
