@@ -442,6 +442,18 @@ def test_bad_token_arguments(token_ds, tmp_path):
         with pytest.raises(error):  # -1 alone is a padding row; other rows are the dataset's
             oj.tokenize(token_ds, rows, oj.ScGPTTokens())
     assert oj.tokenize(token_ds, [-1], oj.ScGPTTokens())["pad_mask"].all()
+    tokens = tmp_path / "token_dictionary.pkl"  # Geneformer's two pickles swapped
+    tokens.write_bytes(pickle.dumps({"<pad>": 0, "<mask>": 1, "ENSG00000000001": 2}))
+    with pytest.raises(oj.OmicsIOError, match=r"holds <mask>, <pad>: a token dictionary, not gene medians"):
+        oj.tokenize(token_ds, [4], oj.GeneformerTokens(medians=tokens))
+    for seed in (2**64, -1, 1.5):
+        with pytest.raises(oj.OmicsIOError, match=r"tokenize\(seed=...\) must be an integer in 0..2\*\*64-1"):
+            oj.tokenize(token_ds, [4], oj.ScGPTTokens(), seed=seed)
+    numpy_ints = (
+        oj.ScGPTTokens(max_len=np.int64(64), n_bins=np.int32(51)),
+        oj.GeneformerTokens(max_len=np.int64(64)),
+    )
+    assert [o.max_len for o in numpy_ints] == [64, 64] and type(numpy_ints[0].n_bins) is int
 
 
 def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, tmp_path):

@@ -59,6 +59,10 @@ class ScGPTTokens(Output):
     needs_genes = True  # tokens are genes: a gene-space modality only
 
     def __post_init__(self) -> None:
+        for name in ("max_len", "n_bins"):  # a numpy integer is an integer
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
             msg = (
                 f"max_len={self.max_len!r} leaves no room for a gene token beside CLS; use e.g. max_len=1201"

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from omicsio_jax.core.errors import OmicsIOError
 from omicsio_jax.dataset.batched_reads import OutputRecords
 from omicsio_jax.dataset.dataset import Dataset, open_dataset
 from omicsio_jax.outputs.base import Output, OutputContext, RowKeys
@@ -32,6 +33,10 @@ def tokenize(
     (3, 512)
     >>> x = oj.tokenize(ds, [0, 5], {"spliced": oj.ScGPTTokens(), "unspliced": oj.ScGPTTokens()})  # doctest: +SKIP
     """
+    for name, value in (("seed", seed), ("epoch", epoch)):  # the draws' keys are 64-bit
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < 2**64:
+            msg = f"tokenize({name}=...) must be an integer in 0..2**64-1, got {value!r}"
+            raise OmicsIOError(msg)
     ds = ds if isinstance(ds, Dataset) else open_dataset(ds)
     given = np.asarray(rows)
     ds.check_rows(given[given != -1] if given.ndim == 1 else given)  # within the dataset; -1: padding

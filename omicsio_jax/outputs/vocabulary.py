@@ -303,6 +303,13 @@ def medians_by_column(path: str | Path, ensembl_ids: np.ndarray, *, dataset: str
     """Per-column medians (float64) from a file of Ensembl id → median: NaN where it has none, 0 where
     the one it has is not positive (0, negative, infinite or NaN; warned of here)."""
     raw = read_gene_mapping(path, what="median")
+    specials = sorted(str(k) for k in raw if any(str(k) in names for names in SPECIAL_NAMES.values()))
+    if specials:  # Geneformer's two pickles swapped: token ids would rank as medians
+        msg = (
+            f"{path} holds {', '.join(specials)}: a token dictionary, not gene medians; pass it as vocab= "
+            "and the median dictionary (gene_median_dictionary.pkl) as medians="
+        )
+        raise OmicsIOError(msg)
     by_id = {fold_ensembl(str(k)): float(v) for k, v in raw.items()}
     keys = [fold_ensembl(str(e)) if e is not None else None for e in ensembl_ids]
     out = np.array([by_id.get(k, np.nan) for k in keys], dtype=np.float64)
