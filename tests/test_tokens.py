@@ -101,8 +101,11 @@ def ref_geneformer(ds, rows, *, L, special, p, seed, epoch, vocab=None, medians=
         total = vals.astype(np.float64).sum()  # n_counts
         keep = (tok[cols] >= 0) & (inv[cols] > 0) & (vals > 0)
         cols, vals = cols[keep], vals[keep]
-        # Geneformer's tokenizer's values, in float64 (ties, which its sort leaves to chance, by column)
-        key = vals.astype(np.float64) / total * 10_000 / med[cols]
+        if medians is None:  # the corpus medians: float32 keys, ties by column
+            key = vals * inv[cols]
+            assert key.dtype == np.float32
+        else:  # Geneformer's tokenizer's values, in float64 (ties, which its sort leaves to chance, by column)
+            key = vals.astype(np.float64) / total * 10_000 / med[cols]
         order = np.lexsort((cols, -key))
         s = 1 if special else 0
         k = min(len(cols), L - 2 * s)

@@ -186,6 +186,7 @@ class GeneformerTokens(Output):
             self.gene.view(np.float32),
             self.median,
             self.column_of_token,
+            self.medians is not None,
             self.distinct_scales,
             v.canon,
             v.has_duplicates,

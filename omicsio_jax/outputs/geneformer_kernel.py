@@ -31,9 +31,11 @@ _KEY_POSITIVE_MAX = np.uint32(0xFFFFFFFE)  # `_descending_key` of the smallest p
 # Geneformer's tokenizer ranks ``v / n_counts * 10,000 / median`` in float64; the sort's keys are
 # ``v · (1 / median)`` rounded twice to float32, whose order is that one's except between genes
 # whose values lie within 4·2^-24 of each other (their keys then at most 4 apart: ulps of float32 are
-# 2^-24 to 2^-23 of a value): ranked keys as close as `NEAR_KEYS` are put in float64's order
-# (`_float64_order`). A truncated ranking is sorted `SORT_PAST` ranks past its end, so that a gene
-# just outside it is seen too.
+# 2^-24 to 2^-23 of a value): with medians given (a published dictionary), ranked keys as close as
+# `NEAR_KEYS` are put in float64's order (`_float64_order`), and a truncated ranking is sorted
+# `SORT_PAST` ranks past its end, so that a gene just outside it is seen too. The corpus medians
+# (histogram bin centres, within 0.87% of the exact ones) are shared by many genes, whose keys tie
+# by the hundred: there the float32 keys rank, ties by column.
 NEAR_KEYS = 8
 SORT_PAST = 64
 TARGET_SUM = 10_000.0  # Geneformer's normalization (its order is the same for any positive one)
@@ -61,6 +63,7 @@ def _geneformer_rows(
     gene_scale,
     medians,
     column_of_token,
+    as_float64,
     distinct,
     canon,
     has_dups,
@@ -80,7 +83,8 @@ def _geneformer_rows(
     (float32 bits: ``1 / median_g`` for a column with a token and a median, else 0, not kept) and
     token side by side, one cache line for both (``gene_scale``: the same memory as float32);
     ``medians``: each column's median (float64; what the scale is the inverse of), for the genes
-    whose keys come close (`_float64_order`); ``column_of_token``: each kept token's column (-1: none);
+    whose keys come close (`_float64_order`, where ``as_float64``: medians given, as Geneformer's
+    tokenizer takes them); ``column_of_token``: each kept token's column (-1: none);
     ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`)."""
     width = max(max_count(u32, starts), 1)
     n_rows, L = input_ids.shape
@@ -95,7 +99,6 @@ def _geneformer_rows(
     sorted_tok = np.empty(width, np.int32)
     kept_cols = np.empty(width, np.int32)  # the kept entries' columns and values, where some are not
     kept_vals = np.empty(width, np.float32)
-    entry_of = np.full(gene.shape[0], -1, np.int32)  # a column's kept entry (`_float64_order`)
     exact = np.empty(width, np.float64)
     run_cols = np.empty(width, np.int32)
     hist = np.empty((3, 2048), np.int32)
@@ -144,30 +147,19 @@ def _geneformer_rows(
                 kept += keep
         limit = L - 2 * first
         ranked, ranked_keys = kept_tok, keys
-        sorted_to = min(kept, limit + SORT_PAST)
+        sorted_to = min(kept, limit + SORT_PAST) if as_float64 else min(kept, limit)
         if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, sorted_to, distinct):
             ranked, ranked_keys = sorted_tok, sorted_keys
         k = min(kept, limit)
-        if _near_end(ranked_keys, k, sorted_to, kept):  # a gene past the sorted ranks may belong in them
-            sorted_to = kept
-            if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, kept, distinct):
-                ranked, ranked_keys = sorted_tok, sorted_keys
-        _float64_order(
-            ranked_keys,
-            ranked,
-            k,
-            sorted_to,
-            k_cols,
-            k_vals,
-            kept,
-            vals,
-            count,
-            medians,
-            column_of_token,
-            entry_of,
-            exact,
-            run_cols,
-        )
+        if as_float64 and _any_near(ranked_keys, sorted_to):
+            if _near_end(ranked_keys, k, sorted_to, kept):  # a gene past the sorted ranks may belong in them
+                sorted_to = kept
+                if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, kept, distinct):
+                    ranked, ranked_keys = sorted_tok, sorted_keys
+            _float64_order(
+                ranked_keys, ranked, k, sorted_to, k_cols, k_vals, kept, vals, count, medians,
+                column_of_token, exact, run_cols,
+            )  # fmt: skip
         end = k + 2 * first
         if special:
             ids[0] = cls_id
@@ -204,6 +196,16 @@ def _geneformer_rows(
 
 
 @nb.njit(inline="always")
+def _any_near(ranked_keys, end):
+    """Whether two neighbouring ranked keys of the first ``end`` lie within `NEAR_KEYS` (a loop
+    without a branch: most cells have none)."""
+    near = False
+    for r in range(1, end):
+        near |= ranked_keys[r] - ranked_keys[r - 1] <= NEAR_KEYS
+    return near
+
+
+@nb.njit(inline="always")
 def _near_end(ranked_keys, k, sorted_to, kept):
     """Whether ranks ``k - 1`` to ``sorted_to - 1`` (the sorted ones past the ranking's end) are all
     within `NEAR_KEYS` of each other, the ranks past them unsorted: a gene among those may lie as
@@ -214,6 +216,19 @@ def _near_end(ranked_keys, k, sorted_to, kept):
         if ranked_keys[r] - ranked_keys[r - 1] > NEAR_KEYS:
             return False
     return True
+
+
+@nb.njit(inline="always")
+def _entry_of(k_cols, kept, column):
+    """The kept entry of ``column`` (``k_cols``: the kept entries' columns, ascending): a binary search."""
+    lo, hi = 0, kept
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if k_cols[mid] < column:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @nb.njit(inline="always")
@@ -229,30 +244,25 @@ def _float64_order(
     count,
     medians,
     column_of_token,
-    entry_of,
     exact,
     run_cols,
 ):
     """Ranks ``0..k-1`` in the order of Geneformer's float64 values (``v / n * 10,000 / median``,
     ``n`` the cell's total), where runs of keys at most `NEAR_KEYS` apart (ranks up to
     ``sorted_to``) may hold them otherwise: each run ordered by those values, descending, ties by
-    ascending column (as the keys' ties are; Geneformer's own sort leaves their order to chance). A run's genes are found through ``column_of_token`` and
-    ``entry_of`` (column → kept entry; the sort moved the tokens, not the entries), filled for the
-    cell at its first run and emptied after."""
+    ascending column (as the keys' ties are; Geneformer's own sort leaves their order to chance).
+    A run's genes are found through ``column_of_token`` and a search of the kept columns (the
+    sort moved the tokens, not the entries); a cell has a run or two, if any."""
     end = min(sorted_to, kept)
-    mapped = False
-    total = 0.0
+    total = -1.0
     r = 0
     while r < k:
         e = r + 1
         while e < end and ranked_keys[e] - ranked_keys[e - 1] <= NEAR_KEYS:
             e += 1
         if e - r > 1:
-            if not mapped:
-                mapped = True
-                for j in range(kept):
-                    entry_of[k_cols[j]] = j
-                s0, s1, s2, s3 = 0.0, 0.0, 0.0, 0.0  # n_counts: exact for counts, as a sum in order is
+            if total < 0:  # n_counts, once per cell: exact for counts, as a sum in order is
+                s0, s1, s2, s3 = 0.0, 0.0, 0.0, 0.0
                 quads = count >> 2
                 for q in range(quads):
                     j = q << 2
@@ -266,7 +276,8 @@ def _float64_order(
             for p in range(r, e):
                 c = column_of_token[ranked[p]]
                 run_cols[p] = c
-                exact[p] = np.float64(k_vals[entry_of[c]]) / total * TARGET_SUM / medians[c]
+                v = np.float64(k_vals[_entry_of(k_cols, kept, c)])
+                exact[p] = v / total * TARGET_SUM / medians[c]
             for p in range(r + 1, e):  # insertion (the run is nearly in order): descending, ties by column
                 x, c, token = exact[p], run_cols[p], ranked[p]
                 q = p - 1
@@ -275,6 +286,3 @@ def _float64_order(
                     q -= 1
                 exact[q + 1], run_cols[q + 1], ranked[q + 1] = x, c, token
         r = e
-    if mapped:
-        for j in range(kept):
-            entry_of[k_cols[j]] = -1
