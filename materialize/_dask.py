@@ -187,8 +187,12 @@ def _address_in(scheduler_file: str) -> str:
         raise OmicsIOError(msg) from e
 
 
+HANDSHAKE_WAIT_S = 15.0  # for a Dask scheduler's first bytes on a new connection
+
+
 def _probe_scheduler(address: str, scheduler_file: str | None) -> None:
-    """Fail at once where nothing listens at a TCP ``address`` (Dask's `Client` retries for 30 s)."""
+    """Fail at once where nothing listens at a TCP ``address`` (Dask's `Client` retries for 30 s), and
+    within `HANDSHAKE_WAIT_S` where a server listens that is not a Dask scheduler."""
     try:
         host, port = require("distributed.comm", "distributed", "a Dask cluster").get_address_host_port(
             address
@@ -196,7 +200,7 @@ def _probe_scheduler(address: str, scheduler_file: str | None) -> None:
     except (ValueError, TypeError):  # not a TCP address (inproc://, ucx://): left to Dask
         return
     try:
-        socket.create_connection((host, port), timeout=10).close()
+        conn = socket.create_connection((host, port), timeout=10)
     except OSError as e:
         via = f" (from {scheduler_file})" if scheduler_file else ""
         msg = (
@@ -204,6 +208,22 @@ def _probe_scheduler(address: str, scheduler_file: str | None) -> None:
             "runs and that this machine reaches it"
         )
         raise OmicsIOError(msg) from e
+    with conn:
+        if "://" in address and not address.startswith("tcp://"):
+            return  # tls:// and others: the client speaks first
+        # a Dask scheduler sends its handshake as a connection opens; an HTTP server (its dashboard,
+        # 8787) waits for a request, and Dask's Client waits on it for minutes
+        conn.settimeout(HANDSHAKE_WAIT_S)
+        try:
+            first = conn.recv(8)
+        except OSError:
+            first = b""
+    if not first or first.startswith(b"HTTP"):
+        msg = (
+            f"the server at {address} does not answer as a Dask scheduler (no handshake in "
+            f"{HANDSHAKE_WAIT_S:g} s); give the scheduler's address (port 8786 by default, not its dashboard's 8787)"
+        )
+        raise OmicsIOError(msg)
 
 
 def _stop_tasks(client, futures: Sequence, token: str) -> None:

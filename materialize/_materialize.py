@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import secrets
 import sys
 import time
@@ -71,6 +72,48 @@ class MaterializeResult:
             f"{size / 2**20:,.1f} MiB in {len(m.shards)} shard(s){further}, {self.seconds:.1f} s "
             f"({self.cells_per_second:,.0f} cells/s, {self.workers} worker(s)) → {self.path}"
         )
+
+
+def _absolute(spec):
+    """A local path (a file, folder, glob, or a ``ducklake:`` catalog's) made absolute against this
+    process's current directory; anything else (``s3://``, ``union``, a list of genes) as it is."""
+    if not isinstance(spec, str | os.PathLike):
+        return spec
+    text = os.fspath(spec)
+    if text.startswith("ducklake:"):
+        catalog, sep, table = text[len("ducklake:") :].partition("#")
+        return "ducklake:" + str(_absolute(catalog)) + sep + table
+    if is_remote(text) or text in ("union", "intersection"):
+        return spec
+    return os.path.abspath(text)
+
+
+def _absolute_paths(source, read: InputOptions, layout: Layout, multimodal: Multimodal) -> tuple:
+    """The run's local paths made absolute (`_absolute`), for a Dask cluster, whose workers would open
+    a relative one in their own current directories: a file of the same name there would be read
+    in place of the one given. (A ``query``'s SQL is the caller's: its paths are not rewritten.)"""
+
+    def each(value):
+        if isinstance(value, dict):
+            return {
+                k: tuple(map(_absolute, v)) if isinstance(v, tuple) else _absolute(v)
+                for k, v in value.items()
+            }
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            return [_absolute(v) for v in value]
+        return _absolute(value)
+
+    if isinstance(source, Sources):
+        source = dataclasses.replace(source, paths=tuple(_absolute(p) for p in source.paths))
+    else:
+        source = each(source)
+    read = dataclasses.replace(read, genes=_absolute(read.genes))
+    layout = dataclasses.replace(layout, panel=_absolute(layout.panel))
+    modalities = multimodal.modalities
+    if isinstance(modalities, dict):  # tables by name; .h5mu modality names stay names
+        modalities = each(modalities)
+    layers = each(multimodal.layers) if isinstance(multimodal.layers, dict) else multimodal.layers
+    return source, read, layout, dataclasses.replace(multimodal, modalities=modalities, layers=layers)
 
 
 def materialize(
@@ -136,6 +179,8 @@ def materialize(
         (None, None) if dask is None else (dask.scheduler, dask.scheduler_file)
     )
     workers = None if dask is not None else workers
+    if dask is not None:  # a Dask worker opens a relative path in its own current directory
+        source, read, layout, multimodal = _absolute_paths(source, read, layout, multimodal)
     start = time.perf_counter()
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         msg = f"workers must be >= 1, got {workers}"

@@ -106,6 +106,26 @@ def test_a_server_that_is_not_a_dask_scheduler_is_a_one_line_error(corpus, tmp_p
     assert "not its dashboard's 8787" in str(error)
 
 
+def test_a_real_dashboard_given_for_the_scheduler_is_a_one_line_error(
+    corpus, tmp_path, dask_cluster, monkeypatch
+):
+    """Dask's dashboard (an HTTP server that waits for a request) given for the scheduler: no
+    handshake comes, and the run says so within the wait (shortened here) instead of Dask's Client
+    waiting for minutes."""
+    from materialize import _dask
+
+    monkeypatch.setattr(_dask, "HANDSHAKE_WAIT_S", 1.0)
+    dashboard = dask_cluster.dashboard_link.split("//")[1].split("/")[0]
+    error = _in_thread(
+        lambda: materialize(
+            corpus.cells_parquet, tmp_path / "out", workers=Dask(f"tcp://{dashboard}"), progress=False
+        )
+    )
+    assert isinstance(error, oj.OmicsIOError), repr(error)
+    assert "no handshake in 1 s" in str(error) and "not its dashboard's 8787" in str(error)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_data_error_on_dask_leaves_nothing_on_s3(s3, corpus_table, tmp_path, dask_cluster):
     """The bad cell is in the first partition; the other worker is still writing its own when the
     error stops the run, and its task is not interrupted by being cancelled: the run waits for it
@@ -139,25 +159,59 @@ def _workers_in(cluster, folder):
                 client.run(os.chdir, cwd, workers=[worker])
 
 
-def test_an_input_the_dask_workers_do_not_see_is_a_one_line_error(
-    corpus, tmp_path, dask_cluster, monkeypatch
+def test_a_relative_input_is_the_one_given_whatever_the_workers_directory(
+    corpus, corpus_table, tmp_path, dask_cluster, monkeypatch
 ):
+    """A relative input path names a file in this process's current directory: the Dask workers,
+    whose own directory holds a different file of that name (as on another machine), read the one
+    given, not theirs."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    name = Path(corpus.cells_parquet).name
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    values = corpus_table.column("gene_expression").combine_chunks()
+    doubled = pa.ListArray.from_arrays(
+        values.offsets, pc.multiply(values.values, pa.scalar(2.0, pa.float32()))
+    )
+    column = corpus_table.column_names.index("gene_expression")
+    pq.write_table(corpus_table.set_column(column, "gene_expression", doubled), theirs / name)
+    (theirs / "gene_metadata.parquet").write_bytes(Path(corpus.genes_parquet).read_bytes())
     monkeypatch.chdir(Path(corpus.cells_parquet).parent)
-    with (
-        _workers_in(dask_cluster, tmp_path),
-        pytest.raises(
-            oj.OmicsIOError,
-            match=rf"^input {Path(corpus.cells_parquet).name} is not seen by every Dask worker .*: give an absolute path",
-        ),
-    ):
+    with _workers_in(dask_cluster, theirs):
         materialize(
-            Path(corpus.cells_parquet).name,
+            name,
             tmp_path / "out",
             progress=False,
             layout=Layout(shard_cells=512),
             workers=Dask(scheduler=dask_cluster.scheduler_address),
         )
-    assert sorted(os.listdir(tmp_path)) == []
+    ds = oj.open_dataset(tmp_path / "out")
+    _, _, got = ds.read_csr(np.arange(ds.num_cells))
+    np.testing.assert_array_equal(got, values.values.to_numpy())
+
+
+def test_an_input_the_dask_workers_do_not_see_is_a_one_line_error():
+    """A local path a worker does not see (a file system this machine alone mounts) is refused before
+    any task runs."""
+    from materialize._dask import _check_paths_on_workers
+
+    class Unseen:  # what Client.run answers where one worker lacks the path
+        def run(self, function, paths):
+            return {"tcp://10.0.0.8:4000": list(paths[:1])}
+
+    class About:
+        source = type("Source", (), {"description": {"files": ["/scratch/me/cells.parquet"]}})()
+        staging = "s3://bucket/out/"
+
+    with pytest.raises(
+        oj.OmicsIOError,
+        match=r"^input /scratch/me/cells.parquet is not seen by every Dask worker .*: give an absolute path",
+    ):
+        _check_paths_on_workers(Unseen(), About())
 
 
 def test_an_output_the_dask_workers_do_not_see_leaves_nothing_anywhere(
