@@ -80,9 +80,10 @@ def _absolute(spec):
     if not isinstance(spec, str | os.PathLike):
         return spec
     text = os.fspath(spec)
-    if text.startswith("ducklake:"):
+    if text.startswith("ducklake:"):  # ducklake:[sqlite:|duckdb:]CATALOG[#TABLE]
         catalog, sep, table = text[len("ducklake:") :].partition("#")
-        return "ducklake:" + str(_absolute(catalog)) + sep + table
+        kind = next((k for k in ("sqlite:", "duckdb:") if catalog.startswith(k)), "")
+        return "ducklake:" + kind + str(_absolute(catalog[len(kind) :])) + sep + table
     if is_remote(text) or text in ("union", "intersection"):
         return spec
     return os.path.abspath(text)

@@ -333,3 +333,19 @@ def test_the_only_dask_worker_killed_once_costs_a_rerun_of_its_task(corpus, tmp_
     ]
     manifests = [json.loads(d.pop("manifest.json"))["fingerprint"] for d in digests]
     assert digests[0] == digests[1] and manifests[0] == manifests[1]
+
+
+def test_local_paths_made_absolute_for_dask_keep_what_they_are(monkeypatch, tmp_path):
+    from materialize._materialize import _absolute
+
+    monkeypatch.chdir(tmp_path)
+    assert _absolute("data/*.parquet") == f"{tmp_path}/data/*.parquet"
+    assert _absolute("ducklake:sqlite:lake.sqlite#rna") == f"ducklake:sqlite:{tmp_path}/lake.sqlite#rna"
+    assert _absolute("ducklake:duckdb:/abs/lake.duckdb") == "ducklake:duckdb:/abs/lake.duckdb"
+    assert _absolute("ducklake:lake.ducklake") == f"ducklake:{tmp_path}/lake.ducklake"
+    assert [_absolute(s) for s in ("s3://b/x/", "union", "intersection", None)] == [
+        "s3://b/x/",
+        "union",
+        "intersection",
+        None,
+    ]

@@ -544,6 +544,7 @@ def test_decimal_and_bool_obs_come_out_as_a_materialized_datasets_do(tmp_path):
         served = next(iter(loader))
     np.testing.assert_array_equal(np.asarray(served.obs["frac"]), np.asarray(batch.obs["frac"]))
     assert oj.open_dataset(out).rows_where("frac", [0.5]).tolist() == [0, 3]
+    assert oj.open_dataset(out).rows_where("frac", [0.5, None]).tolist() == [0, 3]  # None matches nothing
     with pytest.raises(TypeError, match=r"\['0.5'\] are not numbers, and obs 'frac' holds float"):
         oj.open_dataset(out).rows_where("frac", ["0.5"])  # text is no match for a number: not []
     np.testing.assert_array_equal(np.asarray(served.obs["flag"]), [1, -1, 0, 1])
@@ -593,3 +594,25 @@ def test_small_query_edges(tmp_path):
     empty = oj.load_panel(table, [0], where="tissue = 'liver'", progress=False)
     with pytest.raises(oj.OmicsIOError, match="the panel holds no cells"):
         oj.make_memory_loader(empty, batch_size=1, seed=0, num_epochs=1)
+
+
+def test_vortex_files_with_columns_of_their_own_open_as_one_table(tmp_path):
+    """A column only a later vortex file has comes after the row id the view adds: not a table's own
+    ``cell_rowid``."""
+    first = pa.table(
+        {
+            "cell_id": ["a"],
+            "gene_token_id": lists([[0]], pa.int32()),
+            "gene_expression": lists([[1.0]], pa.float32()),
+        }
+    )
+    second = first.append_column("batch", pa.array(["p"]))
+    vortex.io.write(first, str(tmp_path / "0.vortex"))
+    vortex.io.write(second, str(tmp_path / "1.vortex"))
+    table = oj.open_table(str(tmp_path / "*.vortex"))
+    assert table.select().tolist() == [0, 1]
+    assert table.metadata(["batch"]).column("batch").to_pylist() == [None, "p"]
+    own = second.append_column("cell_rowid", pa.array([7]))
+    vortex.io.write(own, str(tmp_path / "1.vortex"))
+    with pytest.raises(oj.DataValidationError, match=r"1.vortex has a column named 'cell_rowid'"):
+        oj.open_table(str(tmp_path / "*.vortex"))

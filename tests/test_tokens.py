@@ -537,6 +537,34 @@ def test_genes_whose_float32_keys_come_close_rank_as_geneformers_float64_values(
     assert by_float32 >= 1  # the float32 keys alone rank some cell otherwise
 
 
+def test_a_chain_of_close_keys_past_a_truncated_ranking_is_ranked_by_a_whole_sort(tmp_path):
+    """80 genes whose keys lie 4 float32 steps apart reach past the ranks sorted beyond the ranking's
+    end: a whole sort decides which genes are kept, then the float64 order their order (the whole
+    sort's passes run in place here, over keys spanning ~2^21)."""
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    genes = 200
+    ens = [f"ENSG{i:011d}" for i in range(genes)]
+    values = np.empty(genes)
+    values[:80] = 1 - (np.arange(80) + 1) * 4 * 2.0**-24  # descending by column, 4 steps apart
+    values[80:] = 0.99 - 0.001 * np.arange(120)
+    medians = 1 / values
+    (tmp_path / "medians.pkl").write_bytes(pickle.dumps(dict(zip(ens, medians.tolist(), strict=True))))
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3, **{e: 4 + i for i, e in enumerate(ens)}}
+    (tmp_path / "tokens.pkl").write_bytes(pickle.dumps(tokens))
+    var = pd.DataFrame({"ensembl_id": ens}, index=ens)
+    x = sp.csr_matrix(np.ones((1, genes), np.float32))
+    ad.AnnData(X=x, obs=pd.DataFrame(index=["c0"]), var=var).write_h5ad(tmp_path / "x.h5ad")
+    materialize(tmp_path / "x.h5ad", tmp_path / "ds", progress=False)
+    out = oj.GeneformerTokens(
+        max_len=10, mask_prob=0.0, vocab=tmp_path / "tokens.pkl", medians=tmp_path / "medians.pkl"
+    )
+    got = oj.tokenize(oj.open_dataset(tmp_path / "ds"), [0], out)
+    assert got["input_ids"][0][got["attention_mask"][0]].tolist() == [2, 4, 5, 6, 7, 8, 9, 10, 11, 3]
+
+
 def test_columns_of_one_gene_rank_by_a_median_of_the_gene_whichever_comes_first(tmp_path):
     """Columns sharing an Ensembl id are summed into the first; ranked by the dataset's own medians,
     which are per column, the sum takes the first column's median, or where that column was never

@@ -152,7 +152,7 @@ def rows_where(
                 example = '["2024-05-01"]' if data.dtype.kind == "M" else '[np.timedelta64(90, "s")]'
                 msg = f"{list(values)!r} are not {data.dtype} values of obs {column!r}; e.g. {example}"
                 raise TypeError(msg) from e
-        elif data.dtype.kind in "biuf" and wanted.dtype.kind not in "biuf":  # "5" is no match for 5
+        elif data.dtype.kind in "biuf" and any(isinstance(v, str | bytes) for v in values):  # "5" is not 5
             msg = f"{list(values)!r} are not numbers, and obs {column!r} holds {data.dtype} values"
             raise TypeError(msg)
         keep = np.isin(np.asarray(data), wanted)

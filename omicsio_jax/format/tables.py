@@ -200,6 +200,7 @@ def create_cells_view(
                     hi = len(vf) if hi is None else hi
                     table = vf.to_arrow(indices=vx.array(pa.array(np.arange(lo, hi, dtype=np.uint64))))
                 con.register(f"_{name}_vortex_{i}", table)
+                _check_rowid(con, f"_{name}_vortex_{i}", str(path), rowid=rowid, added=False)
             except Exception as e:  # vortex raises plain Exceptions for unreadable files
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
@@ -211,7 +212,6 @@ def create_cells_view(
                 extra += f", CAST({bases[i]} + row_number() OVER () - 1 AS BIGINT) AS {ROWID_COLUMN}"
             arms.append(f"SELECT *{extra} FROM _{name}_vortex_{i}")
         con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS " + " UNION ALL BY NAME ".join(arms))
-        _check_rowid(con, name, label, rowid=rowid)
         if rowid:
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_all AS SELECT * FROM {name}")
         return bases
@@ -248,10 +248,16 @@ def _reserved(label: str, column: str) -> str:
     )
 
 
-def _check_rowid(con: duckdb.DuckDBPyConnection, name: str, label: str, *, rowid: bool) -> None:
-    """Refuse a table with a ``cell_rowid`` column of its own: DuckDB renames the view's (its last
-    column), and every query by ``cell_rowid`` would read the table's values instead."""
-    if rowid and con.execute(f"DESCRIBE {name}").fetchall()[-1][0] != ROWID_COLUMN:
+def _check_rowid(
+    con: duckdb.DuckDBPyConnection, name: str, label: str, *, rowid: bool, added: bool = True
+) -> None:
+    """Refuse a table with a ``cell_rowid`` column of its own: DuckDB renames the view's, and every
+    query by ``cell_rowid`` would read the table's values instead. ``name``: the view, whose last
+    column is the one it adds (``added``), or a file's table, which has none of its own."""
+    if not rowid:
+        return
+    columns = [row[0] for row in con.execute(f"DESCRIBE {name}").fetchall()]
+    if (columns[-1] != ROWID_COLUMN) if added else (ROWID_COLUMN in columns):
         raise DataValidationError(_reserved(label, ROWID_COLUMN))
 
 

@@ -136,9 +136,10 @@ def place_batch(host_batch: HostBatch | dict, mesh=None, data_axis: str = "data"
             placed = jax.make_array_from_process_local_data(sharding, host_batch)
     except ValueError:  # JAX's, for a batch its devices do not split evenly: said in our terms
         slabs = jax.tree.flatten(host_batch, is_leaf=lambda n: isinstance(n, SparseBatch))[0]
-        _check_divisible(
-            leaves, mesh, data_axis, {id(a) for s in slabs if isinstance(s, SparseBatch) for a in s}
-        )
+        slab_ids = {
+            id(a) for s in slabs if isinstance(s, SparseBatch) for a in (s.row_ids, s.indices, s.values)
+        }
+        _check_divisible(leaves, mesh, data_axis, slab_ids)
         raise
     if steps:
         parts = treedef.flatten_up_to(placed)
@@ -156,7 +157,7 @@ def _check_divisible(leaves: list, mesh, data_axis: str, slabs: set[int] = froze
     devices, hosts = mesh.shape[data_axis], jax.process_count()
     for leaf in leaves:
         size = np.shape(leaf)[0] if np.ndim(leaf) else 1
-        if id(leaf) in slabs and size % devices:
+        if id(leaf) in slabs and (size * hosts) % devices:
             msg = (
                 f"place_batch: the batch was built as {size} device slab(s), not one per device of the "
                 f"{devices} of mesh axis {data_axis!r}: give its loader the mesh (placement=mesh, in "

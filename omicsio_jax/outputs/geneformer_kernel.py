@@ -156,6 +156,8 @@ def _geneformer_rows(
                 sorted_to = kept
                 if rank_sort(keys, kept_tok, kept, kmin, kmax, sorted_keys, sorted_tok, hist, kept, distinct):
                     ranked, ranked_keys = sorted_tok, sorted_keys
+                else:  # sorted in place (the out arrays were its scratch)
+                    ranked, ranked_keys = kept_tok, keys
             _float64_order(
                 ranked_keys, ranked, k, sorted_to, k_cols, k_vals, kept, vals, count, medians,
                 column_of_token, exact, run_cols,
