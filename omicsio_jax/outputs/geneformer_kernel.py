@@ -16,7 +16,7 @@ from omicsio_jax.outputs.token_draws import (
     draws_at,
     selected_positions,
 )
-from omicsio_jax.outputs.token_kernels import IGNORE_INDEX, max_count, sum_duplicates
+from omicsio_jax.outputs.token_kernels import IGNORE_INDEX, first_not_below, max_count, sum_duplicates
 
 
 @nb.njit(inline="always")
@@ -221,19 +221,6 @@ def _near_end(ranked_keys, k, sorted_to, kept):
 
 
 @nb.njit(inline="always")
-def _entry_of(k_cols, kept, column):
-    """The kept entry of ``column`` (``k_cols``: the kept entries' columns, ascending): a binary search."""
-    lo, hi = 0, kept
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if k_cols[mid] < column:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@nb.njit(inline="always")
 def _float64_order(
     ranked_keys,
     ranked,
@@ -278,7 +265,7 @@ def _float64_order(
             for p in range(r, e):
                 c = column_of_token[ranked[p]]
                 run_cols[p] = c
-                v = np.float64(k_vals[_entry_of(k_cols, kept, c)])
+                v = np.float64(k_vals[first_not_below(k_cols, 0, kept, c)])
                 exact[p] = v / total * TARGET_SUM / medians[c]
             for p in range(r + 1, e):  # insertion (the run is nearly in order): descending, ties by column
                 x, c, token = exact[p], run_cols[p], ranked[p]

@@ -18,7 +18,13 @@ from omicsio_jax.outputs.token_draws import (
     draws_from,
     selected_positions,
 )
-from omicsio_jax.outputs.token_kernels import MASK_VALUE, PAD_VALUE, max_count, sum_duplicates
+from omicsio_jax.outputs.token_kernels import (
+    MASK_VALUE,
+    PAD_VALUE,
+    first_not_below,
+    max_count,
+    sum_duplicates,
+)
 
 SMALL_COUNT = 255  # cells whose kept values are all integers up to this are tallied, not sorted
 _TALLY = SMALL_COUNT + 1
@@ -28,14 +34,7 @@ _TALLY = SMALL_COUNT + 1
 def _interval(edges, v):
     """(edges < v, edges <= v) counted by binary search: ``digitize(v, edges, right=True)`` and
     ``digitize(v, edges)`` for increasing edges."""
-    lo, hi = 0, edges.shape[0]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if edges[mid] < v:
-            lo = mid + 1
-        else:
-            hi = mid
-    below = lo
+    below = lo = first_not_below(edges, 0, edges.shape[0], v)
     hi = edges.shape[0]
     while lo < hi:
         mid = (lo + hi) >> 1

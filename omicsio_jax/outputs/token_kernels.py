@@ -5,7 +5,8 @@ them; one pass per cell from its record (decode → keep → order → write), n
 (`omicsio_jax.outputs.geneformer_kernel`, `omicsio_jax.outputs.scgpt_kernel`):
 
 - **Geneformer** (rank-value encoding): keep the genes with a token and a known median, rank them
-  by ``count · (1 / median)`` (float32, descending; ties by ascending gene column), take the top
+  by ``count · (1 / median)`` (float32, descending; ties by ascending gene column; with medians
+  given, genes within a few float32 steps in the order of Geneformer's float64 values), take the top
   ``L − 2`` (``L`` without special tokens), write ``[CLS] … [EOS]`` then PAD; MLM as Hugging
   Face's collator (15%: 80% MASK, 10% a random gene token, 10% unchanged).
 - **scGPT** (binned values): bin every kept nonzero of the cell on its own quantile edges
@@ -30,6 +31,19 @@ PAD, CLS, EOC = 0, 1, 2  # Tahoe-100M's special tokens (EOC doubles as Geneforme
 IGNORE_INDEX = -100  # labels at positions that are not predicted (Hugging Face's convention)
 PAD_VALUE = -2.0  # scGPT's value at CLS and padding positions
 MASK_VALUE = -1.0  # scGPT's input value at masked positions
+
+
+@nb.njit(inline="always")
+def first_not_below(a, lo, hi, v):
+    """The first index in ``lo..hi`` of the ascending ``a`` whose value is not below ``v`` (``hi``
+    if none): a binary search."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @nb.njit(inline="always")
