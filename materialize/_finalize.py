@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +57,7 @@ from ._partition import (
     read_part,
 )
 from ._plan import Partition
+from ._shards import scratch_folder
 from ._sidecars import CellIdWriter, NumericWriter, check_obs_name, make_obs_writer
 
 FEATURES_NAME = "features.parquet"
@@ -128,7 +128,7 @@ def _load_merge_kernels() -> None:
         np.ones(1, np.int64),
     )
     hist, span = np.zeros((1, NUM_BINS), np.uint32), empty_span(1)
-    with tempfile.TemporaryDirectory(prefix="omicsio-kernels-") as tmp:
+    with scratch_folder("kernels") as tmp:
         one.save(os.path.join(tmp, "stats.bin"))
         loaded = GeneStats.load(os.path.join(tmp, "stats.bin"))
         loaded.add_to_dense(hist, span)
@@ -151,7 +151,7 @@ class Finalizer:
         if store.local_root is not None:
             self.root = store.local_root
         else:  # object storage: sidecars are downloaded here, the dataset's own files written here
-            self._scratch = tempfile.TemporaryDirectory(prefix="omicsio-finalize-")
+            self._scratch = scratch_folder("finalize")
             self.root = Path(self._scratch.name)
         fields = job.obs_fields
         for name in fields.values():

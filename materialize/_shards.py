@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
@@ -306,6 +307,19 @@ def _remove_stale_partials(out: Path, manifest: str = MANIFEST_NAME) -> None:
                 f"(process {match[2]}, no longer running)",
                 file=sys.stderr,
             )
+
+
+def scratch_folder(kind: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder ``omicsio-<kind>-<pid>-…`` (removed when closed), once those of its kind that
+    processes no longer running on this host left (a run killed outright leaves its own: an
+    ``s3://`` run's finalize folder holds up to its dataset's sidecars) are removed."""
+    root = Path(tempfile.gettempdir())
+    named = re.compile(rf"omicsio-{re.escape(kind)}-(\d+)-.+")
+    for folder in root.glob(f"omicsio-{kind}-*"):
+        match = named.fullmatch(folder.name)
+        if match and folder.is_dir() and not folder.is_symlink() and not _running(int(match[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"omicsio-{kind}-{os.getpid()}-")
 
 
 def _running(pid: int) -> bool:

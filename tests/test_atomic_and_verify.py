@@ -535,3 +535,31 @@ def test_read_csr_order_duplicates_and_errors(dataset_dir, corpus_table):
     with pytest.raises(TypeError, match="rows must be integers"):
         ds.read_csr([0.5])
     assert "num_cells=3,000" in repr(ds)
+
+
+def test_scratch_folders_of_runs_killed_outright_are_removed_by_the_next(tmp_path, monkeypatch):
+    """An ``s3://`` run's finalize folder (and the kernels' warm-up folder) live in the temporary
+    directory; a run killed outright leaves its own, and the next run removes those whose process
+    no longer runs, never a running one's."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from materialize._shards import scratch_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"omicsio-finalize-{int(gone.stdout)}-abc123"
+    (dead / "_parts").mkdir(parents=True)
+    (dead / "_parts" / "gene_stats.bin").write_bytes(b"x" * 1000)
+    live = tmp_path / f"omicsio-finalize-{os.getppid()}-def456"
+    live.mkdir()
+    other = tmp_path / f"omicsio-kernels-{int(gone.stdout)}-0"
+    other.mkdir()
+    with scratch_folder("finalize") as folder:
+        assert Path(folder).name.startswith(f"omicsio-finalize-{os.getpid()}-")
+        assert not dead.exists() and live.exists() and other.exists()  # its own kind only
+    assert not Path(folder).exists()
