@@ -292,19 +292,16 @@ def _remove_stale_partials(out: Path, manifest: str = MANIFEST_NAME) -> None:
     the dataset that replaced them): those whose process no longer runs on this host. A running
     process's may be a run in progress."""
     # as `atomic_output_dir` names them
-    stale = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-(\d+)-[0-9a-f]{{8}}")
+    stale = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-(?P<pid>\d+)-[0-9a-f]{{8}}")
     replaced = (out / manifest).exists()
-    for folder in out.parent.iterdir() if out.parent.is_dir() else ():
-        match = stale.fullmatch(folder.name)
-        if match is None or folder.is_symlink() or not folder.is_dir() or _running(int(match[2])):
-            continue
+    for folder, match in _left_by_gone_processes(out.parent, stale):
         if match[1] == "old" and not replaced:  # a swap cut short: the only copy of that dataset
             continue
         shutil.rmtree(folder, ignore_errors=True)
         if not folder.exists():
             print(
                 f"materialize: removed {str(folder)!r}, left by an earlier run into {str(out)!r} "
-                f"(process {match[2]}, no longer running)",
+                f"(process {match['pid']}, no longer running)",
                 file=sys.stderr,
             )
 
@@ -313,13 +310,19 @@ def scratch_folder(kind: str) -> tempfile.TemporaryDirectory:
     """A temporary folder ``omicsio-<kind>-<pid>-…`` (removed when closed), once those of its kind that
     processes no longer running on this host left (a run killed outright leaves its own: an
     ``s3://`` run's finalize folder holds up to its dataset's sidecars) are removed."""
-    root = Path(tempfile.gettempdir())
-    named = re.compile(rf"omicsio-{re.escape(kind)}-(\d+)-.+")
-    for folder in root.glob(f"omicsio-{kind}-*"):
-        match = named.fullmatch(folder.name)
-        if match and folder.is_dir() and not folder.is_symlink() and not _running(int(match[1])):
-            shutil.rmtree(folder, ignore_errors=True)
+    named = re.compile(rf"omicsio-{re.escape(kind)}-(?P<pid>\d+)-.+")
+    for folder, _ in _left_by_gone_processes(Path(tempfile.gettempdir()), named):
+        shutil.rmtree(folder, ignore_errors=True)
     return tempfile.TemporaryDirectory(prefix=f"omicsio-{kind}-{os.getpid()}-")
+
+
+def _left_by_gone_processes(parent: Path, named: re.Pattern) -> Iterator[tuple[Path, re.Match]]:
+    """The folders in ``parent`` (not links) whose names ``named`` matches, with the match, whose
+    process (group ``pid``) no longer runs on this host."""
+    for folder in parent.iterdir() if parent.is_dir() else ():
+        match = named.fullmatch(folder.name)
+        if match and not folder.is_symlink() and folder.is_dir() and not _running(int(match["pid"])):
+            yield folder, match
 
 
 def _running(pid: int) -> bool:

@@ -172,8 +172,7 @@ def read_weights(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
-            reader = read_safetensors if name.endswith(".safetensors") else read_torch_pickle
-            return reader(path), path
+            return _read_weight_file(path), path
     for name in INDEX_FILES:
         path = directory / name
         if path.is_file():
@@ -189,23 +188,28 @@ def read_sharded(index: Path) -> dict[str, np.ndarray]:
     """The tensors of a sharded checkpoint: every shard its ``index`` (``*.index.json``) names, each
     tensor from the shard the index gives it (a shard missing, or without a tensor it should
     hold, is a one-line error)."""
+    by_shard: dict[str, list[str]] = {}
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            by_shard.setdefault(shard, []).append(name)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         msg = f"{index}: not a checkpoint index with a weight_map ({type(e).__name__}: {e})"
         raise TrainError(msg) from None
     out = {}
-    for shard in shards:
+    for shard in sorted(by_shard):
         path = index.parent / shard
         if not path.is_file():
             msg = f"{index} lists shard {shard}, which is not in {index.parent}: copy every shard beside it"
             raise TrainError(msg)
-        tensors = (read_safetensors if shard.endswith(".safetensors") else read_torch_pickle)(path)
-        for name, where in weight_map.items():
-            if where == shard:
-                if name not in tensors:
-                    msg = f"{path} has no tensor {name}, which {index.name} places there"
-                    raise TrainError(msg)
-                out[name] = tensors[name]
+        tensors = _read_weight_file(path)
+        for name in by_shard[shard]:
+            if name not in tensors:
+                msg = f"{path} has no tensor {name}, which {index.name} places there"
+                raise TrainError(msg)
+            out[name] = tensors[name]
     return out
+
+
+def _read_weight_file(path: Path) -> dict[str, np.ndarray]:
+    """A ``.safetensors`` file, or else a PyTorch pickle (``.bin``)."""
+    return (read_safetensors if path.name.endswith(".safetensors") else read_torch_pickle)(path)

@@ -177,6 +177,9 @@ def create_cells_view(
     if vortex and len(vortex) != len(files):
         msg = f"{label!r} mixes .vortex and other files; use them separately"
         raise DataValidationError(msg)
+    # a table's own cell_rowid is refused when the table is first opened, not on each connection
+    # its view is made again on (`bases` known): DESCRIBE binds the view, reading every file's schema
+    check_rowid = rowid and bases is None
     if bases is None:
         try:
             counts = row_counts(files) if rowid else []
@@ -200,10 +203,10 @@ def create_cells_view(
                     hi = len(vf) if hi is None else hi
                     table = vf.to_arrow(indices=vx.array(pa.array(np.arange(lo, hi, dtype=np.uint64))))
                 con.register(f"_{name}_vortex_{i}", table)
-                _check_rowid(con, f"_{name}_vortex_{i}", str(path), rowid=rowid, added=False)
             except Exception as e:  # vortex raises plain Exceptions for unreadable files
                 msg = f"cannot read {path}: {e}"
                 raise DataValidationError(msg) from e
+            _check_rowid(con, f"_{name}_vortex_{i}", str(path), rowid=check_rowid, added=False)
             extra = f", {sql_str(str(path))} AS {FILENAME_COLUMN}" if filename else ""
             # a window with no ORDER BY streams and keeps the scan order
             if file_rows:
@@ -235,7 +238,7 @@ def create_cells_view(
             raise DataValidationError(_reserved(label, FILE_ROW_COLUMN)) from e
         msg = f"cannot read {label}: {str(e).strip().splitlines()[0]}{damaged_hint(e)}"
         raise DataValidationError(msg) from e
-    _check_rowid(con, name, label, rowid=rowid)
+    _check_rowid(con, name, label, rowid=check_rowid)
     return bases
 
 

@@ -157,20 +157,21 @@ def _check_divisible(leaves: list, mesh, data_axis: str, slabs: set[int] = froze
     devices, hosts = mesh.shape[data_axis], jax.process_count()
     for leaf in leaves:
         size = np.shape(leaf)[0] if np.ndim(leaf) else 1
-        if id(leaf) in slabs and (size * hosts) % devices:
+        if not (size * hosts) % devices:
+            continue
+        if id(leaf) in slabs:
             msg = (
                 f"place_batch: the batch was built as {size} device slab(s), not one per device of the "
                 f"{devices} of mesh axis {data_axis!r}: give its loader the mesh (placement=mesh, in "
                 "make_loader, make_grain_loader or GrainSource)"
             )
             raise OmicsIOError(msg)
-        if (size * hosts) % devices:
-            of = f"{size} rows" if hosts == 1 else f"{size} rows on each of {hosts} processes"
-            msg = (
-                f"place_batch: a batch of {of} does not split over the {devices} devices of mesh axis "
-                f"{data_axis!r}: make the loader's batch_size a multiple of {devices}"
-            )
-            raise OmicsIOError(msg)
+        of = f"{size} rows" if hosts == 1 else f"{size} rows on each of {hosts} processes"
+        msg = (
+            f"place_batch: a batch of {of} does not split over the {devices} devices of mesh axis "
+            f"{data_axis!r}: make the loader's batch_size a multiple of {devices}"
+        )
+        raise OmicsIOError(msg)
 
 
 def put_arrays(arrays: list, sharding: jax.sharding.Sharding) -> list[jax.Array] | None:

@@ -21,6 +21,7 @@ from omicsio_jax.outputs.token_common import (
     needs_counts,
     needs_dataset,
     needs_keys,
+    plain_ints,
     vocabulary_of,
 )
 from omicsio_jax.outputs.vocabulary import Vocabulary, default_vocabulary, medians_by_column
@@ -65,10 +66,7 @@ class GeneformerTokens(Output):
     needs_genes = True  # tokens are genes: a gene-space modality only
 
     def __post_init__(self) -> None:
-        for name in ("max_len",):  # a numpy integer is an integer
-            value = getattr(self, name)
-            if isinstance(value, np.integer):
-                object.__setattr__(self, name, int(value))
+        plain_ints(self, "max_len")
         specials = 2 if self.special_tokens else 0
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= specials:
             msg = (

@@ -198,12 +198,18 @@ def _geneformer_rows(
 
 
 @nb.njit(inline="always")
+def _near(ranked_keys, r):
+    """Whether rank ``r``'s key lies within `NEAR_KEYS` of rank ``r - 1``'s (ranked keys ascend)."""
+    return ranked_keys[r] - ranked_keys[r - 1] <= NEAR_KEYS
+
+
+@nb.njit(inline="always")
 def _any_near(ranked_keys, end):
     """Whether two neighbouring ranked keys of the first ``end`` lie within `NEAR_KEYS` (a loop
     without a branch: most cells have none)."""
     near = False
     for r in range(1, end):
-        near |= ranked_keys[r] - ranked_keys[r - 1] <= NEAR_KEYS
+        near |= _near(ranked_keys, r)
     return near
 
 
@@ -215,7 +221,7 @@ def _near_end(ranked_keys, k, sorted_to, kept):
     if sorted_to >= kept or k == 0:
         return False
     for r in range(k, sorted_to):
-        if ranked_keys[r] - ranked_keys[r - 1] > NEAR_KEYS:
+        if not _near(ranked_keys, r):
             return False
     return True
 
@@ -247,7 +253,7 @@ def _float64_order(
     r = 0
     while r < k:
         e = r + 1
-        while e < end and ranked_keys[e] - ranked_keys[e - 1] <= NEAR_KEYS:
+        while e < end and _near(ranked_keys, e):
             e += 1
         if e - r > 1:
             if total < 0:  # n_counts, once per cell: exact for counts, as a sum in order is

@@ -19,6 +19,7 @@ from omicsio_jax.outputs.token_common import (
     needs_counts,
     needs_dataset,
     needs_keys,
+    plain_ints,
     vocabulary_of,
 )
 from omicsio_jax.outputs.vocabulary import Vocabulary, default_vocabulary
@@ -59,10 +60,7 @@ class ScGPTTokens(Output):
     needs_genes = True  # tokens are genes: a gene-space modality only
 
     def __post_init__(self) -> None:
-        for name in ("max_len", "n_bins"):  # a numpy integer is an integer
-            value = getattr(self, name)
-            if isinstance(value, np.integer):
-                object.__setattr__(self, name, int(value))
+        plain_ints(self, "max_len", "n_bins")
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
             msg = (
                 f"max_len={self.max_len!r} leaves no room for a gene token beside CLS; use e.g. max_len=1201"

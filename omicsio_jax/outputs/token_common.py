@@ -9,6 +9,15 @@ from omicsio_jax.outputs.base import OutputContext, RowKeys
 from omicsio_jax.outputs.vocabulary import Vocabulary, user_vocabulary
 
 
+def plain_ints(output, *names: str) -> None:
+    """Fields ``names`` of the frozen ``output`` that hold a numpy integer, as the int it is (its
+    checks then take it as one)."""
+    for name in names:
+        value = getattr(output, name)
+        if isinstance(value, np.integer):
+            object.__setattr__(output, name, int(value))
+
+
 def ensembl_ids(ds, path) -> np.ndarray:
     """The Ensembl id of every column of ``ds``, for a file (``path``) keyed on them."""
     if "ensembl_id" not in ds.features:

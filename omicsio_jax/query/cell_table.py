@@ -356,8 +356,7 @@ class CellTable:
         is open (on the table's one connection each failed with DuckDB's "open result")."""
         if columns is None:  # the lists, and the cells' ids where the table has them
             columns = [GENE_COLUMN, VALUE_COLUMN, *[CELL_ID_COLUMN] * (CELL_ID_COLUMN in self.schema.names)]
-        cols = list(columns)
-        cols = self.require_columns([c for c in cols if c != ROWID_COLUMN])
+        cols = self.require_columns([c for c in columns if c != ROWID_COLUMN])
         select = ", ".join([ROWID_COLUMN, *(sql_ident(c) for c in cols)])
         con = self._reading_connection()
         try:
