@@ -28,6 +28,7 @@ import pyarrow as pa
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import as_input_path, is_remote
 
+from . import _csc_rows
 from ._anndata_elements import (
     Frame,
     as_text,
@@ -41,12 +42,12 @@ from ._anndata_elements import (
     open_zarr,
     without_stored_zeros,
 )
+from ._csc_rows import RowBlocks, check_rows, regroup
 from ._mudata_obs import file_obs
 from ._plan import Partition, whole_partitions
 from ._sidecars import carried_obs
 from ._source import Batch, Source, gene_table_from_arrow
 
-_CSC_CHUNK_ENTRIES = 1 << 22  # entries of a CSC matrix read at a time (`H5adSource._read_csc_rows`)
 # h5py reads each batch into fresh arrays; at 2,048 cells they are small enough for the allocator
 # to reuse instead of page-faulting them in anew (52.7k cells/s vs 49.6k at 8,192, medians of 3).
 DEFAULT_BATCH_CELLS = 2048
@@ -92,6 +93,7 @@ class H5adSource(Source):
         self.path, self._batch_cells = path, batch_cells
         self.label = str(path) if not group else f"{path}:{group}"
         self._layer, self._use_raw, self.group = layer, use_raw, group
+        self._by_row: RowBlocks | None = None  # a CSC matrix regrouped by row (`stage`)
         self._open()
         try:
             var = Frame(
@@ -280,13 +282,16 @@ class H5adSource(Source):
             indptr -= a
             _sort_rows(indptr, indices, data)
             return without_stored_zeros(indptr, indices, data)
+        if self._by_row is not None:
+            return without_stored_zeros(*self._by_row.read(lo, hi))
         return without_stored_zeros(*self._read_csc_rows(lo, hi))
 
     def _read_csc_rows(self, lo: int, hi: int):
-        """Rows [lo, hi) of a CSC matrix: a pass over its entries, `_CSC_CHUNK_ENTRIES` at a time (memory
-        bounded by them, not by the matrix: chunks of 4,096 columns held every cell's entries of those
-        columns, 1.4 GB for one batch at 80,000 cells), keeping those of the rows asked for."""
-        m, chunk = self._matrix, _CSC_CHUNK_ENTRIES
+        """Rows [lo, hi) of a CSC matrix not regrouped by row (`stage`): a pass over its entries,
+        `_csc_rows.CHUNK_ENTRIES` at a time (memory bounded by them, not by the matrix: chunks of 4,096
+        columns held every cell's entries of those columns, 1.4 GB for one batch at 80,000 cells),
+        keeping those of the rows asked for."""
+        m, chunk = self._matrix, _csc_rows.CHUNK_ENTRIES
         ptr = m["indptr"][:].astype(np.int64)
         self._falls(ptr, "column", 0)
         indices, data = m["indices"], m["data"]
@@ -295,6 +300,10 @@ class H5adSource(Source):
         for e0 in range(int(ptr[0]), int(ptr[-1]), chunk):
             e1 = min(int(ptr[-1]), e0 + chunk)
             rows = indices[e0:e1]
+            if len(rows):
+                check_rows(
+                    int(rows.min()), int(rows.max()), self.num_cells, f"{self.label}: {m.name}/indices"
+                )
             keep = np.flatnonzero((rows >= lo) & (rows < hi))
             if not len(keep):
                 continue
@@ -307,18 +316,42 @@ class H5adSource(Source):
         np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
         return indptr, cols[order], vals[order]
 
-    def by_column_hint(self) -> str | None:
-        """A note when the matrix is CSC and holds more cells than one batch: every batch of rows reads
-        all of its entries, so the conversion's time grows with the square of the cells."""
-        if self._sparse != "csc_matrix" or self.num_cells <= self._batch_cells:
-            return None
-        passes = -(-self.num_cells // self._batch_cells)
-        return (
-            f"{self._matrix.name} of {self.label} is stored by column (CSC), so each batch of "
-            f"{self._batch_cells:,} cells reads every entry of the matrix ({passes:,} passes over it); store it by "
-            "row (CSR) for a conversion in one pass, e.g. adata.X = adata.X.tocsr() (or the layer read) and write "
-            "the file again"
-        )
+    def stage(self, folder: str | None, *, progress: bool = False) -> list[str]:
+        """A CSC matrix of more cells than one batch regrouped by row into ``folder`` (`regroup`: two
+        passes over its entries), so that each batch then reads its own entries alone; without a
+        folder (a Dask run writing to object storage: its workers see no common local folder), the
+        note that each batch passes over all of them."""
+        if self._sparse != "csc_matrix" or self.num_cells <= self._batch_cells or self._by_row is not None:
+            return []
+        if folder is None:
+            passes = -(-self.num_cells // self._batch_cells)
+            return [
+                f"{self._matrix.name} of {self.label} is stored by column (CSC), and a Dask run writing to "
+                f"object storage reads it as it is: each batch of {self._batch_cells:,} cells reads every "
+                f"entry of the matrix ({passes:,} passes over it); store it by row (CSR) for a conversion "
+                "in one pass, e.g. adata.X = adata.X.tocsr() (or the layer read) and write the file again"
+            ]
+        was_open = self._file is not None
+        if not was_open:
+            self._open()
+        try:
+            ptr = self._matrix["indptr"][:].astype(np.int64)
+            self._falls(ptr, "column", 0)
+            self._by_row = regroup(
+                self._matrix,
+                ptr,
+                self.num_cells,
+                folder,
+                block_rows=self._batch_cells,
+                label=self.label,
+                progress=progress,
+            )
+        except OSError as e:
+            raise self._unreadable(0, self.num_cells, e) from e
+        finally:
+            if not was_open:
+                self.close()
+        return []
 
     def batches(
         self, obs: list[str], part: Partition | None = None, *, threads: int | None = None

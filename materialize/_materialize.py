@@ -279,6 +279,12 @@ def materialize(
         with staging_dir(store, overwrite) as staging, contextlib.ExitStack() as stack:
             stack.enter_context(small_pages())  # the partitions' merge, and those written here
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
+            # what the partitions' reads need first (a CSC matrix regrouped by row), in a folder every
+            # process that reads one sees: not a Dask run's local one when it writes to object storage
+            seen = not dask or store.local_root is not None
+            folder = f"{stack.enter_context(scratch_dir(staging))}/by-row" if seen else None
+            for note in src.stage(folder, progress=progress):
+                print(f"materialize: {note}", file=sys.stderr)
             job = Job(
                 src,
                 tuple(obs_names),

@@ -68,9 +68,9 @@ def open_source(
             batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
             group=group,
         )
-        for hint in (src.raw_counts_hint(), src.by_column_hint()):
-            if hint is not None:
-                print(f"materialize: {hint}", file=sys.stderr)
+        hint = src.raw_counts_hint()
+        if hint is not None:
+            print(f"materialize: {hint}", file=sys.stderr)
         return src
     if layer or use_raw:
         msg = "--layer/--raw apply to .h5ad inputs only"

@@ -124,6 +124,12 @@ class Source:
         reader's own threads (DuckDB's)."""
         raise NotImplementedError
 
+    def stage(self, folder: str | None, *, progress: bool = False) -> list[str]:
+        """Prepare, once, what its partitions' reads need in ``folder`` (local, and seen by every
+        process that reads a partition; None where there is none), before any is read; returns notes
+        for the user. Nothing by default."""
+        return []
+
     def close(self) -> None:
         """Release open files (a pickled copy in a worker opens its own)."""
 

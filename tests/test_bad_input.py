@@ -237,6 +237,30 @@ def test_a_sparse_matrix_whose_indptr_does_not_frame_its_entries_is_refused(
     assert "damaged.h5ad" in err and not out.exists()
 
 
+@pytest.mark.parametrize("batch", ["16", "2048"])  # regrouped by row, or read by column per batch
+@pytest.mark.parametrize("bad", [50, -1])
+def test_a_csc_matrix_with_a_row_outside_it_is_refused(capsys, tmp_path, bad, batch):
+    # read a batch of rows at a time, such an entry belonged to none and was dropped without a word
+    import anndata as ad
+    import h5py
+    import scipy.sparse as sp
+
+    x = sp.random(50, 30, density=0.3, format="csc", random_state=0, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    path = tmp_path / "damaged.h5ad"
+    ad.AnnData(x).write_h5ad(path)
+    with h5py.File(path, "r+") as f:
+        f["X/indices"][7] = bad
+    out = tmp_path / "out"
+    assert main([str(path), str(out), "--no-progress", "--batch-cells", batch]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert (
+        f"damaged.h5ad: /X/indices holds row {bad}, outside the matrix's 50 rows: the file is damaged" in err
+    )
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", ["absent.h5ad", "absent.zarr", "absent.h5mu"])
 def test_anndata_input_that_is_not_there(name, capsys, tmp_path):
     err = _run_bad(capsys, tmp_path, tmp_path / name)

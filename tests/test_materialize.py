@@ -833,43 +833,96 @@ def test_a_file_of_no_genes_gives_its_cells_whatever_the_matrix_format(tmp_path)
     assert shards["csc"] == shards["csr"] == shards["dense"]
 
 
-def test_a_csc_matrix_is_read_a_bounded_number_of_entries_at_a_time(tmp_path, monkeypatch, capsys):
-    """A CSC X is read in chunks of entries, not of columns (4,096 columns held every cell's entries
-    of them: memory grew with the cells); chunks of 7 entries cut columns anywhere, and the records
-    are those of the same matrix stored by row. Reading it by batches of rows passes over it whole
-    each time, which the run says, with the fix."""
+def _csc_and_csr_files(tmp_path, rows=50, genes=9):
+    """The same matrix written as a CSR and a CSC ``.h5ad`` (a column longer than a few chunks)."""
     import anndata as ad
     import scipy.sparse as sp
 
-    import materialize._h5ad as h5ad_module
-
     rng = np.random.default_rng(5)
-    x = (rng.random((50, 9)) < 0.4) * rng.integers(1, 9, (50, 9)).astype(np.float32)
-    x[:, 4] = rng.integers(1, 9, 50)  # a column longer than a chunk
-    obs = pd.DataFrame(index=[f"c{i}" for i in range(50)])
+    x = (rng.random((rows, genes)) < 0.4) * rng.integers(1, 9, (rows, genes)).astype(np.float32)
+    x[:, 4] = rng.integers(1, 9, rows)
+    obs = pd.DataFrame({"plate": [f"p{i % 3}" for i in range(rows)]}, index=[f"c{i}" for i in range(rows)])
     for fmt, matrix in {"csr": sp.csr_matrix(x), "csc": sp.csc_matrix(x)}.items():
         ad.AnnData(X=matrix, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
-    monkeypatch.setattr(h5ad_module, "_CSC_CHUNK_ENTRIES", 7)
+    return sp.csr_matrix(x)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_csc_matrix_is_regrouped_by_row_once_in_bounded_memory(tmp_path, monkeypatch, capsys, workers):
+    """A CSC X of more cells than a batch is regrouped by row in two passes over its entries, read
+    a bounded number at a time (chunks of 7 cut columns anywhere), not once per batch of rows (a
+    conversion's time grew with the square of the cells); the records are those of the same matrix
+    stored by row, on worker processes too (partitions of 16 cells, batches of 16, blocks of 16:
+    the last one short)."""
+    import materialize._csc_rows as csc_rows
+    from materialize._h5ad import H5adSource
+
+    expected = _csc_and_csr_files(tmp_path)
+    monkeypatch.setattr(csc_rows, "CHUNK_ENTRIES", 7)
+    monkeypatch.setattr(H5adSource, "_read_csc_rows", None)  # a batch read of the matrix by column fails
+    reads = []
+    regroup = csc_rows.regroup
+    monkeypatch.setattr("materialize._h5ad.regroup", lambda *a, **k: reads.append(a[2]) or regroup(*a, **k))
     shards = {}
     for fmt in ("csr", "csc"):
         materialize(
             tmp_path / f"{fmt}.h5ad",
             tmp_path / fmt,
             read=InputOptions(batch_cells=16),
+            layout=Layout(shard_cells=16),
+            obs=["plate"],
             progress=False,
-            workers=1,
+            workers=workers,
         )
         ds = oj.open_dataset(tmp_path / fmt)
-        expected = sp.csr_matrix(x)
         assert_csr_equal(_all_rows(ds), (expected.indptr, expected.indices, expected.data))
         shards[fmt] = [s.sha256 for s in ds.manifest.shards]
-    assert shards["csc"] == shards["csr"]
-    err = capsys.readouterr().err
-    assert (
-        "is stored by column (CSC), so each batch of 16 cells reads every entry of the matrix (4 passes"
-        in err
+    assert shards["csc"] == shards["csr"] and len(shards["csc"]) == 4
+    assert reads == [50]  # once, for the CSC file
+    assert not (tmp_path / "csc" / "_parts").exists()  # the regrouped entries went with the staging
+    assert "CSC" not in capsys.readouterr().err
+
+
+def test_a_csc_member_of_a_collection_is_regrouped_by_row(tmp_path):
+    expected = _csc_and_csr_files(tmp_path, rows=40)
+    materialize(
+        [tmp_path / "csr.h5ad", tmp_path / "csc.h5ad"],
+        tmp_path / "both",
+        read=InputOptions(batch_cells=8),
+        progress=False,
+        workers=1,
     )
-    assert "adata.X = adata.X.tocsr()" in err and err.count("stored by column") == 1
+    ds = oj.open_dataset(tmp_path / "both")
+    assert ds.features["gene_name"].tolist() == [str(g) for g in range(9)]  # both list them in one order
+    for first in (0, 40):  # the CSR source's cells, then the CSC source's
+        assert_csr_equal(ds.read_csr(np.arange(first, first + 40)), _rows_of(expected, 0, 40))
+
+
+def test_a_csc_matrix_read_where_no_folder_is_shared_says_it_passes_over_it_per_batch(tmp_path):
+    """A Dask run writing to object storage has no folder its workers share: the matrix is read by
+    column per batch, as before, and the run says what that costs and how to avoid it."""
+    import materialize._csc_rows as csc_rows
+    from materialize._h5ad import H5adSource
+
+    expected = _csc_and_csr_files(tmp_path)
+    src = H5adSource(tmp_path / "csc.h5ad", batch_cells=16)
+    (note,) = src.stage(None)
+    assert "is stored by column (CSC)" in note and "(4 passes over it)" in note and "tocsr()" in note
+    rows = [src.read_rows(lo, min(lo + 16, 50)) for lo in range(0, 50, 16)]
+    assert np.concatenate([r[1] for r in rows]).tolist() == expected.indices.tolist()
+    assert src.stage(str(tmp_path / "by-row")) == []  # a folder: regrouped, the same rows
+    assert isinstance(src._by_row, csc_rows.RowBlocks)
+    again = [src.read_rows(lo, min(lo + 16, 50)) for lo in range(0, 50, 16)]
+    for a, b in zip(rows, again, strict=True):
+        assert_csr_equal(a, b)
+    assert_csr_equal(src.read_rows(3, 37), _rows_of(expected, 3, 37))  # across blocks, not aligned to them
+    assert_csr_equal(src.read_rows(20, 20), _rows_of(expected, 20, 20))
+    src.close()
+
+
+def _rows_of(matrix, lo, hi):
+    part = matrix[lo:hi]
+    return part.indptr, part.indices, part.data
 
 
 def test_zeros_a_sparse_matrix_stores_are_not_written_as_entries(tmp_path):
