@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from omicsio_jax.format import is_remote
 
-from ._genekeys import SYMBOL_COLUMNS, ensembl_like
+from ._genekeys import ID_COLUMNS, SYMBOL_COLUMNS, ensembl_like
 from ._sidecars import obs_carried
 
 
@@ -207,12 +207,12 @@ class _LegacyColumn:
         elif dtype.kind in "SU" or h5py.check_string_dtype(dtype) is not None:
             self.type = pa.string()
         elif dtype.kind in "biuf":
-            self.type = pa.from_numpy_dtype(dtype)
+            self.type = pa.from_numpy_dtype(dtype.newbyteorder("="))
         else:
             self.type = None
 
     def read(self, lo: int, hi: int) -> pa.Array:
-        values = self.node.fields(self.field)[lo:hi]
+        values = native_order(self.node.fields(self.field)[lo:hi])
         if self.categories is not None:
             codes = values.astype(np.int32)
             return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), self.categories)
@@ -251,6 +251,21 @@ class Frame:
         return _text_array(self._index.fields(self._field)[lo:hi])
 
 
+def gene_ids(index: pa.Array, columns: dict[str, pa.Array]) -> pa.Array:
+    """The genes' Ensembl ids, taken out of ``columns``: the first id column (`ID_COLUMNS`:
+    ``gene_ids``, ``gene_id``, ``feature_id``) of text that holds them, else the index if it does
+    (CELLxGENE), else ``gene_ids`` or the index whatever they hold."""
+    for name in ID_COLUMNS:
+        column = columns.get(name)
+        if column is not None and _is_text(column) and ensembl_like(column):
+            return columns.pop(name)
+    return index if ensembl_like(index) else columns.pop("gene_ids", index)
+
+
+def _is_text(column: pa.Array) -> bool:
+    return pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+
+
 def gene_names(index: pa.Array, columns: dict[str, pa.Array]) -> pa.Array:
     """The genes' names: ``var``'s index, unless it holds Ensembl ids and a symbol column is there
     (CELLxGENE: ids in the index, symbols in ``feature_name``), whose symbols are the names then."""
@@ -258,10 +273,7 @@ def gene_names(index: pa.Array, columns: dict[str, pa.Array]) -> pa.Array:
         return index
     for name in SYMBOL_COLUMNS:
         column = columns.get(name)
-        text = column is not None and (
-            pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-        )
-        if text and not ensembl_like(column):
+        if column is not None and _is_text(column) and not ensembl_like(column):
             return column
     return index
 

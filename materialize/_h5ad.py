@@ -17,6 +17,7 @@ stored big-endian are read in native byte order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from ._anndata_elements import (
     Frame,
     as_text,
     encoding_of,
+    gene_ids,
     gene_names,
     is_array,
     is_zarr,
@@ -89,8 +91,10 @@ class H5adSource(Source):
         use_raw: bool = False,
         batch_cells: int = DEFAULT_BATCH_CELLS,
         group: str = "",
+        cell_id: str = "cell_id",
     ):
         self.path, self._batch_cells = path, batch_cells
+        self._cell_id = None if cell_id == "cell_id" else cell_id  # an obs column, else the obs names
         self.label = str(path) if not group else f"{path}:{group}"
         self._layer, self._use_raw, self.group = layer, use_raw, group
         self._by_row: RowBlocks | None = None  # a CSC matrix regrouped by row (`stage`)
@@ -104,7 +108,15 @@ class H5adSource(Source):
         except (OSError, KeyError) as e:
             msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
             raise DataValidationError(msg) from e
-        self.obs_columns = carried_obs({name: col.type for name, col in self._obs.items()}, self.label)
+        if self._cell_id is not None and self._cell_id not in self._obs:
+            msg = (
+                f"--cell-id (InputOptions(cell_id=...)) names obs column {self._cell_id!r}, which {self.label} "
+                f"does not have (its cell ids are its obs names unless one is named); obs: "
+                f"{', '.join(self._obs) or '(none)'}"
+            )
+            raise DataValidationError(msg)
+        types = {name: col.type for name, col in self._obs.items() if name != self._cell_id}
+        self.obs_columns = carried_obs(types, self.label)
         self.description = {"kind": "h5ad", "input": str(path), "matrix": self._matrix.name, "genes": "var"}
 
     def _open(self) -> None:
@@ -188,6 +200,13 @@ class H5adSource(Source):
                 msg = f"{self.label} has no .raw: leave out --raw (use_raw=True) to materialize its X"
                 raise DataValidationError(msg)
             return self._root[matrix]
+        if "X" not in self._root:  # (X=None since anndata 0.8: the data may be in its layers alone)
+            layers = list(self._root.get("layers", {}))
+            msg = (
+                f"{self.label} has no X; pick a layer with --layer (InputOptions(layer=...)): "
+                f"{', '.join(layers) or '(none)'}"
+            )
+            raise DataValidationError(msg)
         return self._root["X"]
 
     def _shape(self) -> tuple[int, int]:
@@ -243,9 +262,11 @@ class H5adSource(Source):
         columns = {}
         for name, col in var.columns.items():
             if col.type is not None:
-                array = col.read(0, num_vars)
+                with self._utf8(f"var column {name!r}"):
+                    array = col.read(0, num_vars)
                 columns[name] = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
-        index = var.index(0, num_vars)
+        with self._utf8("var's index (the gene names)"):
+            index = var.index(0, num_vars)
         tokens = columns.pop("gene_token_id", None)
         if tokens is not None:
             values = tokens.to_numpy(zero_copy_only=False)
@@ -260,7 +281,7 @@ class H5adSource(Source):
             "gene_token_id": tokens if tokens is not None else pa.array(np.arange(num_vars, dtype=np.int64))
         }
         if "ensembl_id" not in columns:
-            table["ensembl_id"] = columns.pop("gene_ids", index)
+            table["ensembl_id"] = gene_ids(index, columns)
         if "gene_name" not in columns:
             table["gene_name"] = gene_names(index, columns)
         table.update(columns)
@@ -361,10 +382,13 @@ class H5adSource(Source):
             hi = min(end, lo + self._batch_cells)
             indptr, tokens, values = self.read_rows(lo, hi)
             cell_ids = self.read_cell_ids(lo, hi)
-            try:
-                obs_arrays = {name: self._obs[name].read(lo, hi) for name in obs}
-            except OSError as e:
-                raise self._unreadable(lo, hi, e) from e
+            obs_arrays = {}
+            for name in obs:
+                try:
+                    with self._utf8(f"obs column {name!r}"):
+                        obs_arrays[name] = self._obs[name].read(lo, hi)
+                except OSError as e:
+                    raise self._unreadable(lo, hi, e) from e
             yield Batch(indptr, tokens, values, cell_ids, obs_arrays, self._locator(lo, cell_ids))
 
     def read_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -375,16 +399,38 @@ class H5adSource(Source):
             indptr, cols, values = self._read_csr(lo, hi)
         except OSError as e:
             raise self._unreadable(lo, hi, e) from e
-        return indptr, (cols if self._token_of_col is None else self._token_of_col[cols]), values
+        if self._token_of_col is None:
+            return indptr, cols, values
+        if len(cols) and (cols.min() < 0 or cols.max() >= len(self._token_of_col)):
+            bad = int(cols.min() if cols.min() < 0 else cols.max())
+            msg = (
+                f"{self.label}: {self._matrix.name} holds column {bad:,} in rows {lo}..{hi - 1}, outside its "
+                f"{len(self._token_of_col):,} genes: the file is damaged; rewrite it with anndata"
+            )
+            raise DataValidationError(msg)
+        return indptr, self._token_of_col[cols], values
 
     def read_cell_ids(self, lo: int, hi: int) -> pa.StringArray:
-        """The obs names of rows ``[lo, hi)``."""
+        """The cell ids of rows ``[lo, hi)``: the obs names, or the obs column ``cell_id`` named (as text)."""
         if self._file is None:
             self._open()
         try:
-            return self._obs_frame.index(lo, hi)
+            with self._utf8("obs names" if self._cell_id is None else f"obs column {self._cell_id!r}"):
+                if self._cell_id is None:
+                    return self._obs_frame.index(lo, hi)
+                ids = self._obs[self._cell_id].read(lo, hi)
+            return (ids.dictionary_decode() if pa.types.is_dictionary(ids.type) else ids).cast(pa.string())
         except OSError as e:
             raise self._unreadable(lo, hi, e) from e
+
+    @contextlib.contextmanager
+    def _utf8(self, what: str) -> Iterator[None]:
+        """Text of ``what`` that is not UTF-8 (AnnData's encoding) as a one-line error naming it."""
+        try:
+            yield
+        except UnicodeDecodeError as e:
+            msg = f"{self.label}: {what} holds text that is not UTF-8 ({e}); write it again as UTF-8"
+            raise DataValidationError(msg) from e
 
     def _unreadable(self, lo: int, hi: int, e: OSError) -> DataValidationError:
         msg = f"cannot read rows {lo}..{hi - 1} of {self.label}: {e} (truncated or corrupted file?)"

@@ -17,7 +17,7 @@ from omicsio_jax.format import as_input_path
 from ._collection import CollectionSource, Sources, open_collection
 from ._modalities import input_kind
 from ._options import InputOptions, Multimodal
-from ._partition import N_COUNTS, N_GENES
+from ._partition import N_COUNTS, N_GENES, dataset_obs_names
 from ._source import Source, require_file
 
 
@@ -67,6 +67,7 @@ def open_source(
             use_raw=use_raw,
             batch_cells=batch_cells or DEFAULT_BATCH_CELLS,
             group=group,
+            cell_id=cell_id,
         )
         hint = src.raw_counts_hint()
         if hint is not None:
@@ -208,8 +209,9 @@ def one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal
 
 def choose_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
     """The obs columns to write: ``obs`` (checked against the source's), or every one of the
-    source's but the cell statistics; a note of the source's (`Source.obs_notes`) goes to stderr
-    for each column kept."""
+    source's but those named as the dataset's own ``n_counts`` / ``n_genes`` (kept under another
+    name when ``obs`` names them: `dataset_obs_names`; either said on stderr); a note of the
+    source's (`Source.obs_notes`) goes to stderr for each column kept."""
     chosen = _chosen_obs(src, obs)
     for name in chosen:
         if name in src.obs_notes:
@@ -230,7 +232,15 @@ def _chosen_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
                 "obs (name the index before to_parquet, or give it in --obs, to keep it)",
                 file=sys.stderr,
             )
-        return [name for name in src.obs_columns if name not in CELL_STATS and name not in index]
+        own = [name for name in CELL_STATS if name in src.obs_columns]
+        if own:
+            print(
+                f"materialize: obs {', '.join(own)} of {src.label} not copied: the dataset's own "
+                f"{', '.join(CELL_STATS)} are computed from its cells (name them in --obs to keep the "
+                f"input's, as {', '.join(dataset_obs_names(own).values())})",
+                file=sys.stderr,
+            )
+        return [name for name in src.obs_columns if name not in index and name not in own]
     unknown = [name for name in obs if name not in src.obs_columns]
     if unknown:
         msg = (
@@ -238,11 +248,12 @@ def _chosen_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
             f"available: {', '.join(src.obs_columns) or '(none)'}"
         )
         raise DataValidationError(msg)
-    shadowed = [name for name in obs if name in CELL_STATS]
-    if shadowed:
+    names = dataset_obs_names(obs)
+    renamed = [f"{name} as {names[name]}" for name in CELL_STATS if name in names]
+    if renamed:
         print(
-            f"materialize: obs {', '.join(shadowed)} of {src.label} not copied: the dataset's own "
+            f"materialize: obs {', '.join(renamed)} of {src.label} kept: the dataset's own "
             f"{', '.join(CELL_STATS)} are computed from its cells",
             file=sys.stderr,
         )
-    return [name for name in obs if name not in CELL_STATS]
+    return list(obs)

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,29 @@ N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cell
 _NO_ROWS = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))  # indptr, tokens, values
 PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
 CELL_ID = "cell_id"  # the part sidecar's cell id column (whatever the input's is named)
-INPUT_CELL_ID = "input_cell_id"  # the dataset's name of an input obs column named cell_id (`obs_fields`)
+OWN_OBS = (
+    CELL_ID,
+    N_COUNTS,
+    N_GENES,
+)  # the dataset's own obs columns: an input's are renamed (`dataset_obs_names`)
+
+
+def dataset_obs_names(obs: Sequence[str]) -> dict[str, str]:
+    """The dataset's name of each input obs column: its own, but for one named as a column the
+    dataset makes itself (``cell_id``: the cell ids that ``--cell-id`` chose, which the part sidecar
+    holds under that name; ``n_counts`` / ``n_genes``: computed from the cells), kept as ``input_``
+    and its name (``input_n_genes_2``, ... if that is taken)."""
+    fields = {name: name for name in obs}
+    taken = {*obs, *OWN_OBS, PRESENT}
+    for name in OWN_OBS:
+        if name in fields:
+            renamed, k = f"input_{name}", 1
+            while renamed in taken:
+                k += 1
+                renamed = f"input_{name}_{k}"
+            fields[name] = renamed
+            taken.add(renamed)
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,18 +99,8 @@ class Job:
 
     @property
     def obs_fields(self) -> dict[str, str]:
-        """The dataset's name of each obs column, by its name in the input: its own, but for an
-        input column named ``cell_id`` beside the cell id column that ``--cell-id`` chose, kept as
-        ``input_cell_id`` (``input_cell_id_2``, ... if that is taken): the dataset's cell ids are
-        its ``cell_id``, and the part sidecar holds them under that name."""
-        fields = {name: name for name in self.obs}
-        if CELL_ID in fields:
-            taken, renamed, k = {*self.obs, N_COUNTS, N_GENES, PRESENT}, INPUT_CELL_ID, 1
-            while renamed in taken:
-                k += 1
-                renamed = f"{INPUT_CELL_ID}_{k}"
-            fields[CELL_ID] = renamed
-        return fields
+        """The dataset's name of each obs column, by its name in the input (`dataset_obs_names`)."""
+        return dataset_obs_names(self.obs)
 
     @property
     def num_columns(self) -> int:

@@ -174,8 +174,8 @@ def assert_a_pool_imports_no_pandas(script: str) -> None:
 
 
 def write_legacy_h5ad(path, rng):
-    """An .h5ad as anndata before 0.7 wrote it: compound obs/var, categories in uns, h5sparse
-    matrices, raw.X and raw.var at the top level."""
+    """An .h5ad as anndata before 0.7 wrote it: compound obs/var (a numeric field big-endian),
+    categories in uns, h5sparse matrices, raw.X and raw.var at the top level."""
     import h5py
     import scipy.sparse as sp
 
@@ -194,7 +194,7 @@ def write_legacy_h5ad(path, rng):
     codes = rng.integers(0, 3, cells).astype(np.int8)
     obs = np.array(
         [(f"cell-{i}".encode(), codes[i], float(raw[i].sum())) for i in range(cells)],
-        dtype=[("index", "S10"), ("cell_type", "i1"), ("total_counts", "f4")],
+        dtype=[("index", "S10"), ("cell_type", "i1"), ("total_counts", ">f4")],
     )
     with h5py.File(path, "w") as f:
         f.create_dataset("obs", data=obs)

@@ -17,6 +17,8 @@ import omicsio_jax as oj
 from materialize import InputOptions, Layout, _shards, materialize
 from materialize._cli import main
 
+OBS = ("--obs", "batch,drug")  # not the corpus's n_genes, whose note would come first on stderr
+
 
 def _children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -260,7 +262,13 @@ def test_a_stale_partial_directory_of_a_dead_run_is_removed_and_said(corpus, tmp
 
 def test_overwrite_replaces_a_dataset(corpus, tmp_path):
     out = tmp_path / "out"
-    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
+    materialize(
+        corpus.cells_parquet,
+        out,
+        progress=False,
+        obs=OBS[1].split(","),
+        read=InputOptions(where="batch = 'plate_00'"),
+    )
     small = oj.open_dataset(out).num_cells
     materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
     assert oj.open_dataset(out).num_cells > small
@@ -274,7 +282,7 @@ def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_writte
     run, and says so (not "nothing was written"); the next run into the output removes the rest."""
     out = tmp_path / "out"
     where = ["--where", "batch = 'plate_00'"]
-    assert main([str(corpus.cells_parquet), str(out), "--no-progress", *where]) == 0
+    assert main([str(corpus.cells_parquet), str(out), "--no-progress", *where, *OBS]) == 0
     small = oj.open_dataset(out).num_cells
     remove = shutil.rmtree
 
@@ -284,7 +292,10 @@ def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_writte
         remove(path, *args, **kwargs)
 
     monkeypatch.setattr(_shards.shutil, "rmtree", interrupted)
-    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 128 + signal.SIGINT
+    assert (
+        main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite", *OBS])
+        == 128 + signal.SIGINT
+    )
     monkeypatch.undo()
     (left,) = _leftovers(tmp_path)
     assert left.startswith(f".out.old-{os.getpid()}-")
@@ -310,7 +321,13 @@ def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
     one goes back, and the run wrote nothing. Remains of a replaced dataset are removed by a later
     run only where the output holds the dataset that replaced them (else they are its only copy)."""
     out = tmp_path / "out"
-    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
+    materialize(
+        corpus.cells_parquet,
+        out,
+        progress=False,
+        obs=OBS[1].split(","),
+        read=InputOptions(where="batch = 'plate_00'"),
+    )
     small = oj.open_dataset(out).num_cells
     rename = type(out).rename
 
@@ -320,7 +337,10 @@ def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
         return rename(self, target)
 
     monkeypatch.setattr(type(out), "rename", stopped)
-    assert main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite"]) == 128 + signal.SIGINT
+    assert (
+        main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite", *OBS])
+        == 128 + signal.SIGINT
+    )
     monkeypatch.undo()
     assert capsys.readouterr().err == "omicsio-materialize: interrupted; nothing was written\n"
     assert oj.open_dataset(out).num_cells == small and _leftovers(tmp_path) == []

@@ -486,3 +486,62 @@ def test_pandas_unnamed_index_is_no_obs(capsys, tmp_path):
     assert main([str(tmp_path / "cells.parquet"), str(tmp_path / "out"), "--no-progress"]) == 0
     assert "__index_level_0__ of" in capsys.readouterr().err
     assert sorted(oj.open_dataset(tmp_path / "out").obs) == ["donor", "n_counts", "n_genes"]
+
+
+@pytest.mark.parametrize("where", ["obs", "var", "index"])
+def test_anndata_text_that_is_not_utf8_is_a_one_line_error_naming_it(capsys, tmp_path, where):
+    # it was a UnicodeDecodeError traceback naming neither the file nor the column
+    import h5py
+
+    latin = [f"Jos\xe9{i}".encode("latin-1") for i in range(4)]
+    obs = np.zeros(4, [("index", "S10"), ("donor", "S10")])
+    obs["index"] = latin if where == "index" else [f"c{i}".encode() for i in range(4)]
+    obs["donor"] = latin if where == "obs" else [b"d"] * 4
+    var = np.zeros(3, [("index", "S10"), ("note", "S10")])
+    var["index"] = [f"G{i}".encode() for i in range(3)]
+    var["note"] = latin[:3] if where == "var" else [b"n"] * 3
+    path = tmp_path / "latin.h5ad"
+    with h5py.File(path, "w") as f:
+        f["obs"], f["var"], f["X"] = obs, var, np.ones((4, 3), np.float32)
+    out = tmp_path / "out"
+    assert main([str(path), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    what = {"obs": "obs column 'donor'", "var": "var column 'note'", "index": "obs names"}[where]
+    assert f"latin.h5ad: {what} holds text that is not UTF-8" in err and not out.exists()
+
+
+@pytest.mark.parametrize("bad", [3, -1])
+def test_an_h5ad_with_gene_token_ids_and_a_column_outside_its_genes_is_refused(capsys, tmp_path, bad):
+    # mapped through var's gene_token_id, such a column was an IndexError traceback (-1: the last
+    # gene's token, then a misleading "not sorted")
+    import anndata as ad
+    import h5py
+    import pandas as pd
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0], [4, 5, 6]], np.float32))
+    var = pd.DataFrame({"gene_token_id": [0, 2, 4]}, index=["G0", "G1", "G2"])
+    path = tmp_path / "tokens.h5ad"
+    ad.AnnData(X=x, var=var).write_h5ad(path)
+    with h5py.File(path, "r+") as f:
+        f["X/indices"][1] = bad
+    out = tmp_path / "out"
+    assert main([str(path), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"tokens.h5ad: /X holds column {bad} in rows 0..2, outside its 3 genes: the file is damaged" in err
+    assert not out.exists()
+
+
+def test_an_h5ad_without_x_names_its_layers(capsys, tmp_path):
+    import anndata as ad
+    import pandas as pd
+    import scipy.sparse as sp
+
+    adata = ad.AnnData(X=None, obs=pd.DataFrame(index=["c0", "c1"]), var=pd.DataFrame(index=["G0", "G1"]))
+    adata.layers["counts"] = sp.csr_matrix(np.ones((2, 2), np.float32))
+    adata.write_h5ad(tmp_path / "nox.h5ad")
+    assert main([str(tmp_path / "nox.h5ad"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("nox.h5ad has no X; pick a layer with --layer (InputOptions(layer=...)): counts"), err

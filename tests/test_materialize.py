@@ -1073,3 +1073,74 @@ def test_a_matrix_stored_big_endian_reads_as_in_native_byte_order(tmp_path, fmt)
     assert_csr_equal(_all_rows(ds), (expected.indptr, expected.indices, expected.data))
     assert [s.sha256 for s in ds.manifest.shards] == [s.sha256 for s in native.manifest.shards]
     np.testing.assert_array_equal(ds.obs["score"], back.obs["score"].to_numpy())
+
+
+@pytest.mark.parametrize("column", ["gene_ids", "gene_id", "feature_id"])
+def test_an_h5ad_takes_its_ensembl_ids_from_any_id_column_of_var(tmp_path, column):
+    # an id column other than gene_ids was ignored: ensembl_id held the index's symbols, and
+    # ds.gene_columns / a panel could not name the genes by id
+    import anndata as ad
+    import scipy.sparse as sp
+
+    ids = ["ENSG00000141510", "ENSG00000012048", "ENSG00000146648", "ENSG00000105329"]
+    x = sp.csr_matrix(np.arange(1, 9, dtype=np.float32).reshape(2, 4))
+    var = pd.DataFrame({column: ids, "other": ["a", "b", "c", "d"]}, index=["TP53", "BRCA1", "EGFR", "TGFB1"])
+    ad.AnnData(X=x, obs=pd.DataFrame(index=["c0", "c1"]), var=var).write_h5ad(tmp_path / "in.h5ad")
+    materialize(tmp_path / "in.h5ad", tmp_path / "out", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.features["ensembl_id"].tolist() == ids
+    assert ds.features["gene_name"].tolist() == ["TP53", "BRCA1", "EGFR", "TGFB1"]
+    assert ds.gene_columns(["ENSG00000146648", "TGFB1"]).tolist() == [2, 3]
+    assert column not in ds.features.columns and "other" in ds.features.columns
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_an_input_s_own_n_counts_and_n_genes_are_kept_under_other_names_when_asked_for(
+    tmp_path, capsys, stats
+):
+    # they were dropped without a word (scanpy's filter_cells writes them into many .h5ad files), and
+    # with --no-stats lost even when named in --obs
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0]], np.float32))
+    obs = pd.DataFrame(
+        {"n_genes": [1000, 1001], "n_counts": [5.5, 6.5], "plate": ["a", "b"]}, index=["c0", "c1"]
+    )
+    ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / "in.h5ad")
+    materialize(tmp_path / "in.h5ad", tmp_path / "all", stats=stats, progress=False)
+    ds = oj.open_dataset(tmp_path / "all")
+    assert "input_n_genes" not in ds.obs and ds.obs["plate"].labels().tolist() == ["a", "b"]
+    assert ("n_genes" in ds.obs) is stats and (not stats or ds.obs["n_genes"].tolist() == [2, 1])
+    err = capsys.readouterr().err  # not copied, and how to keep them: said
+    assert "obs n_counts, n_genes of " in err and "as input_n_counts, input_n_genes)" in err
+    materialize(
+        tmp_path / "in.h5ad", tmp_path / "named", obs=["n_genes", "n_counts"], stats=stats, progress=False
+    )
+    ds = oj.open_dataset(tmp_path / "named")
+    assert ds.obs["input_n_genes"].tolist() == [1000, 1001]
+    assert ds.obs["input_n_counts"].tolist() == [5.5, 6.5]
+    assert (not stats) or ds.obs["n_counts"].tolist() == [3.0, 3.0]
+    assert "obs n_counts as input_n_counts, n_genes as input_n_genes of " in capsys.readouterr().err
+
+
+def test_an_anndata_input_takes_its_cell_ids_from_the_obs_column_cell_id_names(tmp_path):
+    # --cell-id was ignored for AnnData inputs, though the duplicate-id error advised it
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.eye(4, 3, dtype=np.float32) + 1)
+    obs = pd.DataFrame(
+        {"barcode": [f"uniq{i}" for i in range(4)], "plate": list("abab")}, index=["c0", "c1", "c0", "c1"]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's: obs names not unique
+        ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / "in.h5ad")
+    with pytest.raises(oj.DataValidationError, match="duplicate cell_id c0 in rows 0 and 2"):
+        materialize(tmp_path / "in.h5ad", tmp_path / "dup", progress=False)
+    materialize(tmp_path / "in.h5ad", tmp_path / "out", read=InputOptions(cell_id="barcode"), progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.cell_ids.tolist() == ["uniq0", "uniq1", "uniq2", "uniq3"]
+    assert "barcode" not in ds.obs and "plate" in ds.obs  # the ids are no obs column besides
+    with pytest.raises(oj.DataValidationError, match="names obs column 'nope', which .* does not have"):
+        materialize(tmp_path / "in.h5ad", tmp_path / "no", read=InputOptions(cell_id="nope"), progress=False)

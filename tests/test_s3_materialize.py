@@ -217,7 +217,15 @@ def test_a_failed_run_whose_objects_cannot_be_removed_says_they_remain(
         raise oj.ObjectStoreError(f"cannot reach the S3 endpoint (for {self.url})")
 
     monkeypatch.setattr(S3Store, "delete", unreachable)
-    args = ["--shard-cells", str(SHARD), "--workers", "1", "--no-progress"]
+    args = [
+        "--shard-cells",
+        str(SHARD),
+        "--workers",
+        "1",
+        "--no-progress",
+        "--obs",
+        "batch",
+    ]  # (no n_genes note)
     assert main([str(tmp_path / "bad.parquet"), s3.url("failed"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "negative gene_expression -1.0 in row 2900" in err, err
