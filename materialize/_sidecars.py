@@ -267,7 +267,7 @@ class TemporalWriter(_RawColumn):
 
     def __init__(self, directory: Path, name: str, dtype: pa.DataType):
         super().__init__(directory, name)
-        self._dtype = temporal_dtype(dtype)
+        self._type, self._dtype = dtype, temporal_dtype(dtype)
         self.kind = DATETIME if self._dtype.kind == "M" else TIMEDELTA
 
     def append(self, array: pa.Array | pa.ChunkedArray) -> None:
@@ -275,6 +275,10 @@ class TemporalWriter(_RawColumn):
             for chunk in array.chunks:
                 self.append(chunk)
             return
+        if (
+            array.type != self._type
+        ):  # e.g. DuckDB's microseconds of a file's milliseconds, its integers of a duration
+            array = array.cast(self._type)
         stored = array.view(pa.int32() if array.type.bit_width == 32 else pa.int64())  # Arrow's integers
         values = to_numpy_filled(stored, 0).astype(np.int64)  # in the type's unit
         if array.null_count:

@@ -154,7 +154,10 @@ class TableSource(TableReads, Source):
             FIRST_GENE,
             FIRST_VALUE,
         }
-        self.obs_columns = carried_obs({f.name: f.type for f in schema if f.name not in hidden}, self.label)
+        types = {f.name: f.type for f in schema if f.name not in hidden}
+        if query is None and self.files:
+            types.update(_stored_time_types(self.files[0], types))
+        self.obs_columns = carried_obs(types, self.label)
         self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
 
@@ -339,3 +342,25 @@ class TableSource(TableReads, Source):
             f"SELECT * EXCLUDE ({tokens}, {values}), {tokens} AS {GENE_COLUMN}, {values} AS {VALUE_COLUMN} "
             f"FROM ({sql})"
         )
+
+
+def _stored_time_types(path: Path, types: dict[str, pa.DataType]) -> dict[str, pa.DataType]:
+    """The Arrow types a parquet file keeps for its durations and timestamps among ``types``' columns,
+    where DuckDB reads others (a duration as its integer count, a timestamp in milliseconds or seconds
+    as microseconds): the dataset keeps the file's unit and kind. Other files: nothing."""
+    if Path(path).suffix.lower() != ".parquet":
+        return {}
+    try:
+        stored = pq.read_schema(path)
+    except (OSError, pa.ArrowException):
+        return {}  # (DuckDB's reading says what is wrong with the file)
+    return {
+        f.name: f.type
+        for f in stored
+        if f.name in types
+        and f.type != types[f.name]
+        and (
+            pa.types.is_duration(f.type)
+            or (pa.types.is_timestamp(f.type) and pa.types.is_timestamp(types[f.name]))
+        )
+    }

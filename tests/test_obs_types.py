@@ -101,6 +101,30 @@ def test_dates_times_and_decimals_are_carried_alike_whatever_the_workers(tmp_pat
         oj.load_panel(ds, obs=["day"], progress=False)
 
 
+@pytest.mark.parametrize("where", [None, "cell_id <> 'none'"])  # read by pyarrow, or through DuckDB
+def test_durations_and_timestamps_keep_the_unit_and_kind_a_parquet_file_stores(tmp_path, where):
+    # DuckDB reads a duration as its integer count and a timestamp in ms as µs: the dataset held
+    # durations as plain numbers and timestamps in another unit than the input's
+    n = 5
+    table = _cells(
+        n,
+        dur_s=pa.array([1, 2, None, 4, 5], pa.duration("s")),
+        dur_ms=pa.array([5000, 6000, 7, None, 1], pa.duration("ms")),
+        dur_us=pa.array([1, 2, 3, 4, 5], pa.duration("us")),
+        ts_ms=pa.array([0, 1000, None, 3, 4], pa.timestamp("ms")),
+    )
+    pq.write_table(table, tmp_path / "cells.parquet")
+    materialize(
+        str(tmp_path / "cells.parquet"), tmp_path / "out", progress=False, read=InputOptions(where=where)
+    )
+    ds = oj.open_dataset(tmp_path / "out")
+    kinds = {o.name: (o.kind, o.dtype) for o in ds.manifest.obs}
+    for name, column in zip(table.column_names[3:], table.columns[3:], strict=True):
+        expected = column.to_numpy()  # numpy's timedelta64 / datetime64 in the file's unit, NaT where null
+        assert kinds[name] == ("timedelta" if name.startswith("dur") else "datetime", str(expected.dtype))
+        np.testing.assert_array_equal(ds.obs[name], expected)
+
+
 def test_an_anndata_datetime64_obs_column_is_carried(tmp_path):
     n = 6
     obs = pd.DataFrame({"x": np.arange(n)}, index=[f"c{i}" for i in range(n)])
