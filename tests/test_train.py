@@ -115,7 +115,7 @@ def test_predicates_parse(text, expected):
 def test_bad_predicates_say_where_and_show_the_forms(text, match):
     with pytest.raises(train.PredicateError, match=match) as info:
         train.parse_predicate(text)
-    assert "batch IN ('plate_12', 'plate_13')" in str(info.value)  # the fix, by example
+    assert "batch IN ('plate_08', 'plate_09')" in str(info.value)  # the fix, by example
 
 
 def test_predicate_rows_are_rows_where(ds):

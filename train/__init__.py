@@ -1,7 +1,7 @@
 """train: Equinox + optax training loops on omicsio_jax datasets (uses only omicsio_jax's public API).
 
 >>> from train import TrainConfig, fit                                          # doctest: +SKIP
->>> result = fit(TrainConfig("out/", "drug", eval_where="batch = 'plate_13'",
+>>> result = fit(TrainConfig("out/", "drug", eval_where="batch = 'plate_09'",
 ...                          checkpoint_dir="ckpt/", checkpoint_every=200))       # doctest: +SKIP
 >>> result.eval.accuracy, result.eval.macro_f1                                   # doctest: +SKIP
 """

@@ -1,7 +1,7 @@
 """The ``omicsio-train`` command (also ``python -m train``).
 
     omicsio-train out/ --label drug --model mlp --batch-size 1024 --block-size 16 --fetch-factor 256 \\
-        --sampling block --epochs 1 --seed 0 --eval-where "batch = 'plate_13'" \\
+        --sampling block --epochs 1 --seed 0 --eval-where "batch = 'plate_09'" \\
         --checkpoint-dir ckpt/ --checkpoint-every 200
     omicsio-train out/ ... --checkpoint-dir ckpt/ --resume     # continues exactly where it stopped
     omicsio-train out/ ... --checkpoint-dir ckpt/ --checkpoint-format orbax   # Orbax CheckpointManager
@@ -10,7 +10,7 @@
     omicsio-train pretrain out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens
     omicsio-train embed out/ --init hf:gf-6L-30M-i2048 --vocab token_dictionary.pkl --no-special-tokens \
         --out embeddings.npy
-    omicsio-train finetune out/ --init pt/ --label cell_type --eval-where "batch = 'plate_13'" \
+    omicsio-train finetune out/ --init pt/ --label cell_type --eval-where "batch = 'plate_09'" \
         --out-metrics finetune.json
 """
 

@@ -70,7 +70,7 @@ def check_counts(
 class TrainConfig:
     """A training run. ``dataset`` is a directory written by ``omicsio-materialize``; ``label`` a
     categorical obs column. ``steps`` (if set) replaces ``epochs × steps_per_epoch``. The held-out
-    set is ``eval_where`` (a predicate, e.g. ``"batch = 'plate_13'"``) or ``eval_rows`` (a ``.npy``
+    set is ``eval_where`` (a predicate, e.g. ``"batch = 'plate_09'"``) or ``eval_rows`` (a ``.npy``
     of global rows); training uses the other cells. ``num_devices`` (default: all) sets the mesh."""
 
     dataset: str

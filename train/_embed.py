@@ -246,7 +246,9 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
         msg = f"{root} is no folder: give a pretraining run's --checkpoint-dir"
         raise TrainError(msg)
     fmt = "equinox" if any(root.glob("step-*")) else "orbax"
-    store = open_checkpoints(PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt))
+    store = open_checkpoints(
+        PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt), writing=False
+    )
     try:
         latest = None if store is None else store.latest()
         if latest is None or "vocab_size" not in latest.meta:

@@ -8,7 +8,7 @@ frozen embedding like the probe, so their gap is what training the read-out on e
 in batches, with the run's pooling adds, and the gap to the unfrozen run is what adapting the encoder
 adds.
 
->>> result = finetune(FinetuneConfig("out/", "pt/", "cell_type", eval_where="batch = 'plate_13'"))  # doctest: +SKIP
+>>> result = finetune(FinetuneConfig("out/", "pt/", "cell_type", eval_where="batch = 'plate_09'"))  # doctest: +SKIP
 >>> print(result.summary())                                                          # doctest: +SKIP
 """
 

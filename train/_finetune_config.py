@@ -83,7 +83,7 @@ class FinetuneConfig:
         if self.eval_where is None and self.eval_rows is None:
             msg = (
                 "fine-tuning reports held-out accuracy: give the held-out cells with --eval-where "
-                "\"batch = 'plate_13'\" or --eval-rows rows.npy"
+                "\"batch = 'plate_09'\" or --eval-rows rows.npy"
             )
             raise TrainError(msg)
         if self.eval_where is not None and self.eval_rows is not None:

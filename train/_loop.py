@@ -121,8 +121,9 @@ def _digest(rows: np.ndarray | None) -> str | None:
     return None if rows is None else hashlib.sha256(np.asarray(rows, np.int64).tobytes()).hexdigest()[:16]
 
 
-def open_checkpoints(config: TrainConfig):
-    """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a directory."""
+def open_checkpoints(config: TrainConfig, *, writing: bool = True):
+    """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a
+    directory; ``writing``: a run that saves to it (in the Equinox format, from one process only)."""
     if config.checkpoint_dir is None:
         return None
     other = _other_format(Path(config.checkpoint_dir), config.checkpoint_format)
@@ -131,6 +132,13 @@ def open_checkpoints(config: TrainConfig):
             f"{config.checkpoint_dir} holds {other} checkpoints, and this run writes "
             f"{config.checkpoint_format}: pass --checkpoint-format {other} to resume them, or choose "
             "another --checkpoint-dir"
+        )
+        raise TrainError(msg)
+    if writing and config.checkpoint_format == "equinox" and jax.process_count() > 1:
+        msg = (
+            f"checkpoint_format 'equinox' writes one folder from every process, {jax.process_count()} JAX "
+            "processes here: pass --checkpoint-format orbax (checkpoint_format='orbax'), which saves each "
+            "process's loader state"
         )
         raise TrainError(msg)
     if config.checkpoint_format == "orbax":
@@ -245,11 +253,11 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
         optimizer = optax.adam(config.lr)
         opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         start = 0
-        if restored is not None:
-            model, opt_state = restored.load((model, opt_state))
+        model, opt_state = replicate((model, opt_state), mesh)
+        if restored is not None:  # restored onto the replicated arrays (Orbax: on every process's devices)
+            model, opt_state = replicate(restored.load((model, opt_state)), mesh)
             key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
             start = restored.step
-        model, opt_state = replicate((model, opt_state), mesh)
         loader = oj.make_loader(
             ds,
             batch_size=config.batch_size,

@@ -2,8 +2,8 @@
 ``col NOT IN (...)``, the values quoted strings, numbers or ``TRUE`` / ``FALSE`` (a bool column such
 as CELLxGENE's ``is_primary_data``). No ``eval``: a tokenizer and a three-rule grammar.
 
->>> parse_predicate("batch = 'plate_13'")
-Predicate(column='batch', values=('plate_13',), invert=False)
+>>> parse_predicate("batch = 'plate_09'")
+Predicate(column='batch', values=('plate_09',), invert=False)
 >>> parse_predicate("drug NOT IN ('DMSO_TF', 'drug_01')")
 Predicate(column='drug', values=('DMSO_TF', 'drug_01'), invert=True)
 >>> parse_predicate("is_primary_data = true")
@@ -31,7 +31,7 @@ _TOKEN = re.compile(
     )""",
     re.VERBOSE,
 )
-_EXAMPLE = "write e.g. batch = 'plate_13', batch != 'plate_13' or batch IN ('plate_12', 'plate_13')"
+_EXAMPLE = "write e.g. batch = 'plate_09', batch != 'plate_09' or batch IN ('plate_08', 'plate_09')"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,13 +120,13 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         optimizer = pretrain_optimizer(config, total)
         opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
         start = 0
-        if restored is not None:
-            model, opt_state = restored.load((model, opt_state))
+        model, opt_state = replicate((model, opt_state), mesh)
+        if restored is not None:  # restored onto the replicated arrays (Orbax: on every process's devices)
+            model, opt_state = replicate(restored.load((model, opt_state)), mesh)
             key = jax.random.wrap_key_data(np.asarray(restored.meta["key_data"], np.uint32))
             start = restored.step
             restored.restore_loader(loader)
             say(f"resumed from {restored.path} at step {start}/{total}")
-        model, opt_state = replicate((model, opt_state), mesh)
         metrics_path = Path(config.metrics) if config.metrics else None
         if metrics_path is None and config.checkpoint_dir is not None:
             metrics_path = Path(config.checkpoint_dir) / "metrics.jsonl"

@@ -78,6 +78,16 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return eqx.combine(jax.device_put(arrays, sharding), static)
 
 
+def _on_host(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` as numpy on this process: a batch placed over several processes' devices
+    gathered from all of them (every process then scores every cell, alike)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def evaluate(
     model: eqx.Module, loader: oj.Loader, label: str, *, normalize_on_device: bool = False
 ) -> EvalResult:
@@ -87,8 +97,8 @@ def evaluate(
     """
     y_true, y_pred = [], []
     for batch in loader:
-        pred = np.asarray(predict(model, batch.x, normalize_on_device))
-        labels, mask = np.asarray(batch.obs[label]), np.asarray(batch.mask)
+        pred = _on_host(predict(model, batch.x, normalize_on_device))
+        labels, mask = _on_host(batch.obs[label]), _on_host(batch.mask)
         keep = mask & (labels >= 0)
         y_true.append(labels[keep])
         y_pred.append(pred[keep])

@@ -50,8 +50,11 @@ def _digests(config: dict) -> np.ndarray:
 
 def processes_share(placement) -> bool:
     """Whether a loader's batches are global arrays over several JAX processes (a mesh, JAX's
-    processes): every process must then make it, and they are compared. A loader without a mesh
-    may be one process's alone (an evaluation on process 0), where a collective would wait forever."""
+    processes): every process must then make it, and they are compared. A loader without a mesh is
+    not compared: its host batches are this process's share of each batch (``batch_size /
+    process_count`` rows, for `place_batch` or Grain to assemble), and a collective would wait
+    forever where only some processes make one; one process loading every cell alone (an
+    evaluation on process 0) passes ``Placement(process_index=0, process_count=1)``."""
     return placement.mesh is not None and placement.process_count is None and jax.process_count() > 1
 
 
