@@ -1,6 +1,7 @@
 """Materialize throughput, peak memory and bytes per cell on the synthetic corpus.
 
-For each corpus size and input format, runs `materialize` with its defaults (a worker per usable
+For each corpus size and input format (parquet, h5ad, and the h5ad's cells stored by column, CSC,
+as R's dgCMatrix and files converted from it hold them), runs `materialize` with its defaults (a worker per usable
 core) in a fresh process several times and reports the median cells/s, the peak RSS of the main
 process and of its largest child (a worker process, or a shard writer) and the dataset's bytes per
 cell next to the h5ad and parquet files of the same cells. A round times one whole conversion;
@@ -23,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _provenance import add_window_options, check_window, provenance, write_result  # noqa: E402
+from _provenance import add_window_options, check_window, compare, provenance, write_result  # noqa: E402
 
 _CHILD = """
 import json, resource, sys, time
@@ -53,6 +54,21 @@ def corpus_dir(num_cells: int, *, h5ad: bool = True) -> Path:
     return path
 
 
+def csc_h5ad(corpus: Path) -> Path:
+    """``cells_csc.h5ad`` beside the corpus's ``cells.h5ad``: the same cells, X stored by column
+    (made on first use, through anndata)."""
+    path = corpus / "cells_csc.h5ad"
+    if not path.exists():
+        import anndata as ad
+
+        print(f"writing {path} (X by column) ...", flush=True)
+        adata = ad.read_h5ad(corpus / "cells.h5ad")
+        adata.X = adata.X.tocsc()
+        adata.write_h5ad(path.with_suffix(".tmp.h5ad"))
+        path.with_suffix(".tmp.h5ad").rename(path)
+    return path
+
+
 def run_once(source: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(
@@ -72,10 +88,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=HERE / "data" if (HERE / "data").exists() else None) as tmp:
         for size in args.sizes:
             corpus = corpus_dir(size)
-            for fmt, name in (("parquet", "cells.parquet"), ("h5ad", "cells.h5ad")):
-                runs = [run_once(corpus / name, Path(tmp) / "out") for _ in range(args.repeats)]
+            inputs = {
+                "parquet": corpus / "cells.parquet",
+                "h5ad": corpus / "cells.h5ad",
+                "h5ad (CSC)": csc_h5ad(corpus),
+            }
+            for fmt, source in inputs.items():
+                runs = [run_once(source, Path(tmp) / "out") for _ in range(args.repeats)]
                 first = runs[0]
                 row = {
+                    "label": f"{size:,} cells from {fmt}",
                     "num_cells": first["num_cells"],
                     "input": fmt,
                     "cells_per_s": statistics.median(r["num_cells"] / r["seconds"] for r in runs),
@@ -88,6 +110,7 @@ def main() -> None:
                     "nnz": first["nnz"],
                     "dataset_bytes_per_cell": first["dataset_bytes"] / first["num_cells"],
                     "h5ad_bytes_per_cell": (corpus / "cells.h5ad").stat().st_size / first["num_cells"],
+                    "input_bytes_per_cell": source.stat().st_size / first["num_cells"],
                     "parquet_bytes_per_cell": (corpus / "cells.parquet").stat().st_size / first["num_cells"],
                 }
                 rows.append(row)
@@ -106,6 +129,20 @@ def main() -> None:
         "window": "one whole conversion per round (window_s: its seconds)",
         "quick": args.quick,
         "rows": rows,
+        "comparisons": [
+            c
+            for size in args.sizes
+            for c in [
+                compare(
+                    f"{size:,} cells: h5ad stored by column (CSC) / by row (CSR)",
+                    *(
+                        next((r for r in rows if r["label"] == f"{size:,} cells from {f}"), None)
+                        for f in ("h5ad (CSC)", "h5ad")
+                    ),
+                )
+            ]
+            if c is not None
+        ],
     }
     write_result(args.out, result, quick=args.quick)
 

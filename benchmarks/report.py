@@ -99,7 +99,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     ),
     "bench_materialize": (
         "Materialize throughput",
-        "Conversion of the synthetic corpus, from parquet and from h5ad, into a dataset with "
+        "Conversion of the synthetic corpus, from parquet, from h5ad and from the h5ad's cells stored by "
+        "column (CSC), into a dataset with "
         "materialize's defaults (a worker per usable core), each round one whole conversion in a fresh "
         "process: cells per second, peak memory of the main process and of its largest child, and bytes "
         "per cell next to the inputs'.",
@@ -496,7 +497,7 @@ def render_materialize(d: dict) -> list[str]:
                 ("parquet B/cell", "parquet_bytes_per_cell", ",.0f"),
             ],
         ),
-    )
+    ) + comparisons(d)
 
 
 def render_collection(d: dict) -> list[str]:
@@ -1229,6 +1230,7 @@ def headlines(quoted: list[tuple[str, dict]]) -> list[dict]:
         "bench_annbatch", lambda c: "ReadOptions" not in c["what"] and "sampling=" not in c["what"]
     )
     add_comparisons("bench_loader", lambda c: "scDataset" in c["what"])
+    add_comparisons("bench_materialize", lambda c: True)
     if "bench_materialize" in by:
         name, d = by["bench_materialize"]
         sizes = [r.get("num_cells") or 0 for r in d.get("rows", [])]

@@ -154,7 +154,8 @@ def materialize(
     (an existing dataset at ``out`` is replaced only with ``overwrite``; an empty folder needs none).
     ``stats`` computes the corpus statistics as the cells are written (``gene_stats.parquet``, obs
     ``n_counts`` / ``n_genes``: what normalization, Geneformer's gene medians and highly variable genes
-    read); ``stats=False`` leaves them out, for ``omicsio-materialize stats OUT`` to add. Raises
+    read); ``stats=False`` leaves them out, for ``omicsio-materialize stats OUT`` to add.
+    ``progress`` shows progress bars on stderr (sources opened, cells written). Raises
     `DataValidationError` naming the file, row and cell_id of the first cell that breaks the schema.
     """
     where, query, genes, layer, use_raw, cell_id, batch_cells, allow_negative = (

@@ -288,8 +288,8 @@ class Dataset:
         ``timedelta64``) takes its values as NumPy reads them (``"2024-05-01"``, `numpy.datetime64`).
 
         >>> primary = ds.rows_where("is_primary_data", [True])          # doctest: +SKIP
-        >>> held_out = ds.rows_where("batch", ["plate_13"])              # doctest: +SKIP
-        >>> train = ds.rows_where("batch", ["plate_13"], invert=True)    # doctest: +SKIP
+        >>> held_out = ds.rows_where("batch", ["plate_09"])              # doctest: +SKIP
+        >>> train = ds.rows_where("batch", ["plate_09"], invert=True)    # doctest: +SKIP
         """
         return rows_where(self.obs, column, values, invert=invert)
 

@@ -386,7 +386,9 @@ def make_loader(
     ``output`` an output kind: `Dense`, `Panel`, `CSR`, `GeneformerTokens`, `ScGPTTokens`, a dict
     of them per modality, or the shorthands ``"dense"`` / ``"csr"``. ``obs`` names the obs columns
     each batch carries (a name or a list of them); ``rows`` restricts sampling to a subset (e.g.
-    ``ds.rows_where("batch", ["plate_13"], invert=True)``; a set: a row listed twice is served once). ``placement`` says where batches go (`Placement`, or a mesh:
+    ``ds.rows_where("batch", ["plate_09"], invert=True)``; a set: a row listed twice is served once).
+    ``seed`` fixes the sampling (the same seed, the same batches on any machine) and ``num_epochs``
+    how many passes the loader makes (None: without end). ``placement`` says where batches go (`Placement`, or a mesh:
     sharded along its ``"data"`` axis) and ``read`` how they are read (`ReadOptions`: by default
     threads chosen for the output kind, the batch size and the machine's cores decode and place
     batches ahead of the consumer, or it decodes them itself, `default_num_threads`, shown by

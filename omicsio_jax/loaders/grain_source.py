@@ -371,10 +371,12 @@ def make_grain_loader(
 
     ``source_options`` are `GrainSource`'s, the arguments of `make_loader` (``sampling``,
     ``output``, ``obs``, ``rows``, ``seed``, ``num_epochs``, ``placement``, ``read``: its
-    ``num_threads`` threads, 2 by default, decode records in each process). ``operations`` are
-    Grain ``Map`` / ``RandomMap`` transforms applied to each `HostBatch` (in the workers when
-    ``worker_count > 0``; the first such loader of a process warns, `GrainWorkersWarning`, with
-    the measured cost of worker processes). Checkpoint the iterator with ``grain.checkpoint.CheckpointSave``
+    ``num_threads`` threads, 2 by default, decode records in each process). ``worker_count``
+    Grain worker processes make the batches, each ``worker_buffer_size`` batches ahead (0, the
+    default and the fast path: this process makes them, decoding on its threads; the first loader
+    of a process with workers warns, `GrainWorkersWarning`, with their measured cost).
+    ``operations`` are Grain ``Map`` / ``RandomMap`` transforms applied to each `HostBatch` (in the
+    workers, when there are any). Checkpoint the iterator with ``grain.checkpoint.CheckpointSave``
     (Orbax) or its ``get_state``.
     """
     check_operations(operations)
