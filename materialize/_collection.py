@@ -229,12 +229,14 @@ class CollectionSource(Source):
                 columns[name] = pa.nulls(n, dtype)
         return Batch(indptr, cols, values, batch.cell_ids, columns, batch.locate, genes=genes)
 
-    def stage(self, folder: str | None, *, progress: bool = False) -> list[str]:
+    def stage(self, folder: str | None, *, progress: bool = False, pool=None) -> list[str]:
         """Each member's `Source.stage`, in a folder of its own."""
         return [
             note
             for k, member in enumerate(self.members)
-            for note in member.stage(None if folder is None else f"{folder}/member-{k}", progress=progress)
+            for note in member.stage(
+                None if folder is None else f"{folder}/member-{k}", progress=progress, pool=pool
+            )
         ]
 
     def close(self) -> None:

@@ -13,9 +13,11 @@ the same matrix).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numba as nb
@@ -170,20 +172,35 @@ class RowBlocks:
 
 
 def regroup(
-    matrix, ptr: np.ndarray, num_rows: int, folder: str | Path, *, block_rows: int, label: str, progress: bool
+    opened: Callable[[], contextlib.AbstractContextManager],
+    ptr: np.ndarray,
+    num_rows: int,
+    folder: str | Path,
+    *,
+    value_type: str,
+    block_rows: int,
+    label: str,
+    where: str,
+    progress: bool,
+    run: Callable[[Callable, list], Iterator] | None = None,
+    workers: int = 1,
 ) -> RowBlocks:
-    """The entries of the CSC ``matrix`` group (``indices``, ``data``; h5py or zarr; ``ptr``: its
-    ``indptr``, int64, checked) in ``folder`` (made; `RowBlocks`), by blocks of the largest power of
-    two of rows up to ``block_rows`` (and `MAX_BLOCK_ROWS`). A row index outside ``0..num_rows-1``
-    is refused as a damaged file, naming it."""
+    """The entries of a CSC matrix in ``folder`` (made; `RowBlocks`), by blocks of the largest power
+    of two of rows up to ``block_rows`` (and `MAX_BLOCK_ROWS`). ``opened()`` opens the matrix group
+    (``indices``, ``data``; h5py or zarr) in the process it is called in; ``ptr`` is its ``indptr``
+    (int64, checked), ``value_type`` its values' (native order). The entries go in ranges of whole
+    chunks, each pass's ranges through ``run(fn, items)`` (`Pool.map` on its ``workers``, each
+    opening the file itself; default: one after the other here), each range's entries of a block
+    after those of the ranges before it. A row index outside ``0..num_rows-1`` is refused as a
+    damaged file, naming it (``where``: the matrix's indices; ``label`` is the input's, for the bar)."""
     shift = min(max(int(block_rows), 1), MAX_BLOCK_ROWS).bit_length() - 1
-    indices, data = matrix["indices"], matrix["data"]
     first, end = int(ptr[0]), int(ptr[-1])
-    value_type = data.dtype.newbyteorder("=").str
+    blocks = -(-num_rows >> shift)
+    step = max(1, -(-(end - first) // (CHUNK_ENTRIES * 4 * workers))) * CHUNK_ENTRIES  # ~4 ranges a worker
+    ranges = [(e0, min(end, e0 + step)) for e0 in range(first, end, step)]
+    run = run or (lambda fn, items: map(fn, items))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    chunks = range(first, end, CHUNK_ENTRIES)
-    counts = np.zeros(-(-num_rows >> shift), np.int64)
     with tqdm(
         total=2 * (end - first),
         unit="entries",
@@ -194,25 +211,58 @@ def regroup(
         dynamic_ncols=True,
         delay=2.0,
     ) as bar:
-        for e0 in chunks:  # pass 1: each block's entries
-            rows = _native(indices[e0 : min(end, e0 + CHUNK_ENTRIES)])
-            lo, hi = _count_blocks(rows, shift, counts)
-            check_rows(lo, hi, num_rows, f"{label}: {matrix.name}/indices")
-            bar.update(len(rows))
-        starts = np.zeros(len(counts) + 1, np.int64)
-        np.cumsum(counts, out=starts[1:])
-        at = starts[:-1].copy()  # where each block's next entries go
-        files = [os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for name in _FILES]
-        try:
-            for e0 in chunks:  # pass 2: each chunk's entries after those of their blocks so far
-                e1 = min(end, e0 + CHUNK_ENTRIES)
-                rows, vals = _native(indices[e0:e1]), _native(data[e0:e1])
-                counts[:] = 0
+        counts = np.zeros((len(ranges), blocks), np.int64)  # pass 1: each range's entries of each block
+        for k, result in enumerate(run(_count_part, [(opened, e0, e1, shift, blocks) for e0, e1 in ranges])):
+            if isinstance(result, BaseException):
+                raise result
+            counts[k], (lo, hi) = result
+            check_rows(lo, hi, num_rows, where)
+            bar.update(ranges[k][1] - ranges[k][0])
+        starts = np.zeros(blocks + 1, np.int64)
+        np.cumsum(counts.sum(axis=0), out=starts[1:])
+        at = starts[:-1] + np.cumsum(counts, axis=0) - counts  # where each range's entries of a block go
+        for name, size in zip(_FILES, (2, 4, np.dtype(value_type).itemsize), strict=True):
+            with open(folder / name, "wb") as f:
+                f.truncate(int(starts[-1]) * size)
+        items = [(opened, ptr, e0, e1, shift, at[k], str(folder)) for k, (e0, e1) in enumerate(ranges)]
+        for k, result in enumerate(run(_write_part, items)):  # pass 2
+            if isinstance(result, BaseException):
+                raise result
+            bar.update(ranges[k][1] - ranges[k][0])
+    return RowBlocks(str(folder), num_rows, shift, starts, value_type)
+
+
+def _count_part(item) -> tuple[np.ndarray, tuple[int, int]]:
+    """Pass 1 of `regroup` over entries ``e0..e1-1``: the entries of each block, and the smallest
+    and largest row."""
+    opened, e0, e1, shift, blocks = item
+    counts = np.zeros(blocks, np.int64)
+    lo, hi = 0, -1
+    with opened() as matrix:
+        for c0 in range(e0, e1, CHUNK_ENTRIES):
+            rows = _native(matrix["indices"][c0 : min(e1, c0 + CHUNK_ENTRIES)])
+            a, z = _count_blocks(rows, shift, counts)
+            lo, hi = (a, z) if hi < lo else (min(lo, a), max(hi, z))
+    return counts, (int(lo), int(hi))
+
+
+def _write_part(item) -> int:
+    """Pass 2 of `regroup` over entries ``e0..e1-1``: each block's entries at ``at[b]`` onwards of
+    each file; returns how many it wrote."""
+    opened, ptr, e0, e1, shift, at, folder = item
+    at = at.copy()
+    files = [os.open(Path(folder) / name, os.O_WRONLY) for name in _FILES]
+    try:
+        with opened() as matrix:
+            for c0 in range(e0, e1, CHUNK_ENTRIES):
+                c1 = min(e1, c0 + CHUNK_ENTRIES)
+                rows, vals = _native(matrix["indices"][c0:c1]), _native(matrix["data"][c0:c1])
+                counts = np.zeros(len(at), np.int64)
                 _count_blocks(rows, shift, counts)
                 in_chunk = counts.copy()
                 grouped = (np.empty(len(rows), np.uint16), np.empty(len(rows), np.int32), np.empty_like(vals))
                 _by_block(
-                    rows, _bits(vals), ptr, e0, shift, counts, grouped[0], grouped[1], _bits(grouped[2])
+                    rows, _bits(vals), ptr, c0, shift, counts, grouped[0], grouped[1], _bits(grouped[2])
                 )
                 offset = 0
                 for b in np.flatnonzero(in_chunk):
@@ -221,8 +271,7 @@ def regroup(
                         _write_at(fd, array[offset : offset + n], int(at[b]) * array.itemsize)
                     at[b] += n
                     offset += n
-                bar.update(e1 - e0)
-        finally:
-            for fd in files:
-                os.close(fd)
-    return RowBlocks(str(folder), num_rows, shift, starts, value_type)
+    finally:
+        for fd in files:
+            os.close(fd)
+    return e1 - e0

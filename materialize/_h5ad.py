@@ -337,11 +337,11 @@ class H5adSource(Source):
         np.cumsum(np.bincount(rows, minlength=hi - lo), out=indptr[1:])
         return indptr, cols[order], vals[order]
 
-    def stage(self, folder: str | None, *, progress: bool = False) -> list[str]:
+    def stage(self, folder: str | None, *, progress: bool = False, pool=None) -> list[str]:
         """A CSC matrix of more cells than one batch regrouped by row into ``folder`` (`regroup`: two
-        passes over its entries), so that each batch then reads its own entries alone; without a
-        folder (a Dask run writing to object storage: its workers see no common local folder), the
-        note that each batch passes over all of them."""
+        passes over its entries, on the ``pool``'s workers where there are any), so that each batch
+        then reads its own entries alone; without a folder (a Dask run writing to object storage:
+        its workers see no common local folder), the note that each batch passes over all of them."""
         if self._sparse != "csc_matrix" or self.num_cells <= self._batch_cells or self._by_row is not None:
             return []
         if folder is None:
@@ -352,27 +352,46 @@ class H5adSource(Source):
                 f"entry of the matrix ({passes:,} passes over it); store it by row (CSR) for a conversion "
                 "in one pass, e.g. adata.X = adata.X.tocsr() (or the layer read) and write the file again"
             ]
+        workers = len(pool.workers) if pool is not None else 0
+        with self._matrix_opened() as m:
+            try:
+                ptr = m["indptr"][:].astype(np.int64)
+            except OSError as e:
+                raise self._unreadable(0, self.num_cells, e) from e
+            self._falls(ptr, "column", 0)
+            value_type, where = m["data"].dtype.newbyteorder("=").str, f"{self.label}: {m.name}/indices"
+        try:
+            self._by_row = regroup(
+                self._matrix_opened,
+                ptr,
+                self.num_cells,
+                folder,
+                value_type=value_type,
+                block_rows=self._batch_cells,
+                label=self.label,
+                where=where,
+                progress=progress,
+                run=(lambda fn, items: pool.map(fn, items, lambda _: f"regrouping {self.label} by row"))
+                if workers
+                else None,
+                workers=max(workers, 1),
+            )
+        except OSError as e:
+            raise self._unreadable(0, self.num_cells, e) from e
+        return []
+
+    @contextlib.contextmanager
+    def _matrix_opened(self) -> Iterator:
+        """The matrix read, open in this process (a pickled copy on a worker opens its file, and
+        closes it after)."""
         was_open = self._file is not None
         if not was_open:
             self._open()
         try:
-            ptr = self._matrix["indptr"][:].astype(np.int64)
-            self._falls(ptr, "column", 0)
-            self._by_row = regroup(
-                self._matrix,
-                ptr,
-                self.num_cells,
-                folder,
-                block_rows=self._batch_cells,
-                label=self.label,
-                progress=progress,
-            )
-        except OSError as e:
-            raise self._unreadable(0, self.num_cells, e) from e
+            yield self._matrix
         finally:
             if not was_open:
                 self.close()
-        return []
 
     def batches(
         self, obs: list[str], part: Partition | None = None, *, threads: int | None = None

@@ -284,7 +284,7 @@ def materialize(
             # process that reads one sees: not a Dask run's local one when it writes to object storage
             seen = not dask or store.local_root is not None
             folder = f"{stack.enter_context(scratch_dir(staging))}/by-row" if seen else None
-            for note in src.stage(folder, progress=progress):
+            for note in src.stage(folder, progress=progress, pool=pool if num_workers > 1 else None):
                 print(f"materialize: {note}", file=sys.stderr)
             job = Job(
                 src,

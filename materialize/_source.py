@@ -124,10 +124,11 @@ class Source:
         reader's own threads (DuckDB's)."""
         raise NotImplementedError
 
-    def stage(self, folder: str | None, *, progress: bool = False) -> list[str]:
+    def stage(self, folder: str | None, *, progress: bool = False, pool=None) -> list[str]:
         """Prepare, once, what its partitions' reads need in ``folder`` (local, and seen by every
-        process that reads a partition; None where there is none), before any is read; returns notes
-        for the user. Nothing by default."""
+        process that reads a partition; None where there is none), before any is read, on the
+        ``pool``'s workers where it has some (`materialize._pool.Pool`); returns notes for the user.
+        Nothing by default."""
         return []
 
     def close(self) -> None:
