@@ -136,6 +136,8 @@ def test_stage2_cells_expressing_matches_numpy(table, corpus_table, mode):
     got = table.cells_expressing(tokens, mode=mode, rowids=lung)
     np.testing.assert_array_equal(got, np.intersect1d(lung, expressing(corpus_table, tokens, mode)))
     np.testing.assert_array_equal(table.cells_expressing(tokens, mode=mode, where="tissue = 'lung'"), got)
+    with pytest.raises(oj.OmicsIOError, match="cells_expressing needs at least one gene, got none"):
+        table.cells_expressing([], mode=mode)  # "all" of none returned no cell (and would be every cell)
 
 
 def test_stage2_reads_no_expression_values(table):
@@ -616,3 +618,21 @@ def test_vortex_files_with_columns_of_their_own_open_as_one_table(tmp_path):
     vortex.io.write(own, str(tmp_path / "1.vortex"))
     with pytest.raises(oj.DataValidationError, match=r"1.vortex has a column named 'cell_rowid'"):
         oj.open_table(str(tmp_path / "*.vortex"))
+
+
+def test_a_date_obs_is_refused_by_the_table_loaders_as_by_make_loader(corpus_table, tmp_path):
+    # it went into the batches as the codes of its dates taken as categories, without a word
+    import datetime as dt
+
+    days = pa.array([dt.date(2024, 1, 1 + i % 20) for i in range(corpus_table.num_rows)], pa.date32())
+    pq.write_table(corpus_table.append_column("day", days), tmp_path / "cells.parquet")
+    table = oj.open_table(tmp_path / "cells.parquet")
+    said = r"obs 'day' of .* holds date32\[day\] values, which batches do not carry: .*metadata\(\['day'\]"
+    with pytest.raises(oj.OmicsIOError, match=said):
+        oj.make_stream_loader(table, batch_size=8, obs=["day"])
+    with pytest.raises(oj.OmicsIOError, match=said):
+        oj.load_panel(table, [3], obs=["day"], progress=False)
+    assert table.metadata(["day"], rowids=[0, 1]).column("day").to_pylist() == [
+        dt.date(2024, 1, 1),
+        dt.date(2024, 1, 2),
+    ]

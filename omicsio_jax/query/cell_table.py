@@ -285,6 +285,9 @@ class CellTable:
             msg = f"mode must be 'any' or 'all', got {mode!r}"
             raise OmicsIOError(msg)
         tokens = np.unique(self.genes.resolve(genes))
+        if not len(tokens):  # "all" of no gene is every cell, "any" none: either is likelier a slip
+            msg = "cells_expressing needs at least one gene, got none"
+            raise OmicsIOError(msg)
         if use_index is None:
             use_index = self.index_path is not None
         if use_index:

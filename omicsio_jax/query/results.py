@@ -71,9 +71,16 @@ def is_numeric_obs(name: str, dtype: pa.DataType, where: str) -> bool:
     """Whether a table's obs column ``name`` of ``dtype`` goes into batches as numbers (else as the
     codes of its categories), as a materialized dataset's obs do: integers, floats and decimals
     (DuckDB's type for a literal such as ``0.5``) as numbers, bools as codes into `BOOL_CATEGORIES`;
-    a column of lists or structs (the genes and values) is refused."""
+    a column of lists or structs (the genes and values), or of dates and times, is refused."""
     if pa.types.is_nested(dtype):
         msg = f"obs {name!r} of {where} holds {dtype}, not one value per cell: pass obs columns"
+        raise OmicsIOError(msg)
+    if pa.types.is_temporal(dtype):  # (as codes, its dates went into batches as category numbers)
+        msg = (
+            f"obs {name!r} of {where} holds {dtype} values, which batches do not carry: leave it out of "
+            "obs= and look it up by the batch's index (its cells' cell_rowid), e.g. "
+            f"table.metadata([{name!r}], rowids=...)"
+        )
         raise OmicsIOError(msg)
     return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_decimal(dtype)
 
