@@ -160,12 +160,13 @@ def ref_scgpt(ds, rows, *, L, n_bins, binning, p, mask_mode, seed, epoch, vocab=
         gene_ids[i, 1 : m + 1] = tok[cols[order]]
         values[i, 1 : m + 1] = bins[order]
         pad_mask[i, 1 : m + 1] = False
-        if mask_mode == "exact":
-            c = int(np.floor(m * p))
-            positions = np.arange(1, m + 1)
+        if mask_mode == "exact":  # Tahoe-x1: positions 1..m-1 (`test_exact_masks_count_as_tahoe_x1`)
+            n = max(m - 1, 0)
+            c = int(np.floor(n * p))
+            positions = np.arange(1, n + 1)
             u = uniforms(seed, epoch, row, STREAM_MASK, c)
             for j in range(c):
-                r = j + min(int(u[j] * (m - j)), m - j - 1)
+                r = j + min(int(u[j] * (n - j)), n - j - 1)
                 positions[j], positions[r] = positions[r], positions[j]
             mask[i, positions[:c]] = True
         else:
@@ -311,6 +312,20 @@ def test_scgpt_matches_reference(token_ds, binning, mask_mode, L):
     )
     real = got["values"][~got["pad_mask"]]
     assert real[0] == -2 and set(np.unique(real[real > 0])) <= set(range(1, 51))
+
+
+@pytest.mark.parametrize("p", [0.5, 0.15, 1.0])
+def test_exact_masks_count_as_tahoe_x1(token_ds, p):
+    """``mask_mode="exact"`` masks what Tahoe-x1's ``DataCollator._create_random_mask`` does: its
+    valid tokens are the sequence less the positions holding its pad value (-2: the padding and CLS,
+    whose value is the pad value in its data) and ``keep_first_n_tokens`` (1), and it masks
+    ``int(valid · p)`` of positions ``1..valid``: the last gene is never masked."""
+    for L in (6, 101, 400):
+        got = oj.tokenize(token_ds, ROWS, oj.ScGPTTokens(max_len=L, mask_prob=p, mask_mode="exact"), seed=3)
+        for values, mask in zip(got["values"], got["mask"], strict=True):
+            valid = len(values) - int(np.sum(values == -2)) - 1
+            assert mask.sum() == max(int(valid * p), 0)  # (a cell without genes: valid -1, no mask)
+            assert not mask[0] and not mask[valid + 1 :].any()
 
 
 @pytest.mark.parametrize("first", [0, 1], ids=["even-columns", "odd-columns"])

@@ -38,8 +38,9 @@ class ScGPTTokens(Output):
     is binned on the cell's own quantile edges before sampling: ``binning="scgpt"`` spreads ties at
     random as scGPT does, ``"tahoe"`` is Tahoe-x1's deterministic rule. Cells with more than
     ``max_len − 1`` genes keep a uniform sample of them, in random order. ``mask_mode="bernoulli"``
-    masks each position with ``mask_prob`` (scGPT); ``"exact"`` masks ``floor(m · mask_prob)`` of
-    the ``m`` positions (Tahoe-x1). The dataset must hold counts (its manifest's ``values``);
+    masks each position with ``mask_prob`` (scGPT); ``"exact"`` masks ``floor((m − 1) · mask_prob)``
+    of the first ``m − 1`` of the ``m`` gene positions, as Tahoe-x1's collator does (it counts CLS,
+    whose value is its pad value, among the padding: its last gene is never masked). The dataset must hold counts (its manifest's ``values``);
     ``allow_non_counts=True`` bins normalized values too.
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(max_len=1201))   # doctest: +SKIP

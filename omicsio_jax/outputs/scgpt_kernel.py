@@ -250,13 +250,14 @@ def _scgpt_rows(
                 masked_row[1 + p] = b
         pad_mask[i, 1 : 1 + m] = False
         _pad_scgpt(gene_ids, values, masked_values, pad_mask, i, 1 + m, pad_id)
-        if exact_mask:
-            c = np.int64(np.floor(m * mask_prob))
-            for p in range(m):
+        if exact_mask:  # Tahoe-x1's count and positions: its CLS value is its pad value, so 1..m-1
+            n = max(m - 1, 0)
+            c = np.int64(np.floor(n * mask_prob))
+            for p in range(n):
                 pick[p] = p + 1
             draws_from(key, STREAM_MASK, 0, c, u)
             for p in range(c):
-                r = p + min(np.int64(u[p] * (m - p)), m - p - 1)
+                r = p + min(np.int64(u[p] * (n - p)), n - p - 1)
                 pick[p], pick[r] = pick[r], pick[p]
                 mask[i, pick[p]] = True
                 masked_values[i, pick[p]] = MASK_VALUE

@@ -12,7 +12,7 @@ them; one pass per cell from its record (decode → keep → order → write), n
 - **scGPT** (binned values): bin every kept nonzero of the cell on its own quantile edges
   (``np.quantile`` linear, ``n_bins − 1`` edges) — ``"tahoe"`` deterministic, ``"scgpt"`` ties
   spread by a uniform draw — then sample ``L − 1`` of them without replacement when there are
-  more, CLS first; mask Bernoulli(p) or exactly ``floor(m·p)`` positions.
+  more, CLS first; mask Bernoulli(p) or exactly ``floor((m−1)·p)`` of positions 1..m−1 (Tahoe-x1).
 
 Every random draw is ``uniform(cell_key(seed, epoch, row), stream, i)`` (`omicsio_jax.outputs.token_draws`):
 splitmix64 of a counter, so a cell's tokens depend only on ``(seed, epoch, global row)``, never on
