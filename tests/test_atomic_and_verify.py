@@ -262,13 +262,7 @@ def test_a_stale_partial_directory_of_a_dead_run_is_removed_and_said(corpus, tmp
 
 def test_overwrite_replaces_a_dataset(corpus, tmp_path):
     out = tmp_path / "out"
-    materialize(
-        corpus.cells_parquet,
-        out,
-        progress=False,
-        obs=OBS[1].split(","),
-        read=InputOptions(where="batch = 'plate_00'"),
-    )
+    materialize(corpus.cells_parquet, out, progress=False, read=InputOptions(where="batch = 'plate_00'"))
     small = oj.open_dataset(out).num_cells
     materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
     assert oj.open_dataset(out).num_cells > small
@@ -321,13 +315,8 @@ def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
     one goes back, and the run wrote nothing. Remains of a replaced dataset are removed by a later
     run only where the output holds the dataset that replaced them (else they are its only copy)."""
     out = tmp_path / "out"
-    materialize(
-        corpus.cells_parquet,
-        out,
-        progress=False,
-        obs=OBS[1].split(","),
-        read=InputOptions(where="batch = 'plate_00'"),
-    )
+    where = InputOptions(where="batch = 'plate_00'")
+    materialize(corpus.cells_parquet, out, progress=False, obs=OBS[1].split(","), read=where)
     small = oj.open_dataset(out).num_cells
     rename = type(out).rename
 

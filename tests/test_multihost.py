@@ -127,30 +127,19 @@ def test_memory_loaders_span_both_processes(two_hosts, dataset_dir, placement):
         ]
 
 
+def _run_processes(argvs: list[list[str]], timeout: float = 300) -> None:
+    """Run one process per argument list, at once, and wait for them all to exit 0."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for argv in argvs]
+    logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+
+
 def _run_elastic(count: int, dataset_dir, checkpoints, mode: str, tmp) -> list[dict]:
     port = _free_port()
     outs = [tmp / f"{mode.replace(':', '-')}-{count}-{i}.json" for i in range(count)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ELASTIC),
-                str(i),
-                str(count),
-                str(port),
-                str(dataset_dir),
-                str(checkpoints),
-                mode,
-                str(out),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i, out in enumerate(outs)
-    ]
-    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+    args = [str(count), str(port), str(dataset_dir), str(checkpoints), mode]
+    _run_processes([[sys.executable, str(ELASTIC), str(i), *args, str(out)] for i, out in enumerate(outs)])
     return [json.loads(out.read_text()) for out in outs]
 
 
@@ -271,17 +260,10 @@ def test_a_classifier_trains_evaluates_and_resumes_on_two_processes(dataset_dir,
     )
     port = _free_port()
     outs = [tmp_path / f"{i}.json" for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TRAIN, str(i), str(port), str(dataset_dir), str(tmp_path), str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i, out in enumerate(outs)
-    ]
-    logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+    args = [str(port), str(dataset_dir), str(tmp_path)]
+    _run_processes(
+        [[sys.executable, "-c", _TRAIN, str(i), *args, str(out)] for i, out in enumerate(outs)], 600
+    )
     reports = [json.loads(out.read_text()) for out in outs]
     held_out = len(oj.open_dataset(dataset_dir).rows_where("batch", ["plate_01"]))
     for r in reports:
