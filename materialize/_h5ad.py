@@ -438,6 +438,10 @@ class H5adSource(Source):
                 if self._cell_id is None:
                     return self._obs_frame.index(lo, hi)
                 ids = self._obs[self._cell_id].read(lo, hi)
+            if ids.null_count:
+                row = lo + int(np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))[0])
+                msg = f"cell id column {self._cell_id} is null in row {row} of {self.label}"
+                raise DataValidationError(msg)
             return (ids.dictionary_decode() if pa.types.is_dictionary(ids.type) else ids).cast(pa.string())
         except OSError as e:
             raise self._unreadable(lo, hi, e) from e

@@ -1144,3 +1144,11 @@ def test_an_anndata_input_takes_its_cell_ids_from_the_obs_column_cell_id_names(t
     assert "barcode" not in ds.obs and "plate" in ds.obs  # the ids are no obs column besides
     with pytest.raises(oj.DataValidationError, match="names obs column 'nope', which .* does not have"):
         materialize(tmp_path / "in.h5ad", tmp_path / "no", read=InputOptions(cell_id="nope"), progress=False)
+    obs["barcode"] = pd.array(["u0", None, "u2", "u3"], dtype="string")
+    ad.AnnData(X=x, obs=obs.set_axis([f"c{i}" for i in range(4)])).write_h5ad(tmp_path / "null.h5ad")
+    with pytest.raises(
+        oj.DataValidationError, match="cell id column barcode is null in row 1 of .*null.h5ad"
+    ):
+        materialize(
+            tmp_path / "null.h5ad", tmp_path / "nul", read=InputOptions(cell_id="barcode"), progress=False
+        )
