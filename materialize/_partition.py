@@ -55,11 +55,8 @@ N_COUNTS, N_GENES = "n_counts", "n_genes"  # obs sidecars computed from the cell
 _NO_ROWS = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))  # indptr, tokens, values
 PRESENT = "present"  # a further modality's part sidecar: whether each cell has it
 CELL_ID = "cell_id"  # the part sidecar's cell id column (whatever the input's is named)
-OWN_OBS = (
-    CELL_ID,
-    N_COUNTS,
-    N_GENES,
-)  # the dataset's own obs columns: an input's are renamed (`dataset_obs_names`)
+# the dataset's own obs columns: an input's of those names are renamed (`dataset_obs_names`)
+OWN_OBS = (CELL_ID, N_COUNTS, N_GENES)
 
 
 def dataset_obs_names(obs: Sequence[str]) -> dict[str, str]:
