@@ -34,10 +34,13 @@ def _strings(dataset, lo: int, hi: int) -> pa.StringArray:
     """Rows ``[lo, hi)`` of a string array (h5py Dataset, zarr Array) as Arrow strings. h5py's
     variable-length UTF-8 strings are read as NumPy strings (``astype("T")``), which Arrow takes
     whole: a var index of 35k ids in 7.2 ms, where h5py's bytes objects joined (`_text_array`) took
-    9.2 ms; bytes that are not UTF-8 fail that read and go the other way, to the decoder's error."""
+    9.2 ms; bytes that are not UTF-8 (h5py passes them through) fail Arrow's check of the result and
+    go the other way, to the decoder's error."""
     if isinstance(dataset, h5py.Dataset) and _vlen_utf8(dataset.dtype):
         try:
-            return pa.array(dataset.astype("T")[lo:hi], pa.string())
+            strings = pa.array(dataset.astype("T")[lo:hi], pa.string())
+            strings.validate(full=True)
+            return strings
         except (UnicodeDecodeError, TypeError, ValueError, pa.ArrowException):
             pass
     return _text_array(np.asarray(dataset[lo:hi]))
@@ -221,6 +224,19 @@ class _LegacyColumn:
         return pa.array(values)
 
 
+class CategoriesNotUtf8(ValueError):
+    """A column's categories hold text that is not UTF-8 (the message names the column)."""
+
+
+def _categories_read(name: str, column):
+    """``column()`` (a column, its categories read), text that is not UTF-8 in them named."""
+    try:
+        return column()
+    except UnicodeDecodeError as e:
+        msg = f"the categories of column {name!r} hold text that is not UTF-8 ({e})"
+        raise CategoriesNotUtf8(msg) from e
+
+
 class Frame:
     """An AnnData dataframe on disk (``obs`` or ``var``): its index and columns, in the current
     layout (a group with ``_index`` and ``column-order``) or the one before anndata 0.7."""
@@ -230,7 +246,10 @@ class Frame:
             name = node.attrs["_index"]
             self._index = node[name.decode() if isinstance(name, bytes) else name]
             self._field = None
-            self.columns = {n: _ObsColumn(node[n], node) for n in node.attrs.get("column-order", [])}
+            self.columns = {
+                n: _categories_read(n, lambda n=n: _ObsColumn(node[n], node))
+                for n in node.attrs.get("column-order", [])
+            }
             return
         fields = node.dtype.names
         if not fields:
@@ -238,7 +257,9 @@ class Frame:
             raise KeyError(msg)
         self._index, self._field = node, fields[0]
         self.columns = {
-            f: _LegacyColumn(node, f, uns.get(f"{f}_categories") if uns is not None else None)
+            f: _categories_read(
+                f, lambda f=f: _LegacyColumn(node, f, uns.get(f"{f}_categories") if uns is not None else None)
+            )
             for f in fields[1:]
         }
 

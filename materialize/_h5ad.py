@@ -31,6 +31,7 @@ from omicsio_jax.format import as_input_path, is_remote
 
 from . import _csc_rows
 from ._anndata_elements import (
+    CategoriesNotUtf8,
     Frame,
     as_text,
     encoding_of,
@@ -100,9 +101,10 @@ class H5adSource(Source):
         self._by_row: RowBlocks | None = None  # a CSC matrix regrouped by row (`stage`)
         self._open()
         try:
-            var = Frame(
-                self._root[legacy_raw(self._root, "var") if use_raw else "var"], self._root.get("uns")
-            )
+            with self._utf8("var"):
+                var = Frame(
+                    self._root[legacy_raw(self._root, "var") if use_raw else "var"], self._root.get("uns")
+                )
             self.num_cells, num_vars = self._shape()
             self.genes = self._gene_table(var, num_vars)
         except (OSError, KeyError) as e:
@@ -124,11 +126,13 @@ class H5adSource(Source):
             self._file = open_zarr(self.path) if is_zarr(self.path) else open_h5(self.path)
             self._root = self._file[self.group] if self.group else self._file  # an .h5mu modality: mod/<name>
             self._matrix = self._pick_matrix(self._layer, self._use_raw)
-            self._obs_frame = Frame(self._root["obs"], self._root.get("uns"))
+            with self._utf8("obs"):
+                self._obs_frame = Frame(self._root["obs"], self._root.get("uns"))
             self._obs = dict(self._obs_frame.columns)
             if self.group and "obs" in self._file:  # an .h5mu modality: the file's own obs too
                 mods = list(self._file["mod"].keys()) if "mod" in self._file else []
-                whole = Frame(self._file["obs"], self._file.get("uns"))
+                with self._utf8("the file's obs"):
+                    whole = Frame(self._file["obs"], self._file.get("uns"))
                 self._obs.update(file_obs(whole, self._obs_frame, self._obs, mods))
         except (OSError, KeyError) as e:
             msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
@@ -448,11 +452,15 @@ class H5adSource(Source):
 
     @contextlib.contextmanager
     def _utf8(self, what: str) -> Iterator[None]:
-        """Text of ``what`` that is not UTF-8 (AnnData's encoding) as a one-line error naming it."""
+        """Text of ``what`` that is not UTF-8 (AnnData's encoding) as a one-line error naming it (and
+        the column, for a column's categories)."""
         try:
             yield
         except UnicodeDecodeError as e:
             msg = f"{self.label}: {what} holds text that is not UTF-8 ({e}); write it again as UTF-8"
+            raise DataValidationError(msg) from e
+        except CategoriesNotUtf8 as e:
+            msg = f"{self.label}: {what}: {e}; write it again as UTF-8"
             raise DataValidationError(msg) from e
 
     def _unreadable(self, lo: int, hi: int, e: OSError) -> DataValidationError:

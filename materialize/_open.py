@@ -237,7 +237,7 @@ def _chosen_obs(src: Source, obs: Sequence[str] | None) -> list[str]:
             print(
                 f"materialize: obs {', '.join(own)} of {src.label} not copied: the dataset's own "
                 f"{', '.join(CELL_STATS)} are computed from its cells (name them in --obs to keep the "
-                f"input's, as {', '.join(dataset_obs_names(own).values())})",
+                f"input's, as {', '.join(dataset_obs_names(list(src.obs_columns))[n] for n in own)})",
                 file=sys.stderr,
             )
         return [name for name in src.obs_columns if name not in index and name not in own]

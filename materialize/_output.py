@@ -9,27 +9,27 @@ import dataclasses
 import json
 import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import MANIFEST_NAME, Manifest, open_store
 
 from ._partition import PARTS_DIR
-from ._shards import atomic_output_dir, check_output_dir
+from ._shards import atomic_output_dir, check_output_dir, scratch_folder
 
 
 @contextlib.contextmanager
 def scratch_dir(staging: str) -> Iterator[str]:
     """A local folder for intermediate files: in the staging directory (removed with the partitions'
-    sidecars), or a temporary one when the output is on object storage."""
+    sidecars), or a temporary one when the output is on object storage (`scratch_folder`: one a
+    killed run left is removed by a later run's)."""
     store = open_store(staging)
     if store.local_root is not None:
         folder = store.local_root / PARTS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         yield str(folder)
         return
-    with tempfile.TemporaryDirectory(prefix="omicsio-scratch-") as folder:
+    with scratch_folder("scratch") as folder:  # (a killed run's is removed by the next run's)
         yield folder
 
 

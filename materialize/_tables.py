@@ -156,7 +156,7 @@ class TableSource(TableReads, Source):
         }
         types = {f.name: f.type for f in schema if f.name not in hidden}
         if query is None and self.files:
-            types.update(_stored_time_types(self.files[0], types))
+            types.update(_stored_time_types(self.files, types))
         self.obs_columns = carried_obs(types, self.label)
         self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
@@ -344,19 +344,17 @@ class TableSource(TableReads, Source):
         )
 
 
-def _stored_time_types(path: Path, types: dict[str, pa.DataType]) -> dict[str, pa.DataType]:
-    """The Arrow types a parquet file keeps for its durations and timestamps among ``types``' columns,
-    where DuckDB reads others (a duration as its integer count, a timestamp in milliseconds or seconds
-    as microseconds): the dataset keeps the file's unit and kind. Other files: nothing."""
-    if Path(path).suffix.lower() != ".parquet":
-        return {}
-    try:
-        stored = pq.read_schema(path)
-    except (OSError, pa.ArrowException):
-        return {}  # (DuckDB's reading says what is wrong with the file)
-    return {
+def _stored_time_types(files: list, types: dict[str, pa.DataType]) -> dict[str, pa.DataType]:
+    """The Arrow types parquet ``files`` keep for their durations and timestamps among ``types``'
+    columns, where DuckDB reads others (a duration as its integer count, a timestamp in milliseconds
+    or seconds as microseconds): the dataset keeps the files' unit and kind, where every file that
+    has the column stores it so (timestamps otherwise in DuckDB's microseconds, which hold them all;
+    durations in different units, counts of those units to DuckDB, are taken out of ``types`` with a
+    note). Files read only when the first holds such a column; other inputs: nothing."""
+    stored = _arrow_schema(files[0])
+    kept = {
         f.name: f.type
-        for f in stored
+        for f in stored or ()
         if f.name in types
         and f.type != types[f.name]
         and (
@@ -364,3 +362,31 @@ def _stored_time_types(path: Path, types: dict[str, pa.DataType]) -> dict[str, p
             or (pa.types.is_timestamp(f.type) and pa.types.is_timestamp(types[f.name]))
         )
     }
+    for path in files[1:] if kept else ():
+        schema = _arrow_schema(path)
+        if schema is None:
+            return {}
+        for name in [n for n in kept if n in schema.names and schema.field(n).type != kept[n]]:
+            if pa.types.is_duration(kept[name]):  # DuckDB's integers would be counts of different units
+                print(
+                    f"materialize: obs column {name!r} left out: it holds durations in {kept[name].unit} in "
+                    f"{files[0]} and in {schema.field(name).type.unit} in {path} (cast it to one unit in "
+                    "the input to keep it)",
+                    file=sys.stderr,
+                )
+                del types[name]
+            del kept[name]
+        if not kept:
+            break
+    return kept
+
+
+def _arrow_schema(path) -> pa.Schema | None:
+    """A parquet file's Arrow schema (the one it stores), or None for another file or one that cannot
+    be read (DuckDB's reading says what is wrong with it)."""
+    if Path(path).suffix.lower() != ".parquet":
+        return None
+    try:
+        return pq.read_schema(path)
+    except (OSError, pa.ArrowException):
+        return None

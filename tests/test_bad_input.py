@@ -545,3 +545,38 @@ def test_an_h5ad_without_x_names_its_layers(capsys, tmp_path):
     assert main([str(tmp_path / "nox.h5ad"), str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("nox.h5ad has no X; pick a layer with --layer (InputOptions(layer=...)): counts"), err
+
+
+@pytest.mark.parametrize(
+    "key,what",
+    [
+        ("obs/donor", "obs column 'donor'"),
+        ("obs/_index", "obs names"),
+        ("var/_index", "var's index (the gene names)"),
+        ("obs/plate/categories", "obs: the categories of column 'plate'"),
+    ],
+)
+def test_text_that_is_not_utf8_in_today_s_anndata_layout_is_a_one_line_error(capsys, tmp_path, key, what):
+    # h5py passed such bytes through: a traceback at the end of the run, or a dataset whose ids or
+    # gene names could not be read back
+    import anndata as ad
+    import h5py
+    import pandas as pd
+    import scipy.sparse as sp
+
+    obs = pd.DataFrame(
+        {"donor": ["a", "b", "c"], "plate": pd.Categorical(["p", "q", "p"])}, index=["c0", "c1", "c2"]
+    )
+    path = tmp_path / "latin.h5ad"
+    ad.AnnData(X=sp.csr_matrix(np.eye(3, dtype=np.float32)), obs=obs).write_h5ad(path)
+    with h5py.File(path, "r+") as f:
+        values, attrs = list(f[key][:]), dict(f[key].attrs)
+        values[1] = "Jos\xe9".encode("latin-1")
+        del f[key]
+        f.create_dataset(key, data=np.array(values, dtype=object), dtype=h5py.string_dtype("utf-8"))
+        f[key].attrs.update(attrs)
+    out = tmp_path / "out"
+    assert main([str(path), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"latin.h5ad: {what}" in err and "not UTF-8" in err and not out.exists(), err

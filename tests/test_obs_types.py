@@ -125,6 +125,27 @@ def test_durations_and_timestamps_keep_the_unit_and_kind_a_parquet_file_stores(t
         np.testing.assert_array_equal(ds.obs[name], expected)
 
 
+def test_files_of_one_glob_that_store_other_units_keep_what_holds_them_all(tmp_path, capsys):
+    """Timestamps in ms in one file and µs in another are kept in DuckDB's µs (the first file's unit
+    failed the cast); durations in s and ms, which DuckDB reads as counts of each, are left out with
+    a note (they were labelled with the first file's unit)."""
+    first = _cells(2, ts=pa.array([1500, 2500], pa.timestamp("ms")), dur=pa.array([1, 2], pa.duration("s")))
+    second = _cells(
+        2,
+        ts=pa.array([1_000_001, 2_000_002], pa.timestamp("us")),
+        dur=pa.array([1500, 2500], pa.duration("ms")),
+    )
+    pq.write_table(first, tmp_path / "a.parquet")
+    pq.write_table(second.set_column(0, "cell_id", pa.array(["d0", "d1"])), tmp_path / "b.parquet")
+    materialize(str(tmp_path / "[ab].parquet"), tmp_path / "out", progress=False, layout=LAYOUT)
+    ds = oj.open_dataset(tmp_path / "out")
+    np.testing.assert_array_equal(
+        ds.obs["ts"], np.array([1_500_000, 2_500_000, 1_000_001, 2_000_002], "datetime64[us]")
+    )
+    assert "dur" not in ds.obs
+    assert "obs column 'dur' left out: it holds durations in s in " in capsys.readouterr().err
+
+
 def test_an_anndata_datetime64_obs_column_is_carried(tmp_path):
     n = 6
     obs = pd.DataFrame({"x": np.arange(n)}, index=[f"c{i}" for i in range(n)])
