@@ -347,6 +347,11 @@ def materialize(
                         scratch=scratch,
                     )
                     try:
+                        staged = None if folder is None else f"{folder}-{inp.name}"
+                        for note in further.stage(
+                            staged, progress=progress, pool=pool if num_workers > 1 else None
+                        ):
+                            print(f"materialize: {note}", file=sys.stderr)
                         entries.append(
                             write_modality(inp, further, job, run, array_record, created_by, cell_id)
                         )

@@ -198,6 +198,10 @@ class H5Modality(Source):
         """The primary's: a further modality's cells (and cell ids) are the primary's rows."""
         return self._primary.row_in_file(row)
 
+    def stage(self, folder: str | None, *, progress: bool = False, pool=None) -> list[str]:
+        """The reader's (`H5adSource.stage`: a matrix stored by column regrouped by row)."""
+        return self._reader.stage(folder, progress=progress, pool=pool)
+
     def close(self) -> None:
         self._reader.close()
 

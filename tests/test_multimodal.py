@@ -692,3 +692,42 @@ def test_open_table_exposes_each_modality_table_as_a_view(inputs, truth):
     np.testing.assert_array_equal(joined.column("peaks").to_numpy(), np.diff(truth.atac.indptr)[rows])
     with pytest.raises(oj.OmicsIOError, match="modality view name 'cells'"):
         oj.open_table(root / "rna_cells.parquet", modalities={"cells": root / "atac_cells.parquet"})
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_layer_stored_by_column_is_regrouped_by_row_too(tmp_path, monkeypatch, workers):
+    """A further modality from the primary's file (here a layer) stored by column (CSC) is regrouped
+    by row as the primary's matrix is: read by rows, each batch passed over all its entries."""
+    import anndata as ad
+    import pandas as pd
+
+    import materialize._csc_rows as csc_rows
+
+    rng = np.random.default_rng(3)
+    n = 2_100  # more cells than a further modality's batch (2,048)
+    x = sp.random(n, 6, density=0.5, format="csr", random_state=rng, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    spliced = sp.random(n, 6, density=0.4, format="csr", random_state=rng, dtype=np.float32)
+    spliced.data = np.ceil(spliced.data * 5)
+    ad.AnnData(
+        X=x, obs=pd.DataFrame(index=[f"c{i}" for i in range(n)]), layers={"spliced": spliced.tocsc()}
+    ).write_h5ad(tmp_path / "in.h5ad")
+    regrouped = []
+    regroup = csc_rows.regroup
+    monkeypatch.setattr(
+        "materialize._h5ad.regroup", lambda *a, **k: regrouped.append(a[3]) or regroup(*a, **k)
+    )
+    materialize(
+        tmp_path / "in.h5ad",
+        tmp_path / "out",
+        multimodal=Multimodal(layers=["spliced"], modalities=[]),
+        layout=Layout(shard_cells=1024),
+        workers=workers,
+        progress=False,
+    )
+    layer = oj.open_dataset(tmp_path / "out").modality("spliced")
+    indptr, indices, values = layer.read_csr(np.arange(n))
+    np.testing.assert_array_equal(indptr, spliced.indptr)
+    np.testing.assert_array_equal(indices, spliced.indices)
+    np.testing.assert_array_equal(values, spliced.data)
+    assert [Path(f).name for f in regrouped] == ["by-row-spliced"]
