@@ -54,6 +54,10 @@ class CSR(Output):
 
     ``measured=True`` (a collection): ``x.sources`` holds each row's source, and ``measured_mask(x)`` the
     rows' masks of the genes their sources measured, gathered on the devices.
+
+    The fields ``num_columns``, ``num_slabs``, ``rows_per_slab``, ``source``, ``presence``,
+    ``table`` and ``derived_capacity`` are filled in when a loader binds the output (`Output.bind`):
+    leave them out.
     """
 
     nnz_capacity: int | None = None

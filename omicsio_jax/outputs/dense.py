@@ -38,6 +38,9 @@ class Dense(Output):
     bound by its memory bandwidth, and then cross the host-to-device link in full. ``x`` is the
     same array: bit for bit without ``normalize``, with it up to the devices' float rounding.
     ``nnz_capacity`` (nonzeros per device slab) is `CSR`'s.
+
+    The fields ``num_columns``, ``source``, ``presence``, ``table`` and ``slabs`` are filled in when
+    a loader binds the output (`Output.bind`): leave them out.
     """
 
     normalize: str | None = None

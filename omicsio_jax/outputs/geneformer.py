@@ -41,6 +41,10 @@ class GeneformerTokens(Output):
     manifest's ``values``); ``allow_non_counts=True`` ranks normalized values too.
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.GeneformerTokens(max_len=2048))   # doctest: +SKIP
+
+    The fields ``vocabulary``, ``inv_median``, ``gene``, ``median``, ``column_of_token``,
+    ``distinct_scales`` and ``source`` are filled in when a loader binds the output (`Output.bind`):
+    leave them out.
     """
 
     max_len: int = 2048

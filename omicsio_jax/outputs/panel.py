@@ -25,6 +25,9 @@ class Panel(Output):
     Genes outside the panel are skipped while decoding (no full row is built). With
     ``normalize="normalize_log1p"`` a cell's total covers all its genes, as scanpy normalizes
     before subsetting.
+
+    The fields ``gene_to_col`` and ``source`` are filled in when a loader binds the output
+    (`Output.bind`): leave them out.
     """
 
     genes: Sequence[str | int] = ()

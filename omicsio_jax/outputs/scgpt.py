@@ -44,6 +44,9 @@ class ScGPTTokens(Output):
     ``allow_non_counts=True`` bins normalized values too.
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.ScGPTTokens(max_len=1201))   # doctest: +SKIP
+
+    The fields ``vocabulary`` and ``source`` are filled in when a loader binds the output
+    (`Output.bind`): leave them out.
     """
 
     max_len: int = 1201
