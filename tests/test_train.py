@@ -490,3 +490,18 @@ def test_an_eval_batch_size_the_devices_do_not_split_is_refused_before_training(
         "multiple of 8, e.g. --eval-batch-size 24"
     )
     assert not ckpt.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--devices", "0"], "--devices must be a positive integer, got 0"),
+        (["--lr", "-1"], "--lr must be positive, got -1.0"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (0: only at the end), got -1"),
+    ],
+)
+def test_the_cli_names_an_option_out_of_range_by_its_flag(dataset_dir, capsys, args, said):
+    # it named TrainConfig's field (batch_size, num_devices), which the command line has no word for
+    assert main([str(dataset_dir), "--label", "drug", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"omicsio-train: error: {said}"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import omicsio_jax as oj
 
-from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig, check_counts
+from ._config import CHECKPOINT_FORMATS, COUNTS, SAMPLINGS, TrainConfig, check_counts
+from ._errors import TrainError
 from ._finetune_config import add_batch_arguments
 from ._loop import fit
 from ._model import MODELS
@@ -130,6 +131,16 @@ def parse_config(argv: list[str]) -> TrainConfig:
     args = _parser().parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
         _parser().error("--resume needs --checkpoint-dir")
+    # the counts named by their flags, as the command line gave them (TrainConfig names its fields)
+    check_counts(
+        args,
+        (*COUNTS, "hidden", "num_threads", "prefetch"),
+        ("steps", "eval_batch_size", "num_devices"),
+        flags=True,
+    )
+    if not args.lr > 0:
+        msg = f"--lr must be positive, got {args.lr!r}"
+        raise TrainError(msg)
     return TrainConfig(**vars(args))
 
 
@@ -366,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv)
     except SystemExit as e:  # argparse: usage error (2) or --help (0)
         return e.code if isinstance(e.code, int) else 2
+    except oj.OmicsIOError as e:  # a count or rate out of range, named by its flag
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         result = fit(config)
     except oj.OmicsIOError as e:
