@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "results" / "ducklake.json"))
     args = p.parse_args()
     check_window(args)
+    if not LAKE_PYTHON.exists():  # before a corpus is made for nothing
+        raise SystemExit(f"{LAKE_PYTHON} is missing; run scripts/setup-ducklake.sh")
     corpus = corpus_dir(args.cells, h5ad=False)
     with tempfile.TemporaryDirectory(dir=HERE / "data") as tmp:
         lake = Path(tmp) / "lake"

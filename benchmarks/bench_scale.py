@@ -316,7 +316,7 @@ def _result(runs: dict[str, list[dict]], rounds: int, counts: list[int], args, p
         **({} if rounds == args.repeats else {"rounds_asked": args.repeats}),
         "window": f"whole decodes or conversions per round, at least {1.0 if args.quick else MIN_WINDOW_S:g} s (window_s: its seconds)",
         "quick": args.quick,
-        "input": str(parquet.relative_to(HERE.resolve())),
+        "input": _shown(parquet),
         "scaling": "weak: N workers convert N copies of the input" if args.weak else "strong: one input",
         **(
             {}
@@ -482,6 +482,15 @@ def main() -> None:
     result = _result(runs, args.repeats, counts, args, parquet)
     print(json.dumps(result["summary"], indent=1))
     write_result(args.out, result, quick=args.quick)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the results file names it: relative to benchmarks/ where it lies there (a linked
+    data folder resolves elsewhere: then the path as it is)."""
+    try:
+        return str(path.relative_to(HERE.resolve()))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

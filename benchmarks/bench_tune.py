@@ -58,10 +58,14 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--dataset", default=str(DATASET), help="made by bench_loader.py (ds_200k)")
     p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--seconds", type=float, default=60.0, help="oj.tune's timing budget")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="oj.tune's timing budget (default 60; 10 with --quick)"
+    )
     add_window_options(p, seconds_flag="--verify-seconds")
     p.add_argument("--out", default=str(HERE / "results" / "tune.json"))
     args = p.parse_args()
+    if args.seconds is None:
+        args.seconds = 10.0 if args.quick else 60.0
     require_input(
         Path(args.dataset) / "manifest.json", "benchmarks/bench_loader.py (data/ds_200k)", "--dataset"
     )

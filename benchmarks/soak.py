@@ -35,7 +35,7 @@ going to S3 throughout. A host that has served nothing for a minute after a kill
 (SIGUSR1) for every thread's stack, which the results file keeps under ``stalls``.
 
     .venv/bin/python benchmarks/soak.py                      # 30 minutes: results/soak.json
-    .venv/bin/python benchmarks/soak.py --minutes 0.5 --quick  # a smoke run (tests/test_soak.py)
+    .venv/bin/python benchmarks/soak.py --quick                # a smoke run: half a minute (tests/test_soak.py)
 """
 
 from __future__ import annotations
@@ -424,19 +424,20 @@ def soak(minutes: float, cells: int, rate: float, seed: int, work: Path) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--minutes", type=float, default=None, help="how long (default 30; 0.5 with --quick)")
     p.add_argument("--cells", type=int, default=20_000)
     p.add_argument("--rate", type=float, default=0.05, help="share of the GETs given a fault")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke run: results in a temporary folder")
     p.add_argument("--out", default=str(HERE / "results" / "soak.json"))
     args = p.parse_args()
+    minutes = args.minutes if args.minutes is not None else (0.5 if args.quick else 30.0)
     with tempfile.TemporaryDirectory(prefix="omicsio-soak-") as tmp:
         result = {
             "benchmark": "soak",
             **provenance(),
             "quick": args.quick,
-            **soak(args.minutes, args.cells, args.rate, args.seed, Path(tmp)),
+            **soak(minutes, args.cells, args.rate, args.seed, Path(tmp)),
         }
     path = write_result(args.out, result, quick=args.quick)
     print(
