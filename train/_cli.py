@@ -22,8 +22,7 @@ from pathlib import Path
 
 import omicsio_jax as oj
 
-from ._config import CHECKPOINT_FORMATS, COUNTS, SAMPLINGS, TrainConfig, check_counts
-from ._errors import TrainError
+from ._config import CHECKPOINT_FORMATS, SAMPLINGS, TrainConfig, check_counts
 from ._finetune_config import add_batch_arguments
 from ._loop import fit
 from ._model import MODELS
@@ -131,17 +130,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
     args = _parser().parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
         _parser().error("--resume needs --checkpoint-dir")
-    # the counts named by their flags, as the command line gave them (TrainConfig names its fields)
-    check_counts(
-        args,
-        (*COUNTS, "hidden", "num_threads", "prefetch"),
-        ("steps", "eval_batch_size", "num_devices"),
-        flags=True,
-    )
-    if not args.lr > 0:
-        msg = f"--lr must be positive, got {args.lr!r}"
-        raise TrainError(msg)
-    return TrainConfig(**vars(args))
+    config = TrainConfig(**vars(args))
+    config.check_ranges(flags=True)  # named by their flags, as the command line gave them
+    return config
 
 
 def _pretrain_parser() -> argparse.ArgumentParser:

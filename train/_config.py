@@ -114,20 +114,7 @@ class TrainConfig:
         if self.sampling not in SAMPLINGS:
             msg = f"sampling must be one of {', '.join(SAMPLINGS)}; got {self.sampling!r}"
             raise TrainError(msg)
-        check_counts(
-            self,
-            (*COUNTS, "hidden", "num_threads", "prefetch"),
-            ("steps", "eval_batch_size", "num_devices"),
-        )
-        if self.auto_tune < 0:
-            msg = f"auto_tune must be >= 0 seconds (0: off), got {self.auto_tune!r}"
-            raise TrainError(msg)
-        if self.auto_tune and self.sampling != "block":
-            msg = f"auto_tune chooses block sampling's settings: it needs sampling='block', not {self.sampling!r}"
-            raise TrainError(msg)
-        if not self.lr > 0:
-            msg = f"lr must be positive, got {self.lr!r}"
-            raise TrainError(msg)
+        self.check_ranges()
         if self.eval_where is not None and self.eval_rows is not None:
             msg = "give either eval_where or eval_rows, not both"
             raise TrainError(msg)
@@ -141,6 +128,25 @@ class TrainConfig:
                 )
                 raise TrainError(msg)
         check_paths(self)
+
+    def check_ranges(self, *, flags: bool = False) -> None:
+        """Raise `TrainError` for the first count, rate or tuning budget out of its range (or a budget
+        without block sampling), named as `option_name` does (``flags``: by its command-line flag)."""
+        check_counts(
+            self,
+            (*COUNTS, "hidden", "num_threads", "prefetch"),
+            ("steps", "eval_batch_size", "num_devices"),
+            flags=flags,
+        )
+        if self.auto_tune < 0:
+            msg = f"{option_name('auto_tune', flags=flags)} must be >= 0 seconds (0: off), got {self.auto_tune!r}"
+            raise TrainError(msg)
+        if self.auto_tune and self.sampling != "block":
+            msg = f"auto_tune chooses block sampling's settings: it needs sampling='block', not {self.sampling!r}"
+            raise TrainError(msg)
+        if not self.lr > 0:
+            msg = f"{option_name('lr', flags=flags)} must be positive, got {self.lr!r}"
+            raise TrainError(msg)
 
     def saved(self) -> dict:
         """The options recorded in a checkpoint (all but resume, checkpoint dir and progress)."""
