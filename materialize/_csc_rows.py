@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError
 
+from ._anndata_elements import native_order
+
 CHUNK_ENTRIES = 1 << 22  # entries read from the matrix at a time
 MAX_BLOCK_ROWS = 1 << 16  # a row within its block is stored as uint16
 _FILES = ("rows", "cols", "vals")
@@ -104,11 +106,6 @@ def check_rows(lo: int, hi: int, num_rows: int, where: str) -> None:
 def _bits(values: np.ndarray) -> np.ndarray:
     """``values`` as unsigned integers of their size: numba moves any type's bits so (float16's too)."""
     return values.view(f"u{values.dtype.itemsize}")
-
-
-def _native(array: np.ndarray) -> np.ndarray:
-    """``array`` in native byte order (numba reads no other)."""
-    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _write_at(fd: int, array: np.ndarray, offset: int) -> None:
@@ -240,7 +237,7 @@ def _count_part(item) -> tuple[np.ndarray, tuple[int, int]]:
     lo, hi = 0, -1
     with opened() as matrix:
         for c0 in range(e0, e1, CHUNK_ENTRIES):
-            rows = _native(matrix["indices"][c0 : min(e1, c0 + CHUNK_ENTRIES)])
+            rows = native_order(matrix["indices"][c0 : min(e1, c0 + CHUNK_ENTRIES)])
             a, z = _count_blocks(rows, shift, counts)
             lo, hi = (a, z) if hi < lo else (min(lo, a), max(hi, z))
     return counts, (int(lo), int(hi))
@@ -256,7 +253,7 @@ def _write_part(item) -> int:
         with opened() as matrix:
             for c0 in range(e0, e1, CHUNK_ENTRIES):
                 c1 = min(e1, c0 + CHUNK_ENTRIES)
-                rows, vals = _native(matrix["indices"][c0:c1]), _native(matrix["data"][c0:c1])
+                rows, vals = native_order(matrix["indices"][c0:c1]), native_order(matrix["data"][c0:c1])
                 counts = np.zeros(len(at), np.int64)
                 _count_blocks(rows, shift, counts)
                 in_chunk = counts.copy()

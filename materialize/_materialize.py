@@ -284,7 +284,8 @@ def materialize(
             # process that reads one sees: not a Dask run's local one when it writes to object storage
             seen = not dask or store.local_root is not None
             folder = f"{stack.enter_context(scratch_dir(staging))}/by-row" if seen else None
-            for note in src.stage(folder, progress=progress, pool=pool if num_workers > 1 else None):
+            stage_pool = pool if num_workers > 1 else None  # (the partitions' pool, where they run on one)
+            for note in src.stage(folder, progress=progress, pool=stage_pool):
                 print(f"materialize: {note}", file=sys.stderr)
             job = Job(
                 src,
@@ -348,9 +349,7 @@ def materialize(
                     )
                     try:
                         staged = None if folder is None else f"{folder}-{inp.name}"
-                        for note in further.stage(
-                            staged, progress=progress, pool=pool if num_workers > 1 else None
-                        ):
+                        for note in further.stage(staged, progress=progress, pool=stage_pool):
                             print(f"materialize: {note}", file=sys.stderr)
                         entries.append(
                             write_modality(inp, further, job, run, array_record, created_by, cell_id)

@@ -275,9 +275,9 @@ class TemporalWriter(_RawColumn):
             for chunk in array.chunks:
                 self.append(chunk)
             return
-        if (
-            array.type != self._type
-        ):  # e.g. DuckDB's microseconds of a file's milliseconds, its integers of a duration
+        # a batch in another type than the column's: e.g. DuckDB's microseconds of a file's
+        # milliseconds, or its integer counts of a duration
+        if array.type != self._type:
             array = array.cast(self._type)
         stored = array.view(pa.int32() if array.type.bit_width == 32 else pa.int64())  # Arrow's integers
         values = to_numpy_filled(stored, 0).astype(np.int64)  # in the type's unit

@@ -156,7 +156,7 @@ class TableSource(TableReads, Source):
         }
         types = {f.name: f.type for f in schema if f.name not in hidden}
         if query is None and self.files:
-            types.update(_stored_time_types(self.files, types))
+            types = _with_stored_time_types(self.files, types)
         self.obs_columns = carried_obs(types, self.label)
         self.genes = self._gene_table(genes, find_genes)
         self.num_cells = self._count()
@@ -344,13 +344,13 @@ class TableSource(TableReads, Source):
         )
 
 
-def _stored_time_types(files: list, types: dict[str, pa.DataType]) -> dict[str, pa.DataType]:
-    """The Arrow types parquet ``files`` keep for their durations and timestamps among ``types``'
-    columns, where DuckDB reads others (a duration as its integer count, a timestamp in milliseconds
-    or seconds as microseconds): the dataset keeps the files' unit and kind, where every file that
-    has the column stores it so (timestamps otherwise in DuckDB's microseconds, which hold them all;
-    durations in different units, counts of those units to DuckDB, are taken out of ``types`` with a
-    note). Files read only when the first holds such a column; other inputs: nothing."""
+def _with_stored_time_types(files: list, types: dict[str, pa.DataType]) -> dict[str, pa.DataType]:
+    """``types`` (DuckDB's, by column) with the Arrow types parquet ``files`` keep for their durations
+    and timestamps, where DuckDB reads others (a duration as its integer count, a timestamp in
+    milliseconds or seconds as microseconds): the dataset keeps the files' unit and kind, where every
+    file that has the column stores it so. Otherwise a timestamp keeps DuckDB's microseconds, which
+    hold them all, and a duration in different units (counts of those units to DuckDB) is left out
+    with a note. Files read only when the first holds such a column; other inputs: ``types``."""
     stored = _arrow_schema(files[0])
     kept = {
         f.name: f.type
@@ -362,10 +362,12 @@ def _stored_time_types(files: list, types: dict[str, pa.DataType]) -> dict[str, 
             or (pa.types.is_timestamp(f.type) and pa.types.is_timestamp(types[f.name]))
         )
     }
+    mixed = set()
     for path in files[1:] if kept else ():
         schema = _arrow_schema(path)
-        if schema is None:
-            return {}
+        if schema is None:  # a file whose types are not known: DuckDB's for all
+            kept = {}
+            break
         for name in [n for n in kept if n in schema.names and schema.field(n).type != kept[n]]:
             if pa.types.is_duration(kept[name]):  # DuckDB's integers would be counts of different units
                 print(
@@ -374,11 +376,11 @@ def _stored_time_types(files: list, types: dict[str, pa.DataType]) -> dict[str, 
                     "the input to keep it)",
                     file=sys.stderr,
                 )
-                del types[name]
+                mixed.add(name)
             del kept[name]
         if not kept:
             break
-    return kept
+    return {name: kept.get(name, t) for name, t in types.items() if name not in mixed}
 
 
 def _arrow_schema(path) -> pa.Schema | None:
