@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -262,11 +262,13 @@ class Finalizer:
         modality: str = "rna",
         modalities: tuple[ModalityEntry, ...] = (),
         tables: Mapping[str, pa.Table] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> Manifest:
         """Merge the partitions not merged yet, write the dataset's sidecars and manifest; return the
         manifest. ``modalities``: the further modalities, written under their paths with the same
         partitions, whose presence flags become obs ``has_<name>``; ``tables``: further files of the
-        dataset (relative path → table, written as parquet and listed)."""
+        dataset (relative path → table, written as parquet and listed); ``before_commit``: called
+        just before the manifest is put on object storage (a run that may no longer write raises)."""
         for future in self._pending:
             future.result()  # raises what a merge raised
         for part in self.partitions[self._queued :]:
@@ -326,5 +328,7 @@ class Finalizer:
             store.upload(root, relpaths)
         (root / MANIFEST_NAME).write_text(manifest.to_json())
         if remote:
+            if before_commit is not None:
+                before_commit()
             store.upload(root, [MANIFEST_NAME])  # last: the dataset is complete only now
         return manifest

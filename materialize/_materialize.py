@@ -277,7 +277,7 @@ def materialize(
             for note in src.plan_notes(partitions):
                 print(f"materialize: {note}", file=sys.stderr)
         options = layout.writer_options
-        with staging_dir(store, overwrite) as staging, contextlib.ExitStack() as stack:
+        with staging_dir(store, overwrite) as (staging, before_commit), contextlib.ExitStack() as stack:
             stack.enter_context(small_pages())  # the partitions' merge, and those written here
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             # what the partitions' reads need first (a CSC matrix regrouped by row), in a folder every
@@ -366,6 +366,7 @@ def materialize(
                 modality=primary,
                 modalities=tuple(entries),
                 tables={PRESENCE_NAME: src.presence()} if isinstance(src, CollectionSource) else {},
+                before_commit=before_commit,
             )
         return MaterializeResult(
             out if is_remote(out) else Path(out),

@@ -321,11 +321,11 @@ def _left_by_gone_processes(parent: Path, named: re.Pattern) -> Iterator[tuple[P
     process (group ``pid``) no longer runs on this host."""
     for folder in parent.iterdir() if parent.is_dir() else ():
         match = named.fullmatch(folder.name)
-        if match and not folder.is_symlink() and folder.is_dir() and not _running(int(match["pid"])):
+        if match and not folder.is_symlink() and folder.is_dir() and not process_running(int(match["pid"])):
             yield folder, match
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (another user's included)."""
     try:
         os.kill(pid, 0)

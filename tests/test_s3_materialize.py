@@ -481,3 +481,116 @@ def test_a_prefix_left_by_a_killed_run_asks_for_overwrite(s3, corpus, tmp_path):
     materialize(cells, s3.url("ds"), progress=False, overwrite=True)
     assert oj.verify_dataset(s3.url("ds")) == []
     assert not [key for key, _ in S3Store(s3.url("ds")).list() if key.startswith("_parts/")]
+
+
+def _lease_of(s3, prefix: str) -> dict | None:
+    from materialize._lease import LEASE_NAME
+
+    data = S3Store(s3.url(prefix)).read_bytes(LEASE_NAME)
+    return None if data is None else json.loads(data)
+
+
+def _put_lease(s3, prefix: str, *, expires_in: float, pid: int = 4242, space: str = "elsewhere") -> dict:
+    """A lease object as another run's (in process space ``space``: host, boot, pid namespace),
+    expiring ``expires_in`` seconds from now."""
+    import time
+
+    from materialize._lease import LEASE_NAME
+
+    body = {"run": "0" * 16, "host": "elsewhere", "pid": pid, "space": space, "started": time.time() - 600}
+    body["expires"] = time.time() + expires_in
+    s3.client().put_object(Bucket=s3.bucket, Key=f"{prefix}/{LEASE_NAME}", Body=json.dumps(body).encode())
+    return body
+
+
+def test_a_second_run_into_a_prefix_being_written_is_refused(s3, tmp_path, monkeypatch, capsys):
+    """While a run writes a prefix (it holds the lease), another run into it is refused in one line
+    naming the holder, by `check_output` and by the lease itself; the first run completes, and its
+    lease goes with it."""
+    from materialize import _finalize
+    from materialize._lease import Lease
+
+    cells, out = _tiny_cells(tmp_path), s3.url("ds")
+    finish, seen = _finalize.Finalizer.finish, []
+
+    def meanwhile(self, **kwargs):
+        holder = _lease_of(s3, "ds")
+        with pytest.raises(oj.OmicsIOError, match=r"another materialize run is writing .*ds \(host ") as e:
+            materialize(cells, out, progress=False, overwrite=True)
+        seen.append(str(e.value))
+        with pytest.raises(oj.OmicsIOError, match=r"another materialize run is writing"):
+            Lease(S3Store(out)).__enter__()
+        assert _lease_of(s3, "ds")["run"] == holder["run"]  # the refused runs left it as it was
+        return finish(self, **kwargs)
+
+    monkeypatch.setattr(_finalize.Finalizer, "finish", meanwhile)
+    assert main([cells, out, "--no-progress"]) == 0
+    assert len(seen) == 1 and "\n" not in seen[0] and f"pid {os.getpid()}" in seen[0]
+    assert oj.verify_dataset(out) == []
+    assert _lease_of(s3, "ds") is None
+
+
+def test_a_lease_left_by_a_killed_run_is_taken_over_once_it_expires(s3, tmp_path, capsys):
+    """A run killed outright leaves its lease: refused while it would still hold (naming its host
+    and pid, and the fix), taken over with a note once it has expired."""
+    cells, out = _tiny_cells(tmp_path), s3.url("ds")
+    _put_lease(s3, "ds", expires_in=60)
+    assert main([cells, out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "host elsewhere, pid 4242" in err and "wait for it to end" in err, err
+    assert [k for k, _ in S3Store(out).list()] == [".materialize-lease.json"]  # nothing written
+    _put_lease(s3, "ds", expires_in=-1)
+    assert main([cells, out, "--no-progress"]) == 0
+    assert "took over the lease on" in capsys.readouterr().err
+    assert oj.verify_dataset(out) == []
+    assert _lease_of(s3, "ds") is None
+
+
+def test_a_lease_whose_process_is_gone_from_this_host_is_taken_over_at_once(s3, tmp_path, capsys):
+    """A lease of a process of this host (the same boot and pid namespace) that no longer runs holds
+    no more, expired or not: the run killed on this machine does not make the next wait. One of a
+    process that runs holds."""
+    from materialize._lease import _process_space
+
+    cells, out = _tiny_cells(tmp_path), s3.url("ds")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    _put_lease(s3, "ds", expires_in=100, pid=os.getppid(), space=_process_space())
+    assert main([cells, out, "--no-progress", "--overwrite"]) == 2
+    assert "another materialize run is writing" in capsys.readouterr().err
+    _put_lease(s3, "ds", expires_in=100, pid=int(gone.stdout), space=_process_space())
+    assert main([cells, out, "--no-progress", "--overwrite"]) == 0
+    assert "took over the lease on" in capsys.readouterr().err
+    assert oj.verify_dataset(out) == [] and _lease_of(s3, "ds") is None
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["new", "overwrite"])
+def test_a_run_that_lost_its_lease_stops_before_its_manifest(s3, tmp_path, monkeypatch, replacing):
+    """A run whose lease another run took over meanwhile (it stalled past the lease's expiry) puts no
+    manifest in place and deletes nothing: a new dataset is not made current, an old one stays."""
+    from materialize import _finalize
+
+    cells, out = _tiny_cells(tmp_path), s3.url("ds")
+    before = None
+    if replacing:
+        materialize(cells, out, progress=False)
+        before = _object_digests(s3, "ds")
+    finish, other = _finalize.Finalizer.finish, {}
+
+    def taken_over(self, **kwargs):
+        other.update(_put_lease(s3, "ds", expires_in=120, pid=99))
+        return finish(self, **kwargs)
+
+    monkeypatch.setattr(_finalize.Finalizer, "finish", taken_over)
+    with pytest.raises(
+        oj.OmicsIOError, match=r"this run lost its lease on .*ds .* leaves the prefix to that run"
+    ):
+        materialize(cells, out, progress=False, overwrite=replacing)
+    assert _lease_of(s3, "ds") == other  # the other run's, untouched
+    if replacing:  # the old dataset current and whole (the new run's generation is left to the other)
+        after = _object_digests(s3, "ds")
+        assert {k: after.get(k) for k in before} == before
+        assert oj.verify_dataset(out) == []
+    else:
+        assert "manifest.json" not in [k for k, _ in S3Store(out).list()]

@@ -325,6 +325,35 @@ class S3Store:
 
         self._call(obstore.put, key, data)
 
+    def put_if(self, key: str, data: bytes, etag: str | None = None) -> str | None:
+        """PUT ``data`` as ``key`` only where ``key`` does not exist (``etag`` None) or still has
+        ``etag`` (S3's conditional writes, ``If-None-Match: *`` / ``If-Match``): its new ETag, or None
+        where the condition failed (another writer got there first)."""
+        import obstore
+        import obstore.exceptions as oe
+
+        mode = "create" if etag is None else {"e_tag": etag}
+        try:
+            return obstore.put(self._store, key, data, mode=mode)["e_tag"]
+        except (oe.AlreadyExistsError, oe.PreconditionError):
+            return None
+        except (FileNotFoundError, oe.NotFoundError) as e:  # replacing an object deleted meanwhile
+            if etag is None or "NoSuchBucket" in str(e):
+                raise self._fail(e, key) from e
+            return None
+        except Exception as e:
+            raise self._fail(e, key) from e
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        """``key``'s bytes and the ETag they have, or None when it does not exist."""
+        import obstore
+
+        def get(store, k: str) -> tuple[bytes, str]:
+            result = obstore.get(store, k)
+            return bytes(result.bytes()), result.meta["e_tag"]
+
+        return self._call_or_none(get, key)
+
     def upload(self, local: Path, names: Sequence[str]) -> None:
         """PUT ``local/name`` as ``name`` for each name, in order (large files in parts, concurrently)."""
         import obstore
