@@ -10,9 +10,11 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
+import omicsio_jax
 from omicsio_jax import check_kernel_caches
 
-check_kernel_caches(os.path.dirname(__file__))  # this package's kernels, as omicsio_jax's own (see there)
+# this package's kernels, as omicsio_jax's own (see there); they inline omicsio_jax's helpers too
+check_kernel_caches(os.path.dirname(__file__), depends_on=(os.path.dirname(omicsio_jax.__file__),))
 
 if TYPE_CHECKING:
     from ._collection_sources import Sources as Sources

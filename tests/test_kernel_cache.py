@@ -35,9 +35,11 @@ def make_package(tmp: Path, name: str, *, checked: bool) -> Path:
     return pkg
 
 
-def run_kernel(tmp: Path, name: str) -> int:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])}
+def run_kernel(tmp: Path, name: str, *, cache_dir: Path | None = None, env: dict | None = None) -> int:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])}
     env.pop("NUMBA_CACHE_DIR", None)
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache_dir)
     code = f"from {name}.kernel import kernel; print(kernel(1))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return int(out.stdout.strip())
@@ -111,3 +113,54 @@ def test_a_module_gone_while_checking_leaves_the_decision_to_the_next_import(tmp
     monkeypatch.undo()
     assert check_kernel_caches(pkg) is True
     assert cached_files(pkg) == []
+
+
+def _changed_helper(pkg: Path, step: int) -> None:
+    (pkg / "helper.py").write_text(
+        f"import numba as nb\n\n@nb.njit(inline='always')\ndef step(x):\n    return x + {step}\n"
+    )
+
+
+def test_kernels_cached_outside_the_package_compile_again_when_a_module_changes(tmp_path):
+    """``NUMBA_CACHE_DIR`` (and the user-wide folder of a read-only install) hold caches that the
+    package's own check cannot clear: the package's digest in each kernel's stamp retires them."""
+    pkg = make_package(tmp_path, "checked_pkg", checked=True)
+    cache = tmp_path / "numba cache"  # (a space in the path, as users' folders have)
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=cache) == 2
+    assert list(cache.rglob("*.nbi")) and not cached_files(pkg)  # cached there, not in the package
+    _changed_helper(pkg, 2)
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=cache) == 3
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=cache) == 3
+
+
+def test_a_package_s_kernels_follow_the_package_they_inline(tmp_path):
+    """materialize's kernels inline omicsio_jax's helpers: a change there alone retires them
+    (``depends_on``)."""
+    base = make_package(tmp_path, "base_pkg", checked=True)
+    user = tmp_path / "user_pkg"
+    user.mkdir()
+    (user / "__init__.py").write_text(
+        "import os\nfrom omicsio_jax import check_kernel_caches\nimport base_pkg\n"
+        "check_kernel_caches(os.path.dirname(__file__), depends_on=(os.path.dirname(base_pkg.__file__),))\n"
+    )
+    (user / "kernel.py").write_text(textwrap.dedent(KERNEL.format(pkg="base_pkg")))
+    assert run_kernel(tmp_path, "user_pkg") == 2
+    _changed_helper(base, 5)
+    assert run_kernel(tmp_path, "user_pkg") == 6
+
+
+def test_a_kernel_with_no_writable_cache_folder_is_cached_in_a_private_temporary_one(tmp_path):
+    """No ``NUMBA_CACHE_DIR`` that can be made, no ``__pycache__`` and no home cache to write (a
+    locked-down install): numba alone refuses to load the module; its kernels go to a folder of
+    the user's own in the temporary directory instead."""
+    pkg = make_package(tmp_path, "checked_pkg", checked=True)
+    (pkg / "__pycache__").write_text("a file where the folder would be")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where folders would be")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"XDG_CACHE_HOME": str(blocked / "cache"), "HOME": str(blocked), "TMPDIR": str(tmp)}
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2
+    (private,) = tmp.glob("omicsio-numba-*")
+    assert private.stat().st_mode & 0o777 == 0o700 and list(private.rglob("*.nbi"))
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2

@@ -98,7 +98,9 @@ def test_the_disk_and_stream_loaders_repr_the_output_settings_that_differ_from_i
         ("csr", "'csr'"),
         (oj.CSR(nnz_capacity=4096, measured=True), "CSR(nnz_capacity=4096, measured=True)"),
         (oj.Dense(normalize="log1p", on_device=True), "Dense(normalize='log1p', on_device=True)"),
-        (oj.GeneformerTokens(), "'geneformer'"),
+        (oj.Dense(), "'dense'"),
+        (oj.GeneformerTokens(), "GeneformerTokens()"),  # as output= takes it: no 'geneformer' shorthand
+        (oj.ScGPTTokens(), "ScGPTTokens()"),
         (
             oj.GeneformerTokens(max_len=512, vocab=Path("v.pkl")),
             "GeneformerTokens(max_len=512, vocab='v.pkl')",

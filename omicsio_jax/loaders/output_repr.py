@@ -10,12 +10,14 @@ import numpy as np
 
 from omicsio_jax.outputs.base import Output
 from omicsio_jax.outputs.modalities import Modalities
+from omicsio_jax.outputs.resolve import SHORTHANDS
 
 
 def describe_output(output: Output) -> str:
-    """``output`` (as given, not bound) as ``repr(loader)`` shows it: at its defaults its kind
-    (``'dense'``, ``'csr'``), else its class with each setting that differs
-    from the default; one per modality as the dict it was given as."""
+    """``output`` (as given, not bound) as ``repr(loader)`` shows it, as ``output=`` takes it: at
+    its defaults the shorthand of its kind where there is one (``'dense'``, ``'csr'``), else its
+    class with each setting that differs from the default (``GeneformerTokens()``); one per
+    modality as the dict it was given as."""
     if isinstance(output, Modalities):
         return "{" + ", ".join(f"{name!r}: {describe_output(one)}" for name, one in output.outputs) + "}"
     settings = [
@@ -23,7 +25,7 @@ def describe_output(output: Output) -> str:
         for f in dataclasses.fields(output)
         if f.init and f.repr and _differs(getattr(output, f.name), f.default)
     ]
-    if not settings:
+    if not settings and output.kind in SHORTHANDS:
         return repr(output.kind)
     return f"{type(output).__name__}({', '.join(settings)})"
 

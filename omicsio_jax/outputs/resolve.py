@@ -10,6 +10,8 @@ from omicsio_jax.outputs.csr import CSR
 from omicsio_jax.outputs.dense import Dense
 from omicsio_jax.outputs.modalities import Modalities
 
+SHORTHANDS = ("dense", "csr")  # the kinds ``output=`` takes by name, at their defaults
+
 
 def resolve_output(output: str | Output | Mapping[str, str | Output]) -> Output:
     """The `Output` of ``output``: an output kind (``oj.Dense(normalize=...)``, ``oj.Panel(genes, ...)``,

@@ -1,0 +1,78 @@
+"""numba cache locators for the kernels of the packages `check_kernel_caches` checked: numba's own
+(``NUMBA_CACHE_DIR``, the module's ``__pycache__``, the user-wide folder, in numba's order), with
+the packages' digests in each kernel's source stamp (`package_stamp`), and last a folder of the
+user's own in the temporary directory. Loaded with ``numba.core.caching`` (`kernel_cache`'s hook),
+never by ``import omicsio_jax``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from numba.core import caching
+
+from omicsio_jax.core.kernel_cache import package_stamp
+
+
+class _Stamped:
+    """A numba locator, for a checked package's modules only, whose source stamp carries the
+    package's digests."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if package_stamp(py_file) is None:
+            return None
+        return super().from_function(py_func, py_file)
+
+    def get_source_stamp(self):
+        return (super().get_source_stamp(), package_stamp(self._py_file))
+
+
+class _UserProvided(_Stamped, caching.UserProvidedCacheLocator):
+    pass
+
+
+class _InTree(_Stamped, caching.InTreeCacheLocator):
+    pass
+
+
+class _UserWide(_Stamped, caching.UserWideCacheLocator):
+    pass
+
+
+class _Temporary(_Stamped, caching.UserWideCacheLocator):
+    """Where no other folder can be written: ``omicsio-numba-<uid>`` in the temporary directory,
+    made mode 0700 and used only while it is the user's own and no one else's to write (another
+    user's folder of that name could hold machine code of theirs)."""
+
+    def __init__(self, py_func, py_file):
+        super().__init__(py_func, py_file)
+        self._cache_path = os.path.join(_private_folder(), self.get_suitable_cache_subpath(py_file))
+
+    def ensure_cache_path(self):
+        if not _private_folder():
+            raise OSError("no private temporary folder")
+        super().ensure_cache_path()
+
+
+def _private_folder() -> str:
+    folder = os.path.join(tempfile.gettempdir(), f"omicsio-numba-{os.getuid()}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError:
+        return ""
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not os.path.isdir(folder) or os.path.islink(folder):
+        return ""
+    return folder
+
+
+LOCATORS = (_UserProvided, _InTree, _UserWide, _Temporary)
+
+
+def install(module) -> None:
+    """Put `LOCATORS` before numba's own in ``module`` (``numba.core.caching``), once."""
+    impl = getattr(module, "CacheImpl", None) or module._CacheImpl  # (_CacheImpl in older numba)
+    if impl._locator_classes[: len(LOCATORS)] != list(LOCATORS):
+        impl._locator_classes = [*LOCATORS, *(c for c in impl._locator_classes if c not in LOCATORS)]
