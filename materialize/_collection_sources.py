@@ -96,7 +96,7 @@ class Sources:
         if repeated:
             msg = (
                 f"dataset id(s) {', '.join(repeated)} name more than one source; give each source its own "
-                "(a sources file with columns path, dataset_id: --sources sources.csv)"
+                "(a sources file's dataset_id column: --sources FILE, with columns path, dataset_id)"
             )
             raise OmicsIOError(msg)
 
@@ -118,8 +118,18 @@ class Sources:
             else:
                 table = _read_text_table(data, "\t" if path.suffix == ".tsv" else ",")
         except (OSError, pa.ArrowException, ObjectStoreError) as e:
-            msg = f"cannot read the sources file {path}: {e}"
+            text = str(e).strip()  # (a CSV parse error goes on with the row's text, over lines)
+            msg = f"cannot read the sources file {path}: {text.splitlines()[0] if text else type(e).__name__}"
             raise OmicsIOError(msg) from e
+        repeated = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+        if repeated:
+            msg = (
+                f"sources file {path} names column(s) {', '.join(repeated)} more than once: keep one of each"
+            )
+            raise OmicsIOError(msg)
+        if not table.num_rows:
+            msg = f"sources file {path} lists no sources (a header and no rows): give one row per source"
+            raise OmicsIOError(msg)
         if "path" not in table.column_names:
             msg = f"sources file {path} has no column 'path' (it has {', '.join(table.column_names)})"
             raise OmicsIOError(msg)

@@ -126,13 +126,24 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None, *, sour
     for name in candidates:
         if _ensembl_share(texts[name]) >= 0.5:
             return GeneKeys(_present(_stripped(texts[name])), symbols_of, "ensembl", name)
+    numbered = []  # symbol columns of numbers only: positions (anndata's index once names are lost)
     for name in SYMBOL_COLUMNS:
         if name in texts and pc.max(pc.binary_length(texts[name])).as_py():
+            present = _present(texts[name]).drop_null()
+            if pc.all(pc.match_substring_regex(present, r"^[0-9]+$")).as_py():
+                numbered.append(name)
+                continue
             return GeneKeys(_present(texts[name]), _present(texts[name]), "symbol", name)
+    why = (
+        f"its {', '.join(numbered)} holds numbers only (0, 1, 2, …: positions, as AnnData writes genes "
+        "whose names were lost), which name no gene"
+        if numbered
+        else f"no symbol column ({', '.join(SYMBOL_COLUMNS)}) is there"
+    )
     msg = (
         f"{label} has no gene id column: none of {', '.join(ID_COLUMNS)} holds Ensembl ids (ENSG…) and "
-        f"no symbol column ({', '.join(SYMBOL_COLUMNS)}) is there (it has {', '.join(names) or 'none'}); "
-        "name the column with --gene-id-column (gene_id_column=...)"
+        f"{why} (it has {', '.join(names) or 'none'}); name the column with --gene-id-column "
+        "(gene_id_column=...)"
     )
     raise DataValidationError(msg)
 
@@ -156,30 +167,50 @@ def read_gene_list(path: str | Path) -> list[str]:
         )
         raise OmicsIOError(msg)
     try:
-        if suffix == ".json":
-            vocab = json.loads(path.read_text())
-            if not isinstance(vocab, dict):
-                msg = f"gene vocabulary {path} must be a JSON object {{gene id: token}}"
-                raise OmicsIOError(msg)
-            return [
-                strip_version(k)
-                for k, _ in sorted(vocab.items(), key=lambda kv: kv[1])
-                if ENSEMBL_GENE_ID.fullmatch(k)
-            ]
-        if suffix in (".parquet", ".csv", ".tsv"):
-            if suffix == ".parquet":
-                import pyarrow.parquet as pq
-
-                table = pq.read_table(path)
-            else:
-                import pyarrow.csv as pacsv
-
-                table = pacsv.read_csv(
-                    path, parse_options=pacsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",")
-                )
-            keys = gene_keys(table, f"gene table {path}", source=False)
-            return [k for k in keys.ids.to_pylist() if k]
-        return [strip_version(line.strip()) for line in path.read_text().splitlines() if line.strip()]
-    except OSError as e:
-        msg = f"cannot read the gene list {path}: {e}"
+        genes = _read_genes(path, suffix)
+    except OmicsIOError:
+        raise
+    except (OSError, ValueError, TypeError) as e:  # unreadable, not UTF-8, not JSON, not a table
+        text = str(e).strip()
+        msg = (
+            f"cannot read the gene list {path}: {text.splitlines()[0] if text else type(e).__name__}; "
+            "--genes (genes=) takes a gene table (.parquet, .csv, .tsv), a JSON vocabulary "
+            "{gene id: token} or a text file of one id per line"
+        )
         raise OmicsIOError(msg) from e
+    if not genes:
+        msg = f"gene list {path} holds no gene ids (a vocabulary: no Ensembl ids, ENSG…): it would leave no genes"
+        raise OmicsIOError(msg)
+    return genes
+
+
+def _read_genes(path: Path, suffix: str) -> list[str]:
+    if suffix == ".json":
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(vocab, dict):
+            msg = f"gene vocabulary {path} must be a JSON object {{gene id: token}}"
+            raise OmicsIOError(msg)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+            msg = f"gene vocabulary {path} must map each gene id to an integer token"
+            raise OmicsIOError(msg)
+        return [
+            strip_version(k)
+            for k, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+            if ENSEMBL_GENE_ID.fullmatch(k)
+        ]
+    if suffix in (".parquet", ".csv", ".tsv"):
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        else:
+            import pyarrow.csv as pacsv
+
+            table = pacsv.read_csv(
+                path, parse_options=pacsv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",")
+            )
+        keys = gene_keys(table, f"gene table {path}", source=False)
+        return [k for k in keys.ids.to_pylist() if k]
+    return [
+        strip_version(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]

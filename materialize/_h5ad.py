@@ -99,27 +99,37 @@ class H5adSource(Source):
         self.label = str(path) if not group else f"{path}:{group}"
         self._layer, self._use_raw, self.group = layer, use_raw, group
         self._by_row: RowBlocks | None = None  # a CSC matrix regrouped by row (`stage`)
-        self._open()
-        try:
-            with self._utf8("var"):
-                var = Frame(
-                    self._root[legacy_raw(self._root, "var") if use_raw else "var"], self._root.get("uns")
+        self._file = None
+        try:  # a file refused is closed again (else it stays open in this process, h5py's lock held)
+            self._open()
+            try:
+                with self._utf8("var"):
+                    var = Frame(
+                        self._root[legacy_raw(self._root, "var") if use_raw else "var"], self._root.get("uns")
+                    )
+                self.num_cells, num_vars = self._shape()
+                self.genes = self._gene_table(var, num_vars)
+            except (OSError, KeyError) as e:
+                msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
+                raise DataValidationError(msg) from e
+            if self._cell_id is not None and self._cell_id not in self._obs:
+                msg = (
+                    f"--cell-id (InputOptions(cell_id=...)) names obs column {self._cell_id!r}, which {self.label} "
+                    f"does not have (its cell ids are its obs names unless one is named); obs: "
+                    f"{', '.join(self._obs) or '(none)'}"
                 )
-            self.num_cells, num_vars = self._shape()
-            self.genes = self._gene_table(var, num_vars)
-        except (OSError, KeyError) as e:
-            msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
-            raise DataValidationError(msg) from e
-        if self._cell_id is not None and self._cell_id not in self._obs:
-            msg = (
-                f"--cell-id (InputOptions(cell_id=...)) names obs column {self._cell_id!r}, which {self.label} "
-                f"does not have (its cell ids are its obs names unless one is named); obs: "
-                f"{', '.join(self._obs) or '(none)'}"
-            )
-            raise DataValidationError(msg)
-        types = {name: col.type for name, col in self._obs.items() if name != self._cell_id}
-        self.obs_columns = carried_obs(types, self.label)
-        self.description = {"kind": "h5ad", "input": str(path), "matrix": self._matrix.name, "genes": "var"}
+                raise DataValidationError(msg)
+            types = {name: col.type for name, col in self._obs.items() if name != self._cell_id}
+            self.obs_columns = carried_obs(types, self.label)
+            self.description = {
+                "kind": "h5ad",
+                "input": str(path),
+                "matrix": self._matrix.name,
+                "genes": "var",
+            }
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self) -> None:
         try:
@@ -201,7 +211,10 @@ class H5adSource(Source):
         if use_raw:
             matrix = legacy_raw(self._root, "X")
             if matrix not in self._root:  # (anndata writes an empty raw group into a zarr store without one)
-                msg = f"{self.label} has no .raw: leave out --raw (use_raw=True) to materialize its X"
+                msg = (
+                    f"{self.label} has no .raw: leave out --raw (use_raw=True; a sources file's raw for "
+                    "it) to materialize its X"
+                )
                 raise DataValidationError(msg)
             return self._root[matrix]
         if "X" not in self._root:  # (X=None since anndata 0.8: the data may be in its layers alone)
@@ -221,8 +234,13 @@ class H5adSource(Source):
         legacy = "h5sparse_format" in m.attrs and "encoding-type" not in m.attrs
         self._sparse = f"{as_text(m.attrs['h5sparse_format'])}_matrix" if legacy else encoding_of(m)
         if self._sparse not in ("csr_matrix", "csc_matrix"):
+            encoding = (
+                f"has encoding {self._sparse!r}"
+                if legacy or "encoding-type" in m.attrs
+                else "is a group without an encoding-type (no matrix AnnData wrote)"
+            )
             msg = (
-                f"{self.path}: matrix {m.name} has encoding {self._sparse!r}, which is read as csr_matrix, "
+                f"{self.path}: matrix {m.name} {encoding}, which is read as csr_matrix, "
                 "csc_matrix or a dense array; rewrite it with anndata (adata.X = scipy.sparse.csr_matrix(adata.X))"
             )
             raise DataValidationError(msg)

@@ -970,6 +970,30 @@ def test_the_command_line_takes_several_inputs_or_a_sources_file(sources, tmp_pa
     assert "name more than one source" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("path,dataset_id,path\nA.h5ad,A,x\n", "names column\\(s\\) path more than once: keep one of each"),
+        (
+            'path,dataset_id\n"a.h5ad,A\nb.parquet,B\n',
+            "cannot read the sources file .*q.csv: CSV parse error",
+        ),
+        ("path,dataset_id\n", "lists no sources \\(a header and no rows\\)"),
+    ],
+    ids=["repeated-column", "parse-error", "no-rows"],
+)
+def test_a_sources_file_that_is_not_a_table_of_sources_is_a_one_line_error(tmp_path, capsys, text, said):
+    """A sources file with a column named twice (a traceback), a quote left open (a parse error over
+    two lines) or no rows (an error that did not name the file): one line naming the file."""
+    import re
+
+    (tmp_path / "q.csv").write_text(text)
+    assert main(["--sources", str(tmp_path / "q.csv"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(said, err) and "q.csv" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def _h5ad(path, x, var, obs_names=None, **parts):
     """An .h5ad of ``x`` (dense counts) with ``var``; ``parts``: ``raw`` / ``layers`` / ``obs``."""
     import anndata as ad
@@ -982,6 +1006,21 @@ def _h5ad(path, x, var, obs_names=None, **parts):
         a.layers[name] = sp.csr_matrix(np.asarray(layer, np.float32))
     a.write_h5ad(path)
     return path
+
+
+def test_sources_whose_gene_names_are_positions_are_refused_not_matched_by_them(tmp_path):
+    """AnnData names genes "0", "1", … when their names were lost: matched as symbols, gene i of one
+    source became gene i of every other. Numbers are no symbols: the source is refused as one
+    without gene ids, and the error says why."""
+    a = np.array([[1, 2, 3], [0, 5, 0]], np.float32)
+    numbered = pd.DataFrame(index=[str(i) for i in range(3)])
+    paths = [_h5ad(tmp_path / "a.h5ad", a, numbered), _h5ad(tmp_path / "b.h5ad", a[:, ::-1], numbered)]
+    with pytest.raises(
+        oj.DataValidationError,
+        match=r"a.h5ad.* has no gene id column: .* holds numbers only \(0, 1, 2, …: positions, .* --gene-id-column",
+    ):
+        materialize(paths, tmp_path / "out", progress=False, workers=1)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("missing", [np.nan, ""], ids=["null", "empty"])
@@ -1194,6 +1233,37 @@ def test_one_anndata_input_given_genes_is_a_collection_of_one(sources, tmp_path)
             progress=False,
         )
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "contents", "said"),
+    [
+        ("g.json", b"{bad", "cannot read the gene list .*g.json: Expecting property name"),
+        ("g.json", b"", "cannot read the gene list .*g.json: Expecting value"),
+        ("g.json", b'{"ENSG00000000001": "x", "ENSG00000000002": 1}', "must map each gene id to an integer"),
+        ("g.json", b'{"TP53": 0}', "holds no gene ids"),
+        ("g.csv", b"", "cannot read the gene list .*g.csv: Empty CSV file"),
+        ("g.txt", b"\xff\xfeENSG\n", "cannot read the gene list .*g.txt: 'utf-8' codec"),
+        ("g.parquet", b"", "cannot read the gene list .*g.parquet: "),
+    ],
+    ids=["not-json", "empty-json", "mixed-tokens", "no-ids", "empty-csv", "not-utf8", "empty-parquet"],
+)
+def test_a_gene_list_that_cannot_be_read_is_a_one_line_error(sources, tmp_path, capsys, name, contents, said):
+    """A ``--genes`` file that is not what it says (not JSON, empty, not UTF-8, a vocabulary whose
+    tokens are not integers, or one without Ensembl ids): one line naming it and what --genes takes,
+    nothing written (each raised from inside the reader, a traceback, before)."""
+    import re
+
+    d, _ = sources
+    (tmp_path / name).write_bytes(contents)
+    out = tmp_path / "out"
+    assert (
+        main([str(d / "current.h5ad"), str(d / "plate.parquet"), str(out), "--genes", str(tmp_path / name)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(said, err), err
+    assert not out.exists()
 
 
 def test_a_sources_own_obs_dataset_id_is_kept_as_input_dataset_id_and_said(tmp_path, capsys):

@@ -691,6 +691,10 @@ def test_a_matrix_in_an_encoding_not_read_is_a_one_line_error(tmp_path):
     ) as e:
         materialize(tmp_path / "x.h5ad", tmp_path / "out", progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    with h5py.File(tmp_path / "x.h5ad", "r+") as f:  # a group no writer marked (was "encoding 'dict'")
+        del f["X"].attrs["encoding-type"]
+    with pytest.raises(oj.DataValidationError, match=r"matrix /X is a group without an encoding-type"):
+        materialize(tmp_path / "x.h5ad", tmp_path / "out", progress=False)
 
 
 def _write_anndata_0_7(path, x, obs: pd.DataFrame, var: pd.DataFrame) -> None:
@@ -842,8 +846,9 @@ def _csc_and_csr_files(tmp_path, rows=50, genes=9):
     x = (rng.random((rows, genes)) < 0.4) * rng.integers(1, 9, (rows, genes)).astype(np.float32)
     x[:, 4] = rng.integers(1, 9, rows)
     obs = pd.DataFrame({"plate": [f"p{i % 3}" for i in range(rows)]}, index=[f"c{i}" for i in range(rows)])
+    var = pd.DataFrame(index=[f"G{g}" for g in range(genes)])  # symbols (numbers would name no gene)
     for fmt, matrix in {"csr": sp.csr_matrix(x), "csc": sp.csc_matrix(x)}.items():
-        ad.AnnData(X=matrix, obs=obs).write_h5ad(tmp_path / f"{fmt}.h5ad")
+        ad.AnnData(X=matrix, obs=obs, var=var).write_h5ad(tmp_path / f"{fmt}.h5ad")
     return sp.csr_matrix(x)
 
 
@@ -893,7 +898,7 @@ def test_a_csc_member_of_a_collection_is_regrouped_by_row(tmp_path):
         workers=1,
     )
     ds = oj.open_dataset(tmp_path / "both")
-    assert ds.features["gene_name"].tolist() == [str(g) for g in range(9)]  # both list them in one order
+    assert ds.features["gene_name"].tolist() == [f"G{g}" for g in range(9)]  # both list them in one order
     for first in (0, 40):  # the CSR source's cells, then the CSC source's
         assert_csr_equal(ds.read_csr(np.arange(first, first + 40)), _rows_of(expected, 0, 40))
 
