@@ -506,6 +506,18 @@ def test_special_tokens_a_vocabulary_lacks_must_not_take_a_gene_token(token_ds, 
     assert oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, vocab=named))["length"][0] > 0
 
 
+def test_a_token_id_past_int32_is_refused_naming_it(token_ds, tmp_path):
+    """input_ids are int32: a token id of 2**31 or more would wrap around (or fail deep in numpy);
+    the vocabulary is refused naming the gene and the limit."""
+    ens = list(dict.fromkeys(e.split(".")[0] for e in token_ds.features["ensembl_id"]))
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"<pad>": 0, "<cls>": 1, "<eos>": 2, ens[0]: 2**31, ens[1]: 3}))
+    with pytest.raises(
+        oj.OmicsIOError, match=rf"big.json: token id of '{ens[0]}' is 2,147,483,648; .*2\*\*31"
+    ):
+        oj.tokenize(token_ds, [5], oj.GeneformerTokens(max_len=64, vocab=big))
+
+
 @pytest.mark.parametrize("L", [10, 64, 2048])
 def test_genes_whose_float32_keys_come_close_rank_as_geneformers_float64_values(tmp_path, L):
     """Geneformer's tokenizer ranks ``v / n * 10,000 / median`` in float64; the sort's float32 keys

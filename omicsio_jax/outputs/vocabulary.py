@@ -221,6 +221,9 @@ def default_vocabulary(num_columns: int) -> Vocabulary:
     )
 
 
+_LARGEST_TOKEN = np.iinfo(np.int32).max - 1  # (one below: the vocabulary's size, top + 1, fits in int32 too)
+
+
 def user_vocabulary(
     path: str | Path, ensembl_ids: np.ndarray | None, *, dataset: str, symbols: np.ndarray | None = None
 ) -> Vocabulary:
@@ -234,6 +237,12 @@ def user_vocabulary(
     for key, value in raw.items():
         if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
             msg = f"{path}: token id of {key!r} is {value!r}; token ids must be non-negative integers"
+            raise OmicsIOError(msg)
+        if value > _LARGEST_TOKEN:
+            msg = (
+                f"{path}: token id of {key!r} is {value:,}; token ids must be below 2**31 - 1 (the outputs' "
+                "input_ids are int32, and the model's embedding table one row per id)"
+            )
             raise OmicsIOError(msg)
         role = next((r for r, names in SPECIAL_NAMES.items() if key in names), None)
         if role is not None:
