@@ -299,7 +299,7 @@ def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_writte
     )
     assert oj.open_dataset(out).num_cells > small  # the new dataset, complete
     # ... removed by the next run into it, once this process (which left it) is no longer running
-    monkeypatch.setattr(_shards, "_running", lambda pid: False)
+    monkeypatch.setattr(_shards, "process_running", lambda pid: False)
     materialize(corpus.cells_parquet, out, overwrite=True, progress=False)
     assert _leftovers(tmp_path) == []
     assert (
@@ -336,7 +336,7 @@ def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
     # an old copy whose swap was cut short by a kill, with no dataset in the output, is kept
     aside = tmp_path / f".out.old-{os.getpid()}-0123abcd"
     out.rename(aside)
-    monkeypatch.setattr(_shards, "_running", lambda pid: False)
+    monkeypatch.setattr(_shards, "process_running", lambda pid: False)
     materialize(corpus.cells_parquet, out, progress=False)
     assert aside.is_dir() and oj.open_dataset(aside).num_cells == small
 
