@@ -38,7 +38,7 @@ from ._open import (
     open_source,
 )
 from ._options import Dask, InputOptions, Layout, Multimodal, as_names
-from ._output import check_output, scratch_dir, staging_dir
+from ._output import check_apart, check_output, scratch_dir, staging_dir
 from ._panel import read_panel
 from ._partition import Job
 from ._pool import Pool, default_workers, usable_cores
@@ -202,6 +202,8 @@ def materialize(
         if sources is not None
         else modality_inputs(source, layers=layers, modalities=modalities, primary=primary)
     )
+    read_from = sources.paths if sources is not None else [source]
+    check_apart(out, [*read_from, *(inp.table for inp in inputs if inp.table is not None)])
     check_output(store, overwrite)
     wanted = 1 if dask else workers or usable_cores()
     # asked for by number: started first, so the workers import while the input is opened and planned;

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
+import os
+import posixpath
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import MANIFEST_NAME, Manifest, open_store
+from omicsio_jax.format import MANIFEST_NAME, Manifest, is_remote, open_store
 
 from ._lease import LEASE_NAME, Lease, live_lease, refused
 from ._partition import PARTS_DIR
@@ -33,6 +36,77 @@ def scratch_dir(staging: str) -> Iterator[str]:
         return
     with scratch_folder("scratch") as folder:  # (a killed run's is removed by the next run's)
         yield folder
+
+
+def check_apart(out, inputs: Iterable) -> None:
+    """Refuse an output that lies inside an input folder (or a folder a glob input searches, where
+    the glob reaches into it), that is an input, or that holds one. An output inside an input would
+    be read as cells by every later run over that input (the same one with --overwrite included);
+    an output holding an input would delete it when replaced. Paths are compared as they resolve
+    (symlinks followed), ``s3://`` ones as written; ``ducklake:`` catalogs, whose data files are
+    those their catalog lists, are not compared."""
+    where = _location(out)
+    for spec in inputs:
+        if spec is None or str(spec).startswith("ducklake:"):
+            continue
+        root, pattern = _glob_parts(spec)
+        if root[:1] != where[:1]:  # one local, the other on object storage
+            continue
+        rest = where[len(root) :] if where[: len(root)] == root else None
+        if rest == () and not pattern:
+            msg = f"output {out} is the input {spec}; give an output outside {spec}"
+        elif rest and (not pattern or _reaches_below(pattern, rest)):
+            msg = (
+                f"output {out} lies inside the input {spec}, where runs over it would read the dataset's "
+                f"files as cells; give an output outside {spec}"
+            )
+        elif rest == () or root[: len(where)] == where:
+            msg = (
+                f"output {out} holds the input {spec}, which replacing the output would delete; give an "
+                f"output that does not hold {spec}"
+            )
+        else:
+            continue
+        raise OmicsIOError(msg)
+
+
+def _location(path) -> tuple[str, ...]:
+    """``path`` as its parts: a local one resolved (``("/", "home", ...)``), an ``s3://`` one as
+    ``("s3://", bucket, ...)``."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    if is_remote(text):
+        key = posixpath.normpath("/" + text[len("s3://") :])
+        return ("s3://", *(part for part in key.split("/") if part))
+    resolved = os.path.realpath(text)
+    return (os.sep, *(part for part in resolved.split(os.sep) if part))
+
+
+def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An input's folder or file (`_location`) and, for a glob, the parts of its pattern below the
+    last folder named without wildcards (``a/**/*.parquet`` → ``a``, ``("**", "*.parquet")``)."""
+    text = os.fspath(spec) if isinstance(spec, os.PathLike) else str(spec)
+    scheme = "s3://" if is_remote(text) else ""
+    parts = text[len(scheme) :].split("/")
+    wild = next((i for i, part in enumerate(parts) if any(ch in part for ch in "*?[")), None)
+    if wild is None:
+        return _location(text), ()
+    if wild == 0:  # a pattern from its first part on: the current folder's (or the store's)
+        root = "" if scheme else "."
+    else:
+        root = "/".join(parts[:wild]) or "/"  # (or the file system's root: /*.parquet)
+    return _location(scheme + root), tuple(part for part in parts[wild:] if part)
+
+
+def _reaches_below(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether a glob ``pattern`` (its parts, ``**`` any number of folders) matches some path below
+    the folder ``parts`` (as deep as the files a dataset holds)."""
+    if not parts:
+        return bool(pattern)
+    if not pattern:
+        return False
+    if pattern[0] == "**":
+        return _reaches_below(pattern[1:], parts) or _reaches_below(pattern, parts[1:])
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _reaches_below(pattern[1:], parts[1:])
 
 
 def check_output(store, overwrite: bool, lease: Lease | None = None) -> None:

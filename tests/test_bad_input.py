@@ -580,3 +580,40 @@ def test_text_that_is_not_utf8_in_today_s_anndata_layout_is_a_one_line_error(cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"latin.h5ad: {what}" in err and "not UTF-8" in err and not out.exists(), err
+
+
+def test_an_output_inside_an_input_folder_is_refused_before_anything_is_written(write, capsys, tmp_path):
+    """A dataset written inside a folder it was read from would be read as cells by the next run over
+    that folder (--overwrite included): refused at once in one line naming both, for a single input,
+    a glob reaching into it, a collection and a sources file; so is an output that is an input or
+    holds one. A glob that cannot reach into the output reads no dataset files, and is no such case."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(_cells(GOOD, _values_like(GOOD)), folder / "cells.parquet")
+    genes = ["--genes", str(tmp_path / "genes.parquet"), "--no-progress"]
+    write(_cells(GOOD, _values_like(GOOD)), "other.parquet")
+    (tmp_path / "sources.csv").write_text("path\nother.parquet\nin\n")
+    out, cells = folder / "out", folder / "cells.parquet"
+    inside = f"lies inside the input {folder}, where runs over it would read the dataset's files as cells"
+    for args, expected in [
+        ([folder, out], f"output {out} {inside}; give an output outside {folder}"),
+        (
+            [tmp_path / "other.parquet", folder, out],
+            f"output {out} {inside}; give an output outside {folder}",
+        ),
+        (["--sources", tmp_path / "sources.csv", out], f"output {out} {inside}; give an output outside"),
+        ([folder / "**" / "*.parquet", out], f"output {out} lies inside the input {folder}/**/*.parquet"),
+        ([cells, cells], f"output {cells} is the input {cells}; give an output outside {cells}"),
+        (
+            [cells, folder],
+            f"output {folder} holds the input {cells}, which replacing the output would delete",
+        ),
+    ]:
+        assert main([*map(str, args), *genes]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"omicsio-materialize: error: {expected}"), err
+        assert len(err.splitlines()) == 1, err
+        assert sorted(p.name for p in folder.iterdir()) == ["cells.parquet"]
+    for again in ([], ["--overwrite"]):
+        assert main([str(folder / "*.parquet"), str(out), *genes, *again]) == 0
+        assert oj.open_dataset(out).num_cells == len(GOOD)
