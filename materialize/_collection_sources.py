@@ -17,6 +17,7 @@ from omicsio_jax.format import as_input_path, is_remote
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
 _SUFFIXES = (".h5ad", ".h5mu", ".parquet", ".vortex", ".zarr", ".csv")
+DUCKLAKE = "ducklake:"  # a DuckLake catalog's scheme (`materialize._ducklake`)
 
 
 def dataset_id_of(path: str) -> str:
@@ -138,8 +139,7 @@ class Sources:
             if not p:
                 msg = f"sources file {path} has a row without a path"
                 raise OmicsIOError(msg)
-            p = str(p)
-            paths.append(p if is_remote(p) or Path(p).is_absolute() else str(path.parent / p))
+            paths.append(_from_folder(str(p), path.parent))
         ids = ()
         if DATASET_ID in table.column_names:  # an empty cell: the source's default id, as without the column
             given = table.column(DATASET_ID).to_pylist()
@@ -181,6 +181,36 @@ class Sources:
         if "layer" in reading:
             reading["layer"] = tuple(None if v is None or v == "" else str(v) for v in reading["layer"])
         object.__setattr__(self, "reading", reading)
+
+
+def _from_folder(path: str, folder) -> str:
+    """A sources file's ``path`` as read from the file's ``folder``: a relative local path joined to
+    it, so is the catalog of a ``ducklake:[sqlite:|duckdb:]CATALOG[#TABLE]`` (the scheme stays in
+    front); an ``s3://`` or absolute one as written."""
+    if path.startswith(DUCKLAKE):
+        catalog, sep, table = path[len(DUCKLAKE) :].partition("#")
+        kind = next((k for k in ("sqlite:", "duckdb:") if catalog.startswith(k)), "")
+        return DUCKLAKE + kind + _from_folder(catalog[len(kind) :], folder) + sep + table
+    return path if is_remote(path) or Path(path).is_absolute() else str(folder / path)
+
+
+def refuse_ducklake_sources(sources: Sources, table: str | None = None) -> None:
+    """Refuse a DuckLake catalog among a collection's sources, before anything is opened, saying what
+    to do instead (``table``: the run's --table, for the command shown). A catalog's table is read
+    in partitions of its own data files, not by the cell ranges a collection's shards ask of each of
+    their sources."""
+    path = next((p for p in sources.paths if p.startswith(DUCKLAKE)), None)
+    if path is None:
+        return
+    named = path.partition("#")[2]
+    alone = f"omicsio-materialize {path} OUT" + ("" if named else f" --table {table or 'TABLE'}")
+    name = named or table or "TABLE"
+    msg = (
+        f"source {path}: a DuckLake catalog cannot be a member of a collection; materialize it as a "
+        f"dataset of its own ({alone}), or export its table to parquet (DuckDB with the ducklake "
+        f"extension: COPY lake.{name} TO '{name}.parquet') and give that file as the source"
+    )
+    raise OmicsIOError(msg)
 
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")

@@ -26,6 +26,7 @@ from omicsio_jax import OmicsIOError
 from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, small_pages, to_numpy
 
 from ._collection import CollectionSource, Sources, opens_on_workers
+from ._collection_sources import refuse_ducklake_sources
 from ._finalize import Finalizer
 from ._further_modalities import codec_description, open_modality, write_modality
 from ._modalities import modality_inputs
@@ -189,6 +190,14 @@ def materialize(
         raise OmicsIOError(msg)
     store = open_store(out)
     sources = as_sources(source)
+    if sources is not None:
+        refuse_ducklake_sources(sources, read.table)
+    if sources is not None and (read.table is not None or read.snapshot is not None):
+        msg = (
+            "--table/--snapshot/--at apply to a ducklake:CATALOG input materialized on its own, not to a "
+            "collection; leave them out"
+        )
+        raise OmicsIOError(msg)
     if sources is None:
         sources = one_anndata_as_collection(source, read, multimodal)
     if sources is not None and (layers or modalities or where or query):

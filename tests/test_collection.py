@@ -955,6 +955,40 @@ def test_bad_collections_say_what_and_write_nothing(sources, tmp_path):
     assert not out.exists()
 
 
+def test_a_ducklake_catalog_among_the_sources_is_refused_saying_what_to_do_instead(sources, tmp_path, capsys):
+    """A DuckLake catalog cannot be a collection's member: one line at once (before the catalog is
+    opened, so none is needed here) naming it, the command that materializes it on its own (its table
+    from ducklake:CATALOG#TABLE or --table) and the export to parquet; in a sources file its catalog,
+    not its scheme, is read from the file's folder. --table/--snapshot/--at with a collection of other
+    sources are refused, not ignored."""
+    d, _ = sources
+    out, h5ad = tmp_path / "out", str(d / "current.h5ad")
+    (tmp_path / "dl").mkdir()
+    (tmp_path / "dl" / "sources.csv").write_text(f"path\nducklake:lake.ducklake#rna_cells\n{h5ad}\n")
+    lake = f"ducklake:{tmp_path / 'dl' / 'lake.ducklake'}#rna_cells"
+    member = "a DuckLake catalog cannot be a member of a collection; materialize it as a dataset of its own"
+    export = "or export its table to parquet (DuckDB with the ducklake extension: COPY lake.rna_cells TO"
+    for args, source, alone in [
+        (
+            ["ducklake:lake.ducklake", h5ad, "--table", "rna_cells"],
+            "ducklake:lake.ducklake",
+            " --table rna_cells",
+        ),
+        (["ducklake:lake.ducklake#rna_cells", h5ad], "ducklake:lake.ducklake#rna_cells", ""),
+        (["--sources", str(tmp_path / "dl" / "sources.csv")], lake, ""),
+    ]:
+        assert main([*args, str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(
+            f"omicsio-materialize: error: source {source}: {member} (omicsio-materialize {source} OUT{alone}), {export}"
+        ), err
+        assert len(err.splitlines()) == 1, err
+    assert main([h5ad, str(d / "plate.parquet"), str(out), "--snapshot", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--table/--snapshot/--at apply to a ducklake:CATALOG input materialized on its own, not to" in err
+    assert not out.exists()
+
+
 def test_the_command_line_takes_several_inputs_or_a_sources_file(sources, tmp_path, capsys):
     d, _ = sources
     out = tmp_path / "cli"
