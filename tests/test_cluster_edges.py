@@ -322,7 +322,7 @@ def test_the_only_dask_worker_killed_once_costs_a_rerun_of_its_task(corpus, tmp_
     materialize(corpus.cells_parquet, tmp_path / "ref", workers=1, **kw)
     brake, _ = _break_partition(2, "exit")  # the restarted worker is not broken
     with LocalCluster(
-        n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+        n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0", host="127.0.0.1"
     ) as cluster:
         with Client(cluster) as client:
             client.run(brake)
