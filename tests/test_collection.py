@@ -315,6 +315,30 @@ def test_dense_measured_masks_what_the_source_did_not_measure(collection, stream
         assert batch.x["measured"].sharding == batch.x["values"].sharding
 
 
+@pytest.mark.parametrize("kind", ["geneformer", "scgpt"])
+def test_token_outputs_never_emit_a_gene_the_cells_source_did_not_measure(collection, kind):
+    """Not a ranked gene, and not MLM's random replacement either: Geneformer's 10% of masked
+    positions replaced by a random gene draw from the genes of the cell's own source (they drew from
+    every gene, 40% of them unmeasured in a collection of three sources)."""
+    ds = oj.open_dataset(collection)
+    output = (
+        oj.GeneformerTokens(max_len=64, mask_prob=0.5) if kind == "geneformer" else oj.ScGPTTokens(max_len=64)
+    )
+    loader = oj.make_loader(ds, batch_size=32, output=output, seed=5, num_epochs=3)
+    first_gene, replaced = 3, 0  # the default vocabulary: column g is token g + 3
+    for batch in loader:
+        ids = np.asarray(batch.x["input_ids"] if kind == "geneformer" else batch.x["gene_ids"])
+        rows = np.asarray(batch.index)
+        measured = ds.presence.measured[ds.presence.sources_of(rows)]
+        genes = (ids >= first_gene) & (ids < first_gene + ds.num_genes)
+        r, c = np.nonzero(genes)
+        assert measured[r, ids[r, c] - first_gene].all()
+        if kind == "geneformer":
+            labels = np.asarray(batch.x["labels"])
+            replaced += int(np.count_nonzero(genes & (labels >= 0) & (ids != labels)))
+    assert kind != "geneformer" or replaced > 100  # random replacements were drawn, and checked
+
+
 def test_presence_table_rows_streamed_are_the_rows_copied():
     """`PresenceTable.host_rows` into a buffer: row copies, or the rows streamed around the caches;
     a negative source reads all False, a source past the table is an error."""

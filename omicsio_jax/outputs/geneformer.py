@@ -16,6 +16,7 @@ from omicsio_jax.format.gene_stats import read_gene_medians
 from omicsio_jax.outputs.base import Empty, Output, OutputContext, RowKeys
 from omicsio_jax.outputs.geneformer_kernel import geneformer_kernel
 from omicsio_jax.outputs.token_common import (
+    ReplacementTokens,
     check_mask_prob,
     ensembl_ids,
     needs_counts,
@@ -42,8 +43,11 @@ class GeneformerTokens(Output):
 
     >>> loader = oj.make_loader(ds, batch_size=64, output=oj.GeneformerTokens(max_len=2048))   # doctest: +SKIP
 
+    In a collection, MLM's random replacements are genes the cell's source measured (a token output
+    never emits a gene its source did not measure).
+
     The fields ``vocabulary``, ``inv_median``, ``gene``, ``median``, ``column_of_token``,
-    ``distinct_scales`` and ``source`` are filled in when a loader binds the output (`Output.bind`):
+    ``distinct_scales``, ``replacements`` and ``source`` are filled in when a loader binds the output (`Output.bind`):
     leave them out.
     """
 
@@ -64,6 +68,8 @@ class GeneformerTokens(Output):
     # the kept genes' scales mostly distinct (a median per gene, as a published dictionary gives;
     # the corpus medians are histogram bin centres that many genes share): the ranking sort's choice
     distinct_scales: bool = dataclasses.field(default=False, compare=False, repr=False)
+    # MLM's random replacements: the genes of each cell's source (`ReplacementTokens`)
+    replacements: ReplacementTokens | None = dataclasses.field(default=None, compare=False, repr=False)
     source: str = ""
 
     kind = "geneformer"
@@ -140,6 +146,7 @@ class GeneformerTokens(Output):
             median=np.where(scale > 0, medians, np.nan).astype(np.float64),
             column_of_token=column_of_token,
             distinct_scales=distinct,
+            replacements=ReplacementTokens.of(vocab, ds),
             source=ctx.source,
         )
 
@@ -192,7 +199,9 @@ class GeneformerTokens(Output):
             self.distinct_scales,
             v.canon,
             v.has_duplicates,
-            v.gene_tokens,
+            self.replacements.ptr,
+            self.replacements.tokens,
+            self.replacements.sources(keys.rows),
             self.special_tokens,
             float(self.mask_prob),
             v.pad,

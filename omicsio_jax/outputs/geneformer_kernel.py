@@ -67,7 +67,9 @@ def _geneformer_rows(
     distinct,
     canon,
     has_dups,
-    gene_tokens,
+    random_ptr,
+    random_tokens,
+    row_source,
     special,
     mask_prob,
     pad_id,
@@ -85,11 +87,12 @@ def _geneformer_rows(
     ``medians``: each column's median (float64; what the scale is the inverse of), for the genes
     whose keys come close (`_float64_order`, where ``as_float64``: medians given, as Geneformer's
     tokenizer takes them); ``column_of_token``: each kept token's column (-1: none);
-    ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`)."""
+    ``distinct``: the scales are mostly distinct, so a cell's keys seldom tie (`rank_sort`);
+    ``random_tokens[random_ptr[k] : random_ptr[k + 1]]``: the tokens MLM's random replacements of a
+    cell of source ``row_source[i]`` are drawn from (`ReplacementTokens`)."""
     width = max(max_count(u32, starts), 1)
     n_rows, L = input_ids.shape
     log_keep = np.log1p(-mask_prob)
-    n_genes = gene_tokens.shape[0]
     first = 1 if special else 0
     cols = np.empty(width, np.int32)
     vals = np.empty(width, np.float32)
@@ -181,11 +184,13 @@ def _geneformer_rows(
         m = selected_positions(key, first, first + k, log_keep, masked, u_kind)
         draws_at(key, STREAM_MASK_KIND, masked, m, u_kind)
         draws_at(key, STREAM_RANDOM_TOKEN, masked, m, u_token)
+        lo = random_ptr[row_source[i]]  # the genes of the cell's source (every gene, in one dataset)
+        n_genes = random_ptr[row_source[i] + 1] - lo
         for q in range(m):
             # the replacement chosen without a branch (80% MASK, 10% a random gene, 10% kept):
             # the random gene's draw is made either way, and a draw is a pure function of its
             # counter, so the tokens are those of drawing it only when used; the gene table is
-            # read at that gene only when it is used, else at 0 (a cache line already at hand,
+            # read at that gene only when it is used, else at the source's first (a line at hand,
             # not a miss in a table of every gene), at an index chosen by arithmetic (a read
             # under a condition is a branch, mispredicted for one draw in ten)
             p = masked[q]
@@ -193,7 +198,9 @@ def _geneformer_rows(
             lab[p] = token
             u = u_kind[q]
             used = (u >= 0.8) & (u < 0.9)
-            random_token = gene_tokens[np.uint64(min(np.int64(u_token[q] * n_genes), n_genes - 1) * used)]
+            random_token = random_tokens[
+                np.uint64(lo + min(np.int64(u_token[q] * n_genes), n_genes - 1) * used)
+            ]
             ids[p] = mask_id if u < 0.8 else (random_token if u < 0.9 else token)
 
 

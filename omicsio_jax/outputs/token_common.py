@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from omicsio_jax.core.errors import OmicsIOError
@@ -78,3 +80,34 @@ def check_mask_prob(p, *, allow_one: bool) -> None:
     if not ok:
         msg = f"mask_prob must lie in [0, 1{']' if allow_one else ')'}, got {p!r}"
         raise OmicsIOError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplacementTokens:
+    """The gene tokens MLM's random replacements are drawn from, per source (``tokens[ptr[k] :
+    ptr[k + 1]]``, sorted): in a collection, the genes each source measured, so that a token output
+    never emits a gene the cell's source did not measure (a source measuring no gene with a token
+    draws from every one); in a dataset of one source, every gene token, as before."""
+
+    ptr: np.ndarray  # int64, one more than the sources
+    tokens: np.ndarray  # int32
+    presence: object = None  # the collection's `GenePresence`, whose sources the rows belong to
+
+    @classmethod
+    def of(cls, vocab: Vocabulary, ds) -> ReplacementTokens:
+        every = vocab.gene_tokens
+        presence = getattr(ds, "presence", None)
+        if presence is None:
+            return cls(np.array([0, len(every)], np.int64), every)
+        parts = []
+        for measured in presence.measured:
+            own = np.unique(vocab.tok[measured & (vocab.tok >= 0)]).astype(np.int32)
+            parts.append(own if len(own) else every)
+        ptr = np.concatenate([[0], np.cumsum([len(t) for t in parts])]).astype(np.int64)
+        return cls(ptr, np.concatenate(parts), presence)
+
+    def sources(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's source (int32; 0 for a padding row, whose tokens draw nothing)."""
+        if self.presence is None:
+            return np.zeros(len(rows), np.int32)
+        return np.maximum(self.presence.sources_of(rows), 0).astype(np.int32)
