@@ -166,6 +166,20 @@ def test_eight_devices_match_one_device_and_both_normalize_paths_agree(dataset_d
     assert one.eval.accuracy == pytest.approx(eight.eval.accuracy, abs=2 / one.eval.num_cells)
 
 
+def test_a_label_with_one_class_among_the_training_cells_is_refused(dataset_dir):
+    """A held-out set that leaves one class to train on (here every cell line but one held out), or
+    a label of one class: nothing to classify; refused before training, as finetune refuses it (fit
+    trained to a loss of 0 and reported an accuracy of 0)."""
+    ds = oj.open_dataset(dataset_dir)
+    kept = ds.obs["cell_type"].categories[0]
+    with pytest.raises(
+        train.TrainError, match=rf"--label 'cell_type' has 1 class\(es\) .*\({kept}\): nothing"
+    ):
+        train.fit(_config(dataset_dir, steps=2, label="cell_type", eval_where=f"cell_type != '{kept}'"))
+    with pytest.raises(train.TrainError, match=r"--label 'organism' has 1 class\(es\) among the .* training"):
+        train.fit(_config(dataset_dir, steps=2, label="organism"))
+
+
 # ----- checkpoints ----------------------------------------------------------------------------------
 def test_mismatched_resumes_are_refused(dataset_dir, corpus, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"

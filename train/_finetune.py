@@ -29,9 +29,8 @@ import omicsio_jax as oj
 
 from ._config import TrainConfig
 from ._embed import DEFAULT_POOL, embed, load_encoder, logistic_predict, special_ids
-from ._errors import TrainError
 from ._finetune_config import FinetuneConfig
-from ._loop import _split_rows, check_eval_batch, fit, label_column, make_data_mesh
+from ._loop import _split_rows, check_eval_batch, fit, label_column, make_data_mesh, require_classes
 from ._metrics import EvalResult, accuracy, macro_f1
 from ._step import evaluate, loss_fn, replicate
 
@@ -150,18 +149,6 @@ def _width(encoder: eqx.Module) -> int:
     return int(table.weight.shape[1])
 
 
-def _training_classes(codes: np.ndarray, train_rows: np.ndarray, classes, label: str) -> None:
-    present = np.unique(codes[train_rows])
-    present = present[present >= 0]
-    if len(present) < 2:
-        names = ", ".join(classes[i] for i in present) or "none"
-        msg = (
-            f"--label {label!r} has {len(present)} class(es) among the {len(train_rows):,} training cells "
-            f"({names}): nothing to classify; choose a label with at least 2 classes outside the held-out set"
-        )
-        raise TrainError(msg)
-
-
 def _scores(y_true: np.ndarray, y_pred: np.ndarray) -> EvalResult:
     return EvalResult(accuracy(y_true, y_pred), macro_f1(y_true, y_pred), len(y_true))
 
@@ -214,7 +201,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     column = label_column(ds, config.label)
     classes, codes = column.categories, np.asarray(column.codes)
     train_rows, eval_rows = _split_rows(config, ds)
-    _training_classes(codes, train_rows, classes, config.label)
+    require_classes(codes, train_rows, classes, config.label)
     mesh = make_data_mesh(config.num_devices)
     check_eval_batch(mesh, config.eval_batch_size)
     encoder, tok, source, coverage = load_encoder(

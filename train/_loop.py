@@ -102,6 +102,21 @@ def _split_rows(config: TrainConfig, ds: oj.Dataset) -> tuple[np.ndarray | None,
     return train, held_out
 
 
+def require_classes(codes: np.ndarray, train_rows: np.ndarray | None, classes, label: str) -> None:
+    """A one-line error where the training cells (``train_rows``; None: every cell) hold fewer than
+    two classes of ``label`` (``codes``: each cell's, -1 for none): nothing to classify."""
+    present = np.unique(codes if train_rows is None else codes[train_rows])
+    present = present[present >= 0]
+    if len(present) < 2:
+        names = ", ".join(classes[i] for i in present) or "none"
+        cells = len(codes) if train_rows is None else len(train_rows)
+        msg = (
+            f"--label {label!r} has {len(present)} class(es) among the {cells:,} training cells "
+            f"({names}): nothing to classify; choose a label with at least 2 classes outside the held-out set"
+        )
+        raise TrainError(msg)
+
+
 def label_column(ds: oj.Dataset, label: str, flag: str = "--label") -> oj.Categorical:
     """The categorical obs column ``label`` of ``ds``; a missing or numeric one is a one-line error
     naming ``flag`` and the columns it may name."""
@@ -227,8 +242,10 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     config.validate()
     say = (lambda *a: None) if config.quiet else (lambda *a: print(*a, flush=True))
     ds = oj.open_dataset(config.dataset)
-    classes = label_column(ds, config.label).categories
+    column = label_column(ds, config.label)
+    classes = column.categories
     train_rows, eval_rows = _split_rows(config, ds)
+    require_classes(np.asarray(column.codes), train_rows, classes, config.label)
     mesh = make_data_mesh(config.num_devices)
     check_eval_batch(mesh, config.eval_batch_size)
     store = open_checkpoints(config)

@@ -289,7 +289,8 @@ class Mixture(Sampling):
         size = np.bincount(np.where(codes < 0, len(categories), codes), minlength=len(categories) + 1)
         empty = [c for c, w, n in zip(categories, per_group, size, strict=False) if w > 0 and n == 0]
         if empty:
-            msg = f"Mixture gives weight to {', '.join(map(repr, empty))}, which has no cell among the rows sampled"
+            which = "which has no cell" if len(empty) == 1 else "which have no cells"
+            msg = f"Mixture gives weight to {', '.join(map(repr, empty))}, {which} among the rows sampled"
             raise OmicsIOError(msg)
         return (per_group / np.maximum(size, 1))[np.where(codes < 0, len(categories), codes)]
 
