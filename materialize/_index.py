@@ -20,13 +20,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from omicsio_jax import CellTable, DataValidationError
+from omicsio_jax import CellTable, DataValidationError, OmicsIOError
 from omicsio_jax.format import (
     GENE_COLUMN,
     INDEX_FILE,
     INDEX_FORMAT,
     INDEX_MANIFEST,
     ROWID_COLUMN,
+    is_remote,
     list_to_csr,
 )
 
@@ -128,6 +129,9 @@ def build_gene_index(
     in RAM before a run is spilled. Like `materialize`, the output appears complete or not at all.
     Returns the summary written to ``index.json``.
     """
+    if is_remote(str(out)):  # (a local path of its text, "s3:/bucket", was written after the whole build)
+        msg = f"the index is written to a local folder, and {out} is on object storage: give a local OUT"
+        raise OmicsIOError(msg)
     table = source if isinstance(source, CellTable) else CellTable(source)
     start = time.perf_counter()
     has_dataset = DATASET_COLUMN in table.scalar_columns

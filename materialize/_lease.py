@@ -8,10 +8,12 @@ and is refused in one line naming the holder; a lease not renewed past its expir
 or its host gone), or one whose process is gone from this very host (the same boot and process
 namespace), is taken over, by a replacement conditional on the ETag the new run saw, so that
 of two runs taking it at once one wins. Before each step that could destroy another run's work
-(the manifest's PUT, deleting objects) the holder renews at once (`Lease.check`): a run whose lease
-was taken over stops there, and leaves the prefix to the run that holds it. A run that stalled past
-its expiry can still have written shards meanwhile; the holder's own are rewritten whole before its
-manifest names them.
+(the manifest's PUT, deleting objects) the holder renews at once (`Lease.check`), and as each
+partition finishes it looks whether a renewal found the lease gone (`Lease.ensure`): a run whose
+lease was taken over stops there, and leaves the prefix to the run that holds it. What such a run
+(or a killed run's workers) may still upload lands among its own objects, never the holder's: a
+run writes in place only into an empty prefix, else into a generation of its own
+(`_output.staging_dir`).
 """
 
 from __future__ import annotations
@@ -202,11 +204,20 @@ class Lease:
         each step that could destroy another run's work."""
         if self.holds():
             return
-        msg = (
-            f"this run lost its lease on {self.store.url} (it was not renewed for {LEASE_SECONDS:.0f} s, "
-            "and another run took it over): it stops here and leaves the prefix to that run"
+        raise self._lost_error()
+
+    def ensure(self) -> None:
+        """Raise `OmicsIOError` if a renewal found the lease gone (no request made): called as each
+        partition finishes, so that a run that lost it stops handing out partitions."""
+        if self._lost:
+            raise self._lost_error()
+
+    def _lost_error(self) -> OmicsIOError:
+        return OmicsIOError(
+            f"this run no longer holds its lease on {self.store.url} (another run took it over after "
+            f"{LEASE_SECONDS:.0f} s without a renewal, or it was removed): it stops here and leaves the "
+            "prefix to that run"
         )
-        raise OmicsIOError(msg)
 
     def holds(self) -> bool:
         """Whether this run still holds the lease, renewed now to know; False where the store fails."""

@@ -288,7 +288,7 @@ def materialize(
             for note in src.plan_notes(partitions):
                 print(f"materialize: {note}", file=sys.stderr)
         options = layout.writer_options
-        with staging_dir(store, overwrite) as (staging, before_commit), contextlib.ExitStack() as stack:
+        with staging_dir(store, overwrite) as (staging, lease), contextlib.ExitStack() as stack:
             stack.enter_context(small_pages())  # the partitions' merge, and those written here
             threads = None if dask else max(1, usable_cores() // num_workers)  # within this process's cores
             # what the partitions' reads need first (a CSC matrix regrouped by row), in a folder every
@@ -313,6 +313,8 @@ def materialize(
             )
 
             def run(job: Job, parts, desc: str, on_done=None):
+                if lease is not None:  # a run that lost its lease on object storage stops handing out parts
+                    on_done = _ensuring(lease, on_done)
                 with tqdm(
                     total=src.num_cells,
                     unit="cells",
@@ -377,7 +379,7 @@ def materialize(
                 modality=primary,
                 modalities=tuple(entries),
                 tables={PRESENCE_NAME: src.presence()} if isinstance(src, CollectionSource) else {},
-                before_commit=before_commit,
+                before_commit=None if lease is None else lease.check,
             )
         return MaterializeResult(
             out if is_remote(out) else Path(out),
@@ -392,6 +394,17 @@ def materialize(
             pool.close()
         if src is not None:
             src.close()  # an .h5ad/.h5mu stays open otherwise until collected
+
+
+def _ensuring(lease, on_done):
+    """``on_done`` (a partition finished) after `Lease.ensure`."""
+
+    def done(index: int) -> None:
+        lease.ensure()
+        if on_done is not None:
+            on_done(index)
+
+    return done
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ import posixpath
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from omicsio_jax import OmicsIOError
 from omicsio_jax.format import MANIFEST_NAME, Manifest, is_remote, open_store
@@ -168,27 +168,30 @@ def _ours(key: str) -> bool:
 
 
 @contextlib.contextmanager
-def staging_dir(store, overwrite: bool) -> Iterator[tuple[str, Callable[[], None]]]:
-    """Where the partitions and the finished files go, and what to call just before the dataset's
-    manifest is put in place (on object storage, `Lease.check`: the run still holds its lease).
+def staging_dir(store, overwrite: bool) -> Iterator[tuple[str, Lease | None]]:
+    """Where the partitions and the finished files go, and on object storage the run's lease on the
+    prefix (`_lease.Lease`: a second run is refused; ``check`` it before the dataset's manifest is
+    put in place, ``ensure`` it as partitions finish).
 
-    Locally a hidden sibling directory renamed into place (under a ``flock``); on object storage,
-    under the run's lease on the prefix (`_lease.Lease`: a second run is refused), the prefix itself
-    when it holds no dataset, else a new generation under it (``gen-...``), made current by
-    rewriting the prefix's manifest (one PUT) once it is complete, the old generation deleted only
-    after (`omicsio_jax.format.dataset_root`). A run killed at any point leaves the old dataset
-    whole and current."""
+    Locally a hidden sibling directory renamed into place (under a ``flock``). On object storage the
+    prefix itself when it holds nothing, else (a dataset to replace, or objects a killed run left) a
+    new generation under it (``gen-...``), made current by rewriting the prefix's manifest (one PUT)
+    once it is complete, the old generation and the leftovers deleted only after
+    (`omicsio_jax.format.dataset_root`). A run killed at any point leaves the old dataset whole and
+    current; and a run's objects are never another's (a killed run's workers still uploading, a
+    run that lost its lease while stalled): a stray writer can leave objects behind, not change
+    this run's."""
     if store.local_root is not None:
         with atomic_output_dir(store.local_root, overwrite=overwrite) as tmp:
-            yield str(tmp), _nothing
+            yield str(tmp), None
             for parts in [tmp / PARTS_DIR, *(tmp / "modalities").glob(f"*/{PARTS_DIR}")]:
                 shutil.rmtree(parts, ignore_errors=True)
         return
     with Lease(store, report=lambda note: print(f"materialize: {note}", file=sys.stderr)) as lease:
         check_output(store, overwrite, lease)  # as it is now, under the lease
-        if store.head(MANIFEST_NAME) is None:  # nothing to replace: written in place
+        if not [key for key, _ in store.list() if key != LEASE_NAME]:  # nothing there: written in place
             with _removed_if_it_fails(store, lambda: [k for k, _ in store.list() if _ours(k)], lease):
-                yield store.url, lease.check
+                yield store.url, lease
             keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))
             lease.check()
             store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
@@ -196,7 +199,7 @@ def staging_dir(store, overwrite: bool) -> Iterator[tuple[str, Callable[[], None
         generation = f"gen-{secrets.token_hex(8)}"
         staged = open_store(f"{store.url.rstrip('/')}/{generation}")
         with _removed_if_it_fails(staged, lambda: [k for k, _ in staged.list()], lease):
-            yield staged.url, _nothing  # (its manifest makes no dataset current: the switch below does)
+            yield staged.url, lease  # (its manifest makes no dataset current: the switch below does)
         manifest = Manifest.from_dict(json.loads(staged.read_text(MANIFEST_NAME)))
         keep = {MANIFEST_NAME, *(f"{generation}/{k}" for k in _listed(staged, manifest))}
         lease.check()
@@ -205,10 +208,6 @@ def staging_dir(store, overwrite: bool) -> Iterator[tuple[str, Callable[[], None
         )
         lease.check()
         store.delete([k for k, _ in store.list() if _ours(k) and k not in keep])
-
-
-def _nothing() -> None:
-    pass
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ def serve(fd: int) -> None:
     parent stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     threading.Thread(target=_start_numba, name="omicsio-numba-start", daemon=True).start()
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="omicsio-parent", daemon=True).start()
     conn = Connection(fd)
     job = None
     scratch = Scratch()  # this worker's memory and shard writer, reused from one partition to the next
@@ -100,6 +101,23 @@ def serve(fd: int) -> None:
         own = tempfile.gettempdir()  # its folder (`_Worker`), removed here too: a parent killed cannot
         if os.path.basename(own).startswith(_WORKER_TMP):
             shutil.rmtree(own, ignore_errors=True)
+
+
+def _exit_with(parent: int) -> None:
+    """Stop this worker within `_PARENT_POLL` seconds of its parent's end, whatever it is doing: a
+    worker sees the parent go at its next message, but one killed outright (SIGKILL: no EOF reaches
+    a worker between messages) would go on writing its partition, and on object storage upload it
+    into a prefix whose lease a rerun has taken over. A worker runs in a session of its own (a
+    Ctrl-C in the terminal is the parent's to handle), so a signal to the parent's group misses it."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL)
+    own = tempfile.gettempdir()
+    if os.path.basename(own).startswith(_WORKER_TMP):
+        shutil.rmtree(own, ignore_errors=True)
+    os._exit(1)
+
+
+_PARENT_POLL = 0.2
 
 
 @nb.njit(cache=True)

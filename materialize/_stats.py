@@ -32,6 +32,7 @@ from omicsio_jax.format import (
     chunk_index_path,
     file_entry,
     fsync_path,
+    is_remote,
     read_manifest,
     sha256_file,
     small_pages,
@@ -47,6 +48,12 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
     """Compute and add ``gene_stats.parquet`` and obs ``n_counts`` / ``n_genes`` (of every modality);
     return a summary line. A further modality's folder (``DATASET/modalities/atac``) stands for its
     dataset, whose manifest lists the modality's."""
+    if is_remote(str(path)):
+        msg = (
+            f"stats adds files to a local dataset, and {path} is on object storage: run it on a local copy "
+            "and upload that (or materialize again with statistics)"
+        )
+        raise OmicsIOError(msg)
     root = _dataset_root(Path(path))
     ds = open_dataset(root)
     m = ds.manifest

@@ -331,6 +331,43 @@ def test_a_workers_temporary_files_go_with_it_even_when_it_is_killed():
     assert not os.path.exists(made) and not os.path.exists(worker.tmp)
 
 
+def test_a_worker_stops_when_its_parent_is_killed_mid_call(tmp_path):
+    """A worker busy with a partition (here a call that would take a minute) stops within a fraction
+    of a second of its parent's SIGKILL: it used to finish, and on object storage upload into a
+    prefix whose lease a rerun had taken over. It runs in a session of its own, so a kill of the
+    parent's process group misses it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from materialize._pool import Pool\n"
+        "pool = Pool(1)\n"
+        "print(pool.workers[0].proc.pid, flush=True)\n"
+        "list(pool.map(time.sleep, [60], lambda item: 'sleeping'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    worker = int(parent.stdout.readline())
+    time.sleep(1.0)  # the call under way
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    parent.stdout.close()
+
+    def running(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state != "Z"  # (a zombie has stopped: only its parent's wait is missing)
+
+    deadline = time.monotonic() + 10
+    while running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(worker)
+
+
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
     """The default pool (a worker per usable core) pins worker k to core k, so a worker's threads share
     one core's caches; a pool of any other size leaves the workers to the scheduler."""

@@ -481,6 +481,14 @@ def test_a_prefix_left_by_a_killed_run_asks_for_overwrite(s3, corpus, tmp_path):
     materialize(cells, s3.url("ds"), progress=False, overwrite=True)
     assert oj.verify_dataset(s3.url("ds")) == []
     assert not [key for key, _ in S3Store(s3.url("ds")).list() if key.startswith("_parts/")]
+    # written into a generation of its own, not in place over the killed run's keys: what that run's
+    # workers may still upload (they outlive a SIGKILL by a moment) lands beside it, not on it
+    assert json.loads(S3Store(s3.url("ds")).read_text("manifest.json"))["generation"].startswith("gen-")
+    for key in ("shard-00000.arrayrecord", "_parts/p-00000/part.json", "cell_ids.parquet"):
+        s3.client().put_object(Bucket=s3.bucket, Key=f"ds/{key}", Body=b"a stray upload")
+    assert oj.verify_dataset(s3.url("ds")) == []
+    with oj.open_dataset(s3.url("ds")) as ds:
+        assert ds.cell_ids.tolist() == ["a", "b"]
 
 
 def _lease_of(s3, prefix: str) -> dict | None:
@@ -584,7 +592,7 @@ def test_a_run_that_lost_its_lease_stops_before_its_manifest(s3, tmp_path, monke
 
     monkeypatch.setattr(_finalize.Finalizer, "finish", taken_over)
     with pytest.raises(
-        oj.OmicsIOError, match=r"this run lost its lease on .*ds .* leaves the prefix to that run"
+        oj.OmicsIOError, match=r"this run no longer holds its lease on .*ds .* leaves the prefix to that run"
     ):
         materialize(cells, out, progress=False, overwrite=replacing)
     assert _lease_of(s3, "ds") == other  # the other run's, untouched
@@ -594,3 +602,47 @@ def test_a_run_that_lost_its_lease_stops_before_its_manifest(s3, tmp_path, monke
         assert oj.verify_dataset(out) == []
     else:
         assert "manifest.json" not in [k for k, _ in S3Store(out).list()]
+
+
+def test_a_run_whose_lease_a_renewal_found_taken_stops_handing_out_partitions(
+    s3, corpus, tmp_path, monkeypatch
+):
+    """The lease renewed every moment here: once a renewal finds it taken over (the run stalled, or
+    it was removed), the next partition to finish stops the run, rather than the run writing every
+    partition only to be refused at its manifest."""
+    import time
+
+    from materialize import _finalize, _lease
+
+    monkeypatch.setattr(_lease, "RENEW_SECONDS", 0.05)
+    add, seen, other = _finalize.Finalizer.add, [], {}
+
+    def taken_over_after_the_first(self, index):
+        seen.append(index)
+        if len(seen) == 1:
+            other.update(_put_lease(s3, "ds", expires_in=120, pid=99))
+            time.sleep(0.5)  # a renewal or more meanwhile
+        return add(self, index)
+
+    monkeypatch.setattr(_finalize.Finalizer, "add", taken_over_after_the_first)
+    with pytest.raises(
+        oj.OmicsIOError, match=r"this run no longer holds its lease on .*ds \(another run took"
+    ):
+        materialize(
+            corpus.cells_parquet, s3.url("ds"), progress=False, workers=1, layout=Layout(shard_cells=SHARD)
+        )
+    assert len(seen) == 1  # the next partition to finish stopped it
+    assert _lease_of(s3, "ds") == other
+
+
+@pytest.mark.parametrize("command", ["index", "stats"])
+def test_index_and_stats_on_object_storage_are_one_line_errors(s3, tmp_path, monkeypatch, capsys, command):
+    """``index`` and ``stats`` write local folders: an ``s3://`` one is refused before any work, in one
+    line (index built everything, then failed with a traceback and left a folder named ``s3:``)."""
+    monkeypatch.chdir(tmp_path)
+    cells = _tiny_cells(tmp_path)
+    args = [cells, s3.url("idx")] if command == "index" else [s3.url("ds")]
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is on object storage" in err, err
+    assert not (tmp_path / "s3:").exists()
