@@ -199,8 +199,13 @@ class CollectionSource(Source):
                 and n != DATASET_ID
             ]
             local = member.part_of(lo - int(self._firsts[k]), hi - lo)
-            for batch in member.batches(own, local, threads=threads):
-                yield self._in_space(k, batch, obs)
+            try:
+                for batch in member.batches(own, local, threads=threads):
+                    yield self._in_space(k, batch, obs)
+            finally:  # its file (or connection) opened again where it is read again: a worker reading
+                # the sources of its partitions one after another held every one it had read open,
+                # ~1.4 MB of h5py's caches each, until the run ended (past `ulimit -n` at ~1,000 sources)
+                member.close()
 
     def _given(self, name: str, k: int):
         values = self.sources.obs.get(name)

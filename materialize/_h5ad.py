@@ -81,6 +81,15 @@ def open_h5(path) -> h5py.File:
     return h5py.File(as_input_path(str(path)).open("rb", block_size=8 << 20) if remote else path, "r")
 
 
+def _cannot_open(path, e: Exception) -> DataValidationError:
+    """The error of an AnnData file that cannot be read: a damaged file, or a process out of files."""
+    if "Too many open files" in str(e):
+        hint = "this process has too many files open: raise its limit (ulimit -n)"
+    else:
+        hint = "is it a complete AnnData .h5ad file?"
+    return DataValidationError(f"cannot read {path}: {e} ({hint})")
+
+
 class H5adSource(Source):
     """Cells of an AnnData file, ``batch_cells`` rows at a time."""
 
@@ -110,8 +119,7 @@ class H5adSource(Source):
                 self.num_cells, num_vars = self._shape()
                 self.genes = self._gene_table(var, num_vars)
             except (OSError, KeyError) as e:
-                msg = f"cannot read {path}: {e} (is it a complete AnnData .h5ad file?)"
-                raise DataValidationError(msg) from e
+                raise _cannot_open(path, e) from e
             if self._cell_id is not None and self._cell_id not in self._obs:
                 msg = (
                     f"--cell-id (InputOptions(cell_id=...)) names obs column {self._cell_id!r}, which {self.label} "
@@ -145,8 +153,7 @@ class H5adSource(Source):
                     whole = Frame(self._file["obs"], self._file.get("uns"))
                 self._obs.update(file_obs(whole, self._obs_frame, self._obs, mods))
         except (OSError, KeyError) as e:
-            msg = f"cannot read {self.path}: {e} (is it a complete AnnData .h5ad file?)"
-            raise DataValidationError(msg) from e
+            raise _cannot_open(self.path, e) from e
 
     def close(self) -> None:
         if self._file is not None:
