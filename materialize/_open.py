@@ -4,6 +4,8 @@ its members; and the obs columns the run keeps.
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -12,7 +14,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import as_input_path
+from omicsio_jax.format import as_input_path, is_remote
 
 from ._collection import CollectionSource, Sources, open_collection
 from ._modalities import input_kind
@@ -162,12 +164,44 @@ def open_collection_source(
 
 
 def as_sources(source) -> Sources | None:
-    """The collection ``source`` names (a `Sources`, or a list of inputs), or None for one input."""
+    """The collection ``source`` names (a `Sources`, a list of inputs, or a folder or glob of AnnData
+    files: `anndata_files`), or None for one input."""
     if isinstance(source, Sources):
         return source
-    if isinstance(source, Sequence) and not isinstance(source, str):
-        return Sources(tuple(str(s) for s in source))
-    return None
+    if isinstance(source, Sequence) and not isinstance(source, str | os.PathLike):
+        return Sources(tuple(path for s in source for path in anndata_files(s) or [str(s)]))
+    found = anndata_files(source)
+    return None if found is None else Sources(tuple(found))
+
+
+_ANNDATA = (".h5ad", ".h5mu")
+
+
+def anndata_files(spec) -> list[str] | None:
+    """The AnnData files a local input names as a collection's sources, or None for an input of
+    another kind: a glob of them (``atlas/*.h5ad``, ``atlas/**/*.h5ad``: the files it matches, sorted,
+    one source each; none is a one-line error) or a folder holding them and no table files (its
+    ``.h5ad`` / ``.h5mu`` files, sorted): an atlas downloaded as one file per dataset (CELLxGENE)."""
+    if spec is None or isinstance(spec, Sources):
+        return None
+    text = os.fspath(spec) if isinstance(spec, os.PathLike) else str(spec)
+    if is_remote(text) or text.startswith("ducklake:"):
+        return None
+    if any(ch in text for ch in "*?[") and text.endswith(_ANNDATA):
+        found = sorted(glob.glob(text, recursive=True))
+        if not found:
+            msg = f"no AnnData files match {text!r}"
+            raise OmicsIOError(msg)
+        return found
+    folder = Path(text)
+    if not folder.is_dir() or text.rstrip("/").endswith(".zarr"):  # (a .zarr folder is one AnnData)
+        return None
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    anndata = [n for n in names if n.endswith(_ANNDATA)]
+    tables = [n for n in names if n.endswith((".parquet", ".vortex"))]
+    if not anndata or tables:
+        return None
+    return [str(folder / n) for n in anndata]
 
 
 def one_anndata_as_collection(source, read: InputOptions, multimodal: Multimodal) -> Sources | None:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
-from conftest import assert_a_pool_imports_no_pandas, streaming, write_legacy_h5ad
+from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, streaming, write_legacy_h5ad
 
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, Sources, materialize
@@ -241,6 +241,37 @@ def test_a_collection_reads_its_sources_one_open_file_at_a_time(sources):
         assert again.num_cells > 0
     finally:
         src.close()
+
+
+def test_a_folder_or_glob_of_anndata_files_is_a_collection_of_them(sources, tmp_path, capsys):
+    """An atlas downloaded as one .h5ad per dataset: its folder, or a glob of its files, is the
+    collection of those files in sorted order (as listing them does); a glob that matches nothing is
+    a one-line error. A folder that holds table files stays a table input."""
+    import shutil
+
+    d, _ = sources
+    atlas = tmp_path / "atlas"
+    (atlas / "more").mkdir(parents=True)
+    shutil.copy(d / "current.h5ad", atlas / "a.h5ad")
+    shutil.copy(d / "legacy.h5ad", atlas / "more" / "b.h5ad")
+    listed = tmp_path / "listed"
+    materialize([str(atlas / "a.h5ad"), str(atlas / "more" / "b.h5ad")], listed, progress=False, workers=1)
+    materialize(str(atlas / "**" / "*.h5ad"), tmp_path / "glob", progress=False, workers=1)
+    shutil.move(atlas / "more" / "b.h5ad", atlas / "b.h5ad")
+    assert main([str(atlas), str(tmp_path / "folder"), "--no-progress", "--workers", "1"]) == 0
+    want = oj.open_dataset(listed)
+    assert want.presence.dataset_ids == ("a", "b")
+    for name in ("glob", "folder"):
+        ds = oj.open_dataset(tmp_path / name)
+        assert ds.presence.dataset_ids == ("a", "b") and ds.cell_ids.tolist() == want.cell_ids.tolist()
+        assert_csr_equal(ds.read_csr(np.arange(ds.num_cells)), want.read_csr(np.arange(want.num_cells)))
+    capsys.readouterr()
+    assert main([str(tmp_path / "none" / "*.h5ad"), str(tmp_path / "x"), "--no-progress"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("no AnnData files match '" + str(tmp_path / "none" / "*.h5ad") + "'")
+    )
 
 
 def test_a_large_collections_workers_start_before_its_genes_are_unified(
