@@ -129,14 +129,13 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None, *, sour
     numbered = []  # symbol columns of numbers only: positions (anndata's index once names are lost)
     for name in SYMBOL_COLUMNS:
         if name in texts and pc.max(pc.binary_length(texts[name])).as_py():
-            present = _present(texts[name]).drop_null()
-            if pc.all(pc.match_substring_regex(present, r"^[0-9]+$")).as_py():
+            if _positions(texts[name]):
                 numbered.append(name)
                 continue
             return GeneKeys(_present(texts[name]), _present(texts[name]), "symbol", name)
     why = (
-        f"its {', '.join(numbered)} holds numbers only (0, 1, 2, …: positions, as AnnData writes genes "
-        "whose names were lost), which name no gene"
+        f"its {', '.join(numbered)} holds positions (0, 1, 2, …, as AnnData writes genes whose names "
+        "were lost), which name no gene"
         if numbered
         else f"no symbol column ({', '.join(SYMBOL_COLUMNS)}) is there"
     )
@@ -146,6 +145,13 @@ def gene_keys(genes: pa.Table, label: str, id_column: str | None = None, *, sour
         "(gene_id_column=...)"
     )
     raise DataValidationError(msg)
+
+
+def _positions(values: pa.Array) -> bool:
+    """Whether text values are ``0, 1, 2, …`` in order: AnnData's index once gene names were lost
+    (numbers in another order, such as Entrez ids, name genes)."""
+    expected = pa.array(np.arange(len(values)).astype(str))
+    return len(values) > 0 and values.null_count == 0 and values.equals(expected.cast(values.type))
 
 
 def _is_text(dtype: pa.DataType) -> bool:

@@ -119,6 +119,7 @@ class Lease:
         self._report = report
         self._etag: str | None = None
         self._lost = False
+        self.taken_over = False  # from a run that no longer held it (whose stray uploads may follow)
         self._lock = threading.Lock()  # one renewal at a time (the thread's, or `check`'s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -167,7 +168,7 @@ class Lease:
             etag = self.store.put_if(LEASE_NAME, body, found[1])
             if etag is None:
                 continue  # another run took it first: its lease is read on the next turn
-            self._etag = etag
+            self._etag, self.taken_over = etag, True
             if self._report is not None:
                 self._report(
                     f"took over the lease on {self.store.url} of a run that no longer holds it "
@@ -180,12 +181,16 @@ class Lease:
 
     def _renew(self) -> bool:
         """Replace the lease with a later expiry, if it is still the one this run wrote (under
-        ``_lock``); False once it is not (taken over, or removed)."""
+        ``_lock``); False once it is not (taken over, or removed). A store that fails raises."""
         body = self._body()
         etag = self.store.put_if(LEASE_NAME, body, self._etag)
         if etag is None:
-            self._lost = True
-            return False
+            found = self.store.read_with_etag(LEASE_NAME)
+            if found is not None and (_parse(found[0]) or {}).get("run") == self.run:
+                etag = found[1]  # our own replacement, retried by the client after it landed
+            else:
+                self._lost = True
+                return False
         self._etag = etag
         return True
 
@@ -202,8 +207,9 @@ class Lease:
     def check(self) -> None:
         """Renew the lease now, or raise `OmicsIOError` if this run no longer holds it: called before
         each step that could destroy another run's work."""
-        if self.holds():
-            return
+        with self._lock:
+            if not self._lost and self._renew():  # (a store that fails raises its own error)
+                return
         raise self._lost_error()
 
     def ensure(self) -> None:

@@ -97,11 +97,22 @@ def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _location(scheme + root), tuple(part for part in parts[wild:] if part)
 
 
+# the names of the table files a dataset holds (at its top, or under obs/, modalities/NAME/, ...)
+_DATASET_TABLES = (
+    "features.parquet",
+    "cell_ids.parquet",
+    "gene_stats.parquet",
+    "presence.parquet",
+    "obs.parquet",
+)
+
+
 def _reaches_below(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
-    """Whether a glob ``pattern`` (its parts, ``**`` any number of folders) matches some path below
-    the folder ``parts`` (as deep as the files a dataset holds)."""
+    """Whether a glob ``pattern`` (its parts, ``**`` any number of folders) matches some table file a
+    dataset holds below the folder ``parts`` (``data/*/cells.parquet`` does not reach into
+    ``data/ds``: a dataset holds no ``cells.parquet``; ``data/**/*.parquet`` does)."""
     if not parts:
-        return bool(pattern)
+        return bool(pattern) and any(fnmatch.fnmatchcase(name, pattern[-1]) for name in _DATASET_TABLES)
     if not pattern:
         return False
     if pattern[0] == "**":
@@ -189,7 +200,9 @@ def staging_dir(store, overwrite: bool) -> Iterator[tuple[str, Lease | None]]:
         return
     with Lease(store, report=lambda note: print(f"materialize: {note}", file=sys.stderr)) as lease:
         check_output(store, overwrite, lease)  # as it is now, under the lease
-        if not [key for key, _ in store.list() if key != LEASE_NAME]:  # nothing there: written in place
+        # in place only into an empty prefix whose lease was free: after a takeover, the run that held
+        # it may still upload under the in-place names
+        if not lease.taken_over and not [key for key, _ in store.list() if key != LEASE_NAME]:
             with _removed_if_it_fails(store, lambda: [k for k, _ in store.list() if _ours(k)], lease):
                 yield store.url, lease
             keep = _listed(store, Manifest.from_dict(json.loads(store.read_text(MANIFEST_NAME))))

@@ -617,3 +617,15 @@ def test_an_output_inside_an_input_folder_is_refused_before_anything_is_written(
     for again in ([], ["--overwrite"]):
         assert main([str(folder / "*.parquet"), str(out), *genes, *again]) == 0
         assert oj.open_dataset(out).num_cells == len(GOOD)
+
+
+def test_a_glob_input_beside_the_output_that_reads_no_dataset_file_is_no_such_case(tmp_path):
+    """``data/*/cells.parquet`` (a folder per plate) beside an output ``data/ds``: the glob cannot
+    match a file a dataset writes (it holds no ``cells.parquet``), so the output is not refused;
+    ``data/*/*.parquet`` could read its ``features.parquet``, and is."""
+    from materialize._output import check_apart
+
+    data = tmp_path / "data"
+    check_apart(data / "ds", [str(data / "*" / "cells.parquet"), str(data / "*" / "*.vortex")])
+    with pytest.raises(oj.OmicsIOError, match="lies inside the input"):
+        check_apart(data / "ds", [str(data / "*" / "*.parquet")])

@@ -1142,10 +1142,16 @@ def test_sources_whose_gene_names_are_positions_are_refused_not_matched_by_them(
     paths = [_h5ad(tmp_path / "a.h5ad", a, numbered), _h5ad(tmp_path / "b.h5ad", a[:, ::-1], numbered)]
     with pytest.raises(
         oj.DataValidationError,
-        match=r"a.h5ad.* has no gene id column: .* holds numbers only \(0, 1, 2, …: positions, .* --gene-id-column",
+        match=r"a.h5ad.* has no gene id column: .* holds positions \(0, 1, 2, …, as AnnData .* --gene-id-column",
     ):
         materialize(paths, tmp_path / "out", progress=False, workers=1)
     assert not (tmp_path / "out").exists()
+    entrez = pd.DataFrame(index=["7157", "672", "1956"])  # numbers that name genes (Entrez ids): matched
+    paths = [_h5ad(tmp_path / "c.h5ad", a, entrez), _h5ad(tmp_path / "d.h5ad", a[:, ::-1], entrez.iloc[::-1])]
+    materialize(paths, tmp_path / "entrez", progress=False, workers=1)
+    ds = oj.open_dataset(tmp_path / "entrez")
+    assert ds.num_genes == 3
+    np.testing.assert_array_equal(_dense(ds, range(2)), _dense(ds, range(2, 4)))  # the same genes, matched
 
 
 @pytest.mark.parametrize("missing", [np.nan, ""], ids=["null", "empty"])

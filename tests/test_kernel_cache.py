@@ -164,3 +164,16 @@ def test_a_kernel_with_no_writable_cache_folder_is_cached_in_a_private_temporary
     (private,) = tmp.glob("omicsio-numba-*")
     assert private.stat().st_mode & 0o777 == 0o700 and list(private.rglob("*.nbi"))
     assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2
+
+
+def test_the_locators_find_numbas_classes_under_their_older_names(monkeypatch):
+    """numba before 0.62 names its locators ``_UserProvidedCacheLocator`` and so on (the package
+    allows numba 0.60): the stamped locators take those."""
+    from numba.core import caching
+
+    from omicsio_jax.core import kernel_locators
+
+    cls = caching.UserProvidedCacheLocator
+    monkeypatch.delattr(caching, "UserProvidedCacheLocator")
+    monkeypatch.setattr(caching, "_UserProvidedCacheLocator", cls, raising=False)
+    assert kernel_locators._numba_locator("UserProvidedCacheLocator") is cls

@@ -571,6 +571,31 @@ def test_a_lease_whose_process_is_gone_from_this_host_is_taken_over_at_once(s3, 
     assert main([cells, out, "--no-progress", "--overwrite"]) == 0
     assert "took over the lease on" in capsys.readouterr().err
     assert oj.verify_dataset(out) == [] and _lease_of(s3, "ds") is None
+    # a prefix that held nothing but the lease is written in a generation all the same: the run that
+    # held the lease may still upload under the in-place names
+    assert json.loads(S3Store(out).read_text("manifest.json"))["generation"].startswith("gen-")
+
+
+def test_a_renewal_the_client_retried_after_it_landed_keeps_the_lease(s3, monkeypatch):
+    """A conditional PUT retried after its first try landed (a lost answer) fails its condition
+    against its own new ETag: the lease read back is this run's, and it holds on."""
+    from materialize._lease import Lease
+
+    real, landed = S3Store.put_if, []
+
+    def answer_lost(self, key, data, etag=None):
+        got = real(self, key, data, etag)
+        if etag is not None and not landed:  # the first renewal lands, its answer "lost", and the retry fails
+            landed.append(got)
+            return real(self, key, data, etag)
+        return got
+
+    monkeypatch.setattr(S3Store, "put_if", answer_lost)
+    with Lease(S3Store(s3.url("ds"))) as lease:
+        lease.check()  # renewed; its retry found its own lease
+        assert landed and lease.holds()
+        lease.check()
+    assert _lease_of(s3, "ds") is None
 
 
 @pytest.mark.parametrize("replacing", [False, True], ids=["new", "overwrite"])

@@ -165,13 +165,14 @@ class _CachingHook:
             return None
         import importlib.machinery
 
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
-            return spec
+            return None  # found by another finder (not a plain install): numba's own locators, unstamped
         run = spec.loader.exec_module
 
         def exec_module(module) -> None:
+            # (left here, not in find_spec: the import system is going through sys.meta_path then)
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
             run(module)
             from omicsio_jax.core.kernel_locators import install
 

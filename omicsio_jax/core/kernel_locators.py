@@ -29,19 +29,24 @@ class _Stamped:
         return (super().get_source_stamp(), package_stamp(self._py_file))
 
 
-class _UserProvided(_Stamped, caching.UserProvidedCacheLocator):
+def _numba_locator(name: str):
+    """numba's locator class ``name`` (``_name`` before numba 0.62)."""
+    return getattr(caching, name, None) or getattr(caching, f"_{name}")
+
+
+class _UserProvided(_Stamped, _numba_locator("UserProvidedCacheLocator")):
     pass
 
 
-class _InTree(_Stamped, caching.InTreeCacheLocator):
+class _InTree(_Stamped, _numba_locator("InTreeCacheLocator")):
     pass
 
 
-class _UserWide(_Stamped, caching.UserWideCacheLocator):
+class _UserWide(_Stamped, _numba_locator("UserWideCacheLocator")):
     pass
 
 
-class _Temporary(_Stamped, caching.UserWideCacheLocator):
+class _Temporary(_Stamped, _numba_locator("UserWideCacheLocator")):
     """Where no other folder can be written: ``omicsio-numba-<uid>`` in the temporary directory,
     made mode 0700 and used only while it is the user's own and no one else's to write (another
     user's folder of that name could hold machine code of theirs)."""
