@@ -19,6 +19,7 @@ run writes in place only into an empty prefix, else into a generation of its own
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -67,6 +68,7 @@ def refused(store, body: dict) -> OmicsIOError:
     )
 
 
+@functools.cache
 def _process_space() -> str:
     """Where a process id names one process: this host's boot and this process's pid namespace
     (containers on one host share a boot, not a namespace)."""
@@ -160,7 +162,7 @@ class Lease:
             if found is None:
                 continue
             holder = _parse(found[0]) or {}
-            if holder.get("run") == self.run:  # our own create, retried by the client after it landed
+            if self.wrote(holder):  # our own create, retried by the client after it landed
                 self._etag = found[1]
                 return
             if not _stale(holder):
@@ -179,6 +181,10 @@ class Lease:
         msg = f"could not take the lease on {self.store.url}: other runs took it at the same time; try again"
         raise OmicsIOError(msg)
 
+    def wrote(self, body: dict) -> bool:
+        """Whether the lease record ``body`` is this run's."""
+        return body.get("run") == self.run
+
     def _renew(self) -> bool:
         """Replace the lease with a later expiry, if it is still the one this run wrote (under
         ``_lock``); False once it is not (taken over, or removed). A store that fails raises."""
@@ -186,7 +192,7 @@ class Lease:
         etag = self.store.put_if(LEASE_NAME, body, self._etag)
         if etag is None:
             found = self.store.read_with_etag(LEASE_NAME)
-            if found is not None and (_parse(found[0]) or {}).get("run") == self.run:
+            if found is not None and self.wrote(_parse(found[0]) or {}):
                 etag = found[1]  # our own replacement, retried by the client after it landed
             else:
                 self._lost = True

@@ -16,11 +16,13 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import MANIFEST_NAME, Manifest, is_remote, open_store
+from omicsio_jax.format import MANIFEST_NAME, PRESENCE_NAME, STATS_NAME, Manifest, is_remote, open_store
 
+from ._finalize import FEATURES_NAME
 from ._lease import LEASE_NAME, Lease, live_lease, refused
 from ._partition import PARTS_DIR
 from ._shards import atomic_output_dir, check_output_dir, scratch_folder
+from ._sidecars import CellIdWriter
 
 
 @contextlib.contextmanager
@@ -97,14 +99,8 @@ def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _location(scheme + root), tuple(part for part in parts[wild:] if part)
 
 
-# the names of the table files a dataset holds (at its top, or under obs/, modalities/NAME/, ...)
-_DATASET_TABLES = (
-    "features.parquet",
-    "cell_ids.parquet",
-    "gene_stats.parquet",
-    "presence.parquet",
-    "obs.parquet",
-)
+# the table files a dataset holds (at its top, and in a further modality's folder)
+_DATASET_TABLES = (FEATURES_NAME, CellIdWriter.path, STATS_NAME, PRESENCE_NAME)
 
 
 def _reaches_below(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
@@ -130,7 +126,7 @@ def check_output(store, overwrite: bool, lease: Lease | None = None) -> None:
     objects = store.list()
     if any(key == LEASE_NAME for key, _ in objects):  # another run's, live or left by a killed run
         holder = live_lease(store)
-        if holder is not None and (lease is None or holder.get("run") != lease.run):
+        if holder is not None and (lease is None or not lease.wrote(holder)):
             raise refused(store, holder)
         objects = [(key, size) for key, size in objects if key != LEASE_NAME]
     if not objects:

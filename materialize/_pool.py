@@ -98,9 +98,14 @@ def serve(fd: int) -> None:
         return
     finally:
         scratch.close()
-        own = tempfile.gettempdir()  # its folder (`_Worker`), removed here too: a parent killed cannot
-        if os.path.basename(own).startswith(_WORKER_TMP):
-            shutil.rmtree(own, ignore_errors=True)
+        _remove_own_tmp()  # its folder (`_Worker`), removed here too: a parent killed cannot
+
+
+def _remove_own_tmp() -> None:
+    """Remove this worker's temporary folder (`_Worker` points ``TMPDIR`` at it)."""
+    own = tempfile.gettempdir()
+    if os.path.basename(own).startswith(_WORKER_TMP):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _exit_with(parent: int) -> None:
@@ -111,9 +116,7 @@ def _exit_with(parent: int) -> None:
     Ctrl-C in the terminal is the parent's to handle), so a signal to the parent's group misses it."""
     while os.getppid() == parent:
         time.sleep(_PARENT_POLL)
-    own = tempfile.gettempdir()
-    if os.path.basename(own).startswith(_WORKER_TMP):
-        shutil.rmtree(own, ignore_errors=True)
+    _remove_own_tmp()
     os._exit(1)
 
 

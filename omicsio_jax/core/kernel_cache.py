@@ -149,11 +149,15 @@ def _stamp_numba_caches() -> None:
     module is loaded, else as it loads (a hook on its import: ``import omicsio_jax`` loads no numba)."""
     caching = sys.modules.get("numba.core.caching")
     if caching is not None:
-        from omicsio_jax.core.kernel_locators import install
-
-        install(caching)
+        _install(caching)
     elif not any(isinstance(f, _CachingHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _CachingHook())
+
+
+def _install(caching) -> None:
+    from omicsio_jax.core.kernel_locators import install  # (imports numba: loaded with it, not before)
+
+    install(caching, package_stamp)
 
 
 class _CachingHook:
@@ -174,9 +178,7 @@ class _CachingHook:
             # (left here, not in find_spec: the import system is going through sys.meta_path then)
             sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
             run(module)
-            from omicsio_jax.core.kernel_locators import install
-
-            install(module)
+            _install(module)
 
         spec.loader.exec_module = exec_module
         return spec

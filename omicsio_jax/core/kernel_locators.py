@@ -12,7 +12,12 @@ import tempfile
 
 from numba.core import caching
 
-from omicsio_jax.core.kernel_cache import package_stamp
+
+def _no_stamp(py_file: str) -> None:
+    return None
+
+
+_package_stamp = _no_stamp  # `kernel_cache.package_stamp`, given by `install`
 
 
 class _Stamped:
@@ -21,12 +26,12 @@ class _Stamped:
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if package_stamp(py_file) is None:
+        if _package_stamp(py_file) is None:
             return None
         return super().from_function(py_func, py_file)
 
     def get_source_stamp(self):
-        return (super().get_source_stamp(), package_stamp(self._py_file))
+        return (super().get_source_stamp(), _package_stamp(self._py_file))
 
 
 def _numba_locator(name: str):
@@ -76,8 +81,12 @@ def _private_folder() -> str:
 LOCATORS = (_UserProvided, _InTree, _UserWide, _Temporary)
 
 
-def install(module) -> None:
-    """Put `LOCATORS` before numba's own in ``module`` (``numba.core.caching``), once."""
+def install(module, package_stamp) -> None:
+    """Put `LOCATORS` before numba's own in ``module`` (``numba.core.caching``), once, stamping the
+    kernels of the modules ``package_stamp(py_file)`` gives digests for (`kernel_cache`'s; passed
+    in, not imported: that module loads this one)."""
+    global _package_stamp
+    _package_stamp = package_stamp
     impl = getattr(module, "CacheImpl", None) or module._CacheImpl  # (_CacheImpl in older numba)
     if impl._locator_classes[: len(LOCATORS)] != list(LOCATORS):
         impl._locator_classes = [*LOCATORS, *(c for c in impl._locator_classes if c not in LOCATORS)]
