@@ -205,7 +205,7 @@ class CollectionSource(Source):
             finally:  # its file (or connection) opened again where it is read again: a worker reading
                 # the sources of its partitions one after another held every one it had read open,
                 # ~1.4 MB of h5py's caches each, until the run ended (past `ulimit -n` at ~1,000 sources)
-                member.close()
+                member.rest()
 
     def _given(self, name: str, k: int):
         values = self.sources.obs.get(name)

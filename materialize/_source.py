@@ -134,6 +134,12 @@ class Source:
     def close(self) -> None:
         """Release open files (a pickled copy in a worker opens its own)."""
 
+    def rest(self) -> None:
+        """Release what a read left open, between the reads of a run (a collection's source, once the
+        cells a partition wants of it are read): `close` unless a source keeps something cheap for
+        the next read to go on from."""
+        self.close()
+
 
 _DECODED_AGAIN_NOTE = 0.25  # rows decoded again, as a share of the input's, worth a note
 

@@ -254,6 +254,13 @@ class TableSource(TableReads, Source):
         """Release the DuckDB connection (a read opens another where it needs one) and the parquet
         stream a read left open."""
         PARQUET_STREAMS.drop(id(self))
+        self.rest()
+
+    def rest(self) -> None:
+        """Release the DuckDB connection, but not the parquet stream a read left open (one per
+        process): the next partition of a worker's run goes on from it, where a fresh read would
+        decode its row group again from the first row (a collection of 50 sources of 20,000 cells in
+        row groups of 8,192 decoded ~5% of its cells twice)."""
         if self._con is not None:
             self._con.close()
             self._con = None
