@@ -158,3 +158,62 @@ def test_each_split_asked_for_gets_a_group_and_the_cuts_are_runs(sizes, weights)
     assert ends[-1] == len(sizes) and all(a <= b for a, b in zip(starts, ends, strict=True))
     for f, a, b in zip(fractions, starts, ends, strict=True):
         assert (b > a) if f > 0 else (b == a)
+
+
+def test_two_splits_written_at_once_both_stay_listed(ds_path, monkeypatch):
+    """Each split replaces the manifest with its own entry added: one written while another was
+    between reading and replacing the manifest was dropped from it (its sidecar left unlisted)."""
+    import threading
+    import time
+
+    from omicsio_jax.dataset import splits
+
+    read = splits.read_manifest
+    reading = threading.Event()
+
+    def slow_read(root):  # the first split stays between reading and replacing the manifest
+        m = read(root)
+        if threading.current_thread().name == "first":
+            reading.set()
+            time.sleep(0.5)
+        return m
+
+    monkeypatch.setattr(splits, "read_manifest", slow_read)
+    first = threading.Thread(
+        name="first",
+        target=lambda: oj.split(oj.open_dataset(ds_path), by="drug", fractions=(0.5, 0.5), names=("a", "b")),
+    )
+    first.start()
+    assert reading.wait(30)
+    oj.split(oj.open_dataset(ds_path), by="tissue", fractions=(0.5, 0.5), names=("a", "b"))
+    first.join()
+    ds = oj.open_dataset(ds_path)
+    assert {f.path for f in ds.manifest.files if f.path.startswith("splits/")} == {
+        "splits/drug.json",
+        "splits/tissue.json",
+    }
+    assert len(ds.split("a", by="drug")) and len(ds.split("a", by="tissue"))
+    assert oj.verify_dataset(ds_path) == []
+
+
+def test_a_split_written_again_since_a_handle_opened_is_refused_saying_to_open_again(ds_path):
+    """A handle opened before another (another process) wrote its split again with other groups: not
+    'damaged, write it again', which verify contradicts; it is told to open the dataset again, and
+    does not mix the old split's rows with the new one's."""
+    ds = oj.open_dataset(ds_path)
+    oj.split(ds, by="drug", fractions=(0.5, 0.5), names=("a", "b"), seed=0)
+    old = ds.split("a")  # read: this handle checks the sidecar by its checksum from now on
+    unread = oj.open_dataset(ds_path)  # opened, the sidecar not read: checked by its size first
+    oj.split(
+        oj.open_dataset(ds_path), by="drug", fractions=(0.5, 0.5), names=("a", "bb"), seed=1, overwrite=True
+    )
+    for handle in (ds, unread):
+        with pytest.raises(oj.OmicsIOError, match=r"written again by oj.split .* open it again") as caught:
+            handle.split("a")
+        assert "\n" not in str(caught.value)
+    again = oj.open_dataset(ds_path)
+    assert not np.array_equal(again.split("a"), old)
+    oj.split(oj.open_dataset(ds_path), by="tissue", fractions=(0.5, 0.5), names=("a", "b"))
+    with pytest.raises(oj.OmicsIOError, match=r"has no split by 'tissue'.*written since this handle opened"):
+        again.split("a", by="tissue")
+    assert oj.verify_dataset(ds_path) == []

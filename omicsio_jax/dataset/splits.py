@@ -18,6 +18,7 @@ fingerprint is unchanged by it (splits are derived files).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -222,23 +223,90 @@ def read_split(dataset: Dataset, by: str | None = None) -> Split:
     }
     if not entries:
         msg = f"{dataset.path} has no split; write one with oj.split(ds, by=...)"
-        raise OmicsIOError(msg)
+        raise OmicsIOError(msg + _written_since(dataset, by))
     if by is None and len(entries) > 1:
         msg = f"{dataset.path} has splits by {', '.join(map(repr, sorted(entries)))}: name one with by="
         raise OmicsIOError(msg)
     key = next(iter(entries)) if by is None else by
     if key not in entries:
         msg = f"{dataset.path} has no split by {key!r}; its splits are by {', '.join(map(repr, sorted(entries)))}"
-        raise OmicsIOError(msg)
+        raise OmicsIOError(msg + _written_since(dataset, key))
     entry = entries[key]
-    data = dataset.local_path(entry.path).read_bytes()
+    try:
+        data = dataset.local_path(entry.path).read_bytes()
+    except DatasetFormatError:  # another size than this handle's manifest says
+        _refuse_if_rewritten(dataset, entry)
+        raise
     if hashlib.sha256(data).hexdigest() != entry.sha256:
+        _refuse_if_rewritten(dataset, entry)
         msg = f"{dataset.path}/{entry.path} does not match its checksum in the manifest; write it again with oj.split"
         raise DatasetFormatError(msg)
     return Split.from_json(data.decode(), f"{dataset.path}/{entry.path}")
 
 
+def _written_since(dataset: Dataset, by: str | None) -> str:
+    """What to add to "no split" when the manifest on disk lists a split by ``by`` (None: any) that
+    this handle's does not: written since it opened, through another handle or process."""
+    if dataset.is_remote:
+        return ""
+    try:
+        listed = {f.path for f in read_manifest(Path(dataset.path)).files if f.path.startswith(SPLITS_DIR)}
+    except (OSError, OmicsIOError):
+        return ""
+    known = {f.path for f in dataset.manifest.files}
+    if any(p not in known and (by is None or p == f"{SPLITS_DIR}{by}.json") for p in listed):
+        return " (one was written since this handle opened the dataset: open it again to read it)"
+    return ""
+
+
+def _refuse_if_rewritten(dataset: Dataset, entry) -> None:
+    """Refuse, saying so, a split sidecar that `split` wrote again (``overwrite=True``, through
+    another handle or process) since ``dataset`` was opened: the manifest on disk lists it as it is
+    now. Not read as the new split: rows taken from the old one (training) and the new one
+    (evaluation) could share groups. Returns if the sidecar is not such a one (damaged)."""
+    if dataset.is_remote:
+        return
+    try:
+        now = {f.path: f for f in read_manifest(Path(dataset.path)).files}.get(entry.path)
+        data = (Path(dataset.path) / entry.path).read_bytes()
+    except (OSError, OmicsIOError):
+        return
+    if now is not None and now.sha256 != entry.sha256 and hashlib.sha256(data).hexdigest() == now.sha256:
+        msg = (
+            f"{dataset.path}/{entry.path} was written again by oj.split (overwrite=True) since this handle "
+            "opened the dataset: open it again to read the new split (rows from the old and the new split "
+            "may share groups)"
+        )
+        raise OmicsIOError(msg)
+
+
+@contextlib.contextmanager
+def _manifest_lock(root: Path):
+    """An exclusive ``flock`` on the dataset's folder while its manifest is read, changed and
+    replaced: two processes splitting at once (by two obs, or every process of a job at its start)
+    would each list only their own sidecar, the one that replaced the manifest last dropping the
+    other's entry. Where the file system has no ``flock`` on a folder (some network ones), none."""
+    import fcntl
+
+    try:
+        fd = os.open(root, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no flock here: no lock
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> None:
+    with _manifest_lock(Path(dataset.path)):
+        _write_locked(dataset, result, overwrite=overwrite, where=where)
+
+
+def _write_locked(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> None:
     root = Path(dataset.path)
     text = result.to_json()
     m = read_manifest(root)  # as it is now: another handle may have listed a split since this one opened
