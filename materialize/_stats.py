@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from omicsio_jax import OmicsIOError, open_dataset
 from omicsio_jax.format import (
     MANIFEST_NAME,
+    SPLITS_DIR,
     STATS_NAME,
     Manifest,
     ObsEntry,
@@ -33,6 +34,7 @@ from omicsio_jax.format import (
     file_entry,
     fsync_path,
     is_remote,
+    manifest_lock,
     read_manifest,
     sha256_file,
     small_pages,
@@ -78,7 +80,10 @@ def add_stats(path: str | Path, *, force: bool = False, progress: bool = True) -
         for entry in m.modalities
     )
     top = _add_files(root, ds, progress) if own else m
-    _write_manifest(root, dataclasses.replace(top, modalities=modalities).with_fingerprint())
+    with manifest_lock(root):  # the splits as listed now: `oj.split` may have written one meanwhile
+        splits = tuple(f for f in read_manifest(root).files if f.path.startswith(SPLITS_DIR))
+        files = tuple(f for f in top.files if not f.path.startswith(SPLITS_DIR)) + splits
+        _write_manifest(root, dataclasses.replace(top, files=files, modalities=modalities).with_fingerprint())
     further = f"modalities {', '.join(names)}"
     if not own:
         return f"{path}: statistics of {further} added ({STATS_NAME}, obs n_counts, n_genes)"

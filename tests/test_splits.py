@@ -217,3 +217,35 @@ def test_a_split_written_again_since_a_handle_opened_is_refused_saying_to_open_a
     with pytest.raises(oj.OmicsIOError, match=r"has no split by 'tissue'.*written since this handle opened"):
         again.split("a", by="tissue")
     assert oj.verify_dataset(ds_path) == []
+
+
+def test_statistics_added_meanwhile_keep_a_split_written_during_their_run(ds_path, monkeypatch):
+    """``omicsio-materialize stats`` replaces the manifest with the one it opened plus its files: a split
+    `oj.split` wrote (or wrote again) while the statistics were computed was dropped from it."""
+    from materialize import _stats
+
+    oj.split(oj.open_dataset(ds_path), by="tissue", fractions=(0.5, 0.5), names=("a", "b"), seed=0)
+    add_files = _stats._add_files
+
+    def with_splits_meanwhile(root, ds, progress):  # as another process would, mid-run
+        m = add_files(root, ds, progress)
+        oj.split(oj.open_dataset(ds_path), by="drug", fractions=(0.5, 0.5), names=("a", "b"))
+        oj.split(
+            oj.open_dataset(ds_path),
+            by="tissue",
+            fractions=(0.5, 0.5),
+            names=("a", "b"),
+            seed=1,
+            overwrite=True,
+        )
+        return m
+
+    monkeypatch.setattr(_stats, "_add_files", with_splits_meanwhile)
+    _stats.add_stats(ds_path, force=True, progress=False)
+    ds = oj.open_dataset(ds_path)
+    assert {f.path for f in ds.manifest.files if f.path.startswith("splits/")} == {
+        "splits/drug.json",
+        "splits/tissue.json",
+    }
+    assert len(ds.split("a", by="drug")) and len(ds.split("a", by="tissue"))  # the checksums as written
+    assert oj.verify_dataset(ds_path) == []

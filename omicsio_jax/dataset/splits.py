@@ -18,7 +18,6 @@ fingerprint is unchanged by it (splits are derived files).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,7 +29,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from omicsio_jax.core.errors import DatasetFormatError, OmicsIOError
-from omicsio_jax.format.manifest import MANIFEST_NAME, Manifest, file_entry, fsync_path, read_manifest
+from omicsio_jax.format.manifest import (
+    MANIFEST_NAME,
+    SPLITS_DIR,
+    Manifest,
+    file_entry,
+    fsync_path,
+    manifest_lock,
+    read_manifest,
+)
 
 
 class Dataset(Protocol):
@@ -42,9 +49,6 @@ class Dataset(Protocol):
     obs: Any
 
     def local_path(self, relpath: str) -> Path: ...
-
-
-SPLITS_DIR = "splits/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,29 +284,8 @@ def _refuse_if_rewritten(dataset: Dataset, entry) -> None:
         raise OmicsIOError(msg)
 
 
-@contextlib.contextmanager
-def _manifest_lock(root: Path):
-    """An exclusive ``flock`` on the dataset's folder while its manifest is read, changed and
-    replaced: two processes splitting at once (by two obs, or every process of a job at its start)
-    would each list only their own sidecar, the one that replaced the manifest last dropping the
-    other's entry. Where the file system has no ``flock`` on a folder (some network ones), none."""
-    import fcntl
-
-    try:
-        fd = os.open(root, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):  # no flock here: no lock
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _write(dataset: Dataset, result: Split, *, overwrite: bool, where: str) -> None:
-    with _manifest_lock(Path(dataset.path)):
+    with manifest_lock(dataset.path):
         _write_locked(dataset, result, overwrite=overwrite, where=where)
 
 

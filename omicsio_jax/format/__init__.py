@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.manifest import DERIVED_FILES as DERIVED_FILES
     from omicsio_jax.format.manifest import MANIFEST_NAME as MANIFEST_NAME
     from omicsio_jax.format.manifest import PRESENCE_NAME as PRESENCE_NAME
+    from omicsio_jax.format.manifest import SPLITS_DIR as SPLITS_DIR
     from omicsio_jax.format.manifest import FileEntry as FileEntry
     from omicsio_jax.format.manifest import Manifest as Manifest
     from omicsio_jax.format.manifest import ModalityEntry as ModalityEntry
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.manifest import ShardEntry as ShardEntry
     from omicsio_jax.format.manifest import file_entry as file_entry
     from omicsio_jax.format.manifest import fsync_path as fsync_path
+    from omicsio_jax.format.manifest import manifest_lock as manifest_lock
     from omicsio_jax.format.manifest import read_manifest as read_manifest
     from omicsio_jax.format.manifest import sha256_file as sha256_file
     from omicsio_jax.format.manifest import verify_dataset as verify_dataset
@@ -142,6 +144,7 @@ _WRITER_API = {
         "DERIVED_FILES",
         "MANIFEST_NAME",
         "PRESENCE_NAME",
+        "SPLITS_DIR",
         "FileEntry",
         "Manifest",
         "ModalityEntry",
@@ -149,6 +152,7 @@ _WRITER_API = {
         "ShardEntry",
         "file_entry",
         "fsync_path",
+        "manifest_lock",
         "read_manifest",
         "sha256_file",
         "verify_dataset",

@@ -18,10 +18,12 @@ A dataset directory looks like::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -150,7 +152,8 @@ class Manifest:
 # stats`) and the shards' chunk indexes (derived from the shards): not part of the fingerprint, so
 # adding them to an older dataset keeps its identity.
 DERIVED_FILES = ("gene_stats.parquet", "obs/n_counts.npy", "obs/n_genes.npy")
-DERIVED_DIRS = ("chunks/", "splits/")  # splits/: `omicsio_jax.dataset.splits`
+SPLITS_DIR = "splits/"  # the split sidecars: `omicsio_jax.dataset.splits`
+DERIVED_DIRS = ("chunks/", SPLITS_DIR)
 
 
 def is_derived(path: str) -> bool:
@@ -198,6 +201,28 @@ def sha256_file(path: str | os.PathLike[str], *, chunk_bytes: int = 8 << 20) -> 
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def manifest_lock(root: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive ``flock`` on the dataset's folder ``root`` while its manifest is read, changed and
+    replaced by a process that adds files to a dataset others may add to too (`oj.split`,
+    ``omicsio-materialize stats``): two at once would each list only their own files, the one that
+    replaced the manifest last dropping the other's. Where the file system has no ``flock`` on a
+    folder (some network ones), none."""
+    import fcntl
+
+    try:
+        fd = os.open(root, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no flock here: no lock
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def file_entry(root: Path, relpath: str) -> FileEntry:
