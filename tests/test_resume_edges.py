@@ -247,3 +247,37 @@ def test_hand_edited_anchors_served_tallies_and_repeated_states_are_refused_at_s
         ):
             loader.set_state(wrapped)
         loader.close()
+
+
+@pytest.mark.parametrize("num_threads", [0, 2])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch, num_threads, error):
+    """An error making a batch, or a KeyboardInterrupt while the loop waits for it (Ctrl-C in a
+    notebook, then the loop run again), leaves the loader where its last returned batch did: the
+    next call serves that step's batch, not the one after it (Grain's threads had moved past it:
+    a batch lost, the epoch's audit failing, the last call a bare IndexError)."""
+    from omicsio_jax.loaders import minibatch
+
+    read = oj.ReadOptions(num_threads=num_threads)
+    with oj.make_loader(ds, **KW, read=read) as loader:
+        expected = [b.index for b in loader]
+    batch = minibatch.MinibatchReader._batch
+    failed = []
+
+    def fails_once(self, epoch, step, **kwargs):
+        if (epoch, step) == (0, 5) and not failed:
+            failed.append(step)
+            raise error("transient")
+        return batch(self, epoch, step, **kwargs)
+
+    monkeypatch.setattr(minibatch.MinibatchReader, "_batch", fails_once)
+    served = []
+    with oj.make_loader(ds, **KW, read=read) as loader:
+        served += [next(loader).index for _ in range(5)]
+        with pytest.raises(error, match="transient"):
+            next(loader)
+        assert loader.get_state()["step"] == 5
+        served += [b.index for b in loader]  # the epochs' audits pass
+    assert failed and len(served) == len(expected)
+    for got, want in zip(served, expected, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -159,9 +159,11 @@ class Loader(ClosingIterator):
         self._finalizer = weakref.finalize(self, _stop, self._iterator, reader)
 
     def _halt(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        self._iterator = self._reader = self._finalizer = None
+        # forget the stream before stopping it: a KeyboardInterrupt while its threads are joined
+        # leaves a loader that starts a new one, not one that calls the closed one
+        finalizer, self._iterator, self._reader, self._finalizer = self._finalizer, None, None, None
+        if finalizer is not None:
+            finalizer()
 
     def close(self) -> None:
         """Stop the background threads (also done when the loader is collected) and let go of the
@@ -197,15 +199,28 @@ class Loader(ClosingIterator):
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
         self._ensure_iterator()
-        batch, tally = next(self._iterator)
-        self._served = self._served + tally
-        self._step += 1
-        if self._step >= self._schedule.steps_in_epoch(self._epoch):
-            self._finished = self.coverage()
-            self._finished.check(f"make_loader on {self.dataset.path} (process {self.host})")
-            self._epoch, self._step, self._served = self._epoch + 1, 0, Tally()
-            if self.num_epochs is not None and self._epoch >= self.num_epochs:
+        epoch_ends = self._step + 1 >= self._schedule.steps_in_epoch(self._epoch)
+        last = epoch_ends and self.num_epochs is not None and self._epoch + 1 >= self.num_epochs
+        try:
+            batch, tally = next(self._iterator)
+            served = self._served + tally
+            finished = (
+                Coverage(self._epoch, served, self._schedule.planned(self._epoch)) if epoch_ends else None
+            )
+            if last:
                 self._halt()  # the last batch is out: its reading threads and buffers go now
+        except BaseException:
+            # Nothing of this call counts: a batch the threads made but this call did not return (an
+            # error making it, a KeyboardInterrupt while waiting for it) is made again by the next
+            # call, from a stream restarted where the last batch returned left it. Grain's stream
+            # has moved past it and would serve the next step's batch as this one's.
+            self._halt()
+            raise
+        self._served, self._step = served, self._step + 1  # the position moves only here, with no call
+        if finished is not None:
+            self._finished = finished
+            finished.check(f"make_loader on {self.dataset.path} (process {self.host})")
+            self._epoch, self._step, self._served = self._epoch + 1, 0, Tally()
         return batch
 
     def as_grain_dataset(self) -> grain.IterDataset:
