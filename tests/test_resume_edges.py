@@ -281,3 +281,19 @@ def test_a_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch,
     assert failed and len(served) == len(expected)
     for got, want in zip(served, expected, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_dataset_opened_by_a_relative_path_reads_after_a_chdir(dataset_dir, monkeypatch):
+    """Opened as ``out/`` from its parent, the dataset is the folder it named then: a later
+    ``os.chdir`` (Hydra, a library) neither makes it read as replaced nor sends Grain's workers,
+    which reopen it by its path, to another folder."""
+    monkeypatch.chdir(dataset_dir.parent)
+    ds = oj.open_dataset(dataset_dir.name)
+    src = oj.GrainSource(dataset_dir.name, batch_size=96)
+    expected = ds.read_csr([5, 0, 17])
+    monkeypatch.chdir("/")
+    for got, want in zip(ds.read_csr([5, 0, 17]), expected, strict=True):  # not "replaced or removed"
+        np.testing.assert_array_equal(got, want)
+    with oj.make_loader(ds, **KW) as loader:
+        next(loader)
+    assert ds.path == dataset_dir and src.path == str(dataset_dir)

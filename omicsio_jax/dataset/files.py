@@ -46,7 +46,10 @@ def locate(path: str | os.PathLike[str]) -> tuple[Path | str, Manifest]:
         url = s3_url(path)  # not str(path).rstrip("/"): "s3://" would become the local "s3:"
         manifest = read_manifest(url)
         return dataset_root(url, manifest), dataclasses.replace(manifest, generation="")
-    root = Path(path)
+    # absolute: every read opens the dataset's files by path, and a process may change its working
+    # directory after opening it (Hydra does; so may a library), which must not make the dataset
+    # read as replaced nor send Grain's workers to another folder
+    root = Path(path).absolute()
     manifest = read_manifest(root)
     for shard in manifest.shards:
         if not (root / shard.path).exists():
