@@ -386,6 +386,36 @@ def test_prefetch_to_device_places_ahead_and_checkpoints_exactly(ds):
         again.close()
 
 
+def test_prefetch_to_device_interrupted_while_placing_keeps_the_batch_it_was_waiting_for(ds, monkeypatch):
+    """Ctrl-C while the loop waits for a batch being placed: the state is still the one after the
+    last batch handed out (a checkpoint written in the handler resumes with the batch waited for),
+    and the next call hands that batch out."""
+    from omicsio_jax.loaders import prefetch
+
+    expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1), 10**6)
+    place, placed = prefetch.place_batch, []
+
+    def interrupted_once(host_batch, *args):
+        placed.append(1)
+        if len(placed) == 4:
+            raise KeyboardInterrupt  # as if delivered to the loop waiting on this batch's placement
+        return place(host_batch, *args)
+
+    monkeypatch.setattr(prefetch, "place_batch", interrupted_once)
+    batches = oj.prefetch_to_device(oj.make_loader(ds, **BASE, num_epochs=1))
+    head = _indices(batches, 3)
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    state = json.loads(json.dumps(batches.get_state()))
+    assert state["inner"]["step"] == 3
+    batches.close()
+    monkeypatch.setattr(prefetch, "place_batch", place)
+    again = oj.prefetch_to_device(oj.make_loader(ds, **BASE, num_epochs=1))
+    again.set_state(state)
+    _assert_same(head + _indices(again, 10**6), expected)
+    again.close()
+
+
 def test_worker_processes_warn_once_with_their_measured_cost(ds, monkeypatch):
     from omicsio_jax.loaders import grain_source
 

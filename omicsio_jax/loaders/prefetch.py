@@ -62,8 +62,13 @@ class DevicePrefetch(ClosingIterator):
         self._fill()
         if not self._pending:
             raise StopIteration
-        future, self._state = self._pending.popleft()
+        future, state = self._pending[0]
+        # taken off only once placed: a KeyboardInterrupt while the loop waits (or a placement that
+        # failed) leaves the batch first in line and the state before it, so a checkpoint written then
+        # resumes with it and the next call returns it
         batch = future.result()
+        self._pending.popleft()
+        self._state = state
         self._fill()
         return batch
 
