@@ -297,3 +297,88 @@ def test_a_dataset_opened_by_a_relative_path_reads_after_a_chdir(dataset_dir, mo
     with oj.make_loader(ds, **KW) as loader:
         next(loader)
     assert ds.path == dataset_dir and src.path == str(dataset_dir)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("where", ["gather", "place"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_memory_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch, prefetch, where, error):
+    """`make_memory_loader`: a batch that fails once, gathered (on the prefetch thread, whose error
+    ended it: every later call was StopIteration, the run cut short without a word) or placed (a
+    KeyboardInterrupt while it is copied to the devices: its cells were tallied as served, and the
+    epoch's audit failed; with prefetch the thread had also moved past it), is made again by the
+    next call, and a state written in the handler stands before it."""
+    from omicsio_jax.loaders import memory
+
+    panel = oj.load_panel(ds)
+    kw = {"batch_size": 128, "seed": 1, "num_epochs": 2, "read": oj.ReadOptions(prefetch=prefetch)}
+    with oj.make_memory_loader(panel, **kw) as loader:
+        expected = [b.index for b in loader]
+    calls, failed = [], []
+    target = memory.MemoryLoader._host_batch if where == "gather" else type(loader.placement).place
+    name = "_host_batch" if where == "gather" else "place"
+
+    def fails_once(self, arg):
+        calls.append(1)
+        if len(calls) == 6 and not failed:
+            failed.append(1)
+            raise error("transient")
+        return target(self, arg)
+
+    monkeypatch.setattr(memory.MemoryLoader if where == "gather" else type(loader.placement), name, fails_once)
+    served = []
+    with oj.make_memory_loader(panel, **kw) as loader:
+        served += [next(loader).index for _ in range(5)]
+        with pytest.raises(error, match="transient"):
+            next(loader)
+        state = loader.get_state()
+        assert state["step"] == 5 and oj.Tally.from_json(state["served"]).count == 5 * 128
+        served += [b.index for b in loader]  # the epochs' audits pass
+    assert failed and len(served) == len(expected)
+    for got, want in zip(served, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with oj.make_memory_loader(panel, **kw) as loader:  # the handler's state resumes with the failed step
+        loader.set_state(state)
+        for got, want in zip([b.index for b in loader], expected[5:], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_prefetch_to_device_keeps_a_batch_when_reading_ahead_fails(ds, monkeypatch, error):
+    """`prefetch_to_device` reads the next batch ahead before it returns one: the wrapped iterator
+    failing there (an error making a batch, a KeyboardInterrupt while it reads) lost the batch
+    already taken off the line, its state moved past it, so neither the loop nor a checkpoint
+    written in the handler had it. The batch stays first in line and the next call returns it."""
+    from omicsio_jax.loaders import minibatch
+
+    with oj.make_loader(ds, **KW) as loader:
+        expected = [b.index for b in loader]
+    batch = minibatch.MinibatchReader._batch
+    failed = []
+
+    def fails_once(self, epoch, step, **kwargs):
+        if (epoch, step) == (0, 5) and not failed:
+            failed.append(step)
+            raise error("transient")
+        return batch(self, epoch, step, **kwargs)
+
+    monkeypatch.setattr(minibatch.MinibatchReader, "_batch", fails_once)
+    served = []
+    read = oj.ReadOptions(num_threads=0)
+    with oj.prefetch_to_device(oj.make_loader(ds, **KW, read=read)) as batches:
+        while not failed:
+            try:
+                served.append(next(batches).index)
+            except error:
+                state = batches.get_state()
+        assert state["inner"]["step"] == len(served)
+        served += [b.index for b in batches]
+    assert len(served) == len(expected)
+    for got, want in zip(served, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with oj.prefetch_to_device(oj.make_loader(ds, **KW)) as batches:
+        batches.set_state(state)
+        rest = [b.index for b in batches]
+    assert len(rest) == len(expected) - state["inner"]["step"]
+    for got, want in zip(rest, expected[state["inner"]["step"] :], strict=True):
+        np.testing.assert_array_equal(got, want)

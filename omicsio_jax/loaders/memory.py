@@ -206,16 +206,24 @@ class MemoryLoader(ClosingIterator):
         if self._device_panel is not None:
             batch = self._device_panel.batch(self._epoch, self._step)
         else:
-            if self.prefetch <= 0:  # gather in the caller's thread
-                hb = self._host_batch(self._rows(self._epoch, self._step))
-            else:
-                if self._stream is None:
-                    # the producer holds the loader weakly (`_host_batches`), not through a method of it
-                    ref, epoch, step = weakref.ref(self), self._epoch, self._step
-                    self._stream = Background(lambda: _host_batches(ref, epoch, step), depth=self.prefetch)
-                hb = next(self._stream)
+            try:
+                if self.prefetch <= 0:  # gather in the caller's thread
+                    hb = self._host_batch(self._rows(self._epoch, self._step))
+                else:
+                    if self._stream is None:
+                        # the producer holds the loader weakly (`_host_batches`), not through a method of it
+                        ref, epoch, step = weakref.ref(self), self._epoch, self._step
+                        self._stream = Background(lambda: _host_batches(ref, epoch, step), depth=self.prefetch)
+                    hb = next(self._stream)
+                batch = self.placement.place(hb)
+            except BaseException:
+                # Nothing of this call counts: a batch that failed (gathered or placed), or one the
+                # loop stopped waiting for (KeyboardInterrupt), is made again by the next call, from
+                # a prefetch thread restarted at this step (the old one has moved past it, or ended
+                # with the error, when it would answer every later call with StopIteration).
+                self._stop_stream()
+                raise
             self._served = self._served + Tally.of(hb.index)
-            batch = self.placement.place(hb)
         self._step += 1
         if self._step >= self.steps_per_epoch:
             self.coverage().check(f"make_memory_loader (process {self.host})")

@@ -47,8 +47,8 @@ class DevicePrefetch(ClosingIterator):
         state = self._inner.get_state()
         return {"bytes": state.decode()} if isinstance(state, bytes) else state  # DataLoaderIterator: bytes
 
-    def _fill(self) -> None:
-        while not self._exhausted and len(self._pending) < self._buffer_size:
+    def _fill(self, ahead: int = 0) -> None:
+        while not self._exhausted and len(self._pending) < self._buffer_size + ahead:
             try:
                 host_batch = next(self._inner)
             except StopIteration:
@@ -67,9 +67,11 @@ class DevicePrefetch(ClosingIterator):
         # failed) leaves the batch first in line and the state before it, so a checkpoint written then
         # resumes with it and the next call returns it
         batch = future.result()
+        # read ahead while the batch is still first in line: the wrapped iterator failing (or a
+        # KeyboardInterrupt while it reads) leaves it there, and the next call returns it
+        self._fill(ahead=1)
         self._pending.popleft()
         self._state = state
-        self._fill()
         return batch
 
     def get_state(self) -> dict:
