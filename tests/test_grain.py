@@ -416,6 +416,61 @@ def test_prefetch_to_device_interrupted_while_placing_keeps_the_batch_it_was_wai
     again.close()
 
 
+def test_prefetch_to_device_places_a_batch_whose_placement_failed_again_on_the_next_call(ds, monkeypatch):
+    """A placement that fails (a device out of memory for a moment) is tried again by the next call:
+    the future kept its error, and every later call raised it again, the batch never placed."""
+    from omicsio_jax.loaders import prefetch
+
+    expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1), 10**6)
+    place, placed = prefetch.place_batch, []
+
+    def fails_once(host_batch, *args):
+        placed.append(1)
+        if len(placed) == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory for a moment")
+        return place(host_batch, *args)
+
+    monkeypatch.setattr(prefetch, "place_batch", fails_once)
+    with oj.prefetch_to_device(oj.make_loader(ds, **BASE, num_epochs=1)) as batches:
+        head = _indices(batches, 3)
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            next(batches)
+        assert batches.get_state()["inner"]["step"] == 3
+        _assert_same(head + _indices(batches, 10**6), expected)
+
+
+def test_prefetch_to_device_interrupted_while_the_loader_makes_the_next_batch_keeps_the_placed_one(
+    ds, monkeypatch
+):
+    """Ctrl-C while the wrapped loader makes the batch after the one just placed (the loop waits
+    there when reading is the bottleneck): that placed batch was taken off its line and the state
+    moved past it, but the call raised instead of returning it, so it was lost, and a checkpoint
+    written in the handler resumed without it. It stays first in line, the state before it."""
+    from omicsio_jax.loaders import minibatch
+
+    expected = _indices(oj.make_loader(ds, **BASE, num_epochs=1, read=oj.ReadOptions(num_threads=0)), 10**6)
+    batch, failed = minibatch.MinibatchReader._batch, []
+
+    def interrupted_once(self, epoch, step, **kwargs):
+        if (epoch, step) == (0, 5) and not failed:
+            failed.append(step)
+            raise KeyboardInterrupt
+        return batch(self, epoch, step, **kwargs)
+
+    monkeypatch.setattr(minibatch.MinibatchReader, "_batch", interrupted_once)
+    loader = oj.make_loader(ds, **BASE, num_epochs=1, read=oj.ReadOptions(num_threads=0))
+    with oj.prefetch_to_device(loader, buffer_size=2) as batches:
+        head = _indices(batches, 3)  # steps 0-2 handed out, 3 and 4 made ahead
+        with pytest.raises(KeyboardInterrupt):
+            next(batches)  # step 3 placed; making step 5 is interrupted
+        state = json.loads(json.dumps(batches.get_state()))
+        assert failed and state["inner"]["step"] == 3
+        _assert_same(head + _indices(batches, 10**6), expected)
+    with oj.prefetch_to_device(oj.make_loader(ds, **BASE, num_epochs=1)) as again:
+        again.set_state(state)
+        _assert_same(head + _indices(again, 10**6), expected)
+
+
 def test_worker_processes_warn_once_with_their_measured_cost(ds, monkeypatch):
     from omicsio_jax.loaders import grain_source
 

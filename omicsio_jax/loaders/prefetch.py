@@ -39,7 +39,8 @@ class DevicePrefetch(ClosingIterator):
         )
         # an iterator dropped without `close` still ends its threads
         self._shutdown = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-        self._pending: collections.deque[tuple[concurrent.futures.Future, Any]] = collections.deque()
+        # (placement, host batch until placed, the wrapped iterator's state after it)
+        self._pending: collections.deque[tuple[concurrent.futures.Future, Any, Any]] = collections.deque()
         self._state = self._inner_state()
         self._exhausted = False
 
@@ -47,31 +48,51 @@ class DevicePrefetch(ClosingIterator):
         state = self._inner.get_state()
         return {"bytes": state.decode()} if isinstance(state, bytes) else state  # DataLoaderIterator: bytes
 
-    def _fill(self, ahead: int = 0) -> None:
-        while not self._exhausted and len(self._pending) < self._buffer_size + ahead:
+    def _fill(self) -> None:
+        while not self._exhausted and len(self._pending) < self._buffer_size:
             try:
                 host_batch = next(self._inner)
             except StopIteration:
                 self._exhausted = True
                 return
-            future = self._pool.submit(place_batch, host_batch, self.mesh, self.data_axis)
-            self._pending.append((future, self._inner_state()))
+            self._pending.append((*self._place(host_batch), self._inner_state()))
+
+    def _place(self, host_batch) -> tuple[concurrent.futures.Future, list]:
+        """The placement of ``host_batch`` on a thread, and the host batch held until it is placed
+        (a placement that fails is tried again)."""
+        held = [host_batch]
+        future = self._pool.submit(place_batch, host_batch, self.mesh, self.data_axis)
+        future.add_done_callback(
+            lambda f: held.clear() if not f.cancelled() and f.exception() is None else None
+        )
+        return future, held
 
     def __next__(self) -> Batch:
         self._assert_not_closed()
         self._fill()
         if not self._pending:
             raise StopIteration
-        future, state = self._pending[0]
-        # taken off only once placed: a KeyboardInterrupt while the loop waits (or a placement that
-        # failed) leaves the batch first in line and the state before it, so a checkpoint written then
-        # resumes with it and the next call returns it
-        batch = future.result()
-        # read ahead while the batch is still first in line: the wrapped iterator failing (or a
-        # KeyboardInterrupt while it reads) leaves it there, and the next call returns it
-        self._fill(ahead=1)
+        future, held, state = self._pending[0]
+        # taken off only once placed: a KeyboardInterrupt while the loop waits leaves the batch first
+        # in line and the state before it, so a checkpoint written then resumes with it and the next
+        # call returns it; a placement that failed is tried again by the next call (a future keeps
+        # its error: it would raise it on every call, the batch never placed)
+        try:
+            batch = future.result()
+        except BaseException:
+            if held and future.done() and not future.cancelled() and future.exception() is not None:
+                self._pending[0] = (*self._place(held[0]), state)
+            raise
+        before, self._state = self._state, state
         self._pending.popleft()
-        self._state = state
+        try:  # the next batches placed while the step runs
+            self._fill()
+        except BaseException:
+            # not handed out after all (a KeyboardInterrupt while the wrapped iterator made the next
+            # batch, its error): first in line again, placed, with the state before it
+            self._pending.appendleft((future, held, state))
+            self._state = before
+            raise
         return batch
 
     def get_state(self) -> dict:
@@ -92,7 +113,7 @@ class DevicePrefetch(ClosingIterator):
                     "{'inner': <the wrapped iterator's state>}, or every process's (a list of them)"
                 )
                 raise StateMismatchError(msg)
-        for future, _ in self._pending:
+        for future, _, _ in self._pending:
             future.cancel()
         self._pending.clear()
         inners = [self._as_inner(s["inner"]) for s in states]
