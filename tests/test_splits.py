@@ -249,3 +249,41 @@ def test_statistics_added_meanwhile_keep_a_split_written_during_their_run(ds_pat
     }
     assert len(ds.split("a", by="drug")) and len(ds.split("a", by="tissue"))  # the checksums as written
     assert oj.verify_dataset(ds_path) == []
+
+
+def test_a_split_read_while_another_rewrites_it_waits_for_the_rewrite_to_be_listed(ds_path, monkeypatch):
+    """A rewrite replaces the sidecar, then the manifest: a handle reading the split in between saw the
+    new sidecar against the old checksum and called it damaged ('write it again'); it now waits for
+    the rewrite's lock and says the split was written again."""
+    import threading
+
+    from omicsio_jax.dataset import splits
+
+    ds = oj.open_dataset(ds_path)
+    oj.split(ds, by="drug", fractions=(0.5, 0.5), names=("a", "b"), seed=0)
+    ds.split("a")
+    fsync, between, go_on = splits.fsync_path, threading.Event(), threading.Event()
+
+    def paused(path):  # the rewrite stops after its sidecar is in place, before its manifest is
+        fsync(path)
+        if str(path).endswith(".tmp") and "manifest" in str(path):
+            between.set()
+            go_on.wait(30)
+
+    monkeypatch.setattr(splits, "fsync_path", paused)
+    writer = threading.Thread(
+        target=lambda: oj.split(
+            oj.open_dataset(ds_path),
+            by="drug",
+            fractions=(0.5, 0.5),
+            names=("a", "b"),
+            seed=1,
+            overwrite=True,
+        )
+    )
+    writer.start()
+    assert between.wait(30)
+    threading.Timer(0.3, go_on.set).start()  # the reader below waits on the lock until then
+    with pytest.raises(oj.OmicsIOError, match=r"written again by oj.split .* open it again"):
+        ds.split("a")
+    writer.join()

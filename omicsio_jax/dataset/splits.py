@@ -271,8 +271,9 @@ def _refuse_if_rewritten(dataset: Dataset, entry) -> None:
     if dataset.is_remote:
         return
     try:
-        now = {f.path: f for f in read_manifest(Path(dataset.path)).files}.get(entry.path)
-        data = (Path(dataset.path) / entry.path).read_bytes()
+        with manifest_lock(dataset.path):  # not between a rewrite's sidecar and its manifest
+            now = {f.path: f for f in read_manifest(Path(dataset.path)).files}.get(entry.path)
+            data = (Path(dataset.path) / entry.path).read_bytes()
     except (OSError, OmicsIOError):
         return
     if now is not None and now.sha256 != entry.sha256 and hashlib.sha256(data).hexdigest() == now.sha256:

@@ -213,7 +213,9 @@ class MemoryLoader(ClosingIterator):
                     if self._stream is None:
                         # the producer holds the loader weakly (`_host_batches`), not through a method of it
                         ref, epoch, step = weakref.ref(self), self._epoch, self._step
-                        self._stream = Background(lambda: _host_batches(ref, epoch, step), depth=self.prefetch)
+                        self._stream = Background(
+                            lambda: _host_batches(ref, epoch, step), depth=self.prefetch
+                        )
                     hb = next(self._stream)
                 batch = self.placement.place(hb)
             except BaseException:
