@@ -249,20 +249,12 @@ def test_hand_edited_anchors_served_tallies_and_repeated_states_are_refused_at_s
         loader.close()
 
 
-@pytest.mark.parametrize("num_threads", [0, 2])
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_a_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch, num_threads, error):
-    """An error making a batch, or a KeyboardInterrupt while the loop waits for it (Ctrl-C in a
-    notebook, then the loop run again), leaves the loader where its last returned batch did: the
-    next call serves that step's batch, not the one after it (Grain's threads had moved past it:
-    a batch lost, the epoch's audit failing, the last call a bare IndexError)."""
+def _fail_once_at_step_5(monkeypatch, error) -> list:
+    """Make `make_loader`'s batch of epoch 0, step 5 fail once with ``error("transient")``; returns the
+    list that says whether it has."""
     from omicsio_jax.loaders import minibatch
 
-    read = oj.ReadOptions(num_threads=num_threads)
-    with oj.make_loader(ds, **KW, read=read) as loader:
-        expected = [b.index for b in loader]
-    batch = minibatch.MinibatchReader._batch
-    failed = []
+    batch, failed = minibatch.MinibatchReader._batch, []
 
     def fails_once(self, epoch, step, **kwargs):
         if (epoch, step) == (0, 5) and not failed:
@@ -271,6 +263,20 @@ def test_a_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch,
         return batch(self, epoch, step, **kwargs)
 
     monkeypatch.setattr(minibatch.MinibatchReader, "_batch", fails_once)
+    return failed
+
+
+@pytest.mark.parametrize("num_threads", [0, 2])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch, num_threads, error):
+    """An error making a batch, or a KeyboardInterrupt while the loop waits for it (Ctrl-C in a
+    notebook, then the loop run again), leaves the loader where its last returned batch did: the
+    next call serves that step's batch, not the one after it (Grain's threads had moved past it:
+    a batch lost, the epoch's audit failing, the last call a bare IndexError)."""
+    read = oj.ReadOptions(num_threads=num_threads)
+    with oj.make_loader(ds, **KW, read=read) as loader:
+        expected = [b.index for b in loader]
+    failed = _fail_once_at_step_5(monkeypatch, error)
     served = []
     with oj.make_loader(ds, **KW, read=read) as loader:
         served += [next(loader).index for _ in range(5)]
@@ -302,7 +308,9 @@ def test_a_dataset_opened_by_a_relative_path_reads_after_a_chdir(dataset_dir, mo
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("where", ["gather", "place"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_a_memory_batch_that_fails_once_is_made_again_by_the_next_call(ds, monkeypatch, prefetch, where, error):
+def test_a_memory_batch_that_fails_once_is_made_again_by_the_next_call(
+    ds, monkeypatch, prefetch, where, error
+):
     """`make_memory_loader`: a batch that fails once, gathered (on the prefetch thread, whose error
     ended it: every later call was StopIteration, the run cut short without a word) or placed (a
     KeyboardInterrupt while it is copied to the devices: its cells were tallied as served, and the
@@ -325,7 +333,9 @@ def test_a_memory_batch_that_fails_once_is_made_again_by_the_next_call(ds, monke
             raise error("transient")
         return target(self, arg)
 
-    monkeypatch.setattr(memory.MemoryLoader if where == "gather" else type(loader.placement), name, fails_once)
+    monkeypatch.setattr(
+        memory.MemoryLoader if where == "gather" else type(loader.placement), name, fails_once
+    )
     served = []
     with oj.make_memory_loader(panel, **kw) as loader:
         served += [next(loader).index for _ in range(5)]
@@ -349,20 +359,9 @@ def test_prefetch_to_device_keeps_a_batch_when_reading_ahead_fails(ds, monkeypat
     failing there (an error making a batch, a KeyboardInterrupt while it reads) lost the batch
     already taken off the line, its state moved past it, so neither the loop nor a checkpoint
     written in the handler had it. The batch stays first in line and the next call returns it."""
-    from omicsio_jax.loaders import minibatch
-
     with oj.make_loader(ds, **KW) as loader:
         expected = [b.index for b in loader]
-    batch = minibatch.MinibatchReader._batch
-    failed = []
-
-    def fails_once(self, epoch, step, **kwargs):
-        if (epoch, step) == (0, 5) and not failed:
-            failed.append(step)
-            raise error("transient")
-        return batch(self, epoch, step, **kwargs)
-
-    monkeypatch.setattr(minibatch.MinibatchReader, "_batch", fails_once)
+    failed = _fail_once_at_step_5(monkeypatch, error)
     served = []
     read = oj.ReadOptions(num_threads=0)
     with oj.prefetch_to_device(oj.make_loader(ds, **KW, read=read)) as batches:
