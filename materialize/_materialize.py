@@ -277,6 +277,12 @@ def materialize(
             msg = f"obs {', '.join(clash)} of {src.label} would clash with the presence flags of the modalities; rename it"
             raise OmicsIOError(msg)
         partitions = src.plan(shard_cells)
+        if src.num_cells == 0:  # written all the same (a pipeline's subset may be empty); loaders refuse it
+            chosen = f" --where {where!r} selects" if where else " --query returns" if query else ""
+            print(
+                f"materialize: {src.label}{chosen or ' holds'} no cells: the dataset will hold 0 cells",
+                file=sys.stderr,
+            )
         num_workers = min(wanted, max(len(partitions), 1))
         if workers is None and not dask:
             num_workers = min(num_workers, default_workers(sum(p.num_cells for p in partitions)))

@@ -563,9 +563,14 @@ def test_bad_arguments(ds, kwargs, error, match):
         _loader(ds, **kwargs())
 
 
-def test_a_dataset_of_no_cells_is_named_by_the_loader(corpus_table, tmp_path):
+def test_a_dataset_of_no_cells_is_named_by_the_loader(corpus_table, tmp_path, capfd):
     pq.write_table(corpus_table.slice(0, 0), tmp_path / "cells.parquet")
     materialize(str(tmp_path / "cells.parquet"), tmp_path / "empty", workers=1, progress=False)
+    assert "cells.parquet holds no cells: the dataset will hold 0 cells" in capfd.readouterr().err
+    pq.write_table(corpus_table, tmp_path / "full.parquet")
+    read = InputOptions(where="1 = 0")
+    materialize(str(tmp_path / "full.parquet"), tmp_path / "none", read=read, workers=1, progress=False)
+    assert "full.parquet --where '1 = 0' selects no cells" in capfd.readouterr().err
     with pytest.raises(
         oj.OmicsIOError,
         match=r"^cannot sample from an empty set of cells: .*empty holds 0 cells; materialize",
