@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax import ObjectStoreError, OmicsIOError
-from omicsio_jax.format import as_input_path, is_remote
+from omicsio_jax.format import as_input_path, glob_root, is_glob, is_remote
 
 DATASET_ID = "dataset_id"
 READING = ("layer", "raw")  # a sources file's columns that say how to read a source, not obs
@@ -22,8 +22,7 @@ DUCKLAKE = "ducklake:"  # a DuckLake catalog's scheme (`materialize._ducklake`)
 
 def dataset_id_of(path: str) -> str:
     """A source's dataset id by default: its file or folder name without suffix (a glob: its folder)."""
-    text = re.split(r"[*?\[]", str(path), maxsplit=1)[0] if re.search(r"[*?\[]", str(path)) else str(path)
-    name = text.rstrip("/").rsplit("/", 1)[-1]
+    name = _before_wildcards(str(path)).rstrip("/").rsplit("/", 1)[-1]
     for suffix in _SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -32,8 +31,18 @@ def dataset_id_of(path: str) -> str:
 
 def _parents(path: str) -> list[str]:
     """The folders above what `dataset_id_of` names (a glob's: above its folder)."""
-    text = re.split(r"[*?\[]", path, maxsplit=1)[0] if re.search(r"[*?\[]", path) else path
-    return [part for part in text.rstrip("/").split("/")[:-1] if part not in ("", ".")]
+    return [part for part in _before_wildcards(path).rstrip("/").split("/")[:-1] if part not in ("", ".")]
+
+
+def _before_wildcards(path: str) -> str:
+    """``path`` as written, or a glob's text before its first wildcard past the folders it names as
+    written (`glob_root`: ``run[1]/*.parquet`` → ``run[1]/``)."""
+    if not is_glob(path):
+        return path
+    parts = path.split("/")
+    k = glob_root(path)
+    rest = re.split(r"[*?\[]", "/".join(parts[k:]), maxsplit=1)[0]
+    return "/".join([*parts[:k], rest]) if k else rest
 
 
 def _default_ids(paths: tuple[str, ...]) -> tuple[str, ...]:

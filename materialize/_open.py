@@ -4,7 +4,6 @@ its members; and the obs columns the run keeps.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import as_input_path, is_remote
+from omicsio_jax.format import as_input_path, is_glob, is_remote, local_glob
 
 from ._collection import CollectionSource, Sources, open_collection
 from ._modalities import input_kind
@@ -187,8 +186,8 @@ def anndata_files(spec) -> list[str] | None:
     text = os.fspath(spec) if isinstance(spec, os.PathLike) else str(spec)
     if is_remote(text) or text.startswith("ducklake:"):
         return None
-    if any(ch in text for ch in "*?[") and text.endswith(_ANNDATA):
-        found = sorted(glob.glob(text, recursive=True))
+    if is_glob(text) and text.endswith(_ANNDATA):
+        found = sorted(local_glob(text))
         if not found:
             msg = f"no AnnData files match {text!r}"
             raise OmicsIOError(msg)

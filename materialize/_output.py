@@ -16,7 +16,16 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import MANIFEST_NAME, PRESENCE_NAME, STATS_NAME, Manifest, is_remote, open_store
+from omicsio_jax.format import (
+    MANIFEST_NAME,
+    PRESENCE_NAME,
+    STATS_NAME,
+    Manifest,
+    glob_root,
+    is_glob,
+    is_remote,
+    open_store,
+)
 
 from ._finalize import FEATURES_NAME
 from ._lease import LEASE_NAME, Lease, live_lease, refused
@@ -89,7 +98,12 @@ def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     text = os.fspath(spec) if isinstance(spec, os.PathLike) else str(spec)
     scheme = "s3://" if is_remote(text) else ""
     parts = text[len(scheme) :].split("/")
-    wild = next((i for i, part in enumerate(parts) if any(ch in part for ch in "*?[")), None)
+    # the parts from the first wildcard past the folders named as written (a file or folder that
+    # exists as written is no glob, wildcards and all)
+    start = 0 if scheme else glob_root(text)
+    wild = next((i for i, part in enumerate(parts) if i >= start and any(ch in part for ch in "*?[")), None)
+    if not is_glob(text):
+        wild = None
     if wild is None:
         return _location(text), ()
     if wild == 0:  # a pattern from its first part on: the current folder's (or the store's)

@@ -304,11 +304,12 @@ def test_a_workers_next_partition_goes_on_from_a_table_sources_open_read(tmp_pat
 def test_a_folder_or_glob_of_anndata_files_is_a_collection_of_them(sources, tmp_path, capsys):
     """An atlas downloaded as one .h5ad per dataset: its folder, or a glob of its files, is the
     collection of those files in sorted order (as listing them does); a glob that matches nothing is
-    a one-line error. A folder that holds table files stays a table input."""
+    a one-line error. A folder that holds table files stays a table input. The atlas folder's name
+    holds a glob's brackets: files named in it are those files, and a glob searches it."""
     import shutil
 
     d, _ = sources
-    atlas = tmp_path / "atlas"
+    atlas = tmp_path / "atlas[v2]"
     (atlas / "more").mkdir(parents=True)
     shutil.copy(d / "current.h5ad", atlas / "a.h5ad")
     shutil.copy(d / "legacy.h5ad", atlas / "more" / "b.h5ad")

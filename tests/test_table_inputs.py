@@ -96,3 +96,17 @@ def test_a_glob_leaves_out_the_gene_table_beside_the_cells(tmp_path):
     ds = _convert(str(folder / "*.parquet"), tmp_path / "out", 64)
     assert list(ds.cell_ids) == a["cell_id"].to_pylist() + b["cell_id"].to_pylist()
     assert ds.num_genes == 30
+
+
+def test_paths_with_wildcard_characters_that_exist_are_taken_as_written(tmp_path):
+    """A plate folder ``run[1]`` (brackets are a glob's character class): its file named as written
+    is that file (it was "no input files found"), and a glob under it searches that folder (it
+    searched ``run1``); a glob whose own part holds the wildcards is still a glob."""
+    a, b = _cells(30, "a", 0), _cells(25, "b", 1)
+    folder = _folder(tmp_path, a=a, b=b).rename(tmp_path / "run[1]")
+    one = _convert(folder / "a.parquet", tmp_path / "one", 64)
+    assert list(one.cell_ids) == a["cell_id"].to_pylist()
+    both = _convert(f"{folder}/*.parquet", tmp_path / "both", 64)
+    assert list(both.cell_ids) == a["cell_id"].to_pylist() + b["cell_id"].to_pylist()
+    just_b = _convert(f"{folder}/[b].parquet", tmp_path / "just_b", 64)
+    assert list(just_b.cell_ids) == b["cell_id"].to_pylist()

@@ -92,6 +92,9 @@ if TYPE_CHECKING:
     from omicsio_jax.format.tables import sql_ident as sql_ident
     from omicsio_jax.format.tables import sql_str as sql_str
     from omicsio_jax.storage.input_files import as_input_path as as_input_path
+    from omicsio_jax.storage.input_files import glob_root as glob_root
+    from omicsio_jax.storage.input_files import is_glob as is_glob
+    from omicsio_jax.storage.input_files import local_glob as local_glob
     from omicsio_jax.storage.input_files import register_s3 as register_s3
     from omicsio_jax.storage.input_files import s3_filesystem as s3_filesystem
     from omicsio_jax.storage.memory import release_freed_memory as release_freed_memory
@@ -176,7 +179,14 @@ _WRITER_API = {
         "sql_ident",
         "sql_str",
     ),
-    "omicsio_jax.storage.input_files": ("as_input_path", "register_s3", "s3_filesystem"),
+    "omicsio_jax.storage.input_files": (
+        "as_input_path",
+        "glob_root",
+        "is_glob",
+        "local_glob",
+        "register_s3",
+        "s3_filesystem",
+    ),
     "omicsio_jax.storage.memory": ("release_freed_memory", "small_pages", "usable_cores"),
     "omicsio_jax.storage.store": ("is_remote", "open_store"),
 }

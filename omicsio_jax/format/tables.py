@@ -8,7 +8,6 @@ row of the materialized dataset.
 
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 import duckdb
@@ -16,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from omicsio_jax.core.errors import DataValidationError
-from omicsio_jax.storage.input_files import expand_objects, register_s3
+from omicsio_jax.storage.input_files import expand_objects, is_glob, local_glob, register_s3
 from omicsio_jax.storage.store import is_remote
 
 # the columns the views add to a table's own: a name of DuckDB's choosing for the source file (not
@@ -80,11 +79,9 @@ def expand_files(spec: str) -> list[Path]:
             for p in path.rglob("*")
             if p.suffix in (".parquet", ".vortex") and p.is_file() and p.name != GENE_TABLE_NAME
         )
-    elif any(ch in spec for ch in "*?["):
+    elif is_glob(spec):
         files = sorted(
-            Path(p)
-            for p in glob.glob(spec, recursive=True)
-            if Path(p).is_file() and Path(p).name != GENE_TABLE_NAME
+            Path(p) for p in local_glob(spec) if Path(p).is_file() and Path(p).name != GENE_TABLE_NAME
         )
     else:
         files = [path] if path.exists() else []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import os
 from datetime import timedelta
 
 from omicsio_jax.core.errors import require
@@ -191,6 +192,33 @@ class ObjectPath(str):
 
     def open(self, mode: str = "rb", **kwargs):
         return s3_filesystem().open(str(self), mode, **kwargs)
+
+
+def is_glob(spec: str) -> bool:
+    """Whether an input ``spec`` is a glob: it holds a wildcard (``*``, ``?``, ``[``) and, when local,
+    names no file or folder as written (a folder ``run[1]`` is itself, not a pattern for ``run1``)."""
+    return any(ch in spec for ch in "*?[") and (is_remote(spec) or not os.path.lexists(spec))
+
+
+def glob_root(spec: str) -> int:
+    """How many leading ``/``-parts of a local glob name an existing folder as written: those are
+    taken literally, wildcard characters and all (``run[1]/*.h5ad`` searches the folder ``run[1]``)."""
+    parts = spec.split("/")
+    for k in range(len(parts) - 1, 0, -1):
+        if os.path.isdir("/".join(parts[:k]) or "/"):
+            return k
+    return 0
+
+
+def local_glob(spec: str) -> list[str]:
+    """The paths a local glob matches (``**``: any folders below), its existing leading folders
+    taken literally (`glob_root`)."""
+    import glob
+
+    parts = spec.split("/")
+    k = glob_root(spec)
+    pattern = "/".join([glob.escape("/".join(parts[:k])), *parts[k:]]) if k else spec
+    return glob.glob(pattern, recursive=True)
 
 
 def as_input_path(spec: str):
