@@ -642,3 +642,15 @@ def test_geneformer_tokens_on_the_datasets_own_medians_load_no_pandas(dataset_di
     the first batch."""
     outputs = "(oj.GeneformerTokens(max_len=256),)"
     assert _loaded_by_first_batches(dataset_dir, outputs, ("pyarrow.dataset", "pandas")) == []
+
+
+def test_len_is_the_runs_batches_and_an_endless_loader_has_none(ds):
+    """``len(loader)``: every batch of the run (what ``tqdm(loader)`` shows as its total); an
+    endless loader's ``len`` is a one-line TypeError, and either is true as a bool."""
+    two = _loader(ds, num_epochs=2, batch_size=512)
+    assert len(two) == 2 * two.steps_per_epoch == sum(1 for _ in two)
+    endless = _loader(ds, num_epochs=None)
+    with pytest.raises(TypeError, match=r"^an endless Loader \(num_epochs=None\) has no length; its epochs are"):
+        len(endless)
+    assert endless and two
+    endless.close()

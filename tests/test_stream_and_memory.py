@@ -343,3 +343,10 @@ def test_a_list_column_as_obs_is_refused_when_the_loader_is_built(table):
             oj.OmicsIOError, match=rf"obs '{column}' of .* holds list<.*not one value per cell"
         ):
             oj.make_stream_loader(table, batch_size=8, obs=column)
+
+
+def test_a_memory_loaders_len_is_its_runs_batches(panel):
+    loader = oj.make_memory_loader(panel, batch_size=512, seed=0, num_epochs=3, drop_remainder=False)
+    assert len(loader) == 3 * loader.steps_per_epoch == sum(1 for _ in loader)
+    empty = oj.make_memory_loader(panel, batch_size=512, seed=0, num_epochs=0)
+    assert len(empty) == 0 and empty

@@ -27,7 +27,7 @@ from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.dataset.dataset import Dataset, as_dataset
 from omicsio_jax.loaders import mixtures
 from omicsio_jax.loaders.agreement import check_processes_agree, processes_share
-from omicsio_jax.loaders.iterator import ClosingIterator
+from omicsio_jax.loaders.iterator import ClosingIterator, RunLength
 from omicsio_jax.loaders.minibatch import DiskSpec, MinibatchReader
 from omicsio_jax.loaders.mixtures import changed_mixture
 from omicsio_jax.loaders.options import (
@@ -70,7 +70,7 @@ def _stop(iterator, reader) -> None:
         reader.close()
 
 
-class Loader(ClosingIterator):
+class Loader(RunLength, ClosingIterator):
     """Iterator of `Batch`es; `get_state`/`set_state` resume bit-exactly. Build with `make_loader`."""
 
     def __init__(self, ds: Dataset, spec: DiskSpec, *, placement: Placement, read: ReadOptions):

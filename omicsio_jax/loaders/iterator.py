@@ -20,3 +20,26 @@ class ClosingIterator(grain.DatasetIterator):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+class RunLength:
+    """``len(loader)`` for a loader with ``num_epochs`` and ``steps_per_epoch``: the batches of the
+    whole run from its start, ``steps_per_epoch × num_epochs``, as ``len`` of a Grain source is
+    (the total ``tqdm(loader)`` shows). An endless loader (``num_epochs=None``) has no length: a
+    one-line TypeError, as for any endless iterator. A loader is always true (``if loader:`` would
+    otherwise ask its length: False for a run of no batches, an error for an endless one)."""
+
+    num_epochs: int | None
+    steps_per_epoch: int
+
+    def __len__(self) -> int:
+        if self.num_epochs is None:
+            msg = (
+                f"an endless {type(self).__name__} (num_epochs=None) has no length; its epochs are "
+                f"steps_per_epoch={self.steps_per_epoch} batches"
+            )
+            raise TypeError(msg)
+        return self.num_epochs * self.steps_per_epoch
+
+    def __bool__(self) -> bool:
+        return True

@@ -31,7 +31,7 @@ from omicsio_jax.core.buffers import RowBuffers
 from omicsio_jax.core.errors import OmicsIOError, StateMismatchError
 from omicsio_jax.core.producer import Background
 from omicsio_jax.loaders.agreement import check_processes_agree, processes_share
-from omicsio_jax.loaders.iterator import ClosingIterator
+from omicsio_jax.loaders.iterator import ClosingIterator, RunLength
 from omicsio_jax.loaders.memory_device import DevicePanel
 from omicsio_jax.loaders.memory_panel import InMemoryPanel
 from omicsio_jax.loaders.options import (
@@ -54,7 +54,7 @@ def _gather_rows(x, rows, out):
         out[i, :] = x[rows[i], :]
 
 
-class MemoryLoader(ClosingIterator):
+class MemoryLoader(RunLength, ClosingIterator):
     """Batches from an `InMemoryPanel`; `get_state`/`set_state` resume exactly. Use `make_memory_loader`."""
 
     def __init__(
