@@ -650,7 +650,9 @@ def test_len_is_the_runs_batches_and_an_endless_loader_has_none(ds):
     two = _loader(ds, num_epochs=2, batch_size=512)
     assert len(two) == 2 * two.steps_per_epoch == sum(1 for _ in two)
     endless = _loader(ds, num_epochs=None)
-    with pytest.raises(TypeError, match=r"^an endless Loader \(num_epochs=None\) has no length; its epochs are"):
+    with pytest.raises(
+        TypeError, match=r"^an endless Loader \(num_epochs=None\) has no length; its epochs are"
+    ):
         len(endless)
     assert endless and two
     endless.close()
