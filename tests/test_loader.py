@@ -490,6 +490,54 @@ def test_a_new_mixture_at_resume_takes_effect_with_the_next_epoch(ds):
         assert kept.get_state()["mixtures"] == [{"from_epoch": 0, "weights": {"brain": 3.0, "lung": 1.0}}]
 
 
+@pytest.mark.parametrize("num_threads", [0, None])
+def test_an_interrupt_as_a_new_mixtures_waiting_epoch_ends_loses_no_batch(ds, monkeypatch, num_threads):
+    """Restored with new weights, the loader finishes the checkpoint's epoch on a loader of the old
+    weights, whose threads stop once that epoch is out. A KeyboardInterrupt while they were joined
+    (on the call that returned the epoch's last batch) lost that batch: the next call served the old
+    mixture's next epoch's first batch in its place, and a state written in the handler stood past
+    it. The threads now stop on the next call, before it takes a batch."""
+
+    def make(weights):
+        mixture = oj.Mixture(by="tissue", weights=weights, block_size=4, fetch_factor=4)
+        read = oj.ReadOptions(num_threads=num_threads)
+        return _loader(ds, sampling=mixture, num_epochs=3, obs=(), read=read)
+
+    first, second = {"brain": 3, "lung": 1}, {"brain": 1, "lung": 1, "kidney": 2}
+    with make(first) as loader:
+        for _ in range(5):
+            next(loader)
+        state = loader.get_state()
+    with make(second) as loader:
+        loader.set_state(state)
+        expected = [b.index for b in loader]
+    served, interrupted = [], []
+    with make(second) as loader:
+        loader.set_state(state)
+        finishing, halt = loader._before, loader._before._halt
+
+        def interrupted_halt():
+            halt()
+            if not interrupted:
+                interrupted.append(len(served))
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(finishing, "_halt", interrupted_halt)
+        while len(served) < len(expected):
+            try:
+                served.append(next(loader).index)
+            except KeyboardInterrupt:
+                handler = loader.get_state()
+        assert interrupted and next(loader, None) is None
+    for got, want in zip(served, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with make(second) as loader:  # the handler's state resumes where the interrupt left the loop
+        loader.set_state(handler)
+        rest = [b.index for b in loader]
+    for got, want in zip(rest, expected[interrupted[0] :], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_new_mixture_at_an_epoch_boundary_still_checks_the_state(ds):
     """At step 0 nothing of the checkpoint's epoch is left to finish, but its state is checked all the
     same against the config it was written with: other rows or another version are refused."""

@@ -177,11 +177,18 @@ class Loader(RunLength, ClosingIterator):
     # (held by the class: a loader collected as the interpreter shuts down finds the module's names gone)
     _release_freed_memory = staticmethod(release_freed_memory)
 
+    @property
+    def _finishing(self) -> Loader | None:
+        """The loader of a new mixture's waiting epoch (`_resume_with_new_mixture`) while that epoch has
+        batches left, else None: once its last batch is out, this loader's state and coverage."""
+        before = self._before
+        return before if before is not None and before._epoch < self._epoch else None
+
     def _drop_before(self) -> None:
-        if self._before is not None:
-            self._finished = self._before._finished
-            self._before.close()
-            self._before = None
+        before, self._before = self._before, None  # forgotten first, as `_halt` does
+        if before is not None:
+            self._finished = before._finished
+            before.close()
 
     def start_prefetch(self) -> None:
         """Start reading and decoding now (e.g. while the model is restored)."""
@@ -190,12 +197,16 @@ class Loader(RunLength, ClosingIterator):
 
     def __next__(self) -> Batch:
         self._assert_not_closed()
-        if self._before is not None:  # the epoch a new mixture waits for
-            batch = next(self._before, None)
-            if batch is None or self._before._epoch >= self._epoch:
-                self._drop_before()
-            if batch is not None:
-                return batch
+        finishing = self._finishing
+        if finishing is not None:  # the epoch a new mixture waits for
+            batch = next(finishing)
+            if finishing._epoch >= self._epoch:  # that epoch's last batch: its audit is the last one
+                self._finished = finishing._finished
+            return batch
+        # its threads stop on the call after its last batch, not on that batch's own: a
+        # KeyboardInterrupt while they are joined then loses no batch (the next call would have
+        # served the old mixture's next epoch in its place)
+        self._drop_before()
         if self.num_epochs is not None and self._epoch >= self.num_epochs:
             raise StopIteration
         self._ensure_iterator()
@@ -279,8 +290,8 @@ class Loader(RunLength, ClosingIterator):
     def coverage(self, epoch: int | None = None) -> Coverage:
         """This process's served and planned cells of the current epoch (once every epoch is served,
         of the last one), or of ``epoch`` if it is the one that just ended (see `Coverage`)."""
-        if self._before is not None:
-            return self._before.coverage(epoch)
+        if self._finishing is not None:
+            return self._finishing.coverage(epoch)
         done = self.num_epochs is not None and self._epoch >= self.num_epochs
         if epoch is None and done and self._finished is not None:
             return self._finished
@@ -297,8 +308,8 @@ class Loader(RunLength, ClosingIterator):
 
     def get_state(self) -> dict:
         """Small JSON: where the stream stands (global), and what this process served this epoch."""
-        if self._before is not None:
-            return {**self._before.get_state(), "mixtures": copy.deepcopy(self._mixtures)}
+        if self._finishing is not None:
+            return {**self._finishing.get_state(), "mixtures": copy.deepcopy(self._mixtures)}
         a = self._schedule.anchor
         anchor = [a.step, a.hosts] if a.epoch == self._epoch else [0, self.plan.num_hosts]
         return {
