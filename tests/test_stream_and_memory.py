@@ -100,6 +100,41 @@ def test_stream_loader_shuffle_window_panel_and_normalize(table, reference, mesh
     assert not np.array_equal(other, index)
 
 
+@pytest.mark.parametrize("where", ["make", "place"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_stream_batch_that_fails_once_is_made_again_by_the_next_call(table, monkeypatch, where, error):
+    """A batch that fails once, made (its error ended the query's thread: the next call ended the
+    pass, whose audit failed as cells not served) or placed (its cells were tallied and the step
+    moved past it: the batch lost), is made again by the next call, which runs the query again from
+    that step; a state written in the handler stands before it."""
+    kw = {"batch_size": 128, "sampling": oj.Stream(shuffle=True, fetch_factor=8), "seed": 3}
+    expected = [host(b.index) for b in oj.make_stream_loader(table, **kw).epoch(0)]
+    owner, name = (stream.StreamLoader, "_batch") if where == "make" else (stream, "place_batch")
+    target, calls = getattr(owner, name), []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 6:
+            raise error("transient")
+        return target(*args)
+
+    monkeypatch.setattr(owner, name, fails_once)
+    with oj.make_stream_loader(table, **kw).epoch(0) as batches:
+        served = [host(next(batches).index) for _ in range(5)]
+        with pytest.raises(error, match="transient"):
+            next(batches)
+        state = batches.get_state()
+        assert state["step"] == 5 and oj.Tally.from_json(state["served"]).count == 5 * 128
+        served += [host(b.index) for b in batches]  # the pass's audit passes
+    assert len(served) == len(expected)
+    for got, want in zip(served, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with oj.make_stream_loader(table, **kw).epoch(0) as batches:  # the handler's state: the failed step on
+        batches.set_state(state)
+        for got, want in zip([host(b.index) for b in batches], expected[5:], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_stream_loader_refuses_bad_arguments(table, mesh, dataset_dir):
     with pytest.raises(oj.OmicsIOError, match="divisible by the 8 devices"):
         oj.make_stream_loader(table, batch_size=100, placement=mesh)

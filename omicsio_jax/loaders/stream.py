@@ -255,9 +255,19 @@ class StreamIterator(ClosingIterator):
             self._done = True
             self.coverage().check(f"make_stream_loader on {self.loader.table.spec}")
             raise
-        self._served = self._served + Tally.of(hb.index)
+        except BaseException:
+            # the producer ends on its error: the next call runs the query again from this step, as a
+            # restore does, rather than end the pass there (its audit then failed as cells not served)
+            self._stop()
+            raise
+        try:
+            batch = place_batch(hb, self.loader.mesh, self.loader.data_axis)
+        except BaseException:  # not served: the next call makes it again, as above
+            self._stop()
+            raise
+        self._served = self._served + Tally.of(hb.index)  # the position moves only with a batch placed
         self._step += 1
-        return place_batch(hb, self.loader.mesh, self.loader.data_axis)
+        return batch
 
     def coverage(self) -> Coverage:
         """The cells served so far in this pass, and the query's (one extra query over the scalar columns)."""
