@@ -95,6 +95,21 @@ def test_embed_writes_one_cls_embedding_per_cell(dataset_dir, tmp_path, capsys):
         np.testing.assert_allclose(embed(model, ds, config, np.array(rows)), emb[rows], rtol=1e-5, atol=1e-6)
 
 
+def test_embedding_a_run_still_training_leaves_the_save_it_is_writing(dataset_dir, tmp_path):
+    """``embed --checkpoint-dir`` (and ``finetune --init DIR``) read the latest published step while
+    the run may still be training there: the hidden folder of the save it is writing is its own, not
+    a killed run's partial, and deleting it made that save fail (FileNotFoundError, the run lost)."""
+    ckpt = tmp_path / "pt"
+    assert main([*_args(dataset_dir, "geneformer", "--steps", "2"), "--checkpoint-dir", str(ckpt)]) == 0
+    writing = ckpt / ".step-000003.tmp-1"  # the pretraining run's save of step 3, in progress
+    writing.mkdir()
+    (writing / "state.eqx").write_bytes(b"partial")
+    out = tmp_path / "emb.npy"
+    assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", str(out)]) == 0
+    assert load_pretrained(ckpt)[2]["step"] == 2
+    assert (writing / "state.eqx").read_bytes() == b"partial"
+
+
 def test_embed_refuses_a_dataset_whose_genes_are_in_another_column_order(
     dataset_dir, corpus, tmp_path, capsys
 ):

@@ -47,11 +47,14 @@ class Checkpoint:
 
 
 class EquinoxCheckpoints:
-    """The checkpoints of one run in ``directory`` (see the module docstring)."""
+    """The checkpoints of one run in ``directory`` (see the module docstring). The run that writes
+    them (``writing``) deletes the partials a killed run left; a reader (``embed``, ``finetune
+    --init``) leaves them, as a hidden folder may be the save of a run still training there."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, writing: bool = True):
         self.directory, self.keep = Path(directory), keep
-        remove_partials(self.directory)
+        if writing:
+            remove_partials(self.directory)
 
     def latest(self) -> Checkpoint | None:
         return latest_checkpoint(self.directory)

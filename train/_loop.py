@@ -138,7 +138,8 @@ def _digest(rows: np.ndarray | None) -> str | None:
 
 def open_checkpoints(config: TrainConfig, *, writing: bool = True):
     """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a
-    directory; ``writing``: a run that saves to it (in the Equinox format, from one process only)."""
+    directory; ``writing``: a run that saves to it (in the Equinox format, from one process only), which
+    deletes the partial saves a killed run left there."""
     if config.checkpoint_dir is None:
         return None
     other = _other_format(Path(config.checkpoint_dir), config.checkpoint_format)
@@ -160,7 +161,7 @@ def open_checkpoints(config: TrainConfig, *, writing: bool = True):
         from ._orbax import OrbaxCheckpoints
 
         return OrbaxCheckpoints(config.checkpoint_dir, keep=config.keep)
-    return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep)
+    return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep, writing=writing)
 
 
 def _other_format(root: Path, fmt: str) -> str | None:
