@@ -480,6 +480,37 @@ def test_path_options_that_cannot_be_what_they_name_are_one_line_errors(dataset_
     assert afile.read_text() == "" and not any(adir.iterdir())
 
 
+def test_ctrl_c_says_how_to_continue_only_where_it_saved(dataset_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C exits 130 with one line: ``--resume`` where the run saved to a ``--checkpoint-dir``.
+    Without one, or from ``embed`` (which has no ``--resume``), that advice only led to another error."""
+    import train._embed
+    import train._loop
+    import train._pretrain
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train._loop, "evaluate", interrupt)  # Ctrl-C while the held-out cells are scored
+    ckpt = tmp_path / "ckpt"
+    capsys.readouterr()
+    assert main(_args(dataset_dir, "--steps", "2", "--checkpoint-dir", str(ckpt))) == 130
+    said = f"omicsio-train: interrupted; continue from the latest checkpoint in {ckpt} with --resume\n"
+    assert capsys.readouterr().err == said
+    assert main(_args(dataset_dir, "--steps", "2")) == 130
+    assert capsys.readouterr().err == "omicsio-train: interrupted; no --checkpoint-dir, nothing was saved\n"
+
+    monkeypatch.setattr(train._pretrain, "pretrain", interrupt)
+    pt = tmp_path / "pt"
+    assert main(["pretrain", str(dataset_dir), "--checkpoint-dir", str(pt)]) == 130
+    assert f"continue from the latest checkpoint in {pt} with --resume" in capsys.readouterr().err
+    assert main(["pretrain", str(dataset_dir)]) == 130
+    assert "no --checkpoint-dir, nothing was saved" in capsys.readouterr().err
+    monkeypatch.setattr(train._embed, "load_encoder", interrupt)
+    embed = ["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "e")]
+    assert main(embed) == 130
+    assert capsys.readouterr().err == "omicsio-train: interrupted\n"
+
+
 def test_help_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

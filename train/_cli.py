@@ -259,7 +259,10 @@ def _pretrain(argv: list[str]) -> int:
     from ._pretrain import pretrain
 
     config = parse_pretrain_config(argv)
-    result = pretrain(config)
+    try:
+        result = pretrain(config)
+    except KeyboardInterrupt:
+        return _interrupted(config.checkpoint_dir)
     if result.preempted:
         return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
@@ -339,6 +342,17 @@ def _finetune(argv: list[str]) -> int:
     return 0
 
 
+def _interrupted(checkpoint_dir: str | None) -> int:
+    """Exit status 130 after Ctrl-C, saying what a training run can do next: ``--resume`` needs the
+    ``--checkpoint-dir`` it saved to, and a run without one saved nothing to resume."""
+    if checkpoint_dir is None:
+        where = "no --checkpoint-dir, nothing was saved"
+    else:
+        where = f"continue from the latest checkpoint in {checkpoint_dir} with --resume"
+    print(f"{PROG}: interrupted; {where}", file=sys.stderr)
+    return 130
+
+
 def _preempted_exit(checkpoint) -> int:
     """Exit status after a SIGTERM: 0 when the stopping step was checkpointed (the scheduler may
     requeue the same command with --resume), 143 (killed by SIGTERM) when nothing was saved."""
@@ -360,9 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         except oj.OmicsIOError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
-            hint = "" if argv[0] == "finetune" else "; continue with --resume from the latest checkpoint"
-            print(f"{PROG}: interrupted{hint}", file=sys.stderr)
+        except KeyboardInterrupt:  # embed and finetune save nothing to resume (pretrain says its own)
+            print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
     try:
         config = parse_config(argv)
@@ -377,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; continue with --resume from the latest checkpoint", file=sys.stderr)
-        return 130
+        return _interrupted(config.checkpoint_dir)
     if result.preempted:
         return _preempted_exit(result.checkpoint)
     if not config.quiet and result.history:
