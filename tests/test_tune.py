@@ -78,7 +78,9 @@ def test_tune_says_when_no_setting_meets_the_target(ds):
         oj.tune(ds, 64, label="n_counts", seconds=1, progress=False)
 
 
-def test_auto_tune_trains_with_the_chosen_settings_and_a_resume_keeps_them(ds, dataset_dir, tmp_path):
+def test_auto_tune_trains_with_the_chosen_settings_and_a_resume_keeps_them(
+    ds, dataset_dir, tmp_path, monkeypatch
+):
     args = [
         str(dataset_dir),
         "--label",
@@ -113,6 +115,16 @@ def test_auto_tune_trains_with_the_chosen_settings_and_a_resume_keeps_them(ds, d
     assert resumed.start_step == 3 and resumed.num_steps == 9
     again = train.latest_checkpoint(tmp_path / "ckpt").meta["config"]
     assert {k: again[k] for k in chosen} == chosen
+
+    def measure(*args, **kwargs):
+        raise AssertionError("tuned before refusing the run")
+
+    monkeypatch.setattr(oj, "tune", measure)  # without --resume: refused at once, not after the tuning
+    with pytest.raises(
+        train.TrainError, match=r"already holds checkpoints \(latest: step-000009\); pass --resume"
+    ):
+        train.fit(parse_config(args))
+    monkeypatch.undo()
     with pytest.raises(SystemExit):
         parse_config([*args, "--auto-tune", "x"])
     with pytest.raises(train.TrainError, match="auto_tune chooses block sampling's settings"):

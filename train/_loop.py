@@ -179,15 +179,21 @@ def _other_format(root: Path, fmt: str) -> str | None:
     return None
 
 
-def restorable(config: TrainConfig, store, identity: dict):
-    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
-    latest = None if store is None else store.latest()
+def check_resumed(config: TrainConfig, latest) -> None:
+    """A one-line error where the checkpoint directory holds checkpoints (``latest``, else None) and
+    ``config`` does not resume them: a fresh run there would write its steps beside another run's."""
     if latest is not None and not config.resume:
         msg = (
             f"{config.checkpoint_dir} already holds checkpoints (latest: {latest.path.name}); pass --resume "
             "to continue that run, or choose an empty --checkpoint-dir"
         )
         raise TrainError(msg)
+
+
+def restorable(config: TrainConfig, store, identity: dict):
+    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
+    latest = None if store is None else store.latest()
+    check_resumed(config, latest)
     if latest is not None:
         ckpt.check_compatible(latest, identity)
     return latest
@@ -208,8 +214,10 @@ def epoch_coverage(loader, step: int, per_epoch: int) -> dict:
 
 def auto_tuned(config: TrainConfig, ds: oj.Dataset, train_rows: np.ndarray | None, store, say) -> TrainConfig:
     """``config`` with the block size, fetch factor and threads `oj.tune` measures fastest at 0.98 × true
-    random's label entropy; a resumed run keeps its checkpoint's (they decide the batches)."""
-    latest = store.latest() if store is not None and config.resume else None
+    random's label entropy; a resumed run keeps its checkpoint's (they decide the batches). A run that
+    would be refused for not resuming its directory's checkpoints is refused before the measurement."""
+    latest = None if store is None else store.latest()
+    check_resumed(config, latest)
     if latest is not None:
         saved = latest.meta["config"]
         chosen = {k: saved[k] for k in ("block_size", "fetch_factor", "num_threads")}
