@@ -115,6 +115,42 @@ def pytest_make_collect_report(collector):
         _fail_in_ci(report)
 
 
+NOBODY = 65534  # the unprivileged user of most systems
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder other users read but cannot write, as a cluster's shared storage: pytest's own
+    temporary folders (mode 0700) are closed to another user."""
+    folder = Path(tempfile.mkdtemp(prefix="omicsio-shared-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_as_nobody(
+    code: str, *, env: dict[str, str] | None = None, cwd: str = "/"
+) -> subprocess.CompletedProcess:
+    """``python -c code`` as user `NOBODY`, whose home does not exist (a batch job reading a dataset
+    another user wrote), with ``env`` added. Only root can switch users (CI runs as root): skipped
+    elsewhere, and where that user cannot start this Python or import the package from here."""
+    if os.geteuid() != 0:
+        pytest.skip("runs as another user: needs root")
+    keep = ("PATH", "LD_LIBRARY_PATH", "XLA_FLAGS", "JAX_PLATFORMS")
+    base = {name: os.environ[name] for name in keep if name in os.environ}
+    base.update(PYTHONPATH=str(ROOT), HOME="/nonexistent")
+    options = dict(
+        user=NOBODY, group=NOBODY, env={**base, **(env or {})}, cwd=cwd, capture_output=True, text=True
+    )
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import omicsio_jax"], **options)
+    except PermissionError:
+        pytest.skip(f"user {NOBODY} cannot start {sys.executable}")
+    if probe.returncode:
+        pytest.skip(f"user {NOBODY} cannot import omicsio_jax from {ROOT}: {probe.stderr.strip()[-300:]}")
+    return subprocess.run([sys.executable, "-c", code], **options)
+
+
 def open_descriptors(match: Callable[[str], bool]) -> int:
     """This process's open descriptors whose target path ``match`` accepts (not every descriptor:
     another test's threads in the same worker process may open and close their own files meanwhile)."""

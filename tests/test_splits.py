@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import run_as_nobody
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,6 +132,34 @@ def test_a_missing_unknown_or_damaged_split_is_a_one_line_error(ds_path):
     sidecar.write_text(whole.replace('"train"', '"trian"', 1))  # the same size: by its checksum
     with pytest.raises(oj.DatasetFormatError, match=r"does not match its checksum in the manifest"):
         oj.open_dataset(ds_path).split("train")
+
+
+def test_a_dataset_on_read_only_storage_reads_its_splits_and_refuses_a_new_one_in_one_line(
+    dataset_dir, shared_dir
+):
+    """A dataset another user wrote (a shared atlas): its split is read; a new one cannot be written
+    beside it, which the error says with what to do (it was a PermissionError on a hidden file)."""
+    path = shutil.copytree(dataset_dir, shared_dir / "ds")
+    oj.split(oj.open_dataset(path), by="drug", fractions=(0.8, 0.1, 0.1))
+    before = (path / "manifest.json").read_bytes()
+    code = f"""
+import omicsio_jax as oj
+ds = oj.open_dataset({str(path)!r})
+print(len(ds.split("val")))
+try:
+    oj.split(ds, by="cell_type", fractions=(0.5, 0.5), names=("a", "b"))
+except oj.OmicsIOError as e:
+    print(e)
+"""
+    out = run_as_nobody(code)
+    assert out.returncode == 0, out.stderr
+    rows, message = out.stdout.strip().split("\n")
+    assert int(rows) == len(oj.open_dataset(path).split("val"))
+    assert message == (
+        f"oj.split({path}, by='cell_type'): cannot write splits/cell_type.json into {path} (Permission "
+        "denied); split a copy you can write, or ask the dataset's owner to run oj.split"
+    )
+    assert (path / "manifest.json").read_bytes() == before
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -310,9 +310,16 @@ def _write_locked(dataset: Dataset, result: Split, *, overwrite: bool, where: st
         )
         msg = f"{where}: {result.path} {held} by {result.by!r}; pass overwrite=True to replace it"
         raise OmicsIOError(msg)
-    target.parent.mkdir(exist_ok=True)
-    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    staged.write_text(text)
+    try:
+        target.parent.mkdir(exist_ok=True)
+        staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        staged.write_text(text)
+    except OSError as e:  # a dataset on shared storage, another user's or mounted read-only
+        msg = (
+            f"{where}: cannot write {result.path} into {root} ({e.strerror}); split a copy you can "
+            "write, or ask the dataset's owner to run oj.split"
+        )
+        raise OmicsIOError(msg) from e
     fsync_path(staged)
     os.replace(staged, target)
     files = tuple(f for f in m.files if f.path != result.path) + (file_entry(root, result.path),)
