@@ -116,8 +116,16 @@ def _add_files(root: Path, ds, progress: bool) -> Manifest:
         msg = f"{root}: obs {', '.join(clash)} already exist and are not statistics; rename them first"
         raise OmicsIOError(msg)
     acc = StatsAccumulator(m.num_genes, m.shard_cells)
+    try:  # before the shards are read: a dataset on shared storage is often not the user's to change
+        staging = tempfile.TemporaryDirectory(dir=root, prefix=".stats-")
+    except OSError as e:
+        msg = (
+            f"stats cannot write into {root} ({e.strerror}): it adds its files to the dataset's folder; "
+            "run it as the folder's owner, or on a copy you can write"
+        )
+        raise OmicsIOError(msg) from e
     # `small_pages`: each chunk's records are a fresh read
-    with small_pages(), tempfile.TemporaryDirectory(dir=root, prefix=".stats-") as tmp_name:
+    with small_pages(), staging as tmp_name:
         tmp = Path(tmp_name)
         writers = [
             make_obs_writer(tmp, "n_counts", pa.float64()),

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import run_as_nobody
 
 import omicsio_jax as oj
 from materialize import Layout, Multimodal, materialize
@@ -93,6 +94,20 @@ def test_the_stats_command_writes_the_manifest_materialize_writes(tmp_path, caps
     assert files == sorted(p.relative_to(outs[False]) for p in outs[False].rglob("*") if p.is_file())
     for path in files:
         assert (outs[True] / path).read_bytes() == (outs[False] / path).read_bytes(), path
+
+
+def test_the_stats_command_on_a_dataset_the_user_cannot_write_is_a_one_line_error(dataset_dir, shared_dir):
+    """Another user's dataset on shared storage: ``stats`` cannot add its files there, which it says
+    in one line with what to do (it was a PermissionError traceback)."""
+    path = shutil.copytree(dataset_dir, shared_dir / "ds")
+    code = f"from materialize._cli import main; raise SystemExit(main(['stats', {str(path)!r}, '--force']))"
+    out = run_as_nobody(code)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        f"omicsio-materialize: error: stats cannot write into {path} (Permission denied): it adds its "
+        "files to the dataset's folder; run it as the folder's owner, or on a copy you can write\n"
+    )
+    assert oj.verify_dataset(path) == []
 
 
 def _list_table(rng, num_cells: int, num_features: int, kind: str, **obs):
