@@ -17,6 +17,7 @@ import omicsio_jax as oj
 from materialize import _index as index_module
 from materialize import build_gene_index
 from materialize._cli import main as cli
+from omicsio_jax.storage.store import default_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +344,30 @@ def test_gene_table_is_cached_locally_and_refreshed_when_it_changes(corpus, tmp_
     assert len(oj.GeneTable.load(src, cache_dir=cache, refresh=True)) == len(first)
     pq.write_table(pq.read_table(corpus.genes_parquet).slice(0, 10), src)  # the source changed
     assert len(oj.GeneTable.load(src, cache_dir=cache)) == 10
+
+
+def test_a_user_without_a_home_opens_a_table_and_is_told_where_a_cache_can_go(corpus, tmp_path, monkeypatch):
+    """A batch job's user: no HOME and a user id with no home in the password database (a
+    container's ``--user 1234``). A table opens, its gene table read without the cache; a remote
+    dataset's cache, which it needs, is a one-line error naming OMICSIO_JAX_CACHE; and with the
+    variable set the cache is there (both were "RuntimeError: Could not determine home directory")."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME")
+    monkeypatch.delenv("OMICSIO_JAX_CACHE")
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    table = oj.open_table(corpus.cells_parquet, genes=corpus.genes_parquet)
+    assert len(table.genes) == len(oj.GeneTable.load(corpus.genes_parquet, cache_dir=tmp_path))
+    with pytest.raises(
+        oj.OmicsIOError, match=r"^no home folder for omicsio_jax's cache .* set OMICSIO_JAX_CACHE"
+    ):
+        default_cache_dir()
+    monkeypatch.setenv("OMICSIO_JAX_CACHE", str(tmp_path / "cache"))
+    oj.open_table(corpus.cells_parquet, genes=corpus.genes_parquet)
+    assert list((tmp_path / "cache" / "genes").glob("*.parquet"))
 
 
 def test_huge_gene_id_without_a_gene_table_is_refused(tmp_path):

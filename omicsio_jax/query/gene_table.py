@@ -151,10 +151,13 @@ class GeneTable:
         """
         spec = str(spec)
         stamp = _stamp(spec)
-        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        try:
+            cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        except OmicsIOError:  # a user without a home: no cache, the table read on each open
+            cache = None
         key = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:24]
-        cached = cache / "genes" / f"{key}.parquet"
-        if cached.exists() and not refresh:
+        cached = cache / "genes" / f"{key}.parquet" if cache is not None else None
+        if cached is not None and cached.exists() and not refresh:
             return cls(pq.read_table(cached), spec)
         try:
             table = connect(remote=is_remote(spec)).sql(f"SELECT * FROM {sql_str(spec)}").to_arrow_table()
@@ -162,6 +165,8 @@ class GeneTable:
             msg = f"cannot read gene table {spec}: {str(e).strip().splitlines()[0]}"
             raise OmicsIOError(msg) from e
         genes = cls(table, spec)
+        if cached is None:
+            return genes
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".tmp-{os.getpid()}")

@@ -63,8 +63,18 @@ def s3_url(location: str | os.PathLike[str]) -> str:
 
 def default_cache_dir() -> Path:
     """This user's cache of omicsio_jax (gene tables, remote datasets): ``$OMICSIO_JAX_CACHE``, else
-    ``~/.cache/omicsio_jax``."""
-    return Path(os.environ.get("OMICSIO_JAX_CACHE", Path.home() / ".cache" / "omicsio_jax"))
+    ``~/.cache/omicsio_jax``; `OmicsIOError` where the user has no home (no ``HOME``, a user id
+    without an entry in the password database: a container's or a batch job's)."""
+    if "OMICSIO_JAX_CACHE" in os.environ:
+        return Path(os.environ["OMICSIO_JAX_CACHE"])
+    try:
+        return Path.home() / ".cache" / "omicsio_jax"
+    except RuntimeError as e:
+        msg = (
+            f"no home folder for omicsio_jax's cache (HOME is unset and user id {os.getuid()} has none): "
+            "set OMICSIO_JAX_CACHE to a folder you can write"
+        )
+        raise OmicsIOError(msg) from e
 
 
 def configured_endpoint(url: str) -> str:
