@@ -35,13 +35,17 @@ def make_package(tmp: Path, name: str, *, checked: bool) -> Path:
     return pkg
 
 
-def run_kernel(tmp: Path, name: str, *, cache_dir: Path | None = None, env: dict | None = None) -> int:
+def run_kernel(
+    tmp: Path, name: str, *, cache_dir: Path | None = None, env: dict | None = None, cwd: Path | None = None
+) -> int:
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])}
     env.pop("NUMBA_CACHE_DIR", None)
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = str(cache_dir)
     code = f"from {name}.kernel import kernel; print(kernel(1))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, check=True
+    )
     return int(out.stdout.strip())
 
 
@@ -164,6 +168,23 @@ def test_a_kernel_with_no_writable_cache_folder_is_cached_in_a_private_temporary
     (private,) = tmp.glob("omicsio-numba-*")
     assert private.stat().st_mode & 0o777 == 0o700 and list(private.rglob("*.nbi"))
     assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2
+
+
+def test_a_user_cache_folder_that_is_no_absolute_path_is_not_made_in_the_working_directory(tmp_path):
+    """Without a home (no ``HOME``, a user id with no password entry: a batch job's) numba's user-wide
+    folder is ``~/.cache/numba`` with ``~`` left as it is, as with a relative ``XDG_CACHE_HOME``: numba
+    made it under the working directory (a folder named ``~``, one cache per directory a job starts
+    in). The kernel goes to the private temporary folder instead."""
+    pkg = make_package(tmp_path, "checked_pkg", checked=True)
+    (pkg / "__pycache__").write_text("a file where the folder would be")
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    env = {"XDG_CACHE_HOME": "cache", "TMPDIR": str(tmp)}
+    assert run_kernel(tmp_path, "checked_pkg", env=env, cwd=work) == 2
+    assert list(work.iterdir()) == []
+    (private,) = tmp.glob("omicsio-numba-*")
+    assert list(private.rglob("*.nbi"))
 
 
 def test_the_locators_find_numbas_classes_under_their_older_names(monkeypatch):

@@ -48,7 +48,14 @@ class _InTree(_Stamped, _numba_locator("InTreeCacheLocator")):
 
 
 class _UserWide(_Stamped, _numba_locator("UserWideCacheLocator")):
-    pass
+    """numba's user-wide folder, where it is an absolute path: without a home (no ``HOME``, a user id
+    with no password entry) it is ``~/.cache/numba`` with ``~`` left as it is, or a relative
+    ``XDG_CACHE_HOME``, which numba would make under the working directory of each process."""
+
+    def ensure_cache_path(self):
+        if not os.path.isabs(self._cache_path):
+            raise OSError(f"no absolute user cache folder: {self._cache_path}")
+        super().ensure_cache_path()
 
 
 class _Temporary(_Stamped, _numba_locator("UserWideCacheLocator")):
