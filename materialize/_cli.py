@@ -31,7 +31,6 @@ from omicsio_jax import OmicsIOError
 from omicsio_jax.format import DERIVED_FILES, read_manifest, verify_dataset
 
 from ._collection_sources import Sources
-from ._materialize import materialize
 from ._options import (
     DEFAULT_COMPRESSION,
     DEFAULT_GROUP_SIZE,
@@ -262,6 +261,8 @@ def _stats(argv: list[str]) -> int:
 
 
 def _materialize(argv: list[str]) -> int:
+    from ._materialize import materialize  # here: its kernels' import can fail with a one-line error
+
     p = _parser()
     args = p.parse_intermixed_args(argv)
     inputs, out = args.inputs, args.out

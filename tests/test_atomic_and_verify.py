@@ -418,14 +418,14 @@ def test_killed_process_leaves_no_complete_looking_dataset(corpus, tmp_path, sig
     ids=["SIGTERM", "SIGINT"],
 )
 def test_the_exit_status_follows_the_signal_received(corpus, tmp_path, monkeypatch, capsys, stop, status):
-    from materialize import _cli
+    from materialize import _materialize
 
     def stopped(*args, **kwargs):
         stop()
         time.sleep(30)  # the signal's handler raises here
         pytest.fail("the signal did not stop the run")
 
-    monkeypatch.setattr(_cli, "materialize", stopped)
+    monkeypatch.setattr(_materialize, "materialize", stopped)  # the command imports it as it runs
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert main([str(corpus.cells_parquet), str(tmp_path / "out"), "--no-progress"]) == status

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from omicsio_jax import check_kernel_caches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +187,26 @@ def test_a_user_cache_folder_that_is_no_absolute_path_is_not_made_in_the_working
     assert list(work.iterdir()) == []
     (private,) = tmp.glob("omicsio-numba-*")
     assert list(private.rglob("*.nbi"))
+
+
+def test_a_kernel_with_no_folder_to_cache_in_at_all_is_a_one_line_error_naming_the_fix(tmp_path):
+    """Nowhere to write and the private temporary folder another's (or open to others): a one-line
+    error saying to set NUMBA_CACHE_DIR, not numba's "no locator available" from inside its decorator."""
+    pkg = make_package(tmp_path, "checked_pkg", checked=True)
+    (pkg / "__pycache__").write_text("a file where the folder would be")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where folders would be")
+    tmp = tmp_path / "tmp"
+    (tmp / f"omicsio-numba-{os.getuid()}").mkdir(parents=True, mode=0o777)
+    (tmp / f"omicsio-numba-{os.getuid()}").chmod(0o777)
+    env = {"XDG_CACHE_HOME": str(blocked / "cache"), "HOME": str(blocked), "TMPDIR": str(tmp)}
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env)
+    last = failed.value.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "omicsio_jax.core.errors.OmicsIOError: no folder to cache the compiled kernels of "
+    )
+    assert last.endswith("set NUMBA_CACHE_DIR to a folder you can write")
 
 
 def test_the_locators_find_numbas_classes_under_their_older_names(monkeypatch):

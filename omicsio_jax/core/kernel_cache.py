@@ -22,7 +22,8 @@ reinstall of the same version) leaves the caches alone.
 
 Where numba finds no folder it can write for a package's kernel (a read-only install without a
 writable home), the kernel is cached in a folder of the user's own in the temporary directory
-(mode 0700), not refused.
+(mode 0700), not refused; where that folder is another user's too, the kernel's import stops with a
+one-line `OmicsIOError` saying to set ``NUMBA_CACHE_DIR``.
 """
 
 from __future__ import annotations

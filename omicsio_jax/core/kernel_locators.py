@@ -1,7 +1,8 @@
 """numba cache locators for the kernels of the packages `check_kernel_caches` checked: numba's own
 (``NUMBA_CACHE_DIR``, the module's ``__pycache__``, the user-wide folder, in numba's order), with
-the packages' digests in each kernel's source stamp (`package_stamp`), and last a folder of the
-user's own in the temporary directory. Loaded with ``numba.core.caching`` (`kernel_cache`'s hook),
+the packages' digests in each kernel's source stamp (`package_stamp`), then a folder of the
+user's own in the temporary directory, and last, where even that cannot be had, a one-line error
+naming ``NUMBA_CACHE_DIR``. Loaded with ``numba.core.caching`` (`kernel_cache`'s hook),
 never by ``import omicsio_jax``.
 """
 
@@ -11,6 +12,8 @@ import os
 import tempfile
 
 from numba.core import caching
+
+from omicsio_jax.core.errors import OmicsIOError
 
 
 def _no_stamp(py_file: str) -> None:
@@ -73,9 +76,27 @@ class _Temporary(_Stamped, _numba_locator("UserWideCacheLocator")):
         super().ensure_cache_path()
 
 
+class _Refused:
+    """Last, for a checked package's kernel that no folder above takes (the private one another
+    user's, or open to others): a one-line error with the fix, not numba's "no locator available"
+    from inside its decorator. A module that is no file (a zipped install) is left to numba's own."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if _package_stamp(py_file) is None or not os.path.exists(py_file):
+            return None
+        msg = (
+            f"no folder to cache the compiled kernels of {py_file} in: numba's (NUMBA_CACHE_DIR, the "
+            "package's __pycache__, the user cache folder) cannot be written, and omicsio-numba-"
+            f"{os.getuid()} in the temporary directory is not a folder of this user's alone (mode 0700); "
+            "set NUMBA_CACHE_DIR to a folder you can write"
+        )
+        raise OmicsIOError(msg)
+
+
 def _private_folder() -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"omicsio-numba-{os.getuid()}")
     try:
+        folder = os.path.join(tempfile.gettempdir(), f"omicsio-numba-{os.getuid()}")
         os.makedirs(folder, mode=0o700, exist_ok=True)
         st = os.lstat(folder)
     except OSError:
@@ -85,7 +106,7 @@ def _private_folder() -> str:
     return folder
 
 
-LOCATORS = (_UserProvided, _InTree, _UserWide, _Temporary)
+LOCATORS = (_UserProvided, _InTree, _UserWide, _Temporary, _Refused)
 
 
 def install(module, package_stamp) -> None:
