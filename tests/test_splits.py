@@ -162,6 +162,32 @@ except oj.OmicsIOError as e:
     assert (path / "manifest.json").read_bytes() == before
 
 
+def test_a_split_the_folder_refuses_is_a_one_line_error_and_changes_nothing(
+    dataset_dir, tmp_path, monkeypatch
+):
+    """The same refusal in this process (where another user cannot run): the folder refuses the
+    split's file as a read-only mount or another user's folder does."""
+    import pathlib
+
+    path = shutil.copytree(dataset_dir, tmp_path / "ds")
+    before = (path / "manifest.json").read_bytes()
+    write_text = pathlib.Path.write_text
+
+    def refused(self, *args, **kwargs):
+        if self.parent.name == "splits":
+            raise PermissionError(13, "Permission denied", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", refused)
+    with pytest.raises(oj.OmicsIOError) as caught:
+        oj.split(oj.open_dataset(path), by="drug", fractions=(0.8, 0.2), names=("a", "b"))
+    assert str(caught.value) == (
+        f"oj.split({path}, by='drug'): cannot write splits/drug.json into {path} (Permission denied); "
+        "split a copy you can write, or ask the dataset's owner to run oj.split"
+    )
+    assert (path / "manifest.json").read_bytes() == before
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_five_donors_split_three_ways_give_every_split_a_donor_whatever_the_seed(seed):
     """Five donors of about a fifth each, 0.6/0.2/0.2: a group goes where its middle cell falls, and

@@ -110,6 +110,28 @@ def test_the_stats_command_on_a_dataset_the_user_cannot_write_is_a_one_line_erro
     assert oj.verify_dataset(path) == []
 
 
+def test_the_stats_command_refused_by_the_folder_stops_before_reading(
+    dataset_dir, tmp_path, monkeypatch, capsys
+):
+    """The same refusal in this process (where another user cannot run): the dataset's folder
+    refuses stats' staging folder; one line, exit status 2, the dataset as it was."""
+    import materialize._stats as stats_command
+
+    path = shutil.copytree(dataset_dir, tmp_path / "ds")
+
+    class Refused:
+        def __init__(self, *, dir, prefix):  # noqa: A002 - tempfile's keyword
+            raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(stats_command.tempfile, "TemporaryDirectory", Refused)
+    assert materialize_main(["stats", str(path), "--force"]) == 2
+    assert capsys.readouterr().err == (
+        f"omicsio-materialize: error: stats cannot write into {path} (Permission denied): it adds its "
+        "files to the dataset's folder; run it as the folder's owner, or on a copy you can write\n"
+    )
+    assert oj.verify_dataset(path) == []
+
+
 def _list_table(rng, num_cells: int, num_features: int, kind: str, **obs):
     """Cells as a list-column table: sorted ``<kind>_token_id`` and positive integer values."""
     import pyarrow as pa
