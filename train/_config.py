@@ -9,6 +9,7 @@ import omicsio_jax as oj
 from ._errors import TrainError
 from ._model import MODELS
 from ._paths import check_paths
+from ._resume_files import with_file_digests
 
 SAMPLINGS = ("block", "stream", "stream_buffer", "class_balanced")
 # Not saved in a checkpoint's config: how this invocation runs, not what it trains.
@@ -152,11 +153,15 @@ class TrainConfig:
         """The options recorded in a checkpoint (all but resume, checkpoint dir and progress)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_SAVED}
 
-    def identity(self, *, fingerprint: str, train_rows: str) -> dict:
+    def identity(self, *, fingerprint: str, train_rows: str, held_out: str | None = None) -> dict:
         """What a resumed run must share with the checkpoint: the options that decide batches and
-        updates, the dataset fingerprint and a digest of the training rows."""
+        updates, the dataset fingerprint and a digest of the training rows. ``eval_rows`` is there as
+        ``held_out``, the `train._resume_files.rows_sha256` of the rows it holds out (None without
+        it), not as its path: the same rows from another path resume, other rows in the same file do
+        not."""
         same = {k: v for k, v in self.saved().items() if k not in _FREE_ON_RESUME}
-        return {"dataset": fingerprint[:16], "train_rows": train_rows, **same}
+        identity = {"dataset": fingerprint[:16], "train_rows": train_rows, **same}
+        return with_file_digests(identity, {"eval_rows": held_out})
 
     def loader_sampling(self) -> oj.Sampling:
         """The training loader's sampling option (``sampling``, ``block_size``, ``fetch_factor``)."""

@@ -23,6 +23,7 @@ from ._metrics import EvalResult, MetricsLog
 from ._model import make_model
 from ._predicate import parse_predicate
 from ._preempt import Preemption
+from ._resume_files import check_files, rows_sha256
 from ._step import evaluate, make_train_step, replicate
 
 
@@ -191,11 +192,12 @@ def check_resumed(config: TrainConfig, latest) -> None:
 
 
 def restorable(config: TrainConfig, store, identity: dict):
-    """The checkpoint to resume (checked against ``identity``), or None for a fresh run."""
+    """The checkpoint to resume (checked against ``identity``, its input files by content:
+    `train._resume_files.check_files`), or None for a fresh run."""
     latest = None if store is None else store.latest()
     check_resumed(config, latest)
     if latest is not None:
-        ckpt.check_compatible(latest, identity)
+        ckpt.check_compatible(latest, check_files(latest, identity, config))
     return latest
 
 
@@ -260,7 +262,8 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     store = open_checkpoints(config)
     if config.auto_tune:
         config = auto_tuned(config, ds, train_rows, store, say)
-    identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows))
+    held_out = rows_sha256(eval_rows) if config.eval_rows is not None else None
+    identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows), held_out=held_out)
     with contextlib.ExitStack() as cleanup:  # closes the metrics log, the loader, then the store
         preemption = cleanup.enter_context(Preemption())  # SIGTERM: stop at a step boundary, saved
         if store is not None:

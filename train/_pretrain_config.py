@@ -21,6 +21,7 @@ from ._hf import PublishedCheckpoint
 from ._layers import with_dropout
 from ._paths import check_paths
 from ._published import load_checkpoint
+from ._resume_files import file_sha256, with_file_digests
 from ._transformer import KINDS, PRESETS, make_optimizer, make_pretrain_model
 
 DEFAULT_MAX_LEN = {"geneformer": 2048, "scgpt": 1201}
@@ -192,9 +193,12 @@ class PretrainConfig:
         )
 
     def identity(self, fingerprint: str) -> dict:
-        """What a checkpoint must match to be resumed."""
+        """What a checkpoint must match to be resumed. ``vocab`` and ``medians`` are there as the
+        sha256 of their files' bytes (read here), not as paths: the same file from another path
+        resumes, a file changed in place does not (`train._resume_files`)."""
         saved = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IDENTITY}
-        return {**saved, "dataset_fingerprint": fingerprint}
+        files = {name: file_sha256(name, getattr(self, name)) for name in ("vocab", "medians")}
+        return with_file_digests({**saved, "dataset_fingerprint": fingerprint}, files)
 
 
 def _dtype(name: str):
