@@ -171,3 +171,68 @@ def test_pretraining_stops_on_sigterm_with_an_orbax_checkpoint_and_resumes_bit_e
         np.testing.assert_array_equal(a, b)
     losses = [json.loads(line)["loss"] for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert losses == [r["loss"] for r in reference.history]
+
+
+def _terminated_in_start_up(monkeypatch, module) -> None:
+    """SIGTERM this process while ``module``'s run opens its checkpoint (in its start-up, before any step)."""
+    restorable = module.restorable
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return restorable(*args, **kwargs)
+
+    monkeypatch.setattr(module, "restorable", terminated)
+
+
+def test_sigterm_in_the_start_up_of_a_finished_run_says_what_it_skipped(
+    dataset_dir, tmp_path, capsys, monkeypatch
+):
+    """A resumed run already at its last step has only its evaluation (probe) left: a SIGTERM in its
+    start-up stops it before that, says so as any stop on SIGTERM does, and exits 0 with the
+    checkpoint to resume; it exited 0 without a word."""
+    import train._loop
+    import train._pretrain
+    from train._cli import main
+
+    ckpt = tmp_path / "ckpt"
+    argv = [
+        str(dataset_dir),
+        "--label",
+        "drug",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "64",
+        "--fetch-factor",
+        "4",
+    ]
+    argv += ["--steps", "2", "--eval-where", "batch = 'plate_00'", "--checkpoint-dir", str(ckpt)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _terminated_in_start_up(m, train._loop)
+        assert main([*argv, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "eval (" not in out
+    assert out.splitlines()[-1] == (
+        f"SIGTERM: stopped after step 2/2, before the evaluation; checkpoint {ckpt / 'step-000002'}, "
+        "continue with --resume"
+    )
+    assert main([*argv, "--resume"]) == 0  # as the scheduler requeues it: it evaluates
+    assert "eval (batch = 'plate_00'): accuracy" in capsys.readouterr().out
+
+    pt = tmp_path / "pt"
+    argv = ["pretrain", str(dataset_dir), "--preset", "tiny", "--max-len", "16", "--batch-size", "16"]
+    argv += ["--fetch-factor", "4", "--steps", "2", "--probe-label", "drug", "--probe-cells", "64"]
+    argv += ["--checkpoint-dir", str(pt)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _terminated_in_start_up(m, train._pretrain)
+        assert main([*argv, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "linear probe of" not in out
+    assert out.splitlines()[-1] == (
+        f"SIGTERM: stopped after step 2/2, before the linear probe; checkpoint {pt / 'step-000002'}, "
+        "continue with --resume"
+    )

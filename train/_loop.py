@@ -34,7 +34,8 @@ class FitResult:
     ``step_time_s`` is the median wall time of a step (data wait included, the first step with its
     compilation left out); ``data_wait_fraction`` the share of that time spent waiting for batches.
     ``preempted``: a SIGTERM stopped the run after the last step of ``history`` (checkpointed there
-    when the run has a checkpoint directory; no evaluation).
+    when the run has a checkpoint directory; no evaluation), or, where it came with no step left to
+    take (a resumed run already at its last step), before the evaluation.
     """
 
     model: eqx.Module
@@ -342,6 +343,7 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
             f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)"
         )
         batches = iter(loader)
+        stopped = False  # by a signal, at a step boundary
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             batch = next(batches)
@@ -391,9 +393,22 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
                     last_saved=last_saved,
                     say=say,
                 )
+                stopped = True
                 break
         if directory is not None and restored is not None and start >= total:
             say(f"{restored.path} is already at the last step ({total})")
+    if preemption.requested and not stopped:
+        # the signal came with no step left to take (in the start-up of a resumed run already at its
+        # last step, or as the store closed): it stops the evaluation, and says so as any stop does
+        preemption.stop(
+            total,
+            total,
+            save=save if directory is not None else None,
+            saved=True,
+            last_saved=last_saved,
+            say=say,
+            before="the evaluation" if eval_rows is not None else None,
+        )
 
     result = None
     if eval_rows is not None and not preemption.requested:

@@ -46,9 +46,13 @@ class Preemption:
         saved: bool,
         last_saved: Path | None,
         say: Callable[[str], None],
+        before: str | None = None,
     ) -> Path | None:
         """At a step boundary after a signal: checkpoint ``step`` with ``save`` (None: no checkpoint
-        directory) unless it was just ``saved``, say so, and return the run's last checkpoint."""
+        directory) unless it was just ``saved``, say so, and return the run's last checkpoint.
+        ``before``: the work after the last step that the stop skips (the evaluation), named in the
+        message, for a signal that came once no step was left to take: a run that exits 0 having
+        skipped it must say so, as ``--resume`` is what does it."""
         if save is not None and not saved:
             last_saved = save(step)
         where = (
@@ -56,7 +60,8 @@ class Preemption:
             if save is not None
             else "no --checkpoint-dir, nothing saved"
         )
-        say(f"{self.signal_name}: stopped after step {step}/{total}; {where}")
+        skipped = f", before {before}" if before else ""
+        say(f"{self.signal_name}: stopped after step {step}/{total}{skipped}; {where}")
         return last_saved
 
     def __enter__(self) -> Self:

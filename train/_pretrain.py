@@ -201,6 +201,7 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         slots = config.batch_size * config.length
         real_is_true = config.tokens == "geneformer"
         window_start = time.perf_counter()
+        stopped = False  # by a signal, at a step boundary
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             batch = next(batches)
@@ -227,8 +228,19 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
                         last_saved=last_saved,
                         say=say,
                     )
+                    stopped = True
                     break
                 window_start = time.perf_counter()
+    if preemption.requested and not stopped:  # no step left to take: the probe is what it stops (see `fit`)
+        preemption.stop(
+            total,
+            total,
+            save=save if config.checkpoint_dir is not None else None,
+            saved=True,
+            last_saved=last_saved,
+            say=say,
+            before="the linear probe" if config.probe_label is not None else None,
+        )
     probe = None
     if config.probe_label is not None and not preemption.requested:
         init_model = build_model(config, vocab_size, jax.random.split(jax.random.key(config.seed))[0])
