@@ -12,7 +12,7 @@ from conftest import kill_at
 
 import omicsio_jax as oj
 from materialize import materialize
-from train import TrainError, logistic_probe
+from train import TrainError, latest_checkpoint, list_checkpoints, logistic_probe, save_checkpoint
 from train._cli import main, parse_pretrain_config
 from train._pretrain import embed, load_pretrained, pretrain
 
@@ -108,6 +108,44 @@ def test_embedding_a_run_still_training_leaves_the_save_it_is_writing(dataset_di
     assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", str(out)]) == 0
     assert load_pretrained(ckpt)[2]["step"] == 2
     assert (writing / "state.eqx").read_bytes() == b"partial"
+
+
+def test_a_step_pruned_as_it_is_read_is_replaced_by_the_newer_one(dataset_dir, tmp_path, capsys, monkeypatch):
+    """``embed --checkpoint-dir`` and ``finetune --init DIR`` read the latest step of a run that may
+    still be training there, saving every step and pruning the older ones (``--keep``): the step
+    chosen can be deleted before its state is read. The step that replaced it is read (the read
+    stopped with FileNotFoundError); a run that prunes each step chosen before it is read, five
+    times over, is a one-line error."""
+    ckpt = tmp_path / "pt"
+    assert main([*_args(dataset_dir, "geneformer", "--steps", "2"), "--checkpoint-dir", str(ckpt)]) == 0
+    read = eqx.tree_deserialise_leaves
+    saves = []
+
+    def the_run_saves_a_step_first(path, like):  # the next step published, the one being read pruned
+        latest = latest_checkpoint(ckpt)
+        meta = {k: v for k, v in latest.meta.items() if k not in ("step", "format_version")}
+        saves.append(save_checkpoint(ckpt, latest.step + 1, like, meta, keep=1))
+        return read(path, like)
+
+    monkeypatch.setattr(eqx, "tree_deserialise_leaves", the_run_saves_a_step_first)
+    with pytest.raises(
+        TrainError, match=r"the latest checkpoint was deleted before it could be read, 5 times"
+    ):
+        load_pretrained(ckpt)
+    assert [p.name for p in saves] == [f"step-{s:06d}" for s in range(3, 8)]
+
+    once = iter([the_run_saves_a_step_first])
+    monkeypatch.setattr(eqx, "tree_deserialise_leaves", lambda p, like: next(once, read)(p, like))
+    assert load_pretrained(ckpt)[2]["step"] == 8
+    assert [s for s, _ in list_checkpoints(ckpt)] == [8]
+    capsys.readouterr()
+    monkeypatch.setattr(eqx, "tree_deserialise_leaves", the_run_saves_a_step_first)
+    assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"omicsio-train: error: {ckpt}: the latest checkpoint was deleted before it could be read, 5 "
+        "times over (the run writing there prunes its steps as fast as they load): try again, or copy "
+        "the folder and pass the copy"
+    ]
 
 
 def test_embed_refuses_a_dataset_whose_genes_are_in_another_column_order(

@@ -3,6 +3,7 @@ of a pretraining checkpoint directory (`load_pretrained`)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -28,6 +29,7 @@ from ._pretrain_config import (
 from ._step import replicate
 
 DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
+READ_ATTEMPTS = 5  # `load_pretrained`'s tries at a latest step that a newer one keeps pruning
 
 
 def embed(
@@ -237,7 +239,11 @@ def probe_split(
 
 
 def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainConfig, dict]:
-    """The model of the latest checkpoint in ``checkpoint_dir`` (either format), its config and meta."""
+    """The model of the latest checkpoint in ``checkpoint_dir`` (either format), its config and meta.
+
+    The run that wrote the folder may still be training there, pruning its old steps (``--keep``): a
+    step chosen as the latest can be deleted before its files are read. Then the step that replaced
+    it is read instead (up to `READ_ATTEMPTS` tries), not the FileNotFoundError of the deleted file."""
     root = Path(checkpoint_dir)
     if root.name.startswith("step-") and any(root.parent.glob("step-*/state.eqx")):
         msg = f"{root} is one step of a pretraining run: give the run's directory, {root.parent} (its latest step is used)"
@@ -246,6 +252,22 @@ def load_pretrained(checkpoint_dir: str | Path) -> tuple[eqx.Module, PretrainCon
         msg = f"{root} is no folder: give a pretraining run's --checkpoint-dir"
         raise TrainError(msg)
     fmt = "equinox" if any(root.glob("step-*")) else "orbax"
+    for attempt in range(READ_ATTEMPTS):
+        time.sleep(0.05 * attempt)  # a step rewritten in place is missing for a moment (`save_checkpoint`)
+        try:
+            return _load_latest(root, fmt)
+        except FileNotFoundError as e:  # the step was pruned by a newer one as it was read
+            gone = e
+    msg = (
+        f"{root}: the latest checkpoint was deleted before it could be read, {READ_ATTEMPTS} times over "
+        "(the run writing there prunes its steps as fast as they load): try again, or copy the folder "
+        "and pass the copy"
+    )
+    raise TrainError(msg) from gone
+
+
+def _load_latest(root: Path, fmt: str) -> tuple[eqx.Module, PretrainConfig, dict]:
+    """One try of `load_pretrained`: FileNotFoundError if the step it chose is deleted meanwhile."""
     store = open_checkpoints(
         PretrainConfig("", checkpoint_dir=str(root), checkpoint_format=fmt), writing=False
     )
