@@ -7,6 +7,9 @@ A checkpoint is written into a hidden sibling (``.step-000200.tmp-<pid>``), fsyn
 into place, so a kill leaves at most a hidden partial directory; the latest checkpoint is found
 by scanning the step directories; the last ``keep`` are kept. `EquinoxCheckpoints` is this
 format behind the interface `fit` uses (`train._orbax.OrbaxCheckpoints` is the other).
+
+The run writing a directory holds an exclusive ``flock`` on its ``.writer.lock`` (`lock_writer`),
+which names the run, for as long as it writes there.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from typing import Any
 
 import equinox as eqx
 
-from ._errors import CheckpointMismatchError
+from ._errors import CheckpointMismatchError, TrainError
 
 STATE_FILE = "state.eqx"
 META_FILE = "meta.json"
+LOCK_FILE = ".writer.lock"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -48,11 +52,13 @@ class Checkpoint:
 
 class EquinoxCheckpoints:
     """The checkpoints of one run in ``directory`` (see the module docstring). The run that writes
-    them (``writing``) deletes the partials a killed run left; a reader (``embed``, ``finetune
-    --init``) leaves them, as a hidden folder may be the save of a run still training there."""
+    them (``writing``) locks the directory (`lock_writer`) until `close`, then deletes the partials
+    a killed run left; a reader (``embed``, ``finetune --init``) does neither, as a hidden folder may
+    be the save of a run still training there."""
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, writing: bool = True):
         self.directory, self.keep = Path(directory), keep
+        self._lock = lock_writer(self.directory) if writing else None
         if writing:
             remove_partials(self.directory)
 
@@ -66,7 +72,10 @@ class EquinoxCheckpoints:
         )
 
     def close(self) -> None:
-        """Nothing is written in the background in this format."""
+        """Release the directory to another writer (nothing is written in the background here)."""
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -140,6 +149,38 @@ def remove_partials(directory: str | os.PathLike[str]) -> None:
         for entry in root.iterdir():
             if entry.is_dir() and entry.name.startswith(".step-"):
                 shutil.rmtree(entry, ignore_errors=True)
+
+
+def lock_writer(directory: str | os.PathLike[str]) -> int | None:
+    """Take the exclusive ``flock`` on ``directory``'s `LOCK_FILE` for the run about to write
+    checkpoints there, and write its pid and host into it; return the file's descriptor (closing it
+    releases the lock), or None where the file system has no ``flock`` (some network ones).
+
+    Two writers (a requeued job started while the old one still runs) would each delete the other's
+    save in progress as a killed run's partial and both write steps: the second is refused, naming
+    the first. The kernel releases a killed run's lock, so that never blocks the next run."""
+    import fcntl
+    import socket
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 1024).decode(errors="replace").strip() or "its pid not written yet"
+        os.close(fd)
+        msg = (
+            f"{root} is the checkpoint directory of a run still writing there ({holder}): stop that run "
+            "first, or pass another --checkpoint-dir"
+        )
+        raise TrainError(msg) from None
+    except OSError:  # no flock on this file system: no guard
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+    return fd
 
 
 def check_compatible(checkpoint: Checkpoint, now: dict) -> None:

@@ -1,0 +1,70 @@
+"""The checkpoint directory of a training run, shared with other runs over time: one run writes it at
+a time, and readers never block it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from train._checkpoint import EquinoxCheckpoints
+from train._cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--label", "drug", "--model", "linear", "--batch-size", "64", "--block-size", "16", "--quiet"]
+
+
+def _fit(dataset_dir, ckpt: Path, *extra: str) -> int:
+    return main([str(dataset_dir), *ARGS, "--checkpoint-dir", str(ckpt), *extra])
+
+
+def test_a_second_run_writing_the_directory_is_refused_naming_the_first(dataset_dir, tmp_path, capsys):
+    """A job requeued while the old one still runs, both writing one ``--checkpoint-dir``: the second
+    deleted the first's save in progress (taken for a killed run's partial), then both wrote steps.
+    It is refused at its start, in one line naming the first run's pid and host; a reader of the
+    directory (``embed``, ``finetune --init``) is not, and neither is a run after the first ended."""
+    ckpt = tmp_path / "ckpt"
+    assert _fit(dataset_dir, ckpt, "--steps", "2") == 0
+    first = EquinoxCheckpoints(ckpt, keep=3)  # the first run, still training
+    saving = ckpt / f".step-000003.tmp-{os.getpid()}"  # its save of step 3, in progress
+    saving.mkdir()
+    capsys.readouterr()
+    assert _fit(dataset_dir, ckpt, "--steps", "2", "--resume") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"omicsio-train: error: {ckpt} is the checkpoint directory of a run still writing there (pid "
+        f"{os.getpid()} on host {socket.gethostname()}): stop that run first, or pass another --checkpoint-dir"
+    ]
+    assert saving.is_dir() and train.latest_checkpoint(ckpt).step == 2
+    EquinoxCheckpoints(ckpt, writing=False).close()  # a reader takes no lock
+    first.close()
+    assert _fit(dataset_dir, ckpt, "--steps", "2", "--resume") == 0  # a finished run: trains nothing
+    assert train.latest_checkpoint(ckpt).step == 2 and not saving.exists()
+
+
+def test_a_killed_runs_lock_never_blocks_the_next_run(tmp_path):
+    """The lock is the kernel's ``flock``: a SIGKILLed run's is released with its process, so the
+    requeued run that resumes its directory starts at once."""
+    ckpt = tmp_path / "ckpt"
+    script = (
+        "import time\nfrom train._checkpoint import EquinoxCheckpoints\n"
+        f"EquinoxCheckpoints({str(ckpt)!r})\nprint('writing', flush=True)\ntime.sleep(600)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert run.stdout.readline() == "writing\n"
+        with pytest.raises(
+            train.TrainError, match=re.escape(f"(pid {run.pid} on host {socket.gethostname()})")
+        ):
+            EquinoxCheckpoints(ckpt)
+    finally:
+        run.kill()
+        run.wait()
+        run.stdout.close()
+    EquinoxCheckpoints(ckpt).close()
