@@ -1,5 +1,5 @@
 """The checkpoint directory of a training run, shared with other runs over time: one run writes it at
-a time, and readers never block it."""
+a time, readers never block it, and what a killed run left is recovered or cleaned by the next."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import train
 from train._checkpoint import EquinoxCheckpoints
-from train._cli import main
+from train._cli import main, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--label", "drug", "--model", "linear", "--batch-size", "64", "--block-size", "16", "--quiet"]
@@ -68,3 +69,37 @@ def test_a_killed_runs_lock_never_blocks_the_next_run(tmp_path):
         run.wait()
         run.stdout.close()
     EquinoxCheckpoints(ckpt).close()
+
+
+def test_a_run_killed_while_saving_a_step_again_leaves_that_step_to_the_next_run(
+    dataset_dir, tmp_path, monkeypatch
+):
+    """A step saved a second time moves its first copy aside (``.step-N.old-<pid>``), then the new
+    one into place. A run killed between the two left the first copy hidden, and the next run
+    deleted it with the partials: with ``--keep 1`` the only checkpoint, so ``--resume`` started
+    over at step 0. The next run puts that copy back as the step, then deletes the partials."""
+    ckpt = tmp_path / "ckpt"
+    args = [str(dataset_dir), *ARGS, "--steps", "2", "--keep", "1", "--checkpoint-dir", str(ckpt)]
+    assert main(args) == 0
+    first = (ckpt / "step-000002" / "state.eqx").read_bytes()
+    replace = os.replace
+
+    def killed_between_the_renames(src, dst):
+        replace(src, dst)
+        if ".old-" in Path(dst).name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed_between_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint(ckpt, 2, {"w": np.zeros(3)}, {}, keep=1)
+    monkeypatch.undo()
+    assert train.latest_checkpoint(ckpt) is None
+    assert sorted(p.name for p in ckpt.glob(".step-*")) == [
+        f".step-000002.old-{os.getpid()}",
+        f".step-000002.tmp-{os.getpid()}",
+    ]
+
+    resumed = train.fit(parse_config([*args, "--resume"]))
+    assert (resumed.start_step, resumed.checkpoint) == (2, ckpt / "step-000002")
+    assert (ckpt / "step-000002" / "state.eqx").read_bytes() == first
+    assert list(ckpt.glob(".step-*")) == []

@@ -4,8 +4,9 @@
     ckpt/step-000200/meta.json    step, PRNG key data, seed, loader state, config, dataset fingerprint
 
 A checkpoint is written into a hidden sibling (``.step-000200.tmp-<pid>``), fsynced, and renamed
-into place, so a kill leaves at most a hidden partial directory; the latest checkpoint is found
-by scanning the step directories; the last ``keep`` are kept. `EquinoxCheckpoints` is this
+into place, so a kill leaves at most a hidden partial directory (or, saving a step again, the
+step's first copy hidden, which the next run puts back: `remove_partials`); the latest checkpoint
+is found by scanning the step directories; the last ``keep`` are kept. `EquinoxCheckpoints` is this
 format behind the interface `fit` uses (`train._orbax.OrbaxCheckpoints` is the other).
 
 The run writing a directory holds an exclusive ``flock`` on its ``.writer.lock`` (`lock_writer`),
@@ -31,6 +32,7 @@ META_FILE = "meta.json"
 LOCK_FILE = ".writer.lock"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
+_OLD_COPY = re.compile(r"\.(step-\d+)\.old-\d+")  # a step's first copy, moved aside to save it again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +92,13 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     found = []
     for entry in root.iterdir():
         m = _STEP_DIR.fullmatch(entry.name)
-        if m and (entry / META_FILE).is_file() and (entry / STATE_FILE).is_file():
+        if m and _complete(entry):
             found.append((int(m.group(1)), entry))
     return sorted(found)
+
+
+def _complete(path: Path) -> bool:
+    return (path / META_FILE).is_file() and (path / STATE_FILE).is_file()
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
@@ -129,7 +135,8 @@ def save_checkpoint(
     meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     _sync(tmp / STATE_FILE, tmp / META_FILE, tmp)
-    if final.exists():  # the same step written again: swap, never leaving no checkpoint visible
+    if final.exists():  # the same step saved again: a kill between the renames leaves the first
+        # copy hidden, put back as the step by the next run's `remove_partials`
         old = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
@@ -143,12 +150,25 @@ def save_checkpoint(
 
 
 def remove_partials(directory: str | os.PathLike[str]) -> None:
-    """Delete hidden partial checkpoints left by killed runs."""
+    """Delete the hidden folders killed runs left: partial saves, and the first copy of a step saved
+    again (`save_checkpoint`). A run killed between that save's two renames left the first copy as
+    the step's only one (with ``keep=1`` the run's only checkpoint): where the step is missing, that
+    copy is put back as the step before anything is deleted. Only the writer, holding the directory's
+    lock (`lock_writer`), calls this: a running writer's hidden folders are its saves in progress."""
     root = Path(directory)
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.is_dir() and entry.name.startswith(".step-"):
-                shutil.rmtree(entry, ignore_errors=True)
+    if not root.is_dir():
+        return
+    restored = False
+    for entry in sorted(root.iterdir()):
+        m = _OLD_COPY.fullmatch(entry.name)
+        if m and not (root / m.group(1)).exists() and _complete(entry):
+            os.replace(entry, root / m.group(1))
+            restored = True
+    if restored:
+        _sync(root)
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith(".step-"):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def lock_writer(directory: str | os.PathLike[str]) -> int | None:
