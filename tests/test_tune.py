@@ -125,6 +125,8 @@ def test_auto_tune_trains_with_the_chosen_settings_and_a_resume_keeps_them(
     ):
         train.fit(parse_config(args))
     monkeypatch.undo()
+    # the refused run let go of the directory at once (its writer's lock too): the same process resumes
+    assert train.fit(parse_config([*args, "--resume"])).start_step == 9
     with pytest.raises(SystemExit):
         parse_config([*args, "--auto-tune", "x"])
     with pytest.raises(train.TrainError, match="auto_tune chooses block sampling's settings"):

@@ -261,10 +261,17 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
     mesh = make_data_mesh(config.num_devices)
     check_eval_batch(mesh, config.eval_batch_size)
     store = open_checkpoints(config)
-    if config.auto_tune:
-        config = auto_tuned(config, ds, train_rows, store, say)
-    held_out = rows_sha256(eval_rows) if config.eval_rows is not None else None
-    identity = config.identity(fingerprint=ds.fingerprint, train_rows=_digest(train_rows), held_out=held_out)
+    try:  # a run refused here lets go of the store (its writer's lock) at once, not when collected
+        if config.auto_tune:
+            config = auto_tuned(config, ds, train_rows, store, say)
+        held_out = rows_sha256(eval_rows) if config.eval_rows is not None else None
+        identity = config.identity(
+            fingerprint=ds.fingerprint, train_rows=_digest(train_rows), held_out=held_out
+        )
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     with contextlib.ExitStack() as cleanup:  # closes the metrics log, the loader, then the store
         preemption = cleanup.enter_context(Preemption())  # SIGTERM: stop at a step boundary, saved
         if store is not None:
