@@ -175,7 +175,9 @@ def table_csr(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def kill_at(args: list[str], ckpt: Path, marker: Path, stall_at: int, published: Path) -> None:
     """Run ``omicsio-train args`` in a worker that stalls after step ``stall_at``; SIGKILL it there
     once the checkpoint ``published`` exists."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # this checkout's packages first (a script's own folder, tests/, is what Python puts on the path)
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": path}
     command = [
         sys.executable,
         str(ROOT / "tests" / "_train_kill_worker.py"),
