@@ -17,7 +17,7 @@ import omicsio_jax as oj
 from ._config import given_option, option_name
 from ._errors import TrainError
 from ._gene_order import check_gene_order
-from ._loop import label_column, make_data_mesh, open_checkpoints
+from ._loop import label_column, make_data_mesh
 from ._pretrain_config import (
     PretrainConfig,
     build_model,
@@ -27,6 +27,7 @@ from ._pretrain_config import (
     with_init_vocab,
 )
 from ._step import replicate
+from ._stores import open_checkpoints
 
 DEFAULT_POOL = {"geneformer": "mean", "scgpt": "cls"}
 READ_ATTEMPTS = 5  # `load_pretrained`'s tries at a latest step that a newer one keeps pruning

@@ -32,7 +32,7 @@ from ._embed import load_pretrained as load_pretrained
 from ._embed import logistic_probe as logistic_probe
 from ._embed import probe_pretraining
 from ._gene_order import gene_order
-from ._loop import epoch_coverage, label_column, make_data_mesh, open_checkpoints, restorable
+from ._loop import epoch_coverage, label_column, make_data_mesh
 from ._metrics import MetricsLog
 from ._preempt import Preemption
 from ._pretrain_config import DEFAULT_MAX_LEN as DEFAULT_MAX_LEN
@@ -42,6 +42,7 @@ from ._pretrain_config import check_vocabulary, open_init, with_init_vocab
 from ._pretrain_config import max_predictions as max_predictions
 from ._pretrain_config import pretrain_optimizer as pretrain_optimizer
 from ._step import replicate
+from ._stores import open_checkpoints, restorable
 from ._transformer import PRESETS, flops_per_cell, make_pretrain_step
 
 
