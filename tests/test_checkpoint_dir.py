@@ -48,6 +48,22 @@ def test_a_second_run_writing_the_directory_is_refused_naming_the_first(dataset_
     assert train.latest_checkpoint(ckpt).step == 2 and not saving.exists()
 
 
+def test_an_orbax_directory_is_locked_by_its_writer_too(tmp_path):
+    """``--checkpoint-format orbax``: the writer holds the same lock (taken before Orbax's manager,
+    which deletes the temporary folders of unfinished saves it finds); a reader takes none."""
+    from train._orbax import OrbaxCheckpoints
+
+    ckpt = tmp_path / "ckpt"
+    first = OrbaxCheckpoints(ckpt)
+    with pytest.raises(
+        train.TrainError, match=re.escape(f"(pid {os.getpid()} on host {socket.gethostname()})")
+    ):
+        OrbaxCheckpoints(ckpt)
+    OrbaxCheckpoints(ckpt, writing=False).close()
+    first.close()
+    OrbaxCheckpoints(ckpt).close()
+
+
 def test_a_killed_runs_lock_never_blocks_the_next_run(tmp_path):
     """The lock is the kernel's ``flock``: a SIGKILLed run's is released with its process, so the
     requeued run that resumes its directory starts at once."""

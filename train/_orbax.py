@@ -28,6 +28,8 @@ import numpy as np
 
 import omicsio_jax as oj
 
+from ._checkpoint import lock_writer
+
 
 def _ocp():
     return oj.MissingExtraError.require("orbax.checkpoint", "orbax", "--checkpoint-format orbax")
@@ -68,17 +70,26 @@ class OrbaxCheckpoint:
 
 
 class OrbaxCheckpoints:
-    """The checkpoints of one run, kept by an Orbax ``CheckpointManager`` (saves are asynchronous)."""
+    """The checkpoints of one run, kept by an Orbax ``CheckpointManager`` (saves are asynchronous).
+    The run that writes them (``writing``) holds the directory's writer lock (`lock_writer`, taken
+    by the first process before the manager opens: Orbax's manager deletes the temporary folders of
+    unfinished saves it finds, a running writer's among them) until `close`; a reader takes none."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, writing: bool = True):
         self.ocp = ocp = _ocp()
         self.directory = Path(directory).absolute()
+        self._lock = lock_writer(self.directory) if writing and jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()  # the other items: Orbax's own
         state = _state_handler(ocp)
         handlers.add("state", ocp.args.PyTreeSave, state)
         handlers.add("state", ocp.args.PyTreeRestore, state)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers)
+        except BaseException:
+            if self._lock is not None:
+                os.close(self._lock)
+            raise
 
     def latest(self) -> OrbaxCheckpoint | None:
         step = self.manager.latest_step()
@@ -105,9 +116,14 @@ class OrbaxCheckpoints:
         return self.directory / str(step)
 
     def close(self) -> None:
-        """Wait for the saves in flight, then release the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the saves in flight, then release the manager and the writer lock."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.close()
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
 
 
 def _state_handler(ocp):

@@ -16,8 +16,9 @@ from ._resume_files import check_files
 
 def open_checkpoints(config: TrainConfig, *, writing: bool = True):
     """The run's checkpoint store (`EquinoxCheckpoints` or `OrbaxCheckpoints`), or None without a
-    directory; ``writing``: a run that saves to it (in the Equinox format, from one process only), which
-    deletes the partial saves a killed run left there."""
+    directory; ``writing``: a run that saves to it (from one process only, in the Equinox format),
+    which holds the directory's writer lock (and, in the Equinox format, deletes the partial saves a
+    killed run left there); a reader (``embed``, ``finetune --init``) takes no lock."""
     if config.checkpoint_dir is None:
         return None
     other = _other_format(Path(config.checkpoint_dir), config.checkpoint_format)
@@ -38,7 +39,7 @@ def open_checkpoints(config: TrainConfig, *, writing: bool = True):
     if config.checkpoint_format == "orbax":
         from ._orbax import OrbaxCheckpoints
 
-        return OrbaxCheckpoints(config.checkpoint_dir, keep=config.keep)
+        return OrbaxCheckpoints(config.checkpoint_dir, keep=config.keep, writing=writing)
     return ckpt.EquinoxCheckpoints(config.checkpoint_dir, keep=config.keep, writing=writing)
 
 
