@@ -151,6 +151,17 @@ def test_pretraining_vocab_and_medians_are_compared_by_content_on_resume(
     (files / "vocab.json").write_text(json.dumps(vocab))
     assert _file_sha(files / "vocab.json") == was
 
+    # embed reads the files again from where the run read them: a changed one is refused too
+    out = str(tmp_path / "e.npy")
+    (files / "medians.json").write_text(json.dumps({e: 3 * m for e, m in medians.items()}))
+    assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", out]) == 2
+    assert _error(capsys).startswith(
+        f"omicsio-train: error: --checkpoint-dir {ckpt}: its run's --medians {files / 'medians.json'} has "
+        "changed since it was read (sha256 "
+    )
+    (files / "medians.json").write_text(json.dumps(medians))
+    assert main(["embed", str(dataset_dir), "--checkpoint-dir", str(ckpt), "--out", out]) == 0, _error(capsys)
+
     # a checkpoint that recorded the paths only: compared by path, as before
     _to_legacy(ckpt, "vocab")
     _to_legacy(ckpt, "medians")

@@ -26,6 +26,7 @@ from ._pretrain_config import (
     pretrain_optimizer,
     with_init_vocab,
 )
+from ._resume_files import check_read_again
 from ._step import replicate
 from ._stores import open_checkpoints
 
@@ -320,6 +321,7 @@ def load_encoder(
         model, config, meta = load_pretrained(spec)
         given = {"tokens": tokens, "max_len": max_len, "vocab": vocab, "medians": medians}
         _refuse_token_options(config, spec, {**given, "special_tokens": None if special_tokens else False})
+        check_read_again(meta, config, f"{flag} {spec}")
         check_gene_order(meta, ds, spec)
         return model, config, f"{config.tokens} {config.init or config.preset}, step {meta['step']}", None
     config = PretrainConfig(

@@ -6,7 +6,9 @@ bytes (`file_sha256`), and for ``--eval-rows`` of the held-out rows it parsed (`
 a file re-saved with another dtype or order holds out the same cells. The path decides nothing:
 the same file by a relative or absolute path, through a symlink, or copied beside a run moved to
 another folder resumes; a file changed in place, which would tokenize or hold out differently, is
-refused in one line naming it (`check_files`).
+refused in one line naming it (`check_files`). A pretraining checkpoint read by ``embed`` or
+``finetune --init`` reads its run's files again from their paths: one changed since is refused too
+(`check_read_again`).
 
 Checkpoints written before these digests recorded the path instead (``<option>``): they are
 compared by path, as they were written, since the content they read is not known.
@@ -93,3 +95,24 @@ def check_files(checkpoint, identity: dict, config) -> dict:
         msg = f"cannot resume from {checkpoint.path}: {why}, or a fresh --checkpoint-dir"
         raise CheckpointMismatchError(msg)
     return compared
+
+
+def check_read_again(meta: dict, config, source: str) -> None:
+    """Refuse, in one line, to tokenize with a pretraining checkpoint's ``--vocab`` or ``--medians``
+    (``config``'s, read again from where its run read them: ``embed --checkpoint-dir``,
+    ``finetune --init DIR``) once the file holds other content than its run read (the digests of
+    ``meta``'s identity): the checkpoint's embeddings are those of the tokens that file made. A
+    checkpoint that recorded the path only is not checked."""
+    saved = meta.get("identity", {})
+    for name in ("vocab", "medians"):
+        then, path = saved.get(f"{name}_sha256"), getattr(config, name)
+        if then is None or path is None:
+            continue
+        now = file_sha256(name, path)
+        if now != then:
+            msg = (
+                f"{source}: its run's {_flag(name)} {path} has changed since it was read (sha256 "
+                f"{then[:_SHOWN]} then, {now[:_SHOWN]} now), and the checkpoint's token embeddings are "
+                "those of the file it read: put that file back"
+            )
+            raise TrainError(msg)
