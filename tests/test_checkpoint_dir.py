@@ -119,3 +119,21 @@ def test_a_run_killed_while_saving_a_step_again_leaves_that_step_to_the_next_run
     assert (resumed.start_step, resumed.checkpoint) == (2, ckpt / "step-000002")
     assert (ckpt / "step-000002" / "state.eqx").read_bytes() == first
     assert list(ckpt.glob(".step-*")) == []
+
+
+def test_a_writer_stopped_while_it_opens_the_directory_lets_go_of_its_lock(tmp_path, monkeypatch):
+    """Ctrl-C while the writer deletes a killed run's partial saves (large ones take a while) stopped
+    it holding the lock on a descriptor no one could close: the next run in the same process (a
+    notebook) was refused as "a run still writing there" with its own pid."""
+    import train._checkpoint
+
+    ckpt = tmp_path / "ckpt"
+
+    def interrupted(directory):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train._checkpoint, "remove_partials", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            EquinoxCheckpoints(ckpt)
+    EquinoxCheckpoints(ckpt).close()

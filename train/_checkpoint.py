@@ -62,7 +62,11 @@ class EquinoxCheckpoints:
         self.directory, self.keep = Path(directory), keep
         self._lock = lock_writer(self.directory) if writing else None
         if writing:
-            remove_partials(self.directory)
+            try:
+                remove_partials(self.directory)
+            except BaseException:  # (Ctrl-C while a killed run's partials are deleted) the lock goes too
+                self.close()
+                raise
 
     def latest(self) -> Checkpoint | None:
         return latest_checkpoint(self.directory)
@@ -198,8 +202,12 @@ def lock_writer(directory: str | os.PathLike[str]) -> int | None:
     except OSError:  # no flock on this file system: no guard
         os.close(fd)
         return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+    except BaseException:  # (a full disk, Ctrl-C) not left locked by a descriptor no one can close
+        os.close(fd)
+        raise
     return fd
 
 
