@@ -50,7 +50,7 @@ def test_a_second_run_writing_the_directory_is_refused_naming_the_first(dataset_
 
 def test_an_orbax_directory_is_locked_by_its_writer_too(tmp_path):
     """``--checkpoint-format orbax``: the writer holds the same lock (taken before Orbax's manager,
-    which deletes the temporary folders of unfinished saves it finds); a reader takes none."""
+    whose save of a step deletes that step's unfinished temporary folder); a reader takes none."""
     from train._orbax import OrbaxCheckpoints
 
     ckpt = tmp_path / "ckpt"

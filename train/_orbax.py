@@ -72,8 +72,9 @@ class OrbaxCheckpoint:
 class OrbaxCheckpoints:
     """The checkpoints of one run, kept by an Orbax ``CheckpointManager`` (saves are asynchronous).
     The run that writes them (``writing``) holds the directory's writer lock (`lock_writer`, taken
-    by the first process before the manager opens: Orbax's manager deletes the temporary folders of
-    unfinished saves it finds, a running writer's among them) until `close`; a reader takes none."""
+    by the first process before the manager opens: Orbax saving a step deletes the step's unfinished
+    temporary folder, a running writer's save in progress among them) until `close`; a reader takes
+    none."""
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, writing: bool = True):
         self.ocp = ocp = _ocp()
