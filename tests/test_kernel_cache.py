@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omicsio_jax import check_kernel_caches
+from omicsio_jax import OmicsIOError, check_kernel_caches
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,3 +220,24 @@ def test_the_locators_find_numbas_classes_under_their_older_names(monkeypatch):
     monkeypatch.delattr(caching, "UserProvidedCacheLocator")
     monkeypatch.setattr(caching, "_UserProvidedCacheLocator", cls, raising=False)
     assert kernel_locators._numba_locator("UserProvidedCacheLocator") is cls
+
+
+def test_no_folder_to_cache_in_names_why_the_private_one_is_not_there(tmp_path, monkeypatch):
+    """Where no temporary directory can be written at all (a read-only container), the error says so:
+    it said the private folder was "not a folder of this user's alone", a folder that did not exist."""
+    import tempfile
+
+    from omicsio_jax.core import kernel_locators
+
+    def no_temporary_directory():
+        raise FileNotFoundError(2, "No usable temporary directory found")
+
+    source = tmp_path / "kernel.py"
+    source.write_text("")
+    monkeypatch.setattr(kernel_locators, "_package_stamp", lambda py_file: "digest")
+    monkeypatch.setattr(tempfile, "gettempdir", no_temporary_directory)
+    with pytest.raises(OmicsIOError) as refused:
+        kernel_locators._Refused.from_function(None, str(source))
+    message = str(refused.value)
+    assert "no temporary directory can be written for omicsio-numba-" in message
+    assert "alone" not in message and "\n" not in message

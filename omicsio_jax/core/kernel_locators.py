@@ -78,8 +78,9 @@ class _Temporary(_Stamped, _numba_locator("UserWideCacheLocator")):
 
 class _Refused:
     """Last, for a checked package's kernel that no folder above takes (the private one another
-    user's, or open to others): a one-line error with the fix, not numba's "no locator available"
-    from inside its decorator. A module that is no file (a zipped install) is left to numba's own."""
+    user's, open to others, or no temporary directory writable at all): a one-line error with the
+    fix, not numba's "no locator available" from inside its decorator. A module that is no file (a
+    zipped install) is left to numba's own."""
 
     @classmethod
     def from_function(cls, py_func, py_file):
@@ -87,11 +88,22 @@ class _Refused:
             return None
         msg = (
             f"no folder to cache the compiled kernels of {py_file} in: numba's (NUMBA_CACHE_DIR, the "
-            "package's __pycache__, the user cache folder) cannot be written, and omicsio-numba-"
-            f"{os.getuid()} in the temporary directory is not a folder of this user's alone (mode 0700); "
+            f"package's __pycache__, the user cache folder) cannot be written, and {_why_not_private()}; "
             "set NUMBA_CACHE_DIR to a folder you can write"
         )
         raise OmicsIOError(msg)
+
+
+def _why_not_private() -> str:
+    """Why `_private_folder` has none: no temporary directory, or its folder not this user's alone."""
+    name = f"omicsio-numba-{os.getuid()}"
+    try:
+        folder = os.path.join(tempfile.gettempdir(), name)
+    except OSError:
+        return f"no temporary directory can be written for {name} (TMPDIR, /tmp, the working directory)"
+    if not os.path.lexists(folder):
+        return f"{folder} cannot be made"
+    return f"{folder} is not a folder of this user's alone (mode 0700)"
 
 
 def _private_folder() -> str:
