@@ -79,13 +79,13 @@ class OrbaxCheckpoints:
     def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, writing: bool = True):
         self.ocp = ocp = _ocp()
         self.directory = Path(directory).absolute()
-        self._lock = lock_writer(self.directory) if writing and jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()  # the other items: Orbax's own
         state = _state_handler(ocp)
         handlers.add("state", ocp.args.PyTreeSave, state)
         handlers.add("state", ocp.args.PyTreeRestore, state)
-        try:
+        self._lock = lock_writer(self.directory) if writing and jax.process_index() == 0 else None
+        try:  # the lock goes with a manager that could not be opened
             self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers)
         except BaseException:
             if self._lock is not None:
