@@ -286,7 +286,6 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
             f"({per_epoch}/epoch) of {config.batch_size} on {mesh.size} device(s)"
         )
         batches = iter(loader)
-        stopped = False  # by a signal, at a step boundary
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             batch = next(batches)
@@ -336,11 +335,10 @@ def fit(config: TrainConfig, *, callback: Callable[[dict], None] | None = None) 
                     last_saved=last_saved,
                     say=say,
                 )
-                stopped = True
                 break
         if directory is not None and restored is not None and start >= total:
             say(f"{restored.path} is already at the last step ({total})")
-    if preemption.requested and not stopped:
+    if preemption.requested and not preemption.stopped:
         # the signal came with no step left to take (in the start-up of a resumed run already at its
         # last step, or as the store closed): it stops the evaluation, and says so as any stop does
         preemption.stop(

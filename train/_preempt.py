@@ -25,11 +25,13 @@ from typing import Self
 
 
 class Preemption:
-    """Context manager: ``requested`` turns True when one of ``signals`` arrives (default SIGTERM)."""
+    """Context manager: ``requested`` turns True when one of ``signals`` arrives (default SIGTERM);
+    ``stopped``, once the loop has stopped for it (`stop`)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
         self.signals = signals
         self.requested = False
+        self.stopped = False
         self.signal_name: str | None = None
         self._previous: dict[signal.Signals, object] = {}
 
@@ -62,6 +64,7 @@ class Preemption:
         )
         skipped = f", before {before}" if before else ""
         say(f"{self.signal_name}: stopped after step {step}/{total}{skipped}; {where}")
+        self.stopped = True
         return last_saved
 
     def __enter__(self) -> Self:

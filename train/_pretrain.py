@@ -202,7 +202,6 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
         slots = config.batch_size * config.length
         real_is_true = config.tokens == "geneformer"
         window_start = time.perf_counter()
-        stopped = False  # by a signal, at a step boundary
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             batch = next(batches)
@@ -229,10 +228,11 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
                         last_saved=last_saved,
                         say=say,
                     )
-                    stopped = True
                     break
                 window_start = time.perf_counter()
-    if preemption.requested and not stopped:  # no step left to take: the probe is what it stops (see `fit`)
+    if (
+        preemption.requested and not preemption.stopped
+    ):  # no step left to take: the probe is what it stops (see `fit`)
         preemption.stop(
             total,
             total,
