@@ -251,18 +251,15 @@ class StreamIterator(ClosingIterator):
             self._stream = Background(lambda: loader._host_batches(*start), depth=loader.prefetch)
         try:
             hb = next(self._stream)
+            batch = place_batch(hb, self.loader.mesh, self.loader.data_axis)
         except StopIteration:
             self._done = True
             self.coverage().check(f"make_stream_loader on {self.loader.table.spec}")
             raise
         except BaseException:
-            # the producer ends on its error: the next call runs the query again from this step, as a
-            # restore does, rather than end the pass there (its audit then failed as cells not served)
-            self._stop()
-            raise
-        try:
-            batch = place_batch(hb, self.loader.mesh, self.loader.data_axis)
-        except BaseException:  # not served: the next call makes it again, as above
+            # a batch not served (the producer ends on an error making it; placing it failed or was
+            # interrupted): the next call runs the query again from this step, as a restore does,
+            # rather than end the pass there (its audit then failed as cells not served)
             self._stop()
             raise
         self._served = self._served + Tally.of(hb.index)  # the position moves only with a batch placed
