@@ -101,9 +101,9 @@ def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     # the parts from the first wildcard past the folders named as written (a file or folder that
     # exists as written is no glob, wildcards and all)
     start = 0 if scheme else glob_root(text)
-    wild = next((i for i, part in enumerate(parts) if i >= start and any(ch in part for ch in "*?[")), None)
-    if not is_glob(text):
-        wild = None
+    wild = None
+    if is_glob(text):
+        wild = next((i for i, part in enumerate(parts) if i >= start and any(c in part for c in "*?[")), None)
     if wild is None:
         return _location(text), ()
     if wild == 0:  # a pattern from its first part on: the current folder's (or the store's)

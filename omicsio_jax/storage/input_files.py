@@ -232,7 +232,7 @@ def expand_objects(spec: str, suffixes: tuple[str, ...], exclude: str) -> list[O
     """Objects named by an ``s3://`` key, a prefix (searched recursively) or a glob, sorted."""
     fs = s3_filesystem()
     with _translated(spec):
-        if any(ch in spec for ch in "*?["):
+        if is_glob(spec):
             keys = fs.glob(spec)
             found = [k for k in keys if not k.endswith("/")]
         elif spec.endswith(suffixes) and ObjectPath(spec).is_file():
