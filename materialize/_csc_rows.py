@@ -16,15 +16,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numba as nb
 import numpy as np
-from tqdm.auto import tqdm
 
 from omicsio_jax import DataValidationError
+from omicsio_jax.format import progress_bar
 
 from ._anndata_elements import native_order
 
@@ -198,13 +197,12 @@ def regroup(
     run = run or (lambda fn, items: map(fn, items))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with tqdm(
+    with progress_bar(
         total=2 * (end - first),
         unit="entries",
         unit_scale=True,
-        disable=not progress,
+        progress=progress,
         desc=f"regrouping {label} by row",
-        file=sys.stderr,
         dynamic_ncols=True,
         delay=2.0,
     ) as bar:

@@ -18,7 +18,6 @@ import numba as nb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from omicsio_jax import CellTable, DataValidationError, OmicsIOError
 from omicsio_jax.format import (
@@ -29,6 +28,7 @@ from omicsio_jax.format import (
     ROWID_COLUMN,
     is_remote,
     list_to_csr,
+    progress_bar,
 )
 
 from ._shards import atomic_output_dir
@@ -157,7 +157,9 @@ def build_gene_index(
     ):
         runs = _Runs(Path(scratch), max(num_tokens, 1) * num_datasets, id_dtype)
         pending, held, nnz = [], 0, 0
-        bar = tqdm(total=table.num_cells, unit="cells", desc="index", disable=not progress, unit_scale=True)
+        bar = progress_bar(
+            total=table.num_cells, unit="cells", desc="index", progress=progress, unit_scale=True
+        )
         for rb in table.stream(columns, batch_rows=batch_rows):
             indptr, genes = list_to_csr(rb.column(GENE_COLUMN))
             genes = genes.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
@@ -218,7 +220,7 @@ def _write_index(path: Path, runs: _Runs, datasets: list[str], num_datasets: int
         },
     )
     try:
-        for lo, hi in tqdm(runs.ranges(), desc="write index", disable=not progress, unit="groups"):
+        for lo, hi in progress_bar(runs.ranges(), desc="write index", progress=progress, unit="groups"):
             counts = runs.totals[lo:hi]
             keys = np.flatnonzero(counts)
             if len(keys) == 0:

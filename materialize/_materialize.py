@@ -20,10 +20,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import PRESENCE_NAME, Manifest, is_remote, open_store, small_pages, to_numpy
+from omicsio_jax.format import (
+    PRESENCE_NAME,
+    Manifest,
+    is_remote,
+    open_store,
+    progress_bar,
+    small_pages,
+    to_numpy,
+)
 
 from ._collection import CollectionSource, Sources, opens_on_workers
 from ._collection_sources import refuse_ducklake_sources
@@ -321,13 +327,12 @@ def materialize(
             def run(job: Job, parts, desc: str, on_done=None):
                 if lease is not None:  # a run that lost its lease on object storage stops handing out parts
                     on_done = _ensuring(lease, on_done)
-                with tqdm(
+                with progress_bar(
                     total=src.num_cells,
                     unit="cells",
                     unit_scale=True,
-                    disable=not progress,
+                    progress=progress,
                     desc=desc,
-                    file=sys.stderr,
                     dynamic_ncols=True,
                 ) as bar:
                     if dask:

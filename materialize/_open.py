@@ -10,10 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from omicsio_jax import DataValidationError, OmicsIOError
-from omicsio_jax.format import as_input_path, is_glob, is_remote, local_glob
+from omicsio_jax.format import as_input_path, is_glob, is_remote, local_glob, progress_bar
 
 from ._collection import CollectionSource, Sources, open_collection
 from ._modalities import input_kind
@@ -139,12 +137,11 @@ def open_collection_source(
 ) -> CollectionSource:
     """`open_collection` with a bar of the sources opened (shown for a long opening only: a
     collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
-    with tqdm(
+    with progress_bar(
         total=len(sources.paths),
         unit="sources",
-        disable=not progress,
+        progress=progress,
         desc="opening sources",
-        file=sys.stderr,
         dynamic_ncols=True,
         delay=2.0,
     ) as bar:

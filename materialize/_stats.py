@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from omicsio_jax import OmicsIOError, open_dataset
 from omicsio_jax.format import (
@@ -35,6 +33,7 @@ from omicsio_jax.format import (
     fsync_path,
     is_remote,
     manifest_lock,
+    progress_bar,
     read_manifest,
     sha256_file,
     small_pages,
@@ -132,13 +131,12 @@ def _add_files(root: Path, ds, progress: bool) -> Manifest:
             make_obs_writer(tmp, "n_genes", pa.int32()),
         ]
         try:
-            with tqdm(
+            with progress_bar(
                 total=m.num_cells,
                 unit="cells",
                 unit_scale=True,
-                disable=not progress,
+                progress=progress,
                 desc="stats",
-                file=sys.stderr,
                 dynamic_ncols=True,
             ) as bar:
                 for begin in range(0, m.num_cells, _CHUNK_CELLS):

@@ -22,7 +22,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
+
+from omicsio_jax.format import progress_bar
 
 from ._synthetic_model import (
     CHUNK_CELLS,
@@ -291,7 +292,10 @@ def make_synthetic_corpus(
                 write_h5mu=write_h5mu,
                 row_group_size=row_group_size,
             )
-        with ThreadPoolExecutor(1) as pool, tqdm(total=num_cells, unit="cell", disable=not progress) as bar:
+        with (
+            ThreadPoolExecutor(1) as pool,
+            progress_bar(total=num_cells, unit="cell", progress=progress) as bar,
+        ):
             pending: Future | None = None  # writing chunk i overlaps generating chunk i + 1
             for index, start in enumerate(range(0, num_cells, CHUNK_CELLS)):
                 offsets, genes, values = model.chunk(index)

@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
+
+from omicsio_jax.format import progress_bar
 
 from ._synthetic_atac import ATAC_SCHEMA, PEAK_SCHEMA, AtacModel
 from ._synthetic_layers import LAYER_SCHEMA, LAYERS, split_layers
@@ -160,7 +161,7 @@ class MultimodalWriter:
             self.writers["atac"] = writer
         with (
             ThreadPoolExecutor(1) as pool,
-            tqdm(total=order.size, unit="cell", desc="atac", disable=not progress) as bar,
+            progress_bar(total=order.size, unit="cell", desc="atac", progress=progress) as bar,
         ):
             pending: Future | None = None  # writing chunk i overlaps generating chunk i + 1
             for first in range(0, order.size, ATAC_CHUNK):

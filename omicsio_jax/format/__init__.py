@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from omicsio_jax.core.errors import require as require
     from omicsio_jax.core.kernels import mix64 as mix64
     from omicsio_jax.core.producer import Background as Background
+    from omicsio_jax.core.progress import progress_bar as progress_bar
     from omicsio_jax.format.arrow import from_numpy as from_numpy
     from omicsio_jax.format.arrow import is_list_type as is_list_type
     from omicsio_jax.format.arrow import list_to_csr as list_to_csr
@@ -108,6 +109,7 @@ _WRITER_API = {
     "omicsio_jax.core.errors": ("require",),
     "omicsio_jax.core.kernels": ("mix64",),
     "omicsio_jax.core.producer": ("Background",),
+    "omicsio_jax.core.progress": ("progress_bar",),
     "omicsio_jax.format.chunk_index": ("CHUNK_INDEX_DIR", "chunk_index_path"),
     "omicsio_jax.format.codec": (
         "CODEC_VERSION",

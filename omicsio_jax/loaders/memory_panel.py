@@ -14,10 +14,10 @@ import json
 from collections.abc import Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from omicsio_jax.core.buffers import aligned_empty
 from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.progress import progress_bar
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.format.codec import Records
@@ -121,7 +121,9 @@ def _from_dataset(ds: Dataset, genes, rows, obs, normalize, target_sum, progress
     labels = [str(v) for v in (names[column] if column else range(ds.num_genes))]
     panel_genes = tuple(labels) if genes is None else tuple(labels[c] for c in ds.gene_columns(genes))
     pos = 0
-    with tqdm(total=len(ids), unit="cells", desc="load panel", disable=not progress, unit_scale=True) as bar:
+    with progress_bar(
+        total=len(ids), unit="cells", desc="load panel", progress=progress, unit_scale=True
+    ) as bar:
         for begin, end in consecutive_runs(ids):
             for lo in range(begin, end, _READ_CELLS):
                 hi = min(lo + _READ_CELLS, end)
@@ -155,8 +157,8 @@ def _from_table(table: CellTable, genes, rows, where, obs, normalize, target_sum
     }
     rowids = np.empty(len(selected), np.int64)
     pos = 0
-    with tqdm(
-        total=len(selected), unit="cells", desc="load panel", disable=not progress, unit_scale=True
+    with progress_bar(
+        total=len(selected), unit="cells", desc="load panel", progress=progress, unit_scale=True
     ) as bar:
         for b in table.stream_csr([s.name for s in specs], where=where, rowids=rows):
             n = b.num_rows

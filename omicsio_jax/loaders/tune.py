@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from omicsio_jax.core.errors import OmicsIOError
+from omicsio_jax.core.progress import progress_bar
 from omicsio_jax.dataset.dataset import Dataset
 from omicsio_jax.dataset.obs import Categorical
 from omicsio_jax.loaders.disk import make_loader
@@ -255,7 +255,7 @@ def tune(
         raise OmicsIOError(msg)
     timed = [dict(c, num_threads=t) for c in candidates for t in num_threads]
     share = seconds / len(timed)
-    for row in tqdm(timed, desc="tune", unit="setting", disable=not progress):
+    for row in progress_bar(timed, desc="tune", unit="setting", progress=progress):
         row.update(
             _measure(
                 ds,
