@@ -137,6 +137,7 @@ def open_collection_source(
 ) -> CollectionSource:
     """`open_collection` with a bar of the sources opened (shown for a long opening only: a
     collection of many ``.h5ad`` files takes ~40 ms each) and its notes on stderr."""
+    notes: list[str] = []  # said once the bar is closed, not run on after it
     with progress_bar(
         total=len(sources.paths),
         unit="sources",
@@ -150,13 +151,10 @@ def open_collection_source(
             bar.update(1)
             opened(num_cells, every)
 
-        return open_collection(
-            sources,
-            open_member,
-            report=lambda note: print(f"materialize: {note}", file=sys.stderr),
-            opened=on_open,
-            **options,
-        )
+        collection = open_collection(sources, open_member, report=notes.append, opened=on_open, **options)
+    for note in notes:
+        print(f"materialize: {note}", file=sys.stderr)
+    return collection
 
 
 def as_sources(source) -> Sources | None:

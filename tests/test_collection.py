@@ -4,7 +4,10 @@ what each source measured kept and served beside the values."""
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,10 +20,12 @@ import pytest
 import scipy.sparse as sp
 from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, streaming, write_legacy_h5ad
 
+import materialize._open as opening
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, Sources, materialize
 from materialize._cli import main
 from omicsio_jax.core import kernels
+from omicsio_jax.format import progress_bar
 from omicsio_jax.outputs.measured import PresenceTable
 
 
@@ -1078,6 +1083,34 @@ def test_a_source_with_symbols_only_is_matched_by_symbol_and_flagged(tmp_path, c
     assert ds.features["gene_name"].tolist() == ["TP53", "CD4", "NEW1"]
     np.testing.assert_array_equal(_dense(ds, [2, 3, 4]), [[0, 2, 0], [0, 0, 2], [1, 0, 0]])
     assert ds.manifest.source["sources"][1]["matched_by"] == "symbol"
+
+
+def test_a_collections_notes_follow_the_bar_of_its_opening(tmp_path, monkeypatch):
+    """In a terminal, where the bar of the sources opened shows (here at once, not after 2 s)."""
+    import anndata as ad
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    var = pd.DataFrame({"gene_ids": [_ensg(1), _ensg(2)]}, index=["TP53", "CD4"])
+    ad.AnnData(
+        X=sp.csr_matrix(np.eye(2, dtype=np.float32)), obs=pd.DataFrame(index=["a", "b"]), var=var
+    ).write_h5ad(tmp_path / "ids.h5ad")
+    ad.AnnData(
+        X=sp.csr_matrix(np.eye(2, dtype=np.float32)),
+        obs=pd.DataFrame(index=["c", "d"]),
+        var=pd.DataFrame(index=["CD4", "NEW1"]),
+    ).write_h5ad(tmp_path / "symbols.h5ad")
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(opening, "progress_bar", lambda **options: progress_bar(**options | {"delay": 0}))
+    materialize([tmp_path / "ids.h5ad", tmp_path / "symbols.h5ad"], tmp_path / "out", workers=1)
+    said = terminal.getvalue()
+    # not run on after the bar's last redraw ("…| 1/2 [00:00<00:00, 7.1sources/s]materialize: symbols …")
+    assert re.search(
+        r"opening sources: 100%[^\r\n]*\]\nmaterialize: symbols \([^)]*\) has no Ensembl ids", said
+    )
 
 
 def test_bad_collections_say_what_and_write_nothing(sources, tmp_path):
