@@ -58,14 +58,16 @@ def default_workers(num_cells: int) -> int:
 _WORKER_TMP = "omicsio-worker-"  # a worker's own temporary folder (its TMPDIR)
 
 
-def serve(fd: int) -> None:
-    """A pool worker: ``("job", job)`` once, then ``("run", partition)`` answered by ``("progress", n)``
-    messages and ``("done", result)`` or ``("error", kind, text)``; or ``("call", (fn, item))``
-    answered by ``("value", fn(item))`` or ``("error", kind, text)`` (`Pool.map`). EOF from the
-    parent stops it."""
+def serve(fd: int, parent: int) -> None:
+    """A pool worker of process ``parent``: ``("job", job)`` once, then ``("run", partition)`` answered
+    by ``("progress", n)`` messages and ``("done", result)`` or ``("error", kind, text)``; or
+    ``("call", (fn, item))`` answered by ``("value", fn(item))`` or ``("error", kind, text)``
+    (`Pool.map`). EOF from the parent, or the parent's end, stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     threading.Thread(target=_start_numba, name="omicsio-numba-start", daemon=True).start()
-    threading.Thread(target=_exit_with, args=(os.getppid(),), name="omicsio-parent", daemon=True).start()
+    # the parent's pid as it gave it, not os.getppid(): a parent killed while this worker was still
+    # importing has already left it to another process, whose end it would have waited for
+    threading.Thread(target=_exit_with, args=(parent,), name="omicsio-parent", daemon=True).start()
     conn = Connection(fd)
     job = None
     scratch = Scratch()  # this worker's memory and shard writer, reused from one partition to the next
@@ -140,7 +142,7 @@ class _Worker:
     def __init__(self, core: int | None):
         parent, child = socket.socketpair()
         pin = "" if core is None else f"import os; os.sched_setaffinity(0, {{{core}}}); "
-        code = f"{pin}from materialize._pool import serve; serve({child.fileno()})"
+        code = f"{pin}from materialize._pool import serve; serve({child.fileno()}, {os.getpid()})"
         # the worker's temporary files (an object-storage run's partitions before their upload) go to
         # a folder of its own, removed when it stops: killed mid-partition, it cannot remove them
         self.tmp = tempfile.mkdtemp(prefix=_WORKER_TMP)

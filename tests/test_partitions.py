@@ -331,18 +331,14 @@ def test_a_workers_temporary_files_go_with_it_even_when_it_is_killed():
     assert not os.path.exists(made) and not os.path.exists(worker.tmp)
 
 
-def test_a_worker_stops_when_its_parent_is_killed_mid_call(tmp_path):
-    """A worker busy with a partition (here a call that would take a minute) stops within a fraction
-    of a second of its parent's SIGKILL: it used to finish, and on object storage upload into a
-    prefix whose lease a rerun had taken over. It runs in a session of its own, so a kill of the
-    parent's process group misses it."""
-    import signal
-    import subprocess
-    import sys
-
+def _worker_left_after_its_parent_is_killed(python: str) -> int | None:
+    """Start a pool of one worker (its interpreter ``python``) on a call that would take a minute,
+    SIGKILL the pool's process 1 s later, and return the worker's pid if it still runs 10 s after
+    (then killed here), else None."""
     code = (
         "import sys, time\n"
         "from materialize._pool import Pool\n"
+        f"sys.executable = {python!r}\n"
         "pool = Pool(1)\n"
         "print(pool.workers[0].proc.pid, flush=True)\n"
         "list(pool.map(time.sleep, [60], lambda item: 'sleeping'))\n"
@@ -365,7 +361,28 @@ def test_a_worker_stops_when_its_parent_is_killed_mid_call(tmp_path):
     deadline = time.monotonic() + 10
     while running(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not running(worker)
+    if not running(worker):
+        return None
+    os.kill(worker, signal.SIGKILL)
+    return worker
+
+
+def test_a_worker_stops_when_its_parent_is_killed_mid_call():
+    """A worker busy with a partition (here a call that would take a minute) stops within a fraction
+    of a second of its parent's SIGKILL: it used to finish, and on object storage upload into a
+    prefix whose lease a rerun had taken over. It runs in a session of its own, so a kill of the
+    parent's process group misses it."""
+    assert _worker_left_after_its_parent_is_killed(sys.executable) is None
+
+
+def test_a_worker_stops_when_its_parent_is_killed_before_it_has_started(tmp_path):
+    """A worker still starting (importing the package: seconds on a loaded machine) when its parent is
+    killed stops too, as it starts: it took the process that had adopted it for its parent, and ran
+    the call its parent had sent."""
+    slow = tmp_path / "slow-python"  # the worker's interpreter, 2 s late (the parent is killed at 1 s)
+    slow.write_text(f'#!/bin/sh\nsleep 2\nexec "{sys.executable}" "$@"\n')
+    slow.chmod(0o755)
+    assert _worker_left_after_its_parent_is_killed(str(slow)) is None
 
 
 def test_a_pool_of_one_worker_per_core_pins_each_worker_to_its_core():
