@@ -279,8 +279,8 @@ def disk_limits(dataset: Path, *, depth: int, seconds: float, rounds: int) -> di
     for threads in (depth, 4 * depth):
         out[f"random_direct_qd{threads}"] = random_rate(threads, direct=True)
     out["random_ceiling_cells_per_s"] = max(
-        v["cells_per_s"] for k, v in out.items() if k.startswith("random_")
-    )
+        v["cells_per_s"] for k, v in out.items() if k.startswith("random_") and isinstance(v, dict)
+    )  # random_window_s is a number, not a rate
     return out
 
 
