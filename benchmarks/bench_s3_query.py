@@ -67,6 +67,7 @@ ext = glob.glob(os.path.join(os.path.dirname(__import__("duckdb_extension_httpfs
                              "*.duckdb_extension"), recursive=True)[0]
 con = duckdb.connect(config={"allow_unsigned_extensions": True})
 con.execute(f"LOAD '{ext}'")
+con.execute("SET enable_progress_bar = false")  # stdout is the JSON line alone
 endpoint = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
 con.execute(f"CREATE SECRET (TYPE s3, KEY_ID 'testing', SECRET 'testing', REGION 'us-east-1', ENDPOINT '{endpoint}', "
             "URL_STYLE 'path', USE_SSL false)")
