@@ -139,6 +139,8 @@ def main() -> None:
             raise RuntimeError(f"the httpfs peer failed:\n{proc.stderr[-3000:]}")
         peer = json.loads(proc.stdout.strip().splitlines()[-1])
         results["httpfs"], httpfs_version = peer["times"], peer["duckdb"]
+    else:
+        print(f"no httpfs row: {HTTPFS_PYTHON} is missing (scripts/setup-httpfs.sh makes it)", flush=True)
     server.stop()
 
     rows = {
