@@ -56,6 +56,9 @@ def default_workers(num_cells: int) -> int:
 
 
 _WORKER_TMP = "omicsio-worker-"  # a worker's own temporary folder (its TMPDIR)
+# where omicsio_jax's kernel locators make their private cache folder, given to a worker as this
+# process's temporary directory: in the worker's own, its kernels would compile again every run
+_KERNEL_TMPDIR = "OMICSIO_JAX_KERNEL_TMPDIR"
 
 
 def serve(fd: int, parent: int) -> None:
@@ -152,7 +155,7 @@ class _Worker:
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, "TMPDIR": self.tmp},
+                env={_KERNEL_TMPDIR: tempfile.gettempdir(), **os.environ, "TMPDIR": self.tmp},
             )
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)

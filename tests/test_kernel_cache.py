@@ -172,6 +172,29 @@ def test_a_kernel_with_no_writable_cache_folder_is_cached_in_a_private_temporary
     assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2
 
 
+def test_the_private_folder_is_made_in_the_temporary_directory_a_parent_gives(tmp_path):
+    """A process whose TMPDIR is a folder of its own, removed when it stops (materialize's pool
+    workers), is given its parent's temporary directory in ``OMICSIO_JAX_KERNEL_TMPDIR``: its kernels
+    are cached there, found again by the next run's processes."""
+    pkg = make_package(tmp_path, "checked_pkg", checked=True)
+    (pkg / "__pycache__").write_text("a file where the folder would be")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where folders would be")
+    own, parents = tmp_path / "own", tmp_path / "parents"
+    own.mkdir()
+    parents.mkdir()
+    env = {
+        "XDG_CACHE_HOME": str(blocked / "cache"),
+        "HOME": str(blocked),
+        "TMPDIR": str(own),
+        "OMICSIO_JAX_KERNEL_TMPDIR": str(parents),
+    }
+    assert run_kernel(tmp_path, "checked_pkg", cache_dir=blocked / "numba", env=env) == 2
+    assert list(own.iterdir()) == []
+    (private,) = parents.glob("omicsio-numba-*")
+    assert list(private.rglob("*.nbi"))
+
+
 def test_a_user_cache_folder_that_is_no_absolute_path_is_not_made_in_the_working_directory(tmp_path):
     """Without a home (no ``HOME``, a user id with no password entry: a batch job's) numba's user-wide
     folder is ``~/.cache/numba`` with ``~`` left as it is, as with a relative ``XDG_CACHE_HOME``: numba

@@ -331,6 +331,25 @@ def test_a_workers_temporary_files_go_with_it_even_when_it_is_killed():
     assert not os.path.exists(made) and not os.path.exists(worker.tmp)
 
 
+def test_a_workers_kernels_are_cached_where_the_next_run_finds_them(tmp_path, monkeypatch):
+    """Where numba has no folder to cache kernels in but the private one in the temporary directory
+    (a read-only install, no home: a cluster's shared environment in a batch job), a worker made it
+    in its own temporary folder, removed when it stops: every worker compiled every kernel again,
+    every run. It caches them in the pool's process's private folder instead."""
+    import operator
+    import tempfile
+
+    from materialize._pool import Pool
+    from omicsio_jax.core.kernel_locators import _private_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("OMICSIO_JAX_KERNEL_TMPDIR", raising=False)
+    with Pool(1) as pool:
+        (folder,) = pool.map(operator.call, [_private_folder], lambda item: "finding the private folder")
+        assert pool.workers[0].tmp.startswith(str(tmp_path / "omicsio-worker-"))
+    assert folder == _private_folder() == str(tmp_path / f"omicsio-numba-{os.getuid()}")
+
+
 def _worker_left_after_its_parent_is_killed(python: str) -> int | None:
     """Start a pool of one worker (its interpreter ``python``) on a call that would take a minute,
     SIGKILL the pool's process 1 s later, and return the worker's pid if it still runs 10 s after

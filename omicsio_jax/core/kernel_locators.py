@@ -4,6 +4,10 @@ the packages' digests in each kernel's source stamp (`package_stamp`), then a fo
 user's own in the temporary directory, and last, where even that cannot be had, a one-line error
 naming ``NUMBA_CACHE_DIR``. Loaded with ``numba.core.caching`` (`kernel_cache`'s hook),
 never by ``import omicsio_jax``.
+
+A process whose ``TMPDIR`` is a folder of its own, removed when it stops (materialize's pool
+workers), is given its parent's temporary directory in `TMPDIR_VARIABLE`: its kernels are cached
+in the parent's private folder, where the next run finds them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import tempfile
 from numba.core import caching
 
 from omicsio_jax.core.errors import OmicsIOError
+
+# where the private folder is made, before the temporary directory (see the module docstring)
+TMPDIR_VARIABLE = "OMICSIO_JAX_KERNEL_TMPDIR"
 
 
 def _no_stamp(py_file: str) -> None:
@@ -98,7 +105,7 @@ def _why_not_private() -> str:
     """Why `_private_folder` has none: no temporary directory, or its folder not this user's alone."""
     name = f"omicsio-numba-{os.getuid()}"
     try:
-        folder = os.path.join(tempfile.gettempdir(), name)
+        folder = os.path.join(_temporary_directory(), name)
     except OSError:
         return f"no temporary directory can be written for {name} (TMPDIR, /tmp, the working directory)"
     if not os.path.lexists(folder):
@@ -106,9 +113,14 @@ def _why_not_private() -> str:
     return f"{folder} is not a folder of this user's alone (mode 0700)"
 
 
+def _temporary_directory() -> str:
+    """The folder of the private one: `TMPDIR_VARIABLE`'s where set, else the temporary directory."""
+    return os.environ.get(TMPDIR_VARIABLE) or tempfile.gettempdir()
+
+
 def _private_folder() -> str:
     try:
-        folder = os.path.join(tempfile.gettempdir(), f"omicsio-numba-{os.getuid()}")
+        folder = os.path.join(_temporary_directory(), f"omicsio-numba-{os.getuid()}")
         os.makedirs(folder, mode=0o700, exist_ok=True)
         st = os.lstat(folder)
     except OSError:
