@@ -38,6 +38,18 @@ from materialize import Layout, make_synthetic_corpus, materialize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def repo_file(relpath: str) -> Path:
+    """``relpath`` of the repository these tests are in (a benchmark script, a docs page), or a
+    skip saying so where the tests run from a copy outside it (against an installed wheel)."""
+    path = ROOT / relpath
+    if not path.exists():
+        pytest.skip(
+            f"needs {relpath} of the repository, not beside these tests in {ROOT}: run them from a checkout"
+        )
+    return path
+
+
 # Modules whose tests start real components (Orbax, moto's S3 server, Dask, O_DIRECT reads, several
 # processes): with ``CI`` set, a skip there is a failure, so a missing extra or a version clash cannot
 # make CI pass without them.
@@ -348,7 +360,7 @@ def upload_dataset(dataset_dir: Path, url: str) -> None:
 def s3_server():
     """A real S3 API server (moto) for the whole session; the AWS variables point every client at it
     (the benchmarks' `start_moto`), and are restored after."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(repo_file("benchmarks/_local_s3.py").parent))
     from _local_s3 import AWS_VARIABLES, start_moto
 
     saved = {k: os.environ.get(k) for k in AWS_VARIABLES}

@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grain
 import jax
 import numpy as np
 import pytest
+from conftest import repo_file
 
 import omicsio_jax as oj
 
@@ -145,7 +145,7 @@ def test_stream_loader_resumes_by_skipping_windows(table):
 
 def _readme_loop() -> str:
     """The Orbax training loop of the Grain and Orbax guide (the code block that starts with ``# orbax_loop.py``)."""
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "grain.md").read_text()
+    readme = repo_file("docs/grain.md").read_text()
     start = readme.index("```python\n# orbax_loop.py") + len("```python\n")
     return readme[start : readme.index("```", start)]
 

@@ -18,6 +18,7 @@ import grain
 import jax
 import numpy as np
 import pytest
+from conftest import repo_file
 
 import omicsio_jax as oj
 from omicsio_jax.loaders import options
@@ -490,7 +491,7 @@ def test_worker_processes_warn_once_with_their_measured_cost(ds, monkeypatch):
 def test_the_warning_quotes_the_results_file():
     from omicsio_jax.loaders.grain_source import GRAIN_WORKERS_MEASURED
 
-    result = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "grain.json").read_text())
+    result = json.loads(repo_file("benchmarks/results/grain.json").read_text())
     ratio = {
         row["output"]: round(row["ratio_to_make_loader"], 2)
         for row in result["rows"]

@@ -7,21 +7,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import repo_file
 
 import omicsio_jax as oj
 from omicsio_jax.storage.store import S3Store
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.5", "--cells", "3000"]
+        [sys.executable, str(repo_file("benchmarks/soak.py")), "--minutes", "0.5", "--cells", "3000"]
         + ["--rate", "0.06", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
@@ -48,7 +46,7 @@ def test_a_short_soak_loses_no_cell_and_crashes_nowhere(tmp_path):
 @pytest.fixture
 def proxied(s3, monkeypatch):
     """An object on S3 and a store reading it through a `FaultProxy` (its script set by the test)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(repo_file("benchmarks/_fault_proxy.py").parent))
     from _fault_proxy import FaultProxy
 
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
