@@ -22,6 +22,7 @@ from omicsio_jax.format import (
     STATS_NAME,
     Manifest,
     glob_root,
+    has_wildcard,
     is_glob,
     is_remote,
     open_store,
@@ -103,7 +104,7 @@ def _glob_parts(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     start = 0 if scheme else glob_root(text)
     wild = None
     if is_glob(text):
-        wild = next((i for i, part in enumerate(parts) if i >= start and any(c in part for c in "*?[")), None)
+        wild = next((i for i, part in enumerate(parts) if i >= start and has_wildcard(part)), None)
     if wild is None:
         return _location(text), ()
     if wild == 0:  # a pattern from its first part on: the current folder's (or the store's)

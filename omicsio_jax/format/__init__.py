@@ -95,6 +95,7 @@ if TYPE_CHECKING:
     from omicsio_jax.format.tables import sql_str as sql_str
     from omicsio_jax.storage.input_files import as_input_path as as_input_path
     from omicsio_jax.storage.input_files import glob_root as glob_root
+    from omicsio_jax.storage.input_files import has_wildcard as has_wildcard
     from omicsio_jax.storage.input_files import is_glob as is_glob
     from omicsio_jax.storage.input_files import local_glob as local_glob
     from omicsio_jax.storage.input_files import register_s3 as register_s3
@@ -186,6 +187,7 @@ _WRITER_API = {
     "omicsio_jax.storage.input_files": (
         "as_input_path",
         "glob_root",
+        "has_wildcard",
         "is_glob",
         "local_glob",
         "register_s3",

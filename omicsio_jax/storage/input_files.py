@@ -194,10 +194,15 @@ class ObjectPath(str):
         return s3_filesystem().open(str(self), mode, **kwargs)
 
 
+def has_wildcard(text: str) -> bool:
+    """Whether ``text`` (a path or one of its parts) holds a glob's wildcard: ``*``, ``?`` or ``[``."""
+    return any(ch in text for ch in "*?[")
+
+
 def is_glob(spec: str) -> bool:
-    """Whether an input ``spec`` is a glob: it holds a wildcard (``*``, ``?``, ``[``) and, when local,
+    """Whether an input ``spec`` is a glob: it holds a wildcard (`has_wildcard`) and, when local,
     names no file or folder as written (a folder ``run[1]`` is itself, not a pattern for ``run1``)."""
-    return any(ch in spec for ch in "*?[") and (is_remote(spec) or not os.path.lexists(spec))
+    return has_wildcard(spec) and (is_remote(spec) or not os.path.lexists(spec))
 
 
 def glob_root(spec: str) -> int:
