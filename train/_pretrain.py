@@ -230,9 +230,8 @@ def pretrain(config: PretrainConfig, *, callback: Callable[[dict], None] | None 
                     )
                     break
                 window_start = time.perf_counter()
-    if (
-        preemption.requested and not preemption.stopped
-    ):  # no step left to take: the probe is what it stops (see `fit`)
+    # no step left to take: the probe is what the signal stops (see `fit`)
+    if preemption.requested and not preemption.stopped:
         preemption.stop(
             total,
             total,
