@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, wait
 import numba as nb
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import KERNEL_TMPDIR, usable_cores
+from omicsio_jax.format import usable_cores
 
 from ._partition import Job, write_partition
 from ._plan import Partition
@@ -56,6 +56,9 @@ def default_workers(num_cells: int) -> int:
 
 
 _WORKER_TMP = "omicsio-worker-"  # a worker's own temporary folder (its TMPDIR)
+# where omicsio_jax's kernel locators make their private cache folder, given to a worker as this
+# process's temporary directory: in the worker's own, its kernels would compile again every run
+_KERNEL_TMPDIR = "OMICSIO_JAX_KERNEL_TMPDIR"
 
 
 def serve(fd: int, parent: int) -> None:
@@ -152,9 +155,7 @@ class _Worker:
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                # its kernels cached in this process's temporary directory, not its own: they would compile
-                # again every run
-                env={KERNEL_TMPDIR: tempfile.gettempdir(), **os.environ, "TMPDIR": self.tmp},
+                env={_KERNEL_TMPDIR: tempfile.gettempdir(), **os.environ, "TMPDIR": self.tmp},
             )
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)

@@ -32,9 +32,6 @@ import os
 import sys
 
 STAMP = "omicsio-kernels.stamp"  # in the package's top __pycache__: the digest, then one line per module
-# the folder where the private cache folder is made, before the temporary directory: a process whose
-# TMPDIR is removed when it stops (materialize's pool workers) is given its parent's
-KERNEL_TMPDIR = "OMICSIO_JAX_KERNEL_TMPDIR"
 _CACHE_SUFFIXES = (".nbi", ".nbc")
 
 

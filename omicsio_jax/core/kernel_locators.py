@@ -6,7 +6,7 @@ naming ``NUMBA_CACHE_DIR``. Loaded with ``numba.core.caching`` (`kernel_cache`'s
 never by ``import omicsio_jax``.
 
 A process whose ``TMPDIR`` is a folder of its own, removed when it stops (materialize's pool
-workers), is given its parent's temporary directory in `KERNEL_TMPDIR`: its kernels are cached
+workers), is given its parent's temporary directory in `TMPDIR_VARIABLE`: its kernels are cached
 in the parent's private folder, where the next run finds them.
 """
 
@@ -18,7 +18,9 @@ import tempfile
 from numba.core import caching
 
 from omicsio_jax.core.errors import OmicsIOError
-from omicsio_jax.core.kernel_cache import KERNEL_TMPDIR
+
+# where the private folder is made, before the temporary directory (see the module docstring)
+TMPDIR_VARIABLE = "OMICSIO_JAX_KERNEL_TMPDIR"
 
 
 def _no_stamp(py_file: str) -> None:
@@ -112,8 +114,8 @@ def _why_not_private() -> str:
 
 
 def _temporary_directory() -> str:
-    """The folder of the private one: `KERNEL_TMPDIR`'s where set, else the temporary directory."""
-    return os.environ.get(KERNEL_TMPDIR) or tempfile.gettempdir()
+    """The folder of the private one: `TMPDIR_VARIABLE`'s where set, else the temporary directory."""
+    return os.environ.get(TMPDIR_VARIABLE) or tempfile.gettempdir()
 
 
 def _private_folder() -> str:

@@ -22,7 +22,6 @@ from omicsio_jax.core.lazy import lazy_exports
 if TYPE_CHECKING:
     from omicsio_jax.core.buffers import RowBuffers as RowBuffers
     from omicsio_jax.core.errors import require as require
-    from omicsio_jax.core.kernel_cache import KERNEL_TMPDIR as KERNEL_TMPDIR
     from omicsio_jax.core.kernels import mix64 as mix64
     from omicsio_jax.core.producer import Background as Background
     from omicsio_jax.core.progress import progress_bar as progress_bar
@@ -109,7 +108,6 @@ if TYPE_CHECKING:
 _WRITER_API = {
     "omicsio_jax.core.buffers": ("RowBuffers",),
     "omicsio_jax.core.errors": ("require",),
-    "omicsio_jax.core.kernel_cache": ("KERNEL_TMPDIR",),
     "omicsio_jax.core.kernels": ("mix64",),
     "omicsio_jax.core.producer": ("Background",),
     "omicsio_jax.core.progress": ("progress_bar",),
