@@ -272,14 +272,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=str(DATA / "corpus_200k" / "cells.parquet"))
     p.add_argument("--panel-dataset", default=str(DATA / "ds_200k_panel2000"))
-    p.add_argument("--repeats", type=int, default=5, help="runs of each query latency (median reported)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="runs of each query latency, the median reported (default 5; 1 with --quick)",
+    )
     add_window_options(p)
     p.add_argument("--out", default=str(HERE / "results" / "query.json"))
     args = p.parse_args()
     require_input(
         args.corpus, "benchmarks/bench_materialize.py --sizes 200000 (data/corpus_200k)", "--corpus"
     )
+    require_input(
+        args.panel_dataset, "benchmarks/bench_loader.py (data/ds_200k_panel2000)", "--panel-dataset"
+    )
     check_window(args)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
 
     import omicsio_jax as oj
 
