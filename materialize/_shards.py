@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from omicsio_jax import OmicsIOError
-from omicsio_jax.format import MANIFEST_NAME, ShardEntry, fsync_path
+from omicsio_jax.format import MANIFEST_NAME, ShardEntry, exchange_paths, fsync_path
 
 from ._shardfiles import ShardFiles
 
@@ -345,11 +345,12 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     ``out`` may be absent, an empty folder, or with ``overwrite`` a dataset (`check_output_dir`).
     On any exception (Ctrl-C included) the temporary directory is removed and an existing
     ``out`` is left untouched. A hard kill can leave only a hidden ``.<name>.partial-<pid>-<hex>``
-    sibling without a manifest, which `open_dataset` refuses and the next run into ``out``
-    removes once its process has ended. A dataset that ``out`` held is renamed aside
-    (``.<name>.old-<pid>-<hex>``) as the new one takes its place, then removed: a Ctrl-C while it is
-    removed is `InterruptedAfterWriting` (the new output is complete), and the next run into
-    ``out`` removes what is left of it.
+    sibling (without a manifest, which `open_dataset` refuses; or, once swapped, the dataset it
+    replaced), which the next run into ``out`` removes once its process has ended. A dataset that ``out`` held swaps places with the new one
+    in one step (`exchange_paths`; where the file system cannot, it is renamed aside as
+    ``.<name>.old-<pid>-<hex>`` first), then is removed: a Ctrl-C while it is removed is
+    `InterruptedAfterWriting` (the new output is complete), and the next run into ``out`` removes
+    what is left of it.
     """
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, manifest=manifest)
@@ -418,7 +419,9 @@ def _atomic_output_dir(out: Path, *, overwrite: bool, manifest: str) -> Iterator
             msg = f"internal error: the output was finished without {manifest}"
             raise OmicsIOError(msg)
         check_output_dir(out, overwrite=overwrite, manifest=manifest)  # as it is now, after the run
-        if (out / manifest).exists():
+        if (out / manifest).exists() and exchange_paths(tmp, out):  # in one step: a reader opening
+            replaced = tmp  # ``out`` finds the old dataset or the new one, never none
+        elif (out / manifest).exists():  # no such swap here: ``out`` is missing between the renames
             replaced = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             out.rename(replaced)
             tmp.rename(out)

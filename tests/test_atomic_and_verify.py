@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import pytest
 import omicsio_jax as oj
 from materialize import InputOptions, Layout, _shards, materialize
 from materialize._cli import main
+from omicsio_jax.format import MANIFEST_NAME
 
 OBS = ("--obs", "batch,drug")  # not the corpus's n_genes, whose note would come first on stderr
 
@@ -269,30 +271,35 @@ def test_overwrite_replaces_a_dataset(corpus, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("swap", ["exchange", "renames"])
 def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_written(
-    corpus, tmp_path, monkeypatch, capsys
+    corpus, tmp_path, monkeypatch, capsys, swap
 ):
     """The new dataset is in place before the old one is removed: a Ctrl-C then is no failure of the
-    run, and says so (not "nothing was written"); the next run into the output removes the rest."""
+    run, and says so (not "nothing was written"); the next run into the output removes the rest.
+    (``renames``: a file system with no swap in one step, the old dataset renamed aside first.)"""
     out = tmp_path / "out"
     where = ["--where", "batch = 'plate_00'"]
     assert main([str(corpus.cells_parquet), str(out), "--no-progress", *where, *OBS]) == 0
     small = oj.open_dataset(out).num_cells
     remove = shutil.rmtree
 
-    def interrupted(path, *args, **kwargs):
-        if ".old-" in str(path):
+    def interrupted(path, *args, **kwargs):  # a hidden sibling of the output: the old dataset, swapped out
+        if Path(path).parent == tmp_path and Path(path).name.startswith((".out.old-", ".out.partial-")):
             raise KeyboardInterrupt
         remove(path, *args, **kwargs)
 
     monkeypatch.setattr(_shards.shutil, "rmtree", interrupted)
+    if swap == "renames":
+        monkeypatch.setattr(_shards, "exchange_paths", lambda a, b: False)
     assert (
         main([str(corpus.cells_parquet), str(out), "--no-progress", "--overwrite", *OBS])
         == 128 + signal.SIGINT
     )
     monkeypatch.undo()
     (left,) = _leftovers(tmp_path)
-    assert left.startswith(f".out.old-{os.getpid()}-")
+    assert left.startswith(f".out.{'partial' if swap == 'exchange' else 'old'}-{os.getpid()}-")
+    assert oj.open_dataset(tmp_path / left).num_cells == small  # what is left is the old dataset
     assert capsys.readouterr().err == (
         f"omicsio-materialize: interrupted; {out} is written; what is left of the dataset it replaced, in "
         f"{tmp_path / left}, is removed by the next run into {out}\n"
@@ -311,14 +318,16 @@ def test_ctrl_c_while_the_replaced_dataset_is_removed_says_the_new_one_is_writte
 def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
     corpus, tmp_path, monkeypatch, capsys
 ):
-    """Ctrl-C after the old dataset was moved aside but before the new one took its place: the old
-    one goes back, and the run wrote nothing. Remains of a replaced dataset are removed by a later
-    run only where the output holds the dataset that replaced them (else they are its only copy)."""
+    """Ctrl-C after the old dataset was moved aside but before the new one took its place (a file
+    system with no swap in one step): the old one goes back, and the run wrote nothing. Remains of a
+    replaced dataset are removed by a later run only where the output holds the dataset that
+    replaced them (else they are its only copy)."""
     out = tmp_path / "out"
     where = InputOptions(where="batch = 'plate_00'")
     materialize(corpus.cells_parquet, out, progress=False, obs=OBS[1].split(","), read=where)
     small = oj.open_dataset(out).num_cells
     rename = type(out).rename
+    monkeypatch.setattr(_shards, "exchange_paths", lambda a, b: False)
 
     def stopped(self, target):
         if ".partial-" in self.name and type(out)(target) == out:
@@ -339,6 +348,49 @@ def test_a_swap_stopped_between_its_two_renames_puts_the_old_dataset_back(
     monkeypatch.setattr(_shards, "process_running", lambda pid: False)
     materialize(corpus.cells_parquet, out, progress=False)
     assert aside.is_dir() and oj.open_dataset(aside).num_cells == small
+
+
+def test_a_dataset_overwritten_is_never_missing_from_its_path(corpus, tmp_path, monkeypatch):
+    """A reader opening the output while a run overwrites it finds the old dataset or the new one:
+    the two swap places in one step (``renameat2``'s exchange, where the file system has it). Moved
+    aside first, the old one left the path empty until the new one was renamed in (a reader then
+    failed "not a directory", and a kill then left no dataset there)."""
+    out = tmp_path / "out"
+    where = InputOptions(where="batch = 'plate_00'")
+    materialize(corpus.cells_parquet, out, progress=False, read=where)
+    small = oj.open_dataset(out).num_cells
+    seen = []  # after each step of the swap: whether the output held a dataset
+
+    def watched(step):
+        def run(*args, **kwargs):
+            done = step(*args, **kwargs)
+            seen.append((out / MANIFEST_NAME).is_file())
+            return done
+
+        return run
+
+    monkeypatch.setattr(_shards, "exchange_paths", watched(_shards.exchange_paths))
+    monkeypatch.setattr(type(out), "rename", watched(type(out).rename))
+    materialize(corpus.cells_parquet, out, progress=False, overwrite=True)
+    monkeypatch.undo()
+    assert seen and all(seen)
+    assert oj.open_dataset(out).num_cells > small and _leftovers(tmp_path) == []
+
+
+def test_exchange_paths_swaps_two_folders_or_says_it_cannot(tmp_path, monkeypatch):
+    from omicsio_jax.format import exchange_paths
+    from omicsio_jax.storage import swap
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    assert exchange_paths(a, b)
+    assert (b / "x").read_text() == "from a" and list(a.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        exchange_paths(a, tmp_path / "missing")
+    monkeypatch.setattr(swap, "_renameat2", lambda: None)  # no renameat2 in this system's C library
+    assert not exchange_paths(a, b) and (b / "x").is_file()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])

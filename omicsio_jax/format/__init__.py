@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from omicsio_jax.storage.memory import usable_cores as usable_cores
     from omicsio_jax.storage.store import is_remote as is_remote
     from omicsio_jax.storage.store import open_store as open_store
+    from omicsio_jax.storage.swap import exchange_paths as exchange_paths
 
 _WRITER_API = {
     "omicsio_jax.core.buffers": ("RowBuffers",),
@@ -193,6 +194,7 @@ _WRITER_API = {
     ),
     "omicsio_jax.storage.memory": ("release_freed_memory", "small_pages", "usable_cores"),
     "omicsio_jax.storage.store": ("is_remote", "open_store"),
+    "omicsio_jax.storage.swap": ("exchange_paths",),
 }
 _EXPORTS = {name: module for module, names in _WRITER_API.items() for name in names}
 __all__ = list(_EXPORTS)
