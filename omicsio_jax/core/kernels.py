@@ -134,8 +134,7 @@ def cache_reach() -> int:
     the other, as a loader's two outputs are (`threshold_from_rates`): pairs of 1 MiB,
     `STREAM_PROBE_MIN_BYTES` and each power of two up to half `STREAM_MIN_BYTES`, each pair's median
     of `_PROBE_ROUNDS` fills in a row (sizes taken in turn give nothing: the lines a larger pair
-    leaves to be written back slow the next pair's fills), in one buffer faulted in first:
-    ~60-100 ms."""
+    leaves to be written back slow the next pair's fills), in one buffer faulted in first."""
     sizes = [1 << 20]
     while sizes[-1] < STREAM_MIN_BYTES // 2:
         sizes.append(max(sizes[-1] * 2, STREAM_PROBE_MIN_BYTES))

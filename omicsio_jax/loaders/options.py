@@ -139,11 +139,11 @@ def default_decode_threads(kind: str, num_threads: int, batch_bytes: int, cores:
     `SPLIT_BATCH_BYTES` on more than 2 cores: their rows are split over every core, up to
     `MAX_DEFAULT_THREADS`. Writing a full-width batch is the work, bound by memory once its rows
     are streamed past the caches (`omicsio_jax.core.kernels.streamed`). On 2 cores the second one
-    serves the threads that read the fetches ahead: on a 2-core AMD EPYC (32 MB of L3, batches of
+    serves the threads that read the fetches ahead: on a 2-core AMD EPYC (32 MiB of L3, batches of
     64 rows streamed) dense batches of 64 rows (16 MB) came at 63,026 cells/s on one thread against
     61,046 split over both, and 46,421 against 44,467 cells per CPU-second, ahead in 2 of 3 rounds
     (``benchmarks/results/layout.json``; the run before, 67,878 against 60,498:
-    ``archive/layout_9008611.json``). On a 2-core Intel Xeon with 504 MB of L3 the split came
+    ``archive/layout_9008611.json``). On a 2-core Intel Xeon with 504 MiB of L3 the split came
     16% faster (59,677 against 51,564, ``archive/layout_43d6a3a.json``):
     ``ReadOptions(decode_threads=2)`` asks for it (`oj.tune` measures the threads decoding ahead,
     not this).
@@ -177,10 +177,9 @@ def default_batches_ahead(kind: str, num_threads: int, batch_bytes: int) -> int:
     `SPLIT_BATCH_BYTES` or more): writing them is bound by memory, and a deeper buffer measured no
     faster, only larger (dense batch 64 and 1,024 on 2 cores). Otherwise four per thread, at most `MAX_EXTRA_AHEAD` more than
     the threads: with one per thread, a thread that finished its batch before the one the consumer
-    waits for had nothing to do until that one was taken, and the threads of Geneformer token
-    batches of 64 kept 1.55 of 2 cores busy, 1.7 with four each, for ~11% more cells/s (scGPT
-    batch 64 +9%, csr slabs of 64 rows on 2 threads +7%, token batches of 256 +1.5% and +4.5%;
-    8 s A/B windows; `benchmarks/results/tokens.json` holds the loaders with it).
+    waits for had nothing to do until that one was taken: on 2 cores, token batches and csr slabs
+    came faster with four each in short A/B windows that no results file keeps
+    (`benchmarks/results/tokens.json` holds the loaders with it).
 
     >>> default_batches_ahead("geneformer", 2, 0), default_batches_ahead("dense", 2, 256 << 20)
     (8, 2)

@@ -15,9 +15,10 @@ waking threads and passing the GIL. Reads are submitted with Linux's native asyn
 (``io_submit`` / ``io_getevents``, called from nogil numba kernels through libc's ``syscall``; see
 `aio`) on a context per thread: `DirectReads.read_groups` keeps `AHEAD` groups of reads submitted
 ahead of the one it hands out, which the caller decodes meanwhile. How many reads one ``io_submit``
-carries matters more than how many are in flight: on the benchmark's disk, the loader's reads alone
-ran at ~26k/s in groups of 1 MiB (~25 reads) whatever the number ahead, and at 35-37k/s in groups
-of 4 or 8 MiB (1, 2 or 4 ahead alike; benchmarks/README.md, "Beyond RAM").
+carries matters more than how many are in flight: on the benchmark's disk, true random csr batches
+of 1,024 read cold came at 26,454 cells/s (a read each) in groups of 1 MiB (~25 reads) with 4
+ahead, and at 34,666 in groups of 4 MiB with 2 ahead (benchmarks/results/archive/
+beyond_ram_1mib_groups.json and beyond_ram.json, runs whose files record no date or commit).
 
 AIO contexts are a host-wide resource (``fs.aio-max-nr`` events in all, 65,536 by default): a
 process keeps a small pool of them (`aio.contexts`, at most `MAX_CONTEXTS`), each leased by one
