@@ -1181,11 +1181,12 @@ def benchmarks_readme(quoted: list[tuple[str, dict]], not_quoted: list[str]) -> 
         lines += ["No results file with complete provenance yet.", ""]
     for name, d in quoted:
         lines += section(name, d)
-    lines += ["## Results without provenance (not quoted)", ""]
+    lines += ["## Results not quoted here", ""]
     if not_quoted:
         lines += [
-            "These files lack the command, date, commit or machine of their run (or are smoke runs); no "
-            "figure of theirs is quoted here.",
+            "No figure of these files is printed on this page: those in `results/` lack the command, date, "
+            "commit or machine of their run (or are smoke runs), and those in `results/archive/` are earlier "
+            "runs, some with that provenance and some without; where the guides quote one, they name it.",
             "",
             *[f"- `results/{n}`" for n in not_quoted],
             "",
