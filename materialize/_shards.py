@@ -346,11 +346,11 @@ def atomic_output_dir(out: Path, *, overwrite: bool, manifest: str = MANIFEST_NA
     On any exception (Ctrl-C included) the temporary directory is removed and an existing
     ``out`` is left untouched. A hard kill can leave only a hidden ``.<name>.partial-<pid>-<hex>``
     sibling (without a manifest, which `open_dataset` refuses; or, once swapped, the dataset it
-    replaced), which the next run into ``out`` removes once its process has ended. A dataset that ``out`` held swaps places with the new one
-    in one step (`exchange_paths`; where the file system cannot, it is renamed aside as
-    ``.<name>.old-<pid>-<hex>`` first), then is removed: a Ctrl-C while it is removed is
-    `InterruptedAfterWriting` (the new output is complete), and the next run into ``out`` removes
-    what is left of it.
+    replaced), which the next run into ``out`` removes once its process has ended. A dataset that
+    ``out`` held swaps places with the new one in one step (`exchange_paths`; where the file system
+    cannot, it is renamed aside as ``.<name>.old-<pid>-<hex>`` first), then is removed: a Ctrl-C
+    while it is removed is `InterruptedAfterWriting` (the new output is complete), and the next run
+    into ``out`` removes what is left of it.
     """
     out = Path(out)
     check_output_dir(out, overwrite=overwrite, manifest=manifest)

@@ -34,7 +34,7 @@ def _renameat2():
 def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Swap what ``a`` and ``b`` name (both present, on one file system) in one step; True once done,
     False, with nothing moved, where this system or file system cannot (the caller renames in two
-    steps instead). Another failure (a path missing, no permission) is an `OSError`."""
+    steps instead). Another failure (a path missing, no access) is an `OSError`."""
     renameat2 = _renameat2()
     if renameat2 is None:
         return False
