@@ -163,6 +163,15 @@ def run_as_nobody(
     return subprocess.run([sys.executable, "-c", code], **options)
 
 
+def numpy_huge_pages() -> Callable[[], bool]:
+    """NumPy's ``_get_madvise_hugepage``: in ``numpy._core.multiarray`` since NumPy 2, in
+    ``numpy.core.multiarray`` before (the package allows NumPy 1.26, and NumPy 2 warns on the old name)."""
+    two = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+    return pytest.importorskip(
+        "numpy._core.multiarray" if two else "numpy.core.multiarray"
+    )._get_madvise_hugepage
+
+
 def open_descriptors(match: Callable[[str], bool]) -> int:
     """This process's open descriptors whose target path ``match`` accepts (not every descriptor:
     another test's threads in the same worker process may open and close their own files meanwhile)."""

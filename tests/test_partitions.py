@@ -19,7 +19,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import vortex
-from conftest import assert_a_pool_imports_no_pandas, assert_csr_equal, table_csr, write_with_a_nan
+from conftest import (
+    assert_a_pool_imports_no_pandas,
+    assert_csr_equal,
+    numpy_huge_pages,
+    table_csr,
+    write_with_a_nan,
+)
 
 import omicsio_jax as oj
 from materialize import Dask, InputOptions, Layout, materialize
@@ -523,7 +529,7 @@ def test_bad_data_in_a_worker_stops_the_run_and_leaves_nothing(corpus_table, tmp
 def test_partitions_and_their_merge_make_arrays_without_numpy_huge_pages(corpus, tmp_path, monkeypatch):
     # `small_pages`: a partition's batches (on a pool's or Dask's worker, or here) and the merge of
     # the partitions' statistics in the main process
-    huge_pages = pytest.importorskip("numpy._core.multiarray")._get_madvise_hugepage
+    huge_pages = numpy_huge_pages()
     from materialize import _finalize, _partition
 
     seen = {"write": [], "merge": []}

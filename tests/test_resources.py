@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import numpy_huge_pages
 
 import omicsio_jax as oj
 from omicsio_jax.core.errors import require
@@ -170,7 +171,7 @@ def test_a_loader_read_to_its_end_stops_its_threads_while_it_is_still_referenced
     loader.close()
 
 
-huge_pages = pytest.importorskip("numpy._core.multiarray")._get_madvise_hugepage
+huge_pages = numpy_huge_pages()
 
 
 def test_small_pages_turn_numpy_huge_pages_off_until_the_last_thread_leaves():

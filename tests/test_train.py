@@ -331,8 +331,11 @@ def test_an_orbax_save_in_one_process_writes_replicated_arrays_without_slicing_t
         store = OrbaxCheckpoints(tmp_path / "ckpt")
         store.save(1, tree, {"seed": 0}, loader)
         store.close()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    finally:  # public since jax 0.8.1; the package allows jax 0.6.1, which has it by another name
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is None:
+            from jax._src.monitoring import _unregister_event_duration_listener_by_callback as unregister
+        unregister(listen)
     assert lowered == []
     store = OrbaxCheckpoints(tmp_path / "ckpt")
     back = store.latest().load(jax.tree.map(lambda a: a * 0, tree))
