@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -304,6 +305,19 @@ def test_highly_variable_genes_match_scanpy(ds, dense):
     assert len(np.intersect1d(got, want)) >= 0.99 * len(want), (len(got), len(want))
     with pytest.raises(oj.OmicsIOError, match="n must lie in 1..2,000"):
         ds.highly_variable_genes(0)
+
+
+def test_highly_variable_genes_under_pandas_copy_on_write(ds):
+    """pandas 3 copies on write by default (2.x with ``mode.copy_on_write``): a Series' ``to_numpy``
+    is then a read-only view, and the ranking wrote into one ("assignment destination is
+    read-only")."""
+    import pandas as pd
+
+    want = ds.highly_variable_genes(300)
+    pandas_2 = int(pd.__version__.split(".")[0]) < 3  # (pandas 3 always does, and warns of the option)
+    with pd.option_context("mode.copy_on_write", True) if pandas_2 else contextlib.nullcontext():
+        got = ds.highly_variable_genes(300)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_accumulator_histograms_are_exact_and_a_reused_one_starts_clean(ds, dense):

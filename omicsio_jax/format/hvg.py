@@ -43,7 +43,8 @@ def seurat_hvg(mean: np.ndarray, var: np.ndarray, n_top: int, n_bins: int = 20) 
     stats.loc[single, "dev"] = stats.loc[single, "avg"]
     stats.loc[single, "avg"] = 0
     per_gene = stats.loc[df["mean_bin"]].set_index(df.index)
-    norm = ((df["dispersions"] - per_gene["avg"]) / per_gene["dev"]).to_numpy()
+    # a copy, written below: under copy-on-write (pandas 3's default) to_numpy is a read-only view
+    norm = ((df["dispersions"] - per_gene["avg"]) / per_gene["dev"]).to_numpy(copy=True)
     # a bin whose dispersions are all equal (dev 0) scores 0 / 0, NaN, as in scanpy, even where its mean
     # came out an ulp off them: ±inf there became the cutoff, and no gene (or only those) passed
     norm[per_gene["dev"].to_numpy() == 0] = np.nan
