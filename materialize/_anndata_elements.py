@@ -30,6 +30,13 @@ def as_text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def index_array(frame):
+    """The array of an AnnData dataframe group's index: a ``nullable-string-array``'s values (what
+    anndata writes for pandas' ``string`` dtype, pandas 3's default for text), else the array itself."""
+    node = frame[as_text(frame.attrs["_index"])]
+    return node["values"] if encoding_of(node) == "nullable-string-array" else node
+
+
 def _strings(dataset, lo: int, hi: int) -> pa.StringArray:
     """Rows ``[lo, hi)`` of a string array (h5py Dataset, zarr Array) as Arrow strings. h5py's
     variable-length UTF-8 strings are read as NumPy strings (``astype("T")``), which Arrow takes
@@ -243,8 +250,7 @@ class Frame:
 
     def __init__(self, node, uns):
         if not is_array(node):
-            name = node.attrs["_index"]
-            self._index = node[name.decode() if isinstance(name, bytes) else name]
+            self._index = index_array(node)
             self._field = None
             self.columns = {
                 n: _categories_read(n, lambda n=n: _ObsColumn(node[n], node))

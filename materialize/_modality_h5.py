@@ -13,7 +13,7 @@ import pyarrow as pa
 from omicsio_jax import DataValidationError
 from omicsio_jax.format import take_rows
 
-from ._anndata_elements import Frame
+from ._anndata_elements import Frame, index_array
 from ._h5ad import DEFAULT_BATCH_CELLS as DEFAULT_H5_BATCH_CELLS
 from ._h5ad import H5adSource, open_h5
 from ._plan import Partition, whole_partitions
@@ -95,7 +95,7 @@ def h5mu_alignment(
                     msg = f"{label}: obsmap/{primary} and obsmap/{name} cannot be aligned (lengths or rows out of range)"
                     raise DataValidationError(msg)
                 stray = np.flatnonzero((p_map < 0) & (m_map >= 0))
-                ids = _strings(f["obs"][_index_name(f["obs"])]) if len(stray) else None
+                ids = _strings(index_array(f["obs"])) if len(stray) else None
                 rows = np.full(n_p, -1, np.int64)
                 held = p_map >= 0
                 if (
@@ -106,8 +106,8 @@ def h5mu_alignment(
                     raise DataValidationError(msg)
                 rows[p_map[held]] = m_map[held]
             else:
-                p_ids = _strings(f["mod"][primary]["obs"][_index_name(f["mod"][primary]["obs"])])
-                m_ids = _strings(f["mod"][name]["obs"][_index_name(f["mod"][name]["obs"])])
+                p_ids = _strings(index_array(f["mod"][primary]["obs"]))
+                m_ids = _strings(index_array(f["mod"][name]["obs"]))
                 lookup = {cell: i for i, cell in enumerate(m_ids)}
                 rows = np.array([lookup.get(cell, -1) for cell in p_ids], np.int64)
                 seen = set(p_ids)
@@ -148,14 +148,8 @@ def _same_genes(a: pa.Table, b: pa.Table) -> bool:
     return all(a.column(k).equals(b.column(k)) for k in keys)
 
 
-def _index_name(obs) -> str:
-    name = obs.attrs["_index"]
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 def _num_obs(f, mod: str) -> int:
-    obs = f["mod"][mod]["obs"]
-    return len(obs[_index_name(obs)])
+    return len(index_array(f["mod"][mod]["obs"]))
 
 
 class H5Modality(Source):

@@ -294,6 +294,31 @@ def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
     assert_csr_equal(_all_rows(ds), (x.indptr, x.indices, x.data))
 
 
+@pytest.mark.parametrize("store", ["h5ad", "zarr"])
+def test_indexes_of_pandas_string_dtype_read_as_anndata_reads_them(tmp_path, store):
+    """Obs and var indexes of pandas' ``string`` dtype (pandas 3's default for text), which anndata
+    writes as ``nullable-string-array`` groups, not arrays: the cell ids and genes anndata reads."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0]], np.float32))
+    obs = pd.DataFrame(index=pd.Index(["zellé-1", "c2"], dtype="string"))
+    var = pd.DataFrame(index=pd.Index([f"ENSG0000000000{i}" for i in range(3)], dtype="string"))
+    path = tmp_path / f"strings.{store}"
+    with ad.settings.override(allow_write_nullable_strings=True):
+        adata = ad.AnnData(X=x, obs=obs, var=var)
+        if store == "h5ad":
+            adata.write_h5ad(path)
+            back = ad.read_h5ad(path)
+        else:
+            back = _write_zarr(adata, path, 3)
+    materialize(path, tmp_path / "out", progress=False)
+    ds = oj.open_dataset(tmp_path / "out")
+    assert ds.cell_ids.tolist() == back.obs_names.tolist() == ["zellé-1", "c2"]
+    assert ds.features["ensembl_id"].tolist() == back.var_names.tolist()
+    assert_csr_equal(_all_rows(ds), (x.indptr, x.indices, x.data))
+
+
 def test_h5ad_genes_named_by_their_symbols_and_found_by_id_with_or_without_version(tmp_path):
     """CELLxGENE's var: versioned Ensembl ids in the index, symbols in ``feature_name``; a 10x-style var:
     symbols in the index, ids in ``gene_ids``. Either way ``gene_name`` holds the symbols, and a panel

@@ -442,6 +442,38 @@ def _small_h5mu(
     return path
 
 
+@pytest.mark.parametrize("obsmap", [True, False], ids=["obsmap", "no-obsmap"])
+def test_h5mu_obs_names_of_pandas_string_dtype_align_its_modalities(obsmap, tmp_path):
+    """Obs names of pandas' ``string`` dtype (pandas 3's default for text), which anndata writes as
+    ``nullable-string-array`` groups, not arrays: the modalities are aligned by them, through the
+    file's obsmap or by name."""
+    import anndata as ad
+    import mudata as md
+    import pandas as pd
+
+    md.set_options(pull_on_update=False)
+    rna_ids, atac_ids = ["c0", "c1", "c2", "c3"], ["c2", "c0"]
+
+    def modality(ids: list[str], feature: str, seed: int) -> ad.AnnData:
+        x = sp.random(len(ids), 8, density=0.5, format="csr", dtype=np.float32, random_state=seed)
+        x.data = np.ceil(x.data * 5)
+        var = pd.DataFrame(index=pd.Index([f"{feature}{j}" for j in range(8)], dtype="string"))
+        return ad.AnnData(X=x, obs=pd.DataFrame(index=pd.Index(ids, dtype="string")), var=var)
+
+    path = tmp_path / "strings.h5mu"
+    rna, atac = modality(rna_ids, "g", 1), modality(atac_ids, "p", 2)
+    with ad.settings.override(allow_write_nullable_strings=True):
+        md.MuData({"rna": rna, "atac": atac}).write(path)
+    if not obsmap:
+        with h5py.File(path, "r+") as f:
+            del f["obsmap"]
+    ds = oj.open_dataset(materialize(path, tmp_path / "out", progress=False, workers=1).path)
+    assert ds.modalities == ("rna", "atac") and ds.cell_ids.tolist() == rna_ids
+    want = np.zeros((4, 8), np.float32)
+    want[[2, 0]] = atac.X.toarray()
+    np.testing.assert_array_equal(_dense(ds.modality("atac").read_csr(np.arange(4)), 8), want)
+
+
 _CELLS = [f"c{i}" for i in range(10)]
 
 
