@@ -243,6 +243,16 @@ def test_h5ad_written_before_anndata_0_7_reads_as_anndata_reads_it(tmp_path, use
     assert (noted in capsys.readouterr().err) is not use_raw
 
 
+def _write_store(adata, path, store: str):
+    """``adata`` written as an ``.h5ad`` file or a zarr v3 store (``store``), and anndata's reading of it."""
+    import anndata as ad
+
+    if store == "zarr":
+        return _write_zarr(adata, path, 3)
+    adata.write_h5ad(path)
+    return ad.read_h5ad(path)
+
+
 def _write_zarr(adata, path, zarr_format: int):
     """``adata`` written as a zarr store of ``zarr_format`` (2 or 3), and anndata's reading of it."""
     import anndata as ad
@@ -278,12 +288,7 @@ def test_anndata_text_beyond_ascii_reads_as_anndata_reads_it(tmp_path, store):
     )
     var = pd.DataFrame({"feature_name": ["Gène", "ÄB", "γ"]}, index=[f"ENSG0000000000{i}" for i in range(3)])
     path = tmp_path / f"text.{store}"
-    adata = ad.AnnData(X=x, obs=obs, var=var)
-    if store == "h5ad":
-        adata.write_h5ad(path)
-        back = ad.read_h5ad(path)
-    else:
-        back = _write_zarr(adata, path, 3)
+    back = _write_store(ad.AnnData(X=x, obs=obs, var=var), path, store)
     materialize(path, tmp_path / "out", obs=["cell_type", "note", "site"], progress=False)
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.cell_ids.tolist() == back.obs_names.tolist() == ["zellé-1", "細胞-2", "c3"]
@@ -306,12 +311,7 @@ def test_indexes_of_pandas_string_dtype_read_as_anndata_reads_them(tmp_path, sto
     var = pd.DataFrame(index=pd.Index([f"ENSG0000000000{i}" for i in range(3)], dtype="string"))
     path = tmp_path / f"strings.{store}"
     with ad.settings.override(allow_write_nullable_strings=True):
-        adata = ad.AnnData(X=x, obs=obs, var=var)
-        if store == "h5ad":
-            adata.write_h5ad(path)
-            back = ad.read_h5ad(path)
-        else:
-            back = _write_zarr(adata, path, 3)
+        back = _write_store(ad.AnnData(X=x, obs=obs, var=var), path, store)
     materialize(path, tmp_path / "out", progress=False)
     ds = oj.open_dataset(tmp_path / "out")
     assert ds.cell_ids.tolist() == back.obs_names.tolist() == ["zellé-1", "c2"]
