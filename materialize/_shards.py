@@ -419,12 +419,13 @@ def _atomic_output_dir(out: Path, *, overwrite: bool, manifest: str) -> Iterator
             msg = f"internal error: the output was finished without {manifest}"
             raise OmicsIOError(msg)
         check_output_dir(out, overwrite=overwrite, manifest=manifest)  # as it is now, after the run
-        if (out / manifest).exists() and exchange_paths(tmp, out):  # in one step: a reader opening
-            replaced = tmp  # ``out`` finds the old dataset or the new one, never none
-        elif (out / manifest).exists():  # no such swap here: ``out`` is missing between the renames
-            replaced = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            out.rename(replaced)
-            tmp.rename(out)
+        if (out / manifest).exists():
+            if exchange_paths(tmp, out):  # in one step: a reader opening ``out`` finds the old
+                replaced = tmp  # dataset or the new one, never none
+            else:  # no such swap here: ``out`` is missing between the renames
+                replaced = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+                out.rename(replaced)
+                tmp.rename(out)
         else:  # absent or an empty folder: one rename, which refuses a folder written into since the check
             try:
                 tmp.rename(out)
